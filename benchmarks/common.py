@@ -1,0 +1,122 @@
+"""Shared benchmark plumbing: timing, memory accounting and JSON result rows.
+
+Row format (one JSON object per line in ``benchmarks/results/*.jsonl``), as in
+``../shared/anchors/README.md``: ``bench``, ``provider``, ``shape``, ``ep``, ``ms_fwd_bwd``,
+``ms_fwd``, ``tflops_fwd_bwd``, ``saved_for_bwd_MiB``, ``peak_over_inputs_MiB``, and where/how:
+``gpu``, ``commit``, ``torch``, ``triton``, ``command``. Benchmarks may add keys.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import shlex
+import subprocess
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+
+MiB = 1024 * 1024
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def moe_flops_fwd_bwd(tokens: int, topk: int, hidden: int, ffn: int) -> float:
+    """FLOPs of one SwiGLU MoE layer forward+backward: 3 x (6*T*K*H*I)."""
+    return 18.0 * tokens * topk * hidden * ffn
+
+
+def commit() -> str:
+    env = os.environ.get("RELAYMOE_COMMIT")
+    if env:
+        return env
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short=12", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        dirty = subprocess.run(
+            ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "")
+    except Exception:  # not a checkout (e.g. copied tree on the device machine)
+        return "unknown"
+
+
+def environment() -> dict:
+    """Where and how a row was measured."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except Exception:  # triton is optional for the plain-torch providers
+        triton_version = None
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {
+        "gpu": gpu,
+        "commit": commit(),
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
+        "date": _dt.date.today().isoformat(),
+    }
+
+
+def bench_ms(fn: Callable[[], object], *, warmup_ms: int = 25, rep_ms: int = 100) -> float:
+    """Median milliseconds of ``fn`` on CUDA (``triton.testing.do_bench``), wall clock on CPU."""
+    if torch.cuda.is_available():
+        import triton.testing
+
+        return float(
+            triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+        )
+    import statistics
+    import time
+
+    fn()
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+class JsonlWriter:
+    """Appends rows (with the environment keys) to a .jsonl file and echoes a short line."""
+
+    def __init__(self, path: str | os.PathLike, *, env: dict | None = None):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.env = env if env is not None else environment()
+        self.rows: list[dict] = []
+
+    def write(self, row: dict) -> dict:
+        full = {**row, **{k: v for k, v in self.env.items() if k not in row}}
+        self.rows.append(full)
+        with self.path.open("a") as f:
+            f.write(json.dumps(full, sort_keys=False) + "\n")
+        return full
+
+
+def print_table(rows: Iterable[dict], columns: list[str]) -> None:
+    """Plain fixed-width table (the device tool returns only the output's tail)."""
+    rows = list(rows)
+    widths = [max([len(c)] + [len(_fmt(r.get(c))) for r in rows]) for c in columns]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))
+    for r in rows:
+        print("  ".join(_fmt(r.get(c)).ljust(w) for c, w in zip(columns, widths, strict=True)))
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 100 else f"{v:.1f}"
+    return str(v)
