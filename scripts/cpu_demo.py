@@ -49,7 +49,8 @@ def main() -> None:
     y, ms = _timed(lambda: moe_experts(x, w13, w2, idx, probs, backend="torch"))
     y_ref = moe_experts_reference(x.double(), w13.double(), w2.double(), idx, probs.double())
     err = ((y.double() - y_ref).norm() / y_ref.norm()).item()
-    print(f"moe_experts fp32 T={t} H={h} I={i} E={experts} K={topk}: {ms:8.1f} ms, rel err {err:.2e}")
+    shape = f"T={t} H={h} I={i} E={experts} K={topk}"
+    print(f"moe_experts fp32 {shape}: {ms:8.1f} ms, rel err {err:.2e}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,197 @@
+#!/usr/bin/env bash
+# The GPU evidence suite: GPU tests, every benchmark, the memory timeline, the EP-scaling
+# simulation and the plots, into one flat results folder.
+#
+#   bash scripts/gpu_suite.sh [--quick|--full] [--only STEP,STEP...] [OUTDIR]
+#
+# OUTDIR defaults to $OUT when set (the device machine), else benchmarks/results/<date>.
+# --quick (default) fits one 10-minute device call (~8 minutes with every step at its limit);
+# --full runs the larger sweeps with longer limits: split it over calls with --only.
+# Steps: gpu_tests routing experts ring ablation e2e memory_model memory_timeline scaling_sim plots
+# Each step runs under `timeout`; a failing step is logged and the others still run. Exit codes
+# and durations go to OUTDIR/suite_summary.json. Needs python3 with torch + triton (+ megatron-core,
+# liger-kernel for the competitors); wheels in .whl/ are installed to /tmp/site first (no network).
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+MODE=quick
+ONLY=""
+OUTDIR=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --quick) MODE=quick ;;
+    --full) MODE=full ;;
+    --only) ONLY="$2"; shift ;;
+    --only=*) ONLY="${1#--only=}" ;;
+    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+    -*) echo "gpu_suite.sh: unknown option $1 (use --quick, --full, --only STEPS, OUTDIR)" >&2; exit 2 ;;
+    *) OUTDIR="$1" ;;
+  esac
+  shift
+done
+OUTDIR="${OUTDIR:-${OUT:-$ROOT/benchmarks/results/$(date +%Y-%m-%d)}}"
+mkdir -p "$OUTDIR"
+OUTDIR="$(cd "$OUTDIR" && pwd)"
+PY="${PYTHON:-python3}"
+SUITE_T0=$(date +%s)
+
+log() { echo "[gpu_suite $(date +%H:%M:%S) +$(( $(date +%s) - SUITE_T0 ))s] $*"; }
+
+# Mandatory on the lent H200 machines: no NVLink multicast / NVLS.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  log "installing carried wheels from .whl/ into /tmp/site (no index, no deps)"
+  "$PY" -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
+    >"$OUTDIR/pip_install.log" 2>&1 || log "wheel install failed: see pip_install.log"
+  export PYTHONPATH="/tmp/site:$PYTHONPATH"
+fi
+if [ -z "${RELAYMOE_COMMIT:-}" ]; then
+  RELAYMOE_COMMIT="$(git -C "$ROOT" rev-parse --short=12 HEAD 2>/dev/null || true)"
+  [ -z "$RELAYMOE_COMMIT" ] && [ -f "$ROOT/.relaymoe_commit" ] && RELAYMOE_COMMIT="$(cat "$ROOT/.relaymoe_commit")"
+fi
+[ -n "${RELAYMOE_COMMIT:-}" ] && export RELAYMOE_COMMIT
+
+NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+NGPU=${NGPU:-0}
+log "mode=$MODE outdir=$OUTDIR gpus=$NGPU commit=${RELAYMOE_COMMIT:-unknown}"
+nvidia-smi -L 2>/dev/null | sed 's/^/    /'
+"$PY" - <<'EOF' 2>&1 | sed 's/^/    /'
+import importlib
+for m in ("torch", "triton", "megatron.core", "liger_kernel", "matplotlib"):
+    try:
+        mod = importlib.import_module(m)
+        print(f"{m} {getattr(mod, '__version__', '?')}")
+    except Exception as e:
+        print(f"{m} missing ({type(e).__name__})")
+EOF
+
+if [ "$MODE" = quick ]; then
+  QFLAG="--quick"
+  declare -A LIMIT=([gpu_tests]=75 [routing]=30 [experts]=60 [ring]=75 [ablation]=45 [e2e]=75
+                    [memory_model]=40 [memory_timeline]=30 [scaling_sim]=20 [plots]=25)
+else
+  QFLAG=""
+  declare -A LIMIT=([gpu_tests]=400 [routing]=240 [experts]=420 [ring]=540 [ablation]=300
+                    [e2e]=540 [memory_model]=300 [memory_timeline]=120 [scaling_sim]=60 [plots]=60)
+fi
+
+SUMMARY_TSV="$OUTDIR/.suite_steps.tsv"
+: >"$SUMMARY_TSV"
+
+want() { [ -z "$ONLY" ] || [[ ",$ONLY," == *",$1,"* ]]; }
+
+# run_step NAME LIMIT_S CMD... : runs CMD under timeout, output to NAME.log, records rc.
+run_step() {
+  local name="$1" limit="$2"; shift 2
+  want "$name" || return 0
+  log "START $name (limit ${limit}s): $*"
+  local t0=$SECONDS rc
+  timeout --kill-after=15 "$limit" "$@" >"$OUTDIR/$name.log" 2>&1
+  rc=$?
+  local dt=$(( SECONDS - t0 ))
+  tail -n 25 "$OUTDIR/$name.log" | sed "s/^/    [$name] /"
+  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+    log "TIMEOUT $name after ${dt}s (rc=$rc)"
+  else
+    log "END $name rc=$rc in ${dt}s"
+  fi
+  printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$dt" "$name.log" >>"$SUMMARY_TSV"
+}
+
+skip_step() {  # skip_step NAME REASON
+  want "$1" || return 0
+  log "SKIP $1: $2"
+  printf '%s\t%s\t%s\t%s\n' "$1" "skipped" 0 "$2" >>"$SUMMARY_TSV"
+}
+
+# bench NAME FILE NEEDS_2GPU [extra args]
+bench() {
+  local name="$1" file="$2" two="$3"; shift 3
+  if [ ! -f "$file" ]; then skip_step "$name" "$file not present"; return; fi
+  if [ "$two" = 2 ]; then
+    if [ "$NGPU" -lt 2 ]; then skip_step "$name" "needs 2 GPUs, found $NGPU"; return; fi
+    run_step "$name" "${LIMIT[$name]}" torchrun --standalone --nproc-per-node 2 "$file" \
+      $QFLAG --out "$OUTDIR/$name.jsonl" "$@"
+  else
+    run_step "$name" "${LIMIT[$name]}" "$PY" "$file" $QFLAG --out "$OUTDIR/$name.jsonl" "$@"
+  fi
+}
+
+if [ "$NGPU" -lt 1 ]; then
+  log "no NVIDIA GPU found: GPU steps are skipped (the simulation and plots still run)"
+fi
+
+if [ -d tests/gpu ] && [ "$NGPU" -ge 1 ]; then
+  run_step gpu_tests "${LIMIT[gpu_tests]}" "$PY" -m pytest -q -x -ra tests/gpu \
+    --junitxml="$OUTDIR/gpu_tests.xml" -p no:cacheprovider
+else
+  skip_step gpu_tests "tests/gpu missing or no GPU"
+fi
+if [ "$NGPU" -ge 1 ]; then
+  bench routing benchmarks/bench_routing.py 1
+  bench experts benchmarks/bench_experts.py 1
+  bench ring benchmarks/bench_ring.py 2
+  bench ablation benchmarks/ablation.py 2
+  bench e2e benchmarks/bench_e2e.py 2
+  bench memory_model benchmarks/validate_memory_model.py 1
+  if [ -f benchmarks/memory_timeline.py ]; then
+    if [ "$NGPU" -ge 2 ]; then
+      run_step memory_timeline "${LIMIT[memory_timeline]}" torchrun --standalone \
+        --nproc-per-node 2 benchmarks/memory_timeline.py $QFLAG --out "$OUTDIR/memory_timeline.jsonl"
+    else
+      run_step memory_timeline "${LIMIT[memory_timeline]}" "$PY" benchmarks/memory_timeline.py \
+        $QFLAG --out "$OUTDIR/memory_timeline.jsonl"
+    fi
+  else
+    skip_step memory_timeline "benchmarks/memory_timeline.py not present"
+  fi
+else
+  for s in routing experts ring ablation e2e memory_model memory_timeline; do
+    skip_step "$s" "no GPU"
+  done
+fi
+# The simulation calibrates on this run's rows plus the committed ones.
+run_step scaling_sim "${LIMIT[scaling_sim]}" "$PY" benchmarks/scaling_sim.py $QFLAG \
+  --out "$OUTDIR/scaling_sim.jsonl" --rows "$OUTDIR/*.jsonl" "$ROOT/benchmarks/results/**/*.jsonl"
+run_step plots "${LIMIT[plots]}" "$PY" benchmarks/plots.py --results "$OUTDIR" --out "$OUTDIR"
+
+# Summary (JSON) from the step table.
+"$PY" - "$SUMMARY_TSV" "$OUTDIR/suite_summary.json" "$MODE" "$NGPU" "$SUITE_T0" <<'EOF'
+import json, sys, time, datetime, os
+tsv, out, mode, ngpu, t0 = sys.argv[1:6]
+steps = []
+for line in open(tsv):
+    name, rc, dt, what = line.rstrip("\n").split("\t")
+    st = {"step": name, "seconds": int(dt)}
+    if rc == "skipped":
+        st.update(status="skipped", reason=what)
+    else:
+        rc = int(rc)
+        st.update(rc=rc, log=what,
+                  status="ok" if rc == 0 else ("timeout" if rc in (124, 137) else "failed"))
+    steps.append(st)
+summary = {
+    "mode": mode, "gpus": int(ngpu), "commit": os.environ.get("RELAYMOE_COMMIT", "unknown"),
+    "date": datetime.datetime.now().isoformat(timespec="seconds"),
+    "seconds": int(time.time() - int(t0)), "steps": steps,
+    "failed": [s["step"] for s in steps if s["status"] in ("failed", "timeout")],
+}
+json.dump(summary, open(out, "w"), indent=1)
+EOF
+rm -f "$SUMMARY_TSV"
+log "summary: $OUTDIR/suite_summary.json"
+"$PY" -c "import json,sys; s=json.load(open(sys.argv[1])); [print(f\"    {x['step']:16s} {x['status']:8s} {x.get('rc','')!s:4s} {x['seconds']}s {x.get('reason','')}\") for x in s['steps']]; print('    failed:', s['failed'] or 'none')" "$OUTDIR/suite_summary.json"
+
+# The device tool returns at most 8 files: bundle everything when there are more.
+NFILES=$(find "$OUTDIR" -maxdepth 1 -type f ! -name suite.tar.gz | wc -l)
+if [ "$NFILES" -gt 8 ]; then
+  tar -czf "$OUTDIR/suite.tar.gz.tmp" -C "$OUTDIR" --exclude=suite.tar.gz --exclude=suite.tar.gz.tmp .
+  mv "$OUTDIR/suite.tar.gz.tmp" "$OUTDIR/suite.tar.gz"
+  log "bundled $NFILES files into suite.tar.gz ($(du -h "$OUTDIR/suite.tar.gz" | cut -f1))"
+fi
+log "done in $(( $(date +%s) - SUITE_T0 ))s"
+FAILED=$("$PY" -c "import json,sys; print(len(json.load(open(sys.argv[1]))['failed']))" "$OUTDIR/suite_summary.json")
+[ "$FAILED" = 0 ]
