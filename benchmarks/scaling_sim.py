@@ -1,0 +1,182 @@
+"""EP scaling beyond the machine by simulation (RelayMoE paper Fig. 10 analog).
+
+1. Calibrate the simulator (``relaymoe.sim``) from the committed rows: grouped-GEMM throughput
+   from ``bench: experts`` relaymoe rows, P2P bandwidth from ``bench: ring`` rows, the
+   megatron-core expert cost from mcore rows (the 2x H200 anchors when none are committed).
+2. Validate: predict every measured EP=1 / EP=2 row the simulator models and report the error
+   (target: within 15%).
+3. Extrapolate: ring (expert, token, auto) vs all-to-all with the same expert kernels, EP 8..64,
+   4 or 8 GPUs per node (NVLink inside a node, 400 Gb/s per GPU between nodes), for Qwen3-style
+   layers like the paper's Table 3 (E128 K8 H2048 I768 and its K/E/I variants), 12 x 8192 tokens
+   per GPU as in the paper's EP-scaling study.
+
+Rows: ``bench: scaling_sim`` with ``kind: validation`` or ``kind: extrapolation``.
+Usage: ``python benchmarks/scaling_sim.py [--quick] [--out PATH] [--rows GLOB ...]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+# Paper §4.2 (Fig. 10 text), reported ratios to plot alongside the simulation.
+PAPER = {
+    "speedup_K16": {8: 2.5, 64: 5.0},
+    "mem_reduction_avg": {8: 3.8, 64: 7.6},
+    "mem_reduction_K16": {64: 13.4},
+    "source": "RelayMoE §4.2: K16 speedup ~2.5x at EP=8 to ~5x at EP=64; MoE peak memory "
+    "reduction 3.8x avg at EP=8, 7.6x at EP=64, 13.4x for K16",
+}
+TOKENS_PER_GPU = 12 * 8192
+BASE = {"E": 128, "K": 8, "H": 2048, "I": 768}
+VARIANTS = {
+    "E128_K8": {},
+    "E128_K4": {"K": 4},
+    "E128_K16": {"K": 16},
+    "E64_K8": {"E": 64},
+    "E256_K8": {"E": 256},
+    "E128_K8_I2048": {"I": 2048},
+}
+QUICK_VARIANTS = ("E128_K8", "E128_K16", "E128_K4")
+
+
+def extrapolate(cm, *, variants, eps, gpus_per_node, intra_GBps=None):
+    from relaymoe.sim import Cluster, MoEShape, simulate_alltoall, simulate_ring
+
+    rows = []
+    for name in variants:
+        dims = {**BASE, **VARIANTS[name]}
+        shape = MoEShape(name=name, T=TOKENS_PER_GPU, **dims)
+        for g in gpus_per_node:
+            for ep in eps:
+                if shape.E % ep:
+                    continue
+                kw = {"intra_GBps": intra_GBps} if intra_GBps else {}
+                cl = Cluster(ep=ep, gpus_per_node=g, **kw)
+                a2a = simulate_alltoall(shape, cl, cm)
+                res = {m: simulate_ring(shape, cl, cm, m) for m in ("expert", "token")}
+                # auto: the smaller forward per-hop volume (what mode="auto" picks)
+                auto = min(res, key=lambda m: res[m].extra["hop_lead_MB_fwd"])
+                res["auto"] = res[auto]
+                for prov, r in [("alltoall", a2a)] + [(f"ring_{m}", v) for m, v in res.items()]:
+                    rows.append(
+                        {
+                            "bench": "scaling_sim",
+                            "kind": "extrapolation",
+                            "provider": f"sim_{prov}",
+                            "shape": name,
+                            "T": shape.T,
+                            **dims,
+                            "ep": ep,
+                            "gpus_per_node": g,
+                            "ms_fwd_bwd": round(r.ms_fwd_bwd, 3),
+                            "ms_fwd": round(r.ms_fwd, 3),
+                            "peak_MiB": round(r.peak_MiB, 1),
+                            "GB_sent_per_rank": round(r.bytes_per_rank / 1e9, 3),
+                            "speedup_vs_alltoall": round(a2a.ms_fwd_bwd / r.ms_fwd_bwd, 3),
+                            "mem_reduction_vs_alltoall": round(a2a.peak_MiB / r.peak_MiB, 3),
+                            **({"auto_mode": auto} if prov == "ring_auto" else {}),
+                        }
+                    )
+    return rows
+
+
+def main(argv=None) -> int:
+    from relaymoe.sim.calibrate import (
+        ANCHOR_ROWS,
+        calibrate,
+        load_rows,
+        summarize_errors,
+        validate,
+    )
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="three configs, 8 GPUs per node")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/scaling_sim.jsonl"))
+    ap.add_argument(
+        "--rows",
+        nargs="*",
+        default=[str(ROOT / "benchmarks/results/**/*.jsonl")],
+        help="measured rows (globs) to calibrate and validate against",
+    )
+    ap.add_argument("--no-anchors", action="store_true", help="do not add the mcore anchor rows")
+    args = ap.parse_args(argv)
+
+    out = Path(args.out).resolve()
+    rows = [
+        r
+        for r in load_rows(args.rows)
+        if r.get("bench") != "scaling_sim" and Path(r["_file"]).resolve() != out
+    ]
+    if not args.no_anchors and not any(
+        str(r.get("provider", "")).startswith("mcore") for r in rows
+    ):
+        rows += ANCHOR_ROWS
+    cm, notes = calibrate(rows)
+    print(f"[scaling_sim] {len(rows)} measured rows; calibration: {notes}")
+    print(
+        f"[scaling_sim] compute peak fwd {cm.peak_tflops_fwd:.0f} / bwd {cm.peak_tflops_bwd:.0f}"
+        f" TFLOP/s (m_half {cm.m_half:.0f} pairs/expert)"
+    )
+
+    from benchmarks.common import JsonlWriter, print_table
+
+    writer = JsonlWriter(out)
+    val = validate(rows, cm, intra_GBps=notes["intra_GBps"])
+    for v in val:
+        writer.write({"bench": "scaling_sim", "kind": "validation", **v})
+    summ = summarize_errors(val)
+    writer.write(
+        {
+            "bench": "scaling_sim",
+            "kind": "calibration",
+            "peak_tflops_fwd": round(cm.peak_tflops_fwd, 1),
+            "peak_tflops_bwd": round(cm.peak_tflops_bwd, 1),
+            "m_half": cm.m_half,
+            "intra_GBps": notes["intra_GBps"],
+            "seq_mlp_ms_per_expert": round(cm.seq_mlp_ms_per_expert, 4),
+            "notes": notes,
+            **summ,
+            "paper": PAPER,
+        }
+    )
+    if val:
+        print("[scaling_sim] validation (fit: in-sample rows of a fitted scheme)")
+        print_table(val, ["scheme", "shape", "ep", "measured_ms", "predicted_ms", "rel_err", "fit"])
+        print(f"[scaling_sim] max |error| predicted rows: {summ['max_abs_err']:.1%} (target 15%)")
+
+    variants = QUICK_VARIANTS if args.quick else tuple(VARIANTS)
+    gpn = (8,) if args.quick else (4, 8)
+    ext = extrapolate(
+        cm,
+        variants=variants,
+        eps=(8, 16, 32, 64),
+        gpus_per_node=gpn,
+        intra_GBps=notes["intra_GBps"],
+    )
+    for r in ext:
+        writer.write(r)
+    print_table(
+        [r for r in ext if r["provider"] in ("sim_ring_auto",)],
+        [
+            "shape",
+            "ep",
+            "gpus_per_node",
+            "auto_mode",
+            "ms_fwd_bwd",
+            "speedup_vs_alltoall",
+            "mem_reduction_vs_alltoall",
+        ],
+    )
+    print(f"[scaling_sim] paper: {PAPER['source']}")
+    print(f"[scaling_sim] wrote {len(writer.rows)} rows to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

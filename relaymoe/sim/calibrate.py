@@ -1,0 +1,264 @@
+"""Drive the simulator with measured numbers and check it against measured rows.
+
+Reads benchmark rows (``benchmarks/results/**/*.jsonl``, format in ``benchmarks/README.md``):
+
+* ``bench: experts``, provider ``relaymoe`` (1 GPU): the grouped-GEMM peak throughput, forward
+  from ``ms_fwd`` and backward from ``ms_fwd_bwd - ms_fwd``, corrected for the pairs per expert.
+* ``bench: ring`` rows that carry ``link_GBps`` (P2P bandwidth measured alone) or
+  ``hop_MB`` and ``hop_transfer_ms``: the intra-node bandwidth.
+* megatron-core rows (provider ``mcore*``): the per-expert cost of ``SequentialMLP``
+  (least squares over the rows: ``ms = a * El + flops / thr + all-to-all``).
+
+Validation predicts each measured row whose scheme it models (``ring_expert``, ``ring_token``,
+their non-overlapped versions, the same-kernel ``alltoall``, ``mcore_alltoall``) and reports the
+relative error; rows used for a fit are flagged ``fit: true`` (in-sample).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import re
+import statistics
+from dataclasses import replace
+from pathlib import Path
+
+from relaymoe.sim.alltoall import alltoall_seconds, simulate_alltoall
+from relaymoe.sim.model import Cluster, ComputeModel, MoEShape
+from relaymoe.sim.ring import simulate_ring
+
+QWEN3 = {"E": 128, "K": 8, "H": 2048, "I": 768}
+NAMED_SHAPES = {
+    "moeblaze_conf3": {"T": 65536, "E": 16, "K": 4, "H": 1024, "I": 4096},
+    "moeblaze_conf4": {"T": 32768, "E": 16, "K": 4, "H": 2048, "I": 8192},
+}
+_KEY_ALIASES = {
+    "T": ("T", "tokens", "num_tokens"),
+    "E": ("E", "experts", "num_experts"),
+    "K": ("K", "topk"),
+    "H": ("H", "hidden", "hidden_size"),
+    "I": ("I", "ffn", "ffn_hidden_size", "moe_ffn_hidden_size"),
+}
+
+# The megatron-core anchors measured on 2x H200 (../shared/anchors/README.md, 2026-11-30), used
+# when no committed mcore rows are given: same keys as the rows the benchmarks write.
+ANCHOR_ROWS = [
+    {"provider": "mcore_alltoall", "shape": "qwen3_30b_a3b_T32k", "ep": 1, "ms_fwd_bwd": 88.39},
+    {"provider": "mcore_alltoall", "shape": "moeblaze_conf3", "ep": 1, "ms_fwd_bwd": 56.013},
+    {"provider": "mcore_alltoall", "shape": "moeblaze_conf4", "ep": 1, "ms_fwd_bwd": 88.202},
+    {"provider": "mcore_alltoall", "shape": "qwen3_30b_a3b_T32k", "ep": 2, "ms_fwd_bwd": 44.258},
+    {"provider": "mcore_alltoall", "shape": "qwen3_30b_a3b_T16k", "ep": 2, "ms_fwd_bwd": 36.391},
+    {"provider": "mcore_alltoall", "shape": "moeblaze_conf4", "ep": 2, "ms_fwd_bwd": 92.042},
+]
+for _r in ANCHOR_ROWS:
+    _r.update(bench="anchor", source="../shared/anchors/results (2026-11-30)")
+
+
+def load_rows(patterns) -> list[dict]:
+    """JSON objects of every ``.jsonl`` file matching ``patterns`` (bad lines skipped)."""
+    if isinstance(patterns, str | Path):
+        patterns = [patterns]
+    rows, seen = [], set()
+    for pat in patterns:
+        for path in sorted(glob.glob(str(pat), recursive=True)):
+            real = str(Path(path).resolve())
+            if real in seen:  # overlapping patterns: read each file once
+                continue
+            seen.add(real)
+            with open(path) as f:
+                for line in f:
+                    line = line.strip()
+                    if not line:
+                        continue
+                    try:
+                        obj = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue
+                    if isinstance(obj, dict):
+                        obj.setdefault("_file", path)
+                        rows.append(obj)
+    return rows
+
+
+def shape_of(row: dict) -> MoEShape | None:
+    """The MoE shape of a row: explicit T/E/K/H/I keys, else the shape name (None if unknown)."""
+    name = str(row.get("shape", ""))
+    dims = {}
+    base = None
+    m = re.match(r"^qwen3_30b_a3b_T(\d+)k", name)
+    if m:
+        base = {**QWEN3, "T": int(m.group(1)) * 1024}
+    elif name in NAMED_SHAPES:
+        base = dict(NAMED_SHAPES[name])
+    for key, aliases in _KEY_ALIASES.items():
+        for a in aliases:
+            if isinstance(row.get(a), int):
+                dims[key] = row[a]
+                break
+        else:
+            if base is not None:
+                dims[key] = base[key]
+    if len(dims) < 5:
+        return None
+    return MoEShape(name=name or "custom", **dims)
+
+
+def scheme_of(row: dict) -> str | None:
+    """Which simulated scheme a measured row corresponds to (None: not modelled)."""
+    prov = str(row.get("provider", ""))
+    if prov.startswith("mcore") and "alltoall" in prov or prov == "mcore":
+        return "mcore_alltoall"
+    if prov.startswith("relaymoe") and "alltoall" in prov:
+        return "alltoall"
+    m = re.match(r"^relaymoe_ring_(expert|token)(.*)$", prov)
+    if m:
+        seq = row.get("overlap") is False or any(
+            s in m.group(2) for s in ("nooverlap", "no_overlap", "sequential")
+        )
+        if "naive" in m.group(2) or "unfused" in m.group(2):
+            return None
+        return f"ring_{m.group(1)}" + ("_sequential" if seq else "")
+    return None
+
+
+def _ep(row: dict) -> int:
+    try:
+        return int(row.get("ep") or 1)
+    except (TypeError, ValueError):
+        return 1
+
+
+def calibrate(rows: list[dict], base: ComputeModel | None = None) -> tuple[ComputeModel, dict]:
+    """A ComputeModel and intra-node link numbers from rows; ``notes`` say where each came from."""
+    cm = base or ComputeModel()
+    notes: dict = {}
+    fwd, bwd = [], []
+    for r in rows:
+        if r.get("bench") != "experts" or r.get("provider") != "relaymoe" or _ep(r) != 1:
+            continue
+        s = shape_of(r)
+        ms, msf = r.get("ms_fwd_bwd"), r.get("ms_fwd")
+        if s is None or not isinstance(ms, int | float) or ms <= 0:
+            continue
+        rec = r.get("recompute", "act") == "fc1"
+        eff = cm.efficiency(s.pairs / s.E)
+        if isinstance(msf, int | float) and 0 < msf < ms:
+            fwd.append(s.flops_fwd(s.pairs) / (msf * 1e-3) / eff / 1e12)
+            bwd.append(s.flops_bwd(s.pairs, recompute=rec) / ((ms - msf) * 1e-3) / eff / 1e12)
+        else:
+            tot = s.flops_fwd(s.pairs) + s.flops_bwd(s.pairs, recompute=rec)
+            fwd.append(tot / (ms * 1e-3) / eff / 1e12)
+            bwd.append(fwd[-1])
+    if fwd:
+        cm = replace(
+            cm, peak_tflops_fwd=statistics.median(fwd), peak_tflops_bwd=statistics.median(bwd)
+        )
+        notes["compute"] = f"median of {len(fwd)} relaymoe expert rows"
+    else:
+        notes["compute"] = "default (no relaymoe expert rows)"
+    link = []
+    for r in rows:
+        if r.get("bench") != "ring":
+            continue
+        if isinstance(r.get("link_GBps"), int | float):
+            link.append(float(r["link_GBps"]))
+        elif isinstance(r.get("hop_MB"), int | float) and isinstance(
+            r.get("hop_transfer_ms"), int | float
+        ):
+            if r["hop_transfer_ms"] > 0:
+                link.append(r["hop_MB"] * 1e6 / (r["hop_transfer_ms"] * 1e-3) / 1e9)
+    notes["intra_GBps"] = statistics.median(link) if link else None
+    notes["link"] = f"median of {len(link)} ring rows" if link else "default (anchors, 373 GB/s)"
+    cm, fit_note = fit_sequential_mlp(rows, cm)
+    notes["mcore"] = fit_note
+    return cm, notes
+
+
+def fit_sequential_mlp(rows: list[dict], cm: ComputeModel) -> tuple[ComputeModel, str]:
+    """Least squares of ``ms - a2a = a * El + flops * u`` over megatron-core rows (u = 1/thr)."""
+    pts = []
+    for r in rows:
+        if scheme_of(r) != "mcore_alltoall":
+            continue
+        s, ms = shape_of(r), r.get("ms_fwd_bwd")
+        if s is None or not isinstance(ms, int | float):
+            continue
+        ep = _ep(r)
+        cl = Cluster(ep=ep, gpus_per_node=max(ep, 1))
+        a2a = 4 * alltoall_seconds(s, cl, s.H * s.dtype_bytes) * 1e3
+        flops = s.flops_fwd(s.pairs) + s.flops_bwd(s.pairs, recompute=False)
+        pts.append((s.E / ep, flops / 1e12, ms - a2a))
+    if len(pts) < 2:
+        return cm, "no fit (fewer than 2 megatron-core rows)"
+    sxx = sum(x * x for x, _, _ in pts)
+    syy = sum(y * y for _, y, _ in pts)
+    sxy = sum(x * y for x, y, _ in pts)
+    sxz = sum(x * z for x, _, z in pts)
+    syz = sum(y * z for _, y, z in pts)
+    det = sxx * syy - sxy * sxy
+    if abs(det) < 1e-12:
+        return cm, "no fit (degenerate rows)"
+    a = (sxz * syy - syz * sxy) / det
+    u = (sxx * syz - sxy * sxz) / det  # ms per TFLOP
+    if a <= 0 or u <= 0:
+        return cm, f"no fit (non-physical a={a:.3g} ms/expert, u={u:.3g} ms/TFLOP)"
+    cm = replace(cm, seq_mlp_ms_per_expert=a, seq_mlp_tflops=1e3 / u)
+    return cm, f"fit on {len(pts)} rows: {a:.3f} ms per local expert, {1e3 / u:.0f} TFLOP/s"
+
+
+def simulate(scheme: str, shape: MoEShape, cluster: Cluster, cm: ComputeModel):  # -> SimResult
+    if scheme.startswith("ring_"):
+        mode = scheme.split("_")[1]
+        return simulate_ring(shape, cluster, cm, mode, overlap=not scheme.endswith("_sequential"))
+    if scheme == "alltoall":
+        return simulate_alltoall(shape, cluster, cm, experts="fused")
+    if scheme == "mcore_alltoall":
+        return simulate_alltoall(shape, cluster, cm, experts="sequential_mlp")
+    raise ValueError(f"scheme={scheme!r} is not simulated")
+
+
+def validate(rows: list[dict], cm: ComputeModel, *, intra_GBps: float | None = None) -> list[dict]:
+    """Predicted vs measured ms_fwd_bwd for every row the simulator models (EP <= node size)."""
+    out = []
+    for r in rows:
+        scheme = scheme_of(r)
+        s = shape_of(r)
+        ms = r.get("ms_fwd_bwd")
+        if scheme is None or s is None or not isinstance(ms, int | float) or ms <= 0:
+            continue
+        ep = _ep(r)
+        if s.E % ep:
+            continue
+        kw = {"intra_GBps": intra_GBps} if intra_GBps else {}
+        if scheme.startswith("ring") and r.get("transport") == "nccl":
+            kw["hide_intra"] = Cluster.__dataclass_fields__["hide_inter"].default
+        cl = Cluster(ep=ep, gpus_per_node=ep, **kw)
+        pred = simulate(scheme, s, cl, cm)
+        err = pred.ms_fwd_bwd / ms - 1.0
+        out.append(
+            {
+                "scheme": scheme,
+                "provider": r.get("provider"),
+                "shape": r.get("shape"),
+                "ep": ep,
+                "measured_ms": ms,
+                "predicted_ms": round(pred.ms_fwd_bwd, 3),
+                "rel_err": round(err, 4),
+                "fit": scheme == "mcore_alltoall",
+                "measured_peak_MiB": r.get("peak_over_inputs_MiB"),
+                "predicted_peak_MiB": round(pred.peak_MiB, 1),
+            }
+        )
+    return out
+
+
+def summarize_errors(validation: list[dict]) -> dict:
+    errs = [abs(v["rel_err"]) for v in validation if not v["fit"]]
+    fit = [abs(v["rel_err"]) for v in validation if v["fit"]]
+    return {
+        "n_predicted": len(errs),
+        "max_abs_err": max(errs) if errs else math.nan,
+        "n_fit": len(fit),
+        "max_abs_err_fit": max(fit) if fit else math.nan,
+    }

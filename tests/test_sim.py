@@ -1,0 +1,191 @@
+"""Invariants of the EP-scaling simulator (relaymoe.sim): pure Python, fast."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from relaymoe.sim import (
+    Cluster,
+    ComputeModel,
+    MoEShape,
+    hop_payloads,
+    simulate_alltoall,
+    simulate_pass,
+    simulate_ring,
+)
+from relaymoe.sim.calibrate import calibrate, load_rows, scheme_of, shape_of, validate
+
+CM = ComputeModel()
+QWEN = MoEShape("qwen3", T=32768, E=128, K=8, H=2048, I=768)
+
+
+@pytest.mark.parametrize("mode", ["expert", "token"])
+@pytest.mark.parametrize("ep,gpn", [(2, 2), (4, 4), (8, 4), (16, 8), (64, 8)])
+def test_overlap_never_slower_than_sequential(mode, ep, gpn):
+    for T in (1024, 32768, 98304):
+        s = QWEN.with_tokens(T)
+        cl = Cluster(ep=ep, gpus_per_node=gpn)
+        ov = simulate_ring(s, cl, CM, mode, overlap=True)
+        seq = simulate_ring(s, cl, CM, mode, overlap=False)
+        assert ov.ms_fwd <= seq.ms_fwd + 1e-9
+        assert ov.ms_bwd <= seq.ms_bwd + 1e-9
+
+
+def test_pass_bounds_compute_and_transfer():
+    cl = Cluster(ep=4, gpus_per_node=4, hide_intra=1.0)
+    fwd, _ = hop_payloads(QWEN, 4, CM, "expert")
+    p = simulate_pass(cl, fwd, overlap=True)
+    x = cl.link_seconds(0, fwd.lead_bytes)
+    # at least every hop's compute; at most sequential compute + transfer per hop
+    assert p.seconds >= 4 * fwd.compute_s - 1e-12
+    assert p.seconds <= 4 * fwd.compute_s + 3 * x + 1e-12
+    # fully hidden transfer shorter than compute: the pass is compute plus the first wait only
+    if x < fwd.compute_s:
+        assert p.seconds == pytest.approx(4 * fwd.compute_s, rel=1e-9)
+
+
+def test_slow_link_dominates_when_transfer_exceeds_compute():
+    cl = Cluster(ep=4, gpus_per_node=4, intra_GBps=1.0)  # 1 GB/s: transfer-bound
+    fwd, _ = hop_payloads(QWEN, 4, CM, "expert")
+    p = simulate_pass(cl, fwd, overlap=True)
+    x = cl.link_seconds(0, fwd.lead_bytes)
+    assert p.seconds >= 3 * x + fwd.compute_s - 1e-12
+
+
+def test_ring_expert_volume_per_hop_independent_of_tokens():
+    for ep in (2, 8, 64):
+        vols = {
+            hop_payloads(QWEN.with_tokens(T), ep, CM, "expert")[0].lead_bytes
+            for T in (512, 4096, 98304)
+        }
+        bwd = {
+            hop_payloads(QWEN.with_tokens(T), ep, CM, "expert")[1].trail_bytes
+            for T in (512, 4096, 98304)
+        }
+        assert len(vols) == 1 and len(bwd) == 1
+        assert vols.pop() == QWEN.E // ep * 3 * QWEN.H * QWEN.I * 2
+    # token mode grows with T
+    a = hop_payloads(QWEN.with_tokens(1024), 8, CM, "token")[0].lead_bytes
+    b = hop_payloads(QWEN.with_tokens(2048), 8, CM, "token")[0].lead_bytes
+    assert b == pytest.approx(2 * a)
+
+
+def test_alltoall_volume_and_time_grow_with_k():
+    cl = Cluster(ep=16, gpus_per_node=8)
+    prev = None
+    for K in (1, 2, 4, 8, 16):
+        s = MoEShape("k", T=8192, E=128, K=K, H=2048, I=768)
+        r = simulate_alltoall(s, cl, CM)
+        if prev is not None:
+            assert r.bytes_per_rank == pytest.approx(2 * prev.bytes_per_rank)
+            assert r.extra["a2a_ms"] > prev.extra["a2a_ms"]
+        prev = r
+    # ring expert volume does not depend on K
+    v = {
+        simulate_ring(MoEShape("k", 8192, 128, K, 2048, 768), cl, CM).bytes_per_rank
+        for K in (1, 8, 16)
+    }
+    assert len(v) == 1
+
+
+def test_ep1_has_no_transfer():
+    cl = Cluster(ep=1, gpus_per_node=1)
+    for mode in ("expert", "token"):
+        r = simulate_ring(QWEN, cl, CM, mode)
+        assert r.bytes_per_rank == 0
+        assert r.ms_fwd_bwd == pytest.approx(r.compute_ms)
+    a = simulate_alltoall(QWEN, cl, CM)
+    assert a.bytes_per_rank == 0 and a.extra["a2a_ms"] == 0
+
+
+def test_inter_node_slower_than_intra_node():
+    s = QWEN.with_tokens(98304)
+    one = simulate_ring(s, Cluster(ep=8, gpus_per_node=8), CM)
+    two = simulate_ring(s, Cluster(ep=8, gpus_per_node=4), CM)
+    assert two.ms_fwd_bwd > one.ms_fwd_bwd
+    assert Cluster(ep=8, gpus_per_node=4).hop_is_inter(3)
+    assert Cluster(ep=8, gpus_per_node=4).hop_is_inter(7)  # wrap-around
+    assert not Cluster(ep=8, gpus_per_node=4).hop_is_inter(4)
+
+
+def test_ring_memory_below_alltoall_for_k_ge_2_and_falls_with_ep():
+    s = QWEN.with_tokens(98304)
+    prev = None
+    for ep in (2, 8, 64):
+        r = simulate_ring(s, Cluster(ep=ep, gpus_per_node=8 if ep > 8 else ep), CM)
+        a = simulate_alltoall(s, Cluster(ep=ep, gpus_per_node=8 if ep > 8 else ep), CM)
+        assert r.peak_MiB < a.peak_MiB
+        if prev is not None:
+            assert r.peak_MiB < prev
+        prev = r.peak_MiB
+
+
+def test_bad_inputs_raise_with_the_fix():
+    with pytest.raises(ValueError, match="gpus_per_node"):
+        Cluster(ep=12, gpus_per_node=8)
+    with pytest.raises(ValueError, match="ep=3"):
+        simulate_ring(QWEN, Cluster(ep=3, gpus_per_node=3), CM)
+    with pytest.raises(ValueError, match="K=9"):
+        MoEShape("x", T=8, E=8, K=9, H=8, I=8)
+    with pytest.raises(ValueError, match="mode="):
+        simulate_ring(QWEN, Cluster(ep=2, gpus_per_node=2), CM, "tokens")
+    with pytest.raises(ValueError, match="hide_intra"):
+        Cluster(ep=2, gpus_per_node=2, hide_intra=1.5)
+
+
+def test_calibrate_and_validate_from_rows(tmp_path):
+    # a fake expert row at exactly the default throughput: calibration must give it back
+    s = QWEN
+    ep1 = simulate_ring(s, Cluster(ep=1, gpus_per_node=1), CM, recompute=False)
+    rows = [
+        {
+            "bench": "experts",
+            "provider": "relaymoe",
+            "shape": "qwen3_30b_a3b_T32k",
+            "ms_fwd": ep1.ms_fwd,
+            "ms_fwd_bwd": ep1.ms_fwd_bwd,
+        },
+        {
+            "bench": "ring",
+            "provider": "relaymoe_ring_expert",
+            "shape": "qwen3_30b_a3b_T32k",
+            "ep": 2,
+            "ms_fwd_bwd": 40.0,
+            "link_GBps": 300.0,
+        },
+        {
+            "bench": "ring",
+            "provider": "relaymoe_ring_expert_nooverlap",
+            "shape": "qwen3_30b_a3b_T32k",
+            "ep": 2,
+            "ms_fwd_bwd": 50.0,
+        },
+    ]
+    p = tmp_path / "sub" / "x.jsonl"
+    p.parent.mkdir()
+    p.write_text("\n".join(json.dumps(r) for r in rows) + "\nnot json\n")
+    loaded = load_rows(str(tmp_path / "**/*.jsonl"))
+    assert len(loaded) == 3
+    cm, notes = calibrate(loaded)
+    # launch overhead is absorbed into the fitted throughput, hence the loose tolerance
+    assert cm.peak_tflops_fwd == pytest.approx(CM.peak_tflops_fwd, rel=0.05)
+    assert notes["intra_GBps"] == 300.0
+    val = validate(loaded, cm, intra_GBps=notes["intra_GBps"])
+    assert [v["scheme"] for v in val] == ["ring_expert", "ring_expert_sequential"]
+    assert all(v["ep"] == 2 for v in val)
+    assert val[0]["predicted_ms"] < val[1]["predicted_ms"]
+
+
+def test_row_parsing():
+    assert shape_of({"shape": "qwen3_30b_a3b_T64k"}).T == 65536
+    assert shape_of({"shape": "moeblaze_conf4"}).I == 8192
+    assert shape_of({"shape": "mystery"}) is None
+    assert shape_of({"shape": "mystery", "T": 4, "E": 4, "K": 2, "H": 8, "I": 8}).K == 2
+    assert scheme_of({"provider": "mcore_alltoall_sequentialmlp"}) == "mcore_alltoall"
+    assert scheme_of({"provider": "relaymoe_ring_token", "overlap": False}) == (
+        "ring_token_sequential"
+    )
+    assert scheme_of({"provider": "relaymoe_alltoall"}) == "alltoall"
+    assert scheme_of({"provider": "liger"}) is None
