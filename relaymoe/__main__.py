@@ -1,0 +1,5 @@
+import sys
+
+from relaymoe.cli import main
+
+sys.exit(main())

@@ -1,0 +1,174 @@
+"""``relaymoe plan``: what fits per GPU, alltoall vs ring, and the Megatron flags to paste."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+DEFAULT_CONFIG = "qwen3_30b_a3b"
+_PAR = {"tp": "tp", "cp": "cp", "pp": "pp", "vpp": "vpp", "ep": "ep", "etp": "etp", "dp": "dp"}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="relaymoe", description="relaymoe tools")
+    sub = p.add_subparsers(dest="command", required=True)
+    q = sub.add_parser(
+        "plan",
+        help="memory plan of a config: alltoall vs ring, recompute plan, capacity limits",
+        description="Plans a Megatron GPT-MoE config on a given GPU (default: the embedded "
+        "Qwen3-30B-A3B on 32 H100-80GB, TP=2 CP=4 PP=4 EP=8).",
+    )
+    q.add_argument(
+        "--config",
+        default=DEFAULT_CONFIG,
+        help="YAML path or a name in configs/ (default %(default)s)",
+    )
+    q.add_argument(
+        "--gpu",
+        default="h100-80gb",
+        help="h100-80gb | h100-64gb (the paper's) | h200-141gb | a100-80gb | a100-40gb | bytes "
+        "(e.g. 85899345920 or 80GiB); default %(default)s",
+    )
+    for k in _PAR:
+        q.add_argument(f"--{k}", type=int, default=None, help=f"override parallel.{k}")
+    q.add_argument("--mbs", type=int, default=None, help="override training.micro_batch_size")
+    q.add_argument("--gbs", type=int, default=None, help="override training.global_batch_size")
+    q.add_argument("--seq", type=int, default=None, help="override training.seq_length")
+    q.add_argument(
+        "--dispatcher",
+        choices=("ring", "alltoall"),
+        default=None,
+        help="override relaymoe.dispatcher",
+    )
+    q.add_argument(
+        "--ring-mode", choices=("auto", "expert", "token"), default=None, help="force the ring mode"
+    )
+    q.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def _build(ns):
+    from relaymoe.config import load_config
+
+    cfg = load_config(ns.config)
+    par = {k: getattr(ns, k) for k in _PAR if getattr(ns, k) is not None}
+    tr = {}
+    if ns.mbs is not None:
+        tr["micro_batch_size"] = ns.mbs
+    if ns.seq is not None:
+        tr["seq_length"] = ns.seq
+    if ns.gbs is not None:
+        tr["global_batch_size"] = ns.gbs
+    elif ns.mbs is not None or "dp" in par:
+        tr["global_batch_size"] = None  # default: mbs * dp
+    rel = {}
+    if ns.dispatcher:
+        rel["dispatcher"] = ns.dispatcher
+    if ns.ring_mode:
+        rel["ring_mode"] = ns.ring_mode
+    return cfg.replace(parallel=par, training=tr, relaymoe=rel)
+
+
+def _gib(x) -> str:
+    return "-" if x is None else f"{x / 2**30:.2f}"
+
+
+def _mib(x) -> str:
+    return f"{x / 2**20:.1f}"
+
+
+def _print_rich(cfg, p) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    m, par, t = cfg.model, cfg.parallel, cfg.training
+    con.print(
+        f"[bold]{cfg.name}[/]: {m.num_layers} layers, E={m.num_experts} K={m.moe_router_topk} "
+        f"H={m.hidden_size} I={m.moe_ffn_hidden_size}; {par.world_size} GPUs "
+        f"(TP={par.tp} CP={par.cp} PP={par.pp} EP={par.ep} ETP={par.etp} DP={par.dp}); "
+        f"seq {t.seq_length}, micro-batch {t.micro_batch_size}; GPU {_gib(p.gpu_bytes)} GiB, "
+        f"usable {_gib(p.usable_bytes)} GiB"
+    )
+    tab = Table(title="Peak memory per GPU, worst pipeline stage (GiB)")
+    tab.add_column("term")
+    for d in ("alltoall", "ring"):
+        tab.add_column(d, justify="right")
+    terms = list(p.breakdown["ring"])
+    for k in terms:
+        tab.add_row(k, *(_gib(p.breakdown[d].get(k)) for d in ("alltoall", "ring")))
+    tab.add_row(
+        "[bold]peak (planned recompute)", *(_gib(p.peak_bytes[d]) for d in ("alltoall", "ring"))
+    )
+    tab.add_row(
+        "peak (full recompute)",
+        *(_gib(p.peak_full_recompute_bytes[d]) for d in ("alltoall", "ring")),
+    )
+    tab.add_row(
+        "MoE block peak", _gib(p.moe_peak_bytes["alltoall"]), _gib(p.moe_peak_bytes["ring"])
+    )
+    tab.add_row(
+        "max seq length (full recompute)", *(str(p.max_seq_length[d]) for d in ("alltoall", "ring"))
+    )
+    tab.add_row(
+        "max micro-batch (full recompute)",
+        *(str(p.max_micro_batch_size[d]) for d in ("alltoall", "ring")),
+    )
+    con.print(tab)
+    v = p.per_hop_bytes
+    con.print(
+        f"ring routing mode: [bold]{p.routing_mode}[/] (per hop, fwd+bwd: expert "
+        f"{_mib(v['expert']['total'])} MiB, token {_mib(v['token']['total'])} MiB)"
+    )
+    rt = Table(title="Recompute plan (greedy by compute saved per byte, paper §3.4)")
+    for c in (
+        "dispatcher",
+        "granularity",
+        "method",
+        "num_layers",
+        "recomputed",
+        "kept",
+        "budget GiB",
+    ):
+        rt.add_column(c)
+    for d in ("alltoall", "ring"):
+        r = p.recompute_plans.get(d)
+        if r is None:
+            rt.add_row(d, "does not fit", "", "", "", "", "")
+            continue
+        rt.add_row(
+            d,
+            str(r["recompute_granularity"]),
+            str(r["recompute_method"]),
+            str(r["recompute_num_layers"]),
+            str(len(r["recomputed_layers"])),
+            str(len(r["kept_layers"])),
+            _gib(r["budget_bytes"]),
+        )
+    con.print(rt)
+    for n in p.notes:
+        con.print(f"[yellow]note[/]: {n}")
+    con.print(f"[bold]Megatron flags ({p.dispatcher}):[/]")
+    con.print(" ".join(p.megatron_flags), soft_wrap=True, highlight=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = _parser().parse_args(argv)
+    from relaymoe.planner import plan
+
+    try:
+        cfg = _build(ns)
+        p = plan(cfg, ns.gpu)
+    except ValueError as e:
+        print(f"relaymoe plan: error: {e}", file=sys.stderr)
+        return 2
+    if ns.json:
+        print(json.dumps(p.to_dict(), indent=1))
+    else:
+        _print_rich(cfg, p)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

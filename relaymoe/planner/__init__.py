@@ -1,0 +1,38 @@
+"""Memory model, routing-mode choice and selective-recompute planner (pure Python; no torch).
+
+``plan(cfg, gpu_bytes) -> Plan``; ``plan_from_megatron_args(args) -> Plan`` at training start.
+"""
+
+from relaymoe.planner.comm import choose_mode, per_hop_bytes
+from relaymoe.planner.plan import (
+    DEFAULT_GPU,
+    GPUS,
+    Plan,
+    config_from_megatron_args,
+    max_micro_batch,
+    max_seq_length,
+    parse_gpu,
+    plan,
+    plan_from_megatron_args,
+    usable_bytes,
+)
+from relaymoe.planner.recompute import RecomputePlan, plan_recompute, stage_peak, worst_stage_peak
+
+__all__ = [
+    "DEFAULT_GPU",
+    "GPUS",
+    "Plan",
+    "RecomputePlan",
+    "choose_mode",
+    "config_from_megatron_args",
+    "max_micro_batch",
+    "max_seq_length",
+    "parse_gpu",
+    "per_hop_bytes",
+    "plan",
+    "plan_from_megatron_args",
+    "plan_recompute",
+    "stage_peak",
+    "usable_bytes",
+    "worst_stage_peak",
+]

@@ -1,0 +1,315 @@
+"""Per-GPU memory model of a Megatron GPT-MoE training step (closed forms, no torch).
+
+Units are bytes. ``e`` is the activation/param element size (2 for bf16/fp16, 4 for fp32).
+Token counts per GPU (the shape legend of docs/ARCHITECTURE.md):
+
+* ``T_a = b*s/cp``   tokens a CP rank attends for (heads split over TP: ``/tp`` per tensor)
+* ``T = T_a/tp``     tokens of the sequence-parallel residual stream (``T_a`` without SP); this
+                     is also the MoE input per GPU (ETP=1, MoE parallel folding; paper §2.2)
+* ``P = T*K``        token-expert pairs per GPU
+
+Terms (each a function so that tests can check it against hand-computed values):
+
+* model states: bf16 params + fp32 main grads + (distributed) Adam fp32 master/m/v
+  (``6 + 12/shard`` bytes per param; dense params shard over dp*cp, experts over expert-dp)
+* retained activations per layer and microbatch, for a recomputed layer (its input only) and a
+  kept one (attention block: norms, projections, flash-attention q/k/v/out/lse; MoE block:
+  router, and for alltoall the dispatched tokens, expert intermediates and expert output kept
+  for the probability gradient; for the ring only the routing index: it recomputes per hop)
+* the MoE-block working set (peak over its inputs while one layer runs fwd+bwd):
+  alltoall: ``a`` coexisting top-k-expanded (P, H) buffers (permute, dispatch, combine, expert
+  output; paper §2.2) + three (P, I) expert intermediates + the local weight gradient;
+  ``a = 4`` at EP=1 and ``5.5`` at EP>1, the fit to megatron-core 0.19.2 measurements in
+  /work/shared/anchors/README.md (qwen3 T32k: 6464 MiB at EP=1, 7486 MiB at EP=2).
+  ring: resident tokens' output and fp32 dx accumulators, the routing index, one hop's
+  intermediates (the (P_hop, 2I) pre-activation kept by the fused kernels plus its gradient and
+  the (P_hop, I) activation), and the travelling buffers: expert mode two partitions in flight
+  plus two fp32 gradient accumulators (incoming and outgoing); token mode two token partitions
+  (x, metadata) and two fp32 accumulators (output / dx) in flight.
+* the last pipeline stage's logits and fp32 cross-entropy buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from relaymoe.config import Config
+
+ROUTING_INDEX_BYTES_PER_PAIR = 12  # expert_token_indices, token_expert_indices, token_index_map
+ROUTER_BYTES_PER_TOKEN_EXPERT = 10  # bf16 logits + fp32 softmax scores + fp32 aux-loss scores
+A2A_BUFFERS_EP1 = 4.0  # coexisting (P, H) buffers, fit to megatron-core (see module docstring)
+A2A_BUFFERS_EP = 5.5
+A2A_INTERMEDIATES = 3  # (P, I) expert intermediates in the alltoall working set
+LOGIT_BYTES_PER_ELEMENT = (
+    2 + 4 + 4
+)  # bf16 logits, fp32 softmax copy, fp32 grad in vocab-parallel CE
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """Per-GPU sizes derived from a config and (seq, micro-batch)."""
+
+    b: int
+    s: int
+    h: int
+    tp: int
+    cp: int
+    T_a: int  # tokens per CP rank (attention; heads are split over TP)
+    T: int  # tokens of the SP residual stream = MoE input tokens per GPU
+    K: int
+    E: int
+    El: int  # local experts
+    I: int
+    R: int  # ranks in the EP group (ring length)
+    e: int  # element bytes
+
+    @property
+    def P(self) -> int:
+        return self.T * self.K
+
+
+def shapes(cfg: Config, seq: int | None = None, mbs: int | None = None) -> Shapes:
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    s = seq or t.seq_length
+    b = mbs or t.micro_batch_size
+    T_a = b * s // p.cp
+    T = T_a // p.tp if (p.sequence_parallel and p.tp > 1) else T_a
+    return Shapes(
+        b=b,
+        s=s,
+        h=m.hidden_size,
+        tp=p.tp,
+        cp=p.cp,
+        T_a=T_a,
+        T=T,
+        K=m.moe_router_topk,
+        E=m.num_experts,
+        El=m.num_experts // p.ep,
+        I=m.moe_ffn_hidden_size // p.etp,
+        R=p.ep,
+        e=t.bytes_per_param,
+    )
+
+
+# -- parameters and model states ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StageParams:
+    dense: int  # non-expert params held by one GPU of this stage (TP-sharded)
+    expert: int  # expert params held by one GPU (EP/ETP-sharded)
+
+
+def attention_params(cfg: Config, layer: int) -> int:
+    """Parameters of one attention block (full rank, before TP), norms included."""
+    m = cfg.model
+    h, d = m.hidden_size, m.head_dim
+    if m.attention_layer_pattern[layer]:
+        q = m.num_attention_heads * d * (2 if m.attention_output_gate else 1)
+        kv = 2 * m.query_groups * d
+        n = h * (q + kv) + m.num_attention_heads * d * h
+        if m.add_qkv_bias:
+            n += q + kv
+        if m.qk_layernorm:
+            n += 2 * d
+    else:  # gated delta net: q,k (nk*dk), v and gate z (nv*dv), beta and alpha (nv), conv, out
+        qk = 2 * m.linear_num_key_heads * m.linear_key_head_dim
+        v = m.linear_num_value_heads * m.linear_value_head_dim
+        n = h * (qk + 2 * v + 2 * m.linear_num_value_heads)
+        n += (qk + v) * m.linear_conv_kernel_dim + 2 * m.linear_num_value_heads
+        n += m.linear_value_head_dim + v * h
+    return n + h  # input layernorm
+
+
+def moe_params(cfg: Config, layer: int) -> tuple[int, int]:
+    """(non-expert, routed-expert) parameters of one MLP block (full size, before sharding)."""
+    m = cfg.model
+    h = m.hidden_size
+    if not m.moe_layer_pattern[layer]:
+        return h + h * m.ffn_hidden_size * 3, 0
+    dense = h + m.num_experts * h  # pre-MLP norm, router
+    if m.moe_shared_expert_intermediate_size:
+        dense += 3 * h * m.moe_shared_expert_intermediate_size
+        dense += h if m.moe_shared_expert_gate else 0
+    return dense, m.num_experts * 3 * h * m.moe_ffn_hidden_size
+
+
+def total_params(cfg: Config) -> int:
+    m = cfg.model
+    n = m.vocab_size * m.hidden_size * (2 if m.untie_embeddings_and_output_weights else 1)
+    n += m.hidden_size  # final norm
+    for i in range(m.num_layers):
+        d, x = moe_params(cfg, i)
+        n += attention_params(cfg, i) + d + x
+    return n
+
+
+def stage_layers(cfg: Config, stage: int) -> list[int]:
+    """Layer indices held by pipeline rank ``stage`` (interleaved virtual stages with vpp)."""
+    p, L = cfg.parallel, cfg.model.num_layers
+    v = p.vpp or 1
+    per = L // (p.pp * v)
+    out = []
+    for chunk in range(v):
+        start = (chunk * p.pp + stage) * per
+        out += list(range(start, start + per))
+    return out
+
+
+def stage_params(cfg: Config, stage: int) -> StageParams:
+    m, p = cfg.model, cfg.parallel
+    dense = expert = 0
+    for i in stage_layers(cfg, stage):
+        d, x = moe_params(cfg, i)
+        dense += attention_params(cfg, i) + d
+        expert += x
+    vocab = m.padded_vocab_size(p.tp) * m.hidden_size
+    if stage == 0:
+        dense += vocab
+    if stage == p.pp - 1:
+        dense += m.hidden_size
+        if m.untie_embeddings_and_output_weights or p.pp > 1:
+            dense += vocab
+    return StageParams(dense=dense // p.tp, expert=expert // (p.ep * p.etp))
+
+
+def model_state_bytes(cfg: Config, stage: int) -> dict[str, int]:
+    """Params (bf16), fp32 main grads, and Adam fp32 master + m + v, per GPU."""
+    p, t = cfg.parallel, cfg.training
+    sp = stage_params(cfg, stage)
+    n = sp.dense + sp.expert
+    e = t.bytes_per_param
+    grads = 4 * n  # Megatron DDP keeps fp32 main grads (grad buffer)
+    if p.use_distributed_optimizer:
+        opt = 12 * sp.dense // (p.dp * p.cp) + 12 * sp.expert // p.expert_dp
+    else:
+        opt = 12 * n
+    if e == 4:  # fp32 training: the params are the master copy
+        opt -= 4 * n // (p.dp * p.cp if p.use_distributed_optimizer else 1)
+    return {"params": e * n, "grads": grads, "optimizer": max(opt, 0)}
+
+
+# -- activations ------------------------------------------------------------------------------
+
+
+def layer_input_bytes(sh: Shapes) -> int:
+    """What a fully recomputed layer keeps: its (SP-sharded) input."""
+    return sh.e * sh.T * sh.h
+
+
+def attention_keep_bytes(cfg: Config, sh: Shapes, layer: int) -> int:
+    """Activations one attention block keeps for backward (flash attention, no dropout)."""
+    m = cfg.model
+    e, Ta, tp = sh.e, sh.T_a, sh.tp
+    norm_and_proj_in = 2 * e * sh.T * sh.h  # input-norm input, QKV-projection input (SP-sharded)
+    if m.attention_layer_pattern[layer]:
+        d, nh, ng = m.head_dim, m.num_attention_heads // tp, m.query_groups // tp
+        qkv = e * Ta * (nh + 2 * ng) * d
+        out = e * Ta * nh * d  # flash output = out-projection input
+        lse = 4 * Ta * nh
+        qknorm = e * Ta * (nh + ng) * d if m.qk_layernorm else 0
+        gate = 2 * e * Ta * nh * d if m.attention_output_gate else 0
+        return norm_and_proj_in + qkv + out + lse + qknorm + gate
+    # Gated delta net (approximate: projections, conv outputs, core output, gated norm)
+    qk = 2 * (m.linear_num_key_heads // tp) * m.linear_key_head_dim
+    v = (m.linear_num_value_heads // tp) * m.linear_value_head_dim
+    proj = e * Ta * (qk + 2 * v + 2 * (m.linear_num_value_heads // tp))
+    conv = e * Ta * (qk + v)
+    core = 3 * e * Ta * v  # core output, norm input, gated output (out-projection input)
+    return norm_and_proj_in + proj + conv + core
+
+
+def moe_keep_bytes(cfg: Config, sh: Shapes, layer: int, dispatcher: str) -> int:
+    """Activations one MLP block keeps for backward when its layer is not recomputed."""
+    m = cfg.model
+    norm = 2 * sh.e * sh.T * sh.h  # pre-MLP norm input and output (router/dispatcher input)
+    if not m.moe_layer_pattern[layer]:
+        f = m.ffn_hidden_size // sh.tp
+        return norm + sh.e * sh.T_a * 3 * f
+    router = ROUTER_BYTES_PER_TOKEN_EXPERT * sh.T * sh.E
+    shared = 0
+    if m.moe_shared_expert_intermediate_size:
+        shared = sh.e * sh.T_a * 3 * m.moe_shared_expert_intermediate_size // sh.tp
+    if dispatcher == "ring":
+        moe = ROUTING_INDEX_BYTES_PER_PAIR * sh.P + 4 * sh.P  # index + probs; h recomputed
+    else:
+        moe = sh.e * sh.P * (2 * sh.h + 3 * sh.I)  # expert input/output, fc1 out, act
+    return norm + router + shared + moe
+
+
+def attention_flops(cfg: Config, sh: Shapes, layer: int) -> float:
+    """Forward FLOPs of one attention block per GPU (what keeping it saves in backward)."""
+    m = cfg.model
+    Ta, tp, h = sh.T_a, sh.tp, sh.h
+    if m.attention_layer_pattern[layer]:
+        d, nh, ng = m.head_dim, m.num_attention_heads, m.query_groups
+        q = nh * d * (2 if m.attention_output_gate else 1)
+        proj = 2 * Ta * h * (q + 2 * ng * d) / tp + 2 * Ta * nh * d * h / tp
+        core = 2 * 2 * Ta * sh.s * nh * d / tp * 0.5  # QK^T and PV, causal half
+        return proj + core
+    qk = 2 * m.linear_num_key_heads * m.linear_key_head_dim
+    v = m.linear_num_value_heads * m.linear_value_head_dim
+    proj = 2 * Ta * h * (qk + 2 * v) / tp + 2 * Ta * v * h / tp
+    chunk = 64  # chunked delta rule: intra-chunk attention + state updates
+    core = 2 * Ta * (m.linear_num_value_heads / tp) * m.linear_key_head_dim * (2 * chunk + 4 * 128)
+    return proj + core
+
+
+# -- MoE block working set ----------------------------------------------------------------------
+
+
+def local_expert_bytes(sh: Shapes) -> int:
+    return sh.El * 3 * sh.h * sh.I * sh.e
+
+
+def moe_peak_alltoall(sh: Shapes) -> int:
+    """Peak over the MoE block's inputs, one layer fwd+bwd, Megatron alltoall dispatcher."""
+    a = A2A_BUFFERS_EP1 if sh.R == 1 else A2A_BUFFERS_EP
+    router = ROUTER_BYTES_PER_TOKEN_EXPERT * sh.T * sh.E
+    return int(
+        a * sh.P * sh.h * sh.e
+        + A2A_INTERMEDIATES * sh.P * sh.I * sh.e
+        + local_expert_bytes(sh)
+        + router
+    )
+
+
+def moe_peak_ring(sh: Shapes, mode: str, meta_bytes_per_pair: int = 8) -> int:
+    """Peak over the MoE block's inputs, one layer fwd+bwd, relaymoe ring in ``mode``."""
+    e, T, h, I = sh.e, sh.T, sh.h, sh.I
+    router = ROUTER_BYTES_PER_TOKEN_EXPERT * T * sh.E
+    index = ROUTING_INDEX_BYTES_PER_PAIR * sh.P
+    resident = T * h * (e + 4)  # output + fp32 dx accumulator
+    p_hop = -(-sh.P // sh.R)
+    hop = p_hop * (2 * I + 2 * I + I + h) * e  # h_P2I, dh_P2I, a_PI, down-proj rows
+    buffers = 0
+    if sh.R > 1:
+        if mode == "expert":
+            buffers = 2 * local_expert_bytes(sh) + 2 * sh.El * 3 * h * I * 4
+        elif mode == "token":
+            lead = 2 * T * h * e + sh.P * meta_bytes_per_pair  # x (and dy), routing metadata
+            trail = T * h * 4 + sh.P * 4  # fp32 out / dx and dprobs accumulators
+            buffers = 2 * lead + 2 * trail
+        else:
+            raise ValueError(f"ring mode {mode!r}; known: 'expert', 'token'")
+    return router + index + resident + hop + buffers + local_expert_bytes(sh)
+
+
+def logits_bytes(cfg: Config, sh: Shapes) -> int:
+    """Last stage: logits and the vocab-parallel cross-entropy's fp32 buffers."""
+    v = cfg.model.padded_vocab_size(sh.tp) // sh.tp
+    return LOGIT_BYTES_PER_ELEMENT * sh.T_a * v
+
+
+def inflight_microbatches(cfg: Config, stage: int) -> float:
+    """Microbatches whose activations a pipeline stage holds at its peak (1F1B; interleaved
+    schedules add (pp-1)/(pp*vpp) on the first stage, as Megatron's own estimate)."""
+    p, t = cfg.parallel, cfg.training
+    gbs = t.global_batch_size or t.micro_batch_size * p.dp
+    n_mb = max(1, gbs // (t.micro_batch_size * p.dp))
+    if p.pp == 1:
+        return 1
+    inflight = min(p.pp - stage, n_mb)
+    if p.vpp and p.vpp > 1 and stage == 0:
+        inflight = min(n_mb, p.pp) * (1 + (p.pp - 1) / (p.pp * p.vpp))
+    return inflight

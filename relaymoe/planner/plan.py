@@ -1,0 +1,347 @@
+"""``plan(cfg, gpu_bytes) -> Plan``: routing mode, memory breakdown, recompute plan and capacity
+limits (largest sequence / micro-batch) for the ring and the alltoall dispatcher."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+
+from relaymoe.config import Config, config_from_dict, recompute_args, to_megatron_args
+from relaymoe.planner import memory as mm
+from relaymoe.planner.comm import choose_mode, per_hop_bytes
+from relaymoe.planner.recompute import RecomputePlan, plan_recompute, worst_stage_peak
+
+GiB = 2**30
+GPUS = {
+    "h100-80gb": 80 * 10**9,  # HBM3, 79.6 GiB usable device memory reported by the driver
+    "h100-64gb": 64 * 10**9,  # the paper's MareNostrum 5 H100 (64 GB HBM2e)
+    "h200-141gb": 141 * 10**9,
+    "a100-80gb": 80 * 10**9,
+    "a100-40gb": 40 * 10**9,
+}
+DEFAULT_GPU = "h100-80gb"
+RESERVE_FIXED = 2 * GiB  # CUDA context, NCCL buffers, cuBLAS workspaces
+RESERVE_FRACTION = 0.03  # allocator fragmentation
+SEQ_LIMIT = 1 << 22
+MBS_LIMIT = 4096
+
+
+def parse_gpu(spec: str | int) -> int:
+    """A preset name (``h100-80gb``...) or a byte count (``85899345920``, ``80GiB``, ``64GB``)."""
+    if isinstance(spec, int):
+        b = spec
+    else:
+        s = str(spec).strip().lower()
+        if s in GPUS:
+            return GPUS[s]
+        units = {"gib": GiB, "gb": 10**9, "mib": 2**20, "mb": 10**6, "": 1}
+        for u in sorted(units, key=len, reverse=True):
+            if s.endswith(u) and s[: len(s) - len(u)].replace(".", "", 1).isdigit():
+                b = int(float(s[: len(s) - len(u)]) * units[u])
+                break
+        else:
+            raise ValueError(
+                f"--gpu {spec!r}: not a preset ({', '.join(GPUS)}) nor a byte count "
+                "(e.g. 85899345920, 80GiB)"
+            )
+    if b < GiB:
+        raise ValueError(f"--gpu {spec!r} is {b} bytes, below 1 GiB; give bytes, e.g. 80GiB")
+    return b
+
+
+def usable_bytes(gpu_bytes: int) -> int:
+    return int(gpu_bytes * (1 - RESERVE_FRACTION) - RESERVE_FIXED)
+
+
+@dataclass(frozen=True)
+class Plan:
+    config_name: str
+    world_size: int
+    gpu_bytes: int
+    usable_bytes: int
+    dispatcher: str  # the config's dispatcher (ring unless the config says otherwise)
+    routing_mode: str  # ring mode: expert | token
+    per_hop_bytes: dict  # {"expert": {...}, "token": {...}}
+    moe_peak_bytes: dict  # {"alltoall", "ring", "ring_expert", "ring_token"}
+    peak_bytes: dict  # per dispatcher, under its recompute plan (None: does not fit)
+    peak_full_recompute_bytes: dict
+    breakdown: dict  # per dispatcher: term -> bytes (worst stage, under its plan)
+    recompute_plans: dict  # per dispatcher: RecomputePlan.to_dict() or None
+    max_seq_length: dict  # per dispatcher, full recompute, this micro-batch
+    max_micro_batch_size: dict  # per dispatcher, full recompute, this sequence length
+    megatron_args: dict  # Megatron argument overrides (recompute_*) for ``dispatcher``
+    megatron_flags: tuple[str, ...]  # the whole command line to paste, for ``dispatcher``
+    notes: tuple[str, ...] = ()
+
+    @property
+    def recompute_plan(self) -> dict | None:
+        return self.recompute_plans.get(self.dispatcher)
+
+    def summary(self) -> str:
+        rp = self.recompute_plan or {}
+        return (
+            f"{self.dispatcher} ({self.routing_mode} routing), peak "
+            f"{_g(self.peak_bytes.get(self.dispatcher))} of {_g(self.usable_bytes)} GiB usable, "
+            f"{len(rp.get('recomputed_layers', []))} layers recomputed, "
+            f"{len(rp.get('kept_layers', []))} kept"
+        )
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["megatron_overrides"] = d.pop("megatron_args")
+        d["megatron_args"] = list(self.megatron_flags)
+        d.pop("megatron_flags")
+        d["recompute_plan"] = self.recompute_plan
+        d["notes"] = list(self.notes)
+        return d
+
+    def to_json(self, **kw) -> str:
+        return json.dumps(self.to_dict(), **kw)
+
+
+def _g(x) -> str:
+    return "-" if x is None else f"{x / GiB:.2f}"
+
+
+def seq_quantum(cfg: Config) -> int:
+    p = cfg.parallel
+    q = (2 * p.cp if p.cp > 1 else 1) * (p.tp if p.sequence_parallel else 1)
+    return math.lcm(q, 256)
+
+
+def full_recompute_peak(cfg: Config, dispatcher: str, **kw):
+    return worst_stage_peak(cfg, dispatcher, **kw)
+
+
+def max_seq_length(cfg: Config, dispatcher: str, usable: int, ring_mode="expert", **kw) -> int:
+    """Largest multiple of ``seq_quantum`` whose full-recompute peak fits (0: none fits)."""
+    q = seq_quantum(cfg)
+
+    def fits(n):
+        pk = full_recompute_peak(cfg, dispatcher, seq=n * q, ring_mode=ring_mode, **kw)
+        return pk.total <= usable
+
+    return _largest(fits, SEQ_LIMIT // q) * q
+
+
+def max_micro_batch(cfg: Config, dispatcher: str, usable: int, ring_mode="expert", **kw) -> int:
+    def fits(b):
+        pk = full_recompute_peak(cfg, dispatcher, mbs=b, ring_mode=ring_mode, **kw)
+        return pk.total <= usable
+
+    return _largest(fits, MBS_LIMIT)
+
+
+def _largest(fits, hi: int) -> int:
+    """Largest n in [1, hi] with fits(n) for a monotone predicate; 0 when fits(1) is false."""
+    if not fits(1):
+        return 0
+    lo, n = 1, 2
+    while n <= hi and fits(n):
+        lo, n = n, n * 2
+    hi = min(n - 1, hi)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def plan(cfg: Config, gpu_bytes: int | str = DEFAULT_GPU) -> Plan:
+    """Plans ``cfg`` on GPUs of ``gpu_bytes`` (bytes or a preset name). Raises ValueError
+    (one clear message) when the config's dispatcher cannot fit even with full recompute."""
+    gpu = parse_gpu(gpu_bytes)
+    usable = usable_bytes(gpu)
+    sh = mm.shapes(cfg)
+    mode = choose_mode(sh, cfg.relaymoe.ring_mode)
+    vols = per_hop_bytes(sh)
+    moe_peak = {
+        "alltoall": mm.moe_peak_alltoall(sh),
+        "ring": mm.moe_peak_ring(sh, mode),
+        "ring_expert": mm.moe_peak_ring(sh, "expert"),
+        "ring_token": mm.moe_peak_ring(sh, "token"),
+    }
+    chosen = "ring" if cfg.relaymoe.dispatcher == "ring" else "alltoall"
+    plans: dict[str, dict | None] = {}
+    peaks: dict[str, int | None] = {}
+    full: dict[str, int] = {}
+    breakdown: dict[str, dict] = {}
+    max_seq: dict[str, int] = {}
+    max_mbs: dict[str, int] = {}
+    notes = []
+    rp_chosen: RecomputePlan | None = None
+    for disp in ("alltoall", "ring"):
+        full[disp] = full_recompute_peak(cfg, disp, ring_mode=mode).total
+        max_seq[disp] = max_seq_length(cfg, disp, usable, mode)
+        max_mbs[disp] = max_micro_batch(cfg, disp, usable, mode)
+        try:
+            rp = plan_recompute(cfg, disp, usable, ring_mode=mode)
+        except ValueError as e:
+            if disp == chosen:
+                raise
+            plans[disp], peaks[disp] = None, None
+            breakdown[disp] = full_recompute_peak(cfg, disp, ring_mode=mode).terms
+            notes.append(f"{disp}: {e}")
+            continue
+        kept = frozenset(rp.kept_layers)
+        pk = worst_stage_peak(cfg, disp, kept, ring_mode=mode)
+        plans[disp], peaks[disp], breakdown[disp] = rp.to_dict(), pk.total, pk.terms
+        if disp == chosen:
+            rp_chosen = rp
+        if not rp.megatron_expressible:
+            notes.append(
+                f"{disp}: the per-layer choice (kept layers {list(rp.kept_layers)}) is finer "
+                "than Megatron's block method; the flags keep the same number of layers"
+            )
+    assert rp_chosen is not None
+    overrides = rp_chosen.megatron_overrides()
+    planned = cfg.replace(
+        training={
+            "recompute_granularity": overrides["recompute_granularity"],
+            "recompute_method": overrides["recompute_method"],
+            "recompute_num_layers": overrides["recompute_num_layers"],
+            "recompute_modules": None,
+        },
+        relaymoe={"ring_mode": mode} if chosen == "ring" else {},
+    )
+    flags = tuple(to_megatron_args(planned, dispatcher=chosen))
+    return Plan(
+        config_name=cfg.name,
+        world_size=cfg.parallel.world_size,
+        gpu_bytes=gpu,
+        usable_bytes=usable,
+        dispatcher=chosen,
+        routing_mode=mode,
+        per_hop_bytes=vols,
+        moe_peak_bytes=moe_peak,
+        peak_bytes=peaks,
+        peak_full_recompute_bytes=full,
+        breakdown=breakdown,
+        recompute_plans=plans,
+        max_seq_length=max_seq,
+        max_micro_batch_size=max_mbs,
+        megatron_args=overrides,
+        megatron_flags=flags,
+        notes=tuple(notes),
+    )
+
+
+def recompute_flags(p: Plan) -> list[str]:
+    o = p.megatron_args
+    return recompute_args(
+        o["recompute_granularity"],
+        o["recompute_method"],
+        o["recompute_num_layers"],
+        o["recompute_modules"],
+    )
+
+
+# -- Megatron integration ----------------------------------------------------------------------
+
+
+def config_from_megatron_args(args) -> Config:
+    """A Config from an argparse Namespace of Megatron arguments (attribute names as Megatron's,
+    after ``validate_args``)."""
+
+    def g(name, default=None):
+        v = getattr(args, name, default)
+        return default if v is None else v
+
+    heads = g("num_attention_heads")
+    groups = g("num_query_groups") if g("group_query_attention", False) else heads
+    vocab = g("padded_vocab_size") or g("vocab_size")
+    if vocab is None:
+        raise ValueError(
+            "the recompute planner needs the vocabulary size: Megatron args have neither "
+            "padded_vocab_size nor vocab_size (run it after the tokenizer is built)"
+        )
+    tp, cp, pp = (
+        g("tensor_model_parallel_size", 1),
+        g("context_parallel_size", 1),
+        g("pipeline_model_parallel_size", 1),
+    )
+    dp = g("data_parallel_size") or max(1, g("world_size", tp * cp * pp) // (tp * cp * pp))
+    la = g("linear_attention_freq")
+    model = {
+        "num_layers": g("num_layers"),
+        "hidden_size": g("hidden_size"),
+        "num_attention_heads": heads,
+        "num_query_groups": groups,
+        "kv_channels": g("kv_channels"),
+        "num_experts": g("num_experts"),
+        "moe_router_topk": g("moe_router_topk"),
+        "moe_ffn_hidden_size": g("moe_ffn_hidden_size") or g("ffn_hidden_size"),
+        "ffn_hidden_size": g("ffn_hidden_size"),
+        "vocab_size": vocab,
+        "make_vocab_size_divisible_by": 1 if g("padded_vocab_size") else 128,
+        "moe_shared_expert_intermediate_size": g("moe_shared_expert_intermediate_size"),
+        "untie_embeddings_and_output_weights": bool(g("untie_embeddings_and_output_weights", 0)),
+        "qk_layernorm": bool(g("qk_layernorm", False)),
+        "attention_output_gate": bool(g("attention_output_gate", False)),
+        "moe_layer_freq": g("moe_layer_freq", 1),
+        "experimental_attention_variant": g("experimental_attention_variant"),
+        "linear_attention_freq": la,
+    }
+    if g("experimental_attention_variant") == "gated_delta_net":
+        for k in (
+            "linear_conv_kernel_dim",
+            "linear_key_head_dim",
+            "linear_value_head_dim",
+            "linear_num_key_heads",
+            "linear_num_value_heads",
+        ):
+            if g(k) is not None:
+                model[k] = g(k)
+    model = {k: (list(v) if isinstance(v, tuple) else v) for k, v in model.items() if v is not None}
+    vpp = g("virtual_pipeline_model_parallel_size")
+    parallel = {
+        "tp": tp,
+        "cp": cp,
+        "pp": pp,
+        "vpp": vpp,
+        "ep": g("expert_model_parallel_size", 1),
+        "etp": g("expert_tensor_parallel_size") or tp,
+        "dp": dp,
+        "sequence_parallel": bool(g("sequence_parallel", False)),
+        "use_distributed_optimizer": bool(g("use_distributed_optimizer", False)),
+    }
+    precision = "bf16" if g("bf16", False) else "fp16" if g("fp16", False) else "fp32"
+    training = {
+        "seq_length": g("seq_length"),
+        "micro_batch_size": g("micro_batch_size", 1),
+        "global_batch_size": g("global_batch_size"),
+        "precision": precision,
+    }
+    disp = g("moe_token_dispatcher_type", "alltoall")
+    relay = {
+        "dispatcher": "ring" if disp == "ring" else "alltoall",
+        "ring_mode": g("relaymoe_ring_mode", "auto"),
+    }
+    return config_from_dict(
+        {"model": model, "parallel": parallel, "training": training, "relaymoe": relay},
+        name="megatron-args",
+    )
+
+
+def plan_from_megatron_args(args, gpu_bytes: int | str | None = None) -> Plan:
+    """The plan for a Megatron run (called once at training start). GPU memory: ``gpu_bytes``,
+    else ``$RELAYMOE_GPU_BYTES``, else the current CUDA device's total memory. Deterministic:
+    every rank computes the same plan from the same arguments."""
+    if gpu_bytes is None:
+        gpu_bytes = os.environ.get("RELAYMOE_GPU_BYTES")
+    if gpu_bytes is None:
+        import torch  # only here: the planner itself is pure Python
+
+        if not torch.cuda.is_available():
+            raise ValueError(
+                "the recompute planner needs the GPU memory size: no CUDA device; "
+                "set RELAYMOE_GPU_BYTES"
+            )
+        gpu_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    return plan(
+        config_from_megatron_args(args), int(gpu_bytes) if str(gpu_bytes).isdigit() else gpu_bytes
+    )

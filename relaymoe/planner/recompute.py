@@ -1,0 +1,229 @@
+"""Peak memory per pipeline stage and the greedy selective-recompute planner (paper §3.4).
+
+Baseline: every layer fully recomputed (Megatron ``recompute_granularity=full``), the MoE block
+following its dispatcher's schedule. Option ``keep`` for layer ``i`` retains that layer's
+activations instead: memory cost ``m_i`` (kept activations minus the checkpointed input, times
+the microbatches in flight) and compute saving ``c_i`` (the forward FLOPs the backward no longer
+replays: the attention block; with alltoall also the MoE experts, which a kept Megatron layer no
+longer recomputes, whereas the ring still reconstructs per hop). Budget = usable capacity minus
+the peak under full recompute; options are taken by ``c/m``, best first, while they fit (a
+prefix of the ranking, so a larger budget never recomputes more layers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from relaymoe.config import Config
+from relaymoe.planner import memory as mm
+
+
+@dataclass(frozen=True)
+class LayerOption:
+    layer: int
+    option: str  # "keep_attention" (full attention) or "keep_linear_attention" (gated delta net)
+    mem_bytes: int  # m: extra bytes on this stage when kept
+    flops_saved: float  # c: per microbatch
+
+
+@dataclass(frozen=True)
+class RecomputePlan:
+    dispatcher: str
+    recompute_granularity: str | None
+    recompute_method: str | None
+    recompute_num_layers: int | None
+    recompute_modules: tuple[str, ...] | None
+    recomputed_layers: tuple[int, ...]  # global layer indices recomputed on every stage
+    kept_layers: tuple[int, ...]
+    budget_bytes: int
+    used_bytes: int
+    flops_saved_per_microbatch: float
+    megatron_expressible: bool  # False: per-layer choices beyond Megatron's block method
+
+    def megatron_overrides(self) -> dict:
+        return {
+            "recompute_granularity": self.recompute_granularity,
+            "recompute_method": self.recompute_method,
+            "recompute_num_layers": self.recompute_num_layers,
+            "recompute_modules": list(self.recompute_modules) if self.recompute_modules else None,
+        }
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        for k in ("recomputed_layers", "kept_layers", "recompute_modules"):
+            d[k] = list(d[k]) if d[k] is not None else None
+        return d
+
+
+@dataclass(frozen=True)
+class StagePeak:
+    stage: int
+    total: int
+    terms: dict
+
+
+def stage_peak(
+    cfg: Config,
+    stage: int,
+    dispatcher: str,
+    kept: frozenset[int] = frozenset(),
+    *,
+    seq: int | None = None,
+    mbs: int | None = None,
+    ring_mode: str = "expert",
+    logits: bool = True,
+) -> StagePeak:
+    """Peak bytes of one pipeline stage's GPU; ``kept`` layers are not recomputed."""
+    sh = mm.shapes(cfg, seq, mbs)
+    states = mm.model_state_bytes(cfg, stage)
+    layers = mm.stage_layers(cfg, stage)
+    inflight = mm.inflight_microbatches(cfg, stage)
+    per_mb = 0
+    for i in layers:
+        if i in kept:
+            per_mb += mm.attention_keep_bytes(cfg, sh, i) + mm.moe_keep_bytes(
+                cfg, sh, i, dispatcher
+            )
+        else:
+            per_mb += mm.layer_input_bytes(sh)
+    retained = int(inflight * per_mb)
+    moe_peak = mm.moe_peak_ring(sh, ring_mode) if dispatcher == "ring" else mm.moe_peak_alltoall(sh)
+    ws = 0
+    for i in layers:  # the layer in backward, rematerialized
+        attn = mm.attention_keep_bytes(cfg, sh, i)
+        if cfg.model.moe_layer_pattern[i]:
+            mlp = max(moe_peak, mm.moe_keep_bytes(cfg, sh, i, dispatcher))
+        else:
+            mlp = mm.moe_keep_bytes(cfg, sh, i, dispatcher)
+        ws = max(ws, attn + mlp)
+    last = stage == cfg.parallel.pp - 1
+    logits = mm.logits_bytes(cfg, sh) if (last and logits) else 0
+    transient = max(ws, logits)
+    terms = {
+        **states,
+        "activations_retained": retained,
+        "layer_working_set": ws,
+        "moe_block_peak": moe_peak,
+        "logits_loss": logits,
+    }
+    total = sum(states.values()) + retained + transient
+    return StagePeak(stage=stage, total=total, terms=terms)
+
+
+def worst_stage_peak(cfg: Config, dispatcher: str, kept=frozenset(), **kw) -> StagePeak:
+    stages = sorted({0, cfg.parallel.pp - 1})
+    return max((stage_peak(cfg, s, dispatcher, kept, **kw) for s in stages), key=lambda p: p.total)
+
+
+def layer_options(cfg: Config, dispatcher: str, stage: int, **kw) -> list[LayerOption]:
+    kw.pop("logits", None)
+    sh = mm.shapes(cfg, kw.get("seq"), kw.get("mbs"))
+    inflight = mm.inflight_microbatches(cfg, stage)
+    out = []
+    for i in mm.stage_layers(cfg, stage):
+        keep = mm.attention_keep_bytes(cfg, sh, i) + mm.moe_keep_bytes(cfg, sh, i, dispatcher)
+        m = int(inflight * (keep - mm.layer_input_bytes(sh)))
+        c = mm.attention_flops(cfg, sh, i)
+        if dispatcher != "ring" and cfg.model.moe_layer_pattern[i]:
+            c += 2 * sh.P * sh.h * 3 * sh.I  # experts' forward no longer replayed
+        full = cfg.model.attention_layer_pattern[i]
+        out.append(LayerOption(i, "keep_attention" if full else "keep_linear_attention", m, c))
+    return out
+
+
+def plan_recompute(
+    cfg: Config, dispatcher: str, usable_bytes: int, *, ring_mode: str = "expert", **kw
+) -> RecomputePlan:
+    """Greedy c/m selection on every pipeline stage; raises ValueError when even full
+    recompute does not fit."""
+    p = cfg.parallel
+    per_stage_kept: dict[int, list[int]] = {}
+    budget_min = None
+    used_max = 0
+    saved = 0.0
+    for stage in range(p.pp):
+        base = stage_peak(cfg, stage, dispatcher, ring_mode=ring_mode, **kw).total
+        budget = usable_bytes - base
+        if budget < 0:
+            raise ValueError(
+                f"{cfg.name or 'config'} does not fit with {dispatcher} even with full "
+                f"recompute: stage {stage} needs {gib(base)} GiB, usable {gib(usable_bytes)} GiB "
+                "per GPU; raise tp/cp/pp/ep, lower seq_length or micro_batch_size, or use a "
+                "larger GPU"
+            )
+        opts = sorted(
+            layer_options(cfg, dispatcher, stage, **kw),
+            key=lambda o: (-(o.flops_saved / max(o.mem_bytes, 1)), o.layer),
+        )
+        kept, used, c = [], 0, 0.0
+        for o in opts:
+            if used + o.mem_bytes > budget:
+                break
+            kept.append(o.layer)
+            used += o.mem_bytes
+            c += o.flops_saved
+        # the layer working set may grow when the kept layers' activations are resident:
+        # verify the whole stage and drop the least valuable kept layers until it fits.
+        while kept:
+            peak = stage_peak(cfg, stage, dispatcher, frozenset(kept), ring_mode=ring_mode, **kw)
+            if peak.total <= usable_bytes:
+                break
+            kept.pop()
+        per_stage_kept[stage] = kept
+        budget_min = budget if budget_min is None else min(budget_min, budget)
+        used_max = max(used_max, used)
+        if stage == 0:
+            saved = c
+    return _to_megatron(cfg, dispatcher, per_stage_kept, budget_min or 0, used_max, saved)
+
+
+def _to_megatron(cfg, dispatcher, per_stage_kept, budget, used, saved) -> RecomputePlan:
+    """Megatron's block method recomputes the first N layers of each stage; N must be the same
+    on all stages, so the stage that can keep the fewest layers decides."""
+    p = cfg.parallel
+    per_stage = cfg.model.num_layers // p.pp
+    n_keep = min(len(k) for k in per_stage_kept.values())
+    n_recompute = per_stage - n_keep
+    recomputed, kept = [], []
+    expressible = True
+    for stage in range(p.pp):
+        layers = mm.stage_layers(cfg, stage)
+        chosen = set(sorted(per_stage_kept[stage], key=layers.index)[:n_keep])
+        block_kept = set(layers[per_stage - n_keep :]) if n_keep else set()
+        if p.vpp and p.vpp > 1 and n_keep:
+            expressible = False
+        if chosen != block_kept:
+            # identical layers: Megatron's choice (the last ones) is as good; otherwise the
+            # per-layer list is the plan and Megatron's flags only approximate it
+            if _signature(cfg, chosen) != _signature(cfg, block_kept):
+                expressible = False
+            else:
+                chosen = block_kept
+        kept += sorted(chosen)
+        recomputed += [i for i in layers if i not in chosen]
+    if n_recompute == 0:
+        gran = method = num = None
+    else:
+        gran, method, num = "full", "block", n_recompute
+    return RecomputePlan(
+        dispatcher=dispatcher,
+        recompute_granularity=gran,
+        recompute_method=method,
+        recompute_num_layers=num,
+        recompute_modules=None,
+        recomputed_layers=tuple(sorted(recomputed)),
+        kept_layers=tuple(sorted(kept)),
+        budget_bytes=int(budget),
+        used_bytes=int(used),
+        flops_saved_per_microbatch=float(saved),
+        megatron_expressible=expressible,
+    )
+
+
+def _signature(cfg: Config, layers) -> list:
+    m = cfg.model
+    return sorted((m.attention_layer_pattern[i], m.moe_layer_pattern[i]) for i in layers)
+
+
+def gib(x: float) -> str:
+    return f"{x / 2**30:.2f}"

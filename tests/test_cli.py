@@ -1,0 +1,100 @@
+"""`relaymoe plan`: JSON keys, rich output, and one clear message per bad input."""
+
+import json
+import os
+import subprocess
+import sys
+
+from relaymoe.cli import main
+
+
+def run(capsys, *argv):
+    rc = main(list(argv))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_json_keys(capsys):
+    rc, out, err = run(capsys, "plan", "--json")
+    assert rc == 0, err
+    d = json.loads(out)
+    for k in (
+        "routing_mode",
+        "per_hop_bytes",
+        "moe_peak_bytes",
+        "peak_bytes",
+        "recompute_plan",
+        "max_seq_length",
+        "megatron_args",
+    ):
+        assert k in d, k
+    assert set(d["moe_peak_bytes"]) >= {"alltoall", "ring"}
+    assert set(d["max_seq_length"]) == {"alltoall", "ring"}
+    assert d["config_name"] == "qwen3_30b_a3b" and d["world_size"] == 32
+    assert d["per_hop_bytes"]["expert"]["total"] > 0 and d["per_hop_bytes"]["token"]["total"] > 0
+
+
+def test_overrides_and_gpu(capsys):
+    rc, out, _ = run(
+        capsys,
+        "plan",
+        "--config",
+        "tiny_qwen3",
+        "--gpu",
+        "24GiB",
+        "--ep",
+        "2",
+        "--dp",
+        "2",
+        "--mbs",
+        "2",
+        "--seq",
+        "1024",
+        "--json",
+    )
+    assert rc == 0
+    d = json.loads(out)
+    assert d["gpu_bytes"] == 24 * 2**30 and d["world_size"] == 2
+    flags = " ".join(d["megatron_args"])
+    assert "--expert-model-parallel-size 2" in flags and "--seq-length 1024" in flags
+
+
+def test_rich_table(capsys):
+    rc, out, _ = run(
+        capsys, "plan", "--config", "table3/k4", "--seq", "16384", "--gpu", "h100-64gb"
+    )
+    assert rc == 0
+    assert "alltoall" in out and "ring" in out and "Megatron flags" in out
+
+
+def test_bad_inputs(capsys, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        open(os.path.join(os.path.dirname(__file__), "..", "configs", "tiny_qwen3.yaml"))
+        .read()
+        .replace("num_layers: 4", "num_layers: 4\n  num_layerz: 4")
+    )
+    cases = [
+        (["--config", str(bad)], "unknown key model.'num_layerz'"),
+        (["--tp", "3"], "does not divide"),
+        (["--ep", "3"], "does not divide"),
+        (["--config", "qwen2_57b_a14b", "--pp", "1", "--gpu", "h100-64gb"], "does not fit"),
+        (["--gpu", "banana"], "not a preset"),
+        (["--config", "nope"], "not found"),
+    ]
+    for argv, msg in cases:
+        rc, out, err = run(capsys, "plan", *argv)
+        assert rc == 2 and msg in err and "Traceback" not in err, (argv, err)
+        assert err.count("\n") == 1  # one message
+
+
+def test_python_dash_m():
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    r = subprocess.run(
+        [sys.executable, "-m", "relaymoe", "plan", "--tp", "3"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "tp 3" in r.stderr

@@ -1,0 +1,211 @@
+"""Config schema, YAML loading, validation and Megatron flag rendering."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from relaymoe.config import (
+    CONFIG_DIR,
+    config_from_dict,
+    load_config,
+    resolve_config_path,
+    to_megatron_args,
+)
+
+ALL_CONFIGS = sorted(str(p.relative_to(CONFIG_DIR))[:-5] for p in CONFIG_DIR.rglob("*.yaml"))
+
+
+def _tiny_dict():
+    return {
+        "model": {
+            "num_layers": 4,
+            "hidden_size": 256,
+            "num_attention_heads": 8,
+            "num_query_groups": 4,
+            "num_experts": 8,
+            "moe_router_topk": 2,
+            "moe_ffn_hidden_size": 128,
+            "vocab_size": 1024,
+        },
+        "parallel": {"tp": 1, "ep": 1},
+        "training": {"seq_length": 512},
+    }
+
+
+def test_all_configs_load_and_render():
+    assert {"qwen3_30b_a3b", "qwen3_5_35b_a3b", "qwen2_57b_a14b", "tiny_qwen3"} <= set(ALL_CONFIGS)
+    assert sum(n.startswith("table3/") for n in ALL_CONFIGS) >= 8
+    for name in ALL_CONFIGS:
+        cfg = load_config(name)
+        assert cfg.name == name
+        args = to_megatron_args(cfg)
+        assert all(isinstance(a, str) for a in args)
+        assert args[args.index("--num-layers") + 1] == str(cfg.model.num_layers)
+
+
+def test_qwen3_30b_values_and_flags():
+    cfg = load_config("qwen3_30b_a3b")
+    m, p = cfg.model, cfg.parallel
+    assert (m.num_layers, m.hidden_size, m.num_experts, m.moe_router_topk) == (48, 2048, 128, 8)
+    assert (m.moe_ffn_hidden_size, m.query_groups, m.head_dim, m.vocab_size) == (
+        768,
+        4,
+        128,
+        151936,
+    )
+    assert (p.tp, p.cp, p.pp, p.ep, p.etp, p.world_size) == (2, 4, 4, 8, 1, 32)
+    s = " ".join(to_megatron_args(cfg))
+    for frag in (
+        "--num-layers 48",
+        "--hidden-size 2048",
+        "--num-experts 128",
+        "--moe-router-topk 8",
+        "--moe-ffn-hidden-size 768",
+        "--group-query-attention --num-query-groups 4",
+        "--tensor-model-parallel-size 2",
+        "--context-parallel-size 4",
+        "--pipeline-model-parallel-size 4",
+        "--expert-model-parallel-size 8",
+        "--sequence-parallel",
+        "--use-distributed-optimizer",
+        "--bf16",
+        "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
+    ):
+        assert frag in s, frag
+
+
+def test_qwen35_hybrid_pattern():
+    m = load_config("qwen3_5_35b_a3b").model
+    pat = m.attention_layer_pattern
+    assert len(pat) == 40 and sum(pat) == 10
+    assert [i for i, x in enumerate(pat) if x] == list(range(3, 40, 4))
+    assert (m.num_experts, m.moe_ffn_hidden_size, m.moe_shared_expert_intermediate_size) == (
+        256,
+        512,
+        512,
+    )
+
+
+def test_bare_name_and_path_resolve(tmp_path):
+    assert resolve_config_path("qwen3_30b_a3b") == CONFIG_DIR / "qwen3_30b_a3b.yaml"
+    assert resolve_config_path("table3/e64.yaml") == CONFIG_DIR / "table3" / "e64.yaml"
+    assert load_config(CONFIG_DIR / "tiny_qwen3.yaml").name == "tiny_qwen3"
+    with pytest.raises(ValueError, match="not found.*known names"):
+        load_config("no_such_model")
+
+
+def test_unknown_key_names_it_and_known_ones():
+    d = _tiny_dict()
+    d["model"]["num_expertz"] = 8
+    with pytest.raises(ValueError, match=r"unknown key model\.'num_expertz'.*num_experts"):
+        config_from_dict(d)
+    d = _tiny_dict()
+    d["parallel"]["pipeline"] = 2
+    with pytest.raises(ValueError, match=r"unknown key parallel\.'pipeline'.*known keys.*tp"):
+        config_from_dict(d)
+    d = _tiny_dict()
+    d["optimizer"] = {}
+    with pytest.raises(ValueError, match="unknown config section"):
+        config_from_dict(d)
+
+
+def test_alias_num_moe_experts():
+    d = _tiny_dict()
+    d["model"]["num_moe_experts"] = d["model"].pop("num_experts")
+    assert config_from_dict(d).model.num_experts == 8
+
+
+@pytest.mark.parametrize(
+    "section,key,value,pattern",
+    [
+        ("parallel", "ep", 3, "ep=3 does not divide model.num_experts=8"),
+        ("parallel", "tp", 3, "tp=3 does not divide model.num_attention_heads"),
+        ("parallel", "tp", 8, "does not divide model.num_query_groups=4"),
+        ("parallel", "pp", 3, "num_layers=4 is not divisible by pp"),
+        ("parallel", "ep", 2, "ep\\*etp=2 does not divide the tp\\*cp\\*dp=1"),
+        ("training", "seq_length", 502, None),
+        ("model", "moe_router_topk", 9, "exceeds model.num_experts"),
+        ("model", "num_layers", 0, "positive integer"),
+        ("model", "hidden_size", "big", "must be an integer"),
+        ("training", "precision", "fp8", "known: 'bf16'"),
+    ],
+)
+def test_bad_values(section, key, value, pattern):
+    d = _tiny_dict()
+    d[section][key] = value
+    if key == "ep" and value == 3:
+        d["parallel"]["dp"] = 3  # so that only the expert count is the problem
+    if section == "training" and key == "seq_length":
+        d["parallel"].update(cp=2, dp=2)  # needs seq % (2*cp) == 0
+        pattern = "seq_length=502 is not divisible by 2\\*cp\\*tp=4"
+    with pytest.raises(ValueError, match=pattern):
+        config_from_dict(d)
+
+
+def test_replace_revalidates():
+    cfg = load_config("tiny_qwen3")
+    c2 = cfg.replace(parallel={"ep": 2, "dp": 2})
+    assert (c2.parallel.ep, c2.parallel.world_size) == (2, 2)
+    assert cfg.parallel.ep == 1  # frozen original untouched
+    with pytest.raises(ValueError, match="does not divide"):
+        cfg.replace(parallel={"ep": 4})
+    with pytest.raises(ValueError, match="unknown key"):
+        cfg.replace(training={"seqlen": 4})
+
+
+def test_flags_parse_with_megatron(tmp_path):
+    """Every rendered flag is accepted by megatron-core's own argument parser, with our values."""
+    pytest.importorskip("megatron.training.arguments")
+    code = textwrap.dedent(
+        """
+        import argparse, json, sys, warnings
+        warnings.filterwarnings("ignore")
+        from megatron.training.arguments import add_megatron_arguments
+        from relaymoe.config import load_config, to_megatron_args
+        p = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+        out = {}
+        for name in sys.argv[1:]:
+            cfg = load_config(name)
+            a = p.parse_args(to_megatron_args(cfg, dispatcher="alltoall"))
+            m = cfg.model
+            assert a.num_experts == m.num_experts and a.moe_ffn_hidden_size == m.moe_ffn_hidden_size
+            assert a.num_query_groups == m.query_groups and a.kv_channels == m.kv_channels
+            assert a.expert_model_parallel_size == cfg.parallel.ep
+            assert a.linear_attention_freq == m.linear_attention_freq
+            out[name] = a.recompute_granularity
+        print(json.dumps(out))
+        """
+    )
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    names = ["qwen3_30b_a3b", "qwen3_5_35b_a3b", "qwen2_57b_a14b", "tiny_qwen3", "table3/e64"]
+    r = subprocess.run(
+        [sys.executable, "-c", code, *names], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert '"qwen3_30b_a3b": "full"' in r.stdout
+
+
+def test_recompute_fields_validated():
+    d = _tiny_dict()
+    d["training"].update(recompute_granularity="selective", recompute_modules=["core_attn", "x"])
+    with pytest.raises(ValueError, match=r"unknown module\(s\) \['x'\]"):
+        config_from_dict(d)
+    d["training"].update(recompute_granularity="full", recompute_modules=None)
+    with pytest.raises(ValueError, match="needs 'uniform' or 'block'"):
+        config_from_dict(d)
+    d["training"].update(recompute_method="block", recompute_num_layers=2)
+    assert config_from_dict(d).training.recompute_num_layers == 2
+
+
+def test_dispatcher_flags():
+    cfg = load_config("qwen3_30b_a3b")
+    s = " ".join(to_megatron_args(cfg))
+    assert "--moe-token-dispatcher-type ring --relaymoe-ring-mode auto" in s
+    s = " ".join(to_megatron_args(cfg, dispatcher="alltoall"))
+    assert "--moe-token-dispatcher-type alltoall" in s and "relaymoe" not in s
+    assert "--attention-dropout 0.0 --hidden-dropout 0.0" in s
+    with pytest.raises(ValueError, match="dispatcher='x'"):
+        to_megatron_args(cfg, dispatcher="x")
