@@ -1,0 +1,74 @@
+"""relaymoe inside Megatron: ``--moe-token-dispatcher-type ring``.
+
+``register()`` (idempotent, imports Megatron only when called) patches megatron-core 0.19 so
+that its argument parser accepts ``ring`` plus relaymoe's own flags, ``TransformerConfig``
+refuses what the ring cannot run, and ``MoELayer`` builds a ``RingDispatcher`` whose experts run
+through ``relaymoe.ring.ring_moe`` with the layer's own expert parameters. See
+``relaymoe/megatron/patches.py`` for exactly what is patched.
+
+Entry points: ``python -m relaymoe.megatron.launch PATH/pretrain_gpt.py <args>`` (registers,
+then runs your script) and ``python -m relaymoe.megatron.pretrain <args>`` (self-contained).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__all__ = [
+    "register",
+    "is_registered",
+    "configure",
+    "RingDispatcher",
+    "check_ring_config",
+    "check_ring_args",
+    "add_relaymoe_args",
+]
+
+_REGISTERED_MARK = "__relaymoe_registered__"
+
+_LAZY = {
+    "RingDispatcher": "relaymoe.megatron.dispatcher",
+    "check_ring_config": "relaymoe.megatron.validate",
+    "check_ring_args": "relaymoe.megatron.validate",
+    "configure": "relaymoe.megatron.settings",
+    "add_relaymoe_args": "relaymoe.megatron.patches",
+}
+
+
+def is_registered() -> bool:
+    """True once ``register()`` has patched this process's megatron-core."""
+    try:
+        import megatron.core as mcore
+    except ImportError:
+        return False
+    return bool(getattr(mcore, _REGISTERED_MARK, False))
+
+
+def register() -> None:
+    """Make megatron-core accept ``--moe-token-dispatcher-type ring``; safe to call twice."""
+    import megatron.core as mcore
+
+    if getattr(mcore, _REGISTERED_MARK, False):
+        return
+    version = getattr(mcore, "__version__", "0")
+    if tuple(int(p) for p in version.split(".")[:2] if p.isdigit()) < (0, 19):
+        raise RuntimeError(
+            f"relaymoe.megatron needs megatron-core >= 0.19, found {version}; "
+            f"fix: pip install 'megatron-core>=0.19'"
+        )
+    from relaymoe.megatron import patches
+
+    patches.patch_transformer_config()
+    patches.patch_moe_layer()
+    try:
+        patches.patch_arguments()
+    except ImportError:  # megatron.training absent (core-only install): nothing to parse
+        pass
+    setattr(mcore, _REGISTERED_MARK, True)
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'relaymoe.megatron' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,155 @@
+"""``RingDispatcher``: Megatron's token-dispatcher slot, filled by the ring.
+
+How it plugs into megatron-core 0.19's ``MoELayer.forward`` (route -> preprocess -> dispatch ->
+routed_experts_compute -> combine -> postprocess):
+
+* ``dispatch_preprocess`` flattens ``[S/TP, B, H]`` to ``x (T, H)`` and turns the router's
+  ``(T, E)`` ``routing_map``/``probs`` into ``topk_idx (T, K)`` (global expert ids) and
+  ``topk_probs (T, K)`` (differentiable into the router's probs);
+* ``token_dispatch``/``token_combine``/``combine_preprocess`` are identities: tokens stay on
+  their rank, nothing is gathered (with expert-TP 1 and sequence parallelism every rank of the
+  EP group already holds distinct tokens, which is exactly what the allgather dispatcher's
+  TPxEP all-gather would collect);
+* ``MoELayer.routed_experts_compute`` (wrapped by ``register()``) calls
+  ``compute_experts(experts, x, topk_probs)``: the ring over ``pg_collection.ep`` with the
+  experts module's own parameters viewed as ``w13 (El, 2I, H)`` / ``w2 (El, H, I)``;
+* ``combine_postprocess`` restores ``[S/TP, B, H]``; ``MoELayer.postprocess`` then adds the
+  shared experts' output, computed outside the ring as usual.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
+from torch import Tensor
+
+from relaymoe.megatron.expert_weights import stacked_expert_weights
+from relaymoe.megatron.settings import RingSettings, current_settings
+from relaymoe.megatron.validate import check_ring_config
+
+__all__ = ["RingDispatcher", "routing_map_to_topk"]
+
+# Tests may install a stand-in ring here while relaymoe.ring has none; None = relaymoe.ring.
+_RING_IMPL = None
+
+
+def _ring_moe():
+    if _RING_IMPL is not None:
+        return _RING_IMPL
+    from relaymoe.ring import ring_moe
+
+    return ring_moe
+
+
+def routing_map_to_topk(routing_map: Tensor, probs: Tensor, topk: int) -> tuple[Tensor, Tensor]:
+    """``(T, E)`` bool map + ``(T, E)`` probs -> ``topk_idx (T, K)`` int64, ``topk_probs (T, K)``.
+
+    Megatron's routers select exactly ``K`` experts per token (capacity dropping is refused), so
+    ``topk`` of the map recovers them. A row with fewer than ``K`` selections (e.g. a future
+    router masking padding) gets extra pairs with probability exactly 0 and no gradient, which
+    contribute nothing. ``topk_probs`` is differentiable into ``probs``.
+    """
+    if routing_map.shape != probs.shape or routing_map.dim() != 2:
+        raise ValueError(
+            f"routing_map {tuple(routing_map.shape)} and probs {tuple(probs.shape)} must both "
+            f"be (T, E)"
+        )
+    num_experts = routing_map.shape[1]
+    if not 1 <= topk <= num_experts:
+        raise ValueError(f"moe_router_topk={topk} must be in [1, num_moe_experts={num_experts}]")
+    with torch.no_grad():
+        idx = torch.topk(routing_map.to(torch.int8), topk, dim=1, sorted=False).indices
+        selected = routing_map.gather(1, idx)
+    topk_probs = torch.where(selected, probs.gather(1, idx), probs.new_zeros(()))
+    return idx, topk_probs
+
+
+class RingDispatcher(MoETokenDispatcher):
+    """Token dispatcher for ``moe_token_dispatcher_type == "ring"`` (built by ``register()``)."""
+
+    def __init__(
+        self,
+        num_local_experts: int,
+        local_expert_indices: list[int],
+        config,
+        pg_collection=None,
+        settings: RingSettings | None = None,
+    ) -> None:
+        super().__init__(config=config, pg_collection=pg_collection)
+        check_ring_config(config, ep_size=self.ep_size)
+        if self.tp_size != 1:
+            raise ValueError(
+                f"expert tensor parallel group of size {self.tp_size}: the ring needs "
+                f"--expert-tensor-parallel-size 1"
+            )
+        self.num_local_experts = num_local_experts
+        self.local_expert_indices = list(local_expert_indices)
+        expected = list(
+            range(self.ep_rank * num_local_experts, (self.ep_rank + 1) * num_local_experts)
+        )
+        if self.local_expert_indices != expected:
+            raise ValueError(
+                f"local experts {self.local_expert_indices} of EP rank {self.ep_rank} are not "
+                f"the contiguous block {expected} the ring assumes"
+            )
+        self.num_experts = config.num_moe_experts
+        self.topk = config.moe_router_topk
+        self.settings = settings if settings is not None else current_settings()
+        self.hidden_shape = None
+        self.topk_idx = None
+
+    # ---- dispatch: tokens stay where they are -------------------------------------------
+    def dispatch_preprocess(self, tokens: Tensor, routing_map: Tensor, probs: Tensor):
+        self.hidden_shape = tokens.shape
+        x_TH = tokens.reshape(-1, tokens.shape[-1])
+        self.topk_idx, probs_TK = routing_map_to_topk(
+            routing_map.reshape(-1, routing_map.shape[-1]),
+            probs.reshape(-1, probs.shape[-1]),
+            self.topk,
+        )
+        return x_TH, probs_TK
+
+    def token_dispatch(self, hidden_states: Tensor, probs: Tensor):
+        return hidden_states, probs
+
+    def dispatch_postprocess(self, hidden_states: Tensor, probs: Tensor):
+        raise NotImplementedError(
+            "RingDispatcher has no permuted-token stage: the ring runs the experts itself via "
+            "compute_experts(); MoELayer.routed_experts_compute is redirected by "
+            "relaymoe.megatron.register() (call it before building the model)"
+        )
+
+    # ---- the experts: one ring call ------------------------------------------------------
+    def compute_experts(self, experts, x_TH: Tensor, probs_TK: Tensor) -> Tensor:
+        """Routed-expert output ``(T, H)`` for this rank's tokens, via the ring."""
+        if self.topk_idx is None:
+            raise RuntimeError("compute_experts called before dispatch_preprocess")
+        idx_TK, self.topk_idx = self.topk_idx, None
+        w13, w2 = stacked_expert_weights(experts)
+        if w13.dtype != x_TH.dtype:
+            raise ValueError(
+                f"expert weights are {w13.dtype} but the MoE input is {x_TH.dtype}; the ring "
+                f"needs one dtype (train with --bf16 so both are bf16)"
+            )
+        s = self.settings
+        return _ring_moe()(
+            x_TH,
+            w13,
+            w2,
+            idx_TK,
+            probs_TK,
+            group=self.ep_group,
+            mode=s.mode,
+            transport=s.transport,
+            overlap=s.overlap,
+        )
+
+    # ---- combine: nothing to move back ----------------------------------------------------
+    def combine_preprocess(self, hidden_states: Tensor):
+        return hidden_states
+
+    def token_combine(self, hidden_states: Tensor):
+        return hidden_states
+
+    def combine_postprocess(self, hidden_states: Tensor):
+        return hidden_states.view(self.hidden_shape)

@@ -1,0 +1,257 @@
+"""The four small, idempotent patches ``register()`` applies to megatron-core 0.19.
+
+1. ``megatron.training.arguments.add_megatron_arguments``: adds ``ring`` to the choices of
+   ``--moe-token-dispatcher-type`` (built from ``TransformerConfig``'s ``Literal``) and adds the
+   ``relaymoe`` argument group.
+2. ``megatron.training.arguments.validate_args``: runs the ring refusals on the parsed
+   arguments and, with ``--relaymoe-recompute-planner``, the recompute planner (before
+   Megatron's own validation, which derives the config from the recompute flags).
+3. ``TransformerConfig.__post_init__``: the refusals at config time (before Megatron's own
+   checks, so the user reads our message and its fix rather than an unrelated assertion).
+   ``TransformerConfig`` only types the field as a ``Literal``; it checks no value itself.
+4. ``MoELayer.__init__`` / ``MoELayer.routed_experts_compute``: with ``ring`` the layer is
+   built as ``allgather`` (which communicates nothing at build time), its dispatcher replaced
+   by a ``RingDispatcher`` and its experts' parameters re-homed contiguously; the experts call
+   goes through ``RingDispatcher.compute_experts``. Every other dispatcher type is untouched.
+
+Each patched callable carries ``__relaymoe_patched__`` so a second ``register()`` is a no-op.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+logger = logging.getLogger("relaymoe.megatron")
+
+MARK = "__relaymoe_patched__"
+
+
+def _mark(fn, original):
+    setattr(fn, MARK, True)
+    fn.__relaymoe_original__ = original
+    return fn
+
+
+# --------------------------------------------------------------------------- argparse
+def add_relaymoe_args(parser):
+    """The ``relaymoe`` argument group (also usable as an ``extra_args_provider``)."""
+    from relaymoe.megatron.settings import RING_MODES, RING_TRANSPORTS
+
+    if any(a.dest == "relaymoe_ring_mode" for a in parser._actions):
+        return parser
+    group = parser.add_argument_group(title="relaymoe")
+    group.add_argument(
+        "--relaymoe-ring-mode",
+        choices=RING_MODES,
+        default="auto",
+        help="ring execution mode with --moe-token-dispatcher-type ring: experts circulate "
+        "(expert), tokens circulate (token), or the smaller per-hop volume (auto)",
+    )
+    group.add_argument(
+        "--relaymoe-transport",
+        choices=RING_TRANSPORTS,
+        default="auto",
+        help="P2P transport of the ring hops (auto: copy engine within a node when available)",
+    )
+    group.add_argument(
+        "--relaymoe-no-overlap",
+        action="store_true",
+        help="run each ring hop's transfer after its compute (ablation)",
+    )
+    group.add_argument(
+        "--relaymoe-recompute-planner",
+        action="store_true",
+        help="let relaymoe's planner choose the activation-recompute flags from the model, "
+        "parallelism and GPU memory at start (printed once)",
+    )
+    return parser
+
+
+def _extend_dispatcher_choices(parser) -> None:
+    for action in parser._actions:
+        if action.dest == "moe_token_dispatcher_type":
+            choices = list(action.choices or [])
+            if "ring" not in choices:
+                action.choices = [*choices, "ring"]
+            if action.help and "ring" not in action.help:
+                action.help += " 'ring': relaymoe's ring (tokens stay, experts travel over P2P)."
+            return
+    raise RuntimeError(
+        "megatron's parser has no --moe-token-dispatcher-type; this relaymoe supports "
+        "megatron-core 0.19"
+    )
+
+
+def patch_arguments() -> None:
+    from megatron.training import arguments
+
+    original = arguments.add_megatron_arguments
+    if not getattr(original, MARK, False):
+
+        @functools.wraps(original)
+        def add_megatron_arguments(parser):
+            parser = original(parser)
+            _extend_dispatcher_choices(parser)
+            return add_relaymoe_args(parser)
+
+        arguments.add_megatron_arguments = _mark(add_megatron_arguments, original)
+
+    original_validate = arguments.validate_args
+    if not getattr(original_validate, MARK, False):
+
+        @functools.wraps(original_validate)
+        def validate_args(args, defaults=None):
+            from relaymoe.megatron.validate import check_ring_args
+
+            # Ours first: the user reads the ring's refusal and its fix, not a later assertion.
+            check_ring_args(args)
+            if getattr(args, "relaymoe_recompute_planner", False):
+                apply_recompute_plan(args)
+            return original_validate(args, {} if defaults is None else defaults)
+
+        arguments.validate_args = _mark(validate_args, original_validate)
+
+
+# ------------------------------------------------------------------ recompute planner
+_PLAN_LOGGED = False
+
+_RECOMPUTE_ARGS = (
+    "recompute_granularity",
+    "recompute_method",
+    "recompute_num_layers",
+    "recompute_modules",
+)
+
+
+def apply_recompute_plan(args) -> dict:
+    """Ask ``relaymoe.planner.plan_from_megatron_args(args)`` for recompute flags, apply them.
+
+    The planner returns either a mapping of Megatron argument names to values or an object
+    with such a mapping in ``megatron_args``; only the recompute arguments are taken. Logged
+    once per process. Returns the applied overrides."""
+    global _PLAN_LOGGED
+    try:
+        from relaymoe.planner import plan_from_megatron_args
+    except ImportError as e:
+        raise ImportError(
+            "--relaymoe-recompute-planner needs relaymoe.planner.plan_from_megatron_args, "
+            "which this installation lacks"
+        ) from e
+    plan = plan_from_megatron_args(args)
+    overrides = plan if isinstance(plan, dict) else getattr(plan, "megatron_args", None)
+    if not isinstance(overrides, dict):
+        raise TypeError(
+            f"plan_from_megatron_args returned {type(plan).__name__}; expected a dict of "
+            f"Megatron arguments or an object with a .megatron_args dict"
+        )
+    applied = {
+        k: v
+        for k, v in overrides.items()
+        if k in _RECOMPUTE_ARGS and not (k == "recompute_modules" and v is None)
+    }
+    for k, v in applied.items():
+        setattr(args, k, v)
+    if not _PLAN_LOGGED and getattr(args, "rank", 0) == 0:
+        _PLAN_LOGGED = True
+        summary = plan.summary() if hasattr(plan, "summary") else applied
+        print(f"[relaymoe] recompute planner: {summary}; applying {applied}", flush=True)
+    return applied
+
+
+# ------------------------------------------------------------------ TransformerConfig
+def patch_transformer_config() -> None:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    original = TransformerConfig.__post_init__
+    if getattr(original, MARK, False):
+        return
+
+    @functools.wraps(original)
+    def __post_init__(self):
+        if getattr(self, "moe_token_dispatcher_type", None) == "ring":
+            from relaymoe.megatron.validate import check_ring_config
+
+            if getattr(self, "num_moe_experts", None) is not None:
+                check_ring_config(self)
+        return original(self)
+
+    TransformerConfig.__post_init__ = _mark(__post_init__, original)
+
+
+# --------------------------------------------------------------------------- MoELayer
+def patch_moe_layer() -> None:
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    original_init = MoELayer.__init__
+    if not getattr(original_init, MARK, False):
+
+        @functools.wraps(original_init)
+        def __init__(self, config, *args, **kwargs):
+            if getattr(config, "moe_token_dispatcher_type", None) != "ring":
+                return original_init(self, config, *args, **kwargs)
+            from relaymoe.megatron.dispatcher import RingDispatcher
+            from relaymoe.megatron.expert_weights import make_expert_weights_contiguous
+
+            # Build as allgather (no communication at construction), then swap the dispatcher.
+            # The config object is shared by all layers: restore it even if the build fails.
+            config.moe_token_dispatcher_type = "allgather"
+            try:
+                original_init(self, config, *args, **kwargs)
+            finally:
+                config.moe_token_dispatcher_type = "ring"
+            dispatcher = RingDispatcher(
+                self.num_local_experts,
+                self.local_expert_indices,
+                config=config,
+                pg_collection=_pg_collection_of(self),
+            )
+            self.token_dispatcher = dispatcher
+            make_expert_weights_contiguous(self.experts)
+
+        MoELayer.__init__ = _mark(__init__, original_init)
+
+    original_rec = MoELayer.routed_experts_compute
+    if not getattr(original_rec, MARK, False):
+
+        @functools.wraps(original_rec)
+        def routed_experts_compute(self, hidden_states, probs):
+            from relaymoe.megatron.dispatcher import RingDispatcher
+
+            if not isinstance(self.token_dispatcher, RingDispatcher):
+                return original_rec(self, hidden_states, probs)
+            out = self.token_dispatcher.compute_experts(self.experts, hidden_states, probs)
+            return self.token_dispatcher.combine_preprocess(out), None
+
+        MoELayer.routed_experts_compute = _mark(routed_experts_compute, original_rec)
+
+
+class _PGs:
+    """The groups a ``MoETokenDispatcher`` reads (``ep``, ``expt_tp``, ``tp_ep``)."""
+
+    def __init__(self, ep, expt_tp, tp_ep):
+        self.ep, self.expt_tp, self.tp_ep = ep, expt_tp, tp_ep
+
+
+def _pg_collection_of(layer):
+    """Rebuild the dispatcher's view of the layer's process groups from the allgather one."""
+    d = layer.token_dispatcher
+    return _PGs(d.ep_group, d.tp_group, d.tp_ep_group)
+
+
+def patched_everything() -> bool:
+    """True when all four patches are in place."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.training import arguments
+
+    return all(
+        getattr(f, MARK, False)
+        for f in (
+            arguments.add_megatron_arguments,
+            arguments.validate_args,
+            TransformerConfig.__post_init__,
+            MoELayer.__init__,
+            MoELayer.routed_experts_compute,
+        )
+    )

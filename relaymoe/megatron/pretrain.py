@@ -1,0 +1,242 @@
+"""Self-contained GPT pretraining on ``megatron.training`` with relaymoe registered.
+
+    torchrun --nproc-per-node 2 -m relaymoe.megatron.pretrain <megatron args> \
+        --moe-token-dispatcher-type ring [--mock-data | --data-path PREFIX ...]
+
+For users without a Megatron-LM checkout: the same command-line arguments as Megatron-LM's
+``pretrain_gpt.py`` for plain GPT pretraining (mock data via ``--mock-data`` or indexed
+``.bin/.idx`` datasets via ``--data-path``/``--split``; tokenizer via ``--tokenizer-type``,
+``NullTokenizer`` with ``--vocab-size`` by default). Not supported here (use ``launch`` with
+Megatron-LM's own script): SFT, FIM, packed sequences, multi-token prediction, ModelOpt.
+
+Extra output (rank 0, ``--relaymoe-report PATH``): one JSON line per logged iteration with the
+loss, tokens/s and peak memory, for ``examples/`` and ``benchmarks/bench_e2e.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from functools import partial
+
+import torch
+
+_REPORT = {"path": None, "t0": None, "tokens": 0, "step": 0}
+
+
+def _extra_args(parser):
+    group = parser.add_argument_group(title="relaymoe pretrain")
+    group.add_argument(
+        "--relaymoe-report",
+        default=None,
+        help="write one JSON line per training step (loss, tokens/s, peak memory) here",
+    )
+    return parser
+
+
+def _dataset_config(args):
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+    from megatron.training.utils.common_utils import get_blend_and_blend_per_split
+
+    blend, blend_per_split = get_blend_and_blend_per_split(args)
+    wanted = {
+        "random_seed": args.seed,
+        "sequence_length": args.seq_length,
+        "blend": blend,
+        "blend_per_split": blend_per_split,
+        "split": args.split,
+        "num_dataset_builder_threads": getattr(args, "num_dataset_builder_threads", 1),
+        "path_to_cache": getattr(args, "data_cache_path", None),
+        "mmap_bin_files": getattr(args, "mmap_bin_files", True),
+        "tokenizer": build_tokenizer(args),
+        "reset_position_ids": args.reset_position_ids,
+        "reset_attention_mask": args.reset_attention_mask,
+        "eod_mask_loss": args.eod_mask_loss,
+        "create_attention_mask": args.create_attention_mask_in_dataloader,
+        "context_parallel_size": args.context_parallel_size,
+        "data_parallel_size": args.data_parallel_size,
+        "sequence_parallel_size": args.tensor_model_parallel_size * args.sequence_parallel,
+    }
+    names = {f.name for f in dataclasses.fields(GPTDatasetConfig)}
+    return GPTDatasetConfig(**{k: v for k, v in wanted.items() if k in names})
+
+
+def datasets_provider(train_val_test_num_samples, vp_stage=None):
+    from megatron.core import mpu
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
+    from megatron.training import get_args
+    from megatron.training.utils.common_utils import is_first_or_last_pipeline_stage
+
+    args = get_args()
+    kind = MockGPTDataset if args.mock_data else GPTDataset
+
+    def built_here():
+        return mpu.get_tensor_model_parallel_rank() == 0 and is_first_or_last_pipeline_stage(
+            vp_stage
+        )
+
+    return BlendedMegatronDatasetBuilder(
+        kind, train_val_test_num_samples, built_here, _dataset_config(args)
+    ).build()
+
+
+datasets_provider.is_distributed = True
+
+_KEYS = ("attention_mask", "labels", "loss_mask", "position_ids", "tokens")
+
+
+def _get_batch(data_iterator, vp_stage=None):
+    from megatron.core import mpu
+    from megatron.core.parallel_state import get_context_parallel_group
+    from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank
+    from megatron.training import get_args
+    from megatron.training.utils.common_utils import is_first_or_last_pipeline_stage
+
+    args = get_args()
+    if not is_first_or_last_pipeline_stage(vp_stage):
+        return {k: None for k in _KEYS}
+    batch = {}
+    tp_rank = mpu.get_tensor_model_parallel_rank()
+    if tp_rank == 0:
+        raw = next(data_iterator)
+        batch = {
+            k: (raw[k].cuda(non_blocking=True) if raw.get(k) is not None else None) for k in _KEYS
+        }
+    batch = get_batch_on_this_tp_rank(
+        batch,
+        has_cu_seqlens=False,
+        is_hybrid_cp=False,
+        create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
+        broadcast_src_rank=mpu.get_tensor_model_parallel_src_rank(),
+        broadcast_group=mpu.get_tensor_model_parallel_group(),
+        cp_size=args.context_parallel_size,
+        tp_rank=tp_rank,
+        micro_batch_size=args.micro_batch_size,
+        seq_length=args.seq_length,
+        mtp_on_this_rank=False,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        is_pipeline_first_stage=mpu.is_pipeline_first_stage(),
+        is_pipeline_last_stage=mpu.is_pipeline_last_stage(),
+    )
+    if args.context_parallel_size > 1:
+        batch = get_batch_on_this_cp_rank(
+            batch, is_hybrid_cp=False, cp_group=get_context_parallel_group()
+        )
+    return {k: batch.get(k) for k in _KEYS}
+
+
+def _loss(loss_mask, output_tensor):
+    losses = output_tensor.view(-1).float()
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().clone().detach().to(torch.int)
+    return (
+        loss,
+        num_tokens,
+        {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])},
+    )
+
+
+def forward_step(data_iterator, model, return_schedule_plan: bool = False):
+    from megatron.core.utils import get_attr_wrapped_model
+
+    if return_schedule_plan:
+        raise NotImplementedError("relaymoe.megatron.pretrain has no EP-overlap schedule plan")
+    b = _get_batch(data_iterator, get_attr_wrapped_model(model, "vp_stage"))
+    out = model(
+        b["tokens"],
+        b["position_ids"],
+        b["attention_mask"],
+        labels=b["labels"],
+        loss_mask=b["loss_mask"],
+    )
+    _count_step_tokens(b["tokens"])
+    return out, partial(_loss, b["loss_mask"])
+
+
+def _count_step_tokens(tokens):
+    if tokens is not None:
+        _REPORT["tokens"] += tokens.numel()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from relaymoe.megatron import register
+
+    register()
+    if argv is not None:
+        sys.argv = [sys.argv[0], *argv]
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+    from megatron.training.argument_utils import (
+        gpt_config_from_args,
+        pretrain_cfg_container_from_args,
+    )
+    from megatron.training.arguments import parse_and_validate_args
+
+    args = parse_and_validate_args(
+        extra_args_provider=_extra_args, args_defaults={"tokenizer_type": "NullTokenizer"}
+    )
+    if args.relaymoe_report:
+        _install_step_report(args)
+    full = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
+    pretrain(full, datasets_provider, ModelType.encoder_or_decoder, forward_step)
+    return 0
+
+
+def _install_step_report(args) -> None:
+    """Wrap megatron's ``train_step`` to log loss, tokens/s and peak memory per iteration."""
+    from megatron.core import parallel_state as ps
+    from megatron.training import training
+
+    original = training.train_step
+    path = args.relaymoe_report
+
+    def train_step(*a, **kw):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        _REPORT["tokens"] = 0
+        result = original(*a, **kw)
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        loss_dict = result[0] if isinstance(result, tuple) else {}
+        loss = loss_dict.get("lm loss") if isinstance(loss_dict, dict) else None
+        if isinstance(loss, torch.Tensor):
+            loss = float(loss[0] / loss[1]) if loss.numel() == 2 else float(loss)
+        _REPORT["step"] += 1
+        # tokens this rank fed (first/last stage); global = x data-parallel x context-parallel
+        world_tokens = args.global_batch_size * args.seq_length
+        peak = torch.cuda.max_memory_allocated() / 2**20
+        if torch.distributed.get_rank() == 0 or (
+            ps.is_pipeline_last_stage()
+            and ps.get_data_parallel_rank() == 0
+            and ps.get_tensor_model_parallel_rank() == 0
+            and ps.get_context_parallel_rank() == 0
+        ):
+            if loss is not None:
+                with open(path, "a") as f:
+                    f.write(
+                        json.dumps(
+                            {
+                                "step": _REPORT["step"],
+                                "loss": loss,
+                                "step_s": dt,
+                                "tokens_per_s": world_tokens / dt,
+                                "peak_MiB": peak,
+                                "dispatcher": args.moe_token_dispatcher_type,
+                            }
+                        )
+                        + "\n"
+                    )
+        return result
+
+    training.train_step = train_step
+
+
+if __name__ == "__main__":
+    sys.exit(main())

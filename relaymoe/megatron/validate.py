@@ -1,0 +1,235 @@
+"""Config-time refusal of the Megatron options the ring dispatcher cannot honour.
+
+``check_ring_config(config)`` runs when a ``TransformerConfig`` with
+``moe_token_dispatcher_type == "ring"`` is built (``register()`` hooks ``__post_init__``) and
+again when a ``MoELayer`` builds its ``RingDispatcher``. It never imports Megatron: it reads
+attributes, so it also works on an ``argparse.Namespace`` of Megatron arguments
+(``check_ring_args``). Every refusal names the option, its value and the fix.
+
+Why each refusal:
+
+* expert tensor parallelism: the ring moves whole experts (``w13 (El, 2I, H)``); a TP-sharded
+  expert would need a TP all-reduce inside every hop.
+* TP > 1 without sequence parallelism: every TP rank would hold the same tokens and the ring
+  would compute them TP times (Megatron itself refuses this in training).
+* capacity factor / pad-to-capacity / quantization padding: the ring is dropless; it never drops
+  or pads tokens, so it would silently change the model.
+* ``moe_shared_expert_overlap``, ``overlap_moe_expert_parallel_comm``,
+  ``overlap_dispatch_backward_with_experts_wgrad``, ``delay_wgrad_compute``: these schedule
+  around an all-to-all that the ring does not have; the ring overlaps its own P2P hops.
+* flex / DeepEP / HybridEP / NCCL-EP flags: those are other dispatchers.
+* fp8 / fp4: the ring's expert kernels are bf16/fp16/fp32.
+* CUDA graphs over the MoE: the ring's per-hop token counts are data dependent.
+* expert semantics the ring does not compute (the oracle is SwiGLU without bias, probabilities
+  applied to the expert output): non-gated or non-SiLU activations, expert biases, clamped or
+  offset GLU, interleaved GLU weights, latent MoE, ``moe_apply_probs_on_input``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+__all__ = ["check_ring_config", "check_ring_args", "ring_config_problems"]
+
+_MOE_GRAPH_MODULES = {"moe", "moe_router", "moe_preprocess", "full"}
+
+
+def _names(value) -> list[str]:
+    """cuda_graph_modules as a list of names (str, enum or a list of them)."""
+    if value is None:
+        return []
+    if isinstance(value, str) or not isinstance(value, Iterable):
+        value = [value]
+    return [getattr(v, "name", str(v)) for v in value]
+
+
+def _silu_like(fn) -> bool:
+    import torch.nn.functional as F
+
+    return fn is F.silu or getattr(fn, "__name__", "") == "silu"
+
+
+def ring_config_problems(c, *, ep_size: int | None = None, args_style: bool = False) -> list[str]:
+    """All reasons the ring cannot run config ``c`` (empty when it can).
+
+    ``args_style`` words the fixes as command-line flags (always given) rather than fields.
+    """
+    g = lambda name, default=None: getattr(c, name, default)  # noqa: E731
+    problems: list[str] = []
+
+    def flag(field: str) -> str:
+        return "--" + field.replace("_", "-")
+
+    tp = g("tensor_model_parallel_size", 1) or 1
+    etp = g("expert_tensor_parallel_size", None)
+    etp = tp if etp is None else etp
+    if etp > 1:
+        inherited = " inherited from TP" if g("expert_tensor_parallel_size") is None else ""
+        problems.append(
+            f"expert tensor parallelism is not supported with the ring dispatcher "
+            f"(expert_tensor_parallel_size={etp}{inherited}); "
+            f"fix: pass --expert-tensor-parallel-size 1 (experts are split over EP only, "
+            f"TP still applies to attention)"
+        )
+    if tp > 1 and not g("sequence_parallel", False):
+        problems.append(
+            f"tensor_model_parallel_size={tp} without sequence parallelism: every TP rank would "
+            f"hold the same tokens; fix: add --sequence-parallel"
+        )
+    if g("moe_expert_capacity_factor") is not None:
+        problems.append(
+            f"moe_expert_capacity_factor={g('moe_expert_capacity_factor')}: the ring is dropless "
+            f"(never drops or pads tokens); fix: remove --moe-expert-capacity-factor"
+        )
+    if g("moe_pad_expert_input_to_capacity", False):
+        problems.append(
+            "moe_pad_expert_input_to_capacity=True: the ring is dropless; "
+            "fix: remove --moe-pad-expert-input-to-capacity"
+        )
+    for field in ("moe_router_padding_for_quantization", "moe_router_padding_for_fp8"):
+        if g(field, False):
+            problems.append(
+                f"{field}=True: the ring pads nothing for quantization; fix: remove {flag(field)}"
+            )
+    if g("moe_shared_expert_overlap", False):
+        problems.append(
+            "moe_shared_expert_overlap=True overlaps shared experts with an all-to-all the ring "
+            "does not have (shared experts run outside the ring); "
+            "fix: remove --moe-shared-expert-overlap"
+        )
+    for field in (
+        "overlap_moe_expert_parallel_comm",
+        "overlap_dispatch_backward_with_experts_wgrad",
+        "delay_wgrad_compute",
+    ):
+        if g(field, False):
+            problems.append(
+                f"{field}=True schedules around the all-to-all dispatcher; the ring overlaps "
+                f"its own P2P hops; fix: remove {flag(field)}"
+            )
+    if g("moe_enable_deepep", False):
+        problems.append(
+            "moe_enable_deepep=True selects DeepEP (a flex-dispatcher backend); "
+            "fix: remove --moe-enable-deepep"
+        )
+    for field in (
+        "moe_flex_dispatcher_num_sms",
+        "moe_deepep_num_sms",
+        "moe_hybridep_num_sms",
+        "moe_hybridep_num_blocks_permute",
+        "moe_hybridep_num_blocks_unpermute",
+    ):
+        if g(field) is not None:
+            problems.append(
+                f"{field}={g(field)} is a flex/DeepEP/HybridEP setting; fix: remove {flag(field)}"
+            )
+    for field in ("moe_ncclep_static_shape", "moe_ncclep_zero_copy"):
+        if g(field, False):
+            problems.append(f"{field}=True is an NCCL-EP (flex) setting; fix: remove {flag(field)}")
+    for field in ("fp8", "fp4"):
+        if g(field) not in (None, False):
+            problems.append(
+                f"{field}={g(field)!r}: the ring's expert kernels run in bf16/fp16/fp32; "
+                f"fix: remove --{field}-format (train in --bf16)"
+            )
+    impl = g("cuda_graph_impl", "none") or "none"
+    if g("enable_cuda_graph", False) or g("external_cuda_graph", False):
+        impl = "local" if impl == "none" else impl
+    if impl != "none":
+        modules = _names(g("cuda_graph_modules", None)) or ["full"]
+        if impl == "full_iteration" or any(m in _MOE_GRAPH_MODULES for m in modules):
+            problems.append(
+                f"CUDA graphs over the MoE layer (cuda_graph_impl={impl!r}, "
+                f"cuda_graph_modules={modules}) : the ring's per-hop token counts are data "
+                f"dependent; fix: capture only attn/mlp (--cuda-graph-modules attn) or "
+                f"remove --cuda-graph-impl"
+            )
+    if g("transformer_impl") == "inference_optimized":
+        problems.append(
+            "transformer_impl='inference_optimized' uses its own inference dispatcher; "
+            "fix: use --transformer-impl transformer_engine or local for training"
+        )
+    num_experts = g("num_moe_experts", None)
+    if num_experts is None:
+        num_experts = g("num_experts", None)
+    ep = ep_size if ep_size is not None else g("expert_model_parallel_size", 1) or 1
+    if num_experts is not None and num_experts % ep != 0:
+        problems.append(
+            f"num_moe_experts={num_experts} is not divisible by the expert-parallel size {ep}; "
+            f"fix: choose --expert-model-parallel-size dividing {num_experts}"
+        )
+    # Expert semantics the ring computes: SwiGLU, no bias, probs applied on the output.
+    if not args_style:
+        if not g("gated_linear_unit", False) or not _silu_like(g("activation_func")):
+            problems.append(
+                f"the ring computes SwiGLU experts (gated_linear_unit=True, activation_func="
+                f"silu); got gated_linear_unit={g('gated_linear_unit')}, activation_func="
+                f"{getattr(g('activation_func'), '__name__', g('activation_func'))}; fix: --swiglu"
+            )
+    else:
+        if not g("swiglu", False):
+            problems.append("the ring computes SwiGLU experts; fix: add --swiglu")
+    if g("add_bias_linear", False):
+        problems.append(
+            "add_bias_linear=True gives the experts biases the ring does not compute; "
+            "fix: add --disable-bias-linear"
+        )
+    if g("activation_func_clamp_value") is not None:
+        problems.append(
+            f"activation_func_clamp_value={g('activation_func_clamp_value')}: the ring's "
+            f"SwiGLU is unclamped; fix: remove --activation-func-clamp-value"
+        )
+    if (g("glu_linear_offset", 0.0) or 0.0) != 0.0:
+        problems.append(
+            f"glu_linear_offset={g('glu_linear_offset')}: the ring's SwiGLU has no offset; "
+            f"fix: remove --glu-linear-offset"
+        )
+    if g("moe_mlp_glu_interleave_size") is not None:
+        problems.append(
+            f"moe_mlp_glu_interleave_size={g('moe_mlp_glu_interleave_size')}: the ring reads "
+            f"fc1 as [gate; up] halves; fix: remove --moe-mlp-glu-interleave-size"
+        )
+    if g("moe_latent_size") is not None:
+        problems.append(
+            f"moe_latent_size={g('moe_latent_size')} (latent MoE) is not supported by the "
+            f"ring; fix: remove --moe-latent-size"
+        )
+    if g("moe_apply_probs_on_input", False):
+        problems.append(
+            "moe_apply_probs_on_input=True: the ring applies probabilities to the expert "
+            "output; fix: remove --moe-apply-probs-on-input"
+        )
+    offload = set(g("offload_modules", None) or [])
+    if g("fine_grained_activation_offloading", False) and offload & {
+        "expert_fc1",
+        "moe_act",
+        "fused_group_mlp",
+    }:
+        problems.append(
+            f"offload_modules={sorted(offload)} offloads expert activations the ring never "
+            f"materialises (it recomputes per hop); fix: drop expert_fc1/moe_act/"
+            f"fused_group_mlp from --offload-modules"
+        )
+    return problems
+
+
+def check_ring_config(config, *, ep_size: int | None = None) -> None:
+    """Raise ``ValueError`` listing every unsupported option of a ring ``TransformerConfig``."""
+    problems = ring_config_problems(config, ep_size=ep_size)
+    if problems:
+        raise ValueError(
+            "--moe-token-dispatcher-type ring cannot run this configuration:\n  - "
+            + "\n  - ".join(problems)
+        )
+
+
+def check_ring_args(args) -> None:
+    """The same checks on Megatron's parsed arguments (before any model is built)."""
+    if getattr(args, "moe_token_dispatcher_type", None) != "ring":
+        return
+    problems = ring_config_problems(args, args_style=True)
+    if problems:
+        raise ValueError(
+            "--moe-token-dispatcher-type ring cannot run these arguments:\n  - "
+            + "\n  - ".join(problems)
+        )

@@ -1,0 +1,446 @@
+"""MoELayer with ``--moe-token-dispatcher-type ring`` vs Megatron's own allgather dispatcher.
+
+Each world size (EP = 1, 2, 4) is one spawned gloo job. In every rank:
+
+* a ring ``MoELayer`` at EP = world (its own slice of the experts, its own tokens; uneven token
+  counts across ranks), built through ``register()``'s patched ``MoELayer``;
+* a reference ``MoELayer`` with the stock allgather dispatcher at EP = 1 holding all experts,
+  run on the union of every rank's tokens (megatron's allgather cannot run at EP > 1 on CPU: it
+  allocates its gather buffer with ``torch.cuda.current_device()``). At EP = 1 this is the plain
+  allgather-vs-ring comparison on the same tokens.
+
+Both get identical weights; outputs, the input gradient, every expert weight gradient, the
+router gradient and the shared-expert gradients (summed over ranks, as DP would) must agree in
+fp32. Megatron's router moves its weight to CUDA in ``gating``: the tests pass a CPU-safe
+``TopKRouter`` subclass through ``MoESubmodules.router``.
+
+Then checkpoint interchange: alltoall and ring layers of the same EP have identical
+``state_dict`` and ``sharded_state_dict`` keys (and sharding metadata), and a checkpoint saved
+through Megatron's distributed checkpointing from one loads into the other.
+
+The ring is ``relaymoe.ring.ring_moe`` when that package exports it; until then a stand-in
+defined here (all-gather the tokens, compute local experts with the float64-capable oracle,
+all-reduce the outputs) with the same contract.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.slow
+
+H, I_FFN, B = 16, 8, 2
+
+
+# ------------------------------------------------------------------------------ stand-in ring
+class _AllgatherRing(torch.autograd.Function):
+    """ring_moe's contract, the slow way: gather tokens, local experts, all-reduce outputs."""
+
+    @staticmethod
+    def forward(ctx, x, w13, w2, idx, probs, group):
+        from relaymoe.reference import moe_experts_reference
+
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        el = w13.shape[0]
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(sizes, torch.tensor([x.shape[0]]), group=group)
+        sizes = [int(s) for s in sizes]
+        tmax = max(sizes)
+
+        def gather(t):
+            pad = t.new_zeros((tmax, *t.shape[1:]))
+            pad[: t.shape[0]] = t
+            bufs = [torch.empty_like(pad) for _ in range(world)]
+            dist.all_gather(bufs, pad.contiguous(), group=group)
+            return torch.cat([b[:n] for b, n in zip(bufs, sizes, strict=True)])
+
+        with torch.enable_grad():
+            xa = gather(x.detach()).requires_grad_(True)
+            pa = gather(probs.detach()).requires_grad_(True)
+            ia = gather(idx)
+            mine = (ia >= rank * el) & (ia < (rank + 1) * el)
+            il = torch.where(mine, ia - rank * el, torch.zeros_like(ia))
+            pl = torch.where(mine, pa, torch.zeros_like(pa))
+            w13l = w13.detach().requires_grad_(True)
+            w2l = w2.detach().requires_grad_(True)
+            y = moe_experts_reference(xa, w13l, w2l, il, pl)
+        full = y.detach().clone()
+        dist.all_reduce(full, group=group)
+        start = sum(sizes[:rank])
+        ctx.state = (xa, pa, w13l, w2l, y, sizes, start, group)
+        return full[start : start + x.shape[0]].clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        xa, pa, w13l, w2l, y, sizes, start, group = ctx.state
+        world = len(sizes)
+        tmax = max(sizes)
+        pad = g.new_zeros((tmax, g.shape[1]))
+        pad[: g.shape[0]] = g
+        bufs = [torch.empty_like(pad) for _ in range(world)]
+        dist.all_gather(bufs, pad.contiguous(), group=group)
+        ga = torch.cat([b[:n] for b, n in zip(bufs, sizes, strict=True)])
+        dx, dp, dw13, dw2 = torch.autograd.grad(y, [xa, pa, w13l, w2l], ga, allow_unused=True)
+        dist.all_reduce(dx, group=group)
+        dist.all_reduce(dp, group=group)
+        n = g.shape[0]
+        ctx.state = None
+        return dx[start : start + n], dw13, dw2, None, dp[start : start + n], None
+
+
+def standin_ring_moe(
+    x, w13, w2, topk_idx, topk_probs, *, group=None, mode="auto", transport="auto", overlap=True
+):
+    assert mode in ("auto", "expert", "token") and transport in ("auto", "nccl", "copy_engine")
+    return _AllgatherRing.apply(x, w13, w2, topk_idx, topk_probs, group)
+
+
+def real_ring_available() -> bool:
+    try:
+        import relaymoe.ring as ring
+
+        return callable(getattr(ring, "ring_moe", None))
+    except Exception:
+        return False
+
+
+# ------------------------------------------------------------------------------ megatron setup
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cpu_router_cls():
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    class CpuTopKRouter(TopKRouter):
+        """TopKRouter whose gating stays on the weight's device (megatron moves it to CUDA)."""
+
+        def gating(self, input):
+            dtype = input.dtype
+            if self.config.moe_router_dtype == "fp32":
+                dtype = torch.float32
+            elif self.config.moe_router_dtype == "fp64":
+                dtype = torch.float64
+            return F.linear(input.to(dtype), self.weight.to(dtype))
+
+    return CpuTopKRouter
+
+
+def make_config(dispatcher: str, ep: int, **kw):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    base = dict(
+        num_layers=1,
+        hidden_size=H,
+        num_attention_heads=4,
+        num_moe_experts=8,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=I_FFN,
+        ffn_hidden_size=I_FFN,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        bias_activation_fusion=False,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=1,
+        use_cpu_initialization=True,
+        moe_router_load_balancing_type="none",
+        params_dtype=torch.float32,
+        moe_token_dispatcher_type=dispatcher,
+    )
+    base.update(kw)
+    return TransformerConfig(**base)
+
+
+def build_layer(config, pgs):
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+
+    spec = get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts)
+    sub = dataclasses.replace(spec.keywords["submodules"], router=_cpu_router_cls())
+    return spec.func(config, submodules=sub, layer_number=1, pg_collection=pgs)
+
+
+def single_rank_pgs(rank: int, world: int):
+    """A ProcessGroupCollection in which every group is this rank alone (EP = TP = 1)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    mine = None
+    for r in range(world):  # new_group is collective: every rank creates every group
+        g = dist.new_group([r])
+        if r == rank:
+            mine = g
+    pgs = ProcessGroupCollection()
+    for name in ("tp", "cp", "tp_cp", "tp_dp_cp", "dp", "dp_cp", "ep", "expt_tp", "tp_ep"):
+        setattr(pgs, name, mine)
+    pgs.expt_dp = mine
+    return pgs
+
+
+def _init(rank: int, world: int, port: int, impl: str = "ring") -> None:
+    warnings.filterwarnings("ignore")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
+    )
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(expert_model_parallel_size=world, create_gloo_process_groups=False)
+    import relaymoe.megatron as rm
+    import relaymoe.megatron.dispatcher as disp
+
+    rm.register()
+    disp._RING_IMPL = standin_ring_moe if impl == "standin" else None
+
+
+# ---------------------------------------------------------------------------- weights/inputs
+def global_weights(cfg, seed: int, *, skew: bool = False):
+    g = torch.Generator().manual_seed(seed)
+    e, i, h = cfg.num_moe_experts, cfg.moe_ffn_hidden_size, cfg.hidden_size
+    w = {
+        "router": torch.randn(e, h, generator=g) * 0.5,
+        "fc1": torch.randn(e, 2 * i, h, generator=g) / h**0.5,
+        "fc2": torch.randn(e, h, i, generator=g) / i**0.5,
+    }
+    if skew:  # every token prefers experts 0..K-1: the other experts (and ranks) get nothing
+        w["router"][: cfg.moe_router_topk] += 50.0
+        w["router"][: cfg.moe_router_topk] = w["router"][: cfg.moe_router_topk].abs()
+    if cfg.moe_shared_expert_intermediate_size:
+        s = cfg.moe_shared_expert_intermediate_size
+        w["sh1"] = torch.randn(2 * s, h, generator=g) / h**0.5
+        w["sh2"] = torch.randn(h, s, generator=g) / s**0.5
+    return w
+
+
+@torch.no_grad()
+def load_weights(layer, w, first: int, count: int) -> None:
+    layer.router.weight.copy_(w["router"])
+    for j, ex in enumerate(layer.experts.local_experts):
+        assert j < count
+        ex.linear_fc1.weight.copy_(w["fc1"][first + j])
+        ex.linear_fc2.weight.copy_(w["fc2"][first + j])
+    if "sh1" in w:
+        layer.shared_experts.linear_fc1.weight.copy_(w["sh1"])
+        layer.shared_experts.linear_fc2.weight.copy_(w["sh2"])
+
+
+def rel(a, b) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def check_close(name, got, ref, tol=2e-5):
+    assert got.shape == ref.shape, f"{name}: shape {tuple(got.shape)} vs {tuple(ref.shape)}"
+    assert torch.isfinite(got).all(), f"{name}: non-finite values"
+    if ref.norm() == 0:
+        assert got.norm() == 0, f"{name}: expected exactly zero, got norm {got.norm()}"
+        return
+    err = rel(got, ref)
+    assert err < tol, f"{name}: relative error {err:.3g} > {tol}"
+
+
+# ------------------------------------------------------------------------------ the cases
+def run_equivalence(rank, world, case: dict) -> None:
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    kw = dict(case.get("config", {}))
+    cfg_ring = make_config("ring", world, **kw)
+    cfg_ref = make_config("allgather", 1, **{**kw, "expert_model_parallel_size": 1})
+    ring = build_layer(cfg_ring, ProcessGroupCollection.use_mpu_process_groups())
+    ref = build_layer(cfg_ref, single_rank_pgs(rank, world))
+    from relaymoe.megatron.dispatcher import RingDispatcher
+
+    assert isinstance(ring.token_dispatcher, RingDispatcher)
+    assert type(ref.token_dispatcher).__name__ == "MoEAllGatherTokenDispatcher"
+    el = cfg_ring.num_moe_experts // world
+    w = global_weights(cfg_ring, seed=case["seed"], skew=case.get("skew", False))
+    load_weights(ring, w, rank * el, el)
+    load_weights(ref, w, 0, cfg_ring.num_moe_experts)
+    ring.train()
+    ref.train()
+
+    g = torch.Generator().manual_seed(case["seed"] + 1)
+    seqs = [case.get("seq", 5) + (r if case.get("uneven", True) else 0) for r in range(world)]
+    xs = [torch.randn(s, B, H, generator=g) for s in seqs]
+    gs = [torch.randn(s, B, H, generator=g) for s in seqs]
+    start = sum(seqs[:rank])
+
+    x_ref = torch.cat(xs).requires_grad_(True)
+    out_ref, _ = ref(x_ref)
+    (out_ref * torch.cat(gs)).sum().backward()
+
+    x = xs[rank].clone().requires_grad_(True)
+    out, bias = ring(x)
+    assert bias is None
+    # poison: the ring output must not alias anything we later overwrite
+    (out * gs[rank]).sum().backward()
+
+    tag = f"[EP={world} rank={rank} {case['name']}]"
+    check_close(f"{tag} output", out, out_ref[start : start + seqs[rank]])
+    check_close(f"{tag} d input", x.grad, x_ref.grad[start : start + seqs[rank]])
+    for j, ex in enumerate(ring.experts.local_experts):
+        rex = ref.experts.local_experts[rank * el + j]
+        check_close(f"{tag} d fc1[{j}]", ex.linear_fc1.weight.grad, rex.linear_fc1.weight.grad)
+        check_close(f"{tag} d fc2[{j}]", ex.linear_fc2.weight.grad, rex.linear_fc2.weight.grad)
+    summed = [ring.router.weight.grad.clone()]
+    ref_summed = [ref.router.weight.grad]
+    if ring.shared_experts is not None:
+        summed += [
+            ring.shared_experts.linear_fc1.weight.grad.clone(),
+            ring.shared_experts.linear_fc2.weight.grad.clone(),
+        ]
+        ref_summed += [
+            ref.shared_experts.linear_fc1.weight.grad,
+            ref.shared_experts.linear_fc2.weight.grad,
+        ]
+    for k, (t, r) in enumerate(zip(summed, ref_summed, strict=True)):
+        dist.all_reduce(t)  # what DP's gradient all-reduce does with these replicated params
+        check_close(f"{tag} d replicated param {k} (router, shared...)", t, r)
+
+
+def _sd_meta(sd):
+    out = {}
+    for k, v in sd.items():
+        key = getattr(v, "key", None)
+        out[k] = (
+            key,
+            tuple(getattr(v, "global_offset", ()) or ()),
+            tuple(getattr(v, "global_shape", ()) or ()),
+            tuple(getattr(v, "axis_fragmentations", ()) or ()),
+        )
+    return out
+
+
+def run_checkpoint_interchange(rank, world) -> None:
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    # The alltoall dispatcher creates a CUDA stream at construction; we never run it here.
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = "unused on CPU"
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    kw = dict(moe_shared_expert_intermediate_size=12)
+    a2a = build_layer(make_config("alltoall", world, **kw), pgs)
+    ring = build_layer(make_config("ring", world, **kw), pgs)
+    assert type(a2a.token_dispatcher).__name__ == "MoEAlltoAllTokenDispatcher"
+    w = global_weights(a2a.config, seed=7)
+    el = 8 // world
+    load_weights(a2a, w, rank * el, el)
+
+    # plain state_dict: same keys, and values carried over exactly, both ways
+    sd_a = a2a.state_dict()
+    assert sorted(sd_a) == sorted(ring.state_dict()), "state_dict keys differ alltoall vs ring"
+    ring.load_state_dict(sd_a)
+    for k, v in ring.state_dict().items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(v, sd_a[k]), f"state_dict value {k} differs after load"
+
+    # sharded_state_dict: same keys and same global sharding metadata
+    meta_a, meta_r = _sd_meta(a2a.sharded_state_dict()), _sd_meta(ring.sharded_state_dict())
+    assert meta_a == meta_r, f"sharded_state_dict differs: {meta_a} vs {meta_r}"
+
+    # a distributed-checkpoint round trip by (key, global offset) of every ShardedTensor, as
+    # megatron's dist_checkpointing does (its savers call CUDA unconditionally, so the real
+    # save/load runs in tests/gpu/test_e2e_gpu.py): alltoall -> ring -> alltoall
+    saved = shard_save(a2a)
+    fresh_ring = build_layer(make_config("ring", world, **kw), pgs)
+    shard_load(fresh_ring, saved)
+    for k, v in fresh_ring.state_dict().items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(v, sd_a[k]), f"checkpoint alltoall->ring: {k} differs"
+    torch.manual_seed(99)  # same draws on every rank: replicated params stay replicas
+    with torch.no_grad():
+        for p in fresh_ring.parameters():
+            p.add_(torch.randn_like(p))
+    saved = shard_save(fresh_ring)
+    fresh_a2a = build_layer(make_config("alltoall", world, **kw), pgs)
+    shard_load(fresh_a2a, saved)
+    sd_r = fresh_ring.state_dict()
+    for k, v in fresh_a2a.state_dict().items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(v, sd_r[k]), f"checkpoint ring->alltoall: {k} differs"
+
+
+def _shards(layer):
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    sd = layer.sharded_state_dict()
+    apply_factories(sd)  # e.g. the SwiGLU fc1 factory: gate and up halves as separate shards
+    return [v for v in nested_values(sd) if isinstance(v, ShardedTensor)]
+
+
+def shard_save(layer) -> dict:
+    local = {(sh.key, tuple(sh.global_offset)): sh.data.detach().clone() for sh in _shards(layer)}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, local)
+    merged = {}
+    for d in everyone:
+        for k, v in d.items():
+            if k in merged:  # a replicated shard (router, shared experts) must agree
+                assert torch.equal(merged[k], v), f"replicas of {k} differ"
+            merged[k] = v
+    return merged
+
+
+@torch.no_grad()
+def shard_load(layer, saved: dict) -> None:
+    for sh in _shards(layer):
+        src = saved[(sh.key, tuple(sh.global_offset))]
+        assert src.shape == sh.data.shape, f"{sh.key}: {src.shape} vs {sh.data.shape}"
+        sh.data.copy_(src)
+
+
+CASES = [
+    dict(name="top2+shared", seed=1, config=dict(moe_shared_expert_intermediate_size=12)),
+    dict(
+        name="top1-sigmoid",
+        seed=2,
+        config=dict(moe_router_topk=1, moe_router_score_function="sigmoid"),
+    ),
+    dict(name="topK=E", seed=3, config=dict(moe_router_topk=8)),
+    dict(name="skewed(empty experts)", seed=4, skew=True, config=dict(moe_router_topk=2)),
+    dict(
+        name="pre-softmax+group-topk+scale",
+        seed=5,
+        config=dict(
+            moe_router_topk=2,
+            moe_router_pre_softmax=True,
+            moe_router_num_groups=4,
+            moe_router_group_topk=2,
+            moe_router_topk_scaling_factor=2.5,
+        ),
+    ),
+]
+
+
+def _worker(rank, world, port, impl):
+    _init(rank, world, port, impl)
+    for case in CASES:
+        run_equivalence(rank, world, case)
+    if impl == "standin":  # the checkpoint layout does not depend on the ring
+        run_checkpoint_interchange(rank, world)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_integration_with_standin_ring_and_checkpoint_interchange(world):
+    """The Megatron integration itself, isolated from the ring engine by the stand-in."""
+    mp.spawn(_worker, args=(world, _free_port(), "standin"), nprocs=world, join=True)
+
+
+@pytest.mark.skipif(not real_ring_available(), reason="relaymoe.ring exports no ring_moe yet")
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_ring_moelayer_matches_allgather(world):
+    """End to end: the MoELayer with relaymoe.ring.ring_moe (mode auto) vs allgather."""
+    mp.spawn(_worker, args=(world, _free_port(), "ring"), nprocs=world, join=True)

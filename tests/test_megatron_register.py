@@ -1,0 +1,312 @@
+"""register(), the parser, the refusals and the small pieces of relaymoe.megatron (in-process)."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import types
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+warnings.filterwarnings("ignore")
+
+
+@pytest.fixture(scope="module")
+def mcore():
+    import relaymoe.megatron as rm
+
+    rm.register()
+    return rm
+
+
+def _config(**kw):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    base = dict(
+        num_layers=1,
+        hidden_size=16,
+        num_attention_heads=4,
+        num_moe_experts=8,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=8,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        bias_activation_fusion=False,
+        expert_model_parallel_size=2,
+        moe_token_dispatcher_type="ring",
+    )
+    base.update(kw)
+    return TransformerConfig(**base)
+
+
+def test_import_relaymoe_megatron_does_not_import_megatron():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, relaymoe, relaymoe.megatron; "
+        "assert 'megatron.core' not in sys.modules, 'imported megatron eagerly'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_register_twice_is_harmless(mcore):
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.training import arguments
+
+    from relaymoe.megatron.patches import patched_everything
+
+    before = (MoELayer.__init__, MoELayer.routed_experts_compute, arguments.add_megatron_arguments)
+    mcore.register()
+    mcore.register()
+    after = (MoELayer.__init__, MoELayer.routed_experts_compute, arguments.add_megatron_arguments)
+    assert before == after, "a second register() re-wrapped something"
+    assert mcore.is_registered() and patched_everything()
+    # the parser still has exactly one 'ring' choice and one relaymoe group
+    parser = arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    (action,) = [a for a in parser._actions if a.dest == "moe_token_dispatcher_type"]
+    assert list(action.choices).count("ring") == 1
+    assert sum(a.dest == "relaymoe_ring_mode" for a in parser._actions) == 1
+
+
+def test_parser_accepts_ring_and_relaymoe_flags(mcore):
+    from megatron.training import arguments
+
+    parser = arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    ns = parser.parse_args(
+        "--moe-token-dispatcher-type ring --relaymoe-ring-mode token "
+        "--relaymoe-transport nccl --relaymoe-no-overlap".split()
+    )
+    assert ns.moe_token_dispatcher_type == "ring"
+    assert (ns.relaymoe_ring_mode, ns.relaymoe_transport, ns.relaymoe_no_overlap) == (
+        "token",
+        "nccl",
+        True,
+    )
+    assert parser.parse_args([]).relaymoe_ring_mode == "auto"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--relaymoe-ring-mode", "sideways"])
+    # megatron's own parser (the unpatched function) rejects ring: the patch is what adds it
+    original = arguments.add_megatron_arguments.__relaymoe_original__
+    plain = original(argparse.ArgumentParser(allow_abbrev=False))
+    with pytest.raises(SystemExit):
+        plain.parse_args(["--moe-token-dispatcher-type", "ring"])
+
+
+def test_settings_from_args_and_configure(mcore):
+    from relaymoe.megatron import settings
+
+    settings.reset()
+    assert settings.current_settings() == settings.RingSettings()
+    s = mcore.configure(mode="expert", overlap=False)
+    assert s == settings.RingSettings(mode="expert", transport="auto", overlap=False)
+    assert settings.current_settings() is s
+    settings.reset()
+    with pytest.raises(ValueError, match="ring mode"):
+        settings.RingSettings(mode="diagonal")
+
+
+def test_supported_config_passes(mcore):
+    cfg = _config(
+        moe_shared_expert_intermediate_size=16,
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=1e-2,
+        moe_z_loss_coeff=1e-3,
+    )
+    assert cfg.moe_token_dispatcher_type == "ring"
+    from relaymoe.megatron.validate import ring_config_problems
+
+    assert ring_config_problems(cfg) == []
+    # TP with sequence parallelism and expert-TP 1 is fine; CUDA graphs over attention only too
+    ok = copy.copy(cfg)
+    ok.tensor_model_parallel_size, ok.sequence_parallel, ok.expert_tensor_parallel_size = 2, True, 1
+    ok.cuda_graph_impl, ok.cuda_graph_modules = "transformer_engine", ["attn"]
+    assert ring_config_problems(ok) == []
+
+
+REFUSALS = [
+    (
+        dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_tensor_parallel_size=2),
+        "--expert-tensor-parallel-size 1",
+    ),
+    (dict(tensor_model_parallel_size=2, sequence_parallel=True), "inherited from TP"),
+    (
+        dict(tensor_model_parallel_size=2, expert_tensor_parallel_size=1),
+        "fix: add --sequence-parallel",
+    ),
+    (dict(moe_expert_capacity_factor=1.0), "remove --moe-expert-capacity-factor"),
+    (dict(moe_pad_expert_input_to_capacity=True), "remove --moe-pad-expert-input-to-capacity"),
+    (
+        dict(moe_shared_expert_intermediate_size=16, moe_shared_expert_overlap=True),
+        "remove --moe-shared-expert-overlap",
+    ),
+    (dict(overlap_moe_expert_parallel_comm=True), "remove --overlap-moe-expert-parallel-comm"),
+    (dict(moe_enable_deepep=True), "remove --moe-enable-deepep"),
+    (dict(moe_flex_dispatcher_num_sms=20), "remove --moe-flex-dispatcher-num-sms"),
+    (dict(moe_hybridep_num_sms=20), "remove --moe-hybridep-num-sms"),
+    (dict(fp8="e4m3"), "fp8='e4m3'"),
+    (dict(fp4="e2m1"), "fp4='e2m1'"),
+    (dict(cuda_graph_impl="transformer_engine"), "CUDA graphs over the MoE"),
+    (dict(cuda_graph_impl="local", cuda_graph_modules=["moe_router"]), "CUDA graphs over the MoE"),
+    (dict(cuda_graph_impl="full_iteration", cuda_graph_modules=[]), "CUDA graphs over the MoE"),
+    (dict(num_moe_experts=6, expert_model_parallel_size=4), "not divisible by the expert-parallel"),
+    (dict(gated_linear_unit=False), "SwiGLU"),
+    (dict(activation_func=F.gelu), "SwiGLU"),
+    (dict(add_bias_linear=True), "--disable-bias-linear"),
+    (dict(moe_apply_probs_on_input=True, moe_router_topk=1), "moe_apply_probs_on_input"),
+    (dict(moe_latent_size=8), "latent MoE"),
+    (dict(activation_func_clamp_value=7.0), "activation_func_clamp_value"),
+    (dict(moe_mlp_glu_interleave_size=4), "moe_mlp_glu_interleave_size"),
+]
+
+
+@pytest.mark.parametrize("kw,message", REFUSALS, ids=[m for _, m in REFUSALS])
+def test_refused_at_config_time(mcore, kw, message):
+    with pytest.raises(ValueError) as info:
+        _config(**kw)
+    text = str(info.value)
+    assert "--moe-token-dispatcher-type ring cannot run" in text
+    assert message in text, text
+    assert "fix" in text
+
+
+def test_same_options_accepted_by_other_dispatchers(mcore):
+    # the patch only judges ring configs
+    _config(moe_token_dispatcher_type="alltoall", moe_expert_capacity_factor=1.0)
+
+
+def test_refused_on_megatron_args(mcore):
+    from relaymoe.megatron.validate import check_ring_args
+
+    ns = types.SimpleNamespace(
+        moe_token_dispatcher_type="ring",
+        num_experts=8,
+        expert_model_parallel_size=4,
+        tensor_model_parallel_size=1,
+        swiglu=True,
+        add_bias_linear=False,
+        moe_expert_capacity_factor=None,
+    )
+    check_ring_args(ns)
+    ns.moe_expert_capacity_factor = 1.25
+    ns.swiglu = False
+    with pytest.raises(ValueError) as info:
+        check_ring_args(ns)
+    assert "moe_expert_capacity_factor=1.25" in str(info.value)
+    assert "add --swiglu" in str(info.value)
+    ns.moe_token_dispatcher_type = "alltoall"
+    check_ring_args(ns)  # not ours to judge
+
+
+def test_recompute_plan_applied_once(mcore, monkeypatch, capsys):
+    import relaymoe.planner as planner
+    from relaymoe.megatron import patches
+
+    class FakePlan:
+        megatron_args = {
+            "recompute_granularity": "selective",
+            "recompute_modules": ["moe"],
+            "recompute_method": None,
+            "lr": 1.0,
+        }
+
+        def summary(self):
+            return "fake plan"
+
+    monkeypatch.setattr(planner, "plan_from_megatron_args", lambda args: FakePlan())
+    monkeypatch.setattr(patches, "_PLAN_LOGGED", False)
+    ns = types.SimpleNamespace(
+        rank=0, recompute_granularity=None, recompute_modules=None, recompute_method="block", lr=3.0
+    )
+    applied = patches.apply_recompute_plan(ns)
+    patches.apply_recompute_plan(ns)
+    assert applied == {
+        "recompute_granularity": "selective",
+        "recompute_modules": ["moe"],
+        "recompute_method": None,
+    }
+    assert (ns.recompute_granularity, ns.recompute_modules, ns.recompute_method, ns.lr) == (
+        "selective",
+        ["moe"],
+        None,
+        3.0,
+    )
+    assert capsys.readouterr().out.count("recompute planner: fake plan") == 1
+
+
+# ------------------------------------------------------------------ small pieces
+def test_routing_map_to_topk():
+    pytest.importorskip("megatron.core")
+    from relaymoe.megatron.dispatcher import routing_map_to_topk
+
+    g = torch.Generator().manual_seed(0)
+    T, E, K = 9, 6, 3
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    rmap = torch.zeros(T, E, dtype=torch.bool).scatter_(1, idx, True)
+    probs = (torch.rand(T, E, generator=g) * rmap).requires_grad_(True)
+    rmap[4] = False  # a row with no selection (masked token): its pairs carry probability 0
+    rmap[5, idx[5, 0]] = False  # a row with fewer than K
+    got_idx, got_p = routing_map_to_topk(rmap, probs, K)
+    for t in range(T):
+        chosen = {int(e) for e, p in zip(got_idx[t], got_p[t], strict=True) if p != 0}
+        assert chosen == {int(e) for e in rmap[t].nonzero().flatten()}
+        assert len(set(got_idx[t].tolist())) == K  # distinct ids
+    got_p.sum().backward()
+    assert torch.equal(probs.grad, rmap.to(probs.dtype))  # gradient only on selected entries
+    with pytest.raises(ValueError, match="moe_router_topk"):
+        routing_map_to_topk(rmap, probs, E + 1)
+
+
+class _Lin(torch.nn.Module):
+    def __init__(self, w):
+        super().__init__()
+        self.weight = torch.nn.Parameter(w)
+        self.bias = None
+
+
+class _Expert(torch.nn.Module):
+    def __init__(self, w1, w2):
+        super().__init__()
+        self.linear_fc1, self.linear_fc2 = _Lin(w1), _Lin(w2)
+
+
+class _Seq(torch.nn.Module):  # SequentialMLP's layout
+    def __init__(self, w13, w2):
+        super().__init__()
+        self.local_experts = torch.nn.ModuleList(
+            _Expert(a.clone(), b.clone()) for a, b in zip(w13, w2, strict=True)
+        )
+
+
+@pytest.mark.parametrize("contiguous", [False, True])
+def test_stacked_expert_weights_view_and_copy(contiguous):
+    from relaymoe.megatron import expert_weights as ew
+
+    g = torch.Generator().manual_seed(1)
+    w13, w2 = torch.randn(3, 8, 5, generator=g), torch.randn(3, 5, 4, generator=g)
+    m = _Seq(w13, w2)  # separate tensors per expert, as Megatron allocates them
+    names = [n for n, _ in m.named_parameters()]
+    if contiguous:
+        ew.make_expert_weights_contiguous(m)
+        assert [n for n, _ in m.named_parameters()] == names
+    a, b = ew.stacked_expert_weights(m)
+    assert ew.last_stack_copied() is (not contiguous)
+    assert torch.equal(a, w13) and torch.equal(b, w2)
+    if contiguous:
+        assert a.data_ptr() == m.local_experts[0].linear_fc1.weight.data_ptr()
+    ga, gb = torch.randn_like(a), torch.randn_like(b)
+    ((a * ga).sum() + (b * gb).sum()).backward()
+    for j, e in enumerate(m.local_experts):
+        assert torch.equal(e.linear_fc1.weight.grad, ga[j])
+        assert torch.equal(e.linear_fc2.weight.grad, gb[j])
+
+
+def test_unknown_experts_module_refused():
+    from relaymoe.megatron.expert_weights import expert_param_lists
+
+    with pytest.raises(NotImplementedError, match="SequentialMLP"):
+        expert_param_lists(torch.nn.Linear(2, 2))
