@@ -149,16 +149,16 @@ def expert_hop_forward(
     range's pre-activation ``h (P, 2I)`` in expert-grouped order when ``save="act"``, else None.
     """
     e0, e1 = _range(expert_range, index)
-    if out_TH is None:
-        out_TH = torch.zeros_like(x_TH)
     if resolve_backend(backend, x_TH.device) == "triton":
         from relaymoe.kernels.experts import triton_hop_forward
 
-        saved = triton_hop_forward(
+        # out_TH=None: the combine writes every row (no zero fill, no read of zeros)
+        return triton_hop_forward(
             x_TH, w13_El2IH, w2_ElHI, probs_TK, index, e0, e1, out_TH, save == "act"
         )
-    else:
-        saved = _torch_hop_forward(x_TH, w13_El2IH, w2_ElHI, probs_TK, index, e0, e1, out_TH, save)
+    if out_TH is None:
+        out_TH = torch.zeros_like(x_TH)
+    saved = _torch_hop_forward(x_TH, w13_El2IH, w2_ElHI, probs_TK, index, e0, e1, out_TH, save)
     return out_TH, saved
 
 
@@ -177,29 +177,32 @@ def expert_hop_backward(
     dw13: Tensor | None = None,
     dw2: Tensor | None = None,
     backend: Backend = "auto",
+    consume_saved_h: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients of the pairs of ``expert_range``; ADDS into the given buffers (zeros otherwise).
 
     Recomputes the pre-activation from ``x`` and ``w13`` when ``saved_h`` is None (SiLU is always
     recomputed from the pre-activation). Returns ``(dx_TH, dprobs_TK, dw13, dw2)``.
+    ``consume_saved_h=True`` lets the Triton backend overwrite ``saved_h`` with its gradient
+    (one (P, 2I) buffer less at the backward's peak); ``saved_h`` is garbage afterwards.
     """
     e0, e1 = _range(expert_range, index)
+    if resolve_backend(backend, x_TH.device) == "triton":
+        from relaymoe.kernels.experts import triton_hop_backward
+
+        # buffers passed as None are allocated and written by the kernels (no zero fill)
+        return triton_hop_backward(
+            dy_TH, x_TH, w13_El2IH, w2_ElHI, probs_TK, index, e0, e1,
+            saved_h, dx_TH, dprobs_TK, dw13, dw2, consume_saved_h=consume_saved_h,
+        )  # fmt: skip
     dx_TH = torch.zeros_like(x_TH) if dx_TH is None else dx_TH
     dprobs_TK = torch.zeros_like(probs_TK) if dprobs_TK is None else dprobs_TK
     dw13 = torch.zeros_like(w13_El2IH) if dw13 is None else dw13
     dw2 = torch.zeros_like(w2_ElHI) if dw2 is None else dw2
-    if resolve_backend(backend, x_TH.device) == "triton":
-        from relaymoe.kernels.experts import triton_hop_backward
-
-        triton_hop_backward(
-            dy_TH, x_TH, w13_El2IH, w2_ElHI, probs_TK, index, e0, e1,
-            saved_h, dx_TH, dprobs_TK, dw13, dw2,
-        )  # fmt: skip
-    else:
-        _torch_hop_backward(
-            dy_TH, x_TH, w13_El2IH, w2_ElHI, probs_TK, index, e0, e1,
-            saved_h, dx_TH, dprobs_TK, dw13, dw2,
-        )  # fmt: skip
+    _torch_hop_backward(
+        dy_TH, x_TH, w13_El2IH, w2_ElHI, probs_TK, index, e0, e1,
+        saved_h, dx_TH, dprobs_TK, dw13, dw2,
+    )  # fmt: skip
     return dx_TH, dprobs_TK, dw13, dw2
 
 
@@ -218,16 +221,28 @@ class _MoEExperts(torch.autograd.Function):
         if out is not None:
             ctx.mark_dirty(out)
         ctx.index, ctx.expert_range, ctx.backend = index, expert_range, backend
+        # recompute="act" on Triton: the backward overwrites h with dh (a (P, 2I) buffer less at
+        # the peak), so a second backward through the same graph must refuse.
+        ctx.consume_h = recompute == "act" and resolve_backend(backend, x.device) == "triton"
+        ctx.h_consumed = False
         ctx.save_for_backward(x, w13, w2, probs, saved_h)
         return result
 
     @staticmethod
     def backward(ctx, dy):
+        if ctx.h_consumed:
+            raise RuntimeError(
+                "moe_experts(recompute='act') backward ran twice on one graph; its saved "
+                "pre-activation was overwritten by the first backward. Use recompute='none' "
+                "(keeps it) to backward twice with retain_graph=True"
+            )
         x, w13, w2, probs, saved_h = ctx.saved_tensors
         dx, dprobs, dw13, dw2 = expert_hop_backward(
             dy.contiguous(), x, w13, w2, probs, ctx.index,
             expert_range=ctx.expert_range, saved_h=saved_h, backend=ctx.backend,
+            consume_saved_h=ctx.consume_h,
         )  # fmt: skip
+        ctx.h_consumed = ctx.consume_h and saved_h is not None
         d_out = dy if ctx.needs_input_grad[4] else None
         return dx, dw13, dw2, dprobs, d_out, None, None, None, None
 

@@ -1,4 +1,8 @@
 import os
 
-# Triton kernels run in the CPU interpreter in tests; must be set before triton.jit decorates.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+
+# Without a GPU, Triton kernels run in its CPU interpreter; must be set before triton.jit decorates.
+# On a GPU machine (scripts/gpu_suite.sh) they compile for the device.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -1,0 +1,296 @@
+"""One MoE expert layer, forward+backward, bf16 on one GPU: relaymoe vs naive vs liger.
+
+Providers (one process, same inputs; routing ``softmax(randn) -> top-k``, probabilities without
+grad, as in ``../shared/anchors``):
+- ``relaymoe`` (``recompute="act"`` and ``"fc1"``; the row's ``recompute`` key says which):
+  ``moe_experts`` with the Triton backend; the routing-index build is inside the timed step.
+- ``naive``: gather x into a (T*K, H) buffer, ``torch._grouped_mm`` up, SiLU*up,
+  ``torch._grouped_mm`` down, probability weight, ``index_add_`` (sort inside the timed step).
+- ``liger``: ``liger_kernel.ops.fused_moe.LigerFusedMoEFunction`` when importable.
+
+Before timing a shape, relaymoe's output is checked against naive's. ``--breakdown`` also times
+each relaymoe kernel of the qwen3 T32k layer alone. Rows: ``bench: experts`` in the format of
+``benchmarks/README.md``.
+
+    PYTHONPATH=. python3 benchmarks/bench_experts.py [--quick] [--out PATH.jsonl] [--breakdown]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import (  # noqa: E402
+    JsonlWriter,
+    MiB,
+    bench_ms,
+    environment,
+    moe_flops_fwd_bwd,
+    print_table,
+)
+from relaymoe.experts import moe_experts  # noqa: E402
+from relaymoe.routing import build_routing_index  # noqa: E402
+
+# name: (T, E, K, H, I)
+SHAPES = {
+    "qwen3_30b_a3b_T32k": (32768, 128, 8, 2048, 768),
+    "qwen3_30b_a3b_T64k": (65536, 128, 8, 2048, 768),
+    "moeblaze_conf3": (65536, 16, 4, 1024, 4096),
+    "moeblaze_conf4": (32768, 16, 4, 2048, 8192),
+}
+DTYPE = torch.bfloat16
+
+
+def make_inputs(num_tokens, num_experts, topk, hidden, ffn, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rand(*shape, scale=1.0):
+        t = torch.randn(*shape, device="cuda", generator=gen, dtype=torch.float32) * scale
+        return t.to(DTYPE).requires_grad_()
+
+    x = rand(num_tokens, hidden)
+    w13 = rand(num_experts, 2 * ffn, hidden, scale=hidden**-0.5)
+    w2 = rand(num_experts, hidden, ffn, scale=ffn**-0.5)
+    logits = torch.randn(num_tokens, num_experts, device="cuda", generator=gen)
+    probs, idx = torch.topk(torch.softmax(logits, -1), topk, dim=-1)
+    return x, w13, w2, idx.to(torch.int32), probs.to(DTYPE)
+
+
+# --------------------------------------------------------------------------------------------
+# providers: fn(x, w13, w2, idx, probs) -> out (T, H)
+# --------------------------------------------------------------------------------------------
+def relaymoe_fn(recompute: str, dense_gemm: str | None = None):
+    def fn(x, w13, w2, idx, probs):
+        if dense_gemm is not None:
+            os.environ["RELAYMOE_DENSE_GEMM"] = dense_gemm
+        index = build_routing_index(idx, w13.shape[0], validate=False)
+        return moe_experts(x, w13, w2, idx, probs, index=index, recompute=recompute,
+                           backend="triton")  # fmt: skip
+
+    return fn
+
+
+def naive_fn(x, w13, w2, idx, probs):
+    """Token-copy baseline: sort pairs by expert, copy rows, two grouped GEMMs, scatter-add."""
+    num_experts, topk = w13.shape[0], idx.shape[1]
+    flat = idx.reshape(-1).long()
+    perm = torch.sort(flat, stable=True).indices
+    ends = torch.cumsum(torch.bincount(flat, minlength=num_experts), 0).to(torch.int32)
+    tok = perm // topk
+    x_rows = x.index_select(0, tok)  # the (T*K, H) copy this baseline pays for
+    h = torch._grouped_mm(x_rows, w13.transpose(1, 2), offs=ends)
+    gate, up = h.chunk(2, dim=-1)
+    y = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=ends)
+    y = y * probs.reshape(-1)[perm].unsqueeze(-1)
+    return torch.zeros_like(x).index_add_(0, tok, y)
+
+
+def liger_fn():
+    try:
+        from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
+    except Exception as exc:  # liger is optional: its rows are skipped with the reason
+        print(f"[bench_experts] liger unavailable: {exc!r}")
+        return None
+    return lambda x, w13, w2, idx, probs: LigerFusedMoEFunction.apply(x, w13, w2, idx, probs)
+
+
+# --------------------------------------------------------------------------------------------
+# measurement
+# --------------------------------------------------------------------------------------------
+def _clear_grads(inputs):
+    for t in inputs:
+        if isinstance(t, torch.Tensor):
+            t.grad = None
+
+
+def measure(fn, inputs, flops, quick: bool) -> dict:
+    x = inputs[0]
+    for _ in range(2):  # compile + autotune outside the timed region
+        fn(*inputs).backward(torch.randn_like(x))
+        _clear_grads(inputs)
+    dy = torch.randn_like(x)
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn(*inputs)
+    torch.cuda.synchronize()
+    saved = torch.cuda.memory_allocated() - base - out.numel() * out.element_size()
+    out.backward(dy)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    _clear_grads(inputs)
+
+    def step():
+        fn(*inputs).backward(dy)
+
+    rep = 100 if quick else 300
+    ms = bench_ms(step, warmup_ms=50, rep_ms=rep)
+    with torch.no_grad():
+        ms_fwd = bench_ms(lambda: fn(*inputs), warmup_ms=25, rep_ms=rep)
+    _clear_grads(inputs)
+    return {
+        "ms_fwd_bwd": round(ms, 3),
+        "ms_fwd": round(ms_fwd, 3),
+        "tflops_fwd_bwd": round(flops / ms / 1e9, 1),
+        "saved_for_bwd_MiB": round(saved / MiB, 1),
+        "peak_over_inputs_MiB": round(peak / MiB, 1),
+    }
+
+
+def rel_err(a, b) -> float:
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def check_against_naive(inputs, fns: dict) -> dict:
+    """Output and all gradients of each relaymoe variant vs naive on the full shape (bf16)."""
+    dy = torch.randn_like(inputs[0])
+
+    def run(fn):
+        ins = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+        out = fn(*ins)
+        out.backward(dy)
+        return [out.detach()] + [ins[i].grad for i in (0, 1, 2, 4)]
+
+    ref = run(naive_fn)
+    names = ("out", "dx", "dw13", "dw2", "dprobs")
+    checks = {}
+    for key, fn in fns.items():
+        got = run(fn)
+        checks[key] = {
+            f"err_{n}": round(rel_err(a, b), 5) for n, a, b in zip(names, got, ref, strict=True)
+        }
+        del got
+    return checks
+
+
+def breakdown(shape: str) -> list[dict]:
+    """Each relaymoe kernel of one layer timed alone (same buffers the hop functions use)."""
+    from relaymoe.kernels import grouped
+    from relaymoe.kernels.experts import _pair_positions, _probs_in_pair_order
+
+    num_tokens, num_experts, topk, hidden, ffn = SHAPES[shape]
+    x, w13, w2, idx, probs = (t.detach() for t in make_inputs(*SHAPES[shape]))
+    index = build_routing_index(idx, num_experts, validate=False)
+    offs = index.offsets_for(0, num_experts)
+    n_pairs = num_tokens * topk
+    q, live = _pair_positions(index, offs, n_pairs)
+    prob_P = _probs_in_pair_order(probs, q, live, n_pairs)
+    idx_P, tim = index.expert_token_indices, index.token_index_map
+    h = x.new_empty(n_pairs, 2 * ffn)
+    dh = torch.empty_like(h)
+    a = x.new_empty(n_pairs, ffn)
+    y = x.new_empty(n_pairs, hidden)
+    out = torch.empty_like(x)
+    part = torch.zeros(grouped.down_backward_max_n_tiles(ffn), n_pairs, device="cuda")
+    dw13, dw2 = torch.empty_like(w13), torch.empty_like(w2)
+    pf = 2.0 * n_pairs * hidden * ffn  # FLOPs of one (P, H) x (H, I) product
+    ends = (offs[1:] - offs[0]).to(torch.int32)
+    stages = [
+        ("route_build", lambda: build_routing_index(idx, num_experts, validate=False), 0),
+        ("up_swiglu", lambda: grouped.up_swiglu(x, w13, idx_P, offs, prob_P, h, a), 2 * pf),
+        ("down_rows", lambda: grouped.rows_gemm(a, w2.transpose(1, 2), offs, y), pf),
+        ("down_grouped_mm", lambda: torch._grouped_mm(a, w2.transpose(1, 2), offs=ends), pf),
+        ("combine", lambda: grouped.combine(y, tim, offs, out, topk, accumulate=False), 0),
+        ("down_bwd", lambda: grouped.down_backward(x, w2, idx_P, offs, prob_P, h, dh, a, part),
+         pf),
+        ("wgrad_dw2", lambda: grouped.wgrad(x, a, idx_P, offs, dw2, a_gather=True,
+                                            b_gather=False, accumulate=False), pf),
+        ("wgrad_dw13", lambda: grouped.wgrad(dh, x, idx_P, offs, dw13, a_gather=False,
+                                             b_gather=True, accumulate=False), 2 * pf),
+        ("dgrad_rows", lambda: grouped.rows_gemm(dh, w13, offs, y), 2 * pf),
+        ("dgrad_grouped_mm", lambda: torch._grouped_mm(dh, w13, offs=ends), 2 * pf),
+    ]  # fmt: skip
+    rows = []
+    for name, fn, flops in stages:
+        try:
+            ms = bench_ms(fn, warmup_ms=25, rep_ms=100)
+            rows.append({"stage": name, "ms": round(ms, 3),
+                         "tflops": round(flops / ms / 1e9, 1) if flops else None})  # fmt: skip
+        except Exception as exc:  # one failing variant must not hide the others
+            rows.append({"stage": name, "error": repr(exc)[:200]})
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="qwen3 T32k only, shorter timing")
+    ap.add_argument("--out", default=None, help="JSONL path (default benchmarks/results/...)")
+    ap.add_argument("--shapes", nargs="*", default=None, choices=sorted(SHAPES))
+    ap.add_argument("--providers", nargs="*", default=None,
+                    help="relaymoe_act relaymoe_fc1 relaymoe_act_gmm naive liger")  # fmt: skip
+    ap.add_argument("--breakdown", action="store_true", help="time each kernel at qwen3 T32k")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_experts needs CUDA")
+        return 1
+    env = environment()
+    out = args.out or f"benchmarks/results/experts_{env['date']}.jsonl"
+    writer = JsonlWriter(out, env=env)
+    shapes = args.shapes or (["qwen3_30b_a3b_T32k"] if args.quick else list(SHAPES))
+    providers = {
+        "relaymoe_act": ("relaymoe", "act", relaymoe_fn("act", "triton")),
+        "relaymoe_fc1": ("relaymoe", "fc1", relaymoe_fn("fc1", "triton")),
+        "relaymoe_act_gmm": ("relaymoe_gmm", "act", relaymoe_fn("act", "torch")),
+        "naive": ("naive", None, naive_fn),
+        "liger": ("liger", None, liger_fn()),
+    }
+    wanted = args.providers or ["relaymoe_act", "relaymoe_fc1", "naive", "liger"]
+    rows = []
+    for shape in shapes:
+        dims = SHAPES[shape]
+        flops = moe_flops_fwd_bwd(dims[0], dims[2], dims[3], dims[4])
+        inputs = make_inputs(*dims)
+        checks = check_against_naive(
+            inputs, {k: providers[k][2] for k in wanted if k.startswith("relaymoe")}
+        )
+        print(f"[bench_experts] {shape} relaymoe vs naive: {checks}", flush=True)
+        for key in wanted:
+            provider, recompute, fn = providers[key]
+            if fn is None:
+                continue
+            try:
+                r = measure(fn, inputs, flops, args.quick)
+            except Exception as exc:  # keep the other providers' rows
+                print(f"[bench_experts] {key} {shape} failed: {exc!r}", flush=True)
+                torch.cuda.empty_cache()
+                continue
+            row = {"bench": "experts", "provider": provider, "shape": shape, "ep": 1, **r}
+            if recompute is not None:
+                row["recompute"] = recompute
+            if provider.startswith("relaymoe"):
+                row.update(checks[key])
+            rows.append(writer.write(row))
+            print(f"[bench_experts] {key} {shape} {r}", flush=True)
+        del inputs
+        gc.collect()
+        torch.cuda.empty_cache()
+    os.environ.pop("RELAYMOE_DENSE_GEMM", None)
+    print_table(rows, ["provider", "recompute", "shape", "ms_fwd_bwd", "ms_fwd",
+                       "tflops_fwd_bwd", "saved_for_bwd_MiB", "peak_over_inputs_MiB"])  # fmt: skip
+    for shape in shapes:
+        comp = [r["ms_fwd_bwd"] for r in rows if r["shape"] == shape
+                and r["provider"] in ("naive", "liger")]  # fmt: skip
+        for r in rows:
+            if r["shape"] == shape and r["provider"].startswith("relaymoe") and comp:
+                print(f"{shape} {r['provider']}/{r.get('recompute')}: "
+                      f"{min(comp) / r['ms_fwd_bwd']:.2f}x the faster competitor")  # fmt: skip
+    if args.breakdown:
+        bd = breakdown("qwen3_30b_a3b_T32k")
+        print_table(bd, ["stage", "ms", "tflops", "error"])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

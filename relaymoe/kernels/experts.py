@@ -1,0 +1,197 @@
+"""Triton hop primitives: the fused expert forward and backward of one expert range.
+
+Shape legend: T tokens, H hidden, I expert FFN width, El local experts (``e1 - e0``), K top-k,
+P pairs of the range in expert-grouped order (``index.offsets_for(e0, e1)``).
+
+Forward:  up_swiglu (x rows gathered on load, gate+up tiles together, SwiGLU epilogue, router
+          probability folded into ``a``) -> rows_gemm ``y = a @ w2[e]^T`` -> combine (gather-reduce
+          into out through ``token_index_map``, deterministic, no atomics).
+Backward: down_backward (dy rows gathered on load; dprob, SwiGLU backward, ``p*a`` in the
+          epilogue) -> wgrad dw2 (dy gathered) -> wgrad dw13 (x gathered) -> rows_gemm
+          ``dh @ w13[e]`` -> combine into dx.
+No (P, H) copy of x or dy is made; (P, H) outputs of the down projection and of the dgrad are
+produced in column chunks of at most ``RELAYMOE_PAIR_BUFFER_MIB`` (default 512) MiB.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+from relaymoe.kernels import grouped
+
+__all__ = ["triton_hop_forward", "triton_hop_backward"]
+
+
+def _pair_count(index, e0: int, e1: int) -> int:
+    """Rows of the range's pair buffers. Host sync unless the range is every expert."""
+    if (e0, e1) == (0, index.num_experts):
+        return index.num_pairs
+    start, stop = index.pair_range(e0, e1)  # host sync (buffer sizes of a partial range)
+    return stop - start
+
+
+def _pair_positions(index, offs: Tensor, n_pairs: int) -> tuple[Tensor, Tensor]:
+    """Local position ``q - offs[0]`` of every (t, k) pair and whether it is inside the range."""
+    q = index.token_index_map.to(torch.int64) - offs[0]
+    return q, (q >= 0) & (q < n_pairs)
+
+
+def _probs_in_pair_order(probs_TK: Tensor, q: Tensor, live: Tensor, n_pairs: int) -> Tensor:
+    prob_P = torch.empty(n_pairs + 1, dtype=torch.float32, device=probs_TK.device)
+    # pairs outside the range all land in the spare last slot, which is dropped
+    prob_P.scatter_(0, torch.where(live, q, n_pairs), probs_TK.reshape(-1).to(torch.float32))
+    return prob_P[:n_pairs]
+
+
+def _col_chunks(n_pairs: int, ncols: int, elt: int) -> list[tuple[int, int]]:
+    """Column chunks of a (P, ncols) buffer under the pair-buffer budget, multiples of 256."""
+    budget = int(os.environ.get("RELAYMOE_PAIR_BUFFER_MIB", "512")) * 2**20
+    width = max(256, budget // max(1, n_pairs * elt) // 256 * 256)
+    return [(c, min(c + width, ncols)) for c in range(0, ncols, width)]
+
+
+def _use_torch_grouped_mm(a: Tensor) -> bool:
+    """``torch._grouped_mm`` for the contiguous-operand GEMMs (bf16 on sm90+), if asked for."""
+    mode = os.environ.get("RELAYMOE_DENSE_GEMM", "triton")
+    return (
+        mode == "torch"
+        and a.is_cuda
+        and a.dtype == torch.bfloat16
+        and hasattr(torch, "_grouped_mm")
+        and torch.cuda.get_device_capability(a.device)[0] >= 9
+    )
+
+
+def _pair_rows_times_weight(a_PK: Tensor, b_EKN: Tensor, offs: Tensor) -> Tensor:
+    """(P, N) = a[q] @ b[e] over the range's pairs (a contiguous in expert order)."""
+    n_pairs, ncols = a_PK.shape[0], b_EKN.shape[2]
+    if _use_torch_grouped_mm(a_PK) and b_EKN.shape[0] > 0:
+        ends = (offs[1:] - offs[0]).to(torch.int32)
+        return torch._grouped_mm(a_PK, b_EKN, offs=ends)
+    out_PN = a_PK.new_empty(n_pairs, ncols)
+    grouped.rows_gemm(a_PK, b_EKN, offs, out_PN)
+    return out_PN
+
+
+def triton_hop_forward(
+    x_TH: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    probs_TK: Tensor,
+    index,
+    e0: int,
+    e1: int,
+    out_TH: Tensor | None,
+    save_act: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """Add experts ``[e0, e1)``'s pairs into ``out_TH`` (written, not added, when None).
+
+    Returns ``(out_TH, h_P2I)``; ``h_P2I`` is the range's pre-activation when ``save_act``.
+    """
+    num_tokens, hidden = x_TH.shape
+    n_local, two_i, _ = w13.shape
+    ffn = two_i // 2
+    accumulate = out_TH is not None
+    if out_TH is None:
+        out_TH = torch.empty_like(x_TH)
+    offs = index.offsets_for(e0, e1)
+    n_pairs = _pair_count(index, e0, e1)
+    h_P2I = x_TH.new_empty(n_pairs, two_i) if save_act else None
+    if n_pairs == 0 or n_local == 0 or num_tokens == 0:
+        if not accumulate:
+            out_TH.zero_()
+        return out_TH, h_P2I
+    x_TH = x_TH.contiguous()
+    q, live = _pair_positions(index, offs, n_pairs)
+    prob_P = _probs_in_pair_order(probs_TK, q, live, n_pairs)
+    idx_P = index.expert_token_indices
+    a_PI = x_TH.new_empty(n_pairs, ffn)
+    grouped.up_swiglu(x_TH, w13, idx_P, offs, prob_P, h_P2I, a_PI)
+    w2_EIH = w2.transpose(1, 2)
+    for c0, c1 in _col_chunks(n_pairs, hidden, x_TH.element_size()):
+        y_PH = _pair_rows_times_weight(a_PI, w2_EIH[:, :, c0:c1], offs)
+        grouped.combine(y_PH, index.token_index_map, offs, out_TH[:, c0:c1], index.topk,
+                        accumulate=accumulate)  # fmt: skip
+        del y_PH
+    return out_TH, h_P2I
+
+
+def triton_hop_backward(
+    dy_TH: Tensor,
+    x_TH: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    probs_TK: Tensor,
+    index,
+    e0: int,
+    e1: int,
+    saved_h: Tensor | None,
+    dx_TH: Tensor | None,
+    dprobs_TK: Tensor | None,
+    dw13: Tensor | None,
+    dw2: Tensor | None,
+    *,
+    consume_saved_h: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of experts ``[e0, e1)``'s pairs, ADDED into the given buffers; a buffer passed
+    as None is allocated and written (no zero fill). Returns ``(dx, dprobs, dw13, dw2)``.
+
+    ``consume_saved_h=True`` lets the kernel overwrite ``saved_h`` with its gradient (saves a
+    (P, 2I) buffer); the caller must not use ``saved_h`` afterwards.
+    """
+    num_tokens, hidden = x_TH.shape
+    n_local, two_i, _ = w13.shape
+    ffn = two_i // 2
+    acc_dx = dx_TH is not None
+    acc_w13, acc_w2 = dw13 is not None, dw2 is not None
+    dx_TH = torch.empty_like(x_TH) if dx_TH is None else dx_TH
+    dprobs_TK = torch.zeros_like(probs_TK) if dprobs_TK is None else dprobs_TK
+    dw13 = torch.empty_like(w13) if dw13 is None else dw13
+    dw2 = torch.empty_like(w2) if dw2 is None else dw2
+    offs = index.offsets_for(e0, e1)
+    n_pairs = _pair_count(index, e0, e1) if n_local > 0 else 0
+    idx_P = index.expert_token_indices
+    x_TH, dy_TH = x_TH.contiguous(), dy_TH.contiguous()
+    if n_pairs == 0 or num_tokens == 0:
+        for buf, acc in ((dx_TH, acc_dx), (dw13, acc_w13), (dw2, acc_w2)):
+            if not acc:
+                buf.zero_()
+        return dx_TH, dprobs_TK, dw13, dw2
+    q, live = _pair_positions(index, offs, n_pairs)
+    prob_P = _probs_in_pair_order(probs_TK, q, live, n_pairs)
+    a_PI = x_TH.new_empty(n_pairs, ffn)
+    if saved_h is None:  # recompute="fc1": rebuild h (a_PI is scratch here, rewritten below)
+        h_P2I = x_TH.new_empty(n_pairs, two_i)
+        grouped.up_swiglu(x_TH, w13, idx_P, offs, None, h_P2I, a_PI)
+        dh_P2I = h_P2I
+    else:
+        if saved_h.shape != (n_pairs, two_i):
+            raise ValueError(
+                f"saved_h has shape {tuple(saved_h.shape)}, expected ({n_pairs}, {two_i}) for "
+                f"experts [{e0}, {e1}); pass the h returned by the forward of the same range"
+            )
+        h_P2I = saved_h
+        dh_P2I = saved_h if consume_saved_h else torch.empty_like(saved_h)
+    n_tiles = grouped.down_backward_max_n_tiles(ffn)
+    part_NP = torch.zeros(n_tiles, n_pairs, dtype=torch.float32, device=x_TH.device)
+    grouped.down_backward(dy_TH, w2, idx_P, offs, prob_P, h_P2I, dh_P2I, a_PI, part_NP)
+    dprob_P = part_NP.sum(0)
+    del part_NP
+    vals = torch.where(live, dprob_P[q.clamp(0, n_pairs - 1)], 0.0)
+    dprobs_TK.add_(vals.view_as(dprobs_TK).to(dprobs_TK.dtype))
+    # dw2[e] (H, I) = sum_q dy[tok]^T (p*a)[q]
+    grouped.wgrad(dy_TH, a_PI, idx_P, offs, dw2, a_gather=True, b_gather=False,
+                  accumulate=acc_w2)  # fmt: skip
+    del a_PI
+    # dw13[e] (2I, H) = sum_q dh[q]^T x[tok]
+    grouped.wgrad(dh_P2I, x_TH, idx_P, offs, dw13, a_gather=False, b_gather=True,
+                  accumulate=acc_w13)  # fmt: skip
+    for c0, c1 in _col_chunks(n_pairs, hidden, x_TH.element_size()):
+        dxp_PH = _pair_rows_times_weight(dh_P2I, w13[:, :, c0:c1], offs)
+        grouped.combine(dxp_PH, index.token_index_map, offs, dx_TH[:, c0:c1], index.topk,
+                        accumulate=acc_dx)  # fmt: skip
+        del dxp_PH
+    return dx_TH, dprobs_TK, dw13, dw2

@@ -1,0 +1,241 @@
+"""Fused expert kernels (Triton interpreter, fp32/fp16) against float64 torch computations.
+
+Each kernel alone (poisoned outputs, odd shapes, empty experts, expert-range slices, two tile
+configs), then ``moe_experts(backend="triton")`` against the oracle for output and all four
+gradients, range slices summing to the full result, and bitwise determinism.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from relaymoe.experts import expert_hop_backward, expert_hop_forward, moe_experts
+from relaymoe.kernels import grouped
+from relaymoe.reference import moe_experts_reference
+from relaymoe.routing import build_routing_index
+from tests.helpers import random_problem, rel_err
+
+pytestmark = pytest.mark.skipif(
+    not grouped.interpret_mode(), reason="CPU tests run the kernels under TRITON_INTERPRET=1"
+)
+
+F32 = 1e-5
+CFG_A = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}
+CFG_B = {"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 32}  # other tile edges, EVEN_K both ways
+
+
+def _setup(t, h, i, e, k, kind, e0, e1, seed=0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    x, w13, w2, idx, probs = random_problem(t, h, i, e, k, gen=gen, kind=kind)
+    index = build_routing_index(idx, e)
+    offs = index.offsets_for(e0, e1)
+    start, stop = index.pair_range(e0, e1)
+    pair = torch.empty(t * k, dtype=torch.long)
+    pair[index.token_index_map.long()] = torch.arange(t * k)
+    pair = pair[start:stop]  # flat (t, k) of each position of the range
+    tok = index.expert_token_indices[start:stop].long()
+    expert = index.token_expert_indices.long()[pair] - e0  # local expert of each position
+    cast = lambda v: v.to(dtype)  # noqa: E731
+    return dict(
+        x=x, w13=w13[e0:e1], w2=w2[e0:e1], probs=probs, idx=idx, index=index, offs=offs,
+        n=stop - start, pair=pair, tok=tok, expert=expert, cast=cast,
+    )  # fmt: skip
+
+
+def _h_ref(s):
+    """float64 h (n, 2I) of the range's pairs."""
+    return torch.einsum("nh,njh->nj", s["x"][s["tok"]], s["w13"][s["expert"]])
+
+
+@pytest.mark.parametrize("cfg", [CFG_A, CFG_B])
+@pytest.mark.parametrize(
+    "case", [(29, 24, 20, 7, 3, "skewed", 2, 6), (13, 16, 12, 4, 4, "uniform", 0, 4)]
+)
+def test_up_swiglu_and_rows_gemm(case, cfg):
+    s = _setup(*case)
+    c = s["cast"]
+    n, ffn = s["n"], s["w2"].shape[2]
+    prob_P = s["probs"].reshape(-1)[s["pair"]].float()
+    h = torch.full((n, 2 * ffn), float("nan"))
+    a = torch.full((n, ffn), float("nan"))
+    idx_P = s["index"].expert_token_indices
+    grouped.up_swiglu(c(s["x"]), c(s["w13"]), idx_P, s["offs"], prob_P, h, a, config=cfg)
+    h_ref = _h_ref(s)
+    a_ref = F.silu(h_ref[:, :ffn]) * h_ref[:, ffn:] * prob_P.double()[:, None]
+    assert rel_err(h, h_ref) < F32 and rel_err(a, a_ref) < F32
+    y = torch.full((n, s["x"].shape[1]), float("nan"))
+    grouped.rows_gemm(a, c(s["w2"]).transpose(1, 2), s["offs"], y, config=cfg)
+    y_ref = torch.einsum("ni,nhi->nh", a_ref, s["w2"][s["expert"]])
+    assert rel_err(y, y_ref) < F32
+
+
+@pytest.mark.parametrize("cfg", [CFG_A, CFG_B])
+def test_down_backward_and_wgrads(cfg):
+    s = _setup(31, 20, 24, 6, 2, "empty", 1, 6, seed=1)  # last expert (local 4) gets no pair
+    c = s["cast"]
+    n, ffn = s["n"], s["w2"].shape[2]
+    dy = torch.randn_like(s["x"])
+    prob_P = s["probs"].reshape(-1)[s["pair"]].float()
+    h_ref = _h_ref(s)
+    idx_P = s["index"].expert_token_indices
+    dh = torch.full((n, 2 * ffn), float("nan"))
+    a = torch.full((n, ffn), float("nan"))
+    part = torch.zeros(grouped.down_backward_max_n_tiles(ffn, cfg), n)
+    grouped.down_backward(c(dy), c(s["w2"]), idx_P, s["offs"], prob_P, c(h_ref), dh, a, part,
+                          config=cfg)  # fmt: skip
+    gate, up = h_ref[:, :ffn], h_ref[:, ffn:]
+    g = torch.einsum("nh,nhi->ni", dy[s["tok"]], s["w2"][s["expert"]])
+    act = F.silu(gate) * up
+    p = prob_P.double()[:, None]
+    sig = torch.sigmoid(gate)
+    dh_ref = torch.cat([g * p * up * sig * (1 + gate * (1 - sig)), g * p * F.silu(gate)], 1)
+    assert rel_err(part.sum(0), (g * act).sum(1)) < F32
+    assert rel_err(dh, dh_ref) < F32 and rel_err(a, act * p) < F32
+    # wgrads: write mode into NaN, then accumulate mode onto a base
+    dw2 = torch.full(s["w2"].shape, float("nan"))
+    grouped.wgrad(c(dy), a, idx_P, s["offs"], dw2, a_gather=True, b_gather=False,
+                  accumulate=False, config=cfg)  # fmt: skip
+    dw2_ref = torch.zeros_like(s["w2"]).index_add_(
+        0, s["expert"], torch.einsum("nh,ni->nhi", dy[s["tok"]], act * p)
+    )
+    assert rel_err(dw2, dw2_ref) < F32
+    assert torch.equal(dw2[-1], torch.zeros_like(dw2[-1]))  # empty expert: exact zeros
+    base = torch.randn(s["w13"].shape)
+    dw13 = base.clone()
+    grouped.wgrad(dh, c(s["x"]), idx_P, s["offs"], dw13, a_gather=False, b_gather=True,
+                  accumulate=True, config=cfg)  # fmt: skip
+    dw13_ref = base.double().index_add(
+        0, s["expert"], torch.einsum("nj,nh->njh", dh_ref, s["x"][s["tok"]])
+    )
+    assert rel_err(dw13, dw13_ref) < F32
+    assert torch.equal(dw13[-1], base[-1])  # nothing added for the empty expert
+
+
+def test_combine_gather_reduce_range_and_determinism():
+    s = _setup(23, 12, 8, 5, 3, "skewed", 1, 4, seed=2)
+    n, t, k = s["n"], s["x"].shape[0], 3
+    y = torch.randn(n, 12)
+    ref = torch.zeros(t, 12, dtype=torch.float64).index_add_(0, s["tok"], y.double())
+    out = torch.full((t, 12), float("nan"))
+    grouped.combine(y, s["index"].token_index_map, s["offs"], out, k, accumulate=False)
+    assert rel_err(out, ref) < F32
+    base = torch.randn(t, 12)
+    acc = base.clone()
+    grouped.combine(y, s["index"].token_index_map, s["offs"], acc, k, accumulate=True)
+    assert rel_err(acc, ref + base.double()) < F32
+    again = base.clone()
+    grouped.combine(y, s["index"].token_index_map, s["offs"], again, k, accumulate=True)
+    assert torch.equal(acc, again)
+
+
+CASES = [
+    # (T, H, I, E, K, kind)
+    (37, 24, 20, 6, 3, "uniform"),
+    (53, 16, 12, 9, 1, "skewed"),  # K = 1
+    (21, 8, 10, 4, 4, "uniform"),  # K = E
+    (19, 12, 7, 5, 2, "empty"),
+    (1, 8, 6, 3, 2, "one"),
+]
+
+
+def _grads(fn, x, w13, w2, idx, probs, g, dtype):
+    ins = [t.detach().to(dtype).clone().requires_grad_() for t in (x, w13, w2, probs)]
+    y = fn(ins[0], ins[1], ins[2], idx, ins[3])
+    torch.autograd.backward(y, g.to(dtype))
+    return [y.detach()] + [t.grad for t in ins]
+
+
+@pytest.mark.parametrize("recompute", ["act", "fc1"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_moe_experts_triton_matches_oracle(case, recompute):
+    t, h, i, e, k, kind = case
+    gen = torch.Generator().manual_seed(sum(case[:5]))
+    x, w13, w2, idx, probs = random_problem(t, h, i, e, k, gen=gen, kind=kind)
+    g = torch.randn(t, h, generator=gen, dtype=torch.float64)
+    fn = lambda *a: moe_experts(*a, recompute=recompute, backend="triton")  # noqa: E731
+    got = _grads(fn, x, w13, w2, idx, probs, g, torch.float32)
+    ref = _grads(moe_experts_reference, x, w13, w2, idx, probs, g, torch.float64)
+    for name, a, b in zip(("out", "dx", "dw13", "dw2", "dprobs"), got, ref, strict=True):
+        assert rel_err(a, b) < F32, name
+    if kind == "empty":
+        assert torch.equal(got[2][-1], torch.zeros_like(got[2][-1]))
+        assert torch.equal(got[3][-1], torch.zeros_like(got[3][-1]))
+
+
+def test_fp16_within_bound():
+    gen = torch.Generator().manual_seed(11)
+    x, w13, w2, idx, probs = random_problem(41, 32, 24, 5, 2, gen=gen, kind="skewed")
+    g = torch.randn(41, 32, generator=gen, dtype=torch.float64)
+    fn = lambda *a: moe_experts(*a, backend="triton")  # noqa: E731
+    got = _grads(fn, x, w13, w2, idx, probs, g, torch.float16)
+    ref = _grads(moe_experts_reference, x, w13, w2, idx, probs, g, torch.float64)
+    for name, a, b in zip(("out", "dx", "dw13", "dw2", "dprobs"), got, ref, strict=True):
+        assert rel_err(a, b) < 3e-3, name
+
+
+def test_ranges_sum_to_full_touch_nothing_else_and_are_deterministic():
+    gen = torch.Generator().manual_seed(4)
+    x, w13, w2, idx, probs = (
+        v.float() if v.is_floating_point() else v
+        for v in random_problem(40, 20, 12, 7, 3, gen=gen, kind="skewed")
+    )
+    index = build_routing_index(idx, 7)
+    dy = torch.randn_like(x)
+    full_out, full_h = expert_hop_forward(x, w13, w2, probs, index, backend="triton")
+    full = expert_hop_backward(dy, x, w13, w2, probs, index, saved_h=full_h, backend="triton")
+    base = torch.randn_like(x)
+    out = base.clone()
+    dx, dp = base.clone(), torch.zeros_like(probs)
+    dw13 = torch.full_like(w13, float("nan"))
+    dw2 = torch.full_like(w2, float("nan"))
+    for e0, e1 in [(0, 3), (3, 3), (3, 6), (6, 7)]:
+        _, h_part = expert_hop_forward(
+            x, w13[e0:e1], w2[e0:e1], probs, index, expert_range=(e0, e1), out_TH=out,
+            backend="triton",
+        )  # fmt: skip
+        assert h_part.shape[0] == index.pair_range(e0, e1)[1] - index.pair_range(e0, e1)[0]
+        _, _, g13, g2 = expert_hop_backward(
+            dy, x, w13[e0:e1], w2[e0:e1], probs, index, expert_range=(e0, e1),
+            saved_h=h_part if e0 != 3 else None, dx_TH=dx, dprobs_TK=dp, backend="triton",
+        )  # fmt: skip
+        dw13[e0:e1], dw2[e0:e1] = g13, g2
+    ref = moe_experts_reference(*(v.double() for v in (x, w13, w2)), idx, probs.double())
+    assert rel_err(out - base, ref) < F32
+    assert rel_err(dx - base, full[0]) < F32
+    for a, b in zip((dp, dw13, dw2), full[1:], strict=True):
+        assert rel_err(a, b) < F32
+    # one range alone only touches tokens that have a pair in it
+    part = base.clone()
+    expert_hop_forward(x, w13[3:6], w2[3:6], probs, index, expert_range=(3, 6), out_TH=part,
+                       backend="triton")  # fmt: skip
+    untouched = ~((idx >= 3) & (idx < 6)).any(1)
+    assert torch.equal(part[untouched], base[untouched])
+    # bitwise determinism
+    again_out, again_h = expert_hop_forward(x, w13, w2, probs, index, backend="triton")
+    assert torch.equal(again_out, full_out) and torch.equal(again_h, full_h)
+    again = expert_hop_backward(dy, x, w13, w2, probs, index, saved_h=full_h, backend="triton")
+    for a, b in zip(again, full, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_consumed_saved_h_and_errors():
+    gen = torch.Generator().manual_seed(5)
+    x, w13, w2, idx, probs = (
+        v.float() if v.is_floating_point() else v for v in random_problem(12, 8, 6, 3, 2, gen=gen)
+    )
+    xr = x.clone().requires_grad_()
+    y = moe_experts(xr, w13, w2, idx, probs, recompute="act", backend="triton")
+    y.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        y.sum().backward()
+    index = build_routing_index(idx, 3)
+    with pytest.raises(ValueError, match="saved_h has shape"):
+        expert_hop_backward(torch.ones_like(x), x, w13, w2, probs, index,
+                            saved_h=torch.zeros(5, 12), backend="triton")  # fmt: skip
+    # zero tokens: empty outputs, zero weight gradients
+    z = torch.zeros(0, 8)
+    out, saved = expert_hop_forward(z, w13, w2, torch.zeros(0, 2), build_routing_index(
+        torch.zeros(0, 2, dtype=torch.long), 3), backend="triton")  # fmt: skip
+    assert out.shape == (0, 8) and saved.shape == (0, 12)
