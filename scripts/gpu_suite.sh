@@ -40,6 +40,8 @@ log() { echo "[gpu_suite $(date +%H:%M:%S) +$(( $(date +%s) - SUITE_T0 ))s] $*";
 
 # Mandatory on the lent H200 machines: no NVLink multicast / NVLS.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# Compile Triton kernels for the GPU (tests/conftest.py only turns the interpreter on without CUDA).
+export TRITON_INTERPRET=0
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 if compgen -G ".whl/*.whl" >/dev/null; then
