@@ -1,0 +1,325 @@
+"""Ring MoE over EP=2 (torchrun, one GPU per rank): relaymoe's ring against all-to-all baselines.
+
+Providers (one run, same inputs, bf16, qwen3-30b-a3b layer with T tokens per GPU):
+
+* ``relaymoe_ring_<mode>[_nooverlap][_<transport>]``: ``ring_moe`` with mode expert / token /
+  auto and transport nccl / copy_engine (no suffix: ``transport="auto"``);
+* ``a2a_same_kernel``: all_to_all_single of the routed token copies, relaymoe's expert kernels
+  (``moe_experts``) on the received rows, all_to_all_single back, index_add combine;
+* ``mcore_alltoall``: megatron-core ``MoELayer``, alltoall dispatcher, SequentialMLP experts,
+  router included (as in the anchor: 44.3 ms, 7486 MiB peak over inputs on 2x H200).
+
+Timing uses a fixed number of iterations on every rank (an adaptive count could differ between
+ranks and hang a collective) and reports the slowest rank's median. Ring rows also carry the hop
+timeline: per-hop compute and transfer measured without overlap, the hop time with overlap, and
+the hidden share ``(compute + transfer - hop) / transfer`` (first hops, final return excluded).
+``--crossover`` adds expert vs token rows over T in {4k..64k} and I in {768, 2048} with the
+volume model's prediction.
+
+    torchrun --standalone --nproc-per-node 2 benchmarks/bench_ring.py [--quick] [--crossover]
+        [--out PATH.jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+MiB = 1024 * 1024
+
+
+def _timed(fn, warmup: int, reps: int) -> float:
+    """Median ms per call over ``reps`` calls after ``warmup``; the same count on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    t = torch.tensor([statistics.median(times)], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _memory(fwd, bwd):
+    """(saved_for_bwd, peak_over_inputs) in MiB, the slowest... largest rank's."""
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fwd()
+    torch.cuda.synchronize()
+    saved = torch.cuda.memory_allocated() - base - out.numel() * out.element_size()
+    bwd(out)
+    del out
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    t = torch.tensor([saved / MiB, peak / MiB], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return round(float(t[0]), 1), round(float(t[1]), 1)
+
+
+class _Layer:
+    """Inputs and leaves of one measured layer; ``step`` = forward+backward, grads cleared."""
+
+    def __init__(self, x, w13, w2, idx, probs, dy):
+        self.x = x.detach().requires_grad_()
+        self.w13 = w13.detach().requires_grad_()
+        self.w2 = w2.detach().requires_grad_()
+        self.idx, self.dy = idx, dy
+        self.probs = probs.detach().requires_grad_()
+
+    def clear(self):
+        self.x.grad = self.w13.grad = self.w2.grad = self.probs.grad = None
+
+
+def _a2a_forward(layer, group, world, El):
+    """All-to-all baseline with the same expert kernels (relaymoe.moe_experts)."""
+    import torch
+    import torch.distributed.nn.functional as dfn
+
+    from relaymoe import moe_experts
+
+    x, idx, probs = layer.x, layer.idx, layer.probs
+    T, K = idx.shape
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # by expert, hence by destination rank
+    dest = flat[order] // El
+    send_counts = torch.bincount(dest, minlength=world)
+    recv_counts = torch.empty_like(send_counts)
+    torch.distributed.all_to_all_single(recv_counts, send_counts, group=group)
+    s, r = send_counts.tolist(), recv_counts.tolist()  # host sync
+    tok = order // K
+    send_x = x[tok]  # (T*K, H): the dispatch buffer ring execution avoids
+    send_meta = torch.stack([flat[order] % El, order], 1)
+    send_p = probs.reshape(-1)[order].unsqueeze(1)
+    recv_x = dfn.all_to_all_single(x.new_empty(sum(r), x.shape[1]), send_x, r, s, group=group)
+    recv_p = dfn.all_to_all_single(send_p.new_empty(sum(r), 1), send_p, r, s, group=group)
+    recv_meta = send_meta.new_empty(sum(r), 2)
+    torch.distributed.all_to_all_single(recv_meta, send_meta, r, s, group=group)
+    y = moe_experts(recv_x, layer.w13, layer.w2, recv_meta[:, :1], recv_p)
+    back = dfn.all_to_all_single(y.new_empty(sum(s), y.shape[1]), y, s, r, group=group)
+    return torch.zeros_like(x).index_add(0, tok, back)
+
+
+def _summarize_timeline(tl_overlap, tl_serial):
+    """Per-phase means over hops that carry a lead transfer (hop < R-1 fwd, 1..R-1 bwd...)."""
+    fields = {}
+    for phase in ("fwd", "bwd"):
+        ser = [t for t in tl_serial if t.phase == phase and t.transfer_bytes > 0]
+        ovl = [t for t in tl_overlap if t.phase == phase and t.transfer_bytes > 0]
+        # the final trail-only return has no compute to hide under
+        ser = [t for t in ser if t.compute_ms > 0]
+        ovl = [t for t in ovl if t.compute_ms > 0]
+        if not ser or not ovl:
+            continue
+        c = statistics.mean(t.compute_ms for t in ser)
+        tr = statistics.mean(t.transfer_ms for t in ser)
+        hop = statistics.mean(t.hop_ms for t in ovl)
+        fields[f"{phase}_hop_compute_ms"] = round(c, 3)
+        fields[f"{phase}_hop_transfer_ms"] = round(tr, 3)
+        fields[f"{phase}_hop_overlap_ms"] = round(hop, 3)
+        fields[f"{phase}_hop_MB"] = round(ser[0].transfer_bytes / 1e6, 1)
+        if tr > 0:
+            fields[f"{phase}_hidden"] = round(min(1.0, max(0.0, (c + tr - hop) / tr)), 3)
+    fields["timeline"] = [
+        dict(phase=t.phase, hop=t.hop, MB=round(t.transfer_bytes / 1e6, 1),
+             compute_ms=round(t.compute_ms, 3), transfer_ms=round(t.transfer_ms, 3),
+             hop_ms=round(t.hop_ms, 3))
+        for t in tl_overlap
+    ]  # fmt: skip
+    return fields
+
+
+def main(argv=None) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from benchmarks._dist import Shape, build_mcore_alltoall, init_dist, make_inputs, qwen3
+    from benchmarks.common import JsonlWriter, moe_flops_fwd_bwd, print_table
+    from relaymoe.ring import comm_volume, record_timeline, resolved_problem, ring_moe
+    from relaymoe.ring.transport import symmetric_workspace_bytes
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer providers and iterations")
+    ap.add_argument("--crossover", action="store_true", help="expert/token over T and I")
+    ap.add_argument("--tokens", type=int, default=32768, help="tokens per GPU (default 32k)")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/bench_ring.jsonl"))
+    args = ap.parse_args(argv)
+
+    rank, world, group = init_dist()
+    warmup, reps = (2, 5) if args.quick else (3, 15)
+    writer = JsonlWriter(args.out) if rank == 0 else None
+    rows = []
+
+    def emit(row):
+        row = {"bench": "ring", "ep": world, **row}
+        if writer is not None:
+            row = writer.write(row)
+            print({k: v for k, v in row.items() if k != "timeline"}, flush=True)
+        rows.append(row)
+
+    def ring_row(shape, layer, provider, mode, transport, overlap, extra=None):
+        def fwd():
+            return ring_moe(layer.x, layer.w13, layer.w2, layer.idx, layer.probs, group=group,
+                            mode=mode, transport=transport, overlap=overlap)  # fmt: skip
+
+        def bwd(out):
+            out.backward(layer.dy)
+            layer.clear()
+
+        def step():
+            bwd(fwd())
+
+        prob = resolved_problem(layer.x, layer.w13, layer.w2, layer.idx, layer.probs,
+                                group=group, mode=mode, transport=transport)  # fmt: skip
+        step()  # first call allocates the copy-engine workspace (persistent, reported below)
+        saved, peak = _memory(fwd, bwd)
+        ms = _timed(step, warmup, reps)
+        with torch.no_grad():
+            ms_fwd = _timed(fwd, warmup, reps)
+        row = dict(
+            provider=provider, shape=shape.name, ms_fwd_bwd=round(ms, 3), ms_fwd=round(ms_fwd, 3),
+            tflops_fwd_bwd=round(moe_flops_fwd_bwd(shape.T, shape.K, shape.H, shape.I) / ms / 1e9,
+                                 1),
+            saved_for_bwd_MiB=saved, peak_over_inputs_MiB=peak, mode=prob.mode,
+            transport=prob.transport, overlap=overlap,
+            symm_workspace_MiB=round(symmetric_workspace_bytes() / MiB, 1),
+        )  # fmt: skip
+        if overlap and world > 1:
+            with record_timeline() as tl_o:
+                step()
+            with record_timeline() as tl_s:
+                bwd(ring_moe(layer.x, layer.w13, layer.w2, layer.idx, layer.probs, group=group,
+                             mode=prob.mode, transport=prob.transport, overlap=False))  # fmt: skip
+            row.update(_summarize_timeline(tl_o, tl_s))
+        row.update(extra or {})
+        emit(row)
+
+    def guarded(label, fn):
+        try:
+            fn()
+        except Exception as err:  # a failing provider must not stop the others
+            if rank == 0:
+                traceback.print_exc()
+            emit(dict(provider=label, shape=shape.name, error=repr(err)[:400]))
+        torch.cuda.empty_cache()
+
+    shape = qwen3(8192 if args.quick and args.tokens == 32768 else args.tokens)
+    x, w13, w2, idx, probs = make_inputs(shape, rank, world)
+    dy = torch.randn_like(x)
+    layer = _Layer(x, w13, w2, idx, probs, dy)
+
+    ring_cfgs = [("auto", "auto", True)]
+    for mode in ("expert", "token"):
+        for tr in ("copy_engine", "nccl"):
+            ring_cfgs.append((mode, tr, True))
+    for mode in ("expert", "token") if not args.quick else ("expert",):
+        for tr in ("copy_engine", "nccl") if not args.quick else ("copy_engine",):
+            ring_cfgs.append((mode, tr, False))
+    for mode, tr, ov in ring_cfgs:
+        name = f"relaymoe_ring_{mode}" + ("" if ov else "_nooverlap")
+        name += "" if tr == "auto" else f"_{tr}"
+        guarded(name, lambda m=mode, t=tr, o=ov, n=name: ring_row(shape, layer, n, m, t, o))
+
+    El = shape.E // world
+
+    def a2a():
+        def fwd():
+            return _a2a_forward(layer, group, world, El)
+
+        def bwd(out):
+            out.backward(layer.dy)
+            layer.clear()
+
+        bwd(fwd())
+        saved, peak = _memory(fwd, bwd)
+        ms = _timed(lambda: bwd(fwd()), warmup, reps)
+        with torch.no_grad():
+            ms_fwd = _timed(fwd, warmup, reps)
+        emit(dict(provider="a2a_same_kernel", shape=shape.name, ms_fwd_bwd=round(ms, 3),
+                  ms_fwd=round(ms_fwd, 3),
+                  tflops_fwd_bwd=round(moe_flops_fwd_bwd(shape.T, shape.K, shape.H, shape.I)
+                                       / ms / 1e9, 1),
+                  saved_for_bwd_MiB=saved, peak_over_inputs_MiB=peak))  # fmt: skip
+
+    guarded("a2a_same_kernel", a2a)
+
+    def mcore():
+        mlayer = build_mcore_alltoall(shape, world)
+        xm = layer.x.detach().view(shape.T // 8, 8, shape.H).requires_grad_()
+        dym = dy.view_as(xm)
+
+        def fwd():
+            return mlayer(xm)[0]
+
+        def bwd(out):
+            out.backward(dym)
+            xm.grad = None
+            mlayer.zero_grad(set_to_none=True)
+
+        bwd(fwd())
+        saved, peak = _memory(fwd, bwd)
+        ms = _timed(lambda: bwd(fwd()), warmup, reps)
+        with torch.no_grad():
+            ms_fwd = _timed(fwd, warmup, reps)
+        emit(dict(provider="mcore_alltoall", shape=shape.name, ms_fwd_bwd=round(ms, 3),
+                  ms_fwd=round(ms_fwd, 3),
+                  tflops_fwd_bwd=round(moe_flops_fwd_bwd(shape.T, shape.K, shape.H, shape.I)
+                                       / ms / 1e9, 1),
+                  saved_for_bwd_MiB=saved, peak_over_inputs_MiB=peak,
+                  note="router included; SequentialMLP experts"))  # fmt: skip
+
+    guarded("mcore_alltoall", mcore)
+    layer = x = w13 = w2 = idx = probs = dy = None  # free the main shape's tensors
+    torch.cuda.empty_cache()
+
+    if args.crossover:
+        Ts = [4096, 16384, 65536] if args.quick else [4096, 8192, 16384, 32768, 65536]
+        for ffn in (768, 2048):
+            for T in Ts:
+                shape = Shape(f"qwen3_30b_a3b_T{T // 1024}k_I{ffn}", T, 128, 8, 2048, ffn)
+                xs, a, b, ids, ps = make_inputs(shape, rank, world)
+                lay = _Layer(xs, a, b, ids, ps, torch.randn_like(xs))
+                vol = comm_volume(T, shape.H, ffn, shape.E // world, shape.K,
+                                  dtype=torch.bfloat16, prob_dtype=ps.dtype)  # fmt: skip
+                extra = dict(crossover=True, model_preferred=vol.preferred(),
+                             model_expert_MB=round(vol.expert_step / 1e6, 1),
+                             model_token_MB=round(vol.token_step / 1e6, 1))  # fmt: skip
+                for mode in ("expert", "token"):
+                    name = f"relaymoe_ring_{mode}"
+                    guarded(name, lambda m=mode, n=name, s=shape, lay=lay, e=extra: ring_row(
+                        s, lay, n, m, "auto", True, e))  # fmt: skip
+                del lay, xs, a, b, ids, ps
+                torch.cuda.empty_cache()
+
+    if rank == 0:
+        print_table(
+            rows,
+            ["provider", "shape", "mode", "transport", "ms_fwd_bwd", "ms_fwd", "tflops_fwd_bwd",
+             "peak_over_inputs_MiB", "saved_for_bwd_MiB", "fwd_hidden", "bwd_hidden", "error"],
+        )  # fmt: skip
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

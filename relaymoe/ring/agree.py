@@ -1,0 +1,275 @@
+"""Input validation that every rank agrees on before any P2P (so nothing hangs).
+
+Each rank checks its own inputs without raising, writes a row of integers (error code, sizes,
+dtypes, device, requested mode/transport, host) into an ``(R, F)`` matrix and one all-reduce
+(sum) gives every rank every row. Every rank then applies the same checks to the same matrix
+and raises the same ``ValueError``, or returns the same :class:`RingProblem`: the sizes of all
+partitions, the resolved mode and transport.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from relaymoe.ring.transport import copy_engine_available
+from relaymoe.ring.volume import comm_volume
+from relaymoe.routing import validate_topk_idx
+
+__all__ = ["RingProblem", "agree"]
+
+MODES = ("auto", "expert", "token")
+TRANSPORTS = ("auto", "nccl", "copy_engine")
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_DEVICE_TYPES = ("cpu", "cuda")
+
+# Row fields
+(
+    F_ERR,
+    F_EL,
+    F_H,
+    F_I,
+    F_K,
+    F_DTYPE,
+    F_PDTYPE,
+    F_DEV,
+    F_T,
+    F_HOST,
+    F_MODE,
+    F_TRANSPORT,
+    F_GRAD,
+    F_CE,
+) = range(14)
+NUM_FIELDS = 14
+
+_ERRORS = {
+    1: "an input is not a tensor",
+    2: "mode or transport is not one of the accepted names",
+    3: "input shapes are inconsistent (x (T, H), w13 (E_local, 2I, H), w2 (E_local, H, I), "
+    "topk_idx/topk_probs (T, K))",
+    4: "dtypes are wrong (x, w13, w2 one float dtype; topk_probs float; topk_idx integer)",
+    5: "inputs are on different devices",
+    6: "topk_idx is invalid (an expert id outside [0, E), a repeated id in a row, or K > E)",
+    7: "the device type is neither cpu nor cuda",
+}
+
+
+@dataclass(frozen=True)
+class RingProblem:
+    """What every rank agreed on: sizes of every partition and the resolved execution."""
+
+    rank: int
+    world_size: int
+    num_local_experts: int
+    hidden: int
+    ffn: int
+    topk: int
+    dtype: torch.dtype
+    prob_dtype: torch.dtype
+    tokens: tuple[int, ...]  # T of every rank's token partition
+    mode: str  # "expert" | "token"
+    transport: str  # "nccl" | "copy_engine" | "local"
+    needs_grad: bool
+
+    @property
+    def num_experts(self) -> int:
+        return self.num_local_experts * self.world_size
+
+    @property
+    def expert_range(self) -> tuple[int, int]:
+        """This rank's experts ``[rank*E_local, (rank+1)*E_local)``."""
+        return self.rank * self.num_local_experts, (self.rank + 1) * self.num_local_experts
+
+
+def _host_hash() -> int:
+    digest = hashlib.blake2b(socket.gethostname().encode(), digest_size=7).digest()
+    return int.from_bytes(digest, "little")
+
+
+def _local_check(x, w13, w2, topk_idx, topk_probs, mode, transport, world) -> tuple[int, str]:
+    """(error code, message) of this rank's inputs; (0, "") when they are fine."""
+    tensors = dict(x=x, w13=w13, w2=w2, topk_idx=topk_idx, topk_probs=topk_probs)
+    for name, t in tensors.items():
+        if not isinstance(t, Tensor):
+            return 1, f"{name} must be a torch.Tensor, got {type(t).__name__}"
+    if mode not in MODES:
+        return 2, f"mode must be one of {MODES}, got {mode!r}"
+    if transport not in TRANSPORTS:
+        return 2, f"transport must be one of {TRANSPORTS}, got {transport!r}"
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        return 3, (
+            f"x must be (T, H), w13 (E_local, 2I, H), w2 (E_local, H, I); got x "
+            f"{tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}"
+        )
+    num_tokens, hidden = x.shape
+    n_local, two_i, h13 = w13.shape
+    if n_local < 1 or two_i % 2 or h13 != hidden or w2.shape != (n_local, hidden, two_i // 2):
+        return 3, (
+            f"shapes disagree: x {tuple(x.shape)}, w13 {tuple(w13.shape)} (want (E_local >= 1, "
+            f"2I, {hidden})), w2 {tuple(w2.shape)} (want ({n_local}, {hidden}, {two_i // 2}))"
+        )
+    if topk_idx.dim() != 2 or topk_idx.shape[0] != num_tokens:
+        return 3, f"topk_idx must be (T={num_tokens}, K), got {tuple(topk_idx.shape)}"
+    if topk_probs.shape != topk_idx.shape:
+        return 3, (
+            f"topk_probs shape {tuple(topk_probs.shape)} must equal topk_idx's "
+            f"{tuple(topk_idx.shape)}"
+        )
+    if x.dtype not in _FLOATS or not (x.dtype == w13.dtype == w2.dtype):
+        return 4, (
+            f"x, w13, w2 must share one float dtype of {_FLOATS}; got {x.dtype}, {w13.dtype}, "
+            f"{w2.dtype}"
+        )
+    if topk_probs.dtype not in _FLOATS:
+        return 4, f"topk_probs must be a float tensor, got {topk_probs.dtype}"
+    devices = {t.device for t in tensors.values()}
+    if len(devices) != 1:
+        return 5, f"inputs are on different devices: {sorted(map(str, devices))}; move them to one"
+    if x.device.type not in _DEVICE_TYPES:
+        return 7, f"ring_moe runs on cpu or cuda tensors, got {x.device}"
+    try:
+        validate_topk_idx(topk_idx, n_local * world)  # host sync
+    except ValueError as err:
+        return 6, f"{err} (E = E_local * world_size = {n_local} * {world})"
+    return 0, ""
+
+
+def _comm_device(group: dist.ProcessGroup, x) -> torch.device:
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and "gloo" not in backend and "cpu" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def agree(
+    x,
+    w13,
+    w2,
+    topk_idx,
+    topk_probs,
+    *,
+    group: dist.ProcessGroup | None,
+    rank: int,
+    world: int,
+    mode: str,
+    transport: str,
+    needs_grad: bool,
+) -> RingProblem:
+    """Validate on every rank at once; raise the same ``ValueError`` everywhere or agree."""
+    code, msg = _local_check(x, w13, w2, topk_idx, topk_probs, mode, transport, world)
+    row = [0] * NUM_FIELDS
+    row[F_ERR] = code
+    if code == 0:
+        row[F_EL], row[F_I], row[F_H] = w13.shape[0], w2.shape[2], x.shape[1]
+        row[F_K], row[F_T] = topk_idx.shape[1], x.shape[0]
+        row[F_DTYPE] = _FLOATS.index(x.dtype) + 1
+        row[F_PDTYPE] = _FLOATS.index(topk_probs.dtype) + 1
+        row[F_DEV] = _DEVICE_TYPES.index(x.device.type) + 1
+        row[F_MODE] = MODES.index(mode) + 1
+        row[F_TRANSPORT] = TRANSPORTS.index(transport) + 1
+        row[F_GRAD] = int(needs_grad) + 1
+        row[F_CE] = int(x.is_cuda and copy_engine_available()) + 1
+    row[F_HOST] = _host_hash()
+    if group is not None and world > 1:
+        mat = torch.zeros(world, NUM_FIELDS, dtype=torch.int64, device=_comm_device(group, x))
+        mat[rank] = torch.tensor(row, dtype=torch.int64)
+        dist.all_reduce(mat, group=group)
+        rows = mat.tolist()  # host sync
+    else:
+        rows = [row]
+
+    bad = [(r, rw[F_ERR]) for r, rw in enumerate(rows) if rw[F_ERR]]
+    if bad:
+        if code:
+            raise ValueError(f"ring_moe: invalid input on rank {rank}: {msg}")
+        r0, c0 = bad[0]
+        raise ValueError(
+            f"ring_moe: invalid input on rank {r0}: {_ERRORS.get(c0, 'unknown error')}; "
+            f"see rank {r0}'s error for the details (every rank raises)"
+        )
+
+    def same(field: int, what: str, fix: str) -> None:
+        vals = [rw[field] for rw in rows]
+        if len(set(vals)) != 1:
+            raise ValueError(f"ring_moe: {what} differs across ranks: {vals}; {fix}")
+
+    same(F_EL, "E_local (w13.shape[0])", "every rank must hold the same number of experts")
+    same(F_H, "the hidden size H", "every rank must use the same model")
+    same(F_I, "the expert FFN width I", "every rank must use the same model")
+    same(F_K, "top-k K (topk_idx.shape[1])", "every rank must route with the same K")
+    dcodes = [rw[F_DTYPE] for rw in rows]
+    if len(set(dcodes)) != 1:
+        raise ValueError(
+            "ring_moe: the x/w13/w2 dtype differs across ranks: "
+            f"{[str(_FLOATS[c - 1]) for c in dcodes]}; use one dtype on every rank"
+        )
+    pcodes = [rw[F_PDTYPE] for rw in rows]
+    if len(set(pcodes)) != 1:
+        raise ValueError(
+            "ring_moe: the topk_probs dtype differs across ranks: "
+            f"{[str(_FLOATS[c - 1]) for c in pcodes]}; use one dtype on every rank"
+        )
+    same(F_DEV, "the device type (1 cpu, 2 cuda)", "put every rank's inputs on the same kind")
+    same(F_MODE, "the requested mode (1 auto, 2 expert, 3 token)", "pass the same mode")
+    same(F_TRANSPORT, "the requested transport (1 auto, 2 nccl, 3 copy_engine)", "pass the same")
+    same(
+        F_GRAD,
+        "whether a backward is needed (1 no, 2 yes: grad enabled and an input requires grad)",
+        "every rank must run the backward of ring_moe, or none",
+    )
+
+    r0 = rows[0]
+    dtype, prob_dtype = _FLOATS[r0[F_DTYPE] - 1], _FLOATS[r0[F_PDTYPE] - 1]
+    tokens = tuple(rw[F_T] for rw in rows)
+    needs = r0[F_GRAD] == 2
+    n_local, hidden, ffn, topk = r0[F_EL], r0[F_H], r0[F_I], r0[F_K]
+    mode_req, tr_req = MODES[r0[F_MODE] - 1], TRANSPORTS[r0[F_TRANSPORT] - 1]
+    if mode_req == "auto":
+        vol = comm_volume(
+            max(tokens), hidden, ffn, n_local, topk, dtype=dtype, prob_dtype=prob_dtype
+        )
+        mode_res = vol.preferred(training=needs)
+    else:
+        mode_res = mode_req
+    on_cuda = r0[F_DEV] == 2
+    one_host = len({rw[F_HOST] for rw in rows}) == 1
+    ce_ok = on_cuda and one_host and all(rw[F_CE] == 2 for rw in rows)
+    if world == 1:
+        tr_res = "local"
+    elif tr_req == "copy_engine":
+        if not ce_ok:
+            why = (
+                "inputs are not on CUDA"
+                if not on_cuda
+                else "ranks span several hosts"
+                if not one_host
+                else "symmetric memory is unavailable on a rank"
+            )
+            raise ValueError(
+                f"ring_moe: transport='copy_engine' needs CUDA ranks on one node with symmetric "
+                f"memory, but {why}; use transport='nccl' (or 'auto')"
+            )
+        tr_res = "copy_engine"
+    elif tr_req == "auto":
+        tr_res = "copy_engine" if ce_ok else "nccl"
+    else:
+        tr_res = "nccl"
+    return RingProblem(
+        rank=rank,
+        world_size=world,
+        num_local_experts=n_local,
+        hidden=hidden,
+        ffn=ffn,
+        topk=topk,
+        dtype=dtype,
+        prob_dtype=prob_dtype,
+        tokens=tokens,
+        mode=mode_res,
+        transport=tr_res,
+        needs_grad=needs,
+    )

@@ -1,0 +1,374 @@
+"""``ring_moe``: MoE experts over an expert-parallel group by circulating experts or tokens.
+
+Shape legend: T tokens of this rank, H hidden, I expert FFN width, El experts per rank,
+E = El*R all experts, K top-k, R ranks of the group.
+
+**Expert mode** (tokens stay, expert weights travel). Forward hop ``h``: rank ``r`` adds its
+tokens' pairs with the visiting experts of rank ``o = (r-h) mod R`` (the contiguous range
+``[o*El, (o+1)*El)`` of a routing index built once per call over all E experts) while the next
+partition is in flight. Saved for backward: x, topk_idx, topk_probs, the index (no
+activations). Backward hop ``h`` recomputes that hop's intermediates (``expert_hop_backward``
+with ``saved_h=None``), adds into the local dx/dprobs, and computes the visiting partition's
+weight-gradient share; the gradient buffer of a partition travels one hop behind its weights,
+merged into the same transfer, and returns to its owner after the last hop (RelayMoE Fig. 5).
+
+**Token mode** (experts stay, tokens travel). Forward hop ``h``: rank ``r`` receives the tokens
+of rank ``s = (r-h) mod R`` with their routing metadata (int32 ids, probabilities), builds their
+routing index and adds the pairs of its own experts into the partition's output accumulator,
+which travels one hop behind its tokens and returns home after the last hop. Backward
+circulates x, dy and the metadata, with dx/dprobs accumulators trailing; weight gradients stay
+local. Ranks may hold different T (including 0): every rank knows every T from the agreement
+step, so each hop sends and receives exactly the partition's bytes.
+
+**Memory bound** (besides inputs, outputs and gradients; ``W = El*3*H*I`` elements, ``b`` bytes
+per element, ``Tm`` the largest T of the group, ``m = K*(4+pb)`` metadata bytes per token):
+
+* expert forward: two weight slots ``2*W*b``, plus one hop's compute intermediates;
+* expert backward: two slots of weights + trailing gradient ``2*2*W*b``, one gradient scratch
+  ``W*b``, the returned gradient ``W*b``, plus one hop's intermediates (recomputed per hop,
+  freed before the next);
+* token forward: two slots ``2*Tm*(2*H*b + m)``, one output scratch ``Tm*H*b``, plus one hop's
+  intermediates and routing index;
+* token backward: two slots ``2*Tm*(3*H*b + m + K*pb)``, one dx/dprobs scratch, the local
+  weight-gradient accumulator ``W*b``, plus one hop's intermediates and routing index.
+
+No ``(T*K, H)`` buffer exists at any time (the hop primitives read tokens through the index).
+With ``transport="copy_engine"`` the two slots are a persistent symmetric-memory workspace per
+(group, device), shared by all layers and sized by the largest pass so far.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from relaymoe.experts import expert_hop_backward, expert_hop_forward
+from relaymoe.ring.agree import RingProblem, agree
+from relaymoe.ring.executor import relay
+from relaymoe.ring.layout import Layout
+from relaymoe.ring.schedule import RingPlan
+from relaymoe.ring.transport import CopyEngineTransport, P2PTransport, Transport
+from relaymoe.routing import build_routing_index
+
+__all__ = ["ring_moe"]
+
+_IDX = torch.int32  # expert ids travel as int32
+
+
+def _resolve_group(group):
+    if group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None, 0, 1
+        group = dist.group.WORLD
+    return group, dist.get_rank(group), dist.get_world_size(group)
+
+
+def _transport(prob: RingProblem, group) -> Transport | None:
+    if prob.transport == "copy_engine":
+        return CopyEngineTransport(group)
+    if prob.transport == "nccl":
+        return P2PTransport(group)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# layouts
+# ---------------------------------------------------------------------------------------------
+def _weights_layout(prob: RingProblem, prefix: str = "") -> Layout:
+    El, H, I = prob.num_local_experts, prob.hidden, prob.ffn
+    return Layout.of(
+        (prefix + "w13", prob.dtype, (El, 2 * I, H)), (prefix + "w2", prob.dtype, (El, H, I))
+    )
+
+
+def _token_lead(prob: RingProblem, T: int, backward: bool) -> Layout:
+    H, K = prob.hidden, prob.topk
+    specs = [
+        ("x", prob.dtype, (T, H)),
+        ("idx", _IDX, (T, K)),
+        ("probs", prob.prob_dtype, (T, K)),
+    ]
+    if backward:
+        specs.append(("dy", prob.dtype, (T, H)))
+    return Layout.of(*specs)
+
+
+def _token_trail(prob: RingProblem, T: int, backward: bool) -> Layout:
+    H, K = prob.hidden, prob.topk
+    if backward:
+        return Layout.of(("dx", prob.dtype, (T, H)), ("dprobs", prob.prob_dtype, (T, K)))
+    return Layout.of(("out", prob.dtype, (T, H)))
+
+
+def _expert_plans(prob: RingProblem) -> tuple[RingPlan, RingPlan]:
+    R = prob.world_size
+    w = _weights_layout(prob).nbytes
+    return RingPlan(prob.rank, R, [w] * R, None), RingPlan(prob.rank, R, [w] * R, [w] * R)
+
+
+def _token_plans(prob: RingProblem) -> tuple[RingPlan, RingPlan]:
+    R, Ts = prob.world_size, prob.tokens
+    fwd = RingPlan(
+        prob.rank,
+        R,
+        [_token_lead(prob, t, False).nbytes for t in Ts],
+        [_token_trail(prob, t, False).nbytes for t in Ts],
+    )
+    bwd = RingPlan(
+        prob.rank,
+        R,
+        [_token_lead(prob, t, True).nbytes for t in Ts],
+        [_token_trail(prob, t, True).nbytes for t in Ts],
+    )
+    return fwd, bwd
+
+
+def _capacity(fwd: RingPlan, bwd: RingPlan, prob: RingProblem) -> int:
+    """Reserve the backward's slot size at forward when a backward follows (one allocation
+    of the persistent copy-engine workspace instead of two)."""
+    return max(fwd.capacity(), bwd.capacity()) if prob.needs_grad else fwd.capacity()
+
+
+# ---------------------------------------------------------------------------------------------
+# expert mode
+# ---------------------------------------------------------------------------------------------
+def _expert_forward(prob, group, backend, overlap, x, w13, w2, probs, index) -> Tensor:
+    El = prob.num_local_experts
+    out = torch.zeros_like(x)
+    T = x.shape[0]
+
+    def compute(hop, part, lead, trail):
+        if T == 0:
+            return
+        a, b = (w13, w2) if lead is None else (lead["w13"], lead["w2"])
+        expert_hop_forward(
+            x, a, b, probs, index,
+            expert_range=(part * El, (part + 1) * El), out_TH=out, save="none", backend=backend,
+        )  # fmt: skip
+
+    fwd, bwd = _expert_plans(prob)
+    relay(
+        fwd,
+        lead_layout=lambda p: _weights_layout(prob),
+        own_lead={"w13": w13, "w2": w2},
+        trail_layout=None,
+        compute=compute,
+        transport=_transport(prob, group),
+        device=x.device,
+        overlap=overlap,
+        mode="expert",
+        phase="fwd",
+        capacity=_capacity(fwd, bwd, prob),
+    )
+    return out
+
+
+def _expert_backward(prob, group, backend, overlap, dy, x, w13, w2, probs, index):
+    El = prob.num_local_experts
+    dx = torch.zeros_like(x)
+    dprobs = torch.zeros_like(probs)
+    T = x.shape[0]
+
+    def compute(hop, part, lead, trail):
+        if T == 0:
+            return  # no pairs: this rank's share of the weight gradient is exactly zero
+        a, b = (w13, w2) if lead is None else (lead["w13"], lead["w2"])
+        expert_hop_backward(
+            dy, x, a, b, probs, index,
+            expert_range=(part * El, (part + 1) * El), saved_h=None,
+            dx_TH=dx, dprobs_TK=dprobs, dw13=trail["dw13"], dw2=trail["dw2"], backend=backend,
+        )  # fmt: skip
+
+    _, bwd = _expert_plans(prob)
+    grads = relay(
+        bwd,
+        lead_layout=lambda p: _weights_layout(prob),
+        own_lead={"w13": w13, "w2": w2},
+        trail_layout=lambda p: _weights_layout(prob, "d"),
+        compute=compute,
+        transport=_transport(prob, group),
+        device=x.device,
+        overlap=overlap,
+        mode="expert",
+        phase="bwd",
+    )
+    return dx, dprobs, grads["dw13"], grads["dw2"]
+
+
+# ---------------------------------------------------------------------------------------------
+# token mode
+# ---------------------------------------------------------------------------------------------
+def _token_forward(prob, group, backend, overlap, x, w13, w2, probs, idx32) -> Tensor:
+    E, Ts, own = prob.num_experts, prob.tokens, prob.expert_range
+
+    def compute(hop, part, lead, trail):
+        if Ts[part] == 0:
+            return
+        xs, ids, ps = (x, idx32, probs) if lead is None else (lead["x"], lead["idx"], lead["probs"])
+        index = build_routing_index(ids, E, validate=False)
+        expert_hop_forward(
+            xs, w13, w2, ps, index,
+            expert_range=own, out_TH=trail["out"], save="none", backend=backend,
+        )  # fmt: skip
+
+    fwd, bwd = _token_plans(prob)
+    result = relay(
+        fwd,
+        lead_layout=lambda p: _token_lead(prob, Ts[p], False),
+        own_lead={"x": x, "idx": idx32, "probs": probs},
+        trail_layout=lambda p: _token_trail(prob, Ts[p], False),
+        compute=compute,
+        transport=_transport(prob, group),
+        device=x.device,
+        overlap=overlap,
+        mode="token",
+        phase="fwd",
+        capacity=_capacity(fwd, bwd, prob),
+    )
+    return result["out"]
+
+
+def _token_backward(prob, group, backend, overlap, dy, x, w13, w2, probs, idx32):
+    E, Ts, own = prob.num_experts, prob.tokens, prob.expert_range
+    dw13 = torch.zeros_like(w13)
+    dw2 = torch.zeros_like(w2)
+
+    def compute(hop, part, lead, trail):
+        if Ts[part] == 0:
+            return
+        if lead is None:
+            xs, ids, ps, dys = x, idx32, probs, dy
+        else:
+            xs, ids, ps, dys = lead["x"], lead["idx"], lead["probs"], lead["dy"]
+        index = build_routing_index(ids, E, validate=False)
+        expert_hop_backward(
+            dys, xs, w13, w2, ps, index,
+            expert_range=own, saved_h=None, dx_TH=trail["dx"], dprobs_TK=trail["dprobs"],
+            dw13=dw13, dw2=dw2, backend=backend,
+        )  # fmt: skip
+
+    _, bwd = _token_plans(prob)
+    result = relay(
+        bwd,
+        lead_layout=lambda p: _token_lead(prob, Ts[p], True),
+        own_lead={"x": x, "idx": idx32, "probs": probs, "dy": dy},
+        trail_layout=lambda p: _token_trail(prob, Ts[p], True),
+        compute=compute,
+        transport=_transport(prob, group),
+        device=x.device,
+        overlap=overlap,
+        mode="token",
+        phase="bwd",
+    )
+    return result["dx"], result["dprobs"], dw13, dw2
+
+
+# ---------------------------------------------------------------------------------------------
+# autograd
+# ---------------------------------------------------------------------------------------------
+class _RingMoE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w13, w2, probs, topk_idx, prob, group, backend, overlap):
+        x, w13, w2, probs = (t.contiguous() for t in (x, w13, w2, probs))
+        idx32 = topk_idx.to(_IDX).contiguous()
+        ctx.prob, ctx.group, ctx.backend, ctx.overlap = prob, group, backend, overlap
+        if prob.mode == "expert":
+            index = build_routing_index(idx32, prob.num_experts, validate=False)
+            out = _expert_forward(prob, group, backend, overlap, x, w13, w2, probs, index)
+            ctx.index = index
+        else:
+            out = _token_forward(prob, group, backend, overlap, x, w13, w2, probs, idx32)
+            ctx.index = None
+        ctx.save_for_backward(x, w13, w2, probs, idx32)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        x, w13, w2, probs, idx32 = ctx.saved_tensors
+        prob = ctx.prob
+        dy = dy.to(prob.dtype).contiguous()
+        args = (prob, ctx.group, ctx.backend, ctx.overlap, dy, x, w13, w2, probs)
+        if prob.mode == "expert":
+            dx, dprobs, dw13, dw2 = _expert_backward(*args, ctx.index)
+        else:
+            dx, dprobs, dw13, dw2 = _token_backward(*args, idx32)
+        need = ctx.needs_input_grad
+        return (
+            dx if need[0] else None,
+            dw13 if need[1] else None,
+            dw2 if need[2] else None,
+            dprobs if need[3] else None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def ring_moe(
+    x: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    topk_idx: Tensor,
+    topk_probs: Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    mode: str = "auto",
+    transport: str = "auto",
+    overlap: bool = True,
+    backend: str = "auto",
+) -> Tensor:
+    """MoE experts over the expert-parallel ``group`` by ring execution (RelayMoE §3.1-3.3).
+
+    ``x (T, H)`` this rank's tokens; ``w13 (E_local, 2I, H)`` / ``w2 (E_local, H, I)`` this rank's
+    experts, global experts ``[rank*E_local, (rank+1)*E_local)``; ``topk_idx (T, K)`` global
+    expert ids, ``topk_probs (T, K)``. Returns ``(T, H)`` equal to the oracle over all experts,
+    differentiable in x, w13, w2, topk_probs. Ranks may hold different T (including 0).
+
+    ``group``: the EP group (default: the default group; without an initialized process group
+    a world of one). ``mode``: ``"expert"``, ``"token"`` or ``"auto"`` (smaller per-hop volume,
+    :func:`relaymoe.ring.comm_volume`, identical on every rank). ``transport``: ``"nccl"``
+    (``batch_isend_irecv``; gloo on CPU), ``"copy_engine"`` (symmetric-memory pulls, CUDA within
+    a node) or ``"auto"`` (copy engine when every rank is a CUDA device of one node with
+    symmetric memory, else nccl). ``overlap=False`` serialises transfer and compute (ablation).
+    ``backend``: the hop primitives' backend (``"auto"``, ``"triton"``, ``"torch"``).
+
+    Every rank of the group must call it (and its backward) with the same mode/transport; bad
+    input raises ``ValueError`` on every rank before any P2P.
+    """
+    group, rank, world = _resolve_group(group)
+    needs_grad = torch.is_grad_enabled() and any(
+        isinstance(t, Tensor) and t.requires_grad for t in (x, w13, w2, topk_probs)
+    )
+    prob = agree(
+        x,
+        w13,
+        w2,
+        topk_idx,
+        topk_probs,
+        group=group,
+        rank=rank,
+        world=world,
+        mode=mode,
+        transport=transport,
+        needs_grad=needs_grad,
+    )
+    return _RingMoE.apply(x, w13, w2, topk_probs, topk_idx, prob, group, backend, overlap)
+
+
+def resolved_problem(*args, **kwargs) -> RingProblem:
+    """The agreed :class:`RingProblem` (mode, transport, sizes) ``ring_moe`` would run."""
+    group, rank, world = _resolve_group(kwargs.pop("group", None))
+    needs_grad = kwargs.pop("needs_grad", True)
+    return agree(
+        *args,
+        group=group,
+        rank=rank,
+        world=world,
+        mode=kwargs.pop("mode", "auto"),
+        transport=kwargs.pop("transport", "auto"),
+        needs_grad=needs_grad,
+    )

@@ -1,0 +1,320 @@
+"""The ring executor: double-buffered slots, a communication stream, and the relay loop.
+
+``relay`` runs one pass (forward or backward) of the ring for any mode: a *lead* (the partition
+needed by the next hop) and an optional *trail* (an accumulator every rank adds into, one hop
+behind its partition; see ``schedule.py``). Per hop ``h`` on rank ``r``:
+
+1. ``start(h)``: the communication stream waits for everything the compute stream queued so far
+   (the slot being sent is final, the slot being received into is no longer read), then issues
+   the transfer of hop ``h`` (lead of hop ``h+1`` + trail of hop ``h-1``);
+2. the compute stream computes hop ``h`` against the visiting lead; its share of the trail goes
+   to a scratch (at hop 0, straight into the next slot: nothing arrives there at hop 0);
+3. the compute stream waits for the transfer and adds the scratch into the arrived trail.
+
+With ``overlap=False`` step 3's wait moves before step 2 (the ablation of RelayMoE Fig. 17). On
+CPU the transfers run in gloo's background threads; there are no streams.
+
+Memory: two slots of ``plan.capacity()`` bytes, one trail scratch, and whatever one hop's
+compute allocates; the caller's accumulators. The returned trail lives in a fresh buffer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from relaymoe.ring.layout import Layout
+from relaymoe.ring.schedule import RingPlan
+from relaymoe.ring.transport import Transport
+
+__all__ = ["HopTiming", "RingExecutor", "record_timeline", "relay"]
+
+_COMM_STREAMS: dict[int, torch.cuda.Stream] = {}
+_RECORDERS: list[list] = []
+
+
+def comm_stream(device: torch.device) -> torch.cuda.Stream:
+    """The dedicated communication stream of ``device`` (one per process and device)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _COMM_STREAMS:
+        _COMM_STREAMS[idx] = torch.cuda.Stream(device=idx)
+    return _COMM_STREAMS[idx]
+
+
+@dataclass(frozen=True)
+class HopTiming:
+    """One hop of one pass on this rank, in milliseconds.
+
+    ``compute_ms``: the hop's expert compute; ``transfer_ms``: the hop's transfer (issued to
+    done, on the communication stream); ``hop_ms``: hop start to the end of the wait + add.
+    ``hidden`` = share of the transfer hidden under compute, ``(compute + transfer - hop) /
+    transfer`` clipped to [0, 1] (None without a transfer).
+    """
+
+    mode: str
+    phase: str
+    hop: int
+    transfer_bytes: int
+    compute_ms: float
+    transfer_ms: float
+    hop_ms: float
+
+    @property
+    def hidden(self) -> float | None:
+        if self.transfer_ms <= 0:
+            return None
+        share = (self.compute_ms + self.transfer_ms - self.hop_ms) / self.transfer_ms
+        return min(1.0, max(0.0, share))
+
+
+@contextmanager
+def record_timeline() -> Iterator[list[HopTiming]]:
+    """Collect a :class:`HopTiming` per hop of every ring pass run inside the block.
+
+    Adds CUDA events (or host timestamps on CPU); the list is filled when the block exits
+    (which synchronizes the device).
+    """
+    raw: list = []
+    out: list[HopTiming] = []
+    _RECORDERS.append(raw)
+    try:
+        yield out
+    finally:
+        _RECORDERS.remove(raw)
+        if any(r[-1] == "cuda" for r in raw):
+            torch.cuda.synchronize()
+        for mode, phase, hop, nbytes, marks, kind in raw:
+            if kind == "cuda":
+
+                def ms(a, b, marks=marks):
+                    if a not in marks or b not in marks:
+                        return 0.0
+                    return marks[a].elapsed_time(marks[b])
+
+            else:
+
+                def ms(a, b, marks=marks):
+                    if a not in marks or b not in marks:
+                        return 0.0
+                    return (marks[b] - marks[a]) * 1e3
+
+            out.append(
+                HopTiming(
+                    mode,
+                    phase,
+                    hop,
+                    nbytes,
+                    compute_ms=ms("c0", "c1"),
+                    transfer_ms=ms("t0", "t1"),
+                    hop_ms=ms("h0", "h1"),
+                )
+            )
+
+
+class _Pending:
+    __slots__ = ("done", "works", "waited")
+
+    def __init__(self, done, works):
+        self.done, self.works, self.waited = done, works, False
+
+
+class RingExecutor:
+    """Issues a plan's transfers on a communication stream and orders them with compute."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        plan: RingPlan,
+        device: torch.device,
+        *,
+        overlap: bool = True,
+        mode: str = "",
+        phase: str = "",
+        capacity: int | None = None,
+    ):
+        self.transport, self.plan, self.device = transport, plan, device
+        self.overlap = overlap
+        self.cuda = device.type == "cuda"
+        self.stream = comm_stream(device) if self.cuda else None
+        self.mode, self.phase = mode, phase
+        self._marks: dict[int, dict] = {}
+        self._recording = bool(_RECORDERS)
+        cap = plan.capacity() if capacity is None else max(capacity, plan.capacity())
+        self.slots = transport.slots(max(cap, 1), device)
+        if transport.needs_entry_sync:
+            self._on_comm(transport.entry_sync)
+            if self.cuda:
+                torch.cuda.current_stream(device).wait_stream(self.stream)
+
+    # -- timeline -----------------------------------------------------------------------------
+    def mark(self, hop: int, name: str, on_comm: bool = False) -> None:
+        if not self._recording:
+            return
+        marks = self._marks.setdefault(hop, {})
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(self.stream if on_comm else torch.cuda.current_stream(self.device))
+            marks[name] = ev
+        else:
+            marks[name] = time.perf_counter()
+
+    def _on_comm(self, fn: Callable[[], object]):
+        if not self.cuda:
+            return fn()
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        self.stream.wait_event(ready)
+        with torch.cuda.stream(self.stream):
+            return fn()
+
+    # -- transfers ------------------------------------------------------------------------------
+    def start(self, hop: int, recv_into: Tensor | None = None) -> _Pending:
+        """Issue hop ``hop``'s transfer after all work queued so far on the compute stream.
+
+        ``recv_into``: destination of the final return (hop ``R``); slots otherwise.
+        """
+        xfer = self.plan.transfer(hop)
+        send = recv = None
+        if xfer.send is not None:
+            send = self.slots[xfer.send.slot][xfer.send.start : xfer.send.stop]
+        if xfer.recv is not None:
+            if xfer.recv.slot < 0:
+                recv = recv_into[: xfer.recv.nbytes]
+            else:
+                recv = self.slots[xfer.recv.slot][xfer.recv.start : xfer.recv.stop]
+
+        def issue():
+            self.mark(hop, "t0", on_comm=True)
+            works = self.transport.issue(xfer, send, recv)
+            self.mark(hop, "t1", on_comm=True)
+            return works
+
+        nbytes = 0 if send is None else send.numel()
+        if self._recording:
+            self._marks.setdefault(hop, {})["_bytes"] = nbytes
+        works = self._on_comm(issue)
+        done = None
+        if self.cuda:
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return _Pending(done, works)
+
+    def wait(self, pending: _Pending, hop: int | None = None) -> None:
+        if pending.waited:
+            return
+        pending.waited = True
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_event(pending.done)
+        else:
+            for w in pending.works:
+                w.wait()
+            if hop is not None and self._recording:
+                self._marks.setdefault(hop, {})["t1"] = time.perf_counter()
+
+    def finish(self) -> None:
+        """Order everything later on the compute stream after the last transfer; flush marks."""
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        if self._recording and _RECORDERS:
+            kind = "cuda" if self.cuda else "cpu"
+            for hop, marks in sorted(self._marks.items()):
+                nbytes = marks.pop("_bytes", 0)
+                _RECORDERS[-1].append((self.mode, self.phase, hop, nbytes, marks, kind))
+
+
+def _zero_views(layout: Layout, buf: Tensor, base: int = 0) -> dict[str, Tensor]:
+    views = layout.views(buf, base)
+    for v in views.values():
+        v.zero_()
+    return views
+
+
+def relay(
+    plan: RingPlan,
+    *,
+    lead_layout: Callable[[int], Layout],
+    own_lead: dict[str, Tensor],
+    trail_layout: Callable[[int], Layout] | None,
+    compute: Callable[[int, int, dict[str, Tensor] | None, dict[str, Tensor] | None], None],
+    transport: Transport | None,
+    device: torch.device,
+    overlap: bool = True,
+    mode: str = "",
+    phase: str = "",
+    capacity: int | None = None,
+) -> dict[str, Tensor] | None:
+    """One ring pass. Returns the views of this rank's complete trail (None without a trail).
+
+    ``compute(hop, partition, lead, trail)``: ``lead`` is None at hop 0 (use the local tensors)
+    and typed views of the visiting partition otherwise; ``trail`` are zero-initialised views to
+    ADD this rank's share of ``partition``'s accumulator into (None without a trail).
+    ``capacity``: reserve at least this many bytes per slot (e.g. the backward's, at forward).
+    """
+    R, rank = plan.world_size, plan.rank
+    has_trail = trail_layout is not None
+    if R == 1:
+        trail = None
+        if has_trail:
+            lay = trail_layout(rank)
+            trail = _zero_views(lay, torch.empty(lay.nbytes, dtype=torch.uint8, device=device))
+        compute(0, rank, None, trail)
+        return trail
+
+    ex = RingExecutor(
+        transport, plan, device, overlap=overlap, mode=mode, phase=phase, capacity=capacity
+    )
+    slots = ex.slots
+    own_views = lead_layout(rank).views(slots[0])
+    for name, view in own_views.items():
+        view.copy_(own_lead[name])
+    scratch_buf = None
+    if has_trail:
+        scratch_buf = torch.empty(
+            max(trail_layout(p).nbytes for p in range(R)) or 1, dtype=torch.uint8, device=device
+        )
+    for h in range(R):
+        p = plan.partition(h)
+        ex.mark(h, "h0")
+        pending = ex.start(h)
+        if not overlap:
+            ex.wait(pending, h)
+        lead = None if h == 0 else lead_layout(p).views(slots[h % 2])
+        if has_trail:
+            dst = trail_layout(p).views(slots[(h + 1) % 2], plan.slot_layout(h + 1).trail_offset)
+            if h == 0:  # nothing arrives into the trail region at hop 0
+                for v in dst.values():
+                    v.zero_()
+                ex.mark(h, "c0")
+                compute(h, p, lead, dst)
+                ex.mark(h, "c1")
+                ex.wait(pending, h)
+            else:
+                part = _zero_views(trail_layout(p), scratch_buf)
+                ex.mark(h, "c0")
+                compute(h, p, lead, part)
+                ex.mark(h, "c1")
+                ex.wait(pending, h)
+                for name, v in dst.items():
+                    v.add_(part[name])
+        else:
+            ex.mark(h, "c0")
+            compute(h, p, lead, None)
+            ex.mark(h, "c1")
+            ex.wait(pending, h)
+        ex.mark(h, "h1")
+    result = None
+    if has_trail:
+        lay = trail_layout(rank)
+        final = torch.empty(max(lay.nbytes, 1), dtype=torch.uint8, device=device)
+        ex.mark(R, "h0")
+        pending = ex.start(R, recv_into=final)
+        ex.wait(pending, R)
+        ex.mark(R, "h1")
+        result = lay.views(final)
+    ex.finish()
+    return result

@@ -1,0 +1,70 @@
+"""Byte layouts of the flat buffers a ring hop moves: one send and one receive per hop.
+
+A partition (expert weights, or tokens with their routing metadata) and its travelling
+accumulator hold tensors of several dtypes (bf16 activations, fp32 probabilities, int32 expert
+ids). They are packed into one ``uint8`` buffer, each segment starting at a ``ALIGN``-byte
+boundary so that its typed view is aligned for vector loads, and moved as one contiguous range.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["ALIGN", "Layout", "Segment", "align_up"]
+
+ALIGN = 256
+
+
+def align_up(nbytes: int, align: int = ALIGN) -> int:
+    return (nbytes + align - 1) // align * align
+
+
+@dataclass(frozen=True)
+class Segment:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # bytes from the layout's base
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Segments packed back to back (aligned); ``nbytes`` ends at the last segment's end."""
+
+    segments: tuple[Segment, ...]
+    nbytes: int
+
+    @staticmethod
+    def of(*specs: tuple[str, torch.dtype, tuple[int, ...]]) -> Layout:
+        segments, offset, end = [], 0, 0
+        for name, dtype, shape in specs:
+            seg = Segment(name, dtype, tuple(int(s) for s in shape), offset)
+            segments.append(seg)
+            end = offset + seg.nbytes
+            offset = align_up(end)
+        return Layout(tuple(segments), end)
+
+    def views(self, buf_u8: Tensor, base: int = 0) -> dict[str, Tensor]:
+        """Typed views of the segments inside ``buf_u8[base:]`` (no copy)."""
+        if base % ALIGN:
+            raise ValueError(f"layout base {base} must be a multiple of {ALIGN} bytes")
+        if base + self.nbytes > buf_u8.numel():
+            raise ValueError(
+                f"layout of {self.nbytes} bytes at base {base} overflows a {buf_u8.numel()}-byte "
+                "buffer"
+            )
+        out = {}
+        for seg in self.segments:
+            start = base + seg.offset
+            out[seg.name] = buf_u8[start : start + seg.nbytes].view(seg.dtype).view(seg.shape)
+        return out

@@ -1,0 +1,148 @@
+"""Transports that move one hop's contiguous byte range from rank ``r-1`` to rank ``r``.
+
+* ``nccl`` (:class:`P2PTransport`): ``dist.batch_isend_irecv`` with the hop's send and receive in
+  one group, in the same order on every rank. The same code runs over gloo on CPU and over NCCL
+  within and across nodes. On CUDA it is issued from the executor's communication stream.
+* ``copy_engine`` (:class:`CopyEngineTransport`, CUDA within one node): both slots live in one
+  persistent ``torch.distributed._symmetric_memory`` allocation per (group, device); each rank
+  *pulls* the visiting range straight from its neighbour's slot with a device-to-device copy of
+  peer-mapped memory, which the GPU's copy engines execute without SMs (measured on 2x H200:
+  95% of a 604 MB transfer hidden under a grouped GEMM, against about 50% for NCCL, whose
+  kernels compete for SMs). A group-wide barrier on the signal pads precedes every pull, on the
+  communication stream. After barrier ``h`` every rank has (a) finished writing the slot it
+  sends at hop ``h`` (the executor orders that before the barrier) and (b) finished its pull of
+  hop ``h-1``, i.e. stopped reading the slot its sender overwrites at hop ``h``. So nothing is
+  read before it is written nor overwritten while read. One more barrier at the start of every
+  pass keeps a pass from overwriting slots a peer still reads from the previous pass.
+
+Both are issued on the current stream (the executor's communication stream on CUDA).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from relaymoe.ring.schedule import HopTransfer
+
+__all__ = ["CopyEngineTransport", "P2PTransport", "Transport", "copy_engine_available"]
+
+# Persistent symmetric slots per (group name, device index): (tensor (2*cap,), handle, cap).
+_SYMM_SLOTS: dict[tuple[str, int], tuple[Tensor, object, int]] = {}
+_SYMM_GRANULE = 2 * 1024 * 1024
+
+
+class Transport:
+    """Interface: ``slots`` gives the two slot buffers, ``issue`` one hop's transfer."""
+
+    name = "base"
+    needs_entry_sync = False
+
+    def slots(self, capacity: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        raise NotImplementedError
+
+    def entry_sync(self) -> None:
+        pass
+
+    def issue(self, xfer: HopTransfer, send: Tensor | None, recv: Tensor | None) -> list:
+        """Start the transfer on the current stream; returns works to wait for on CPU."""
+        raise NotImplementedError
+
+
+class P2PTransport(Transport):
+    """``batch_isend_irecv`` (NCCL on CUDA, gloo on CPU): one send and one receive per hop."""
+
+    name = "nccl"
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+
+    def slots(self, capacity: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        # Fresh per pass: they return to the caching allocator when the pass ends.
+        return (
+            torch.empty(capacity, dtype=torch.uint8, device=device),
+            torch.empty(capacity, dtype=torch.uint8, device=device),
+        )
+
+    def issue(self, xfer: HopTransfer, send: Tensor | None, recv: Tensor | None) -> list:
+        ops = []
+        # Same order on every rank: the send first, then the receive.
+        if send is not None:
+            ops.append(dist.P2POp(dist.isend, send, group=self.group, group_peer=xfer.send_peer))
+        if recv is not None:
+            ops.append(dist.P2POp(dist.irecv, recv, group=self.group, group_peer=xfer.recv_peer))
+        if not ops:
+            return []
+        works = dist.batch_isend_irecv(ops)
+        if ops[0].tensor.is_cuda:
+            # Non-blocking for the host: the current (communication) stream waits for NCCL's.
+            for w in works:
+                w.wait()
+            return []
+        return works
+
+
+def copy_engine_available() -> bool:
+    """This process can use symmetric memory on its current CUDA device."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import importlib
+
+        importlib.import_module("torch.distributed._symmetric_memory")
+    except Exception:  # torch built without symmetric memory
+        return False
+    return True
+
+
+class CopyEngineTransport(Transport):
+    """Pull from the neighbour's persistent symmetric-memory slot with the copy engines."""
+
+    name = "copy_engine"
+    needs_entry_sync = True
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self._buf: Tensor | None = None
+        self._hdl = None
+        self._cap = 0
+
+    def slots(self, capacity: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        key = (self.group.group_name, device.index)
+        entry = _SYMM_SLOTS.get(key)
+        if entry is None or entry[2] < capacity:
+            # Collective: every rank computes the same capacity from the agreed sizes, so all
+            # ranks grow (and rendezvous) together.
+            cap = max(_SYMM_GRANULE, -(-capacity // _SYMM_GRANULE) * _SYMM_GRANULE)
+            if entry is not None:
+                entry[1].barrier(channel=0)  # no peer still reads the old slots
+                torch.cuda.synchronize(device)
+                del _SYMM_SLOTS[key]
+                entry = None
+            buf = symm_mem.empty(2 * cap, dtype=torch.uint8, device=device)
+            hdl = symm_mem.rendezvous(buf, self.group)
+            entry = (buf, hdl, cap)
+            _SYMM_SLOTS[key] = entry
+        self._buf, self._hdl, self._cap = entry
+        return self._buf[: self._cap], self._buf[self._cap : 2 * self._cap]
+
+    def entry_sync(self) -> None:
+        self._hdl.barrier(channel=0)
+
+    def issue(self, xfer: HopTransfer, send: Tensor | None, recv: Tensor | None) -> list:
+        self._hdl.barrier(channel=0)
+        if recv is not None:
+            src = xfer.recv_src
+            # Byte offset of the sender's range inside its allocation (slot + range start).
+            offset = int(getattr(self._hdl, "offset", 0)) + src.slot * self._cap + src.start
+            peer = self._hdl.get_buffer(xfer.recv_peer, (src.nbytes,), torch.uint8, offset)
+            recv.copy_(peer)  # device-to-device memcpy of peer memory: copy engines, no SMs
+        return []
+
+
+def symmetric_workspace_bytes() -> int:
+    """Bytes held by the persistent copy-engine slots of this process (all groups)."""
+    return sum(2 * cap for (_, _, cap) in _SYMM_SLOTS.values())

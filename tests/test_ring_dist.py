@@ -1,0 +1,364 @@
+"""ring_moe over spawned gloo process groups (world sizes 1-4) against the float64 oracle.
+
+Each world is spawned once and runs many checks (spawning is the slow part). Every rank builds
+the same global problem from a shared seed, runs ring_moe on its slice, and compares its slice
+of the output and of every gradient (x, topk_probs, and its own experts' w13/w2) with the
+oracle applied to the whole problem.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from relaymoe.reference import moe_experts_reference
+
+pytestmark = pytest.mark.slow
+
+H, I = 24, 12
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# the global problem and the oracle
+# ---------------------------------------------------------------------------------------------
+def _routing(g, total, E, K, route):
+    idx = torch.rand(total, E, generator=g).argsort(1)[:, :K]
+    if route == "one" and total:
+        # every token picks expert E-1 (first slot) plus K-1 others
+        others = torch.rand(total, E - 1, generator=g).argsort(1)[:, : K - 1]
+        idx = torch.cat([torch.full((total, 1), E - 1), others], 1)
+    elif route == "skew" and total:
+        idx = torch.stack([torch.randperm(min(E, K + 1), generator=g)[:K] for _ in range(total)])
+    return idx
+
+
+def _problem(seed, tokens, El, K, world, route="uniform"):
+    g = torch.Generator().manual_seed(seed)
+    E, total = El * world, sum(tokens)
+    f64 = torch.float64
+    return dict(
+        x=torch.randn(total, H, generator=g, dtype=f64),
+        w13=torch.randn(E, 2 * I, H, generator=g, dtype=f64) / H**0.5,
+        w2=torch.randn(E, H, I, generator=g, dtype=f64) / I**0.5,
+        idx=_routing(g, total, E, K, route),
+        probs=torch.rand(total, K, generator=g, dtype=f64) + 0.1,
+        dy=torch.randn(total, H, generator=g, dtype=f64),
+    )
+
+
+def _oracle(pb):
+    leaves = {k: pb[k].clone().requires_grad_() for k in ("x", "w13", "w2", "probs")}
+    out = moe_experts_reference(
+        leaves["x"], leaves["w13"], leaves["w2"], pb["idx"], leaves["probs"]
+    )
+    if not out.requires_grad:  # no tokens at all: the oracle built no graph
+        return out.detach(), {k: torch.zeros_like(v) for k, v in leaves.items()}
+    out.backward(pb["dy"])
+    return out.detach(), {k: v.grad for k, v in leaves.items()}
+
+
+def _rel(a, b):
+    a, b = a.double(), b.double()
+    if b.numel() == 0:
+        return 0.0
+    den = b.norm().item()
+    return (a - b).norm().item() / (den if den > 0 else 1.0)
+
+
+def _run_case(rank, world, group, *, seed, tokens, El, K, dtype, prob_dtype=None, mode="expert",
+              transport="auto", overlap=True, route="uniform", check_grads=True):  # fmt: skip
+    """ring_moe on this rank's slice vs the oracle; returns the ring's (out, grads)."""
+    from relaymoe.ring import ring_moe
+
+    pb = _problem(seed, tokens, El, K, world, route)
+    ref_out, ref_g = _oracle(pb)
+    lo, hi = sum(tokens[:rank]), sum(tokens[: rank + 1])
+    e0, e1 = rank * El, (rank + 1) * El
+    pdt = prob_dtype or dtype
+    x = pb["x"][lo:hi].to(dtype).requires_grad_()
+    w13 = pb["w13"][e0:e1].to(dtype).requires_grad_()
+    w2 = pb["w2"][e0:e1].to(dtype).requires_grad_()
+    probs = pb["probs"][lo:hi].to(pdt).requires_grad_()
+    idx = pb["idx"][lo:hi]
+    out = ring_moe(
+        x, w13, w2, idx, probs, group=group, mode=mode, transport=transport, overlap=overlap
+    )
+    tol = 1e-11 if dtype == pdt == torch.float64 else 3e-5
+    what = f"mode={mode} dtype={dtype} tokens={tokens} El={El} K={K} route={route} rank={rank}"
+    assert out.shape == (hi - lo, H) and out.dtype == dtype, what
+    assert _rel(out, ref_out[lo:hi]) < tol, f"out {_rel(out, ref_out[lo:hi])} {what}"
+    if not check_grads:
+        return out.detach(), None
+    out.backward(pb["dy"][lo:hi].to(dtype))
+    pairs = [
+        ("dx", x.grad, ref_g["x"][lo:hi]),
+        ("dprobs", probs.grad, ref_g["probs"][lo:hi]),
+        ("dw13", w13.grad, ref_g["w13"][e0:e1]),
+        ("dw2", w2.grad, ref_g["w2"][e0:e1]),
+    ]
+    for name, got, ref in pairs:
+        assert got is not None and got.shape == ref.shape, f"{name} missing {what}"
+        assert _rel(got, ref) < tol, f"{name} {_rel(got, ref)} {what}"
+    # experts no token picked get exactly zero gradient
+    used = torch.zeros(El * world, dtype=torch.bool)
+    used[pb["idx"].reshape(-1)] = True
+    for j in range(El):
+        if not used[e0 + j]:
+            assert torch.all(w13.grad[j] == 0) and torch.all(w2.grad[j] == 0), what
+    return out.detach(), (x.grad, probs.grad, w13.grad, w2.grad)
+
+
+# ---------------------------------------------------------------------------------------------
+# scenarios (run on every rank of a spawned world)
+# ---------------------------------------------------------------------------------------------
+def _correctness(rank, world, group):
+    R = world
+    uneven = [5, 0, 9, 3][:R] if R > 1 else [7]
+    cases = []
+    for mode in ("expert", "token", "auto"):
+        cases.append(dict(mode=mode, seed=1, tokens=uneven, El=2, K=2, dtype=torch.float64))
+    cases += [
+        dict(mode="expert", seed=2, tokens=[6] * R, El=3, K=3, dtype=torch.float32,
+             prob_dtype=torch.float32, overlap=False),
+        dict(mode="token", seed=3, tokens=[4, 7, 1, 2][:R], El=1, K=1, dtype=torch.float32,
+             overlap=False),
+        # K = E: every token visits every expert
+        dict(mode="token", seed=4, tokens=[3, 2, 4, 1][:R], El=2, K=2 * R, dtype=torch.float64),
+        dict(mode="expert", seed=4, tokens=[3, 2, 4, 1][:R], El=2, K=2 * R, dtype=torch.float64),
+        # all tokens to one expert; skewed routing leaves experts empty
+        dict(mode="expert", seed=5, tokens=[4] * R, El=2, K=1, dtype=torch.float64, route="one"),
+        dict(mode="token", seed=5, tokens=[4] * R, El=2, K=2, dtype=torch.float64, route="one"),
+        dict(mode="token", seed=6, tokens=[5, 3, 0, 6][:R], El=3, K=2, dtype=torch.float64,
+             route="skew"),
+        dict(mode="expert", seed=6, tokens=[0, 3, 0, 6][:R], El=3, K=2, dtype=torch.float64,
+             route="skew"),
+        # fp32 probabilities with fp64 activations
+        dict(mode="token", seed=7, tokens=[2, 5, 3, 3][:R], El=2, K=2, dtype=torch.float64,
+             prob_dtype=torch.float32),
+    ]  # fmt: skip
+    if R > 1:  # every rank but the last has no tokens
+        cases.append(dict(mode="token", seed=8, tokens=[0] * (R - 1) + [5], El=1, K=1,
+                          dtype=torch.float64))  # fmt: skip
+    for c in cases:
+        _run_case(rank, world, group, **c)
+
+
+def _determinism(rank, world, group):
+    for mode in ("expert", "token"):
+        kw = dict(seed=11, tokens=[5, 4, 6, 2][:world], El=2, K=2, dtype=torch.float32, mode=mode)
+        a_out, a_g = _run_case(rank, world, group, **kw)
+        b_out, b_g = _run_case(rank, world, group, **kw)
+        assert torch.equal(a_out, b_out), f"{mode} forward not bitwise reproducible"
+        for u, v in zip(a_g, b_g, strict=True):
+            assert torch.equal(u, v), f"{mode} gradient not bitwise reproducible"
+
+
+def _modes_agree_and_auto(rank, world, group):
+    from relaymoe.ring import comm_volume, resolved_problem
+
+    pb = _problem(21, [4] * world, 2, 2, world)
+    lo, hi = 4 * rank, 4 * rank + 4
+    args = (pb["x"][lo:hi], pb["w13"][2 * rank : 2 * rank + 2], pb["w2"][2 * rank : 2 * rank + 2],
+            pb["idx"][lo:hi], pb["probs"][lo:hi])  # fmt: skip
+    prob = resolved_problem(*args, group=group)
+    vol = comm_volume(4, H, I, 2, 2, dtype=torch.float64, prob_dtype=torch.float64)
+    assert prob.mode == vol.preferred(), (prob.mode, vol)
+    assert prob.transport == ("local" if world == 1 else "nccl")
+    assert prob.tokens == (4,) * world
+
+
+def _bad_inputs(rank, world, group):
+    """Each bad input raises ValueError on EVERY rank, then the group still works."""
+    from relaymoe.ring import ring_moe
+
+    def inputs(T=3, El=2, h=H, i=I, K=2, dtype=torch.float32):
+        g = torch.Generator().manual_seed(100 + rank)
+        x = torch.randn(T, h, generator=g, dtype=dtype)
+        w13 = torch.randn(El, 2 * i, h, generator=g, dtype=dtype)
+        w2 = torch.randn(El, h, i, generator=g, dtype=dtype)
+        idx = torch.rand(T, El * world, generator=g).argsort(1)[:, :K]
+        probs = torch.rand(T, K, generator=g, dtype=dtype)
+        return [x, w13, w2, idx, probs]
+
+    last = world - 1
+
+    def bad_range():
+        a = inputs()
+        if rank == last:
+            a[3] = a[3].clone()
+            a[3][0, 0] = 2 * world  # == E: out of range
+        return a
+
+    def bad_dtype():
+        a = inputs()
+        if rank == last:
+            a[1] = a[1].double()
+        return a
+
+    cases = {
+        "topk id out of range": (bad_range, {}, "expert id|outside|topk_idx"),
+        "dtype mismatch": (bad_dtype, {}, "dtype"),
+        "negative id": (
+            lambda: [
+                *inputs()[:3],
+                torch.full((3, 2), -1) if rank == 0 else inputs()[3],
+                inputs()[4],
+            ],
+            {},
+            "topk_idx",
+        ),  # fmt: skip
+        "bad mode": (inputs, {"mode": "experts"}, "mode"),
+    }
+    if world > 1:
+        cases["E_local differs"] = (
+            lambda: inputs(El=3 if rank == last else 2),
+            {},
+            "E_local|topk_idx",
+        )
+        cases["H differs"] = (lambda: inputs(h=H + 8 if rank == last else H), {}, "hidden")
+        cases["I differs"] = (lambda: inputs(i=I + 4 if rank == last else I), {}, "FFN width")
+        cases["mode differs"] = (inputs, {"mode": "token" if rank == last else "expert"}, "mode")
+        cases["dtype differs"] = (
+            lambda: inputs(dtype=torch.float64 if rank == last else torch.float32),
+            {},
+            "dtype",
+        )
+    cases["copy_engine on cpu"] = (inputs, {"transport": "copy_engine"}, "copy_engine" if world > 1
+                                   else None)  # fmt: skip
+    import re
+
+    for name, (make, kw, pattern) in cases.items():
+        a = make()
+        if pattern is None:  # a world of one has nothing to transfer: no error
+            ring_moe(*a, group=group, **kw)
+            continue
+        try:
+            ring_moe(*a, group=group, **kw)
+        except ValueError as err:
+            assert re.search(pattern, str(err)), f"{name}: {err}"
+        else:
+            raise AssertionError(f"{name}: no ValueError on rank {rank}")
+    # the group is still usable and in step
+    _run_case(rank, world, group, seed=31, tokens=[2] * world, El=1, K=1, dtype=torch.float64,
+              mode="token")  # fmt: skip
+
+
+def _backward_disagreement(rank, world, group):
+    """One rank needs no backward: every rank raises instead of hanging in the backward."""
+    from relaymoe.ring import ring_moe
+
+    if world == 1:
+        return
+    x = torch.randn(2, H, requires_grad=rank == 0)
+    w13, w2 = torch.randn(1, 2 * I, H), torch.randn(1, H, I)
+    idx, probs = torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1)
+    try:
+        ring_moe(x, w13, w2, idx, probs, group=group)
+    except ValueError as err:
+        assert "backward" in str(err), err
+    else:
+        raise AssertionError("no ValueError when only some ranks need a backward")
+
+
+SCENARIOS = [_correctness, _determinism, _modes_agree_and_auto, _bad_inputs,
+             _backward_disagreement]  # fmt: skip
+
+
+def _worker(rank, world, port, outdir):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    results = {}
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=30),
+        )
+        group = dist.new_group(list(range(world)))  # an explicit group, not the default
+        for fn in SCENARIOS:
+            try:
+                fn(rank, world, group)
+                results[fn.__name__] = "ok"
+            except Exception:
+                results[fn.__name__] = traceback.format_exc()
+        dist.destroy_process_group()
+    except Exception:
+        results["setup"] = traceback.format_exc()
+    Path(outdir, f"rank{rank}.json").write_text(json.dumps(results))
+
+
+def _spawn(world, tmp_path, timeout=120):
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world, port, str(tmp_path))) for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout  # one deadline for the whole world
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert not hung, f"ranks {hung} hung (world {world})"
+    out = {}
+    for r in range(world):
+        f = Path(tmp_path, f"rank{r}.json")
+        assert f.exists(), f"rank {r} died (exit code {procs[r].exitcode})"
+        out[r] = json.loads(f.read_text())
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_ring_moe_gloo(world, tmp_path):
+    results = _spawn(world, tmp_path)
+    failures = [
+        f"rank {r} {name}:\n{msg}"
+        for r, res in results.items()
+        for name, msg in res.items()
+        if msg != "ok"
+    ]
+    assert not failures, "\n".join(failures)
+    assert all(set(res) == {fn.__name__ for fn in SCENARIOS} for res in results.values())
+
+
+def test_ring_moe_without_process_group_is_a_world_of_one():
+    from relaymoe.ring import ring_moe
+
+    assert not dist.is_initialized()
+    pb = _problem(41, [6], 3, 2, 1)
+    ref_out, ref_g = _oracle(pb)
+    x = pb["x"].clone().requires_grad_()
+    w13 = pb["w13"].clone().requires_grad_()
+    w2 = pb["w2"].clone().requires_grad_()
+    probs = pb["probs"].clone().requires_grad_()
+    for mode in ("expert", "token"):
+        out = ring_moe(x, w13, w2, pb["idx"], probs, mode=mode)
+        assert _rel(out, ref_out) < 1e-12
+        out.backward(pb["dy"])
+        for got, key in ((x, "x"), (w13, "w13"), (w2, "w2"), (probs, "probs")):
+            assert _rel(got.grad, ref_g[key]) < 1e-12, (mode, key)
+            got.grad = None
+    with pytest.raises(ValueError, match="outside"):
+        ring_moe(x, w13, w2, pb["idx"] + 3, probs)
