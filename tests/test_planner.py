@@ -47,8 +47,8 @@ def test_terms_hand_computed():
     assert mm.layer_input_bytes(sh) == 2 * 256 * 64
     # norm+proj inputs 2*2*256*64, q/k/v 2*256*(4+2*2)*16, out 2*256*4*16, lse 4*256*4
     assert mm.attention_keep_bytes(cfg, sh, 0) == 65536 + 65536 + 32768 + 4096
-    # norms 2*2*256*64, router 10*256*4, dispatched in/out + fc1 + act 2*512*(2*64+3*32)
-    assert mm.moe_keep_bytes(cfg, sh, 0, "alltoall") == 65536 + 10240 + 229376
+    # norms 2*2*256*64, router 10*256*4, dispatched in + fc1 out + fc2 in 2*512*(64+3*32)
+    assert mm.moe_keep_bytes(cfg, sh, 0, "alltoall") == 65536 + 10240 + 163840
     assert mm.moe_keep_bytes(cfg, sh, 0, "ring") == 65536 + 10240 + 12 * 512 + 4 * 512
     # 4 (P,H) buffers, 3 (P,I) intermediates, local expert grads 4*3*64*32*2, router
     assert mm.moe_peak_alltoall(sh) == 262144 + 98304 + 49152 + 10240
@@ -59,7 +59,7 @@ def test_terms_hand_computed():
     st = mm.model_state_bytes(cfg, 0)
     n = mm.total_params(cfg)
     assert st == {"params": 2 * n, "grads": 4 * n, "optimizer": 12 * n}
-    assert mm.logits_bytes(cfg, sh) == 10 * 256 * 128
+    assert mm.logits_bytes(cfg, sh) == 6 * 256 * 128
     v = per_hop_bytes(sh)
     assert v["expert"] == {"forward": 49152, "backward": 147456, "total": 196608}
     assert v["token"]["forward"] == 32768 + 4096 + 65536

@@ -14,8 +14,11 @@ Terms (each a function so that tests can check it against hand-computed values):
   (``6 + 12/shard`` bytes per param; dense params shard over dp*cp, experts over expert-dp)
 * retained activations per layer and microbatch, for a recomputed layer (its input only) and a
   kept one (attention block: norms, projections, flash-attention q/k/v/out/lse; MoE block:
-  router, and for alltoall the dispatched tokens, expert intermediates and expert output kept
-  for the probability gradient; for the ring only the routing index: it recomputes per hop)
+  router, and for alltoall the dispatched tokens and the expert intermediates (fc1 output and
+  the probability-weighted activation; megatron-core applies the probabilities inside the
+  expert, so its output is not kept); for the ring only the routing index: it recomputes per
+  hop). Norms are fused (TE/apex: input + fp32 rstd); torch's composite RMSNorm (no TE, no
+  apex) keeps 8 more bytes per element, which this model does not count.
 * the MoE-block working set (peak over its inputs while one layer runs fwd+bwd):
   alltoall: ``a`` coexisting top-k-expanded (P, H) buffers (permute, dispatch, combine, expert
   output; paper §2.2) + three (P, I) expert intermediates + the local weight gradient;
@@ -40,9 +43,11 @@ ROUTER_BYTES_PER_TOKEN_EXPERT = 10  # bf16 logits + fp32 softmax scores + fp32 a
 A2A_BUFFERS_EP1 = 4.0  # coexisting (P, H) buffers, fit to megatron-core (see module docstring)
 A2A_BUFFERS_EP = 5.5
 A2A_INTERMEDIATES = 3  # (P, I) expert intermediates in the alltoall working set
-LOGIT_BYTES_PER_ELEMENT = (
-    2 + 4 + 4
-)  # bf16 logits, fp32 softmax copy, fp32 grad in vocab-parallel CE
+# Megatron's vocab-parallel cross entropy works in place on one fp32 copy of the logits (max
+# subtraction, exp, normalisation, then the gradient), so per logit element: forward, the bf16
+# logits + that fp32 copy; backward, the fp32 copy (now the gradient) + its bf16 cast.
+# Checked on an H200 (benchmarks/validate_memory_model.py): 6, not 10.
+LOGIT_BYTES_PER_ELEMENT = 2 + 4
 
 
 @dataclass(frozen=True)
@@ -233,7 +238,11 @@ def moe_keep_bytes(cfg: Config, sh: Shapes, layer: int, dispatcher: str) -> int:
     if dispatcher == "ring":
         moe = ROUTING_INDEX_BYTES_PER_PAIR * sh.P + 4 * sh.P  # index + probs; h recomputed
     else:
-        moe = sh.e * sh.P * (2 * sh.h + 3 * sh.I)  # expert input/output, fc1 out, act
+        # dispatched tokens (fc1 input), fc1 output (P, 2I), fc2 input (P, I). megatron-core
+        # 0.19 applies the routing probabilities to the activation inside the expert MLP (fused
+        # weighted SwiGLU, --bias-swiglu-fusion, the default), so the expert output is not kept
+        # and the combine keeps only indices.
+        moe = sh.e * sh.P * (sh.h + 3 * sh.I)
     return norm + router + shared + moe
 
 
