@@ -5,7 +5,7 @@ largest sequence length with full recompute at b=12 for alltoall and the ring (p
 Figure 15: alltoall only beyond 65K for K4, ring 90K-150K, up to 2.85x), on the paper's 64 GB
 H100s. Two columns per dispatcher: the whole Megatron step, and the same without the output-layer
 and cross-entropy buffers (with Qwen's 151936-token vocabulary Megatron's vocab-parallel loss
-alone needs 10 bytes x b*s/cp x V/tp, 87 GiB at b=12, 40K, CP=2, TP=4, which no 64 GB GPU holds,
+alone needs 6 bytes x b*s/cp x V/tp, 52 GiB at b=12, 40K, CP=2, TP=4, which no 64 GB GPU holds,
 so the paper's capacities imply a smaller or chunked loss; the second column is the comparison
 the paper's figure makes).
 
