@@ -44,6 +44,33 @@ def init_dist() -> tuple[int, int, torch.distributed.ProcessGroup]:
     return dist.get_rank(), dist.get_world_size(), dist.group.WORLD
 
 
+def timed_collective(fn, warmup: int, reps: int) -> float:
+    """Median ms of ``fn`` over ``reps`` calls after ``warmup``, the slowest rank's.
+
+    A fixed count on every rank: an adaptive count (``do_bench``) can differ between ranks and
+    leave one waiting in a collective the other never issues.
+    """
+    import statistics
+
+    import torch.distributed as dist
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    t = torch.tensor([statistics.median(times)], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
 def make_inputs(shape: Shape, rank: int, world: int, *, dtype=torch.bfloat16, seed: int = 0):
     """This rank's tokens, its experts (global [rank*El, (rank+1)*El)) and a uniform-ish routing."""
     if shape.E % world:

@@ -34,8 +34,8 @@ def main(argv=None) -> int:
     import torch
     import torch.distributed as dist
 
-    from benchmarks._dist import init_dist, make_inputs, qwen3
-    from benchmarks.common import JsonlWriter, bench_ms, print_table
+    from benchmarks._dist import init_dist, make_inputs, qwen3, timed_collective
+    from benchmarks.common import JsonlWriter, print_table
     from relaymoe import ring_moe
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -76,13 +76,8 @@ def main(argv=None) -> int:
             fwd_bwd()
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated() - base
-            dist.barrier()
-            ms = bench_ms(
-                fwd_bwd, warmup_ms=25 if args.quick else 100, rep_ms=100 if args.quick else 400
-            )
-            t = torch.tensor([ms], device="cuda")
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank is the layer's time
-            ms = float(t.item())
+            # fixed count on every rank; the slowest rank is the layer's time
+            ms = timed_collective(fwd_bwd, 2, 5 if args.quick else 15)
         except Exception as e:
             if rank == 0:
                 print(f"[ablation] {variant} failed: {type(e).__name__}: {e}"[:600])

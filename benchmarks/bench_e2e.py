@@ -25,6 +25,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", default="tiny_qwen3")
     p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--quick", action="store_true", help="accepted for the suite; same 200 steps")
     p.add_argument("--gpus", type=int, default=None)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "e2e.jsonl"))
@@ -60,6 +61,7 @@ def main() -> int:
                 "peak_MiB": r.peak_mib(),
                 "first_loss": r.losses[0] if r.steps else None,
                 "final_loss": r.losses[-1] if r.steps else None,
+                "losses": r.losses,
                 "max_abs_loss_diff_vs_other": cmp["max_abs_loss_diff"],
                 "mean_abs_loss_diff_vs_other": cmp["mean_abs_loss_diff"],
                 "wall_s": r.seconds,

@@ -3,14 +3,18 @@
 Providers (one process, same inputs; routing ``softmax(randn) -> top-k``, probabilities without
 grad, as in ``../shared/anchors``):
 - ``relaymoe`` (``recompute="act"`` and ``"fc1"``; the row's ``recompute`` key says which):
-  ``moe_experts`` with the Triton backend; the routing-index build is inside the timed step.
+  ``moe_experts`` with the Triton backend and the default dispatch; the routing-index build is
+  inside the timed step. Variants (row key ``variant``): ``relaymoe_fusedbwd``
+  (``RELAYMOE_DOWN_BWD=fused``, the v2 down backward) and ``relaymoe_tritongemm``
+  (``RELAYMOE_DENSE_GEMM=triton``: no ``torch._grouped_mm``).
 - ``naive``: gather x into a (T*K, H) buffer, ``torch._grouped_mm`` up, SiLU*up,
   ``torch._grouped_mm`` down, probability weight, ``index_add_`` (sort inside the timed step).
 - ``liger``: ``liger_kernel.ops.fused_moe.LigerFusedMoEFunction`` when importable.
 
-Before timing a shape, relaymoe's output is checked against naive's. ``--breakdown`` also times
-each relaymoe kernel of the qwen3 T32k layer alone. Rows: ``bench: experts`` in the format of
-``benchmarks/README.md``.
+Before timing a shape, the output and all gradients of every relaymoe variant are checked against
+naive's (``err_*`` keys of its row). ``--breakdown`` also times each relaymoe kernel of the qwen3
+T32k layer alone (rows ``bench: experts_breakdown``), right after the first shape's table. Rows:
+``bench: experts`` in the format of ``benchmarks/README.md``.
 
     PYTHONPATH=. python3 benchmarks/bench_experts.py [--quick] [--out PATH.jsonl] [--breakdown]
 """
@@ -67,10 +71,20 @@ def make_inputs(num_tokens, num_experts, topk, hidden, ffn, seed=0):
 # --------------------------------------------------------------------------------------------
 # providers: fn(x, w13, w2, idx, probs) -> out (T, H)
 # --------------------------------------------------------------------------------------------
-def relaymoe_fn(recompute: str, dense_gemm: str | None = None):
+_SWITCHES = ("RELAYMOE_DOWN_BWD", "RELAYMOE_DENSE_GEMM")
+
+
+def relaymoe_fn(recompute: str, switches: dict | None = None):
+    """moe_experts with the dispatch switches set for this call and the backward that follows
+    (the defaults when ``switches`` is empty: split down backward, torch._grouped_mm on sm90)."""
+    switches = switches or {}
+
     def fn(x, w13, w2, idx, probs):
-        if dense_gemm is not None:
-            os.environ["RELAYMOE_DENSE_GEMM"] = dense_gemm
+        for var in _SWITCHES:
+            if var in switches:
+                os.environ[var] = switches[var]
+            else:
+                os.environ.pop(var, None)
         index = build_routing_index(idx, w13.shape[0], validate=False)
         return moe_experts(x, w13, w2, idx, probs, index=index, recompute=recompute,
                            backend="triton")  # fmt: skip
@@ -197,27 +211,34 @@ def breakdown(shape: str) -> list[dict]:
     dw13, dw2 = torch.empty_like(w13), torch.empty_like(w2)
     pf = 2.0 * n_pairs * hidden * ffn  # FLOPs of one (P, H) x (H, I) product
     ends = (offs[1:] - offs[0]).to(torch.int32)
+    dprob = torch.empty(n_pairs, device="cuda")
+    gmm = "torch._grouped_mm"
     stages = [
         ("route_build", lambda: build_routing_index(idx, num_experts, validate=False), 0),
         ("up_swiglu", lambda: grouped.up_swiglu(x, w13, idx_P, offs, prob_P, h, a), 2 * pf),
         ("down_rows", lambda: grouped.rows_gemm(a, w2.transpose(1, 2), offs, y), pf),
-        ("down_grouped_mm", lambda: torch._grouped_mm(a, w2.transpose(1, 2), offs=ends), pf),
+        ("down_" + gmm, lambda: torch._grouped_mm(a, w2.transpose(1, 2), offs=ends), pf),
         ("combine", lambda: grouped.combine(y, tim, offs, out, topk, accumulate=False), 0),
-        ("down_bwd", lambda: grouped.down_backward(x, w2, idx_P, offs, prob_P, h, dh, a, part),
-         pf),
+        ("down_bwd_fused (v2)", lambda: grouped.down_backward(
+            x, w2, idx_P, offs, prob_P, h, dh, a, part), pf),
+        ("down_bwd_gemm (split)", lambda: grouped.rows_gemm(x, w2, offs, a, a_idx=idx_P), pf),
+        ("swiglu_bwd (split)", lambda: grouped.swiglu_backward(h, a, prob_P, dh, dprob), 0),
         ("wgrad_dw2", lambda: grouped.wgrad(x, a, idx_P, offs, dw2, a_gather=True,
                                             b_gather=False, accumulate=False), pf),
         ("wgrad_dw13", lambda: grouped.wgrad(dh, x, idx_P, offs, dw13, a_gather=False,
                                              b_gather=True, accumulate=False), 2 * pf),
         ("dgrad_rows", lambda: grouped.rows_gemm(dh, w13, offs, y), 2 * pf),
-        ("dgrad_grouped_mm", lambda: torch._grouped_mm(dh, w13, offs=ends), 2 * pf),
+        ("dgrad_" + gmm, lambda: torch._grouped_mm(dh, w13, offs=ends), 2 * pf),
     ]  # fmt: skip
     rows = []
     for name, fn, flops in stages:
         try:
             ms = bench_ms(fn, warmup_ms=25, rep_ms=100)
-            rows.append({"stage": name, "ms": round(ms, 3),
-                         "tflops": round(flops / ms / 1e9, 1) if flops else None})  # fmt: skip
+            row = {"stage": name, "ms": round(ms, 3),
+                   "tflops": round(flops / ms / 1e9, 1) if flops else None}  # fmt: skip
+            if name.startswith("swiglu_bwd"):  # reads h, g; writes dh, p*a: 6 I elements a row
+                row["gbps"] = round(6 * n_pairs * ffn * x.element_size() / ms / 1e6, 1)
+            rows.append(row)
         except Exception as exc:  # one failing variant must not hide the others
             rows.append({"stage": name, "error": repr(exc)[:200]})
     return rows
@@ -229,7 +250,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="JSONL path (default benchmarks/results/...)")
     ap.add_argument("--shapes", nargs="*", default=None, choices=sorted(SHAPES))
     ap.add_argument("--providers", nargs="*", default=None,
-                    help="relaymoe_act relaymoe_fc1 relaymoe_act_gmm naive liger")  # fmt: skip
+                    help="relaymoe_act relaymoe_fc1 relaymoe_act_fusedbwd "
+                         "relaymoe_act_tritongemm naive liger")  # fmt: skip
     ap.add_argument("--breakdown", action="store_true", help="time each kernel at qwen3 T32k")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -240,15 +262,23 @@ def main(argv=None) -> int:
     writer = JsonlWriter(out, env=env)
     shapes = args.shapes or (["qwen3_30b_a3b_T32k"] if args.quick else list(SHAPES))
     providers = {
-        "relaymoe_act": ("relaymoe", "act", relaymoe_fn("act", "triton")),
-        "relaymoe_fc1": ("relaymoe", "fc1", relaymoe_fn("fc1", "triton")),
-        "relaymoe_act_gmm": ("relaymoe_gmm", "act", relaymoe_fn("act", "torch")),
+        "relaymoe_act": ("relaymoe", "act", relaymoe_fn("act")),
+        "relaymoe_fc1": ("relaymoe", "fc1", relaymoe_fn("fc1")),
+        "relaymoe_act_fusedbwd": (
+            "relaymoe_fusedbwd", "act", relaymoe_fn("act", {"RELAYMOE_DOWN_BWD": "fused"})),
+        "relaymoe_act_tritongemm": (
+            "relaymoe_tritongemm", "act", relaymoe_fn("act", {"RELAYMOE_DENSE_GEMM": "triton"})),
         "naive": ("naive", None, naive_fn),
         "liger": ("liger", None, liger_fn()),
-    }
+    }  # fmt: skip
     wanted = args.providers or ["relaymoe_act", "relaymoe_fc1", "naive", "liger"]
+    unknown = sorted(set(wanted) - set(providers))
+    if unknown:
+        ap.error(f"unknown providers {unknown}; choose from {sorted(providers)}")
+    columns = ["provider", "recompute", "shape", "ms_fwd_bwd", "ms_fwd", "tflops_fwd_bwd",
+               "saved_for_bwd_MiB", "peak_over_inputs_MiB"]  # fmt: skip
     rows = []
-    for shape in shapes:
+    for n_shape, shape in enumerate(shapes):
         dims = SHAPES[shape]
         flops = moe_flops_fwd_bwd(dims[0], dims[2], dims[3], dims[4])
         inputs = make_inputs(*dims)
@@ -256,6 +286,7 @@ def main(argv=None) -> int:
             inputs, {k: providers[k][2] for k in wanted if k.startswith("relaymoe")}
         )
         print(f"[bench_experts] {shape} relaymoe vs naive: {checks}", flush=True)
+        shape_rows = []
         for key in wanted:
             provider, recompute, fn = providers[key]
             if fn is None:
@@ -270,25 +301,30 @@ def main(argv=None) -> int:
             if recompute is not None:
                 row["recompute"] = recompute
             if provider.startswith("relaymoe"):
+                row["variant"] = key
                 row.update(checks[key])
-            rows.append(writer.write(row))
+            shape_rows.append(writer.write(row))
             print(f"[bench_experts] {key} {shape} {r}", flush=True)
+        for var in _SWITCHES:
+            os.environ.pop(var, None)
         del inputs
         gc.collect()
         torch.cuda.empty_cache()
-    os.environ.pop("RELAYMOE_DENSE_GEMM", None)
-    print_table(rows, ["provider", "recompute", "shape", "ms_fwd_bwd", "ms_fwd",
-                       "tflops_fwd_bwd", "saved_for_bwd_MiB", "peak_over_inputs_MiB"])  # fmt: skip
-    for shape in shapes:
-        comp = [r["ms_fwd_bwd"] for r in rows if r["shape"] == shape
-                and r["provider"] in ("naive", "liger")]  # fmt: skip
-        for r in rows:
-            if r["shape"] == shape and r["provider"].startswith("relaymoe") and comp:
-                print(f"{shape} {r['provider']}/{r.get('recompute')}: "
-                      f"{min(comp) / r['ms_fwd_bwd']:.2f}x the faster competitor")  # fmt: skip
-    if args.breakdown:
-        bd = breakdown("qwen3_30b_a3b_T32k")
-        print_table(bd, ["stage", "ms", "tflops", "error"])
+        rows += shape_rows
+        print_table(shape_rows, columns)
+        comp = [r["ms_fwd_bwd"] for r in shape_rows if r["provider"] in ("naive", "liger")]
+        for r in shape_rows:
+            if r["provider"].startswith("relaymoe") and comp:
+                print(f"{shape} {r['variant']}: {min(comp) / r['ms_fwd_bwd']:.2f}x the faster "
+                      f"competitor ({min(comp):.2f} ms)", flush=True)  # fmt: skip
+        if args.breakdown and n_shape == 0:
+            bd = breakdown("qwen3_30b_a3b_T32k")
+            for r in bd:
+                writer.write({"bench": "experts_breakdown", "shape": "qwen3_30b_a3b_T32k", **r})
+            print_table(bd, ["stage", "ms", "tflops", "gbps", "error"])
+            sys.stdout.flush()
+    if len(shapes) > 1:
+        print_table(rows, columns)
     return 0
 
 

@@ -34,28 +34,6 @@ sys.path.insert(0, str(ROOT))
 MiB = 1024 * 1024
 
 
-def _timed(fn, warmup: int, reps: int) -> float:
-    """Median ms per call over ``reps`` calls after ``warmup``; the same count on every rank."""
-    import torch
-    import torch.distributed as dist
-
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    t = torch.tensor([statistics.median(times)], device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
-
 def _memory(fwd, bwd):
     """(saved_for_bwd, peak_over_inputs) in MiB, the slowest... largest rank's."""
     import torch
@@ -153,6 +131,7 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     from benchmarks._dist import Shape, build_mcore_alltoall, init_dist, make_inputs, qwen3
+    from benchmarks._dist import timed_collective as _timed
     from benchmarks.common import JsonlWriter, moe_flops_fwd_bwd, print_table
     from relaymoe.ring import comm_volume, record_timeline, resolved_problem, ring_moe
     from relaymoe.ring.transport import symmetric_workspace_bytes
@@ -160,6 +139,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer providers and iterations")
     ap.add_argument("--crossover", action="store_true", help="expert/token over T and I")
+    ap.add_argument("--no-crossover", action="store_true", help="skip it in --quick mode")
     ap.add_argument("--tokens", type=int, default=32768, help="tokens per GPU (default 32k)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/bench_ring.jsonl"))
     args = ap.parse_args(argv)
@@ -222,7 +202,7 @@ def main(argv=None) -> int:
             emit(dict(provider=label, shape=shape.name, error=repr(err)[:400]))
         torch.cuda.empty_cache()
 
-    shape = qwen3(8192 if args.quick and args.tokens == 32768 else args.tokens)
+    shape = qwen3(args.tokens)  # the issue's shape (qwen3 T32k per GPU) in quick mode too
     x, w13, w2, idx, probs = make_inputs(shape, rank, world)
     dy = torch.randn_like(x)
     layer = _Layer(x, w13, w2, idx, probs, dy)
@@ -291,8 +271,12 @@ def main(argv=None) -> int:
     layer = x = w13 = w2 = idx = probs = dy = None  # free the main shape's tensors
     torch.cuda.empty_cache()
 
-    if args.crossover:
-        Ts = [4096, 16384, 65536] if args.quick else [4096, 8192, 16384, 32768, 65536]
+    if args.crossover or (args.quick and not args.no_crossover):
+        Ts = (
+            [4096, 16384, 65536]
+            if args.quick and not args.crossover
+            else [4096, 8192, 16384, 32768, 65536]
+        )
         for ffn in (768, 2048):
             for T in Ts:
                 shape = Shape(f"qwen3_30b_a3b_T{T // 1024}k_I{ffn}", T, 128, 8, 2048, ffn)
