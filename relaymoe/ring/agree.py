@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from relaymoe.ring.transport import copy_engine_available
+from relaymoe.ring.transport import copy_engine_available, copy_engine_works
 from relaymoe.ring.volume import comm_volume
 from relaymoe.routing import validate_topk_idx
 
@@ -256,7 +256,8 @@ def agree(
             )
         tr_res = "copy_engine"
     elif tr_req == "auto":
-        tr_res = "copy_engine" if ce_ok else "nccl"
+        g = group if group is not None else dist.group.WORLD
+        tr_res = "copy_engine" if ce_ok and copy_engine_works(g, x.device) else "nccl"
     else:
         tr_res = "nccl"
     return RingProblem(

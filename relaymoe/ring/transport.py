@@ -26,7 +26,13 @@ from torch import Tensor
 
 from relaymoe.ring.schedule import HopTransfer
 
-__all__ = ["CopyEngineTransport", "P2PTransport", "Transport", "copy_engine_available"]
+__all__ = [
+    "CopyEngineTransport",
+    "P2PTransport",
+    "Transport",
+    "copy_engine_available",
+    "copy_engine_works",
+]
 
 # Persistent symmetric slots per (group name, device index): (tensor (2*cap,), handle, cap).
 _SYMM_SLOTS: dict[tuple[str, int], tuple[Tensor, object, int]] = {}
@@ -123,7 +129,8 @@ class CopyEngineTransport(Transport):
                 del _SYMM_SLOTS[key]
                 entry = None
             buf = symm_mem.empty(2 * cap, dtype=torch.uint8, device=device)
-            hdl = symm_mem.rendezvous(buf, self.group)
+            # By name: the form every torch with symmetric memory accepts.
+            hdl = symm_mem.rendezvous(buf, self.group.group_name)
             entry = (buf, hdl, cap)
             _SYMM_SLOTS[key] = entry
         self._buf, self._hdl, self._cap = entry
@@ -141,6 +148,35 @@ class CopyEngineTransport(Transport):
             peer = self._hdl.get_buffer(xfer.recv_peer, (src.nbytes,), torch.uint8, offset)
             recv.copy_(peer)  # device-to-device memcpy of peer memory: copy engines, no SMs
         return []
+
+
+_CE_WORKS: dict[str, bool] = {}
+
+
+def copy_engine_works(group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Collective, cached per group: every rank set up and pulled through symmetric memory.
+
+    ``transport="auto"`` asks this before choosing the copy engines, so a torch whose symmetric
+    memory API differs (or a machine without peer access) falls back to NCCL on every rank
+    together instead of failing mid-pass. All ranks of ``group`` must call it.
+    """
+    name = group.group_name
+    if name not in _CE_WORKS:
+        ok = 1
+        try:
+            ce = CopyEngineTransport(group)
+            ce.slots(1, device)
+            ce.entry_sync()
+            peer = (dist.get_rank(group) - 1) % dist.get_world_size(group)
+            probe = ce._hdl.get_buffer(peer, (1,), torch.uint8, int(getattr(ce._hdl, "offset", 0)))
+            torch.empty(1, dtype=torch.uint8, device=device).copy_(probe)
+            torch.cuda.synchronize(device)
+        except Exception:  # any failure here means: use NCCL (decided jointly below)
+            ok = 0
+        flag = torch.tensor([ok], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        _CE_WORKS[name] = bool(flag.item())  # host sync, once per group
+    return _CE_WORKS[name]
 
 
 def symmetric_workspace_bytes() -> int:
