@@ -113,6 +113,56 @@ def test_down_backward_and_wgrads(cfg):
     assert torch.equal(dw13[-1], base[-1])  # nothing added for the empty expert
 
 
+@pytest.mark.parametrize(
+    "cfg,blocks,in_place",
+    [(CFG_A, (16, 16), True), (CFG_B, (32, 32), False), (CFG_A, (8, 8), True)],
+)
+def test_split_down_backward(cfg, blocks, in_place):
+    """Gathered-dy rows_gemm (g = dy[tok] @ w2[e]) + swiglu_backward (dh over h, p*a over g,
+    dprob exact per row) against float64; ffn=24 is not a multiple of 16 or 32."""
+    s = _setup(31, 20, 24, 6, 2, "empty", 1, 6, seed=3)  # last expert (local 4) gets no pair
+    c = s["cast"]
+    n, ffn = s["n"], s["w2"].shape[2]
+    dy = torch.randn_like(s["x"])
+    prob_P = s["probs"].reshape(-1)[s["pair"]].float()
+    h_ref = _h_ref(s)
+    idx_P = s["index"].expert_token_indices
+    g_buf = torch.full((n, ffn), float("nan"))
+    grouped.rows_gemm(c(dy), c(s["w2"]), s["offs"], g_buf, a_idx=idx_P, config=cfg)
+    g = torch.einsum("nh,nhi->ni", dy[s["tok"]], s["w2"][s["expert"]])
+    assert rel_err(g_buf, g) < F32
+    h = c(h_ref).clone()
+    dh = h if in_place else torch.full((n, 2 * ffn), float("nan"))
+    dprob = torch.full((n,), float("nan"))
+    grouped.swiglu_backward(h, g_buf, prob_P, dh, dprob, block_rows=blocks[0],
+                            block_cols=blocks[1])  # fmt: skip
+    gate, up = h_ref[:, :ffn], h_ref[:, ffn:]
+    act = F.silu(gate) * up
+    p = prob_P.double()[:, None]
+    sig = torch.sigmoid(gate)
+    dh_ref = torch.cat([g * p * up * sig * (1 + gate * (1 - sig)), g * p * F.silu(gate)], 1)
+    assert rel_err(dprob, (g * act).sum(1)) < F32
+    assert rel_err(dh, dh_ref) < F32 and rel_err(g_buf, act * p) < F32
+    if not in_place:
+        assert torch.equal(h, c(h_ref))  # h only read
+    # bitwise repeatable
+    g2 = torch.full((n, ffn), float("nan"))
+    grouped.rows_gemm(c(dy), c(s["w2"]), s["offs"], g2, a_idx=idx_P, config=cfg)
+    dh2, dprob2 = torch.empty(n, 2 * ffn), torch.empty(n)
+    grouped.swiglu_backward(c(h_ref), g2, prob_P, dh2, dprob2, block_rows=blocks[0],
+                            block_cols=blocks[1])  # fmt: skip
+    assert torch.equal(dh2, dh) and torch.equal(dprob2, dprob) and torch.equal(g2, g_buf)
+
+
+def test_swiglu_backward_zero_width_and_no_rows():
+    dprob = torch.full((3,), float("nan"))
+    grouped.swiglu_backward(torch.empty(3, 0), torch.empty(3, 0), torch.ones(3),
+                            torch.empty(3, 0), dprob)  # fmt: skip
+    assert torch.equal(dprob, torch.zeros(3))
+    grouped.swiglu_backward(torch.empty(0, 8), torch.empty(0, 4), torch.ones(0),
+                            torch.empty(0, 8), torch.empty(0))  # fmt: skip
+
+
 def test_combine_gather_reduce_range_and_determinism():
     s = _setup(23, 12, 8, 5, 3, "skewed", 1, 4, seed=2)
     n, t, k = s["n"], s["x"].shape[0], 3
@@ -162,6 +212,35 @@ def test_moe_experts_triton_matches_oracle(case, recompute):
     if kind == "empty":
         assert torch.equal(got[2][-1], torch.zeros_like(got[2][-1]))
         assert torch.equal(got[3][-1], torch.zeros_like(got[3][-1]))
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=lambda c: "-".join(map(str, c)))
+def test_fused_down_backward_path_matches_oracle(case, monkeypatch):
+    """RELAYMOE_DOWN_BWD=fused (the v2 single-kernel down backward) stays correct."""
+    monkeypatch.setenv("RELAYMOE_DOWN_BWD", "fused")
+    t, h, i, e, k, kind = case
+    gen = torch.Generator().manual_seed(sum(case[:5]) + 1)
+    x, w13, w2, idx, probs = random_problem(t, h, i, e, k, gen=gen, kind=kind)
+    g = torch.randn(t, h, generator=gen, dtype=torch.float64)
+    fn = lambda *a: moe_experts(*a, recompute="act", backend="triton")  # noqa: E731
+    got = _grads(fn, x, w13, w2, idx, probs, g, torch.float32)
+    ref = _grads(moe_experts_reference, x, w13, w2, idx, probs, g, torch.float64)
+    for name, a, b in zip(("out", "dx", "dw13", "dw2", "dprobs"), got, ref, strict=True):
+        assert rel_err(a, b) < F32, name
+
+
+@pytest.mark.parametrize("var", ["RELAYMOE_DOWN_BWD", "RELAYMOE_DENSE_GEMM"])
+def test_bad_switch_values_are_refused(var, monkeypatch):
+    monkeypatch.setenv(var, "fastest")
+    gen = torch.Generator().manual_seed(6)
+    x, w13, w2, idx, probs = (
+        v.float() if v.is_floating_point() else v for v in random_problem(9, 8, 6, 3, 2, gen=gen)
+    )
+    index = build_routing_index(idx, 3)
+    with pytest.raises(ValueError, match=var):
+        _, h = expert_hop_forward(x, w13, w2, probs, index, backend="triton")
+        expert_hop_backward(torch.ones_like(x), x, w13, w2, probs, index, saved_h=h,
+                            backend="triton")  # fmt: skip
 
 
 def test_fp16_within_bound():

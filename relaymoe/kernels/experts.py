@@ -6,9 +6,15 @@ P pairs of the range in expert-grouped order (``index.offsets_for(e0, e1)``).
 Forward:  up_swiglu (x rows gathered on load, gate+up tiles together, SwiGLU epilogue, router
           probability folded into ``a``) -> rows_gemm ``y = a @ w2[e]^T`` -> combine (gather-reduce
           into out through ``token_index_map``, deterministic, no atomics).
-Backward: down_backward (dy rows gathered on load; dprob, SwiGLU backward, ``p*a`` in the
-          epilogue) -> wgrad dw2 (dy gathered) -> wgrad dw13 (x gathered) -> rows_gemm
-          ``dh @ w13[e]`` -> combine into dx.
+Backward: rows_gemm ``g = dy[tok] @ w2[e]`` (dy rows gathered on load, plain epilogue, g written
+          into the (P, I) buffer that later holds ``p*a``) -> swiglu_backward (memory-bound:
+          SiLU recomputed from h, dprob as the row-wise dot of g with a, dh written over h in
+          act mode, ``p*a`` over g) -> wgrad dw2 (dy gathered) -> wgrad dw13 (x gathered) ->
+          ``dh @ w13[e]`` -> combine into dx. ``RELAYMOE_DOWN_BWD=fused`` selects the v2 single
+          kernel (down_backward: the same math in the GEMM epilogue).
+Contiguous-operand GEMMs (``a @ w2[e]^T``, ``dh @ w13[e]``) use ``torch._grouped_mm`` for bf16 on
+sm90 when strides allow (``RELAYMOE_DENSE_GEMM=auto``, the default), the Triton ``rows_gemm``
+elsewhere or with ``RELAYMOE_DENSE_GEMM=triton``.
 No (P, H) copy of x or dy is made; (P, H) outputs of the down projection and of the dgrad are
 produced in column chunks of at most ``RELAYMOE_PAIR_BUFFER_MIB`` (default 512) MiB.
 """
@@ -53,22 +59,61 @@ def _col_chunks(n_pairs: int, ncols: int, elt: int) -> list[tuple[int, int]]:
     return [(c, min(c + width, ncols)) for c in range(0, ncols, width)]
 
 
-def _use_torch_grouped_mm(a: Tensor) -> bool:
-    """``torch._grouped_mm`` for the contiguous-operand GEMMs (bf16 on sm90+), if asked for."""
-    mode = os.environ.get("RELAYMOE_DENSE_GEMM", "triton")
+def _dense_gemm_mode() -> str:
+    mode = os.environ.get("RELAYMOE_DENSE_GEMM", "auto")
+    if mode not in ("auto", "torch", "triton"):
+        raise ValueError(
+            f"RELAYMOE_DENSE_GEMM={mode!r}: use 'auto' (torch._grouped_mm for bf16 on sm90, "
+            "Triton elsewhere), 'torch' (the same) or 'triton' (always the Triton kernel)"
+        )
+    return mode
+
+
+def _split_down_backward() -> bool:
+    mode = os.environ.get("RELAYMOE_DOWN_BWD", "split")
+    if mode not in ("split", "fused"):
+        raise ValueError(
+            f"RELAYMOE_DOWN_BWD={mode!r}: use 'split' (GEMM + memory-bound SwiGLU backward, "
+            "the default) or 'fused' (one kernel, SwiGLU backward in the GEMM epilogue)"
+        )
+    return mode == "split"
+
+
+def _gmm_strides_ok(t: Tensor) -> bool:
+    """torch._grouped_mm's operand rules: 16-byte aligned base, unit stride in one of the last two
+    dims and a 16-byte multiple in the other."""
+    align = 16 // t.element_size()
+    s_row, s_col = t.stride(-2), t.stride(-1)
+    if t.data_ptr() % 16:
+        return False
+    if s_col == 1:
+        return s_row % align == 0
+    return s_row == 1 and s_col % align == 0
+
+
+def _use_torch_grouped_mm(a_PK: Tensor, b_EKN: Tensor) -> bool:
+    """``torch._grouped_mm`` for a contiguous-operand GEMM: bf16 on sm90 (its CUTLASS path), with
+    strides it accepts and K, N multiples of 8; Triton otherwise or with RELAYMOE_DENSE_GEMM=triton."""
+    if _dense_gemm_mode() == "triton":
+        return False
     return (
-        mode == "torch"
-        and a.is_cuda
-        and a.dtype == torch.bfloat16
+        a_PK.is_cuda
+        and a_PK.dtype == torch.bfloat16
+        and b_EKN.dtype == torch.bfloat16
         and hasattr(torch, "_grouped_mm")
-        and torch.cuda.get_device_capability(a.device)[0] >= 9
+        and torch.cuda.get_device_capability(a_PK.device)[0] == 9
+        and b_EKN.shape[0] > 0
+        and a_PK.shape[1] % 8 == 0
+        and b_EKN.shape[2] % 8 == 0
+        and _gmm_strides_ok(a_PK)
+        and _gmm_strides_ok(b_EKN)
     )
 
 
 def _pair_rows_times_weight(a_PK: Tensor, b_EKN: Tensor, offs: Tensor) -> Tensor:
     """(P, N) = a[q] @ b[e] over the range's pairs (a contiguous in expert order)."""
     n_pairs, ncols = a_PK.shape[0], b_EKN.shape[2]
-    if _use_torch_grouped_mm(a_PK) and b_EKN.shape[0] > 0:
+    if _use_torch_grouped_mm(a_PK, b_EKN):
         ends = (offs[1:] - offs[0]).to(torch.int32)
         return torch._grouped_mm(a_PK, b_EKN, offs=ends)
     out_PN = a_PK.new_empty(n_pairs, ncols)
@@ -175,11 +220,17 @@ def triton_hop_backward(
             )
         h_P2I = saved_h
         dh_P2I = saved_h if consume_saved_h else torch.empty_like(saved_h)
-    n_tiles = grouped.down_backward_max_n_tiles(ffn)
-    part_NP = torch.zeros(n_tiles, n_pairs, dtype=torch.float32, device=x_TH.device)
-    grouped.down_backward(dy_TH, w2, idx_P, offs, prob_P, h_P2I, dh_P2I, a_PI, part_NP)
-    dprob_P = part_NP.sum(0)
-    del part_NP
+    if _split_down_backward():
+        # g = dy[tok] @ w2[e] into a_PI, then one memory pass turns it into p*a (dh, dprob out)
+        grouped.rows_gemm(dy_TH, w2, offs, a_PI, a_idx=idx_P)
+        dprob_P = torch.empty(n_pairs, dtype=torch.float32, device=x_TH.device)
+        grouped.swiglu_backward(h_P2I, a_PI, prob_P, dh_P2I, dprob_P)
+    else:
+        n_tiles = grouped.down_backward_max_n_tiles(ffn)
+        part_NP = torch.zeros(n_tiles, n_pairs, dtype=torch.float32, device=x_TH.device)
+        grouped.down_backward(dy_TH, w2, idx_P, offs, prob_P, h_P2I, dh_P2I, a_PI, part_NP)
+        dprob_P = part_NP.sum(0)
+        del part_NP
     vals = torch.where(live, dprob_P[q.clamp(0, n_pairs - 1)], 0.0)
     dprobs_TK.add_(vals.view_as(dprobs_TK).to(dprobs_TK.dtype))
     # dw2[e] (H, I) = sum_q dy[tok]^T (p*a)[q]

@@ -156,13 +156,14 @@ def _up_swiglu_kernel(
 # ---------------------------------------------------------------------------------------------
 @triton.jit
 def _rows_gemm_kernel(
-    a_ptr, b_ptr, offs_ptr, c_ptr,
+    a_ptr, b_ptr, idx_ptr, offs_ptr, c_ptr,
     n_experts, N, K,
     stride_ap, stride_be, stride_bk, stride_bn, stride_cp,
-    IEEE: tl.constexpr, EVEN_K: tl.constexpr,
+    A_GATHER: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
 ):  # fmt: skip
-    """c[q] = a[q] @ B[e] for the range's pairs (B[e] is (K, N) through strides)."""
+    """c[q] = A[q] @ B[e] for the range's pairs (B[e] is (K, N) through strides). A's row is
+    ``tok[q]`` when ``A_GATHER`` (a (T, K) operand read through the index), else ``q - offs[0]``."""
     pid = tl.program_id(0)
     n_tiles_n = tl.cdiv(N, BLOCK_N)
     pid_m = pid // n_tiles_n
@@ -174,10 +175,14 @@ def _rows_gemm_kernel(
     rows = row0 + tl.arange(0, BLOCK_M)
     row_ok = rows < row_end
     lrows = tl.where(row_ok, rows - base, 0).to(tl.int64)
+    if A_GATHER:
+        a_rows = tl.load(idx_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    else:
+        a_rows = lrows
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     acc = _row_gemm_loop(
-        lrows, a_ptr, stride_ap, b_ptr + e.to(tl.int64) * stride_be, stride_bk, stride_bn,
+        a_rows, a_ptr, stride_ap, b_ptr + e.to(tl.int64) * stride_be, stride_bk, stride_bn,
         cols, col_ok, K, IEEE, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
     cp = c_ptr + lrows[:, None] * stride_cp + cols[None, :]
@@ -185,7 +190,51 @@ def _rows_gemm_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
-# backward (1): da = dy[tok] @ w2[e], SwiGLU backward and dprob in the epilogue
+# backward (1, split): SwiGLU backward, dprob and p*a over rows, after the GEMM g = dy[tok] @ w2[e]
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _swiglu_bwd_kernel(
+    h_ptr, g_ptr, prob_ptr, dh_ptr, dprob_ptr,
+    n_pairs, I,
+    stride_hp, stride_gp, stride_dhp,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """Memory-bound pass over BLOCK_R pair rows, I in BLOCK_C column steps (SiLU recomputed from
+    h): dprob = rowsum(g * a) with a = silu(gate) * up, exact per row (no partials); da = p * g;
+    dh = [da * up * silu'(gate), da * silu(gate)]; g is overwritten with p * a (for dw2).
+
+    ``dh_ptr`` may equal ``h_ptr``: each element is read, then written, by the same program.
+    """
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < n_pairs
+    r64 = rows.to(tl.int64)
+    p = tl.load(prob_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    dprob = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for c0 in range(0, I, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        mask = row_ok[:, None] & (cols < I)[None, :]
+        hp = h_ptr + r64[:, None] * stride_hp + cols[None, :]
+        gp = g_ptr + r64[:, None] * stride_gp + cols[None, :]
+        gate = tl.load(hp, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(hp + I, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(gp, mask=mask, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(gate)
+        silu = gate * sig
+        act = silu * up
+        dprob += tl.sum(g * act, axis=1)
+        da = g * p
+        dhp = dh_ptr + r64[:, None] * stride_dhp + cols[None, :]
+        tl.store(dhp, (da * up * sig * (1.0 + gate * (1.0 - sig))).to(dh_ptr.dtype.element_ty),
+                 mask=mask)  # fmt: skip
+        tl.store(dhp + I, (da * silu).to(dh_ptr.dtype.element_ty), mask=mask)
+        tl.store(gp, (act * p).to(g_ptr.dtype.element_ty), mask=mask)
+    tl.store(dprob_ptr + rows, dprob, mask=row_ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# backward (1, fused; RELAYMOE_DOWN_BWD=fused): da = dy[tok] @ w2[e], SwiGLU backward and dprob
+# in the epilogue
 # ---------------------------------------------------------------------------------------------
 @triton.jit
 def _down_bwd_kernel(
@@ -372,6 +421,10 @@ _WGRAD_CONFIGS = [
     _cfg(128, 128, 32, 4, 4),
     _cfg(128, 256, 64, 8, 3),
     _cfg(64, 128, 64, 4, 4),
+    # v3: deeper pipelines over the pair (reduction) axis; smem 64x(128+128)x2B x 4-5 stages fits
+    _cfg(128, 128, 64, 8, 4),
+    _cfg(128, 128, 32, 8, 5),
+    _cfg(256, 128, 64, 8, 3),  # 48 KB a stage: fewer passes over the gathered operand
 ]
 # Interpreter (CPU tests): small tiles so odd shapes cross tile edges.
 _INTERP_CFG = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}
@@ -384,7 +437,7 @@ def _even_k(kdim):
 _up_tuned = triton.autotune(_UP_CONFIGS, key=["H", "I", "n_experts", "SAVE_H", "SCALE"])(
     triton.heuristics({"EVEN_K": _even_k("H")})(_up_swiglu_kernel)
 )
-_rows_tuned = triton.autotune(_ROWS_CONFIGS, key=["N", "K", "n_experts"])(
+_rows_tuned = triton.autotune(_ROWS_CONFIGS, key=["N", "K", "n_experts", "A_GATHER"])(
     triton.heuristics({"EVEN_K": _even_k("K")})(_rows_gemm_kernel)
 )
 _down_bwd_tuned = triton.autotune(
@@ -452,18 +505,42 @@ def up_swiglu(x_TH, w13_E2IH, idx_P, offs, prob_P, h_P2I, a_PI, *, config=None):
     )  # fmt: skip
 
 
-def rows_gemm(a_PK, b_EKN, offs, c_PN, *, config=None):
-    """c[q] = a[q] @ b[e] for the range's pairs; ``b_EKN`` may be any strided (E, K, N) view."""
+def rows_gemm(a_PK, b_EKN, offs, c_PN, *, a_idx=None, config=None):
+    """c[q] = a[q] @ b[e] for the range's pairs; ``b_EKN`` may be any strided (E, K, N) view.
+
+    With ``a_idx`` (the full ``expert_token_indices``) ``a`` is a (T, K) operand read at row
+    ``a_idx[q]`` (gather on load); then ``n_pairs = c_PN.shape[0]``."""
     n_experts, kdim, ncols = b_EKN.shape
-    n_pairs = a_PK.shape[0]
+    n_pairs = c_PN.shape[0]
     if n_pairs == 0 or n_experts == 0:
         return
     kernel, meta = _pick(_rows_tuned, _rows_gemm_kernel, config, kdim)
     kernel[_row_grid(n_pairs, n_experts, ncols)](
-        a_PK, b_EKN, offs, c_PN,
+        a_PK, b_EKN, a_idx if a_idx is not None else offs, offs, c_PN,
         n_experts, ncols, kdim,
         a_PK.stride(0), b_EKN.stride(0), b_EKN.stride(1), b_EKN.stride(2), c_PN.stride(0),
-        IEEE=_ieee(a_PK), BLOCK_E=_block_e(n_experts), **meta,
+        A_GATHER=a_idx is not None, IEEE=_ieee(a_PK), BLOCK_E=_block_e(n_experts), **meta,
+    )  # fmt: skip
+
+
+def swiglu_backward(h_P2I, g_PI, prob_P, dh_P2I, dprob_P, *, block_rows=None, block_cols=None):
+    """See ``_swiglu_bwd_kernel``: reads h and g = dy[tok] @ w2[e] (unscaled), writes dh (may be
+    ``h_P2I`` itself), dprob_P (fp32, every row) and overwrites g with p * a."""
+    n_pairs, ffn = g_PI.shape
+    if n_pairs == 0:
+        return
+    if ffn == 0:
+        dprob_P.zero_()
+        return
+    if interpret_mode():
+        br, bc, warps = block_rows or 16, block_cols or 16, 4
+    else:  # 16 x 256: 32 elements per thread per tile at 4 warps, I=768 in 3 steps
+        br, bc, warps = block_rows or 16, block_cols or min(256, triton.next_power_of_2(ffn)), 4
+    _swiglu_bwd_kernel[(triton.cdiv(n_pairs, br),)](
+        h_P2I, g_PI, prob_P, dh_P2I, dprob_P,
+        n_pairs, ffn,
+        h_P2I.stride(0), g_PI.stride(0), dh_P2I.stride(0),
+        BLOCK_R=br, BLOCK_C=bc, num_warps=warps,
     )  # fmt: skip
 
 

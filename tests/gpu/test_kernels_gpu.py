@@ -2,6 +2,12 @@
 
 Skipped without CUDA; run by ``scripts/gpu_suite.sh``. bf16 relative-error bound 1e-2
 (CONTRIBUTING.md); outputs poisoned (NaN) where the kernels write them.
+
+Autotuning compiles and times every config of every kernel per shape key (device run 3: the whole
+file autotuned took over 110 s), so only the qwen3 layer (CASES[0]) and the dispatch-switch test
+on the same widths run autotuned, the path the benchmark takes, where tuning hazards (kernels
+that write in place re-run per config) show; the other shapes pin each kernel's first config
+(``RELAYMOE_AUTOTUNE=0``): correctness does not depend on the config.
 """
 
 from __future__ import annotations
@@ -50,7 +56,9 @@ def _run(fn, x, w13, w2, idx, probs, dy, dtype):
 
 @pytest.mark.parametrize("recompute", ["act", "fc1"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
-def test_bf16_matches_float64_oracle(case, recompute):
+def test_bf16_matches_float64_oracle(case, recompute, monkeypatch):
+    if case != CASES[0]:
+        monkeypatch.setenv("RELAYMOE_AUTOTUNE", "0")
     x, w13, w2, idx, probs = _problem(*case, seed=sum(case[:5]))
     dy = torch.randn_like(x)
     got = _run(lambda *a: moe_experts(*a, recompute=recompute, backend="triton"),
@@ -63,7 +71,8 @@ def test_bf16_matches_float64_oracle(case, recompute):
         assert torch.equal(got[3][-1], torch.zeros_like(got[3][-1]))
 
 
-def test_ranges_sum_to_full_and_are_deterministic():
+def test_ranges_sum_to_full_and_are_deterministic(monkeypatch):
+    monkeypatch.setenv("RELAYMOE_AUTOTUNE", "0")
     t, h, i, e, k = 2048, 1024, 512, 32, 4
     x, w13, w2, idx, probs = _problem(t, h, i, e, k, "skewed", seed=7)
     x, w13, w2, probs = (v.to(torch.bfloat16) for v in (x, w13, w2, probs))
@@ -109,3 +118,24 @@ def test_ranges_sum_to_full_and_are_deterministic():
     assert rel_err(out, ref) < BF16_BOUND
     for a, b in zip((dx, dp, dw13, dw2), full, strict=True):
         assert rel_err(a, b) < BF16_BOUND
+
+
+@pytest.mark.parametrize(
+    "down_bwd,dense,chunk_mib",
+    [("fused", "triton", "512"), ("split", "triton", "512"), ("split", "auto", "1")],
+)
+def test_backend_switches_match_oracle(down_bwd, dense, chunk_mib, monkeypatch):
+    """Each dispatch variant (fused/split down backward, Triton/torch._grouped_mm dense GEMMs,
+    column-chunked (P, H) buffers: 1 MiB -> 256-column strided weight views) against float64,
+    autotuned, at the qwen3 widths (the tuned configs of CASES[0] are reused)."""
+    monkeypatch.setenv("RELAYMOE_DOWN_BWD", down_bwd)
+    monkeypatch.setenv("RELAYMOE_DENSE_GEMM", dense)
+    monkeypatch.setenv("RELAYMOE_PAIR_BUFFER_MIB", chunk_mib)
+    case = (4096, 2048, 768, 128, 8, "skewed")
+    x, w13, w2, idx, probs = _problem(*case, seed=99)
+    dy = torch.randn_like(x)
+    got = _run(lambda *a: moe_experts(*a, recompute="act", backend="triton"),
+               x, w13, w2, idx, probs, dy, torch.bfloat16)  # fmt: skip
+    ref = _run(moe_experts_reference, x, w13, w2, idx, probs, dy, torch.float64)
+    for name, a, b in zip(("out", "dx", "dw13", "dw2", "dprobs"), got, ref, strict=True):
+        assert rel_err(a, b) < BF16_BOUND, (name, rel_err(a, b))
