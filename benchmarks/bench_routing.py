@@ -5,7 +5,9 @@ Providers (one process, same inputs): ``relaymoe_triton`` (``build_routing_index
 bincount + cumsum + inverse permutation). All are timed with ``validate=False`` (validation is a
 host sync), which each row says. Before timing a shape, every provider's arrays are checked
 against the torch build. Rows: ``{"bench": "routing", "provider", "shape", "T", "E", "K",
-"routing", "us", "validate": false, ...}``.
+"routing", "us", "us_graph", "validate": false, ...}``: ``us`` is eager (Python launch overhead
+included: the build is a few short kernels, so this can exceed the device time), ``us_graph`` the
+device time from CUDA-graph replays (Triton builds only: the others sync with the host).
 
     PYTHONPATH=. python3 benchmarks/bench_routing.py [--quick] [--out PATH.jsonl]
 """
@@ -79,6 +81,30 @@ def _arrays(index):
         index.token_expert_indices,
         index.token_index_map,
     )
+
+
+def graph_us(fn, rep_ms: int) -> float | None:
+    """Device time of ``fn`` alone: median of CUDA-graph replays (no Python launch overhead).
+
+    None when ``fn`` cannot be captured (e.g. ``torch.bincount`` syncs with the host to size its
+    output, so the sort-based recipe has no graph time).
+    """
+    import triton.testing
+
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()  # warm (compiled, allocator primed) on the capture stream
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception:  # not capturable: report eager time only
+        torch.cuda.synchronize()
+        return None
+    ms = triton.testing.do_bench(graph.replay, warmup=10, rep=rep_ms, return_mode="median")
+    return round(ms * 1e3, 2)
 
 
 def check(name, got, want, shape):
@@ -174,12 +200,18 @@ def main() -> None:
                     "K": topk,
                     "routing": kind,
                     "us": round(ms * 1e3, 2),
+                    # graph time for the Triton builds only (the others sync with the host)
+                    "us_graph": graph_us(
+                        lambda fn=fn, idx=idx, e=num_experts: fn(idx, e), args.rep_ms
+                    )
+                    if "triton" in name
+                    else None,
                     "validate": False,
                 }
             )
             rows.append(row)
         del idx, want
-    print_table(rows, ["provider", "T", "E", "K", "routing", "us"])
+    print_table(rows, ["provider", "T", "E", "K", "routing", "us", "us_graph"])
     # Where the Triton build is not the fastest of the three (the issue asks to report it).
     by_shape: dict[str, dict[str, float]] = {}
     for r in rows:
