@@ -73,7 +73,7 @@ EOF
 if [ "$MODE" = quick ]; then
   QFLAG="--quick"
   # Sums to ~560 s: one 10-minute device call with the wheel install.
-  declare -A LIMIT=([gpu_tests]=110 [routing]=20 [experts]=50 [ring]=120 [ablation]=45 [e2e]=100
+  declare -A LIMIT=([gpu_tests]=110 [routing]=25 [experts]=50 [ring]=120 [ablation]=45 [e2e]=100
                     [memory_model]=45 [memory_timeline]=35 [scaling_sim]=15 [plots]=20)
 else
   QFLAG=""
@@ -145,7 +145,7 @@ if [ "$NGPU" -ge 1 ]; then
   bench e2e benchmarks/bench_e2e.py 1  # launches its own torchrun jobs (one per dispatcher)
   gpu_tests
   bench experts benchmarks/bench_experts.py 1
-  bench routing benchmarks/bench_routing.py 1
+  bench routing benchmarks/bench_routing.py 1 --rep-ms 50
   bench memory_model benchmarks/validate_memory_model.py 1
   bench ablation benchmarks/ablation.py 2
   if [ -f benchmarks/memory_timeline.py ]; then
