@@ -131,8 +131,10 @@ gpu_tests() {
   if [ -d tests/gpu ] && [ "$NGPU" -ge 1 ]; then
     # --quick leaves the 200-step loss-parity test to the e2e step (the same run, measured).
     local deselect=()
+    # It also leaves the dist-checkpoint round trip (four torchrun jobs) to --full.
     [ "$MODE" = quick ] && deselect=(--deselect
-      tests/gpu/test_e2e_gpu.py::test_tiny_qwen3_ring_vs_alltoall_200_steps)
+      tests/gpu/test_e2e_gpu.py::test_tiny_qwen3_ring_vs_alltoall_200_steps --deselect
+      tests/gpu/test_e2e_gpu.py::test_checkpoint_alltoall_resumes_with_ring)
     run_step gpu_tests "${LIMIT[gpu_tests]}" "$PY" -m pytest -q -ra tests/gpu --timeout 100 \
       "${deselect[@]}" --junitxml="$OUTDIR/gpu_tests.xml" -p no:cacheprovider
   else
