@@ -18,13 +18,14 @@ What is measured (the second step; the first one creates the optimizer states la
   to the optimizer step (``peak_phase`` says which one is the overall peak);
 * ``fwd_retained_MiB``: allocated after the forward (loss computed) minus ``states_MiB``.
 
-Predicted: ``relaymoe.planner.recompute.stage_peak`` for the same config (tp=cp=pp=ep=dp=1,
-world 1, ``kept`` = the layers Megatron does not recompute), with its terms. ``rel_err`` =
+Predicted: ``relaymoe.planner.recompute.stage_peak`` for the same config (tp=cp=pp=ep=dp=1
+(world 1, ``kept`` = the layers Megatron does not recompute), with its terms. ``rel_err`` =
 (predicted - measured) / measured. ``rel_err_states`` and ``rel_err_act`` compare the state and
-the activation (peak minus states) parts separately. The planner assumes fused norms (TE or
-apex); without them megatron falls back to torch's composite RMSNorm, which keeps 8 more bytes
-per normalised element: ``predicted_torch_norm_MiB`` / ``rel_err_torch_norm`` add that
-(``torch_norm_extra_bytes``) to the planner's figure, reported beside the unadjusted one.
+the activation (peak minus states) parts separately. The model is built with the local spec,
+whose norms are apex's fused ones when apex is importable and megatron-core's torch fallback
+otherwise, so the planner config says ``training.normalization_impl`` accordingly
+(``norm_impl_planner``); ``predicted_fused_norm_MiB`` / ``rel_err_fused_norm`` give the
+planner's figure with fused norms (the TE/apex build) beside it, to show that term's size.
 
 Run: ``python3 benchmarks/validate_memory_model.py [--quick] [--out PATH]``;
 ``--plan-only`` prints the predictions without a GPU.
@@ -142,8 +143,18 @@ CASES: tuple[Case, ...] = (
 )  # fmt: skip
 
 
-def planner_config(case: Case) -> Config:
-    """The ``relaymoe.config.Config`` of a case: one GPU, distributed optimizer, bf16."""
+def local_spec_norm_impl() -> str:
+    """``normalization_impl`` of megatron-core's local spec here: apex's FusedLayerNorm when
+    apex is importable, else the torch fallback (``WrappedTorchNorm``). TransformerEngine does
+    not matter: the script builds the local spec (no TE modules)."""
+    import importlib.util
+
+    return "fused" if importlib.util.find_spec("apex") is not None else "torch"
+
+
+def planner_config(case: Case, normalization_impl: str | None = None) -> Config:
+    """The ``relaymoe.config.Config`` of a case: one GPU, distributed optimizer, bf16, norms as
+    this machine's local spec builds them unless ``normalization_impl`` says otherwise."""
     gran, method, n = case.recompute_settings()
     model = dict(case.model_dict)
     model["max_position_embeddings"] = case.seq
@@ -168,6 +179,7 @@ def planner_config(case: Case) -> Config:
                 "recompute_granularity": gran,
                 "recompute_method": method,
                 "recompute_num_layers": n,
+                "normalization_impl": normalization_impl or local_spec_norm_impl(),
             },
             "relaymoe": {"dispatcher": case.dispatcher},
         },
@@ -181,9 +193,9 @@ def planner_dispatcher(dispatcher: str) -> str:
     return "ring" if dispatcher == "ring" else "alltoall"
 
 
-def predict(case: Case) -> dict:
+def predict(case: Case, normalization_impl: str | None = None) -> dict:
     """Planner prediction for a case: total bytes and the terms (bytes)."""
-    cfg = planner_config(case)
+    cfg = planner_config(case, normalization_impl)
     pk = stage_peak(
         cfg, 0, planner_dispatcher(case.dispatcher), case.kept_layers(), ring_mode="expert"
     )
@@ -197,8 +209,12 @@ def predict(case: Case) -> dict:
         "layer_input": mm.layer_input_bytes(sh),
         "moe_peak": mm.moe_peak_ring(sh, "expert") if disp == "ring" else mm.moe_peak_alltoall(sh),
         "logits": mm.logits_bytes(cfg, sh),
+        "final_norm": mm.final_norm_bytes(cfg, sh),
+        "norm_extra": mm.norm_extra_bytes(cfg, sh, "attention", 0)
+        + mm.norm_extra_bytes(cfg, sh, "mlp"),
     }
     return {
+        "normalization_impl": cfg.training.normalization_impl,
         "layer": layer,
         "total": pk.total,
         "states": states,
@@ -206,21 +222,6 @@ def predict(case: Case) -> dict:
         "terms": dict(t),
         "params": mm.total_params(cfg),
     }
-
-
-def torch_norm_extra_bytes(case: Case) -> int:
-    """What the planner does not count on a machine without TE/apex: torch's composite
-    RMSNorm keeps an fp32 copy of its input and the fp32 normalised tensor (8 bytes per
-    element) where a fused norm keeps the bf16 input and an fp32 rstd. Per kept layer: input
-    and pre-MLP norms (T*h each) and the q/k norms (T*(heads+groups)*d); one more layer when
-    some layer is recomputed (its replay); the final norm (T*h)."""
-    cfg = planner_config(case)
-    m, sh = cfg.model, mm.shapes(cfg)
-    qk = sh.T_a * (m.num_attention_heads + m.query_groups) * m.head_dim if m.qk_layernorm else 0
-    per_layer = 2 * sh.T * sh.h + qk
-    kept = case.kept_layers()
-    layers = len(kept) + (1 if len(kept) < m.num_layers else 0)
-    return 8 * (layers * per_layer + sh.T * sh.h)
 
 
 def compare(case: Case, measured: dict, predicted: dict) -> dict:
@@ -233,6 +234,11 @@ def compare(case: Case, measured: dict, predicted: dict) -> dict:
         return None if not m else round((p - m) / m, 4)
 
     peak, states = measured["peak"], measured["states"]
+    fused_total = (
+        predicted["total"]
+        if predicted["normalization_impl"] == "fused"
+        else predict(case, "fused")["total"]
+    )
     row = {
         "bench": "memory_model",
         "config": case.name,
@@ -249,8 +255,9 @@ def compare(case: Case, measured: dict, predicted: dict) -> dict:
         "predicted_MiB": mib(predicted["total"]),
         "rel_err": rel(predicted["total"], peak),
         "within_10pct": abs(predicted["total"] - peak) <= TOLERANCE * peak,
-        "predicted_torch_norm_MiB": mib(predicted["total"] + torch_norm_extra_bytes(case)),
-        "rel_err_torch_norm": rel(predicted["total"] + torch_norm_extra_bytes(case), peak),
+        "norm_impl_planner": predicted["normalization_impl"],
+        "predicted_fused_norm_MiB": mib(fused_total),
+        "rel_err_fused_norm": rel(fused_total, peak),
         "states_MiB": mib(states),
         "predicted_states_MiB": mib(predicted["states"]),
         "rel_err_states": rel(predicted["states"], states),
@@ -587,7 +594,7 @@ def measure(case: Case) -> dict:
 
 COLUMNS = [
     "config", "dispatcher", "recompute", "measured_MiB", "predicted_MiB", "rel_err",
-    "rel_err_torch_norm",
+    "rel_err_fused_norm",
     "states_MiB", "predicted_states_MiB", "act_MiB", "predicted_act_MiB", "rel_err_act",
     "fwd_retained_MiB", "predicted_retained_MiB", "peak_phase",
 ]  # fmt: skip
@@ -615,22 +622,36 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="unfused expert SwiGLU + probability weighting (megatron's --no-bias-swiglu-fusion)",
     )
+    ap.add_argument(
+        "--normalization-impl",
+        choices=["auto", "fused", "torch"],
+        default="auto",
+        help="the planner's norm model (auto: torch unless apex is importable, as the local "
+        "spec builds it; fused/torch only for --plan-only what-ifs)",
+    )
     args = ap.parse_args(argv)
     SWIGLU_FUSION[0] = not args.no_swiglu_fusion
+    norm_impl = None if args.normalization_impl == "auto" else args.normalization_impl
+    if norm_impl is not None and not args.plan_only and norm_impl != local_spec_norm_impl():
+        raise SystemExit(
+            f"--normalization-impl {norm_impl} differs from what this machine builds "
+            f"({local_spec_norm_impl()}); use it with --plan-only, or leave it at auto"
+        )
     cases = select(args.quick, args.configs)
 
     if args.plan_only:
         rows = []
         for c in cases:
-            p = predict(c)
+            p = predict(c, norm_impl)
             rows.append({"config": c.name, "dispatcher": c.dispatcher,
                          "recompute": c.recompute or "none",
+                         "norm_impl": p["normalization_impl"],
                          "predicted_MiB": round(p["total"] / MiB, 1),
                          "predicted_states_MiB": round(p["states"] / MiB, 1),
                          "predicted_act_MiB": round(p["activations"] / MiB, 1)})  # fmt: skip
         from benchmarks.common import print_table
 
-        print_table(rows, ["config", "dispatcher", "recompute", "predicted_MiB",
+        print_table(rows, ["config", "dispatcher", "recompute", "norm_impl", "predicted_MiB",
                            "predicted_states_MiB", "predicted_act_MiB"])  # fmt: skip
         return 0
 

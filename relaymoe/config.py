@@ -233,9 +233,20 @@ class TrainingConfig:
     recompute_method: str | None = None  # None | "uniform" | "block" (full only)
     recompute_num_layers: int | None = None
     recompute_modules: tuple[str, ...] | None = None  # selective only; Megatron default core_attn
+    # How Megatron's build normalises (memory model only; not a Megatron flag): "fused" =
+    # TransformerEngine, apex or another fused kernel (keeps the input and an fp32 rstd);
+    # "torch" = megatron-core's fallback without TE and apex (``WrappedTorchNorm``), whose
+    # composite RMSNorm keeps fp32 copies for backward (``relaymoe.planner.memory``).
+    normalization_impl: str = "fused"
 
     def __post_init__(self):
         _check_pos_int("training.seq_length", self.seq_length)
+        if self.normalization_impl not in NORMALIZATION_IMPLS:
+            raise ValueError(
+                f"training.normalization_impl={self.normalization_impl!r}; known: "
+                f"{', '.join(repr(x) for x in NORMALIZATION_IMPLS)} (fused: TransformerEngine "
+                "or apex, torch: megatron-core's torch fallback)"
+            )
         _check_pos_int("training.micro_batch_size", self.micro_batch_size)
         if self.global_batch_size is not None:
             _check_pos_int("training.global_batch_size", self.global_batch_size)
@@ -284,6 +295,8 @@ class TrainingConfig:
     def bytes_per_param(self) -> int:
         return 4 if self.precision == "fp32" else 2
 
+
+NORMALIZATION_IMPLS = ("fused", "torch")
 
 RECOMPUTE_MODULES = frozenset(
     {"core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts"}
@@ -396,6 +409,12 @@ def validate_layout(model: ModelConfig, par: ParallelConfig, tr: TrainingConfig)
         raise ValueError(
             f"training.global_batch_size={tr.global_batch_size} is not a multiple of "
             f"micro_batch_size*dp={tr.micro_batch_size * par.dp}"
+        )
+    if tr.normalization_impl == "torch" and par.tp > 1:
+        raise ValueError(
+            f"training.normalization_impl='torch' with parallel.tp={par.tp}: megatron-core's "
+            "torch norm fallback refuses sequence parallelism, which MoE needs at tp > 1; "
+            "install TransformerEngine or apex (normalization_impl: fused) or use tp=1"
         )
     if tr.recompute_granularity == "full" and tr.recompute_num_layers:
         per_stage = model.num_layers // stages

@@ -209,3 +209,33 @@ def test_dispatcher_flags():
     assert "--attention-dropout 0.0 --hidden-dropout 0.0" in s
     with pytest.raises(ValueError, match="dispatcher='x'"):
         to_megatron_args(cfg, dispatcher="x")
+
+
+def test_normalization_impl_field():
+    d = _tiny_dict()
+    assert config_from_dict(d).training.normalization_impl == "fused"  # TE/apex by default
+    d["training"]["normalization_impl"] = "torch"
+    cfg = config_from_dict(d)
+    assert cfg.training.normalization_impl == "torch"
+    assert cfg.to_dict()["training"]["normalization_impl"] == "torch"
+    # a memory-model setting, not a Megatron flag
+    s = " ".join(to_megatron_args(cfg))
+    assert "normalization-impl" not in s and "torch" not in s
+    assert to_megatron_args(cfg) == to_megatron_args(
+        cfg.replace(training={"normalization_impl": "fused"})
+    )
+    d["training"]["normalization_impl"] = "apex"
+    with pytest.raises(ValueError, match=r"normalization_impl='apex'; known: 'fused', 'torch'"):
+        config_from_dict(d)
+    d["training"].pop("normalization_impl")
+    d["training"]["normalisation_impl"] = "torch"
+    with pytest.raises(
+        ValueError, match=r"unknown key training\.'normalisation_impl'.*normalization_impl"
+    ):
+        config_from_dict(d)
+    # megatron-core's torch norm refuses sequence parallelism, which MoE needs at tp > 1
+    d = _tiny_dict()
+    d["parallel"].update(tp=2)
+    d["training"]["normalization_impl"] = "torch"
+    with pytest.raises(ValueError, match="normalization_impl='torch' with parallel.tp=2"):
+        config_from_dict(d)

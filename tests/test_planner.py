@@ -64,11 +64,76 @@ def test_terms_hand_computed():
     assert v["expert"] == {"forward": 49152, "backward": 147456, "total": 196608}
     assert v["token"]["forward"] == 32768 + 4096 + 65536
     assert v["token"]["backward"] == 65536 + 4096 + 65536 + 2048
-    # the stage peak is the sum of its terms: states + retained inputs + max(layer ws, logits)
+    assert mm.final_norm_bytes(cfg, sh) == 2 * 2 * 256 * 64
+    # flash backward: dq, dk, dv 2*256*(4+2*2)*16 and the fp32 dq accumulator 4*256*4*16
+    assert mm.attention_backward_transient_bytes(cfg, sh, 0) == 65536 + 65536
+    # full recompute: states + 2 layer inputs + the last layer's backward (attention 167936,
+    # pre-MLP norm 65536 and max(moe peak, inner keep) = 419840, minus the input it holds)
     pk = stage_peak(cfg, 0, "alltoall")
-    ws = mm.attention_keep_bytes(cfg, sh, 0) + mm.moe_peak_alltoall(sh)
+    ws = 167936 + 65536 + 419840 - 32768
     assert pk.terms["layer_working_set"] == ws
-    assert pk.total == sum(st.values()) + 2 * mm.layer_input_bytes(sh) + max(ws, 327680)
+    assert pk.terms["logits_loss"] == 196608 + 65536
+    assert pk.total == sum(st.values()) + 2 * 32768 + max(ws, 196608 + 65536)
+    # nothing recomputed: both layers retained (attention + norm + inner keep 174080); the
+    # last layer's backward adds only the rest of the MoE peak (419840 - 174080), not a whole
+    # layer again; the loss phase (final norm + logits) is larger here
+    pk = stage_peak(cfg, 0, "alltoall", frozenset({0, 1}))
+    assert pk.terms["activations_retained"] == 2 * (167936 + 65536 + 174080)
+    assert pk.terms["layer_working_set"] == 419840 - 174080
+    assert pk.total == sum(st.values()) + 2 * 407552 + 262144
+    # block: layer 0 recomputed, layer 1 kept. Layer 1's backward: both retained + its MoE
+    # rest; layer 0's: its input + rematerialised layer (layer 1 is done by then)
+    pk = stage_peak(cfg, 0, "alltoall", frozenset({1}))
+    retained = 32768 + 407552
+    assert pk.terms["activations_retained"] == retained
+    assert pk.terms["layer_working_set"] == max(245760, 32768 + ws - retained)
+
+
+def test_torch_norm_terms_hand_computed():
+    fused, torch_ = small(), small(training={"normalization_impl": "torch"})
+    sh = mm.shapes(fused)
+    # T = 256 normalised rows of h = 64 per norm, 8 extra bytes per element
+    assert mm.norm_extra_bytes(fused, sh, "attention") == 0
+    assert mm.norm_extra_bytes(torch_, sh, "attention") == 8 * 256 * 64
+    assert mm.norm_extra_bytes(torch_, sh, "mlp") == 8 * 256 * 64
+    assert mm.norm_extra_bytes(torch_, sh, "final") == 8 * 256 * 64
+    with pytest.raises(ValueError, match="norm part 'x'"):
+        mm.norm_extra_bytes(torch_, sh, "x")
+    # q/k norms: 256 tokens x (4 heads + 2 groups) x 16
+    qk = small(model={"qk_layernorm": True}, training={"normalization_impl": "torch"})
+    assert mm.norm_extra_bytes(qk, sh, "attention") == 8 * (256 * 64 + 256 * 6 * 16)
+    assert mm.attention_keep_bytes(torch_, sh, 0) == 167936 + 8 * 256 * 64
+    assert mm.moe_keep_bytes(torch_, sh, 0, "alltoall") == 65536 + 8 * 256 * 64 + 174080
+    assert mm.moe_keep_bytes(torch_, sh, 0, "ring") == 65536 + 8 * 256 * 64 + 10240 + 8192
+    assert mm.final_norm_bytes(torch_, sh) == 65536 + 8 * 256 * 64
+    # torch's LayerNorm is one native kernel (input, mean, rstd): nothing extra
+    ln = small(model={"normalization": "LayerNorm"}, training={"normalization_impl": "torch"})
+    assert mm.norm_extra_bytes(ln, sh, "attention") == 0
+    # no recompute: each layer retains 3 * 8 * T * h more, the loss phase 8 * T * h more
+    a = stage_peak(fused, 0, "alltoall", frozenset({0, 1}))
+    b = stage_peak(torch_, 0, "alltoall", frozenset({0, 1}))
+    x = 8 * 256 * 64
+    assert b.terms["activations_retained"] - a.terms["activations_retained"] == 2 * 2 * x
+    assert b.terms["logits_loss"] - a.terms["logits_loss"] == x
+    assert b.total - a.total == 5 * x
+    # full recompute: the rematerialised layer carries both of its norms' extra
+    a, b = stage_peak(fused, 0, "alltoall"), stage_peak(torch_, 0, "alltoall")
+    assert b.terms["layer_working_set"] - a.terms["layer_working_set"] == 2 * x
+
+
+def test_torch_norm_monotone_and_ring_still_below():
+    cfg = load_config("qwen3_30b_a3b").replace(parallel={"tp": 1, "dp": 2})
+    t = cfg.replace(training={"normalization_impl": "torch"})
+    for d in ("alltoall", "ring"):
+        peaks = [stage_peak(t, 0, d, seq=s).total for s in (8192, 16384, 32768)]
+        assert peaks == sorted(peaks) and peaks[0] < peaks[-1]
+        for s in (8192, 32768):
+            assert stage_peak(t, 0, d, seq=s).total > stage_peak(cfg, 0, d, seq=s).total
+        assert plan(t, "h200-141gb").max_seq_length[d] <= plan(cfg, "h200-141gb").max_seq_length[d]
+    p = plan(t, "h200-141gb")
+    assert p.moe_peak_bytes["ring"] < p.moe_peak_bytes["alltoall"]
+    for disp in ("alltoall", "ring"):
+        assert p.peak_bytes[disp] <= p.usable_bytes
 
 
 def test_parallel_sharding_terms():
@@ -202,6 +267,7 @@ def test_plan_from_megatron_args_matches_config():
         rank=0,
     )
     c2 = config_from_megatron_args(args)
+    assert c2.training.normalization_impl == "fused"  # TransformerEngine, Megatron's default
     assert mm.total_params(c2) == mm.total_params(
         cfg.replace(model={"vocab_size": 152064, "make_vocab_size_divisible_by": 1})
     )
@@ -214,3 +280,34 @@ def test_plan_from_megatron_args_matches_config():
         "recompute_num_layers",
         "recompute_modules",
     }
+
+
+def test_normalization_impl_inferred_from_megatron_args(monkeypatch):
+    import importlib
+
+    plan_mod = importlib.import_module("relaymoe.planner.plan")  # the package exports plan()
+    args = argparse.Namespace(
+        num_layers=2, hidden_size=64, num_attention_heads=4, num_experts=4, moe_router_topk=2,
+        moe_ffn_hidden_size=32, vocab_size=128, seq_length=128, micro_batch_size=2, bf16=True,
+        transformer_impl="local",
+    )  # fmt: skip
+    real = plan_mod.importlib.util.find_spec
+    have_apex = {"v": False}
+
+    def find_spec(name, *a, **k):
+        if name == "apex":
+            return object() if have_apex["v"] else None
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(plan_mod.importlib.util, "find_spec", find_spec)
+    assert config_from_megatron_args(args).training.normalization_impl == "torch"
+    have_apex["v"] = True  # local spec with apex: FusedLayerNorm
+    assert config_from_megatron_args(args).training.normalization_impl == "fused"
+    have_apex["v"] = False
+    args.transformer_impl = "transformer_engine"
+    assert config_from_megatron_args(args).training.normalization_impl == "fused"
+    # the torch fallback refuses sequence parallelism, which MoE needs at tp > 1
+    args.transformer_impl = "local"
+    args.tensor_model_parallel_size, args.sequence_parallel, args.world_size = 2, True, 2
+    with pytest.raises(ValueError, match="normalization_impl='torch' with parallel.tp=2"):
+        config_from_megatron_args(args)

@@ -17,8 +17,10 @@ Terms (each a function so that tests can check it against hand-computed values):
   router, and for alltoall the dispatched tokens and the expert intermediates (fc1 output and
   the probability-weighted activation; megatron-core applies the probabilities inside the
   expert, so its output is not kept); for the ring only the routing index: it recomputes per
-  hop). Norms are fused (TE/apex: input + fp32 rstd); torch's composite RMSNorm (no TE, no
-  apex) keeps 8 more bytes per element, which this model does not count.
+  hop). Norms: ``training.normalization_impl`` "fused" (TE/apex: the bf16 input + an fp32
+  rstd per row, counted in the terms above) or "torch" (megatron-core without TE and apex:
+  ``torch.nn.RMSNorm``'s composite keeps an fp32 copy of its input and the fp32 normalised
+  tensor, ``TORCH_RMSNORM_EXTRA_BYTES`` more per element; see ``norm_extra_bytes``).
 * the MoE-block working set (peak over its inputs while one layer runs fwd+bwd):
   alltoall: ``a`` coexisting top-k-expanded (P, H) buffers (permute, dispatch, combine, expert
   output; paper §2.2) + three (P, I) expert intermediates + the local weight gradient;
@@ -29,7 +31,7 @@ Terms (each a function so that tests can check it against hand-computed values):
   the (P_hop, I) activation), and the travelling buffers: expert mode two partitions in flight
   plus two fp32 gradient accumulators (incoming and outgoing); token mode two token partitions
   (x, metadata) and two fp32 accumulators (output / dx) in flight.
-* the last pipeline stage's logits and fp32 cross-entropy buffers.
+* the last pipeline stage's final norm, logits and fp32 cross-entropy buffers.
 """
 
 from __future__ import annotations
@@ -48,6 +50,15 @@ A2A_INTERMEDIATES = 3  # (P, I) expert intermediates in the alltoall working set
 # logits + that fp32 copy; backward, the fp32 copy (now the gradient) + its bf16 cast.
 # Checked on an H200 (benchmarks/validate_memory_model.py): 6, not 10.
 LOGIT_BYTES_PER_ELEMENT = 2 + 4
+# torch.nn.RMSNorm (megatron-core's WrappedTorchNorm without TE/apex) runs as a composite in
+# fp32: autograd saves the fp32 upcast of the input (pow, mul) and the fp32 normalised tensor
+# (the weight multiply), 8 bytes per element (checked with saved-tensor hooks, torch 2.14). The
+# fused model counts the bf16 input; on the H200 (megatron-core 0.19.2, no TE/apex) the
+# attention part of a layer measured 239 MiB against 92.5 MiB fused + 8 B x 18 Mi normalised
+# elements (input norm T*h, q/k norms T*(heads+groups)*d) = 236.5 MiB, so the bf16 input stays
+# alive as well and the whole 8 bytes are extra. torch.nn.LayerNorm is one native kernel
+# (input, mean, rstd): no extra.
+TORCH_RMSNORM_EXTRA_BYTES = 8
 
 
 @dataclass(frozen=True)
@@ -202,11 +213,39 @@ def layer_input_bytes(sh: Shapes) -> int:
     return sh.e * sh.T * sh.h
 
 
+def norm_extra_per_element(cfg: Config) -> int:
+    """Bytes per normalised element kept beyond the fused norm's (0 unless torch RMSNorm)."""
+    t, m = cfg.training, cfg.model
+    if t.normalization_impl == "torch" and m.normalization == "RMSNorm":
+        return TORCH_RMSNORM_EXTRA_BYTES
+    return 0
+
+
+def norm_extra_bytes(cfg: Config, sh: Shapes, part: str, layer: int = 0) -> int:
+    """Extra bytes the norms of ``part`` keep with ``normalization_impl: torch`` (0 when fused):
+    "attention" (input norm, T*h, and the q/k norms, T_a*(heads+groups)*d/tp, full-attention
+    layers with qk_layernorm), "mlp" (pre-MLP norm, T*h) or "final" (the last stage's final
+    norm, T*h). The gated delta net's internal gated norm is not counted."""
+    x = norm_extra_per_element(cfg)
+    if not x:
+        return 0
+    m = cfg.model
+    if part == "attention":
+        n = sh.T * sh.h
+        if m.attention_layer_pattern[layer] and m.qk_layernorm:
+            n += sh.T_a * (m.num_attention_heads + m.query_groups) // sh.tp * m.head_dim
+        return x * n
+    if part in ("mlp", "final"):
+        return x * sh.T * sh.h
+    raise ValueError(f"norm part {part!r}; known: 'attention', 'mlp', 'final'")
+
+
 def attention_keep_bytes(cfg: Config, sh: Shapes, layer: int) -> int:
     """Activations one attention block keeps for backward (flash attention, no dropout)."""
     m = cfg.model
     e, Ta, tp = sh.e, sh.T_a, sh.tp
     norm_and_proj_in = 2 * e * sh.T * sh.h  # input-norm input, QKV-projection input (SP-sharded)
+    norm_and_proj_in += norm_extra_bytes(cfg, sh, "attention", layer)
     if m.attention_layer_pattern[layer]:
         d, nh, ng = m.head_dim, m.num_attention_heads // tp, m.query_groups // tp
         qkv = e * Ta * (nh + 2 * ng) * d
@@ -226,11 +265,21 @@ def attention_keep_bytes(cfg: Config, sh: Shapes, layer: int) -> int:
 
 def moe_keep_bytes(cfg: Config, sh: Shapes, layer: int, dispatcher: str) -> int:
     """Activations one MLP block keeps for backward when its layer is not recomputed."""
+    return mlp_norm_keep_bytes(cfg, sh) + mlp_inner_keep_bytes(cfg, sh, layer, dispatcher)
+
+
+def mlp_norm_keep_bytes(cfg: Config, sh: Shapes) -> int:
+    """The pre-MLP norm's input and output (the router/dispatcher input), torch extra incl."""
+    return 2 * sh.e * sh.T * sh.h + norm_extra_bytes(cfg, sh, "mlp")
+
+
+def mlp_inner_keep_bytes(cfg: Config, sh: Shapes, layer: int, dispatcher: str) -> int:
+    """What the MLP block keeps after its norm: the part ``moe_peak_*`` also counts (the peak
+    is over the block's inputs, i.e. over the norm's output)."""
     m = cfg.model
-    norm = 2 * sh.e * sh.T * sh.h  # pre-MLP norm input and output (router/dispatcher input)
     if not m.moe_layer_pattern[layer]:
         f = m.ffn_hidden_size // sh.tp
-        return norm + sh.e * sh.T_a * 3 * f
+        return sh.e * sh.T_a * 3 * f
     router = ROUTER_BYTES_PER_TOKEN_EXPERT * sh.T * sh.E
     shared = 0
     if m.moe_shared_expert_intermediate_size:
@@ -243,7 +292,20 @@ def moe_keep_bytes(cfg: Config, sh: Shapes, layer: int, dispatcher: str) -> int:
         # weighted SwiGLU, --bias-swiglu-fusion, the default), so the expert output is not kept
         # and the combine keeps only indices.
         moe = sh.e * sh.P * (sh.h + 3 * sh.I)
-    return norm + router + shared + moe
+    return router + shared + moe
+
+
+def attention_backward_transient_bytes(cfg: Config, sh: Shapes, layer: int) -> int:
+    """What a kept attention block allocates in its backward beyond its saved tensors: the
+    q/k/v gradients and flash attention's fp32 dq accumulator (full attention); the gated
+    delta net: the gradients of its projections (same size as the projections)."""
+    m, e, Ta, tp = cfg.model, sh.e, sh.T_a, sh.tp
+    if m.attention_layer_pattern[layer]:
+        d, nh, ng = m.head_dim, m.num_attention_heads // tp, m.query_groups // tp
+        return e * Ta * (nh + 2 * ng) * d + 4 * Ta * nh * d
+    qk = 2 * (m.linear_num_key_heads // tp) * m.linear_key_head_dim
+    v = (m.linear_num_value_heads // tp) * m.linear_value_head_dim
+    return e * Ta * (qk + 2 * v + 2 * (m.linear_num_value_heads // tp))
 
 
 def attention_flops(cfg: Config, sh: Shapes, layer: int) -> float:
@@ -308,6 +370,12 @@ def logits_bytes(cfg: Config, sh: Shapes) -> int:
     """Last stage: logits and the vocab-parallel cross-entropy's fp32 buffers."""
     v = cfg.model.padded_vocab_size(sh.tp) // sh.tp
     return LOGIT_BYTES_PER_ELEMENT * sh.T_a * v
+
+
+def final_norm_bytes(cfg: Config, sh: Shapes) -> int:
+    """Last stage: the final norm's input and output (the output layer's input), kept from the
+    forward until the output layer's backward (torch norm extra included)."""
+    return 2 * sh.e * sh.T * sh.h + norm_extra_bytes(cfg, sh, "final")
 
 
 def inflight_microbatches(cfg: Config, stage: int) -> float:

@@ -3,6 +3,7 @@ limits (largest sequence / micro-batch) for the ring and the alltoall dispatcher
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -315,6 +316,7 @@ def config_from_megatron_args(args) -> Config:
         "micro_batch_size": g("micro_batch_size", 1),
         "global_batch_size": g("global_batch_size"),
         "precision": precision,
+        "normalization_impl": normalization_impl_of(args),
     }
     disp = g("moe_token_dispatcher_type", "alltoall")
     relay = {
@@ -325,6 +327,17 @@ def config_from_megatron_args(args) -> Config:
         {"model": model, "parallel": parallel, "training": training, "relaymoe": relay},
         name="megatron-args",
     )
+
+
+def normalization_impl_of(args) -> str:
+    """How a Megatron run normalises: ``--transformer-impl local`` builds apex's fused norms
+    when apex is importable and megatron-core's torch fallback otherwise ("torch");
+    TransformerEngine (Megatron's default impl) fuses them. Looks for apex with
+    ``importlib.util.find_spec`` (nothing imported)."""
+    impl = getattr(args, "transformer_impl", None) or "transformer_engine"
+    if impl == "local" and importlib.util.find_spec("apex") is None:
+        return "torch"
+    return "fused"
 
 
 def plan_from_megatron_args(args, gpu_bytes: int | str | None = None) -> Plan:

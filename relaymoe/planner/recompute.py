@@ -8,6 +8,11 @@ replays: the attention block; with alltoall also the MoE experts, which a kept M
 longer recomputes, whereas the ring still reconstructs per hop). Budget = usable capacity minus
 the peak under full recompute; options are taken by ``c/m``, best first, while they fit (a
 prefix of the ranking, so a larger budget never recomputes more layers).
+
+Stage peak = model states + retained activations (every in-flight microbatch's kept layers and
+checkpointed inputs) + the larger transient: the backward of one layer (a recomputed layer's
+rematerialised activations and MoE working set; for a kept layer only what its backward adds
+beyond its retained activations) or, on the last stage, the final norm, logits and loss.
 """
 
 from __future__ import annotations
@@ -78,26 +83,42 @@ def stage_peak(
     states = mm.model_state_bytes(cfg, stage)
     layers = mm.stage_layers(cfg, stage)
     inflight = mm.inflight_microbatches(cfg, stage)
-    per_mb = 0
-    for i in layers:
-        if i in kept:
-            per_mb += mm.attention_keep_bytes(cfg, sh, i) + mm.moe_keep_bytes(
-                cfg, sh, i, dispatcher
-            )
-        else:
-            per_mb += mm.layer_input_bytes(sh)
-    retained = int(inflight * per_mb)
     moe_peak = mm.moe_peak_ring(sh, ring_mode) if dispatcher == "ring" else mm.moe_peak_alltoall(sh)
-    ws = 0
-    for i in layers:  # the layer in backward, rematerialized
+    # Per layer: r = what it retains through the forward (all its activations when kept, its
+    # input when recomputed) and x = what its backward adds on top of r. A recomputed layer
+    # rematerialises everything but the checkpointed input it already holds, and its MLP
+    # block peaks at max(moe_peak, inner keep) over the norm's output. A kept layer holds its
+    # activations in r already (the alltoall's dispatched tokens and expert intermediates are
+    # part of both moe_peak and its inner keep), so its backward adds only the rest of the MoE
+    # peak, or the attention gradients. Adding a full rematerialised layer on top of kept
+    # layers counted them twice: at base_s4k_b2 (H200 run 1, no recompute, two layers) that
+    # was 92.5 + 401.2 = 493.8 MiB on top of 2 x 285.7 MiB retained, where the MoE backward
+    # adds 401.2 - 161.2 = 240 MiB and the measured peak (activations 1608 MiB, 144 MiB above
+    # the forward's 1464) is the loss phase: retained + final norm + logits.
+    r, x = [], []
+    for i in layers:
         attn = mm.attention_keep_bytes(cfg, sh, i)
-        if cfg.model.moe_layer_pattern[i]:
-            mlp = max(moe_peak, mm.moe_keep_bytes(cfg, sh, i, dispatcher))
+        norm = mm.mlp_norm_keep_bytes(cfg, sh)
+        inner = mm.mlp_inner_keep_bytes(cfg, sh, i, dispatcher)
+        peak = max(moe_peak, inner) if cfg.model.moe_layer_pattern[i] else inner
+        if i in kept:
+            r.append(attn + norm + inner)
+            x.append(max(peak - inner, mm.attention_backward_transient_bytes(cfg, sh, i)))
         else:
-            mlp = mm.moe_keep_bytes(cfg, sh, i, dispatcher)
-        ws = max(ws, attn + mlp)
+            inp = mm.layer_input_bytes(sh)
+            r.append(inp)
+            x.append(attn + norm + peak - inp)
+    per_mb = sum(r)
+    retained = int(inflight * per_mb)
+    # backward of layer j of the newest microbatch: the other in-flight microbatches keep all,
+    # this one keeps layers up to j (the later ones are done), plus j's extra
+    others = max(inflight - 1, 0) * per_mb
+    ws, acc = 0, 0
+    for rj, xj in zip(r, x, strict=True):
+        acc += rj
+        ws = max(ws, int(others + acc + xj) - retained)
     last = stage == cfg.parallel.pp - 1
-    logits = mm.logits_bytes(cfg, sh) if (last and logits) else 0
+    logits = mm.logits_bytes(cfg, sh) + mm.final_norm_bytes(cfg, sh) if (last and logits) else 0
     transient = max(ws, logits)
     terms = {
         **states,
