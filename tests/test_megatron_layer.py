@@ -101,7 +101,15 @@ def standin_ring_moe(
     x, w13, w2, topk_idx, topk_probs, *, group=None, mode="auto", transport="auto", overlap=True
 ):
     assert mode in ("auto", "expert", "token") and transport in ("auto", "nccl", "copy_engine")
+    if isinstance(w13, (list, tuple)):  # ring_moe's list form: per-expert parameters
+        w13, w2 = torch.stack(list(w13)), torch.stack(list(w2))
     return _AllgatherRing.apply(x, w13, w2, topk_idx, topk_probs, group)
+
+
+def disp_is_real() -> bool:
+    import relaymoe.megatron.dispatcher as disp
+
+    return disp._RING_IMPL is None
 
 
 def real_ring_available() -> bool:
@@ -235,6 +243,59 @@ def load_weights(layer, w, first: int, count: int) -> None:
         layer.shared_experts.linear_fc2.weight.copy_(w["sh2"])
 
 
+@torch.no_grad()
+def rehome_like_ddp(layer, order: str) -> None:
+    """Move the ring layer's expert parameters into one flat buffer the way Megatron's DDP does
+    (``param.data = view``, reverse order): ``"ddp"`` reverses SequentialMLP's registration
+    order (fc1/fc2 of an expert interleaved: no list is back to back), ``"reversed"`` reverses
+    TEGroupedMLP's (all fc1 then all fc2: each list back to back in reverse expert order)."""
+    from relaymoe.megatron.expert_weights import expert_param_lists, expert_weights_layout
+
+    fc1, fc2 = expert_param_lists(layer.experts)
+    if order == "ddp":
+        registered = [p for a, b in zip(fc1, fc2, strict=True) for p in (a, b)]
+    else:
+        registered = fc1 + fc2
+    params = registered[::-1]
+    buf = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype)
+    at = 0
+    for p in params:
+        view = buf[at : at + p.numel()].view(p.shape)
+        view.copy_(p.data)
+        p.data = view
+        at += p.numel()
+    want = (None, None) if order == "ddp" and len(fc1) > 1 else ("reversed", "reversed")
+    if len(fc1) == 1:
+        want = ("forward", "forward")
+    assert expert_weights_layout(layer.experts) == want, expert_weights_layout(layer.experts)
+
+
+def ring_saves_no_weight_copy(out, layer) -> None:
+    """The ring node of ``out``'s graph saves the expert parameters themselves, nothing the
+    size of a stacked (El, ...) copy of them."""
+    from relaymoe.megatron.expert_weights import expert_param_lists
+
+    seen, stack, node = set(), [out.grad_fn], None
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if "RingMoE" in type(fn).__name__:
+            node = fn
+            break
+        stack.extend(f for f, _ in fn.next_functions)
+    assert node is not None, "no ring node in the MoELayer's graph"
+    fc1, fc2 = expert_param_lists(layer.experts)
+    params = {p.data_ptr() for p in fc1 + fc2}
+    el = len(fc1)
+    stacked = {(el, *fc1[0].shape), (el, *fc2[0].shape)}
+    weights = [t for t in node.saved_tensors if t.dim() == 2 and t.data_ptr() in params]
+    assert len(weights) == 2 * el, "the ring does not save the parameters themselves"
+    copies = [t for t in node.saved_tensors if tuple(t.shape) in stacked]
+    assert not copies, f"the ring saves a stacked copy of the expert weights: {copies[0].shape}"
+
+
 def rel(a, b) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
@@ -266,6 +327,8 @@ def run_equivalence(rank, world, case: dict) -> None:
     w = global_weights(cfg_ring, seed=case["seed"], skew=case.get("skew", False))
     load_weights(ring, w, rank * el, el)
     load_weights(ref, w, 0, cfg_ring.num_moe_experts)
+    if case.get("layout"):
+        rehome_like_ddp(ring, case["layout"])
     ring.train()
     ref.train()
 
@@ -282,6 +345,8 @@ def run_equivalence(rank, world, case: dict) -> None:
     x = xs[rank].clone().requires_grad_(True)
     out, bias = ring(x)
     assert bias is None
+    if real_ring_available() and disp_is_real():
+        ring_saves_no_weight_copy(out, ring)
     # poison: the ring output must not alias anything we later overwrite
     (out * gs[rank]).sum().backward()
 
@@ -407,8 +472,14 @@ CASES = [
         seed=2,
         config=dict(moe_router_topk=1, moe_router_score_function="sigmoid"),
     ),
-    dict(name="topK=E", seed=3, config=dict(moe_router_topk=8)),
-    dict(name="skewed(empty experts)", seed=4, skew=True, config=dict(moe_router_topk=2)),
+    dict(name="topK=E+ddp-layout", seed=3, layout="ddp", config=dict(moe_router_topk=8)),
+    dict(
+        name="skewed(empty experts)+reversed-layout",
+        seed=4,
+        skew=True,
+        layout="reversed",
+        config=dict(moe_router_topk=2),
+    ),
     dict(
         name="pre-softmax+group-topk+scale",
         seed=5,

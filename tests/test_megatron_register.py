@@ -282,27 +282,39 @@ class _Seq(torch.nn.Module):  # SequentialMLP's layout
         )
 
 
-@pytest.mark.parametrize("contiguous", [False, True])
-def test_stacked_expert_weights_view_and_copy(contiguous):
+@pytest.mark.parametrize("layout", ["separate", "contiguous", "ddp-reversed"])
+def test_expert_weights_layout_and_rehoming(layout):
+    """The adapter hands the parameters themselves to the ring; the layout tells whether a ring
+    pass views them in place. Re-homing keeps values, objects and names."""
     from relaymoe.megatron import expert_weights as ew
 
     g = torch.Generator().manual_seed(1)
     w13, w2 = torch.randn(3, 8, 5, generator=g), torch.randn(3, 5, 4, generator=g)
     m = _Seq(w13, w2)  # separate tensors per expert, as Megatron allocates them
     names = [n for n, _ in m.named_parameters()]
-    if contiguous:
+    params = list(m.parameters())
+    fc1, fc2 = ew.expert_param_lists(m)
+    assert ew.expert_weights_layout(m) == (None, None)
+    if layout == "contiguous":
         ew.make_expert_weights_contiguous(m)
-        assert [n for n, _ in m.named_parameters()] == names
-    a, b = ew.stacked_expert_weights(m)
-    assert ew.last_stack_copied() is (not contiguous)
-    assert torch.equal(a, w13) and torch.equal(b, w2)
-    if contiguous:
-        assert a.data_ptr() == m.local_experts[0].linear_fc1.weight.data_ptr()
-    ga, gb = torch.randn_like(a), torch.randn_like(b)
-    ((a * ga).sum() + (b * gb).sum()).backward()
-    for j, e in enumerate(m.local_experts):
-        assert torch.equal(e.linear_fc1.weight.grad, ga[j])
-        assert torch.equal(e.linear_fc2.weight.grad, gb[j])
+        assert ew.expert_weights_layout(m) == ("forward", "forward")
+    elif layout == "ddp-reversed":  # DDP's buffer: reverse registration order, fc1s then fc2s
+        ordered = (fc1 + fc2)[::-1]
+        buf = torch.empty(sum(p.numel() for p in ordered))
+        at = 0
+        with torch.no_grad():
+            for p in ordered:
+                view = buf[at : at + p.numel()].view(p.shape)
+                view.copy_(p.data)
+                p.data = view
+                at += p.numel()
+        assert ew.expert_weights_layout(m) == ("reversed", "reversed")
+        ew.make_expert_weights_contiguous(m)  # already back to back: left where DDP put it
+        assert fc1[0].untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+    assert [n for n, _ in m.named_parameters()] == names
+    assert all(a is b for a, b in zip(m.parameters(), params, strict=True))
+    for j in range(3):
+        assert torch.equal(fc1[j], w13[j]) and torch.equal(fc2[j], w2[j])
 
 
 def test_unknown_experts_module_refused():

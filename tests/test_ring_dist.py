@@ -81,8 +81,52 @@ def _rel(a, b):
     return (a - b).norm().item() / (den if den > 0 else 1.0)
 
 
+# The forms of this rank's expert weights ring_moe accepts (see relaymoe/ring/weights.py):
+# "tensor" (El, 2I, H) / (El, H, I); lists of per-expert leaf parameters: "separate" (own
+# storages), and views of one flat buffer as Megatron's DDP makes them (``param.data = view``):
+# "forward" (fc1s back to back in expert order, then fc2s), "reversed" (the reverse: the DDP
+# buffer of TEGroupedMLP, which holds parameters in reverse registration order) and
+# "interleaved" (SequentialMLP under DDP: e[El-1].fc2, e[El-1].fc1, e[El-2].fc2, ...).
+FORMS = ("tensor", "separate", "forward", "reversed", "interleaved")
+
+
+def _weights(w13, w2, form):
+    """``(w13_arg, w2_arg, per_expert_leaves)``: what to pass to ring_moe and the leaves whose
+    ``.grad`` hold the gradient (per expert: ``[(fc1, fc2), ...]``; tensor form: one pair)."""
+    El = w13.shape[0]
+    if form == "tensor":
+        a, b = w13.clone().requires_grad_(), w2.clone().requires_grad_()
+        return a, b, [(a, b)]
+    fc1 = [torch.nn.Parameter(w13[j].clone()) for j in range(El)]
+    fc2 = [torch.nn.Parameter(w2[j].clone()) for j in range(El)]
+    if form != "separate":
+        registered = [p for j in range(El) for p in (fc1[j], fc2[j])]  # SequentialMLP order
+        if form in ("forward", "reversed"):
+            registered = fc1 + fc2  # TEGroupedMLP order: weight0..weight{El-1} of fc1, then fc2
+        buf_order = registered[::-1] if form in ("reversed", "interleaved") else registered
+        buf = torch.full((sum(q.numel() for q in buf_order),), float("nan"), dtype=w13.dtype)
+        at = 0
+        with torch.no_grad():
+            for q in buf_order:  # what DDP's _ParamAndGradBuffer does: param.data = buffer view
+                view = buf[at : at + q.numel()].view(q.shape)
+                view.copy_(q.data)
+                q.data = view
+                at += q.numel()
+    return fc1, fc2, list(zip(fc1, fc2, strict=True))
+
+
+def _stacked_grads(leaves):
+    if len(leaves) == 1 and leaves[0][0].dim() == 3:
+        return leaves[0][0].grad, leaves[0][1].grad
+    for j, (a, b) in enumerate(leaves):
+        assert a.grad is not None and b.grad is not None, f"expert {j} got no gradient"
+        assert a.grad.shape == a.shape and b.grad.shape == b.shape
+    return torch.stack([a.grad for a, _ in leaves]), torch.stack([b.grad for _, b in leaves])
+
+
 def _run_case(rank, world, group, *, seed, tokens, El, K, dtype, prob_dtype=None, mode="expert",
-              transport="auto", overlap=True, route="uniform", check_grads=True):  # fmt: skip
+              transport="auto", overlap=True, route="uniform", check_grads=True, form="tensor",
+              tol=None):  # fmt: skip
     """ring_moe on this rank's slice vs the oracle; returns the ring's (out, grads)."""
     from relaymoe.ring import ring_moe
 
@@ -92,25 +136,27 @@ def _run_case(rank, world, group, *, seed, tokens, El, K, dtype, prob_dtype=None
     e0, e1 = rank * El, (rank + 1) * El
     pdt = prob_dtype or dtype
     x = pb["x"][lo:hi].to(dtype).requires_grad_()
-    w13 = pb["w13"][e0:e1].to(dtype).requires_grad_()
-    w2 = pb["w2"][e0:e1].to(dtype).requires_grad_()
+    w13, w2, leaves = _weights(pb["w13"][e0:e1].to(dtype), pb["w2"][e0:e1].to(dtype), form)
     probs = pb["probs"][lo:hi].to(pdt).requires_grad_()
     idx = pb["idx"][lo:hi]
     out = ring_moe(
         x, w13, w2, idx, probs, group=group, mode=mode, transport=transport, overlap=overlap
     )
-    tol = 1e-11 if dtype == pdt == torch.float64 else 3e-5
-    what = f"mode={mode} dtype={dtype} tokens={tokens} El={El} K={K} route={route} rank={rank}"
+    if tol is None:
+        tol = 1e-11 if dtype == pdt == torch.float64 else 3e-5
+    what = (f"mode={mode} dtype={dtype} tokens={tokens} El={El} K={K} route={route} form={form} "
+            f"rank={rank}")  # fmt: skip
     assert out.shape == (hi - lo, H) and out.dtype == dtype, what
     assert _rel(out, ref_out[lo:hi]) < tol, f"out {_rel(out, ref_out[lo:hi])} {what}"
     if not check_grads:
         return out.detach(), None
     out.backward(pb["dy"][lo:hi].to(dtype))
+    w13_grad, w2_grad = _stacked_grads(leaves)
     pairs = [
         ("dx", x.grad, ref_g["x"][lo:hi]),
         ("dprobs", probs.grad, ref_g["probs"][lo:hi]),
-        ("dw13", w13.grad, ref_g["w13"][e0:e1]),
-        ("dw2", w2.grad, ref_g["w2"][e0:e1]),
+        ("dw13", w13_grad, ref_g["w13"][e0:e1]),
+        ("dw2", w2_grad, ref_g["w2"][e0:e1]),
     ]
     for name, got, ref in pairs:
         assert got is not None and got.shape == ref.shape, f"{name} missing {what}"
@@ -120,8 +166,8 @@ def _run_case(rank, world, group, *, seed, tokens, El, K, dtype, prob_dtype=None
     used[pb["idx"].reshape(-1)] = True
     for j in range(El):
         if not used[e0 + j]:
-            assert torch.all(w13.grad[j] == 0) and torch.all(w2.grad[j] == 0), what
-    return out.detach(), (x.grad, probs.grad, w13.grad, w2.grad)
+            assert torch.all(w13_grad[j] == 0) and torch.all(w2_grad[j] == 0), what
+    return out.detach(), (x.grad, probs.grad, w13_grad, w2_grad)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,6 +203,86 @@ def _correctness(rank, world, group):
                           dtype=torch.float64))  # fmt: skip
     for c in cases:
         _run_case(rank, world, group, **c)
+
+
+def _list_forms(rank, world, group):
+    """Per-expert lists in every layout: oracle-exact, equal to the tensor form (bitwise where
+    the rows are used in expert order), in both modes, also when ranks mix forms."""
+    for mode in ("expert", "token"):
+        kw = dict(seed=51, tokens=[5, 0, 7, 3][:world], El=3, K=2, dtype=torch.float64,
+                  mode=mode, route="skew")  # fmt: skip
+        base_out, base_g = _run_case(rank, world, group, form="tensor", **kw)
+        for form in FORMS[1:]:
+            out, g = _run_case(rank, world, group, form=form, **kw)
+            # reversed rows (token mode, or a world of one) change the summation order only
+            exact = mode == "expert" and world > 1 or form != "reversed"
+            for name, u, v in zip(("out", "dx", "dprobs", "dw13", "dw2"), (out, *g),
+                                  (base_out, *base_g), strict=True):  # fmt: skip
+                if exact:
+                    assert torch.equal(u, v), f"{mode} {form} {name} differs from the tensor form"
+                else:
+                    assert _rel(u, v) < 1e-13, f"{mode} {form} {name} {_rel(u, v)}"
+        # ranks mixing forms, fp32, overlap off
+        form = FORMS[rank % len(FORMS)] if world > 1 else "reversed"
+        _run_case(rank, world, group, seed=52, tokens=[4, 6, 2, 5][:world], El=2,
+                  K=min(3, 2 * world), dtype=torch.float32, mode=mode, overlap=False,
+                  form=form)  # fmt: skip
+    # El = 1 and K = E in list form
+    for mode in ("expert", "token"):
+        _run_case(rank, world, group, seed=53, tokens=[3] * world, El=1, K=world,
+                  dtype=torch.float64, mode=mode, form="reversed")  # fmt: skip
+
+
+def saved_weight_copies(fn, args, kwargs, params, el_numels):
+    """Run ``fn(*args, **kwargs)`` recording the tensors autograd saves; return (output, the
+    saved tensors of one of ``el_numels`` elements (a stacked (El, ...) weight) whose storage
+    is no parameter's, all saved tensors)."""
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*args, **kwargs)
+    param_storages = {q.untyped_storage().data_ptr() for q in params}
+    copies = [
+        t for t in saved
+        if t.numel() in el_numels and t.untyped_storage().data_ptr() not in param_storages
+    ]  # fmt: skip
+    return out, copies, saved
+
+
+def _no_persistent_copy(rank, world, group):
+    """List form: nothing the size of a stacked weight is saved for backward except the
+    parameters' own storage; the tensor form of a stacked copy is caught (the check can fail)."""
+    from relaymoe.ring import ring_moe
+
+    El, T = 2, 4
+    pb = _problem(61, [T] * world, El, 2, world)
+    w13, w2 = pb["w13"][rank * El : (rank + 1) * El], pb["w2"][rank * El : (rank + 1) * El]
+    x = pb["x"][rank * T : (rank + 1) * T].clone().requires_grad_()
+    probs = pb["probs"][rank * T : (rank + 1) * T].clone().requires_grad_()
+    idx = pb["idx"][rank * T : (rank + 1) * T]
+    sizes = {w13.numel(), w2.numel()}
+    budget = x.numel() + 2 * probs.numel() + w13.numel() + w2.numel()  # x, probs, ids, params
+    for mode in ("expert", "token"):
+        kw = dict(group=group, mode=mode)
+        for form in FORMS[1:]:
+            fc1, fc2, _ = _weights(w13, w2, form)
+            out, copies, saved = saved_weight_copies(
+                ring_moe, (x, fc1, fc2, idx, probs), kw, fc1 + fc2, sizes
+            )
+            assert not copies, f"{mode} {form}: a stacked copy is saved for backward"
+            assert sum(t.numel() for t in saved) <= budget, f"{mode} {form}: more saved"
+            out.backward(torch.ones_like(out))
+            assert all(q.grad is not None for q in fc1 + fc2)
+        # the old adapter's path: a stack of the parameters passed in tensor form is saved
+        fc1, fc2, _ = _weights(w13, w2, "separate")
+        args = (x, torch.stack(fc1), torch.stack(fc2), idx, probs)
+        out, copies, _ = saved_weight_copies(ring_moe, args, kw, fc1 + fc2, sizes)
+        assert len(copies) == 2, f"{mode}: the check misses a saved stacked copy"
+        out.backward(torch.ones_like(out))
 
 
 def _determinism(rank, world, group):
@@ -197,6 +323,7 @@ def _bad_inputs(rank, world, group):
         return [x, w13, w2, idx, probs]
 
     last = world - 1
+    good = inputs()
 
     def bad_range():
         a = inputs()
@@ -224,6 +351,16 @@ def _bad_inputs(rank, world, group):
             "topk_idx",
         ),  # fmt: skip
         "bad mode": (inputs, {"mode": "experts"}, "mode"),
+        "w13 list with a misshapen element": (
+            lambda: (
+                [good[0], list(good[1].unbind(0)), list(good[2].unbind(0)), *good[3:]]
+                if rank != last
+                else [good[0], [good[1][0], good[1][1, :, :-1]], list(good[2].unbind(0)), *good[3:]]
+            ),
+            {},
+            "w13 list elements|not a tensor",
+        ),
+        "one form per call": (lambda: [good[0], list(good[1].unbind(0)), *good[2:]], {}, "both"),
     }
     if world > 1:
         cases["E_local differs"] = (
@@ -276,8 +413,8 @@ def _backward_disagreement(rank, world, group):
         raise AssertionError("no ValueError when only some ranks need a backward")
 
 
-SCENARIOS = [_correctness, _determinism, _modes_agree_and_auto, _bad_inputs,
-             _backward_disagreement]  # fmt: skip
+SCENARIOS = [_correctness, _list_forms, _no_persistent_copy, _determinism,
+             _modes_agree_and_auto, _bad_inputs, _backward_disagreement]  # fmt: skip
 
 
 def _worker(rank, world, port, outdir):
@@ -362,3 +499,29 @@ def test_ring_moe_without_process_group_is_a_world_of_one():
             got.grad = None
     with pytest.raises(ValueError, match="outside"):
         ring_moe(x, w13, w2, pb["idx"] + 3, probs)
+
+
+@pytest.mark.parametrize("form", ["separate", "reversed", "interleaved"])
+def test_list_form_world_of_one_partial_grads(form):
+    """List form without a process group: only the elements that require grad get one; the
+    tensor form's gradients are reproduced per element."""
+    from relaymoe.ring import ring_moe
+
+    pb = _problem(42, [7], 3, 2, 1)
+    ref_out, ref_g = _oracle(pb)
+    fc1, fc2, _ = _weights(pb["w13"], pb["w2"], form)
+    fc2[1].requires_grad_(False)
+    for mode in ("expert", "token"):
+        out = ring_moe(pb["x"], fc1, fc2, pb["idx"], pb["probs"], mode=mode, backend="torch")
+        assert _rel(out, ref_out) < 1e-12, mode
+        out.backward(pb["dy"])
+        for j in range(3):
+            assert _rel(fc1[j].grad, ref_g["w13"][j]) < 1e-12, (mode, j)
+            if j == 1:
+                assert fc2[j].grad is None
+            else:
+                assert _rel(fc2[j].grad, ref_g["w2"][j]) < 1e-12, (mode, j)
+            fc1[j].grad = fc2[j].grad = None
+    with torch.no_grad():  # no backward needed: nothing is saved, nothing breaks
+        out = ring_moe(pb["x"], fc1, fc2, pb["idx"], pb["probs"])
+    assert not out.requires_grad and _rel(out, ref_out) < 1e-12

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -144,3 +145,73 @@ def dataclasses_frozen_error():
     import dataclasses
 
     return dataclasses.FrozenInstanceError
+
+
+# ---------------------------------------------------------------------------------------------
+# the list form of the expert weights (relaymoe/ring/weights.py)
+# ---------------------------------------------------------------------------------------------
+def _buffer_views(n, shape, order, gap=0):
+    numel = math.prod(shape)
+    buf = torch.randn(n * (numel + gap) + 3)
+    rows = [
+        buf[3 + k * (numel + gap) : 3 + k * (numel + gap) + numel].view(shape) for k in range(n)
+    ]
+    return buf, rows if order == "forward" else rows[::-1]
+
+
+@pytest.mark.parametrize("n", [1, 2, 5])
+@pytest.mark.parametrize("order", ["forward", "reversed"])
+def test_layout_order_and_zero_copy_view(n, order):
+    from relaymoe.ring.weights import LocalExperts, layout_order, stacked_view
+
+    buf, ws = _buffer_views(n, (6, 4), order)
+    want = "forward" if n == 1 else order
+    assert layout_order(ws) == want
+    v = stacked_view(ws, want)
+    assert v.shape == (n, 6, 4) and v.is_contiguous()
+    assert v.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+    rows = ws if want == "forward" else ws[::-1]
+    for j in range(n):
+        assert v[j].data_ptr() == rows[j].data_ptr()
+    # LocalExperts picks the views (no copy) and splits gradients back per element
+    _, w2s = _buffer_views(n, (4, 3), order)
+    ex = LocalExperts(ws, w2s)
+    a, b, got = ex.stacked()
+    assert got == want and a.data_ptr() == v.data_ptr()
+    grads = ex.split(torch.arange(n).view(n, 1, 1) * torch.ones(n, 6, 4), b.clone(), got)
+    for j in range(n):
+        assert torch.all(grads[j] == (j if want == "forward" else n - 1 - j))
+
+
+def test_layout_order_refuses_what_is_not_back_to_back():
+    from relaymoe.ring.weights import LocalExperts, layout_order
+
+    _, gapped = _buffer_views(3, (6, 4), "forward", gap=2)
+    assert layout_order(gapped) is None
+    _, ws = _buffer_views(3, (6, 4), "forward")
+    assert layout_order([ws[0], ws[2], ws[1]]) is None  # shuffled
+    assert layout_order([w.t() for w in ws]) is None  # not contiguous
+    assert layout_order([torch.randn(6, 4) for _ in range(3)]) is None  # separate storages
+    assert layout_order([ws[0], ws[1].double()]) is None
+    assert layout_order([]) is None
+    # no view possible: a stack in the requested order, equal to the elements
+    _, w2s = _buffer_views(3, (4, 3), "reversed")
+    ex = LocalExperts(gapped, w2s)
+    assert ex.preferred_order() == "reversed"  # w2's order when w13 has none
+    a, b, order = ex.stacked()
+    assert order == "reversed"
+    assert a.untyped_storage().data_ptr() != gapped[0].untyped_storage().data_ptr()
+    assert all(torch.equal(a[j], gapped[2 - j]) for j in range(3))
+    assert b.untyped_storage().data_ptr() == w2s[0].untyped_storage().data_ptr()
+
+
+def test_reverse_local_ids():
+    from relaymoe.ring.weights import reverse_local_ids
+
+    El, R = 3, 4
+    ids = torch.arange(El * R, dtype=torch.int32).view(R, El)
+    got = reverse_local_ids(ids, El)
+    assert got.dtype == torch.int32
+    assert torch.equal(got, ids.flip(1))  # q*El + l -> q*El + (El-1-l): owner q unchanged
+    assert torch.equal(reverse_local_ids(got, El), ids)
+    assert torch.equal(reverse_local_ids(ids, 1), ids)

@@ -12,7 +12,8 @@ routed_experts_compute -> combine -> postprocess):
   TPxEP all-gather would collect);
 * ``MoELayer.routed_experts_compute`` (wrapped by ``register()``) calls
   ``compute_experts(experts, x, topk_probs)``: the ring over ``pg_collection.ep`` with the
-  experts module's own parameters viewed as ``w13 (El, 2I, H)`` / ``w2 (El, H, I)``;
+  experts module's own parameters passed as per-expert lists (``ring_moe``'s list form: no
+  stacked copy of the experts is kept from forward to backward; ``expert_weights.py``);
 * ``combine_postprocess`` restores ``[S/TP, B, H]``; ``MoELayer.postprocess`` then adds the
   shared experts' output, computed outside the ring as usual.
 """
@@ -23,7 +24,7 @@ import torch
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from torch import Tensor
 
-from relaymoe.megatron.expert_weights import stacked_expert_weights
+from relaymoe.megatron.expert_weights import expert_param_lists
 from relaymoe.megatron.settings import RingSettings, current_settings
 from relaymoe.megatron.validate import check_ring_config
 
@@ -125,17 +126,17 @@ class RingDispatcher(MoETokenDispatcher):
         if self.topk_idx is None:
             raise RuntimeError("compute_experts called before dispatch_preprocess")
         idx_TK, self.topk_idx = self.topk_idx, None
-        w13, w2 = stacked_expert_weights(experts)
-        if w13.dtype != x_TH.dtype:
+        fc1, fc2 = expert_param_lists(experts)  # the parameters themselves, no copy
+        if fc1[0].dtype != x_TH.dtype:
             raise ValueError(
-                f"expert weights are {w13.dtype} but the MoE input is {x_TH.dtype}; the ring "
+                f"expert weights are {fc1[0].dtype} but the MoE input is {x_TH.dtype}; the ring "
                 f"needs one dtype (train with --bf16 so both are bf16)"
             )
         s = self.settings
         return _ring_moe()(
             x_TH,
-            w13,
-            w2,
+            fc1,
+            fc2,
             idx_TK,
             probs_TK,
             group=self.ep_group,

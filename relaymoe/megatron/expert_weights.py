@@ -1,4 +1,4 @@
-"""A Megatron experts module's own parameters as the ring's ``w13 (El, 2I, H)``, ``w2 (El, H, I)``.
+"""A Megatron experts module's own parameters as the ring's per-expert weight lists.
 
 The ring computes with the ``MoELayer``'s parameters themselves, so DDP, the distributed
 optimizer, gradient clipping and ``main_grad`` see ordinary parameters and checkpoints keep
@@ -11,14 +11,23 @@ Megatron's keys. Supported experts (expert tensor parallel size 1, so every weig
 fc1 rows ``[0, I)`` are the gate branch and ``[I, 2I)`` the up branch in both (Megatron's
 ``chunk(2)``), which is the ring's ``w13`` layout.
 
-Cost: when the ``El`` per-expert tensors lie back to back in one storage (ascending, same
-shape and strides) ``stacked_expert_weights`` returns a zero-copy strided view of that storage;
-otherwise it stacks them, one copy of the layer's local expert weights
-(``El * 3 * I * H`` elements) that lives from the forward until the ring's backward has used it.
+The dispatcher passes the two parameter lists to ``ring_moe`` as they are (its list form):
+each parameter is an autograd input of the ring, which saves the parameters themselves for
+backward and returns each one its own gradient, so no stacked copy of the layer's experts
+exists between forward and backward, whatever the memory layout. Where a ring pass needs the
+``(El, ...)`` form (token mode, a world of one) it views the parameters in place when they lie
+back to back in one storage in expert order or in reverse expert order (Megatron's DDP buffer
+holds parameters in reverse registration order, which is reverse expert order for
+TEGroupedMLP), and otherwise stacks them for that pass only. Why lists rather than a view:
+a tensor viewed out of DDP's buffer (or of ``param.data``) has no autograd link to the
+parameters, so it needs a wrapper ``autograd.Function`` to route gradients back, and the ring
+then saves the wrapper's output for backward, a full copy whenever the layout forces a stack
+(e.g. SequentialMLP under DDP, whose buffer interleaves fc1 and fc2). With the parameters as
+the ring's inputs the zero-copy view is an internal detail of a pass.
+
 ``make_expert_weights_contiguous`` re-homes the parameters into one buffer per projection at
-build time so that the view applies; Megatron's DDP keeps that layout unless its distributed
-optimizer moves parameters into its own buffer (which stores them in reverse order), in which
-case the stack path is taken. ``last_stack_copied`` tells which path the last call took.
+build time so that the in-place view applies before DDP (if any) moves them into its buffer;
+``expert_weights_layout`` tells which layout a module has now.
 """
 
 from __future__ import annotations
@@ -26,12 +35,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from relaymoe.ring.weights import layout_order
+
 __all__ = [
     "expert_param_lists",
-    "stacked_expert_weights",
+    "expert_weights_layout",
     "make_expert_weights_contiguous",
-    "stack_is_view",
-    "last_stack_copied",
 ]
 
 
@@ -68,63 +77,12 @@ def expert_param_lists(experts) -> tuple[list[Tensor], list[Tensor]]:
     )
 
 
-def stack_is_view(ws: list[Tensor]) -> bool:
-    """True when ``ws`` lie back to back (ascending) in one storage with equal shape/strides."""
-    w0 = ws[0]
-    if not w0.is_contiguous():
-        return False
-    step = w0.numel()
-    base = w0.untyped_storage().data_ptr()
-    for j, w in enumerate(ws):
-        if (
-            w.shape != w0.shape
-            or w.dtype != w0.dtype
-            or not w.is_contiguous()
-            or w.untyped_storage().data_ptr() != base
-            or w.storage_offset() != w0.storage_offset() + j * step
-        ):
-            return False
-    return True
-
-
-class _StackExperts(torch.autograd.Function):
-    """(El, *shape) from El parameters: a strided view when they are adjacent, else a stack.
-
-    Backward hands each parameter its slice of the gradient (views, no copy)."""
-
-    @staticmethod
-    def forward(ctx, *ws: Tensor) -> Tensor:
-        if stack_is_view(list(ws)):
-            w0 = ws[0]
-            out = w0.as_strided(
-                (len(ws), *w0.shape), (w0.numel(), *w0.stride()), w0.storage_offset()
-            )
-            ctx.copied = False
-        else:
-            out = torch.stack([w.detach() for w in ws])
-            ctx.copied = True
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return tuple(grad.unbind(0))
-
-
-_LAST = {"copied": None}
-
-
-def last_stack_copied() -> bool | None:
-    """Whether the last ``stacked_expert_weights`` call copied (None before any call)."""
-    return _LAST["copied"]
-
-
-def stacked_expert_weights(experts) -> tuple[Tensor, Tensor]:
-    """``(w13 (El, 2I, H), w2 (El, H, I))`` of ``experts``, differentiable into its parameters."""
+def expert_weights_layout(experts) -> tuple[str | None, str | None]:
+    """``(fc1 order, fc2 order)``: ``"forward"``/``"reversed"`` where the per-expert parameters
+    lie back to back in one storage in expert order / reverse expert order (the ring views them
+    in place), None where a ring pass that needs the stacked form stacks them for that pass."""
     fc1, fc2 = expert_param_lists(experts)
-    w13 = _StackExperts.apply(*fc1)
-    w2 = _StackExperts.apply(*fc2)
-    _LAST["copied"] = not (stack_is_view(fc1) and stack_is_view(fc2))
-    return w13, w2
+    return layout_order(fc1), layout_order(fc2)
 
 
 @torch.no_grad()
@@ -132,9 +90,10 @@ def make_expert_weights_contiguous(experts) -> None:
     """Re-home the per-expert parameters into one ``(El, ...)`` buffer per projection.
 
     Values, parameter objects, names and attributes are unchanged; only ``.data`` now views a
-    shared buffer so that ``stacked_expert_weights`` needs no copy."""
+    shared buffer (the old storages are freed), so that ring passes needing the stacked form
+    view the parameters in place. Projections already back to back (either order) are left."""
     for ws in expert_param_lists(experts):
-        if stack_is_view(ws):
+        if layout_order(ws) is not None:
             continue
         buf = torch.stack([w.data for w in ws])
         for j, w in enumerate(ws):

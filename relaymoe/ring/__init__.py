@@ -1,6 +1,7 @@
 """Ring execution of MoE experts over an expert-parallel group (RelayMoE §3.1-3.3).
 
-Public: :func:`ring_moe` (the autograd op), :func:`comm_volume` / :class:`CommVolume` (the
+Public: :func:`ring_moe` (the autograd op; expert weights as stacked tensors or as lists of
+per-expert tensors, ``weights.py``), :func:`comm_volume` / :class:`CommVolume` (the
 per-hop volume model behind ``mode="auto"``), :func:`record_timeline` / :class:`HopTiming`
 (per-hop compute vs transfer), :class:`RingPlan` (the schedule), the transports, and
 :class:`RingProblem` / :func:`resolved_problem` (what the ranks agreed on).

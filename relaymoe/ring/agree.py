@@ -48,7 +48,7 @@ _DEVICE_TYPES = ("cpu", "cuda")
 NUM_FIELDS = 14
 
 _ERRORS = {
-    1: "an input is not a tensor",
+    1: "an input is not a tensor (or, for w13/w2, not a list of per-expert tensors)",
     2: "mode or transport is not one of the accepted names",
     3: "input shapes are inconsistent (x (T, H), w13 (E_local, 2I, H), w2 (E_local, H, I), "
     "topk_idx/topk_probs (T, K))",
@@ -91,27 +91,71 @@ def _host_hash() -> int:
     return int.from_bytes(digest, "little")
 
 
+class _Meta:
+    """Shape/dtype/device of an expert-weight input in either form (tensor, or a list of
+    per-expert tensors read as ``(len, *element_shape)``)."""
+
+    def __init__(self, shape, dtype, device):
+        self.shape, self.dtype, self.device = tuple(shape), dtype, device
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+
+def _weight_meta(name: str, w, want: str) -> tuple[_Meta | None, str]:
+    """(meta, "") of a weight input, or (None, error message)."""
+    if isinstance(w, Tensor):
+        return _Meta(w.shape, w.dtype, w.device), ""
+    if not isinstance(w, (list, tuple)):
+        return None, (
+            f"{name} must be a torch.Tensor {want.replace('El', 'E_local')} or a list of E_local "
+            f"per-expert tensors, got {type(w).__name__}"
+        )
+    if len(w) == 0:
+        return None, f"{name} is an empty list; pass E_local >= 1 per-expert tensors"
+    for j, t in enumerate(w):
+        if not isinstance(t, Tensor):
+            return None, f"{name}[{j}] must be a torch.Tensor, got {type(t).__name__}"
+    w0 = w[0]
+    for j, t in enumerate(w):
+        if t.dim() != 2 or t.shape != w0.shape or t.dtype != w0.dtype or t.device != w0.device:
+            return None, (
+                f"{name} list elements must all be 2-D with one shape, dtype and device; element "
+                f"0 is {tuple(w0.shape)} {w0.dtype} {w0.device}, element {j} is "
+                f"{tuple(t.shape)} {t.dtype} {t.device}"
+            )
+    return _Meta((len(w), *w0.shape), w0.dtype, w0.device), ""
+
+
 def _local_check(x, w13, w2, topk_idx, topk_probs, mode, transport, world) -> tuple[int, str]:
     """(error code, message) of this rank's inputs; (0, "") when they are fine."""
-    tensors = dict(x=x, w13=w13, w2=w2, topk_idx=topk_idx, topk_probs=topk_probs)
+    tensors = dict(x=x, topk_idx=topk_idx, topk_probs=topk_probs)
     for name, t in tensors.items():
         if not isinstance(t, Tensor):
             return 1, f"{name} must be a torch.Tensor, got {type(t).__name__}"
+    m13, msg = _weight_meta("w13", w13, "(El, 2I, H)")
+    if m13 is None:
+        return 1, msg
+    m2, msg = _weight_meta("w2", w2, "(El, H, I)")
+    if m2 is None:
+        return 1, msg
+    if isinstance(w13, Tensor) != isinstance(w2, Tensor):
+        return 1, "w13 and w2 must both be tensors or both be lists of per-expert tensors"
     if mode not in MODES:
         return 2, f"mode must be one of {MODES}, got {mode!r}"
     if transport not in TRANSPORTS:
         return 2, f"transport must be one of {TRANSPORTS}, got {transport!r}"
-    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+    if x.dim() != 2 or m13.dim() != 3 or m2.dim() != 3:
         return 3, (
             f"x must be (T, H), w13 (E_local, 2I, H), w2 (E_local, H, I); got x "
-            f"{tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}"
+            f"{tuple(x.shape)}, w13 {m13.shape}, w2 {m2.shape}"
         )
     num_tokens, hidden = x.shape
-    n_local, two_i, h13 = w13.shape
-    if n_local < 1 or two_i % 2 or h13 != hidden or w2.shape != (n_local, hidden, two_i // 2):
+    n_local, two_i, h13 = m13.shape
+    if n_local < 1 or two_i % 2 or h13 != hidden or m2.shape != (n_local, hidden, two_i // 2):
         return 3, (
-            f"shapes disagree: x {tuple(x.shape)}, w13 {tuple(w13.shape)} (want (E_local >= 1, "
-            f"2I, {hidden})), w2 {tuple(w2.shape)} (want ({n_local}, {hidden}, {two_i // 2}))"
+            f"shapes disagree: x {tuple(x.shape)}, w13 {m13.shape} (want (E_local >= 1, "
+            f"2I, {hidden})), w2 {m2.shape} (want ({n_local}, {hidden}, {two_i // 2}))"
         )
     if topk_idx.dim() != 2 or topk_idx.shape[0] != num_tokens:
         return 3, f"topk_idx must be (T={num_tokens}, K), got {tuple(topk_idx.shape)}"
@@ -120,14 +164,14 @@ def _local_check(x, w13, w2, topk_idx, topk_probs, mode, transport, world) -> tu
             f"topk_probs shape {tuple(topk_probs.shape)} must equal topk_idx's "
             f"{tuple(topk_idx.shape)}"
         )
-    if x.dtype not in _FLOATS or not (x.dtype == w13.dtype == w2.dtype):
+    if x.dtype not in _FLOATS or not (x.dtype == m13.dtype == m2.dtype):
         return 4, (
-            f"x, w13, w2 must share one float dtype of {_FLOATS}; got {x.dtype}, {w13.dtype}, "
-            f"{w2.dtype}"
+            f"x, w13, w2 must share one float dtype of {_FLOATS}; got {x.dtype}, {m13.dtype}, "
+            f"{m2.dtype}"
         )
     if topk_probs.dtype not in _FLOATS:
         return 4, f"topk_probs must be a float tensor, got {topk_probs.dtype}"
-    devices = {t.device for t in tensors.values()}
+    devices = {t.device for t in tensors.values()} | {m13.device, m2.device}
     if len(devices) != 1:
         return 5, f"inputs are on different devices: {sorted(map(str, devices))}; move them to one"
     if x.device.type not in _DEVICE_TYPES:
@@ -165,7 +209,8 @@ def agree(
     row = [0] * NUM_FIELDS
     row[F_ERR] = code
     if code == 0:
-        row[F_EL], row[F_I], row[F_H] = w13.shape[0], w2.shape[2], x.shape[1]
+        m13 = _weight_meta("w13", w13, "")[0]
+        row[F_EL], row[F_I], row[F_H] = m13.shape[0], m13.shape[1] // 2, x.shape[1]
         row[F_K], row[F_T] = topk_idx.shape[1], x.shape[0]
         row[F_DTYPE] = _FLOATS.index(x.dtype) + 1
         row[F_PDTYPE] = _FLOATS.index(topk_probs.dtype) + 1

@@ -7,10 +7,13 @@ E = El*R all experts, K top-k, R ranks of the group.
 tokens' pairs with the visiting experts of rank ``o = (r-h) mod R`` (the contiguous range
 ``[o*El, (o+1)*El)`` of a routing index built once per call over all E experts) while the next
 partition is in flight. Saved for backward: x, topk_idx, topk_probs, the index (no
-activations). Backward hop ``h`` recomputes that hop's intermediates (``expert_hop_backward``
-with ``saved_h=None``), adds into the local dx/dprobs, and computes the visiting partition's
-weight-gradient share; the gradient buffer of a partition travels one hop behind its weights,
-merged into the same transfer, and returns to its owner after the last hop (RelayMoE Fig. 5).
+activations) and the weights as given (list form: the caller's per-expert tensors, no copy).
+Every pass packs the rank's own experts into slot 0 (per expert in list form) and hop 0
+computes from that slot. Backward hop ``h`` recomputes that hop's intermediates
+(``expert_hop_backward`` with ``saved_h=None``), adds into the local dx/dprobs, and computes
+the visiting partition's weight-gradient share; the gradient buffer of a partition travels one
+hop behind its weights, merged into the same transfer, and returns to its owner after the last
+hop (RelayMoE Fig. 5).
 
 **Token mode** (experts stay, tokens travel). Forward hop ``h``: rank ``r`` receives the tokens
 of rank ``s = (r-h) mod R`` with their routing metadata (int32 ids, probabilities), builds their
@@ -30,7 +33,11 @@ per element, ``Tm`` the largest T of the group, ``m = K*(4+pb)`` metadata bytes 
 * token forward: two slots ``2*Tm*(2*H*b + m)``, one output scratch ``Tm*H*b``, plus one hop's
   intermediates and routing index;
 * token backward: two slots ``2*Tm*(3*H*b + m + K*pb)``, one dx/dprobs scratch, the local
-  weight-gradient accumulator ``W*b``, plus one hop's intermediates and routing index.
+  weight-gradient accumulator ``W*b``, plus one hop's intermediates and routing index;
+* list-form weights (``weights.py``): nothing more in expert mode; in token mode (and in a world
+  of one) ``W*b`` more for the duration of each pass when the per-expert tensors are not back
+  to back in one storage (in expert order or its reverse), else nothing (a zero-copy view).
+  Nothing extra lives from forward to backward in either mode.
 
 No ``(T*K, H)`` buffer exists at any time (the hop primitives read tokens through the index).
 With ``transport="copy_engine"`` the two slots are a persistent symmetric-memory workspace per
@@ -38,6 +45,8 @@ With ``transport="copy_engine"`` the two slots are a persistent symmetric-memory
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -49,6 +58,7 @@ from relaymoe.ring.executor import relay
 from relaymoe.ring.layout import Layout
 from relaymoe.ring.schedule import RingPlan
 from relaymoe.ring.transport import CopyEngineTransport, P2PTransport, Transport
+from relaymoe.ring.weights import FORWARD, REVERSED, LocalExperts, reverse_local_ids
 from relaymoe.routing import build_routing_index
 
 __all__ = ["ring_moe"]
@@ -133,15 +143,16 @@ def _capacity(fwd: RingPlan, bwd: RingPlan, prob: RingProblem) -> int:
 # ---------------------------------------------------------------------------------------------
 # expert mode
 # ---------------------------------------------------------------------------------------------
-def _expert_forward(prob, group, backend, overlap, x, w13, w2, probs, index) -> Tensor:
+def _expert_forward(prob, group, backend, overlap, x, experts, probs, index, order) -> Tensor:
     El = prob.num_local_experts
     out = torch.zeros_like(x)
     T = x.shape[0]
+    local = experts.stacked(order) if prob.world_size == 1 else None
 
     def compute(hop, part, lead, trail):
         if T == 0:
             return
-        a, b = (w13, w2) if lead is None else (lead["w13"], lead["w2"])
+        a, b = local[:2] if lead is None else (lead["w13"], lead["w2"])
         expert_hop_forward(
             x, a, b, probs, index,
             expert_range=(part * El, (part + 1) * El), out_TH=out, save="none", backend=backend,
@@ -151,7 +162,7 @@ def _expert_forward(prob, group, backend, overlap, x, w13, w2, probs, index) -> 
     relay(
         fwd,
         lead_layout=lambda p: _weights_layout(prob),
-        own_lead={"w13": w13, "w2": w2},
+        own_lead=lambda views: _pack(experts, views),
         trail_layout=None,
         compute=compute,
         transport=_transport(prob, group),
@@ -164,16 +175,20 @@ def _expert_forward(prob, group, backend, overlap, x, w13, w2, probs, index) -> 
     return out
 
 
-def _expert_backward(prob, group, backend, overlap, dy, x, w13, w2, probs, index):
+def _expert_backward(prob, group, backend, overlap, dy, x, experts, probs, index, order):
+    """Returns ``(dx, dprobs, dw13, dw2)``; the weight gradients' rows are in the row order the
+    compute used: expert order for ``R > 1`` (slot 0 is packed in expert order), ``order`` in a
+    world of one."""
     El = prob.num_local_experts
     dx = torch.zeros_like(x)
     dprobs = torch.zeros_like(probs)
     T = x.shape[0]
+    local = experts.stacked(order) if prob.world_size == 1 else None
 
     def compute(hop, part, lead, trail):
         if T == 0:
             return  # no pairs: this rank's share of the weight gradient is exactly zero
-        a, b = (w13, w2) if lead is None else (lead["w13"], lead["w2"])
+        a, b = local[:2] if lead is None else (lead["w13"], lead["w2"])
         expert_hop_backward(
             dy, x, a, b, probs, index,
             expert_range=(part * El, (part + 1) * El), saved_h=None,
@@ -184,7 +199,7 @@ def _expert_backward(prob, group, backend, overlap, dy, x, w13, w2, probs, index
     grads = relay(
         bwd,
         lead_layout=lambda p: _weights_layout(prob),
-        own_lead={"w13": w13, "w2": w2},
+        own_lead=lambda views: _pack(experts, views),
         trail_layout=lambda p: _weights_layout(prob, "d"),
         compute=compute,
         transport=_transport(prob, group),
@@ -196,17 +211,31 @@ def _expert_backward(prob, group, backend, overlap, dy, x, w13, w2, probs, index
     return dx, dprobs, grads["dw13"], grads["dw2"]
 
 
+def _pack(experts: LocalExperts, views: dict[str, Tensor]) -> None:
+    """The rank's own experts into slot 0, in expert order (per element in list form)."""
+    for name, view in views.items():
+        experts.pack(name, view)
+
+
 # ---------------------------------------------------------------------------------------------
 # token mode
 # ---------------------------------------------------------------------------------------------
-def _token_forward(prob, group, backend, overlap, x, w13, w2, probs, idx32) -> Tensor:
+def _token_ids(ids: Tensor, prob: RingProblem, order: str) -> Tensor:
+    """A visiting partition's expert ids in the row order of the local stacked experts."""
+    return reverse_local_ids(ids, prob.num_local_experts) if order == REVERSED else ids
+
+
+def _token_forward(prob, group, backend, overlap, x, experts, probs, idx32, order) -> Tensor:
     E, Ts, own = prob.num_experts, prob.tokens, prob.expert_range
+    # local experts compute every hop: their (El, ...) form for this pass only (a zero-copy view
+    # when the list form is back to back, else a transient stack dropped when the pass ends)
+    w13, w2, order = experts.stacked(order)
 
     def compute(hop, part, lead, trail):
         if Ts[part] == 0:
             return
         xs, ids, ps = (x, idx32, probs) if lead is None else (lead["x"], lead["idx"], lead["probs"])
-        index = build_routing_index(ids, E, validate=False)
+        index = build_routing_index(_token_ids(ids, prob, order), E, validate=False)
         expert_hop_forward(
             xs, w13, w2, ps, index,
             expert_range=own, out_TH=trail["out"], save="none", backend=backend,
@@ -229,10 +258,12 @@ def _token_forward(prob, group, backend, overlap, x, w13, w2, probs, idx32) -> T
     return result["out"]
 
 
-def _token_backward(prob, group, backend, overlap, dy, x, w13, w2, probs, idx32):
+def _token_backward(prob, group, backend, overlap, dy, x, experts, probs, idx32, order):
+    """Returns ``(dx, dprobs, dw13, dw2)``, the weight gradients' rows in ``order``."""
     E, Ts, own = prob.num_experts, prob.tokens, prob.expert_range
-    dw13 = torch.zeros_like(w13)
-    dw2 = torch.zeros_like(w2)
+    w13, w2, order = experts.stacked(order)  # again for this pass only
+    dw13 = torch.zeros(w13.shape, dtype=w13.dtype, device=w13.device)
+    dw2 = torch.zeros(w2.shape, dtype=w2.dtype, device=w2.device)
 
     def compute(hop, part, lead, trail):
         if Ts[part] == 0:
@@ -241,7 +272,7 @@ def _token_backward(prob, group, backend, overlap, dy, x, w13, w2, probs, idx32)
             xs, ids, ps, dys = x, idx32, probs, dy
         else:
             xs, ids, ps, dys = lead["x"], lead["idx"], lead["probs"], lead["dy"]
-        index = build_routing_index(ids, E, validate=False)
+        index = build_routing_index(_token_ids(ids, prob, order), E, validate=False)
         expert_hop_backward(
             dys, xs, w13, w2, ps, index,
             expert_range=own, saved_h=None, dx_TH=trail["dx"], dprobs_TK=trail["dprobs"],
@@ -268,50 +299,70 @@ def _token_backward(prob, group, backend, overlap, dy, x, w13, w2, probs, idx32)
 # autograd
 # ---------------------------------------------------------------------------------------------
 class _RingMoE(torch.autograd.Function):
+    """Inputs ``(x, probs, topk_idx, prob, group, backend, overlap, listed, *ws)`` with ``ws``
+    ``(w13, w2)`` (tensor form) or ``(*w13_list, *w2_list)`` (list form). Saves x, probs, the
+    int32 ids and ``ws`` themselves (list form: the caller's tensors, no copy)."""
+
     @staticmethod
-    def forward(ctx, x, w13, w2, probs, topk_idx, prob, group, backend, overlap):
-        x, w13, w2, probs = (t.contiguous() for t in (x, w13, w2, probs))
+    def forward(ctx, x, probs, topk_idx, prob, group, backend, overlap, listed, *ws):
+        x, probs = x.contiguous(), probs.contiguous()
+        if not listed:
+            ws = tuple(w.contiguous() for w in ws)
+        experts = LocalExperts.from_inputs(listed, ws)
         idx32 = topk_idx.to(_IDX).contiguous()
         ctx.prob, ctx.group, ctx.backend, ctx.overlap = prob, group, backend, overlap
+        ctx.listed = listed
+        # the row order of the local experts' stacked form where a pass uses it (token mode, a
+        # world of one); expert mode with R > 1 packs slot 0 in expert order and needs none
+        order = experts.preferred_order()
+        ctx.order = order
         if prob.mode == "expert":
-            index = build_routing_index(idx32, prob.num_experts, validate=False)
-            out = _expert_forward(prob, group, backend, overlap, x, w13, w2, probs, index)
+            ids = idx32
+            if prob.world_size == 1 and order == REVERSED:
+                ids = reverse_local_ids(idx32, prob.num_local_experts)
+            index = build_routing_index(ids, prob.num_experts, validate=False)
+            out = _expert_forward(prob, group, backend, overlap, x, experts, probs, index, order)
             ctx.index = index
         else:
-            out = _token_forward(prob, group, backend, overlap, x, w13, w2, probs, idx32)
+            out = _token_forward(prob, group, backend, overlap, x, experts, probs, idx32, order)
             ctx.index = None
-        ctx.save_for_backward(x, w13, w2, probs, idx32)
+        ctx.save_for_backward(x, probs, idx32, *ws)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
-        x, w13, w2, probs, idx32 = ctx.saved_tensors
-        prob = ctx.prob
+        x, probs, idx32, *ws = ctx.saved_tensors
+        prob, order = ctx.prob, ctx.order
+        experts = LocalExperts.from_inputs(ctx.listed, ws)
         dy = dy.to(prob.dtype).contiguous()
-        args = (prob, ctx.group, ctx.backend, ctx.overlap, dy, x, w13, w2, probs)
+        args = (prob, ctx.group, ctx.backend, ctx.overlap, dy, x, experts, probs)
         if prob.mode == "expert":
-            dx, dprobs, dw13, dw2 = _expert_backward(*args, ctx.index)
+            dx, dprobs, dw13, dw2 = _expert_backward(*args, ctx.index, order)
+            rows = order if prob.world_size == 1 else FORWARD
         else:
-            dx, dprobs, dw13, dw2 = _token_backward(*args, idx32)
+            dx, dprobs, dw13, dw2 = _token_backward(*args, idx32, order)
+            rows = order
         need = ctx.needs_input_grad
+        wgrads = experts.split(dw13, dw2, rows)  # views of the returned gradient, no copy
+        wgrads = tuple(g if need[8 + j] else None for j, g in enumerate(wgrads))
         return (
             dx if need[0] else None,
-            dw13 if need[1] else None,
-            dw2 if need[2] else None,
-            dprobs if need[3] else None,
+            dprobs if need[1] else None,
             None,
             None,
             None,
             None,
             None,
+            None,
+            *wgrads,
         )
 
 
 def ring_moe(
     x: Tensor,
-    w13: Tensor,
-    w2: Tensor,
+    w13: Tensor | Sequence[Tensor],
+    w2: Tensor | Sequence[Tensor],
     topk_idx: Tensor,
     topk_probs: Tensor,
     *,
@@ -328,6 +379,13 @@ def ring_moe(
     expert ids, ``topk_probs (T, K)``. Returns ``(T, H)`` equal to the oracle over all experts,
     differentiable in x, w13, w2, topk_probs. Ranks may hold different T (including 0).
 
+    ``w13``/``w2`` may instead be lists (or tuples) of ``E_local`` per-expert tensors ``(2I, H)``
+    / ``(H, I)`` (e.g. a Megatron experts module's parameters), each differentiable on its own.
+    Then no stacked copy of the experts is kept from forward to backward: the ring saves the
+    elements themselves, packs them into its send slot per pass (expert mode) or uses a
+    zero-copy view (elements back to back in one storage, in list order or in reverse list
+    order) or a stack that lives for one pass only (token mode). See ``weights.py``.
+
     ``group``: the EP group (default: the default group; without an initialized process group
     a world of one). ``mode``: ``"expert"``, ``"token"`` or ``"auto"`` (smaller per-hop volume,
     :func:`relaymoe.ring.comm_volume`, identical on every rank). ``transport``: ``"nccl"``
@@ -337,11 +395,13 @@ def ring_moe(
     ``backend``: the hop primitives' backend (``"auto"``, ``"triton"``, ``"torch"``).
 
     Every rank of the group must call it (and its backward) with the same mode/transport; bad
-    input raises ``ValueError`` on every rank before any P2P.
+    input raises ``ValueError`` on every rank before any P2P. Ranks may mix the two weight forms.
     """
     group, rank, world = _resolve_group(group)
+    listed = isinstance(w13, (list, tuple)) and isinstance(w2, (list, tuple))
+    ws = (*w13, *w2) if listed else (w13, w2)
     needs_grad = torch.is_grad_enabled() and any(
-        isinstance(t, Tensor) and t.requires_grad for t in (x, w13, w2, topk_probs)
+        isinstance(t, Tensor) and t.requires_grad for t in (x, topk_probs, *ws)
     )
     prob = agree(
         x,
@@ -356,7 +416,7 @@ def ring_moe(
         transport=transport,
         needs_grad=needs_grad,
     )
-    return _RingMoE.apply(x, w13, w2, topk_probs, topk_idx, prob, group, backend, overlap)
+    return _RingMoE.apply(x, topk_probs, topk_idx, prob, group, backend, overlap, listed, *ws)
 
 
 def resolved_problem(*args, **kwargs) -> RingProblem:

@@ -238,7 +238,7 @@ def relay(
     plan: RingPlan,
     *,
     lead_layout: Callable[[int], Layout],
-    own_lead: dict[str, Tensor],
+    own_lead: dict[str, Tensor] | Callable[[dict[str, Tensor]], None],
     trail_layout: Callable[[int], Layout] | None,
     compute: Callable[[int, int, dict[str, Tensor] | None, dict[str, Tensor] | None], None],
     transport: Transport | None,
@@ -250,9 +250,12 @@ def relay(
 ) -> dict[str, Tensor] | None:
     """One ring pass. Returns the views of this rank's complete trail (None without a trail).
 
-    ``compute(hop, partition, lead, trail)``: ``lead`` is None at hop 0 (use the local tensors)
-    and typed views of the visiting partition otherwise; ``trail`` are zero-initialised views to
-    ADD this rank's share of ``partition``'s accumulator into (None without a trail).
+    ``own_lead``: this rank's partition, packed into slot 0 before hop 0: tensors by segment
+    name, or a callable that fills the typed views of slot 0 itself (e.g. per-expert copies).
+    ``compute(hop, partition, lead, trail)``: ``lead`` are typed views of the visiting partition
+    in its slot (at hop 0 the rank's own partition in slot 0), None only in a world of one (use
+    the local tensors; nothing is packed); ``trail`` are zero-initialised views to ADD this
+    rank's share of ``partition``'s accumulator into (None without a trail).
     ``capacity``: reserve at least this many bytes per slot (e.g. the backward's, at forward).
     """
     R, rank = plan.world_size, plan.rank
@@ -270,8 +273,11 @@ def relay(
     )
     slots = ex.slots
     own_views = lead_layout(rank).views(slots[0])
-    for name, view in own_views.items():
-        view.copy_(own_lead[name])
+    if callable(own_lead):
+        own_lead(own_views)
+    else:
+        for name, view in own_views.items():
+            view.copy_(own_lead[name])
     scratch_buf = None
     if has_trail:
         scratch_buf = torch.empty(
@@ -283,7 +289,7 @@ def relay(
         pending = ex.start(h)
         if not overlap:
             ex.wait(pending, h)
-        lead = None if h == 0 else lead_layout(p).views(slots[h % 2])
+        lead = own_views if h == 0 else lead_layout(p).views(slots[h % 2])
         if has_trail:
             dst = trail_layout(p).views(slots[(h + 1) % 2], plan.slot_layout(h + 1).trail_offset)
             if h == 0:  # nothing arrives into the trail region at hop 0

@@ -2,8 +2,10 @@
 against the float64 oracle. Skipped without 2 CUDA devices; run by ``scripts/gpu_suite.sh``.
 
 Two spawned ranks run every check in one world (bf16 bound 1e-2, CONTRIBUTING.md): uneven and
-zero token counts, overlap on and off, the hop timeline, bitwise determinism, and a ValueError
-on both ranks for a bad input followed by a good call (nothing hangs, the group stays in step).
+zero token counts, overlap on and off, the hop timeline, bitwise determinism, the list form of
+the expert weights (per-expert parameters in DDP-like layouts: correct, bitwise equal to the
+tensor form where rows keep expert order, and no stacked weight copy alive after forward), and
+a ValueError on both ranks for a bad input followed by a good call (nothing hangs).
 """
 
 from __future__ import annotations
@@ -55,7 +57,36 @@ def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def _case(rank, dev, *, transport, mode, tokens, overlap=True, route="uniform", seed=0):
+def _weights(w13, w2, form):
+    """What to pass to ring_moe and a function giving the stacked gradients: the tensor form,
+    or per-expert leaf parameters ("separate"; "reversed": views of one buffer in reverse
+    expert order, fc1s then fc2s, as Megatron's DDP lays out TEGroupedMLP; "interleaved":
+    SequentialMLP's DDP layout, no list back to back)."""
+    if form == "tensor":
+        a, b = w13.clone().requires_grad_(), w2.clone().requires_grad_()
+        return a, b, lambda: (a.grad, b.grad)
+    el = w13.shape[0]
+    fc1 = [torch.nn.Parameter(w13[j].clone()) for j in range(el)]
+    fc2 = [torch.nn.Parameter(w2[j].clone()) for j in range(el)]
+    if form != "separate":
+        reg = fc1 + fc2 if form == "reversed" else [q for j in range(el) for q in (fc1[j], fc2[j])]
+        buf = torch.empty(sum(q.numel() for q in reg), dtype=w13.dtype, device=w13.device)
+        at = 0
+        with torch.no_grad():
+            for q in reg[::-1]:  # DDP: param.data = a view of its buffer, reverse order
+                view = buf[at : at + q.numel()].view(q.shape)
+                view.copy_(q.data)
+                q.data = view
+                at += q.numel()
+    return (
+        fc1,
+        fc2,
+        lambda: (torch.stack([q.grad for q in fc1]), torch.stack([q.grad for q in fc2])),
+    )
+
+
+def _case(rank, dev, *, transport, mode, tokens, overlap=True, route="uniform", seed=0,
+          form="tensor", check_memory=False):  # fmt: skip
     from relaymoe.reference import moe_experts_reference
     from relaymoe.ring import ring_moe
 
@@ -69,23 +100,32 @@ def _case(rank, dev, *, transport, mode, tokens, overlap=True, route="uniform", 
     e0, e1 = rank * EL, (rank + 1) * EL
     bf = torch.bfloat16
     x = pb["x"][lo:hi].to(bf).requires_grad_()
-    w13 = pb["w13"][e0:e1].to(bf).requires_grad_()
-    w2 = pb["w2"][e0:e1].to(bf).requires_grad_()
+    w13, w2, wgrads = _weights(pb["w13"][e0:e1].to(bf), pb["w2"][e0:e1].to(bf), form)
     probs = pb["probs"][lo:hi].float().requires_grad_()
+    what = (f"{transport} {mode} tokens={tokens} overlap={overlap} route={route} form={form} "
+            f"rank={rank}")  # fmt: skip
+    torch.cuda.synchronize(dev)
+    before = torch.cuda.memory_allocated(dev)
     out = ring_moe(x, w13, w2, pb["idx"][lo:hi], probs, mode=mode, transport=transport,
                    overlap=overlap)  # fmt: skip
+    if check_memory:  # list form: what forward leaves alive holds no copy of the expert weights
+        grown = torch.cuda.memory_allocated(dev) - before
+        weights = EL * 3 * H * I * 2
+        assert grown < out.numel() * out.element_size() + weights // 2, (
+            f"forward left {grown} bytes alive (weights are {weights}): {what}"
+        )
     out.backward(pb["dy"][lo:hi].to(bf))
-    what = f"{transport} {mode} tokens={tokens} overlap={overlap} route={route} rank={rank}"
+    dw13, dw2 = wgrads()
     for name, got, want in [
         ("out", out, ref[lo:hi]),
         ("dx", x.grad, leaves["x"].grad[lo:hi]),
         ("dprobs", probs.grad, leaves["probs"].grad[lo:hi]),
-        ("dw13", w13.grad, leaves["w13"].grad[e0:e1]),
-        ("dw2", w2.grad, leaves["w2"].grad[e0:e1]),
+        ("dw13", dw13, leaves["w13"].grad[e0:e1]),
+        ("dw2", dw2, leaves["w2"].grad[e0:e1]),
     ]:
         assert torch.isfinite(got).all(), f"{name} not finite: {what}"
         assert _rel(got, want) < BF16_BOUND, f"{name} rel err {_rel(got, want):.3g}: {what}"
-    return out.detach(), (x.grad, probs.grad, w13.grad, w2.grad)
+    return out.detach(), (x.grad, probs.grad, dw13, dw2)
 
 
 def _worker(rank, port, outdir):
@@ -117,6 +157,21 @@ def _worker(rank, port, outdir):
             run(f"{transport}_zero_tokens_nooverlap", lambda t=transport: [
                 _case(rank, dev, transport=t, mode=m, tokens=[0, 2001], overlap=False,
                       route="skew", seed=2) for m in ("expert", "token")])  # fmt: skip
+
+        def list_forms():  # per-expert parameters: correct, and no stacked copy kept alive
+            for t in ("nccl", "copy_engine"):
+                for m in ("expert", "token"):
+                    for f in ("reversed", "interleaved", "separate"):
+                        _case(rank, dev, transport=t, mode=m, tokens=[1500, 700], seed=3,
+                              form=f, check_memory=t == "nccl")  # fmt: skip
+            # bitwise equal to the tensor form where rows are used in expert order
+            for m, f in (("expert", "reversed"), ("token", "separate")):
+                a = _case(rank, dev, transport="nccl", mode=m, tokens=[900, 700], seed=6)
+                b = _case(rank, dev, transport="nccl", mode=m, tokens=[900, 700], seed=6, form=f)
+                assert torch.equal(a[0], b[0]), (m, f)
+                assert all(torch.equal(u, v) for u, v in zip(a[1], b[1], strict=True)), (m, f)
+
+        run("list_forms", list_forms)
 
         def timeline():
             with record_timeline() as tl:
