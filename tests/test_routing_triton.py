@@ -104,6 +104,11 @@ def test_input_dtypes_and_layout(dtype):
     idx_t = idx.t().contiguous().t()
     assert not idx_t.is_contiguous()
     assert_same(build_routing_index_triton(idx_t, 11, max_blocks=3), want, "non-contiguous")
+    # Top-1 ids as a column of a wider tensor: reshape(-1) is then a strided view, not a copy.
+    top1 = idx[:, :1]
+    wide = torch.cat([top1, torch.full_like(top1, 10**6)], dim=1)[:, :1]
+    assert wide.reshape(-1).stride() == (2,)
+    assert_same(build_routing_index_triton(wide, 11), _build_torch(top1, 11), "strided column")
 
 
 def test_zero_tokens_and_limits():

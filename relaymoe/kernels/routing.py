@@ -278,7 +278,8 @@ def build_routing_index_triton(
         num_pairs, num_experts, pairwise=pairwise, fused=fused, max_blocks=max_blocks
     )
     e_pad, nb, fused = cfg["e_pad"], cfg["num_blocks"], cfg["fused"]
-    flat = topk_idx.reshape(-1)  # a view when contiguous; the kernels read any integer dtype
+    # The kernels index flat[i]: a strided view (e.g. a column of a wider tensor) must be copied.
+    flat = topk_idx.reshape(-1).contiguous()  # any integer dtype
     # One workspace: counts and bases (NB, E_PAD); unfused also prefix (NB, E_PAD), totals.
     cells = nb * e_pad
     work = torch.empty((2 if fused else 3) * cells + (0 if fused else e_pad), dtype=torch.int64,
