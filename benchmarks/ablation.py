@@ -105,7 +105,7 @@ def main(argv=None) -> int:
         print_table(rows, ["step", "variant", "shape", "ep", "ms_fwd_bwd", "peak_over_inputs_MiB"])
     dist.barrier()
     dist.destroy_process_group()
-    return 0 if rows else 1
+    return 0 if rows or rank != 0 else 1  # rows are collected on rank 0 only
 
 
 if __name__ == "__main__":

@@ -140,6 +140,11 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer providers and iterations")
     ap.add_argument("--crossover", action="store_true", help="expert/token over T and I")
     ap.add_argument("--no-crossover", action="store_true", help="skip it in --quick mode")
+    ap.add_argument(
+        "--only",
+        default="",
+        help="comma-separated provider names to run (default: all), e.g. a2a_same_kernel",
+    )
     ap.add_argument("--tokens", type=int, default=32768, help="tokens per GPU (default 32k)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/bench_ring.jsonl"))
     args = ap.parse_args(argv)
@@ -193,7 +198,11 @@ def main(argv=None) -> int:
         row.update(extra or {})
         emit(row)
 
+    wanted = {p for p in args.only.split(",") if p}
+
     def guarded(label, fn):
+        if wanted and label not in wanted:
+            return
         try:
             fn()
         except Exception as err:  # a failing provider must not stop the others

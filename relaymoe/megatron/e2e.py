@@ -104,7 +104,8 @@ def pretrain_args(
         "--distributed-backend", "nccl",
     ]  # fmt: skip
     if not _have_te():
-        out += ["--transformer-impl", "local"]
+        # Megatron's RoPE fusion is a TransformerEngine kernel: its config refuses it without TE.
+        out += ["--transformer-impl", "local", "--no-rope-fusion"]
     return out + list(extra)
 
 
