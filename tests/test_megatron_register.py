@@ -322,3 +322,22 @@ def test_unknown_experts_module_refused():
 
     with pytest.raises(NotImplementedError, match="SequentialMLP"):
         expert_param_lists(torch.nn.Linear(2, 2))
+
+
+def test_pretrain_uses_the_wheels_prebuilt_dataset_helpers(mcore, monkeypatch):
+    """The wheel has helpers_cpp but no Makefile: Megatron's `make` would fail and exit."""
+    import subprocess
+
+    from megatron.core.datasets import utils as ds_utils
+
+    from relaymoe.megatron.pretrain import use_prebuilt_dataset_helpers
+
+    monkeypatch.setattr(ds_utils, "compile_helpers", ds_utils.compile_helpers)
+
+    def no_make(*args, **kwargs):
+        raise AssertionError(f"make was run: {args}")
+
+    monkeypatch.setattr(subprocess, "run", no_make)
+    assert use_prebuilt_dataset_helpers() is True
+    ds_utils.compile_helpers()  # what megatron.training.initialize calls on rank 0
+    assert use_prebuilt_dataset_helpers() is True  # idempotent

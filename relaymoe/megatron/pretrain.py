@@ -165,10 +165,39 @@ def _count_step_tokens(tokens):
         _REPORT["tokens"] += tokens.numel()
 
 
+def use_prebuilt_dataset_helpers() -> bool:
+    """Skip Megatron's ``make`` of the dataset helpers when the wheel ships them prebuilt.
+
+    megatron-core's wheel carries ``helpers_cpp`` compiled but not the Makefile, and
+    ``megatron.training.initialize`` runs ``make`` on rank 0 anyway: without a Makefile it fails
+    and exits. With a Megatron-LM checkout (Makefile present) nothing changes. Returns whether
+    the compile step was replaced.
+    """
+    import importlib.util
+    import os
+
+    from megatron.core.datasets import utils as ds_utils
+
+    folder = os.path.dirname(os.path.abspath(ds_utils.__file__))
+    if os.path.exists(os.path.join(folder, "Makefile")):
+        return False
+    if importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is None:
+        return False
+    if not getattr(ds_utils.compile_helpers, "__relaymoe_patched__", False):
+
+        def compile_helpers():
+            print("> dataset index builder: using the prebuilt helpers_cpp of the wheel")
+
+        compile_helpers.__relaymoe_patched__ = True
+        ds_utils.compile_helpers = compile_helpers
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     from relaymoe.megatron import register
 
     register()
+    use_prebuilt_dataset_helpers()
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
     from megatron.core.enums import ModelType
