@@ -136,8 +136,11 @@ class Cluster:
 class ComputeModel:
     """Grouped-GEMM time of a batch of token-expert pairs on one GPU.
 
-    ``time = launch + flops / (peak * m / (m + m_half))`` with ``m`` the pairs per expert: small
-    per-expert GEMMs waste tile rows, so throughput rises with ``m`` and saturates at ``peak``.
+    ``time = max(host, flops / (peak * m / (m + m_half)))`` with ``m`` the pairs per expert:
+    small per-expert GEMMs waste tile rows, so throughput rises with ``m`` and saturates at
+    ``peak``. ``host`` (``launch_us``) is the host time to issue one hop's work (launches, index
+    slices, Python): the GPU runs behind the host, so a hop is host-bound only when its kernels
+    take less than that (small T), and the host time is hidden otherwise.
     ``peak_*`` come from the measured relaymoe expert rows (``calibrate``); the default is what
     a fused-kernel grouped GEMM reaches on an H200 at qwen3 T32k (about 500 TFLOP/s) corrected
     for ``m = 2048`` pairs per expert.
@@ -146,7 +149,7 @@ class ComputeModel:
     peak_tflops_fwd: float = 520.0
     peak_tflops_bwd: float = 520.0
     m_half: float = 64.0
-    launch_us: float = 40.0  # per hop: index slice + kernel launches
+    launch_us: float = 40.0  # per hop: host time to issue it (a floor, see the docstring)
     hbm_GBps: float = 4300.0  # device copy bandwidth (anchors): permutes, in-place adds
     # Megatron's SequentialMLP runs experts one by one: per-expert overhead (fit, see calibrate).
     seq_mlp_ms_per_expert: float = 0.0
@@ -168,7 +171,7 @@ class ComputeModel:
             return 0.0
         peak = (self.peak_tflops_bwd if bwd else self.peak_tflops_fwd) * 1e12
         eff = self.efficiency(pairs / max(experts, 1.0))
-        return self.launch_us * 1e-6 + flops / (peak * eff)
+        return max(self.launch_us * 1e-6, flops / (peak * eff))
 
     def copy_seconds(self, nbytes: float) -> float:
         """Read + write ``nbytes`` once in HBM (permute, in-place gradient add)."""
