@@ -20,6 +20,8 @@ Both are issued on the current stream (the executor's communication stream on CU
 
 from __future__ import annotations
 
+import abc
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -39,21 +41,22 @@ _SYMM_SLOTS: dict[tuple[str, int], tuple[Tensor, object, int]] = {}
 _SYMM_GRANULE = 2 * 1024 * 1024
 
 
-class Transport:
+class Transport(abc.ABC):
     """Interface: ``slots`` gives the two slot buffers, ``issue`` one hop's transfer."""
 
     name = "base"
     needs_entry_sync = False
 
+    @abc.abstractmethod
     def slots(self, capacity: int, device: torch.device) -> tuple[Tensor, Tensor]:
-        raise NotImplementedError
+        """The two slot buffers of at least ``capacity`` bytes each."""
 
-    def entry_sync(self) -> None:
-        pass
+    def entry_sync(self) -> None:  # noqa: B027 (optional hook: most transports need none)
+        """Called once per pass before the first hop when ``needs_entry_sync``."""
 
+    @abc.abstractmethod
     def issue(self, xfer: HopTransfer, send: Tensor | None, recv: Tensor | None) -> list:
         """Start the transfer on the current stream; returns works to wait for on CPU."""
-        raise NotImplementedError
 
 
 class P2PTransport(Transport):
