@@ -142,11 +142,14 @@ def expert_hop_forward(
     out_TH: Tensor | None = None,
     save: Literal["act", "none", "fc1"] = "act",
     backend: Backend = "auto",
+    n_pairs: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Add the pairs of experts ``expert_range=(e0, e1)`` (default: all) into ``out_TH``.
 
     ``w13_El2IH``/``w2_ElHI`` hold exactly experts ``[e0, e1)``. Returns ``(out_TH, saved)``: the
     range's pre-activation ``h (P, 2I)`` in expert-grouped order when ``save="act"``, else None.
+    ``n_pairs``: the range's pair count when the caller knows it (``offsets[e1] - offsets[e0]``);
+    it spares the Triton backend the host sync that sizes a partial range's buffers.
     """
     e0, e1 = _range(expert_range, index)
     if resolve_backend(backend, x_TH.device) == "triton":
@@ -154,8 +157,9 @@ def expert_hop_forward(
 
         # out_TH=None: the combine writes every row (no zero fill, no read of zeros)
         return triton_hop_forward(
-            x_TH, w13_El2IH, w2_ElHI, probs_TK, index, e0, e1, out_TH, save == "act"
-        )
+            x_TH, w13_El2IH, w2_ElHI, probs_TK, index, e0, e1, out_TH, save == "act",
+            n_pairs=n_pairs,
+        )  # fmt: skip
     if out_TH is None:
         out_TH = torch.zeros_like(x_TH)
     saved = _torch_hop_forward(x_TH, w13_El2IH, w2_ElHI, probs_TK, index, e0, e1, out_TH, save)
@@ -178,6 +182,7 @@ def expert_hop_backward(
     dw2: Tensor | None = None,
     backend: Backend = "auto",
     consume_saved_h: bool = False,
+    n_pairs: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients of the pairs of ``expert_range``; ADDS into the given buffers (zeros otherwise).
 
@@ -185,6 +190,7 @@ def expert_hop_backward(
     recomputed from the pre-activation). Returns ``(dx_TH, dprobs_TK, dw13, dw2)``.
     ``consume_saved_h=True`` lets the Triton backend overwrite ``saved_h`` with its gradient
     (one (P, 2I) buffer less at the backward's peak); ``saved_h`` is garbage afterwards.
+    ``n_pairs``: as in :func:`expert_hop_forward`.
     """
     e0, e1 = _range(expert_range, index)
     if resolve_backend(backend, x_TH.device) == "triton":
@@ -194,6 +200,7 @@ def expert_hop_backward(
         return triton_hop_backward(
             dy_TH, x_TH, w13_El2IH, w2_ElHI, probs_TK, index, e0, e1,
             saved_h, dx_TH, dprobs_TK, dw13, dw2, consume_saved_h=consume_saved_h,
+            n_pairs=n_pairs,
         )  # fmt: skip
     dx_TH = torch.zeros_like(x_TH) if dx_TH is None else dx_TH
     dprobs_TK = torch.zeros_like(probs_TK) if dprobs_TK is None else dprobs_TK

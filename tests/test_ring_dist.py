@@ -126,7 +126,7 @@ def _stacked_grads(leaves):
 
 def _run_case(rank, world, group, *, seed, tokens, El, K, dtype, prob_dtype=None, mode="expert",
               transport="auto", overlap=True, route="uniform", check_grads=True, form="tensor",
-              tol=None):  # fmt: skip
+              tol=None, backend="auto"):  # fmt: skip
     """ring_moe on this rank's slice vs the oracle; returns the ring's (out, grads)."""
     from relaymoe.ring import ring_moe
 
@@ -140,7 +140,16 @@ def _run_case(rank, world, group, *, seed, tokens, El, K, dtype, prob_dtype=None
     probs = pb["probs"][lo:hi].to(pdt).requires_grad_()
     idx = pb["idx"][lo:hi]
     out = ring_moe(
-        x, w13, w2, idx, probs, group=group, mode=mode, transport=transport, overlap=overlap
+        x,
+        w13,
+        w2,
+        idx,
+        probs,
+        group=group,
+        mode=mode,
+        transport=transport,
+        overlap=overlap,
+        backend=backend,
     )
     if tol is None:
         tol = 1e-11 if dtype == pdt == torch.float64 else 3e-5
@@ -203,6 +212,19 @@ def _correctness(rank, world, group):
                           dtype=torch.float64))  # fmt: skip
     for c in cases:
         _run_case(rank, world, group, **c)
+
+
+def _triton_backend(rank, world, group):
+    """The fused Triton hop kernels inside the ring (interpreter on CPU), partial expert ranges
+    sized from the pass's one read of the partition bounds; uneven tokens, an empty rank."""
+    from relaymoe.kernels import triton_available
+
+    if world not in (2, 3) or not triton_available():
+        return  # two world sizes cover the multi-hop paths; the interpreter is slow
+    tokens = [5, 0, 7][:world]
+    for mode in ("expert", "token"):
+        _run_case(rank, world, group, mode=mode, seed=11, tokens=tokens, El=2, K=2,
+                  dtype=torch.float32, backend="triton", tol=1e-4)  # fmt: skip
 
 
 def _list_forms(rank, world, group):
@@ -413,7 +435,7 @@ def _backward_disagreement(rank, world, group):
         raise AssertionError("no ValueError when only some ranks need a backward")
 
 
-SCENARIOS = [_correctness, _list_forms, _no_persistent_copy, _determinism,
+SCENARIOS = [_correctness, _triton_backend, _list_forms, _no_persistent_copy, _determinism,
              _modes_agree_and_auto, _bad_inputs, _backward_disagreement]  # fmt: skip
 
 

@@ -31,8 +31,11 @@ from relaymoe.kernels import grouped
 __all__ = ["triton_hop_forward", "triton_hop_backward"]
 
 
-def _pair_count(index, e0: int, e1: int) -> int:
-    """Rows of the range's pair buffers. Host sync unless the range is every expert."""
+def _pair_count(index, e0: int, e1: int, known: int | None = None) -> int:
+    """Rows of the range's pair buffers. Host sync unless the range is every expert or the
+    caller passed the count (``known``, e.g. a ring pass that read all its bounds at once)."""
+    if known is not None:
+        return known
     if (e0, e1) == (0, index.num_experts):
         return index.num_pairs
     start, stop = index.pair_range(e0, e1)  # host sync (buffer sizes of a partial range)
@@ -131,6 +134,8 @@ def triton_hop_forward(
     e1: int,
     out_TH: Tensor | None,
     save_act: bool,
+    *,
+    n_pairs: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Add experts ``[e0, e1)``'s pairs into ``out_TH`` (written, not added, when None).
 
@@ -143,7 +148,7 @@ def triton_hop_forward(
     if out_TH is None:
         out_TH = torch.empty_like(x_TH)
     offs = index.offsets_for(e0, e1)
-    n_pairs = _pair_count(index, e0, e1)
+    n_pairs = _pair_count(index, e0, e1, n_pairs)
     h_P2I = x_TH.new_empty(n_pairs, two_i) if save_act else None
     if n_pairs == 0 or n_local == 0 or num_tokens == 0:
         if not accumulate:
@@ -180,6 +185,7 @@ def triton_hop_backward(
     dw2: Tensor | None,
     *,
     consume_saved_h: bool = False,
+    n_pairs: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients of experts ``[e0, e1)``'s pairs, ADDED into the given buffers; a buffer passed
     as None is allocated and written (no zero fill). Returns ``(dx, dprobs, dw13, dw2)``.
@@ -197,7 +203,7 @@ def triton_hop_backward(
     dw13 = torch.empty_like(w13) if dw13 is None else dw13
     dw2 = torch.empty_like(w2) if dw2 is None else dw2
     offs = index.offsets_for(e0, e1)
-    n_pairs = _pair_count(index, e0, e1) if n_local > 0 else 0
+    n_pairs = _pair_count(index, e0, e1, n_pairs) if n_local > 0 else 0
     idx_P = index.expert_token_indices
     x_TH, dy_TH = x_TH.contiguous(), dy_TH.contiguous()
     if n_pairs == 0 or num_tokens == 0:

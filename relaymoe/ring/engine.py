@@ -143,7 +143,17 @@ def _capacity(fwd: RingPlan, bwd: RingPlan, prob: RingProblem) -> int:
 # ---------------------------------------------------------------------------------------------
 # expert mode
 # ---------------------------------------------------------------------------------------------
-def _expert_forward(prob, group, backend, overlap, x, experts, probs, index, order) -> Tensor:
+def partition_pairs(index, num_local_experts: int) -> list[int]:
+    """Pairs of this rank's tokens in each expert partition, read once per call.
+
+    One host sync for the whole pass instead of one per hop (the kernels size a partial expert
+    range's buffers from its pair count); the backward reuses the list.
+    """
+    bounds = index.expert_token_offsets[::num_local_experts].tolist()  # host sync, once per call
+    return [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+def _expert_forward(prob, group, backend, overlap, x, experts, probs, index, order, pairs):
     El = prob.num_local_experts
     out = torch.zeros_like(x)
     T = x.shape[0]
@@ -156,6 +166,7 @@ def _expert_forward(prob, group, backend, overlap, x, experts, probs, index, ord
         expert_hop_forward(
             x, a, b, probs, index,
             expert_range=(part * El, (part + 1) * El), out_TH=out, save="none", backend=backend,
+            n_pairs=pairs[part],
         )  # fmt: skip
 
     fwd, bwd = _expert_plans(prob)
@@ -175,7 +186,7 @@ def _expert_forward(prob, group, backend, overlap, x, experts, probs, index, ord
     return out
 
 
-def _expert_backward(prob, group, backend, overlap, dy, x, experts, probs, index, order):
+def _expert_backward(prob, group, backend, overlap, dy, x, experts, probs, index, order, pairs):
     """Returns ``(dx, dprobs, dw13, dw2)``; the weight gradients' rows are in the row order the
     compute used: expert order for ``R > 1`` (slot 0 is packed in expert order), ``order`` in a
     world of one."""
@@ -193,6 +204,7 @@ def _expert_backward(prob, group, backend, overlap, dy, x, experts, probs, index
             dy, x, a, b, probs, index,
             expert_range=(part * El, (part + 1) * El), saved_h=None,
             dx_TH=dx, dprobs_TK=dprobs, dw13=trail["dw13"], dw2=trail["dw2"], backend=backend,
+            n_pairs=pairs[part],
         )  # fmt: skip
 
     _, bwd = _expert_plans(prob)
@@ -321,8 +333,11 @@ class _RingMoE(torch.autograd.Function):
             if prob.world_size == 1 and order == REVERSED:
                 ids = reverse_local_ids(idx32, prob.num_local_experts)
             index = build_routing_index(ids, prob.num_experts, validate=False)
-            out = _expert_forward(prob, group, backend, overlap, x, experts, probs, index, order)
-            ctx.index = index
+            pairs = partition_pairs(index, prob.num_local_experts)
+            out = _expert_forward(
+                prob, group, backend, overlap, x, experts, probs, index, order, pairs
+            )
+            ctx.index, ctx.pairs = index, pairs
         else:
             out = _token_forward(prob, group, backend, overlap, x, experts, probs, idx32, order)
             ctx.index = None
@@ -338,7 +353,7 @@ class _RingMoE(torch.autograd.Function):
         dy = dy.to(prob.dtype).contiguous()
         args = (prob, ctx.group, ctx.backend, ctx.overlap, dy, x, experts, probs)
         if prob.mode == "expert":
-            dx, dprobs, dw13, dw2 = _expert_backward(*args, ctx.index, order)
+            dx, dprobs, dw13, dw2 = _expert_backward(*args, ctx.index, order, ctx.pairs)
             rows = order if prob.world_size == 1 else FORWARD
         else:
             dx, dprobs, dw13, dw2 = _token_backward(*args, idx32, order)
