@@ -1,10 +1,11 @@
 """Input validation that every rank agrees on before any P2P (so nothing hangs).
 
 Each rank checks its own inputs without raising, writes a row of integers (error code, sizes,
-dtypes, device, requested mode/transport, host) into an ``(R, F)`` matrix and one all-reduce
-(sum) gives every rank every row. Every rank then applies the same checks to the same matrix
-and raises the same ``ValueError``, or returns the same :class:`RingProblem`: the sizes of all
-partitions, the resolved mode and transport.
+dtypes, device, requested mode/transport, host, then its pair count per expert owner) into an
+``(R, F + R)`` matrix and one all-reduce (sum) gives every rank every row. Every rank then applies
+the same checks to the same matrix and raises the same ``ValueError``, or returns the same
+:class:`RingProblem`: the sizes of all partitions and their pair counts (so no hop syncs with the
+host to size its buffers), the resolved mode and transport.
 """
 
 from __future__ import annotations
@@ -75,6 +76,9 @@ class RingProblem:
     mode: str  # "expert" | "token"
     transport: str  # "nccl" | "copy_engine" | "local"
     needs_grad: bool
+    # pairs[r][q]: pairs of rank r's tokens whose expert rank q owns. Read in the same all-reduce
+    # as the sizes, so a hop knows its pair count without a host sync of its own.
+    pairs: tuple[tuple[int, ...], ...]
 
     @property
     def num_experts(self) -> int:
@@ -183,6 +187,14 @@ def _local_check(x, w13, w2, topk_idx, topk_probs, mode, transport, world) -> tu
     return 0, ""
 
 
+def _pairs_per_owner(topk_idx: Tensor, num_local_experts: int, world: int) -> Tensor:
+    """(R,) int64 on topk_idx's device: this rank's pairs per expert owner (no host sync;
+    ``bincount`` would sync to size its output)."""
+    owner = topk_idx.reshape(-1).to(torch.int64) // num_local_experts
+    counts = torch.zeros(world, dtype=torch.int64, device=topk_idx.device)
+    return counts.index_add_(0, owner, torch.ones_like(owner))
+
+
 def _comm_device(group: dist.ProcessGroup, x) -> torch.device:
     backend = str(dist.get_backend(group)).lower()
     if "nccl" in backend and "gloo" not in backend and "cpu" not in backend:
@@ -220,13 +232,18 @@ def agree(
         row[F_GRAD] = int(needs_grad) + 1
         row[F_CE] = int(x.is_cuda and copy_engine_available()) + 1
     row[F_HOST] = _host_hash()
+    counts = _pairs_per_owner(topk_idx, row[F_EL], world) if code == 0 else None
     if group is not None and world > 1:
-        mat = torch.zeros(world, NUM_FIELDS, dtype=torch.int64, device=_comm_device(group, x))
-        mat[rank] = torch.tensor(row, dtype=torch.int64)
+        mat = torch.zeros(
+            world, NUM_FIELDS + world, dtype=torch.int64, device=_comm_device(group, x)
+        )
+        mat[rank, :NUM_FIELDS] = torch.tensor(row, dtype=torch.int64)
+        if counts is not None:
+            mat[rank, NUM_FIELDS:] = counts.to(mat.device)
         dist.all_reduce(mat, group=group)
         rows = mat.tolist()  # host sync
     else:
-        rows = [row]
+        rows = [row + (counts.tolist() if counts is not None else [0] * world)]  # host sync
 
     bad = [(r, rw[F_ERR]) for r, rw in enumerate(rows) if rw[F_ERR]]
     if bad:
@@ -318,4 +335,5 @@ def agree(
         mode=mode_res,
         transport=tr_res,
         needs_grad=needs,
+        pairs=tuple(tuple(rw[NUM_FIELDS:]) for rw in rows),
     )

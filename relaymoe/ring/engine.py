@@ -143,16 +143,6 @@ def _capacity(fwd: RingPlan, bwd: RingPlan, prob: RingProblem) -> int:
 # ---------------------------------------------------------------------------------------------
 # expert mode
 # ---------------------------------------------------------------------------------------------
-def partition_pairs(index, num_local_experts: int) -> list[int]:
-    """Pairs of this rank's tokens in each expert partition, read once per call.
-
-    One host sync for the whole pass instead of one per hop (the kernels size a partial expert
-    range's buffers from its pair count); the backward reuses the list.
-    """
-    bounds = index.expert_token_offsets[::num_local_experts].tolist()  # host sync, once per call
-    return [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
-
-
 def _expert_forward(prob, group, backend, overlap, x, experts, probs, index, order, pairs):
     El = prob.num_local_experts
     out = torch.zeros_like(x)
@@ -251,6 +241,7 @@ def _token_forward(prob, group, backend, overlap, x, experts, probs, idx32, orde
         expert_hop_forward(
             xs, w13, w2, ps, index,
             expert_range=own, out_TH=trail["out"], save="none", backend=backend,
+            n_pairs=prob.pairs[part][prob.rank],
         )  # fmt: skip
 
     fwd, bwd = _token_plans(prob)
@@ -288,7 +279,7 @@ def _token_backward(prob, group, backend, overlap, dy, x, experts, probs, idx32,
         expert_hop_backward(
             dys, xs, w13, w2, ps, index,
             expert_range=own, saved_h=None, dx_TH=trail["dx"], dprobs_TK=trail["dprobs"],
-            dw13=dw13, dw2=dw2, backend=backend,
+            dw13=dw13, dw2=dw2, backend=backend, n_pairs=prob.pairs[part][prob.rank],
         )  # fmt: skip
 
     _, bwd = _token_plans(prob)
@@ -333,7 +324,7 @@ class _RingMoE(torch.autograd.Function):
             if prob.world_size == 1 and order == REVERSED:
                 ids = reverse_local_ids(idx32, prob.num_local_experts)
             index = build_routing_index(ids, prob.num_experts, validate=False)
-            pairs = partition_pairs(index, prob.num_local_experts)
+            pairs = prob.pairs[prob.rank]  # per visiting partition, agreed without a sync
             out = _expert_forward(
                 prob, group, backend, overlap, x, experts, probs, index, order, pairs
             )
