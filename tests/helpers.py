@@ -42,3 +42,34 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     assert torch.isfinite(a).all(), "non-finite values"
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def free_port() -> int:
+    """A free TCP port on localhost for a spawned process group's rendezvous."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_spawned(target, args_of_rank, world: int, timeout: float) -> tuple[list[int], list]:
+    """Start ``target(*args_of_rank(r))`` for every rank in spawned processes under one deadline
+    for the whole world; kill what is still alive then. Returns (ranks that hung, exit codes)."""
+    import time
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=args_of_rank(r)) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return hung, [p.exitcode for p in procs]

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -19,19 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from relaymoe.reference import moe_experts_reference
+from tests.helpers import free_port, run_spawned
 
 pytestmark = pytest.mark.slow
 
 H, I = 24, 12
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -465,26 +457,15 @@ def _worker(rank, world, port, outdir):
 
 
 def _spawn(world, tmp_path, timeout=120):
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, world, port, str(tmp_path))) for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout  # one deadline for the whole world
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
+    port = free_port()
+    hung, exitcodes = run_spawned(
+        _worker, lambda r: (r, world, port, str(tmp_path)), world, timeout
+    )
     assert not hung, f"ranks {hung} hung (world {world})"
     out = {}
     for r in range(world):
         f = Path(tmp_path, f"rank{r}.json")
-        assert f.exists(), f"rank {r} died (exit code {procs[r].exitcode})"
+        assert f.exists(), f"rank {r} died (exit code {exitcodes[r]})"
         out[r] = json.loads(f.read_text())
     return out
 

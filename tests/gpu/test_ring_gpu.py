@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -21,7 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from tests.helpers import free_port, run_spawned
 
 pytestmark = [
     pytest.mark.gpu,
@@ -214,27 +213,14 @@ def _worker(rank, port, outdir):
 
 
 def test_ring_moe_two_gpus(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, port, str(tmp_path))) for r in range(2)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 240
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
+    hung, exitcodes = run_spawned(_worker, lambda r: (r, port, str(tmp_path)), 2, 240)
     assert not hung, f"ranks {hung} hung"
     failures = []
     for r in range(2):
         f = Path(tmp_path, f"rank{r}.json")
-        assert f.exists(), f"rank {r} died (exit code {procs[r].exitcode})"
+        assert f.exists(), f"rank {r} died (exit code {exitcodes[r]})"
         res = json.loads(f.read_text())
         failures += [f"rank {r} {k}:\n{v}" for k, v in res.items() if v != "ok"]
     assert not failures, "\n".join(failures)
