@@ -104,8 +104,9 @@ def pretrain_args(
         "--distributed-backend", "nccl",
     ]  # fmt: skip
     if not _have_te():
-        # Megatron's RoPE fusion is a TransformerEngine kernel: its config refuses it without TE.
-        out += ["--transformer-impl", "local", "--no-rope-fusion"]
+        # Without TE: RoPE fusion is a TE kernel, and the persistent LayerNorm (Megatron's
+        # default) is apex's; the local spec's torch norm refuses both at build time.
+        out += ["--transformer-impl", "local", "--no-rope-fusion", "--no-persist-layer-norm"]
     return out + list(extra)
 
 
