@@ -1,4 +1,4 @@
-"""The e2e/example Megatron flags build a GPT model on CPU, through Megatron's own parser and builder.
+"""The e2e Megatron flags build a GPT model on CPU, through Megatron's own parser and builder.
 
 ``relaymoe.megatron.pretrain`` and ``launch`` only run on GPUs, where a config assertion deep in
 Megatron's layer build (e.g. apex's persistent LayerNorm requested without apex) costs a device

@@ -4,9 +4,10 @@ Skipped without CUDA; run by ``scripts/gpu_suite.sh``. bf16 relative-error bound
 (CONTRIBUTING.md); outputs poisoned (NaN) where the kernels write them.
 
 Autotuning compiles and times every config of every kernel per shape key (device run 3: the whole
-file autotuned took over 110 s), so only the qwen3 layer (CASES[0]) runs autotuned, the path the benchmark takes, where tuning hazards (kernels that write in place
-re-run per config) show; the other tests pin each kernel's first config (``RELAYMOE_AUTOTUNE=0``):
-correctness does not depend on the config.
+file autotuned took over 110 s), so only the qwen3 layer (CASES[0]) runs autotuned, the path the
+benchmark takes, where tuning hazards (kernels that write in place re-run per config) show; the
+other tests pin each kernel's first config (``RELAYMOE_AUTOTUNE=0``): correctness does not depend
+on the config.
 """
 
 from __future__ import annotations
