@@ -5,7 +5,8 @@ Megatron's layer build (e.g. apex's persistent LayerNorm requested without apex)
 call to find. This replays the part before training on CPU: parse + validate the flags that
 ``relaymoe.megatron.e2e.pretrain_args`` produces, turn them into Megatron's model config, and
 build the GPT model with the ring dispatcher (alltoall's dispatcher allocates CUDA tensors when
-built, so only ring builds here).
+built, so only ring builds here), run everything around the experts forward and backward in bf16,
+and draw a sample from the mock dataset the way ``pretrain`` builds it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ _SCRIPT = textwrap.dedent(
     warnings.filterwarnings("ignore")
     import torch, torch.distributed as dist
     torch.cuda.get_device_capability = lambda *a: (9, 0)  # validate_args asks for it
+    torch.cuda.current_device = lambda: "cpu"  # RoPE moves its frequencies there
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
     from relaymoe.megatron import register
     from relaymoe.megatron.e2e import pretrain_args
@@ -46,6 +48,30 @@ _SCRIPT = textwrap.dedent(
     moe = [m for m in model.modules() if isinstance(m, MoELayer)]
     assert moe and all(isinstance(m.token_dispatcher, RingDispatcher) for m in moe), moe
     print("BUILT", len(moe), type(moe[0].experts).__name__)
+    # One bf16 forward + backward of everything around the experts on CPU (the MoE layers, whose
+    # router needs CUDA, pass their input through): catches the fused kernels that only exist as
+    # CUDA extensions (masked softmax, persistent LayerNorm, ...) before a GPU run does.
+    for m in moe:
+        m.forward = lambda h, *a, **k: (h, None)
+    import contextlib
+    from megatron.core import tensor_parallel
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    model = model.to(torch.bfloat16)
+    s, b = args.seq_length, args.micro_batch_size
+    tokens = torch.randint(0, args.padded_vocab_size, (b, s))
+    pos = torch.arange(s).unsqueeze(0).expand(b, s)
+    mask = torch.tril(torch.ones(s, s, dtype=torch.bool)).logical_not().view(1, 1, s, s)
+    loss = model(tokens, pos, mask, labels=tokens).float().mean()
+    loss.backward()
+    assert torch.isfinite(loss), loss
+    print("FWD_BWD", float(loss))
+    # the mock-data path of relaymoe.megatron.pretrain (dataset config, prebuilt index helpers)
+    from relaymoe.megatron.pretrain import datasets_provider, use_prebuilt_dataset_helpers
+    use_prebuilt_dataset_helpers()
+    train, _, _ = datasets_provider([4, 0, 0])
+    sample = train[0]
+    assert sample["tokens"].numel() == s, {k: v.shape for k, v in sample.items()}
+    print("DATA", len(train))
     """
 )
 
@@ -61,4 +87,5 @@ def test_pretrain_flags_build_a_ring_gpt_on_cpu():
         timeout=240,
         env=dict(os.environ, **env),
     )
-    assert p.returncode == 0 and "BUILT 4" in p.stdout, p.stdout[-2000:] + p.stderr[-4000:]
+    done = all(mark in p.stdout for mark in ("BUILT 4", "FWD_BWD", "DATA"))
+    assert p.returncode == 0 and done, p.stdout[-2000:] + p.stderr[-4000:]

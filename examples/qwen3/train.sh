@@ -55,7 +55,8 @@ if [ -n "${SAVE_DIR:-}" ]; then
 fi
 if ! "$PY" -c "import transformer_engine" >/dev/null 2>&1; then
   echo "[relaymoe] TransformerEngine not found: using --transformer-impl local (no CP>1 there)" >&2
-  TRAIN_ARGS+=(--transformer-impl local --no-rope-fusion --no-persist-layer-norm)
+  TRAIN_ARGS+=(--transformer-impl local --no-rope-fusion --no-persist-layer-norm
+              --no-masked-softmax-fusion)
 fi
 
 export CUDA_DEVICE_MAX_CONNECTIONS=1

@@ -104,9 +104,11 @@ def pretrain_args(
         "--distributed-backend", "nccl",
     ]  # fmt: skip
     if not _have_te():
-        # Without TE: RoPE fusion is a TE kernel, and the persistent LayerNorm (Megatron's
-        # default) is apex's; the local spec's torch norm refuses both at build time.
-        out += ["--transformer-impl", "local", "--no-rope-fusion", "--no-persist-layer-norm"]
+        # Without TE: RoPE fusion is a TE kernel, the persistent LayerNorm (Megatron's default)
+        # is apex's, and the fused masked softmax of the local attention is a CUDA extension
+        # that the megatron-core wheel does not ship.
+        out += ["--transformer-impl", "local", "--no-rope-fusion", "--no-persist-layer-norm",
+                "--no-masked-softmax-fusion"]  # fmt: skip
     return out + list(extra)
 
 

@@ -122,7 +122,8 @@ def test_ranges_sum_to_full_and_are_deterministic(monkeypatch):
 
 @pytest.mark.parametrize(
     "down_bwd,dense,chunk_mib",
-    [("fused", "triton", "512"), ("split", "triton", "512"), ("split", "auto", "1")],
+    # the v2 fused down backward last: on 2026-11-30 the file stalled at the first variant
+    [("split", "triton", "512"), ("split", "auto", "1"), ("fused", "triton", "512")],
 )
 def test_backend_switches_match_oracle(down_bwd, dense, chunk_mib, monkeypatch):
     """Each dispatch variant (fused/split down backward, Triton/torch._grouped_mm dense GEMMs,
