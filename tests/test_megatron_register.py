@@ -341,3 +341,29 @@ def test_pretrain_uses_the_wheels_prebuilt_dataset_helpers(mcore, monkeypatch):
     assert use_prebuilt_dataset_helpers() is True
     ds_utils.compile_helpers()  # what megatron.training.initialize calls on rank 0
     assert use_prebuilt_dataset_helpers() is True  # idempotent
+
+
+def test_launch_runs_the_script_registered(tmp_path):
+    """``python -m relaymoe.megatron.launch SCRIPT ARGS``: the script runs as ``__main__`` with its
+    own argv, its folder importable, relaymoe registered and (wheel install) no ``make`` step."""
+    import subprocess
+    import sys
+
+    (tmp_path / "sibling.py").write_text("VALUE = 7\n")
+    (tmp_path / "train.py").write_text(
+        "import sys, sibling\n"
+        "from megatron.core.datasets import utils as ds_utils\n"
+        "import relaymoe.megatron as rm\n"
+        "assert __name__ == '__main__'\n"
+        "assert sys.argv[1:] == ['--moe-token-dispatcher-type', 'ring'], sys.argv\n"
+        "assert rm.is_registered(), 'not registered'\n"
+        "helpers_ok = getattr(ds_utils.compile_helpers, '__relaymoe_patched__', False)\n"
+        "print('RAN', sibling.VALUE, helpers_ok)\n"
+        "sys.exit(3)\n"
+    )
+    p = subprocess.run(
+        [sys.executable, "-m", "relaymoe.megatron.launch", str(tmp_path / "train.py"),
+         "--moe-token-dispatcher-type", "ring"],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert p.returncode == 3 and "RAN 7 True" in p.stdout, p.stdout + p.stderr[-3000:]

@@ -4,7 +4,8 @@
     relaymoe-launch PATH/TO/pretrain_gpt.py <megatron args>          # same, console script
     torchrun --nproc-per-node 8 -m relaymoe.megatron.launch pretrain_gpt.py <args>
 
-It calls ``relaymoe.megatron.register()`` and then runs the script as ``__main__`` (``runpy``),
+It calls ``relaymoe.megatron.register()`` (and, with the megatron-core wheel, uses its prebuilt
+dataset helpers instead of ``make``) and then runs the script as ``__main__`` (``runpy``),
 with ``sys.argv`` as if the script had been started directly and the script's folder first on
 ``sys.path`` (so ``pretrain_gpt.py`` finds its sibling modules such as ``gpt_builders``).
 Nothing of the script is copied or modified.
@@ -32,8 +33,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"relaymoe-launch: no such training script: {script!r}\n{USAGE}", file=sys.stderr)
         return 2
     from relaymoe.megatron import register
+    from relaymoe.megatron.pretrain import use_prebuilt_dataset_helpers
 
     register()
+    # Megatron-LM's script runs `make` for the dataset helpers on rank 0; against the pip wheel
+    # (no Makefile, helpers prebuilt) that fails and exits. A no-op with a source checkout.
+    use_prebuilt_dataset_helpers()
     script = os.path.abspath(script)
     sys.argv = [script, *argv[1:]]
     sys.path.insert(0, os.path.dirname(script))
