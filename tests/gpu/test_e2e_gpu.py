@@ -114,3 +114,4 @@ def test_launch_runs_megatron_lm_pretrain_gpt():
     )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     assert "iteration" in p.stdout and "lm loss" in p.stdout, p.stdout[-3000:]
+    print(*[ln for ln in p.stdout.splitlines() if "lm loss" in ln][-3:], sep="\n")  # for the log
