@@ -5,7 +5,8 @@
 Two ``torchrun -m relaymoe.megatron.pretrain`` jobs on mock data from the same seed (see
 ``relaymoe/megatron/e2e.py``), one per dispatcher, in this one invocation. Prints the loss
 curves' max |difference|, tokens/s (median over steps after 5 warm-up steps, global tokens per
-step / step time) and peak memory (``max_memory_allocated`` on the reporting rank), and appends
+step / step time) and peak memory (``max_memory_allocated`` per step on the reporting rank: the
+largest after 5 warm-up steps, and the warm-up steps' own), and appends
 rows ``bench: e2e`` (providers ``relaymoe_ring``, ``mcore_alltoall``) to
 ``benchmarks/results/e2e.jsonl``. Must finish in < 3 minutes on 2 GPUs.
 """
@@ -59,6 +60,7 @@ def main() -> int:
                 "steps": len(r.steps),
                 "tokens_per_s": r.tokens_per_s(),
                 "peak_MiB": r.peak_mib(),
+                "warmup_peak_MiB": r.warmup_peak_mib(),
                 "first_loss": r.losses[0] if r.steps else None,
                 "final_loss": r.losses[-1] if r.steps else None,
                 "losses": r.losses,

@@ -72,27 +72,21 @@ def test_up_swiglu_and_rows_gemm(case, cfg):
 
 
 @pytest.mark.parametrize("cfg", [CFG_A, CFG_B])
-def test_down_backward_and_wgrads(cfg):
+def test_wgrads(cfg):
     s = _setup(31, 20, 24, 6, 2, "empty", 1, 6, seed=1)  # last expert (local 4) gets no pair
     c = s["cast"]
-    n, ffn = s["n"], s["w2"].shape[2]
+    ffn = s["w2"].shape[2]
     dy = torch.randn_like(s["x"])
     prob_P = s["probs"].reshape(-1)[s["pair"]].float()
     h_ref = _h_ref(s)
     idx_P = s["index"].expert_token_indices
-    dh = torch.full((n, 2 * ffn), float("nan"))
-    a = torch.full((n, ffn), float("nan"))
-    part = torch.zeros(grouped.down_backward_max_n_tiles(ffn, cfg), n)
-    grouped.down_backward(c(dy), c(s["w2"]), idx_P, s["offs"], prob_P, c(h_ref), dh, a, part,
-                          config=cfg)  # fmt: skip
     gate, up = h_ref[:, :ffn], h_ref[:, ffn:]
     g = torch.einsum("nh,nhi->ni", dy[s["tok"]], s["w2"][s["expert"]])
     act = F.silu(gate) * up
     p = prob_P.double()[:, None]
     sig = torch.sigmoid(gate)
     dh_ref = torch.cat([g * p * up * sig * (1 + gate * (1 - sig)), g * p * F.silu(gate)], 1)
-    assert rel_err(part.sum(0), (g * act).sum(1)) < F32
-    assert rel_err(dh, dh_ref) < F32 and rel_err(a, act * p) < F32
+    a, dh = c(act * p), c(dh_ref)
     # wgrads: write mode into NaN, then accumulate mode onto a base
     dw2 = torch.full(s["w2"].shape, float("nan"))
     grouped.wgrad(c(dy), a, idx_P, s["offs"], dw2, a_gather=True, b_gather=False,
@@ -214,22 +208,7 @@ def test_moe_experts_triton_matches_oracle(case, recompute):
         assert torch.equal(got[3][-1], torch.zeros_like(got[3][-1]))
 
 
-@pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=lambda c: "-".join(map(str, c)))
-def test_fused_down_backward_path_matches_oracle(case, monkeypatch):
-    """RELAYMOE_DOWN_BWD=fused (the v2 single-kernel down backward) stays correct."""
-    monkeypatch.setenv("RELAYMOE_DOWN_BWD", "fused")
-    t, h, i, e, k, kind = case
-    gen = torch.Generator().manual_seed(sum(case[:5]) + 1)
-    x, w13, w2, idx, probs = random_problem(t, h, i, e, k, gen=gen, kind=kind)
-    g = torch.randn(t, h, generator=gen, dtype=torch.float64)
-    fn = lambda *a: moe_experts(*a, recompute="act", backend="triton")  # noqa: E731
-    got = _grads(fn, x, w13, w2, idx, probs, g, torch.float32)
-    ref = _grads(moe_experts_reference, x, w13, w2, idx, probs, g, torch.float64)
-    for name, a, b in zip(("out", "dx", "dw13", "dw2", "dprobs"), got, ref, strict=True):
-        assert rel_err(a, b) < F32, name
-
-
-@pytest.mark.parametrize("var", ["RELAYMOE_DOWN_BWD", "RELAYMOE_DENSE_GEMM"])
+@pytest.mark.parametrize("var", ["RELAYMOE_DENSE_GEMM"])
 def test_bad_switch_values_are_refused(var, monkeypatch):
     monkeypatch.setenv(var, "fastest")
     gen = torch.Generator().manual_seed(6)

@@ -10,8 +10,9 @@ Backward: rows_gemm ``g = dy[tok] @ w2[e]`` (dy rows gathered on load, plain epi
           into the (P, I) buffer that later holds ``p*a``) -> swiglu_backward (memory-bound:
           SiLU recomputed from h, dprob as the row-wise dot of g with a, dh written over h in
           act mode, ``p*a`` over g) -> wgrad dw2 (dy gathered) -> wgrad dw13 (x gathered) ->
-          ``dh @ w13[e]`` -> combine into dx. ``RELAYMOE_DOWN_BWD=fused`` selects the v2 single
-          kernel (down_backward: the same math in the GEMM epilogue).
+          ``dh @ w13[e]`` -> combine into dx. (A single kernel with the SwiGLU backward in the
+          GEMM epilogue ran at 189 TFLOP/s, its registers spilling, and stalled the H200
+          compiler at some configs: removed on 2026-11-30.)
 Contiguous-operand GEMMs (``a @ w2[e]^T``, ``dh @ w13[e]``) use ``torch._grouped_mm`` for bf16 on
 sm90 when strides allow (``RELAYMOE_DENSE_GEMM=auto``, the default), the Triton ``rows_gemm``
 elsewhere or with ``RELAYMOE_DENSE_GEMM=triton``.
@@ -70,16 +71,6 @@ def _dense_gemm_mode() -> str:
             "Triton elsewhere), 'torch' (the same) or 'triton' (always the Triton kernel)"
         )
     return mode
-
-
-def _split_down_backward() -> bool:
-    mode = os.environ.get("RELAYMOE_DOWN_BWD", "split")
-    if mode not in ("split", "fused"):
-        raise ValueError(
-            f"RELAYMOE_DOWN_BWD={mode!r}: use 'split' (GEMM + memory-bound SwiGLU backward, "
-            "the default) or 'fused' (one kernel, SwiGLU backward in the GEMM epilogue)"
-        )
-    return mode == "split"
 
 
 def _gmm_strides_ok(t: Tensor) -> bool:
@@ -226,17 +217,10 @@ def triton_hop_backward(
             )
         h_P2I = saved_h
         dh_P2I = saved_h if consume_saved_h else torch.empty_like(saved_h)
-    if _split_down_backward():
-        # g = dy[tok] @ w2[e] into a_PI, then one memory pass turns it into p*a (dh, dprob out)
-        grouped.rows_gemm(dy_TH, w2, offs, a_PI, a_idx=idx_P)
-        dprob_P = torch.empty(n_pairs, dtype=torch.float32, device=x_TH.device)
-        grouped.swiglu_backward(h_P2I, a_PI, prob_P, dh_P2I, dprob_P)
-    else:
-        n_tiles = grouped.down_backward_max_n_tiles(ffn)
-        part_NP = torch.zeros(n_tiles, n_pairs, dtype=torch.float32, device=x_TH.device)
-        grouped.down_backward(dy_TH, w2, idx_P, offs, prob_P, h_P2I, dh_P2I, a_PI, part_NP)
-        dprob_P = part_NP.sum(0)
-        del part_NP
+    # g = dy[tok] @ w2[e] into a_PI, then one memory pass turns it into p*a (dh, dprob out)
+    grouped.rows_gemm(dy_TH, w2, offs, a_PI, a_idx=idx_P)
+    dprob_P = torch.empty(n_pairs, dtype=torch.float32, device=x_TH.device)
+    grouped.swiglu_backward(h_P2I, a_PI, prob_P, dh_P2I, dprob_P)
     vals = torch.where(live, dprob_P[q.clamp(0, n_pairs - 1)], 0.0)
     dprobs_TK.add_(vals.view_as(dprobs_TK).to(dprobs_TK.dtype))
     # dw2[e] (H, I) = sum_q dy[tok]^T (p*a)[q]

@@ -233,60 +233,6 @@ def _swiglu_bwd_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
-# backward (1, fused; RELAYMOE_DOWN_BWD=fused): da = dy[tok] @ w2[e], SwiGLU backward and dprob
-# in the epilogue
-# ---------------------------------------------------------------------------------------------
-@triton.jit
-def _down_bwd_kernel(
-    dy_ptr, w2_ptr, idx_ptr, offs_ptr, prob_ptr, h_ptr, dh_ptr, a_ptr, part_ptr,
-    n_experts, H, I, n_pairs,
-    stride_dyt, stride_we, stride_wh, stride_wi, stride_hp, stride_dhp, stride_ap,
-    IEEE: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-):  # fmt: skip
-    """g = dy[tok] @ w2[e] (unscaled); dprob partial = rowsum(g * a); da = p * g;
-    dh = [da * up * silu'(gate), da * silu(gate)]; a_scaled = p * a (for dw2).
-
-    ``dh_ptr`` may equal ``h_ptr``: each element is read and written by the same program.
-    """
-    pid = tl.program_id(0)
-    n_tiles_n = tl.cdiv(I, BLOCK_N)
-    pid_m = pid // n_tiles_n
-    pid_n = pid % n_tiles_n
-    e, row0, row_end = _expert_tile(pid_m, offs_ptr, n_experts, BLOCK_M, BLOCK_E)
-    if e >= n_experts:
-        return
-    base = tl.load(offs_ptr)
-    rows = row0 + tl.arange(0, BLOCK_M)
-    row_ok = rows < row_end
-    tok = tl.load(idx_ptr + rows, mask=row_ok, other=0).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < I
-    g = _row_gemm_loop(
-        tok, dy_ptr, stride_dyt, w2_ptr + e.to(tl.int64) * stride_we, stride_wh, stride_wi,
-        cols, col_ok, H, IEEE, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
-    )  # fmt: skip
-    lrows = tl.where(row_ok, rows - base, 0).to(tl.int64)
-    mask = row_ok[:, None] & col_ok[None, :]
-    hp = h_ptr + lrows[:, None] * stride_hp + cols[None, :]
-    gate = tl.load(hp, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(hp + I, mask=mask, other=0.0).to(tl.float32)
-    sig = tl.sigmoid(gate)
-    silu = gate * sig
-    act = silu * up
-    tl.store(part_ptr + pid_n * n_pairs + lrows, tl.sum(g * act, axis=1), mask=row_ok)
-    p = tl.load(prob_ptr + lrows, mask=row_ok, other=0.0)[:, None]
-    da = g * p
-    d_gate = da * up * sig * (1.0 + gate * (1.0 - sig))
-    d_up = da * silu
-    dhp = dh_ptr + lrows[:, None] * stride_dhp + cols[None, :]
-    tl.store(dhp, d_gate.to(dh_ptr.dtype.element_ty), mask=mask)
-    tl.store(dhp + I, d_up.to(dh_ptr.dtype.element_ty), mask=mask)
-    ap = a_ptr + lrows[:, None] * stride_ap + cols[None, :]
-    tl.store(ap, (act * p).to(a_ptr.dtype.element_ty), mask=mask)
-
-
-# ---------------------------------------------------------------------------------------------
 # backward wgrad: dW[e] = sum over the expert's pairs of A[q]^T B[q]
 # ---------------------------------------------------------------------------------------------
 @triton.jit
@@ -408,14 +354,6 @@ _ROWS_CONFIGS = [
     _cfg(128, 128, 64, 8, 4),
     _cfg(64, 128, 64, 4, 4),
 ]
-# The SwiGLU-backward epilogue keeps ~5 fp32 tiles live: 8-warp 64x128/128x64 tiles hold 32
-# elements per thread per tile (no spills); measured v2: the 64-per-thread configs ran 189 TFLOP/s.
-_DOWN_BWD_CONFIGS = [
-    _cfg(128, 128, 64, 8, 3),
-    _cfg(64, 128, 64, 8, 4),
-    _cfg(128, 64, 64, 8, 4),
-    _cfg(64, 128, 64, 4, 4),
-]
 _WGRAD_CONFIGS = [
     _cfg(128, 128, 64, 8, 3),
     _cfg(128, 128, 32, 4, 4),
@@ -440,12 +378,6 @@ _up_tuned = triton.autotune(_UP_CONFIGS, key=["H", "I", "n_experts", "SAVE_H", "
 _rows_tuned = triton.autotune(_ROWS_CONFIGS, key=["N", "K", "n_experts", "A_GATHER"])(
     triton.heuristics({"EVEN_K": _even_k("K")})(_rows_gemm_kernel)
 )
-_down_bwd_tuned = triton.autotune(
-    _DOWN_BWD_CONFIGS,
-    key=["H", "I", "n_experts"],
-    # dh may overwrite h in place, and configs of different BLOCK_N write different partial rows
-    restore_value=["h_ptr", "part_ptr"],
-)(triton.heuristics({"EVEN_K": _even_k("H")})(_down_bwd_kernel))
 _wgrad_tuned = triton.autotune(
     _WGRAD_CONFIGS,
     key=["M", "N", "A_GATHER", "B_GATHER", "ACCUMULATE"],
@@ -542,33 +474,6 @@ def swiglu_backward(h_P2I, g_PI, prob_P, dh_P2I, dprob_P, *, block_rows=None, bl
         h_P2I.stride(0), g_PI.stride(0), dh_P2I.stride(0),
         BLOCK_R=br, BLOCK_C=bc, num_warps=warps,
     )  # fmt: skip
-
-
-def down_backward(dy_TH, w2_EHI, idx_P, offs, prob_P, h_P2I, dh_P2I, a_PI, part_NP, *,
-                  config=None):  # fmt: skip
-    """See ``_down_bwd_kernel``. ``part_NP`` is (cdiv(I, BLOCK_N) or more, P) fp32; rows of tiles
-    that do not exist stay untouched, so callers pass it zero-filled with ``max_n_tiles`` rows."""
-    n_experts, hidden, ffn = w2_EHI.shape
-    n_pairs = a_PI.shape[0]
-    if n_pairs == 0 or n_experts == 0:
-        return
-    kernel, meta = _pick(_down_bwd_tuned, _down_bwd_kernel, config, hidden)
-    kernel[_row_grid(n_pairs, n_experts, ffn)](
-        dy_TH, w2_EHI, idx_P, offs, prob_P, h_P2I, dh_P2I, a_PI, part_NP,
-        n_experts, hidden, ffn, n_pairs,
-        dy_TH.stride(0), w2_EHI.stride(0), w2_EHI.stride(1), w2_EHI.stride(2),
-        h_P2I.stride(0), dh_P2I.stride(0), a_PI.stride(0),
-        IEEE=_ieee(dy_TH), BLOCK_E=_block_e(n_experts), **meta,
-    )  # fmt: skip
-
-
-def down_backward_max_n_tiles(ffn: int, config=None) -> int:
-    """Rows ``part_NP`` needs: tiles of the smallest BLOCK_N any config may pick."""
-    if config is not None or interpret_mode():
-        bn = (config or _INTERP_CFG)["BLOCK_N"]
-    else:
-        bn = min(c.kwargs["BLOCK_N"] for c in _DOWN_BWD_CONFIGS)
-    return triton.cdiv(ffn, bn)
 
 
 def wgrad(a, b, idx_P, offs, c_EMN, *, a_gather: bool, b_gather: bool, accumulate: bool,

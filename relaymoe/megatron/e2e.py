@@ -5,8 +5,8 @@
 Each dispatcher is one ``torchrun -m relaymoe.megatron.pretrain`` job on mock data (sequential,
 same machine, same seed, same flags but the dispatcher), which writes a JSON line per step
 (``--relaymoe-report``). The result: both loss curves, their max |difference|, median
-tokens/s over the steps after warm-up, and peak memory (max over the logged steps of
-``torch.cuda.max_memory_allocated`` on the reporting rank). Used by
+tokens/s over the steps after warm-up, and peak memory (``torch.cuda.max_memory_allocated``
+within each step on the reporting rank; the steady peak is the largest after warm-up). Used by
 ``examples/tiny_qwen3/train.sh``, ``benchmarks/bench_e2e.py`` and ``tests/gpu/test_e2e_gpu.py``.
 
 EP = number of GPUs (one data-parallel rank per GPU, experts split over all of them). Without
@@ -48,8 +48,14 @@ class RunResult:
         ]
         return statistics.median(vals) if vals else None
 
-    def peak_mib(self) -> float | None:
-        return max((s["peak_MiB"] for s in self.steps), default=None)
+    def peak_mib(self, warmup: int = 5) -> float | None:
+        """Largest per-step peak after ``warmup`` steps (steady training)."""
+        steps = self.steps[warmup:] or self.steps
+        return max((s["peak_MiB"] for s in steps), default=None)
+
+    def warmup_peak_mib(self, warmup: int = 5) -> float | None:
+        """Largest per-step peak of the first ``warmup`` steps (one-off transients included)."""
+        return max((s["peak_MiB"] for s in self.steps[:warmup]), default=None)
 
 
 def _have_te() -> bool:

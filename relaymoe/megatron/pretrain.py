@@ -10,7 +10,7 @@ For users without a Megatron-LM checkout: the same command-line arguments as Meg
 Megatron-LM's own script): SFT, FIM, packed sequences, multi-token prediction, ModelOpt.
 
 Extra output (rank 0, ``--relaymoe-report PATH``): one JSON line per logged iteration with the
-loss, tokens/s and peak memory, for ``examples/`` and ``benchmarks/bench_e2e.py``.
+loss, tokens/s and that step's peak memory, for ``examples/`` and ``benchmarks/bench_e2e.py``.
 """
 
 from __future__ import annotations
@@ -230,6 +230,9 @@ def _install_step_report(args) -> None:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         _REPORT["tokens"] = 0
+        # per-step peak: the first steps also hold one-off transients (Triton autotuning's
+        # benchmark buffers, NCCL/symmetric-memory setup) that steady training never sees again
+        torch.cuda.reset_peak_memory_stats()
         result = original(*a, **kw)
         torch.cuda.synchronize()
         dt = time.perf_counter() - t0
