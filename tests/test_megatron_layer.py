@@ -14,6 +14,10 @@ router gradient and the shared-expert gradients (summed over ranks, as DP would)
 fp32. Megatron's router moves its weight to CUDA in ``gating``: the tests pass a CPU-safe
 ``TopKRouter`` subclass through ``MoESubmodules.router``.
 
+At EP = 1 only (where both layers route the same tokens), router losses and expert bias too:
+aux, sequence-aux and global-aux loss, z-loss, a non-zero expert bias with a sigmoid fp32
+router; their gradients must reach the router and the input through the ring unchanged.
+
 Then checkpoint interchange: alltoall and ring layers of the same EP have identical
 ``state_dict`` and ``sharded_state_dict`` keys (and sharding metadata), and a checkpoint saved
 through Megatron's distributed checkpointing from one loads into the other.
@@ -201,6 +205,9 @@ def _init(rank: int, world: int, port: int, impl: str = "ring") -> None:
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
     )
     torch.set_num_threads(1)
+    # Megatron's router registers its expert-bias and global-aux-loss buffers on
+    # torch.cuda.current_device(): on this CPU-only worker, "the current device" is the CPU.
+    torch.cuda.current_device = lambda: "cpu"
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from megatron.core import parallel_state as ps
 
@@ -224,6 +231,8 @@ def global_weights(cfg, seed: int, *, skew: bool = False):
     if skew:  # every token prefers experts 0..K-1: the other experts (and ranks) get nothing
         w["router"][: cfg.moe_router_topk] += 50.0
         w["router"][: cfg.moe_router_topk] = w["router"][: cfg.moe_router_topk].abs()
+    if cfg.moe_router_enable_expert_bias:  # as if load balancing had already moved it
+        w["expert_bias"] = torch.randn(e, generator=g)
     if cfg.moe_shared_expert_intermediate_size:
         s = cfg.moe_shared_expert_intermediate_size
         w["sh1"] = torch.randn(2 * s, h, generator=g) / h**0.5
@@ -234,6 +243,8 @@ def global_weights(cfg, seed: int, *, skew: bool = False):
 @torch.no_grad()
 def load_weights(layer, w, first: int, count: int) -> None:
     layer.router.weight.copy_(w["router"])
+    if "expert_bias" in w:
+        layer.router.expert_bias.copy_(w["expert_bias"])
     for j, ex in enumerate(layer.experts.local_experts):
         assert j < count
         ex.linear_fc1.weight.copy_(w["fc1"][first + j])
@@ -494,9 +505,43 @@ CASES = [
 ]
 
 
+# Router losses and expert bias act on the router's own tokens: a ring rank sees its tokens, the
+# reference (one layer, the union of every rank's tokens) sees them all, so at EP > 1 the two
+# losses differ by design. At EP = 1 the tokens are the same, and these cases show that the
+# losses' gradients reach the router through the ring dispatcher exactly as through allgather.
+CASES_EP1 = [
+    dict(
+        name="aux-loss+z-loss",
+        seed=11,
+        config=dict(
+            moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.5, moe_z_loss_coeff=0.1
+        ),
+    ),
+    dict(
+        name="seq-aux-loss",
+        seed=12,
+        config=dict(moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.5),
+    ),
+    dict(
+        name="global-aux-loss",
+        seed=13,
+        config=dict(moe_router_load_balancing_type="global_aux_loss", moe_aux_loss_coeff=0.5),
+    ),
+    dict(
+        name="expert-bias+sigmoid+fp32-router",
+        seed=14,
+        config=dict(
+            moe_router_enable_expert_bias=True,
+            moe_router_score_function="sigmoid",
+            moe_router_dtype="fp32",
+        ),
+    ),
+]
+
+
 def _worker(rank, world, port, impl):
     _init(rank, world, port, impl)
-    for case in CASES:
+    for case in CASES + (CASES_EP1 if world == 1 else []):
         run_equivalence(rank, world, case)
     if impl == "standin":  # the checkpoint layout does not depend on the ring
         run_checkpoint_interchange(rank, world)
