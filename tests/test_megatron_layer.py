@@ -1,6 +1,7 @@
 """MoELayer with ``--moe-token-dispatcher-type ring`` vs Megatron's own allgather dispatcher.
 
-Each world size (EP = 1, 2, 4) is one spawned gloo job. In every rank:
+Each world size (EP = 1, 2, 4) is one spawned gloo job, plus one job at TP = 2 with sequence
+parallelism and EP = 2 (world 4). In every rank:
 
 * a ring ``MoELayer`` at EP = world (its own slice of the experts, its own tokens; uneven token
   counts across ranks), built through ``register()``'s patched ``MoELayer``;
@@ -199,7 +200,7 @@ def single_rank_pgs(rank: int, world: int):
     return pgs
 
 
-def _init(rank: int, world: int, port: int, impl: str = "ring") -> None:
+def _init(rank: int, world: int, port: int, impl: str = "ring", tp: int = 1) -> None:
     warnings.filterwarnings("ignore")
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
@@ -211,7 +212,12 @@ def _init(rank: int, world: int, port: int, impl: str = "ring") -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from megatron.core import parallel_state as ps
 
-    ps.initialize_model_parallel(expert_model_parallel_size=world, create_gloo_process_groups=False)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=world // tp,
+        expert_tensor_parallel_size=1,
+        create_gloo_process_groups=False,
+    )
     import relaymoe.megatron as rm
     import relaymoe.megatron.dispatcher as disp
 
@@ -322,21 +328,31 @@ def check_close(name, got, ref, tol=2e-5):
 
 
 # ------------------------------------------------------------------------------ the cases
-def run_equivalence(rank, world, case: dict) -> None:
+def run_equivalence(rank, world, case: dict, tp: int = 1) -> None:
+    """``tp > 1``: tensor parallel with sequence parallelism, EP = world / tp; each rank holds a
+    distinct sequence shard (as TP ranks do) and experts repeat over the expert-data-parallel
+    ranks, whose expert gradients DDP would sum."""
+    from megatron.core import parallel_state as ps
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     kw = dict(case.get("config", {}))
-    cfg_ring = make_config("ring", world, **kw)
-    cfg_ref = make_config("allgather", 1, **{**kw, "expert_model_parallel_size": 1})
+    ep = world // tp
+    if tp > 1:
+        kw.update(tensor_model_parallel_size=tp, sequence_parallel=True)
+    cfg_ring = make_config("ring", ep, **kw)
+    ref_kw = {k: v for k, v in kw.items() if k not in ("tensor_model_parallel_size",
+                                                        "sequence_parallel")}  # fmt: skip
+    cfg_ref = make_config("allgather", 1, **{**ref_kw, "expert_model_parallel_size": 1})
     ring = build_layer(cfg_ring, ProcessGroupCollection.use_mpu_process_groups())
     ref = build_layer(cfg_ref, single_rank_pgs(rank, world))
     from relaymoe.megatron.dispatcher import RingDispatcher
 
     assert isinstance(ring.token_dispatcher, RingDispatcher)
     assert type(ref.token_dispatcher).__name__ == "MoEAllGatherTokenDispatcher"
-    el = cfg_ring.num_moe_experts // world
+    el = cfg_ring.num_moe_experts // ep
+    ep_rank = ps.get_expert_model_parallel_rank()
     w = global_weights(cfg_ring, seed=case["seed"], skew=case.get("skew", False))
-    load_weights(ring, w, rank * el, el)
+    load_weights(ring, w, ep_rank * el, el)
     load_weights(ref, w, 0, cfg_ring.num_moe_experts)
     if case.get("layout"):
         rehome_like_ddp(ring, case["layout"])
@@ -361,13 +377,18 @@ def run_equivalence(rank, world, case: dict) -> None:
     # poison: the ring output must not alias anything we later overwrite
     (out * gs[rank]).sum().backward()
 
-    tag = f"[EP={world} rank={rank} {case['name']}]"
+    tag = f"[EP={ep} TP={tp} rank={rank} {case['name']}]"
     check_close(f"{tag} output", out, out_ref[start : start + seqs[rank]])
     check_close(f"{tag} d input", x.grad, x_ref.grad[start : start + seqs[rank]])
+    edp = ps.get_expert_data_parallel_group() if world > ep else None
     for j, ex in enumerate(ring.experts.local_experts):
-        rex = ref.experts.local_experts[rank * el + j]
-        check_close(f"{tag} d fc1[{j}]", ex.linear_fc1.weight.grad, rex.linear_fc1.weight.grad)
-        check_close(f"{tag} d fc2[{j}]", ex.linear_fc2.weight.grad, rex.linear_fc2.weight.grad)
+        rex = ref.experts.local_experts[ep_rank * el + j]
+        d1, d2 = ex.linear_fc1.weight.grad.clone(), ex.linear_fc2.weight.grad.clone()
+        if edp is not None:  # the ranks holding the same experts: DDP sums their gradients
+            dist.all_reduce(d1, group=edp)
+            dist.all_reduce(d2, group=edp)
+        check_close(f"{tag} d fc1[{j}]", d1, rex.linear_fc1.weight.grad)
+        check_close(f"{tag} d fc2[{j}]", d2, rex.linear_fc2.weight.grad)
     summed = [ring.router.weight.grad.clone()]
     ref_summed = [ref.router.weight.grad]
     if ring.shared_experts is not None:
@@ -549,6 +570,14 @@ def _worker(rank, world, port, impl):
     dist.destroy_process_group()
 
 
+def _worker_tp(rank, world, port, tp):
+    _init(rank, world, port, "ring", tp=tp)
+    for case in CASES[1:4]:  # no shared experts: theirs are TP-sharded, the reference's not
+        run_equivalence(rank, world, case, tp=tp)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_integration_with_standin_ring_and_checkpoint_interchange(world):
     """The Megatron integration itself, isolated from the ring engine by the stand-in."""
@@ -560,3 +589,10 @@ def test_integration_with_standin_ring_and_checkpoint_interchange(world):
 def test_ring_moelayer_matches_allgather(world):
     """End to end: the MoELayer with relaymoe.ring.ring_moe (mode auto) vs allgather."""
     mp.spawn(_worker, args=(world, _free_port(), "ring"), nprocs=world, join=True)
+
+
+@pytest.mark.skipif(not real_ring_available(), reason="relaymoe.ring exports no ring_moe yet")
+def test_ring_moelayer_with_tensor_and_sequence_parallel():
+    """TP = 2 with sequence parallelism and EP = 2 (world 4, expert data parallel 2): each rank
+    routes its own sequence shard through the ring; the same expert on two ranks gets the sum."""
+    mp.spawn(_worker_tp, args=(4, _free_port(), 2), nprocs=4, join=True)
