@@ -15,9 +15,11 @@ router gradient and the shared-expert gradients (summed over ranks, as DP would)
 fp32. Megatron's router moves its weight to CUDA in ``gating``: the tests pass a CPU-safe
 ``TopKRouter`` subclass through ``MoESubmodules.router``.
 
-At EP = 1 only (where both layers route the same tokens), router losses and expert bias too:
-aux, sequence-aux and global-aux loss, z-loss, a non-zero expert bias with a sigmoid fp32
-router; their gradients must reach the router and the input through the ring unchanged.
+One case runs under Megatron's MoE activation recompute (``recompute_modules=["moe"]``: the
+router and the ring replay in backward). At EP = 1 only (where both layers route the same
+tokens), router losses and expert bias too: aux, sequence-aux and global-aux loss, z-loss, a
+non-zero expert bias with a sigmoid fp32 router; their gradients must reach the router and the
+input through the ring unchanged.
 
 Then checkpoint interchange: alltoall and ring layers of the same EP have identical
 ``state_dict`` and ``sharded_state_dict`` keys (and sharding metadata), and a checkpoint saved
@@ -209,6 +211,12 @@ def _init(rank: int, world: int, port: int, impl: str = "ring", tp: int = 1) -> 
     # Megatron's router registers its expert-bias and global-aux-loss buffers on
     # torch.cuda.current_device(): on this CPU-only worker, "the current device" is the CPU.
     torch.cuda.current_device = lambda: "cpu"
+    # Megatron's activation checkpoint saves and restores the CUDA RNG with the CPU one; here
+    # there is only the CPU one (restored as usual), so the CUDA half is a no-op.
+    from megatron.core.tensor_parallel import random as tp_random
+
+    tp_random._get_cuda_rng_state = lambda *a, **k: None
+    tp_random._set_cuda_rng_state = lambda *a, **k: None
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from megatron.core import parallel_state as ps
 
@@ -348,6 +356,7 @@ def run_equivalence(rank, world, case: dict, tp: int = 1) -> None:
     from relaymoe.megatron.dispatcher import RingDispatcher
 
     assert isinstance(ring.token_dispatcher, RingDispatcher)
+    assert ring.moe_layer_recompute == ("moe" in (kw.get("recompute_modules") or []))
     assert type(ref.token_dispatcher).__name__ == "MoEAllGatherTokenDispatcher"
     el = cfg_ring.num_moe_experts // ep
     ep_rank = ps.get_expert_model_parallel_rank()
@@ -372,8 +381,8 @@ def run_equivalence(rank, world, case: dict, tp: int = 1) -> None:
     x = xs[rank].clone().requires_grad_(True)
     out, bias = ring(x)
     assert bias is None
-    if real_ring_available() and disp_is_real():
-        ring_saves_no_weight_copy(out, ring)
+    if real_ring_available() and disp_is_real() and not kw.get("recompute_modules"):
+        ring_saves_no_weight_copy(out, ring)  # (under recompute the graph holds a checkpoint)
     # poison: the ring output must not alias anything we later overwrite
     (out * gs[rank]).sum().backward()
 
@@ -511,6 +520,15 @@ CASES = [
         skew=True,
         layout="reversed",
         config=dict(moe_router_topk=2),
+    ),
+    dict(
+        name="recompute-moe+shared",  # Megatron's checkpoint replays router and ring in backward
+        seed=6,
+        config=dict(
+            recompute_granularity="selective",
+            recompute_modules=["moe"],
+            moe_shared_expert_intermediate_size=12,
+        ),
     ),
     dict(
         name="pre-softmax+group-topk+scale",
