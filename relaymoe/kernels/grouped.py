@@ -363,6 +363,11 @@ _WGRAD_CONFIGS = [
     _cfg(128, 128, 64, 8, 4),
     _cfg(128, 128, 32, 8, 5),
     _cfg(256, 128, 64, 8, 3),  # 48 KB a stage: fewer passes over the gathered operand
+    # 2026-11-30, not yet measured: a longer reduction step per iteration amortises the index
+    # load and the gathered-row address math (64 KB a stage x 3), and a wider N tile halves the
+    # passes over A (48 KB x 4). Prediction: wgrad ~390 -> ~430 TFLOP/s at qwen3 (-0.6 ms T32k).
+    _cfg(128, 128, 128, 8, 3),
+    _cfg(128, 256, 64, 8, 4),
 ]
 # Interpreter (CPU tests): small tiles so odd shapes cross tile edges.
 _INTERP_CFG = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}
