@@ -5,7 +5,7 @@
 #   bash scripts/gpu_suite.sh [--quick|--full] [--only STEP,STEP...] [OUTDIR]
 #
 # OUTDIR defaults to $OUT when set (the device machine), else benchmarks/results/<date>.
-# --quick (default) fits one 10-minute device call (~8 minutes with every step at its limit);
+# --quick (default) fits one 10-minute device call (~9 minutes, SUITE_DEADLINE);
 # --full runs the larger sweeps with longer limits: split it over calls with --only.
 # Steps: ring e2e gpu_tests_dist ablation memory_timeline (2 GPUs); gpu_tests_kernels experts
 # routing memory_model (1 GPU; two lanes with 2 GPUs); scaling_sim plots (CPU)
@@ -15,6 +15,10 @@
 # Each step runs under `timeout`; a failing step is logged and the others still run. Exit codes
 # and durations go to OUTDIR/suite_summary.json. Needs python3 with torch + triton (+ megatron-core,
 # liger-kernel for the competitors); wheels in .whl/ are installed to /tmp/site first (no network).
+# Carried into a device call (git-ignored): .whl/, .megatron_lm/ (Megatron-LM's pretrain_gpt.py,
+# gpt_builders.py, model_provider.py for the launch test), .triton_cache/ (a previous call's
+# OUTDIR/triton_cache.tar.gz, unpacked). With more than 8 result files OUTDIR also gets
+# suite.tar.gz holding all of them.
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -59,6 +63,12 @@ if [ -z "${RELAYMOE_COMMIT:-}" ]; then
   [ -z "$RELAYMOE_COMMIT" ] && [ -f "$ROOT/.relaymoe_commit" ] && RELAYMOE_COMMIT="$(cat "$ROOT/.relaymoe_commit")"
 fi
 [ -n "${RELAYMOE_COMMIT:-}" ] && export RELAYMOE_COMMIT
+# Triton's kernel cache, with autotuning results (TRITON_CACHE_AUTOTUNING): seeded from a carried
+# .triton_cache/ (a previous call's triton_cache.tar.gz unpacked there), returned beside the
+# results, so a later call on the same kind of GPU skips the compiles and tunings it already did.
+export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/relaymoe_triton_cache}" TRITON_CACHE_AUTOTUNING=1
+mkdir -p "$TRITON_CACHE_DIR"
+if [ -d "$ROOT/.triton_cache" ]; then cp -r "$ROOT/.triton_cache/." "$TRITON_CACHE_DIR/"; fi
 # A Megatron-LM checkout for the launch test (pretrain_gpt.py and its sibling modules, test only).
 if [ -z "${MEGATRON_LM_DIR:-}" ] && [ -f "$ROOT/.megatron_lm/pretrain_gpt.py" ]; then
   export MEGATRON_LM_DIR="$ROOT/.megatron_lm"
@@ -242,10 +252,13 @@ rm -f "$SUMMARY_TSV"
 log "summary: $OUTDIR/suite_summary.json"
 "$PY" -c "import json,sys; s=json.load(open(sys.argv[1])); [print(f\"    {x['step']:16s} {x['status']:8s} {x.get('rc','')!s:4s} {x['seconds']}s {x.get('reason','')}\") for x in s['steps']]; print('    failed:', s['failed'] or 'none')" "$OUTDIR/suite_summary.json"
 
+tar -czf "$OUTDIR/triton_cache.tar.gz" -C "$TRITON_CACHE_DIR" . 2>/dev/null \
+  && log "triton cache: $(du -h "$OUTDIR/triton_cache.tar.gz" | cut -f1) (unpack into .triton_cache/)"
 # The device tool returns at most 8 files: bundle everything when there are more.
-NFILES=$(find "$OUTDIR" -maxdepth 1 -type f ! -name suite.tar.gz | wc -l)
+NFILES=$(find "$OUTDIR" -maxdepth 1 -type f ! -name suite.tar.gz ! -name triton_cache.tar.gz | wc -l)
 if [ "$NFILES" -gt 8 ]; then
-  tar -czf "$OUTDIR/suite.tar.gz.tmp" -C "$OUTDIR" --exclude=suite.tar.gz --exclude=suite.tar.gz.tmp .
+  tar -czf "$OUTDIR/suite.tar.gz.tmp" -C "$OUTDIR" --exclude=suite.tar.gz --exclude=suite.tar.gz.tmp \
+    --exclude=triton_cache.tar.gz .
   mv "$OUTDIR/suite.tar.gz.tmp" "$OUTDIR/suite.tar.gz"
   log "bundled $NFILES files into suite.tar.gz ($(du -h "$OUTDIR/suite.tar.gz" | cut -f1))"
 fi
