@@ -208,7 +208,77 @@ def test_moe_experts_triton_matches_oracle(case, recompute):
         assert torch.equal(got[3][-1], torch.zeros_like(got[3][-1]))
 
 
-@pytest.mark.parametrize("var", ["RELAYMOE_DENSE_GEMM"])
+@pytest.mark.parametrize(
+    "case,chunk_mib",
+    [((41, 32, 24, 6, 2, "empty"), "512"), ((37, 24, 20, 5, 5, "skewed"), "0")],
+    ids=["empty-experts", "K=E"],
+)
+def test_wgrad_gmm_path_matches_oracle(case, chunk_mib, monkeypatch):
+    """RELAYMOE_WGRAD=gmm: weight gradients by torch._grouped_mm over the pairs (torch's CPU
+    implementation here) equal the oracle's, empty experts get exact zeros, and the Triton wgrad
+    is never called. (Several column chunks: the next test.)"""
+    monkeypatch.setenv("RELAYMOE_WGRAD", "gmm")
+    monkeypatch.setenv("RELAYMOE_PAIR_BUFFER_MIB", chunk_mib)
+
+    def no_triton_wgrad(*a, **k):
+        raise AssertionError("the Triton wgrad ran")
+
+    monkeypatch.setattr(grouped, "wgrad", no_triton_wgrad)
+    t, h, i, e, k, kind = case
+    gen = torch.Generator().manual_seed(sum(case[:5]) + 3)
+    x, w13, w2, idx, probs = random_problem(t, h, i, e, k, gen=gen, kind=kind)
+    g = torch.randn(t, h, generator=gen, dtype=torch.float64)
+    fn = lambda *a: moe_experts(*a, recompute="act", backend="triton")  # noqa: E731
+    got = _grads(fn, x, w13, w2, idx, probs, g, torch.float32)
+    ref = _grads(moe_experts_reference, x, w13, w2, idx, probs, g, torch.float64)
+    for name, a, b in zip(("out", "dx", "dw13", "dw2", "dprobs"), got, ref, strict=True):
+        assert rel_err(a, b) < F32, name
+    if kind == "empty":
+        assert torch.equal(got[2][-1], torch.zeros_like(got[2][-1]))
+        assert torch.equal(got[3][-1], torch.zeros_like(got[3][-1]))
+
+
+def test_wgrad_gmm_ranges_accumulate_and_wide_rows_chunk(monkeypatch):
+    """Ring-style use: expert ranges accumulate into shared dx/dprobs and write their own dw
+    slices; H = 512 with a 0 MiB budget gathers x and dy in two 256-column chunks. Odd widths
+    (H not a multiple of 16 bytes) fall back to the Triton kernel, still exact."""
+    monkeypatch.setenv("RELAYMOE_WGRAD", "gmm")
+    monkeypatch.setenv("RELAYMOE_PAIR_BUFFER_MIB", "0")
+    real, calls = torch._grouped_mm, []
+
+    def counted(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(torch, "_grouped_mm", counted)
+    for h, expect_gmm in ((512, True), (30, False)):
+        calls.clear()
+        gen = torch.Generator().manual_seed(h)
+        t, i, e, k = 23, 8, 6, 2
+        x, w13, w2, idx, probs = (
+            v.float() if v.is_floating_point() else v
+            for v in random_problem(t, h, i, e, k, gen=gen, kind="skewed")
+        )
+        index = build_routing_index(idx, e)
+        dy = torch.randn(t, h, generator=gen)
+        dx, dp = torch.zeros_like(x), torch.zeros_like(probs)
+        dw13, dw2 = torch.full_like(w13, float("nan")), torch.full_like(w2, float("nan"))
+        for e0, e1 in [(0, 2), (2, 2), (2, 6)]:
+            _, h_part = expert_hop_forward(x, w13[e0:e1], w2[e0:e1], probs, index,
+                                           expert_range=(e0, e1), backend="triton")  # fmt: skip
+            d = expert_hop_backward(dy, x, w13[e0:e1], w2[e0:e1], probs, index,
+                                    expert_range=(e0, e1), saved_h=h_part, dx_TH=dx,
+                                    dprobs_TK=dp, backend="triton")  # fmt: skip
+            dw13[e0:e1], dw2[e0:e1] = d[2], d[3]
+        ins = [v.double().requires_grad_() for v in (x, w13, w2, probs)]
+        moe_experts_reference(ins[0], ins[1], ins[2], idx, ins[3]).backward(dy.double())
+        got = (dx, dw13, dw2, dp)
+        for name, a, v in zip(("dx", "dw13", "dw2", "dprobs"), got, ins, strict=True):
+            assert rel_err(a, v.grad) < F32, (h, name)
+        assert bool(calls) == expect_gmm, (h, len(calls))
+
+
+@pytest.mark.parametrize("var", ["RELAYMOE_DENSE_GEMM", "RELAYMOE_WGRAD"])
 def test_bad_switch_values_are_refused(var, monkeypatch):
     monkeypatch.setenv(var, "fastest")
     gen = torch.Generator().manual_seed(6)

@@ -18,6 +18,8 @@ sm90 when strides allow (``RELAYMOE_DENSE_GEMM=auto``, the default), the Triton 
 elsewhere or with ``RELAYMOE_DENSE_GEMM=triton``.
 No (P, H) copy of x or dy is made; (P, H) outputs of the down projection and of the dgrad are
 produced in column chunks of at most ``RELAYMOE_PAIR_BUFFER_MIB`` (default 512) MiB.
+``RELAYMOE_WGRAD=gmm`` (opt-in, not yet measured on a GPU) computes the weight gradients with
+``torch._grouped_mm`` over the pairs instead, gathering x or dy in such column chunks.
 """
 
 from __future__ import annotations
@@ -102,6 +104,71 @@ def _use_torch_grouped_mm(a_PK: Tensor, b_EKN: Tensor) -> bool:
         and _gmm_strides_ok(a_PK)
         and _gmm_strides_ok(b_EKN)
     )
+
+
+def _wgrad_mode() -> str:
+    mode = os.environ.get("RELAYMOE_WGRAD", "triton")
+    if mode not in ("triton", "gmm"):
+        raise ValueError(
+            f"RELAYMOE_WGRAD={mode!r}: use 'triton' (the gathered-operand Triton kernel, the "
+            "default) or 'gmm' (gathered column chunks + torch._grouped_mm over the pairs)"
+        )
+    return mode
+
+
+def _gmm_wgrad_ok(a: Tensor, b: Tensor, c_EMN: Tensor) -> bool:
+    """Where ``RELAYMOE_WGRAD=gmm`` can run: torch's grouped GEMM exists for the device and
+    dtype (CUTLASS on sm90 for bf16; torch's CPU implementation) and every operand, chunk and
+    transpose keeps its 16-byte stride rule (M and N multiples of 16 bytes)."""
+    if not hasattr(torch, "_grouped_mm") or a.dtype != b.dtype or a.dtype != c_EMN.dtype:
+        return False
+    if a.is_cuda:
+        ok_dev = a.dtype == torch.bfloat16 and torch.cuda.get_device_capability(a.device)[0] == 9
+    else:
+        ok_dev = a.device.type == "cpu"
+    align = 16 // a.element_size()
+    _, m, n = c_EMN.shape
+    return ok_dev and m % align == 0 and n % align == 0 and a.stride(1) == 1 and b.stride(1) == 1
+
+
+def _wgrad_gmm(a, b, idx_P, offs, c_EMN, n_pairs, *, a_gather: bool, accumulate: bool) -> None:
+    """``c[e] (+)= sum_q a[row]^T b[row]`` as one K-grouped ``torch._grouped_mm`` per column
+    chunk of the gathered operand: the chunk (P, <= RELAYMOE_PAIR_BUFFER_MIB) is gathered through
+    the pair indices, never the whole (P, H), and the (El, M, chunk) result is added into ``c``.
+    Groups of zero pairs give exact zeros. No host sync (the range's rows are indexed on device).
+    """
+    ends = (offs[1:] - offs[0]).to(torch.int32)
+    rows = offs[0].to(torch.int64) + torch.arange(n_pairs, device=a.device)
+    tok = idx_P.index_select(0, rows).to(torch.int64)
+    _, m, n = c_EMN.shape
+    gathered = a if a_gather else b
+    for c0, c1 in _col_chunks(n_pairs, m if a_gather else n, a.element_size()):
+        g_PC = gathered[:, c0:c1].index_select(0, tok)  # (P, chunk): this chunk only
+        if a_gather:
+            res, dst = torch._grouped_mm(g_PC.t(), b, offs=ends), c_EMN[:, c0:c1, :]
+        else:
+            res, dst = torch._grouped_mm(a.t(), g_PC, offs=ends), c_EMN[:, :, c0:c1]
+        del g_PC
+        if accumulate:
+            dst.add_(res)
+        else:
+            dst.copy_(res)
+        del res
+
+
+def _wgrad(a, b, idx_P, offs, c_EMN, n_pairs, *, a_gather, b_gather, accumulate) -> None:
+    """Weight gradient of the range: the Triton kernel, or ``RELAYMOE_WGRAD=gmm`` where it runs."""
+    if (
+        _wgrad_mode() == "gmm"
+        and a_gather != b_gather
+        and n_pairs > 0
+        and c_EMN.shape[0] > 0
+        and _gmm_wgrad_ok(a, b, c_EMN)
+    ):
+        _wgrad_gmm(a, b, idx_P, offs, c_EMN, n_pairs, a_gather=a_gather, accumulate=accumulate)
+        return
+    grouped.wgrad(a, b, idx_P, offs, c_EMN, a_gather=a_gather, b_gather=b_gather,
+                  accumulate=accumulate)  # fmt: skip
 
 
 def _pair_rows_times_weight(a_PK: Tensor, b_EKN: Tensor, offs: Tensor) -> Tensor:
@@ -224,12 +291,12 @@ def triton_hop_backward(
     vals = torch.where(live, dprob_P[q.clamp(0, n_pairs - 1)], 0.0)
     dprobs_TK.add_(vals.view_as(dprobs_TK).to(dprobs_TK.dtype))
     # dw2[e] (H, I) = sum_q dy[tok]^T (p*a)[q]
-    grouped.wgrad(dy_TH, a_PI, idx_P, offs, dw2, a_gather=True, b_gather=False,
-                  accumulate=acc_w2)  # fmt: skip
+    _wgrad(dy_TH, a_PI, idx_P, offs, dw2, n_pairs, a_gather=True, b_gather=False,
+           accumulate=acc_w2)  # fmt: skip
     del a_PI
     # dw13[e] (2I, H) = sum_q dh[q]^T x[tok]
-    grouped.wgrad(dh_P2I, x_TH, idx_P, offs, dw13, a_gather=False, b_gather=True,
-                  accumulate=acc_w13)  # fmt: skip
+    _wgrad(dh_P2I, x_TH, idx_P, offs, dw13, n_pairs, a_gather=False, b_gather=True,
+           accumulate=acc_w13)  # fmt: skip
     for c0, c1 in _col_chunks(n_pairs, hidden, x_TH.element_size()):
         dxp_PH = _pair_rows_times_weight(dh_P2I, w13[:, :, c0:c1], offs)
         grouped.combine(dxp_PH, index.token_index_map, offs, dx_TH[:, c0:c1], index.topk,
