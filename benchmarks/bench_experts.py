@@ -4,8 +4,9 @@ Providers (one process, same inputs; routing ``softmax(randn) -> top-k``, probab
 grad, as in ``../shared/anchors``):
 - ``relaymoe`` (``recompute="act"`` and ``"fc1"``; the row's ``recompute`` key says which):
   ``moe_experts`` with the Triton backend and the default dispatch; the routing-index build is
-  inside the timed step. Variant ``relaymoe_tritongemm`` (``RELAYMOE_DENSE_GEMM=triton``: no
-  ``torch._grouped_mm``).
+  inside the timed step. Variants: ``relaymoe_wgradgmm`` (``RELAYMOE_WGRAD=gmm``: weight
+  gradients by ``torch._grouped_mm`` over gathered column chunks) and ``relaymoe_tritongemm``
+  (``RELAYMOE_DENSE_GEMM=triton``: no ``torch._grouped_mm``).
 - ``naive``: gather x into a (T*K, H) buffer, ``torch._grouped_mm`` up, SiLU*up,
   ``torch._grouped_mm`` down, probability weight, ``index_add_`` (sort inside the timed step).
 - ``liger``: ``liger_kernel.ops.fused_moe.LigerFusedMoEFunction`` when importable.
@@ -72,7 +73,7 @@ def make_inputs(num_tokens, num_experts, topk, hidden, ffn, seed=0):
 # --------------------------------------------------------------------------------------------
 # providers: fn(x, w13, w2, idx, probs) -> out (T, H)
 # --------------------------------------------------------------------------------------------
-_SWITCHES = ("RELAYMOE_DENSE_GEMM",)
+_SWITCHES = ("RELAYMOE_DENSE_GEMM", "RELAYMOE_WGRAD")
 # Two bf16 implementations of the same layer differ by ~6e-3 relative (each ~4e-3 from float64,
 # tests/gpu); beyond this something is wrong, and the run exits non-zero after writing its rows.
 AGREE_BOUND = 2e-2
@@ -196,7 +197,7 @@ def check_against_naive(inputs, fns: dict) -> dict:
 def breakdown(shape: str) -> list[dict]:
     """Each relaymoe kernel of one layer timed alone (same buffers the hop functions use)."""
     from relaymoe.kernels import grouped
-    from relaymoe.kernels.experts import _pair_positions, _probs_in_pair_order
+    from relaymoe.kernels.experts import _pair_positions, _probs_in_pair_order, _wgrad_gmm
 
     num_tokens, num_experts, topk, hidden, ffn = SHAPES[shape]
     x, w13, w2, idx, probs = (t.detach() for t in make_inputs(*SHAPES[shape]))
@@ -228,6 +229,10 @@ def breakdown(shape: str) -> list[dict]:
                                             b_gather=False, accumulate=False), pf),
         ("wgrad_dw13", lambda: grouped.wgrad(dh, x, idx_P, offs, dw13, a_gather=False,
                                              b_gather=True, accumulate=False), 2 * pf),
+        ("wgrad_dw2_gmm", lambda: _wgrad_gmm(x, a, idx_P, offs, dw2, n_pairs, a_gather=True,
+                                             accumulate=False), pf),
+        ("wgrad_dw13_gmm", lambda: _wgrad_gmm(dh, x, idx_P, offs, dw13, n_pairs,
+                                              a_gather=False, accumulate=False), 2 * pf),
         ("dgrad_rows", lambda: grouped.rows_gemm(dh, w13, offs, y), 2 * pf),
         ("dgrad_" + gmm, lambda: torch._grouped_mm(dh, w13, offs=ends), 2 * pf),
     ]  # fmt: skip
@@ -254,7 +259,7 @@ def main(argv=None) -> int:
         "--providers",
         nargs="*",
         default=None,
-        help="relaymoe_act relaymoe_fc1 relaymoe_act_tritongemm naive liger",
+        help="relaymoe_act relaymoe_fc1 relaymoe_act_wgradgmm relaymoe_act_tritongemm naive liger",
     )
     ap.add_argument("--breakdown", action="store_true", help="time each kernel at qwen3 T32k")
     args = ap.parse_args(argv)
@@ -268,13 +273,16 @@ def main(argv=None) -> int:
     providers = {
         "relaymoe_act": ("relaymoe", "act", relaymoe_fn("act")),
         "relaymoe_fc1": ("relaymoe", "fc1", relaymoe_fn("fc1")),
+        "relaymoe_act_wgradgmm": (
+            "relaymoe_wgradgmm", "act", relaymoe_fn("act", {"RELAYMOE_WGRAD": "gmm"})),
         "relaymoe_act_tritongemm": (
             "relaymoe_tritongemm", "act", relaymoe_fn("act", {"RELAYMOE_DENSE_GEMM": "triton"})),
         "naive": ("naive", None, naive_fn),
         "liger": ("liger", None, liger_fn()),
     }  # fmt: skip
     # the target's comparison (relaymoe act vs naive and liger) first, so a cut-off run keeps it
-    wanted = args.providers or ["relaymoe_act", "naive", "liger", "relaymoe_fc1"]
+    wanted = args.providers or [
+        "relaymoe_act", "naive", "liger", "relaymoe_fc1", "relaymoe_act_wgradgmm"]  # fmt: skip
     unknown = sorted(set(wanted) - set(providers))
     if unknown:
         ap.error(f"unknown providers {unknown}; choose from {sorted(providers)}")

@@ -120,12 +120,18 @@ def test_ranges_sum_to_full_and_are_deterministic(monkeypatch):
         assert rel_err(a, b) < BF16_BOUND
 
 
-@pytest.mark.parametrize("dense,chunk_mib", [("triton", "512"), ("auto", "1")])
-def test_backend_switches_match_oracle(dense, chunk_mib, monkeypatch):
+@pytest.mark.parametrize(
+    "dense,chunk_mib,wgrad",
+    [("triton", "512", "triton"), ("auto", "1", "triton"), ("auto", "512", "gmm"),
+     ("auto", "1", "gmm")],
+)  # fmt: skip
+def test_backend_switches_match_oracle(dense, chunk_mib, wgrad, monkeypatch):
     """Each dispatch variant (Triton/torch._grouped_mm dense GEMMs, column-chunked (P, H)
-    buffers: 1 MiB -> 256-column strided weight views) against float64 at the qwen3 widths, with
+    buffers: 1 MiB -> 256-column strided weight views, weight gradients by the Triton kernel or
+    by torch._grouped_mm over gathered column chunks) against float64 at the qwen3 widths, with
     pinned configs: each variant autotuned would tune new shape keys."""
     monkeypatch.setenv("RELAYMOE_AUTOTUNE", "0")
+    monkeypatch.setenv("RELAYMOE_WGRAD", wgrad)
     monkeypatch.setenv("RELAYMOE_DENSE_GEMM", dense)
     monkeypatch.setenv("RELAYMOE_PAIR_BUFFER_MIB", chunk_mib)
     case = (4096, 2048, 768, 128, 8, "skewed")
