@@ -14,10 +14,11 @@ ranks and hang a collective) and reports the slowest rank's median. Ring rows al
 timeline: per-hop compute and transfer measured without overlap, the hop time with overlap, and
 the hidden share ``(compute + transfer - hop) / transfer`` (first hops, final return excluded).
 ``--crossover`` adds expert vs token rows over T in {4k..64k} and I in {768, 2048} with the
-volume model's prediction.
+volume model's prediction; ``--seq`` ring (auto) and both all-to-alls over T (paper Fig. 9). Quick
+mode runs reduced forms of both unless ``--no-crossover`` / ``--no-seq``.
 
     torchrun --standalone --nproc-per-node 2 benchmarks/bench_ring.py [--quick] [--crossover]
-        [--out PATH.jsonl]
+        [--seq] [--only PROVIDER,...] [--out PATH.jsonl]
 """
 
 from __future__ import annotations
@@ -140,6 +141,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer providers and iterations")
     ap.add_argument("--crossover", action="store_true", help="expert/token over T and I")
     ap.add_argument("--no-crossover", action="store_true", help="skip it in --quick mode")
+    ap.add_argument("--seq", action="store_true", help="ring vs all-to-alls over T (Fig. 9)")
+    ap.add_argument("--no-seq", action="store_true", help="skip the T sweep in --quick mode")
     ap.add_argument(
         "--only",
         default="",
@@ -200,7 +203,7 @@ def main(argv=None) -> int:
 
     wanted = {p for p in args.only.split(",") if p}
 
-    def guarded(label, fn):
+    def guarded(label, fn, shape_name=None):
         if wanted and label not in wanted:
             return
         try:
@@ -208,7 +211,7 @@ def main(argv=None) -> int:
         except Exception as err:  # a failing provider must not stop the others
             if rank == 0:
                 traceback.print_exc()
-            emit(dict(provider=label, shape=shape.name, error=repr(err)[:400]))
+            emit(dict(provider=label, shape=shape_name or shape.name, error=repr(err)[:400]))
         torch.cuda.empty_cache()
 
     shape = qwen3(args.tokens)  # the issue's shape (qwen3 T32k per GPU) in quick mode too
@@ -228,9 +231,9 @@ def main(argv=None) -> int:
         name += "" if tr == "auto" else f"_{tr}"
         guarded(name, lambda m=mode, t=tr, o=ov, n=name: ring_row(shape, layer, n, m, t, o))
 
-    El = shape.E // world
+    def a2a(shape, layer):
+        El = shape.E // world
 
-    def a2a():
         def fwd():
             return _a2a_forward(layer, group, world, El)
 
@@ -249,12 +252,10 @@ def main(argv=None) -> int:
                                        / ms / 1e9, 1),
                   saved_for_bwd_MiB=saved, peak_over_inputs_MiB=peak))  # fmt: skip
 
-    guarded("a2a_same_kernel", a2a)
-
-    def mcore():
+    def mcore(shape, layer):
         mlayer = build_mcore_alltoall(shape, world)
         xm = layer.x.detach().view(shape.T // 8, 8, shape.H).requires_grad_()
-        dym = dy.view_as(xm)
+        dym = layer.dy.view_as(xm)
 
         def fwd():
             return mlayer(xm)[0]
@@ -276,7 +277,8 @@ def main(argv=None) -> int:
                   saved_for_bwd_MiB=saved, peak_over_inputs_MiB=peak,
                   note="router included; SequentialMLP experts"))  # fmt: skip
 
-    guarded("mcore_alltoall", mcore)
+    guarded("a2a_same_kernel", lambda: a2a(shape, layer))
+    guarded("mcore_alltoall", lambda: mcore(shape, layer))
     layer = x = w13 = w2 = idx = probs = dy = None  # free the main shape's tensors
     torch.cuda.empty_cache()
 
@@ -302,6 +304,21 @@ def main(argv=None) -> int:
                         s, lay, n, m, "auto", True, e))  # fmt: skip
                 del lay, xs, a, b, ids, ps
                 torch.cuda.empty_cache()
+
+    if args.seq or (args.quick and not args.no_seq):
+        # Paper Fig. 9 analog: ring (auto) and both all-to-alls over tokens per GPU at the qwen3
+        # widths (T32k is the main shape above).
+        for T in [8192, 65536] if args.quick and not args.seq else [4096, 8192, 16384, 65536]:
+            shape = qwen3(T)
+            xs, a, b, ids, ps = make_inputs(shape, rank, world)
+            lay = _Layer(xs, a, b, ids, ps, torch.randn_like(xs))
+            guarded("relaymoe_ring_auto", lambda s=shape, lay=lay: ring_row(
+                s, lay, "relaymoe_ring_auto", "auto", "auto", True, {"seq_sweep": True}),
+                shape.name)  # fmt: skip
+            guarded("a2a_same_kernel", lambda s=shape, lay=lay: a2a(s, lay), shape.name)
+            guarded("mcore_alltoall", lambda s=shape, lay=lay: mcore(s, lay), shape.name)
+            del lay, xs, a, b, ids, ps
+            torch.cuda.empty_cache()
 
     if rank == 0:
         print_table(
