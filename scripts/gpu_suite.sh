@@ -4,21 +4,22 @@
 #
 #   bash scripts/gpu_suite.sh [--quick|--full] [--only STEP,STEP...] [OUTDIR]
 #
-# OUTDIR defaults to $OUT when set (the device machine), else benchmarks/results/<date>.
+# OUTDIR defaults to benchmarks/results/<date> (on the device machine, see below).
 # --quick (default) fits one 10-minute device call (~9 minutes, SUITE_DEADLINE);
 # --full runs the larger sweeps with longer limits: split it over calls with --only.
 # Steps: ring e2e gpu_tests_dist ablation memory_timeline (2 GPUs); gpu_tests_kernels experts
 # routing memory_model (1 GPU; two lanes with 2 GPUs); scaling_sim plots (CPU)
 # EXPERTS_ARGS adds arguments to the experts step (e.g. "--shapes qwen3_30b_a3b_T64k");
 # LIMIT_<step>=SECONDS overrides a step's cap (e.g. LIMIT_experts=300); SUITE_DEADLINE=SECONDS
-# caps the whole run (quick default 540: a step that would end later gets a shorter limit).
+# caps the whole run (quick default 530: a step that would end later gets a shorter limit).
 # Each step runs under `timeout`; a failing step is logged and the others still run. Exit codes
 # and durations go to OUTDIR/suite_summary.json. Needs python3 with torch + triton (+ megatron-core,
 # liger-kernel for the competitors); wheels in .whl/ are installed to /tmp/site first (no network).
-# Carried into a device call (git-ignored): .whl/, .megatron_lm/ (Megatron-LM's pretrain_gpt.py,
-# gpt_builders.py, model_provider.py for the launch test), .triton_cache/ (a previous call's
-# OUTDIR/triton_cache.tar.gz, unpacked). With more than 8 result files OUTDIR also gets
-# suite.tar.gz holding all of them.
+# On the device machine: `bash scripts/gpu_suite.sh --quick` ($OUT set, no OUTDIR) works in
+# /tmp/relaymoe_suite and puts suite.tar.gz (every result file), suite_summary.json and
+# triton_cache.tar.gz into $OUT. Carry (git-ignored): .whl/ (megatron-core, liger-kernel wheels),
+# .megatron_lm/ (Megatron-LM's pretrain_gpt.py, gpt_builders.py, model_provider.py, for the
+# launch test), .triton_cache.tar.gz (the previous call's triton_cache.tar.gz).
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -38,7 +39,11 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-OUTDIR="${OUTDIR:-${OUT:-$ROOT/benchmarks/results/$(date +%Y-%m-%d)}}"
+HANDOFF=""  # on the device machine ($OUT set, no OUTDIR): results go to a scratch folder and
+# only suite.tar.gz, suite_summary.json and the Triton cache are copied into $OUT at the end
+# (the device tool returns at most 8 files).
+if [ -z "$OUTDIR" ] && [ -n "${OUT:-}" ]; then HANDOFF="$OUT"; OUTDIR=/tmp/relaymoe_suite; fi
+OUTDIR="${OUTDIR:-$ROOT/benchmarks/results/$(date +%Y-%m-%d)}"
 mkdir -p "$OUTDIR"
 OUTDIR="$(cd "$OUTDIR" && pwd)"
 PY="${PYTHON:-python3}"
@@ -64,11 +69,13 @@ if [ -z "${RELAYMOE_COMMIT:-}" ]; then
 fi
 [ -n "${RELAYMOE_COMMIT:-}" ] && export RELAYMOE_COMMIT
 # Triton's kernel cache, with autotuning results (TRITON_CACHE_AUTOTUNING): seeded from a carried
-# .triton_cache/ (a previous call's triton_cache.tar.gz unpacked there), returned beside the
-# results, so a later call on the same kind of GPU skips the compiles and tunings it already did.
+# .triton_cache.tar.gz (a previous call's triton_cache.tar.gz), returned with the results, so a
+# later call on the same kind of GPU skips the compiles and tunings it already did.
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/relaymoe_triton_cache}" TRITON_CACHE_AUTOTUNING=1
 mkdir -p "$TRITON_CACHE_DIR"
-if [ -d "$ROOT/.triton_cache" ]; then cp -r "$ROOT/.triton_cache/." "$TRITON_CACHE_DIR/"; fi
+if [ -f "$ROOT/.triton_cache.tar.gz" ]; then
+  tar -xzf "$ROOT/.triton_cache.tar.gz" -C "$TRITON_CACHE_DIR" || log "could not unpack the cache"
+fi
 # A Megatron-LM checkout for the launch test (pretrain_gpt.py and its sibling modules, test only).
 if [ -z "${MEGATRON_LM_DIR:-}" ] && [ -f "$ROOT/.megatron_lm/pretrain_gpt.py" ]; then
   export MEGATRON_LM_DIR="$ROOT/.megatron_lm"
@@ -94,11 +101,11 @@ if [ "$MODE" = quick ]; then
   # e2e 128, dist tests 72, ablation 19, memory_timeline 33, memory_model 66, routing 10, sim 4,
   # plots 2; kernel tests and experts (T32k, four providers) ~110 each: ~530 s with the
   # single-GPU steps in two lanes.
-  # SUITE_DEADLINE (default 540 s) shortens any cap that would run past it.
+  # SUITE_DEADLINE (default 530 s) shortens any cap that would run past it.
   declare -A LIMIT=([gpu_tests_dist]=120 [gpu_tests_kernels]=120 [routing]=25 [experts]=150
                     [ring]=150 [ablation]=45 [e2e]=170 [memory_model]=100 [memory_timeline]=45
                     [scaling_sim]=15 [plots]=20)
-  DEADLINE="${SUITE_DEADLINE:-540}"
+  DEADLINE="${SUITE_DEADLINE:-530}"
 else
   QFLAG=""
   declare -A LIMIT=([gpu_tests_dist]=400 [gpu_tests_kernels]=400 [routing]=240 [experts]=420
@@ -121,8 +128,8 @@ want() { [ -z "$ONLY" ] || [[ ",$ONLY," == *",$1,"* ]]; }
 run_step() {
   local name="$1" limit="$2"; shift 2
   want "$name" || return 0
-  if [ "$DEADLINE" -gt 0 ]; then  # keep 25 s for the CPU steps and the summary
-    local left=$(( DEADLINE - ($(date +%s) - SUITE_T0) - 25 ))
+  if [ "$DEADLINE" -gt 0 ]; then  # keep 45 s: CPU steps, summary, bundles, timeout's kill grace
+    local left=$(( DEADLINE - ($(date +%s) - SUITE_T0) - 45 ))
     case "$name" in scaling_sim|plots) left=$(( left + 25 )) ;; esac
     if [ "$left" -lt 10 ]; then skip_step "$name" "suite deadline ${DEADLINE}s reached"; return 0; fi
     [ "$left" -lt "$limit" ] && limit=$left
@@ -253,15 +260,26 @@ rm -f "$SUMMARY_TSV"
 log "summary: $OUTDIR/suite_summary.json"
 "$PY" -c "import json,sys; s=json.load(open(sys.argv[1])); [print(f\"    {x['step']:16s} {x['status']:8s} {x.get('rc','')!s:4s} {x['seconds']}s {x.get('reason','')}\") for x in s['steps']]; print('    failed:', s['failed'] or 'none')" "$OUTDIR/suite_summary.json"
 
-tar -czf "$OUTDIR/triton_cache.tar.gz" -C "$TRITON_CACHE_DIR" . 2>/dev/null \
-  && log "triton cache: $(du -h "$OUTDIR/triton_cache.tar.gz" | cut -f1) (unpack into .triton_cache/)"
 # The device tool returns at most 8 files: bundle everything when there are more.
-NFILES=$(find "$OUTDIR" -maxdepth 1 -type f ! -name suite.tar.gz ! -name triton_cache.tar.gz | wc -l)
-if [ "$NFILES" -gt 8 ]; then
-  tar -czf "$OUTDIR/suite.tar.gz.tmp" -C "$OUTDIR" --exclude=suite.tar.gz --exclude=suite.tar.gz.tmp \
-    --exclude=triton_cache.tar.gz .
+NFILES=$(find "$OUTDIR" -maxdepth 1 -type f ! -name suite.tar.gz | wc -l)
+if [ "$NFILES" -gt 8 ] || [ -n "$HANDOFF" ]; then
+  tar -czf "$OUTDIR/suite.tar.gz.tmp" -C "$OUTDIR" --exclude=suite.tar.gz --exclude=suite.tar.gz.tmp .
   mv "$OUTDIR/suite.tar.gz.tmp" "$OUTDIR/suite.tar.gz"
   log "bundled $NFILES files into suite.tar.gz ($(du -h "$OUTDIR/suite.tar.gz" | cut -f1))"
+fi
+# The Triton cache for the next call (carry it as .triton_cache.tar.gz): whole when under 12 MiB
+# (what comes back and what a carry holds are limited), else only the autotuning results.
+CACHE_TGZ=/tmp/relaymoe_triton_cache.tar.gz
+tar -czf "$CACHE_TGZ" -C "$TRITON_CACHE_DIR" . 2>/dev/null
+if [ -f "$CACHE_TGZ" ] && [ "$(stat -c %s "$CACHE_TGZ")" -gt $(( 12 * 1024 * 1024 )) ]; then
+  (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' -print0 \
+    | tar -czf "$CACHE_TGZ" --null -T -) 2>/dev/null
+fi
+[ -f "$CACHE_TGZ" ] && log "triton cache for the next call: $(du -h "$CACHE_TGZ" | cut -f1)"
+if [ -n "$HANDOFF" ]; then
+  cp "$OUTDIR/suite.tar.gz" "$OUTDIR/suite_summary.json" "$HANDOFF/"
+  [ -f "$CACHE_TGZ" ] && cp "$CACHE_TGZ" "$HANDOFF/triton_cache.tar.gz"
+  log "copied suite.tar.gz, suite_summary.json, triton_cache.tar.gz into $HANDOFF"
 fi
 log "done in $(( $(date +%s) - SUITE_T0 ))s"
 FAILED=$("$PY" -c "import json,sys; print(len(json.load(open(sys.argv[1]))['failed']))" "$OUTDIR/suite_summary.json")

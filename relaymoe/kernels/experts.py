@@ -128,7 +128,17 @@ def _gmm_wgrad_ok(a: Tensor, b: Tensor, c_EMN: Tensor) -> bool:
         ok_dev = a.device.type == "cpu"
     align = 16 // a.element_size()
     _, m, n = c_EMN.shape
-    return ok_dev and m % align == 0 and n % align == 0 and a.stride(1) == 1 and b.stride(1) == 1
+    # the contiguous operand goes to torch as is (transposed when it is ``a``): its own strides
+    # and base must pass; the gathered one is copied into fresh, aligned chunks
+    return (
+        ok_dev
+        and m % align == 0
+        and n % align == 0
+        and a.stride(1) == 1
+        and b.stride(1) == 1
+        and _gmm_strides_ok(a)
+        and _gmm_strides_ok(b)
+    )
 
 
 def _wgrad_gmm(a, b, idx_P, offs, c_EMN, n_pairs, *, a_gather: bool, accumulate: bool) -> None:
