@@ -231,51 +231,40 @@ def main(argv=None) -> int:
         name += "" if tr == "auto" else f"_{tr}"
         guarded(name, lambda m=mode, t=tr, o=ov, n=name: ring_row(shape, layer, n, m, t, o))
 
-    def a2a(shape, layer):
-        El = shape.E // world
-
-        def fwd():
-            return _a2a_forward(layer, group, world, El)
-
-        def bwd(out):
-            out.backward(layer.dy)
-            layer.clear()
-
+    def baseline_row(provider, shape, fwd, bwd, extra=None):
+        """Time and measure one all-to-all baseline's fwd+bwd and emit its row."""
         bwd(fwd())
         saved, peak = _memory(fwd, bwd)
         ms = _timed(lambda: bwd(fwd()), warmup, reps)
         with torch.no_grad():
             ms_fwd = _timed(fwd, warmup, reps)
-        emit(dict(provider="a2a_same_kernel", shape=shape.name, ms_fwd_bwd=round(ms, 3),
+        emit(dict(provider=provider, shape=shape.name, ms_fwd_bwd=round(ms, 3),
                   ms_fwd=round(ms_fwd, 3),
                   tflops_fwd_bwd=round(moe_flops_fwd_bwd(shape.T, shape.K, shape.H, shape.I)
                                        / ms / 1e9, 1),
-                  saved_for_bwd_MiB=saved, peak_over_inputs_MiB=peak))  # fmt: skip
+                  saved_for_bwd_MiB=saved, peak_over_inputs_MiB=peak, **(extra or {})))  # fmt: skip
+
+    def a2a(shape, layer):
+        El = shape.E // world
+
+        def bwd(out):
+            out.backward(layer.dy)
+            layer.clear()
+
+        baseline_row("a2a_same_kernel", shape, lambda: _a2a_forward(layer, group, world, El), bwd)
 
     def mcore(shape, layer):
         mlayer = build_mcore_alltoall(shape, world)
         xm = layer.x.detach().view(shape.T // 8, 8, shape.H).requires_grad_()
         dym = layer.dy.view_as(xm)
 
-        def fwd():
-            return mlayer(xm)[0]
-
         def bwd(out):
             out.backward(dym)
             xm.grad = None
             mlayer.zero_grad(set_to_none=True)
 
-        bwd(fwd())
-        saved, peak = _memory(fwd, bwd)
-        ms = _timed(lambda: bwd(fwd()), warmup, reps)
-        with torch.no_grad():
-            ms_fwd = _timed(fwd, warmup, reps)
-        emit(dict(provider="mcore_alltoall", shape=shape.name, ms_fwd_bwd=round(ms, 3),
-                  ms_fwd=round(ms_fwd, 3),
-                  tflops_fwd_bwd=round(moe_flops_fwd_bwd(shape.T, shape.K, shape.H, shape.I)
-                                       / ms / 1e9, 1),
-                  saved_for_bwd_MiB=saved, peak_over_inputs_MiB=peak,
-                  note="router included; SequentialMLP experts"))  # fmt: skip
+        baseline_row("mcore_alltoall", shape, lambda: mlayer(xm)[0], bwd,
+                     {"note": "router included; SequentialMLP experts"})  # fmt: skip
 
     guarded("a2a_same_kernel", lambda: a2a(shape, layer))
     guarded("mcore_alltoall", lambda: mcore(shape, layer))
