@@ -42,7 +42,10 @@ done
 HANDOFF=""  # on the device machine ($OUT set, no OUTDIR): results go to a scratch folder and
 # only suite.tar.gz, suite_summary.json and the Triton cache are copied into $OUT at the end
 # (the device tool returns at most 8 files).
-if [ -z "$OUTDIR" ] && [ -n "${OUT:-}" ]; then HANDOFF="$OUT"; OUTDIR=/tmp/relaymoe_suite; fi
+if [ -z "$OUTDIR" ] && [ -n "${OUT:-}" ]; then
+  # a fresh scratch folder: a host reused between calls once kept an older call's rows there
+  HANDOFF="$OUT"; OUTDIR=/tmp/relaymoe_suite; rm -rf "$OUTDIR"
+fi
 OUTDIR="${OUTDIR:-$ROOT/benchmarks/results/$(date +%Y-%m-%d)}"
 mkdir -p "$OUTDIR"
 OUTDIR="$(cd "$OUTDIR" && pwd)"
@@ -74,7 +77,7 @@ fi
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/relaymoe_triton_cache}" TRITON_CACHE_AUTOTUNING=1
 mkdir -p "$TRITON_CACHE_DIR"
 if [ -f "$ROOT/.triton_cache.tar.gz" ]; then
-  tar -xzf "$ROOT/.triton_cache.tar.gz" -C "$TRITON_CACHE_DIR" || log "could not unpack the cache"
+  tar -xaf "$ROOT/.triton_cache.tar.gz" -C "$TRITON_CACHE_DIR" || log "could not unpack the cache"
 fi
 # A Megatron-LM checkout for the launch test (pretrain_gpt.py and its sibling modules, test only).
 if [ -z "${MEGATRON_LM_DIR:-}" ] && [ -f "$ROOT/.megatron_lm/pretrain_gpt.py" ]; then
@@ -97,12 +100,12 @@ EOF
 
 if [ "$MODE" = quick ]; then
   QFLAG="--quick"
-  # Caps, not expectations. Measured on 2x H200 (2026-11-30): ring 79 s (before the T sweep),
-  # e2e 128, dist tests 72, ablation 19, memory_timeline 33, memory_model 66, routing 10, sim 4,
-  # plots 2; kernel tests and experts (T32k, four providers) ~110 each: ~530 s with the
-  # single-GPU steps in two lanes.
+  # Caps, not expectations. Measured on 2x H200 (2026-11-30, s3 run1, no carried cache): ring 87 s,
+  # e2e 112, ablation 17, dist tests 75, memory_timeline 29, memory_model ~66, routing 10, sim 4,
+  # plots 2; kernel tests (15, compile-bound) and experts (five providers, autotuning) over 120
+  # each without a carried Triton cache. Order: timed 2-GPU steps, timed 1-GPU lanes, untimed.
   # SUITE_DEADLINE (default 530 s) shortens any cap that would run past it.
-  declare -A LIMIT=([gpu_tests_dist]=120 [gpu_tests_kernels]=120 [routing]=25 [experts]=150
+  declare -A LIMIT=([gpu_tests_dist]=120 [gpu_tests_kernels]=120 [routing]=25 [experts]=170
                     [ring]=150 [ablation]=45 [e2e]=170 [memory_model]=100 [memory_timeline]=45
                     [scaling_sim]=15 [plots]=20)
   DEADLINE="${SUITE_DEADLINE:-530}"
@@ -200,19 +203,25 @@ lane() {  # lane GPU STEP...: the steps one after another on that GPU
 }
 
 if [ "$NGPU" -ge 2 ]; then
-  # 2-GPU steps first, most important first, so a late overrun costs the least.
+  # Timed steps alone on their GPUs, most important first, so a late overrun costs the least;
+  # then the untimed ones (correctness, memory) side by side, where sharing a GPU is harmless.
   bench ring benchmarks/bench_ring.py 2
   bench e2e benchmarks/bench_e2e.py 1  # launches its own torchrun jobs (one per dispatcher)
-  want gpu_tests_dist && gpu_tests_dist
   bench ablation benchmarks/ablation.py 2
-  if [ -f benchmarks/memory_timeline.py ]; then
-    run_step memory_timeline "${LIMIT[memory_timeline]}" torchrun --standalone \
-      --nproc-per-node 2 benchmarks/memory_timeline.py $QFLAG --out "$OUTDIR/memory_timeline.jsonl"
-  fi
-  # Single-GPU steps in two lanes, one per GPU, side by side.
-  log "single-GPU steps in two lanes (GPU 0 and GPU 1)"
-  lane 0 gpu_tests_kernels routing memory_model &
+  log "timed single-GPU steps in two lanes (GPU 0 and GPU 1)"
+  lane 0 routing memory_model &  # memory_model measures memory, not time
   lane 1 experts &
+  wait
+  log "untimed steps side by side: kernel tests on GPU 0 beside the 2-GPU tests"
+  lane 0 gpu_tests_kernels &
+  {
+    want gpu_tests_dist && gpu_tests_dist
+    if [ -f benchmarks/memory_timeline.py ]; then
+      run_step memory_timeline "${LIMIT[memory_timeline]}" torchrun --standalone \
+        --nproc-per-node 2 benchmarks/memory_timeline.py $QFLAG \
+        --out "$OUTDIR/memory_timeline.jsonl"
+    fi
+  } &
   wait
 elif [ "$NGPU" -ge 1 ]; then
   lane 0 gpu_tests_kernels experts routing memory_model
@@ -267,13 +276,22 @@ if [ "$NFILES" -gt 8 ] || [ -n "$HANDOFF" ]; then
   mv "$OUTDIR/suite.tar.gz.tmp" "$OUTDIR/suite.tar.gz"
   log "bundled $NFILES files into suite.tar.gz ($(du -h "$OUTDIR/suite.tar.gz" | cut -f1))"
 fi
-# The Triton cache for the next call (carry it as .triton_cache.tar.gz): whole when under 12 MiB
-# (what comes back and what a carry holds are limited), else only the autotuning results.
+# The Triton cache for the next call (carry it as .triton_cache.tar.gz), under what one returned
+# file may hold: whole if it fits, else relaymoe's kernels and every autotuning result, else only
+# the autotuning results (then the next call compiles, but does not re-tune).
 CACHE_TGZ=/tmp/relaymoe_triton_cache.tar.gz
-tar -czf "$CACHE_TGZ" -C "$TRITON_CACHE_DIR" . 2>/dev/null
-if [ -f "$CACHE_TGZ" ] && [ "$(stat -c %s "$CACHE_TGZ")" -gt $(( 12 * 1024 * 1024 )) ]; then
-  (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' -print0 \
-    | tar -czf "$CACHE_TGZ" --null -T -) 2>/dev/null
+CACHE_CAP=$(( 15 * 1024 * 1024 ))
+RELAYMOE_KERNELS="$(grep -h -A1 '^@triton.jit' relaymoe/kernels/*.py | sed -n 's/^def \([a-z_0-9]*\)(.*/\1/p' \
+  | paste -sd'|')"
+cache_fits() { [ -f "$CACHE_TGZ" ] && [ "$(stat -c %s "$CACHE_TGZ")" -le "$CACHE_CAP" ]; }
+export XZ_OPT="-T0"
+(cd "$TRITON_CACHE_DIR" && tar -cJf "$CACHE_TGZ" .) 2>/dev/null
+if ! cache_fits; then
+  (cd "$TRITON_CACHE_DIR" && { find . -name '*.autotune.json'; grep -l -r --include='*.json' -E \
+    -e "\"name\": \"($RELAYMOE_KERNELS)\"" . | xargs -r -n1 dirname; } | sort -u | tar -cJf "$CACHE_TGZ" -T -) 2>/dev/null
+fi
+if ! cache_fits; then
+  (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar -cJf "$CACHE_TGZ" -T -) 2>/dev/null
 fi
 [ -f "$CACHE_TGZ" ] && log "triton cache for the next call: $(du -h "$CACHE_TGZ" | cut -f1)"
 if [ -n "$HANDOFF" ]; then
