@@ -4,8 +4,9 @@ Providers (one process, same inputs; routing ``softmax(randn) -> top-k``, probab
 grad, as in ``../shared/anchors``):
 - ``relaymoe`` (``recompute="act"`` and ``"fc1"``; the row's ``recompute`` key says which):
   ``moe_experts`` with the Triton backend and the default dispatch; the routing-index build is
-  inside the timed step. Variants: ``relaymoe_wgradgmm`` (``RELAYMOE_WGRAD=gmm``: weight
-  gradients by ``torch._grouped_mm`` over gathered column chunks) and ``relaymoe_tritongemm``
+  inside the timed step. Variants: ``relaymoe_wgradtriton`` (``RELAYMOE_WGRAD=triton``: weight
+  gradients by the gathered-operand Triton kernel instead of the default ``torch._grouped_mm``
+  over gathered column chunks) and ``relaymoe_tritongemm``
   (``RELAYMOE_DENSE_GEMM=triton``: no ``torch._grouped_mm``).
 - ``naive``: gather x into a (T*K, H) buffer, ``torch._grouped_mm`` up, SiLU*up,
   ``torch._grouped_mm`` down, probability weight, ``index_add_`` (sort inside the timed step).
@@ -259,7 +260,8 @@ def main(argv=None) -> int:
         "--providers",
         nargs="*",
         default=None,
-        help="relaymoe_act relaymoe_fc1 relaymoe_act_wgradgmm relaymoe_act_tritongemm naive liger",
+        help="relaymoe_act relaymoe_fc1 relaymoe_act_wgradtriton relaymoe_act_tritongemm "
+        "naive liger",
     )
     ap.add_argument("--breakdown", action="store_true", help="time each kernel at qwen3 T32k")
     args = ap.parse_args(argv)
@@ -273,8 +275,8 @@ def main(argv=None) -> int:
     providers = {
         "relaymoe_act": ("relaymoe", "act", relaymoe_fn("act")),
         "relaymoe_fc1": ("relaymoe", "fc1", relaymoe_fn("fc1")),
-        "relaymoe_act_wgradgmm": (
-            "relaymoe_wgradgmm", "act", relaymoe_fn("act", {"RELAYMOE_WGRAD": "gmm"})),
+        "relaymoe_act_wgradtriton": (
+            "relaymoe_wgradtriton", "act", relaymoe_fn("act", {"RELAYMOE_WGRAD": "triton"})),
         "relaymoe_act_tritongemm": (
             "relaymoe_tritongemm", "act", relaymoe_fn("act", {"RELAYMOE_DENSE_GEMM": "triton"})),
         "naive": ("naive", None, naive_fn),
@@ -282,7 +284,7 @@ def main(argv=None) -> int:
     }  # fmt: skip
     # the target's comparison (relaymoe act vs naive and liger) first, so a cut-off run keeps it
     wanted = args.providers or [
-        "relaymoe_act", "naive", "liger", "relaymoe_fc1", "relaymoe_act_wgradgmm"]  # fmt: skip
+        "relaymoe_act", "naive", "liger", "relaymoe_fc1", "relaymoe_act_wgradtriton"]  # fmt: skip
     unknown = sorted(set(wanted) - set(providers))
     if unknown:
         ap.error(f"unknown providers {unknown}; choose from {sorted(providers)}")
