@@ -90,6 +90,7 @@ def main(argv=None) -> int:
     from relaymoe.sim.calibrate import (
         ANCHOR_ROWS,
         calibrate,
+        latest_rows,
         load_rows,
         summarize_errors,
         validate,
@@ -102,17 +103,20 @@ def main(argv=None) -> int:
         "--rows",
         nargs="*",
         default=[str(ROOT / "benchmarks/results/**/*.jsonl")],
-        help="measured rows (globs) to calibrate and validate against",
+        help="measured rows (globs, oldest first) to calibrate and validate against: the last "
+        "row of each measurement identity counts",
     )
     ap.add_argument("--no-anchors", action="store_true", help="do not add the mcore anchor rows")
     args = ap.parse_args(argv)
 
     out = Path(args.out).resolve()
-    rows = [
-        r
-        for r in load_rows(args.rows)
-        if r.get("bench") != "scaling_sim" and Path(r["_file"]).resolve() != out
-    ]
+    rows = latest_rows(
+        [
+            r
+            for r in load_rows(args.rows)
+            if r.get("bench") != "scaling_sim" and Path(r["_file"]).resolve() != out
+        ]
+    )
     if not args.no_anchors and not any(
         str(r.get("provider", "")).startswith("mcore") for r in rows
     ):

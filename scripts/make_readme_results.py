@@ -263,7 +263,11 @@ def routing_section(items: list[tuple[str, dict]]) -> list[str]:
 
 # Variants whose code is gone: their committed rows stay in benchmarks/results/ as history but
 # no longer describe relaymoe, so the README leaves them out.
-RETIRED = {("experts", "relaymoe_fusedbwd")}  # single-kernel down backward, removed 2026-11-30
+RETIRED = {
+    ("experts", "relaymoe_fusedbwd"),  # single-kernel down backward, removed 2026-11-30
+    # torch._grouped_mm weight gradients: the default since b43263e82f97 (rows: "relaymoe")
+    ("experts", "relaymoe_wgradgmm"),
+}
 
 
 def generate(results: Path) -> str:

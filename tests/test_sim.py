@@ -15,7 +15,14 @@ from relaymoe.sim import (
     simulate_pass,
     simulate_ring,
 )
-from relaymoe.sim.calibrate import calibrate, load_rows, scheme_of, shape_of, validate
+from relaymoe.sim.calibrate import (
+    calibrate,
+    latest_rows,
+    load_rows,
+    scheme_of,
+    shape_of,
+    validate,
+)
 
 CM = ComputeModel()
 QWEN = MoEShape("qwen3", T=32768, E=128, K=8, H=2048, I=768)
@@ -189,3 +196,11 @@ def test_row_parsing():
     )
     assert scheme_of({"provider": "relaymoe_alltoall"}) == "alltoall"
     assert scheme_of({"provider": "liger"}) is None
+
+
+def test_latest_row_of_each_measurement_counts():
+    old = {"bench": "experts", "provider": "relaymoe", "shape": "s", "recompute": "act", "ms": 2}
+    other = {**old, "recompute": "fc1", "ms": 3}
+    new = {**old, "ms": 1}
+    assert latest_rows([old, other, new]) == [other, new]
+    assert latest_rows([new, old]) == [old]  # order is the caller's: oldest first

@@ -81,6 +81,22 @@ def load_rows(patterns) -> list[dict]:
     return rows
 
 
+_IDENTITY = ("bench", "provider", "variant", "shape", "ep", "recompute", "mode", "transport",
+             "overlap", "kind")  # fmt: skip
+
+
+def latest_rows(rows: list[dict]) -> list[dict]:
+    """One row per measurement identity (bench, provider, shape, ep, mode, ...): the last one in
+    ``rows``' order. Load older results first: the model then describes the code that was
+    measured last, not a median over kernels that have since changed."""
+    latest: dict = {}
+    for r in rows:
+        ident = tuple(json.dumps(r.get(k), sort_keys=True) for k in _IDENTITY)
+        latest.pop(ident, None)
+        latest[ident] = r
+    return list(latest.values())
+
+
 def shape_of(row: dict) -> MoEShape | None:
     """The MoE shape of a row: explicit T/E/K/H/I keys, else the shape name (None if unknown)."""
     name = str(row.get("shape", ""))

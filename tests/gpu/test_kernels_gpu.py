@@ -39,13 +39,16 @@ CASES = [
 
 
 def _problem(t, h, i, e, k, kind, seed):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(t, h, generator=gen, dtype=torch.float64)
-    w13 = torch.randn(e, 2 * i, h, generator=gen, dtype=torch.float64) / h**0.5
-    w2 = torch.randn(e, h, i, generator=gen, dtype=torch.float64) / i**0.5
-    idx = random_routing(t, e, k, gen=gen, kind=kind)
-    probs = torch.rand(t, k, generator=gen, dtype=torch.float64)
-    return [v.cuda() for v in (x, w13, w2, idx, probs)]
+    # float64 values drawn on the GPU: at the qwen3 widths w13 and w2 hold 600M values, which
+    # took ~15 s per test on the host's generator (2026-11-30, the file's whole time budget)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    kw = {"generator": gen, "dtype": torch.float64, "device": "cuda"}
+    x = torch.randn(t, h, **kw)
+    w13 = torch.randn(e, 2 * i, h, **kw) / h**0.5
+    w2 = torch.randn(e, h, i, **kw) / i**0.5
+    idx = random_routing(t, e, k, gen=torch.Generator().manual_seed(seed), kind=kind).cuda()
+    probs = torch.rand(t, k, **kw)
+    return [x, w13, w2, idx, probs]
 
 
 def _run(fn, x, w13, w2, idx, probs, dy, dtype):
