@@ -202,7 +202,7 @@ def single_rank_pgs(rank: int, world: int):
     return pgs
 
 
-def _init(rank: int, world: int, port: int, impl: str = "ring", tp: int = 1) -> None:
+def _init(rank: int, world: int, port: int, impl: str = "ring", tp: int = 1, cp: int = 1) -> None:
     warnings.filterwarnings("ignore")
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
@@ -222,6 +222,7 @@ def _init(rank: int, world: int, port: int, impl: str = "ring", tp: int = 1) -> 
 
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tp,
+        context_parallel_size=cp,
         expert_model_parallel_size=world // tp,
         expert_tensor_parallel_size=1,
         create_gloo_process_groups=False,
@@ -336,10 +337,11 @@ def check_close(name, got, ref, tol=2e-5):
 
 
 # ------------------------------------------------------------------------------ the cases
-def run_equivalence(rank, world, case: dict, tp: int = 1) -> None:
+def run_equivalence(rank, world, case: dict, tp: int = 1, cp: int = 1) -> None:
     """``tp > 1``: tensor parallel with sequence parallelism, EP = world / tp; each rank holds a
     distinct sequence shard (as TP ranks do) and experts repeat over the expert-data-parallel
-    ranks, whose expert gradients DDP would sum."""
+    ranks, whose expert gradients DDP would sum. ``cp > 1``: context parallel, each rank a
+    distinct chunk of the sequence; the expert-parallel group spans the CP ranks."""
     from megatron.core import parallel_state as ps
     from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -347,9 +349,15 @@ def run_equivalence(rank, world, case: dict, tp: int = 1) -> None:
     ep = world // tp
     if tp > 1:
         kw.update(tensor_model_parallel_size=tp, sequence_parallel=True)
+    if cp > 1:
+        kw.update(context_parallel_size=cp)
+        # the ring's group really crosses the CP ranks (whose tokens differ)
+        assert ps.get_context_parallel_world_size() == cp
+        assert ps.get_expert_model_parallel_world_size() == ep == world
     cfg_ring = make_config("ring", ep, **kw)
     ref_kw = {k: v for k, v in kw.items() if k not in ("tensor_model_parallel_size",
-                                                        "sequence_parallel")}  # fmt: skip
+                                                        "sequence_parallel",
+                                                        "context_parallel_size")}  # fmt: skip
     cfg_ref = make_config("allgather", 1, **{**ref_kw, "expert_model_parallel_size": 1})
     ring = build_layer(cfg_ring, ProcessGroupCollection.use_mpu_process_groups())
     ref = build_layer(cfg_ref, single_rank_pgs(rank, world))
@@ -386,7 +394,7 @@ def run_equivalence(rank, world, case: dict, tp: int = 1) -> None:
     # poison: the ring output must not alias anything we later overwrite
     (out * gs[rank]).sum().backward()
 
-    tag = f"[EP={ep} TP={tp} rank={rank} {case['name']}]"
+    tag = f"[EP={ep} TP={tp} CP={cp} rank={rank} {case['name']}]"
     check_close(f"{tag} output", out, out_ref[start : start + seqs[rank]])
     check_close(f"{tag} d input", x.grad, x_ref.grad[start : start + seqs[rank]])
     edp = ps.get_expert_data_parallel_group() if world > ep else None
@@ -596,6 +604,14 @@ def _worker_tp(rank, world, port, tp):
     dist.destroy_process_group()
 
 
+def _worker_cp(rank, world, port, cp):
+    _init(rank, world, port, "ring", cp=cp)
+    for case in CASES[:4]:
+        run_equivalence(rank, world, case, cp=cp)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_integration_with_standin_ring_and_checkpoint_interchange(world):
     """The Megatron integration itself, isolated from the ring engine by the stand-in."""
@@ -614,3 +630,11 @@ def test_ring_moelayer_with_tensor_and_sequence_parallel():
     """TP = 2 with sequence parallelism and EP = 2 (world 4, expert data parallel 2): each rank
     routes its own sequence shard through the ring; the same expert on two ranks gets the sum."""
     mp.spawn(_worker_tp, args=(4, _free_port(), 2), nprocs=4, join=True)
+
+
+@pytest.mark.skipif(not real_ring_available(), reason="relaymoe.ring exports no ring_moe yet")
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_moelayer_with_context_parallel(world):
+    """CP = 2 (world 2: EP = 2 over the two CP ranks; world 4: DP 2 x CP 2, EP = 4): each rank
+    holds its own chunk of the sequence, and the ring serves every chunk as allgather does."""
+    mp.spawn(_worker_cp, args=(world, _free_port(), 2), nprocs=world, join=True)

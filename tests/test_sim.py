@@ -204,3 +204,21 @@ def test_latest_row_of_each_measurement_counts():
     new = {**old, "ms": 1}
     assert latest_rows([old, other, new]) == [other, new]
     assert latest_rows([new, old]) == [old]  # order is the caller's: oldest first
+
+
+def test_width_dependence_is_fitted_from_expert_rows_of_several_widths():
+    truth = ComputeModel(peak_tflops_fwd=500.0, peak_tflops_bwd=400.0, width_exp=0.1)
+    rows = []
+    for name in ("qwen3_30b_a3b_T32k", "moeblaze_conf3", "moeblaze_conf4"):
+        s = shape_of({"shape": name})
+        f = truth.seconds(s.flops_fwd(s.pairs), s.pairs, s.E, bwd=False, width=s.I)
+        b = truth.seconds(s.flops_bwd(s.pairs, recompute=False), s.pairs, s.E, bwd=True,
+                          width=s.I)  # fmt: skip
+        row = {"bench": "experts", "provider": "relaymoe", "shape": name, "ep": 1}
+        rows.append({**row, "recompute": "act", "ms_fwd": f * 1e3, "ms_fwd_bwd": (f + b) * 1e3})
+    cm, notes = calibrate(rows)
+    assert cm.width_exp == pytest.approx(0.1, abs=1e-6), notes["compute"]
+    assert cm.peak_tflops_fwd == pytest.approx(500.0, rel=1e-6)
+    assert cm.peak_tflops_bwd == pytest.approx(400.0, rel=1e-6)
+    one_width, _ = calibrate(rows[:1])
+    assert one_width.width_exp == 0.0  # a single width says nothing about the dependence

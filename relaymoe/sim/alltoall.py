@@ -58,8 +58,10 @@ def simulate_alltoall(
     a2a = alltoall_seconds(shape, cluster, row)
     perm = compute.copy_seconds(P * row)
     if experts == "fused":
-        c_f = compute.seconds(shape.flops_fwd(P), P, El, bwd=False)
-        c_b = compute.seconds(shape.flops_bwd(P, recompute=recompute), P, El, bwd=True)
+        c_f = compute.seconds(shape.flops_fwd(P), P, El, bwd=False, width=shape.I)
+        c_b = compute.seconds(
+            shape.flops_bwd(P, recompute=recompute), P, El, bwd=True, width=shape.I
+        )
     else:
         thr = (compute.seq_mlp_tflops or compute.peak_tflops_fwd) * 1e12
         per_expert = compute.seq_mlp_ms_per_expert * 1e-3 * El

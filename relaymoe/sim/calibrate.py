@@ -151,7 +151,7 @@ def calibrate(rows: list[dict], base: ComputeModel | None = None) -> tuple[Compu
     """A ComputeModel and intra-node link numbers from rows; ``notes`` say where each came from."""
     cm = base or ComputeModel()
     notes: dict = {}
-    fwd, bwd = [], []
+    fwd, bwd, widths = [], [], []
     for r in rows:
         if r.get("bench") != "experts" or r.get("provider") != "relaymoe" or _ep(r) != 1:
             continue
@@ -168,7 +168,10 @@ def calibrate(rows: list[dict], base: ComputeModel | None = None) -> tuple[Compu
             tot = s.flops_fwd(s.pairs) + s.flops_bwd(s.pairs, recompute=rec)
             fwd.append(tot / (ms * 1e-3) / eff / 1e12)
             bwd.append(fwd[-1])
-    if fwd:
+        widths.append(float(s.I))
+    if len(set(widths)) >= 2:
+        cm, notes["compute"] = _fit_width(cm, widths, fwd, bwd)
+    elif fwd:
         cm = replace(
             cm, peak_tflops_fwd=statistics.median(fwd), peak_tflops_bwd=statistics.median(bwd)
         )
@@ -197,6 +200,28 @@ def calibrate(rows: list[dict], base: ComputeModel | None = None) -> tuple[Compu
     notes["mcore"] = fit_note
     cm, notes["launch"] = fit_hop_overhead(rows, cm, notes["intra_GBps"])
     return cm, notes
+
+
+def _fit_width(cm: ComputeModel, widths, fwd, bwd) -> tuple[ComputeModel, str]:
+    """``log peak = log peak_ref + width_exp * log(I / width_ref)``, one exponent shared by the
+    forward and backward series (least squares on logs), each series its own intercept."""
+    ref = cm.width_ref
+    xs = [math.log(w / ref) for w in widths]
+    num = den = 0.0
+    for ys in (fwd, bwd):
+        ly = [math.log(y) for y in ys]
+        mx, my = statistics.fmean(xs), statistics.fmean(ly)
+        num += sum((x - mx) * (y - my) for x, y in zip(xs, ly, strict=True))
+        den += sum((x - mx) ** 2 for x in xs)
+    b = num / den if den > 0 else 0.0
+
+    def at_ref(ys):
+        return math.exp(statistics.fmean(math.log(y) - b * x for x, y in zip(xs, ys, strict=True)))
+
+    cm = replace(cm, peak_tflops_fwd=at_ref(fwd), peak_tflops_bwd=at_ref(bwd), width_exp=b)
+    note = (f"fit on {len(fwd)} relaymoe expert rows of widths {sorted(set(map(int, widths)))}: "
+            f"throughput x (I/{ref:.0f})^{b:.3f}")  # fmt: skip
+    return cm, note
 
 
 SMALL_T = 4096  # rows at or below this many tokens per GPU calibrate the per-hop overhead

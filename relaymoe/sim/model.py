@@ -143,12 +143,16 @@ class ComputeModel:
     take less than that (small T), and the host time is hidden otherwise.
     ``peak_*`` come from the measured relaymoe expert rows (``calibrate``); the default is what
     a fused-kernel grouped GEMM reaches on an H200 at qwen3 T32k (about 500 TFLOP/s) corrected
-    for ``m = 2048`` pairs per expert.
+    for ``m = 2048`` pairs per expert. They hold at the expert width ``width_ref``; wider experts
+    (longer GEMM rows, fewer tiles per byte moved) run faster by ``(I / width_ref) ** width_exp``
+    (fitted where rows of several widths were measured; 0: no width dependence).
     """
 
     peak_tflops_fwd: float = 520.0
     peak_tflops_bwd: float = 520.0
     m_half: float = 64.0
+    width_ref: float = 768.0
+    width_exp: float = 0.0
     launch_us: float = 40.0  # per hop: host time to issue it (a floor, see the docstring)
     hbm_GBps: float = 4300.0  # device copy bandwidth (anchors): permutes, in-place adds
     # Megatron's SequentialMLP runs experts one by one: per-expert overhead (fit, see calibrate).
@@ -166,10 +170,14 @@ class ComputeModel:
             return 1.0
         return pairs_per_expert / (pairs_per_expert + self.m_half)
 
-    def seconds(self, flops: float, pairs: float, experts: float, *, bwd: bool) -> float:
+    def seconds(
+        self, flops: float, pairs: float, experts: float, *, bwd: bool, width: float | None = None
+    ) -> float:
         if pairs <= 0:
             return 0.0
         peak = (self.peak_tflops_bwd if bwd else self.peak_tflops_fwd) * 1e12
+        if width and self.width_exp:
+            peak *= (width / self.width_ref) ** self.width_exp
         eff = self.efficiency(pairs / max(experts, 1.0))
         return max(self.launch_us * 1e-6, flops / (peak * eff))
 

@@ -59,9 +59,15 @@ def hop_payloads(
     El = shape.E // ep
     pairs_hop = shape.pairs / ep  # uniform routing: each visiting partition matches 1/R
     experts_hop = El
-    c_fwd = compute.seconds(shape.flops_fwd(pairs_hop), pairs_hop, experts_hop, bwd=False)
+    c_fwd = compute.seconds(
+        shape.flops_fwd(pairs_hop), pairs_hop, experts_hop, bwd=False, width=shape.I
+    )
     c_bwd = compute.seconds(
-        shape.flops_bwd(pairs_hop, recompute=recompute), pairs_hop, experts_hop, bwd=True
+        shape.flops_bwd(pairs_hop, recompute=recompute),
+        pairs_hop,
+        experts_hop,
+        bwd=True,
+        width=shape.I,
     )
     if ep == 1:  # nothing travels
         return HopPayload(0, 0, c_fwd, 0.0), HopPayload(0, 0, c_bwd, 0.0)
