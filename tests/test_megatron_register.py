@@ -377,3 +377,10 @@ def test_e2e_run_result_peaks_split_warmup_from_steady():
     assert r.peak_mib() == 310.0 and r.warmup_peak_mib() == 500.0
     short = RunResult("ring", 0, steps=[{"loss": 1.0, "peak_MiB": 42.0}])
     assert short.peak_mib() == 42.0  # fewer steps than the warm-up: all of them
+
+
+def test_pretrain_refuses_the_ep_overlap_schedule_plan_with_the_fix(mcore):
+    from relaymoe.megatron.pretrain import forward_step
+
+    with pytest.raises(NotImplementedError, match="remove that flag"):
+        forward_step(iter(()), torch.nn.Module(), return_schedule_plan=True)

@@ -147,7 +147,12 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     from megatron.core.utils import get_attr_wrapped_model
 
     if return_schedule_plan:
-        raise NotImplementedError("relaymoe.megatron.pretrain has no EP-overlap schedule plan")
+        raise NotImplementedError(
+            "relaymoe.megatron.pretrain builds no schedule plan for overlapping the expert-parallel"
+            " all-to-all with the other micro-batch (--overlap-moe-expert-parallel-comm, which the "
+            "ring dispatcher refuses anyway): remove that flag, or run Megatron-LM's own "
+            "pretrain_gpt.py through `python -m relaymoe.megatron.launch`"
+        )
     b = _get_batch(data_iterator, get_attr_wrapped_model(model, "vp_stage"))
     out = model(
         b["tokens"],
