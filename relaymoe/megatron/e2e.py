@@ -132,6 +132,7 @@ def run_dispatcher(
     import time
 
     workdir = workdir or tempfile.mkdtemp(prefix=f"relaymoe_e2e_{dispatcher}_")
+    os.makedirs(workdir, exist_ok=True)  # a caller's folder may not exist yet (it is the cwd)
     report = os.path.join(workdir, "steps.jsonl")
     if os.path.exists(report):
         os.remove(report)

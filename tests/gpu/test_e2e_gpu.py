@@ -69,7 +69,6 @@ def test_checkpoint_alltoall_resumes_with_ring():
             workdir=os.path.join(d, "a"),
         )
         assert a.returncode == 0, a.log_tail
-        os.makedirs(os.path.join(d, "r"), exist_ok=True)
         r = run_dispatcher(
             "tiny_qwen3",
             "ring",
