@@ -49,22 +49,23 @@ def _num(v) -> bool:
 
 def fig_seq_scaling(rows, out: Path) -> str | None:
     rows = [r for r in rows if r.get("bench") == "ring" and _num(r.get("ms_fwd_bwd"))]
-    series = defaultdict(dict)  # (base shape, provider) -> {T: row}
+    series = defaultdict(dict)  # (base shape, provider, EP) -> {T: row}
     for r in rows:
         T = _tokens(r)
         if T is not None and r.get("overlap", True) is not False:
-            series[(_base(str(r.get("shape"))), r["provider"])][T] = r
+            series[(_base(str(r.get("shape"))), r["provider"], int(r.get("ep") or 1))][T] = r
     series = {k: v for k, v in series.items() if len(v) >= 2}
     if not series:
         return None
     plt = _plt()
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
-    for (base, prov), pts in sorted(series.items()):
+    for (base, prov, ep), pts in sorted(series.items()):
         Ts = sorted(pts)
-        a1.plot(Ts, [pts[t]["ms_fwd_bwd"] for t in Ts], "o-", label=f"{prov} ({base})")
+        label = f"{prov} EP={ep} ({base})"
+        a1.plot(Ts, [pts[t]["ms_fwd_bwd"] for t in Ts], "o-", label=label)
         peaks = [pts[t].get("peak_over_inputs_MiB") for t in Ts]
         if all(_num(p) for p in peaks):
-            a2.plot(Ts, peaks, "o-", label=f"{prov} ({base})")
+            a2.plot(Ts, peaks, "o-", label=label)
     for a, yl in ((a1, "fwd+bwd ms"), (a2, "peak over inputs MiB")):
         a.set_xscale("log", base=2)
         a.set_xlabel("tokens per GPU")
@@ -91,22 +92,22 @@ def fig_routing_crossover(rows, out: Path) -> str | None:
     ]
     from relaymoe.sim.calibrate import shape_of
 
-    panels = defaultdict(lambda: defaultdict(dict))  # I -> provider -> T -> ms
+    panels = defaultdict(lambda: defaultdict(dict))  # (I, EP) -> provider -> T -> ms
     for r in rows:
         s = shape_of(r)
         if s is not None:
-            panels[s.I][r["provider"]][s.T] = r["ms_fwd_bwd"]
+            panels[(s.I, int(r.get("ep") or 1))][r["provider"]][s.T] = r["ms_fwd_bwd"]
     panels = {i: p for i, p in panels.items() if sum(len(v) for v in p.values()) >= 3}
     if not panels:
         return None
     plt = _plt()
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
-    for ax, (I, provs) in zip(axes[0], sorted(panels.items()), strict=True):
+    for ax, ((I, ep), provs) in zip(axes[0], sorted(panels.items()), strict=True):
         for prov, pts in sorted(provs.items()):
             Ts = sorted(pts)
             ax.plot(Ts, [pts[t] for t in Ts], "o-", label=prov.replace("relaymoe_ring_", ""))
         ax.set_xscale("log", base=2)
-        ax.set_title(f"I = {I}")
+        ax.set_title(f"I = {I}, EP = {ep}")
         ax.set_xlabel("tokens per GPU")
         ax.set_ylabel("fwd+bwd ms")
         ax.grid(alpha=0.3)

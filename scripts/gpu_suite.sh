@@ -7,7 +7,8 @@
 # OUTDIR defaults to benchmarks/results/<date> (on the device machine, see below).
 # --quick (default) fits one 10-minute device call (~9 minutes, SUITE_DEADLINE);
 # --full runs the larger sweeps with longer limits: split it over calls with --only.
-# Steps: ring e2e gpu_tests_dist ablation memory_timeline (2 GPUs); gpu_tests_kernels experts
+# Steps: ring e2e gpu_tests_dist ablation memory_timeline (2 GPUs); ring_wide (more than 2 GPUs:
+# the ring benchmark at EP = every GPU); gpu_tests_kernels experts
 # routing memory_model (1 GPU; two lanes with 2 GPUs); scaling_sim plots (CPU)
 # EXPERTS_ARGS adds arguments to the experts step (e.g. "--shapes qwen3_30b_a3b_T64k");
 # LIMIT_<step>=SECONDS overrides a step's cap (e.g. LIMIT_experts=300); SUITE_DEADLINE=SECONDS
@@ -100,21 +101,20 @@ EOF
 
 if [ "$MODE" = quick ]; then
   QFLAG="--quick"
-  # Caps, not expectations. Measured on 2x H200 (2026-11-30 s3 run3, Triton cache carried): ring
-  # 49 s, e2e 120, ablation 18, routing 12, memory_model 48, experts (T32k + conf4) 118, dist
-  # tests 75, memory_timeline 35; kernel tests cut at 120 after 13 of 15 (their float64 inputs
-  # were drawn on the host, ~15 s per qwen3-width test; now drawn on the GPU). Order: timed
-  # 2-GPU steps, timed 1-GPU lanes, untimed steps side by side. 454 s in all.
-  # SUITE_DEADLINE (default 530 s) shortens any cap that would run past it.
+  # Caps, not expectations. Measured on 2x H200 (2026-11-30 s4 run1, Triton cache carried): ring
+  # 44 s, e2e 111, ablation 17, routing 9, memory_model 43, experts (qwen3 T32k) 18, kernel
+  # tests 14, dist tests 76, memory_timeline 34; 375 s in all. Order: timed 2-GPU steps (with
+  # more than 2 GPUs, ring_wide: the ring at EP = every GPU), timed 1-GPU lanes, untimed steps
+  # side by side. SUITE_DEADLINE (default 530 s) shortens any cap that would run past it.
   declare -A LIMIT=([gpu_tests_dist]=120 [gpu_tests_kernels]=160 [routing]=25 [experts]=170
-                    [ring]=150 [ablation]=45 [e2e]=170 [memory_model]=100 [memory_timeline]=45
-                    [scaling_sim]=15 [plots]=20)
+                    [ring]=150 [ring_wide]=120 [ablation]=45 [e2e]=170 [memory_model]=100
+                    [memory_timeline]=45 [scaling_sim]=15 [plots]=20)
   DEADLINE="${SUITE_DEADLINE:-530}"
 else
   QFLAG=""
   declare -A LIMIT=([gpu_tests_dist]=400 [gpu_tests_kernels]=400 [routing]=240 [experts]=420
-                    [ring]=540 [ablation]=300 [e2e]=540 [memory_model]=300 [memory_timeline]=120
-                    [scaling_sim]=60 [plots]=60)
+                    [ring]=540 [ring_wide]=540 [ablation]=300 [e2e]=540 [memory_model]=300
+                    [memory_timeline]=120 [scaling_sim]=60 [plots]=60)
   DEADLINE="${SUITE_DEADLINE:-0}"  # 0: none (split --full over calls with --only)
 fi
 
@@ -158,13 +158,14 @@ skip_step() {  # skip_step NAME REASON
   printf '%s\t%s\t%s\t%s\n' "$1" "skipped" 0 "$2" >>"$SUMMARY_TSV"
 }
 
-# bench NAME FILE NEEDS_2GPU [extra args]
+# bench NAME FILE RANKS [extra args]: RANKS 1 (plain process), 2 or all (torchrun, a rank per GPU)
 bench() {
-  local name="$1" file="$2" two="$3"; shift 3
+  local name="$1" file="$2" ranks="$3"; shift 3
   if [ ! -f "$file" ]; then skip_step "$name" "$file not present"; return; fi
-  if [ "$two" = 2 ]; then
-    if [ "$NGPU" -lt 2 ]; then skip_step "$name" "needs 2 GPUs, found $NGPU"; return; fi
-    run_step "$name" "${LIMIT[$name]}" torchrun --standalone --nproc-per-node 2 "$file" \
+  [ "$ranks" = all ] && ranks=$NGPU
+  if [ "$ranks" -ge 2 ]; then
+    if [ "$NGPU" -lt "$ranks" ]; then skip_step "$name" "needs $ranks GPUs, found $NGPU"; return; fi
+    run_step "$name" "${LIMIT[$name]}" torchrun --standalone --nproc-per-node "$ranks" "$file" \
       $QFLAG --out "$OUTDIR/$name.jsonl" "$@"
   else
     run_step "$name" "${LIMIT[$name]}" "$PY" "$file" $QFLAG --out "$OUTDIR/$name.jsonl" "$@"
@@ -209,6 +210,9 @@ if [ "$NGPU" -ge 2 ]; then
   # Timed steps alone on their GPUs, most important first, so a late overrun costs the least;
   # then the untimed ones (correctness, memory) side by side, where sharing a GPU is harmless.
   bench ring benchmarks/bench_ring.py 2
+  # More than 2 GPUs: the ring and both all-to-alls at EP = all of them (the main shape and the
+  # T sweep), real rows beside the simulation's at that EP.
+  [ "$NGPU" -gt 2 ] && bench ring_wide benchmarks/bench_ring.py all --no-crossover
   bench e2e benchmarks/bench_e2e.py 1  # launches its own torchrun jobs (one per dispatcher)
   bench ablation benchmarks/ablation.py 2
   log "timed single-GPU steps in two lanes (GPU 0 and GPU 1)"
