@@ -209,10 +209,13 @@ lane() {  # lane GPU STEP...: the steps one after another on that GPU
 if [ "$NGPU" -ge 2 ]; then
   # Timed steps alone on their GPUs, most important first, so a late overrun costs the least;
   # then the untimed ones (correctness, memory) side by side, where sharing a GPU is harmless.
-  bench ring benchmarks/bench_ring.py 2
+  ring_sweeps=()  # --quick sweeps T and I by default; the full set asks for the full sweeps
+  [ "$MODE" = quick ] || ring_sweeps=(--seq --crossover)
+  bench ring benchmarks/bench_ring.py 2 "${ring_sweeps[@]}"
   # More than 2 GPUs: the ring and both all-to-alls at EP = all of them (the main shape and the
   # T sweep), real rows beside the simulation's at that EP.
-  [ "$NGPU" -gt 2 ] && bench ring_wide benchmarks/bench_ring.py all --no-crossover
+  [ "$NGPU" -gt 2 ] && bench ring_wide benchmarks/bench_ring.py all --no-crossover \
+    ${ring_sweeps[0]:+--seq}
   bench e2e benchmarks/bench_e2e.py 1  # launches its own torchrun jobs (one per dispatcher)
   bench ablation benchmarks/ablation.py 2
   log "timed single-GPU steps in two lanes (GPU 0 and GPU 1)"
