@@ -43,6 +43,6 @@ def ring_peak_bytes(shape: MoEShape, ep: int, mode: str = "expert") -> float:
             buffers = 2 * El * shape.expert_weight_bytes + 2 * El * 3 * H * I * shape.grad_bytes
         else:
             lead = 2 * T * H * b + T * shape.K * shape.meta_bytes_per_pair
-            trail = T * H * 4 + T * shape.K * 4
+            trail = T * H * b + T * shape.K * 4  # dx in the activations' dtype, fp32 dprobs
             buffers = 2 * lead + 2 * trail
     return _local_wgrad(shape, ep) + index + resident + hop + buffers

@@ -42,7 +42,7 @@ class MoEShape:
     H: int
     I: int
     dtype_bytes: int = 2  # bf16 activations and weights
-    grad_bytes: int = 4  # the travelling expert-gradient buffer accumulates in fp32
+    grad_bytes: int = 2  # the travelling expert gradient: the weights' dtype (ring/engine.py)
     meta_bytes_per_pair: int = 8  # int32 expert id + fp32 probability per (token, k)
 
     def __post_init__(self):

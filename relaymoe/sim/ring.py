@@ -80,8 +80,10 @@ def hop_payloads(
     else:
         meta = shape.T * shape.K * shape.meta_bytes_per_pair
         x = shape.T * shape.H * b
-        out = shape.T * shape.H * 4  # fp32 output accumulator
-        dx = shape.T * shape.H * 4 + shape.T * shape.K * 4  # fp32 dx and dprobs accumulators
+        # the trailing accumulators travel in the activations' dtype, dprobs in fp32 (as the
+        # layouts of relaymoe/ring/engine.py)
+        out = shape.T * shape.H * b
+        dx = shape.T * shape.H * b + shape.T * shape.K * 4
         fwd = HopPayload(x + meta, out, c_fwd, compute.copy_seconds(out))
         bwd = HopPayload(2 * x + meta, dx, c_bwd, compute.copy_seconds(dx))
     return fwd, bwd
