@@ -9,9 +9,10 @@ layer allocates beyond its inputs and weights. Closed forms, not a trace:
   ``a = 4`` at EP = 1 and ``5.5`` beyond, fit to the two megatron-core anchors (qwen3 T32k:
   6464 MiB at EP=1, 7486 MiB at EP=2; this model gives 6400 and 7360).
 * ring: local weight gradients, two in-flight partitions (double buffer), two travelling
-  accumulators (expert mode: fp32 weight-gradient buffers; token mode: fp32 output / dx), the
-  output and an fp32 dx accumulator, the routing index, and one hop's intermediates (the hop's
-  ``T*K/R`` pairs: recomputed h (2I), dh (2I), a (I) and the down-projection rows (H)).
+  accumulators (expert mode: weight-gradient buffers; token mode: output / dx), the output and
+  the dx accumulator, the routing index, and one hop's intermediates (the hop's ``T*K/R`` pairs:
+  recomputed h (2I), dh (2I), a (I) and the down-projection rows (H)). Accumulators are in the
+  activations' dtype, as the ring's layouts (``relaymoe/ring/engine.py``); probabilities fp32.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def ring_peak_bytes(shape: MoEShape, ep: int, mode: str = "expert") -> float:
     T, H, I = shape.T, shape.H, shape.I
     pairs_hop = shape.pairs / ep
     index = 3 * 4 * shape.pairs
-    resident = T * H * (b + 4)  # output + fp32 dx accumulator
+    resident = 2 * T * H * b  # output + dx accumulator
     hop = pairs_hop * (5 * I + H) * b
     buffers = 0.0
     if ep > 1:
