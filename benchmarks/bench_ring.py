@@ -4,17 +4,24 @@ Providers (one run, same inputs, bf16, qwen3-30b-a3b layer with T tokens per GPU
 
 * ``relaymoe_ring_<mode>[_nooverlap][_<transport>]``: ``ring_moe`` with mode expert / token /
   auto and transport nccl / copy_engine (no suffix: ``transport="auto"``);
-* ``a2a_same_kernel``: all_to_all_single of the routed token copies, relaymoe's expert kernels
-  (``moe_experts``) on the received rows, all_to_all_single back, index_add combine;
+* ``a2a_same_kernel``: ``ring_moe(mode="alltoall")``: the same fused kernels behind one
+  all-to-all of index-dispatched tokens (a token goes once to each rank owning one of its
+  experts), the partial outputs back, a deterministic gather-reduce;
 * ``mcore_alltoall``: megatron-core ``MoELayer``, alltoall dispatcher, SequentialMLP experts,
   router included (as in the anchor: 44.3 ms, 7486 MiB peak over inputs on 2x H200).
+
+Every relaymoe provider calls ``ring_moe(..., trusted=True)`` as Megatron's dispatcher does (ids
+from a router: no validation, the ranks' agreement reused per input signature). Ring rows carry
+the persistent copy-engine workspace (``symm_workspace_MiB``) and count it in
+``peak_over_inputs_MiB`` (``peak_alloc_MiB``: the caching allocator's peak alone).
 
 Timing uses a fixed number of iterations on every rank (an adaptive count could differ between
 ranks and hang a collective) and reports the slowest rank's median. Ring rows also carry the hop
 timeline: per-hop compute and transfer measured without overlap, the hop time with overlap, and
 the hidden share ``(compute + transfer - hop) / transfer`` (first hops, final return excluded).
 ``--crossover`` adds expert vs token rows over T in {4k..64k} and I in {768, 2048} with the
-volume model's prediction; ``--seq`` ring (auto) and both all-to-alls over T (paper Fig. 9). Quick
+volume model's prediction; ``--seq`` ring (auto and both forced modes) and both all-to-alls over
+T (paper Fig. 9). Quick
 mode runs reduced forms of both unless ``--no-crossover`` / ``--no-seq``.
 
     torchrun --standalone --nproc-per-node 2 benchmarks/bench_ring.py [--quick] [--crossover]
@@ -67,35 +74,6 @@ class _Layer:
 
     def clear(self):
         self.x.grad = self.w13.grad = self.w2.grad = self.probs.grad = None
-
-
-def _a2a_forward(layer, group, world, El):
-    """All-to-all baseline with the same expert kernels (relaymoe.moe_experts)."""
-    import torch
-    import torch.distributed.nn.functional as dfn
-
-    from relaymoe import moe_experts
-
-    x, idx, probs = layer.x, layer.idx, layer.probs
-    T, K = idx.shape
-    flat = idx.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # by expert, hence by destination rank
-    dest = flat[order] // El
-    send_counts = torch.bincount(dest, minlength=world)
-    recv_counts = torch.empty_like(send_counts)
-    torch.distributed.all_to_all_single(recv_counts, send_counts, group=group)
-    s, r = send_counts.tolist(), recv_counts.tolist()  # host sync
-    tok = order // K
-    send_x = x[tok]  # (T*K, H): the dispatch buffer ring execution avoids
-    send_meta = torch.stack([flat[order] % El, order], 1)
-    send_p = probs.reshape(-1)[order].unsqueeze(1)
-    recv_x = dfn.all_to_all_single(x.new_empty(sum(r), x.shape[1]), send_x, r, s, group=group)
-    recv_p = dfn.all_to_all_single(send_p.new_empty(sum(r), 1), send_p, r, s, group=group)
-    recv_meta = send_meta.new_empty(sum(r), 2)
-    torch.distributed.all_to_all_single(recv_meta, send_meta, r, s, group=group)
-    y = moe_experts(recv_x, layer.w13, layer.w2, recv_meta[:, :1], recv_p)
-    back = dfn.all_to_all_single(y.new_empty(sum(s), y.shape[1]), y, s, r, group=group)
-    return torch.zeros_like(x).index_add(0, tok, back)
 
 
 def _summarize_timeline(tl_overlap, tl_serial):
@@ -167,7 +145,8 @@ def main(argv=None) -> int:
     def ring_row(shape, layer, provider, mode, transport, overlap, extra=None):
         def fwd():
             return ring_moe(layer.x, layer.w13, layer.w2, layer.idx, layer.probs, group=group,
-                            mode=mode, transport=transport, overlap=overlap)  # fmt: skip
+                            mode=mode, transport=transport, overlap=overlap,
+                            trusted=True)  # fmt: skip
 
         def bwd(out):
             out.backward(layer.dy)
@@ -177,9 +156,12 @@ def main(argv=None) -> int:
             bwd(fwd())
 
         prob = resolved_problem(layer.x, layer.w13, layer.w2, layer.idx, layer.probs,
-                                group=group, mode=mode, transport=transport)  # fmt: skip
+                                group=group, mode=mode, transport=transport,
+                                trusted=True)  # fmt: skip
         step()  # first call allocates the copy-engine workspace (persistent, reported below)
-        saved, peak = _memory(fwd, bwd)
+        saved, peak_alloc = _memory(fwd, bwd)
+        symm = symmetric_workspace_bytes() / MiB if prob.transport == "copy_engine" else 0.0
+        peak = round(peak_alloc + symm, 1)
         ms = _timed(step, warmup, reps)
         with torch.no_grad():
             ms_fwd = _timed(fwd, warmup, reps)
@@ -187,16 +169,17 @@ def main(argv=None) -> int:
             provider=provider, shape=shape.name, ms_fwd_bwd=round(ms, 3), ms_fwd=round(ms_fwd, 3),
             tflops_fwd_bwd=round(moe_flops_fwd_bwd(shape.T, shape.K, shape.H, shape.I) / ms / 1e9,
                                  1),
-            saved_for_bwd_MiB=saved, peak_over_inputs_MiB=peak, mode=prob.mode,
-            transport=prob.transport, overlap=overlap,
-            symm_workspace_MiB=round(symmetric_workspace_bytes() / MiB, 1),
+            saved_for_bwd_MiB=saved, peak_over_inputs_MiB=peak, peak_alloc_MiB=peak_alloc,
+            mode=prob.mode, transport=prob.transport, overlap=overlap,
+            symm_workspace_MiB=round(symm, 1),
         )  # fmt: skip
-        if overlap and world > 1:
+        if overlap and world > 1 and prob.mode != "alltoall":
             with record_timeline() as tl_o:
                 step()
             with record_timeline() as tl_s:
                 bwd(ring_moe(layer.x, layer.w13, layer.w2, layer.idx, layer.probs, group=group,
-                             mode=prob.mode, transport=prob.transport, overlap=False))  # fmt: skip
+                             mode=prob.mode, transport=prob.transport, overlap=False,
+                             trusted=True))  # fmt: skip
             row.update(_summarize_timeline(tl_o, tl_s))
         row.update(extra or {})
         emit(row)
@@ -245,13 +228,7 @@ def main(argv=None) -> int:
                   saved_for_bwd_MiB=saved, peak_over_inputs_MiB=peak, **(extra or {})))  # fmt: skip
 
     def a2a(shape, layer):
-        El = shape.E // world
-
-        def bwd(out):
-            out.backward(layer.dy)
-            layer.clear()
-
-        baseline_row("a2a_same_kernel", shape, lambda: _a2a_forward(layer, group, world, El), bwd)
+        ring_row(shape, layer, "a2a_same_kernel", "alltoall", "auto", True)
 
     def mcore(shape, layer):
         mlayer = build_mcore_alltoall(shape, world)
@@ -283,7 +260,8 @@ def main(argv=None) -> int:
                 xs, a, b, ids, ps = make_inputs(shape, rank, world)
                 lay = _Layer(xs, a, b, ids, ps, torch.randn_like(xs))
                 vol = comm_volume(T, shape.H, ffn, shape.E // world, shape.K,
-                                  dtype=torch.bfloat16, prob_dtype=ps.dtype)  # fmt: skip
+                                  dtype=torch.bfloat16, prob_dtype=ps.dtype,
+                                  world=world)  # fmt: skip
                 extra = dict(crossover=True, model_preferred=vol.preferred(),
                              model_expert_MB=round(vol.expert_step / 1e6, 1),
                              model_token_MB=round(vol.token_step / 1e6, 1))  # fmt: skip
@@ -302,9 +280,10 @@ def main(argv=None) -> int:
             shape = qwen3(T)
             xs, a, b, ids, ps = make_inputs(shape, rank, world)
             lay = _Layer(xs, a, b, ids, ps, torch.randn_like(xs))
-            guarded("relaymoe_ring_auto", lambda s=shape, lay=lay: ring_row(
-                s, lay, "relaymoe_ring_auto", "auto", "auto", True, {"seq_sweep": True}),
-                shape.name)  # fmt: skip
+            for mode in ("auto", "expert", "token"):
+                name = f"relaymoe_ring_{mode}"
+                guarded(name, lambda s=shape, lay=lay, m=mode, n=name: ring_row(
+                    s, lay, n, m, "auto", True, {"seq_sweep": True}), shape.name)  # fmt: skip
             guarded("a2a_same_kernel", lambda s=shape, lay=lay: a2a(s, lay), shape.name)
             guarded("mcore_alltoall", lambda s=shape, lay=lay: mcore(s, lay), shape.name)
             del lay, xs, a, b, ids, ps

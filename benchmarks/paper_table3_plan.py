@@ -18,7 +18,7 @@ import json
 import pathlib
 
 from relaymoe.config import load_config
-from relaymoe.planner import GPUS, choose_mode, per_hop_bytes, usable_bytes
+from relaymoe.planner import GPUS, per_hop_bytes, ring_mode, usable_bytes
 from relaymoe.planner import memory as mm
 from relaymoe.planner.plan import max_seq_length
 
@@ -44,7 +44,7 @@ def main() -> None:
         cfg = load_config(name).replace(training={"seq_length": 40960, "micro_batch_size": 12})
         sh = mm.shapes(cfg)
         v = per_hop_bytes(sh)
-        mode = choose_mode(sh)
+        mode = ring_mode(cfg)
         r = {
             "config": label,
             "file": name,

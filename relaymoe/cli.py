@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from relaymoe.config import RING_MODE_NAMES, RING_TRANSPORT_NAMES
+
 DEFAULT_CONFIG = "qwen3_30b_a3b"
 _PAR = {"tp": "tp", "cp": "cp", "pp": "pp", "vpp": "vpp", "ep": "ep", "etp": "etp", "dp": "dp"}
 
@@ -42,7 +44,16 @@ def _parser() -> argparse.ArgumentParser:
         help="override relaymoe.dispatcher",
     )
     q.add_argument(
-        "--ring-mode", choices=("auto", "expert", "token"), default=None, help="force the ring mode"
+        "--ring-mode",
+        choices=RING_MODE_NAMES,
+        default=None,
+        help="force relaymoe's mode (default: the config's; auto: the cost model's choice)",
+    )
+    q.add_argument(
+        "--transport",
+        choices=RING_TRANSPORT_NAMES,
+        default=None,
+        help="override relaymoe.transport (auto: the copy engine, whose workspace is counted)",
     )
     q.add_argument("--json", action="store_true", help="print one JSON object")
     return p
@@ -67,6 +78,8 @@ def _build(ns):
         rel["dispatcher"] = ns.dispatcher
     if ns.ring_mode:
         rel["ring_mode"] = ns.ring_mode
+    if ns.transport:
+        rel["transport"] = ns.transport
     return cfg.replace(parallel=par, training=tr, relaymoe=rel)
 
 
@@ -116,10 +129,16 @@ def _print_rich(cfg, p) -> None:
         *(str(p.max_micro_batch_size[d]) for d in ("alltoall", "ring")),
     )
     con.print(tab)
-    v = p.per_hop_bytes
+    v, sm = p.per_hop_bytes, p.step_model
+    model = ", ".join(
+        f"{m} {sm[m]['seconds'] * 1e3:.2f} ms / "
+        f"{_mib(sm[m]['bytes_forward'] + sm[m]['bytes_backward'])} MiB"
+        for m in sm
+    )
     con.print(
-        f"ring routing mode: [bold]{p.routing_mode}[/] (per hop, fwd+bwd: expert "
-        f"{_mib(v['expert']['total'])} MiB, token {_mib(v['token']['total'])} MiB)"
+        f"relaymoe mode: [bold]{p.routing_mode}[/] over {p.transport} (modelled layer step, "
+        f"time / bytes sent: {model}; per hop, fwd+bwd: expert {_mib(v['expert']['total'])} "
+        f"MiB, token {_mib(v['token']['total'])} MiB)"
     )
     rt = Table(title="Recompute plan (greedy by compute saved per byte, paper §3.4)")
     for c in (

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from relaymoe.costmodel import MODES
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 # YAML keys accepted as spellings of a field (TransformerConfig names for the same Megatron arg).
@@ -305,23 +307,29 @@ RECOMPUTE_MODULES = frozenset(
 
 
 DISPATCHERS = ("ring", "alltoall", "allgather", "flex")
+RING_MODE_NAMES = ("auto", *MODES)
+RING_TRANSPORT_NAMES = ("auto", "nccl", "copy_engine")
 
 
 @dataclass(frozen=True)
 class RelayMoEConfig:
-    """relaymoe's switches: the dispatcher (``--moe-token-dispatcher-type``) and the ring's mode
-    (``--relaymoe-ring-mode``), recompute planner (``--relaymoe-recompute-planner``)."""
+    """relaymoe's switches: the dispatcher (``--moe-token-dispatcher-type``), the ring's mode
+    (``--relaymoe-ring-mode``) and transport (``--relaymoe-transport``), recompute planner
+    (``--relaymoe-recompute-planner``)."""
 
     dispatcher: str = "ring"  # ring | alltoall | allgather | flex
-    ring_mode: str = "auto"  # auto | expert | token
+    ring_mode: str = "auto"  # auto | expert | token | alltoall (relaymoe.costmodel.MODES)
+    transport: str = "auto"  # auto | nccl | copy_engine
     recompute_planner: bool = False
 
     def __post_init__(self):
         if self.dispatcher not in DISPATCHERS:
             raise ValueError(f"relaymoe.dispatcher={self.dispatcher!r}; known: {DISPATCHERS}")
-        if self.ring_mode not in ("auto", "expert", "token"):
+        if self.ring_mode not in RING_MODE_NAMES:
+            raise ValueError(f"relaymoe.ring_mode={self.ring_mode!r}; known: {RING_MODE_NAMES}")
+        if self.transport not in RING_TRANSPORT_NAMES:
             raise ValueError(
-                f"relaymoe.ring_mode={self.ring_mode!r}; known: 'auto', 'expert', 'token'"
+                f"relaymoe.transport={self.transport!r}; known: {RING_TRANSPORT_NAMES}"
             )
 
 
@@ -614,6 +622,8 @@ def to_megatron_args(cfg: Config, *, dispatcher: str | None = None) -> list[str]
     ]  # fmt: skip
     if dispatcher == "ring":
         args += ["--relaymoe-ring-mode", cfg.relaymoe.ring_mode]
+        if cfg.relaymoe.transport != "auto":
+            args += ["--relaymoe-transport", cfg.relaymoe.transport]
     if cfg.relaymoe.recompute_planner:
         args.append("--relaymoe-recompute-planner")
     if t.precision in ("bf16", "fp16"):

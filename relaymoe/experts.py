@@ -143,13 +143,16 @@ def expert_hop_forward(
     save: Literal["act", "none", "fc1"] = "act",
     backend: Backend = "auto",
     n_pairs: int | None = None,
+    max_pairs: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Add the pairs of experts ``expert_range=(e0, e1)`` (default: all) into ``out_TH``.
 
     ``w13_El2IH``/``w2_ElHI`` hold exactly experts ``[e0, e1)``. Returns ``(out_TH, saved)``: the
     range's pre-activation ``h (P, 2I)`` in expert-grouped order when ``save="act"``, else None.
     ``n_pairs``: the range's pair count when the caller knows it (``offsets[e1] - offsets[e0]``);
-    it spares the Triton backend the host sync that sizes a partial range's buffers.
+    it spares the Triton backend the host sync that sizes a partial range's buffers. Else
+    ``max_pairs``: an upper bound on it, which does the same (buffers sized from the bound;
+    ``save="act"`` needs the exact count).
     """
     e0, e1 = _range(expert_range, index)
     if resolve_backend(backend, x_TH.device) == "triton":
@@ -158,7 +161,7 @@ def expert_hop_forward(
         # out_TH=None: the combine writes every row (no zero fill, no read of zeros)
         return triton_hop_forward(
             x_TH, w13_El2IH, w2_ElHI, probs_TK, index, e0, e1, out_TH, save == "act",
-            n_pairs=n_pairs,
+            n_pairs=n_pairs, max_pairs=max_pairs,
         )  # fmt: skip
     if out_TH is None:
         out_TH = torch.zeros_like(x_TH)
@@ -183,6 +186,7 @@ def expert_hop_backward(
     backend: Backend = "auto",
     consume_saved_h: bool = False,
     n_pairs: int | None = None,
+    max_pairs: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients of the pairs of ``expert_range``; ADDS into the given buffers (zeros otherwise).
 
@@ -190,7 +194,7 @@ def expert_hop_backward(
     recomputed from the pre-activation). Returns ``(dx_TH, dprobs_TK, dw13, dw2)``.
     ``consume_saved_h=True`` lets the Triton backend overwrite ``saved_h`` with its gradient
     (one (P, 2I) buffer less at the backward's peak); ``saved_h`` is garbage afterwards.
-    ``n_pairs``: as in :func:`expert_hop_forward`.
+    ``n_pairs``, ``max_pairs``: as in :func:`expert_hop_forward`.
     """
     e0, e1 = _range(expert_range, index)
     if resolve_backend(backend, x_TH.device) == "triton":
@@ -200,7 +204,7 @@ def expert_hop_backward(
         return triton_hop_backward(
             dy_TH, x_TH, w13_El2IH, w2_ElHI, probs_TK, index, e0, e1,
             saved_h, dx_TH, dprobs_TK, dw13, dw2, consume_saved_h=consume_saved_h,
-            n_pairs=n_pairs,
+            n_pairs=n_pairs, max_pairs=max_pairs,
         )  # fmt: skip
     dx_TH = torch.zeros_like(x_TH) if dx_TH is None else dx_TH
     dprobs_TK = torch.zeros_like(probs_TK) if dprobs_TK is None else dprobs_TK

@@ -105,9 +105,20 @@ class _AllgatherRing(torch.autograd.Function):
 
 
 def standin_ring_moe(
-    x, w13, w2, topk_idx, topk_probs, *, group=None, mode="auto", transport="auto", overlap=True
+    x,
+    w13,
+    w2,
+    topk_idx,
+    topk_probs,
+    *,
+    group=None,
+    mode="auto",
+    transport="auto",
+    overlap=True,
+    trusted=False,
 ):
-    assert mode in ("auto", "expert", "token") and transport in ("auto", "nccl", "copy_engine")
+    assert mode in ("auto", "expert", "token", "alltoall")
+    assert transport in ("auto", "nccl", "copy_engine")
     if isinstance(w13, (list, tuple)):  # ring_moe's list form: per-expert parameters
         w13, w2 = torch.stack(list(w13)), torch.stack(list(w2))
     return _AllgatherRing.apply(x, w13, w2, topk_idx, topk_probs, group)

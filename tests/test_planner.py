@@ -4,6 +4,7 @@ import argparse
 
 import pytest
 
+from relaymoe import costmodel
 from relaymoe.config import config_from_dict, load_config
 from relaymoe.planner import (
     config_from_megatron_args,
@@ -11,6 +12,7 @@ from relaymoe.planner import (
     plan,
     plan_from_megatron_args,
     plan_recompute,
+    ring_mode,
     stage_peak,
     usable_bytes,
 )
@@ -52,18 +54,24 @@ def test_terms_hand_computed():
     assert mm.moe_keep_bytes(cfg, sh, 0, "ring") == 65536 + 10240 + 12 * 512 + 4 * 512
     # 4 (P,H) buffers, 3 (P,I) intermediates, local expert grads 4*3*64*32*2, router
     assert mm.moe_peak_alltoall(sh) == 262144 + 98304 + 49152 + 10240
-    # router, index, out + fp32 dx, one hop (all pairs at R=1) * (2I+2I+I+H) * 2, expert grads
-    assert mm.moe_peak_ring(sh, "expert") == 10240 + 6144 + 98304 + 229376 + 49152
+    # router, index, out + dx (both in the activations' dtype, as the engine allocates them:
+    # 2*256*64*2, no longer an fp32 dx), one hop (all pairs at R=1) * (2I+2I+I+H) * 2, expert
+    # grads
+    assert mm.moe_peak_ring(sh, "expert") == 10240 + 6144 + 65536 + 229376 + 49152
     # attention: 64*(64 + 2*2*16) + 64*64 + norm 64; MLP: norm 64 + router 4*64; experts 4*3*64*32
     assert mm.total_params(cfg) == 128 * 64 * 2 + 64 + 2 * (12352 + 320 + 24576)
     st = mm.model_state_bytes(cfg, 0)
     n = mm.total_params(cfg)
     assert st == {"params": 2 * n, "grads": 4 * n, "optimizer": 12 * n}
     assert mm.logits_bytes(cfg, sh) == 6 * 256 * 128
+    # the engine sends every accumulator in the activations' dtype (bf16 here), not fp32:
+    # expert backward = weights + weight gradients 2*4*3*64*32*2; token forward = x + metadata
+    # 256*2*(4+4) + output 2*256*64; backward = x, dy + fp32 probs 256*2*4 (no ids: the forward
+    # kept the routing indices) + dx + fp32 dprobs 256*2*4
     v = per_hop_bytes(sh)
-    assert v["expert"] == {"forward": 49152, "backward": 147456, "total": 196608}
-    assert v["token"]["forward"] == 32768 + 4096 + 65536
-    assert v["token"]["backward"] == 65536 + 4096 + 65536 + 2048
+    assert v["expert"] == {"forward": 49152, "backward": 98304, "total": 147456}
+    assert v["token"]["forward"] == 32768 + 4096 + 32768
+    assert v["token"]["backward"] == 65536 + 2048 + 32768 + 2048
     assert mm.final_norm_bytes(cfg, sh) == 2 * 2 * 256 * 64
     # flash backward: dq, dk, dv 2*256*(4+2*2)*16 and the fp32 dq accumulator 4*256*4*16
     assert mm.attention_backward_transient_bytes(cfg, sh, 0) == 65536 + 65536
@@ -186,24 +194,31 @@ def test_ring_moe_peak_below_alltoall_when_k_ge_2():
                     },
                 )
                 sh = mm.shapes(cfg)
-                from relaymoe.planner import choose_mode
-
-                ring = mm.moe_peak_ring(sh, choose_mode(sh))
+                ring = mm.moe_peak_ring(sh, ring_mode(cfg))
                 assert ring < mm.moe_peak_alltoall(sh), (name, ep, seq, mbs)
 
 
-def test_routing_choice_follows_table2():
+def _cost_kw(sh) -> dict:
+    return dict(tokens=sh.T, hidden=sh.h, ffn=sh.I, num_local_experts=sh.El, topk=sh.K,
+                world=sh.R, act_bytes=sh.e, prob_bytes=4)  # fmt: skip
+
+
+def test_routing_choice_follows_the_cost_model():
     cfg = load_config("table3/base_e128_k8_h768")
-    assert (
-        plan(
-            cfg.replace(training={"seq_length": 2048, "micro_batch_size": 1}), "h200-141gb"
-        ).routing_mode
-        == "token"
-    )
+    short = cfg.replace(training={"seq_length": 2048, "micro_batch_size": 1})
+    kw = _cost_kw(mm.shapes(short))
+    # the plan runs, sizes memory for and pins the cost model's choice (what mode="auto" runs)
+    p = plan(short, "h200-141gb")
+    assert p.routing_mode == costmodel.choose_mode(**kw) == ring_mode(short)
+    assert p.moe_peak_bytes["ring"] == p.moe_peak_bytes[f"ring_{p.routing_mode}"]
+    assert f"--relaymoe-ring-mode {p.routing_mode}" in " ".join(p.megatron_flags)
+    # between the two ring modes, Table 2: tokens travel at short sequences, experts at long
+    assert costmodel.choose_mode(**kw, modes=costmodel.RING_MODES) == "token"
     big = cfg.replace(training={"seq_length": 65536, "micro_batch_size": 12})
     sh = mm.shapes(big)
     v = per_hop_bytes(sh)
     assert v["expert"]["total"] < v["token"]["total"]
+    assert costmodel.choose_mode(**_cost_kw(sh), modes=costmodel.RING_MODES) == "expert"
 
 
 def test_plan_fields_and_json():

@@ -118,7 +118,7 @@ def _stacked_grads(leaves):
 
 def _run_case(rank, world, group, *, seed, tokens, El, K, dtype, prob_dtype=None, mode="expert",
               transport="auto", overlap=True, route="uniform", check_grads=True, form="tensor",
-              tol=None, backend="auto"):  # fmt: skip
+              tol=None, backend="auto", trusted=False):  # fmt: skip
     """ring_moe on this rank's slice vs the oracle; returns the ring's (out, grads)."""
     from relaymoe.ring import ring_moe
 
@@ -142,6 +142,7 @@ def _run_case(rank, world, group, *, seed, tokens, El, K, dtype, prob_dtype=None
         transport=transport,
         overlap=overlap,
         backend=backend,
+        trusted=trusted,
     )
     if tol is None:
         tol = 1e-11 if dtype == pdt == torch.float64 else 3e-5
@@ -178,8 +179,12 @@ def _correctness(rank, world, group):
     R = world
     uneven = [5, 0, 9, 3][:R] if R > 1 else [7]
     cases = []
-    for mode in ("expert", "token", "auto"):
+    for mode in ("expert", "token", "alltoall", "auto"):
         cases.append(dict(mode=mode, seed=1, tokens=uneven, El=2, K=2, dtype=torch.float64))
+    # a trusted caller: cached agreement, pair buffers from the bound (_trusted_steady_state
+    # covers the ring modes' cache hits)
+    cases.append(dict(mode="alltoall", seed=9, tokens=uneven, El=2, K=2, dtype=torch.float64,
+                      trusted=True))  # fmt: skip
     cases += [
         dict(mode="expert", seed=2, tokens=[6] * R, El=3, K=3, dtype=torch.float32,
              prob_dtype=torch.float32, overlap=False),
@@ -198,10 +203,19 @@ def _correctness(rank, world, group):
         # fp32 probabilities with fp64 activations
         dict(mode="token", seed=7, tokens=[2, 5, 3, 3][:R], El=2, K=2, dtype=torch.float64,
              prob_dtype=torch.float32),
+        # the all-to-all mode: top-1, K = E, skewed routing, empty experts, fp32 probabilities
+        dict(mode="alltoall", seed=3, tokens=[4, 7, 1, 2][:R], El=1, K=1, dtype=torch.float32),
+        dict(mode="alltoall", seed=4, tokens=[3, 2, 4, 1][:R], El=2, K=2 * R, dtype=torch.float64),
+        dict(mode="alltoall", seed=5, tokens=[4] * R, El=2, K=1, dtype=torch.float64, route="one"),
+        dict(mode="alltoall", seed=6, tokens=[5, 3, 0, 6][:R], El=3, K=2, dtype=torch.float64,
+             route="skew"),
+        dict(mode="alltoall", seed=7, tokens=[2, 5, 3, 3][:R], El=2, K=2, dtype=torch.float64,
+             prob_dtype=torch.float32),
     ]  # fmt: skip
     if R > 1:  # every rank but the last has no tokens
-        cases.append(dict(mode="token", seed=8, tokens=[0] * (R - 1) + [5], El=1, K=1,
-                          dtype=torch.float64))  # fmt: skip
+        for mode in ("token", "alltoall"):
+            cases.append(dict(mode=mode, seed=8, tokens=[0] * (R - 1) + [5], El=1, K=1,
+                              dtype=torch.float64))  # fmt: skip
     for c in cases:
         _run_case(rank, world, group, **c)
 
@@ -214,15 +228,26 @@ def _triton_backend(rank, world, group):
     if world not in (2, 3) or not triton_available():
         return  # two world sizes cover the multi-hop paths; the interpreter is slow
     tokens = [5, 0, 7][:world]
-    for mode in ("expert", "token"):
+    for mode in ("expert", "token", "alltoall"):
         _run_case(rank, world, group, mode=mode, seed=11, tokens=tokens, El=2, K=2,
                   dtype=torch.float32, backend="triton", tol=1e-4)  # fmt: skip
+    # a trusted caller: pair buffers sized from the bound (rows past the count never read),
+    # then exact counts per call once the bound is over the budget
+    for budget in ("512", "0"):
+        os.environ["RELAYMOE_PAIR_BUFFER_MIB"] = budget
+        try:
+            for mode in ("expert", "token"):
+                _run_case(rank, world, group, mode=mode, seed=12, tokens=tokens, El=2, K=2,
+                          dtype=torch.float32, backend="triton", tol=1e-4, trusted=True,
+                          route="skew")  # fmt: skip
+        finally:
+            del os.environ["RELAYMOE_PAIR_BUFFER_MIB"]
 
 
 def _list_forms(rank, world, group):
     """Per-expert lists in every layout: oracle-exact, equal to the tensor form (bitwise where
-    the rows are used in expert order), in both modes, also when ranks mix forms."""
-    for mode in ("expert", "token"):
+    the rows are used in expert order), in every mode, also when ranks mix forms."""
+    for mode in ("expert", "token", "alltoall"):
         kw = dict(seed=51, tokens=[5, 0, 7, 3][:world], El=3, K=2, dtype=torch.float64,
                   mode=mode, route="skew")  # fmt: skip
         base_out, base_g = _run_case(rank, world, group, form="tensor", **kw)
@@ -300,7 +325,7 @@ def _no_persistent_copy(rank, world, group):
 
 
 def _determinism(rank, world, group):
-    for mode in ("expert", "token"):
+    for mode in ("expert", "token", "alltoall"):
         kw = dict(seed=11, tokens=[5, 4, 6, 2][:world], El=2, K=2, dtype=torch.float32, mode=mode)
         a_out, a_g = _run_case(rank, world, group, **kw)
         b_out, b_g = _run_case(rank, world, group, **kw)
@@ -310,15 +335,35 @@ def _determinism(rank, world, group):
 
 
 def _modes_agree_and_auto(rank, world, group):
-    from relaymoe.ring import comm_volume, resolved_problem
+    """``mode="auto"`` resolves to what ``relaymoe plan`` sizes memory for (the planner's
+    ``ring_mode`` on the same per-GPU shapes), over a grid of shapes, on every rank alike.
+    Inputs are zero-stride expansions: the agreement reads shapes, not values."""
+    from relaymoe.planner import ring_mode
+    from relaymoe.planner.memory import PROB_BYTES, Shapes
+    from relaymoe.ring import resolved_problem
 
+    pdtype = {4: torch.float32, 2: torch.bfloat16}[PROB_BYTES]
+    seen = set()
+    for T in (1024, 4096, 16384, 65536):
+        for h, ffn, El, K in ((2048, 768, 8, 8), (1024, 4096, 2, 2), (4096, 1536, 4, 4)):
+            x = torch.zeros((), dtype=torch.bfloat16).expand(T, h)
+            w13 = torch.zeros((), dtype=torch.bfloat16).expand(El, 2 * ffn, h)
+            w2 = torch.zeros((), dtype=torch.bfloat16).expand(El, h, ffn)
+            idx = (torch.arange(T * K) % (El * world)).view(T, K)
+            probs = torch.zeros((), dtype=pdtype).expand(T, K)
+            prob = resolved_problem(x, w13, w2, idx, probs, group=group, trusted=True,
+                                    transport="nccl")  # fmt: skip
+            sh = Shapes(b=1, s=T, h=h, tp=1, cp=1, T_a=T, T=T, K=K, E=El * world, El=El, I=ffn,
+                        R=world, e=2)  # fmt: skip
+            want = ring_mode(sh, "auto", transport="nccl")
+            assert prob.mode == want, (T, h, ffn, El, K, world, prob.mode, want)
+            seen.add(prob.mode)
+    assert world == 1 or len(seen) > 1, f"the grid exercises one mode only: {seen}"
     pb = _problem(21, [4] * world, 2, 2, world)
     lo, hi = 4 * rank, 4 * rank + 4
     args = (pb["x"][lo:hi], pb["w13"][2 * rank : 2 * rank + 2], pb["w2"][2 * rank : 2 * rank + 2],
             pb["idx"][lo:hi], pb["probs"][lo:hi])  # fmt: skip
     prob = resolved_problem(*args, group=group)
-    vol = comm_volume(4, H, I, 2, 2, dtype=torch.float64, prob_dtype=torch.float64)
-    assert prob.mode == vol.preferred(), (prob.mode, vol)
     assert prob.transport == ("local" if world == 1 else "nccl")
     assert prob.tokens == (4,) * world
 
@@ -471,9 +516,44 @@ def _one_f_one_b(rank, world, group, mode, form, El=2, K=2):
     assert _rel(w2_grad, dw2) < 1e-11, f"accumulated dw2 mode={mode} form={form}"
 
 
+def _trusted_steady_state(rank, world, group):
+    """A trusted caller's second call with the same signature agrees without communicating
+    (the cache), a new signature agrees again, and RELAYMOE_RING_AGREE=every_call turns the
+    cache off; the results stay oracle-exact throughout."""
+    import relaymoe.ring.agree as agree_mod
+
+    calls = []
+    real = agree_mod.dist.all_reduce
+
+    def counting(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    agree_mod.dist.all_reduce = counting
+    try:
+        for mode in ("expert", "token"):
+            kw = dict(seed=31, tokens=[3, 5, 0, 4][:world], El=2, K=2, dtype=torch.float64,
+                      mode=mode, trusted=True, route="skew")  # fmt: skip
+            _run_case(rank, world, group, **kw)
+            calls.clear()
+            _run_case(rank, world, group, **kw)
+            assert not calls, f"{mode}: a cached agreement still ran {len(calls)} all-reduce(s)"
+            _run_case(rank, world, group, **{**kw, "tokens": [2, 6, 1, 3][:world]})
+            assert len(calls) == (1 if world > 1 else 0), f"{mode}: new signature, {calls}"
+            os.environ["RELAYMOE_RING_AGREE"] = "every_call"
+            try:
+                calls.clear()
+                _run_case(rank, world, group, **kw)
+                assert len(calls) == (1 if world > 1 else 0), f"{mode}: every_call, {calls}"
+            finally:
+                del os.environ["RELAYMOE_RING_AGREE"]
+    finally:
+        agree_mod.dist.all_reduce = real
+
+
 SCENARIOS = [_correctness, _triton_backend, _list_forms, _no_persistent_copy, _determinism,
              _modes_agree_and_auto, _bad_inputs, _backward_disagreement,
-             _microbatches_in_flight]  # fmt: skip
+             _microbatches_in_flight, _trusted_steady_state]  # fmt: skip
 
 
 def _worker(rank, world, port, outdir):
@@ -501,7 +581,7 @@ def _worker(rank, world, port, outdir):
     Path(outdir, f"rank{rank}.json").write_text(json.dumps(results))
 
 
-def _spawn(world, tmp_path, timeout=120):
+def _spawn(world, tmp_path, timeout=300):  # world 4 on 2 cores: about 3 minutes
     port = free_port()
     hung, exitcodes = run_spawned(
         _worker, lambda r: (r, world, port, str(tmp_path)), world, timeout

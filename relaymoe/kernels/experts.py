@@ -37,21 +37,29 @@ from relaymoe.kernels import grouped
 __all__ = ["triton_hop_forward", "triton_hop_backward"]
 
 
-def _pair_count(index, e0: int, e1: int, known: int | None = None) -> int:
-    """Rows of the range's pair buffers. Host sync unless the range is every expert or the
-    caller passed the count (``known``, e.g. a ring pass that read all its bounds at once)."""
+def _pair_count(
+    index, e0: int, e1: int, known: int | None = None, bound: int | None = None
+) -> tuple[int, bool]:
+    """``(rows, exact)``: rows of the range's pair buffers and whether that is the pair count.
+    Host sync unless the range is every expert or the caller passed the count (``known``, e.g. a
+    ring pass that read all its counts at once) or an upper bound on it (``bound``: the buffers
+    are sized from it, rows past the count are never read)."""
     if known is not None:
-        return known
+        return known, True
     if (e0, e1) == (0, index.num_experts):
-        return index.num_pairs
+        return index.num_pairs, True
+    if bound is not None:
+        return min(bound, index.num_pairs), False
     start, stop = index.pair_range(e0, e1)  # host sync (buffer sizes of a partial range)
-    return stop - start
+    return stop - start, True
 
 
-def _pair_positions(index, offs: Tensor, n_pairs: int) -> tuple[Tensor, Tensor]:
-    """Local position ``q - offs[0]`` of every (t, k) pair and whether it is inside the range."""
+def _pair_positions(index, offs: Tensor, n_rows: int, exact: bool) -> tuple[Tensor, Tensor]:
+    """Local position ``q - offs[0]`` of every (t, k) pair and whether it is inside the range
+    (against the count on the device when the buffers were sized from a bound)."""
     q = index.token_index_map.to(torch.int64) - offs[0]
-    return q, (q >= 0) & (q < n_pairs)
+    count = n_rows if exact else offs[-1] - offs[0]
+    return q, (q >= 0) & (q < count)
 
 
 def _probs_in_pair_order(probs_TK: Tensor, q: Tensor, live: Tensor, n_pairs: int) -> Tensor:
@@ -145,7 +153,9 @@ def _gmm_wgrad_ok(a: Tensor, b: Tensor, c_EMN: Tensor) -> bool:
     )
 
 
-def _wgrad_gmm(a, b, idx_P, offs, c_EMN, n_pairs, *, a_gather: bool, accumulate: bool) -> None:
+def _wgrad_gmm(
+    a, b, idx_P, offs, c_EMN, n_pairs, *, a_gather: bool, accumulate: bool, exact: bool = True
+) -> None:
     """``c[e] (+)= sum_q a[row]^T b[row]`` as one K-grouped ``torch._grouped_mm`` per column
     chunk of the gathered operand: the chunk (P, <= RELAYMOE_PAIR_BUFFER_MIB) is gathered through
     the pair indices, never the whole (P, H), and the (El, M, chunk) result is added into ``c``.
@@ -153,6 +163,8 @@ def _wgrad_gmm(a, b, idx_P, offs, c_EMN, n_pairs, *, a_gather: bool, accumulate:
     """
     ends = (offs[1:] - offs[0]).to(torch.int32)
     rows = offs[0].to(torch.int64) + torch.arange(n_pairs, device=a.device)
+    if not exact:  # buffers sized from a bound: rows past the index's end are never read
+        rows.clamp_(max=idx_P.shape[0] - 1)
     tok = idx_P.index_select(0, rows).to(torch.int64)
     _, m, n = c_EMN.shape
     gathered = a if a_gather else b
@@ -170,7 +182,9 @@ def _wgrad_gmm(a, b, idx_P, offs, c_EMN, n_pairs, *, a_gather: bool, accumulate:
         del res
 
 
-def _wgrad(a, b, idx_P, offs, c_EMN, n_pairs, *, a_gather, b_gather, accumulate) -> None:
+def _wgrad(
+    a, b, idx_P, offs, c_EMN, n_pairs, *, a_gather, b_gather, accumulate, exact=True
+) -> None:
     """Weight gradient of the range: torch's grouped GEMM over gathered chunks where it runs
     (``auto``: on CUDA only), else the Triton kernel."""
     mode = _wgrad_mode()
@@ -181,7 +195,10 @@ def _wgrad(a, b, idx_P, offs, c_EMN, n_pairs, *, a_gather, b_gather, accumulate)
         and c_EMN.shape[0] > 0
         and _gmm_wgrad_ok(a, b, c_EMN)
     ):
-        _wgrad_gmm(a, b, idx_P, offs, c_EMN, n_pairs, a_gather=a_gather, accumulate=accumulate)
+        _wgrad_gmm(
+            a, b, idx_P, offs, c_EMN, n_pairs, a_gather=a_gather, accumulate=accumulate,
+            exact=exact,
+        )  # fmt: skip
         return
     grouped.wgrad(a, b, idx_P, offs, c_EMN, a_gather=a_gather, b_gather=b_gather,
                   accumulate=accumulate)  # fmt: skip
@@ -210,10 +227,13 @@ def triton_hop_forward(
     save_act: bool,
     *,
     n_pairs: int | None = None,
+    max_pairs: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Add experts ``[e0, e1)``'s pairs into ``out_TH`` (written, not added, when None).
 
     Returns ``(out_TH, h_P2I)``; ``h_P2I`` is the range's pre-activation when ``save_act``.
+    ``n_pairs``: the range's pair count; else ``max_pairs``: an upper bound on it (buffers sized
+    from it, no host sync); else read from the index (a host sync for a partial range).
     """
     num_tokens, hidden = x_TH.shape
     n_local, two_i, _ = w13.shape
@@ -222,14 +242,16 @@ def triton_hop_forward(
     if out_TH is None:
         out_TH = torch.empty_like(x_TH)
     offs = index.offsets_for(e0, e1)
-    n_pairs = _pair_count(index, e0, e1, n_pairs)
+    n_pairs, exact = _pair_count(index, e0, e1, n_pairs, max_pairs)
+    if save_act and not exact:
+        raise ValueError("save_act needs the exact pair count (n_pairs), not max_pairs")
     h_P2I = x_TH.new_empty(n_pairs, two_i) if save_act else None
     if n_pairs == 0 or n_local == 0 or num_tokens == 0:
         if not accumulate:
             out_TH.zero_()
         return out_TH, h_P2I
     x_TH = x_TH.contiguous()
-    q, live = _pair_positions(index, offs, n_pairs)
+    q, live = _pair_positions(index, offs, n_pairs, exact)
     prob_P = _probs_in_pair_order(probs_TK, q, live, n_pairs)
     idx_P = index.expert_token_indices
     a_PI = x_TH.new_empty(n_pairs, ffn)
@@ -260,9 +282,11 @@ def triton_hop_backward(
     *,
     consume_saved_h: bool = False,
     n_pairs: int | None = None,
+    max_pairs: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients of experts ``[e0, e1)``'s pairs, ADDED into the given buffers; a buffer passed
     as None is allocated and written (no zero fill). Returns ``(dx, dprobs, dw13, dw2)``.
+    ``n_pairs`` / ``max_pairs``: as in :func:`triton_hop_forward`.
 
     ``consume_saved_h=True`` lets the kernel overwrite ``saved_h`` with its gradient (saves a
     (P, 2I) buffer); the caller must not use ``saved_h`` afterwards.
@@ -277,7 +301,7 @@ def triton_hop_backward(
     dw13 = torch.empty_like(w13) if dw13 is None else dw13
     dw2 = torch.empty_like(w2) if dw2 is None else dw2
     offs = index.offsets_for(e0, e1)
-    n_pairs = _pair_count(index, e0, e1, n_pairs) if n_local > 0 else 0
+    n_pairs, exact = _pair_count(index, e0, e1, n_pairs, max_pairs) if n_local > 0 else (0, True)
     idx_P = index.expert_token_indices
     x_TH, dy_TH = x_TH.contiguous(), dy_TH.contiguous()
     if n_pairs == 0 or num_tokens == 0:
@@ -285,9 +309,11 @@ def triton_hop_backward(
             if not acc:
                 buf.zero_()
         return dx_TH, dprobs_TK, dw13, dw2
-    q, live = _pair_positions(index, offs, n_pairs)
+    q, live = _pair_positions(index, offs, n_pairs, exact)
     prob_P = _probs_in_pair_order(probs_TK, q, live, n_pairs)
     a_PI = x_TH.new_empty(n_pairs, ffn)
+    if saved_h is not None and not exact:
+        raise ValueError("saved_h needs the exact pair count (n_pairs), not max_pairs")
     if saved_h is None:  # recompute="fc1": rebuild h (a_PI is scratch here, rewritten below)
         h_P2I = x_TH.new_empty(n_pairs, two_i)
         grouped.up_swiglu(x_TH, w13, idx_P, offs, None, h_P2I, a_PI)
@@ -308,11 +334,11 @@ def triton_hop_backward(
     dprobs_TK.add_(vals.view_as(dprobs_TK).to(dprobs_TK.dtype))
     # dw2[e] (H, I) = sum_q dy[tok]^T (p*a)[q]
     _wgrad(dy_TH, a_PI, idx_P, offs, dw2, n_pairs, a_gather=True, b_gather=False,
-           accumulate=acc_w2)  # fmt: skip
+           accumulate=acc_w2, exact=exact)  # fmt: skip
     del a_PI
     # dw13[e] (2I, H) = sum_q dh[q]^T x[tok]
     _wgrad(dh_P2I, x_TH, idx_P, offs, dw13, n_pairs, a_gather=False, b_gather=True,
-           accumulate=acc_w13)  # fmt: skip
+           accumulate=acc_w13, exact=exact)  # fmt: skip
     for c0, c1 in _col_chunks(n_pairs, hidden, x_TH.element_size()):
         dxp_PH = _pair_rows_times_weight(dh_P2I, w13[:, :, c0:c1], offs)
         grouped.combine(dxp_PH, index.token_index_map, offs, dx_TH[:, c0:c1], index.topk,

@@ -143,6 +143,7 @@ class RingDispatcher(MoETokenDispatcher):
             mode=s.mode,
             transport=s.transport,
             overlap=s.overlap,
+            trusted=True,  # ids from Megatron's router; every EP rank runs the same shapes
         )
 
     # ---- combine: nothing to move back ----------------------------------------------------

@@ -45,8 +45,9 @@ def add_relaymoe_args(parser):
         "--relaymoe-ring-mode",
         choices=RING_MODES,
         default="auto",
-        help="ring execution mode with --moe-token-dispatcher-type ring: experts circulate "
-        "(expert), tokens circulate (token), or the smaller per-hop volume (auto)",
+        help="execution mode with --moe-token-dispatcher-type ring: experts circulate "
+        "(expert), tokens circulate (token), tokens go once to their experts' ranks "
+        "(alltoall), or the fastest by relaymoe.costmodel (auto)",
     )
     group.add_argument(
         "--relaymoe-transport",

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from relaymoe.config import RING_MODE_NAMES, RING_TRANSPORT_NAMES
+
 __all__ = ["RingSettings", "configure", "current_settings", "RING_MODES", "RING_TRANSPORTS"]
 
-RING_MODES = ("auto", "expert", "token")
-RING_TRANSPORTS = ("auto", "nccl", "copy_engine")
+RING_MODES = RING_MODE_NAMES  # "auto" and relaymoe.costmodel.MODES
+RING_TRANSPORTS = RING_TRANSPORT_NAMES
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
 """Memory model, routing-mode choice and selective-recompute planner (pure Python; no torch).
 
-``plan(cfg, gpu_bytes) -> Plan``; ``plan_from_megatron_args(args) -> Plan`` at training start.
+``plan(cfg, gpu_bytes) -> Plan``; ``plan_from_megatron_args(args) -> Plan`` at training start;
+``ring_mode(cfg)``: the mode the runtime picks for a config (``relaymoe.costmodel.choose_mode``).
 """
 
-from relaymoe.planner.comm import choose_mode, per_hop_bytes
+from relaymoe.planner.mode import per_hop_bytes, ring_mode
 from relaymoe.planner.plan import (
     DEFAULT_GPU,
     GPUS,
@@ -23,7 +24,6 @@ __all__ = [
     "GPUS",
     "Plan",
     "RecomputePlan",
-    "choose_mode",
     "config_from_megatron_args",
     "max_micro_batch",
     "max_seq_length",
@@ -32,6 +32,7 @@ __all__ = [
     "plan",
     "plan_from_megatron_args",
     "plan_recompute",
+    "ring_mode",
     "stage_peak",
     "usable_bytes",
     "worst_stage_peak",

@@ -21,16 +21,13 @@ Terms (each a function so that tests can check it against hand-computed values):
   rstd per row, counted in the terms above) or "torch" (megatron-core without TE and apex:
   ``torch.nn.RMSNorm``'s composite keeps an fp32 copy of its input and the fp32 normalised
   tensor, ``TORCH_RMSNORM_EXTRA_BYTES`` more per element; see ``norm_extra_bytes``).
-* the MoE-block working set (peak over its inputs while one layer runs fwd+bwd):
-  alltoall: ``a`` coexisting top-k-expanded (P, H) buffers (permute, dispatch, combine, expert
-  output; paper §2.2) + three (P, I) expert intermediates + the local weight gradient;
-  ``a = 4`` at EP=1 and ``5.5`` at EP>1, the fit to megatron-core 0.19.2 measurements in
-  /work/shared/anchors/README.md (qwen3 T32k: 6464 MiB at EP=1, 7486 MiB at EP=2).
-  ring: resident tokens' output and fp32 dx accumulators, the routing index, one hop's
-  intermediates (the (P_hop, 2I) pre-activation kept by the fused kernels plus its gradient and
-  the (P_hop, I) activation), and the travelling buffers: expert mode two partitions in flight
-  plus two fp32 gradient accumulators (incoming and outgoing); token mode two token partitions
-  (x, metadata) and two fp32 accumulators (output / dx) in flight.
+* the MoE-block working set (peak over its inputs while one layer runs fwd+bwd), from
+  ``relaymoe.costmodel``: Megatron's alltoall dispatcher (``mcore_alltoall_memory_bytes``:
+  coexisting top-k-expanded (P, H) buffers fit to megatron-core, (P, I) intermediates, the
+  local weight gradient) or the relaymoe mode the runtime runs (``memory_bytes``: the engine's
+  memory bound, accumulators in the activations' dtype), plus the router and, for relaymoe,
+  the resident output and dx accumulators. The copy-engine transport's symmetric workspace is
+  persistent and shared by all layers: one term per GPU (``symmetric_workspace_bytes``).
 * the last pipeline stage's final norm, logits and fp32 cross-entropy buffers.
 """
 
@@ -38,13 +35,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from relaymoe import costmodel
 from relaymoe.config import Config
 
-ROUTING_INDEX_BYTES_PER_PAIR = 12  # expert_token_indices, token_expert_indices, token_index_map
 ROUTER_BYTES_PER_TOKEN_EXPERT = 10  # bf16 logits + fp32 softmax scores + fp32 aux-loss scores
-A2A_BUFFERS_EP1 = 4.0  # coexisting (P, H) buffers, fit to megatron-core (see module docstring)
-A2A_BUFFERS_EP = 5.5
-A2A_INTERMEDIATES = 3  # (P, I) expert intermediates in the alltoall working set
+# Megatron's routers hand fp32 probabilities to the dispatcher (softmax/sigmoid in fp32).
+PROB_BYTES = 4
 # Megatron's vocab-parallel cross entropy works in place on one fp32 copy of the logits (max
 # subtraction, exp, normalisation, then the gradient), so per logit element: forward, the bf16
 # logits + that fp32 copy; backward, the fp32 copy (now the gradient) + its bf16 cast.
@@ -82,6 +78,12 @@ class Shapes:
     @property
     def P(self) -> int:
         return self.T * self.K
+
+    def dims(self) -> costmodel.Dims:
+        """The cost model's sizes of one GPU (every rank of the EP group holds ``T`` tokens)."""
+        return costmodel.Dims(
+            T=self.T, H=self.h, I=self.I, El=self.El, K=self.K, R=self.R, b=self.e, pb=PROB_BYTES
+        )
 
 
 def shapes(cfg: Config, seq: int | None = None, mbs: int | None = None) -> Shapes:
@@ -263,9 +265,12 @@ def attention_keep_bytes(cfg: Config, sh: Shapes, layer: int) -> int:
     return norm_and_proj_in + proj + conv + core
 
 
-def moe_keep_bytes(cfg: Config, sh: Shapes, layer: int, dispatcher: str) -> int:
+def moe_keep_bytes(
+    cfg: Config, sh: Shapes, layer: int, dispatcher: str, ring_mode: str = "expert"
+) -> int:
     """Activations one MLP block keeps for backward when its layer is not recomputed."""
-    return mlp_norm_keep_bytes(cfg, sh) + mlp_inner_keep_bytes(cfg, sh, layer, dispatcher)
+    inner = mlp_inner_keep_bytes(cfg, sh, layer, dispatcher, ring_mode)
+    return mlp_norm_keep_bytes(cfg, sh) + inner
 
 
 def mlp_norm_keep_bytes(cfg: Config, sh: Shapes) -> int:
@@ -273,9 +278,13 @@ def mlp_norm_keep_bytes(cfg: Config, sh: Shapes) -> int:
     return 2 * sh.e * sh.T * sh.h + norm_extra_bytes(cfg, sh, "mlp")
 
 
-def mlp_inner_keep_bytes(cfg: Config, sh: Shapes, layer: int, dispatcher: str) -> int:
+def mlp_inner_keep_bytes(
+    cfg: Config, sh: Shapes, layer: int, dispatcher: str, ring_mode: str = "expert"
+) -> int:
     """What the MLP block keeps after its norm: the part ``moe_peak_*`` also counts (the peak
-    is over the block's inputs, i.e. over the norm's output)."""
+    is over the block's inputs, i.e. over the norm's output). ``ring_mode``: the relaymoe mode
+    (what it saves for backward differs: the own tokens' routing index for the ring modes,
+    the received rows' index for alltoall)."""
     m = cfg.model
     if not m.moe_layer_pattern[layer]:
         f = m.ffn_hidden_size // sh.tp
@@ -285,7 +294,8 @@ def mlp_inner_keep_bytes(cfg: Config, sh: Shapes, layer: int, dispatcher: str) -
     if m.moe_shared_expert_intermediate_size:
         shared = sh.e * sh.T_a * 3 * m.moe_shared_expert_intermediate_size // sh.tp
     if dispatcher == "ring":
-        moe = ROUTING_INDEX_BYTES_PER_PAIR * sh.P + 4 * sh.P  # index + probs; h recomputed
+        # the mode's saved routing index + the probabilities; h is recomputed
+        moe = costmodel.memory_bytes(ring_mode, sh.dims()).saved + PROB_BYTES * sh.P
     else:
         # dispatched tokens (fc1 input), fc1 output (P, 2I), fc2 input (P, I). megatron-core
         # 0.19 applies the routing probabilities to the activation inside the expert MLP (fused
@@ -329,41 +339,26 @@ def attention_flops(cfg: Config, sh: Shapes, layer: int) -> float:
 # -- MoE block working set ----------------------------------------------------------------------
 
 
-def local_expert_bytes(sh: Shapes) -> int:
-    return sh.El * 3 * sh.h * sh.I * sh.e
-
-
 def moe_peak_alltoall(sh: Shapes) -> int:
     """Peak over the MoE block's inputs, one layer fwd+bwd, Megatron alltoall dispatcher."""
-    a = A2A_BUFFERS_EP1 if sh.R == 1 else A2A_BUFFERS_EP
     router = ROUTER_BYTES_PER_TOKEN_EXPERT * sh.T * sh.E
-    return int(
-        a * sh.P * sh.h * sh.e
-        + A2A_INTERMEDIATES * sh.P * sh.I * sh.e
-        + local_expert_bytes(sh)
-        + router
-    )
+    return costmodel.mcore_alltoall_memory_bytes(sh.dims()) + router
 
 
-def moe_peak_ring(sh: Shapes, mode: str, meta_bytes_per_pair: int = 8) -> int:
-    """Peak over the MoE block's inputs, one layer fwd+bwd, relaymoe ring in ``mode``."""
-    e, T, h, I = sh.e, sh.T, sh.h, sh.I
-    router = ROUTER_BYTES_PER_TOKEN_EXPERT * T * sh.E
-    index = ROUTING_INDEX_BYTES_PER_PAIR * sh.P
-    resident = T * h * (e + 4)  # output + fp32 dx accumulator
-    p_hop = -(-sh.P // sh.R)
-    hop = p_hop * (2 * I + 2 * I + I + h) * e  # h_P2I, dh_P2I, a_PI, down-proj rows
-    buffers = 0
-    if sh.R > 1:
-        if mode == "expert":
-            buffers = 2 * local_expert_bytes(sh) + 2 * sh.El * 3 * h * I * 4
-        elif mode == "token":
-            lead = 2 * T * h * e + sh.P * meta_bytes_per_pair  # x (and dy), routing metadata
-            trail = T * h * 4 + sh.P * 4  # fp32 out / dx and dprobs accumulators
-            buffers = 2 * lead + 2 * trail
-        else:
-            raise ValueError(f"ring mode {mode!r}; known: 'expert', 'token'")
-    return router + index + resident + hop + buffers + local_expert_bytes(sh)
+def moe_peak_ring(sh: Shapes, mode: str, transport: str = "copy_engine") -> int:
+    """Peak over the MoE block's inputs, one layer fwd+bwd, relaymoe in ``mode``: the router,
+    the resident output and dx accumulators (activations' dtype) and the mode's saved and
+    transient bytes (the copy-engine workspace is ``symmetric_workspace_bytes``)."""
+    router = ROUTER_BYTES_PER_TOKEN_EXPERT * sh.T * sh.E
+    resident = 2 * sh.T * sh.h * sh.e
+    return router + resident + costmodel.memory_bytes(mode, sh.dims(), transport=transport).peak
+
+
+def symmetric_workspace_bytes(sh: Shapes, mode: str, transport: str) -> int:
+    """The copy-engine workspace of ``mode`` on one GPU (0 with another transport)."""
+    if transport != "copy_engine":
+        return 0
+    return costmodel.memory_bytes(mode, sh.dims(), transport=transport).workspace
 
 
 def logits_bytes(cfg: Config, sh: Shapes) -> int:

@@ -10,8 +10,9 @@ import os
 from dataclasses import asdict, dataclass
 
 from relaymoe.config import Config, config_from_dict, recompute_args, to_megatron_args
+from relaymoe.costmodel import MODES
 from relaymoe.planner import memory as mm
-from relaymoe.planner.comm import choose_mode, per_hop_bytes
+from relaymoe.planner import mode as pm
 from relaymoe.planner.recompute import RecomputePlan, plan_recompute, worst_stage_peak
 
 GiB = 2**30
@@ -63,9 +64,11 @@ class Plan:
     gpu_bytes: int
     usable_bytes: int
     dispatcher: str  # the config's dispatcher (ring unless the config says otherwise)
-    routing_mode: str  # ring mode: expert | token
-    per_hop_bytes: dict  # {"expert": {...}, "token": {...}}
-    moe_peak_bytes: dict  # {"alltoall", "ring", "ring_expert", "ring_token"}
+    routing_mode: str  # relaymoe mode the runtime runs: expert | token | alltoall
+    transport: str  # the ring transport assumed: local | nccl | copy_engine
+    per_hop_bytes: dict  # ring modes: {"expert": {...}, "token": {...}}
+    step_model: dict  # per mode: link bytes per layer step and modelled seconds (costmodel)
+    moe_peak_bytes: dict  # {"alltoall", "ring", "ring_expert", "ring_token", "ring_alltoall"}
     peak_bytes: dict  # per dispatcher, under its recompute plan (None: does not fit)
     peak_full_recompute_bytes: dict
     breakdown: dict  # per dispatcher: term -> bytes (worst stage, under its plan)
@@ -116,8 +119,9 @@ def full_recompute_peak(cfg: Config, dispatcher: str, **kw):
     return worst_stage_peak(cfg, dispatcher, **kw)
 
 
-def max_seq_length(cfg: Config, dispatcher: str, usable: int, ring_mode="expert", **kw) -> int:
-    """Largest multiple of ``seq_quantum`` whose full-recompute peak fits (0: none fits)."""
+def max_seq_length(cfg: Config, dispatcher: str, usable: int, ring_mode=None, **kw) -> int:
+    """Largest multiple of ``seq_quantum`` whose full-recompute peak fits (0: none fits).
+    ``ring_mode`` None: the config's (``auto``: re-chosen at every length, as the runtime)."""
     q = seq_quantum(cfg)
 
     def fits(n):
@@ -127,7 +131,7 @@ def max_seq_length(cfg: Config, dispatcher: str, usable: int, ring_mode="expert"
     return _largest(fits, SEQ_LIMIT // q) * q
 
 
-def max_micro_batch(cfg: Config, dispatcher: str, usable: int, ring_mode="expert", **kw) -> int:
+def max_micro_batch(cfg: Config, dispatcher: str, usable: int, ring_mode=None, **kw) -> int:
     def fits(b):
         pk = full_recompute_peak(cfg, dispatcher, mbs=b, ring_mode=ring_mode, **kw)
         return pk.total <= usable
@@ -158,13 +162,12 @@ def plan(cfg: Config, gpu_bytes: int | str = DEFAULT_GPU) -> Plan:
     gpu = parse_gpu(gpu_bytes)
     usable = usable_bytes(gpu)
     sh = mm.shapes(cfg)
-    mode = choose_mode(sh, cfg.relaymoe.ring_mode)
-    vols = per_hop_bytes(sh)
+    transport = pm.resolve_transport(cfg.relaymoe.transport, sh.R)
+    mode = pm.ring_mode(cfg)
     moe_peak = {
         "alltoall": mm.moe_peak_alltoall(sh),
-        "ring": mm.moe_peak_ring(sh, mode),
-        "ring_expert": mm.moe_peak_ring(sh, "expert"),
-        "ring_token": mm.moe_peak_ring(sh, "token"),
+        "ring": mm.moe_peak_ring(sh, mode, transport),
+        **{f"ring_{m}": mm.moe_peak_ring(sh, m, transport) for m in MODES},
     }
     chosen = "ring" if cfg.relaymoe.dispatcher == "ring" else "alltoall"
     plans: dict[str, dict | None] = {}
@@ -177,8 +180,9 @@ def plan(cfg: Config, gpu_bytes: int | str = DEFAULT_GPU) -> Plan:
     rp_chosen: RecomputePlan | None = None
     for disp in ("alltoall", "ring"):
         full[disp] = full_recompute_peak(cfg, disp, ring_mode=mode).total
-        max_seq[disp] = max_seq_length(cfg, disp, usable, mode)
-        max_mbs[disp] = max_micro_batch(cfg, disp, usable, mode)
+        # the runtime re-chooses an auto mode at every length and micro-batch
+        max_seq[disp] = max_seq_length(cfg, disp, usable)
+        max_mbs[disp] = max_micro_batch(cfg, disp, usable)
         try:
             rp = plan_recompute(cfg, disp, usable, ring_mode=mode)
         except ValueError as e:
@@ -217,7 +221,9 @@ def plan(cfg: Config, gpu_bytes: int | str = DEFAULT_GPU) -> Plan:
         usable_bytes=usable,
         dispatcher=chosen,
         routing_mode=mode,
-        per_hop_bytes=vols,
+        transport=transport,
+        per_hop_bytes=pm.per_hop_bytes(sh),
+        step_model=pm.step_report(sh, transport),
         moe_peak_bytes=moe_peak,
         peak_bytes=peaks,
         peak_full_recompute_bytes=full,
@@ -322,6 +328,7 @@ def config_from_megatron_args(args) -> Config:
     relay = {
         "dispatcher": "ring" if disp == "ring" else "alltoall",
         "ring_mode": g("relaymoe_ring_mode", "auto"),
+        "transport": g("relaymoe_transport", "auto"),
     }
     return config_from_dict(
         {"model": model, "parallel": parallel, "training": training, "relaymoe": relay},

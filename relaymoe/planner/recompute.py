@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 
 from relaymoe.config import Config
 from relaymoe.planner import memory as mm
+from relaymoe.planner.mode import resolve_transport, ring_mode_of
 
 
 @dataclass(frozen=True)
@@ -75,15 +76,26 @@ def stage_peak(
     *,
     seq: int | None = None,
     mbs: int | None = None,
-    ring_mode: str = "expert",
+    ring_mode: str | None = None,
+    transport: str | None = None,
     logits: bool = True,
 ) -> StagePeak:
-    """Peak bytes of one pipeline stage's GPU; ``kept`` layers are not recomputed."""
+    """Peak bytes of one pipeline stage's GPU; ``kept`` layers are not recomputed.
+    ``ring_mode`` / ``transport``: default the config's; ``auto`` is what the runtime picks
+    at this sequence length and micro-batch (``relaymoe.planner.ring_mode``)."""
     sh = mm.shapes(cfg, seq, mbs)
     states = mm.model_state_bytes(cfg, stage)
     layers = mm.stage_layers(cfg, stage)
     inflight = mm.inflight_microbatches(cfg, stage)
-    moe_peak = mm.moe_peak_ring(sh, ring_mode) if dispatcher == "ring" else mm.moe_peak_alltoall(sh)
+    workspace = 0
+    if dispatcher == "ring":
+        tr = resolve_transport(transport or cfg.relaymoe.transport, sh.R)
+        ring_mode = ring_mode_of(cfg, sh, ring_mode, tr)
+        moe_peak = mm.moe_peak_ring(sh, ring_mode, tr)
+        # persistent and shared by all layers: once per GPU, beside the layers' peaks
+        workspace = mm.symmetric_workspace_bytes(sh, ring_mode, tr)
+    else:
+        moe_peak = mm.moe_peak_alltoall(sh)
     # Per layer: r = what it retains through the forward (all its activations when kept, its
     # input when recomputed) and x = what its backward adds on top of r. A recomputed layer
     # rematerialises everything but the checkpointed input it already holds, and its MLP
@@ -99,7 +111,7 @@ def stage_peak(
     for i in layers:
         attn = mm.attention_keep_bytes(cfg, sh, i)
         norm = mm.mlp_norm_keep_bytes(cfg, sh)
-        inner = mm.mlp_inner_keep_bytes(cfg, sh, i, dispatcher)
+        inner = mm.mlp_inner_keep_bytes(cfg, sh, i, dispatcher, ring_mode)
         peak = max(moe_peak, inner) if cfg.model.moe_layer_pattern[i] else inner
         if i in kept:
             r.append(attn + norm + inner)
@@ -125,9 +137,10 @@ def stage_peak(
         "activations_retained": retained,
         "layer_working_set": ws,
         "moe_block_peak": moe_peak,
+        "symmetric_workspace": workspace,
         "logits_loss": logits,
     }
-    total = sum(states.values()) + retained + transient
+    total = sum(states.values()) + workspace + retained + transient
     return StagePeak(stage=stage, total=total, terms=terms)
 
 
@@ -139,10 +152,15 @@ def worst_stage_peak(cfg: Config, dispatcher: str, kept=frozenset(), **kw) -> St
 def layer_options(cfg: Config, dispatcher: str, stage: int, **kw) -> list[LayerOption]:
     kw.pop("logits", None)
     sh = mm.shapes(cfg, kw.get("seq"), kw.get("mbs"))
+    mode = "expert"
+    if dispatcher == "ring":
+        tr = resolve_transport(kw.get("transport") or cfg.relaymoe.transport, sh.R)
+        mode = ring_mode_of(cfg, sh, kw.get("ring_mode"), tr)
     inflight = mm.inflight_microbatches(cfg, stage)
     out = []
     for i in mm.stage_layers(cfg, stage):
-        keep = mm.attention_keep_bytes(cfg, sh, i) + mm.moe_keep_bytes(cfg, sh, i, dispatcher)
+        keep = mm.attention_keep_bytes(cfg, sh, i)
+        keep += mm.moe_keep_bytes(cfg, sh, i, dispatcher, mode)
         m = int(inflight * (keep - mm.layer_input_bytes(sh)))
         c = mm.attention_flops(cfg, sh, i)
         if dispatcher != "ring" and cfg.model.moe_layer_pattern[i]:
@@ -153,7 +171,7 @@ def layer_options(cfg: Config, dispatcher: str, stage: int, **kw) -> list[LayerO
 
 
 def plan_recompute(
-    cfg: Config, dispatcher: str, usable_bytes: int, *, ring_mode: str = "expert", **kw
+    cfg: Config, dispatcher: str, usable_bytes: int, *, ring_mode: str | None = None, **kw
 ) -> RecomputePlan:
     """Greedy c/m selection on every pipeline stage; raises ValueError when even full
     recompute does not fit."""
@@ -173,7 +191,7 @@ def plan_recompute(
                 "larger GPU"
             )
         opts = sorted(
-            layer_options(cfg, dispatcher, stage, **kw),
+            layer_options(cfg, dispatcher, stage, ring_mode=ring_mode, **kw),
             key=lambda o: (-(o.flops_saved / max(o.mem_bytes, 1)), o.layer),
         )
         kept, used, c = [], 0, 0.0

@@ -4,27 +4,38 @@ Each rank checks its own inputs without raising, writes a row of integers (error
 dtypes, device, requested mode/transport, host, then its pair count per expert owner) into an
 ``(R, F + R)`` matrix and one all-reduce (sum) gives every rank every row. Every rank then applies
 the same checks to the same matrix and raises the same ``ValueError``, or returns the same
-:class:`RingProblem`: the sizes of all partitions and their pair counts (so no hop syncs with the
-host to size its buffers), the resolved mode and transport.
+:class:`RingProblem`: the sizes of all partitions, the resolved mode and transport, and (where a
+hop's buffers are sized exactly) the pair counts.
+
+**Trusted callers** (``trusted=True``: the ids come from a router, as in Megatron, and every rank
+changes its input signature in the same call) skip the id validation and reuse the agreement of
+the same signature (shapes, dtypes, device, mode, transport, whether a backward follows): a call
+in steady state neither communicates nor synchronizes with the host here. The hops then size
+their pair buffers from an upper bound (``T * min(K, E_local)`` pairs) as long as that stays
+under the pair-buffer budget (``RELAYMOE_PAIR_BUFFER_MIB``); above it, one all-reduce of the pair
+counts per call (a host sync) keeps the buffers exact. ``RELAYMOE_RING_AGREE=every_call`` turns
+the cache off (debugging a caller that breaks the contract).
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from relaymoe.costmodel import MODES as COST_MODES
+from relaymoe.costmodel import choose_mode
 from relaymoe.ring.transport import copy_engine_available, copy_engine_works
-from relaymoe.ring.volume import comm_volume
 from relaymoe.routing import validate_topk_idx
 
 __all__ = ["RingProblem", "agree"]
 
-MODES = ("auto", "expert", "token")
+MODES = ("auto", *COST_MODES)  # the runtime's names: relaymoe.costmodel.MODES
 TRANSPORTS = ("auto", "nccl", "copy_engine")
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _DEVICE_TYPES = ("cpu", "cuda")
@@ -76,13 +87,21 @@ class RingProblem:
     mode: str  # "expert" | "token"
     transport: str  # "nccl" | "copy_engine" | "local"
     needs_grad: bool
-    # pairs[r][q]: pairs of rank r's tokens whose expert rank q owns. Read in the same all-reduce
-    # as the sizes, so a hop knows its pair count without a host sync of its own.
-    pairs: tuple[tuple[int, ...], ...]
+    # pairs[r][q]: pairs of rank r's tokens whose expert rank q owns, read in the same all-reduce
+    # as the sizes, so a hop knows its pair count without a host sync of its own. None: the hops
+    # size their buffers from the bound ``pair_bound`` (trusted callers, small T).
+    pairs: tuple[tuple[int, ...], ...] | None
 
     @property
     def num_experts(self) -> int:
         return self.num_local_experts * self.world_size
+
+    def hop_pairs(self, tokens_rank: int, experts_rank: int) -> int:
+        """Rows of the pair buffers of one hop: rank ``tokens_rank``'s tokens against rank
+        ``experts_rank``'s experts; exact when the counts were agreed, else the upper bound."""
+        if self.pairs is not None:
+            return self.pairs[tokens_rank][experts_rank]
+        return self.tokens[tokens_rank] * min(self.topk, self.num_local_experts)
 
     @property
     def expert_range(self) -> tuple[int, int]:
@@ -131,7 +150,9 @@ def _weight_meta(name: str, w, want: str) -> tuple[_Meta | None, str]:
     return _Meta((len(w), *w0.shape), w0.dtype, w0.device), ""
 
 
-def _local_check(x, w13, w2, topk_idx, topk_probs, mode, transport, world) -> tuple[int, str]:
+def _local_check(
+    x, w13, w2, topk_idx, topk_probs, mode, transport, world, validate_ids: bool = True
+) -> tuple[int, str]:
     """(error code, message) of this rank's inputs; (0, "") when they are fine."""
     tensors = dict(x=x, topk_idx=topk_idx, topk_probs=topk_probs)
     for name, t in tensors.items():
@@ -180,6 +201,12 @@ def _local_check(x, w13, w2, topk_idx, topk_probs, mode, transport, world) -> tu
         return 5, f"inputs are on different devices: {sorted(map(str, devices))}; move them to one"
     if x.device.type not in _DEVICE_TYPES:
         return 7, f"ring_moe runs on cpu or cuda tensors, got {x.device}"
+    if not validate_ids:  # a trusted caller (a router): shapes only, no host sync
+        if topk_idx.dtype.is_floating_point or topk_idx.dtype == torch.bool:
+            return 4, f"topk_idx must hold integer expert ids, got dtype {topk_idx.dtype}"
+        if not 1 <= topk_idx.shape[1] <= n_local * world:
+            return 6, f"top-k K={topk_idx.shape[1]} must be in [1, E={n_local * world}]"
+        return 0, ""
     try:
         validate_topk_idx(topk_idx, n_local * world)  # host sync
     except ValueError as err:
@@ -202,7 +229,7 @@ def _comm_device(group: dist.ProcessGroup, x) -> torch.device:
     return torch.device("cpu")
 
 
-def agree(
+def _agree_collective(
     x,
     w13,
     w2,
@@ -215,9 +242,11 @@ def agree(
     mode: str,
     transport: str,
     needs_grad: bool,
+    validate_ids: bool,
+    with_pairs: bool,
 ) -> RingProblem:
     """Validate on every rank at once; raise the same ``ValueError`` everywhere or agree."""
-    code, msg = _local_check(x, w13, w2, topk_idx, topk_probs, mode, transport, world)
+    code, msg = _local_check(x, w13, w2, topk_idx, topk_probs, mode, transport, world, validate_ids)
     row = [0] * NUM_FIELDS
     row[F_ERR] = code
     if code == 0:
@@ -232,7 +261,7 @@ def agree(
         row[F_GRAD] = int(needs_grad) + 1
         row[F_CE] = int(x.is_cuda and copy_engine_available()) + 1
     row[F_HOST] = _host_hash()
-    counts = _pairs_per_owner(topk_idx, row[F_EL], world) if code == 0 else None
+    counts = _pairs_per_owner(topk_idx, row[F_EL], world) if code == 0 and with_pairs else None
     if group is not None and world > 1:
         mat = torch.zeros(
             world, NUM_FIELDS + world, dtype=torch.int64, device=_comm_device(group, x)
@@ -277,7 +306,7 @@ def agree(
             f"{[str(_FLOATS[c - 1]) for c in pcodes]}; use one dtype on every rank"
         )
     same(F_DEV, "the device type (1 cpu, 2 cuda)", "put every rank's inputs on the same kind")
-    same(F_MODE, "the requested mode (1 auto, 2 expert, 3 token)", "pass the same mode")
+    same(F_MODE, "the requested mode (1 auto, 2 expert, 3 token, 4 alltoall)", "pass the same mode")
     same(F_TRANSPORT, "the requested transport (1 auto, 2 nccl, 3 copy_engine)", "pass the same")
     same(
         F_GRAD,
@@ -291,11 +320,12 @@ def agree(
     needs = r0[F_GRAD] == 2
     n_local, hidden, ffn, topk = r0[F_EL], r0[F_H], r0[F_I], r0[F_K]
     mode_req, tr_req = MODES[r0[F_MODE] - 1], TRANSPORTS[r0[F_TRANSPORT] - 1]
-    if mode_req == "auto":
-        vol = comm_volume(
-            max(tokens), hidden, ffn, n_local, topk, dtype=dtype, prob_dtype=prob_dtype
-        )
-        mode_res = vol.preferred(training=needs)
+    if mode_req == "auto":  # the time model (relaymoe.costmodel), the same floats on every rank
+        mode_res = choose_mode(
+            tokens=tokens, hidden=hidden, ffn=ffn, num_local_experts=n_local, topk=topk,
+            world=world, act_bytes=dtype.itemsize, prob_bytes=prob_dtype.itemsize,
+            training=needs, transport="nccl" if tr_req == "nccl" else "copy_engine",
+        )  # fmt: skip
     else:
         mode_res = mode_req
     on_cuda = r0[F_DEV] == 2
@@ -316,7 +346,9 @@ def agree(
                 f"ring_moe: transport='copy_engine' needs CUDA ranks on one node with symmetric "
                 f"memory, but {why}; use transport='nccl' (or 'auto')"
             )
-        tr_res = "copy_engine"
+        tr_res = "copy_engine" if mode_res != "alltoall" else "nccl"
+    elif mode_res == "alltoall":  # collectives over the group's own backend
+        tr_res = "nccl"
     elif tr_req == "auto":
         g = group if group is not None else dist.group.WORLD
         tr_res = "copy_engine" if ce_ok and copy_engine_works(g, x.device) else "nccl"
@@ -335,5 +367,82 @@ def agree(
         mode=mode_res,
         transport=tr_res,
         needs_grad=needs,
-        pairs=tuple(tuple(rw[NUM_FIELDS:]) for rw in rows),
+        pairs=tuple(tuple(rw[NUM_FIELDS:]) for rw in rows) if with_pairs else None,
     )
+
+
+# Agreements of trusted callers by (group, rank, world, input signature); see the module doc.
+_AGREED: dict[tuple, RingProblem] = {}
+
+
+def _signature(x, w13, w2, topk_idx, topk_probs, mode, transport, needs_grad) -> tuple:
+    def meta(t):
+        if isinstance(t, Tensor):
+            return (tuple(t.shape), t.dtype, t.device.type)
+        return (len(t), tuple(t[0].shape), t[0].dtype, t[0].device.type)
+
+    return (meta(x), meta(w13), meta(w2), meta(topk_idx), meta(topk_probs), mode, transport,
+            needs_grad)  # fmt: skip
+
+
+def _bounded(prob: RingProblem) -> bool:
+    """Whether every hop's pair buffers fit the budget when sized from the bound (the largest is
+    the backward's pre-activation, ``(P, 2I)`` in the activations' dtype)."""
+    budget = int(os.environ.get("RELAYMOE_PAIR_BUFFER_MIB", "512")) * 2**20
+    esize = torch.empty((), dtype=prob.dtype).element_size()
+    bound = max(prob.tokens) * min(prob.topk, prob.num_local_experts)
+    return bound * 2 * prob.ffn * esize <= budget
+
+
+def pair_counts(topk_idx: Tensor, prob: RingProblem, group) -> tuple[tuple[int, ...], ...]:
+    """Every rank's pairs per expert owner (one all-reduce and a host sync): ``pairs[r][q]``."""
+    R = prob.world_size
+    counts = _pairs_per_owner(topk_idx, prob.num_local_experts, R)
+    if group is None or R == 1:
+        return (tuple(counts.tolist()),)  # host sync
+    mat = torch.zeros(R, R, dtype=torch.int64, device=_comm_device(group, topk_idx))
+    mat[prob.rank] = counts.to(mat.device)
+    dist.all_reduce(mat, group=group)
+    return tuple(tuple(r) for r in mat.tolist())  # host sync
+
+
+def agree(
+    x,
+    w13,
+    w2,
+    topk_idx,
+    topk_probs,
+    *,
+    group: dist.ProcessGroup | None,
+    rank: int,
+    world: int,
+    mode: str,
+    transport: str,
+    needs_grad: bool,
+    trusted: bool = False,
+) -> RingProblem:
+    """The :class:`RingProblem` every rank agrees on, or the same ``ValueError`` on every rank.
+
+    ``trusted=False``: one all-reduce and a host sync per call (ids validated, pair counts
+    exact). ``trusted=True``: see the module doc (cached per signature, ids not validated).
+    """
+    cache = trusted and os.environ.get("RELAYMOE_RING_AGREE", "cached") != "every_call"
+    key = None
+    if cache:
+        sig = _signature(x, w13, w2, topk_idx, topk_probs, mode, transport, needs_grad)
+        key = (getattr(group, "group_name", None) or id(group), rank, world, sig)
+        prob = _AGREED.get(key)
+        if prob is None:
+            prob = _agree_collective(
+                x, w13, w2, topk_idx, topk_probs, group=group, rank=rank, world=world,
+                mode=mode, transport=transport, needs_grad=needs_grad, validate_ids=False,
+                with_pairs=False,
+            )  # fmt: skip
+            _AGREED[key] = prob
+        if _bounded(prob):
+            return prob
+        return replace(prob, pairs=pair_counts(topk_idx, prob, group))
+    return _agree_collective(
+        x, w13, w2, topk_idx, topk_probs, group=group, rank=rank, world=world, mode=mode,
+        transport=transport, needs_grad=needs_grad, validate_ids=True, with_pairs=True,
+    )  # fmt: skip

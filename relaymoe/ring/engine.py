@@ -37,7 +37,14 @@ per element, ``Tm`` the largest T of the group, ``m = K*(4+pb)`` metadata bytes 
 * list-form weights (``weights.py``): nothing more in expert mode; in token mode (and in a world
   of one) ``W*b`` more for the duration of each pass when the per-expert tensors are not back
   to back in one storage (in expert order or its reverse), else nothing (a zero-copy view).
-  Nothing extra lives from forward to backward in either mode.
+* from forward to backward: expert mode keeps the call's routing index, token mode the routing
+  index of every visiting partition (``12*T*K`` bytes each: built once per call, no ids travel
+  backward), nothing else.
+
+**All-to-all mode** (``mode="alltoall"``, ``alltoall.py``): the same hop primitives behind one
+all-to-all of index-dispatched tokens, for the small-T regime where the ring's per-hop host cost
+dominates. ``mode="auto"`` picks among the three with ``relaymoe.costmodel.choose_mode`` (a time
+model calibrated on H200 rows), identically on every rank.
 
 No ``(T*K, H)`` buffer exists at any time (the hop primitives read tokens through the index).
 With ``transport="copy_engine"`` the two slots are a persistent symmetric-memory workspace per
@@ -54,6 +61,7 @@ from torch import Tensor
 
 from relaymoe.experts import expert_hop_backward, expert_hop_forward
 from relaymoe.ring.agree import RingProblem, agree
+from relaymoe.ring.alltoall import alltoall_backward, alltoall_forward
 from relaymoe.ring.executor import relay
 from relaymoe.ring.layout import Layout
 from relaymoe.ring.schedule import RingPlan
@@ -93,15 +101,18 @@ def _weights_layout(prob: RingProblem, prefix: str = "") -> Layout:
 
 
 def _token_lead(prob: RingProblem, T: int, backward: bool) -> Layout:
+    """A visiting token partition: x, ids and probabilities forward; x, probabilities and dy
+    backward (the forward kept each partition's routing index, so no ids travel)."""
     H, K = prob.hidden, prob.topk
-    specs = [
-        ("x", prob.dtype, (T, H)),
-        ("idx", _IDX, (T, K)),
-        ("probs", prob.prob_dtype, (T, K)),
-    ]
     if backward:
-        specs.append(("dy", prob.dtype, (T, H)))
-    return Layout.of(*specs)
+        return Layout.of(
+            ("x", prob.dtype, (T, H)),
+            ("probs", prob.prob_dtype, (T, K)),
+            ("dy", prob.dtype, (T, H)),
+        )
+    return Layout.of(
+        ("x", prob.dtype, (T, H)), ("idx", _IDX, (T, K)), ("probs", prob.prob_dtype, (T, K))
+    )
 
 
 def _token_trail(prob: RingProblem, T: int, backward: bool) -> Layout:
@@ -143,7 +154,14 @@ def _capacity(fwd: RingPlan, bwd: RingPlan, prob: RingProblem) -> int:
 # ---------------------------------------------------------------------------------------------
 # expert mode
 # ---------------------------------------------------------------------------------------------
-def _expert_forward(prob, group, backend, overlap, x, experts, probs, index, order, pairs):
+def _pair_rows(prob: RingProblem, tokens_rank: int, experts_rank: int) -> dict[str, int]:
+    """The hop primitives' pair-count keyword for one hop: the agreed count, else its bound."""
+    if prob.pairs is not None:
+        return {"n_pairs": prob.pairs[tokens_rank][experts_rank]}
+    return {"max_pairs": prob.hop_pairs(tokens_rank, experts_rank)}
+
+
+def _expert_forward(prob, group, backend, overlap, x, experts, probs, index, order):
     El = prob.num_local_experts
     out = torch.zeros_like(x)
     T = x.shape[0]
@@ -156,7 +174,7 @@ def _expert_forward(prob, group, backend, overlap, x, experts, probs, index, ord
         expert_hop_forward(
             x, a, b, probs, index,
             expert_range=(part * El, (part + 1) * El), out_TH=out, save="none", backend=backend,
-            n_pairs=pairs[part],
+            **_pair_rows(prob, prob.rank, part),
         )  # fmt: skip
 
     fwd, bwd = _expert_plans(prob)
@@ -176,7 +194,7 @@ def _expert_forward(prob, group, backend, overlap, x, experts, probs, index, ord
     return out
 
 
-def _expert_backward(prob, group, backend, overlap, dy, x, experts, probs, index, order, pairs):
+def _expert_backward(prob, group, backend, overlap, dy, x, experts, probs, index, order):
     """Returns ``(dx, dprobs, dw13, dw2)``; the weight gradients' rows are in the row order the
     compute used: expert order for ``R > 1`` (slot 0 is packed in expert order), ``order`` in a
     world of one."""
@@ -194,7 +212,7 @@ def _expert_backward(prob, group, backend, overlap, dy, x, experts, probs, index
             dy, x, a, b, probs, index,
             expert_range=(part * El, (part + 1) * El), saved_h=None,
             dx_TH=dx, dprobs_TK=dprobs, dw13=trail["dw13"], dw2=trail["dw2"], backend=backend,
-            n_pairs=pairs[part],
+            **_pair_rows(prob, prob.rank, part),
         )  # fmt: skip
 
     _, bwd = _expert_plans(prob)
@@ -227,21 +245,25 @@ def _token_ids(ids: Tensor, prob: RingProblem, order: str) -> Tensor:
     return reverse_local_ids(ids, prob.num_local_experts) if order == REVERSED else ids
 
 
-def _token_forward(prob, group, backend, overlap, x, experts, probs, idx32, order) -> Tensor:
+def _token_forward(prob, group, backend, overlap, x, experts, probs, idx32, order):
+    """Returns ``(out, indices)``: ``indices[p]`` is the routing index of partition ``p``'s
+    tokens (built once, when it visits; the backward reuses it)."""
     E, Ts, own = prob.num_experts, prob.tokens, prob.expert_range
     # local experts compute every hop: their (El, ...) form for this pass only (a zero-copy view
     # when the list form is back to back, else a transient stack dropped when the pass ends)
     w13, w2, order = experts.stacked(order)
+    indices: dict[int, object] = {}
 
     def compute(hop, part, lead, trail):
         if Ts[part] == 0:
             return
         xs, ids, ps = (x, idx32, probs) if lead is None else (lead["x"], lead["idx"], lead["probs"])
         index = build_routing_index(_token_ids(ids, prob, order), E, validate=False)
+        indices[part] = index
         expert_hop_forward(
             xs, w13, w2, ps, index,
             expert_range=own, out_TH=trail["out"], save="none", backend=backend,
-            n_pairs=prob.pairs[part][prob.rank],
+            **_pair_rows(prob, part, prob.rank),
         )  # fmt: skip
 
     fwd, bwd = _token_plans(prob)
@@ -258,35 +280,35 @@ def _token_forward(prob, group, backend, overlap, x, experts, probs, idx32, orde
         phase="fwd",
         capacity=_capacity(fwd, bwd, prob),
     )
-    return result["out"]
+    return result["out"], indices
 
 
-def _token_backward(prob, group, backend, overlap, dy, x, experts, probs, idx32, order):
-    """Returns ``(dx, dprobs, dw13, dw2)``, the weight gradients' rows in ``order``."""
-    E, Ts, own = prob.num_experts, prob.tokens, prob.expert_range
+def _token_backward(prob, group, backend, overlap, dy, x, experts, probs, indices, order):
+    """Returns ``(dx, dprobs, dw13, dw2)``, the weight gradients' rows in ``order``.
+    ``indices``: the forward's routing index of every visiting partition."""
+    Ts, own = prob.tokens, prob.expert_range
     w13, w2, order = experts.stacked(order)  # again for this pass only
-    dw13 = torch.zeros(w13.shape, dtype=w13.dtype, device=w13.device)
-    dw2 = torch.zeros(w2.shape, dtype=w2.dtype, device=w2.device)
+    # the first hop with pairs writes the local weight gradients, later hops add (no zero fill)
+    dw: dict[str, Tensor | None] = {"dw13": None, "dw2": None}
 
     def compute(hop, part, lead, trail):
         if Ts[part] == 0:
             return
         if lead is None:
-            xs, ids, ps, dys = x, idx32, probs, dy
+            xs, ps, dys = x, probs, dy
         else:
-            xs, ids, ps, dys = lead["x"], lead["idx"], lead["probs"], lead["dy"]
-        index = build_routing_index(_token_ids(ids, prob, order), E, validate=False)
-        expert_hop_backward(
-            dys, xs, w13, w2, ps, index,
+            xs, ps, dys = lead["x"], lead["probs"], lead["dy"]
+        _, _, dw["dw13"], dw["dw2"] = expert_hop_backward(
+            dys, xs, w13, w2, ps, indices[part],
             expert_range=own, saved_h=None, dx_TH=trail["dx"], dprobs_TK=trail["dprobs"],
-            dw13=dw13, dw2=dw2, backend=backend, n_pairs=prob.pairs[part][prob.rank],
+            dw13=dw["dw13"], dw2=dw["dw2"], backend=backend, **_pair_rows(prob, part, prob.rank),
         )  # fmt: skip
 
     _, bwd = _token_plans(prob)
     result = relay(
         bwd,
         lead_layout=lambda p: _token_lead(prob, Ts[p], True),
-        own_lead={"x": x, "idx": idx32, "probs": probs, "dy": dy},
+        own_lead={"x": x, "probs": probs, "dy": dy},
         trail_layout=lambda p: _token_trail(prob, Ts[p], True),
         compute=compute,
         transport=_transport(prob, group),
@@ -295,6 +317,8 @@ def _token_backward(prob, group, backend, overlap, dy, x, experts, probs, idx32,
         mode="token",
         phase="bwd",
     )
+    dw13 = dw["dw13"] if dw["dw13"] is not None else torch.zeros_like(w13)
+    dw2 = dw["dw2"] if dw["dw2"] is not None else torch.zeros_like(w2)
     return result["dx"], result["dprobs"], dw13, dw2
 
 
@@ -324,14 +348,14 @@ class _RingMoE(torch.autograd.Function):
             if prob.world_size == 1 and order == REVERSED:
                 ids = reverse_local_ids(idx32, prob.num_local_experts)
             index = build_routing_index(ids, prob.num_experts, validate=False)
-            pairs = prob.pairs[prob.rank]  # per visiting partition, agreed without a sync
-            out = _expert_forward(
-                prob, group, backend, overlap, x, experts, probs, index, order, pairs
+            out = _expert_forward(prob, group, backend, overlap, x, experts, probs, index, order)
+            ctx.index = index
+        elif prob.mode == "token":
+            out, ctx.index = _token_forward(
+                prob, group, backend, overlap, x, experts, probs, idx32, order
             )
-            ctx.index, ctx.pairs = index, pairs
         else:
-            out = _token_forward(prob, group, backend, overlap, x, experts, probs, idx32, order)
-            ctx.index = None
+            out, ctx.index = alltoall_forward(prob, group, backend, x, experts, probs, idx32, order)
         ctx.save_for_backward(x, probs, idx32, *ws)
         return out
 
@@ -344,10 +368,15 @@ class _RingMoE(torch.autograd.Function):
         dy = dy.to(prob.dtype).contiguous()
         args = (prob, ctx.group, ctx.backend, ctx.overlap, dy, x, experts, probs)
         if prob.mode == "expert":
-            dx, dprobs, dw13, dw2 = _expert_backward(*args, ctx.index, order, ctx.pairs)
+            dx, dprobs, dw13, dw2 = _expert_backward(*args, ctx.index, order)
             rows = order if prob.world_size == 1 else FORWARD
+        elif prob.mode == "token":
+            dx, dprobs, dw13, dw2 = _token_backward(*args, ctx.index, order)
+            rows = order
         else:
-            dx, dprobs, dw13, dw2 = _token_backward(*args, idx32, order)
+            dx, dprobs, dw13, dw2 = alltoall_backward(
+                prob, ctx.group, ctx.backend, dy, x, experts, probs, ctx.index, order
+            )
             rows = order
         need = ctx.needs_input_grad
         wgrads = experts.split(dw13, dw2, rows)  # views of the returned gradient, no copy
@@ -377,6 +406,7 @@ def ring_moe(
     transport: str = "auto",
     overlap: bool = True,
     backend: str = "auto",
+    trusted: bool = False,
 ) -> Tensor:
     """MoE experts over the expert-parallel ``group`` by ring execution (RelayMoE §3.1-3.3).
 
@@ -393,15 +423,21 @@ def ring_moe(
     order) or a stack that lives for one pass only (token mode). See ``weights.py``.
 
     ``group``: the EP group (default: the default group; without an initialized process group
-    a world of one). ``mode``: ``"expert"``, ``"token"`` or ``"auto"`` (smaller per-hop volume,
-    :func:`relaymoe.ring.comm_volume`, identical on every rank). ``transport``: ``"nccl"``
-    (``batch_isend_irecv``; gloo on CPU), ``"copy_engine"`` (symmetric-memory pulls, CUDA within
+    a world of one). ``mode``: ``"expert"``, ``"token"``, ``"alltoall"`` or ``"auto"`` (the
+    fastest by :func:`relaymoe.costmodel.choose_mode`, identical on every rank).
+    ``transport``: ``"nccl"`` (``batch_isend_irecv``; gloo on CPU; the all-to-all mode always
+    uses the group's collectives), ``"copy_engine"`` (symmetric-memory pulls, CUDA within
     a node) or ``"auto"`` (copy engine when every rank is a CUDA device of one node with
     symmetric memory, else nccl). ``overlap=False`` serialises transfer and compute (ablation).
     ``backend``: the hop primitives' backend (``"auto"``, ``"triton"``, ``"torch"``).
 
     Every rank of the group must call it (and its backward) with the same mode/transport; bad
     input raises ``ValueError`` on every rank before any P2P. Ranks may mix the two weight forms.
+
+    ``trusted=True`` (Megatron's dispatcher): ``topk_idx`` comes from a router and is not
+    validated, and every rank changes its input signature (shapes, dtypes, mode, transport,
+    whether a backward follows) in the same call; the ranks' agreement is then reused per
+    signature, so a call in steady state has no host synchronisation (``agree.py``).
     """
     group, rank, world = _resolve_group(group)
     listed = isinstance(w13, (list, tuple)) and isinstance(w2, (list, tuple))
@@ -409,19 +445,21 @@ def ring_moe(
     needs_grad = torch.is_grad_enabled() and any(
         isinstance(t, Tensor) and t.requires_grad for t in (x, topk_probs, *ws)
     )
-    prob = agree(
-        x,
-        w13,
-        w2,
-        topk_idx,
-        topk_probs,
-        group=group,
-        rank=rank,
-        world=world,
-        mode=mode,
-        transport=transport,
-        needs_grad=needs_grad,
-    )
+    with torch.profiler.record_function("relaymoe.agree"):
+        prob = agree(
+            x,
+            w13,
+            w2,
+            topk_idx,
+            topk_probs,
+            group=group,
+            rank=rank,
+            world=world,
+            mode=mode,
+            transport=transport,
+            needs_grad=needs_grad,
+            trusted=trusted,
+        )
     return _RingMoE.apply(x, topk_probs, topk_idx, prob, group, backend, overlap, listed, *ws)
 
 
@@ -437,4 +475,5 @@ def resolved_problem(*args, **kwargs) -> RingProblem:
         mode=kwargs.pop("mode", "auto"),
         transport=kwargs.pop("transport", "auto"),
         needs_grad=needs_grad,
+        trusted=kwargs.pop("trusted", False),
     )

@@ -285,34 +285,37 @@ def relay(
         )
     for h in range(R):
         p = plan.partition(h)
-        ex.mark(h, "h0")
-        pending = ex.start(h)
-        if not overlap:
-            ex.wait(pending, h)
-        lead = own_views if h == 0 else lead_layout(p).views(slots[h % 2])
-        if has_trail:
-            dst = trail_layout(p).views(slots[(h + 1) % 2], plan.slot_layout(h + 1).trail_offset)
-            if h == 0:  # nothing arrives into the trail region at hop 0
-                for v in dst.values():
-                    v.zero_()
-                ex.mark(h, "c0")
-                compute(h, p, lead, dst)
-                ex.mark(h, "c1")
+        with torch.profiler.record_function(f"relaymoe.{mode}.{phase}.hop"):  # host time per hop
+            ex.mark(h, "h0")
+            pending = ex.start(h)
+            if not overlap:
                 ex.wait(pending, h)
+            lead = own_views if h == 0 else lead_layout(p).views(slots[h % 2])
+            if has_trail:
+                dst = trail_layout(p).views(
+                    slots[(h + 1) % 2], plan.slot_layout(h + 1).trail_offset
+                )
+                if h == 0:  # nothing arrives into the trail region at hop 0
+                    for v in dst.values():
+                        v.zero_()
+                    ex.mark(h, "c0")
+                    compute(h, p, lead, dst)
+                    ex.mark(h, "c1")
+                    ex.wait(pending, h)
+                else:
+                    part = _zero_views(trail_layout(p), scratch_buf)
+                    ex.mark(h, "c0")
+                    compute(h, p, lead, part)
+                    ex.mark(h, "c1")
+                    ex.wait(pending, h)
+                    for name, v in dst.items():
+                        v.add_(part[name])
             else:
-                part = _zero_views(trail_layout(p), scratch_buf)
                 ex.mark(h, "c0")
-                compute(h, p, lead, part)
+                compute(h, p, lead, None)
                 ex.mark(h, "c1")
                 ex.wait(pending, h)
-                for name, v in dst.items():
-                    v.add_(part[name])
-        else:
-            ex.mark(h, "c0")
-            compute(h, p, lead, None)
-            ex.mark(h, "c1")
-            ex.wait(pending, h)
-        ex.mark(h, "h1")
+            ex.mark(h, "h1")
     result = None
     if has_trail:
         lay = trail_layout(rank)

@@ -11,6 +11,7 @@ link rates: an optimistic baseline, so predicted ring speedups are not inflated 
 
 from __future__ import annotations
 
+from relaymoe.costmodel import mcore_alltoall_send_bytes
 from relaymoe.sim.model import GB, Cluster, ComputeModel, MoEShape, SimResult
 
 PEER_MESSAGE_US = 2.0
@@ -33,7 +34,7 @@ def alltoall_seconds(shape: MoEShape, cluster: Cluster, row_bytes: float) -> flo
 
 def alltoall_bytes(shape: MoEShape, ep: int) -> float:
     """Bytes one rank sends in one all-to-all of (T*K, H) rows."""
-    return shape.pairs * (ep - 1) / ep * shape.H * shape.dtype_bytes
+    return mcore_alltoall_send_bytes(shape.dims(ep))
 
 
 def simulate_alltoall(

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from relaymoe.costmodel import Dims
+
 GB = 1e9
 
 # Measured on 2x H200 (anchors): copy-engine pull of 604 MB took 1.62 ms (373 GB/s); NCCL P2P
@@ -41,12 +43,11 @@ class MoEShape:
     K: int
     H: int
     I: int
-    dtype_bytes: int = 2  # bf16 activations and weights
-    grad_bytes: int = 2  # the travelling expert gradient: the weights' dtype (ring/engine.py)
-    meta_bytes_per_pair: int = 8  # int32 expert id + fp32 probability per (token, k)
+    dtype_bytes: int = 2  # bf16 activations and weights (and the travelling gradients)
+    prob_bytes: int = 4  # fp32 router probabilities
 
     def __post_init__(self):
-        for key in ("T", "E", "K", "H", "I", "dtype_bytes", "grad_bytes"):
+        for key in ("T", "E", "K", "H", "I", "dtype_bytes", "prob_bytes"):
             v = getattr(self, key)
             if not isinstance(v, int) or v < (0 if key == "T" else 1):
                 raise ValueError(
@@ -59,6 +60,15 @@ class MoEShape:
     def pairs(self) -> int:
         """Token-expert pairs of one GPU's tokens (``P = T*K``)."""
         return self.T * self.K
+
+    def dims(self, ep: int) -> Dims:
+        """The cost model's sizes of one of ``ep`` ranks (``relaymoe.costmodel``)."""
+        if self.E % ep:
+            raise ValueError(f"E={self.E} experts do not split over ep={ep}; pick ep dividing E")
+        return Dims(
+            T=self.T, H=self.H, I=self.I, El=self.E // ep, K=self.K, R=ep, b=self.dtype_bytes,
+            pb=self.prob_bytes,
+        )  # fmt: skip
 
     @property
     def expert_weight_bytes(self) -> int:

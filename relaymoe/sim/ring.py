@@ -23,9 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from relaymoe.costmodel import RING_MODES, hop_bytes
 from relaymoe.sim.model import Cluster, ComputeModel, MoEShape
-
-MODES = ("expert", "token")
 
 
 @dataclass(frozen=True)
@@ -51,14 +50,13 @@ class RingPass:
 def hop_payloads(
     shape: MoEShape, ep: int, compute: ComputeModel, mode: str, *, recompute: bool = True
 ) -> tuple[HopPayload, HopPayload]:
-    """(forward, backward) payloads of one hop of ``mode`` (paper Table 2 volumes)."""
-    if mode not in MODES:
-        raise ValueError(f"mode={mode!r} is not a ring mode; use one of {MODES}")
-    if shape.E % ep:
-        raise ValueError(f"E={shape.E} experts do not split over ep={ep}; pick ep dividing E")
-    El = shape.E // ep
+    """(forward, backward) payloads of one hop of ``mode``; bytes from
+    ``relaymoe.costmodel.hop_bytes`` (paper Table 2 volumes)."""
+    if mode not in RING_MODES:
+        raise ValueError(f"mode={mode!r} is not a ring mode; use one of {RING_MODES}")
+    d = shape.dims(ep)
     pairs_hop = shape.pairs / ep  # uniform routing: each visiting partition matches 1/R
-    experts_hop = El
+    experts_hop = d.El
     c_fwd = compute.seconds(
         shape.flops_fwd(pairs_hop), pairs_hop, experts_hop, bwd=False, width=shape.I
     )
@@ -71,21 +69,10 @@ def hop_payloads(
     )
     if ep == 1:  # nothing travels
         return HopPayload(0, 0, c_fwd, 0.0), HopPayload(0, 0, c_bwd, 0.0)
-    b = shape.dtype_bytes
-    if mode == "expert":
-        w = El * shape.expert_weight_bytes
-        g = El * 3 * shape.H * shape.I * shape.grad_bytes
-        fwd = HopPayload(w, 0.0, c_fwd, 0.0)
-        bwd = HopPayload(w, g, c_bwd, compute.copy_seconds(g))
-    else:
-        meta = shape.T * shape.K * shape.meta_bytes_per_pair
-        x = shape.T * shape.H * b
-        # the trailing accumulators travel in the activations' dtype, dprobs in fp32 (as the
-        # layouts of relaymoe/ring/engine.py)
-        out = shape.T * shape.H * b
-        dx = shape.T * shape.H * b + shape.T * shape.K * 4
-        fwd = HopPayload(x + meta, out, c_fwd, compute.copy_seconds(out))
-        bwd = HopPayload(2 * x + meta, dx, c_bwd, compute.copy_seconds(dx))
+    h = hop_bytes(mode, d)
+    # a rank adds its local part into the incoming accumulator: one HBM read+write of it
+    fwd = HopPayload(h.fwd_lead, h.fwd_trail, c_fwd, compute.copy_seconds(h.fwd_trail))
+    bwd = HopPayload(h.bwd_lead, h.bwd_trail, c_bwd, compute.copy_seconds(h.bwd_trail))
     return fwd, bwd
 
 
@@ -171,6 +158,13 @@ def simulate_pass(cluster: Cluster, hop: HopPayload, *, overlap: bool = True) ->
     return RingPass(max(finish), hop_c, hop_x, sent / R)
 
 
+def _transport(cluster: Cluster) -> str:
+    """Symmetric memory (the copy engine) needs the whole ring on one node."""
+    if cluster.ep == 1:
+        return "local"
+    return "copy_engine" if cluster.ep <= cluster.gpus_per_node else "nccl"
+
+
 def simulate_ring(
     shape: MoEShape,
     cluster: Cluster,
@@ -196,7 +190,7 @@ def simulate_ring(
         ms_fwd=pf.seconds * 1e3,
         ms_bwd=pb.seconds * 1e3,
         bytes_per_rank=pf.bytes_sent_per_rank + pb.bytes_sent_per_rank,
-        peak_MiB=ring_peak_bytes(shape, cluster.ep, mode) / 2**20,
+        peak_MiB=ring_peak_bytes(shape, cluster.ep, mode, _transport(cluster)) / 2**20,
         compute_ms=compute_s * 1e3,
         extra={
             "hop_lead_MB_fwd": fwd.lead_bytes / 1e6,

@@ -1,0 +1,678 @@
+"""The one cost model of an MoE layer step: link bytes, memory and time of every execution mode.
+
+Pure Python (imports nothing from torch or ``relaymoe.ring``): the runtime's ``mode="auto"``
+(``relaymoe.ring``), the planner (``relaymoe plan``) and the simulator all take their numbers
+from here, so they cannot disagree.
+
+Shape legend (one rank of the expert-parallel group): ``T`` tokens of the largest partition,
+``H`` hidden, ``I`` expert FFN width, ``El`` experts per rank, ``E = El*R`` all experts, ``K``
+top-k, ``R`` ranks, ``b`` bytes of an activation/weight element, ``pb`` bytes of a router
+probability; expert ids travel as int32, so a token's routing metadata is ``m = K*(4 + pb)``
+bytes; ``W = El*3*H*I`` elements of the local experts (SwiGLU: gate, up, down).
+
+Modes (``MODES``):
+
+* ``expert`` (ring): the weights travel. Per hop, forward ``W*b``; backward the weights and the
+  trailing weight gradients ``2*W*b`` (gradients in the activations' dtype).
+* ``token`` (ring): the tokens travel. Per hop, forward ``T*(H*b + m)`` lead plus the trailing
+  output ``T*H*b``; backward ``T*(2*H*b + K*pb)`` lead (x, dy, probabilities: the forward kept
+  every partition's routing index, so no ids travel) plus the trailing dx and dprobs
+  ``T*(H*b + K*pb)``.
+* ``alltoall`` (``relaymoe/ring/alltoall.py``): every rank sends each token once to every rank
+  owning at least one of its K experts (x with its ids and probabilities); the owner computes
+  all its pairs in one call and returns the partial outputs. The backward sends x and dy again
+  (the forward's routing index and probabilities of the received rows are kept, no ids travel)
+  and gets dx and dprobs back. Rows sent per rank ``S = T*R*q``, ``q`` the chance that a token
+  has an expert on a given rank under uniform routing (``alltoall_rows``); ``1/R`` of them stay
+  home, and a rank receives as many rows as it sends (in expectation).
+
+The ring's schedule (``relaymoe/ring/schedule.py``): a pass has ``R`` hops; the lead is sent at
+hops ``0..R-2``, the trail (when there is one) at hops ``1..R-1`` merged with the lead, and once
+more after the last hop to return home.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+__all__ = [
+    "ALIGN",
+    "DEFAULT_TIME_MODEL",
+    "INDEX_BYTES",
+    "MODES",
+    "RING_MODES",
+    "ROUTING_INDEX_BYTES_PER_PAIR",
+    "SYMM_GRANULE",
+    "TRANSPORTS",
+    "CommVolume",
+    "Dims",
+    "HopBytes",
+    "MemoryBytes",
+    "StepBytes",
+    "TimeModel",
+    "alltoall_rows",
+    "choose_mode",
+    "comm_volume",
+    "dims",
+    "hop_bytes",
+    "mcore_alltoall_memory_bytes",
+    "mcore_alltoall_send_bytes",
+    "memory_bytes",
+    "slot_capacity",
+    "step_bytes",
+    "step_seconds",
+    "symmetric_workspace_bytes",
+]
+
+MODES = ("expert", "token", "alltoall")  # the order breaks ties in choose_mode
+RING_MODES = ("expert", "token")
+TRANSPORTS = ("local", "nccl", "copy_engine")  # as resolved by the runtime (local: a world of 1)
+
+INDEX_BYTES = 4  # expert ids travel as int32
+ROUTING_INDEX_BYTES_PER_PAIR = 12  # expert_token_indices, token_expert_indices, token_index_map
+ALIGN = 256  # every segment of a travelling buffer starts aligned (relaymoe/ring/layout.py)
+SYMM_GRANULE = 2 * 1024 * 1024  # the copy-engine workspace grows in these (ring/transport.py)
+# Megatron's alltoall dispatcher (the baseline): coexisting top-k-expanded (T*K, H) buffers and
+# (T*K, I) expert intermediates, fit to megatron-core 0.19.2 (qwen3 T32k: 6464 MiB at EP=1,
+# 7486 MiB at EP=2; /work/shared/anchors/README.md).
+MCORE_A2A_BUFFERS_EP1 = 4.0
+MCORE_A2A_BUFFERS_EP = 5.5
+MCORE_A2A_INTERMEDIATES = 3
+
+
+# ---------------------------------------------------------------------------------------------
+# shapes
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Dims:
+    """One rank's view of an MoE layer (see the module docstring for the letters)."""
+
+    T: int
+    H: int
+    I: int
+    El: int
+    K: int
+    R: int
+    b: int
+    pb: int
+
+    def __post_init__(self):
+        for name in ("T", "H", "I", "El", "K", "R", "b", "pb"):
+            v = getattr(self, name)
+            lo = 0 if name == "T" else 1
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+                raise ValueError(f"cost model: {name}={v!r} must be an int >= {lo}")
+        if self.K > self.E:
+            raise ValueError(
+                f"cost model: top-k K={self.K} exceeds E={self.E} experts (El={self.El} x "
+                f"R={self.R}); use K <= E"
+            )
+
+    @property
+    def E(self) -> int:
+        return self.El * self.R
+
+    @property
+    def W(self) -> int:
+        """Elements of the local experts (w13 (El, 2I, H) and w2 (El, H, I))."""
+        return self.El * 3 * self.H * self.I
+
+    @property
+    def m(self) -> int:
+        """Routing metadata bytes of one token: K int32 ids and K probabilities."""
+        return self.K * (INDEX_BYTES + self.pb)
+
+    @property
+    def P(self) -> int:
+        """Token-expert pairs of the partition."""
+        return self.T * self.K
+
+
+def _nbytes(dtype) -> int:
+    """Bytes of an element: an int, or anything with ``itemsize`` (a torch.dtype)."""
+    n = getattr(dtype, "itemsize", dtype)
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"cost model: element size {dtype!r} is not a byte count nor a dtype")
+    return n
+
+
+def dims(
+    *,
+    tokens: int | Sequence[int],
+    hidden: int,
+    ffn: int,
+    num_local_experts: int,
+    topk: int,
+    world: int,
+    act_bytes=2,
+    prob_bytes=4,
+) -> Dims:
+    """``Dims`` from named sizes; ``tokens`` is one T or every rank's T (the largest counts:
+    it bounds every hop). ``act_bytes``/``prob_bytes``: a byte count or a dtype."""
+    T = max(tokens) if isinstance(tokens, Sequence) else tokens
+    return Dims(
+        T, hidden, ffn, num_local_experts, topk, world, _nbytes(act_bytes), _nbytes(prob_bytes)
+    )
+
+
+def _check_mode(mode: str, allowed: Sequence[str] = MODES) -> None:
+    if mode not in allowed:
+        raise ValueError(f"cost model: mode {mode!r} is not one of {tuple(allowed)}")
+
+
+def _check_transport(transport: str) -> None:
+    if transport not in TRANSPORTS:
+        raise ValueError(f"cost model: transport {transport!r} is not one of {TRANSPORTS}")
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _packed(*segments: int) -> int:
+    """Bytes of segments packed as ``relaymoe.ring.layout.Layout`` does (each start aligned,
+    the total ends at the last segment's end)."""
+    offset = end = 0
+    for s in segments:
+        end = offset + s
+        offset = _align(end)
+    return end
+
+
+# ---------------------------------------------------------------------------------------------
+# bytes on the links
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class HopBytes:
+    """Bytes one rank sends at one hop of a ring mode, payload only (no alignment padding)."""
+
+    fwd_lead: int
+    fwd_trail: int
+    bwd_lead: int
+    bwd_trail: int
+
+    @property
+    def fwd(self) -> int:
+        return self.fwd_lead + self.fwd_trail
+
+    @property
+    def bwd(self) -> int:
+        return self.bwd_lead + self.bwd_trail
+
+    @property
+    def step(self) -> int:
+        return self.fwd + self.bwd
+
+
+def _ring_hop_bytes(mode: str, T: int, H: int, I: int, El: int, K: int, b: int, pb: int):
+    """Sizes as plain ints, so that ``comm_volume`` may take sizes ``Dims`` refuses (0)."""
+    if mode == "expert":
+        w = El * 3 * H * I * b
+        return HopBytes(fwd_lead=w, fwd_trail=0, bwd_lead=w, bwd_trail=w)
+    x, ids, probs = T * H * b, T * K * INDEX_BYTES, T * K * pb
+    return HopBytes(
+        fwd_lead=x + ids + probs, fwd_trail=x, bwd_lead=2 * x + probs, bwd_trail=x + probs
+    )
+
+
+def hop_bytes(mode: str, d: Dims) -> HopBytes:
+    """Per-hop bytes of a ring mode (RelayMoE Table 2, accumulators in the activations' dtype)."""
+    _check_mode(mode, RING_MODES)
+    return _ring_hop_bytes(mode, d.T, d.H, d.I, d.El, d.K, d.b, d.pb)
+
+
+def alltoall_rows(d: Dims) -> float:
+    """Expected rows one rank sends in alltoall mode, its own included: ``S = T*R*q`` with
+    ``q = 1 - C(E-El, K)/C(E, K)`` (a token's K distinct experts drawn uniformly; ``q`` is the
+    chance that at least one lies on a given rank)."""
+    q = 1.0 - math.comb(d.E - d.El, d.K) / math.comb(d.E, d.K)
+    return d.T * d.R * q
+
+
+@dataclass(frozen=True)
+class StepBytes:
+    """Bytes one rank sends over its links in one layer step (forward, backward)."""
+
+    fwd: float
+    bwd: float
+
+    @property
+    def step(self) -> float:
+        return self.fwd + self.bwd
+
+
+def step_bytes(mode: str, d: Dims, *, training: bool = True) -> StepBytes:
+    """Link bytes of one layer step on one rank. Ring: the lead ``R-1`` times and the trail
+    ``R`` times per pass (the schedule in the module docstring). Alltoall: the ``(R-1)/R`` of
+    the ``S`` rows that leave the rank, out and back."""
+    _check_mode(mode)
+    R = d.R
+    if R == 1:
+        return StepBytes(0.0, 0.0)
+    if mode == "alltoall":
+        away = alltoall_rows(d) * (R - 1) / R
+        Hb = d.H * d.b
+        fwd = away * ((Hb + d.m) + Hb)  # x and metadata out, the output back
+        bwd = away * (2 * Hb + (Hb + d.K * d.pb))  # x and dy out, dx and dprobs back
+    else:
+        h = hop_bytes(mode, d)
+        fwd = (R - 1) * h.fwd_lead + R * h.fwd_trail
+        bwd = (R - 1) * h.bwd_lead + R * h.bwd_trail
+    return StepBytes(float(fwd), float(bwd) if training else 0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# memory
+# ---------------------------------------------------------------------------------------------
+def _slot(lead: int, trail: int) -> int:
+    """Largest slot of a pass: ``[lead | trail]``, the trail at an aligned offset (a hop with
+    both exists once R >= 2; ring/schedule.py ``SlotLayout``)."""
+    return _align(lead) + trail if trail else lead
+
+
+def _pass_slots(mode: str, d: Dims) -> tuple[int, int]:
+    """(forward, backward) slot bytes with the engine's layouts (ring/engine.py)."""
+    T, H, K, b, pb = d.T, d.H, d.K, d.b, d.pb
+    if mode == "expert":
+        w = _packed(d.El * 2 * d.I * H * b, d.El * H * d.I * b)  # w13 | w2 (and dw13 | dw2)
+        return _slot(w, 0), _slot(w, w)
+    fwd_lead = _packed(T * H * b, T * K * INDEX_BYTES, T * K * pb)  # x | idx | probs
+    bwd_lead = _packed(T * H * b, T * K * pb, T * H * b)  # x | probs | dy
+    fwd_trail = T * H * b  # out
+    bwd_trail = _packed(T * H * b, T * K * pb)  # dx | dprobs
+    return _slot(fwd_lead, fwd_trail), _slot(bwd_lead, bwd_trail)
+
+
+def slot_capacity(mode: str, d: Dims, *, training: bool = True) -> int:
+    """Bytes of one of the two ring slots (``RingPlan.capacity``): the larger of the passes
+    that run, since a forward that a backward follows reserves the backward's size at once.
+    0 for a world of one (nothing travels) and for alltoall mode (no slots)."""
+    _check_mode(mode)
+    if d.R == 1 or mode == "alltoall":
+        return 0
+    fwd, bwd = _pass_slots(mode, d)
+    return max(fwd, bwd) if training else fwd
+
+
+def symmetric_workspace_bytes(mode: str, d: Dims, *, training: bool = True) -> int:
+    """The copy-engine transport's persistent symmetric-memory workspace: two slots of
+    ``capacity`` bytes rounded up to ``SYMM_GRANULE``, per (group, device), shared by all
+    layers (so counted once per GPU, not per layer); at least one granule each, even when the
+    slots are empty. 0 for a world of one and for alltoall mode (no slots)."""
+    _check_mode(mode)
+    if d.R == 1 or mode not in RING_MODES:
+        return 0
+    cap = slot_capacity(mode, d, training=training)
+    return 2 * max(SYMM_GRANULE, -(-cap // SYMM_GRANULE) * SYMM_GRANULE)
+
+
+@dataclass(frozen=True)
+class MemoryBytes:
+    """What one layer's MoE experts allocate besides their inputs, outputs and gradients.
+
+    ``fwd`` / ``bwd``: transient peak of each pass (freed when it ends); ``saved``: kept from
+    the forward to the backward; ``workspace``: persistent symmetric memory of the copy-engine
+    transport, per (group, device) and shared by all layers.
+    """
+
+    fwd: int
+    bwd: int
+    saved: int
+    workspace: int
+
+    @property
+    def transient(self) -> int:
+        return max(self.fwd, self.bwd)
+
+    @property
+    def peak(self) -> int:
+        """Peak of one layer step over its inputs (the workspace excluded: it is per GPU)."""
+        return self.saved + self.transient
+
+
+def _intermediates(pairs: int, d: Dims, backward: bool) -> int:
+    """One compute call's expert intermediates over ``pairs``: the (pairs, 2I) pre-activation,
+    the (pairs, I) activation and the (pairs, H) down-projection rows; the backward also the
+    (pairs, 2I) gradient of the pre-activation (recomputed, never saved)."""
+    return pairs * ((4 if backward else 2) * d.I + d.I + d.H) * d.b
+
+
+def memory_bytes(
+    mode: str,
+    d: Dims,
+    *,
+    training: bool = True,
+    transport: str = "copy_engine",
+    weights_copy: bool = False,
+) -> MemoryBytes:
+    """The engine's memory bound of ``mode`` (ring/engine.py docstring, "Memory bound").
+
+    Ring modes (a hop computes ``T*K/R`` pairs under uniform routing):
+      expert fwd: two slots + one hop's intermediates;
+      expert bwd: two slots (weights + trailing gradient), a gradient scratch ``W*b``, the
+      returned gradient ``W*b`` + one hop's intermediates;
+      token fwd: two slots, an output scratch ``T*H*b``, one hop's intermediates;
+      token bwd: two slots, a dx/dprobs scratch ``T*(H*b + K*pb)``, the local weight-gradient
+      accumulator ``W*b``, one hop's intermediates.
+      The two slots are ``2*slot_capacity``: transient with ``nccl``, the persistent
+      ``workspace`` with ``copy_engine``. ``weights_copy``: list-form weights not back to back
+      in one storage cost ``W*b`` per pass in token mode and in a world of one.
+      Saved: expert mode the own tokens' routing index; token mode the routing index of every
+      visiting partition (built when it visits, reused by the backward: ``R`` of them).
+    Alltoall mode: see ``_alltoall_memory`` (plain allocations, no symmetric memory).
+    A world of one: plain local compute whatever the mode.
+    """
+    _check_mode(mode)
+    _check_transport(transport)
+    Wb = d.W * d.b
+
+    def out(fwd: int, bwd: int, saved: int, workspace: int = 0) -> MemoryBytes:
+        # inference runs no backward and keeps nothing for one
+        return MemoryBytes(fwd, bwd if training else 0, saved if training else 0, workspace)
+
+    own_index = ROUTING_INDEX_BYTES_PER_PAIR * d.P
+    if d.R == 1:
+        copy = Wb if weights_copy else 0
+        fwd = _intermediates(d.P, d, False) + copy
+        return out(fwd, Wb + _intermediates(d.P, d, True) + copy, own_index)
+    if mode == "alltoall":
+        return out(*_alltoall_memory(d, weights_copy))
+    cap = slot_capacity(mode, d, training=training)
+    persistent = transport == "copy_engine"
+    slots = 0 if persistent else 2 * cap
+    workspace = symmetric_workspace_bytes(mode, d, training=training) if persistent else 0
+    hop_pairs = -(-d.P // d.R)
+    if mode == "expert":
+        fwd = slots + _intermediates(hop_pairs, d, False)
+        bwd = slots + 2 * Wb + _intermediates(hop_pairs, d, True)
+    else:
+        copy = Wb if weights_copy else 0
+        fwd = slots + d.T * d.H * d.b + _intermediates(hop_pairs, d, False) + copy
+        bwd = slots + d.T * (d.H * d.b + d.K * d.pb) + Wb + copy
+        bwd += _intermediates(hop_pairs, d, True)
+        return out(fwd, bwd, own_index * d.R, workspace)
+    return out(fwd, bwd, own_index, workspace)
+
+
+def _alltoall_memory(d: Dims, weights_copy: bool) -> tuple[int, int, int]:
+    """(fwd, bwd, saved) of alltoall mode, phase by phase as ``relaymoe/ring/alltoall.py``
+    allocates and frees; a rank receives as many rows as it sends (``S``, in expectation) and
+    computes its ``T*K`` pairs in one call.
+
+    Forward: dispatch (the sent rows of x and metadata, the received x; then the received
+    metadata), compute (received x and metadata, a copy of the ids, the expert output, one
+    call's intermediates), combine (the expert output and the returned rows).
+    Backward: dispatch (received x, sent and received dy), compute (received x and dy, dx and
+    dprobs rows, the weight gradient ``W*b``, intermediates), return (dx/dprobs rows sent and
+    received, the weight gradient). Saved: the received rows' routing index (over all K ids of
+    a row) and probabilities, the sent rows' token ids (int64), the (T, R) int32 row map.
+    ``weights_copy``: the call stacks list-form weights, ``W*b`` per pass.
+    """
+    S = math.ceil(alltoall_rows(d))
+    Hb, m, Wb = d.H * d.b, d.m, d.W * d.b
+    ids = S * d.K * INDEX_BYTES
+    copy = Wb if weights_copy else 0
+    fwd = copy + max(
+        S * (m + 2 * Hb),
+        S * (2 * m + Hb),
+        S * (Hb + m) + ids + S * Hb + _intermediates(d.P, d, False),
+        2 * S * Hb,
+    )
+    bwd = copy + max(
+        3 * S * Hb,
+        3 * S * Hb + S * d.K * d.pb + Wb + _intermediates(d.P, d, True),
+        2 * S * (Hb + d.K * d.pb) + Wb,
+    )
+    saved = S * d.K * (ROUTING_INDEX_BYTES_PER_PAIR + d.pb) + 8 * S + 4 * d.T * d.R
+    return fwd, bwd, saved
+
+
+def mcore_alltoall_memory_bytes(d: Dims) -> int:
+    """Megatron's alltoall dispatcher (the baseline, not a relaymoe mode): peak of one layer
+    step over its inputs, router excluded: the local weight gradient ``W*b``, ``a`` coexisting
+    top-k-expanded (T*K, H) buffers and three (T*K, I) expert intermediates."""
+    a = MCORE_A2A_BUFFERS_EP1 if d.R == 1 else MCORE_A2A_BUFFERS_EP
+    return int(d.W * d.b + a * d.P * d.H * d.b + MCORE_A2A_INTERMEDIATES * d.P * d.I * d.b)
+
+
+def mcore_alltoall_send_bytes(d: Dims) -> float:
+    """Megatron's alltoall dispatcher: bytes one rank sends in one all-to-all of its
+    top-k-expanded (T*K, H) rows (``(R-1)/R`` of them leave the rank)."""
+    return d.P * (d.R - 1) / d.R * d.H * d.b
+
+
+# ---------------------------------------------------------------------------------------------
+# time
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TimeModel:
+    """Calibration constants of ``step_seconds``, fitted on 2x H200 (EP=2, qwen3-30b-a3b widths,
+    T 4k-64k per GPU; ``benchmarks/results/h200x2_2026-11-30_s5``, call 3, every mode in one
+    process). A step is host-bound at small T (the host needs longer to issue the hops' kernels
+    than the GPU to run them) and device-bound at large T, and neither hides the other fully:
+    ``step = sqrt(host**2 + device**2)`` fits those rows within 8%. The host constants vary by
+    up to 1.5x between lent machines of one kind (megatron-core's Python-bound layer took 33 and
+    62 ms at T4k on two of them); the ratio ring/all-to-all host time stayed about 1.4."""
+
+    # FLOP/s of the experts' fwd+bwd (18*T*K*H*I FLOPs, the backward's recompute included):
+    # the T64k ring rows, host time removed.
+    expert_tflops: float = 335e12
+    # Ring link bandwidth (copy-engine pulls over NVLink): the T32k token-mode hop transfers
+    # (136 MB in 0.40 ms forward, 269 MB in 0.56 ms backward).
+    link_bytes_per_s: float = 340e9
+    # Host time of one ring hop of one pass (launches and their Python, ~35 ops): the small-T
+    # floor of the ring rows (11.4 ms at R=2, fwd+bwd = 4 hops, with ``call_fixed_s``).
+    hop_fixed_s: float = 2.75e-3
+    # Host time per ring_moe call besides the hops (cached agreement, routing index, autograd).
+    call_fixed_s: float = 0.4e-3
+    # Host time of one alltoall-mode step (fwd+bwd; half for a forward alone): the small-T
+    # floor of its rows (one compute call per pass, the dispatch and combine, one host sync).
+    alltoall_fixed_s: float = 7.5e-3
+    # Effective per-rank all-to-all bandwidth of the alltoall mode's link bytes (NCCL): the
+    # T64k rows.
+    alltoall_bytes_per_s: float = 216e9
+    # Share of a ring transfer hidden under its hop's compute with the copy engine (the
+    # anchors' overlap probe: 93%) and with NCCL, whose kernels take SMs (51%).
+    hide: float = 0.9
+    nccl_hide: float = 0.5
+
+    def __post_init__(self):
+        for name in ("expert_tflops", "link_bytes_per_s", "alltoall_bytes_per_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"TimeModel.{name}={getattr(self, name)!r} must be > 0")
+        for name in ("hop_fixed_s", "call_fixed_s", "alltoall_fixed_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"TimeModel.{name}={getattr(self, name)!r} must be >= 0")
+        for name in ("hide", "nccl_hide"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"TimeModel.{name}={getattr(self, name)!r} must lie in [0, 1]")
+
+
+DEFAULT_TIME_MODEL = TimeModel()
+
+
+def _compute_seconds(d: Dims, model: TimeModel, backward: bool) -> float:
+    """One pass over all of the rank's pairs: 6*T*K*H*I FLOPs forward, twice that backward."""
+    return (12.0 if backward else 6.0) * d.P * d.H * d.I / model.expert_tflops
+
+
+def _exposed(transfer_s: float, compute_s: float, hide: float) -> float:
+    """What a hop's compute leaves of its transfer: the part beyond ``hide`` x the compute,
+    and never less than ``1 - hide`` of the transfer (contention). Monotone in the transfer."""
+    return max(transfer_s - hide * compute_s, (1.0 - hide) * transfer_s)
+
+
+def _ring_pass_exposed(
+    lead: int, trail: int, hop_compute_s: float, R: int, hide: float, bytes_per_s: float
+) -> float:
+    """Exposed transfer seconds of one ring pass: hop 0 sends the lead, hops 1..R-2 lead and
+    trail, hop R-1 the trail, each under its hop's compute; the trail's return home after the
+    last hop has no compute to hide under."""
+    sent = [lead] + [lead + trail] * (R - 2) + [trail]
+    exposed = sum(_exposed(n / bytes_per_s, hop_compute_s, hide) for n in sent)
+    return exposed + trail / bytes_per_s
+
+
+def step_seconds(
+    mode: str,
+    d: Dims,
+    *,
+    training: bool = True,
+    transport: str = "copy_engine",
+    model: TimeModel = DEFAULT_TIME_MODEL,
+) -> float:
+    """Seconds of one layer's experts (forward, and backward when ``training``) on one rank:
+    ``sqrt(host**2 + device**2)`` (see :class:`TimeModel`).
+
+    Ring: host ``call_fixed + R*hop_fixed`` per pass; device the compute plus the transfers'
+    exposed parts. Alltoall: host ``alltoall_fixed`` (half without a backward); device the
+    compute plus link bytes / ``alltoall_bytes_per_s`` (no overlap).
+    """
+    _check_mode(mode)
+    _check_transport(transport)
+    passes = (False, True) if training else (False,)
+    compute = sum(_compute_seconds(d, model, bwd) for bwd in passes)
+    if mode == "alltoall":
+        host = model.alltoall_fixed_s * (1.0 if training else 0.5)
+        device = compute + step_bytes(mode, d, training=training).step / model.alltoall_bytes_per_s
+        return math.hypot(host, device)
+    host = model.call_fixed_s + len(passes) * d.R * model.hop_fixed_s
+    device = compute
+    if d.R > 1:
+        hide = model.nccl_hide if transport == "nccl" else model.hide
+        h = hop_bytes(mode, d)
+        for bwd in passes:
+            lead, trail = (h.bwd_lead, h.bwd_trail) if bwd else (h.fwd_lead, h.fwd_trail)
+            c_hop = _compute_seconds(d, model, bwd) / d.R
+            device += _ring_pass_exposed(lead, trail, c_hop, d.R, hide, model.link_bytes_per_s)
+    return math.hypot(host, device)
+
+
+def choose_mode(
+    *,
+    tokens: int | Sequence[int],
+    hidden: int,
+    ffn: int,
+    num_local_experts: int,
+    topk: int,
+    world: int,
+    act_bytes=2,
+    prob_bytes=4,
+    training: bool = True,
+    transport: str = "copy_engine",
+    model: TimeModel = DEFAULT_TIME_MODEL,
+    modes: Sequence[str] = MODES,
+) -> str:
+    """The fastest of ``modes`` by ``step_seconds`` (the runtime's ``mode="auto"`` and the
+    planner's choice). Deterministic: the same floats on every rank; ties go to the earlier of
+    expert, token, alltoall. A world of one is local compute whatever the mode: ``"expert"``."""
+    d = dims(
+        tokens=tokens,
+        hidden=hidden,
+        ffn=ffn,
+        num_local_experts=num_local_experts,
+        topk=topk,
+        world=world,
+        act_bytes=act_bytes,
+        prob_bytes=prob_bytes,
+    )
+    _check_transport(transport)
+    wanted = tuple(modes)
+    if not wanted:
+        raise ValueError(f"choose_mode: modes is empty; pass a subset of {MODES}")
+    for m in wanted:
+        _check_mode(m)
+    if d.R == 1:
+        return "expert"
+    best, best_s = None, math.inf
+    for m in MODES:
+        if m in wanted:
+            s = step_seconds(m, d, training=training, transport=transport, model=model)
+            if s < best_s:
+                best, best_s = m, s
+    return best
+
+
+# ---------------------------------------------------------------------------------------------
+# the ring's per-hop volume (public as relaymoe.ring.comm_volume / CommVolume)
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CommVolume:
+    """Bytes one rank sends per hop, per ring mode and pass (RelayMoE Table 2)."""
+
+    expert_fwd: int
+    expert_bwd: int
+    token_fwd: int
+    token_bwd: int
+    dims: Dims | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def expert_step(self) -> int:
+        """Forward + backward bytes per hop in expert mode."""
+        return self.expert_fwd + self.expert_bwd
+
+    @property
+    def token_step(self) -> int:
+        """Forward + backward bytes per hop in token mode."""
+        return self.token_fwd + self.token_bwd
+
+    def preferred(
+        self,
+        training: bool = True,
+        *,
+        transport: str = "copy_engine",
+        model: TimeModel = DEFAULT_TIME_MODEL,
+    ) -> str:
+        """``"expert"`` or ``"token"``. Built with ``world``: ``choose_mode`` over the ring
+        modes. Without it (a caller that does not know R): the smaller per-hop volume
+        (forward+backward when training), ties to expert mode."""
+        d = self.dims
+        if d is not None and d.R > 1:
+            return choose_mode(
+                tokens=d.T, hidden=d.H, ffn=d.I, num_local_experts=d.El, topk=d.K, world=d.R,
+                act_bytes=d.b, prob_bytes=d.pb, training=training, transport=transport,
+                model=model, modes=RING_MODES,
+            )  # fmt: skip
+        if d is not None:
+            return "expert"
+        if training:
+            return "expert" if self.expert_step <= self.token_step else "token"
+        return "expert" if self.expert_fwd <= self.token_fwd else "token"
+
+
+def comm_volume(
+    num_tokens: int,
+    hidden: int,
+    ffn: int,
+    num_local_experts: int,
+    topk: int,
+    *,
+    dtype=2,
+    prob_dtype=4,
+    world: int | None = None,
+) -> CommVolume:
+    """Per-hop bytes of both ring modes for a partition of ``num_tokens`` tokens (the largest).
+
+    ``dtype`` / ``prob_dtype``: the activations' and the probabilities' dtype or byte count
+    (default bf16, fp32). ``world``: the ring length, which ``preferred`` needs to use the time
+    model (otherwise it compares bytes).
+    """
+    for name, v in (
+        ("num_tokens", num_tokens),
+        ("hidden", hidden),
+        ("ffn", ffn),
+        ("num_local_experts", num_local_experts),
+        ("topk", topk),
+    ):
+        if not isinstance(v, int) or v < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+    b, pb = _nbytes(dtype), _nbytes(prob_dtype)
+    # bytes only need the per-rank sizes; Dims (the time model) needs every size >= 1
+    d = None
+    if world is not None and min(hidden, ffn, num_local_experts, topk) >= 1:
+        d = Dims(num_tokens, hidden, ffn, num_local_experts, topk, world, b, pb)
+    sizes = (num_tokens, hidden, ffn, num_local_experts, topk, b, pb)
+    e, t = _ring_hop_bytes("expert", *sizes), _ring_hop_bytes("token", *sizes)
+    return CommVolume(expert_fwd=e.fwd, expert_bwd=e.bwd, token_fwd=t.fwd, token_bwd=t.bwd, dims=d)

@@ -1,0 +1,168 @@
+"""``mode="alltoall"``: the ring's fused kernels behind one all-to-all of index-dispatched tokens.
+
+Shape legend: T tokens of this rank, H hidden, K top-k, R ranks, El experts per rank, S rows this
+rank sends (one per (token, destination rank) that owns at least one of the token's experts, so
+a token goes to a rank once however many of its experts live there: ``S <= T * min(K, R)``), N
+rows it receives.
+
+Forward on rank ``r``:
+
+1. ``hit_TR``: token ``t`` has an expert on rank ``q``. Rows go out destination-major, tokens
+   ascending within a destination (``tok_S``, ``dest_S``). One all-to-all of the row and pair
+   counts, read on the host (the one host sync of the call: it sizes the messages).
+2. An all-to-all of the rows of x and one of their metadata (int32 ids, probabilities).
+3. One routing index over the N received rows (global ids), one call of the hop primitive for
+   this rank's experts; its output rows go back by the reverse all-to-all.
+4. ``out[t]`` sums the returned rows of ``t`` through ``pos_TR`` (row of ``t`` from ``q``, or -1):
+   a deterministic gather-reduce, no atomics.
+
+Backward: x and dy rows go out again (nothing ``(S, H)`` is kept from the forward), the forward's
+routing index and probabilities of the received rows are reused (no ids travel), the hop
+primitive gives dx/dprobs rows and this rank's weight gradients, and dx/dprobs rows return and
+are summed as in the forward. Kept from forward to backward: ``tok_S``, ``pos_TR``, the counts,
+the received rows' index and probabilities (``O(S + N*K)`` integers and floats).
+
+Memory (transient, besides inputs and outputs): forward ``S + N`` rows of x and metadata, ``N + S``
+rows of output, one hop's intermediates over N rows; backward ``2*(S + N)`` rows of x and dy,
+``N + S`` rows of dx, the local weight gradients.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from relaymoe.experts import expert_hop_backward, expert_hop_forward, resolve_backend
+from relaymoe.ring.agree import RingProblem
+from relaymoe.ring.weights import REVERSED, LocalExperts, reverse_local_ids
+from relaymoe.routing import RoutingIndex, build_routing_index
+
+__all__ = ["Dispatch", "alltoall_backward", "alltoall_forward"]
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """What the forward's dispatch decided, handed to the backward."""
+
+    tok_S: Tensor  # (S,) int64 token of every sent row, destination-major
+    pos_TR: Tensor  # (T, R) int32 row of token t sent to rank q, -1 if none
+    send_rows: tuple[int, ...]  # rows to each rank
+    recv_rows: tuple[int, ...]  # rows from each rank
+    n_pairs: int  # pairs of the received rows on this rank's experts
+    index: RoutingIndex | None  # routing index of the received rows (None: none received)
+    probs_NK: Tensor  # probabilities of the received rows
+
+
+def _exchange(send: Tensor, send_rows, recv_rows, group, world: int) -> Tensor:
+    """Rows of ``send`` (destination-major) to every rank; the received rows, source-major."""
+    if world == 1:
+        return send
+    recv = send.new_empty((sum(recv_rows), *send.shape[1:]))
+    dist.all_to_all_single(recv, send.contiguous(), list(recv_rows), list(send_rows), group=group)
+    return recv
+
+
+def _gather_sum(rows_SN: Tensor, pos_TR: Tensor, out_TN: Tensor, backend: str) -> Tensor:
+    """``out[t] = sum_q rows[pos[t, q]]`` over ``q`` in order (``pos`` -1: nothing)."""
+    T, R = pos_TR.shape
+    if T == 0:
+        return out_TN
+    if backend == "triton":
+        from relaymoe.kernels.grouped import combine
+
+        offs = torch.zeros(2, dtype=torch.int64, device=rows_SN.device)
+        offs[1] = rows_SN.shape[0]  # a fill on the device: no host-to-device copy, no sync
+        combine(rows_SN, pos_TR.reshape(-1), offs, out_TN, R, accumulate=False)
+        return out_TN
+    pad = torch.cat([rows_SN, rows_SN.new_zeros(1, rows_SN.shape[1])])
+    sel = torch.where(pos_TR < 0, rows_SN.shape[0], pos_TR).to(torch.int64)
+    acc = torch.promote_types(rows_SN.dtype, torch.float32)
+    out_TN.copy_(pad[sel].to(acc).sum(1))  # a fixed-order reduction over q: deterministic
+    return out_TN
+
+
+def _columns_as(rows_NB: Tensor, lo: int, hi: int, dtype: torch.dtype) -> Tensor:
+    """Byte columns ``[lo, hi)`` of a uint8 row buffer as a fresh, aligned ``dtype`` tensor."""
+    out = torch.empty((rows_NB.shape[0], hi - lo), dtype=torch.uint8, device=rows_NB.device)
+    out.copy_(rows_NB[:, lo:hi])
+    return out.view(dtype)
+
+
+def _ids(ids: Tensor, prob: RingProblem, order: str) -> Tensor:
+    return reverse_local_ids(ids, prob.num_local_experts) if order == REVERSED else ids
+
+
+def alltoall_forward(
+    prob: RingProblem, group, backend: str, x: Tensor, experts: LocalExperts, probs: Tensor,
+    idx32: Tensor, order: str,
+) -> tuple[Tensor, Dispatch]:  # fmt: skip
+    """``(out (T, H), dispatch)`` of this rank's tokens; see the module doc."""
+    R, El, K = prob.world_size, prob.num_local_experts, prob.topk
+    T, dev = x.shape[0], x.device
+    w13, w2, order = experts.stacked(order)
+    owner_TK = idx32.to(torch.int64) // El
+    hit_TR = torch.zeros(T, R, dtype=torch.bool, device=dev)
+    hit_TR.scatter_(1, owner_TK, True)
+    counts = torch.stack([hit_TR.sum(0), torch.zeros(R, dtype=torch.int64, device=dev)], 1)
+    counts[:, 1].index_add_(0, owner_TK.reshape(-1), torch.ones_like(owner_TK.reshape(-1)))
+    recv_counts = _exchange(counts, [1] * R, [1] * R, group, R)
+    both = torch.cat([counts[:, 0], recv_counts.reshape(-1)]).tolist()  # host sync: the sizes
+    send_rows, recv_rows = tuple(both[:R]), tuple(both[R::2])
+    n_pairs = sum(both[R + 1 :: 2])
+    S = sum(send_rows)
+    nz = torch.nonzero_static(hit_TR.t(), size=S)  # (S, 2): (destination, token), sorted
+    dest_S, tok_S = nz[:, 0], nz[:, 1]
+    pos_TR = torch.full((T, R), -1, dtype=torch.int32, device=dev)
+    pos_TR[tok_S, dest_S] = torch.arange(S, dtype=torch.int32, device=dev)
+    pb = probs.element_size()
+    meta_S = torch.cat(
+        [idx32.index_select(0, tok_S).view(torch.uint8).view(S, 4 * K),
+         probs.index_select(0, tok_S).view(torch.uint8).view(S, pb * K)], 1,
+    )  # fmt: skip
+    x_N = _exchange(x.index_select(0, tok_S), send_rows, recv_rows, group, R)
+    meta_N = _exchange(meta_S, send_rows, recv_rows, group, R)
+    N = x_N.shape[0]
+    ids_NK = _columns_as(meta_N, 0, 4 * K, torch.int32)
+    probs_NK = _columns_as(meta_N, 4 * K, meta_N.shape[1], probs.dtype)
+    index = None
+    y_N = x_N.new_empty(N, x.shape[1])
+    if N > 0:  # every received row has a pair here: the output writes every row
+        index = build_routing_index(_ids(ids_NK, prob, order), prob.num_experts, validate=False)
+        y_N, _ = expert_hop_forward(
+            x_N, w13, w2, probs_NK, index, expert_range=prob.expert_range, out_TH=None,
+            save="none", backend=backend, n_pairs=n_pairs,
+        )  # fmt: skip
+    del x_N, meta_N
+    back_S = _exchange(y_N, recv_rows, send_rows, group, R)
+    out = _gather_sum(back_S, pos_TR, torch.empty_like(x), resolve_backend(backend, dev))
+    return out, Dispatch(tok_S, pos_TR, send_rows, recv_rows, n_pairs, index, probs_NK)
+
+
+def alltoall_backward(
+    prob: RingProblem, group, backend: str, dy: Tensor, x: Tensor, experts: LocalExperts,
+    probs: Tensor, d: Dispatch, order: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """``(dx, dprobs, dw13, dw2)``, the weight gradients' rows in ``order``."""
+    R = prob.world_size
+    w13, w2, order = experts.stacked(order)
+    x_N = _exchange(x.index_select(0, d.tok_S), d.send_rows, d.recv_rows, group, R)
+    dy_N = _exchange(dy.index_select(0, d.tok_S), d.send_rows, d.recv_rows, group, R)
+    N = x_N.shape[0]
+    if N > 0:
+        dx_N, dp_NK, dw13, dw2 = expert_hop_backward(
+            dy_N, x_N, w13, w2, d.probs_NK, d.index, expert_range=prob.expert_range,
+            saved_h=None, backend=backend, n_pairs=d.n_pairs,
+        )  # fmt: skip
+    else:
+        dx_N, dp_NK = x_N.new_empty(0, x.shape[1]), d.probs_NK.new_empty(0, prob.topk)
+        dw13, dw2 = torch.zeros_like(w13), torch.zeros_like(w2)
+    del x_N, dy_N
+    be = resolve_backend(backend, x.device)
+    back_dx = _exchange(dx_N, d.recv_rows, d.send_rows, group, R)
+    back_dp = _exchange(dp_NK.to(probs.dtype), d.recv_rows, d.send_rows, group, R)
+    dx = _gather_sum(back_dx, d.pos_TR, torch.empty_like(x), be)
+    dprobs = _gather_sum(back_dp, d.pos_TR, torch.empty_like(probs), be)
+    return dx, dprobs, dw13, dw2

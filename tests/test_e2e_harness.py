@@ -1,0 +1,413 @@
+"""The end-to-end benchmark's plumbing on CPU: the Megatron flags of each shape and provider, the
+parity/noise computation and the rows of failed runs (``benchmarks/bench_e2e.py``,
+``relaymoe/megatron/e2e.py``). The training itself runs on GPUs only (``tests/gpu``)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from benchmarks import bench_e2e
+from relaymoe.config import load_config
+from relaymoe.megatron.e2e import (
+    REGIMES,
+    RunResult,
+    loss_parity,
+    merge_flags,
+    pretrain_args,
+    run_pretrain,
+)
+
+GPUS = 2
+
+
+def _groups(flags) -> dict[str, list[str]]:
+    """flag -> its values; asserts that no flag appears twice."""
+    out: dict[str, list[str]] = {}
+    cur = None
+    for t in flags:
+        if t.startswith("--"):
+            assert t not in out, f"{t} given twice"
+            out[t] = []
+            cur = t
+        else:
+            out[cur].append(t)
+    return out
+
+
+def _v(g, flag) -> str:
+    assert flag in g, f"{flag} missing"
+    (val,) = g[flag]
+    return val
+
+
+def test_qwen3_slice_config():
+    cfg = load_config("qwen3_slice")
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    assert (m.num_layers, m.hidden_size, m.num_experts, m.moe_router_topk) == (4, 2048, 128, 8)
+    assert (m.moe_ffn_hidden_size, m.num_attention_heads, m.query_groups, m.head_dim) == (
+        768,
+        32,
+        4,
+        128,
+    )
+    assert m.vocab_size == 32768 and m.padded_vocab_size(1) == 32768
+    assert m.qk_layernorm and m.moe_layer_pattern == (1, 1, 1, 1) and t.precision == "bf16"
+    assert load_config("tiny_qwen3").model.qk_layernorm  # as the tiny config, qk-layernorm on
+    assert (p.ep, p.dp, p.world_size) == (2, 2, 2)
+
+
+@pytest.mark.parametrize("shape", list(bench_e2e.SHAPES))
+def test_shape_flags_per_provider(shape):
+    seq = {"qwen3_slice_s4k": 4096, "qwen3_slice_s16k": 16384}[shape]
+    plans = bench_e2e.plan_runs(
+        bench_e2e.SHAPES[shape], gpus=GPUS, steps=50, seed=1234, noise_run=True
+    )
+    assert [(p.label, p.dispatcher) for p in plans] == [
+        ("ring", "ring"),
+        ("alltoall", "alltoall"),
+        ("alltoall_repeat", "alltoall"),
+    ]
+    groups = {p.label: _groups(p.flags) for p in plans}
+    for label, g in groups.items():
+        assert _v(g, "--seq-length") == str(seq) and _v(g, "--max-position-embeddings") == str(seq)
+        assert _v(g, "--micro-batch-size") == "1" and _v(g, "--global-batch-size") == str(GPUS)
+        assert _v(g, "--expert-model-parallel-size") == "2"
+        assert _v(g, "--tensor-model-parallel-size") == "1"
+        assert _v(g, "--num-layers") == "4" and _v(g, "--hidden-size") == "2048"
+        assert _v(g, "--num-experts") == "128" and _v(g, "--moe-router-topk") == "8"
+        assert _v(g, "--moe-ffn-hidden-size") == "768" and _v(g, "--vocab-size") == "32768"
+        assert _v(g, "--num-attention-heads") == "32" and _v(g, "--num-query-groups") == "4"
+        assert _v(g, "--kv-channels") == "128" and g["--qk-layernorm"] == []
+        assert g["--bf16"] == [] and "--moe-layer-freq" not in g  # every layer MoE
+        assert _v(g, "--tokenizer-type") == "NullTokenizer" and g["--mock-data"] == []
+        assert _v(g, "--train-iters") == "50" and _v(g, "--seed") == "1234"
+        # the stable regime
+        assert float(_v(g, "--lr")) == 1e-4 and float(_v(g, "--min-lr")) == 1e-5
+        assert _v(g, "--lr-warmup-iters") == "10" and float(_v(g, "--clip-grad")) == 1.0
+        assert _v(g, "--lr-decay-style") == "cosine" and float(_v(g, "--adam-beta2")) == 0.95
+        if shape == "qwen3_slice_s16k":
+            assert _v(g, "--recompute-granularity") == "selective"
+            assert g["--recompute-modules"] == ["core_attn"]
+        else:
+            assert "--recompute-granularity" not in g and "--recompute-modules" not in g
+        want = "ring" if label == "ring" else "alltoall"
+        assert _v(g, "--moe-token-dispatcher-type") == want
+        assert ("--relaymoe-ring-mode" in g) == (label == "ring")
+    assert _v(groups["ring"], "--relaymoe-ring-mode") == "auto"
+    # identical flags otherwise; the noise run is the first alltoall run's exact command
+    assert plans[1].flags == plans[2].flags
+    ring = {k: v for k, v in groups["ring"].items() if k != "--relaymoe-ring-mode"}
+    diff = {
+        k
+        for k in ring.keys() | groups["alltoall"].keys()
+        if ring.get(k) != groups["alltoall"].get(k)
+    }
+    assert diff == {"--moe-token-dispatcher-type"}, diff
+
+
+def test_cli_dry_run_and_early_errors(capsys):
+    argv = ["--shapes", "qwen3_slice_s4k,qwen3_slice_s16k", "--noise-run", "--dry-run"]
+    assert bench_e2e.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    heads = [ln for ln in lines if ln.startswith("# ")]
+    assert len(heads) == 6 and heads[2] == "# qwen3_slice_s4k alltoall_repeat (regime stable, EP=2)"
+    assert lines[lines.index(heads[2]) + 1] == lines[lines.index(heads[1]) + 1]
+    with pytest.raises(SystemExit):  # 5 steps: fewer than the stable regime's warm-up
+        bench_e2e.main(["--shapes", "qwen3_slice_s4k", "--steps", "5", "--dry-run"])
+    assert "do not exceed its 10 warm-up" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_e2e.main(["--shapes", "qwen3_slice_s8k", "--dry-run"])
+    assert "unknown shape" in capsys.readouterr().err
+
+
+def test_noise_run_only_when_asked():
+    shape = bench_e2e.SHAPES["qwen3_slice_s4k"]
+    plans = bench_e2e.plan_runs(shape, gpus=GPUS, steps=50, seed=1, noise_run=False)
+    assert [p.label for p in plans] == ["ring", "alltoall"]
+
+
+def test_megatron_parses_the_shape_flags():
+    """Megatron's own parser and validation accept the flags (world size 2: EP=2, DP=2)."""
+    script = textwrap.dedent(
+        """
+        import json, sys, warnings
+        warnings.filterwarnings("ignore")
+        import torch
+        torch.cuda.get_device_capability = lambda *a: (9, 0)  # validate_args asks for it
+        from relaymoe.megatron import register
+        register()
+        from megatron.training.arguments import parse_and_validate_args
+        sys.argv = ["pretrain", *json.loads(sys.argv[1])]
+        a = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
+        keys = ("seq_length", "micro_batch_size", "global_batch_size", "data_parallel_size",
+                "expert_model_parallel_size", "padded_vocab_size", "num_experts",
+                "moe_token_dispatcher_type", "lr", "lr_warmup_iters", "clip_grad",
+                "adam_beta2", "recompute_granularity", "bf16", "train_iters")
+        print("ARGS " + json.dumps({k: getattr(a, k) for k in keys}))
+        """
+    )
+    env = dict(os.environ, WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", CUDA_VISIBLE_DEVICES="")
+    shape = bench_e2e.SHAPES["qwen3_slice_s16k"]
+    for plan in bench_e2e.plan_runs(shape, gpus=GPUS, steps=50, seed=1234, noise_run=False):
+        p = subprocess.run(
+            [sys.executable, "-c", script, json.dumps(list(plan.flags))],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            env=env,
+        )
+        line = [ln for ln in p.stdout.splitlines() if ln.startswith("ARGS ")]
+        assert p.returncode == 0 and line, p.stdout[-2000:] + p.stderr[-4000:]
+        a = json.loads(line[0][5:])
+        assert a == {
+            "seq_length": 16384,
+            "micro_batch_size": 1,
+            "global_batch_size": 2,
+            "data_parallel_size": 2,
+            "expert_model_parallel_size": 2,
+            "padded_vocab_size": 32768,
+            "num_experts": 128,
+            "moe_token_dispatcher_type": plan.dispatcher,
+            "lr": 1e-4,
+            "lr_warmup_iters": 10,
+            "clip_grad": 1.0,
+            "adam_beta2": 0.95,
+            "recompute_granularity": "selective",
+            "bf16": True,
+            "train_iters": 50,
+        }, a
+
+
+def test_default_mode_keeps_the_tiny_runs():
+    """No --shapes: tiny_qwen3 at 200 steps, ring + alltoall, the launcher's regime as before."""
+    (shape,) = [bench_e2e.config_shape("tiny_qwen3", 200)]
+    plans = bench_e2e.plan_runs(shape, gpus=2, steps=200, seed=1234, noise_run=False)
+    assert shape.name == "tiny_qwen3_steps200" and [p.label for p in plans] == ["ring", "alltoall"]
+    g = _groups(plans[0].flags)
+    assert (float(_v(g, "--lr")), float(_v(g, "--min-lr"))) == (3e-4, 3e-5)
+    assert _v(g, "--lr-warmup-iters") == "10" and float(_v(g, "--clip-grad")) == 1.0
+    assert "--adam-beta2" not in g and "--adam-beta1" not in g
+    assert (_v(g, "--seq-length"), _v(g, "--micro-batch-size"), _v(g, "--global-batch-size")) == (
+        "512",
+        "4",
+        "8",
+    )
+    assert list(plans[0].flags) == pretrain_args(
+        "tiny_qwen3", gpus=2, steps=200, dispatcher="ring", seed=1234
+    )
+
+
+def test_extra_flags_replace_instead_of_repeating():
+    base = pretrain_args("tiny_qwen3", gpus=2, steps=20, dispatcher="ring", seed=1)
+    out = pretrain_args(
+        "tiny_qwen3",
+        gpus=2,
+        steps=20,
+        dispatcher="ring",
+        seed=1,
+        extra=["--lr", "5e-5", "--save", "/ck", "--save-interval", "10"],
+    )
+    g = _groups(out)  # asserts no duplicate
+    assert _v(g, "--lr") == "5e-5" and _v(g, "--save") == "/ck"
+    assert out.index("--lr") == base.index("--lr")  # replaced in place
+    assert out[-4:] == ["--save", "/ck", "--save-interval", "10"]
+    assert merge_flags(["--a", "1", "--b"], ["--b", "--c", "-1", "--a", "2"]) == [
+        "--a",
+        "2",
+        "--b",
+        "--c",
+        "-1",
+    ]
+    with pytest.raises(ValueError, match="starts with the value"):
+        merge_flags(["1", "--a"], [])
+
+
+def test_regime_and_sequence_guards():
+    with pytest.raises(ValueError, match="do not exceed its 10 warm-up"):
+        pretrain_args("qwen3_slice", gpus=2, steps=10, dispatcher="ring", seed=1, regime="stable")
+    with pytest.raises(ValueError, match="max_position_embeddings=512"):
+        pretrain_args("tiny_qwen3", gpus=2, steps=20, dispatcher="ring", seed=1, seq_length=1024)
+    with pytest.raises(ValueError, match="known"):
+        pretrain_args("tiny_qwen3", gpus=2, steps=20, dispatcher="ring", seed=1, regime="fast")
+    f = REGIMES["stable"].row_fields(50)
+    assert (f["lr"], f["lr_warmup_iters"], f["clip_grad"], f["adam_beta2"]) == (1e-4, 10, 1.0, 0.95)
+    assert REGIMES["launcher"].row_fields(50)["lr_warmup_iters"] == 2  # max(1, steps // 20)
+
+
+# -- parity / noise on synthetic loss curves ------------------------------------------------------
+
+
+def _run(label, losses, rc=0, dispatcher=None, **kw):
+    steps = [
+        {"loss": x, "tokens_per_s": 1000.0 + i, "peak_MiB": 10.0} for i, x in enumerate(losses)
+    ]
+    d = dispatcher or ("ring" if label == "ring" else "alltoall")
+    return RunResult(d, rc, steps=steps, label=label, seconds=12.5, command="torchrun x", **kw)
+
+
+BASE = [5.0 - 0.05 * i for i in range(50)]
+
+
+def _shift(curve, at, by):
+    return [x + (by if i == at else 0.0) for i, x in enumerate(curve)]
+
+
+def test_parity_within_twice_the_noise():
+    ring = _run("ring", _shift(BASE, 30, 0.0499))
+    a2a = _run("alltoall", BASE)
+    rep = _run("alltoall_repeat", _shift(BASE, 7, -0.02))
+    par = loss_parity(ring, a2a, rep, steps=50)
+    assert par["max_abs_loss_diff"] == pytest.approx(0.0499)
+    assert par["noise_max_abs_loss_diff"] == pytest.approx(0.02)
+    assert par["parity_bound"] == pytest.approx(0.05) and par["parity_ok"] is True
+    assert par["steps_compared"] == 50 and par["failures"] == {}
+    par = loss_parity(_run("ring", _shift(BASE, 30, 0.0501)), a2a, rep, steps=50)
+    assert par["parity_ok"] is False
+    # identical curves: no noise, the 0.01 slack alone
+    par = loss_parity(_run("ring", _shift(BASE, 3, 0.009)), a2a, _run("alltoall_repeat", BASE),
+                      steps=50)  # fmt: skip
+    assert par["noise_max_abs_loss_diff"] == 0.0 and par["parity_ok"] is True
+    # no repeat run: the difference is measured, parity is not judged
+    par = loss_parity(ring, a2a, None, steps=50)
+    assert par["max_abs_loss_diff"] == pytest.approx(0.0499) and par["parity_ok"] is None
+
+
+@pytest.mark.parametrize(
+    "broken",
+    [
+        dict(losses=[], rc=1),  # crashed before the first step
+        dict(losses=[], rc=0),  # exited 0 without reporting a step
+        dict(losses=BASE[:49], rc=0),  # one step short
+        dict(losses=BASE, rc=1),  # all steps, then failed at exit
+        dict(losses=_shift(BASE, 20, math.nan), rc=0),  # diverged
+        dict(losses=BASE[:10], rc=-9, timed_out=True),
+    ],
+)
+@pytest.mark.parametrize("who", ["ring", "alltoall", "alltoall_repeat"])
+def test_a_failed_run_never_passes_parity(broken, who):
+    runs = {k: _run(k, BASE) for k in ("ring", "alltoall", "alltoall_repeat")}
+    runs[who] = _run(
+        who, broken["losses"], rc=broken["rc"], timed_out=broken.get("timed_out", False)
+    )
+    par = loss_parity(runs["ring"], runs["alltoall"], runs["alltoall_repeat"], steps=50)
+    assert par["parity_ok"] is False and list(par["failures"]) == [who]
+    if who != "alltoall_repeat":
+        assert par["max_abs_loss_diff"] is None  # a failed run is no data
+    if who != "ring":
+        assert par["noise_max_abs_loss_diff"] is None
+
+
+@pytest.mark.parametrize("reported", [0, 20])  # crashed before any step / at step 21
+def test_rows_of_a_shape_with_a_failed_ring_run(reported):
+    shape = bench_e2e.SHAPES["qwen3_slice_s4k"]
+    plans = bench_e2e.plan_runs(shape, gpus=2, steps=50, seed=1234, noise_run=True)
+    results = {
+        "ring": _run("ring", BASE[:reported], rc=1),
+        "alltoall": _run("alltoall", BASE),
+        "alltoall_repeat": _run("alltoall_repeat", _shift(BASE, 4, 0.03)),
+    }
+    ring, a2a = bench_e2e.shape_rows(plans, results, gpus=2, steps=50, seed=1234)
+    assert (ring["provider"], a2a["provider"]) == ("relaymoe_ring", "mcore_alltoall")
+    for row in (ring, a2a):
+        assert row["bench"] == "e2e" and row["shape"] == "qwen3_slice_s4k"
+        assert row["parity_ok"] is False and row["max_abs_loss_diff_vs_other"] is None
+        assert row["noise_max_abs_loss_diff"] == pytest.approx(0.03)
+        assert (row["lr"], row["lr_warmup_iters"], row["clip_grad"]) == (1e-4, 10, 1.0)
+        assert (row["regime"], row["seq_length"], row["global_batch_size"]) == ("stable", 4096, 2)
+        assert row["ep"] == 2 and row["steps_requested"] == 50
+    assert ring["failure"] == "exit status 1" and ring["returncode"] == 1
+    assert ring["steps"] == reported and ring["losses"] == BASE[:reported]  # the record only
+    assert ring["tokens_per_s"] is None and ring["peak_MiB"] is None and ring["final_loss"] is None
+    assert a2a["failure"] is None and a2a["steps"] == 50 and a2a["tokens_per_s"] is not None
+    assert a2a["losses"] == BASE and a2a["repeat_steps"] == 50 and a2a["repeat_failure"] is None
+    assert a2a["wall_s"] == 12.5 and a2a["returncode"] == 0
+
+
+class _Writer:
+    def __init__(self):
+        self.rows = []
+
+    def write(self, row):
+        self.rows.append(row)
+
+
+def test_run_shapes_reports_failures_and_respects_the_budget(capsys):
+    calls = []
+
+    def runner(flags, *, gpus, label, timeout_s):
+        calls.append((label, timeout_s))
+        if label == "ring":
+            return RunResult("ring", 1, label=label, command="torchrun RING", log_tail="OOM here")
+        return _run(label, BASE)
+
+    now = [0.0]
+
+    def clock():
+        now[0] += 100.0  # every call to the clock: 100 s later
+        return now[0]
+
+    w = _Writer()
+    shapes = [bench_e2e.SHAPES["qwen3_slice_s4k"], bench_e2e.SHAPES["qwen3_slice_s16k"]]
+    rows, ok = bench_e2e.run_shapes(shapes, gpus=2, steps=50, seed=1, noise_run=True, writer=w,
+                                    budget_s=450, runner=runner, clock=clock)  # fmt: skip
+    assert not ok and len(rows) == 4 and w.rows == rows
+    err = capsys.readouterr().err
+    assert "run ring failed: exit status 1 (rc=1)" in err and "torchrun RING" in err
+    assert "OOM here" in err and "--- run alltoall not started: 0 s of --budget-s 450" in err
+    # left per run: 350, 250, 150 (s4k), 50 (< MIN_RUN_S: s16k ring and the rest not started)
+    assert calls == [("ring", 350.0), ("alltoall", 250.0), ("alltoall_repeat", 150.0)]
+    s16k = [r for r in rows if r["shape"] == "qwen3_slice_s16k"]
+    assert all(r["parity_ok"] is False for r in rows)
+    assert all(r["failure"].startswith("not started") for r in s16k)
+    assert s16k[1]["repeat_failure"].startswith("not started")
+
+
+def test_run_pretrain_stops_the_job_at_its_timeout(monkeypatch, tmp_path):
+    """A job past its timeout is stopped with its whole process group and reported, no raise."""
+    import relaymoe.megatron.e2e as e2e
+
+    started = []
+    real_popen = subprocess.Popen
+
+    def popen(cmd, **kw):
+        # a stand-in job: a parent that starts a child, both sleeping (like torchrun + workers)
+        code = (
+            "import subprocess, sys, time\n"
+            "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+            "print('started worker', c.pid, flush=True)\n"
+            "time.sleep(60)\n"
+        )
+        p = real_popen([sys.executable, "-c", code], **kw)
+        started.append(p)
+        return p
+
+    monkeypatch.setattr(e2e.subprocess, "Popen", popen)
+    r = run_pretrain(["--moe-token-dispatcher-type", "alltoall"], gpus=2, label="alltoall_repeat",
+                     timeout_s=10, workdir=str(tmp_path / "w"))  # fmt: skip
+    assert r.timed_out and r.failure(50).startswith("timed out after")
+    assert r.dispatcher == "alltoall" and r.name == "alltoall_repeat" and not r.steps
+    assert "--relaymoe-report" in r.command and r.seconds < 30, r.seconds
+    workers = [int(ln.split()[-1]) for ln in r.log_tail.splitlines() if "started worker" in ln]
+    assert len(workers) == 1, r.log_tail  # the stand-in got as far as starting its worker
+    # the job and its worker (its own child, as torchrun's) are both stopped
+    deadline = time.monotonic() + 10  # a killed process may take a moment to disappear
+    while (_alive(started[0].pid) or _alive(workers[0])) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(started[0].pid) and not _alive(workers[0])
+
+
+def _alive(pid: int) -> bool:
+    """A running process (a zombie waiting to be reaped is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
