@@ -73,8 +73,8 @@ def _gather_sum(rows_SN: Tensor, pos_TR: Tensor, out_TN: Tensor, backend: str) -
     if backend == "triton":
         from relaymoe.kernels.grouped import combine
 
-        offs = torch.zeros(2, dtype=torch.int64, device=rows_SN.device)
-        offs[1] = rows_SN.shape[0]  # a fill on the device: no host-to-device copy, no sync
+        # [0, S] made on the device (a Python scalar written into a CUDA tensor is a sync)
+        offs = torch.arange(2, dtype=torch.int64, device=rows_SN.device) * rows_SN.shape[0]
         combine(rows_SN, pos_TR.reshape(-1), offs, out_TN, R, accumulate=False)
         return out_TN
     pad = torch.cat([rows_SN, rows_SN.new_zeros(1, rows_SN.shape[1])])
