@@ -76,7 +76,7 @@ ALIGN = 256  # every segment of a travelling buffer starts aligned (relaymoe/rin
 SYMM_GRANULE = 2 * 1024 * 1024  # the copy-engine workspace grows in these (ring/transport.py)
 # Megatron's alltoall dispatcher (the baseline): coexisting top-k-expanded (T*K, H) buffers and
 # (T*K, I) expert intermediates, fit to megatron-core 0.19.2 (qwen3 T32k: 6464 MiB at EP=1,
-# 7486 MiB at EP=2; /work/shared/anchors/README.md).
+# 7486 MiB at EP=2, the anchor measurement).
 MCORE_A2A_BUFFERS_EP1 = 4.0
 MCORE_A2A_BUFFERS_EP = 5.5
 MCORE_A2A_INTERMEDIATES = 3
@@ -449,7 +449,7 @@ def mcore_alltoall_send_bytes(d: Dims) -> float:
 @dataclass(frozen=True)
 class TimeModel:
     """Calibration constants of ``step_seconds``, fitted on 2x H200 (EP=2, qwen3-30b-a3b widths,
-    T 4k-64k per GPU; ``benchmarks/results/h200x2_2026-11-30_s5``, call 3, every mode in one
+    T 4k-64k per GPU, every mode in one
     process). A step is host-bound at small T (the host needs longer to issue the hops' kernels
     than the GPU to run them) and device-bound at large T, and neither hides the other fully:
     ``step = sqrt(host**2 + device**2)`` fits those rows within 8%. The host constants vary by
