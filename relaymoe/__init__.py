@@ -2,7 +2,7 @@
 
 Public API (imported lazily so ``import relaymoe`` stays cheap and never imports Megatron):
 ``build_routing_index``, ``RoutingIndex``, ``moe_experts``, ``ring_moe``,
-``moe_experts_reference``.
+``moe_experts_reference``, ``linear_cross_entropy``.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ _EXPORTS = {
     "moe_experts_reference": "relaymoe.reference",
     "moe_experts": "relaymoe.experts",
     "ring_moe": "relaymoe.ring",
+    "linear_cross_entropy": "relaymoe.loss",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -1,4 +1,5 @@
-"""``relaymoe plan``: what fits per GPU, alltoall vs ring, and the Megatron flags to paste."""
+"""``relaymoe plan``: what fits per GPU, alltoall vs ring, each with Megatron's loss or the fused
+one, and the Megatron flags to paste."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     q = sub.add_parser(
         "plan",
-        help="memory plan of a config: alltoall vs ring, recompute plan, capacity limits",
+        help="memory plan of a config: alltoall vs ring, Megatron's loss vs the fused loss, "
+        "recompute plan, capacity limits",
         description="Plans a Megatron GPT-MoE config on a given GPU (default: the embedded "
         "Qwen3-30B-A3B on 32 H100-80GB, TP=2 CP=4 PP=4 EP=8).",
     )
@@ -55,6 +57,13 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="override relaymoe.transport (auto: the copy engine, whose workspace is counted)",
     )
+    q.add_argument(
+        "--fused-loss",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="override relaymoe.fused_loss: the flags and recompute plan are for the chunked "
+        "output layer + cross-entropy (the capacities are printed for both anyway)",
+    )
     q.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -80,6 +89,8 @@ def _build(ns):
         rel["ring_mode"] = ns.ring_mode
     if ns.transport:
         rel["transport"] = ns.transport
+    if ns.fused_loss is not None:
+        rel["fused_loss"] = ns.fused_loss
     return cfg.replace(parallel=par, training=tr, relaymoe=rel)
 
 
@@ -91,6 +102,25 @@ def _mib(x) -> str:
     return f"{x / 2**20:.1f}"
 
 
+# Variants as printed: the three the question is about first, then the fused loss alone.
+ORDER = ("alltoall", "ring", "ring_fused_loss", "alltoall_fused_loss")
+LABEL = {
+    "alltoall": "alltoall",
+    "ring": "ring",
+    "ring_fused_loss": "ring + fused loss",
+    "alltoall_fused_loss": "alltoall + fused loss",
+}
+
+
+def _binding(p, v) -> str:
+    """The largest term of the worst stage at the variant's longest sequence."""
+    at = p.max_seq_breakdown.get(v)
+    if not at:
+        return "-"
+    term, b = max(at["terms"].items(), key=lambda kv: kv[1])
+    return f"{term} {_gib(b)} GiB on stage {at['stage']}"
+
+
 def _print_rich(cfg, p) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -99,37 +129,39 @@ def _print_rich(cfg, p) -> None:
     m, par, t = cfg.model, cfg.parallel, cfg.training
     con.print(
         f"[bold]{cfg.name}[/]: {m.num_layers} layers, E={m.num_experts} K={m.moe_router_topk} "
-        f"H={m.hidden_size} I={m.moe_ffn_hidden_size}; {par.world_size} GPUs "
+        f"H={m.hidden_size} I={m.moe_ffn_hidden_size} V={m.vocab_size}; {par.world_size} GPUs "
         f"(TP={par.tp} CP={par.cp} PP={par.pp} EP={par.ep} ETP={par.etp} DP={par.dp}); "
         f"seq {t.seq_length}, micro-batch {t.micro_batch_size}; GPU {_gib(p.gpu_bytes)} GiB, "
         f"usable {_gib(p.usable_bytes)} GiB"
     )
     tab = Table(title="Peak memory per GPU, worst pipeline stage (GiB)")
-    tab.add_column("term")
-    for d in ("alltoall", "ring"):
-        tab.add_column(d, justify="right")
-    terms = list(p.breakdown["ring"])
-    for k in terms:
-        tab.add_row(k, *(_gib(p.breakdown[d].get(k)) for d in ("alltoall", "ring")))
-    tab.add_row(
-        "[bold]peak (planned recompute)", *(_gib(p.peak_bytes[d]) for d in ("alltoall", "ring"))
-    )
-    tab.add_row(
-        "peak (full recompute)",
-        *(_gib(p.peak_full_recompute_bytes[d]) for d in ("alltoall", "ring")),
-    )
-    tab.add_row(
-        "MoE block peak", _gib(p.moe_peak_bytes["alltoall"]), _gib(p.moe_peak_bytes["ring"])
-    )
-    tab.add_row(
-        "max seq length (full recompute)", *(str(p.max_seq_length[d]) for d in ("alltoall", "ring"))
-    )
-    tab.add_row(
-        "max micro-batch (full recompute)",
-        *(str(p.max_micro_batch_size[d]) for d in ("alltoall", "ring")),
-    )
+    tab.add_column("term", no_wrap=True)
+    for v in ORDER:
+        tab.add_column(LABEL[v], justify="right")
+    for k in p.breakdown["ring"]:
+        tab.add_row(k, *(_gib(p.breakdown[v].get(k)) for v in ORDER))
+    tab.add_row("[bold]peak (planned recompute)", *(_gib(p.peak_bytes[v]) for v in ORDER))
+    tab.add_row("peak (full recompute)", *(_gib(p.peak_full_recompute_bytes[v]) for v in ORDER))
+    moe = {v: p.moe_peak_bytes[v.removesuffix("_fused_loss")] for v in ORDER}
+    tab.add_row("MoE block peak", *(_gib(moe[v]) for v in ORDER))
     con.print(tab)
-    v, sm = p.per_hop_bytes, p.step_model
+    a2a = p.max_seq_length["alltoall"]
+    con.print(
+        f"[bold]What fits[/], full recompute (max seq length at micro-batch "
+        f"{t.micro_batch_size}, max micro-batch at seq {t.seq_length}; binds: the worst "
+        "stage's largest term at that length):"
+    )
+    w = max(len(LABEL[v]) for v in ORDER)
+    for v in ORDER:  # plain lines: greppable, and not squeezed by a narrow terminal
+        n = p.max_seq_length[v]
+        gain = f"{n / a2a:.2f}x" if a2a else "-"
+        con.print(
+            f"  {LABEL[v]:<{w}}  max seq length {n:>8} ({gain} alltoall)  "
+            f"max micro-batch {p.max_micro_batch_size[v]:>4}  binds: {_binding(p, v)}",
+            soft_wrap=True,
+            highlight=False,
+        )
+    hop, sm = p.per_hop_bytes, p.step_model
     model = ", ".join(
         f"{m} {sm[m]['seconds'] * 1e3:.2f} ms / "
         f"{_mib(sm[m]['bytes_forward'] + sm[m]['bytes_backward'])} MiB"
@@ -137,27 +169,19 @@ def _print_rich(cfg, p) -> None:
     )
     con.print(
         f"relaymoe mode: [bold]{p.routing_mode}[/] over {p.transport} (modelled layer step, "
-        f"time / bytes sent: {model}; per hop, fwd+bwd: expert {_mib(v['expert']['total'])} "
-        f"MiB, token {_mib(v['token']['total'])} MiB)"
+        f"time / bytes sent: {model}; per hop, fwd+bwd: expert {_mib(hop['expert']['total'])} "
+        f"MiB, token {_mib(hop['token']['total'])} MiB)"
     )
     rt = Table(title="Recompute plan (greedy by compute saved per byte, paper §3.4)")
-    for c in (
-        "dispatcher",
-        "granularity",
-        "method",
-        "num_layers",
-        "recomputed",
-        "kept",
-        "budget GiB",
-    ):
+    for c in ("variant", "granularity", "method", "num_layers", "recomputed", "kept", "budget GiB"):
         rt.add_column(c)
-    for d in ("alltoall", "ring"):
-        r = p.recompute_plans.get(d)
+    for v in ORDER:
+        r = p.recompute_plans.get(v)
         if r is None:
-            rt.add_row(d, "does not fit", "", "", "", "", "")
+            rt.add_row(LABEL[v], "does not fit", "", "", "", "", "")
             continue
         rt.add_row(
-            d,
+            LABEL[v],
             str(r["recompute_granularity"]),
             str(r["recompute_method"]),
             str(r["recompute_num_layers"]),
@@ -168,7 +192,7 @@ def _print_rich(cfg, p) -> None:
     con.print(rt)
     for n in p.notes:
         con.print(f"[yellow]note[/]: {n}")
-    con.print(f"[bold]Megatron flags ({p.dispatcher}):[/]")
+    con.print(f"[bold]Megatron flags ({LABEL[p.chosen]}):[/]")
     con.print(" ".join(p.megatron_flags), soft_wrap=True, highlight=False)
 
 

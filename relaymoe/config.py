@@ -315,12 +315,14 @@ RING_TRANSPORT_NAMES = ("auto", "nccl", "copy_engine")
 class RelayMoEConfig:
     """relaymoe's switches: the dispatcher (``--moe-token-dispatcher-type``), the ring's mode
     (``--relaymoe-ring-mode``) and transport (``--relaymoe-transport``), recompute planner
-    (``--relaymoe-recompute-planner``)."""
+    (``--relaymoe-recompute-planner``), and the chunked output layer + cross-entropy
+    (``--relaymoe-fused-loss``, ``relaymoe.linear_cross_entropy``; any dispatcher)."""
 
     dispatcher: str = "ring"  # ring | alltoall | allgather | flex
     ring_mode: str = "auto"  # auto | expert | token | alltoall (relaymoe.costmodel.MODES)
     transport: str = "auto"  # auto | nccl | copy_engine
     recompute_planner: bool = False
+    fused_loss: bool = False  # never holds the (tokens, vocab/TP) logits
 
     def __post_init__(self):
         if self.dispatcher not in DISPATCHERS:
@@ -331,6 +333,9 @@ class RelayMoEConfig:
             raise ValueError(
                 f"relaymoe.transport={self.transport!r}; known: {RING_TRANSPORT_NAMES}"
             )
+        for name in ("recompute_planner", "fused_loss"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"relaymoe.{name}={getattr(self, name)!r} must be true or false")
 
 
 @dataclass(frozen=True)
@@ -626,6 +631,8 @@ def to_megatron_args(cfg: Config, *, dispatcher: str | None = None) -> list[str]
             args += ["--relaymoe-transport", cfg.relaymoe.transport]
     if cfg.relaymoe.recompute_planner:
         args.append("--relaymoe-recompute-planner")
+    if cfg.relaymoe.fused_loss:
+        args.append("--relaymoe-fused-loss")
     if t.precision in ("bf16", "fp16"):
         args.append(f"--{t.precision}")
     args += recompute_args(

@@ -69,7 +69,7 @@ TABLES = [
     ),
     (
         "e2e",
-        "Tiny Qwen3-style GPT, ring vs alltoall (loss parity, throughput, memory)",
+        "GPT end to end (tiny Qwen3-style; Qwen3-30B-A3B-width slice), ring vs alltoall",
         ("provider", "shape", "ep", "dispatcher"),
         [
             "shape",
@@ -79,8 +79,30 @@ TABLES = [
             "steps",
             "final_loss",
             "max_abs_loss_diff",
+            "max_abs_loss_diff_vs_other",
+            "noise_max_abs_loss_diff",
             "tokens_per_s",
             "peak_MiB",
+        ],
+    ),
+    (
+        "loss",
+        "Language-model loss (output layer + cross-entropy), fwd+bwd, one GPU",
+        ("shape", "provider"),
+        ["shape", "provider", "impl", "chunk_tokens", "ms_fwd_bwd", "peak_over_inputs_MiB"],
+    ),
+    (
+        "max_seq",
+        "Longest sequence that trains two steps (measured, full recompute)",
+        ("config", "provider"),
+        [
+            "config",
+            "provider",
+            "max_seq",
+            "first_oom_seq",
+            "bracket_open",
+            "stop_reason",
+            "predicted_max_seq",
         ],
     ),
     (

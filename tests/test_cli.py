@@ -29,7 +29,12 @@ def test_json_keys(capsys):
     ):
         assert k in d, k
     assert set(d["moe_peak_bytes"]) >= {"alltoall", "ring"}
-    assert set(d["max_seq_length"]) == {"alltoall", "ring"}
+    three = {"alltoall", "ring", "ring_fused_loss"}
+    assert set(d["max_seq_length"]) >= three and set(d["max_micro_batch_size"]) >= three
+    # issue #14's target: ring + fused loss >= 1.8x alltoall's longest sequence (H100 80 GB)
+    seq = d["max_seq_length"]
+    assert seq["ring_fused_loss"] >= 1.8 * seq["alltoall"], seq
+    assert d["chosen"] == "ring" and "--relaymoe-fused-loss" not in d["megatron_args"]
     assert d["config_name"] == "qwen3_30b_a3b" and d["world_size"] == 32
     assert d["per_hop_bytes"]["expert"]["total"] > 0 and d["per_hop_bytes"]["token"]["total"] > 0
 
@@ -65,6 +70,48 @@ def test_rich_table(capsys):
     )
     assert rc == 0
     assert "alltoall" in out and "ring" in out and "Megatron flags" in out
+
+
+def test_rich_capacity_lines(capsys):
+    """The longest sequence and micro-batch, one line each for alltoall, ring, ring + fused."""
+    rc, out, err = run(
+        capsys, "plan", "--config", "configs/qwen3_30b_a3b.yaml", "--gpu", "h100-80gb"
+    )
+    assert rc == 0, err
+    rc, js, _ = run(capsys, "plan", "--json")
+    d = json.loads(js)
+    lines = {}
+    for ln in out.splitlines():
+        head = ln.split("max seq length")[0].strip()
+        if "max seq length" in ln and head:
+            lines[head] = ln
+    assert {"alltoall", "ring", "ring + fused loss"} <= set(lines), out
+    for label, v in (
+        ("alltoall", "alltoall"),
+        ("ring", "ring"),
+        ("ring + fused loss", "ring_fused_loss"),
+    ):
+        ln = lines[label]
+        assert f"max seq length {d['max_seq_length'][v]:>8}" in ln, ln
+        assert f"max micro-batch {d['max_micro_batch_size'][v]:>4}" in ln, ln
+    assert "binds: activations_retained" in lines["ring + fused loss"]
+    assert "binds: logits_loss" in lines["alltoall"]
+
+
+def test_fused_loss_switch(capsys):
+    rc, out, _ = run(capsys, "plan", "--fused-loss", "--json")
+    assert rc == 0
+    d = json.loads(out)
+    assert d["chosen"] == "ring_fused_loss" and d["fused_loss"] is True
+    assert "--relaymoe-fused-loss" in d["megatron_args"]
+    assert d["recompute_plan"] == d["recompute_plans"]["ring_fused_loss"]
+    rc, out, _ = run(capsys, "plan", "--fused-loss", "--dispatcher", "alltoall", "--json")
+    d = json.loads(out)
+    assert d["chosen"] == "alltoall_fused_loss" and "--relaymoe-fused-loss" in d["megatron_args"]
+    rc, out, _ = run(capsys, "plan", "--no-fused-loss", "--json")
+    assert json.loads(out)["chosen"] == "ring"
+    rc, out, _ = run(capsys, "plan", "--fused-loss")
+    assert rc == 0 and "Megatron flags (ring + fused loss)" in out
 
 
 def test_bad_inputs(capsys, tmp_path):

@@ -239,3 +239,42 @@ def test_normalization_impl_field():
     d["training"]["normalization_impl"] = "torch"
     with pytest.raises(ValueError, match="normalization_impl='torch' with parallel.tp=2"):
         config_from_dict(d)
+
+
+def test_fused_loss_field_round_trip_and_flag():
+    d = _tiny_dict()
+    cfg = config_from_dict(d)
+    assert cfg.relaymoe.fused_loss is False
+    assert "--relaymoe-fused-loss" not in to_megatron_args(cfg)
+    d["relaymoe"] = {"fused_loss": True}
+    on = config_from_dict(d)
+    assert on.relaymoe.fused_loss is True and on.to_dict()["relaymoe"]["fused_loss"] is True
+    assert config_from_dict(on.to_dict()) == on  # round trip through the dict form
+    # every dispatcher: the flag is about the output layer, not the MoE layer
+    for disp in ("ring", "alltoall"):
+        args = to_megatron_args(on, dispatcher=disp)
+        assert args.count("--relaymoe-fused-loss") == 1, disp
+    assert on.replace(relaymoe={"fused_loss": False}) == cfg
+
+
+def test_fused_loss_from_yaml_and_bad_values(tmp_path):
+    base = (CONFIG_DIR / "tiny_qwen3.yaml").read_text()
+    assert "fused_loss" not in base
+    p = tmp_path / "f.yaml"
+    p.write_text(base.replace("\nrelaymoe:\n", "\nrelaymoe:\n  fused_loss: true\n", 1))
+    cfg = load_config(p)
+    assert cfg.relaymoe.fused_loss is True
+    assert (
+        cfg.replace(relaymoe={"fused_loss": False}).to_dict() == load_config("tiny_qwen3").to_dict()
+    )
+    d = _tiny_dict()
+    d["relaymoe"] = {"fused_loss": "yes"}
+    with pytest.raises(ValueError, match=r"relaymoe.fused_loss='yes' must be true or false"):
+        config_from_dict(d)
+    d["relaymoe"] = {"fused_los": True}
+    with pytest.raises(ValueError, match=r"unknown key relaymoe.'fused_los'.*fused_loss"):
+        config_from_dict(d)
+    from relaymoe.config import RelayMoEConfig
+
+    with pytest.raises(ValueError, match=r"relaymoe.fused_loss=1 must be true or false"):
+        RelayMoEConfig(fused_loss=1)

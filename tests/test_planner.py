@@ -4,9 +4,10 @@ import argparse
 
 import pytest
 
-from relaymoe import costmodel
+from relaymoe import costmodel, lossmodel
 from relaymoe.config import config_from_dict, load_config
 from relaymoe.planner import (
+    VARIANTS,
     config_from_megatron_args,
     per_hop_bytes,
     plan,
@@ -17,6 +18,7 @@ from relaymoe.planner import (
     usable_bytes,
 )
 from relaymoe.planner import memory as mm
+from relaymoe.planner.plan import seq_quantum
 
 GiB = 2**30
 
@@ -38,7 +40,7 @@ def small(**over):
         "training": {"seq_length": 128, "micro_batch_size": 2},
     }
     for sec, kv in over.items():
-        d[sec].update(kv)
+        d.setdefault(sec, {}).update(kv)
     return config_from_dict(d, name="small")
 
 
@@ -234,7 +236,17 @@ def test_plan_fields_and_json():
         "megatron_args",
     ):
         assert k in d
-    assert set(d["max_seq_length"]) == {"alltoall", "ring"}
+    for k in ("max_seq_length", "max_micro_batch_size", "peak_bytes", "breakdown"):
+        assert (
+            set(d[k])
+            == set(VARIANTS)
+            == {
+                "alltoall",
+                "ring",
+                "alltoall_fused_loss",
+                "ring_fused_loss",
+            }
+        )
     assert d["moe_peak_bytes"]["ring"] < d["moe_peak_bytes"]["alltoall"]
     assert "--moe-token-dispatcher-type" in d["megatron_args"]
     assert p.to_json()  # serializable
@@ -326,3 +338,127 @@ def test_normalization_impl_inferred_from_megatron_args(monkeypatch):
     args.tensor_model_parallel_size, args.sequence_parallel, args.world_size = 2, True, 2
     with pytest.raises(ValueError, match="normalization_impl='torch' with parallel.tp=2"):
         config_from_megatron_args(args)
+
+
+# -- the fused loss (relaymoe.linear_cross_entropy; bytes from relaymoe.lossmodel) ---------------
+
+
+def test_fused_loss_term_is_lossmodels():
+    cfg = small()
+    sh = mm.shapes(cfg)
+    # T_a = 256 tokens, h = 64, V/tp = 128, bf16: the op's own model, nothing restated here
+    fl = lossmodel.fused_loss_bytes(256, 64, 128, act_bytes=2)
+    assert mm.fused_loss_bytes(cfg, sh) == fl.total
+    assert mm.loss_bytes(cfg, sh, True) == fl.total  # tp=1: nothing gathered
+    assert mm.loss_bytes(cfg, sh, False) == mm.logits_bytes(cfg, sh) == 6 * 256 * 128
+    # The loss peaks in its forward, on top of what the stage keeps: with both layers kept
+    # the loss phase (final norm 65536 + the fused loss) is above the layers' working set.
+    st = sum(mm.model_state_bytes(cfg, 0).values())
+    for c, kw in ((cfg, {"fused_loss": True}), (small(relaymoe={"fused_loss": True}), {})):
+        pk = stage_peak(c, 0, "alltoall", frozenset({0, 1}), **kw)
+        assert pk.terms["logits_loss"] == 65536 + fl.total
+        assert pk.terms["logits_loss"] > pk.terms["layer_working_set"]
+        assert pk.total == st + pk.terms["activations_retained"] + 65536 + fl.total
+    # the config's switch is the default; the keyword overrides it
+    on = small(relaymoe={"fused_loss": True})
+    assert stage_peak(on, 0, "ring").total == stage_peak(cfg, 0, "ring", fused_loss=True).total
+    assert stage_peak(on, 0, "ring", fused_loss=False).total == stage_peak(cfg, 0, "ring").total
+    # fp32 activations: the hidden gradient in fp32
+    f32 = small(training={"precision": "fp32"})
+    fl32 = lossmodel.fused_loss_bytes(256, 64, 128, act_bytes=4)
+    assert mm.fused_loss_bytes(f32, mm.shapes(f32)) == fl32.total != fl.total
+
+
+def test_fused_loss_sees_the_gathered_sequence():
+    """With SP the output layer sees T_a = b*s/cp tokens (all-gathered over TP), and the vocab
+    shard is the padded vocabulary over TP; the gathered input lives through the loss forward."""
+    cfg = small(parallel={"tp": 2, "cp": 2, "dp": 1, "sequence_parallel": True})
+    sh = mm.shapes(cfg)
+    assert (sh.T_a, sh.T) == (128, 64)
+    v = cfg.model.padded_vocab_size(2) // 2
+    assert v == 128  # 128 padded to a multiple of 128 * tp = 256, over tp = 2
+    fl = lossmodel.fused_loss_bytes(128, 64, v, act_bytes=2)
+    assert mm.fused_loss_bytes(cfg, sh) == fl.total
+    assert mm.output_gather_bytes(sh) == 2 * 128 * 64
+    assert mm.loss_bytes(cfg, sh, True) == fl.total + 2 * 128 * 64
+    pk = stage_peak(cfg, 0, "ring", frozenset({0, 1}), fused_loss=True)
+    assert pk.terms["logits_loss"] == mm.final_norm_bytes(cfg, sh) + fl.total + 2 * 128 * 64
+
+
+def test_fused_loss_only_on_the_last_stage():
+    cfg = small(model={"num_layers": 4}, parallel={"pp": 2})
+    for fused in (False, True):
+        first = stage_peak(cfg, 0, "ring", fused_loss=fused)
+        last = stage_peak(cfg, 1, "ring", fused_loss=fused)
+        assert first.terms["logits_loss"] == 0 and last.terms["logits_loss"] > 0
+    a = stage_peak(cfg, 0, "ring", fused_loss=True).total
+    assert a == stage_peak(cfg, 0, "ring", fused_loss=False).total
+
+
+@pytest.mark.parametrize("name", ["qwen3_30b_a3b", "qwen2_57b_a14b", "table3/k4"])
+def test_fused_loss_capacity_ordering(name):
+    """At these lengths the (T, V/tp) logits dwarf one chunk: the fused loss never fits less,
+    and with it the ring's smaller MoE working set is what the longer sequence is made of."""
+    p = plan(load_config(name), "h200-141gb")
+    seq, mbs = p.max_seq_length, p.max_micro_batch_size
+    for d in ("alltoall", "ring"):
+        assert seq[f"{d}_fused_loss"] >= seq[d] > 0, (d, seq)
+        assert mbs[f"{d}_fused_loss"] >= mbs[d], (d, mbs)
+    assert seq["ring_fused_loss"] >= seq["alltoall_fused_loss"], seq
+
+
+def test_qwen3_plan_target_and_what_binds():
+    """Issue #14's target: ring + fused loss >= 1.8x alltoall's longest sequence (H100 80 GB)."""
+    cfg = load_config("qwen3_30b_a3b")
+    p = plan(cfg, "h100-80gb")
+    seq = p.max_seq_length
+    assert seq["ring_fused_loss"] >= 1.8 * seq["alltoall"], seq
+    q = seq_quantum(cfg)
+    for v, (disp, fused) in VARIANTS.items():
+        at = p.max_seq_breakdown[v]
+        assert at["seq"] == seq[v]
+        # the reported longest sequence fits and one quantum more does not
+        for n, fits in ((seq[v], True), (seq[v] + q, False)):
+            pk = stage_peak(cfg, at["stage"], disp, seq=n, fused_loss=fused)
+            worst = max(stage_peak(cfg, s, disp, seq=n, fused_loss=fused).total for s in range(4))
+            assert (worst <= p.usable_bytes) == fits, (v, n)
+            if n == seq[v]:
+                assert pk.total == worst and pk.terms == at["terms"]
+        biggest = max(at["terms"], key=at["terms"].get)
+        # Megatron's loss: the last stage's logits bind; the fused loss frees them
+        assert (biggest == "logits_loss") == (not fused), (v, biggest)
+
+
+def test_fused_loss_config_picks_the_plan_and_flags():
+    # near Megatron's loss's longest sequence: its last stage's logits leave no room to keep
+    cfg = load_config("qwen3_30b_a3b").replace(training={"seq_length": 458752})
+    off = plan(cfg, "h100-80gb")
+    on = plan(cfg.replace(relaymoe={"fused_loss": True}), "h100-80gb")
+    assert (off.chosen, on.chosen) == ("ring", "ring_fused_loss")
+    assert "--relaymoe-fused-loss" not in off.megatron_flags
+    assert "--relaymoe-fused-loss" in on.megatron_flags
+    assert on.recompute_plan == on.recompute_plans["ring_fused_loss"]
+    assert off.recompute_plan == off.recompute_plans["ring"]
+    # the variants themselves do not depend on the config's switch
+    assert on.max_seq_length == off.max_seq_length and on.peak_bytes == off.peak_bytes
+    # the fused loss leaves room to keep layers at this length
+    kept = {v: len(on.recompute_plans[v]["kept_layers"]) for v in VARIANTS}
+    assert kept["ring"] == kept["alltoall"] == 0, kept
+    assert kept["ring_fused_loss"] > kept["alltoall_fused_loss"] > 0, kept
+    # per stage: 12 layers, 4 kept, the first 8 recomputed
+    assert "--recompute-method block --recompute-num-layers 8" in " ".join(on.megatron_flags)
+    assert "fused loss" in on.summary() and on.to_dict()["chosen"] == "ring_fused_loss"
+    a2a = plan(cfg.replace(relaymoe={"fused_loss": True, "dispatcher": "alltoall"}), 80 * 10**9)
+    assert a2a.chosen == "alltoall_fused_loss" and "--relaymoe-fused-loss" in a2a.megatron_flags
+
+
+def test_fused_loss_from_megatron_args():
+    args = argparse.Namespace(
+        num_layers=2, hidden_size=64, num_attention_heads=4, num_experts=4, moe_router_topk=2,
+        moe_ffn_hidden_size=32, vocab_size=128, seq_length=128, micro_batch_size=2, bf16=True,
+        moe_token_dispatcher_type="ring",
+    )  # fmt: skip
+    assert config_from_megatron_args(args).relaymoe.fused_loss is False
+    args.relaymoe_fused_loss = True
+    assert config_from_megatron_args(args).relaymoe.fused_loss is True
+    assert plan_from_megatron_args(args, gpu_bytes=4 * GiB).chosen == "ring_fused_loss"

@@ -3,7 +3,9 @@
 ``register()`` (idempotent, imports Megatron only when called) patches megatron-core 0.19 so
 that its argument parser accepts ``ring`` plus relaymoe's own flags, ``TransformerConfig``
 refuses what the ring cannot run, and ``MoELayer`` builds a ``RingDispatcher`` whose experts run
-through ``relaymoe.ring.ring_moe`` with the layer's own expert parameters. See
+through ``relaymoe.ring.ring_moe`` with the layer's own expert parameters; with
+``--relaymoe-fused-loss`` (or ``configure(fused_loss=True)``) ``GPTModel`` computes its output
+layer + loss through ``relaymoe.linear_cross_entropy`` without the logits. See
 ``relaymoe/megatron/patches.py`` for exactly what is patched.
 
 Entry points: ``python -m relaymoe.megatron.launch PATH/pretrain_gpt.py <args>`` (registers,
@@ -60,6 +62,7 @@ def register() -> None:
 
     patches.patch_transformer_config()
     patches.patch_moe_layer()
+    patches.patch_gpt_model()
     try:
         patches.patch_arguments()
     except ImportError:  # megatron.training absent (core-only install): nothing to parse

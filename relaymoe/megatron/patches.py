@@ -1,11 +1,12 @@
-"""The four small, idempotent patches ``register()`` applies to megatron-core 0.19.
+"""The five small, idempotent patches ``register()`` applies to megatron-core 0.19.
 
 1. ``megatron.training.arguments.add_megatron_arguments``: adds ``ring`` to the choices of
    ``--moe-token-dispatcher-type`` (built from ``TransformerConfig``'s ``Literal``) and adds the
    ``relaymoe`` argument group.
-2. ``megatron.training.arguments.validate_args``: runs the ring refusals on the parsed
-   arguments and, with ``--relaymoe-recompute-planner``, the recompute planner (before
-   Megatron's own validation, which derives the config from the recompute flags).
+2. ``megatron.training.arguments.validate_args``: runs the ring refusals and, with
+   ``--relaymoe-fused-loss``, the fused-loss refusals on the parsed arguments and, with
+   ``--relaymoe-recompute-planner``, the recompute planner (before Megatron's own validation,
+   which derives the config from the recompute flags).
 3. ``TransformerConfig.__post_init__``: the refusals at config time (before Megatron's own
    checks, so the user reads our message and its fix rather than an unrelated assertion).
    ``TransformerConfig`` only types the field as a ``Literal``; it checks no value itself.
@@ -13,6 +14,12 @@
    built as ``allgather`` (which communicates nothing at build time), its dispatcher replaced
    by a ``RingDispatcher`` and its experts' parameters re-homed contiguously; the experts call
    goes through ``RingDispatcher.compute_experts``. Every other dispatcher type is untouched.
+5. ``GPTModel.__init__`` / ``GPTModel._postprocess``: with ``--relaymoe-fused-loss`` (or
+   ``configure(fused_loss=True)``) the model is checked at build time and remembers its fused
+   output processor; ``_postprocess`` passes it as Megatron's ``output_processor`` when labels
+   are given outside inference and the caller passed none, so the output layer + loss run
+   through ``relaymoe.linear_cross_entropy`` (``relaymoe/megatron/fused_loss.py``). Without
+   the flag both are Megatron's own.
 
 Each patched callable carries ``__relaymoe_patched__`` so a second ``register()`` is a no-op.
 """
@@ -20,6 +27,7 @@ Each patched callable carries ``__relaymoe_patched__`` so a second ``register()`
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 
 logger = logging.getLogger("relaymoe.megatron")
@@ -61,12 +69,36 @@ def add_relaymoe_args(parser):
         help="run each ring hop's transfer after its compute (ablation)",
     )
     group.add_argument(
+        "--relaymoe-fused-loss",
+        action="store_true",
+        help="compute GPTModel's output layer + cross-entropy in token chunks "
+        "(relaymoe.linear_cross_entropy) without materialising the logits; any dispatcher",
+    )
+    group.add_argument(
+        "--relaymoe-loss-chunk-tokens",
+        type=_positive_int,
+        default=None,
+        help="tokens per chunk of --relaymoe-fused-loss (default: relaymoe's choice)",
+    )
+    group.add_argument(
         "--relaymoe-recompute-planner",
         action="store_true",
         help="let relaymoe's planner choose the activation-recompute flags from the model, "
         "parallelism and GPU memory at start (printed once)",
     )
     return parser
+
+
+def _positive_int(text: str) -> int:
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
 
 
 def _extend_dispatcher_choices(parser) -> None:
@@ -103,10 +135,11 @@ def patch_arguments() -> None:
 
         @functools.wraps(original_validate)
         def validate_args(args, defaults=None):
-            from relaymoe.megatron.validate import check_ring_args
+            from relaymoe.megatron.validate import check_fused_loss_args, check_ring_args
 
             # Ours first: the user reads the ring's refusal and its fix, not a later assertion.
             check_ring_args(args)
+            check_fused_loss_args(args)
             if getattr(args, "relaymoe_recompute_planner", False):
                 apply_recompute_plan(args)
             return original_validate(args, {} if defaults is None else defaults)
@@ -227,6 +260,45 @@ def patch_moe_layer() -> None:
         MoELayer.routed_experts_compute = _mark(routed_experts_compute, original_rec)
 
 
+# --------------------------------------------------------------------------- GPTModel
+def patch_gpt_model() -> None:
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    original_init = GPTModel.__init__
+    if not getattr(original_init, MARK, False):
+
+        @functools.wraps(original_init)
+        def __init__(self, *args, **kwargs):
+            original_init(self, *args, **kwargs)
+            from relaymoe.megatron.settings import current_settings
+
+            settings = current_settings()
+            if settings.fused_loss:
+                from relaymoe.megatron.fused_loss import install
+
+                install(self, chunk_tokens=settings.loss_chunk_tokens)
+
+        GPTModel.__init__ = _mark(__init__, original_init)
+
+    original_post = GPTModel._postprocess
+    if not getattr(original_post, MARK, False):
+        signature = inspect.signature(original_post)
+
+        @functools.wraps(original_post)
+        def _postprocess(self, *args, **kwargs):
+            from relaymoe.megatron.fused_loss import ATTR, takes_fused_path
+
+            processor = getattr(self, ATTR, None)
+            if processor is not None:
+                bound = signature.bind(self, *args, **kwargs)
+                if takes_fused_path(self, bound.arguments):
+                    bound.arguments["output_processor"] = processor
+                    return original_post(*bound.args, **bound.kwargs)
+            return original_post(self, *args, **kwargs)
+
+        GPTModel._postprocess = _mark(_postprocess, original_post)
+
+
 class _PGs:
     """The groups a ``MoETokenDispatcher`` reads (``ep``, ``expt_tp``, ``tp_ep``)."""
 
@@ -241,7 +313,8 @@ def _pg_collection_of(layer):
 
 
 def patched_everything() -> bool:
-    """True when all four patches are in place."""
+    """True when all five patches are in place."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.transformer_config import TransformerConfig
     from megatron.training import arguments
@@ -254,5 +327,7 @@ def patched_everything() -> bool:
             TransformerConfig.__post_init__,
             MoELayer.__init__,
             MoELayer.routed_experts_compute,
+            GPTModel.__init__,
+            GPTModel._postprocess,
         )
     )

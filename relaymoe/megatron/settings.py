@@ -1,61 +1,94 @@
-"""How the ring runs inside Megatron: mode, transport, overlap (no Megatron import).
+"""relaymoe's settings in Megatron: ring mode/transport/overlap, fused loss (no Megatron import).
 
-Precedence: ``relaymoe.megatron.configure(...)`` > Megatron's parsed arguments
-(``--relaymoe-ring-mode``, ``--relaymoe-transport``, ``--relaymoe-no-overlap``, read from
+Precedence, field by field: ``relaymoe.megatron.configure(...)`` > Megatron's parsed arguments
+(``--relaymoe-ring-mode``, ``--relaymoe-transport``, ``--relaymoe-no-overlap``,
+``--relaymoe-fused-loss``, ``--relaymoe-loss-chunk-tokens``, read from
 ``megatron.training.get_args()`` when a training script parsed them) > defaults
-(``auto``/``auto``/overlap on). Read once per ``RingDispatcher`` at model build time.
+(``auto``/``auto``/overlap on/fused loss off/chunk chosen by ``relaymoe.linear_cross_entropy``).
+Read once per model part at build time: the ring settings by each ``RingDispatcher``, the loss
+settings by each ``GPTModel``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from relaymoe.config import RING_MODE_NAMES, RING_TRANSPORT_NAMES
 
-__all__ = ["RingSettings", "configure", "current_settings", "RING_MODES", "RING_TRANSPORTS"]
+__all__ = [
+    "Settings",
+    "RingSettings",
+    "configure",
+    "current_settings",
+    "RING_MODES",
+    "RING_TRANSPORTS",
+]
 
 RING_MODES = RING_MODE_NAMES  # "auto" and relaymoe.costmodel.MODES
 RING_TRANSPORTS = RING_TRANSPORT_NAMES
 
 
 @dataclass(frozen=True)
-class RingSettings:
+class Settings:
     mode: str = "auto"
     transport: str = "auto"
     overlap: bool = True
+    fused_loss: bool = False
+    loss_chunk_tokens: int | None = None  # None: linear_cross_entropy's own choice
 
     def __post_init__(self):
         if self.mode not in RING_MODES:
             raise ValueError(f"ring mode {self.mode!r} is not one of {RING_MODES}")
         if self.transport not in RING_TRANSPORTS:
             raise ValueError(f"ring transport {self.transport!r} is not one of {RING_TRANSPORTS}")
+        chunk = self.loss_chunk_tokens
+        if chunk is not None and (
+            isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1
+        ):
+            raise ValueError(
+                f"loss_chunk_tokens={chunk!r} must be a positive int (tokens per chunk of the "
+                f"fused output layer + loss); fix: pass --relaymoe-loss-chunk-tokens N with "
+                f"N >= 1, or leave it unset for the default"
+            )
 
 
-_OVERRIDE: RingSettings | None = None
+RingSettings = Settings  # the name the ring dispatcher and older callers use
+
+_OVERRIDE: Settings | None = None
+_SET: frozenset[str] = frozenset()  # the fields configure() was given
 
 
 def configure(
-    *, mode: str | None = None, transport: str | None = None, overlap: bool | None = None
-) -> RingSettings:
-    """Set the ring settings for dispatchers built from now on (overrides Megatron args)."""
-    global _OVERRIDE
-    base = _OVERRIDE or RingSettings()
-    kw = {
-        k: v
-        for k, v in (("mode", mode), ("transport", transport), ("overlap", overlap))
-        if v is not None
+    *,
+    mode: str | None = None,
+    transport: str | None = None,
+    overlap: bool | None = None,
+    fused_loss: bool | None = None,
+    loss_chunk_tokens: int | None = None,
+) -> Settings:
+    """Set relaymoe's settings for models built from now on (each given field overrides the
+    Megatron argument of the same name; fields not given keep theirs)."""
+    global _OVERRIDE, _SET
+    given = {
+        "mode": mode,
+        "transport": transport,
+        "overlap": overlap,
+        "fused_loss": fused_loss,
+        "loss_chunk_tokens": loss_chunk_tokens,
     }
-    _OVERRIDE = replace(base, **kw)
-    return _OVERRIDE
+    kw = {k: v for k, v in given.items() if v is not None}
+    _OVERRIDE = replace(_OVERRIDE or Settings(), **kw)
+    _SET = _SET | frozenset(kw)
+    return current_settings()
 
 
 def reset() -> None:
     """Forget ``configure`` (tests)."""
-    global _OVERRIDE
-    _OVERRIDE = None
+    global _OVERRIDE, _SET
+    _OVERRIDE, _SET = None, frozenset()
 
 
-def _from_megatron_args() -> RingSettings | None:
+def _from_megatron_args() -> Settings | None:
     try:
         from megatron.training.global_vars import get_args
 
@@ -64,14 +97,20 @@ def _from_megatron_args() -> RingSettings | None:
         return None
     if args is None or not hasattr(args, "relaymoe_ring_mode"):
         return None
-    return RingSettings(
+    return Settings(
         mode=args.relaymoe_ring_mode,
         transport=args.relaymoe_transport,
         overlap=not args.relaymoe_no_overlap,
+        fused_loss=bool(getattr(args, "relaymoe_fused_loss", False)),
+        loss_chunk_tokens=getattr(args, "relaymoe_loss_chunk_tokens", None),
     )
 
 
-def current_settings() -> RingSettings:
-    if _OVERRIDE is not None:
-        return _OVERRIDE
-    return _from_megatron_args() or RingSettings()
+def current_settings() -> Settings:
+    from_args = _from_megatron_args()
+    if from_args is None:
+        return _OVERRIDE or Settings()
+    if _OVERRIDE is None:
+        return from_args
+    chosen = {f.name: getattr(_OVERRIDE, f.name) for f in fields(Settings) if f.name in _SET}
+    return replace(from_args, **chosen)

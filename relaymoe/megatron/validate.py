@@ -23,13 +23,30 @@ Why each refusal:
 * expert semantics the ring does not compute (the oracle is SwiGLU without bias, probabilities
   applied to the expert output): non-gated or non-SiLU activations, expert biases, clamped or
   offset GLU, interleaved GLU weights, latent MoE, ``moe_apply_probs_on_input``.
+
+``fused_loss_problems`` / ``check_fused_loss_config`` / ``check_fused_loss_args`` do the same for
+``--relaymoe-fused-loss`` (output layer + cross-entropy without logits), whatever the dispatcher:
+
+* multi-token prediction: its heads compute their own logits and loss (``process_mtp_loss``),
+  which the fused loss does not replace.
+* MuP: it scales the logits (``mup_output_mult``) between the output layer and the loss.
+* ``defer_embedding_wgrad_compute``: it keeps the logits' gradient to compute the output
+  layer's weight gradient later; the fused loss never has that gradient.
+* ``fp8_output_proj``: the output projection then runs in MXFP8 through TransformerEngine.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-__all__ = ["check_ring_config", "check_ring_args", "ring_config_problems"]
+__all__ = [
+    "check_ring_config",
+    "check_ring_args",
+    "ring_config_problems",
+    "fused_loss_problems",
+    "check_fused_loss_config",
+    "check_fused_loss_args",
+]
 
 _MOE_GRAPH_MODULES = {"moe", "moe_router", "moe_preprocess", "full"}
 
@@ -233,3 +250,52 @@ def check_ring_args(args) -> None:
             "--moe-token-dispatcher-type ring cannot run these arguments:\n  - "
             + "\n  - ".join(problems)
         )
+
+
+# ------------------------------------------------------------------------------ fused loss
+def fused_loss_problems(c) -> list[str]:
+    """All reasons ``--relaymoe-fused-loss`` cannot run config or arguments ``c`` (the fields
+    read have the same names in both)."""
+    g = lambda name, default=None: getattr(c, name, default)  # noqa: E731
+    problems: list[str] = []
+    if g("mtp_num_layers"):
+        problems.append(
+            f"mtp_num_layers={g('mtp_num_layers')}: the multi-token-prediction heads compute "
+            f"their own logits and loss, which the fused loss does not replace; fix: remove "
+            f"--mtp-num-layers, or remove --relaymoe-fused-loss"
+        )
+    if g("use_mup", False):
+        problems.append(
+            "use_mup=True scales the logits (mup_output_mult) between the output layer and the "
+            "loss; fix: remove --use-mup, or remove --relaymoe-fused-loss"
+        )
+    if g("defer_embedding_wgrad_compute", False):
+        problems.append(
+            "defer_embedding_wgrad_compute=True computes the output layer's weight gradient "
+            "later from the logits' gradient, which the fused loss never materialises; fix: "
+            "remove --defer-embedding-wgrad-compute, or remove --relaymoe-fused-loss"
+        )
+    if g("fp8_output_proj", False):
+        problems.append(
+            "fp8_output_proj=True runs the output projection in MXFP8 through "
+            "TransformerEngine; fix: remove --fp8-output-proj, or remove --relaymoe-fused-loss"
+        )
+    return problems
+
+
+def _raise_fused(problems: list[str], what: str) -> None:
+    if problems:
+        raise ValueError(
+            f"--relaymoe-fused-loss cannot run {what}:\n  - " + "\n  - ".join(problems)
+        )
+
+
+def check_fused_loss_config(config) -> None:
+    """Raise ``ValueError`` listing every option of ``config`` the fused loss cannot honour."""
+    _raise_fused(fused_loss_problems(config), "this configuration")
+
+
+def check_fused_loss_args(args) -> None:
+    """The same checks on Megatron's parsed arguments, when ``--relaymoe-fused-loss`` is set."""
+    if getattr(args, "relaymoe_fused_loss", False):
+        _raise_fused(fused_loss_problems(args), "these arguments")

@@ -2,12 +2,14 @@
 
 ``plan(cfg, gpu_bytes) -> Plan``; ``plan_from_megatron_args(args) -> Plan`` at training start;
 ``ring_mode(cfg)``: the mode the runtime picks for a config (``relaymoe.costmodel.choose_mode``).
+``VARIANTS``: what a plan compares (alltoall / ring, each with Megatron's loss or the fused one).
 """
 
 from relaymoe.planner.mode import per_hop_bytes, ring_mode
 from relaymoe.planner.plan import (
     DEFAULT_GPU,
     GPUS,
+    VARIANTS,
     Plan,
     config_from_megatron_args,
     max_micro_batch,
@@ -23,6 +25,7 @@ __all__ = [
     "DEFAULT_GPU",
     "GPUS",
     "Plan",
+    "VARIANTS",
     "RecomputePlan",
     "config_from_megatron_args",
     "max_micro_batch",

@@ -28,14 +28,16 @@ Terms (each a function so that tests can check it against hand-computed values):
   memory bound, accumulators in the activations' dtype), plus the router and, for relaymoe,
   the resident output and dx accumulators. The copy-engine transport's symmetric workspace is
   persistent and shared by all layers: one term per GPU (``symmetric_workspace_bytes``).
-* the last pipeline stage's final norm, logits and fp32 cross-entropy buffers.
+* the last pipeline stage's final norm and its loss: Megatron's logits and fp32 cross-entropy
+  buffers, or with ``relaymoe.fused_loss`` (``--relaymoe-fused-loss``) the chunked output
+  layer + cross-entropy, whose bytes come from ``relaymoe.lossmodel`` (the op's own model).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from relaymoe import costmodel
+from relaymoe import costmodel, lossmodel
 from relaymoe.config import Config
 
 ROUTER_BYTES_PER_TOKEN_EXPERT = 10  # bf16 logits + fp32 softmax scores + fp32 aux-loss scores
@@ -361,10 +363,39 @@ def symmetric_workspace_bytes(sh: Shapes, mode: str, transport: str) -> int:
     return costmodel.memory_bytes(mode, sh.dims(), transport=transport).workspace
 
 
+def vocab_local(cfg: Config, sh: Shapes) -> int:
+    """Output-layer rows on one GPU: the padded vocabulary split over TP (vocab parallel)."""
+    return cfg.model.padded_vocab_size(sh.tp) // sh.tp
+
+
 def logits_bytes(cfg: Config, sh: Shapes) -> int:
-    """Last stage: logits and the vocab-parallel cross-entropy's fp32 buffers."""
-    v = cfg.model.padded_vocab_size(sh.tp) // sh.tp
-    return LOGIT_BYTES_PER_ELEMENT * sh.T_a * v
+    """Last stage: logits and the vocab-parallel cross-entropy's fp32 buffers. The output
+    layer all-gathers the sequence-parallel stream first, so it sees ``T_a`` tokens."""
+    return LOGIT_BYTES_PER_ELEMENT * sh.T_a * vocab_local(cfg, sh)
+
+
+def fused_loss_bytes(cfg: Config, sh: Shapes) -> int:
+    """Last stage with the fused loss: ``relaymoe.linear_cross_entropy``'s peak over its input
+    during its forward (one chunk's working set + the hidden and fp32 weight gradients it
+    keeps), at the ``T_a`` tokens the output layer sees after the sequence-parallel gather."""
+    fl = lossmodel.fused_loss_bytes(sh.T_a, sh.h, vocab_local(cfg, sh), act_bytes=sh.e)
+    return fl.total
+
+
+def output_gather_bytes(sh: Shapes) -> int:
+    """The output layer's input all-gathered over sequence parallelism, ``(T_a, h)`` (0 without
+    SP at tp > 1). The fused loss reads it in every chunk, so it lives through the loss's whole
+    forward; Megatron's output layer frees it after the logits GEMM, before the fp32 copy, so
+    there it never adds to the loss's peak (``e*h`` is far below ``4*V/tp`` per token)."""
+    return sh.e * sh.T_a * sh.h if sh.T != sh.T_a else 0
+
+
+def loss_bytes(cfg: Config, sh: Shapes, fused: bool) -> int:
+    """Last stage: the loss's peak beyond the final norm (Megatron's, or the fused one with its
+    gathered input)."""
+    if fused:
+        return fused_loss_bytes(cfg, sh) + output_gather_bytes(sh)
+    return logits_bytes(cfg, sh)
 
 
 def final_norm_bytes(cfg: Config, sh: Shapes) -> int:

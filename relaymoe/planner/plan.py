@@ -1,5 +1,6 @@
 """``plan(cfg, gpu_bytes) -> Plan``: routing mode, memory breakdown, recompute plan and capacity
-limits (largest sequence / micro-batch) for the ring and the alltoall dispatcher."""
+limits (largest sequence / micro-batch) for the ring and the alltoall dispatcher, each with
+Megatron's loss and with relaymoe's fused loss (``VARIANTS``)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,15 @@ RESERVE_FIXED = 2 * GiB  # CUDA context, NCCL buffers, cuBLAS workspaces
 RESERVE_FRACTION = 0.03  # allocator fragmentation
 SEQ_LIMIT = 1 << 22
 MBS_LIMIT = 4096
+# What the plan compares: variant -> (dispatcher, fused loss). The plain names keep Megatron's
+# output layer + vocab-parallel cross-entropy whatever the config says, so that each column
+# shows what one switch buys; the config picks the variant its flags are for (``Plan.chosen``).
+VARIANTS = {
+    "alltoall": ("alltoall", False),
+    "ring": ("ring", False),
+    "alltoall_fused_loss": ("alltoall", True),
+    "ring_fused_loss": ("ring", True),
+}
 
 
 def parse_gpu(spec: str | int) -> int:
@@ -64,30 +74,39 @@ class Plan:
     gpu_bytes: int
     usable_bytes: int
     dispatcher: str  # the config's dispatcher (ring unless the config says otherwise)
+    fused_loss: bool  # the config's relaymoe.fused_loss
     routing_mode: str  # relaymoe mode the runtime runs: expert | token | alltoall
     transport: str  # the ring transport assumed: local | nccl | copy_engine
     per_hop_bytes: dict  # ring modes: {"expert": {...}, "token": {...}}
     step_model: dict  # per mode: link bytes per layer step and modelled seconds (costmodel)
     moe_peak_bytes: dict  # {"alltoall", "ring", "ring_expert", "ring_token", "ring_alltoall"}
-    peak_bytes: dict  # per dispatcher, under its recompute plan (None: does not fit)
+    # per variant (``VARIANTS``):
+    peak_bytes: dict  # under its recompute plan (None: does not fit)
     peak_full_recompute_bytes: dict
-    breakdown: dict  # per dispatcher: term -> bytes (worst stage, under its plan)
-    recompute_plans: dict  # per dispatcher: RecomputePlan.to_dict() or None
-    max_seq_length: dict  # per dispatcher, full recompute, this micro-batch
-    max_micro_batch_size: dict  # per dispatcher, full recompute, this sequence length
-    megatron_args: dict  # Megatron argument overrides (recompute_*) for ``dispatcher``
-    megatron_flags: tuple[str, ...]  # the whole command line to paste, for ``dispatcher``
+    breakdown: dict  # term -> bytes (worst stage, under its plan)
+    recompute_plans: dict  # RecomputePlan.to_dict() or None
+    max_seq_length: dict  # full recompute, this micro-batch
+    max_micro_batch_size: dict  # full recompute, this sequence length
+    max_seq_breakdown: dict  # {"seq", "stage", "terms"}: the worst stage at max_seq_length
+    megatron_args: dict  # Megatron argument overrides (recompute_*) for ``chosen``
+    megatron_flags: tuple[str, ...]  # the whole command line to paste, for ``chosen``
     notes: tuple[str, ...] = ()
 
     @property
+    def chosen(self) -> str:
+        """The variant the config runs (its dispatcher, with the fused loss if it sets it)."""
+        return variant_name(self.dispatcher, self.fused_loss)
+
+    @property
     def recompute_plan(self) -> dict | None:
-        return self.recompute_plans.get(self.dispatcher)
+        return self.recompute_plans.get(self.chosen)
 
     def summary(self) -> str:
         rp = self.recompute_plan or {}
+        loss = ", fused loss" if self.fused_loss else ""
         return (
-            f"{self.dispatcher} ({self.routing_mode} routing), peak "
-            f"{_g(self.peak_bytes.get(self.dispatcher))} of {_g(self.usable_bytes)} GiB usable, "
+            f"{self.dispatcher} ({self.routing_mode} routing{loss}), peak "
+            f"{_g(self.peak_bytes.get(self.chosen))} of {_g(self.usable_bytes)} GiB usable, "
             f"{len(rp.get('recomputed_layers', []))} layers recomputed, "
             f"{len(rp.get('kept_layers', []))} kept"
         )
@@ -98,6 +117,7 @@ class Plan:
         d["megatron_args"] = list(self.megatron_flags)
         d.pop("megatron_flags")
         d["recompute_plan"] = self.recompute_plan
+        d["chosen"] = self.chosen
         d["notes"] = list(self.notes)
         return d
 
@@ -107,6 +127,11 @@ class Plan:
 
 def _g(x) -> str:
     return "-" if x is None else f"{x / GiB:.2f}"
+
+
+def variant_name(dispatcher: str, fused_loss: bool) -> str:
+    """``VARIANTS`` key: ``ring``, ``alltoall``, ``ring_fused_loss``, ``alltoall_fused_loss``."""
+    return f"{dispatcher}_fused_loss" if fused_loss else dispatcher
 
 
 def seq_quantum(cfg: Config) -> int:
@@ -169,37 +194,44 @@ def plan(cfg: Config, gpu_bytes: int | str = DEFAULT_GPU) -> Plan:
         "ring": mm.moe_peak_ring(sh, mode, transport),
         **{f"ring_{m}": mm.moe_peak_ring(sh, m, transport) for m in MODES},
     }
-    chosen = "ring" if cfg.relaymoe.dispatcher == "ring" else "alltoall"
+    chosen_disp = "ring" if cfg.relaymoe.dispatcher == "ring" else "alltoall"
+    chosen = variant_name(chosen_disp, cfg.relaymoe.fused_loss)
     plans: dict[str, dict | None] = {}
     peaks: dict[str, int | None] = {}
     full: dict[str, int] = {}
     breakdown: dict[str, dict] = {}
     max_seq: dict[str, int] = {}
     max_mbs: dict[str, int] = {}
+    at_max_seq: dict[str, dict | None] = {}
     notes = []
     rp_chosen: RecomputePlan | None = None
-    for disp in ("alltoall", "ring"):
-        full[disp] = full_recompute_peak(cfg, disp, ring_mode=mode).total
+    for name, (disp, fused) in VARIANTS.items():
+        kw = {"fused_loss": fused}
+        full[name] = full_recompute_peak(cfg, disp, ring_mode=mode, **kw).total
         # the runtime re-chooses an auto mode at every length and micro-batch
-        max_seq[disp] = max_seq_length(cfg, disp, usable)
-        max_mbs[disp] = max_micro_batch(cfg, disp, usable)
+        max_seq[name] = max_seq_length(cfg, disp, usable, **kw)
+        max_mbs[name] = max_micro_batch(cfg, disp, usable, **kw)
+        at_max_seq[name] = None
+        if max_seq[name]:
+            pk = full_recompute_peak(cfg, disp, seq=max_seq[name], **kw)
+            at_max_seq[name] = {"seq": max_seq[name], "stage": pk.stage, "terms": pk.terms}
         try:
-            rp = plan_recompute(cfg, disp, usable, ring_mode=mode)
+            rp = plan_recompute(cfg, disp, usable, ring_mode=mode, **kw)
         except ValueError as e:
-            if disp == chosen:
+            if name == chosen:
                 raise
-            plans[disp], peaks[disp] = None, None
-            breakdown[disp] = full_recompute_peak(cfg, disp, ring_mode=mode).terms
-            notes.append(f"{disp}: {e}")
+            plans[name], peaks[name] = None, None
+            breakdown[name] = full_recompute_peak(cfg, disp, ring_mode=mode, **kw).terms
+            notes.append(f"{name}: {e}")
             continue
         kept = frozenset(rp.kept_layers)
-        pk = worst_stage_peak(cfg, disp, kept, ring_mode=mode)
-        plans[disp], peaks[disp], breakdown[disp] = rp.to_dict(), pk.total, pk.terms
-        if disp == chosen:
+        pk = worst_stage_peak(cfg, disp, kept, ring_mode=mode, **kw)
+        plans[name], peaks[name], breakdown[name] = rp.to_dict(), pk.total, pk.terms
+        if name == chosen:
             rp_chosen = rp
         if not rp.megatron_expressible:
             notes.append(
-                f"{disp}: the per-layer choice (kept layers {list(rp.kept_layers)}) is finer "
+                f"{name}: the per-layer choice (kept layers {list(rp.kept_layers)}) is finer "
                 "than Megatron's block method; the flags keep the same number of layers"
             )
     assert rp_chosen is not None
@@ -211,15 +243,16 @@ def plan(cfg: Config, gpu_bytes: int | str = DEFAULT_GPU) -> Plan:
             "recompute_num_layers": overrides["recompute_num_layers"],
             "recompute_modules": None,
         },
-        relaymoe={"ring_mode": mode} if chosen == "ring" else {},
+        relaymoe={"ring_mode": mode} if chosen_disp == "ring" else {},
     )
-    flags = tuple(to_megatron_args(planned, dispatcher=chosen))
+    flags = tuple(to_megatron_args(planned, dispatcher=chosen_disp))
     return Plan(
         config_name=cfg.name,
         world_size=cfg.parallel.world_size,
         gpu_bytes=gpu,
         usable_bytes=usable,
-        dispatcher=chosen,
+        dispatcher=chosen_disp,
+        fused_loss=cfg.relaymoe.fused_loss,
         routing_mode=mode,
         transport=transport,
         per_hop_bytes=pm.per_hop_bytes(sh),
@@ -231,6 +264,7 @@ def plan(cfg: Config, gpu_bytes: int | str = DEFAULT_GPU) -> Plan:
         recompute_plans=plans,
         max_seq_length=max_seq,
         max_micro_batch_size=max_mbs,
+        max_seq_breakdown=at_max_seq,
         megatron_args=overrides,
         megatron_flags=flags,
         notes=tuple(notes),
@@ -329,6 +363,7 @@ def config_from_megatron_args(args) -> Config:
         "dispatcher": "ring" if disp == "ring" else "alltoall",
         "ring_mode": g("relaymoe_ring_mode", "auto"),
         "transport": g("relaymoe_transport", "auto"),
+        "fused_loss": bool(g("relaymoe_fused_loss", False)),
     }
     return config_from_dict(
         {"model": model, "parallel": parallel, "training": training, "relaymoe": relay},

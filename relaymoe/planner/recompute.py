@@ -12,7 +12,9 @@ prefix of the ranking, so a larger budget never recomputes more layers).
 Stage peak = model states + retained activations (every in-flight microbatch's kept layers and
 checkpointed inputs) + the larger transient: the backward of one layer (a recomputed layer's
 rematerialised activations and MoE working set; for a kept layer only what its backward adds
-beyond its retained activations) or, on the last stage, the final norm, logits and loss.
+beyond its retained activations) or, on the last stage, the loss's forward: the final norm
+and Megatron's logits + cross-entropy buffers, or the fused loss's chunk and kept gradients
+(``relaymoe.lossmodel``), whose backward only consumes what its forward made.
 """
 
 from __future__ import annotations
@@ -79,10 +81,13 @@ def stage_peak(
     ring_mode: str | None = None,
     transport: str | None = None,
     logits: bool = True,
+    fused_loss: bool | None = None,
 ) -> StagePeak:
     """Peak bytes of one pipeline stage's GPU; ``kept`` layers are not recomputed.
     ``ring_mode`` / ``transport``: default the config's; ``auto`` is what the runtime picks
-    at this sequence length and micro-batch (``relaymoe.planner.ring_mode``)."""
+    at this sequence length and micro-batch (``relaymoe.planner.ring_mode``). ``fused_loss``:
+    the last stage runs ``relaymoe.linear_cross_entropy`` (default the config's
+    ``relaymoe.fused_loss``); ``logits=False`` leaves the loss phase out altogether."""
     sh = mm.shapes(cfg, seq, mbs)
     states = mm.model_state_bytes(cfg, stage)
     layers = mm.stage_layers(cfg, stage)
@@ -129,16 +134,21 @@ def stage_peak(
     for rj, xj in zip(r, x, strict=True):
         acc += rj
         ws = max(ws, int(others + acc + xj) - retained)
-    last = stage == cfg.parallel.pp - 1
-    logits = mm.logits_bytes(cfg, sh) + mm.final_norm_bytes(cfg, sh) if (last and logits) else 0
-    transient = max(ws, logits)
+    if fused_loss is None:
+        fused_loss = cfg.relaymoe.fused_loss
+    # The loss peaks in its forward, after the last layer's forward and before any backward:
+    # on top of what the stage retains, as the layers' backward working set is.
+    loss = 0
+    if stage == cfg.parallel.pp - 1 and logits:
+        loss = mm.final_norm_bytes(cfg, sh) + mm.loss_bytes(cfg, sh, fused_loss)
+    transient = max(ws, loss)
     terms = {
         **states,
         "activations_retained": retained,
         "layer_working_set": ws,
         "moe_block_peak": moe_peak,
         "symmetric_workspace": workspace,
-        "logits_loss": logits,
+        "logits_loss": loss,
     }
     total = sum(states.values()) + workspace + retained + transient
     return StagePeak(stage=stage, total=total, terms=terms)
@@ -151,6 +161,7 @@ def worst_stage_peak(cfg: Config, dispatcher: str, kept=frozenset(), **kw) -> St
 
 def layer_options(cfg: Config, dispatcher: str, stage: int, **kw) -> list[LayerOption]:
     kw.pop("logits", None)
+    kw.pop("fused_loss", None)
     sh = mm.shapes(cfg, kw.get("seq"), kw.get("mbs"))
     mode = "expert"
     if dispatcher == "ring":
@@ -184,11 +195,14 @@ def plan_recompute(
         base = stage_peak(cfg, stage, dispatcher, ring_mode=ring_mode, **kw).total
         budget = usable_bytes - base
         if budget < 0:
+            fused = kw.get("fused_loss")
+            fused = cfg.relaymoe.fused_loss if fused is None else fused
+            loss = " and the fused loss" if fused else ""
             raise ValueError(
                 f"{cfg.name or 'config'} does not fit with {dispatcher} even with full "
-                f"recompute: stage {stage} needs {gib(base)} GiB, usable {gib(usable_bytes)} GiB "
-                "per GPU; raise tp/cp/pp/ep, lower seq_length or micro_batch_size, or use a "
-                "larger GPU"
+                f"recompute{loss}: stage {stage} needs {gib(base)} GiB, usable "
+                f"{gib(usable_bytes)} GiB per GPU; raise tp/cp/pp/ep, lower seq_length or "
+                "micro_batch_size, or use a larger GPU"
             )
         opts = sorted(
             layer_options(cfg, dispatcher, stage, ring_mode=ring_mode, **kw),
