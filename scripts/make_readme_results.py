@@ -93,8 +93,8 @@ TABLES = [
     ),
     (
         "max_seq",
-        "Longest sequence that trains two steps (measured, full recompute)",
-        ("config", "provider"),
+        "Longest sequence that trains two steps (measured, full recompute; a search per row)",
+        ("config", "provider", "max_seq"),
         [
             "config",
             "provider",
