@@ -23,6 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from relaymoe import costmodel  # noqa: E402
+
 STEPS = [
     (0, "ring_sequential_unfused", {"overlap": False, "backend": "torch"}),
     (1, "ring_overlap_unfused", {"overlap": True, "backend": "torch"}),
@@ -41,7 +43,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="8k tokens per GPU (else 32k)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/ablation.jsonl"))
-    ap.add_argument("--mode", default="expert", choices=["expert", "token"])
+    ap.add_argument("--mode", default="expert", choices=costmodel.RING_MODES)
     args = ap.parse_args(argv)
 
     rank, world, group = init_dist()

@@ -5,7 +5,7 @@
         [--steps 50] [--budget-s 520]                                            # 2 GPUs, EP=2
 
 Every run is one ``torchrun -m relaymoe.megatron.pretrain`` job on mock data (see
-``relaymoe/megatron/e2e.py``), one after another in this invocation, its wall time printed as it
+``benchmarks/e2e.py``), one after another in this invocation, its wall time printed as it
 ends. Per shape: ``ring`` (provider ``relaymoe_ring``: ``--moe-token-dispatcher-type ring``,
 ring mode auto), ``alltoall`` (``mcore_alltoall``) and, with ``--noise-run``, ``alltoall_repeat``:
 alltoall again with identical flags and seed, whose distance to the first alltoall run is
@@ -29,7 +29,7 @@ attention materialises a layer's 32 x 16k x 16k bf16 scores (16 GiB) and keeps i
 the backward; by estimate ~145 GiB a rank without the recompute (4 x 16 kept, a 16 GiB score
 buffer, 2 x 16 in the backward, ~23 GiB of weights and optimizer state), ~110 GiB with it.
 
-Training regime of the shapes, ``stable`` (``relaymoe.megatron.e2e.REGIMES``): lr 1e-4 after 10
+Training regime of the shapes, ``stable`` (``benchmarks.e2e.REGIMES``): lr 1e-4 after 10
 linear warm-up iterations, cosine to 1e-5 over the run, gradient clipping 1.0, weight decay
 0.01, Adam betas (0.9, 0.95), init std 0.02. The launcher's own regime (lr 3e-4 after
 max(1, steps // 20) warm-up iterations, Adam beta2 0.999) let two alltoall runs with one seed
@@ -63,7 +63,7 @@ import time
 from dataclasses import dataclass
 
 from benchmarks.common import ROOT, JsonlWriter
-from relaymoe.megatron.e2e import (
+from benchmarks.e2e import (
     REGIMES,
     RunResult,
     loss_parity,

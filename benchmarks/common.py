@@ -1,7 +1,7 @@
 """Shared benchmark plumbing: timing, memory accounting and JSON result rows.
 
-Row format (one JSON object per line in ``benchmarks/results/*.jsonl``), as in
-``../shared/anchors/README.md``: ``bench``, ``provider``, ``shape``, ``ep``, ``ms_fwd_bwd``,
+Row format (one JSON object per line in a run folder's ``*.jsonl``, ``benchmarks/README.md``):
+``bench``, ``provider``, ``shape``, ``ep``, ``ms_fwd_bwd``,
 ``ms_fwd``, ``tflops_fwd_bwd``, ``saved_for_bwd_MiB``, ``peak_over_inputs_MiB``, and where/how:
 ``gpu``, ``commit``, ``torch``, ``triton``, ``command``. Benchmarks may add keys.
 """

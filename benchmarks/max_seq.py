@@ -69,7 +69,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import ROOT, JsonlWriter, commit  # noqa: E402
-from relaymoe.megatron.e2e import RunResult, _have_te, _stop_group, pretrain_args  # noqa: E402
+from benchmarks.e2e import RunResult, _have_te, _stop_group, pretrain_args  # noqa: E402
 
 DEFAULT_CONFIG = "qwen3_slice_v152k"
 SEQ_STEP = 4096
@@ -479,7 +479,7 @@ def trial_command(flags: list[str], *, gpus: int, report: str) -> list[str]:
 def launch(flags: list[str], *, gpus: int, timeout_s: float, workdir: Path) -> dict:
     """One ``torchrun -m relaymoe.megatron.pretrain FLAGS`` job, output to ``workdir/log.txt``.
 
-    Like ``relaymoe.megatron.e2e.run_pretrain`` (own process group, stopped on timeout), plus:
+    Like ``benchmarks.e2e.run_pretrain`` (own process group, stopped on timeout), plus:
     the whole log is kept (an OOM on either rank is found wherever it is), ``ROOT`` is on
     ``PYTHONPATH`` (the ``--spec`` module lives in ``benchmarks/``), and every process the job
     started is killed by pid afterwards.

@@ -7,7 +7,10 @@
   fig18_loss.png             loss curves ring vs alltoall (bench: e2e)
   memory_model.png           planner prediction vs measured peak (bench: memory_model)
 
-Usage: ``python benchmarks/plots.py --results DIR [--out DIR]`` (reads DIR/**/*.jsonl).
+Usage: ``python benchmarks/plots.py [--out DIR]`` draws the runs ``benchmarks/results/CURRENT.json``
+lists (newest run last, so its rows win; default ``--out docs/plots``, the README's figures);
+``python benchmarks/plots.py --results DIR --out DIR`` draws the rows of DIR/**/*.jsonl instead
+(a fresh run's own folder).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ def _plt():
 
 
 def _tokens(row: dict) -> int | None:
-    from relaymoe.sim.calibrate import shape_of
+    from benchmarks.sim.calibrate import shape_of
 
     s = shape_of(row)
     return s.T if s is not None else None
@@ -90,7 +93,7 @@ def fig_routing_crossover(rows, out: Path) -> str | None:
         and _num(r.get("ms_fwd_bwd"))
         and r.get("overlap", True) is not False
     ]
-    from relaymoe.sim.calibrate import shape_of
+    from benchmarks.sim.calibrate import shape_of
 
     panels = defaultdict(lambda: defaultdict(dict))  # (I, EP) -> provider -> T -> ms
     for r in rows:
@@ -187,7 +190,12 @@ def fig_loss(rows, out: Path) -> str | None:
         a2.grid(alpha=0.3)
     else:
         a2.set_axis_off()
-    fig.suptitle("Loss parity, ring vs alltoall (paper Fig. 18 analog)")
+    shapes = sorted({str(r.get("shape")) for r in rows if r.get("bench") == "e2e"
+                     and isinstance(r.get("losses"), list) and r["losses"]})  # fmt: skip
+    last = next((str(r.get("shape")) for r in reversed(rows) if r.get("bench") == "e2e"
+                 and isinstance(r.get("losses"), list) and r["losses"]), None)  # fmt: skip
+    where = f", {last}" if last and len(shapes) > 1 else (f", {shapes[0]}" if shapes else "")
+    fig.suptitle(f"Loss parity, ring vs alltoall (paper Fig. 18 analog{where})")
     fig.tight_layout()
     path = out / "fig18_loss.png"
     fig.savefig(path, dpi=110)
@@ -279,16 +287,24 @@ FIGURES = {
 
 
 def main(argv=None) -> int:
-    from relaymoe.sim.calibrate import load_rows
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--results", default=str(ROOT / "benchmarks/results"))
-    ap.add_argument("--out", default=None, help="folder for the PNGs (default: --results)")
+    ap.add_argument("--results", default=None, help="a folder of rows (default: CURRENT runs)")
+    ap.add_argument("--out", default=None, help="folder for the PNGs (default: docs/plots, or "
+                    "--results when given)")  # fmt: skip
     args = ap.parse_args(argv)
-    out = Path(args.out or args.results)
+    if args.results:
+        from benchmarks.sim.calibrate import load_rows
+
+        rows = load_rows(str(Path(args.results) / "**/*.jsonl"))
+        what = args.results
+    else:
+        from benchmarks.runs import current_rows
+
+        rows = [r.data for r in current_rows()]
+        what = "the CURRENT.json runs"
+    out = Path(args.out or args.results or ROOT / "docs" / "plots")
     out.mkdir(parents=True, exist_ok=True)
-    rows = load_rows(str(Path(args.results) / "**/*.jsonl"))
-    print(f"[plots] {len(rows)} rows from {args.results}")
+    print(f"[plots] {len(rows)} rows from {what}")
     made = 0
     for name, fn in FIGURES.items():
         path = fn(rows, out)

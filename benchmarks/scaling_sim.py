@@ -1,8 +1,9 @@
 """EP scaling beyond the machine by simulation (RelayMoE paper Fig. 10 analog).
 
-1. Calibrate the simulator (``relaymoe.sim``) from the committed rows: grouped-GEMM throughput
-   from ``bench: experts`` relaymoe rows, P2P bandwidth from ``bench: ring`` rows, the
-   megatron-core expert cost from mcore rows (the 2x H200 anchors when none are committed).
+1. Calibrate the simulator (``benchmarks.sim``) from measured rows (by default those of the runs
+   ``benchmarks/results/CURRENT.json`` lists, then any ``--rows`` globs, e.g. a fresh run's):
+   grouped-GEMM throughput from ``bench: experts`` relaymoe rows, P2P bandwidth from
+   ``bench: ring`` rows, the megatron-core expert cost from mcore rows.
 2. Validate: predict every measured EP=1 / EP=2 row the simulator models and report the error
    (target: within 15%).
 3. Extrapolate: ring (expert, token, auto) vs all-to-all with the same expert kernels, EP 8..64,
@@ -11,7 +12,7 @@
    per GPU as in the paper's EP-scaling study.
 
 Rows: ``bench: scaling_sim`` with ``kind: validation`` or ``kind: extrapolation``.
-Usage: ``python benchmarks/scaling_sim.py [--quick] [--out PATH] [--rows GLOB ...]``
+Usage: ``python benchmarks/scaling_sim.py [--quick] [--out PATH] [--rows GLOB ...] [--no-current]``
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ QUICK_VARIANTS = ("E128_K8", "E128_K16", "E128_K4")
 
 
 def extrapolate(cm, *, variants, eps, gpus_per_node, intra_GBps=None):
-    from relaymoe.sim import Cluster, MoEShape, simulate_alltoall, simulate_ring
+    from benchmarks.sim import Cluster, MoEShape, simulate_alltoall, simulate_ring
 
     rows = []
     for name in variants:
@@ -87,8 +88,7 @@ def extrapolate(cm, *, variants, eps, gpus_per_node, intra_GBps=None):
 
 
 def main(argv=None) -> int:
-    from relaymoe.sim.calibrate import (
-        ANCHOR_ROWS,
+    from benchmarks.sim.calibrate import (
         calibrate,
         latest_rows,
         load_rows,
@@ -98,29 +98,38 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="three configs, 8 GPUs per node")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/scaling_sim.jsonl"))
+    ap.add_argument(
+        "--out",
+        default=str(ROOT / "benchmarks/results/scaling_sim.jsonl"),
+        help="rows file (default: a scratch file at the results root; a run writes into its "
+        "own folder)",
+    )
     ap.add_argument(
         "--rows",
         nargs="*",
-        default=[str(ROOT / "benchmarks/results/**/*.jsonl")],
-        help="measured rows (globs, oldest first) to calibrate and validate against: the last "
+        default=[],
+        help="more measured rows (globs, oldest first) after the CURRENT runs' rows: the last "
         "row of each measurement identity counts",
     )
-    ap.add_argument("--no-anchors", action="store_true", help="do not add the mcore anchor rows")
+    ap.add_argument("--no-current", action="store_true", help="calibrate on the --rows globs only")
     args = ap.parse_args(argv)
 
     out = Path(args.out).resolve()
+    measured = []
+    if not args.no_current:
+        from benchmarks.runs import current_rows
+
+        measured = [{**r.data, "_file": str(r.run.path / r.file)} for r in current_rows()]
+    measured += load_rows(args.rows) if args.rows else []
+    if not measured:
+        ap.error("no measured rows: CURRENT.json lists no run and no --rows matched")
     rows = latest_rows(
         [
             r
-            for r in load_rows(args.rows)
+            for r in measured
             if r.get("bench") != "scaling_sim" and Path(r["_file"]).resolve() != out
         ]
     )
-    if not args.no_anchors and not any(
-        str(r.get("provider", "")).startswith("mcore") for r in rows
-    ):
-        rows += ANCHOR_ROWS
     cm, notes = calibrate(rows)
     print(f"[scaling_sim] {len(rows)} measured rows; calibration: {notes}")
     print(

@@ -7,7 +7,8 @@ import argparse
 import json
 import sys
 
-from relaymoe.config import RING_MODE_NAMES, RING_TRANSPORT_NAMES
+from relaymoe.config import DISPATCHERS
+from relaymoe.costmodel import MODE_CHOICES, TRANSPORT_CHOICES
 
 DEFAULT_CONFIG = "qwen3_30b_a3b"
 _PAR = {"tp": "tp", "cp": "cp", "pp": "pp", "vpp": "vpp", "ep": "ep", "etp": "etp", "dp": "dp"}
@@ -47,13 +48,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     q.add_argument(
         "--ring-mode",
-        choices=RING_MODE_NAMES,
+        choices=MODE_CHOICES,
         default=None,
         help="force relaymoe's mode (default: the config's; auto: the cost model's choice)",
     )
     q.add_argument(
         "--transport",
-        choices=RING_TRANSPORT_NAMES,
+        choices=TRANSPORT_CHOICES,
         default=None,
         help="override relaymoe.transport (auto: the copy engine, whose workspace is counted)",
     )
@@ -65,6 +66,27 @@ def _parser() -> argparse.ArgumentParser:
         "output layer + cross-entropy (the capacities are printed for both anyway)",
     )
     q.add_argument("--json", action="store_true", help="print one JSON object")
+    f = sub.add_parser(
+        "flags",
+        help="the Megatron flags of a config, one per line (what examples/qwen3/train.sh passes)",
+        description="Prints a config's model, parallelism, batch and relaymoe flags for "
+        "Megatron, one per line; with --world, first checks that the config's layout fills "
+        "exactly that many GPUs.",
+    )
+    f.add_argument("--config", default=DEFAULT_CONFIG, help="YAML path or a name in configs/")
+    f.add_argument(
+        "--dispatcher",
+        choices=DISPATCHERS,
+        default=None,
+        help="override relaymoe.dispatcher (e.g. alltoall for a baseline with the same flags)",
+    )
+    f.add_argument(
+        "--world",
+        type=int,
+        default=None,
+        help="the GPUs the job will have (NNODES x GPUS_PER_NODE); refused when the config's "
+        "tp x cp x pp x dp differs",
+    )
     return p
 
 
@@ -121,6 +143,27 @@ def _binding(p, v) -> str:
     return f"{term} {_gib(b)} GiB on stage {at['stage']}"
 
 
+RECOMPUTE_COLUMNS = (
+    ("variant", "left"),
+    ("recompute", "left"),
+    ("kept", "right"),
+    ("recomputed", "right"),
+    ("budget GiB", "right"),
+)
+
+
+def recompute_summary(r: dict) -> str:
+    """One cell for a recompute plan (``RecomputePlan.to_dict()``): the Megatron setting."""
+    if r["recompute_granularity"] is None:
+        return "none: all kept"
+    text = str(r["recompute_granularity"])
+    if r["recompute_method"] is not None:
+        text += f" {r['recompute_method']} {r['recompute_num_layers']}/stage"
+    if r.get("recompute_modules"):
+        text += f" ({', '.join(r['recompute_modules'])})"
+    return text
+
+
 def _print_rich(cfg, p) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -172,21 +215,22 @@ def _print_rich(cfg, p) -> None:
         f"time / bytes sent: {model}; per hop, fwd+bwd: expert {_mib(hop['expert']['total'])} "
         f"MiB, token {_mib(hop['token']['total'])} MiB)"
     )
-    rt = Table(title="Recompute plan (greedy by compute saved per byte, paper §3.4)")
-    for c in ("variant", "granularity", "method", "num_layers", "recomputed", "kept", "budget GiB"):
-        rt.add_column(c)
+    # narrow enough for an 80-column terminal with no header cut (tests/test_cli.py)
+    rt = Table(
+        title="Recompute plan (greedy by compute saved per byte, paper §3.4)", pad_edge=False
+    )
+    for name, justify in RECOMPUTE_COLUMNS:
+        rt.add_column(name, justify=justify, no_wrap=True)
     for v in ORDER:
         r = p.recompute_plans.get(v)
         if r is None:
-            rt.add_row(LABEL[v], "does not fit", "", "", "", "", "")
+            rt.add_row(LABEL[v], "does not fit", "-", "-", "-")
             continue
         rt.add_row(
             LABEL[v],
-            str(r["recompute_granularity"]),
-            str(r["recompute_method"]),
-            str(r["recompute_num_layers"]),
-            str(len(r["recomputed_layers"])),
+            recompute_summary(r),
             str(len(r["kept_layers"])),
+            str(len(r["recomputed_layers"])),
             _gib(r["budget_bytes"]),
         )
     con.print(rt)
@@ -196,8 +240,38 @@ def _print_rich(cfg, p) -> None:
     con.print(" ".join(p.megatron_flags), soft_wrap=True, highlight=False)
 
 
+def check_world(cfg, world: int) -> None:
+    """ValueError unless the config's layout fills exactly ``world`` GPUs."""
+    p = cfg.parallel
+    if world < 1:
+        raise ValueError(f"--world {world}: the job needs at least one GPU")
+    if p.world_size != world:
+        raise ValueError(
+            f"config {cfg.name} needs tp*cp*pp*dp = {p.tp}*{p.cp}*{p.pp}*{p.dp} = "
+            f"{p.world_size} GPUs, but the job has {world}; fix: launch on {p.world_size} GPUs "
+            f"(NNODES x GPUS_PER_NODE), or use a config whose layout fills {world}"
+        )
+
+
+def _flags(ns) -> int:
+    from relaymoe.config import load_config, to_megatron_args
+
+    try:
+        cfg = load_config(ns.config)
+        if ns.world is not None:
+            check_world(cfg, ns.world)
+        args = to_megatron_args(cfg, dispatcher=ns.dispatcher)
+    except ValueError as e:
+        print(f"relaymoe flags: error: {e}", file=sys.stderr)
+        return 2
+    print("\n".join(args))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = _parser().parse_args(argv)
+    if ns.command == "flags":
+        return _flags(ns)
     from relaymoe.planner import plan
 
     try:

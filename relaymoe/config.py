@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from relaymoe.costmodel import MODES
+from relaymoe.costmodel import MODE_CHOICES, TRANSPORT_CHOICES
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -307,8 +307,6 @@ RECOMPUTE_MODULES = frozenset(
 
 
 DISPATCHERS = ("ring", "alltoall", "allgather", "flex")
-RING_MODE_NAMES = ("auto", *MODES)
-RING_TRANSPORT_NAMES = ("auto", "nccl", "copy_engine")
 
 
 @dataclass(frozen=True)
@@ -319,20 +317,18 @@ class RelayMoEConfig:
     (``--relaymoe-fused-loss``, ``relaymoe.linear_cross_entropy``; any dispatcher)."""
 
     dispatcher: str = "ring"  # ring | alltoall | allgather | flex
-    ring_mode: str = "auto"  # auto | expert | token | alltoall (relaymoe.costmodel.MODES)
-    transport: str = "auto"  # auto | nccl | copy_engine
+    ring_mode: str = "auto"  # relaymoe.costmodel.MODE_CHOICES
+    transport: str = "auto"  # relaymoe.costmodel.TRANSPORT_CHOICES
     recompute_planner: bool = False
     fused_loss: bool = False  # never holds the (tokens, vocab/TP) logits
 
     def __post_init__(self):
         if self.dispatcher not in DISPATCHERS:
             raise ValueError(f"relaymoe.dispatcher={self.dispatcher!r}; known: {DISPATCHERS}")
-        if self.ring_mode not in RING_MODE_NAMES:
-            raise ValueError(f"relaymoe.ring_mode={self.ring_mode!r}; known: {RING_MODE_NAMES}")
-        if self.transport not in RING_TRANSPORT_NAMES:
-            raise ValueError(
-                f"relaymoe.transport={self.transport!r}; known: {RING_TRANSPORT_NAMES}"
-            )
+        if self.ring_mode not in MODE_CHOICES:
+            raise ValueError(f"relaymoe.ring_mode={self.ring_mode!r}; known: {MODE_CHOICES}")
+        if self.transport not in TRANSPORT_CHOICES:
+            raise ValueError(f"relaymoe.transport={self.transport!r}; known: {TRANSPORT_CHOICES}")
         for name in ("recompute_planner", "fused_loss"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"relaymoe.{name}={getattr(self, name)!r} must be true or false")

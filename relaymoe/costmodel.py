@@ -40,12 +40,16 @@ from dataclasses import dataclass, field
 __all__ = [
     "ALIGN",
     "DEFAULT_TIME_MODEL",
+    "AUTO",
     "INDEX_BYTES",
+    "LINK_TRANSPORTS",
     "MODES",
+    "MODE_CHOICES",
     "RING_MODES",
     "ROUTING_INDEX_BYTES_PER_PAIR",
     "SYMM_GRANULE",
     "TRANSPORTS",
+    "TRANSPORT_CHOICES",
     "CommVolume",
     "Dims",
     "HopBytes",
@@ -66,9 +70,15 @@ __all__ = [
     "symmetric_workspace_bytes",
 ]
 
+# The one place the mode and transport names are spelled; the runtime (``ring_moe``), the
+# Megatron flags, the config, the planner and the simulator all import them from here.
+AUTO = "auto"  # a request resolved by the runtime: choose_mode / the copy engine when it works
 MODES = ("expert", "token", "alltoall")  # the order breaks ties in choose_mode
 RING_MODES = ("expert", "token")
-TRANSPORTS = ("local", "nccl", "copy_engine")  # as resolved by the runtime (local: a world of 1)
+LINK_TRANSPORTS = ("nccl", "copy_engine")  # what a world of more than one rank may run over
+TRANSPORTS = ("local", *LINK_TRANSPORTS)  # as resolved by the runtime (local: a world of 1)
+MODE_CHOICES = (AUTO, *MODES)  # what a caller may ask for (ring_moe, flags, configs)
+TRANSPORT_CHOICES = (AUTO, *LINK_TRANSPORTS)
 
 INDEX_BYTES = 4  # expert ids travel as int32
 ROUTING_INDEX_BYTES_PER_PAIR = 12  # expert_token_indices, token_expert_indices, token_index_map

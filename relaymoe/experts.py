@@ -16,6 +16,7 @@ reference-speed path, not the memory-lean one). ``"auto"`` picks Triton on CUDA.
 
 from __future__ import annotations
 
+import warnings
 from typing import Literal
 
 import torch
@@ -27,7 +28,25 @@ from relaymoe.routing import RoutingIndex, build_routing_index
 __all__ = ["moe_experts", "expert_hop_forward", "expert_hop_backward", "resolve_backend"]
 
 Backend = Literal["auto", "triton", "torch"]
-Recompute = Literal["act", "fc1", "none"]
+Recompute = Literal["act", "act_retain", "fc1"]
+Save = Literal["act", "none"]
+RECOMPUTES = ("act", "act_retain", "fc1")
+SAVES = ("act", "none")
+# Old spellings, still accepted with a DeprecationWarning: ``recompute="none"`` saved the
+# pre-activation (it recomputed the SiLU like "act"), ``save="fc1"`` saved nothing like "none".
+_OLD_RECOMPUTE = {"none": "act_retain"}
+_OLD_SAVE = {"fc1": "none"}
+
+
+def _renamed(value: str, old: dict[str, str], what: str) -> str:
+    if value in old:
+        warnings.warn(
+            f"{what}={value!r} is deprecated: it means {what}={old[value]!r}; pass that",
+            DeprecationWarning,
+            stacklevel=3,  # the caller of moe_experts / expert_hop_forward
+        )
+        return old[value]
+    return value
 
 
 def resolve_backend(backend: Backend, device: torch.device) -> str:
@@ -140,7 +159,7 @@ def expert_hop_forward(
     *,
     expert_range: tuple[int, int] | None = None,
     out_TH: Tensor | None = None,
-    save: Literal["act", "none", "fc1"] = "act",
+    save: Save = "act",
     backend: Backend = "auto",
     n_pairs: int | None = None,
     max_pairs: int | None = None,
@@ -148,12 +167,16 @@ def expert_hop_forward(
     """Add the pairs of experts ``expert_range=(e0, e1)`` (default: all) into ``out_TH``.
 
     ``w13_El2IH``/``w2_ElHI`` hold exactly experts ``[e0, e1)``. Returns ``(out_TH, saved)``: the
-    range's pre-activation ``h (P, 2I)`` in expert-grouped order when ``save="act"``, else None.
+    range's pre-activation ``h (P, 2I)`` in expert-grouped order when ``save="act"``; None
+    when ``save="none"`` (the backward then recomputes it from ``x`` and ``w13``).
     ``n_pairs``: the range's pair count when the caller knows it (``offsets[e1] - offsets[e0]``);
     it spares the Triton backend the host sync that sizes a partial range's buffers. Else
     ``max_pairs``: an upper bound on it, which does the same (buffers sized from the bound;
     ``save="act"`` needs the exact count).
     """
+    save = _renamed(save, _OLD_SAVE, "save")
+    if save not in SAVES:
+        raise ValueError(f"save must be one of {SAVES}, got {save!r}")
     e0, e1 = _range(expert_range, index)
     if resolve_backend(backend, x_TH.device) == "triton":
         from relaymoe.kernels.experts import triton_hop_forward
@@ -223,7 +246,7 @@ def expert_hop_backward(
 class _MoEExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w13, w2, probs, out, index, expert_range, recompute, backend):
-        save = "act" if recompute in ("act", "none") else "fc1"
+        save = "none" if recompute == "fc1" else "act"
         with torch.no_grad():
             result, saved_h = expert_hop_forward(
                 x, w13, w2, probs, index,
@@ -244,8 +267,8 @@ class _MoEExperts(torch.autograd.Function):
         if ctx.h_consumed:
             raise RuntimeError(
                 "moe_experts(recompute='act') backward ran twice on one graph; its saved "
-                "pre-activation was overwritten by the first backward. Use recompute='none' "
-                "(keeps it) to backward twice with retain_graph=True"
+                "pre-activation was overwritten by the first backward. Use "
+                "recompute='act_retain' (keeps it) to backward twice with retain_graph=True"
             )
         x, w13, w2, probs, saved_h = ctx.saved_tensors
         dx, dprobs, dw13, dw2 = expert_hop_backward(
@@ -259,8 +282,8 @@ class _MoEExperts(torch.autograd.Function):
 
 
 def _check_inputs(x, w13, w2, topk_idx, topk_probs, index, expert_range, recompute, out):
-    if recompute not in ("act", "fc1", "none"):
-        raise ValueError(f"recompute must be 'act', 'fc1' or 'none', got {recompute!r}")
+    if recompute not in RECOMPUTES:
+        raise ValueError(f"recompute must be one of {RECOMPUTES}, got {recompute!r}")
     if x.dim() != 2:
         raise ValueError(f"x must be (T, H), got shape {tuple(x.shape)}")
     num_tokens, hidden = x.shape
@@ -334,9 +357,16 @@ def moe_experts(
     x (T, H); w13 (E, 2I, H); w2 (E, H, I); topk_idx (T, K) global expert ids; topk_probs (T, K).
     ``expert_range=(e0, e1)`` computes only pairs whose expert is in ``[e0, e1)`` with w13/w2
     holding just those experts (needs ``index``). ``out`` (T, H) is accumulated into and returned.
-    ``recompute``: ``"act"`` saves the (P, 2I) pre-activation; ``"fc1"`` saves nothing but the
-    inputs and recomputes the up-projection in backward; ``"none"`` may save more for speed.
+    ``recompute`` (the SiLU is always recomputed from the pre-activation):
+
+    * ``"act"`` saves the (P, 2I) pre-activation; on Triton the backward overwrites it with its
+      gradient (one (P, 2I) buffer less at the peak), so the graph can be backwarded once;
+    * ``"act_retain"`` saves it and leaves it intact (``retain_graph=True`` backward twice);
+    * ``"fc1"`` saves nothing but the inputs and recomputes the up-projection in backward.
+
+    ``"none"`` (the old name of ``"act_retain"``) is accepted with a DeprecationWarning.
     """
+    recompute = _renamed(recompute, _OLD_RECOMPUTE, "recompute")
     _check_inputs(x, w13, w2, topk_idx, topk_probs, index, expert_range, recompute, out)
     if index is None:
         index = build_routing_index(topk_idx, w13.shape[0])

@@ -1,15 +1,20 @@
-"""Generate the README "Results" section from the committed benchmark rows.
+"""Generate the README's headline table and docs/RESULTS.md from the current result runs.
 
-Reads every ``benchmarks/results/**/*.jsonl`` (files in path order, so dated folders are
-chronological; a later row with the same identity replaces an earlier one) and writes markdown
-tables between ``<!-- results:begin -->`` and ``<!-- results:end -->`` in README.md.
+Reads the runs ``benchmarks/results/CURRENT.json`` lists (``benchmarks/runs.py``: one folder per
+run with a ``manifest.json``) and writes markdown between ``<!-- results:begin -->`` and
+``<!-- results:end -->``: a short headline table in README.md, every table in docs/RESULTS.md.
 
-  python scripts/make_readme_results.py           # rewrite the section in place
-  python scripts/make_readme_results.py --check   # exit 1 if README.md differs from the output
+  python scripts/make_readme_results.py           # rewrite both sections in place
+  python scripts/make_readme_results.py --check   # exit 1 if either file differs from the output
 
-Tables: experts, ring, routing, e2e, memory model, scaling simulation (validation and
-extrapolation). Columns are those of a fixed preference list that the rows actually carry, so a
-benchmark that adds a key does not break the generator. Numbers are formatted deterministically.
+Only clean measurements get in: a run whose manifest does not say its tree was clean, or a row
+whose ``commit`` is unknown, ``-dirty``, ``-uncommitted`` or not its manifest's, stops the
+generator with an error naming the file and the row (exit 2). When two rows share a table's
+identity keys, the one of the newer run (manifest ``date`` then ``order``) is shown; within a run,
+the later file in path order, then the later line. The scaling simulation's tables come from the
+newest run that has simulation rows only (its rows are one calibration). Columns are those of a
+preference list that the rows carry, so a benchmark that adds a key does not break the generator;
+numbers are formatted deterministically.
 """
 
 from __future__ import annotations
@@ -21,6 +26,11 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.runs import ResultsError, current_rows  # noqa: E402
+
 BEGIN = "<!-- results:begin -->"
 END = "<!-- results:end -->"
 
@@ -30,36 +40,15 @@ TABLES = [
         "experts",
         "Fused expert kernels vs naive vs liger (1 GPU, fwd+bwd of one MoE layer)",
         ("shape", "provider", "recompute", "dtype"),
-        [
-            "shape",
-            "provider",
-            "recompute",
-            "ms_fwd_bwd",
-            "ms_fwd",
-            "tflops_fwd_bwd",
-            "saved_for_bwd_MiB",
-            "peak_over_inputs_MiB",
-            "speedup_vs_naive",
-            "speedup_vs_best",
-        ],
+        ["shape", "provider", "recompute", "ms_fwd_bwd", "ms_fwd", "tflops_fwd_bwd",
+         "saved_for_bwd_MiB", "peak_over_inputs_MiB", "speedup_vs_naive", "speedup_vs_best"],
     ),
     (
         "ring",
         "Ring vs all-to-all (EP over GPUs of one node)",
         ("shape", "provider", "ep", "transport", "overlap", "I"),
-        [
-            "shape",
-            "ep",
-            "provider",
-            "transport",
-            "overlap",
-            "ms_fwd_bwd",
-            "ms_fwd",
-            "tflops_fwd_bwd",
-            "peak_over_inputs_MiB",
-            "hidden_pct",
-            "speedup_vs_mcore",
-        ],
+        ["shape", "ep", "provider", "transport", "overlap", "ms_fwd_bwd", "ms_fwd",
+         "tflops_fwd_bwd", "peak_over_inputs_MiB", "hidden_pct", "speedup_vs_mcore"],
     ),
     (
         "ablation",
@@ -71,19 +60,8 @@ TABLES = [
         "e2e",
         "GPT end to end (tiny Qwen3-style; Qwen3-30B-A3B-width slice), ring vs alltoall",
         ("provider", "shape", "ep", "dispatcher"),
-        [
-            "shape",
-            "ep",
-            "provider",
-            "dispatcher",
-            "steps",
-            "final_loss",
-            "max_abs_loss_diff",
-            "max_abs_loss_diff_vs_other",
-            "noise_max_abs_loss_diff",
-            "tokens_per_s",
-            "peak_MiB",
-        ],
+        ["shape", "ep", "provider", "dispatcher", "steps", "final_loss", "max_abs_loss_diff",
+         "max_abs_loss_diff_vs_other", "noise_max_abs_loss_diff", "tokens_per_s", "peak_MiB"],
     ),
     (
         "loss",
@@ -95,61 +73,55 @@ TABLES = [
         "max_seq",
         "Longest sequence that trains two steps (measured, full recompute; a search per row)",
         ("config", "provider", "max_seq"),
-        [
-            "config",
-            "provider",
-            "max_seq",
-            "first_oom_seq",
-            "bracket_open",
-            "stop_reason",
-            "predicted_max_seq",
-        ],
+        ["config", "provider", "max_seq", "first_oom_seq", "bracket_open", "stop_reason",
+         "predicted_max_seq"],
     ),
     (
         "memory_model",
         "Memory model vs measured peak",
         ("config", "shape", "provider", "dispatcher", "ep"),
-        [
-            "config",
-            "shape",
-            "dispatcher",
-            "provider",
-            "ep",
-            "measured_MiB",
-            "predicted_MiB",
-            "rel_err",
-        ],
+        ["config", "shape", "dispatcher", "provider", "ep", "measured_MiB", "predicted_MiB",
+         "rel_err"],
     ),
-]
+]  # fmt: skip
 SIM_VALIDATION_COLS = ["scheme", "shape", "ep", "measured_ms", "predicted_ms", "rel_err", "fit"]
-SIM_EXTRAP_COLS = [
-    "shape",
-    "ep",
-    "gpus_per_node",
-    "auto_mode",
-    "ms_fwd_bwd",
-    "speedup_vs_alltoall",
-    "mem_reduction_vs_alltoall",
-]
+SIM_EXTRAP_COLS = ["shape", "ep", "gpus_per_node", "auto_mode", "ms_fwd_bwd",
+                   "speedup_vs_alltoall", "mem_reduction_vs_alltoall"]  # fmt: skip
+ROUTING_COLS = ["T", "E", "K", "routing", "triton_us", "triton_device_us", "sort_us", "torch_us",
+                "speedup_vs_sort"]  # fmt: skip
 
+# Variants whose code is gone: their committed rows stay in their runs as history but no longer
+# describe relaymoe, so the tables leave them out.
+RETIRED = {
+    ("experts", "relaymoe_fusedbwd"),  # single-kernel down backward, removed 2026-11-30
+    # torch._grouped_mm weight gradients: the default since b43263e82f97 (rows: "relaymoe")
+    ("experts", "relaymoe_wgradgmm"),
+}
 
-def load(results: Path) -> list[tuple[str, dict]]:
-    """(relative path, row) for every row, files in sorted path order."""
-    out = []
-    for path in sorted(results.glob("**/*.jsonl")):
-        base = ROOT if path.resolve().is_relative_to(ROOT) else results.parent
-        rel = path.resolve().relative_to(base.resolve())
-        for line in path.read_text().splitlines():
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(row, dict):
-                out.append((rel.as_posix(), row))
-    return out
+# The README's headline: (what, bench, relaymoe row, baseline row, value key). Rows match on
+# every key given; the newest matching row counts.
+_QWEN_T32K = {"shape": "qwen3_30b_a3b_T32k", "ep": 2}
+HEADLINE = [
+    ("MoE layer fwd+bwd, ms (Qwen3-30B-A3B widths, 32k tokens per GPU, EP=2)", "ring",
+     {**_QWEN_T32K, "provider": "relaymoe_ring_auto"},
+     {**_QWEN_T32K, "provider": "mcore_alltoall"}, "ms_fwd_bwd"),
+    ("MoE layer peak memory over inputs, MiB (same)", "ring",
+     {**_QWEN_T32K, "provider": "relaymoe_ring_auto"},
+     {**_QWEN_T32K, "provider": "mcore_alltoall"}, "peak_over_inputs_MiB"),
+    ("GPT training, tokens/s (Qwen3-width 4-layer slice, sequence 4k, EP=2)", "e2e",
+     {"shape": "qwen3_slice_s4k", "provider": "relaymoe_ring"},
+     {"shape": "qwen3_slice_s4k", "provider": "mcore_alltoall"}, "tokens_per_s"),
+    ("GPT training, tokens/s (same, sequence 16k)", "e2e",
+     {"shape": "qwen3_slice_s16k", "provider": "relaymoe_ring"},
+     {"shape": "qwen3_slice_s16k", "provider": "mcore_alltoall"}, "tokens_per_s"),
+    ("Output layer + cross-entropy fwd+bwd, ms (64k tokens, vocabulary 152k)", "loss",
+     {"shape": "T64k", "provider": "relaymoe"}, {"shape": "T64k", "provider": "megatron"},
+     "ms_fwd_bwd"),
+    ("Output layer + cross-entropy peak over inputs, MiB (same)", "loss",
+     {"shape": "T64k", "provider": "relaymoe"}, {"shape": "T64k", "provider": "megatron"},
+     "peak_over_inputs_MiB"),
+]  # fmt: skip
+MAX_SEQ_HEADLINE = ("relaymoe_ring_fused_loss", "mcore_alltoall")
 
 
 def fmt(v) -> str:
@@ -180,10 +152,12 @@ def table(rows: list[dict], preferred: list[str]) -> list[str]:
 
 
 def _dedupe(items: list[tuple[str, dict]], keys) -> tuple[list[dict], list[str]]:
+    """One row per identity: the last in ``items`` (the newest run's), at the position of its
+    newest measurement; and the sources of the rows kept."""
     latest: dict = {}
     for src, r in items:
         ident = tuple(json.dumps(r.get(k), sort_keys=True) for k in keys)
-        latest.pop(ident, None)  # re-insert: keeps the position of the latest measurement
+        latest.pop(ident, None)
         latest[ident] = (src, r)
     srcs = sorted({s for s, _ in latest.values()})
     return [r for _, r in latest.values()], srcs
@@ -226,8 +200,25 @@ def _with_speedups(items: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
     return out
 
 
+def _tokens(t) -> str:
+    if not isinstance(t, int):
+        return str(t)
+    if t >= 1 << 20 and t % (1 << 20) == 0:
+        return f"{t >> 20}M"
+    if t >= 1024 and t % 1024 == 0:
+        return f"{t >> 10}k"
+    return str(t)
+
+
+def _span(vals, show=str) -> str:
+    vals = sorted({v for v in vals if isinstance(v, int)})
+    if not vals:
+        return "?"
+    return show(vals[0]) if len(vals) == 1 else f"{show(vals[0])}..{show(vals[-1])}"
+
+
 def routing_section(items: list[tuple[str, dict]]) -> list[str]:
-    """Routing build: one line per (T, E, K, routing) at T=32768, plus a summary of all shapes."""
+    """Routing build: one line per (E, K, routing) at the shown T, plus a summary of all shapes."""
     rows, srcs = _dedupe(items, ("T", "E", "K", "routing", "provider"))
     grid: dict = {}
     graph: dict = {}  # device time of the Triton build from CUDA-graph replays, where measured
@@ -236,14 +227,13 @@ def routing_section(items: list[tuple[str, dict]]) -> list[str]:
         grid.setdefault(key, {})[r.get("provider")] = r.get("us")
         if r.get("provider") == "relaymoe_triton" and r.get("us_graph"):
             graph[key] = r["us_graph"]
-    ratios = [
-        v["sort"] / v["relaymoe_triton"]
-        for v in grid.values()
-        if v.get("sort") and v.get("relaymoe_triton")
-    ]
+    measured = {k: v for k, v in grid.items() if v.get("sort") and v.get("relaymoe_triton")}
+    ratios = [v["sort"] / v["relaymoe_triton"] for v in measured.values()]
+    ts = {k[0] for k in grid if isinstance(k[0], int)}
+    show_t = 32768 if 32768 in ts else max(ts, default=None)
     shown = []
-    for (t, e, k, routing), v in sorted(grid.items(), key=lambda kv: tuple(map(str, kv[0]))):
-        if t != 32768 or not v.get("relaymoe_triton"):
+    for (t, e, k, routing), v in grid.items():
+        if t != show_t or not v.get("relaymoe_triton"):
             continue
         sort_us = v.get("sort")
         shown.append(
@@ -260,131 +250,182 @@ def routing_section(items: list[tuple[str, dict]]) -> list[str]:
             }
         )
     shown.sort(key=lambda r: (r["E"], r["K"], str(r["routing"])))
-    cols = [
-        "T",
-        "E",
-        "K",
-        "routing",
-        "triton_us",
-        "triton_device_us",
-        "sort_us",
-        "torch_us",
-        "speedup_vs_sort",
-    ]
     out = ["### Routing-index build (Triton, atomic-free) vs sort-based", ""]
     if ratios:
+        keys = list(measured)
         out += [
-            f"Over all {len(ratios)} measured shapes (T 4k..2M, E 8..384, K 1..16, uniform and "
-            f"skewed) the Triton build is {min(ratios):.2f}x to {max(ratios):.2f}x faster than the "
-            "sort-based build (eager times, Python launch overhead included; `triton_device_us` "
-            "is the build's device time from CUDA-graph replays where measured); T = 32768 shown:",
+            f"Over all {len(ratios)} measured shapes (T {_span([k[0] for k in keys], _tokens)}, "
+            f"E {_span([k[1] for k in keys])}, K {_span([k[2] for k in keys])}; "
+            f"{', '.join(sorted({str(k[3]) for k in keys}))} routing) the Triton build is "
+            f"{min(ratios):.2f}x to {max(ratios):.2f}x faster than the sort-based build (eager "
+            "times, Python launch overhead included; `triton_device_us` is the build's device "
+            f"time from CUDA-graph replays where measured); T = {show_t} shown:",
             "",
         ]
-    return out + [*table(shown, cols), "", _provenance(rows, srcs), ""]
+    return out + [*table(shown, ROUTING_COLS), "", _provenance(rows, srcs), ""]
 
 
-# Variants whose code is gone: their committed rows stay in benchmarks/results/ as history but
-# no longer describe relaymoe, so the README leaves them out.
-RETIRED = {
-    ("experts", "relaymoe_fusedbwd"),  # single-kernel down backward, removed 2026-11-30
-    # torch._grouped_mm weight gradients: the default since b43263e82f97 (rows: "relaymoe")
-    ("experts", "relaymoe_wgradgmm"),
-}
-
-
-def generate(results: Path) -> str:
-    items = [(s, r) for s, r in load(results) if (r.get("bench"), r.get("provider")) not in RETIRED]
-    out = [""]
-    any_table = False
-    routing = [(s, r) for s, r in items if r.get("bench") == "routing"]
-    if routing:
-        out += routing_section(routing)
-        any_table = True
-    for bench, title, keys, cols in TABLES:
-        sel = [(s, r) for s, r in items if r.get("bench") == bench]
-        if bench == "experts":
-            sel = _with_speedups(sel)
-        if not sel:
-            continue
-        rows, srcs = _dedupe(sel, keys)
-        out += [f"### {title}", "", *table(rows, cols), "", _provenance(rows, srcs), ""]
-        any_table = True
-    sim = [(s, r) for s, r in items if r.get("bench") == "scaling_sim"]
+def sim_section(sim: list[tuple[str, dict, str]]) -> list[str]:
+    """The newest run's simulation rows only: validation and extrapolation tables."""
+    newest = sim[-1][2]
+    sim = [(s, r) for s, r, run in sim if run == newest]
     val = [(s, r) for s, r in sim if r.get("kind") == "validation"]
     ext = [
         (s, r)
         for s, r in sim
         if r.get("kind") == "extrapolation" and r.get("provider") == "sim_ring_auto"
     ]
-    if val or ext:
-        out += ["### EP scaling by simulation (paper Fig. 10 analog)", ""]
-        if val:
-            rows, srcs = _dedupe(val, ("scheme", "provider", "shape", "ep"))
-            out += ["Validation against measured rows:", "", *table(rows, SIM_VALIDATION_COLS), ""]
-        if ext:
-            rows, srcs = _dedupe(ext, ("shape", "ep", "gpus_per_node"))
-            out += [
-                "Extrapolation, ring (auto mode) vs all-to-all with the same expert kernels:",
-                "",
-                *table(rows, SIM_EXTRAP_COLS),
-                "",
-            ]
-        cal = [r for _, r in sim if r.get("kind") == "calibration" and r.get("paper")]
-        if cal:
-            out += [f"Paper (reported, not simulated): {cal[-1]['paper'].get('source', '')}", ""]
-        out += [_provenance([r for _, r in sim], sorted({s for s, _ in sim})), ""]
-        any_table = True
-    if not any_table:
-        return "\n"  # nothing committed yet: an empty section
-    return "\n".join(out)
+    out = ["### EP scaling by simulation (paper Fig. 10 analog)", ""]
+    if val:
+        rows, _ = _dedupe(val, ("scheme", "provider", "shape", "ep"))
+        out += ["Validation against measured rows:", "", *table(rows, SIM_VALIDATION_COLS), ""]
+    if ext:
+        rows, _ = _dedupe(ext, ("shape", "ep", "gpus_per_node"))
+        out += ["Extrapolation, ring (auto mode) vs all-to-all with the same expert kernels:", "",
+                *table(rows, SIM_EXTRAP_COLS), ""]  # fmt: skip
+    cal = [r for _, r in sim if r.get("kind") == "calibration" and r.get("paper")]
+    if cal:
+        out += [f"Paper (reported, not simulated): {cal[-1]['paper'].get('source', '')}", ""]
+    return out + [_provenance([r for _, r in sim], sorted({s for s, _ in sim})), ""]
 
 
-def splice(readme: str, body: str) -> str:
-    if readme.count(BEGIN) != 1 or readme.count(END) != 1:
+def full_tables(items: list[tuple[str, dict, str]]) -> str:
+    """docs/RESULTS.md's generated section: every table the rows fill."""
+    items = [(s, r, run) for s, r, run in items
+             if (r.get("bench"), r.get("provider")) not in RETIRED]  # fmt: skip
+    out = [""]
+    routing = [(s, r) for s, r, _ in items if r.get("bench") == "routing"]
+    if routing:
+        out += routing_section(routing)
+    for bench, title, keys, cols in TABLES:
+        sel = [(s, r) for s, r, _ in items if r.get("bench") == bench]
+        if bench == "experts":
+            sel = _with_speedups(sel)
+        if sel:
+            rows, srcs = _dedupe(sel, keys)
+            out += [f"### {title}", "", *table(rows, cols), "", _provenance(rows, srcs), ""]
+    sim = [x for x in items if x[1].get("bench") == "scaling_sim"]
+    if sim:
+        out += sim_section(sim)
+    return "\n".join(out) if len(out) > 1 else "\n"
+
+
+def _newest(items, bench: str, match: dict):
+    """The newest (source, row) of ``bench`` whose keys equal ``match``'s, or None."""
+    hit = None
+    for s, r, _ in items:
+        if r.get("bench") == bench and all(r.get(k) == v for k, v in match.items()):
+            hit = (s, r)
+    return hit
+
+
+def _num(v) -> str:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return "-"
+    if isinstance(v, int) or abs(v) >= 1000:
+        return f"{v:,.0f}"
+    return fmt(float(v))
+
+
+def _ratio(x: float) -> str:
+    return f"{x:.2f}x" if x >= 0.1 else f"{x:.2g}x"
+
+
+def headline(items: list[tuple[str, dict, str]]) -> str:
+    """README.md's generated section: relaymoe vs the Megatron baseline, newest rows."""
+    lines, srcs, commits = [], set(), set()
+    for what, bench, mine, base, key in HEADLINE:
+        a, b = _newest(items, bench, mine), _newest(items, bench, base)
+        if not a or not b or not isinstance(a[1].get(key), int | float) or not b[1].get(key):
+            continue
+        ratio = a[1][key] / b[1][key]
+        lines.append(f"| {what} | {_num(a[1][key])} | {_num(b[1][key])} | {_ratio(ratio)} |")
+        for s, r in (a, b):
+            srcs.add(s)
+            commits.add(str(r.get("commit")))
+    ms = [(s, r) for s, r, _ in items if r.get("bench") == "max_seq"]
+    ours = [(s, r) for s, r in ms if r.get("provider") == MAX_SEQ_HEADLINE[0]]
+    theirs = [(s, r) for s, r in ms if r.get("provider") == MAX_SEQ_HEADLINE[1]]
+    if ours and theirs:
+        best = max(r.get("max_seq") or 0 for _, r in ours)
+        base = max(r.get("max_seq") or 0 for _, r in theirs)
+        ooms = [r["first_oom_seq"] for _, r in theirs if isinstance(r.get("first_oom_seq"), int)]
+        if best and base:
+            # The baseline's true limit lies below its first OOM: the ratio to that is a floor.
+            bound = min(ooms) if ooms else base
+            base_txt = _num(base) + (f" (out of memory at {_num(min(ooms))})" if ooms else "")
+            cfg = ours[0][1].get("config", "")
+            lines.append(
+                f"| Longest sequence that trains, tokens (`{cfg}`, EP=2, ring + fused loss vs "
+                f"alltoall) | {_num(best)} | {base_txt} | >= {_ratio(best / bound)} |"
+            )
+            for s, r in ours + theirs:
+                srcs.add(s)
+                commits.add(str(r.get("commit")))
+    if not lines:
+        return "\n"
+    head = ["", "| measurement | relaymoe | Megatron baseline | relaymoe / baseline |",
+            "| --- | --- | --- | --- |"]  # fmt: skip
+    tail = ["", "_rows: " + ", ".join(f"`{s}`" for s in sorted(srcs)) + " · commit: "
+            + ", ".join(f"`{c}`" for c in sorted(commits)) + "_", ""]  # fmt: skip
+    return "\n".join(head + lines + tail)
+
+
+def splice(text: str, body: str, name: str) -> str:
+    if text.count(BEGIN) != 1 or text.count(END) != 1:
         raise ValueError(
-            f"README must contain exactly one {BEGIN} and one {END} marker "
-            f"(found {readme.count(BEGIN)} and {readme.count(END)}); add them where the "
-            "Results section goes"
+            f"{name} must contain exactly one {BEGIN} and one {END} marker "
+            f"(found {text.count(BEGIN)} and {text.count(END)}); add them where the generated "
+            "section goes"
         )
-    head, rest = readme.split(BEGIN, 1)
-    mid, tail = rest.split(END, 1)
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
     return head + BEGIN + body + END + tail
+
+
+def _items(results: Path) -> list[tuple[str, dict, str]]:
+    return [(r.source, r.data, r.run.name) for r in current_rows(results)]
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--readme", default=str(ROOT / "README.md"))
-    ap.add_argument("--results", default=str(ROOT / "benchmarks/results"))
-    ap.add_argument("--check", action="store_true", help="exit 1 if README.md is out of date")
+    ap.add_argument("--results-doc", default=str(ROOT / "docs" / "RESULTS.md"))
+    ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--check", action="store_true", help="exit 1 if a file is out of date")
     args = ap.parse_args(argv)
-    readme_path = Path(args.readme)
-    if not readme_path.is_file():
-        print(f"make_readme_results: {readme_path} does not exist", file=sys.stderr)
-        return 2
-    old = readme_path.read_text()
+    paths = {"headline": Path(args.readme), "tables": Path(args.results_doc)}
+    for p in paths.values():
+        if not p.is_file():
+            print(f"make_readme_results: {p} does not exist", file=sys.stderr)
+            return 2
     try:
-        new = splice(old, generate(Path(args.results)))
-    except ValueError as e:
+        items = _items(Path(args.results))
+        bodies = {"headline": headline(items), "tables": full_tables(items)}
+        new = {k: splice(p.read_text(), bodies[k], p.name) for k, p in paths.items()}
+    except (ValueError, ResultsError) as e:
         print(f"make_readme_results: {e}", file=sys.stderr)
         return 2
+    stale = [k for k, p in paths.items() if new[k] != p.read_text()]
     if args.check:
-        if new != old:
-            diff = difflib.unified_diff(
-                old.splitlines(), new.splitlines(), "README.md", "generated", lineterm=""
-            )
+        for k in stale:
+            old = paths[k].read_text()
+            diff = difflib.unified_diff(old.splitlines(), new[k].splitlines(), paths[k].name,
+                                        "generated", lineterm="")  # fmt: skip
             print("\n".join(list(diff)[:80]))
-            print(
-                "README results are out of date: run python scripts/make_readme_results.py",
-                file=sys.stderr,
-            )
+        if stale:
+            names = ", ".join(paths[k].name for k in stale)
+            print(f"{names}: results are out of date: run python scripts/make_readme_results.py",
+                  file=sys.stderr)  # fmt: skip
             return 1
-        print("README results are up to date")
+        print("README.md and docs/RESULTS.md results are up to date")
         return 0
-    if new != old:
-        readme_path.write_text(new)
-        print(f"updated {readme_path}")
-    else:
-        print(f"{readme_path} already up to date")
+    for k, p in paths.items():
+        if k in stale:
+            p.write_text(new[k])
+            print(f"updated {p}")
+        else:
+            print(f"{p} already up to date")
     return 0
 
 

@@ -2,7 +2,8 @@
 # The main job. With a GPU: the tiny Qwen3-style MoE GPT trains on mock data with
 # --moe-token-dispatcher-type ring and with alltoall, printing loss, tokens/s and peak memory.
 # Without one: says so, plans the embedded Qwen3-30B-A3B default (`relaymoe plan`) and runs the
-# CPU demo of the routing index and the expert computation against the oracle.
+# CPU demo (scripts/cpu_demo.py): the Triton kernels and ring_moe against the float64 oracle,
+# PASS/FAIL per check; the exit status is the demo's.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 cd "$ROOT"
@@ -11,9 +12,7 @@ if [ "$ngpu" -gt 0 ] && [ -f examples/tiny_qwen3/train.sh ]; then
   exec bash examples/tiny_qwen3/train.sh "$@"
 fi
 echo "No CUDA GPU here: the training example needs one (examples/tiny_qwen3/train.sh)."
-if "$PY" -c 'import relaymoe.cli' 2>/dev/null; then
-  echo "== relaymoe plan (Qwen3-30B-A3B on 32 H100s, the paper's setup)"
-  "$PY" -m relaymoe plan || true
-fi
-echo "== CPU demo: routing index and expert computation vs the float64 oracle"
-TRITON_INTERPRET=1 "$PY" scripts/cpu_demo.py
+echo "== relaymoe plan (Qwen3-30B-A3B on 32 H100s, the paper's setup): $PY -m relaymoe plan"
+"$PY" -m relaymoe plan
+echo "== CPU demo: Triton kernels (interpreter) and ring_moe (gloo, 2 processes) vs the oracle"
+TRITON_INTERPRET=1 exec "$PY" scripts/cpu_demo.py

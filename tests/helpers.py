@@ -44,6 +44,18 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def assert_close(name: str, got: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
+    """``got`` has ``ref``'s shape, is finite and within relative error ``tol`` of it (exactly
+    zero where ``ref`` is); the message names ``name`` and the error."""
+    assert got.shape == ref.shape, f"{name}: shape {tuple(got.shape)} vs {tuple(ref.shape)}"
+    assert torch.isfinite(got).all(), f"{name}: non-finite values"
+    if ref.norm() == 0:
+        assert got.norm() == 0, f"{name}: expected exactly zero, got norm {got.norm()}"
+        return
+    err = rel_err(got, ref)
+    assert err < tol, f"{name}: relative error {err:.3g} > {tol}"
+
+
 def free_port() -> int:
     """A free TCP port on localhost for a spawned process group's rendezvous."""
     import socket
@@ -73,3 +85,106 @@ def run_spawned(target, args_of_rank, world: int, timeout: float) -> tuple[list[
             p.kill()
             p.join()
     return hung, [p.exitcode for p in procs]
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiny model configs: the one copy every test builds its small models from
+# ---------------------------------------------------------------------------------------------
+SMALL_MODEL = {
+    "num_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_query_groups": 2,
+    "kv_channels": 16,
+    "num_experts": 4,
+    "moe_router_topk": 2,
+    "moe_ffn_hidden_size": 32,
+    "vocab_size": 128,
+}
+
+
+def small_config_dict(**sections) -> dict:
+    """A relaymoe config dict (``relaymoe.config.config_from_dict``) of a small MoE GPT: 2 layers,
+    hidden 64, 4 experts top-2, vocabulary 128, sequence 128, micro-batch 2, one GPU. Each
+    keyword names a section (``model``, ``parallel``, ``training``, ``relaymoe``) whose keys it
+    updates. A fresh dict each call: tests may edit it."""
+    d = {
+        "model": dict(SMALL_MODEL),
+        "parallel": {"tp": 1, "ep": 1, "sequence_parallel": False},
+        "training": {"seq_length": 128, "micro_batch_size": 2},
+    }
+    for section, changes in sections.items():
+        d.setdefault(section, {}).update(changes)
+    return d
+
+
+def small_config(name: str = "small", **sections):
+    """``small_config_dict(**sections)`` as a validated ``relaymoe.config.Config``."""
+    from relaymoe.config import config_from_dict
+
+    return config_from_dict(small_config_dict(**sections), name=name)
+
+
+def small_megatron_args(**over):
+    """The small model as the argparse Namespace Megatron's ``parse_args`` would give (only the
+    attributes the planner reads)."""
+    import argparse
+
+    m = SMALL_MODEL
+    kw = dict(
+        num_layers=m["num_layers"],
+        hidden_size=m["hidden_size"],
+        num_attention_heads=m["num_attention_heads"],
+        num_experts=m["num_experts"],
+        moe_router_topk=m["moe_router_topk"],
+        moe_ffn_hidden_size=m["moe_ffn_hidden_size"],
+        vocab_size=m["vocab_size"],
+        seq_length=128,
+        micro_batch_size=2,
+        bf16=True,
+    )
+    kw.update(over)
+    return argparse.Namespace(**kw)
+
+
+def tiny_transformer_config(*, moe: bool = True, **kw):
+    """A megatron-core ``TransformerConfig`` of one tiny SwiGLU layer that builds on the CPU
+    (hidden 16, 4 heads; with ``moe``: 8 experts top-2 of width 8, no load-balancing loss).
+    Keywords override any field."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    base = dict(
+        num_layers=1,
+        hidden_size=16,
+        num_attention_heads=4,
+        ffn_hidden_size=8,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        bias_activation_fusion=False,
+        use_cpu_initialization=True,
+    )
+    if moe:
+        base.update(
+            num_moe_experts=8,
+            moe_router_topk=2,
+            moe_ffn_hidden_size=8,
+            moe_router_load_balancing_type="none",
+        )
+    base.update(kw)
+    return TransformerConfig(**base)
+
+
+# The start of a one-process Megatron script on a CPU (``python -c``): gloo world of one,
+# the CUDA queries Megatron makes answered for the CPU, relaymoe registered.
+MEGATRON_CPU_PRELUDE = """\
+import os, sys, warnings
+warnings.filterwarnings("ignore")
+import torch, torch.distributed as dist
+torch.cuda.get_device_capability = lambda *a: (9, 0)  # validate_args asks for it
+torch.cuda.current_device = lambda: "cpu"  # RoPE moves its frequencies there
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+from relaymoe.megatron import register
+register()
+"""

@@ -145,3 +145,51 @@ def test_python_dash_m():
         timeout=60,
     )
     assert r.returncode == 2 and "Traceback" not in r.stderr and "tp 3" in r.stderr
+
+
+def test_recompute_table_says_none_needed_and_fits_80_columns(capsys, monkeypatch):
+    """No "None | None | None" where nothing is recomputed, the Megatron setting where layers
+    are, and no header or cell cut (rich's "…") at 80 columns."""
+    monkeypatch.setenv("COLUMNS", "80")
+    rc, out, err = run(capsys, "plan")  # qwen3_30b_a3b at 32k: every layer kept
+    assert rc == 0, err
+    table = out.split("Recompute plan")[1].split("Megatron flags")[0]
+    assert "None" not in table and "…" not in out, out
+    assert table.count("none: all kept") == 4, table
+    for head in ("variant", "recompute", "kept", "recomputed", "budget GiB"):
+        assert head in table, table
+    assert max(len(ln) for ln in table.splitlines()) <= 80
+    rc, out, err = run(capsys, "plan", "--fused-loss", "--seq", "262144")
+    assert rc == 0, err
+    table = out.split("Recompute plan")[1].split("Megatron flags")[0]
+    assert "full block 5/stage" in table and "…" not in out and "None" not in table, out
+
+
+def test_recompute_summary_cells():
+    from relaymoe.cli import recompute_summary
+
+    none = {"recompute_granularity": None, "recompute_method": None, "recompute_num_layers": None}
+    assert recompute_summary(none) == "none: all kept"
+    full = {"recompute_granularity": "full", "recompute_method": "block",
+            "recompute_num_layers": 3, "recompute_modules": None}  # fmt: skip
+    assert recompute_summary(full) == "full block 3/stage"
+    sel = {"recompute_granularity": "selective", "recompute_method": None,
+           "recompute_num_layers": None, "recompute_modules": ["core_attn", "moe_act"]}  # fmt: skip
+    assert recompute_summary(sel) == "selective (core_attn, moe_act)"
+
+
+def test_flags_command(capsys):
+    from relaymoe.config import load_config, to_megatron_args
+
+    rc, out, err = run(capsys, "flags", "--config", "tiny_qwen3", "--world", "1")
+    assert rc == 0, err
+    assert out.splitlines() == to_megatron_args(load_config("tiny_qwen3"))
+    rc, out, _ = run(capsys, "flags", "--config", "tiny_qwen3", "--dispatcher", "alltoall")
+    assert "--moe-token-dispatcher-type\nalltoall\n" in out and "relaymoe" not in out
+    rc, out, err = run(capsys, "flags", "--config", "qwen3_30b_a3b", "--world", "16")
+    assert rc == 2 and out == "" and "Traceback" not in err
+    assert "needs tp*cp*pp*dp = 2*4*4*1 = 32 GPUs, but the job has 16" in err, err
+    rc, _, err = run(capsys, "flags", "--config", "nope")
+    assert rc == 2 and "not found" in err
+    rc, _, err = run(capsys, "flags", "--config", "tiny_qwen3", "--world", "0")
+    assert rc == 2 and "at least one GPU" in err

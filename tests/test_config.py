@@ -14,25 +14,9 @@ from relaymoe.config import (
     resolve_config_path,
     to_megatron_args,
 )
+from tests.helpers import small_config_dict
 
 ALL_CONFIGS = sorted(str(p.relative_to(CONFIG_DIR))[:-5] for p in CONFIG_DIR.rglob("*.yaml"))
-
-
-def _tiny_dict():
-    return {
-        "model": {
-            "num_layers": 4,
-            "hidden_size": 256,
-            "num_attention_heads": 8,
-            "num_query_groups": 4,
-            "num_experts": 8,
-            "moe_router_topk": 2,
-            "moe_ffn_hidden_size": 128,
-            "vocab_size": 1024,
-        },
-        "parallel": {"tp": 1, "ep": 1},
-        "training": {"seq_length": 512},
-    }
 
 
 def test_all_configs_load_and_render():
@@ -98,43 +82,43 @@ def test_bare_name_and_path_resolve(tmp_path):
 
 
 def test_unknown_key_names_it_and_known_ones():
-    d = _tiny_dict()
+    d = small_config_dict()
     d["model"]["num_expertz"] = 8
     with pytest.raises(ValueError, match=r"unknown key model\.'num_expertz'.*num_experts"):
         config_from_dict(d)
-    d = _tiny_dict()
+    d = small_config_dict()
     d["parallel"]["pipeline"] = 2
     with pytest.raises(ValueError, match=r"unknown key parallel\.'pipeline'.*known keys.*tp"):
         config_from_dict(d)
-    d = _tiny_dict()
+    d = small_config_dict()
     d["optimizer"] = {}
     with pytest.raises(ValueError, match="unknown config section"):
         config_from_dict(d)
 
 
 def test_alias_num_moe_experts():
-    d = _tiny_dict()
+    d = small_config_dict()
     d["model"]["num_moe_experts"] = d["model"].pop("num_experts")
-    assert config_from_dict(d).model.num_experts == 8
+    assert config_from_dict(d).model.num_experts == 4
 
 
 @pytest.mark.parametrize(
     "section,key,value,pattern",
     [
-        ("parallel", "ep", 3, "ep=3 does not divide model.num_experts=8"),
+        ("parallel", "ep", 3, "ep=3 does not divide model.num_experts=4"),
         ("parallel", "tp", 3, "tp=3 does not divide model.num_attention_heads"),
-        ("parallel", "tp", 8, "does not divide model.num_query_groups=4"),
-        ("parallel", "pp", 3, "num_layers=4 is not divisible by pp"),
+        ("parallel", "tp", 4, "does not divide model.num_query_groups=2"),
+        ("parallel", "pp", 3, "num_layers=2 is not divisible by pp"),
         ("parallel", "ep", 2, "ep\\*etp=2 does not divide the tp\\*cp\\*dp=1"),
         ("training", "seq_length", 502, None),
-        ("model", "moe_router_topk", 9, "exceeds model.num_experts"),
+        ("model", "moe_router_topk", 5, "exceeds model.num_experts"),
         ("model", "num_layers", 0, "positive integer"),
         ("model", "hidden_size", "big", "must be an integer"),
         ("training", "precision", "fp8", "known: 'bf16'"),
     ],
 )
 def test_bad_values(section, key, value, pattern):
-    d = _tiny_dict()
+    d = small_config_dict()
     d[section][key] = value
     if key == "ep" and value == 3:
         d["parallel"]["dp"] = 3  # so that only the expert count is the problem
@@ -189,7 +173,7 @@ def test_flags_parse_with_megatron(tmp_path):
 
 
 def test_recompute_fields_validated():
-    d = _tiny_dict()
+    d = small_config_dict()
     d["training"].update(recompute_granularity="selective", recompute_modules=["core_attn", "x"])
     with pytest.raises(ValueError, match=r"unknown module\(s\) \['x'\]"):
         config_from_dict(d)
@@ -212,7 +196,7 @@ def test_dispatcher_flags():
 
 
 def test_normalization_impl_field():
-    d = _tiny_dict()
+    d = small_config_dict()
     assert config_from_dict(d).training.normalization_impl == "fused"  # TE/apex by default
     d["training"]["normalization_impl"] = "torch"
     cfg = config_from_dict(d)
@@ -234,15 +218,15 @@ def test_normalization_impl_field():
     ):
         config_from_dict(d)
     # megatron-core's torch norm refuses sequence parallelism, which MoE needs at tp > 1
-    d = _tiny_dict()
-    d["parallel"].update(tp=2)
+    d = small_config_dict()
+    d["parallel"].update(tp=2, sequence_parallel=True)
     d["training"]["normalization_impl"] = "torch"
     with pytest.raises(ValueError, match="normalization_impl='torch' with parallel.tp=2"):
         config_from_dict(d)
 
 
 def test_fused_loss_field_round_trip_and_flag():
-    d = _tiny_dict()
+    d = small_config_dict()
     cfg = config_from_dict(d)
     assert cfg.relaymoe.fused_loss is False
     assert "--relaymoe-fused-loss" not in to_megatron_args(cfg)
@@ -267,7 +251,7 @@ def test_fused_loss_from_yaml_and_bad_values(tmp_path):
     assert (
         cfg.replace(relaymoe={"fused_loss": False}).to_dict() == load_config("tiny_qwen3").to_dict()
     )
-    d = _tiny_dict()
+    d = small_config_dict()
     d["relaymoe"] = {"fused_loss": "yes"}
     with pytest.raises(ValueError, match=r"relaymoe.fused_loss='yes' must be true or false"):
         config_from_dict(d)

@@ -1,6 +1,6 @@
 """The end-to-end benchmark's plumbing on CPU: the Megatron flags of each shape and provider, the
 parity/noise computation and the rows of failed runs (``benchmarks/bench_e2e.py``,
-``relaymoe/megatron/e2e.py``). The training itself runs on GPUs only (``tests/gpu``)."""
+``benchmarks/e2e.py``). The training itself runs on GPUs only (``tests/gpu``)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,7 @@ import time
 import pytest
 
 from benchmarks import bench_e2e
-from relaymoe.config import load_config
-from relaymoe.megatron.e2e import (
+from benchmarks.e2e import (
     REGIMES,
     RunResult,
     loss_parity,
@@ -24,6 +23,7 @@ from relaymoe.megatron.e2e import (
     pretrain_args,
     run_pretrain,
 )
+from relaymoe.config import load_config
 
 GPUS = 2
 
@@ -372,7 +372,7 @@ def test_run_shapes_reports_failures_and_respects_the_budget(capsys):
 
 def test_run_pretrain_stops_the_job_at_its_timeout(monkeypatch, tmp_path):
     """A job past its timeout is stopped with its whole process group and reported, no raise."""
-    import relaymoe.megatron.e2e as e2e
+    import benchmarks.e2e as e2e
 
     started = []
     real_popen = subprocess.Popen

@@ -1,5 +1,7 @@
 """moe_experts (plain-torch backend) against the float64 oracle; argument checks."""
 
+import zlib
+
 import pytest
 import torch
 
@@ -25,11 +27,16 @@ def _grads(fn, x, w13, w2, idx, probs, g):
     return y.detach(), [t.grad for t in ins]
 
 
-@pytest.mark.parametrize("recompute", ["act", "fc1", "none"])
+def case_seed(case) -> int:
+    """A seed of the case that every process agrees on (``hash()`` of a str is salted)."""
+    return zlib.crc32(repr(case).encode())
+
+
+@pytest.mark.parametrize("recompute", ["act", "act_retain", "fc1"])
 @pytest.mark.parametrize("case", CASES)
 def test_torch_backend_matches_oracle(case, recompute):
     t, h, i, e, k, kind = case
-    gen = torch.Generator().manual_seed(hash(case) % 1000)
+    gen = torch.Generator().manual_seed(case_seed(case))
     x, w13, w2, idx, probs = random_problem(t, h, i, e, k, gen=gen, kind=kind)
     g = torch.randn(t, h, generator=gen, dtype=torch.float64)
     y, grads = _grads(
@@ -89,6 +96,30 @@ def test_hop_backward_accumulates_into_buffers():
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+def test_old_names_warn_and_mean_the_new_ones():
+    """recompute="none" was the name of "act_retain" (it saves the pre-activation); save="fc1"
+    saved nothing, as "none" does."""
+    gen = torch.Generator().manual_seed(6)
+    x, w13, w2, idx, probs = random_problem(17, 8, 6, 4, 2, gen=gen)
+    g = torch.randn(17, 8, generator=gen, dtype=torch.float64)
+    new = _grads(lambda *a: moe_experts(*a, recompute="act_retain", backend="torch"),
+                 x, w13, w2, idx, probs, g)  # fmt: skip
+    with pytest.warns(DeprecationWarning, match="recompute='act_retain'"):
+        old = _grads(lambda *a: moe_experts(*a, recompute="none", backend="torch"),
+                     x, w13, w2, idx, probs, g)  # fmt: skip
+    assert torch.equal(new[0], old[0])
+    for a, b in zip(new[1], old[1], strict=True):
+        assert torch.equal(a, b)
+    index = build_routing_index(idx, 4)
+    with pytest.warns(DeprecationWarning, match="save='none'"):
+        _, saved = expert_hop_forward(x, w13, w2, probs, index, save="fc1", backend="torch")
+    assert saved is None
+    _, saved = expert_hop_forward(x, w13, w2, probs, index, save="none", backend="torch")
+    assert saved is None
+    with pytest.raises(ValueError, match="save must be one of .* got 'all'"):
+        expert_hop_forward(x, w13, w2, probs, index, save="all", backend="torch")
+
+
 def test_zero_tokens():
     x, w13, w2, idx, probs = random_problem(0, 8, 6, 4, 2)
     ins = [t.requires_grad_() for t in (x, w13, w2, probs)]
@@ -106,7 +137,7 @@ def test_zero_tokens():
         (lambda a: a.update(topk_probs=a["topk_probs"][:, :1]), "topk_probs shape"),
         (lambda a: a.update(topk_idx=a["topk_idx"][:-1]), "topk_idx must be"),
         (lambda a: a.update(x=a["x"].float()), "dtypes differ"),
-        (lambda a: a.update(recompute="all"), "recompute must be"),
+        (lambda a: a.update(recompute="all"), "recompute must be one of .*act_retain"),
         (lambda a: a.update(expert_range=(0, 2)), "expert_range"),
         (lambda a: a.update(topk_idx=a["topk_idx"] + 10), "outside \\[0, 4\\)"),
     ],

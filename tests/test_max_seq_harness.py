@@ -25,6 +25,7 @@ pytest.importorskip("megatron.core")
 
 from benchmarks import max_seq as ms  # noqa: E402
 from benchmarks import sdpa_attention as sa  # noqa: E402
+from tests.helpers import MEGATRON_CPU_PRELUDE  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STEP = ms.SEQ_STEP
@@ -565,16 +566,8 @@ def test_substitute_core_attention():
 
 # -- Megatron: the harness's flags build a GPT whose attention is SDPA and matches the local one
 
-_BUILD = textwrap.dedent(
+_BUILD = MEGATRON_CPU_PRELUDE + textwrap.dedent(
     """
-    import sys, warnings
-    warnings.filterwarnings("ignore")
-    import torch, torch.distributed as dist
-    torch.cuda.get_device_capability = lambda *a: (9, 0)  # validate_args asks for it
-    torch.cuda.current_device = lambda: "cpu"  # RoPE moves its frequencies there
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
-    from relaymoe.megatron import register
-    register()
     from megatron.core import parallel_state as ps, tensor_parallel
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.attention import SelfAttention

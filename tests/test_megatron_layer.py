@@ -25,23 +25,26 @@ Then checkpoint interchange: alltoall and ring layers of the same EP have identi
 ``state_dict`` and ``sharded_state_dict`` keys (and sharding metadata), and a checkpoint saved
 through Megatron's distributed checkpointing from one loads into the other.
 
-The ring is ``relaymoe.ring.ring_moe`` when that package exports it; until then a stand-in
-defined here (all-gather the tokens, compute local experts with the float64-capable oracle,
-all-reduce the outputs) with the same contract.
+The ring is ``relaymoe.ring.ring_moe``; the integration tests also run with a stand-in defined
+here (all-gather the tokens, compute local experts with the float64-capable oracle, all-reduce
+the outputs) patched over the dispatcher's ``ring_moe``, which isolates the Megatron side from
+the ring engine.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 import warnings
+from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+
+from tests.helpers import assert_close, free_port, tiny_transformer_config
 
 pytestmark = pytest.mark.slow
 
@@ -104,6 +107,9 @@ class _AllgatherRing(torch.autograd.Function):
         return dx[start : start + n], dw13, dw2, None, dp[start : start + n], None
 
 
+STANDIN_CALLS = [0]  # per process: proves the patched dispatcher called the stand-in
+
+
 def standin_ring_moe(
     x,
     w13,
@@ -117,35 +123,16 @@ def standin_ring_moe(
     overlap=True,
     trusted=False,
 ):
-    assert mode in ("auto", "expert", "token", "alltoall")
-    assert transport in ("auto", "nccl", "copy_engine")
+    from relaymoe.costmodel import MODE_CHOICES, TRANSPORT_CHOICES
+
+    assert mode in MODE_CHOICES and transport in TRANSPORT_CHOICES, (mode, transport)
+    STANDIN_CALLS[0] += 1
     if isinstance(w13, (list, tuple)):  # ring_moe's list form: per-expert parameters
         w13, w2 = torch.stack(list(w13)), torch.stack(list(w2))
     return _AllgatherRing.apply(x, w13, w2, topk_idx, topk_probs, group)
 
 
-def disp_is_real() -> bool:
-    import relaymoe.megatron.dispatcher as disp
-
-    return disp._RING_IMPL is None
-
-
-def real_ring_available() -> bool:
-    try:
-        import relaymoe.ring as ring
-
-        return callable(getattr(ring, "ring_moe", None))
-    except Exception:
-        return False
-
-
 # ------------------------------------------------------------------------------ megatron setup
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _cpu_router_cls():
     from megatron.core.transformer.moe.router import TopKRouter
 
@@ -164,29 +151,16 @@ def _cpu_router_cls():
 
 
 def make_config(dispatcher: str, ep: int, **kw):
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
     base = dict(
-        num_layers=1,
         hidden_size=H,
-        num_attention_heads=4,
-        num_moe_experts=8,
-        moe_router_topk=2,
         moe_ffn_hidden_size=I_FFN,
         ffn_hidden_size=I_FFN,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        bias_activation_fusion=False,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=1,
-        use_cpu_initialization=True,
-        moe_router_load_balancing_type="none",
         params_dtype=torch.float32,
         moe_token_dispatcher_type=dispatcher,
     )
-    base.update(kw)
-    return TransformerConfig(**base)
+    return tiny_transformer_config(**{**base, **kw})
 
 
 def build_layer(config, pgs):
@@ -213,7 +187,7 @@ def single_rank_pgs(rank: int, world: int):
     return pgs
 
 
-def _init(rank: int, world: int, port: int, impl: str = "ring", tp: int = 1, cp: int = 1) -> None:
+def _init(rank: int, world: int, port: int, tp: int = 1, cp: int = 1) -> None:
     warnings.filterwarnings("ignore")
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
@@ -239,10 +213,21 @@ def _init(rank: int, world: int, port: int, impl: str = "ring", tp: int = 1, cp:
         create_gloo_process_groups=False,
     )
     import relaymoe.megatron as rm
-    import relaymoe.megatron.dispatcher as disp
 
     rm.register()
-    disp._RING_IMPL = standin_ring_moe if impl == "standin" else None
+
+
+def ring_impl(impl: str):
+    """``"ring"``: the dispatcher's own ``relaymoe.ring.ring_moe``; ``"standin"``: the stand-in
+    patched over it for the duration (this spawned process only)."""
+    import contextlib
+
+    import relaymoe.megatron.dispatcher as disp
+
+    if impl == "ring":
+        return contextlib.nullcontext()
+    assert impl == "standin", impl
+    return mock.patch.object(disp, "ring_moe", standin_ring_moe)
 
 
 # ---------------------------------------------------------------------------- weights/inputs
@@ -333,26 +318,17 @@ def ring_saves_no_weight_copy(out, layer) -> None:
     assert not copies, f"the ring saves a stacked copy of the expert weights: {copies[0].shape}"
 
 
-def rel(a, b) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-def check_close(name, got, ref, tol=2e-5):
-    assert got.shape == ref.shape, f"{name}: shape {tuple(got.shape)} vs {tuple(ref.shape)}"
-    assert torch.isfinite(got).all(), f"{name}: non-finite values"
-    if ref.norm() == 0:
-        assert got.norm() == 0, f"{name}: expected exactly zero, got norm {got.norm()}"
-        return
-    err = rel(got, ref)
-    assert err < tol, f"{name}: relative error {err:.3g} > {tol}"
+def check_close(name, got, ref, tol=2e-5):  # fp32 vs fp32: accumulation order only
+    assert_close(name, got, ref, tol)
 
 
 # ------------------------------------------------------------------------------ the cases
-def run_equivalence(rank, world, case: dict, tp: int = 1, cp: int = 1) -> None:
+def run_equivalence(rank, world, case: dict, tp: int = 1, cp: int = 1, real: bool = True) -> None:
     """``tp > 1``: tensor parallel with sequence parallelism, EP = world / tp; each rank holds a
     distinct sequence shard (as TP ranks do) and experts repeat over the expert-data-parallel
     ranks, whose expert gradients DDP would sum. ``cp > 1``: context parallel, each rank a
-    distinct chunk of the sequence; the expert-parallel group spans the CP ranks."""
+    distinct chunk of the sequence; the expert-parallel group spans the CP ranks. ``real``:
+    the layer runs relaymoe's ring (not the stand-in)."""
     from megatron.core import parallel_state as ps
     from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -400,7 +376,7 @@ def run_equivalence(rank, world, case: dict, tp: int = 1, cp: int = 1) -> None:
     x = xs[rank].clone().requires_grad_(True)
     out, bias = ring(x)
     assert bias is None
-    if real_ring_available() and disp_is_real() and not kw.get("recompute_modules"):
+    if real and not kw.get("recompute_modules"):
         ring_saves_no_weight_copy(out, ring)  # (under recompute the graph holds a checkpoint)
     # poison: the ring output must not alias anything we later overwrite
     (out * gs[rank]).sum().backward()
@@ -598,17 +574,19 @@ CASES_EP1 = [
 
 
 def _worker(rank, world, port, impl):
-    _init(rank, world, port, impl)
-    for case in CASES + (CASES_EP1 if world == 1 else []):
-        run_equivalence(rank, world, case)
-    if impl == "standin":  # the checkpoint layout does not depend on the ring
-        run_checkpoint_interchange(rank, world)
+    _init(rank, world, port)
+    with ring_impl(impl):
+        for case in CASES + (CASES_EP1 if world == 1 else []):
+            run_equivalence(rank, world, case, real=impl == "ring")
+        if impl == "standin":  # the checkpoint layout does not depend on the ring
+            assert STANDIN_CALLS[0] > 0, "the dispatcher never called the patched stand-in"
+            run_checkpoint_interchange(rank, world)
     dist.barrier()
     dist.destroy_process_group()
 
 
 def _worker_tp(rank, world, port, tp):
-    _init(rank, world, port, "ring", tp=tp)
+    _init(rank, world, port, tp=tp)
     for case in CASES[1:4]:  # no shared experts: theirs are TP-sharded, the reference's not
         run_equivalence(rank, world, case, tp=tp)
     dist.barrier()
@@ -616,7 +594,7 @@ def _worker_tp(rank, world, port, tp):
 
 
 def _worker_cp(rank, world, port, cp):
-    _init(rank, world, port, "ring", cp=cp)
+    _init(rank, world, port, cp=cp)
     for case in CASES[:4]:
         run_equivalence(rank, world, case, cp=cp)
     dist.barrier()
@@ -626,26 +604,23 @@ def _worker_cp(rank, world, port, cp):
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_integration_with_standin_ring_and_checkpoint_interchange(world):
     """The Megatron integration itself, isolated from the ring engine by the stand-in."""
-    mp.spawn(_worker, args=(world, _free_port(), "standin"), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, free_port(), "standin"), nprocs=world, join=True)
 
 
-@pytest.mark.skipif(not real_ring_available(), reason="relaymoe.ring exports no ring_moe yet")
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_ring_moelayer_matches_allgather(world):
     """End to end: the MoELayer with relaymoe.ring.ring_moe (mode auto) vs allgather."""
-    mp.spawn(_worker, args=(world, _free_port(), "ring"), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, free_port(), "ring"), nprocs=world, join=True)
 
 
-@pytest.mark.skipif(not real_ring_available(), reason="relaymoe.ring exports no ring_moe yet")
 def test_ring_moelayer_with_tensor_and_sequence_parallel():
     """TP = 2 with sequence parallelism and EP = 2 (world 4, expert data parallel 2): each rank
     routes its own sequence shard through the ring; the same expert on two ranks gets the sum."""
-    mp.spawn(_worker_tp, args=(4, _free_port(), 2), nprocs=4, join=True)
+    mp.spawn(_worker_tp, args=(4, free_port(), 2), nprocs=4, join=True)
 
 
-@pytest.mark.skipif(not real_ring_available(), reason="relaymoe.ring exports no ring_moe yet")
 @pytest.mark.parametrize("world", [2, 4])
 def test_ring_moelayer_with_context_parallel(world):
     """CP = 2 (world 2: EP = 2 over the two CP ranks; world 4: DP 2 x CP 2, EP = 4): each rank
     holds its own chunk of the sequence, and the ring serves every chunk as allgather does."""
-    mp.spawn(_worker_cp, args=(world, _free_port(), 2), nprocs=world, join=True)
+    mp.spawn(_worker_cp, args=(world, free_port(), 2), nprocs=world, join=True)

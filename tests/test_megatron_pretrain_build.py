@@ -3,7 +3,7 @@
 ``relaymoe.megatron.pretrain`` and ``launch`` only run on GPUs, where a config assertion deep in
 Megatron's layer build (e.g. apex's persistent LayerNorm requested without apex) costs a device
 call to find. This replays the part before training on CPU: parse + validate the flags that
-``relaymoe.megatron.e2e.pretrain_args`` produces, turn them into Megatron's model config, and
+``benchmarks.e2e.pretrain_args`` produces, turn them into Megatron's model config, and
 build the GPT model with the ring dispatcher (alltoall's dispatcher allocates CUDA tensors when
 built, so only ring builds here), run everything around the experts forward and backward in bf16,
 and draw a sample from the mock dataset the way ``pretrain`` builds it.
@@ -19,17 +19,11 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-_SCRIPT = textwrap.dedent(
+from tests.helpers import MEGATRON_CPU_PRELUDE  # noqa: E402
+
+_SCRIPT = MEGATRON_CPU_PRELUDE + textwrap.dedent(
     """
-    import os, sys, warnings
-    warnings.filterwarnings("ignore")
-    import torch, torch.distributed as dist
-    torch.cuda.get_device_capability = lambda *a: (9, 0)  # validate_args asks for it
-    torch.cuda.current_device = lambda: "cpu"  # RoPE moves its frequencies there
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
-    from relaymoe.megatron import register
-    from relaymoe.megatron.e2e import pretrain_args
-    register()
+    from benchmarks.e2e import pretrain_args
     from megatron.core import parallel_state as ps
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.moe.moe_layer import MoELayer

@@ -5,7 +5,7 @@ import argparse
 import pytest
 
 from relaymoe import costmodel, lossmodel
-from relaymoe.config import config_from_dict, load_config
+from relaymoe.config import load_config
 from relaymoe.planner import (
     VARIANTS,
     config_from_megatron_args,
@@ -19,33 +19,13 @@ from relaymoe.planner import (
 )
 from relaymoe.planner import memory as mm
 from relaymoe.planner.plan import seq_quantum
+from tests.helpers import small_config, small_megatron_args
 
 GiB = 2**30
 
 
-def small(**over):
-    d = {
-        "model": {
-            "num_layers": 2,
-            "hidden_size": 64,
-            "num_attention_heads": 4,
-            "num_query_groups": 2,
-            "kv_channels": 16,
-            "num_experts": 4,
-            "moe_router_topk": 2,
-            "moe_ffn_hidden_size": 32,
-            "vocab_size": 128,
-        },
-        "parallel": {"tp": 1, "ep": 1, "sequence_parallel": False},
-        "training": {"seq_length": 128, "micro_batch_size": 2},
-    }
-    for sec, kv in over.items():
-        d.setdefault(sec, {}).update(kv)
-    return config_from_dict(d, name="small")
-
-
 def test_terms_hand_computed():
-    cfg = small()
+    cfg = small_config()
     sh = mm.shapes(cfg)
     assert (sh.T_a, sh.T, sh.P, sh.El, sh.e) == (256, 256, 512, 4, 2)
     assert mm.layer_input_bytes(sh) == 2 * 256 * 64
@@ -100,7 +80,7 @@ def test_terms_hand_computed():
 
 
 def test_torch_norm_terms_hand_computed():
-    fused, torch_ = small(), small(training={"normalization_impl": "torch"})
+    fused, torch_ = small_config(), small_config(training={"normalization_impl": "torch"})
     sh = mm.shapes(fused)
     # T = 256 normalised rows of h = 64 per norm, 8 extra bytes per element
     assert mm.norm_extra_bytes(fused, sh, "attention") == 0
@@ -110,14 +90,16 @@ def test_torch_norm_terms_hand_computed():
     with pytest.raises(ValueError, match="norm part 'x'"):
         mm.norm_extra_bytes(torch_, sh, "x")
     # q/k norms: 256 tokens x (4 heads + 2 groups) x 16
-    qk = small(model={"qk_layernorm": True}, training={"normalization_impl": "torch"})
+    qk = small_config(model={"qk_layernorm": True}, training={"normalization_impl": "torch"})
     assert mm.norm_extra_bytes(qk, sh, "attention") == 8 * (256 * 64 + 256 * 6 * 16)
     assert mm.attention_keep_bytes(torch_, sh, 0) == 167936 + 8 * 256 * 64
     assert mm.moe_keep_bytes(torch_, sh, 0, "alltoall") == 65536 + 8 * 256 * 64 + 174080
     assert mm.moe_keep_bytes(torch_, sh, 0, "ring") == 65536 + 8 * 256 * 64 + 10240 + 8192
     assert mm.final_norm_bytes(torch_, sh) == 65536 + 8 * 256 * 64
     # torch's LayerNorm is one native kernel (input, mean, rstd): nothing extra
-    ln = small(model={"normalization": "LayerNorm"}, training={"normalization_impl": "torch"})
+    ln = small_config(
+        model={"normalization": "LayerNorm"}, training={"normalization_impl": "torch"}
+    )
     assert mm.norm_extra_bytes(ln, sh, "attention") == 0
     # no recompute: each layer retains 3 * 8 * T * h more, the loss phase 8 * T * h more
     a = stage_peak(fused, 0, "alltoall", frozenset({0, 1}))
@@ -147,7 +129,7 @@ def test_torch_norm_monotone_and_ring_still_below():
 
 
 def test_parallel_sharding_terms():
-    cfg = small(parallel={"tp": 2, "cp": 2, "dp": 2, "ep": 4, "sequence_parallel": True})
+    cfg = small_config(parallel={"tp": 2, "cp": 2, "dp": 2, "ep": 4, "sequence_parallel": True})
     sh = mm.shapes(cfg)
     assert (sh.T_a, sh.T, sh.El) == (128, 64, 1)  # b*s/cp, /tp with SP
     sp = mm.stage_params(cfg, 0)
@@ -313,11 +295,7 @@ def test_normalization_impl_inferred_from_megatron_args(monkeypatch):
     import importlib
 
     plan_mod = importlib.import_module("relaymoe.planner.plan")  # the package exports plan()
-    args = argparse.Namespace(
-        num_layers=2, hidden_size=64, num_attention_heads=4, num_experts=4, moe_router_topk=2,
-        moe_ffn_hidden_size=32, vocab_size=128, seq_length=128, micro_batch_size=2, bf16=True,
-        transformer_impl="local",
-    )  # fmt: skip
+    args = small_megatron_args(transformer_impl="local")
     real = plan_mod.importlib.util.find_spec
     have_apex = {"v": False}
 
@@ -344,7 +322,7 @@ def test_normalization_impl_inferred_from_megatron_args(monkeypatch):
 
 
 def test_fused_loss_term_is_lossmodels():
-    cfg = small()
+    cfg = small_config()
     sh = mm.shapes(cfg)
     # T_a = 256 tokens, h = 64, V/tp = 128, bf16: the op's own model, nothing restated here
     fl = lossmodel.fused_loss_bytes(256, 64, 128, act_bytes=2)
@@ -354,17 +332,17 @@ def test_fused_loss_term_is_lossmodels():
     # The loss peaks in its forward, on top of what the stage keeps: with both layers kept
     # the loss phase (final norm 65536 + the fused loss) is above the layers' working set.
     st = sum(mm.model_state_bytes(cfg, 0).values())
-    for c, kw in ((cfg, {"fused_loss": True}), (small(relaymoe={"fused_loss": True}), {})):
+    for c, kw in ((cfg, {"fused_loss": True}), (small_config(relaymoe={"fused_loss": True}), {})):
         pk = stage_peak(c, 0, "alltoall", frozenset({0, 1}), **kw)
         assert pk.terms["logits_loss"] == 65536 + fl.total
         assert pk.terms["logits_loss"] > pk.terms["layer_working_set"]
         assert pk.total == st + pk.terms["activations_retained"] + 65536 + fl.total
     # the config's switch is the default; the keyword overrides it
-    on = small(relaymoe={"fused_loss": True})
+    on = small_config(relaymoe={"fused_loss": True})
     assert stage_peak(on, 0, "ring").total == stage_peak(cfg, 0, "ring", fused_loss=True).total
     assert stage_peak(on, 0, "ring", fused_loss=False).total == stage_peak(cfg, 0, "ring").total
     # fp32 activations: the hidden gradient in fp32
-    f32 = small(training={"precision": "fp32"})
+    f32 = small_config(training={"precision": "fp32"})
     fl32 = lossmodel.fused_loss_bytes(256, 64, 128, act_bytes=4)
     assert mm.fused_loss_bytes(f32, mm.shapes(f32)) == fl32.total != fl.total
 
@@ -372,7 +350,7 @@ def test_fused_loss_term_is_lossmodels():
 def test_fused_loss_sees_the_gathered_sequence():
     """With SP the output layer sees T_a = b*s/cp tokens (all-gathered over TP), and the vocab
     shard is the padded vocabulary over TP; the gathered input lives through the loss forward."""
-    cfg = small(parallel={"tp": 2, "cp": 2, "dp": 1, "sequence_parallel": True})
+    cfg = small_config(parallel={"tp": 2, "cp": 2, "dp": 1, "sequence_parallel": True})
     sh = mm.shapes(cfg)
     assert (sh.T_a, sh.T) == (128, 64)
     v = cfg.model.padded_vocab_size(2) // 2
@@ -386,7 +364,7 @@ def test_fused_loss_sees_the_gathered_sequence():
 
 
 def test_fused_loss_only_on_the_last_stage():
-    cfg = small(model={"num_layers": 4}, parallel={"pp": 2})
+    cfg = small_config(model={"num_layers": 4}, parallel={"pp": 2})
     for fused in (False, True):
         first = stage_peak(cfg, 0, "ring", fused_loss=fused)
         last = stage_peak(cfg, 1, "ring", fused_loss=fused)
@@ -453,11 +431,7 @@ def test_fused_loss_config_picks_the_plan_and_flags():
 
 
 def test_fused_loss_from_megatron_args():
-    args = argparse.Namespace(
-        num_layers=2, hidden_size=64, num_attention_heads=4, num_experts=4, moe_router_topk=2,
-        moe_ffn_hidden_size=32, vocab_size=128, seq_length=128, micro_batch_size=2, bf16=True,
-        moe_token_dispatcher_type="ring",
-    )  # fmt: skip
+    args = small_megatron_args(moe_token_dispatcher_type="ring")
     assert config_from_megatron_args(args).relaymoe.fused_loss is False
     args.relaymoe_fused_loss = True
     assert config_from_megatron_args(args).relaymoe.fused_loss is True

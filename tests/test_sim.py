@@ -1,4 +1,4 @@
-"""Invariants of the EP-scaling simulator (relaymoe.sim): pure Python, fast."""
+"""Invariants of the EP-scaling simulator (benchmarks.sim): pure Python, fast."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from relaymoe.sim import (
+from benchmarks.sim import (
     Cluster,
     ComputeModel,
     MoEShape,
@@ -15,7 +15,7 @@ from relaymoe.sim import (
     simulate_pass,
     simulate_ring,
 )
-from relaymoe.sim.calibrate import (
+from benchmarks.sim.calibrate import (
     calibrate,
     latest_rows,
     load_rows,
@@ -234,3 +234,47 @@ def test_width_dependence_is_fitted_from_expert_rows_of_several_widths():
     assert cm.peak_tflops_bwd == pytest.approx(400.0, rel=1e-6)
     one_width, _ = calibrate(rows[:1])
     assert one_width.width_exp == 0.0  # a single width says nothing about the dependence
+
+
+def test_simulator_and_its_calibration_import_no_torch():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import benchmarks.sim, benchmarks.sim.calibrate, benchmarks.runs\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_time_model_fit_recovers_a_known_model():
+    """Rows made by a known TimeModel: the refit from the package defaults predicts them within
+    1%, and the rows it must leave out (EP=1, no overlap, other code) are left out."""
+    import dataclasses
+
+    from benchmarks import fit_time_model as ftm
+    from relaymoe import costmodel as cm
+
+    truth = dataclasses.replace(
+        cm.DEFAULT_TIME_MODEL, expert_tflops=420e12, hop_fixed_s=1.5e-3, alltoall_fixed_s=5e-3
+    )
+    rows = []
+    for t in (4, 8, 16, 32, 64):
+        for mode, transport in (("expert", "copy_engine"), ("token", "copy_engine"),
+                                ("token", "nccl"), ("alltoall", "nccl")):  # fmt: skip
+            d = cm.Dims(T=t * 1024, H=2048, I=768, El=64, K=8, R=2, b=2, pb=4)
+            s = cm.step_seconds(mode, d, transport=transport, model=truth)
+            rows.append({"bench": "ring", "provider": f"p_{mode}_{transport}", "ep": 2,
+                         "shape": f"qwen3_30b_a3b_T{t}k", "mode": mode, "transport": transport,
+                         "ms_fwd_bwd": s * 1e3})  # fmt: skip
+    skipped = [{**rows[0], "provider": "p_at_1991b42"}, {**rows[0], "provider": "q", "ep": 1},
+               {**rows[0], "provider": "r", "overlap": False}]  # fmt: skip
+    pts = ftm.points(rows + skipped)
+    assert len(pts) == len(rows)
+    before = max(abs(e) for e in ftm.log_errors(cm.DEFAULT_TIME_MODEL, pts))
+    after = max(abs(e) for e in ftm.log_errors(ftm.fit(pts), pts))
+    assert before > 0.05 and after < 0.01, (before, after)
+    with pytest.raises(ValueError, match="nothing to fit"):
+        ftm.fit([])

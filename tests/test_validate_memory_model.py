@@ -16,6 +16,7 @@ import torch
 from benchmarks import validate_memory_model as vmm
 from relaymoe.planner import memory as mm
 from relaymoe.planner.recompute import stage_peak
+from tests.helpers import SMALL_MODEL
 
 MiB = 2**20
 
@@ -24,18 +25,7 @@ TINY = vmm.Case(
     64,
     2,
     dispatcher="allgather",  # megatron's alltoall dispatcher needs CUDA streams at build time
-    model={
-        "num_layers": 2,
-        "hidden_size": 64,
-        "num_attention_heads": 4,
-        "num_query_groups": 2,
-        "kv_channels": 16,
-        "num_experts": 4,
-        "moe_router_topk": 2,
-        "moe_ffn_hidden_size": 32,
-        "ffn_hidden_size": 128,
-        "vocab_size": 256,
-    },
+    model={**SMALL_MODEL, "ffn_hidden_size": 128, "vocab_size": 256},
 )
 
 

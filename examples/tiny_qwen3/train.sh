@@ -17,4 +17,5 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
 fi
 GPU_ARGS=()
 [ -n "${GPUS:-}" ] && GPU_ARGS=(--gpus "$GPUS")
-exec "$PY" -m relaymoe.megatron.e2e --config tiny_qwen3 --steps "$STEPS" "${GPU_ARGS[@]}"
+# the end-to-end harness (benchmarks/e2e.py): one torchrun job per dispatcher, then the comparison
+exec "$PY" -m benchmarks.e2e --config tiny_qwen3 --steps "$STEPS" "${GPU_ARGS[@]}"

@@ -1,11 +1,28 @@
-"""Triton kernels and their launchers. Imports only torch and triton."""
+"""Triton kernels and their launchers. Imports only torch and triton.
+
+This module itself imports neither (the plain-torch paths and the ring's agreement use it): it
+also holds the int32 limits of the kernels and of the routing index (:func:`check_int32`,
+:func:`check_problem_limits`), checked on sizes alone, before anything is allocated or launched.
+"""
 
 from __future__ import annotations
 
 import functools
 import os
 
-__all__ = ["triton_available", "interpret_mode"]
+__all__ = [
+    "INT32_LIMIT",
+    "check_int32",
+    "check_problem_limits",
+    "interpret_mode",
+    "triton_available",
+]
+
+# Values at or above this overflow an int32 offset. What stays int32 (everything else is int64):
+# token ids in the routing index (expert_token_indices), the row ids of the SwiGLU backward
+# kernel and torch._grouped_mm's group ends (pairs of one expert range), and offsets inside one
+# expert's weight (a row or column index times the weight's stride).
+INT32_LIMIT = 2**31
 
 
 @functools.cache
@@ -26,3 +43,39 @@ def interpret_mode() -> bool:
 def triton_available() -> bool:
     """Triton is importable (kernels run on CUDA, or on CPU under the interpreter)."""
     return _import_triton()
+
+
+def check_int32(what: str, value: int, *, where: str, fix: str) -> None:
+    """Raise ``ValueError`` when ``value`` (described by ``what``) reaches 2^31."""
+    if value >= INT32_LIMIT:
+        raise ValueError(
+            f"{where}: {what} = {value:,} reaches the int32 limit 2^31 = {INT32_LIMIT:,}; {fix}"
+        )
+
+
+_FIX_TOKENS = "split the micro-batch (or the sequence) so one call holds fewer tokens"
+_FIX_PAIRS = "use fewer tokens per call, or fewer experts per rank (a larger expert-parallel group)"
+_FIX_WEIGHT = "shard the expert FFN (tensor parallelism on the experts) so 2*I*H stays below it"
+
+
+def check_problem_limits(
+    *, tokens: int, topk: int, hidden: int, ffn: int, num_local_experts: int, where: str
+) -> None:
+    """The int32 limits of a MoE call whose largest token partition is ``tokens``, on sizes only
+    (nothing allocated): token ids, the pairs of one expert range (``T * min(K, E_local)``) and
+    one expert's weight (``2*I*H`` elements). Raises ``ValueError`` naming the first one hit."""
+    check_int32("T (tokens of one partition)", tokens, where=where, fix=_FIX_TOKENS)
+    pairs = tokens * min(topk, num_local_experts)
+    check_int32(
+        f"T*min(K, E_local) = {tokens}*{min(topk, num_local_experts)} (token-expert pairs of "
+        "one expert range)",
+        pairs,
+        where=where,
+        fix=_FIX_PAIRS,
+    )
+    check_int32(
+        f"2*I*H = 2*{ffn}*{hidden} (elements of one expert's fc1 weight)",
+        2 * ffn * hidden,
+        where=where,
+        fix=_FIX_WEIGHT,
+    )

@@ -32,7 +32,7 @@ import os
 import torch
 from torch import Tensor
 
-from relaymoe.kernels import grouped
+from relaymoe.kernels import check_int32, grouped
 
 __all__ = ["triton_hop_forward", "triton_hop_backward"]
 
@@ -52,6 +52,15 @@ def _pair_count(
         return min(bound, index.num_pairs), False
     start, stop = index.pair_range(e0, e1)  # host sync (buffer sizes of a partial range)
     return stop - start, True
+
+
+def _check_sizes(num_tokens: int, n_pairs: int, where: str) -> None:
+    """int32 limits of a hop (see ``relaymoe.kernels.INT32_LIMIT``): token ids in the routing
+    index, and the range's pair count (torch._grouped_mm's int32 group ends, row ids)."""
+    check_int32("T (tokens)", num_tokens, where=where,
+                fix="split the micro-batch so one call holds fewer tokens")  # fmt: skip
+    check_int32("the pairs of the expert range", n_pairs, where=where,
+                fix="use fewer tokens per call, or fewer experts per rank")  # fmt: skip
 
 
 def _pair_positions(index, offs: Tensor, n_rows: int, exact: bool) -> tuple[Tensor, Tensor]:
@@ -243,6 +252,7 @@ def triton_hop_forward(
         out_TH = torch.empty_like(x_TH)
     offs = index.offsets_for(e0, e1)
     n_pairs, exact = _pair_count(index, e0, e1, n_pairs, max_pairs)
+    _check_sizes(num_tokens, n_pairs, "triton_hop_forward")
     if save_act and not exact:
         raise ValueError("save_act needs the exact pair count (n_pairs), not max_pairs")
     h_P2I = x_TH.new_empty(n_pairs, two_i) if save_act else None
@@ -302,6 +312,7 @@ def triton_hop_backward(
     dw2 = torch.empty_like(w2) if dw2 is None else dw2
     offs = index.offsets_for(e0, e1)
     n_pairs, exact = _pair_count(index, e0, e1, n_pairs, max_pairs) if n_local > 0 else (0, True)
+    _check_sizes(num_tokens, n_pairs, "triton_hop_backward")
     idx_P = index.expert_token_indices
     x_TH, dy_TH = x_TH.contiguous(), dy_TH.contiguous()
     if n_pairs == 0 or num_tokens == 0:

@@ -12,6 +12,11 @@ prefix sum, and a count of prefix sums not above the program id), so no host syn
 schedule tensor; the grid is sized from an upper bound (``cdiv(P, BLOCK_M) + El`` M tiles) and
 surplus programs exit at once. Consecutive programs share one M tile (the gathered token rows
 stay in L2) and walk the N tiles of one expert's weight.
+
+Offsets: token rows, pair rows and expert bases are int64 in the kernels; what stays int32 is an
+offset inside one expert's weight (a row or column index times a stride), the pair row ids of the
+SwiGLU backward and the launch grid. The launchers check those on sizes before launching
+(``ValueError`` naming the value, the 2^31 limit and the fix; ``relaymoe.kernels.check_int32``).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from relaymoe.kernels import interpret_mode
+from relaymoe.kernels import check_int32, interpret_mode
 
 
 # ---------------------------------------------------------------------------------------------
@@ -413,9 +418,33 @@ def _block_e(n_experts: int) -> int:
 
 
 def _row_grid(n_pairs: int, n_experts: int, ncols: int):
-    return lambda meta: (
-        (triton.cdiv(n_pairs, meta["BLOCK_M"]) + n_experts) * triton.cdiv(ncols, meta["BLOCK_N"]),
-    )
+    def grid(meta):
+        tiles_m = triton.cdiv(n_pairs, meta["BLOCK_M"]) + n_experts
+        n = tiles_m * triton.cdiv(ncols, meta["BLOCK_N"])
+        check_int32(
+            f"the launch grid ({n_pairs} pairs x {ncols} columns in "
+            f"{meta['BLOCK_M']}x{meta['BLOCK_N']} tiles)", n, where="relaymoe row kernels",
+            fix="use fewer tokens per call",
+        )  # fmt: skip
+        return (n,)
+
+    return grid
+
+
+_FIX_WEIGHT = "shard the expert FFN (tensor parallelism on the experts) to shrink each expert"
+
+
+def _check_expert_span(t: torch.Tensor, name: str, where: str) -> None:
+    """The largest element offset inside one expert of an (E, M, N) operand is computed in
+    int32 by the kernels (index times stride)."""
+    span = sum((d - 1) * abs(st) for d, st in zip(t.shape[1:], t.stride()[1:], strict=True))
+    check_int32(f"the largest offset inside one expert of {name} {tuple(t.shape)}", span + 1,
+                where=where, fix=_FIX_WEIGHT)  # fmt: skip
+
+
+def _check_rows(n_rows: int, where: str) -> None:
+    check_int32(f"the pair rows of the expert range ({n_rows})", n_rows, where=where,
+                fix="use fewer tokens per call, or fewer experts per rank")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -429,6 +458,7 @@ def up_swiglu(x_TH, w13_E2IH, idx_P, offs, prob_P, h_P2I, a_PI, *, config=None):
     n_pairs = a_PI.shape[0]
     if n_pairs == 0 or n_experts == 0:
         return
+    _check_expert_span(w13_E2IH, "w13", "up_swiglu")
     kernel, meta = _pick(_up_tuned, _up_swiglu_kernel, config, hidden)
     h = h_P2I if h_P2I is not None else a_PI
     p = prob_P if prob_P is not None else a_PI
@@ -451,6 +481,7 @@ def rows_gemm(a_PK, b_EKN, offs, c_PN, *, a_idx=None, config=None):
     n_pairs = c_PN.shape[0]
     if n_pairs == 0 or n_experts == 0:
         return
+    _check_expert_span(b_EKN, "the weight operand", "rows_gemm")
     kernel, meta = _pick(_rows_tuned, _rows_gemm_kernel, config, kdim)
     kernel[_row_grid(n_pairs, n_experts, ncols)](
         a_PK, b_EKN, a_idx if a_idx is not None else offs, offs, c_PN,
@@ -466,6 +497,7 @@ def swiglu_backward(h_P2I, g_PI, prob_P, dh_P2I, dprob_P, *, block_rows=None, bl
     n_pairs, ffn = g_PI.shape
     if n_pairs == 0:
         return
+    _check_rows(n_pairs, "swiglu_backward")  # row ids are int32 in the kernel
     if ffn == 0:
         dprob_P.zero_()
         return
@@ -487,6 +519,7 @@ def wgrad(a, b, idx_P, offs, c_EMN, *, a_gather: bool, b_gather: bool, accumulat
     n_experts, m, n = c_EMN.shape
     if n_experts == 0 or m == 0 or n == 0:
         return
+    _check_expert_span(c_EMN, "the weight gradient", "wgrad")
     kernel, meta = _pick(_wgrad_tuned, _wgrad_kernel, config, None)
     grid = lambda meta_: (  # noqa: E731
         n_experts * triton.cdiv(m, meta_["BLOCK_M"]) * triton.cdiv(n, meta_["BLOCK_N"]),

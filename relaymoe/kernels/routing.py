@@ -39,6 +39,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from relaymoe.kernels import check_int32
+
 __all__ = ["build_routing_index_triton", "routing_config"]
 
 # Largest expert count the kernels take (E is padded to a power of two in-kernel).
@@ -264,6 +266,9 @@ def build_routing_index_triton(
             "build; use build_routing_index(..., impl='torch') for more experts"
         )
     num_tokens, topk = topk_idx.shape
+    # expert_token_indices holds token ids as int32 (positions and pair ids are int64)
+    check_int32("T (tokens)", num_tokens, where="build_routing_index_triton",
+                fix="split the micro-batch so one build holds fewer tokens")  # fmt: skip
     num_pairs = num_tokens * topk
     device = topk_idx.device
     map_dtype = torch.int64 if num_pairs >= 2**31 else torch.int32

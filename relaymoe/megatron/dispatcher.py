@@ -27,19 +27,9 @@ from torch import Tensor
 from relaymoe.megatron.expert_weights import expert_param_lists
 from relaymoe.megatron.settings import RingSettings, current_settings
 from relaymoe.megatron.validate import check_ring_config
+from relaymoe.ring import ring_moe
 
 __all__ = ["RingDispatcher", "routing_map_to_topk"]
-
-# Tests may install a stand-in ring here while relaymoe.ring has none; None = relaymoe.ring.
-_RING_IMPL = None
-
-
-def _ring_moe():
-    if _RING_IMPL is not None:
-        return _RING_IMPL
-    from relaymoe.ring import ring_moe
-
-    return ring_moe
 
 
 def routing_map_to_topk(routing_map: Tensor, probs: Tensor, topk: int) -> tuple[Tensor, Tensor]:
@@ -133,7 +123,7 @@ class RingDispatcher(MoETokenDispatcher):
                 f"needs one dtype (train with --bf16 so both are bf16)"
             )
         s = self.settings
-        return _ring_moe()(
+        return ring_moe(
             x_TH,
             fc1,
             fc2,

@@ -41,16 +41,12 @@ __all__ = ["IGNORE_INDEX", "output_layer_loss", "fused_output_processor", "insta
 IGNORE_INDEX = -100
 ATTR = "_relaymoe_fused_loss"  # on a GPTModel: its output processor, set by install()
 
-# Tests may install a stand-in here while relaymoe.loss is absent; None = relaymoe's own.
-_LOSS_IMPL = None
-
 
 def _linear_cross_entropy():
-    if _LOSS_IMPL is not None:
-        return _LOSS_IMPL
-    from relaymoe.loss import linear_cross_entropy
+    # looked up at call time (relaymoe.loss imports torch kernels lazily; tests patch it there)
+    import relaymoe.loss
 
-    return linear_cross_entropy
+    return relaymoe.loss.linear_cross_entropy
 
 
 _LOGGED: set[str] = set()

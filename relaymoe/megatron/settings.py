@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
-from relaymoe.config import RING_MODE_NAMES, RING_TRANSPORT_NAMES
+from relaymoe.costmodel import MODE_CHOICES, TRANSPORT_CHOICES
 
 __all__ = [
     "Settings",
@@ -24,8 +24,9 @@ __all__ = [
     "RING_TRANSPORTS",
 ]
 
-RING_MODES = RING_MODE_NAMES  # "auto" and relaymoe.costmodel.MODES
-RING_TRANSPORTS = RING_TRANSPORT_NAMES
+# the --relaymoe-ring-mode / --relaymoe-transport choices (names: relaymoe.costmodel)
+RING_MODES = MODE_CHOICES
+RING_TRANSPORTS = TRANSPORT_CHOICES
 
 
 @dataclass(frozen=True)

@@ -17,12 +17,13 @@ def resolve_transport(transport: str, world: int) -> str:
     """The transport the runtime resolves: ``local`` in a world of one; ``auto`` is the copy
     engine (assumption: the EP group lies within one node with symmetric memory, where the
     runtime's ``auto`` takes it; name ``nccl`` in the config otherwise)."""
+    known = (costmodel.AUTO, *costmodel.TRANSPORTS)  # a request, or an already resolved name
+    if transport not in known:
+        raise ValueError(f"transport {transport!r}; known: {known}")
     if world == 1:
         return "local"
-    if transport == "auto":
+    if transport == costmodel.AUTO:
         return "copy_engine"
-    if transport not in costmodel.TRANSPORTS:
-        raise ValueError(f"transport {transport!r}; known: 'auto', {costmodel.TRANSPORTS}")
     return transport
 
 
@@ -44,11 +45,11 @@ def ring_mode(
         transport = cfg.relaymoe.transport if transport is None else transport
     else:
         sh = cfg_or_shapes
-    forced = forced or "auto"
-    if forced in costmodel.MODES:
+    forced = forced or costmodel.AUTO
+    if forced not in costmodel.MODE_CHOICES:
+        raise ValueError(f"ring mode {forced!r}; known: {costmodel.MODE_CHOICES}")
+    if forced != costmodel.AUTO:
         return forced
-    if forced != "auto":
-        raise ValueError(f"ring mode {forced!r}; known: 'auto', {costmodel.MODES}")
     return costmodel.choose_mode(
         tokens=sh.T,
         hidden=sh.h,
@@ -58,7 +59,7 @@ def ring_mode(
         world=sh.R,
         act_bytes=sh.e,
         prob_bytes=PROB_BYTES,
-        transport=resolve_transport(transport or "auto", sh.R),
+        transport=resolve_transport(transport or costmodel.AUTO, sh.R),
     )
 
 

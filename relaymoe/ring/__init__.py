@@ -5,7 +5,8 @@ per-expert tensors, ``weights.py``), :func:`comm_volume` / :class:`CommVolume` (
 volume, from :mod:`relaymoe.costmodel`, which also holds the time model behind
 ``mode="auto"``), :func:`record_timeline` / :class:`HopTiming` (per-hop compute vs transfer),
 :class:`RingPlan` (the schedule), the transports, and
-:class:`RingProblem` / :func:`resolved_problem` (what the ranks agreed on).
+:class:`RingProblem` / :func:`resolved_problem` (what the ranks agreed on), and
+:class:`RingPeerError` (a peer that died or stalled, ``faults.py``).
 See ``engine.py`` for the modes and the memory bound of each.
 """
 
@@ -13,6 +14,7 @@ from relaymoe.costmodel import CommVolume, comm_volume
 from relaymoe.ring.agree import RingProblem
 from relaymoe.ring.engine import resolved_problem, ring_moe
 from relaymoe.ring.executor import HopTiming, record_timeline
+from relaymoe.ring.faults import RingPeerError
 from relaymoe.ring.schedule import RingPlan
 from relaymoe.ring.transport import (
     CopyEngineTransport,
@@ -27,6 +29,7 @@ __all__ = [
     "HopTiming",
     "P2PTransport",
     "RingPlan",
+    "RingPeerError",
     "RingProblem",
     "comm_volume",
     "copy_engine_available",

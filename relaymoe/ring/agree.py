@@ -1,11 +1,17 @@
 """Input validation that every rank agrees on before any P2P (so nothing hangs).
 
 Each rank checks its own inputs without raising, writes a row of integers (error code, sizes,
-dtypes, device, requested mode/transport, host, then its pair count per expert owner) into an
-``(R, F + R)`` matrix and one all-reduce (sum) gives every rank every row. Every rank then applies
-the same checks to the same matrix and raises the same ``ValueError``, or returns the same
-:class:`RingProblem`: the sizes of all partitions, the resolved mode and transport, and (where a
-hop's buffers are sized exactly) the pair counts.
+dtypes, device, requested mode/transport, host, a validity marker, then its pair count per expert
+owner) into an ``(R, F + R)`` matrix and one all-reduce (sum) gives every rank every row. Every
+rank then applies the same checks to the same matrix and raises the same ``ValueError``, or
+returns the same :class:`RingProblem`: the sizes of all partitions, the resolved mode and
+transport, and (where a hop's buffers are sized exactly) the pair counts.
+
+The all-reduce is waited for with the group's timeout and the matrix is read only when it
+completed and every rank's marker (1 in its own row) is there: a dead or stalled peer raises
+:class:`~relaymoe.ring.faults.RingPeerError` naming it, never a wrong diagnosis from a partial
+sum. The sizes are also checked against the int32 limits of the kernels and the routing index
+(:func:`relaymoe.kernels.check_problem_limits`): the same ``ValueError`` on every rank.
 
 **Trusted callers** (``trusted=True``: the ids come from a router, as in Megatron, and every rank
 changes its input signature in the same call) skip the id validation and reuse the agreement of
@@ -28,15 +34,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from relaymoe.costmodel import MODES as COST_MODES
-from relaymoe.costmodel import choose_mode
+from relaymoe.costmodel import MODE_CHOICES, TRANSPORT_CHOICES, choose_mode
+from relaymoe.kernels import check_problem_limits
+from relaymoe.ring.faults import all_reduce_checked, check_markers
 from relaymoe.ring.transport import copy_engine_available, copy_engine_works
 from relaymoe.routing import validate_topk_idx
 
 __all__ = ["RingProblem", "agree"]
 
-MODES = ("auto", *COST_MODES)  # the runtime's names: relaymoe.costmodel.MODES
-TRANSPORTS = ("auto", "nccl", "copy_engine")
+MODES = MODE_CHOICES  # the names live in relaymoe.costmodel
+TRANSPORTS = TRANSPORT_CHOICES
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _DEVICE_TYPES = ("cpu", "cuda")
 
@@ -56,8 +63,9 @@ _DEVICE_TYPES = ("cpu", "cuda")
     F_TRANSPORT,
     F_GRAD,
     F_CE,
-) = range(14)
-NUM_FIELDS = 14
+    F_LIVE,
+) = range(15)
+NUM_FIELDS = 15
 
 _ERRORS = {
     1: "an input is not a tensor (or, for w13/w2, not a list of per-expert tensors)",
@@ -261,6 +269,7 @@ def _agree_collective(
         row[F_GRAD] = int(needs_grad) + 1
         row[F_CE] = int(x.is_cuda and copy_engine_available()) + 1
     row[F_HOST] = _host_hash()
+    row[F_LIVE] = 1  # the validity marker: a sum missing a rank's row lacks its 1
     counts = _pairs_per_owner(topk_idx, row[F_EL], world) if code == 0 and with_pairs else None
     if group is not None and world > 1:
         mat = torch.zeros(
@@ -269,8 +278,10 @@ def _agree_collective(
         mat[rank, :NUM_FIELDS] = torch.tensor(row, dtype=torch.int64)
         if counts is not None:
             mat[rank, NUM_FIELDS:] = counts.to(mat.device)
-        dist.all_reduce(mat, group=group)
+        # completes within the timeout or raises RingPeerError (the buffer is then never read)
+        watch = all_reduce_checked(mat, group, mode=_mode_name(mode), phase="agree")
         rows = mat.tolist()  # host sync
+        check_markers(watch, [rw[F_LIVE] for rw in rows], what="the agreement's all-reduce")
     else:
         rows = [row + (counts.tolist() if counts is not None else [0] * world)]  # host sync
 
@@ -328,6 +339,7 @@ def _agree_collective(
         )  # fmt: skip
     else:
         mode_res = mode_req
+    _check_limits(rows, mode_res)
     on_cuda = r0[F_DEV] == 2
     one_host = len({rw[F_HOST] for rw in rows}) == 1
     ce_ok = on_cuda and one_host and all(rw[F_CE] == 2 for rw in rows)
@@ -371,6 +383,22 @@ def _agree_collective(
     )
 
 
+def _mode_name(mode) -> str:
+    return mode if isinstance(mode, str) and mode in MODES else "ring"
+
+
+def _check_limits(rows, mode: str) -> None:
+    """int32 limits on the agreed sizes (every rank raises the same ``ValueError``). A hop of a
+    ring mode computes one partition (``max T`` tokens); in the all-to-all mode a rank may
+    receive every rank's tokens (``sum T`` rows)."""
+    Ts = [rw[F_T] for rw in rows]
+    r0 = rows[0]
+    check_problem_limits(
+        tokens=sum(Ts) if mode == "alltoall" else max(Ts), topk=r0[F_K], hidden=r0[F_H],
+        ffn=r0[F_I], num_local_experts=r0[F_EL], where=f"ring_moe (mode={mode!r}, T per rank {Ts})",
+    )  # fmt: skip
+
+
 # Agreements of trusted callers by (group, rank, world, input signature); see the module doc.
 _AGREED: dict[tuple, RingProblem] = {}
 
@@ -395,15 +423,19 @@ def _bounded(prob: RingProblem) -> bool:
 
 
 def pair_counts(topk_idx: Tensor, prob: RingProblem, group) -> tuple[tuple[int, ...], ...]:
-    """Every rank's pairs per expert owner (one all-reduce and a host sync): ``pairs[r][q]``."""
+    """Every rank's pairs per expert owner (one all-reduce and a host sync): ``pairs[r][q]``.
+    Column ``R`` of the reduced matrix is the validity marker (as in the agreement)."""
     R = prob.world_size
     counts = _pairs_per_owner(topk_idx, prob.num_local_experts, R)
     if group is None or R == 1:
         return (tuple(counts.tolist()),)  # host sync
-    mat = torch.zeros(R, R, dtype=torch.int64, device=_comm_device(group, topk_idx))
-    mat[prob.rank] = counts.to(mat.device)
-    dist.all_reduce(mat, group=group)
-    return tuple(tuple(r) for r in mat.tolist())  # host sync
+    mat = torch.zeros(R, R + 1, dtype=torch.int64, device=_comm_device(group, topk_idx))
+    mat[prob.rank, :R] = counts.to(mat.device)
+    mat[prob.rank, R] = 1
+    watch = all_reduce_checked(mat, group, mode=prob.mode, phase="pair counts")
+    rows = mat.tolist()  # host sync
+    check_markers(watch, [r[R] for r in rows], what="the pair counts' all-reduce")
+    return tuple(tuple(r[:R]) for r in rows)
 
 
 def agree(

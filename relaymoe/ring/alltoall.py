@@ -22,6 +22,11 @@ primitive gives dx/dprobs rows and this rank's weight gradients, and dx/dprobs r
 are summed as in the forward. Kept from forward to backward: ``tok_S``, ``pos_TR``, the counts,
 the received rows' index and probabilities (``O(S + N*K)`` integers and floats).
 
+Faults (``faults.py``): every all-to-all is waited for with the group's timeout (on CPU at once;
+on CUDA the counts' exchange at once, the row exchanges at the end of the forward/backward), and
+the counts carry a validity marker per source rank, so a dead or stalled peer raises
+``RingPeerError`` instead of sizing messages from a partial exchange.
+
 Memory (transient, besides inputs and outputs): forward ``S + N`` rows of x and metadata, ``N + S``
 rows of output, one hop's intermediates over N rows; backward ``2*(S + N)`` rows of x and dy,
 ``N + S`` rows of dx, the local weight gradients.
@@ -37,6 +42,7 @@ from torch import Tensor
 
 from relaymoe.experts import expert_hop_backward, expert_hop_forward, resolve_backend
 from relaymoe.ring.agree import RingProblem
+from relaymoe.ring.faults import PeerWatch, check_markers
 from relaymoe.ring.weights import REVERSED, LocalExperts, reverse_local_ids
 from relaymoe.routing import RoutingIndex, build_routing_index
 
@@ -48,7 +54,7 @@ class Dispatch:
     """What the forward's dispatch decided, handed to the backward."""
 
     tok_S: Tensor  # (S,) int64 token of every sent row, destination-major
-    pos_TR: Tensor  # (T, R) int32 row of token t sent to rank q, -1 if none
+    pos_TR: Tensor  # (T, R) row of token t sent to rank q, -1 if none (int32; int64 if S >= 2^31)
     send_rows: tuple[int, ...]  # rows to each rank
     recv_rows: tuple[int, ...]  # rows from each rank
     n_pairs: int  # pairs of the received rows on this rank's experts
@@ -56,13 +62,33 @@ class Dispatch:
     probs_NK: Tensor  # probabilities of the received rows
 
 
-def _exchange(send: Tensor, send_rows, recv_rows, group, world: int) -> Tensor:
-    """Rows of ``send`` (destination-major) to every rank; the received rows, source-major."""
+def _exchange(
+    send: Tensor, send_rows, recv_rows, group, world: int, watch: PeerWatch | None,
+    now: bool = False,
+) -> Tensor:  # fmt: skip
+    """Rows of ``send`` (destination-major) to every rank; the received rows, source-major.
+
+    Waited for (bounded by the timeout) before returning on CPU or with ``now`` (the host reads
+    the result next); on CUDA otherwise ordered on the stream and waited for in
+    ``watch.finish``."""
     if world == 1:
         return send
-    recv = send.new_empty((sum(recv_rows), *send.shape[1:]))
-    dist.all_to_all_single(recv, send.contiguous(), list(recv_rows), list(send_rows), group=group)
+    shape = (sum(recv_rows), *send.shape[1:])
+    recv = send.new_zeros(shape) if now else send.new_empty(shape)  # zeros: a missing row reads 0
+    with watch.issuing(op="all_to_all"):
+        work = dist.all_to_all_single(
+            recv, send.contiguous(), list(recv_rows), list(send_rows), group=group, async_op=True
+        )
+    if now or not recv.is_cuda:
+        watch.wait([work], op="all_to_all")
+    else:
+        work.wait()  # stream order only
+        watch.defer([work], op="all_to_all")
     return recv
+
+
+def _watch(group, world: int, phase: str) -> PeerWatch | None:
+    return PeerWatch(group, mode="alltoall", phase=phase) if world > 1 else None
 
 
 def _gather_sum(rows_SN: Tensor, pos_TR: Tensor, out_TN: Tensor, backend: str) -> Tensor:
@@ -103,27 +129,33 @@ def alltoall_forward(
     R, El, K = prob.world_size, prob.num_local_experts, prob.topk
     T, dev = x.shape[0], x.device
     w13, w2, order = experts.stacked(order)
+    watch = _watch(group, R, "fwd")
     owner_TK = idx32.to(torch.int64) // El
     hit_TR = torch.zeros(T, R, dtype=torch.bool, device=dev)
     hit_TR.scatter_(1, owner_TK, True)
-    counts = torch.stack([hit_TR.sum(0), torch.zeros(R, dtype=torch.int64, device=dev)], 1)
+    # per destination: [rows, pairs, 1]; the 1 is the validity marker of the sending rank
+    counts = torch.stack([hit_TR.sum(0), torch.zeros(R, dtype=torch.int64, device=dev),
+                          torch.ones(R, dtype=torch.int64, device=dev)], 1)  # fmt: skip
     counts[:, 1].index_add_(0, owner_TK.reshape(-1), torch.ones_like(owner_TK.reshape(-1)))
-    recv_counts = _exchange(counts, [1] * R, [1] * R, group, R)
+    recv_counts = _exchange(counts, [1] * R, [1] * R, group, R, watch, now=True)
     both = torch.cat([counts[:, 0], recv_counts.reshape(-1)]).tolist()  # host sync: the sizes
-    send_rows, recv_rows = tuple(both[:R]), tuple(both[R::2])
-    n_pairs = sum(both[R + 1 :: 2])
+    if watch is not None:
+        check_markers(watch, both[R + 2 :: 3], what="the all-to-all of the counts")
+    send_rows, recv_rows = tuple(both[:R]), tuple(both[R::3])
+    n_pairs = sum(both[R + 1 :: 3])
     S = sum(send_rows)
     nz = torch.nonzero_static(hit_TR.t(), size=S)  # (S, 2): (destination, token), sorted
     dest_S, tok_S = nz[:, 0], nz[:, 1]
-    pos_TR = torch.full((T, R), -1, dtype=torch.int32, device=dev)
-    pos_TR[tok_S, dest_S] = torch.arange(S, dtype=torch.int32, device=dev)
+    pos_dtype = torch.int32 if S < 2**31 else torch.int64
+    pos_TR = torch.full((T, R), -1, dtype=pos_dtype, device=dev)
+    pos_TR[tok_S, dest_S] = torch.arange(S, dtype=pos_dtype, device=dev)
     pb = probs.element_size()
     meta_S = torch.cat(
         [idx32.index_select(0, tok_S).view(torch.uint8).view(S, 4 * K),
          probs.index_select(0, tok_S).view(torch.uint8).view(S, pb * K)], 1,
     )  # fmt: skip
-    x_N = _exchange(x.index_select(0, tok_S), send_rows, recv_rows, group, R)
-    meta_N = _exchange(meta_S, send_rows, recv_rows, group, R)
+    x_N = _exchange(x.index_select(0, tok_S), send_rows, recv_rows, group, R, watch)
+    meta_N = _exchange(meta_S, send_rows, recv_rows, group, R, watch)
     N = x_N.shape[0]
     ids_NK = _columns_as(meta_N, 0, 4 * K, torch.int32)
     probs_NK = _columns_as(meta_N, 4 * K, meta_N.shape[1], probs.dtype)
@@ -136,8 +168,10 @@ def alltoall_forward(
             save="none", backend=backend, n_pairs=n_pairs,
         )  # fmt: skip
     del x_N, meta_N
-    back_S = _exchange(y_N, recv_rows, send_rows, group, R)
+    back_S = _exchange(y_N, recv_rows, send_rows, group, R, watch)
     out = _gather_sum(back_S, pos_TR, torch.empty_like(x), resolve_backend(backend, dev))
+    if watch is not None:
+        watch.finish(dev)
     return out, Dispatch(tok_S, pos_TR, send_rows, recv_rows, n_pairs, index, probs_NK)
 
 
@@ -148,8 +182,9 @@ def alltoall_backward(
     """``(dx, dprobs, dw13, dw2)``, the weight gradients' rows in ``order``."""
     R = prob.world_size
     w13, w2, order = experts.stacked(order)
-    x_N = _exchange(x.index_select(0, d.tok_S), d.send_rows, d.recv_rows, group, R)
-    dy_N = _exchange(dy.index_select(0, d.tok_S), d.send_rows, d.recv_rows, group, R)
+    watch = _watch(group, R, "bwd")
+    x_N = _exchange(x.index_select(0, d.tok_S), d.send_rows, d.recv_rows, group, R, watch)
+    dy_N = _exchange(dy.index_select(0, d.tok_S), d.send_rows, d.recv_rows, group, R, watch)
     N = x_N.shape[0]
     if N > 0:
         dx_N, dp_NK, dw13, dw2 = expert_hop_backward(
@@ -161,8 +196,10 @@ def alltoall_backward(
         dw13, dw2 = torch.zeros_like(w13), torch.zeros_like(w2)
     del x_N, dy_N
     be = resolve_backend(backend, x.device)
-    back_dx = _exchange(dx_N, d.recv_rows, d.send_rows, group, R)
-    back_dp = _exchange(dp_NK.to(probs.dtype), d.recv_rows, d.send_rows, group, R)
+    back_dx = _exchange(dx_N, d.recv_rows, d.send_rows, group, R, watch)
+    back_dp = _exchange(dp_NK.to(probs.dtype), d.recv_rows, d.send_rows, group, R, watch)
     dx = _gather_sum(back_dx, d.pos_TR, torch.empty_like(x), be)
     dprobs = _gather_sum(back_dp, d.pos_TR, torch.empty_like(probs), be)
+    if watch is not None:
+        watch.finish(x.device)
     return dx, dprobs, dw13, dw2

@@ -433,6 +433,9 @@ def ring_moe(
 
     Every rank of the group must call it (and its backward) with the same mode/transport; bad
     input raises ``ValueError`` on every rank before any P2P. Ranks may mix the two weight forms.
+    A peer that dies or stalls raises :class:`relaymoe.ring.faults.RingPeerError` (naming the
+    call, the group, the peer and the timeout) on the surviving ranks within the group's timeout;
+    no data is returned from a failed transfer (``faults.py``).
 
     ``trusted=True`` (Megatron's dispatcher): ``topk_idx`` comes from a router and is not
     validated, and every rank changes its input signature (shapes, dtypes, mode, transport,

@@ -14,6 +14,12 @@ behind its partition; see ``schedule.py``). Per hop ``h`` on rank ``r``:
 With ``overlap=False`` step 3's wait moves before step 2 (the ablation of RelayMoE Fig. 17). On
 CPU the transfers run in gloo's background threads; there are no streams.
 
+Faults (``faults.py``): on CPU step 3 waits for the hop's works with the group's timeout and a
+failure raises ``RingPeerError`` naming the neighbour before anything reads the slot. On CUDA the
+host does not wait per hop; with ``RELAYMOE_RING_HOST_WAIT=pass`` ``finish`` waits (bounded) for
+all the pass's works, and for events recorded after each copy-engine hop, before the pass returns
+its result (default ``off``: no host sync).
+
 Memory: two slots of ``plan.capacity()`` bytes, one trail scratch, and whatever one hop's
 compute allocates; the caller's accumulators. The returned trail lives in a fresh buffer.
 """
@@ -28,6 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from relaymoe.ring.faults import PeerWatch
 from relaymoe.ring.layout import Layout
 from relaymoe.ring.schedule import RingPlan
 from relaymoe.ring.transport import Transport
@@ -142,6 +149,10 @@ class RingExecutor:
         self.cuda = device.type == "cuda"
         self.stream = comm_stream(device) if self.cuda else None
         self.mode, self.phase = mode, phase
+        group = getattr(transport, "group", None)
+        self.watch = PeerWatch(group, mode=mode or "ring", phase=phase or "pass") if group else None
+        # device-side waits with no work object (the copy engines' barriers): an event per hop
+        self._mark_events = self.cuda and self.watch is not None and transport.needs_entry_sync
         self._marks: dict[int, dict] = {}
         self._recording = bool(_RECORDERS)
         cap = plan.capacity() if capacity is None else max(capacity, plan.capacity())
@@ -190,8 +201,11 @@ class RingExecutor:
 
         def issue():
             self.mark(hop, "t0", on_comm=True)
-            works = self.transport.issue(xfer, send, recv)
+            with self.watch.issuing(op="p2p", hop=hop, peers={xfer.send_peer, xfer.recv_peer}):
+                works = self.transport.issue(xfer, send, recv)
             self.mark(hop, "t1", on_comm=True)
+            if self._mark_events:
+                self.watch.mark(self.stream, op="copy-engine barrier and pull", hop=hop)
             return works
 
         nbytes = 0 if send is None else send.numel()
@@ -202,6 +216,9 @@ class RingExecutor:
         if self.cuda:
             done = torch.cuda.Event()
             done.record(self.stream)
+            if works:  # stream-ordered already; the host waits for them in finish()
+                self.watch.defer(works, op="p2p", hop=hop)
+                works = []
         return _Pending(done, works)
 
     def wait(self, pending: _Pending, hop: int | None = None) -> None:
@@ -211,15 +228,18 @@ class RingExecutor:
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_event(pending.done)
         else:
-            for w in pending.works:
-                w.wait()
+            if pending.works:  # bounded: a dead or stalled neighbour raises RingPeerError
+                self.watch.wait(pending.works, op="p2p", hop=hop)
             if hop is not None and self._recording:
                 self._marks.setdefault(hop, {})["t1"] = time.perf_counter()
 
     def finish(self) -> None:
-        """Order everything later on the compute stream after the last transfer; flush marks."""
+        """Order everything later on the compute stream after the last transfer; on CUDA wait
+        (bounded) for the pass's transfers on the host; flush marks."""
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            if self.watch is not None:
+                self.watch.finish(self.device)
         if self._recording and _RECORDERS:
             kind = "cuda" if self.cuda else "cpu"
             for hop, marks in sorted(self._marks.items()):

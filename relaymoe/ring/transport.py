@@ -16,6 +16,15 @@
   pass keeps a pass from overwriting slots a peer still reads from the previous pass.
 
 Both are issued on the current stream (the executor's communication stream on CUDA).
+
+**Bounded waits** (``faults.py``). ``issue`` returns the hop's works with the peers each one
+depends on; the executor waits for them with the group's timeout (per hop on CPU, at the end of
+the pass on CUDA), so a dead neighbour raises ``RingPeerError`` naming it. The copy engines'
+barrier is a kernel spinning on a peer's signal: it gets the timeout as ``timeout_ms``, after
+which torch's barrier kernel gives up and traps (a CUDA error the executor's bounded poll of the
+pass's events turns into ``RingPeerError``); a torch whose barrier takes no timeout spins on, and
+then only the host side is bounded (the poll raises, the GPU keeps spinning until the process
+ends). Neither is exercised on CPU.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from relaymoe.ring.faults import PeerWatch, all_reduce_checked, ring_timeout_s
 from relaymoe.ring.schedule import HopTransfer
 
 __all__ = [
@@ -56,7 +66,9 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def issue(self, xfer: HopTransfer, send: Tensor | None, recv: Tensor | None) -> list:
-        """Start the transfer on the current stream; returns works to wait for on CPU."""
+        """Start the transfer on the current stream; returns ``(work, peers)`` pairs: the works
+        to wait for (bounded) before the data is read on CPU, or at the end of the pass on CUDA
+        (already ordered on the stream), and the group ranks each depends on."""
 
 
 class P2PTransport(Transport):
@@ -88,8 +100,10 @@ class P2PTransport(Transport):
             # Non-blocking for the host: the current (communication) stream waits for NCCL's.
             for w in works:
                 w.wait()
-            return []
-        return works
+        peers = [op.group_peer for op in ops]
+        if len(works) == len(ops):  # one work per op (gloo): the failing one names its peer
+            return [(w, (p,)) for w, p in zip(works, peers, strict=True)]
+        return [(w, tuple(peers)) for w in works]  # coalesced (NCCL): either neighbour
 
 
 def copy_engine_available() -> bool:
@@ -111,11 +125,12 @@ class CopyEngineTransport(Transport):
     name = "copy_engine"
     needs_entry_sync = True
 
-    def __init__(self, group: dist.ProcessGroup):
+    def __init__(self, group: dist.ProcessGroup, timeout_s: float | None = None):
         self.group = group
         self._buf: Tensor | None = None
         self._hdl = None
         self._cap = 0
+        self.timeout_s = ring_timeout_s(group) if timeout_s is None else timeout_s
 
     def slots(self, capacity: int, device: torch.device) -> tuple[Tensor, Tensor]:
         import torch.distributed._symmetric_memory as symm_mem
@@ -127,7 +142,14 @@ class CopyEngineTransport(Transport):
             # ranks grow (and rendezvous) together.
             cap = max(_SYMM_GRANULE, -(-capacity // _SYMM_GRANULE) * _SYMM_GRANULE)
             if entry is not None:
-                entry[1].barrier(channel=0)  # no peer still reads the old slots
+                _barrier(entry[1], self.timeout_s)  # no peer still reads the old slots
+                done = torch.cuda.Event()
+                done.record()
+                # the barrier waits on peers: bounded here, so a dead one raises RingPeerError
+                # instead of hanging the synchronize below (which then waits for local work only)
+                watch = PeerWatch(self.group, mode="ring", phase="workspace regrowth",
+                                  timeout_s=self.timeout_s)  # fmt: skip
+                watch.wait_event(done, op="copy-engine barrier")
                 torch.cuda.synchronize(device)
                 del _SYMM_SLOTS[key]
                 entry = None
@@ -140,10 +162,10 @@ class CopyEngineTransport(Transport):
         return self._buf[: self._cap], self._buf[self._cap : 2 * self._cap]
 
     def entry_sync(self) -> None:
-        self._hdl.barrier(channel=0)
+        _barrier(self._hdl, self.timeout_s)
 
     def issue(self, xfer: HopTransfer, send: Tensor | None, recv: Tensor | None) -> list:
-        self._hdl.barrier(channel=0)
+        _barrier(self._hdl, self.timeout_s)
         if recv is not None:
             src = xfer.recv_src
             # Byte offset of the sender's range inside its allocation (slot + range start).
@@ -151,6 +173,22 @@ class CopyEngineTransport(Transport):
             peer = self._hdl.get_buffer(xfer.recv_peer, (src.nbytes,), torch.uint8, offset)
             recv.copy_(peer)  # device-to-device memcpy of peer memory: copy engines, no SMs
         return []
+
+
+_BARRIER_TAKES_TIMEOUT: list[bool] = []  # learned once: whether barrier() accepts timeout_ms
+
+
+def _barrier(hdl, timeout_s: float) -> None:
+    """The symmetric-memory barrier on the current stream, bounded on the device by
+    ``timeout_s`` where torch's barrier takes a timeout (see the module doc)."""
+    if not _BARRIER_TAKES_TIMEOUT or _BARRIER_TAKES_TIMEOUT[0]:
+        try:
+            hdl.barrier(channel=0, timeout_ms=max(1, int(timeout_s * 1000)))
+            _BARRIER_TAKES_TIMEOUT[:] = [True]
+            return
+        except TypeError:  # an older signature: barrier(channel) only
+            _BARRIER_TAKES_TIMEOUT[:] = [False]
+    hdl.barrier(channel=0)
 
 
 _CE_WORKS: dict[str, bool] = {}
@@ -176,9 +214,16 @@ def copy_engine_works(group: dist.ProcessGroup, device: torch.device) -> bool:
             torch.cuda.synchronize(device)
         except Exception:  # any failure here means: use NCCL (decided jointly below)
             ok = 0
-        flag = torch.tensor([ok], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-        _CE_WORKS[name] = bool(flag.item())  # host sync, once per group
+        # [ranks that succeeded, ranks that answered]: a sum missing a rank is never read as "ok"
+        flag = torch.tensor([ok, 1], dtype=torch.int64, device=device)
+        watch = all_reduce_checked(flag, group, mode="ring", phase="copy-engine probe")
+        ok_ranks, live = flag.tolist()  # host sync, once per group
+        world = dist.get_world_size(group)
+        if live != world:
+            raise watch.error(
+                f"the probe's all-reduce counted {live} of {world} ranks", op="all_reduce"
+            )
+        _CE_WORKS[name] = ok_ranks == world
     return _CE_WORKS[name]
 
 

@@ -34,7 +34,7 @@ FINAL_WINDOW_DIFF = 0.03
 
 
 def test_tiny_qwen3_ring_vs_alltoall_200_steps():
-    from relaymoe.megatron.e2e import compare, print_summary, run_dispatcher
+    from benchmarks.e2e import compare, print_summary, run_dispatcher
 
     runs = [
         run_dispatcher("tiny_qwen3", d, gpus=GPUS, steps=200, timeout_s=300)
@@ -64,7 +64,7 @@ def _distributed_optimizer_can_resume() -> bool:
 
 
 def test_checkpoint_alltoall_resumes_with_ring():
-    from relaymoe.megatron.e2e import run_dispatcher
+    from benchmarks.e2e import run_dispatcher
 
     with tempfile.TemporaryDirectory() as d:
         ck = os.path.join(d, "ckpt")
@@ -102,7 +102,7 @@ def test_checkpoint_alltoall_resumes_with_ring():
 
 @pytest.mark.skipif(not os.environ.get("MEGATRON_LM_DIR"), reason="set MEGATRON_LM_DIR")
 def test_launch_runs_megatron_lm_pretrain_gpt():
-    from relaymoe.megatron.e2e import pretrain_args
+    from benchmarks.e2e import pretrain_args
 
     script = os.path.join(os.environ["MEGATRON_LM_DIR"], "pretrain_gpt.py")
     cmd = [
@@ -149,7 +149,7 @@ def test_fused_loss_gpt_bf16_parity():
 def test_fused_loss_50_steps_matches_megatron():
     """The tiny Qwen3-style GPT (ring dispatcher) trains 50 steps with and without
     ``--relaymoe-fused-loss`` from the same seed: the loss curves agree within bf16 noise."""
-    from relaymoe.megatron.e2e import compare, print_summary, run_dispatcher
+    from benchmarks.e2e import compare, print_summary, run_dispatcher
 
     runs = [
         run_dispatcher("tiny_qwen3", "ring", gpus=GPUS, steps=50, extra=extra, timeout_s=300)

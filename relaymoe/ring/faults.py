@@ -1,0 +1,367 @@
+"""A dead or stalled peer of the EP group: one error type, and the bounded waits that raise it.
+
+Every collective and P2P transfer the ring issues either completes or raises
+:class:`RingPeerError` within the process group's timeout; its output is never read otherwise.
+
+Why the ring waits itself rather than trusting the backend. On gloo (torch 2.14, measured) a
+dead peer fails the next transfer at once and a stalled one times out after the group's own
+timeout, both as a bare ``RuntimeError`` that names neither the ring call nor the rank. On NCCL
+a plain ``wait()`` only orders streams: after a timeout the watchdog aborts the communicator (or
+ends the process, per ``TORCH_NCCL_ASYNC_ERROR_HANDLING``) and an aborted all-reduce's buffer
+can then be read as data, which is how the agreement once reported "E_local differs across
+ranks: [4, 0]" 82 s after a peer died. ``Work.wait(timeout)`` blocks the host until the work
+completes or the timeout passes, then aborts and raises, on both backends; so every wait here
+passes the timeout explicitly (``RELAYMOE_RING_TIMEOUT_S`` may then be shorter than the group's),
+and every sum-all-reduce the ring reads carries a validity marker per rank.
+
+Where the host waits (``RELAYMOE_RING_HOST_WAIT``):
+
+* on CPU every hop's transfer is waited for before its data is read (as before), each wait
+  bounded by the timeout;
+* on CUDA the hops stay asynchronous for the host. With ``pass`` the host waits at the end of
+  each pass (and of each all-to-all forward/backward) for the pass's transfers, bounded by the
+  timeout: one host sync per pass, so a dead peer is named before the pass returns. The default
+  is ``off``: no host sync (a ring call in steady state has none, issue #13), and a hang is then
+  bounded by NCCL's watchdog and the copy engines' device-side barrier timeout. The default
+  stays ``off`` until the sync's cost is measured on GPU.
+
+The timeout is the group's own (``timeout=`` of ``init_process_group``/``new_group``), on NCCL
+less ``min(5 s, 10%)`` so the ring's error comes before the watchdog acts (:func:`ring_timeout_s`),
+or ``RELAYMOE_RING_TIMEOUT_S`` seconds when set.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "PeerWatch",
+    "RingPeerError",
+    "all_reduce_checked",
+    "check_markers",
+    "group_timeout_s",
+    "host_wait_enabled",
+    "ring_timeout_s",
+]
+
+TIMEOUT_ENV = "RELAYMOE_RING_TIMEOUT_S"
+HOST_WAIT_ENV = "RELAYMOE_RING_HOST_WAIT"
+_HOST_WAITS = ("pass", "off")
+_FALLBACK_TIMEOUT_S = 1800.0  # torch's default for non-NCCL groups
+NCCL_MARGIN_S = 5.0  # the ring gives up this much (at most 10%) before NCCL's watchdog
+
+
+class RingPeerError(RuntimeError):
+    """A peer of the EP group did not answer a ring transfer or collective within the timeout
+    (it died, stalled, or itself failed after another rank did).
+
+    Attributes: ``call`` (which ring call, e.g. ``"expert fwd hop 1 (p2p)"``), ``mode``,
+    ``phase``, ``hop`` (None outside a hop), ``op``, ``rank`` (this process's global rank),
+    ``group_ranks`` (global ranks of the EP group), ``peers`` (global ranks that did not answer,
+    or None when unknown which), ``timeout_s``, ``waited_s`` and ``cause`` (the backend's words).
+    """
+
+    def __init__(
+        self,
+        *,
+        mode: str,
+        phase: str,
+        op: str,
+        hop: int | None,
+        rank: int,
+        group_ranks: Sequence[int],
+        peers: Sequence[int] | None,
+        timeout_s: float,
+        waited_s: float,
+        cause: str,
+        neighbours: tuple[int, int] | None = None,
+    ):
+        self._kwargs = dict(mode=mode, phase=phase, op=op, hop=hop, rank=rank,
+                            group_ranks=tuple(group_ranks), peers=peers, timeout_s=timeout_s,
+                            waited_s=waited_s, cause=cause, neighbours=neighbours)  # fmt: skip
+        self.mode, self.phase, self.op, self.hop = mode, phase, op, hop
+        self.rank = rank
+        self.group_ranks = tuple(group_ranks)
+        self.peers = None if peers is None else tuple(sorted(set(peers)))
+        self.timeout_s, self.waited_s = float(timeout_s), float(waited_s)
+        self.cause = cause
+        where = f"{mode} {phase}" + (f" hop {hop}" if hop is not None else "")
+        self.call = f"{where} ({op})"
+        if self.peers:
+            names = ", ".join(str(p) for p in self.peers)
+            who = f"rank{'s' if len(self.peers) > 1 else ''} {names} did not answer"
+            check = f"check the log of rank {self.peers[0]} first"
+        else:
+            others = [r for r in self.group_ranks if r != rank]
+            who = f"a peer among ranks {others} did not answer (unknown which)"
+            check = "check the logs of those ranks"
+        ring = ""
+        if neighbours is not None:
+            ring = f"; in the ring it sends to {neighbours[0]}, receives from {neighbours[1]}"
+        super().__init__(
+            f"ring_moe: {self.call} on rank {rank} of the EP group {list(self.group_ranks)}: "
+            f"{who} (waited {waited_s:.1f} s of the timeout of {self.timeout_s:g} s{ring}; "
+            f"backend: {cause.strip() or 'no detail'}). The peer died or stalled: {check}. If "
+            f"it was only slow (a long step, a checkpoint write, a straggler), raise the process "
+            f"group's timeout (timeout= of init_process_group/new_group) or {TIMEOUT_ENV}. The "
+            f"group is unusable now: end this process and restart the job."
+        )
+
+    def __reduce__(self):  # keyword-only construction: pickle (multiprocessing) needs this
+        return _restore, (self._kwargs,)
+
+
+def _restore(kwargs: dict) -> RingPeerError:
+    return RingPeerError(**kwargs)
+
+
+def ring_timeout_s(group: dist.ProcessGroup) -> float:
+    """Seconds the ring waits for a peer: ``RELAYMOE_RING_TIMEOUT_S`` if set, else ``group``'s
+    own timeout (:func:`group_timeout_s`); on NCCL that less ``min(5 s, 10%)``, so that the
+    ring's wait gives up, and names the peer, before NCCL's watchdog (which may end the process
+    at the group's timeout) acts on the same work."""
+    env = os.environ.get(TIMEOUT_ENV)
+    if env:
+        try:
+            value = float(env)
+        except ValueError:
+            value = -1.0
+        if not value > 0:
+            raise ValueError(
+                f"{TIMEOUT_ENV}={env!r} must be a positive number of seconds; unset it to use the "
+                "process group's timeout"
+            )
+        return value
+    pg = group_timeout_s(group)
+    if _is_nccl(group):
+        return pg - min(NCCL_MARGIN_S, 0.1 * pg)
+    return pg
+
+
+def group_timeout_s(group: dist.ProcessGroup) -> float:
+    """``group``'s own timeout in seconds (its backend's options), else torch's default."""
+    for dev in _comm_devices(group):
+        try:
+            return _backend(group, dev).options._timeout.total_seconds()
+        except Exception:  # a torch without backend options: fall back to the default below
+            continue
+    try:
+        name = str(dist.get_backend(group))
+        return dist.distributed_c10d._get_default_timeout(name).total_seconds()
+    except Exception:  # private API moved: torch's documented default for gloo
+        return _FALLBACK_TIMEOUT_S
+
+
+def _backend(group, dev: torch.device):
+    return group._get_backend(dev)
+
+
+def _is_nccl(group) -> bool:
+    try:
+        return "nccl" in str(dist.get_backend(group)).lower()
+    except Exception:  # not a real group (tests): no watchdog to race
+        return False
+
+
+def _comm_devices(group) -> list[torch.device]:
+    if _is_nccl(group) and torch.cuda.is_available():
+        return [torch.device("cuda", torch.cuda.current_device())]
+    return [torch.device("cpu")]
+
+
+def host_wait_enabled(device: torch.device) -> bool:
+    """Whether the host waits (bounded) for a pass's transfers before the pass returns."""
+    if device.type != "cuda":
+        return True  # the CPU path reads every hop only after its bounded wait
+    value = os.environ.get(HOST_WAIT_ENV, "off")
+    if value not in _HOST_WAITS:
+        raise ValueError(
+            f"{HOST_WAIT_ENV}={value!r}: use 'pass' (the host waits, bounded by the timeout, for "
+            "each pass's transfers: a dead peer raises RingPeerError) or 'off' (no host sync; a "
+            "hang is bounded only by NCCL's watchdog)"
+        )
+    return value == "pass"
+
+
+class PeerWatch:
+    """The bounded waits of one ring call (a pass, an agreement, an all-to-all) on one rank.
+
+    ``wait`` blocks until the works complete, at most ``timeout_s`` from the call, and turns any
+    failure into :class:`RingPeerError`. ``defer`` keeps CUDA works (already ordered on the
+    stream) for ``finish``, the host wait at the end of the pass. Peers are group ranks here and
+    global ranks in the error.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        *,
+        mode: str,
+        phase: str,
+        timeout_s: float | None = None,
+        rank: int | None = None,
+        ranks: Sequence[int] | None = None,
+    ):
+        """``rank`` (this process's group rank), ``ranks`` (the group's global ranks) and
+        ``timeout_s`` default to ``group``'s; pass all three to watch without a group."""
+        self.group, self.mode, self.phase = group, mode, phase
+        self.rank = dist.get_rank(group) if rank is None else rank
+        self.ranks = tuple(dist.get_process_group_ranks(group) if ranks is None else ranks)
+        self.timeout_s = ring_timeout_s(group) if timeout_s is None else float(timeout_s)
+        self._deferred: list[tuple[object, tuple[int, ...] | None, str, int | None]] = []
+        self._events: list[tuple[torch.cuda.Event, str, int | None]] = []
+
+    # -- errors ---------------------------------------------------------------------------------
+    def error(
+        self,
+        cause: object,
+        *,
+        op: str,
+        hop: int | None = None,
+        peers: Sequence[int] | None = None,
+        waited_s: float = 0.0,
+    ) -> RingPeerError:
+        """The error naming ``peers`` (group ranks; None: unknown which)."""
+        neighbours = None
+        R = len(self.ranks)
+        if op == "p2p" or op.startswith("copy-engine"):
+            neighbours = (self.ranks[(self.rank + 1) % R], self.ranks[(self.rank - 1) % R])
+        if peers is None and R == 2:  # only one rank can have failed to answer
+            peers = [1 - self.rank]
+        return RingPeerError(
+            mode=self.mode,
+            phase=self.phase,
+            op=op,
+            hop=hop,
+            rank=self.ranks[self.rank],
+            group_ranks=self.ranks,
+            peers=None if peers is None else [self.ranks[p] for p in peers],
+            timeout_s=self.timeout_s,
+            waited_s=waited_s,
+            cause=_cause(cause),
+            neighbours=neighbours,
+        )
+
+    @contextmanager
+    def issuing(
+        self, *, op: str, hop: int | None = None, peers: Sequence[int] | None = None
+    ) -> Iterator[None]:
+        """Issuing a transfer can fail at once (gloo sends to a peer whose connection closed):
+        such a ``RuntimeError`` (c10d's errors derive from it) becomes RingPeerError."""
+        start = time.monotonic()
+        try:
+            yield
+        except RingPeerError:
+            raise
+        except RuntimeError as exc:
+            waited = time.monotonic() - start
+            raise self.error(exc, op=op, hop=hop, peers=peers, waited_s=waited) from exc
+
+    # -- waits ----------------------------------------------------------------------------------
+    def wait(self, works: Sequence, *, op: str, hop: int | None = None) -> None:
+        """Wait for ``works``: each a ``Work`` or ``(Work, peers)`` with the group ranks it
+        depends on (None: any). Returns when all completed; raises RingPeerError otherwise."""
+        start = time.monotonic()
+        deadline = start + self.timeout_s
+        for item in works:
+            work, peers = item if isinstance(item, tuple) else (item, None)
+            # at least 1 ms: a zero timedelta means "no timeout" to c10d
+            left = max(deadline - time.monotonic(), 1e-3)
+            try:
+                ok = work.wait(timedelta(seconds=left))
+            except Exception as exc:  # the backend's own error or timeout: never read the data
+                waited = time.monotonic() - start
+                raise self.error(exc, op=op, hop=hop, peers=peers, waited_s=waited) from exc
+            if ok is False:
+                waited = time.monotonic() - start
+                raise self.error(
+                    "the work reported failure", op=op, hop=hop, peers=peers, waited_s=waited
+                )
+
+    def defer(self, works: Sequence, *, op: str, hop: int | None = None) -> None:
+        """Keep stream-ordered CUDA works for the host wait of :meth:`finish`."""
+        for item in works:
+            work, peers = item if isinstance(item, tuple) else (item, None)
+            self._deferred.append((work, peers, op, hop))
+
+    def mark(self, stream: torch.cuda.Stream, *, op: str, hop: int | None = None) -> None:
+        """Record an event on ``stream`` for :meth:`finish` to wait on (device-side waits such
+        as the copy engines' barriers, which have no work object)."""
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        self._events.append((ev, op, hop))
+
+    def finish(self, device: torch.device) -> None:
+        """The host wait at the end of a pass (see the module doc); a no-op with ``off``."""
+        deferred, events = self._deferred, self._events
+        self._deferred, self._events = [], []
+        if not host_wait_enabled(device):
+            return
+        for work, peers, op, hop in deferred:
+            self.wait([(work, peers)], op=op, hop=hop)
+        for ev, op, hop in events:
+            self.wait_event(ev, op=op, hop=hop)
+
+    def wait_event(self, event: torch.cuda.Event, *, op: str, hop: int | None = None) -> None:
+        """Poll ``event`` until it completes, at most ``timeout_s``; a CUDA error raised by the
+        poll (e.g. a device-side barrier that gave up and trapped) becomes RingPeerError."""
+        start = time.monotonic()
+        nap = 2e-5
+        while True:
+            try:
+                if event.query():
+                    return
+            except Exception as exc:  # a sticky CUDA error: the device side timed out
+                raise self.error(exc, op=op, hop=hop, waited_s=time.monotonic() - start) from exc
+            waited = time.monotonic() - start
+            if waited > self.timeout_s:
+                raise self.error(
+                    "the device-side wait did not finish; the GPU may still spin on it",
+                    op=op, hop=hop, waited_s=waited,
+                )  # fmt: skip
+            time.sleep(nap)
+            nap = min(nap * 2, 1e-3)
+
+
+def all_reduce_checked(
+    tensor: torch.Tensor, group: dist.ProcessGroup, *, mode: str, phase: str
+) -> PeerWatch:
+    """Sum-all-reduce ``tensor`` in place; returns after it completed (host-blocking, bounded
+    by the timeout) or raises RingPeerError. The returned watch names peers in later checks."""
+    watch = PeerWatch(group, mode=mode, phase=phase)
+    with watch.issuing(op="all_reduce"):
+        work = dist.all_reduce(tensor, group=group, async_op=True)
+    watch.wait([work], op="all_reduce")
+    return watch
+
+
+def check_markers(watch: PeerWatch, markers: Sequence[int], *, what: str) -> None:
+    """Every rank writes 1 into its own marker before a sum-all-reduce: a result whose marker of
+    rank ``r`` is not exactly 1 did not get rank ``r``'s contribution (e.g. a reduce aborted
+    after a timeout) and is never read as data."""
+    if all(m == 1 for m in markers):
+        return
+    missing = [r for r, m in enumerate(markers) if m == 0]
+    clean = all(m in (0, 1) for m in markers)
+    raise watch.error(
+        f"{what} returned without the validity marker of "
+        + (f"group rank(s) {missing}" if clean else f"some ranks (markers {list(markers)})"),
+        op="all_reduce",
+        peers=missing if clean and missing else None,
+    )
+
+
+def _cause(cause: object) -> str:
+    if isinstance(cause, BaseException):
+        text = f"{type(cause).__name__}: {cause}"
+    else:
+        text = str(cause)
+    text = " ".join(text.split())
+    return text if len(text) <= 400 else text[:397] + "..."

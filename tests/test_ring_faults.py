@@ -1,0 +1,310 @@
+"""A dead or stalled EP peer is named fast (issue #17 item 1): ``RingPeerError``, bounded waits.
+
+The spawned test runs ``benchmarks/fault.py``'s cases over gloo: one rank exits before a call
+or inside a forward/backward hop, or stalls, at world 2 and 3, for both ring modes and the
+all-to-all mode; every survivor must raise ``RingPeerError`` naming the call, the EP group, the
+timeout and (where knowable) the dead rank, within the timeout + 15 s, and never return data.
+The unit tests drive the waits and the agreement with stand-ins for works, events and a reduce
+that lost a rank's contribution (what an aborted NCCL all-reduce leaves), no process group.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+
+from relaymoe.ring import agree as agree_mod
+from relaymoe.ring import faults
+from relaymoe.ring import transport as transport_mod
+from relaymoe.ring.faults import PeerWatch, RingPeerError
+
+TIMEOUT_S = 5.0
+
+
+def _watch(rank=0, ranks=(0, 1), timeout_s=TIMEOUT_S, mode="expert", phase="fwd"):
+    return PeerWatch(None, mode=mode, phase=phase, timeout_s=timeout_s, rank=rank, ranks=ranks)
+
+
+# ---------------------------------------------------------------------------------------------
+# killed and stalled ranks over gloo (spawned)
+# ---------------------------------------------------------------------------------------------
+def _specs():
+    from benchmarks.fault import Spec
+
+    specs = []
+    for world in (2, 3):
+        for mode in ("expert", "token", "alltoall"):
+            for case in ("before", "mid_fwd"):
+                specs.append(Spec(case=case, mode=mode, world=world, timeout_s=TIMEOUT_S))
+    specs += [
+        # the cached agreement of a trusted caller: the first hop meets the dead rank
+        Spec(case="before_cached", mode="expert", world=2, timeout_s=TIMEOUT_S),
+        Spec(case="before_cached", mode="alltoall", world=3, timeout_s=TIMEOUT_S),
+        Spec(case="mid_bwd", mode="token", world=3, timeout_s=TIMEOUT_S),
+        # a trusted caller over the pair-buffer budget: the per-call pair counts' all-reduce
+        Spec(
+            case="before_cached",
+            mode="token",
+            world=3,
+            timeout_s=TIMEOUT_S,
+            env=(("RELAYMOE_PAIR_BUFFER_MIB", "0"),),
+        ),  # fmt: skip
+        Spec(case="mid_bwd", mode="alltoall", world=2, timeout_s=TIMEOUT_S),
+        # alive but silent: only a bounded wait ends these
+        Spec(case="stall", mode="expert", world=3, timeout_s=TIMEOUT_S),
+        Spec(case="stall", mode="token", world=2, timeout_s=TIMEOUT_S),
+        Spec(case="stall", mode="alltoall", world=2, timeout_s=TIMEOUT_S),
+        # a ring timeout (RELAYMOE_RING_TIMEOUT_S) far below the group's: only the ring's own
+        # explicit wait timeouts end these (gloo would wait the group's 120 s)
+        Spec(case="stall", mode="expert", world=2, timeout_s=TIMEOUT_S, pg_timeout_s=120.0),
+        Spec(case="stall", mode="alltoall", world=3, timeout_s=TIMEOUT_S, pg_timeout_s=120.0),
+        # an EP group of global ranks [0, 2] (rank 1 a bystander): the error names global ranks
+        Spec(case="mid_fwd", mode="token", world=3, ep=(0, 2), victim=2, timeout_s=TIMEOUT_S),
+    ]
+    return specs
+
+
+@pytest.mark.slow
+def test_dead_or_stalled_peer_raises_ring_peer_error_within_the_timeout(tmp_path):
+    from benchmarks.fault import SLACK_S, run_isolated
+
+    specs = _specs()
+    rows = run_isolated(specs, str(tmp_path), concurrency=6, deadline_s=240)
+    assert len(rows) == len(specs)
+    bad = [f"{r['case']} {r['mode']} ep{r['ep']} world {r['world']}: {r['why']}" for r in rows
+           if not r["ok"]]  # fmt: skip
+    assert not bad, "\n".join(bad)
+    for r in rows:
+        assert r["detected_s"] is not None and r["detected_s"] <= TIMEOUT_S + SLACK_S, r
+        if r["case"] == "stall":  # the survivors waited for the timeout, then gave up
+            assert r["detected_s"] >= TIMEOUT_S - 0.5, r
+    sub = next(r for r in rows if r["world"] == 3 and r["ep"] == 2)
+    assert "EP group [0, 2]" in sub["message"] and "rank 2 did not answer" in sub["message"]
+    counts = [r for r in rows if r["case"] == "before_cached" and r["mode"] == "token"]
+    assert len(counts) == 1 and "token pair counts (all_reduce)" in counts[0]["message"]
+
+
+# ---------------------------------------------------------------------------------------------
+# the error and the waits (no process group)
+# ---------------------------------------------------------------------------------------------
+def test_error_names_call_group_peer_timeout_and_fix():
+    err = _watch(rank=1, ranks=(4, 6, 9)).error(
+        RuntimeError("Connection reset by peer"), op="p2p", hop=2, peers=[2], waited_s=0.25
+    )
+    assert isinstance(err, RuntimeError)
+    assert err.call == "expert fwd hop 2 (p2p)"
+    assert (err.rank, err.group_ranks, err.peers, err.timeout_s) == (6, (4, 6, 9), (9,), 5.0)
+    msg = str(err)
+    for part in ("expert fwd hop 2 (p2p)", "on rank 6", "EP group [4, 6, 9]", "rank 9 did not",
+                 "timeout of 5 s", "sends to 9, receives from 4", "Connection reset by peer",
+                 "check the log of rank 9", "raise the process group's timeout",
+                 "RELAYMOE_RING_TIMEOUT_S", "restart"):  # fmt: skip
+        assert part in msg, (part, msg)
+    unknown = _watch(rank=0, ranks=(0, 1, 2)).error("x", op="all_reduce")
+    assert unknown.peers is None and "among ranks [1, 2]" in str(unknown)
+    assert "unknown which" in str(unknown)
+    # in a group of two the other rank is the only one that can have failed to answer
+    assert _watch(rank=1, ranks=(3, 5)).error("x", op="all_reduce").peers == (3,)
+
+
+class _Work:
+    def __init__(self, result=True, exc=None, delay=0.0):
+        self.result, self.exc, self.delay, self.timeouts = result, exc, delay, []
+
+    def wait(self, timeout=None):
+        self.timeouts.append(timeout)
+        time.sleep(self.delay)
+        if self.exc is not None:
+            raise self.exc
+        return self.result
+
+
+def test_wait_passes_the_timeout_and_names_the_failing_work_s_peer():
+    watch = _watch(rank=0, ranks=(10, 11, 12))
+    ok, failing = _Work(), _Work(exc=RuntimeError("Timed out waiting 5000ms for recv"))
+    with pytest.raises(RingPeerError) as info:
+        watch.wait([(ok, (1,)), (failing, (2,))], op="p2p", hop=1)
+    assert info.value.peers == (12,) and info.value.hop == 1
+    assert "Timed out waiting" in str(info.value)
+    for w in (ok, failing):  # every wait is bounded: an explicit, positive timedelta
+        (t,) = w.timeouts
+        assert isinstance(t, timedelta) and 0 < t.total_seconds() <= TIMEOUT_S
+    with pytest.raises(RingPeerError, match="reported failure"):
+        watch.wait([_Work(result=False)], op="all_to_all")
+
+
+def test_wait_shares_one_deadline_and_never_passes_zero():
+    watch = _watch(timeout_s=0.05)
+    slow, late = _Work(delay=0.08), _Work()
+    watch.wait([slow, late], op="p2p")
+    # past the deadline the next wait still gets 1 ms (0 would mean "no timeout" to c10d)
+    assert late.timeouts[0].total_seconds() == pytest.approx(1e-3)
+
+
+def test_issue_errors_become_ring_peer_error():
+    watch = _watch()
+    with pytest.raises(RingPeerError) as info:
+        with watch.issuing(op="p2p", hop=0, peers={1}):
+            raise RuntimeError("Connection closed by peer")
+    assert info.value.peers == (1,)
+    with pytest.raises(ValueError):  # not a backend error: left alone
+        with watch.issuing(op="p2p"):
+            raise ValueError("a bug")
+
+
+class _Event:
+    def __init__(self, done_after=None, exc=None):
+        self.calls, self.done_after, self.exc = 0, done_after, exc
+
+    def query(self):
+        self.calls += 1
+        if self.exc is not None:
+            raise self.exc
+        return self.done_after is not None and self.calls > self.done_after
+
+
+def test_device_side_waits_are_bounded_on_the_host():
+    watch = _watch(timeout_s=0.2, ranks=(0, 1))
+    watch.wait_event(_Event(done_after=3), op="copy-engine barrier and pull", hop=1)
+    t0 = time.monotonic()
+    with pytest.raises(RingPeerError, match="may still spin") as info:
+        watch.wait_event(_Event(), op="copy-engine barrier and pull", hop=1)
+    assert 0.2 <= time.monotonic() - t0 < 2.0
+    assert info.value.peers == (1,) and "sends to 1, receives from 1" in str(info.value)
+    # a barrier that gave up and trapped surfaces as a sticky CUDA error on the next query
+    trap = RuntimeError("CUDA error: unspecified launch failure")
+    with pytest.raises(RingPeerError, match="unspecified launch failure"):
+        watch.wait_event(_Event(exc=trap), op="copy-engine barrier and pull", hop=0)
+
+
+def test_finish_waits_for_deferred_works_and_events(monkeypatch):
+    cuda = torch.device("cuda", 0)  # the device object only: nothing runs on it
+    monkeypatch.delenv("RELAYMOE_RING_HOST_WAIT", raising=False)
+    assert not faults.host_wait_enabled(cuda)  # default: no host sync on CUDA (issue #13)
+    monkeypatch.setenv("RELAYMOE_RING_HOST_WAIT", "pass")
+    watch = _watch(timeout_s=0.1)
+    works = [_Work(), _Work(exc=RuntimeError("NCCL communicator was aborted"))]
+    watch.defer([(works[0], (1,))], op="p2p", hop=0)
+    watch.defer([(works[1], (1,))], op="p2p", hop=1)
+    with pytest.raises(RingPeerError, match="aborted") as info:
+        watch.finish(cuda)
+    assert info.value.hop == 1 and all(len(w.timeouts) == 1 for w in works)
+    # RELAYMOE_RING_HOST_WAIT=off: no host wait at all on CUDA (NCCL's watchdog bounds a hang)
+    monkeypatch.setenv("RELAYMOE_RING_HOST_WAIT", "off")
+    quiet = _Work(exc=RuntimeError("never waited for"))
+    watch.defer([quiet], op="p2p")
+    watch.finish(cuda)
+    assert quiet.timeouts == []
+    monkeypatch.setenv("RELAYMOE_RING_HOST_WAIT", "sometimes")
+    with pytest.raises(ValueError, match="RELAYMOE_RING_HOST_WAIT='sometimes'"):
+        faults.host_wait_enabled(cuda)
+    assert faults.host_wait_enabled(torch.device("cpu"))  # CPU: every hop waits, always
+
+
+class _Options:
+    _timeout = timedelta(seconds=7)
+
+
+class _Backend:
+    options = _Options()
+
+
+class _Group:
+    def _get_backend(self, device):
+        return _Backend()
+
+
+def test_timeout_is_the_group_s_own_or_the_environment_s(monkeypatch):
+    backend = ["gloo"]
+    monkeypatch.setattr(faults.dist, "get_backend", lambda group: backend[0])
+    monkeypatch.setattr(faults.torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("RELAYMOE_RING_TIMEOUT_S", raising=False)
+    assert faults.ring_timeout_s(_Group()) == 7.0
+    backend[0] = "nccl"  # gives up before NCCL's watchdog: 10% (at most 5 s) earlier
+    assert faults.ring_timeout_s(_Group()) == pytest.approx(6.3)
+    monkeypatch.setenv("RELAYMOE_RING_TIMEOUT_S", "2.5")
+    assert faults.ring_timeout_s(_Group()) == 2.5
+    for bad in ("0", "-1", "soon"):
+        monkeypatch.setenv("RELAYMOE_RING_TIMEOUT_S", bad)
+        with pytest.raises(ValueError, match="positive number of seconds"):
+            faults.ring_timeout_s(_Group())
+
+
+def test_copy_engine_barrier_gets_the_timeout(monkeypatch):
+    calls = []
+
+    class NewHandle:
+        def barrier(self, channel=0, timeout_ms=0):
+            calls.append(("new", channel, timeout_ms))
+
+    class OldHandle:
+        def barrier(self, channel=0):
+            calls.append(("old", channel))
+
+    monkeypatch.setattr(transport_mod, "_BARRIER_TAKES_TIMEOUT", [])
+    transport_mod._barrier(NewHandle(), 2.5)
+    assert calls == [("new", 0, 2500)]
+    monkeypatch.setattr(transport_mod, "_BARRIER_TAKES_TIMEOUT", [])
+    calls.clear()
+    transport_mod._barrier(OldHandle(), 2.5)  # learns once that there is no timeout argument
+    transport_mod._barrier(OldHandle(), 2.5)
+    assert calls == [("old", 0), ("old", 0)]
+
+
+# ---------------------------------------------------------------------------------------------
+# the agreement never reads a partial all-reduce as data (the issue's copy-engine symptom)
+# ---------------------------------------------------------------------------------------------
+def _inputs(T=4, H=8, I=4, El=2, K=2, E=4):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(T, H, generator=g)
+    w13, w2 = torch.randn(El, 2 * I, H, generator=g), torch.randn(El, H, I, generator=g)
+    idx = torch.rand(T, E, generator=g).argsort(1)[:, :K]
+    return x, w13, w2, idx, torch.rand(T, K, generator=g)
+
+
+@pytest.mark.parametrize("lost", ["row", "garbage"])
+def test_agreement_does_not_read_a_reduce_that_lost_a_rank(monkeypatch, lost):
+    """An all-reduce that timed out and was aborted can return with the caller's own row only:
+    before issue #17 that read as 'E_local differs across ranks: [2, 0]'."""
+
+    def aborted(mat, group, *, mode, phase):
+        # what the wait let through: this rank's row, rank 1's missing (or a half-written sum)
+        if lost == "garbage":
+            mat[1] = 3
+        return _watch(rank=0, ranks=(0, 1), mode=mode, phase=phase)
+
+    monkeypatch.setattr(agree_mod, "all_reduce_checked", aborted)
+    monkeypatch.setattr(agree_mod, "_comm_device", lambda group, x: torch.device("cpu"))
+    x, w13, w2, idx, probs = _inputs()
+    with pytest.raises(RingPeerError) as info:
+        agree_mod._agree_collective(
+            x, w13, w2, idx, probs, group=object(), rank=0, world=2, mode="expert",
+            transport="nccl", needs_grad=True, validate_ids=True, with_pairs=True,
+        )  # fmt: skip
+    err = info.value
+    assert err.phase == "agree" and err.op == "all_reduce"
+    assert err.peers == (1,)  # two ranks: the other one, even when the markers are garbage
+    assert "validity marker" in str(err) and "differs across ranks" not in str(err)
+
+
+def test_markers_name_the_missing_ranks_or_say_unknown():
+    watch = _watch(rank=0, ranks=(0, 1, 2, 3))
+    faults.check_markers(watch, [1, 1, 1, 1], what="x")
+    with pytest.raises(RingPeerError) as info:
+        faults.check_markers(watch, [1, 0, 1, 0], what="the agreement's all-reduce")
+    assert info.value.peers == (1, 3)
+    with pytest.raises(RingPeerError) as info:
+        faults.check_markers(watch, [1, 2, 7, 1], what="the agreement's all-reduce")
+    assert info.value.peers is None and "unknown which" in str(info.value)
+
+
+def test_error_survives_pickling():
+    import pickle
+
+    err = _watch(rank=0, ranks=(2, 5)).error("gone", op="p2p", hop=3, peers=[1], waited_s=1.0)
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is RingPeerError and str(back) == str(err)
+    assert (back.call, back.peers, back.group_ranks) == (err.call, (5,), (2, 5))
