@@ -77,6 +77,20 @@ TABLES = [
          "predicted_max_seq"],
     ),
     (
+        "numerics",
+        "Numerics at scale: relative error against the float64 oracle, bf16, torch path, gloo "
+        "(one seed shown per row; the run's numerics.jsonl has three)",
+        ("ep", "routing", "mode"),
+        ["ep", "routing", "mode", "shape", "seed", "rel_err_out", "rel_err_dx", "rel_err_dw13",
+         "rel_err_dw2"],
+    ),
+    (
+        "fault",
+        "A peer that dies or stalls: time until every survivor raised RingPeerError",
+        ("case", "mode", "transport", "backend", "ep"),
+        ["case", "mode", "transport", "backend", "ep", "timeout_s", "detected_s", "ok"],
+    ),
+    (
         "memory_model",
         "Memory model vs measured peak",
         ("config", "shape", "provider", "dispatcher", "ep"),
