@@ -152,6 +152,15 @@ def build_routing_index(
     if impl not in ("auto", "torch", "triton"):
         raise ValueError(f"impl must be 'auto', 'torch' or 'triton', got {impl!r}")
     num_tokens, topk = topk_idx.shape
+    from relaymoe.kernels import check_int32
+
+    # expert_token_indices and token_expert_indices are int32 (the kernels' gather operands)
+    check_int32(
+        "tokens T",
+        num_tokens,
+        where="build_routing_index",
+        fix="split the micro-batch (or the sequence) so one call holds fewer tokens",
+    )
     if impl == "auto":
         from relaymoe.kernels import triton_available
 

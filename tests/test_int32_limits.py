@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from relaymoe.kernels import INT32_LIMIT, check_problem_limits
+from relaymoe.routing import build_routing_index
 
 LIMIT = 2**31
 
@@ -121,3 +122,10 @@ def test_kernel_checks_pass_just_under_the_limits():
     assert grid({"BLOCK_M": 128, "BLOCK_N": 128}) == ((2**23 + 4) * 32,)
     with pytest.raises(ValueError, match="launch grid"):
         grid({"BLOCK_M": 16, "BLOCK_N": 16})
+
+
+def test_routing_index_refuses_token_ids_past_int32():
+    # a shape-only (meta) tensor: nothing is allocated
+    idx = torch.empty((2**31, 1), dtype=torch.int64, device="meta")
+    with pytest.raises(ValueError, match=r"tokens T = 2,147,483,648 reaches the int32 limit"):
+        build_routing_index(idx, 4, impl="torch", validate=False)
