@@ -186,6 +186,9 @@ def shape_rows(
         "noise_run": "alltoall_repeat" in results,
         "parity_bound": par["parity_bound"],
         "parity_ok": par["parity_ok"],
+        "partial_steps": par["partial_steps"],
+        "partial_max_abs_loss_diff": par["partial_max_abs_loss_diff"],
+        "partial_noise_max_abs_loss_diff": par["partial_noise_max_abs_loss_diff"],
     }
     rows = []
     for label in ("ring", "alltoall"):

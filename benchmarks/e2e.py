@@ -490,7 +490,26 @@ def loss_parity(
     if not failures and repeat is not None:
         out["parity_bound"] = 2 * out["noise_max_abs_loss_diff"] + tol
         out["parity_ok"] = out["max_abs_loss_diff"] <= out["parity_bound"]
+    out.update(_partial_noise(ring, alltoall, repeat, good))
     return out
+
+
+def _partial_noise(ring, alltoall, repeat, good: set[str]) -> dict:
+    """When only the repeat run stopped early (a budget cut), both differences over the steps it
+    finished with finite losses: a hint, never a verdict (``parity_ok`` stays False)."""
+    fields = {"partial_steps": None, "partial_max_abs_loss_diff": None,
+              "partial_noise_max_abs_loss_diff": None}  # fmt: skip
+    if repeat is None or "repeat" in good or not {"ring", "alltoall"} <= good:
+        return fields
+    n = 0
+    while n < len(repeat.losses) and math.isfinite(repeat.losses[n]):
+        n += 1
+    if n == 0:
+        return fields
+    d = [abs(x - y) for x, y in zip(ring.losses[:n], alltoall.losses[:n], strict=True)]
+    e = [abs(x - y) for x, y in zip(alltoall.losses[:n], repeat.losses[:n], strict=True)]
+    return {"partial_steps": n, "partial_max_abs_loss_diff": max(d),
+            "partial_noise_max_abs_loss_diff": max(e)}  # fmt: skip
 
 
 def print_summary(results: list[RunResult], cmp: dict | None) -> None:

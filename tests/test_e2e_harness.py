@@ -280,6 +280,22 @@ def test_parity_within_twice_the_noise():
     assert par["max_abs_loss_diff"] == pytest.approx(0.0499) and par["parity_ok"] is None
 
 
+def test_a_repeat_cut_short_gives_partial_noise_but_no_verdict():
+    ring = _run("ring", _shift(BASE, 5, 0.03))
+    a2a = _run("alltoall", BASE)
+    rep = _run("alltoall_repeat", _shift(BASE[:31], 4, 0.2), rc=-9, timed_out=True)
+    par = loss_parity(ring, a2a, rep, steps=50)
+    assert par["parity_ok"] is False and par["noise_max_abs_loss_diff"] is None
+    assert par["partial_steps"] == 31
+    assert par["partial_noise_max_abs_loss_diff"] == pytest.approx(0.2)
+    assert par["partial_max_abs_loss_diff"] == pytest.approx(0.03)
+    # a ring difference after the repeat's last step is not in the partial comparison
+    par = loss_parity(_run("ring", _shift(BASE, 40, 0.5)), a2a, rep, steps=50)
+    assert par["partial_max_abs_loss_diff"] == pytest.approx(0.0)
+    # every run complete: no partial fields
+    assert loss_parity(ring, a2a, _run("alltoall_repeat", BASE), steps=50)["partial_steps"] is None
+
+
 @pytest.mark.parametrize(
     "broken",
     [
