@@ -308,6 +308,21 @@ RECOMPUTE_MODULES = frozenset(
 
 DISPATCHERS = ("ring", "alltoall", "allgather", "flex")
 
+# every RelayMoEConfig switch with what it accepts: one of a tuple of choices, or a bool (flags)
+_SWITCHES = {
+    "dispatcher": DISPATCHERS,
+    "ring_mode": MODE_CHOICES,
+    "transport": TRANSPORT_CHOICES,
+    "recompute_planner": bool,
+    "fused_loss": bool,
+}
+
+
+def _check_switch(name: str, value, known) -> None:
+    if not (isinstance(value, bool) if known is bool else value in known):
+        rule = " must be true or false" if known is bool else f"; known: {known}"
+        raise ValueError(f"relaymoe.{name}={value!r}{rule}")
+
 
 @dataclass(frozen=True)
 class RelayMoEConfig:
@@ -323,15 +338,8 @@ class RelayMoEConfig:
     fused_loss: bool = False  # never holds the (tokens, vocab/TP) logits
 
     def __post_init__(self):
-        if self.dispatcher not in DISPATCHERS:
-            raise ValueError(f"relaymoe.dispatcher={self.dispatcher!r}; known: {DISPATCHERS}")
-        if self.ring_mode not in MODE_CHOICES:
-            raise ValueError(f"relaymoe.ring_mode={self.ring_mode!r}; known: {MODE_CHOICES}")
-        if self.transport not in TRANSPORT_CHOICES:
-            raise ValueError(f"relaymoe.transport={self.transport!r}; known: {TRANSPORT_CHOICES}")
-        for name in ("recompute_planner", "fused_loss"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"relaymoe.{name}={getattr(self, name)!r} must be true or false")
+        for name, known in _SWITCHES.items():
+            _check_switch(name, getattr(self, name), known)
 
 
 @dataclass(frozen=True)
@@ -374,28 +382,27 @@ _SECTIONS = {
 }
 
 
+def _check_divides(size: str, n: int, what: str, value: int, fix: str = "") -> None:
+    """Refuse a parallel size ``size=n`` that does not divide the model's ``what=value``."""
+    if value % n:
+        raise ValueError(f"{size}={n} does not divide {what}={value}" + (f"; {fix}" if fix else ""))
+
+
 def validate_layout(model: ModelConfig, par: ParallelConfig, tr: TrainingConfig) -> None:
     """Checks that the parallel sizes divide the model and the sequence (Megatron's own rules)."""
-    if model.num_experts % par.ep:
-        raise ValueError(
-            f"parallel.ep={par.ep} does not divide model.num_experts={model.num_experts}; "
-            "choose ep among the divisors of the expert count"
-        )
-    if model.num_attention_heads % par.tp:
-        raise ValueError(
-            f"parallel.tp={par.tp} does not divide model.num_attention_heads="
-            f"{model.num_attention_heads}; choose a tp that divides the head count"
-        )
-    if model.query_groups % par.tp:
-        raise ValueError(
-            f"parallel.tp={par.tp} does not divide model.num_query_groups={model.query_groups}; "
-            "choose tp <= the number of KV groups and dividing it"
-        )
-    if model.moe_ffn_hidden_size % par.etp:
-        raise ValueError(
-            f"parallel.etp={par.etp} does not divide model.moe_ffn_hidden_size="
-            f"{model.moe_ffn_hidden_size}"
-        )
+    _check_divides(
+        "parallel.ep", par.ep, "model.num_experts", model.num_experts,
+        "choose ep among the divisors of the expert count",
+    )  # fmt: skip
+    _check_divides(
+        "parallel.tp", par.tp, "model.num_attention_heads", model.num_attention_heads,
+        "choose a tp that divides the head count",
+    )  # fmt: skip
+    _check_divides(
+        "parallel.tp", par.tp, "model.num_query_groups", model.query_groups,
+        "choose tp <= the number of KV groups and dividing it",
+    )  # fmt: skip
+    _check_divides("parallel.etp", par.etp, "model.moe_ffn_hidden_size", model.moe_ffn_hidden_size)
     stages = par.pp * (par.vpp or 1)
     if model.num_layers % stages:
         raise ValueError(

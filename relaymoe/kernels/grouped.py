@@ -52,6 +52,18 @@ def _expert_tile(pid_m, offs_ptr, n_experts, BLOCK_M: tl.constexpr, BLOCK_E: tl.
 
 
 @triton.jit
+def _row_col_tile(
+    n_cols, offs_ptr, n_experts, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr
+):
+    """``_expert_tile`` of this program plus its N tile, on a grid of (M tiles) x
+    ``cdiv(n_cols, BLOCK_N)`` programs, N tiles fastest (``_row_grid``)."""
+    pid = tl.program_id(0)
+    n_tiles_n = tl.cdiv(n_cols, BLOCK_N)
+    e, row0, row_end = _expert_tile(pid // n_tiles_n, offs_ptr, n_experts, BLOCK_M, BLOCK_E)
+    return e, row0, row_end, pid % n_tiles_n
+
+
+@triton.jit
 def _mma(a, b, acc, IEEE: tl.constexpr):
     if IEEE:
         return tl.dot(a, b, acc, input_precision="ieee")
@@ -105,17 +117,13 @@ def _up_swiglu_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
 ):  # fmt: skip
     """h[q] = x[tok[q]] @ w13[e]^T (gate and up tiles together); a = silu(gate) * up (* p)."""
-    pid = tl.program_id(0)
-    n_tiles_n = tl.cdiv(I, BLOCK_N)
-    pid_m = pid // n_tiles_n
-    pid_n = pid % n_tiles_n
-    e, row0, row_end = _expert_tile(pid_m, offs_ptr, n_experts, BLOCK_M, BLOCK_E)
+    e, row0, row_end, pid_n = _row_col_tile(I, offs_ptr, n_experts, BLOCK_M, BLOCK_N, BLOCK_E)
     if e >= n_experts:
         return
-    base = tl.load(offs_ptr)
     rows = row0 + tl.arange(0, BLOCK_M)
     row_ok = rows < row_end
     tok = tl.load(idx_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    base = tl.load(offs_ptr)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < I
     cols_c = tl.where(col_ok, cols, 0).to(tl.int64)
@@ -169,11 +177,7 @@ def _rows_gemm_kernel(
 ):  # fmt: skip
     """c[q] = A[q] @ B[e] for the range's pairs (B[e] is (K, N) through strides). A's row is
     ``tok[q]`` when ``A_GATHER`` (a (T, K) operand read through the index), else ``q - offs[0]``."""
-    pid = tl.program_id(0)
-    n_tiles_n = tl.cdiv(N, BLOCK_N)
-    pid_m = pid // n_tiles_n
-    pid_n = pid % n_tiles_n
-    e, row0, row_end = _expert_tile(pid_m, offs_ptr, n_experts, BLOCK_M, BLOCK_E)
+    e, row0, row_end, pid_n = _row_col_tile(N, offs_ptr, n_experts, BLOCK_M, BLOCK_N, BLOCK_E)
     if e >= n_experts:
         return
     base = tl.load(offs_ptr)

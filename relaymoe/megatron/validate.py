@@ -49,6 +49,8 @@ __all__ = [
 ]
 
 _MOE_GRAPH_MODULES = {"moe", "moe_router", "moe_preprocess", "full"}
+# offload_modules entries that offload expert activations (the ring never materialises them)
+_EXPERT_OFFLOADS = frozenset({"expert_fc1", "moe_act", "fused_group_mlp"})
 
 
 def _names(value) -> list[str]:
@@ -77,6 +79,14 @@ def ring_config_problems(c, *, ep_size: int | None = None, args_style: bool = Fa
     def flag(field: str) -> str:
         return "--" + field.replace("_", "-")
 
+    def refuse_set(field: str, why: str, unset=None) -> None:
+        """Refuse ``field`` when it is set (``unset=None``: not None; ``unset=False``: truthy,
+        shown as True); ``why`` follows ``field=value``, the fix is removing its flag."""
+        value = g(field, unset)
+        if value is not None if unset is None else value:
+            shown = value if unset is None else True
+            problems.append(f"{field}={shown}{why}; fix: remove {flag(field)}")
+
     tp = g("tensor_model_parallel_size", 1) or 1
     etp = g("expert_tensor_parallel_size", None)
     etp = tp if etp is None else etp
@@ -93,42 +103,27 @@ def ring_config_problems(c, *, ep_size: int | None = None, args_style: bool = Fa
             f"tensor_model_parallel_size={tp} without sequence parallelism: every TP rank would "
             f"hold the same tokens; fix: add --sequence-parallel"
         )
-    if g("moe_expert_capacity_factor") is not None:
-        problems.append(
-            f"moe_expert_capacity_factor={g('moe_expert_capacity_factor')}: the ring is dropless "
-            f"(never drops or pads tokens); fix: remove --moe-expert-capacity-factor"
-        )
-    if g("moe_pad_expert_input_to_capacity", False):
-        problems.append(
-            "moe_pad_expert_input_to_capacity=True: the ring is dropless; "
-            "fix: remove --moe-pad-expert-input-to-capacity"
-        )
+    refuse_set("moe_expert_capacity_factor", ": the ring is dropless (never drops or pads tokens)")
+    refuse_set("moe_pad_expert_input_to_capacity", ": the ring is dropless", unset=False)
     for field in ("moe_router_padding_for_quantization", "moe_router_padding_for_fp8"):
-        if g(field, False):
-            problems.append(
-                f"{field}=True: the ring pads nothing for quantization; fix: remove {flag(field)}"
-            )
-    if g("moe_shared_expert_overlap", False):
-        problems.append(
-            "moe_shared_expert_overlap=True overlaps shared experts with an all-to-all the ring "
-            "does not have (shared experts run outside the ring); "
-            "fix: remove --moe-shared-expert-overlap"
-        )
+        refuse_set(field, ": the ring pads nothing for quantization", unset=False)
+    refuse_set(
+        "moe_shared_expert_overlap",
+        " overlaps shared experts with an all-to-all the ring does not have (shared experts run "
+        "outside the ring)",
+        unset=False,
+    )
     for field in (
         "overlap_moe_expert_parallel_comm",
         "overlap_dispatch_backward_with_experts_wgrad",
         "delay_wgrad_compute",
     ):
-        if g(field, False):
-            problems.append(
-                f"{field}=True schedules around the all-to-all dispatcher; the ring overlaps "
-                f"its own P2P hops; fix: remove {flag(field)}"
-            )
-    if g("moe_enable_deepep", False):
-        problems.append(
-            "moe_enable_deepep=True selects DeepEP (a flex-dispatcher backend); "
-            "fix: remove --moe-enable-deepep"
+        refuse_set(
+            field,
+            " schedules around the all-to-all dispatcher; the ring overlaps its own P2P hops",
+            unset=False,
         )
+    refuse_set("moe_enable_deepep", " selects DeepEP (a flex-dispatcher backend)", unset=False)
     for field in (
         "moe_flex_dispatcher_num_sms",
         "moe_deepep_num_sms",
@@ -136,13 +131,9 @@ def ring_config_problems(c, *, ep_size: int | None = None, args_style: bool = Fa
         "moe_hybridep_num_blocks_permute",
         "moe_hybridep_num_blocks_unpermute",
     ):
-        if g(field) is not None:
-            problems.append(
-                f"{field}={g(field)} is a flex/DeepEP/HybridEP setting; fix: remove {flag(field)}"
-            )
+        refuse_set(field, " is a flex/DeepEP/HybridEP setting")
     for field in ("moe_ncclep_static_shape", "moe_ncclep_zero_copy"):
-        if g(field, False):
-            problems.append(f"{field}=True is an NCCL-EP (flex) setting; fix: remove {flag(field)}")
+        refuse_set(field, " is an NCCL-EP (flex) setting", unset=False)
     for field in ("fp8", "fp4"):
         if g(field) not in (None, False):
             problems.append(
@@ -191,37 +182,21 @@ def ring_config_problems(c, *, ep_size: int | None = None, args_style: bool = Fa
             "add_bias_linear=True gives the experts biases the ring does not compute; "
             "fix: add --disable-bias-linear"
         )
-    if g("activation_func_clamp_value") is not None:
-        problems.append(
-            f"activation_func_clamp_value={g('activation_func_clamp_value')}: the ring's "
-            f"SwiGLU is unclamped; fix: remove --activation-func-clamp-value"
-        )
+    refuse_set("activation_func_clamp_value", ": the ring's SwiGLU is unclamped")
     if (g("glu_linear_offset", 0.0) or 0.0) != 0.0:
         problems.append(
             f"glu_linear_offset={g('glu_linear_offset')}: the ring's SwiGLU has no offset; "
             f"fix: remove --glu-linear-offset"
         )
-    if g("moe_mlp_glu_interleave_size") is not None:
-        problems.append(
-            f"moe_mlp_glu_interleave_size={g('moe_mlp_glu_interleave_size')}: the ring reads "
-            f"fc1 as [gate; up] halves; fix: remove --moe-mlp-glu-interleave-size"
-        )
-    if g("moe_latent_size") is not None:
-        problems.append(
-            f"moe_latent_size={g('moe_latent_size')} (latent MoE) is not supported by the "
-            f"ring; fix: remove --moe-latent-size"
-        )
-    if g("moe_apply_probs_on_input", False):
-        problems.append(
-            "moe_apply_probs_on_input=True: the ring applies probabilities to the expert "
-            "output; fix: remove --moe-apply-probs-on-input"
-        )
+    refuse_set("moe_mlp_glu_interleave_size", ": the ring reads fc1 as [gate; up] halves")
+    refuse_set("moe_latent_size", " (latent MoE) is not supported by the ring")
+    refuse_set(
+        "moe_apply_probs_on_input",
+        ": the ring applies probabilities to the expert output",
+        unset=False,
+    )
     offload = set(g("offload_modules", None) or [])
-    if g("fine_grained_activation_offloading", False) and offload & {
-        "expert_fc1",
-        "moe_act",
-        "fused_group_mlp",
-    }:
+    if g("fine_grained_activation_offloading", False) and offload & _EXPERT_OFFLOADS:
         problems.append(
             f"offload_modules={sorted(offload)} offloads expert activations the ring never "
             f"materialises (it recomputes per hop); fix: drop expert_fc1/moe_act/"
@@ -230,26 +205,30 @@ def ring_config_problems(c, *, ep_size: int | None = None, args_style: bool = Fa
     return problems
 
 
+def _raise(feature: str, problems: list[str], what: str) -> None:
+    """One ``ValueError`` listing every problem, when there are any."""
+    if problems:
+        raise ValueError(f"{feature} cannot run {what}:\n  - " + "\n  - ".join(problems))
+
+
 def check_ring_config(config, *, ep_size: int | None = None) -> None:
     """Raise ``ValueError`` listing every unsupported option of a ring ``TransformerConfig``."""
-    problems = ring_config_problems(config, ep_size=ep_size)
-    if problems:
-        raise ValueError(
-            "--moe-token-dispatcher-type ring cannot run this configuration:\n  - "
-            + "\n  - ".join(problems)
-        )
+    _raise(
+        "--moe-token-dispatcher-type ring",
+        ring_config_problems(config, ep_size=ep_size),
+        "this configuration",
+    )
 
 
 def check_ring_args(args) -> None:
     """The same checks on Megatron's parsed arguments (before any model is built)."""
     if getattr(args, "moe_token_dispatcher_type", None) != "ring":
         return
-    problems = ring_config_problems(args, args_style=True)
-    if problems:
-        raise ValueError(
-            "--moe-token-dispatcher-type ring cannot run these arguments:\n  - "
-            + "\n  - ".join(problems)
-        )
+    _raise(
+        "--moe-token-dispatcher-type ring",
+        ring_config_problems(args, args_style=True),
+        "these arguments",
+    )
 
 
 # ------------------------------------------------------------------------------ fused loss
@@ -283,19 +262,12 @@ def fused_loss_problems(c) -> list[str]:
     return problems
 
 
-def _raise_fused(problems: list[str], what: str) -> None:
-    if problems:
-        raise ValueError(
-            f"--relaymoe-fused-loss cannot run {what}:\n  - " + "\n  - ".join(problems)
-        )
-
-
 def check_fused_loss_config(config) -> None:
     """Raise ``ValueError`` listing every option of ``config`` the fused loss cannot honour."""
-    _raise_fused(fused_loss_problems(config), "this configuration")
+    _raise("--relaymoe-fused-loss", fused_loss_problems(config), "this configuration")
 
 
 def check_fused_loss_args(args) -> None:
     """The same checks on Megatron's parsed arguments, when ``--relaymoe-fused-loss`` is set."""
     if getattr(args, "relaymoe_fused_loss", False):
-        _raise_fused(fused_loss_problems(args), "these arguments")
+        _raise("--relaymoe-fused-loss", fused_loss_problems(args), "these arguments")

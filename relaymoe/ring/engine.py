@@ -128,6 +128,16 @@ def _expert_plans(prob: RingProblem) -> tuple[RingPlan, RingPlan]:
     return RingPlan(prob.rank, R, [w] * R, None), RingPlan(prob.rank, R, [w] * R, [w] * R)
 
 
+def _token_layouts(prob: RingProblem, backward: bool) -> dict:
+    """A token-mode pass's ``lead_layout``/``trail_layout`` roles (partition ``p`` holds
+    ``prob.tokens[p]`` tokens)."""
+    Ts = prob.tokens
+    return {
+        "lead_layout": lambda p: _token_lead(prob, Ts[p], backward),
+        "trail_layout": lambda p: _token_trail(prob, Ts[p], backward),
+    }
+
+
 def _token_plans(prob: RingProblem) -> tuple[RingPlan, RingPlan]:
     R, Ts = prob.world_size, prob.tokens
     fwd = RingPlan(
@@ -149,6 +159,23 @@ def _capacity(fwd: RingPlan, bwd: RingPlan, prob: RingProblem) -> int:
     """Reserve the backward's slot size at forward when a backward follows (one allocation
     of the persistent copy-engine workspace instead of two)."""
     return max(fwd.capacity(), bwd.capacity()) if prob.needs_grad else fwd.capacity()
+
+
+def _ring_pass(
+    prob: RingProblem, group, overlap: bool, device, phase: str, plan: RingPlan, **roles
+):
+    """One ``relay`` pass of this call: the transport, device, overlap and labels every pass
+    shares; ``roles``: the pass's own ``lead_layout``/``own_lead``/``trail_layout``/``compute``
+    (and ``capacity``)."""
+    return relay(
+        plan,
+        transport=_transport(prob, group),
+        device=device,
+        overlap=overlap,
+        mode=prob.mode,
+        phase=phase,
+        **roles,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,19 +205,11 @@ def _expert_forward(prob, group, backend, overlap, x, experts, probs, index, ord
         )  # fmt: skip
 
     fwd, bwd = _expert_plans(prob)
-    relay(
-        fwd,
-        lead_layout=lambda p: _weights_layout(prob),
-        own_lead=lambda views: _pack(experts, views),
-        trail_layout=None,
-        compute=compute,
-        transport=_transport(prob, group),
-        device=x.device,
-        overlap=overlap,
-        mode="expert",
-        phase="fwd",
-        capacity=_capacity(fwd, bwd, prob),
-    )
+    _ring_pass(
+        prob, group, overlap, x.device, "fwd", fwd,
+        lead_layout=lambda p: _weights_layout(prob), own_lead=lambda views: _pack(experts, views),
+        trail_layout=None, compute=compute, capacity=_capacity(fwd, bwd, prob),
+    )  # fmt: skip
     return out
 
 
@@ -216,18 +235,11 @@ def _expert_backward(prob, group, backend, overlap, dy, x, experts, probs, index
         )  # fmt: skip
 
     _, bwd = _expert_plans(prob)
-    grads = relay(
-        bwd,
-        lead_layout=lambda p: _weights_layout(prob),
-        own_lead=lambda views: _pack(experts, views),
-        trail_layout=lambda p: _weights_layout(prob, "d"),
-        compute=compute,
-        transport=_transport(prob, group),
-        device=x.device,
-        overlap=overlap,
-        mode="expert",
-        phase="bwd",
-    )
+    grads = _ring_pass(
+        prob, group, overlap, x.device, "bwd", bwd,
+        lead_layout=lambda p: _weights_layout(prob), own_lead=lambda views: _pack(experts, views),
+        trail_layout=lambda p: _weights_layout(prob, "d"), compute=compute,
+    )  # fmt: skip
     return dx, dprobs, grads["dw13"], grads["dw2"]
 
 
@@ -267,19 +279,10 @@ def _token_forward(prob, group, backend, overlap, x, experts, probs, idx32, orde
         )  # fmt: skip
 
     fwd, bwd = _token_plans(prob)
-    result = relay(
-        fwd,
-        lead_layout=lambda p: _token_lead(prob, Ts[p], False),
-        own_lead={"x": x, "idx": idx32, "probs": probs},
-        trail_layout=lambda p: _token_trail(prob, Ts[p], False),
-        compute=compute,
-        transport=_transport(prob, group),
-        device=x.device,
-        overlap=overlap,
-        mode="token",
-        phase="fwd",
-        capacity=_capacity(fwd, bwd, prob),
-    )
+    result = _ring_pass(
+        prob, group, overlap, x.device, "fwd", fwd, own_lead={"x": x, "idx": idx32, "probs": probs},
+        compute=compute, capacity=_capacity(fwd, bwd, prob), **_token_layouts(prob, False),
+    )  # fmt: skip
     return result["out"], indices
 
 
@@ -305,18 +308,10 @@ def _token_backward(prob, group, backend, overlap, dy, x, experts, probs, indice
         )  # fmt: skip
 
     _, bwd = _token_plans(prob)
-    result = relay(
-        bwd,
-        lead_layout=lambda p: _token_lead(prob, Ts[p], True),
-        own_lead={"x": x, "probs": probs, "dy": dy},
-        trail_layout=lambda p: _token_trail(prob, Ts[p], True),
-        compute=compute,
-        transport=_transport(prob, group),
-        device=x.device,
-        overlap=overlap,
-        mode="token",
-        phase="bwd",
-    )
+    result = _ring_pass(
+        prob, group, overlap, x.device, "bwd", bwd, own_lead={"x": x, "probs": probs, "dy": dy},
+        compute=compute, **_token_layouts(prob, True),
+    )  # fmt: skip
     dw13 = dw["dw13"] if dw["dw13"] is not None else torch.zeros_like(w13)
     dw2 = dw["dw2"] if dw["dw2"] is not None else torch.zeros_like(w2)
     return result["dx"], result["dprobs"], dw13, dw2
