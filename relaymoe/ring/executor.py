@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from relaymoe.ring.faults import PeerWatch
+from relaymoe.ring.faults import PeerWatch, host_wait_enabled
 from relaymoe.ring.layout import Layout
 from relaymoe.ring.schedule import RingPlan
 from relaymoe.ring.transport import Transport
@@ -151,8 +151,14 @@ class RingExecutor:
         self.mode, self.phase = mode, phase
         group = getattr(transport, "group", None)
         self.watch = PeerWatch(group, mode=mode or "ring", phase=phase or "pass") if group else None
-        # device-side waits with no work object (the copy engines' barriers): an event per hop
-        self._mark_events = self.cuda and self.watch is not None and transport.needs_entry_sync
+        # device-side waits with no work object (the copy engines' barriers): an event per hop,
+        # recorded only when finish() will wait on it
+        self._mark_events = (
+            self.cuda
+            and self.watch is not None
+            and transport.needs_entry_sync
+            and host_wait_enabled(device)
+        )
         self._marks: dict[int, dict] = {}
         self._recording = bool(_RECORDERS)
         cap = plan.capacity() if capacity is None else max(capacity, plan.capacity())
