@@ -22,6 +22,11 @@ vocabulary 32768, every layer MoE, bf16) at EP = GPUs:
 
     qwen3_slice_s4k    sequence 4096, micro-batch 1
     qwen3_slice_s16k   sequence 16384, micro-batch 1, selective recompute of core_attn
+    qwen3_slice_v152k_s4k_fused_loss
+                       configs/qwen3_slice_v152k.yaml (the slice with Qwen3's 151,936-token
+                       vocabulary, full recompute), sequence 4096, micro-batch 1; the ring run
+                       adds --relaymoe-fused-loss (row field fused_loss), the alltoall runs are
+                       Megatron's own output layer + vocab-parallel cross-entropy
 
 Global batch = micro-batch x data-parallel size (= GPUs; no gradient accumulation), 50 steps,
 seed 1234. s16k recomputes the attention core: without TransformerEngine megatron-core's local
@@ -90,6 +95,7 @@ class E2EShape:
     micro_batch_size: int | None = None  # None: the config's
     recompute_modules: tuple[str, ...] = ()  # selective recompute of these; () none
     regime: str = "stable"
+    fused_loss: bool = False  # the ring run adds --relaymoe-fused-loss (alltoall runs never)
 
 
 SHAPES = {
@@ -102,6 +108,13 @@ SHAPES = {
             seq_length=16384,
             micro_batch_size=1,
             recompute_modules=("core_attn",),
+        ),
+        E2EShape(
+            "qwen3_slice_v152k_s4k_fused_loss",
+            "qwen3_slice_v152k",
+            seq_length=4096,
+            micro_batch_size=1,
+            fused_loss=True,
         ),
     )
 }
@@ -134,6 +147,7 @@ def plan_runs(
     regime = regime or shape.regime
 
     def flags(dispatcher: str) -> tuple[str, ...]:
+        fused = shape.fused_loss and dispatcher == "ring"
         return tuple(
             pretrain_args(
                 shape.config,
@@ -141,6 +155,7 @@ def plan_runs(
                 steps=steps,
                 dispatcher=dispatcher,
                 seed=seed,
+                extra=["--relaymoe-fused-loss"] if fused else [],
                 seq_length=shape.seq_length,
                 micro_batch_size=shape.micro_batch_size,
                 recompute_modules=shape.recompute_modules or None,
@@ -193,7 +208,12 @@ def shape_rows(
     rows = []
     for label in ("ring", "alltoall"):
         r = results[label]
-        row = {**common, "provider": PROVIDER[r.dispatcher], **_run_fields(r, steps)}
+        row = {
+            **common,
+            "provider": PROVIDER[r.dispatcher],
+            "fused_loss": shape.fused_loss and label == "ring",
+            **_run_fields(r, steps),
+        }
         if label == "alltoall" and "alltoall_repeat" in results:
             rep = _run_fields(results["alltoall_repeat"], steps)
             row.update({f"repeat_{k}": v for k, v in rep.items() if k != "dispatcher"})

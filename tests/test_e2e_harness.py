@@ -66,7 +66,8 @@ def test_qwen3_slice_config():
 
 @pytest.mark.parametrize("shape", list(bench_e2e.SHAPES))
 def test_shape_flags_per_provider(shape):
-    seq = {"qwen3_slice_s4k": 4096, "qwen3_slice_s16k": 16384}[shape]
+    seq = {"qwen3_slice_s4k": 4096, "qwen3_slice_s16k": 16384}.get(shape, 4096)
+    vocab = "151936" if "v152k" in shape else "32768"
     plans = bench_e2e.plan_runs(
         bench_e2e.SHAPES[shape], gpus=GPUS, steps=50, seed=1234, noise_run=True
     )
@@ -83,7 +84,7 @@ def test_shape_flags_per_provider(shape):
         assert _v(g, "--tensor-model-parallel-size") == "1"
         assert _v(g, "--num-layers") == "4" and _v(g, "--hidden-size") == "2048"
         assert _v(g, "--num-experts") == "128" and _v(g, "--moe-router-topk") == "8"
-        assert _v(g, "--moe-ffn-hidden-size") == "768" and _v(g, "--vocab-size") == "32768"
+        assert _v(g, "--moe-ffn-hidden-size") == "768" and _v(g, "--vocab-size") == vocab
         assert _v(g, "--num-attention-heads") == "32" and _v(g, "--num-query-groups") == "4"
         assert _v(g, "--kv-channels") == "128" and g["--qk-layernorm"] == []
         assert g["--bf16"] == [] and "--moe-layer-freq" not in g  # every layer MoE
@@ -93,9 +94,13 @@ def test_shape_flags_per_provider(shape):
         assert float(_v(g, "--lr")) == 1e-4 and float(_v(g, "--min-lr")) == 1e-5
         assert _v(g, "--lr-warmup-iters") == "10" and float(_v(g, "--clip-grad")) == 1.0
         assert _v(g, "--lr-decay-style") == "cosine" and float(_v(g, "--adam-beta2")) == 0.95
+        fused = shape.endswith("_fused_loss") and label == "ring"
+        assert ("--relaymoe-fused-loss" in g) == fused, label
         if shape == "qwen3_slice_s16k":
             assert _v(g, "--recompute-granularity") == "selective"
             assert g["--recompute-modules"] == ["core_attn"]
+        elif "v152k" in shape:
+            assert _v(g, "--recompute-granularity") == "full"
         else:
             assert "--recompute-granularity" not in g and "--recompute-modules" not in g
         want = "ring" if label == "ring" else "alltoall"
@@ -110,7 +115,10 @@ def test_shape_flags_per_provider(shape):
         for k in ring.keys() | groups["alltoall"].keys()
         if ring.get(k) != groups["alltoall"].get(k)
     }
-    assert diff == {"--moe-token-dispatcher-type"}, diff
+    expected = {"--moe-token-dispatcher-type"}
+    if shape.endswith("_fused_loss"):
+        expected.add("--relaymoe-fused-loss")
+    assert diff == expected, diff
 
 
 def test_cli_dry_run_and_early_errors(capsys):
