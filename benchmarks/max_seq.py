@@ -18,6 +18,14 @@ and would bind long before the MoE block or the loss. Each trial therefore passe
 SDPA, O(s) memory like TE's. A trial whose log lacks the spec's marker is an error, not data.
 With TransformerEngine installed its attention is used as it is.
 
+Allocator: every trial runs with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``
+(``--alloc-conf``; '' for the default), for all providers alike: the planner models no
+fragmentation. ``--memory-cap GPU`` emulates a smaller GPU (e.g. ``h100-80gb``): each trial's
+allocator is capped at the planner's usable bytes of that GPU (``benchmarks/capped_pretrain.py``,
+whose marker the log must carry) and the planner plans for it; rows say ``memory_cap_gpu`` /
+``memory_cap_bytes``. That is how a provider whose longest sequence on the whole GPU would take
+longer than a trial can run (attention is O(s^2)) is still bisected.
+
 Search, per provider: every trial is one ``torchrun -m relaymoe.megatron.pretrain`` job of
 ``--steps`` (2) training steps in its own process group and folder (logs kept there). A trial is
 ``ok`` (all steps, finite losses), ``oom`` (CUDA out-of-memory text in the log, whichever rank),
@@ -81,6 +89,13 @@ DEFAULT_GPU = "h200-141gb"  # --dry-run without --gpu-bytes
 SPEC_FLAGS = ("--spec", "benchmarks.sdpa_attention", "sdpa_decoder_spec")
 SDPA_MARKER = "[sdpa_attention] core attention replaced by SdpaCoreAttention"  # its MARKER
 GPU_BUSY_MIB = 2048  # another process holding more than this on a trial's GPU: do not start
+# The trials' PYTORCH_CUDA_ALLOC_CONF (--alloc-conf): without expandable segments a 46-67 GiB
+# fp32 logits block of Megatron's cross-entropy found 36-58 GiB reserved but unusable in the
+# second step (megatron-core out of memory at 81,920 tokens with a 65,536-token peak of 87 GiB,
+# commit e3bbf85); the planner models no fragmentation. PyTorch's own out-of-memory message
+# advises this setting.
+ALLOC_CONF = "expandable_segments:True"
+CAPPED_MODULE = "benchmarks.capped_pretrain"
 
 
 @dataclass(frozen=True)
@@ -136,12 +151,15 @@ def trial_flags(
 def normalization_impl() -> str:
     """How these runs normalise (``relaymoe.planner.plan.normalization_impl_of`` for
     ``pretrain_args``' flags): TE's fused norms, else ``--transformer-impl local`` with apex's
-    (fused) or megatron-core's torch fallback."""
+    (fused) or megatron-core's torch fallback ("torch" where torch has its fused RMSNorm
+    kernel, else "torch_composite")."""
     import importlib.util
 
     if _have_te() or importlib.util.find_spec("apex") is not None:
         return "fused"
-    return "torch"
+    import torch
+
+    return "torch" if hasattr(torch.ops.aten, "_fused_rms_norm") else "torch_composite"
 
 
 def planner_config(config: str, gpus: int):
@@ -319,7 +337,7 @@ def classify(
     steps: list[dict],
     log: str,
     expected_steps: int,
-    marker: str | None,
+    marker: str | tuple[str, ...] | None,
 ) -> tuple[str, str]:
     """(reason, detail) of a finished job.
 
@@ -332,10 +350,12 @@ def classify(
     losses = [s.get("loss") for s in steps]
     finite = all(isinstance(x, int | float) and math.isfinite(x) for x in losses)
     if len(steps) >= expected_steps and finite:
-        if marker is not None and marker not in log:
+        markers = (marker,) if isinstance(marker, str) else tuple(marker or ())
+        missing = [m for m in markers if m not in log]
+        if missing:
             return "error", (
-                f"the run trained but its log lacks {marker!r}: Megatron's --spec import "
-                "failed and it used its default attention (see the log)"
+                f"the run trained but its log lacks {missing[0]!r}: the --spec import or the "
+                "allocator cap did not take effect (see the log)"
             )
         if timed_out:
             return "ok", "all steps trained, then the job hung until its timeout"
@@ -363,7 +383,7 @@ def trial_from_log(
     steps: list[dict],
     log: str,
     expected_steps: int,
-    marker: str | None,
+    marker: str | tuple[str, ...] | None,
     log_dir: str = "",
 ) -> Trial:
     reason, detail = classify(
@@ -466,29 +486,41 @@ def wait_gpus_free(gpus: int, *, wait_s: float = 60.0, probe=gpu_memory_used_mib
         time.sleep(5)
 
 
-def trial_command(flags: list[str], *, gpus: int, report: str) -> list[str]:
-    """The torchrun command line of one trial (its step report written to ``report``)."""
+def trial_command(flags: list[str], *, gpus: int, report: str, capped: bool = False) -> list[str]:
+    """The torchrun command line of one trial (its step report written to ``report``);
+    ``capped``: through ``benchmarks.capped_pretrain`` (the allocator cap from the env)."""
+    module = CAPPED_MODULE if capped else "relaymoe.megatron.pretrain"
     return [
         sys.executable, "-m", "torch.distributed.run",
         "--standalone", "--nproc-per-node", str(gpus),
-        "-m", "relaymoe.megatron.pretrain", *flags,
+        "-m", module, *flags,
         "--relaymoe-report", report,
     ]  # fmt: skip
 
 
-def launch(flags: list[str], *, gpus: int, timeout_s: float, workdir: Path) -> dict:
+def launch(
+    flags: list[str],
+    *,
+    gpus: int,
+    timeout_s: float,
+    workdir: Path,
+    alloc_conf: str = ALLOC_CONF,
+    cap_bytes: int | None = None,
+) -> dict:
     """One ``torchrun -m relaymoe.megatron.pretrain FLAGS`` job, output to ``workdir/log.txt``.
 
     Like ``benchmarks.e2e.run_pretrain`` (own process group, stopped on timeout), plus:
     the whole log is kept (an OOM on either rank is found wherever it is), ``ROOT`` is on
     ``PYTHONPATH`` (the ``--spec`` module lives in ``benchmarks/``), and every process the job
-    started is killed by pid afterwards.
+    started is killed by pid afterwards. ``alloc_conf`` is the job's
+    ``PYTORCH_CUDA_ALLOC_CONF`` ("" for the allocator's default); ``cap_bytes`` caps each rank's
+    allocator (``benchmarks.capped_pretrain``).
     """
     workdir.mkdir(parents=True, exist_ok=True)
     report = workdir / "steps.jsonl"
     report.unlink(missing_ok=True)
     log_path = workdir / "log.txt"
-    cmd = trial_command(flags, gpus=gpus, report=str(report))
+    cmd = trial_command(flags, gpus=gpus, report=str(report), capped=cap_bytes is not None)
     path = os.environ.get("PYTHONPATH")
     env = dict(
         os.environ,
@@ -496,7 +528,18 @@ def launch(flags: list[str], *, gpus: int, timeout_s: float, workdir: Path) -> d
         OMP_NUM_THREADS="4",
         PYTHONPATH=str(ROOT) + (os.pathsep + path if path else ""),
     )
+    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    if alloc_conf:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
+    if cap_bytes is not None:
+        env["RELAYMOE_MEMORY_CAP_BYTES"] = str(cap_bytes)
     command = " ".join(shlex.quote(c) for c in cmd)
+    envs = " ".join(
+        f"{k}={shlex.quote(env[k])}"
+        for k in ("PYTORCH_CUDA_ALLOC_CONF", "RELAYMOE_MEMORY_CAP_BYTES")
+        if k in env
+    )
+    command = f"{envs} {command}" if envs else command
     (workdir / "command.sh").write_text(command + "\n")
     t0 = time.perf_counter()
     timed_out = False
@@ -728,6 +771,9 @@ def provider_row(
     wall_s: float,
     budget_s: float | None,
     max_trial_s: float,
+    alloc_conf: str = ALLOC_CONF,
+    memory_cap: str | None = None,
+    cap_bytes: int | None = None,
 ) -> dict:
     p = PROVIDERS[provider]
     predicted = pred.max_seq.get(provider)
@@ -748,6 +794,9 @@ def provider_row(
         "seq_step": SEQ_STEP,
         "attention": "transformer_engine" if _have_te() else "sdpa_flash",
         "normalization_impl": normalization_impl(),
+        "alloc_conf": alloc_conf or None,
+        "memory_cap_gpu": memory_cap,
+        "memory_cap_bytes": cap_bytes,
         "max_seq": res.max_seq,
         "first_oom_seq": res.first_oom_seq,
         "upper_seq": res.upper_seq,
@@ -806,7 +855,7 @@ def print_plan(providers, pred: Prediction, tm: TimeModel, a, gpus: int) -> None
     for name in providers:
         predicted = pred.max_seq.get(name)
         start = first_trial(predicted, a.start_seq)
-        up, down = ladder(start, SEQ_STEP)
+        up, down = ladder(start, SEQ_STEP, growth=a.growth)
         fmt = ", ".join
         print(f"== {name}: planner predicts {predicted if predicted is not None else '-'} "
               f"({PROVIDERS[name].variant})")  # fmt: skip
@@ -815,7 +864,10 @@ def print_plan(providers, pred: Prediction, tm: TimeModel, a, gpus: int) -> None
               f"{fmt(f'{s} ({tm.trial_s(s):.0f} s)' for s in down)}, ...; then bisection to "
               f"{SEQ_STEP}")  # fmt: skip
         flags = trial_flags(a.config, name, start, gpus=gpus, steps=a.steps, seed=a.seed)
-        print("   " + shlex.join(trial_command(flags, gpus=gpus, report="<trial>/steps.jsonl")))
+        cmd = trial_command(
+            flags, gpus=gpus, report="<trial>/steps.jsonl", capped=bool(a.memory_cap)
+        )
+        print("   " + shlex.join(cmd))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -834,6 +886,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="GPU memory for the planner (bytes, 141GB, a preset); default: the "
                         f"GPUs' total from torch.cuda.mem_get_info ({DEFAULT_GPU} in --dry-run "
                         "without GPUs)")  # fmt: skip
+    p.add_argument("--alloc-conf", default=ALLOC_CONF,
+                   help=f"the trials' PYTORCH_CUDA_ALLOC_CONF (default {ALLOC_CONF}; '' for "
+                        "the allocator's default)")  # fmt: skip
+    p.add_argument("--memory-cap", default=None, metavar="GPU",
+                   help="emulate a smaller GPU (a planner preset such as h100-80gb, or bytes): "
+                        "each trial's allocator is capped at the planner's usable bytes of that "
+                        "GPU, and the planner plans for it")  # fmt: skip
+    p.add_argument("--growth", type=float, default=GROWTH0,
+                   help=f"first bracket move as a fraction of the sequence (default {GROWTH0});"
+                        " smaller where the planner is trusted to a few percent")  # fmt: skip
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--workdir", default=None, help="trial folders and logs (default: a temp dir)")
     p.add_argument("--dry-run", action="store_true", help="print predictions and the trial plan")
@@ -847,15 +909,20 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--steps {a.steps}: at least 2 (the issue's criterion is two training steps)")
     if a.limit_seq < SEQ_STEP:
         p.error(f"--limit-seq {a.limit_seq} is below the search step {SEQ_STEP}")
+    if not 0 < a.growth <= 1:
+        p.error(f"--growth {a.growth}: a fraction in (0, 1]")
+    if a.memory_cap and a.gpu_bytes:
+        p.error("--memory-cap names the GPU the planner plans for; drop --gpu-bytes")
     from relaymoe.planner.plan import parse_gpu
 
     gpus = a.gpus
     try:
         cfg = planner_config(a.config, gpus)
         trial_flags(a.config, providers[0], SEQ_STEP, gpus=gpus, steps=a.steps)  # bad flags now
-        gpu_bytes = parse_gpu(a.gpu_bytes) if a.gpu_bytes else None
+        gpu_bytes = parse_gpu(a.gpu_bytes or a.memory_cap) if a.gpu_bytes or a.memory_cap else None
     except ValueError as e:
         p.error(str(e))
+    cap_bytes = predict(cfg, gpu_bytes, providers).usable_bytes if a.memory_cap else None
     tm = TimeModel(cfg, steps=a.steps)
     if a.dry_run:
         pred = predict(cfg, gpu_bytes or parse_gpu(DEFAULT_GPU), providers)
@@ -865,6 +932,10 @@ def main(argv: list[str] | None = None) -> int:
     if facts["count"] < gpus:
         print(f"max_seq: needs {gpus} CUDA GPUs, found {facts['count']}; nothing measured")
         return 3
+    if cap_bytes is not None and cap_bytes > facts["total_bytes"]:
+        print(f"max_seq: --memory-cap {a.memory_cap} ({cap_bytes} usable bytes) exceeds this "
+              f"GPU's {facts['total_bytes']} bytes; nothing measured")  # fmt: skip
+        return 2
     if facts["free_bytes"] < 0.9 * facts["total_bytes"]:
         free, total = facts["free_bytes"] / 2**30, facts["total_bytes"] / 2**30
         print(f"max_seq: warning: only {free:.1f} of {total:.1f} GiB free on a GPU: another "
@@ -873,7 +944,14 @@ def main(argv: list[str] | None = None) -> int:
     print_plan(providers, pred, tm, a, gpus)
     workdir = Path(a.workdir or tempfile.mkdtemp(prefix="relaymoe_max_seq_"))
     writer = JsonlWriter(a.out, env=machine_env(facts["gpu"]))
-    marker = None if _have_te() else SDPA_MARKER
+    marker = () if _have_te() else (SDPA_MARKER,)
+    if cap_bytes is not None:
+        from benchmarks.capped_pretrain import MARKER as CAP_MARKER
+
+        marker += (CAP_MARKER,)
+        print(f"trials capped at {cap_bytes} bytes per GPU (the planner's usable bytes of "
+              f"{a.memory_cap})", flush=True)  # fmt: skip
+    print(f"PYTORCH_CUDA_ALLOC_CONF={a.alloc_conf or '(default)'}", flush=True)
     t_all = time.monotonic()
     rows = []
     for i, name in enumerate(providers):
@@ -889,7 +967,10 @@ def main(argv: list[str] | None = None) -> int:
             if busy is not None:
                 return Trial(seq, "error", 0.0, detail=busy)
             flags = trial_flags(a.config, name, seq, gpus=gpus, steps=a.steps, seed=a.seed)
-            r = launch(flags, gpus=gpus, timeout_s=timeout_s, workdir=workdir / name / f"s{seq}")
+            r = launch(
+                flags, gpus=gpus, timeout_s=timeout_s, workdir=workdir / name / f"s{seq}",
+                alloc_conf=a.alloc_conf, cap_bytes=cap_bytes,
+            )  # fmt: skip
             t = trial_from_log(
                 seq, returncode=r["returncode"], timed_out=r["timed_out"], timeout_s=timeout_s,
                 wall_s=r["wall_s"], steps=r["steps"], log=r["log"], expected_steps=a.steps,
@@ -910,13 +991,15 @@ def main(argv: list[str] | None = None) -> int:
             estimate_s=tm.trial_s,
             limit=a.limit_seq,
             budget_s=share,
+            growth=a.growth,
             log=lambda s: print(s, flush=True),
         )
         peak = planner_peak_bytes(cfg, name, res.max_seq) / 2**20 if res.max_seq else None
         row = provider_row(
             name, res, config=a.config, gpus=gpus, steps=a.steps, pred=pred,
             planner_peak_MiB=peak, facts=facts, wall_s=time.monotonic() - t0,
-            budget_s=share, max_trial_s=a.max_trial_s,
+            budget_s=share, max_trial_s=a.max_trial_s, alloc_conf=a.alloc_conf,
+            memory_cap=a.memory_cap, cap_bytes=cap_bytes,
         )  # fmt: skip
         writer.write(row)
         rows.append(row)

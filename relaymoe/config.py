@@ -237,8 +237,10 @@ class TrainingConfig:
     recompute_modules: tuple[str, ...] | None = None  # selective only; Megatron default core_attn
     # How Megatron's build normalises (memory model only; not a Megatron flag): "fused" =
     # TransformerEngine, apex or another fused kernel (keeps the input and an fp32 rstd);
-    # "torch" = megatron-core's fallback without TE and apex (``WrappedTorchNorm``), whose
-    # composite RMSNorm keeps fp32 copies for backward (``relaymoe.planner.memory``).
+    # "torch" = megatron-core's fallback without TE and apex (``WrappedTorchNorm``) on a torch
+    # whose RMSNorm is one fused kernel (``aten::_fused_rms_norm``: the same bytes as fused);
+    # "torch_composite" = that fallback on a torch without the kernel, whose composite RMSNorm
+    # keeps fp32 copies for backward (``relaymoe.planner.memory``).
     normalization_impl: str = "fused"
 
     def __post_init__(self):
@@ -247,7 +249,8 @@ class TrainingConfig:
             raise ValueError(
                 f"training.normalization_impl={self.normalization_impl!r}; known: "
                 f"{', '.join(repr(x) for x in NORMALIZATION_IMPLS)} (fused: TransformerEngine "
-                "or apex, torch: megatron-core's torch fallback)"
+                "or apex, torch: megatron-core's torch fallback, torch_composite: that fallback on a "
+                "torch without the fused RMSNorm kernel)"
             )
         _check_pos_int("training.micro_batch_size", self.micro_batch_size)
         if self.global_batch_size is not None:
@@ -298,7 +301,7 @@ class TrainingConfig:
         return 4 if self.precision == "fp32" else 2
 
 
-NORMALIZATION_IMPLS = ("fused", "torch")
+NORMALIZATION_IMPLS = ("fused", "torch", "torch_composite")
 
 RECOMPUTE_MODULES = frozenset(
     {"core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts"}
@@ -426,9 +429,9 @@ def validate_layout(model: ModelConfig, par: ParallelConfig, tr: TrainingConfig)
             f"training.global_batch_size={tr.global_batch_size} is not a multiple of "
             f"micro_batch_size*dp={tr.micro_batch_size * par.dp}"
         )
-    if tr.normalization_impl == "torch" and par.tp > 1:
+    if tr.normalization_impl.startswith("torch") and par.tp > 1:
         raise ValueError(
-            f"training.normalization_impl='torch' with parallel.tp={par.tp}: megatron-core's "
+            f"training.normalization_impl={tr.normalization_impl!r} with parallel.tp={par.tp}: megatron-core's "
             "torch norm fallback refuses sequence parallelism, which MoE needs at tp > 1; "
             "install TransformerEngine or apex (normalization_impl: fused) or use tp=1"
         )

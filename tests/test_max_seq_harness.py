@@ -298,7 +298,7 @@ def _alive(pid: int) -> bool:
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
 @pytest.mark.parametrize("sleep_s, timeout_s", [(3.0, 60.0), (60.0, 4.0)])
 def test_launch_keeps_the_log_and_kills_leftover_workers(monkeypatch, tmp_path, sleep_s, timeout_s):
-    def command(flags, *, gpus, report):
+    def command(flags, *, gpus, report, capped=False):
         return [sys.executable, "-c", _JOB, str(sleep_s)]
 
     monkeypatch.setattr(ms, "trial_command", command)
@@ -317,6 +317,30 @@ def test_launch_keeps_the_log_and_kills_leftover_workers(monkeypatch, tmp_path, 
         os.kill(worker, signal.SIGKILL)
         pytest.fail(f"worker {worker} outlived its job")
     assert "killed leftover processes" in r["log"]
+
+
+def test_launch_passes_the_allocator_settings(monkeypatch, tmp_path):
+    code = (
+        "import os; print('CONF=' + os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '-'), "
+        "'CAP=' + os.environ.get('RELAYMOE_MEMORY_CAP_BYTES', '-'))"
+    )
+    seen = {}
+    assert ms.trial_command([], gpus=2, report="r", capped=True)[7] == ms.CAPPED_MODULE
+    assert ms.trial_command([], gpus=2, report="r")[7] == "relaymoe.megatron.pretrain"
+
+    def command(flags, *, gpus, report, capped=False):
+        seen["capped"] = capped
+        return [sys.executable, "-c", code]
+
+    monkeypatch.setattr(ms, "trial_command", command)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "garbage_collection_threshold:0.6")
+    r = ms.launch([], gpus=2, timeout_s=60, workdir=tmp_path / "a", cap_bytes=123)
+    assert "CONF=expandable_segments:True CAP=123" in r["log"] and seen["capped"]
+    cmd = (tmp_path / "a" / "command.sh").read_text()
+    assert cmd.startswith("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True ")
+    assert "RELAYMOE_MEMORY_CAP_BYTES=123 " in cmd
+    r = ms.launch([], gpus=2, timeout_s=60, workdir=tmp_path / "b", alloc_conf="")
+    assert "CONF=- CAP=-" in r["log"] and not seen["capped"]  # the allocator's default
 
 
 def test_wait_gpus_free():
@@ -394,7 +418,9 @@ def test_dry_run_prints_predictions_and_plan_and_launches_nothing(monkeypatch, t
 
 def test_main_rejects_bad_arguments(capsys):
     for argv in (["--providers", "mcore_alltoall,bogus"], ["--steps", "1"],
-                 ["--gpu-bytes", "lots"], ["--limit-seq", "100"]):  # fmt: skip
+                 ["--gpu-bytes", "lots"], ["--limit-seq", "100"], ["--growth", "0"],
+                 ["--memory-cap", "h100-80gb", "--gpu-bytes", "80GB"],
+                 ["--memory-cap", "tiny"]):  # fmt: skip
         with pytest.raises(SystemExit):
             ms.main(["--dry-run", *argv])
     assert "bogus" in capsys.readouterr().err
@@ -409,7 +435,8 @@ def test_a_whole_run_writes_one_row_per_provider(monkeypatch, tmp_path):
     }
     launched = []
 
-    def fake_launch(flags, *, gpus, timeout_s, workdir):
+    def fake_launch(flags, *, gpus, timeout_s, workdir, alloc_conf, cap_bytes):
+        assert alloc_conf == ms.ALLOC_CONF and cap_bytes is None
         seq = int(_group(flags, "--seq-length")[0])
         fused = "--relaymoe-fused-loss" in flags
         disp = _group(flags, "--moe-token-dispatcher-type")[0]
@@ -451,6 +478,46 @@ def test_a_whole_run_writes_one_row_per_provider(monkeypatch, tmp_path):
         for t in r["trials"]:
             assert {"seq", "ok", "reason", "wall_s", "peak_MiB"} <= set(t)
         assert r["n_trials"] == len([x for x in launched if x[0] == r["provider"]])
+        assert r["alloc_conf"] == ms.ALLOC_CONF and r["memory_cap_bytes"] is None
+
+
+@pytest.mark.parametrize("cap_marker", [True, False])
+def test_a_capped_run_plans_for_the_smaller_gpu_and_needs_the_cap_marker(
+    monkeypatch, tmp_path, cap_marker
+):
+    from benchmarks.capped_pretrain import MARKER
+    from relaymoe.planner.plan import parse_gpu
+
+    cfg = ms.planner_config(ms.DEFAULT_CONFIG, 2)
+    small = ms.predict(cfg, parse_gpu("h100-80gb"), ["relaymoe_ring_fused_loss"])
+    truth = small.max_seq["relaymoe_ring_fused_loss"] // STEP * STEP
+    caps = []
+
+    def fake_launch(flags, *, gpus, timeout_s, workdir, alloc_conf, cap_bytes):
+        caps.append(cap_bytes)
+        ok = int(_group(flags, "--seq-length")[0]) <= truth
+        log = ms.SDPA_MARKER + "\n" + (MARKER + "\n" if cap_marker else "")
+        return {"returncode": 0 if ok else 1, "timed_out": False, "wall_s": 10.0,
+                "steps": OK_STEPS if ok else OK_STEPS[:1], "log": log + ("" if ok else OOM_LOG),
+                "command": "torchrun ...", "log_dir": str(workdir)}  # fmt: skip
+
+    facts = {"count": 2, "gpu": "FAKE H200", "free_bytes": 149 * 10**9, "total_bytes": 150 * 10**9}
+    monkeypatch.setattr(ms, "launch", fake_launch)
+    monkeypatch.setattr(ms, "device_facts", lambda gpus: facts)
+    monkeypatch.setattr(ms, "wait_gpus_free", lambda gpus: None)
+    out = tmp_path / "rows.jsonl"
+    argv = ["--out", str(out), "--workdir", str(tmp_path / "w"), "--memory-cap", "h100-80gb",
+            "--providers", "relaymoe_ring_fused_loss", "--growth", "0.03"]  # fmt: skip
+    rc = ms.main(argv)
+    (row,) = [json.loads(x) for x in out.read_text().splitlines()]
+    assert set(caps) == {small.usable_bytes} and row["memory_cap_bytes"] == small.usable_bytes
+    assert row["memory_cap_gpu"] == "h100-80gb" and row["planner_gpu_bytes"] == small.gpu_bytes
+    assert row["predicted_max_seq"] == small.max_seq["relaymoe_ring_fused_loss"]
+    if cap_marker:
+        assert rc == 0 and row["max_seq"] == truth and row["stop_reason"] == "converged"
+        assert row["n_trials"] == 3  # the prediction, one move up, one bisection
+    else:  # the cap never took effect: an error, not a measurement
+        assert rc == 1 and row["stop_reason"] == "error" and MARKER in row["error"]
 
 
 # -- the SDPA core attention -------------------------------------------------------------------

@@ -80,8 +80,14 @@ def test_terms_hand_computed():
 
 
 def test_torch_norm_terms_hand_computed():
-    fused, torch_ = small_config(), small_config(training={"normalization_impl": "torch"})
+    fused = small_config()
+    torch_ = small_config(training={"normalization_impl": "torch_composite"})
     sh = mm.shapes(fused)
+    # torch's fused RMSNorm kernel keeps what the fused model counts: nothing extra
+    fused_kernel = small_config(training={"normalization_impl": "torch"})
+    for part in ("attention", "mlp", "final"):
+        assert mm.norm_extra_bytes(fused_kernel, sh, part) == 0
+    assert stage_peak(fused_kernel, 0, "ring").total == stage_peak(fused, 0, "ring").total
     # T = 256 normalised rows of h = 64 per norm, 8 extra bytes per element
     assert mm.norm_extra_bytes(fused, sh, "attention") == 0
     assert mm.norm_extra_bytes(torch_, sh, "attention") == 8 * 256 * 64
@@ -90,7 +96,9 @@ def test_torch_norm_terms_hand_computed():
     with pytest.raises(ValueError, match="norm part 'x'"):
         mm.norm_extra_bytes(torch_, sh, "x")
     # q/k norms: 256 tokens x (4 heads + 2 groups) x 16
-    qk = small_config(model={"qk_layernorm": True}, training={"normalization_impl": "torch"})
+    qk = small_config(
+        model={"qk_layernorm": True}, training={"normalization_impl": "torch_composite"}
+    )
     assert mm.norm_extra_bytes(qk, sh, "attention") == 8 * (256 * 64 + 256 * 6 * 16)
     assert mm.attention_keep_bytes(torch_, sh, 0) == 167936 + 8 * 256 * 64
     assert mm.moe_keep_bytes(torch_, sh, 0, "alltoall") == 65536 + 8 * 256 * 64 + 174080
@@ -98,7 +106,7 @@ def test_torch_norm_terms_hand_computed():
     assert mm.final_norm_bytes(torch_, sh) == 65536 + 8 * 256 * 64
     # torch's LayerNorm is one native kernel (input, mean, rstd): nothing extra
     ln = small_config(
-        model={"normalization": "LayerNorm"}, training={"normalization_impl": "torch"}
+        model={"normalization": "LayerNorm"}, training={"normalization_impl": "torch_composite"}
     )
     assert mm.norm_extra_bytes(ln, sh, "attention") == 0
     # no recompute: each layer retains 3 * 8 * T * h more, the loss phase 8 * T * h more
@@ -115,7 +123,7 @@ def test_torch_norm_terms_hand_computed():
 
 def test_torch_norm_monotone_and_ring_still_below():
     cfg = load_config("qwen3_30b_a3b").replace(parallel={"tp": 1, "dp": 2})
-    t = cfg.replace(training={"normalization_impl": "torch"})
+    t = cfg.replace(training={"normalization_impl": "torch_composite"})
     for d in ("alltoall", "ring"):
         peaks = [stage_peak(t, 0, d, seq=s).total for s in (8192, 16384, 32768)]
         assert peaks == sorted(peaks) and peaks[0] < peaks[-1]
@@ -306,6 +314,14 @@ def test_normalization_impl_inferred_from_megatron_args(monkeypatch):
 
     monkeypatch.setattr(plan_mod.importlib.util, "find_spec", find_spec)
     assert config_from_megatron_args(args).training.normalization_impl == "torch"
+    # a torch without the fused RMSNorm kernel: the composite's fp32 copies are charged
+    import types
+
+    old_torch = types.SimpleNamespace(ops=types.SimpleNamespace(aten=types.SimpleNamespace()))
+    monkeypatch.setitem(plan_mod.sys.modules, "torch", old_torch)
+    assert config_from_megatron_args(args).training.normalization_impl == "torch_composite"
+    monkeypatch.undo()
+    monkeypatch.setattr(plan_mod.importlib.util, "find_spec", find_spec)
     have_apex["v"] = True  # local spec with apex: FusedLayerNorm
     assert config_from_megatron_args(args).training.normalization_impl == "fused"
     have_apex["v"] = False

@@ -18,9 +18,11 @@ Terms (each a function so that tests can check it against hand-computed values):
   the probability-weighted activation; megatron-core applies the probabilities inside the
   expert, so its output is not kept); for the ring only the routing index: it recomputes per
   hop). Norms: ``training.normalization_impl`` "fused" (TE/apex: the bf16 input + an fp32
-  rstd per row, counted in the terms above) or "torch" (megatron-core without TE and apex:
-  ``torch.nn.RMSNorm``'s composite keeps an fp32 copy of its input and the fp32 normalised
-  tensor, ``TORCH_RMSNORM_EXTRA_BYTES`` more per element; see ``norm_extra_bytes``).
+  rstd per row, counted in the terms above), "torch" (megatron-core without TE and apex,
+  ``torch.nn.RMSNorm`` as torch's fused kernel: the same bytes) or "torch_composite" (that
+  fallback on a torch without the kernel: the composite keeps an fp32 copy of its input and
+  the fp32 normalised tensor, ``TORCH_RMSNORM_EXTRA_BYTES`` more per element; see
+  ``norm_extra_bytes``).
 * the MoE-block working set (peak over its inputs while one layer runs fwd+bwd), from
   ``relaymoe.costmodel``: Megatron's alltoall dispatcher (``mcore_alltoall_memory_bytes``:
   coexisting top-k-expanded (P, H) buffers fit to megatron-core, (P, I) intermediates, the
@@ -48,13 +50,14 @@ PROB_BYTES = 4
 # logits + that fp32 copy; backward, the fp32 copy (now the gradient) + its bf16 cast.
 # Checked on an H200 (benchmarks/validate_memory_model.py): 6, not 10.
 LOGIT_BYTES_PER_ELEMENT = 2 + 4
-# torch.nn.RMSNorm (megatron-core's WrappedTorchNorm without TE/apex) runs as a composite in
-# fp32: autograd saves the fp32 upcast of the input (pow, mul) and the fp32 normalised tensor
-# (the weight multiply), 8 bytes per element (checked with saved-tensor hooks, torch 2.14). The
-# fused model counts the bf16 input; on the H200 (megatron-core 0.19.2, no TE/apex) the
-# attention part of a layer measured 239 MiB against 92.5 MiB fused + 8 B x 18 Mi normalised
-# elements (input norm T*h, q/k norms T*(heads+groups)*d) = 236.5 MiB, so the bf16 input stays
-# alive as well and the whole 8 bytes are extra. torch.nn.LayerNorm is one native kernel
+# torch.nn.RMSNorm (megatron-core's WrappedTorchNorm without TE/apex) where torch has no fused
+# kernel for it (CPU tensors, older builds) runs as a composite in fp32: autograd saves the fp32
+# upcast of the input (pow, mul) and the fp32 normalised tensor (the weight multiply), 8 bytes
+# per element beyond the bf16 input (saved-tensor hooks, torch 2.14 on CPU). On CUDA, torch
+# 2.11 (H200) runs it as ``aten::_fused_rms_norm``, which saves the bf16 input, the weight and
+# an fp32 rstd per row (FusedRmsNormBackward0, saved-tensor hooks): nothing extra, and the
+# ring + fused-loss max_seq peaks at 163,840 / 245,760 tokens measured 4% / 2% below the
+# planner without the extra (27% / 31% below with it). torch.nn.LayerNorm is one native kernel
 # (input, mean, rstd): no extra.
 TORCH_RMSNORM_EXTRA_BYTES = 8
 
@@ -220,16 +223,16 @@ def layer_input_bytes(sh: Shapes) -> int:
 def norm_extra_per_element(cfg: Config) -> int:
     """Bytes per normalised element kept beyond the fused norm's (0 unless torch RMSNorm)."""
     t, m = cfg.training, cfg.model
-    if t.normalization_impl == "torch" and m.normalization == "RMSNorm":
+    if t.normalization_impl == "torch_composite" and m.normalization == "RMSNorm":
         return TORCH_RMSNORM_EXTRA_BYTES
     return 0
 
 
 def norm_extra_bytes(cfg: Config, sh: Shapes, part: str, layer: int = 0) -> int:
-    """Extra bytes the norms of ``part`` keep with ``normalization_impl: torch`` (0 when fused):
-    "attention" (input norm, T*h, and the q/k norms, T_a*(heads+groups)*d/tp, full-attention
-    layers with qk_layernorm), "mlp" (pre-MLP norm, T*h) or "final" (the last stage's final
-    norm, T*h). The gated delta net's internal gated norm is not counted."""
+    """Extra bytes the norms of ``part`` keep with ``normalization_impl: torch_composite`` (0
+    otherwise): "attention" (input norm, T*h, and the q/k norms, T_a*(heads+groups)*d/tp,
+    full-attention layers with qk_layernorm), "mlp" (pre-MLP norm, T*h) or "final" (the last
+    stage's final norm, T*h). The gated delta net's internal gated norm is not counted."""
     x = norm_extra_per_element(cfg)
     if not x:
         return 0

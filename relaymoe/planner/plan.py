@@ -8,6 +8,7 @@ import importlib.util
 import json
 import math
 import os
+import sys
 from dataclasses import asdict, dataclass
 
 from relaymoe.config import Config, config_from_dict, recompute_args, to_megatron_args
@@ -373,11 +374,15 @@ def config_from_megatron_args(args) -> Config:
 
 def normalization_impl_of(args) -> str:
     """How a Megatron run normalises: ``--transformer-impl local`` builds apex's fused norms
-    when apex is importable and megatron-core's torch fallback otherwise ("torch");
+    when apex is importable and megatron-core's torch fallback otherwise ("torch", or
+    "torch_composite" when the torch already imported lacks ``aten::_fused_rms_norm``);
     TransformerEngine (Megatron's default impl) fuses them. Looks for apex with
     ``importlib.util.find_spec`` (nothing imported)."""
     impl = getattr(args, "transformer_impl", None) or "transformer_engine"
     if impl == "local" and importlib.util.find_spec("apex") is None:
+        torch = sys.modules.get("torch")
+        if torch is not None and not hasattr(torch.ops.aten, "_fused_rms_norm"):
+            return "torch_composite"
         return "torch"
     return "fused"
 
