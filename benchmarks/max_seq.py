@@ -854,7 +854,7 @@ def print_plan(providers, pred: Prediction, tm: TimeModel, a, gpus: int) -> None
     )
     for name in providers:
         predicted = pred.max_seq.get(name)
-        start = first_trial(predicted, a.start_seq)
+        start = first_trial(a.start_seq or predicted, 32768)
         up, down = ladder(start, SEQ_STEP, growth=a.growth)
         fmt = ", ".join
         print(f"== {name}: planner predicts {predicted if predicted is not None else '-'} "
@@ -879,8 +879,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=STEPS, help="training steps per trial")
     p.add_argument("--budget-s", type=float, default=None, help="wall-time bound of everything")
     p.add_argument("--max-trial-s", type=float, default=1200.0, help="timeout of one trial")
-    p.add_argument("--start-seq", type=int, default=32768,
-                   help="first trial when the planner predicts nothing")  # fmt: skip
+    p.add_argument("--start-seq", type=int, default=None,
+                   help="first trial (default: the planner's prediction, 32768 without one); "
+                        "to resume a search next to trials already made")  # fmt: skip
     p.add_argument("--limit-seq", type=int, default=SEQ_LIMIT, help="never try above this")
     p.add_argument("--gpu-bytes", default=None,
                    help="GPU memory for the planner (bytes, 141GB, a preset); default: the "
@@ -986,7 +987,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.monotonic()
         res = search_max_seq(
             run_one,
-            start=first_trial(pred.max_seq.get(name), a.start_seq),
+            start=first_trial(a.start_seq or pred.max_seq.get(name), 32768),
             max_trial_s=a.max_trial_s,
             estimate_s=tm.trial_s,
             limit=a.limit_seq,
