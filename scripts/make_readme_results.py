@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -72,9 +73,10 @@ TABLES = [
     (
         "max_seq",
         "Longest sequence that trains two steps (measured, full recompute; a search per row)",
-        ("config", "provider", "max_seq"),
-        ["config", "provider", "max_seq", "first_oom_seq", "bracket_open", "stop_reason",
-         "predicted_max_seq"],
+        ("config", "provider", "memory_cap_gpu", "alloc_conf", "max_seq"),
+        ["config", "provider", "memory_cap_gpu", "alloc_conf", "max_seq", "first_oom_seq",
+         "bracket_open", "stop_reason", "predicted_max_seq", "peak_MiB_at_max_seq",
+         "planner_peak_at_max_seq_MiB"],
     ),
     (
         "numerics",
@@ -357,23 +359,30 @@ def headline(items: list[tuple[str, dict, str]]) -> str:
         for s, r in (a, b):
             srcs.add(s)
             commits.add(str(r.get("commit")))
-    ms = [(s, r) for s, r, _ in items if r.get("bench") == "max_seq"]
-    ours = [(s, r) for s, r in ms if r.get("provider") == MAX_SEQ_HEADLINE[0]]
-    theirs = [(s, r) for s, r in ms if r.get("provider") == MAX_SEQ_HEADLINE[1]]
-    if ours and theirs:
-        best = max(r.get("max_seq") or 0 for _, r in ours)
-        base = max(r.get("max_seq") or 0 for _, r in theirs)
-        ooms = [r["first_oom_seq"] for _, r in theirs if isinstance(r.get("first_oom_seq"), int)]
-        if best and base:
-            # The baseline's true limit lies below its first OOM: the ratio to that is a floor.
-            bound = min(ooms) if ooms else base
-            base_txt = _num(base) + (f" (out of memory at {_num(min(ooms))})" if ooms else "")
-            cfg = ours[0][1].get("config", "")
+    # Longest sequence: the newest whole-GPU (uncapped) alltoall row and the ring + fused-loss
+    # rows of the same run folder, so that both come from one commit and one allocator setting.
+    base = _newest(items, "max_seq", {"provider": MAX_SEQ_HEADLINE[1], "memory_cap_gpu": None})
+    if base and base[1].get("max_seq"):
+        run = os.path.dirname(base[0])
+        ours = [
+            (s, r)
+            for s, r, _ in items
+            if r.get("bench") == "max_seq" and os.path.dirname(s) == run
+            and r.get("provider") == MAX_SEQ_HEADLINE[0] and r.get("memory_cap_gpu") is None
+            and r.get("max_seq")
+        ]  # fmt: skip
+        if ours:
+            s_best, best = max(ours, key=lambda x: x[1]["max_seq"])
+            b = base[1]
+            oom = b.get("first_oom_seq")
+            base_txt = _num(b["max_seq"]) + (f" (out of memory at {_num(oom)})" if oom else "")
+            lower = ">= " if best.get("bracket_open") else ""
             lines.append(
-                f"| Longest sequence that trains, tokens (`{cfg}`, EP=2, ring + fused loss vs "
-                f"alltoall) | {_num(best)} | {base_txt} | >= {_ratio(best / bound)} |"
+                f"| Longest sequence that trains, tokens (`{best.get('config', '')}`, EP=2, ring + "
+                f"fused loss vs alltoall) | {lower}{_num(best['max_seq'])} | {base_txt} | "
+                f"{lower}{_ratio(best['max_seq'] / b['max_seq'])} |"
             )
-            for s, r in ours + theirs:
+            for s, r in ((s_best, best), base):
                 srcs.add(s)
                 commits.add(str(r.get("commit")))
     if not lines:

@@ -265,16 +265,30 @@ def test_markers_required(tree):
     assert mrr.main(_args(tree, "--check")) == 2
 
 
-def test_max_seq_headline_is_a_floor_against_the_first_oom():
-    rows = [
-        {"bench": "max_seq", "provider": "relaymoe_ring_fused_loss", "config": "c",
-         "max_seq": 245760, "commit": "abcdef1"},
-        {"bench": "max_seq", "provider": "mcore_alltoall", "max_seq": 0, "first_oom_seq": 81920,
-         "commit": "abcdef1"},
-        {"bench": "max_seq", "provider": "mcore_alltoall", "max_seq": 65536, "commit": "abcdef1"},
-    ]  # fmt: skip
-    out = mrr.headline([("s", r, "run") for r in rows])
-    assert "| 245,760 | 65,536 (out of memory at 81,920) | >= 3.00x |" in out
+def test_max_seq_headline_pairs_whole_gpu_rows_of_one_run():
+    def row(provider, seq, **kw):
+        return {"bench": "max_seq", "provider": provider, "config": "c", "max_seq": seq,
+                "commit": "abcdef1", **kw}  # fmt: skip
+
+    old = [row("relaymoe_ring_fused_loss", 245760), row("mcore_alltoall", 65536)]
+    new = [
+        row("mcore_alltoall", 118784, first_oom_seq=122880, memory_cap_gpu=None),
+        row("relaymoe_ring_fused_loss", 241664, bracket_open=True, memory_cap_gpu=None),
+        row("mcore_alltoall", 28672, first_oom_seq=32768, memory_cap_gpu="64GB"),
+        row("relaymoe_ring_fused_loss", 241664, memory_cap_gpu="64GB"),
+    ]
+    items = [("r1/max_seq.jsonl", r, "run") for r in old]
+    items += [("r2/max_seq.jsonl", r, "run") for r in new[:2]]
+    items += [("r2/max_seq_cap.jsonl", r, "run") for r in new[2:]]
+    out = mrr.headline(items)
+    # the newest uncapped alltoall row and the fused-loss rows of its run only
+    assert "| >= 241,664 | 118,784 (out of memory at 122,880) | >= 2.03x |" in out
+    assert "`r2/max_seq.jsonl`" in out and "r1/" not in out and "max_seq_cap" not in out
+    # a converged fused-loss row is no lower bound
+    items[-3] = ("r2/max_seq.jsonl", {**new[1], "bracket_open": False}, "run")
+    assert "| 241,664 | 118,784 (out of memory at 122,880) | 2.03x |" in mrr.headline(items)
+    # without a fused-loss row in the alltoall row's run: no max_seq line
+    assert "Longest sequence" not in mrr.headline(items[:3])
 
 
 def test_run_names_and_manifests(tmp_path):
