@@ -127,6 +127,12 @@ def main(argv=None) -> int:
         help="comma-separated provider names to run (default: all), e.g. a2a_same_kernel",
     )
     ap.add_argument("--tokens", type=int, default=32768, help="tokens per GPU (default 32k)")
+    ap.add_argument(
+        "--two-level",
+        action="store_true",
+        help="also each ring provider with the two-level schedule forced at one GPU per node "
+        "(suffix _2lvl_g1; issue #18: equal to the flat ring within noise)",
+    )
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/bench_ring.jsonl"))
     args = ap.parse_args(argv)
 
@@ -142,11 +148,13 @@ def main(argv=None) -> int:
             print({k: v for k, v in row.items() if k != "timeline"}, flush=True)
         rows.append(row)
 
-    def ring_row(shape, layer, provider, mode, transport, overlap, extra=None):
+    def ring_row(shape, layer, provider, mode, transport, overlap, extra=None, topo=None):
+        topo = topo or {}
+
         def fwd():
             return ring_moe(layer.x, layer.w13, layer.w2, layer.idx, layer.probs, group=group,
                             mode=mode, transport=transport, overlap=overlap,
-                            trusted=True)  # fmt: skip
+                            trusted=True, **topo)  # fmt: skip
 
         def bwd(out):
             out.backward(layer.dy)
@@ -157,7 +165,7 @@ def main(argv=None) -> int:
 
         prob = resolved_problem(layer.x, layer.w13, layer.w2, layer.idx, layer.probs,
                                 group=group, mode=mode, transport=transport,
-                                trusted=True)  # fmt: skip
+                                trusted=True, **topo)  # fmt: skip
         step()  # first call allocates the copy-engine workspace (persistent, reported below)
         saved, peak_alloc = _memory(fwd, bwd)
         symm = symmetric_workspace_bytes() / MiB if prob.transport == "copy_engine" else 0.0
@@ -171,7 +179,8 @@ def main(argv=None) -> int:
                                  1),
             saved_for_bwd_MiB=saved, peak_over_inputs_MiB=peak, peak_alloc_MiB=peak_alloc,
             mode=prob.mode, transport=prob.transport, overlap=overlap,
-            symm_workspace_MiB=round(symm, 1),
+            symm_workspace_MiB=round(symm, 1), schedule=topo.get("schedule", prob.schedule),
+            gpus_per_node=topo.get("gpus_per_node", prob.gpus_per_node),
         )  # fmt: skip
         if overlap and world > 1 and prob.mode != "alltoall":
             with record_timeline() as tl_o:
@@ -179,7 +188,7 @@ def main(argv=None) -> int:
             with record_timeline() as tl_s:
                 bwd(ring_moe(layer.x, layer.w13, layer.w2, layer.idx, layer.probs, group=group,
                              mode=prob.mode, transport=prob.transport, overlap=False,
-                             trusted=True))  # fmt: skip
+                             trusted=True, **topo))  # fmt: skip
             row.update(_summarize_timeline(tl_o, tl_s))
         row.update(extra or {})
         emit(row)
@@ -213,6 +222,10 @@ def main(argv=None) -> int:
         name = f"relaymoe_ring_{mode}" + ("" if ov else "_nooverlap")
         name += "" if tr == "auto" else f"_{tr}"
         guarded(name, lambda m=mode, t=tr, o=ov, n=name: ring_row(shape, layer, n, m, t, o))
+        if args.two_level and ov:
+            forced = {"schedule": "two_level", "gpus_per_node": 1}
+            guarded(name + "_2lvl_g1", lambda m=mode, t=tr, n=name + "_2lvl_g1", f=forced:
+                    ring_row(shape, layer, n, m, t, True, topo=f))  # fmt: skip
 
     def baseline_row(provider, shape, fwd, bwd, extra=None):
         """Time and measure one all-to-all baseline's fwd+bwd and emit its row."""

@@ -28,6 +28,13 @@ def moe_flops_fwd_bwd(tokens: int, topk: int, hidden: int, ffn: int) -> float:
     return 18.0 * tokens * topk * hidden * ffn
 
 
+def torch_norm_impl() -> str:
+    """The planner's ``normalization_impl`` of megatron-core's torch norm fallback with this
+    torch: ``torch`` where RMSNorm is torch's fused kernel (``aten::_fused_rms_norm``, used on
+    CUDA), ``torch_composite`` otherwise (``relaymoe.planner.memory``)."""
+    return "torch" if hasattr(torch.ops.aten, "_fused_rms_norm") else "torch_composite"
+
+
 def commit() -> str:
     env = os.environ.get("RELAYMOE_COMMIT")
     if env:

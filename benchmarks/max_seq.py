@@ -157,9 +157,9 @@ def normalization_impl() -> str:
 
     if _have_te() or importlib.util.find_spec("apex") is not None:
         return "fused"
-    import torch
+    from benchmarks.common import torch_norm_impl
 
-    return "torch" if hasattr(torch.ops.aten, "_fused_rms_norm") else "torch_composite"
+    return torch_norm_impl()
 
 
 def planner_config(config: str, gpus: int):

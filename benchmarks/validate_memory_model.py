@@ -145,11 +145,14 @@ CASES: tuple[Case, ...] = (
 
 def local_spec_norm_impl() -> str:
     """``normalization_impl`` of megatron-core's local spec here: apex's FusedLayerNorm when
-    apex is importable, else the torch fallback (``WrappedTorchNorm``). TransformerEngine does
-    not matter: the script builds the local spec (no TE modules)."""
+    apex is importable, else the torch fallback (``WrappedTorchNorm``: ``torch`` or
+    ``torch_composite`` by this torch, ``benchmarks.common.torch_norm_impl``). TransformerEngine
+    does not matter: the script builds the local spec (no TE modules)."""
     import importlib.util
 
-    return "fused" if importlib.util.find_spec("apex") is not None else "torch"
+    from benchmarks.common import torch_norm_impl
+
+    return "fused" if importlib.util.find_spec("apex") is not None else torch_norm_impl()
 
 
 def planner_config(case: Case, normalization_impl: str | None = None) -> Config:
@@ -624,10 +627,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--normalization-impl",
-        choices=["auto", "fused", "torch"],
+        choices=["auto", "fused", "torch", "torch_composite"],
         default="auto",
-        help="the planner's norm model (auto: torch unless apex is importable, as the local "
-        "spec builds it; fused/torch only for --plan-only what-ifs)",
+        help="the planner's norm model (auto: as the local spec builds it here, see "
+        "local_spec_norm_impl; the others only for --plan-only what-ifs)",
     )
     args = ap.parse_args(argv)
     SWIGLU_FUSION[0] = not args.no_swiglu_fusion

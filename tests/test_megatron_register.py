@@ -77,6 +77,13 @@ def test_parser_accepts_ring_and_relaymoe_flags(mcore):
     assert parser.parse_args([]).relaymoe_ring_mode == "auto"
     with pytest.raises(SystemExit):
         parser.parse_args(["--relaymoe-ring-mode", "sideways"])
+    ns = parser.parse_args("--relaymoe-ring-schedule two_level --relaymoe-gpus-per-node 8".split())
+    assert (ns.relaymoe_ring_schedule, ns.relaymoe_gpus_per_node) == ("two_level", 8)
+    defaults = parser.parse_args([])
+    assert (defaults.relaymoe_ring_schedule, defaults.relaymoe_gpus_per_node) == ("auto", None)
+    for bad in (["--relaymoe-ring-schedule", "tree"], ["--relaymoe-gpus-per-node", "0"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(bad)
     # megatron's own parser (the unpatched function) rejects ring: the patch is what adds it
     original = arguments.add_megatron_arguments.__relaymoe_original__
     plain = original(argparse.ArgumentParser(allow_abbrev=False))
@@ -92,9 +99,15 @@ def test_settings_from_args_and_configure(mcore):
     s = mcore.configure(mode="expert", overlap=False)
     assert s == settings.RingSettings(mode="expert", transport="auto", overlap=False)
     assert settings.current_settings() is s
+    s = mcore.configure(schedule="two_level", gpus_per_node=4)
+    assert (s.schedule, s.gpus_per_node, s.mode) == ("two_level", 4, "expert")
     settings.reset()
     with pytest.raises(ValueError, match="ring mode"):
         settings.RingSettings(mode="diagonal")
+    with pytest.raises(ValueError, match="ring schedule 'tree'"):
+        settings.RingSettings(schedule="tree")
+    with pytest.raises(ValueError, match="gpus_per_node=0 must be a positive int"):
+        settings.RingSettings(gpus_per_node=0)
 
 
 def test_supported_config_passes(mcore):

@@ -118,7 +118,8 @@ def _stacked_grads(leaves):
 
 def _run_case(rank, world, group, *, seed, tokens, El, K, dtype, prob_dtype=None, mode="expert",
               transport="auto", overlap=True, route="uniform", check_grads=True, form="tensor",
-              tol=None, backend="auto", trusted=False):  # fmt: skip
+              tol=None, backend="auto", trusted=False, schedule="auto",
+              gpus_per_node=None):  # fmt: skip
     """ring_moe on this rank's slice vs the oracle; returns the ring's (out, grads)."""
     from relaymoe.ring import ring_moe
 
@@ -143,11 +144,13 @@ def _run_case(rank, world, group, *, seed, tokens, El, K, dtype, prob_dtype=None
         overlap=overlap,
         backend=backend,
         trusted=trusted,
+        schedule=schedule,
+        gpus_per_node=gpus_per_node,
     )
     if tol is None:
         tol = 1e-11 if dtype == pdt == torch.float64 else 3e-5
     what = (f"mode={mode} dtype={dtype} tokens={tokens} El={El} K={K} route={route} form={form} "
-            f"rank={rank}")  # fmt: skip
+            f"schedule={schedule} gpus_per_node={gpus_per_node} rank={rank}")  # fmt: skip
     assert out.shape == (hi - lo, H) and out.dtype == dtype, what
     assert _rel(out, ref_out[lo:hi]) < tol, f"out {_rel(out, ref_out[lo:hi])} {what}"
     if not check_grads:

@@ -11,46 +11,58 @@ import torch
 from relaymoe.ring import CommVolume, RingPlan, comm_volume
 from relaymoe.ring.layout import ALIGN, Layout
 
+# (R, G): flat rings (G None) and two-level rings of N = R/G nodes (2x2, 3x2, 2x3, 2x4, 4x2, ...)
+_TOPOLOGIES = [(R, None) for R in (1, 2, 3, 4, 5)] + [
+    (4, 2), (6, 2), (6, 3), (8, 4), (8, 2), (4, 1), (4, 4), (9, 3),
+]  # fmt: skip
+
 
 def _plans():
-    for R in (1, 2, 3, 4, 5):
-        sizes = [0, 100, 256, 1000, 7]
+    sizes = [0, 100, 256, 1000, 7]
+    for R, G in _TOPOLOGIES:
         for lead, trail in itertools.product(
             [[512] * R, [sizes[i % 5] for i in range(R)]],
             [None, [300] * R, [sizes[(i + 2) % 5] for i in range(R)]],
         ):
-            yield R, lead, trail
+            yield R, G, lead, trail
 
 
-@pytest.mark.parametrize("R,lead,trail", list(_plans()))
-def test_plan_every_send_matches_its_receive(R, lead, trail):
-    plans = [RingPlan(r, R, lead, trail) for r in range(R)]
+_PLAN_CASES = list(_plans())
+_PLAN_IDS = [f"R{R}-G{G}-{'u' if len(set(lead)) == 1 else 'v'}-{t is None}" for R, G, lead, t in
+             _PLAN_CASES]  # fmt: skip
+
+
+@pytest.mark.parametrize("R,G,lead,trail", _PLAN_CASES, ids=_PLAN_IDS)
+def test_plan_every_send_matches_its_receive(R, G, lead, trail):
+    plans = [RingPlan(r, R, lead, trail, gpus_per_node=G) for r in range(R)]
     cap = plans[0].capacity()
     assert all(p.capacity() == cap for p in plans)  # identical on every rank
     last = R if trail is not None else R - 1
     for h in range(R + 1):
-        for r in range(R):
-            x = plans[r].transfer(h)
-            y = plans[(r + 1) % R].transfer(h)  # the receiver of r's send
-            if x.send is None:
-                assert y.recv is None
-            else:
-                assert y.recv is not None and y.recv.nbytes == x.send.nbytes
-                assert y.recv_src == x.send and y.recv_peer == r and x.send_peer == (r + 1) % R
-                assert x.send.stop <= cap and (y.recv.slot < 0 or y.recv.stop <= cap)
-                assert h <= last
+        xs = [plans[r].transfer(h) for r in range(R)]
+        sent = {(r, leg.peer): leg for r in range(R) for leg in xs[r].sends}
+        got = {(leg.peer, r): leg for r in range(R) for leg in xs[r].recvs}
+        assert sent.keys() == got.keys()  # every send has its receive, nothing else arrives
+        for (a, b), leg in sent.items():
+            assert got[(a, b)].src == leg.range and got[(a, b)].nbytes == leg.nbytes > 0
+            assert leg.range.stop <= cap and (got[(a, b)].range.slot < 0 or
+                                              got[(a, b)].range.stop <= cap)  # fmt: skip
+            assert h <= last
+        for x in xs:  # at most one message per peer and direction
+            assert len({leg.peer for leg in x.sends}) == len(x.sends) <= 2
+            assert len({leg.peer for leg in x.recvs}) == len(x.recvs) <= 2
             if R == 1:
-                assert x.send is None and x.recv is None
+                assert not x.sends and not x.recvs
 
 
-@pytest.mark.parametrize("R,lead,trail", list(_plans()))
-def test_plan_data_lands_where_it_is_read(R, lead, trail):
+@pytest.mark.parametrize("R,G,lead,trail", _PLAN_CASES, ids=_PLAN_IDS)
+def test_plan_data_lands_where_it_is_read(R, G, lead, trail):
     """Simulate the bytes: each rank's slots hold tags; after every hop the receiver's next slot
     must hold the lead of the partition it computes next and the trail of the partition it just
     computed, exactly where ``slot_layout`` says."""
     if R == 1:
         return
-    plans = [RingPlan(r, R, lead, trail) for r in range(R)]
+    plans = [RingPlan(r, R, lead, trail, gpus_per_node=G) for r in range(R)]
     cap = plans[0].capacity()
     slots = [[[None] * cap, [None] * cap] for _ in range(R)]
     for r in range(R):  # own lead packed into slot 0
@@ -60,11 +72,11 @@ def test_plan_data_lands_where_it_is_read(R, lead, trail):
         for r in range(R):
             lay = plans[r].slot_layout(h)
             if h <= R - 1:
-                assert lay.lead_partition == (r - h) % R
+                assert lay.lead_partition == plans[r].partition(h)
                 for b in range(lay.lead_bytes):
                     assert slots[r][h % 2][b] == ("lead", lay.lead_partition, b), (h, r, b)
             if trail is not None and h >= 1:
-                p = (r - h + 1) % R
+                p = plans[r].partition(h - 1)
                 for b in range(lay.trail_bytes):
                     assert slots[r][h % 2][lay.trail_offset + b] == ("trail", p, b)
         if h == R:
@@ -72,10 +84,9 @@ def test_plan_data_lands_where_it_is_read(R, lead, trail):
         # compute: rank r writes its trail share of partition (r-h) into slot (h+1)%2 at h == 0
         new = [[list(s[0]), list(s[1])] for s in slots]
         for r in range(R):
-            x = plans[r].transfer(h)
-            if x.recv is not None and x.recv.slot >= 0:
-                src = slots[x.recv_peer][x.recv_src.slot][x.recv_src.start : x.recv_src.stop]
-                new[r][x.recv.slot][x.recv.start : x.recv.stop] = src
+            for leg in plans[r].transfer(h).recvs:
+                src = slots[leg.peer][leg.src.slot][leg.src.start : leg.src.stop]
+                new[r][leg.range.slot][leg.range.start : leg.range.stop] = src
             if trail is not None and h == 0:
                 nxt = plans[r].slot_layout(1)
                 for b in range(nxt.trail_bytes):
@@ -85,10 +96,54 @@ def test_plan_data_lands_where_it_is_read(R, lead, trail):
         for r in range(R):  # the final return brings every rank its own trail
             x = plans[r].transfer(R)
             if trail[r] == 0:
-                assert x.recv is None
+                assert not x.recvs
                 continue
-            got = slots[x.recv_peer][x.recv_src.slot][x.recv_src.start : x.recv_src.stop]
+            (leg,) = x.recvs
+            got = slots[leg.peer][leg.src.slot][leg.src.start : leg.src.stop]
             assert got == [("trail", r, b) for b in range(trail[r])]
+
+
+@pytest.mark.parametrize("R,G", [(4, 2), (6, 2), (6, 3), (8, 4), (8, 2), (12, 4), (16, 8)])
+def test_two_level_visits_every_pair_once_and_crosses_nodes_on_disjoint_links(R, G):
+    plans = [RingPlan(r, R, [1] * R, [1] * R, gpus_per_node=G) for r in range(R)]
+    N = R // G
+    assert plans[0].schedule == "two_level" and plans[0].nodes == N
+    node = [r // G for r in range(R)]
+    for r in range(R):  # each rank computes each partition exactly once, its own first
+        seen = [plans[r].partition(s) for s in range(R)]
+        assert sorted(seen) == list(range(R)) and seen[0] == r
+        for s in range(R):
+            assert plans[r].who(s, seen[s]) == r
+    for s in range(R):  # at every step the partitions form a permutation of the ranks
+        assert sorted(plans[r].partition(s) for r in range(R)) == list(range(R))
+    inter_hops = []
+    for h in range(R - 1):
+        lead_dst = {r: plans[r].who(h + 1, plans[r].partition(h)) for r in range(R)}
+        crossing = [r for r in range(R) if node[lead_dst[r]] != node[r]]
+        if crossing:  # a node crossing: every GPU at once, each to the same local rank
+            inter_hops.append(h)
+            assert crossing == list(range(R))
+            assert all(lead_dst[r] == (r + G) % R for r in range(R))  # G disjoint links a node
+        else:  # inside the node: its ring g -> g+1
+            assert all(lead_dst[r] == node[r] * G + (r % G + 1) % G for r in range(R))
+    assert inter_hops == [j * G + G - 1 for j in range(N - 1)]  # N-1 crossings of R-1 lead hops
+    # the trail parts from its lead only around a crossing: on the hop after it
+    for h in range(1, R):
+        split = any(len(plans[r].transfer(h).sends) == 2 for r in range(R))
+        assert split == (h - 1 in inter_hops or h in inter_hops)
+
+
+@pytest.mark.parametrize("R", [2, 3, 4, 6])
+def test_one_gpu_per_node_and_one_node_are_the_flat_ring(R):
+    sizes = [(37 * r) % 700 + 1 for r in range(R)]
+    for G in (1, R):
+        for r in range(R):
+            a = RingPlan(r, R, sizes, sizes[::-1])
+            b = RingPlan(r, R, sizes, sizes[::-1], gpus_per_node=G)
+            assert b.schedule == "flat" and b.capacity() == a.capacity()
+            for h in range(R + 1):
+                assert a.transfer(h) == b.transfer(h)
+                assert a.slot_layout(h) == b.slot_layout(h)
 
 
 def test_plan_rejects_bad_arguments():
@@ -98,6 +153,9 @@ def test_plan_rejects_bad_arguments():
         RingPlan(0, 2, [1], None)
     with pytest.raises(ValueError, match="outside"):
         RingPlan(0, 2, [1, 1], None).transfer(3)
+    for bad in (0, 4, -2, 2.0, True):
+        with pytest.raises(ValueError, match=f"gpus_per_node={bad!r} must be a positive divisor"):
+            RingPlan(0, 6, [1] * 6, None, gpus_per_node=bad)
 
 
 def test_layout_views_are_aligned_and_disjoint():

@@ -133,6 +133,8 @@ class RingDispatcher(MoETokenDispatcher):
             mode=s.mode,
             transport=s.transport,
             overlap=s.overlap,
+            schedule=s.schedule,
+            gpus_per_node=s.gpus_per_node,
             trusted=True,  # ids from Megatron's router; every EP rank runs the same shapes
         )
 

@@ -44,7 +44,7 @@ def _mark(fn, original):
 # --------------------------------------------------------------------------- argparse
 def add_relaymoe_args(parser):
     """The ``relaymoe`` argument group (also usable as an ``extra_args_provider``)."""
-    from relaymoe.megatron.settings import RING_MODES, RING_TRANSPORTS
+    from relaymoe.megatron.settings import RING_MODES, RING_SCHEDULES, RING_TRANSPORTS
 
     if any(a.dest == "relaymoe_ring_mode" for a in parser._actions):
         return parser
@@ -62,6 +62,21 @@ def add_relaymoe_args(parser):
         choices=RING_TRANSPORTS,
         default="auto",
         help="P2P transport of the ring hops (auto: copy engine within a node when available)",
+    )
+    group.add_argument(
+        "--relaymoe-ring-schedule",
+        choices=RING_SCHEDULES,
+        default="auto",
+        help="hop order of the ring: one ring over the EP group (flat), rings inside each node "
+        "joined by hops every GPU of a node makes at once to the next node (two_level), or "
+        "two_level when the EP group spans nodes (auto)",
+    )
+    group.add_argument(
+        "--relaymoe-gpus-per-node",
+        type=_positive_int,
+        default=None,
+        help="GPUs per node of the EP group, for the two-level ring (default: read from the "
+        "EP ranks' hosts)",
     )
     group.add_argument(
         "--relaymoe-no-overlap",

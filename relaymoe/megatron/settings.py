@@ -1,10 +1,12 @@
-"""relaymoe's settings in Megatron: ring mode/transport/overlap, fused loss (no Megatron import).
+"""relaymoe's settings in Megatron: ring mode/transport/overlap/schedule, fused loss (no Megatron
+import).
 
 Precedence, field by field: ``relaymoe.megatron.configure(...)`` > Megatron's parsed arguments
 (``--relaymoe-ring-mode``, ``--relaymoe-transport``, ``--relaymoe-no-overlap``,
-``--relaymoe-fused-loss``, ``--relaymoe-loss-chunk-tokens``, read from
-``megatron.training.get_args()`` when a training script parsed them) > defaults
-(``auto``/``auto``/overlap on/fused loss off/chunk chosen by ``relaymoe.linear_cross_entropy``).
+``--relaymoe-ring-schedule``, ``--relaymoe-gpus-per-node``, ``--relaymoe-fused-loss``,
+``--relaymoe-loss-chunk-tokens``, read from ``megatron.training.get_args()`` when a training
+script parsed them) > defaults (``auto``/``auto``/overlap on/``auto`` schedule with the nodes read
+from the ranks' hosts/fused loss off/chunk chosen by ``relaymoe.linear_cross_entropy``).
 Read once per model part at build time: the ring settings by each ``RingDispatcher``, the loss
 settings by each ``GPTModel``.
 """
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
-from relaymoe.costmodel import MODE_CHOICES, TRANSPORT_CHOICES
+from relaymoe.costmodel import MODE_CHOICES, SCHEDULE_CHOICES, TRANSPORT_CHOICES
 
 __all__ = [
     "Settings",
@@ -21,12 +23,14 @@ __all__ = [
     "configure",
     "current_settings",
     "RING_MODES",
+    "RING_SCHEDULES",
     "RING_TRANSPORTS",
 ]
 
 # the --relaymoe-ring-mode / --relaymoe-transport choices (names: relaymoe.costmodel)
 RING_MODES = MODE_CHOICES
 RING_TRANSPORTS = TRANSPORT_CHOICES
+RING_SCHEDULES = SCHEDULE_CHOICES
 
 
 @dataclass(frozen=True)
@@ -36,12 +40,23 @@ class Settings:
     overlap: bool = True
     fused_loss: bool = False
     loss_chunk_tokens: int | None = None  # None: linear_cross_entropy's own choice
+    schedule: str = "auto"
+    gpus_per_node: int | None = None  # None: from the EP ranks' hosts
 
     def __post_init__(self):
         if self.mode not in RING_MODES:
             raise ValueError(f"ring mode {self.mode!r} is not one of {RING_MODES}")
         if self.transport not in RING_TRANSPORTS:
             raise ValueError(f"ring transport {self.transport!r} is not one of {RING_TRANSPORTS}")
+        if self.schedule not in RING_SCHEDULES:
+            raise ValueError(f"ring schedule {self.schedule!r} is not one of {RING_SCHEDULES}")
+        gpn = self.gpus_per_node
+        if gpn is not None and (isinstance(gpn, bool) or not isinstance(gpn, int) or gpn < 1):
+            raise ValueError(
+                f"gpus_per_node={gpn!r} must be a positive int (the GPUs of one node); fix: pass "
+                "--relaymoe-gpus-per-node N with N >= 1, or leave it unset to read the nodes "
+                "from the ranks' hosts"
+            )
         chunk = self.loss_chunk_tokens
         if chunk is not None and (
             isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1
@@ -66,6 +81,8 @@ def configure(
     overlap: bool | None = None,
     fused_loss: bool | None = None,
     loss_chunk_tokens: int | None = None,
+    schedule: str | None = None,
+    gpus_per_node: int | None = None,
 ) -> Settings:
     """Set relaymoe's settings for models built from now on (each given field overrides the
     Megatron argument of the same name; fields not given keep theirs)."""
@@ -76,6 +93,8 @@ def configure(
         "overlap": overlap,
         "fused_loss": fused_loss,
         "loss_chunk_tokens": loss_chunk_tokens,
+        "schedule": schedule,
+        "gpus_per_node": gpus_per_node,
     }
     kw = {k: v for k, v in given.items() if v is not None}
     _OVERRIDE = replace(_OVERRIDE or Settings(), **kw)
@@ -104,6 +123,8 @@ def _from_megatron_args() -> Settings | None:
         overlap=not args.relaymoe_no_overlap,
         fused_loss=bool(getattr(args, "relaymoe_fused_loss", False)),
         loss_chunk_tokens=getattr(args, "relaymoe_loss_chunk_tokens", None),
+        schedule=getattr(args, "relaymoe_ring_schedule", "auto"),
+        gpus_per_node=getattr(args, "relaymoe_gpus_per_node", None),
     )
 
 

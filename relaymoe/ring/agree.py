@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from relaymoe.costmodel import MODE_CHOICES, TRANSPORT_CHOICES, choose_mode
+from relaymoe.costmodel import MODE_CHOICES, SCHEDULE_CHOICES, TRANSPORT_CHOICES, choose_mode
 from relaymoe.kernels import check_problem_limits
 from relaymoe.ring.faults import all_reduce_checked, check_markers
 from relaymoe.ring.transport import copy_engine_available, copy_engine_works
@@ -64,12 +64,14 @@ _DEVICE_TYPES = ("cpu", "cuda")
     F_GRAD,
     F_CE,
     F_LIVE,
-) = range(15)
-NUM_FIELDS = 15
+    F_SCHED,
+    F_GPN,
+) = range(17)
+NUM_FIELDS = 17
 
 _ERRORS = {
     1: "an input is not a tensor (or, for w13/w2, not a list of per-expert tensors)",
-    2: "mode or transport is not one of the accepted names",
+    2: "mode, transport, schedule or gpus_per_node is not one of the accepted values",
     3: "input shapes are inconsistent (x (T, H), w13 (E_local, 2I, H), w2 (E_local, H, I), "
     "topk_idx/topk_probs (T, K))",
     4: "dtypes are wrong (x, w13, w2 one float dtype; topk_probs float; topk_idx integer)",
@@ -99,6 +101,10 @@ class RingProblem:
     # as the sizes, so a hop knows its pair count without a host sync of its own. None: the hops
     # size their buffers from the bound ``pair_bound`` (trusted callers, small T).
     pairs: tuple[tuple[int, ...], ...] | None
+    # the hop order (schedule.RingPlan): "flat", or "two_level" over nodes of gpus_per_node
+    # consecutive ranks (None for flat)
+    schedule: str = "flat"
+    gpus_per_node: int | None = None
 
     @property
     def num_experts(self) -> int:
@@ -159,7 +165,17 @@ def _weight_meta(name: str, w, want: str) -> tuple[_Meta | None, str]:
 
 
 def _local_check(
-    x, w13, w2, topk_idx, topk_probs, mode, transport, world, validate_ids: bool = True
+    x,
+    w13,
+    w2,
+    topk_idx,
+    topk_probs,
+    mode,
+    transport,
+    world,
+    validate_ids: bool = True,
+    schedule: str = "auto",
+    gpus_per_node: int | None = None,
 ) -> tuple[int, str]:
     """(error code, message) of this rank's inputs; (0, "") when they are fine."""
     tensors = dict(x=x, topk_idx=topk_idx, topk_probs=topk_probs)
@@ -178,6 +194,15 @@ def _local_check(
         return 2, f"mode must be one of {MODES}, got {mode!r}"
     if transport not in TRANSPORTS:
         return 2, f"transport must be one of {TRANSPORTS}, got {transport!r}"
+    if schedule not in SCHEDULE_CHOICES:
+        return 2, f"schedule must be one of {SCHEDULE_CHOICES}, got {schedule!r}"
+    if gpus_per_node is not None and (
+        isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node < 1
+    ):
+        return 2, (
+            f"gpus_per_node must be a positive int (the GPUs of one node in the EP group) or "
+            f"None (from the ranks' hosts), got {gpus_per_node!r}"
+        )
     if x.dim() != 2 or m13.dim() != 3 or m2.dim() != 3:
         return 3, (
             f"x must be (T, H), w13 (E_local, 2I, H), w2 (E_local, H, I); got x "
@@ -252,9 +277,14 @@ def _agree_collective(
     needs_grad: bool,
     validate_ids: bool,
     with_pairs: bool,
+    schedule: str = "auto",
+    gpus_per_node: int | None = None,
 ) -> RingProblem:
     """Validate on every rank at once; raise the same ``ValueError`` everywhere or agree."""
-    code, msg = _local_check(x, w13, w2, topk_idx, topk_probs, mode, transport, world, validate_ids)
+    code, msg = _local_check(
+        x, w13, w2, topk_idx, topk_probs, mode, transport, world, validate_ids, schedule,
+        gpus_per_node,
+    )  # fmt: skip
     row = [0] * NUM_FIELDS
     row[F_ERR] = code
     if code == 0:
@@ -268,6 +298,8 @@ def _agree_collective(
         row[F_TRANSPORT] = TRANSPORTS.index(transport) + 1
         row[F_GRAD] = int(needs_grad) + 1
         row[F_CE] = int(x.is_cuda and copy_engine_available()) + 1
+        row[F_SCHED] = SCHEDULE_CHOICES.index(schedule) + 1
+        row[F_GPN] = gpus_per_node or 0
     row[F_HOST] = _host_hash()
     row[F_LIVE] = 1  # the validity marker: a sum missing a rank's row lacks its 1
     counts = _pairs_per_owner(topk_idx, row[F_EL], world) if code == 0 and with_pairs else None
@@ -324,6 +356,8 @@ def _agree_collective(
         "whether a backward is needed (1 no, 2 yes: grad enabled and an input requires grad)",
         "every rank must run the backward of ring_moe, or none",
     )
+    same(F_SCHED, f"the requested schedule ({_codes(SCHEDULE_CHOICES)})", "pass the same schedule")
+    same(F_GPN, "gpus_per_node (0: from the hosts)", "pass the same gpus_per_node on every rank")
 
     r0 = rows[0]
     dtype, prob_dtype = _FLOATS[r0[F_DTYPE] - 1], _FLOATS[r0[F_PDTYPE] - 1]
@@ -366,6 +400,11 @@ def _agree_collective(
         tr_res = "copy_engine" if ce_ok and copy_engine_works(g, x.device) else "nccl"
     else:
         tr_res = "nccl"
+    sched, gpn = "flat", None
+    if world > 1 and mode_res != "alltoall":
+        sched, gpn = resolve_schedule(
+            SCHEDULE_CHOICES[r0[F_SCHED] - 1], r0[F_GPN] or None, [rw[F_HOST] for rw in rows]
+        )
     return RingProblem(
         rank=rank,
         world_size=world,
@@ -380,7 +419,67 @@ def _agree_collective(
         transport=tr_res,
         needs_grad=needs,
         pairs=tuple(tuple(rw[NUM_FIELDS:]) for rw in rows) if with_pairs else None,
+        schedule=sched,
+        gpus_per_node=gpn,
     )
+
+
+def _codes(names) -> str:
+    return ", ".join(f"{i + 1} {n}" for i, n in enumerate(names))
+
+
+def nodes_from_hosts(hosts: list) -> int | None:
+    """GPUs per node when the ranks form equal blocks of consecutive ranks, one host per block
+    and a different host for each block (rank ``n*G + g`` on node ``n``); None otherwise."""
+    blocks = [1]
+    for a, b in zip(hosts, hosts[1:], strict=False):
+        if a == b:
+            blocks[-1] += 1
+        else:
+            blocks.append(1)
+    starts = [0]
+    for n in blocks[:-1]:
+        starts.append(starts[-1] + n)
+    block_hosts = [hosts[s] for s in starts]
+    if len(set(blocks)) != 1 or len(set(block_hosts)) != len(block_hosts):
+        return None
+    return blocks[0]
+
+
+def resolve_schedule(
+    requested: str, gpus_per_node: int | None, hosts: list
+) -> tuple[str, int | None]:
+    """``(schedule, gpus_per_node)`` a ring of ``len(hosts)`` ranks runs (the same on every rank:
+    the inputs are agreed). ``gpus_per_node`` None: from the ranks' hosts. ``auto`` and
+    ``two_level`` run two levels when there are several nodes of several GPUs; one node, or one
+    GPU per node, is the flat order anyway."""
+    R = len(hosts)
+    G = gpus_per_node if gpus_per_node is not None else nodes_from_hosts(hosts)
+    if gpus_per_node is not None and gpus_per_node < R and R % gpus_per_node:
+        raise ValueError(
+            f"ring_moe: gpus_per_node={gpus_per_node} does not divide the EP group's {R} ranks; "
+            "the two-level ring needs nodes of equally many consecutive ranks: pass the GPUs "
+            "per node of the group (a divisor of its size), or schedule='flat'"
+        )
+    if requested == "flat":
+        return "flat", None
+    if G is None:
+        if requested == "two_level":
+            raise ValueError(
+                "ring_moe: schedule='two_level' needs nodes of equally many consecutive ranks, but "
+                f"the EP group's hosts by rank are {_host_runs(hosts)}; pass gpus_per_node (and "
+                "order the ranks node by node), or use schedule='flat'"
+            )
+        return "flat", None  # auto: an irregular placement runs the flat ring
+    if 1 < G < R:
+        return "two_level", G
+    return "flat", None
+
+
+def _host_runs(hosts: list) -> str:
+    names = {}
+    labels = [names.setdefault(h, f"host{len(names)}") for h in hosts]
+    return "[" + ", ".join(labels) + "]"
 
 
 def _mode_name(mode) -> str:
@@ -403,14 +502,14 @@ def _check_limits(rows, mode: str) -> None:
 _AGREED: dict[tuple, RingProblem] = {}
 
 
-def _signature(x, w13, w2, topk_idx, topk_probs, mode, transport, needs_grad) -> tuple:
+def _signature(x, w13, w2, topk_idx, topk_probs, mode, transport, needs_grad, *topo) -> tuple:
     def meta(t):
         if isinstance(t, Tensor):
             return (tuple(t.shape), t.dtype, t.device.type)
         return (len(t), tuple(t[0].shape), t[0].dtype, t[0].device.type)
 
     return (meta(x), meta(w13), meta(w2), meta(topk_idx), meta(topk_probs), mode, transport,
-            needs_grad)  # fmt: skip
+            needs_grad, *topo)  # fmt: skip
 
 
 def _bounded(prob: RingProblem) -> bool:
@@ -452,6 +551,8 @@ def agree(
     transport: str,
     needs_grad: bool,
     trusted: bool = False,
+    schedule: str = "auto",
+    gpus_per_node: int | None = None,
 ) -> RingProblem:
     """The :class:`RingProblem` every rank agrees on, or the same ``ValueError`` on every rank.
 
@@ -461,14 +562,16 @@ def agree(
     cache = trusted and os.environ.get("RELAYMOE_RING_AGREE", "cached") != "every_call"
     key = None
     if cache:
-        sig = _signature(x, w13, w2, topk_idx, topk_probs, mode, transport, needs_grad)
+        sig = _signature(
+            x, w13, w2, topk_idx, topk_probs, mode, transport, needs_grad, schedule, gpus_per_node
+        )
         key = (getattr(group, "group_name", None) or id(group), rank, world, sig)
         prob = _AGREED.get(key)
         if prob is None:
             prob = _agree_collective(
                 x, w13, w2, topk_idx, topk_probs, group=group, rank=rank, world=world,
                 mode=mode, transport=transport, needs_grad=needs_grad, validate_ids=False,
-                with_pairs=False,
+                with_pairs=False, schedule=schedule, gpus_per_node=gpus_per_node,
             )  # fmt: skip
             _AGREED[key] = prob
         if _bounded(prob):
@@ -477,4 +580,5 @@ def agree(
     return _agree_collective(
         x, w13, w2, topk_idx, topk_probs, group=group, rank=rank, world=world, mode=mode,
         transport=transport, needs_grad=needs_grad, validate_ids=True, with_pairs=True,
+        schedule=schedule, gpus_per_node=gpus_per_node,
     )  # fmt: skip

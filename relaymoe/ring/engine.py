@@ -122,10 +122,14 @@ def _token_trail(prob: RingProblem, T: int, backward: bool) -> Layout:
     return Layout.of(("out", prob.dtype, (T, H)))
 
 
+def _plan(prob: RingProblem, lead: list[int], trail: list[int] | None) -> RingPlan:
+    return RingPlan(prob.rank, prob.world_size, lead, trail, gpus_per_node=prob.gpus_per_node)
+
+
 def _expert_plans(prob: RingProblem) -> tuple[RingPlan, RingPlan]:
     R = prob.world_size
     w = _weights_layout(prob).nbytes
-    return RingPlan(prob.rank, R, [w] * R, None), RingPlan(prob.rank, R, [w] * R, [w] * R)
+    return _plan(prob, [w] * R, None), _plan(prob, [w] * R, [w] * R)
 
 
 def _token_layouts(prob: RingProblem, backward: bool) -> dict:
@@ -139,16 +143,14 @@ def _token_layouts(prob: RingProblem, backward: bool) -> dict:
 
 
 def _token_plans(prob: RingProblem) -> tuple[RingPlan, RingPlan]:
-    R, Ts = prob.world_size, prob.tokens
-    fwd = RingPlan(
-        prob.rank,
-        R,
+    Ts = prob.tokens
+    fwd = _plan(
+        prob,
         [_token_lead(prob, t, False).nbytes for t in Ts],
         [_token_trail(prob, t, False).nbytes for t in Ts],
     )
-    bwd = RingPlan(
-        prob.rank,
-        R,
+    bwd = _plan(
+        prob,
         [_token_lead(prob, t, True).nbytes for t in Ts],
         [_token_trail(prob, t, True).nbytes for t in Ts],
     )
@@ -402,6 +404,8 @@ def ring_moe(
     overlap: bool = True,
     backend: str = "auto",
     trusted: bool = False,
+    schedule: str = "auto",
+    gpus_per_node: int | None = None,
 ) -> Tensor:
     """MoE experts over the expert-parallel ``group`` by ring execution (RelayMoE §3.1-3.3).
 
@@ -425,6 +429,11 @@ def ring_moe(
     a node) or ``"auto"`` (copy engine when every rank is a CUDA device of one node with
     symmetric memory, else nccl). ``overlap=False`` serialises transfer and compute (ablation).
     ``backend``: the hop primitives' backend (``"auto"``, ``"triton"``, ``"torch"``).
+    ``schedule``: the hop order (``schedule.py``): ``"flat"`` (one ring), ``"two_level"`` (rings
+    inside each node of ``gpus_per_node`` consecutive ranks, joined by hops that every GPU of a
+    node makes to the same local rank of the next node at once) or ``"auto"`` (two-level when the
+    group spans several nodes of several GPUs). ``gpus_per_node``: None to read the nodes from the
+    ranks' hosts (exchanged in the agreement), else the GPUs per node of the group.
 
     Every rank of the group must call it (and its backward) with the same mode/transport; bad
     input raises ``ValueError`` on every rank before any P2P. Ranks may mix the two weight forms.
@@ -457,6 +466,8 @@ def ring_moe(
             transport=transport,
             needs_grad=needs_grad,
             trusted=trusted,
+            schedule=schedule,
+            gpus_per_node=gpus_per_node,
         )
     return _RingMoE.apply(x, topk_probs, topk_idx, prob, group, backend, overlap, listed, *ws)
 
@@ -474,4 +485,6 @@ def resolved_problem(*args, **kwargs) -> RingProblem:
         transport=kwargs.pop("transport", "auto"),
         needs_grad=needs_grad,
         trusted=kwargs.pop("trusted", False),
+        schedule=kwargs.pop("schedule", "auto"),
+        gpus_per_node=kwargs.pop("gpus_per_node", None),
     )

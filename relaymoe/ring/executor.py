@@ -196,25 +196,25 @@ class RingExecutor:
         ``recv_into``: destination of the final return (hop ``R``); slots otherwise.
         """
         xfer = self.plan.transfer(hop)
-        send = recv = None
-        if xfer.send is not None:
-            send = self.slots[xfer.send.slot][xfer.send.start : xfer.send.stop]
-        if xfer.recv is not None:
-            if xfer.recv.slot < 0:
-                recv = recv_into[: xfer.recv.nbytes]
-            else:
-                recv = self.slots[xfer.recv.slot][xfer.recv.start : xfer.recv.stop]
+
+        def view(rng):
+            if rng.slot < 0:
+                return recv_into[rng.start : rng.stop]
+            return self.slots[rng.slot][rng.start : rng.stop]
+
+        sends = [view(leg.range) for leg in xfer.sends]
+        recvs = [view(leg.range) for leg in xfer.recvs]
 
         def issue():
             self.mark(hop, "t0", on_comm=True)
-            with self.watch.issuing(op="p2p", hop=hop, peers={xfer.send_peer, xfer.recv_peer}):
-                works = self.transport.issue(xfer, send, recv)
+            with self.watch.issuing(op="p2p", hop=hop, peers=set(xfer.peers)):
+                works = self.transport.issue(xfer, sends, recvs)
             self.mark(hop, "t1", on_comm=True)
             if self._mark_events:
                 self.watch.mark(self.stream, op="copy-engine barrier and pull", hop=hop)
             return works
 
-        nbytes = 0 if send is None else send.numel()
+        nbytes = xfer.send_bytes
         if self._recording:
             self._marks.setdefault(hop, {})["_bytes"] = nbytes
         works = self._on_comm(issue)

@@ -1,30 +1,45 @@
-"""The ring schedule: pure Python, no torch (RelayMoE §3.1, Fig. 5).
+"""The ring schedule: pure Python, no torch (RelayMoE §3.1, Fig. 5), flat or two-level.
 
-Ranks ``0..R-1`` form a ring; every hop each rank sends to ``r+1`` and receives from ``r-1``.
-At hop ``h`` rank ``r`` computes with partition ``(r - h) mod R`` (its own at hop 0). Two kinds
-of data travel:
+Every rank computes every partition once, one per step ``s = 0..R-1``, its own at step 0;
+``partition(s, r)`` says which, and ``who(s, p)`` which rank computes ``p`` at step ``s``. Two
+orders exist (``costmodel.SCHEDULES``):
+
+* **flat**: one ring over the group: rank ``r`` computes ``(r - s) mod R``, so every hop each rank
+  sends to ``r+1``. Across nodes every hop then crosses the slow link at one rank per node.
+* **two_level** (``gpus_per_node = G``, ``N = R/G`` nodes, rank ``r = n*G + g``): ``N`` rounds of
+  ``G`` steps. Inside a round the partitions circulate around the node's ring (``g -> g+1``, G-1
+  hops over NVLink); between rounds every GPU of the node hands its partition to the same local
+  rank of the next node (``n -> n+1``), all ``G`` links at once. At step ``s = j*G + i`` rank
+  ``(n, g)`` computes the partition of rank ``(n - j mod N, g - i + j mod G)``: for each round ``j``
+  one node's partitions, every local index once, so every (rank, partition) pair occurs exactly
+  once. ``G = R`` (one node) and ``G = 1`` give the flat order.
+
+Two kinds of data travel:
 
 * the **lead**: the partition itself (expert weights, or tokens with their routing metadata),
-  sent at hops ``0..R-2`` so that it is already in place when the receiver's next hop starts;
+  sent at hops ``0..R-2`` to the rank that computes it at the next step, so that it is already in
+  place when that rank's next step starts;
 * the **trail** (optional): the accumulator every rank adds into (expert-weight gradients in
-  expert mode, outputs or token gradients in token mode). It travels one hop behind its
-  partition: a rank computes its local share into a scratch without waiting, then waits for the
-  incoming partial accumulator, adds into it and sends it with its next transfer. The trail is
-  sent at hops ``1..R-1`` merged with the lead into one contiguous range, and after the last
-  hop it makes one trail-only hop home ("hop R").
+  expert mode, outputs or token gradients in token mode). It follows its partition's path one hop
+  behind: a rank computes its local share into a scratch without waiting, then waits for the
+  incoming partial accumulator, adds into it and sends it at the next hop to where the lead went.
+  After the last step it makes one trail-only hop home to the partition's owner ("hop R").
 
-Two slots (double buffer) hold this data; step ``h`` (``0..R``) of rank ``r`` lives in slot
-``h % 2`` laid out as ``[lead of partition (r-h) | trail of partition (r-h+1)]``. Every size
+Two slots (double buffer) hold this data; step ``s`` (``0..R``) of rank ``r`` lives in slot
+``s % 2`` laid out as ``[lead of partition(s) | trail of partition(s-1)]``. A hop's lead and
+trail go to the same peer in a flat ring (one contiguous range); in the two-level ring they part
+at the hops around a node crossing (the lead goes to the next node, the trail still to the node
+neighbour, or the reverse), so a hop has up to two sends and two receives (``Leg``s). Every size
 comes from the per-partition byte counts known to all ranks, so every rank can compute every
-other rank's layout: a receiver knows exactly how many bytes arrive and where a pulling
-transport finds them on the sender.
+other rank's layout: a receiver knows exactly how many bytes arrive and where a pulling transport
+finds them on the sender.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ByteRange", "HopTransfer", "RingPlan", "SlotLayout"]
+__all__ = ["ByteRange", "HopTransfer", "Leg", "RingPlan", "SlotLayout"]
 
 _ALIGN = 256
 
@@ -64,18 +79,37 @@ class SlotLayout:
 
 
 @dataclass(frozen=True)
+class Leg:
+    """One message of a hop: the ``peer`` (a group rank) and the byte ``range`` in this rank's
+    buffers; for a receive, ``src`` is the sender's range (pulling transports read it)."""
+
+    peer: int
+    range: ByteRange
+    src: ByteRange | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.range.nbytes
+
+
+@dataclass(frozen=True)
 class HopTransfer:
-    """One rank's transfer of hop ``h``: what it sends to ``send_peer`` and receives from
-    ``recv_peer`` (``None`` when nothing), and where the receive's bytes sit on the sender."""
+    """One rank's transfers of hop ``h``: at most two sends and two receives, each with a distinct
+    peer (a lead and a trail for the same peer travel as one range)."""
 
     hop: int
-    send_peer: int
-    recv_peer: int
-    send: ByteRange | None
-    recv: ByteRange | None
-    recv_src: ByteRange | None  # the sender's ``send`` range (pulling transports read it)
+    sends: tuple[Leg, ...]
+    recvs: tuple[Leg, ...]
     sends_lead: bool
     sends_trail: bool
+
+    @property
+    def peers(self) -> frozenset[int]:
+        return frozenset(leg.peer for leg in (*self.sends, *self.recvs))
+
+    @property
+    def send_bytes(self) -> int:
+        return sum(leg.nbytes for leg in self.sends)
 
 
 class RingPlan:
@@ -83,10 +117,18 @@ class RingPlan:
 
     ``lead_bytes[p]`` / ``trail_bytes[p]``: bytes of partition ``p``'s lead / trail (``trail_bytes``
     None when nothing trails, e.g. the expert-mode forward whose output stays home).
+    ``gpus_per_node``: ``None`` for the flat order, else ``G`` for the two-level order over
+    ``R/G`` nodes of ``G`` consecutive ranks (``G`` must divide ``R``).
     """
 
     def __init__(
-        self, rank: int, world_size: int, lead_bytes: list[int], trail_bytes: list[int] | None
+        self,
+        rank: int,
+        world_size: int,
+        lead_bytes: list[int],
+        trail_bytes: list[int] | None,
+        *,
+        gpus_per_node: int | None = None,
     ):
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} must lie in [0, world_size={world_size})")
@@ -94,10 +136,25 @@ class RingPlan:
             trail_bytes is not None and len(trail_bytes) != world_size
         ):
             raise ValueError("lead_bytes/trail_bytes need one entry per rank")
+        G = world_size if gpus_per_node is None else gpus_per_node
+        if isinstance(G, bool) or not isinstance(G, int) or G < 1 or world_size % G:
+            raise ValueError(
+                f"gpus_per_node={gpus_per_node!r} must be a positive divisor of the group's "
+                f"{world_size} ranks (nodes of equally many consecutive ranks); fix: pass the "
+                "GPUs per node of the EP group, or None for a flat ring"
+            )
         self.rank = rank
         self.world_size = world_size
+        self.gpus_per_node = G
+        self.nodes = world_size // G
         self.lead_bytes = tuple(int(b) for b in lead_bytes)
         self.trail_bytes = None if trail_bytes is None else tuple(int(b) for b in trail_bytes)
+
+    @property
+    def schedule(self) -> str:
+        """``two_level`` when both levels have more than one member, else ``flat`` (the same
+        order as the flat ring)."""
+        return "two_level" if 1 < self.gpus_per_node < self.world_size else "flat"
 
     @property
     def has_trail(self) -> bool:
@@ -107,10 +164,20 @@ class RingPlan:
     def num_hops(self) -> int:
         return self.world_size
 
-    def partition(self, hop: int, rank: int | None = None) -> int:
-        """Partition computed at ``hop`` by ``rank`` (default: this rank)."""
+    def partition(self, step: int, rank: int | None = None) -> int:
+        """Partition computed at ``step`` by ``rank`` (default: this rank)."""
         r = self.rank if rank is None else rank
-        return (r - hop) % self.world_size
+        G, N = self.gpus_per_node, self.nodes
+        n, g = divmod(r, G)
+        j, i = divmod(step, G)
+        return (n - j) % N * G + (g - i + j) % G
+
+    def who(self, step: int, partition: int) -> int:
+        """The rank that computes ``partition`` at ``step`` (the inverse of ``partition``)."""
+        G, N = self.gpus_per_node, self.nodes
+        pn, pg = divmod(partition, G)
+        j, i = divmod(step, G)
+        return (pn + j) % N * G + (pg + i - j) % G
 
     def slot_layout(self, step: int, rank: int | None = None) -> SlotLayout:
         """Layout of ``rank``'s slot ``step % 2`` during step ``step`` in ``0..R``."""
@@ -118,61 +185,66 @@ class RingPlan:
         R = self.world_size
         if not 0 <= step <= R:
             raise ValueError(f"step {step} outside [0, {R}]")
-        lead_p = (r - step) % R if step <= R - 1 else None
+        lead_p = self.partition(step, r) if step <= R - 1 else None
         lead = self.lead_bytes[lead_p] if lead_p is not None else 0
-        trail_p = (r - step + 1) % R if (step >= 1 and self.has_trail) else None
+        trail_p = self.partition(step - 1, r) if (step >= 1 and self.has_trail) else None
         trail = self.trail_bytes[trail_p] if trail_p is not None else 0
         return SlotLayout(lead_p, lead, trail_p, _align(lead) if lead else 0, trail)
 
-    def _send_range(self, hop: int, rank: int) -> ByteRange | None:
+    def _sends(self, hop: int, rank: int) -> list[tuple[str, Leg]]:
+        """``rank``'s non-empty sends of ``hop`` as ``(kind, leg)``, kind lead/trail/both."""
         R = self.world_size
         lay = self.slot_layout(hop, rank)
-        lead = hop <= R - 2
-        trail = hop >= 1 and self.has_trail
-        if hop == R:  # final trail-only return
-            lead = False
-        if lead and trail:
-            start, stop = 0, lay.trail_offset + lay.trail_bytes
-        elif lead:
-            start, stop = 0, lay.lead_bytes
-        elif trail:
-            start, stop = lay.trail_offset, lay.trail_offset + lay.trail_bytes
-        else:
-            return None
-        if stop == start:
-            return None
-        return ByteRange(hop % 2, start, stop)
+        lead_to = trail_to = None
+        if hop <= R - 2 and lay.lead_bytes:
+            lead_to = self.who(hop + 1, lay.lead_partition)
+        if self.has_trail and hop >= 1 and lay.trail_bytes:
+            p = lay.trail_partition
+            trail_to = self.who(hop, p) if hop < R else p  # hop R: home to the owner
+        slot, t0, t1 = hop % 2, lay.trail_offset, lay.trail_offset + lay.trail_bytes
+        if lead_to is not None and lead_to == trail_to:
+            return [("both", Leg(lead_to, ByteRange(slot, 0, t1)))]
+        out = []
+        if lead_to is not None:
+            out.append(("lead", Leg(lead_to, ByteRange(slot, 0, lay.lead_bytes))))
+        if trail_to is not None:
+            out.append(("trail", Leg(trail_to, ByteRange(slot, t0, t1))))
+        return out
 
     def transfer(self, hop: int, rank: int | None = None) -> HopTransfer:
-        """Transfer of ``hop`` in ``0..R`` (hop ``R``: the trail's return home, if any)."""
+        """Transfers of ``hop`` in ``0..R`` (hop ``R``: the trail's return home, if any)."""
         r = self.rank if rank is None else rank
         R = self.world_size
         if not 0 <= hop <= R:
             raise ValueError(f"hop {hop} outside [0, {R}]")
-        send_peer, recv_peer = (r + 1) % R, (r - 1) % R
+        lead = hop <= R - 2
+        trail = self.has_trail and hop >= 1
         if R == 1 or (hop == R and not self.has_trail):
-            return HopTransfer(hop, send_peer, recv_peer, None, None, None, False, False)
-        send = self._send_range(hop, r)
-        src = self._send_range(hop, recv_peer)
-        recv = None
-        if src is not None:
-            if hop == R:
-                recv = ByteRange(-1, 0, src.nbytes)  # into a fresh buffer of the owner
-            else:
-                # A range that starts at byte 0 holds the lead (same partition, same size on
-                # both sides); a trail-only range lands in the receiver's trail region.
-                start = 0 if src.start == 0 else self.slot_layout(hop + 1, r).trail_offset
-                recv = ByteRange((hop + 1) % 2, start, start + src.nbytes)
-        return HopTransfer(
-            hop,
-            send_peer,
-            recv_peer,
-            send,
-            recv,
-            src,
-            sends_lead=hop <= R - 2,
-            sends_trail=self.has_trail and 1 <= hop,
-        )
+            return HopTransfer(hop, (), (), False, False)
+        sends = tuple(leg for _, leg in self._sends(hop, r))
+        # who sends to r: the lead of its next partition, the trail of the partition it computes
+        sources = set()
+        if lead:
+            sources.add(self.who(hop, self.partition(hop + 1, r)))
+        if trail and hop < R:
+            sources.add(self.who(hop - 1, self.partition(hop, r)))
+        elif trail:  # hop R: whoever computed this rank's own partition last
+            sources.add(self.who(R - 1, r))
+        recvs = []
+        for src in sorted(sources):
+            for kind, leg in self._sends(hop, src):
+                if leg.peer != r:
+                    continue
+                n = leg.nbytes
+                if hop == R:
+                    rng = ByteRange(-1, 0, n)  # into a fresh buffer of the owner
+                elif kind == "trail":
+                    start = self.slot_layout(hop + 1, r).trail_offset
+                    rng = ByteRange((hop + 1) % 2, start, start + n)
+                else:  # the lead (and a merged trail: the same lead partition, the same offset)
+                    rng = ByteRange((hop + 1) % 2, 0, n)
+                recvs.append(Leg(src, rng, leg.range))
+        return HopTransfer(hop, sends, tuple(recvs), sends_lead=lead, sends_trail=trail)
 
     def capacity(self) -> int:
         """Bytes one slot needs on any rank at any step (identical on every rank)."""

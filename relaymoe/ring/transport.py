@@ -1,7 +1,8 @@
-"""Transports that move one hop's contiguous byte range from rank ``r-1`` to rank ``r``.
+"""Transports that move one hop's byte ranges between ranks (``schedule.HopTransfer``: up to two
+sends and two receives, each with its own peer; one of each in a flat ring).
 
-* ``nccl`` (:class:`P2PTransport`): ``dist.batch_isend_irecv`` with the hop's send and receive in
-  one group, in the same order on every rank. The same code runs over gloo on CPU and over NCCL
+* ``nccl`` (:class:`P2PTransport`): ``dist.batch_isend_irecv`` with the hop's sends and receives
+  in one group, in the same order on every rank. The same code runs over gloo on CPU and over NCCL
   within and across nodes. On CUDA it is issued from the executor's communication stream.
 * ``copy_engine`` (:class:`CopyEngineTransport`, CUDA within one node): both slots live in one
   persistent ``torch.distributed._symmetric_memory`` allocation per (group, device); each rank
@@ -65,14 +66,15 @@ class Transport(abc.ABC):
         """Called once per pass before the first hop when ``needs_entry_sync``."""
 
     @abc.abstractmethod
-    def issue(self, xfer: HopTransfer, send: Tensor | None, recv: Tensor | None) -> list:
-        """Start the transfer on the current stream; returns ``(work, peers)`` pairs: the works
+    def issue(self, xfer: HopTransfer, sends: list[Tensor], recvs: list[Tensor]) -> list:
+        """Start the transfer on the current stream (``sends``/``recvs``: the byte views of
+        ``xfer.sends``/``xfer.recvs``, in order); returns ``(work, peers)`` pairs: the works
         to wait for (bounded) before the data is read on CPU, or at the end of the pass on CUDA
         (already ordered on the stream), and the group ranks each depends on."""
 
 
 class P2PTransport(Transport):
-    """``batch_isend_irecv`` (NCCL on CUDA, gloo on CPU): one send and one receive per hop."""
+    """``batch_isend_irecv`` (NCCL on CUDA, gloo on CPU): a hop's sends and receives at once."""
 
     name = "nccl"
 
@@ -86,13 +88,17 @@ class P2PTransport(Transport):
             torch.empty(capacity, dtype=torch.uint8, device=device),
         )
 
-    def issue(self, xfer: HopTransfer, send: Tensor | None, recv: Tensor | None) -> list:
-        ops = []
-        # Same order on every rank: the send first, then the receive.
-        if send is not None:
-            ops.append(dist.P2POp(dist.isend, send, group=self.group, group_peer=xfer.send_peer))
-        if recv is not None:
-            ops.append(dist.P2POp(dist.irecv, recv, group=self.group, group_peer=xfer.recv_peer))
+    def issue(self, xfer: HopTransfer, sends: list[Tensor], recvs: list[Tensor]) -> list:
+        # Same order on every rank: the sends first, then the receives. No two messages of one
+        # hop share a (sender, receiver) pair, so the order cannot mismatch them.
+        ops = [
+            dist.P2POp(dist.isend, t, group=self.group, group_peer=leg.peer)
+            for leg, t in zip(xfer.sends, sends, strict=True)
+        ]
+        ops += [
+            dist.P2POp(dist.irecv, t, group=self.group, group_peer=leg.peer)
+            for leg, t in zip(xfer.recvs, recvs, strict=True)
+        ]
         if not ops:
             return []
         works = dist.batch_isend_irecv(ops)
@@ -164,13 +170,13 @@ class CopyEngineTransport(Transport):
     def entry_sync(self) -> None:
         _barrier(self._hdl, self.timeout_s)
 
-    def issue(self, xfer: HopTransfer, send: Tensor | None, recv: Tensor | None) -> list:
+    def issue(self, xfer: HopTransfer, sends: list[Tensor], recvs: list[Tensor]) -> list:
         _barrier(self._hdl, self.timeout_s)
-        if recv is not None:
-            src = xfer.recv_src
+        for leg, recv in zip(xfer.recvs, recvs, strict=True):
+            src = leg.src
             # Byte offset of the sender's range inside its allocation (slot + range start).
             offset = int(getattr(self._hdl, "offset", 0)) + src.slot * self._cap + src.start
-            peer = self._hdl.get_buffer(xfer.recv_peer, (src.nbytes,), torch.uint8, offset)
+            peer = self._hdl.get_buffer(leg.peer, (src.nbytes,), torch.uint8, offset)
             recv.copy_(peer)  # device-to-device memcpy of peer memory: copy engines, no SMs
         return []
 

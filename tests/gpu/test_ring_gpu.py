@@ -5,7 +5,8 @@ Two spawned ranks run every check in one world (bf16 bound 1e-2, CONTRIBUTING.md
 zero token counts, overlap on and off, the hop timeline, bitwise determinism, the list form of
 the expert weights (per-expert parameters in DDP-like layouts: correct, bitwise equal to the
 tensor form where rows keep expert order, and no stacked weight copy alive after forward), and
-a ValueError on both ranks for a bad input followed by a good call (nothing hangs).
+a ValueError on both ranks for a bad input followed by a good call (nothing hangs), and the
+two-level schedule forced with one GPU per node, bitwise the flat ring (issue #18).
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def _weights(w13, w2, form):
 
 
 def _case(rank, dev, *, transport, mode, tokens, overlap=True, route="uniform", seed=0,
-          form="tensor", check_memory=False):  # fmt: skip
+          form="tensor", check_memory=False, **topology):  # fmt: skip
     from relaymoe.reference import moe_experts_reference
     from relaymoe.ring import ring_moe
 
@@ -106,7 +107,7 @@ def _case(rank, dev, *, transport, mode, tokens, overlap=True, route="uniform", 
     torch.cuda.synchronize(dev)
     before = torch.cuda.memory_allocated(dev)
     out = ring_moe(x, w13, w2, pb["idx"][lo:hi], probs, mode=mode, transport=transport,
-                   overlap=overlap)  # fmt: skip
+                   overlap=overlap, **topology)  # fmt: skip
     if check_memory:  # list form: what forward leaves alive holds no copy of the expert weights
         grown = torch.cuda.memory_allocated(dev) - before
         weights = EL * 3 * H * I * 2
@@ -189,6 +190,18 @@ def _worker(rank, port, outdir):
                 assert all(torch.equal(u, v) for u, v in zip(a[1], b[1], strict=True)), t
 
         run("determinism", determinism)
+
+        def two_level_one_gpu_per_node():  # issue #18: the two-level path forced at EP=2
+            for t in ("nccl", "copy_engine"):
+                for m in ("expert", "token"):
+                    a = _case(rank, dev, transport=t, mode=m, tokens=[900, 700], seed=7,
+                              schedule="flat")  # fmt: skip
+                    b = _case(rank, dev, transport=t, mode=m, tokens=[900, 700], seed=7,
+                              schedule="two_level", gpus_per_node=1)  # fmt: skip
+                    assert torch.equal(a[0], b[0]), (t, m)
+                    assert all(torch.equal(u, v) for u, v in zip(a[1], b[1], strict=True)), (t, m)
+
+        run("two_level_one_gpu_per_node", two_level_one_gpu_per_node)
 
         def bad_input():
             x = torch.randn(8, H, device=dev, dtype=torch.bfloat16)
