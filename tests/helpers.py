@@ -87,6 +87,58 @@ def run_spawned(target, args_of_rank, world: int, timeout: float) -> tuple[list[
     return hung, [p.exitcode for p in procs]
 
 
+def _gloo_scenario_worker(rank, world, port, outdir, scenarios, timeout_s):
+    """One rank of ``run_gloo_scenarios``: every scenario on an explicit group of all ranks."""
+    import json
+    import os
+    import traceback
+    from datetime import timedelta
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    results = {}
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+            timeout=timedelta(seconds=timeout_s),
+        )  # fmt: skip
+        group = dist.new_group(list(range(world)))  # an explicit group, not the default
+        for fn in scenarios:
+            try:
+                fn(rank, world, group)
+                results[fn.__name__] = "ok"
+            except Exception:
+                results[fn.__name__] = traceback.format_exc()
+        dist.destroy_process_group()
+    except Exception:
+        results["setup"] = traceback.format_exc()
+    Path(outdir, f"rank{rank}.json").write_text(json.dumps(results))
+
+
+def run_gloo_scenarios(scenarios, world: int, outdir, *, timeout: float, pg_timeout_s: int = 30):
+    """Run every ``fn(rank, world, group)`` of ``scenarios`` (module-level functions) on each rank
+    of a spawned gloo world of ``world`` ranks; fails the calling test when a rank hung, died or
+    a scenario raised on any rank (the message holds every rank's traceback)."""
+    import json
+    from pathlib import Path
+
+    port = free_port()
+    args = (world, port, str(outdir), tuple(scenarios), pg_timeout_s)
+    hung, codes = run_spawned(_gloo_scenario_worker, lambda r: (r, *args), world, timeout)
+    assert not hung, f"ranks {hung} hung (world {world})"
+    failures = []
+    for r in range(world):
+        f = Path(outdir, f"rank{r}.json")
+        assert f.exists(), f"rank {r} died (exit code {codes[r]})"
+        res = json.loads(f.read_text())
+        assert set(res) == {fn.__name__ for fn in scenarios} or "setup" in res, res.keys()
+        failures += [f"rank {r} {name}:\n{msg}" for name, msg in res.items() if msg != "ok"]
+    assert not failures, "\n".join(failures)
+
+
 # ---------------------------------------------------------------------------------------------
 # Tiny model configs: the one copy every test builds its small models from
 # ---------------------------------------------------------------------------------------------

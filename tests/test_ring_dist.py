@@ -8,18 +8,14 @@ oracle applied to the whole problem.
 
 from __future__ import annotations
 
-import json
 import os
-import traceback
-from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from relaymoe.reference import moe_experts_reference
-from tests.helpers import free_port, run_spawned
+from tests.helpers import run_gloo_scenarios
 
 pytestmark = pytest.mark.slow
 
@@ -559,56 +555,9 @@ SCENARIOS = [_correctness, _triton_backend, _list_forms, _no_persistent_copy, _d
              _microbatches_in_flight, _trusted_steady_state]  # fmt: skip
 
 
-def _worker(rank, world, port, outdir):
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    results = {}
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=30),
-        )
-        group = dist.new_group(list(range(world)))  # an explicit group, not the default
-        for fn in SCENARIOS:
-            try:
-                fn(rank, world, group)
-                results[fn.__name__] = "ok"
-            except Exception:
-                results[fn.__name__] = traceback.format_exc()
-        dist.destroy_process_group()
-    except Exception:
-        results["setup"] = traceback.format_exc()
-    Path(outdir, f"rank{rank}.json").write_text(json.dumps(results))
-
-
-def _spawn(world, tmp_path, timeout=300):  # world 4 on 2 cores: about 3 minutes
-    port = free_port()
-    hung, exitcodes = run_spawned(
-        _worker, lambda r: (r, world, port, str(tmp_path)), world, timeout
-    )
-    assert not hung, f"ranks {hung} hung (world {world})"
-    out = {}
-    for r in range(world):
-        f = Path(tmp_path, f"rank{r}.json")
-        assert f.exists(), f"rank {r} died (exit code {exitcodes[r]})"
-        out[r] = json.loads(f.read_text())
-    return out
-
-
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_ring_moe_gloo(world, tmp_path):
-    results = _spawn(world, tmp_path)
-    failures = [
-        f"rank {r} {name}:\n{msg}"
-        for r, res in results.items()
-        for name, msg in res.items()
-        if msg != "ok"
-    ]
-    assert not failures, "\n".join(failures)
-    assert all(set(res) == {fn.__name__ for fn in SCENARIOS} for res in results.values())
+def test_ring_moe_gloo(world, tmp_path):  # world 4 on 2 cores: about 3 minutes
+    run_gloo_scenarios(SCENARIOS, world, tmp_path, timeout=300)
 
 
 def test_ring_moe_without_process_group_is_a_world_of_one():

@@ -10,17 +10,11 @@ each rank fakes here by patching the host hash the agreement exchanges. The sche
 
 from __future__ import annotations
 
-import json
-import os
-import traceback
-from datetime import timedelta
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
 
-from tests.helpers import free_port, run_spawned
+from tests.helpers import run_gloo_scenarios
 from tests.test_ring_dist import _problem, _rel, _run_case
 
 pytestmark = pytest.mark.slow
@@ -130,41 +124,9 @@ def _bad_topologies(rank, world, group):
 SCENARIOS = (_two_level, _one_gpu_per_node_is_the_flat_ring, _nodes_from_hosts, _bad_topologies)
 
 
-def _worker(rank, world, port, outdir):
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    results = {}
-    try:
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-            timeout=timedelta(seconds=30),
-        )  # fmt: skip
-        group = dist.new_group(list(range(world)))
-        for fn in SCENARIOS:
-            try:
-                fn(rank, world, group)
-                results[fn.__name__] = "ok"
-            except Exception:
-                results[fn.__name__] = traceback.format_exc()
-        dist.destroy_process_group()
-    except Exception:
-        results["setup"] = traceback.format_exc()
-    Path(outdir, f"rank{rank}.json").write_text(json.dumps(results))
-
-
 @pytest.mark.parametrize("world", [4, 6])
 def test_two_level_ring_gloo(world, tmp_path):
-    port = free_port()
-    hung, codes = run_spawned(_worker, lambda r: (r, world, port, str(tmp_path)), world, 420)
-    assert not hung, f"ranks {hung} hung (world {world})"
-    failures = []
-    for r in range(world):
-        f = Path(tmp_path, f"rank{r}.json")
-        assert f.exists(), f"rank {r} died (exit code {codes[r]})"
-        res = json.loads(f.read_text())
-        assert set(res) == {fn.__name__ for fn in SCENARIOS}, res.keys()
-        failures += [f"rank {r} {name}:\n{msg}" for name, msg in res.items() if msg != "ok"]
-    assert not failures, "\n".join(failures)
+    run_gloo_scenarios(SCENARIOS, world, tmp_path, timeout=420)
 
 
 def test_rel_helper_is_strict():  # the comparisons above would pass anything if this did
