@@ -40,7 +40,7 @@ from relaymoe.ring.faults import all_reduce_checked, check_markers
 from relaymoe.ring.transport import copy_engine_available, copy_engine_works
 from relaymoe.routing import validate_topk_idx
 
-__all__ = ["RingProblem", "agree"]
+__all__ = ["RingProblem", "RingRequest", "agree"]
 
 MODES = MODE_CHOICES  # the names live in relaymoe.costmodel
 TRANSPORTS = TRANSPORT_CHOICES
@@ -79,6 +79,18 @@ _ERRORS = {
     6: "topk_idx is invalid (an expert id outside [0, E), a repeated id in a row, or K > E)",
     7: "the device type is neither cpu nor cuda",
 }
+
+
+@dataclass(frozen=True)
+class RingRequest:
+    """What the caller of one ``ring_moe`` call asks for; every rank must ask the same (the
+    agreement checks it). ``needs_grad``: a backward follows."""
+
+    mode: str = "auto"
+    transport: str = "auto"
+    schedule: str = "auto"
+    gpus_per_node: int | None = None  # None: from the ranks' hosts
+    needs_grad: bool = True
 
 
 @dataclass(frozen=True)
@@ -170,12 +182,9 @@ def _local_check(
     w2,
     topk_idx,
     topk_probs,
-    mode,
-    transport,
-    world,
+    req: RingRequest,
+    world: int,
     validate_ids: bool = True,
-    schedule: str = "auto",
-    gpus_per_node: int | None = None,
 ) -> tuple[int, str]:
     """(error code, message) of this rank's inputs; (0, "") when they are fine."""
     tensors = dict(x=x, topk_idx=topk_idx, topk_probs=topk_probs)
@@ -190,6 +199,9 @@ def _local_check(
         return 1, msg
     if isinstance(w13, Tensor) != isinstance(w2, Tensor):
         return 1, "w13 and w2 must both be tensors or both be lists of per-expert tensors"
+    mode, transport, schedule, gpus_per_node = (
+        req.mode, req.transport, req.schedule, req.gpus_per_node
+    )  # fmt: skip
     if mode not in MODES:
         return 2, f"mode must be one of {MODES}, got {mode!r}"
     if transport not in TRANSPORTS:
@@ -272,19 +284,12 @@ def _agree_collective(
     group: dist.ProcessGroup | None,
     rank: int,
     world: int,
-    mode: str,
-    transport: str,
-    needs_grad: bool,
+    req: RingRequest,
     validate_ids: bool,
     with_pairs: bool,
-    schedule: str = "auto",
-    gpus_per_node: int | None = None,
 ) -> RingProblem:
     """Validate on every rank at once; raise the same ``ValueError`` everywhere or agree."""
-    code, msg = _local_check(
-        x, w13, w2, topk_idx, topk_probs, mode, transport, world, validate_ids, schedule,
-        gpus_per_node,
-    )  # fmt: skip
+    code, msg = _local_check(x, w13, w2, topk_idx, topk_probs, req, world, validate_ids)
     row = [0] * NUM_FIELDS
     row[F_ERR] = code
     if code == 0:
@@ -294,12 +299,12 @@ def _agree_collective(
         row[F_DTYPE] = _FLOATS.index(x.dtype) + 1
         row[F_PDTYPE] = _FLOATS.index(topk_probs.dtype) + 1
         row[F_DEV] = _DEVICE_TYPES.index(x.device.type) + 1
-        row[F_MODE] = MODES.index(mode) + 1
-        row[F_TRANSPORT] = TRANSPORTS.index(transport) + 1
-        row[F_GRAD] = int(needs_grad) + 1
+        row[F_MODE] = MODES.index(req.mode) + 1
+        row[F_TRANSPORT] = TRANSPORTS.index(req.transport) + 1
+        row[F_GRAD] = int(req.needs_grad) + 1
         row[F_CE] = int(x.is_cuda and copy_engine_available()) + 1
-        row[F_SCHED] = SCHEDULE_CHOICES.index(schedule) + 1
-        row[F_GPN] = gpus_per_node or 0
+        row[F_SCHED] = SCHEDULE_CHOICES.index(req.schedule) + 1
+        row[F_GPN] = req.gpus_per_node or 0
     row[F_HOST] = _host_hash()
     row[F_LIVE] = 1  # the validity marker: a sum missing a rank's row lacks its 1
     counts = _pairs_per_owner(topk_idx, row[F_EL], world) if code == 0 and with_pairs else None
@@ -311,7 +316,7 @@ def _agree_collective(
         if counts is not None:
             mat[rank, NUM_FIELDS:] = counts.to(mat.device)
         # completes within the timeout or raises RingPeerError (the buffer is then never read)
-        watch = all_reduce_checked(mat, group, mode=_mode_name(mode), phase="agree")
+        watch = all_reduce_checked(mat, group, mode=_mode_name(req.mode), phase="agree")
         rows = mat.tolist()  # host sync
         check_markers(watch, [rw[F_LIVE] for rw in rows], what="the agreement's all-reduce")
     else:
@@ -502,14 +507,13 @@ def _check_limits(rows, mode: str) -> None:
 _AGREED: dict[tuple, RingProblem] = {}
 
 
-def _signature(x, w13, w2, topk_idx, topk_probs, mode, transport, needs_grad, *topo) -> tuple:
+def _signature(x, w13, w2, topk_idx, topk_probs, req: RingRequest) -> tuple:
     def meta(t):
         if isinstance(t, Tensor):
             return (tuple(t.shape), t.dtype, t.device.type)
         return (len(t), tuple(t[0].shape), t[0].dtype, t[0].device.type)
 
-    return (meta(x), meta(w13), meta(w2), meta(topk_idx), meta(topk_probs), mode, transport,
-            needs_grad, *topo)  # fmt: skip
+    return (meta(x), meta(w13), meta(w2), meta(topk_idx), meta(topk_probs), req)
 
 
 def _bounded(prob: RingProblem) -> bool:
@@ -547,38 +551,24 @@ def agree(
     group: dist.ProcessGroup | None,
     rank: int,
     world: int,
-    mode: str,
-    transport: str,
-    needs_grad: bool,
+    request: RingRequest,
     trusted: bool = False,
-    schedule: str = "auto",
-    gpus_per_node: int | None = None,
 ) -> RingProblem:
     """The :class:`RingProblem` every rank agrees on, or the same ``ValueError`` on every rank.
 
     ``trusted=False``: one all-reduce and a host sync per call (ids validated, pair counts
     exact). ``trusted=True``: see the module doc (cached per signature, ids not validated).
     """
-    cache = trusted and os.environ.get("RELAYMOE_RING_AGREE", "cached") != "every_call"
-    key = None
-    if cache:
-        sig = _signature(
-            x, w13, w2, topk_idx, topk_probs, mode, transport, needs_grad, schedule, gpus_per_node
-        )
-        key = (getattr(group, "group_name", None) or id(group), rank, world, sig)
+    args = (x, w13, w2, topk_idx, topk_probs)
+    where = dict(group=group, rank=rank, world=world, req=request)
+    if trusted and os.environ.get("RELAYMOE_RING_AGREE", "cached") != "every_call":
+        key = (getattr(group, "group_name", None) or id(group), rank, world,
+               _signature(*args, request))  # fmt: skip
         prob = _AGREED.get(key)
         if prob is None:
-            prob = _agree_collective(
-                x, w13, w2, topk_idx, topk_probs, group=group, rank=rank, world=world,
-                mode=mode, transport=transport, needs_grad=needs_grad, validate_ids=False,
-                with_pairs=False, schedule=schedule, gpus_per_node=gpus_per_node,
-            )  # fmt: skip
+            prob = _agree_collective(*args, **where, validate_ids=False, with_pairs=False)
             _AGREED[key] = prob
         if _bounded(prob):
             return prob
         return replace(prob, pairs=pair_counts(topk_idx, prob, group))
-    return _agree_collective(
-        x, w13, w2, topk_idx, topk_probs, group=group, rank=rank, world=world, mode=mode,
-        transport=transport, needs_grad=needs_grad, validate_ids=True, with_pairs=True,
-        schedule=schedule, gpus_per_node=gpus_per_node,
-    )  # fmt: skip
+    return _agree_collective(*args, **where, validate_ids=True, with_pairs=True)

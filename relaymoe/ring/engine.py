@@ -60,7 +60,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from relaymoe.experts import expert_hop_backward, expert_hop_forward
-from relaymoe.ring.agree import RingProblem, agree
+from relaymoe.ring.agree import RingProblem, RingRequest, agree
 from relaymoe.ring.alltoall import alltoall_backward, alltoall_forward
 from relaymoe.ring.executor import relay
 from relaymoe.ring.layout import Layout
@@ -452,39 +452,18 @@ def ring_moe(
     needs_grad = torch.is_grad_enabled() and any(
         isinstance(t, Tensor) and t.requires_grad for t in (x, topk_probs, *ws)
     )
+    req = RingRequest(mode, transport, schedule, gpus_per_node, needs_grad)
     with torch.profiler.record_function("relaymoe.agree"):
         prob = agree(
-            x,
-            w13,
-            w2,
-            topk_idx,
-            topk_probs,
-            group=group,
-            rank=rank,
-            world=world,
-            mode=mode,
-            transport=transport,
-            needs_grad=needs_grad,
+            x, w13, w2, topk_idx, topk_probs, group=group, rank=rank, world=world, request=req,
             trusted=trusted,
-            schedule=schedule,
-            gpus_per_node=gpus_per_node,
-        )
+        )  # fmt: skip
     return _RingMoE.apply(x, topk_probs, topk_idx, prob, group, backend, overlap, listed, *ws)
 
 
 def resolved_problem(*args, **kwargs) -> RingProblem:
     """The agreed :class:`RingProblem` (mode, transport, sizes) ``ring_moe`` would run."""
     group, rank, world = _resolve_group(kwargs.pop("group", None))
-    needs_grad = kwargs.pop("needs_grad", True)
-    return agree(
-        *args,
-        group=group,
-        rank=rank,
-        world=world,
-        mode=kwargs.pop("mode", "auto"),
-        transport=kwargs.pop("transport", "auto"),
-        needs_grad=needs_grad,
-        trusted=kwargs.pop("trusted", False),
-        schedule=kwargs.pop("schedule", "auto"),
-        gpus_per_node=kwargs.pop("gpus_per_node", None),
-    )
+    trusted = kwargs.pop("trusted", False)
+    req = RingRequest(**kwargs)  # mode, transport, schedule, gpus_per_node, needs_grad
+    return agree(*args, group=group, rank=rank, world=world, request=req, trusted=trusted)
