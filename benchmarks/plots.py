@@ -204,6 +204,9 @@ def fig_loss(rows, out: Path) -> str | None:
 
 
 def fig_scaling_sim(rows, out: Path) -> str | None:
+    """Speedup of the ring (auto mode) over all-to-all vs EP, one panel per node size, both
+    schedules (two-level solid, flat dotted; rows without ``schedule`` are flat ones), and the
+    memory reduction, which the schedule does not change."""
     rows = [
         r
         for r in rows
@@ -216,31 +219,50 @@ def fig_scaling_sim(rows, out: Path) -> str | None:
     from benchmarks.scaling_sim import PAPER as paper
 
     plt = _plt()
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    series = defaultdict(dict)
+    series = defaultdict(dict)  # (gpus per node, shape, schedule) -> {ep: row}
     for r in rows:
-        series[(r["shape"], r["gpus_per_node"])][r["ep"]] = r
-    for (shape, g), pts in sorted(series.items()):
-        eps = sorted(pts)
-        style = "o-" if g == max(k[1] for k in series) else "s--"
-        a1.plot(eps, [pts[e]["speedup_vs_alltoall"] for e in eps], style, label=f"{shape} {g}/node")
-        a2.plot(eps, [pts[e]["mem_reduction_vs_alltoall"] for e in eps], style, label=f"{shape}")
-    ps = paper["speedup_K16"]
-    a1.plot(list(map(int, ps)), list(ps.values()), "k*", ms=14, label="paper K16 (reported)")
+        series[(r["gpus_per_node"], r["shape"], r.get("schedule", "flat"))][r["ep"]] = r
+    nodes = sorted({k[0] for k in series}, reverse=True)
+    shapes = sorted({k[1] for k in series})
+    color = {s: f"C{i}" for i, s in enumerate(shapes)}
+    fig, axes = plt.subplots(1, len(nodes) + 1, figsize=(5.2 * (len(nodes) + 1), 4.6))
+    style = {"two_level": "o-", "flat": "s:"}
+    for ax, g in zip(axes, nodes, strict=False):
+        for (gg, shape, sched), pts in sorted(series.items()):
+            if gg != g:
+                continue
+            eps = sorted(pts)
+            ys = [pts[e]["speedup_vs_alltoall"] for e in eps]
+            ax.plot(eps, ys, style.get(sched, "x--"), color=color[shape], label=f"{shape} {sched}")
+        if g == 4:  # the paper's machine: 4 H100 per node, flat ring
+            ps = paper["speedup_K16"]
+            ax.plot(list(map(int, ps)), list(ps.values()), "k*", ms=14, label="paper K16")
+        ax.set_title(f"speedup vs all-to-all, {g} GPUs per node", fontsize=9)
+    mem = axes[-1]
+    g0 = nodes[0]
+    for (gg, shape, sched), pts in sorted(series.items()):
+        if gg == g0 and sched == "flat":
+            eps = sorted(pts)
+            ys = [pts[e]["mem_reduction_vs_alltoall"] for e in eps]
+            mem.plot(eps, ys, "o-", color=color[shape], label=shape)
     pm = paper["mem_reduction_avg"]
-    a2.plot(list(map(int, pm)), list(pm.values()), "k*", ms=14, label="paper avg (reported)")
+    mem.plot(list(map(int, pm)), list(pm.values()), "k*", ms=14, label="paper avg (reported)")
     pk = paper["mem_reduction_K16"]
-    a2.plot(list(map(int, pk)), list(pk.values()), "kX", ms=11, label="paper K16 (reported)")
-    for a, yl in ((a1, "speedup vs all-to-all"), (a2, "MoE peak memory reduction")):
+    mem.plot(list(map(int, pk)), list(pk.values()), "kX", ms=11, label="paper K16 (reported)")
+    mem.set_title("MoE peak memory reduction (either schedule)", fontsize=9)
+    for a in axes:
         a.set_xscale("log", base=2)
         a.set_xticks([8, 16, 32, 64], ["8", "16", "32", "64"])
         a.set_xlabel("EP")
-        a.set_ylabel(yl)
         a.axhline(1.0, color="gray", lw=0.8)
         a.grid(alpha=0.3)
-    a1.legend(fontsize=6, ncol=2)
-    a2.legend(fontsize=6, ncol=2)
-    fig.suptitle("EP scaling by simulation, ring (auto) vs all-to-all (paper Fig. 10 analog)")
+        a.legend(fontsize=5.5, ncol=2, loc="upper left" if a is mem else "lower left")
+    axes[0].set_ylabel("ratio")
+    fig.suptitle(
+        "EP scaling by simulation (not measured): ring (auto), two-level (solid) and flat "
+        "(dotted) schedule, vs all-to-all (paper Fig. 10 analog)",
+        fontsize=10,
+    )
     fig.tight_layout()
     path = out / "fig10_scaling_sim.png"
     fig.savefig(path, dpi=110)

@@ -6,12 +6,16 @@
    ``bench: ring`` rows, the megatron-core expert cost from mcore rows.
 2. Validate: predict every measured EP=1 / EP=2 row the simulator models and report the error
    (target: within 15%).
-3. Extrapolate: ring (expert, token, auto) vs all-to-all with the same expert kernels, EP 8..64,
-   4 or 8 GPUs per node (NVLink inside a node, 400 Gb/s per GPU between nodes), for Qwen3-style
-   layers like the paper's Table 3 (E128 K8 H2048 I768 and its K/E/I variants), 12 x 8192 tokens
-   per GPU as in the paper's EP-scaling study.
+3. Extrapolate: ring (expert, token, auto) in both schedules (``schedule``: ``flat``, one ring
+   over the group; ``two_level``, rings inside the nodes joined by one hop per node crossing on
+   every GPU's NIC at once) vs all-to-all with the same expert kernels, EP 8..64, 4 or 8 GPUs per
+   node (NVLink inside a node, one 400 Gb/s NIC per GPU between nodes: ``relaymoe.costmodel``'s
+   link constants), for Qwen3-style layers like the paper's Table 3 (E128 K8 H2048 I768 and its
+   K/E/I variants), 12 x 8192 tokens per GPU as in the paper's EP-scaling study.
 
-Rows: ``bench: scaling_sim`` with ``kind: validation`` or ``kind: extrapolation``.
+Rows: ``bench: scaling_sim`` with ``kind: validation``, ``calibration`` or ``extrapolation``;
+ring extrapolation rows carry ``schedule``, two-level ones also ``speedup_vs_flat`` (flat time /
+two-level time of the same mode; in one node both orders are the same).
 Usage: ``python benchmarks/scaling_sim.py [--quick] [--out PATH] [--rows GLOB ...] [--no-current]``
 """
 
@@ -48,6 +52,7 @@ QUICK_VARIANTS = ("E128_K8", "E128_K16", "E128_K4")
 
 def extrapolate(cm, *, variants, eps, gpus_per_node, intra_GBps=None):
     from benchmarks.sim import Cluster, MoEShape, simulate_alltoall, simulate_ring
+    from relaymoe.costmodel import SCHEDULES
 
     rows = []
     for name in variants:
@@ -60,31 +65,56 @@ def extrapolate(cm, *, variants, eps, gpus_per_node, intra_GBps=None):
                 kw = {"intra_GBps": intra_GBps} if intra_GBps else {}
                 cl = Cluster(ep=ep, gpus_per_node=g, **kw)
                 a2a = simulate_alltoall(shape, cl, cm)
-                res = {m: simulate_ring(shape, cl, cm, m) for m in ("expert", "token")}
-                # auto: the smaller forward per-hop volume (what mode="auto" picks)
-                auto = min(res, key=lambda m: res[m].extra["hop_lead_MB_fwd"])
-                res["auto"] = res[auto]
-                for prov, r in [("alltoall", a2a)] + [(f"ring_{m}", v) for m, v in res.items()]:
-                    rows.append(
-                        {
-                            "bench": "scaling_sim",
-                            "kind": "extrapolation",
-                            "provider": f"sim_{prov}",
-                            "shape": name,
-                            "T": shape.T,
-                            **dims,
-                            "ep": ep,
-                            "gpus_per_node": g,
-                            "ms_fwd_bwd": round(r.ms_fwd_bwd, 3),
-                            "ms_fwd": round(r.ms_fwd, 3),
-                            "peak_MiB": round(r.peak_MiB, 1),
-                            "GB_sent_per_rank": round(r.bytes_per_rank / 1e9, 3),
-                            "speedup_vs_alltoall": round(a2a.ms_fwd_bwd / r.ms_fwd_bwd, 3),
-                            "mem_reduction_vs_alltoall": round(a2a.peak_MiB / r.peak_MiB, 3),
-                            **({"auto_mode": auto} if prov == "ring_auto" else {}),
-                        }
-                    )
+                common = {"bench": "scaling_sim", "kind": "extrapolation", "shape": name,
+                          "T": shape.T, **dims, "ep": ep, "gpus_per_node": g}  # fmt: skip
+                rows.append({**common, "provider": "sim_alltoall", **_times(a2a, a2a)})
+                flat = {}
+                for sched in SCHEDULES:
+                    res = {
+                        m: simulate_ring(shape, cl, cm, m, schedule=sched)
+                        for m in ("expert", "token")
+                    }
+                    # auto: the smaller forward per-hop volume (what mode="auto" picks)
+                    auto = min(res, key=lambda m: res[m].extra["hop_lead_MB_fwd"])
+                    res["auto"] = res[auto]
+                    for m, r in res.items():
+                        row = {**common, "provider": f"sim_ring_{m}", "schedule": sched,
+                               **_times(r, a2a)}  # fmt: skip
+                        if m == "auto":
+                            row["auto_mode"] = auto
+                        if sched == "flat":
+                            flat[m] = r
+                        else:
+                            row["speedup_vs_flat"] = round(flat[m].ms_fwd_bwd / r.ms_fwd_bwd, 3)
+                        rows.append(row)
     return rows
+
+
+def _times(r, a2a) -> dict:
+    return {
+        "ms_fwd_bwd": round(r.ms_fwd_bwd, 3),
+        "ms_fwd": round(r.ms_fwd, 3),
+        "peak_MiB": round(r.peak_MiB, 1),
+        "GB_sent_per_rank": round(r.bytes_per_rank / 1e9, 3),
+        "speedup_vs_alltoall": round(a2a.ms_fwd_bwd / r.ms_fwd_bwd, 3),
+        "mem_reduction_vs_alltoall": round(a2a.peak_MiB / r.peak_MiB, 3),
+    }
+
+
+def _links(intra_GBps) -> dict:
+    """The link rates the extrapolation ran with, and where each comes from."""
+    from benchmarks.sim.model import DEFAULT_INTER_GBPS, DEFAULT_INTRA_GBPS
+    from relaymoe.costmodel import NIC_BYTES_PER_S, NIC_EFFICIENCY
+
+    return {
+        "intra_GBps": round(intra_GBps or DEFAULT_INTRA_GBPS, 1),
+        "intra_source": "the measured ring rows' copy-engine hops (calibration)"
+        if intra_GBps
+        else f"NVLink {DEFAULT_INTRA_GBPS:.0f} GB/s one way, measured on 2x H200",
+        "inter_GBps": round(DEFAULT_INTER_GBPS, 1),
+        "inter_source": f"assumption: one 400 Gb/s NIC per GPU (8 per node, the H100 reference) "
+        f"= {NIC_BYTES_PER_S / 1e9:.0f} GB/s at {NIC_EFFICIENCY:.0%} efficiency",
+    }
 
 
 def main(argv=None) -> int:
@@ -152,6 +182,7 @@ def main(argv=None) -> int:
             "peak_tflops_bwd": round(cm.peak_tflops_bwd, 1),
             "m_half": cm.m_half,
             "intra_GBps": notes["intra_GBps"],
+            "links": _links(notes["intra_GBps"]),
             "seq_mlp_ms_per_expert": round(cm.seq_mlp_ms_per_expert, 4),
             "notes": notes,
             **summ,
@@ -180,9 +211,11 @@ def main(argv=None) -> int:
             "shape",
             "ep",
             "gpus_per_node",
+            "schedule",
             "auto_mode",
             "ms_fwd_bwd",
             "speedup_vs_alltoall",
+            "speedup_vs_flat",
             "mem_reduction_vs_alltoall",
         ],
     )

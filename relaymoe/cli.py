@@ -37,6 +37,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     for k in _PAR:
         q.add_argument(f"--{k}", type=int, default=None, help=f"override parallel.{k}")
+    q.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=None,
+        help="GPUs per node of the cluster (override parallel.gpus_per_node; default: the EP "
+        "group in one node): picks the ring's schedule, flat or two-level across nodes",
+    )
     q.add_argument("--mbs", type=int, default=None, help="override training.micro_batch_size")
     q.add_argument("--gbs", type=int, default=None, help="override training.global_batch_size")
     q.add_argument("--seq", type=int, default=None, help="override training.seq_length")
@@ -95,6 +102,8 @@ def _build(ns):
 
     cfg = load_config(ns.config)
     par = {k: getattr(ns, k) for k in _PAR if getattr(ns, k) is not None}
+    if ns.gpus_per_node is not None:
+        par["gpus_per_node"] = ns.gpus_per_node
     tr = {}
     if ns.mbs is not None:
         tr["micro_batch_size"] = ns.mbs
@@ -215,6 +224,8 @@ def _print_rich(cfg, p) -> None:
         f"time / bytes sent: {model}; per hop, fwd+bwd: expert {_mib(hop['expert']['total'])} "
         f"MiB, token {_mib(hop['token']['total'])} MiB)"
     )
+    for line in schedule_lines(p, par.ep):
+        con.print(line, soft_wrap=True, highlight=False)
     # narrow enough for an 80-column terminal with no header cut (tests/test_cli.py)
     rt = Table(
         title="Recompute plan (greedy by compute saved per byte, paper §3.4)", pad_edge=False
@@ -238,6 +249,42 @@ def _print_rich(cfg, p) -> None:
         con.print(f"[yellow]note[/]: {n}")
     con.print(f"[bold]Megatron flags ({LABEL[p.chosen]}):[/]")
     con.print(" ".join(p.megatron_flags), soft_wrap=True, highlight=False)
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.2f}"
+
+
+def schedule_lines(p, ep: int) -> list[str]:
+    """The ring's schedule for the cluster shape and, per schedule, its modelled hop times
+    (``Plan.hop_times``): hops per layer step inside a node and across nodes, the slowest hop
+    of each kind (compute + exposed transfer), and the layer step with the host time."""
+    G = p.gpus_per_node
+    t = p.hop_times[p.schedule]
+    if t["nodes"] > 1:
+        where = f"EP={ep} over {t['nodes']} nodes of {t['gpus_per_node']} EP ranks"
+    elif G is None:
+        where = f"EP={ep} in one node (--gpus-per-node N plans a cluster of N-GPU nodes)"
+    else:
+        where = f"EP={ep} in one node of {G} GPUs"
+    lines = [
+        f"ring schedule: {p.schedule} ({where})",
+        f"  {t['mode']}-mode hops of a layer step (hop: compute {_ms(t['hop_compute_s'])} ms + "
+        f"exposed transfer; host {_ms(t['host_s'])} ms a step):",
+    ]
+    for name, h in p.hop_times.items():
+        mark = "*" if name == p.schedule else " "
+        lines.append(
+            f" {mark}{name:<9} inside nodes {_hops(h, 'intra')}  across {_hops(h, 'inter')}  "
+            f"step {_ms(h['step_s'])} ms"
+        )
+    return lines
+
+
+def _hops(h: dict, kind: str) -> str:
+    """``count x slowest hop`` of one kind of hop."""
+    n = h[f"{kind}_hops"]
+    return f"{n:>3} x {_ms(h[f'{kind}_hop_s']):>6} ms" if n else f"{n:>3} x {'-':>6}   "
 
 
 def check_world(cfg, world: int) -> None:

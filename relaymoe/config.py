@@ -197,10 +197,24 @@ class ParallelConfig:
     dp: int = 1
     sequence_parallel: bool = True
     use_distributed_optimizer: bool = True
+    # GPUs per node of the cluster (None: the job's EP groups lie in one node). The planner
+    # takes the ring's schedule from it (costmodel.choose_schedule).
+    gpus_per_node: int | None = None
 
     def __post_init__(self):
         for name in ("tp", "cp", "pp", "ep", "etp", "dp"):
             _check_pos_int(f"parallel.{name}", getattr(self, name))
+        if self.gpus_per_node is not None:
+            _check_pos_int("parallel.gpus_per_node", self.gpus_per_node)
+            G, span = self.gpus_per_node, self.ep * self.etp
+            # Megatron lays an EP group over ep*etp consecutive ranks (members etp apart)
+            if span > G and (span % G or (G % self.etp and self.etp % G)):
+                raise ValueError(
+                    f"parallel.gpus_per_node={G}: the EP group spans ep*etp={span} consecutive "
+                    f"GPUs, more than one node of {G} but not whole nodes of equally many EP "
+                    f"ranks; fix: make ep*etp a multiple of {G} (with etp dividing {G}), or at "
+                    f"most {G} so that the group fits in one node"
+                )
         if self.vpp is not None:
             _check_pos_int("parallel.vpp", self.vpp)
             if self.pp == 1 and self.vpp > 1:
@@ -249,8 +263,8 @@ class TrainingConfig:
             raise ValueError(
                 f"training.normalization_impl={self.normalization_impl!r}; known: "
                 f"{', '.join(repr(x) for x in NORMALIZATION_IMPLS)} (fused: TransformerEngine "
-                "or apex, torch: megatron-core's torch fallback, torch_composite: that fallback on a "
-                "torch without the fused RMSNorm kernel)"
+                "or apex, torch: megatron-core's torch fallback, torch_composite: that fallback "
+                "on a torch without the fused RMSNorm kernel)"
             )
         _check_pos_int("training.micro_batch_size", self.micro_batch_size)
         if self.global_batch_size is not None:
@@ -431,7 +445,8 @@ def validate_layout(model: ModelConfig, par: ParallelConfig, tr: TrainingConfig)
         )
     if tr.normalization_impl.startswith("torch") and par.tp > 1:
         raise ValueError(
-            f"training.normalization_impl={tr.normalization_impl!r} with parallel.tp={par.tp}: megatron-core's "
+            f"training.normalization_impl={tr.normalization_impl!r} with parallel.tp={par.tp}: "
+            "megatron-core's "
             "torch norm fallback refuses sequence parallelism, which MoE needs at tp > 1; "
             "install TransformerEngine or apex (normalization_impl: fused) or use tp=1"
         )

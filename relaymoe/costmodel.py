@@ -42,11 +42,17 @@ __all__ = [
     "DEFAULT_TIME_MODEL",
     "AUTO",
     "INDEX_BYTES",
+    "INTER_NODE_BYTES_PER_S",
     "LINK_TRANSPORTS",
     "MODES",
     "MODE_CHOICES",
+    "NIC_BYTES_PER_S",
+    "NIC_EFFICIENCY",
+    "NVLINK_BYTES_PER_S",
     "RING_MODES",
     "ROUTING_INDEX_BYTES_PER_PAIR",
+    "SCHEDULES",
+    "SCHEDULE_CHOICES",
     "SYMM_GRANULE",
     "TRANSPORTS",
     "TRANSPORT_CHOICES",
@@ -54,16 +60,20 @@ __all__ = [
     "Dims",
     "HopBytes",
     "MemoryBytes",
+    "RingHopTimes",
     "StepBytes",
     "TimeModel",
     "alltoall_rows",
     "choose_mode",
+    "choose_schedule",
     "comm_volume",
     "dims",
     "hop_bytes",
     "mcore_alltoall_memory_bytes",
     "mcore_alltoall_send_bytes",
     "memory_bytes",
+    "ring_hop_times",
+    "schedule_rank",
     "slot_capacity",
     "step_bytes",
     "step_seconds",
@@ -84,6 +94,17 @@ TRANSPORT_CHOICES = (AUTO, *LINK_TRANSPORTS)
 # of the node makes at once ("two_level"); "auto": two_level when the group spans nodes.
 SCHEDULES = ("flat", "two_level")
 SCHEDULE_CHOICES = (AUTO, *SCHEDULES)
+
+# The links a ring hop runs over (the planner's per-hop times; the simulator's Cluster defaults
+# import them). NVLink: one way between the two H200 of the anchor machine, 1 GiB messages
+# (shared/anchors/README.md: 394 GB/s one way, 741 both ways). Between nodes: one 400 Gb/s NIC
+# per GPU (8 x 400 Gb/s per 8-GPU node, the H100 reference clusters: an assumption, no
+# multi-node machine was measured) = 50 GB/s nominal, of which RDMA P2P of tens of MB reaches
+# about 90% (assumption).
+NVLINK_BYTES_PER_S = 394e9
+NIC_BYTES_PER_S = 50e9
+NIC_EFFICIENCY = 0.9
+INTER_NODE_BYTES_PER_S = NIC_EFFICIENCY * NIC_BYTES_PER_S
 
 INDEX_BYTES = 4  # expert ids travel as int32
 ROUTING_INDEX_BYTES_PER_PAIR = 12  # expert_token_indices, token_expert_indices, token_index_map
@@ -608,6 +629,196 @@ def choose_mode(
             if s < best_s:
                 best, best_s = m, s
     return best
+
+
+# ---------------------------------------------------------------------------------------------
+# schedules: flat ring or two-level (nodes)
+# ---------------------------------------------------------------------------------------------
+def _check_nodes(world: int, gpus_per_node: int | None) -> int:
+    """Ranks of the group per node (``world`` when ``None``: one node)."""
+    if gpus_per_node is None:
+        return world
+    G = gpus_per_node
+    if isinstance(G, bool) or not isinstance(G, int) or G < 1:
+        raise ValueError(f"cost model: gpus_per_node={G!r} must be an int >= 1 (or None: one node)")
+    if world > G and world % G:
+        raise ValueError(
+            f"cost model: the group's {world} ranks span nodes of gpus_per_node={G} but are "
+            f"not a whole number of nodes; use a group of a multiple of {G} ranks, or one node"
+        )
+    return min(G, world)
+
+
+def _check_schedule(schedule: str) -> None:
+    if schedule not in SCHEDULES:
+        raise ValueError(f"cost model: schedule {schedule!r} is not one of {SCHEDULES}")
+
+
+def _order_width(schedule: str, world: int, G: int) -> int:
+    """Ranks per level-one ring of the schedule's order: the whole group for flat."""
+    return G if schedule == "two_level" else world
+
+
+def schedule_rank(
+    schedule: str, step: int, partition: int, world: int, gpus_per_node: int | None = None
+) -> int:
+    """The rank that computes ``partition`` at ``step`` (``0..world-1``); the order of
+    ``relaymoe/ring/schedule.py`` (``RingPlan.who``). Flat: ``(partition + step) mod R``.
+    Two-level, ``G`` ranks per node, ``N = R/G`` nodes: round ``j = step // G`` runs on node
+    ``partition's node + j``, step ``i = step % G`` of it on local rank ``g + i - j`` (mod G), so
+    a partition moves ``g -> g+1`` inside a round and to the same local rank of the next node
+    between rounds."""
+    _check_schedule(schedule)
+    G = _order_width(schedule, world, _check_nodes(world, gpus_per_node))
+    N = world // G
+    pn, pg = divmod(partition, G)
+    j, i = divmod(step, G)
+    return (pn + j) % N * G + (pg + i - j) % G
+
+
+def choose_schedule(*, world: int, gpus_per_node: int | None = None, requested: str = AUTO) -> str:
+    """The schedule a ring of ``world`` ranks runs: ``requested`` unless ``auto``, else
+    ``two_level`` when the group spans nodes of more than one GPU, ``flat`` otherwise (one node,
+    or one GPU per node, where both orders are the same). ``ring_hop_times`` never finds the
+    two-level order slower: it runs the same hops with the same compute, and only the hops
+    around a node crossing send over the slow links, each over its own GPU's NIC."""
+    if requested not in SCHEDULE_CHOICES:
+        raise ValueError(f"cost model: schedule {requested!r} is not one of {SCHEDULE_CHOICES}")
+    G = _check_nodes(world, gpus_per_node)
+    if requested != AUTO:
+        return requested
+    return "two_level" if 1 < G < world else "flat"
+
+
+def _hop_sends(schedule: str, R: int, G: int, hop: int, r: int, trail: bool) -> dict:
+    """``{peer: (lead?, trail?)}`` of rank ``r`` at ``hop`` in ``0..R`` (``R``: the trail home):
+    the lead goes to whoever computes its partition at the next step, the trail one hop behind
+    along the same path, then home to the partition's owner; a lead and a trail for the same
+    peer travel as one message."""
+    W = _order_width(schedule, R, G)
+    N = R // W
+
+    def partition(step: int) -> int:  # what r computes at ``step`` (the inverse of the order)
+        n, g = divmod(r, W)
+        j, i = divmod(step, W)
+        return (n - j) % N * W + (g - i + j) % W
+
+    out: dict[int, tuple[bool, bool]] = {}
+    if hop <= R - 2:
+        out[schedule_rank(schedule, hop + 1, partition(hop), R, G)] = (True, False)
+    if trail and hop >= 1:
+        p = partition(hop - 1)
+        peer = schedule_rank(schedule, hop, p, R, G) if hop < R else p
+        out[peer] = (peer in out, True)
+    return out
+
+
+@dataclass(frozen=True)
+class RingHopTimes:
+    """Per-hop times of one schedule for one layer step (``ring_hop_times``), seconds.
+
+    A hop is ``inter`` when some rank's send of it crosses nodes, ``intra`` otherwise; counts
+    are over the passes that run, the trail's return home included. ``intra_hop_s`` /
+    ``inter_hop_s``: the slowest hop of that kind (its compute plus the exposed part of its
+    transfers; 0 when there is none); ``transfer_s``: the slowest transfer of a hop of that kind
+    alone. ``step_s``: the layer step, ``sqrt(host**2 + device**2)`` as ``step_seconds``.
+    """
+
+    schedule: str
+    world: int
+    gpus_per_node: int
+    intra_hops: int
+    inter_hops: int
+    hop_compute_s: float  # the slowest pass's per-hop compute (backward when training)
+    intra_hop_s: float
+    inter_hop_s: float
+    intra_transfer_s: float
+    inter_transfer_s: float
+    host_s: float
+    device_s: float
+
+    @property
+    def nodes(self) -> int:
+        return self.world // self.gpus_per_node
+
+    @property
+    def step_s(self) -> float:
+        return math.hypot(self.host_s, self.device_s)
+
+
+def ring_hop_times(
+    mode: str,
+    d: Dims,
+    *,
+    schedule: str,
+    gpus_per_node: int | None = None,
+    training: bool = True,
+    transport: str = "copy_engine",
+    model: TimeModel = DEFAULT_TIME_MODEL,
+    inter_bytes_per_s: float = INTER_NODE_BYTES_PER_S,
+) -> RingHopTimes:
+    """Hop by hop times of a ring mode under ``schedule`` with ``gpus_per_node`` ranks of the
+    group per node (``None``: one node). Every hop computes ``1/R`` of the rank's pairs and
+    hides its sends under that compute as ``step_seconds`` does; a hop is as slow as its slowest
+    rank, and a rank's messages to different peers run at once on their own links. Inside a
+    node the links run at ``model.link_bytes_per_s`` over ``transport``; a flat ring that spans
+    nodes runs all of them over NCCL (the copy engine needs the whole group on one node), the
+    two-level ring keeps ``transport`` inside its nodes. Between nodes, one NIC per GPU at
+    ``inter_bytes_per_s`` over NCCL. In one node both schedules give ``step_seconds``."""
+    _check_mode(mode, RING_MODES)
+    _check_schedule(schedule)
+    _check_transport(transport)
+    R = d.R
+    G = _check_nodes(R, gpus_per_node)
+    if not inter_bytes_per_s > 0:
+        raise ValueError(f"cost model: inter_bytes_per_s={inter_bytes_per_s!r} must be > 0")
+    passes = (False, True) if training else (False,)
+    host = model.call_fixed_s + len(passes) * R * model.hop_fixed_s
+    device = sum(_compute_seconds(d, model, bwd) for bwd in passes)
+    spans = G < R
+    intra_transport = "nccl" if spans and schedule == "flat" else transport
+    hide_intra = model.nccl_hide if intra_transport == "nccl" else model.hide
+    counts = {"intra": 0, "inter": 0}
+    hop_s = {"intra": 0.0, "inter": 0.0}
+    x_s = {"intra": 0.0, "inter": 0.0}
+    c_max = 0.0
+    h = hop_bytes(mode, d)
+    for bwd in passes:
+        lead, trail = (h.bwd_lead, h.bwd_trail) if bwd else (h.fwd_lead, h.fwd_trail)
+        c_hop = _compute_seconds(d, model, bwd) / R
+        c_max = max(c_max, c_hop)
+        if R == 1:
+            continue  # nothing travels
+        for hop in range(R + 1):
+            home = hop == R
+            c = 0.0 if home else c_hop
+            worst_exposed, worst_x, inter = 0.0, 0.0, False
+            for r in range(R):
+                for peer, (has_lead, has_trail) in _hop_sends(
+                    schedule, R, G, hop, r, trail > 0
+                ).items():
+                    nbytes = (lead if has_lead else 0) + (trail if has_trail else 0)
+                    if nbytes <= 0:
+                        continue
+                    crosses = r // G != peer // G
+                    inter |= crosses
+                    x = nbytes / (inter_bytes_per_s if crosses else model.link_bytes_per_s)
+                    hide = model.nccl_hide if crosses else hide_intra
+                    e = x if home else _exposed(x, c, hide)
+                    worst_exposed, worst_x = max(worst_exposed, e), max(worst_x, x)
+            if home and worst_x == 0.0:
+                continue  # nothing trails: no hop home
+            kind = "inter" if inter else "intra"
+            counts[kind] += 1
+            hop_s[kind] = max(hop_s[kind], c + worst_exposed)
+            x_s[kind] = max(x_s[kind], worst_x)
+            device += worst_exposed
+    return RingHopTimes(
+        schedule=schedule, world=R, gpus_per_node=G, intra_hops=counts["intra"],
+        inter_hops=counts["inter"], hop_compute_s=c_max, intra_hop_s=hop_s["intra"],
+        inter_hop_s=hop_s["inter"], intra_transfer_s=x_s["intra"],
+        inter_transfer_s=x_s["inter"], host_s=host, device_s=device,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------

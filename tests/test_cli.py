@@ -193,3 +193,20 @@ def test_flags_command(capsys):
     assert rc == 2 and "not found" in err
     rc, _, err = run(capsys, "flags", "--config", "tiny_qwen3", "--world", "0")
     assert rc == 2 and "at least one GPU" in err
+
+
+def test_plan_schedule_with_gpus_per_node(capsys):
+    """``--gpus-per-node`` (issue #18): the schedule picked and the hop times of both."""
+    rc, out, err = run(capsys, "plan", "--gpus-per-node", "4")
+    assert rc == 0, err
+    assert "ring schedule: two_level (EP=8 over 2 nodes of 4 EP ranks)" in out
+    assert " *two_level inside nodes " in out and "  flat      inside nodes " in out
+    rc, out, err = run(capsys, "plan", "--gpus-per-node", "4", "--json")
+    d = json.loads(out)
+    assert d["schedule"] == "two_level" and d["gpus_per_node"] == 4
+    assert set(d["hop_times"]) == {"flat", "two_level"}
+    assert d["hop_times"]["two_level"]["step_s"] < d["hop_times"]["flat"]["step_s"]
+    rc, out, err = run(capsys, "plan")
+    assert rc == 0 and "ring schedule: flat (EP=8 in one node (--gpus-per-node N" in out
+    rc, out, err = run(capsys, "plan", "--gpus-per-node", "3")
+    assert rc == 2 and "parallel.gpus_per_node=3" in err and "fix:" in err

@@ -262,3 +262,21 @@ def test_fused_loss_from_yaml_and_bad_values(tmp_path):
 
     with pytest.raises(ValueError, match=r"relaymoe.fused_loss=1 must be true or false"):
         RelayMoEConfig(fused_loss=1)
+
+
+def test_gpus_per_node_field():
+    """parallel.gpus_per_node (issue #18): None is one node; an EP group across nodes must fill
+    whole nodes, and the message names the value, the limit and the fix."""
+    cfg = load_config("qwen3_30b_a3b")  # ep=8, etp=1
+    assert cfg.parallel.gpus_per_node is None
+    assert cfg.replace(parallel={"gpus_per_node": 4}).parallel.gpus_per_node == 4
+    assert cfg.replace(parallel={"gpus_per_node": 16}).parallel.gpus_per_node == 16  # fits one
+    with pytest.raises(ValueError, match=r"gpus_per_node=3.*ep\*etp=8.*multiple of 3"):
+        cfg.replace(parallel={"gpus_per_node": 3})
+    with pytest.raises(ValueError, match="parallel.gpus_per_node=0 must be a positive integer"):
+        cfg.replace(parallel={"gpus_per_node": 0})
+    with pytest.raises(ValueError, match="must be an integer"):
+        cfg.replace(parallel={"gpus_per_node": "8"})
+    assert "gpus-per-node" not in " ".join(
+        to_megatron_args(cfg.replace(parallel={"gpus_per_node": 4}))
+    )

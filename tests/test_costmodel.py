@@ -318,3 +318,109 @@ def test_costmodel_and_planner_import_no_torch():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+# -- schedules (issue #18): flat ring or two-level over nodes ---------------------------------
+
+# TINY's sizes over R=4 ranks, 2 per node: 1 s forward compute (0.25 s a hop), 2 s backward
+TINY4 = dataclasses.replace(TINY, R=4)
+TM_HOPS = cm.TimeModel(expert_tflops=2304.0, link_bytes_per_s=64.0, hop_fixed_s=0.25,
+                       call_fixed_s=1.0, hide=0.5, nccl_hide=0.0)  # fmt: skip
+
+
+def test_ring_hop_times_by_hand():
+    """Expert mode, 576 B of weights (9 s inside a node at 64 B/s, 18 s across at 32 B/s).
+    Two-level, nodes {0,1} {2,3}: forward lead intra (exposed 9 - 0.5*0.25), inter (NCCL hides
+    nothing: 18), intra; backward lead intra 8.75, then lead across + trail inside (18), lead
+    inside + trail across (18), trail inside 8.75, trail home across 18. Flat across nodes:
+    every hop has a link across (ranks 1 and 3), NCCL everywhere."""
+    kw = dict(gpus_per_node=2, model=TM_HOPS, inter_bytes_per_s=32.0)
+    two = cm.ring_hop_times("expert", TINY4, schedule="two_level", **kw)
+    fwd, bwd = 8.875 + 18 + 8.875, 8.75 + 18 + 18 + 8.75 + 18
+    assert two.host_s == pytest.approx(1.0 + 2 * 4 * 0.25)
+    assert two.device_s == pytest.approx(3.0 + fwd + bwd)
+    assert two.step_s == pytest.approx(math.hypot(3.0, 3.0 + fwd + bwd))
+    assert (two.intra_hops, two.inter_hops) == (3 + 2, 1 + 3)
+    assert two.inter_hop_s == pytest.approx(0.5 + 18) and two.intra_hop_s == pytest.approx(9.25)
+    assert (two.inter_transfer_s, two.intra_transfer_s) == (18.0, 9.0)
+    flat = cm.ring_hop_times("expert", TINY4, schedule="flat", **kw)
+    assert flat.device_s == pytest.approx(3.0 + 3 * 18 + (18 + 36 + 36 + 18 + 18))
+    assert (flat.intra_hops, flat.inter_hops) == (1, 3 + 5)  # the forward's last hop sends nothing
+    assert two.nodes == flat.nodes == 2
+
+
+@pytest.mark.parametrize("mode", cm.RING_MODES)
+@pytest.mark.parametrize("transport", cm.LINK_TRANSPORTS)
+def test_ring_hop_times_in_one_node_are_step_seconds(mode, transport):
+    for R, T, training in itertools.product((2, 3, 8), (64, 4096), (True, False)):
+        d = cm.Dims(T=T, H=2048, I=768, El=4, K=8, R=R, b=2, pb=4)
+        want = cm.step_seconds(mode, d, transport=transport, training=training)
+        for sched, G in itertools.product(cm.SCHEDULES, (None, R, 2 * R)):
+            t = cm.ring_hop_times(mode, d, schedule=sched, gpus_per_node=G,
+                                  transport=transport, training=training)  # fmt: skip
+            assert t.step_s == pytest.approx(want, rel=1e-12), (sched, G)
+            assert t.inter_hops == 0
+
+
+def test_schedule_order_visits_every_rank_once_and_crosses_nodes_rarely():
+    for R, G in ((4, 2), (6, 2), (6, 3), (16, 4), (64, 8), (8, 1)):
+        N = R // G
+        for sched in cm.SCHEDULES:
+            inter = 0
+            for p in range(R):
+                path = [cm.schedule_rank(sched, s, p, R, G) for s in range(R)]
+                assert path[0] == p and sorted(path) == list(range(R)), (sched, R, G, p)
+                for a, b in zip(path, path[1:], strict=False):
+                    if a // G != b // G:
+                        inter += 1
+                        if sched == "two_level":  # the same local rank of the next node
+                            assert (a % G, b // G) == (b % G, (a // G + 1) % N)
+                    elif sched == "two_level":  # the node's ring
+                        assert b % G == (a % G + 1) % G
+            # lead hops across nodes over all partitions: flat one link per node every hop
+            want = R * (N - 1) if sched == "two_level" else (R - 1) * N
+            assert inter == (want if N > 1 else 0), (sched, R, G, inter)
+
+
+def test_schedule_order_is_the_runtimes():
+    from relaymoe.ring.schedule import RingPlan
+
+    for R, G in ((4, 2), (6, 3), (6, 2), (16, 4)):
+        plan_ = RingPlan(0, R, [1] * R, None, gpus_per_node=G)
+        for s, p in itertools.product(range(R), range(R)):
+            assert plan_.who(s, p) == cm.schedule_rank("two_level", s, p, R, G)
+        flat = RingPlan(0, R, [1] * R, None)
+        for s, p in itertools.product(range(R), range(R)):
+            assert flat.who(s, p) == cm.schedule_rank("flat", s, p, R, G)
+
+
+def test_two_level_never_slower_and_chosen_across_nodes():
+    worst = math.inf
+    for mode, R, G, T in itertools.product(cm.RING_MODES, (8, 16, 32, 64), (2, 4, 8),
+                                           (1024, 32768, 98304)):  # fmt: skip
+        if R > G and R % G:
+            continue
+        d = cm.Dims(T=T, H=2048, I=768, El=128 // R, K=8, R=R, b=2, pb=4)
+        t = {s: cm.ring_hop_times(mode, d, schedule=s, gpus_per_node=G) for s in cm.SCHEDULES}
+        worst = min(worst, t["flat"].step_s / t["two_level"].step_s)
+        assert t["two_level"].inter_hops < t["flat"].inter_hops or G >= R
+        want = "two_level" if G < R else "flat"
+        assert cm.choose_schedule(world=R, gpus_per_node=G) == want
+    assert worst >= 1.0 - 1e-12, worst
+
+
+def test_choose_schedule_and_its_errors():
+    assert cm.choose_schedule(world=8) == "flat"  # one node
+    assert cm.choose_schedule(world=8, gpus_per_node=1) == "flat"  # both orders are the same
+    assert cm.choose_schedule(world=16, gpus_per_node=8) == "two_level"
+    assert cm.choose_schedule(world=16, gpus_per_node=8, requested="flat") == "flat"
+    with pytest.raises(ValueError, match="whole number of nodes"):
+        cm.choose_schedule(world=12, gpus_per_node=8)
+    with pytest.raises(ValueError, match="gpus_per_node=0"):
+        cm.choose_schedule(world=8, gpus_per_node=0)
+    with pytest.raises(ValueError, match="schedule 'ring'"):
+        cm.choose_schedule(world=8, requested="ring")
+    with pytest.raises(ValueError, match="schedule 'auto'"):
+        cm.ring_hop_times("expert", TINY4, schedule=cm.AUTO)
+    with pytest.raises(ValueError, match="mode 'alltoall'"):
+        cm.ring_hop_times("alltoall", TINY4, schedule="flat")

@@ -452,3 +452,42 @@ def test_fused_loss_from_megatron_args():
     args.relaymoe_fused_loss = True
     assert config_from_megatron_args(args).relaymoe.fused_loss is True
     assert plan_from_megatron_args(args, gpu_bytes=4 * GiB).chosen == "ring_fused_loss"
+
+
+def test_plan_picks_the_schedule_from_gpus_per_node():
+    """Issue #18: the cluster shape picks the schedule (costmodel.choose_schedule) and the plan
+    reports the hop times of both; across nodes the two-level ring is never slower."""
+    from relaymoe.planner import ring_schedule
+
+    cfg = load_config("qwen3_30b_a3b")  # EP=8
+    one = plan(cfg, "h100-80gb")
+    assert one.schedule == "flat" and one.gpus_per_node is None
+    assert one.hop_times["flat"]["step_s"] == one.hop_times["two_level"]["step_s"]
+    assert one.hop_times["flat"]["inter_hops"] == 0
+    four = plan(cfg.replace(parallel={"gpus_per_node": 4}), "h100-80gb")
+    assert four.schedule == ring_schedule(cfg.replace(parallel={"gpus_per_node": 4}))
+    assert four.schedule == "two_level" and four.transport == "copy_engine"
+    t = four.hop_times
+    assert t["two_level"]["nodes"] == 2 and t["two_level"]["gpus_per_node"] == 4
+    assert t["two_level"]["step_s"] < t["flat"]["step_s"]
+    assert t["two_level"]["inter_hops"] < t["flat"]["inter_hops"]
+    assert t["flat"]["mode"] in costmodel.RING_MODES
+    # one GPU per node: both orders are the same ring, all over NCCL (no copy engine)
+    solo = plan(cfg.replace(parallel={"gpus_per_node": 1}), "h100-80gb")
+    assert solo.schedule == "flat" and solo.transport == "nccl"
+    assert "hop_times" in four.to_dict() and four.to_dict()["schedule"] == "two_level"
+
+
+def test_gpus_per_node_from_megatron_args():
+    """``--relaymoe-gpus-per-node`` (issue #18) reaches the plan at training start."""
+    ns = small_megatron_args(
+        expert_model_parallel_size=4,
+        data_parallel_size=4,
+        world_size=4,
+        moe_token_dispatcher_type="ring",
+        relaymoe_gpus_per_node=2,
+    )
+    cfg = config_from_megatron_args(ns)
+    assert cfg.parallel.gpus_per_node == 2
+    assert plan_from_megatron_args(ns, gpu_bytes="80GiB").schedule == "two_level"
+    assert config_from_megatron_args(small_megatron_args()).parallel.gpus_per_node is None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -278,3 +279,80 @@ def test_time_model_fit_recovers_a_known_model():
     assert before > 0.05 and after < 0.01, (before, after)
     with pytest.raises(ValueError, match="nothing to fit"):
         ftm.fit([])
+
+
+# -- two-level schedule (issue #18) ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["expert", "token"])
+def test_two_level_is_flat_in_one_node_or_one_gpu_per_node(mode):
+    for ep, gpn in ((8, 8), (4, 8), (8, 1)):
+        cl = Cluster(ep=ep, gpus_per_node=gpn)
+        for ov in (True, False):
+            a = simulate_ring(QWEN, cl, CM, mode, overlap=ov, schedule="flat")
+            b = simulate_ring(QWEN, cl, CM, mode, overlap=ov, schedule="two_level")
+            assert (a.ms_fwd, a.ms_bwd, a.bytes_per_rank) == (b.ms_fwd, b.ms_bwd, b.bytes_per_rank)
+
+
+@pytest.mark.parametrize("mode", ["expert", "token"])
+def test_two_level_never_slower_across_nodes_same_bytes(mode):
+    """The same hops and compute in another order: never slower, and each rank sends the same
+    bytes (the lead R-1 times, the trail R times)."""
+    for (ep, gpn), T in itertools.product(((8, 4), (16, 8), (16, 4), (32, 8), (64, 8)),
+                                          (4096, 98304)):  # fmt: skip
+        s = QWEN.with_tokens(T)
+        cl = Cluster(ep=ep, gpus_per_node=gpn)
+        flat = simulate_ring(s, cl, CM, mode, schedule="flat")
+        two = simulate_ring(s, cl, CM, mode, schedule="two_level")
+        assert two.ms_fwd <= flat.ms_fwd * (1 + 1e-9) and two.ms_bwd <= flat.ms_bwd * (1 + 1e-9)
+        assert two.bytes_per_rank == pytest.approx(flat.bytes_per_rank)
+        assert two.extra["schedule"] == "two_level"
+
+
+def test_two_level_link_bound_pass_by_hand():
+    """No compute, no latency, no contention: a pass is its transfers. Expert forward over 2
+    nodes of 2: flat sends 3 leads, each hop over a NIC (3 x = 3 slow hops); two-level sends
+    intra, inter, intra (2 fast + 1 slow), both with every hop's links in parallel."""
+    cl = Cluster(ep=4, gpus_per_node=2, intra_GBps=100.0, inter_GBps=10.0, intra_latency_us=0.0,
+                 inter_latency_us=0.0, hide_intra=1.0, hide_inter=1.0)  # fmt: skip
+    from benchmarks.sim.ring import HopPayload
+
+    hop = HopPayload(lead_bytes=1e9, trail_bytes=0.0, compute_s=0.0, acc_s=0.0)
+    assert simulate_pass(cl, hop, schedule="flat").seconds == pytest.approx(3 * 0.1)
+    assert simulate_pass(cl, hop, schedule="two_level").seconds == pytest.approx(0.01 + 0.1 + 0.01)
+    with pytest.raises(ValueError, match="schedule="):
+        simulate_pass(cl, hop, schedule="ring")
+
+
+def test_sim_links_come_from_the_costmodel():
+    from relaymoe import costmodel
+
+    cl = Cluster(ep=16, gpus_per_node=8)
+    assert cl.intra_GBps * 1e9 == costmodel.NVLINK_BYTES_PER_S == 394e9
+    assert cl.inter_GBps * 1e9 == pytest.approx(costmodel.INTER_NODE_BYTES_PER_S) == 45e9
+    assert cl.is_inter(7, 15) and not cl.is_inter(8, 15)
+    # a flat ring across nodes cannot use the copy engine: NCCL's hidden share inside nodes too
+    assert cl.link_hide(0, 1, copy_engine=False) == cl.hide_inter
+    assert cl.link_hide(0, 1) == cl.hide_intra
+
+
+def test_scaling_sim_rows_carry_the_schedule():
+    from benchmarks.scaling_sim import extrapolate
+
+    rows = extrapolate(CM, variants=("E128_K8",), eps=(8, 16, 64), gpus_per_node=(4, 8))
+    a2a = [r for r in rows if r["provider"] == "sim_alltoall"]
+    ring = [r for r in rows if r["provider"] != "sim_alltoall"]
+    assert len(a2a) == 6 and all("schedule" not in r for r in a2a)
+    assert {r["schedule"] for r in ring} == {"flat", "two_level"}
+    assert len(ring) == 6 * 2 * 3  # points x schedules x (expert, token, auto)
+    by = {(r["provider"], r["ep"], r["gpus_per_node"], r["schedule"]): r for r in ring}
+    for (prov, ep, g, sched), r in by.items():
+        if sched == "flat":
+            assert "speedup_vs_flat" not in r
+            continue
+        flat = by[(prov, ep, g, "flat")]
+        assert set(r) == set(flat) | {"speedup_vs_flat"}
+        assert r["speedup_vs_flat"] == pytest.approx(flat["ms_fwd_bwd"] / r["ms_fwd_bwd"], 1e-2)
+        assert r["speedup_vs_flat"] >= 1.0
+        if ep <= g:
+            assert r["ms_fwd_bwd"] == flat["ms_fwd_bwd"]

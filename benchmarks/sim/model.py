@@ -13,15 +13,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from relaymoe.costmodel import Dims
+from relaymoe.costmodel import INTER_NODE_BYTES_PER_S, NVLINK_BYTES_PER_S, Dims
 
 GB = 1e9
 
-# Probed on 2x H200: copy-engine pull of 604 MB took 1.62 ms (373 GB/s); NCCL P2P
-# of the same took 1.70 ms (355 GB/s). Inter-node: one 400 Gb/s NIC per GPU = 50 GB/s, of which
-# ~90% is reachable by RDMA P2P (assumption, not measured here).
-DEFAULT_INTRA_GBPS = 373.0
-DEFAULT_INTER_GBPS = 45.0
+# The links (relaymoe.costmodel, where they are stated with their sources): NVLink 394 GB/s one
+# way as measured on 2x H200; between nodes one 400 Gb/s NIC per GPU at 90% (an assumption).
+# ``calibrate`` replaces the NVLink rate by what the ring's copy-engine hops reached in the
+# measured rows (their transfers run beside the hop's compute).
+DEFAULT_INTRA_GBPS = NVLINK_BYTES_PER_S / GB
+DEFAULT_INTER_GBPS = INTER_NODE_BYTES_PER_S / GB
 # Share of a transfer hidden under concurrent compute (the overlap probe): copy engine
 # 604 MB under a 2.33 ms GEMM: 2.44 ms total -> 1 - 0.11/1.62 = 93% hidden; NCCL: 3.16 ms total
 # -> 1 - 0.83/1.70 = 51% hidden. Inter-node P2P goes through NCCL (its kernels use SMs).
@@ -92,8 +93,12 @@ class MoEShape:
 class Cluster:
     """``ep`` GPUs in one ring, ``gpus_per_node`` per node, ranks numbered node-major.
 
-    The ring visits ranks in order, so a hop ``r -> r+1`` crosses a node boundary exactly when
+    A link ``src -> dst`` runs over NVLink inside a node and over ``src``'s NIC between nodes
+    (one NIC per GPU, so the GPUs of a node send across at once without sharing one). The flat
+    ring visits ranks in order, so its hop ``r -> r+1`` crosses a node boundary exactly when
     ``(r+1) % gpus_per_node == 0`` (plus the wrap-around ``R-1 -> 0`` when ``ep > gpus_per_node``).
+    ``hide_intra`` is the share of a copy-engine transfer hidden under compute, ``hide_inter``
+    that of an NCCL transfer (inside a node too, when the ring cannot use the copy engine).
     """
 
     ep: int
@@ -126,21 +131,38 @@ class Cluster:
     def nodes(self) -> int:
         return max(1, self.ep // self.gpus_per_node)
 
-    def hop_is_inter(self, src: int) -> bool:
-        """Whether the ring link ``src -> src+1 (mod ep)`` leaves the node."""
-        dst = (src + 1) % self.ep
+    @property
+    def spans_nodes(self) -> bool:
+        return self.ep > self.gpus_per_node
+
+    def is_inter(self, src: int, dst: int) -> bool:
+        """Whether the link ``src -> dst`` leaves the node."""
         return src // self.gpus_per_node != dst // self.gpus_per_node
 
-    def link_seconds(self, src: int, nbytes: float) -> float:
-        """Transfer time of ``nbytes`` over the ring link leaving ``src``."""
+    def hop_is_inter(self, src: int) -> bool:
+        """Whether the flat ring's link ``src -> src+1 (mod ep)`` leaves the node."""
+        return self.is_inter(src, (src + 1) % self.ep)
+
+    def transfer_seconds(self, src: int, dst: int, nbytes: float) -> float:
+        """Transfer time of ``nbytes`` over the link ``src -> dst``."""
         if nbytes <= 0:
             return 0.0
-        if self.hop_is_inter(src):
+        if self.is_inter(src, dst):
             return self.inter_latency_us * 1e-6 + nbytes / (self.inter_GBps * GB)
         return self.intra_latency_us * 1e-6 + nbytes / (self.intra_GBps * GB)
 
+    def link_seconds(self, src: int, nbytes: float) -> float:
+        """Transfer time of ``nbytes`` over the flat ring's link leaving ``src``."""
+        return self.transfer_seconds(src, (src + 1) % self.ep, nbytes)
+
+    def link_hide(self, src: int, dst: int, *, copy_engine: bool = True) -> float:
+        """Hidden share of a transfer ``src -> dst``: the copy engine's inside a node when the
+        ring uses it there, NCCL's otherwise."""
+        inter = self.is_inter(src, dst)
+        return self.hide_intra if copy_engine and not inter else self.hide_inter
+
     def hide(self, src: int) -> float:
-        return self.hide_inter if self.hop_is_inter(src) else self.hide_intra
+        return self.link_hide(src, (src + 1) % self.ep)
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,12 @@
 """Memory model, routing-mode choice and selective-recompute planner (pure Python; no torch).
 
 ``plan(cfg, gpu_bytes) -> Plan``; ``plan_from_megatron_args(args) -> Plan`` at training start;
-``ring_mode(cfg)``: the mode the runtime picks for a config (``relaymoe.costmodel.choose_mode``).
+``ring_mode(cfg)``: the mode the runtime picks for a config (``relaymoe.costmodel.choose_mode``);
+``ring_schedule(cfg)``: its schedule for the cluster shape (``costmodel.choose_schedule``).
 ``VARIANTS``: what a plan compares (alltoall / ring, each with Megatron's loss or the fused one).
 """
 
-from relaymoe.planner.mode import per_hop_bytes, ring_mode
+from relaymoe.planner.mode import per_hop_bytes, ring_mode, ring_schedule
 from relaymoe.planner.plan import (
     DEFAULT_GPU,
     GPUS,
@@ -36,6 +37,7 @@ __all__ = [
     "plan_from_megatron_args",
     "plan_recompute",
     "ring_mode",
+    "ring_schedule",
     "stage_peak",
     "usable_bytes",
     "worst_stage_peak",

@@ -1,30 +1,40 @@
-"""The planner's view of ``relaymoe.costmodel``: the mode and transport the runtime will use.
+"""The planner's view of ``relaymoe.costmodel``: the mode, transport and schedule the runtime
+will use.
 
 The runtime resolves ``mode="auto"`` with ``costmodel.choose_mode`` over every rank's tokens;
 the planner asks the same function with its per-GPU shapes (``T`` MoE input tokens per GPU,
 ``El = E/EP``, ``I`` already divided by ETP), so ``relaymoe plan`` sizes memory for the mode the
-run will take.
+run will take. The schedule (flat or two-level) follows from the GPUs per node
+(``parallel.gpus_per_node``) by ``costmodel.choose_schedule``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from relaymoe import costmodel
-from relaymoe.config import Config
+from relaymoe.config import Config, ParallelConfig
 from relaymoe.planner.memory import PROB_BYTES, Shapes, shapes
 
 
-def resolve_transport(transport: str, world: int) -> str:
+def resolve_transport(transport: str, world: int, *, flat_across_nodes: bool = False) -> str:
     """The transport the runtime resolves: ``local`` in a world of one; ``auto`` is the copy
-    engine (assumption: the EP group lies within one node with symmetric memory, where the
-    runtime's ``auto`` takes it; name ``nccl`` in the config otherwise)."""
+    engine (the EP group's ranks of one node share symmetric memory: the whole group, or each
+    node's ring of the two-level schedule), except for a flat ring across nodes
+    (``flat_across_nodes``), which runs over NCCL."""
     known = (costmodel.AUTO, *costmodel.TRANSPORTS)  # a request, or an already resolved name
     if transport not in known:
         raise ValueError(f"transport {transport!r}; known: {known}")
     if world == 1:
         return "local"
     if transport == costmodel.AUTO:
-        return "copy_engine"
+        return "nccl" if flat_across_nodes else "copy_engine"
     return transport
+
+
+def flat_across_nodes(cfg: Config) -> bool:
+    """Whether ``cfg``'s ring is a flat one whose group spans nodes."""
+    return ep_ranks_per_node(cfg.parallel) is not None and ring_schedule(cfg) == "flat"
 
 
 def ring_mode(
@@ -34,17 +44,20 @@ def ring_mode(
     transport: str | None = None,
     seq: int | None = None,
     mbs: int | None = None,
+    ring_only: bool = False,
 ) -> str:
     """The mode the runtime runs for a config (or for planner shapes): ``forced`` (default: the
-    config's ``relaymoe.ring_mode``) unless ``auto``, else ``costmodel.choose_mode``.
-    ``transport`` defaults to the config's (``auto`` with bare shapes)."""
+    config's ``relaymoe.ring_mode``) unless ``auto``, else ``costmodel.choose_mode`` (over the
+    ring modes only with ``ring_only``). ``transport`` defaults to the config's (``auto`` with
+    bare shapes)."""
     if isinstance(cfg_or_shapes, Config):
         cfg = cfg_or_shapes
         sh = shapes(cfg, seq, mbs)
         forced = cfg.relaymoe.ring_mode if forced is None else forced
         transport = cfg.relaymoe.transport if transport is None else transport
+        across = flat_across_nodes(cfg)
     else:
-        sh = cfg_or_shapes
+        sh, across = cfg_or_shapes, False
     forced = forced or costmodel.AUTO
     if forced not in costmodel.MODE_CHOICES:
         raise ValueError(f"ring mode {forced!r}; known: {costmodel.MODE_CHOICES}")
@@ -59,7 +72,8 @@ def ring_mode(
         world=sh.R,
         act_bytes=sh.e,
         prob_bytes=PROB_BYTES,
-        transport=resolve_transport(transport or costmodel.AUTO, sh.R),
+        transport=resolve_transport(transport or costmodel.AUTO, sh.R, flat_across_nodes=across),
+        modes=costmodel.RING_MODES if ring_only else costmodel.MODES,
     )
 
 
@@ -90,4 +104,35 @@ def step_report(sh: Shapes, transport: str) -> dict[str, dict[str, float]]:
             "bytes_backward": b.bwd,
             "seconds": costmodel.step_seconds(mode, d, transport=tr),
         }
+    return out
+
+
+def ep_ranks_per_node(par: ParallelConfig) -> int | None:
+    """Ranks of an EP group on one node (``None``: the group lies in one node). Megatron lays the
+    group over ``ep*etp`` consecutive ranks, members ``etp`` apart (``config`` checks that it
+    fills whole nodes when it spans several)."""
+    G = par.gpus_per_node
+    if G is None or par.ep * par.etp <= G:
+        return None
+    return max(1, G // par.etp)
+
+
+def ring_schedule(cfg: Config) -> str:
+    """The schedule the ring runs for ``cfg`` (``costmodel.choose_schedule``)."""
+    return costmodel.choose_schedule(
+        world=cfg.parallel.ep, gpus_per_node=ep_ranks_per_node(cfg.parallel)
+    )
+
+
+def hop_time_report(sh: Shapes, mode: str, transport: str, gpus_per_node: int | None) -> dict:
+    """Per schedule (``costmodel.SCHEDULES``): the hop times of ``mode`` (a ring mode) in one
+    layer step (``costmodel.ring_hop_times``, fields in seconds, ``step_s`` the layer step)."""
+    d = sh.dims()
+    tr = resolve_transport(transport, sh.R)
+    out = {}
+    for sched in costmodel.SCHEDULES:
+        t = costmodel.ring_hop_times(
+            mode, d, schedule=sched, gpus_per_node=gpus_per_node, transport=tr
+        )
+        out[sched] = {"mode": mode, **dataclasses.asdict(t), "nodes": t.nodes, "step_s": t.step_s}
     return out

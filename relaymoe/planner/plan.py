@@ -9,10 +9,10 @@ import json
 import math
 import os
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from relaymoe.config import Config, config_from_dict, recompute_args, to_megatron_args
-from relaymoe.costmodel import MODES
+from relaymoe.costmodel import MODES, RING_MODES
 from relaymoe.planner import memory as mm
 from relaymoe.planner import mode as pm
 from relaymoe.planner.recompute import RecomputePlan, plan_recompute, worst_stage_peak
@@ -92,6 +92,9 @@ class Plan:
     megatron_args: dict  # Megatron argument overrides (recompute_*) for ``chosen``
     megatron_flags: tuple[str, ...]  # the whole command line to paste, for ``chosen``
     notes: tuple[str, ...] = ()
+    schedule: str = "flat"  # the ring's order (costmodel.SCHEDULES) for the cluster shape
+    gpus_per_node: int | None = None  # the cluster's (parallel.gpus_per_node; None: one node)
+    hop_times: dict = field(default_factory=dict)  # per schedule: costmodel.ring_hop_times
 
     @property
     def chosen(self) -> str:
@@ -188,8 +191,13 @@ def plan(cfg: Config, gpu_bytes: int | str = DEFAULT_GPU) -> Plan:
     gpu = parse_gpu(gpu_bytes)
     usable = usable_bytes(gpu)
     sh = mm.shapes(cfg)
-    transport = pm.resolve_transport(cfg.relaymoe.transport, sh.R)
+    schedule = pm.ring_schedule(cfg)
+    transport = pm.resolve_transport(
+        cfg.relaymoe.transport, sh.R, flat_across_nodes=pm.flat_across_nodes(cfg)
+    )
     mode = pm.ring_mode(cfg)
+    # hop times of the ring mode that runs (the faster ring mode when alltoall does)
+    hop_mode = mode if mode in RING_MODES else pm.ring_mode(sh, transport=transport, ring_only=True)
     moe_peak = {
         "alltoall": mm.moe_peak_alltoall(sh),
         "ring": mm.moe_peak_ring(sh, mode, transport),
@@ -258,6 +266,9 @@ def plan(cfg: Config, gpu_bytes: int | str = DEFAULT_GPU) -> Plan:
         transport=transport,
         per_hop_bytes=pm.per_hop_bytes(sh),
         step_model=pm.step_report(sh, transport),
+        schedule=schedule,
+        gpus_per_node=cfg.parallel.gpus_per_node,
+        hop_times=pm.hop_time_report(sh, hop_mode, transport, pm.ep_ranks_per_node(cfg.parallel)),
         moe_peak_bytes=moe_peak,
         peak_bytes=peaks,
         peak_full_recompute_bytes=full,
@@ -350,6 +361,7 @@ def config_from_megatron_args(args) -> Config:
         "dp": dp,
         "sequence_parallel": bool(g("sequence_parallel", False)),
         "use_distributed_optimizer": bool(g("use_distributed_optimizer", False)),
+        "gpus_per_node": g("relaymoe_gpus_per_node"),
     }
     precision = "bf16" if g("bf16", False) else "fp16" if g("fp16", False) else "fp32"
     training = {

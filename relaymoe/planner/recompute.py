@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 
 from relaymoe.config import Config
 from relaymoe.planner import memory as mm
-from relaymoe.planner.mode import resolve_transport, ring_mode_of
+from relaymoe.planner.mode import flat_across_nodes, resolve_transport, ring_mode_of
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,9 @@ def stage_peak(
     inflight = mm.inflight_microbatches(cfg, stage)
     workspace = 0
     if dispatcher == "ring":
-        tr = resolve_transport(transport or cfg.relaymoe.transport, sh.R)
+        tr = resolve_transport(
+            transport or cfg.relaymoe.transport, sh.R, flat_across_nodes=flat_across_nodes(cfg)
+        )
         ring_mode = ring_mode_of(cfg, sh, ring_mode, tr)
         moe_peak = mm.moe_peak_ring(sh, ring_mode, tr)
         # persistent and shared by all layers: once per GPU, beside the layers' peaks
@@ -165,7 +167,11 @@ def layer_options(cfg: Config, dispatcher: str, stage: int, **kw) -> list[LayerO
     sh = mm.shapes(cfg, kw.get("seq"), kw.get("mbs"))
     mode = "expert"
     if dispatcher == "ring":
-        tr = resolve_transport(kw.get("transport") or cfg.relaymoe.transport, sh.R)
+        tr = resolve_transport(
+            kw.get("transport") or cfg.relaymoe.transport,
+            sh.R,
+            flat_across_nodes=flat_across_nodes(cfg),
+        )
         mode = ring_mode_of(cfg, sh, kw.get("ring_mode"), tr)
     inflight = mm.inflight_microbatches(cfg, stage)
     out = []
