@@ -1,4 +1,5 @@
-"""Grouped GEMM kernels over the routing index (MoEBlaze §3-5). Imports only torch and triton.
+"""Grouped GEMM kernels over the routing index (MoEBlaze §3-5). Imports only torch, triton and
+``relaymoe.kernels`` (limits, the shipped tuned configurations).
 
 Shape legend: T tokens, H hidden, I expert FFN width, El local experts, P pairs of the computed
 expert range in expert-grouped order (positions ``offs[0]:offs[El]`` of the routing index).
@@ -21,13 +22,12 @@ SwiGLU backward and the launch grid. The launchers check those on sizes before l
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from relaymoe.kernels import check_int32, interpret_mode
+from relaymoe.kernels.tuned import autotune_mode, shipped_config
 
 
 # ---------------------------------------------------------------------------------------------
@@ -386,27 +386,39 @@ def _even_k(kdim):
     return lambda meta: meta[kdim] % meta["BLOCK_K"] == 0
 
 
-_up_tuned = triton.autotune(_UP_CONFIGS, key=["H", "I", "n_experts", "SAVE_H", "SCALE"])(
+# autotune keys: the shipped configurations (tuned.py) are looked up by the same names
+_UP_KEY = ("H", "I", "n_experts", "SAVE_H", "SCALE")
+_ROWS_KEY = ("N", "K", "n_experts", "A_GATHER")
+_WGRAD_KEY = ("M", "N", "A_GATHER", "B_GATHER", "ACCUMULATE")
+
+_up_tuned = triton.autotune(_UP_CONFIGS, key=list(_UP_KEY))(
     triton.heuristics({"EVEN_K": _even_k("H")})(_up_swiglu_kernel)
 )
-_rows_tuned = triton.autotune(_ROWS_CONFIGS, key=["N", "K", "n_experts", "A_GATHER"])(
+_rows_tuned = triton.autotune(_ROWS_CONFIGS, key=list(_ROWS_KEY))(
     triton.heuristics({"EVEN_K": _even_k("K")})(_rows_gemm_kernel)
 )
 _wgrad_tuned = triton.autotune(
     _WGRAD_CONFIGS,
-    key=["M", "N", "A_GATHER", "B_GATHER", "ACCUMULATE"],
+    key=list(_WGRAD_KEY),
     restore_value=["c_ptr"],  # accumulating launches must not add once per tried config
 )(_wgrad_kernel)
 
 
-def _pick(tuned, raw, config, kdim):
-    """Autotuned kernel on GPU; a fixed config (EVEN_K derived) under the interpreter, when a
-    test passes one, or with ``RELAYMOE_AUTOTUNE=0`` (the first config of the kernel's list)."""
+def _pick(tuned, raw, config, kdim, name: str, key: dict, dtype):
+    """The kernel and its meta-parameters. On GPU: the shipped configuration of (GPU, ``name``,
+    bucket of the autotune ``key``) when ``kernels/tuned_configs.json`` has one, else the
+    autotuner (``RELAYMOE_AUTOTUNE``, ``tuned.py``). A fixed config (EVEN_K derived) under the
+    interpreter, when a test passes one, or with ``RELAYMOE_AUTOTUNE=0`` (the first candidate)."""
     if config is None and not interpret_mode():
-        if os.environ.get("RELAYMOE_AUTOTUNE", "1") != "0":
+        mode = autotune_mode()
+        if mode == "shipped":
+            config = shipped_config(name, key, dtype)
+        if config is None and mode != "0":
             return tuned, {}
-        first = tuned.configs[0]
-        config = {**first.kwargs, "num_warps": first.num_warps, "num_stages": first.num_stages}
+        if config is None:
+            first = tuned.configs[0]
+            config = {**first.kwargs, "num_warps": first.num_warps,
+                      "num_stages": first.num_stages}  # fmt: skip
     cfg = dict(_INTERP_CFG if config is None else config)
     meta = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
     for k in ("num_warps", "num_stages"):
@@ -463,7 +475,10 @@ def up_swiglu(x_TH, w13_E2IH, idx_P, offs, prob_P, h_P2I, a_PI, *, config=None):
     if n_pairs == 0 or n_experts == 0:
         return
     _check_expert_span(w13_E2IH, "w13", "up_swiglu")
-    kernel, meta = _pick(_up_tuned, _up_swiglu_kernel, config, hidden)
+    key = dict(zip(_UP_KEY, (hidden, ffn, n_experts, h_P2I is not None, prob_P is not None),
+                   strict=True))  # fmt: skip
+    kernel, meta = _pick(_up_tuned, _up_swiglu_kernel, config, hidden, "up_swiglu", key,
+                         x_TH.dtype)  # fmt: skip
     h = h_P2I if h_P2I is not None else a_PI
     p = prob_P if prob_P is not None else a_PI
     kernel[_row_grid(n_pairs, n_experts, ffn)](
@@ -486,7 +501,9 @@ def rows_gemm(a_PK, b_EKN, offs, c_PN, *, a_idx=None, config=None):
     if n_pairs == 0 or n_experts == 0:
         return
     _check_expert_span(b_EKN, "the weight operand", "rows_gemm")
-    kernel, meta = _pick(_rows_tuned, _rows_gemm_kernel, config, kdim)
+    key = dict(zip(_ROWS_KEY, (ncols, kdim, n_experts, a_idx is not None), strict=True))
+    kernel, meta = _pick(_rows_tuned, _rows_gemm_kernel, config, kdim, "rows_gemm", key,
+                         a_PK.dtype)  # fmt: skip
     kernel[_row_grid(n_pairs, n_experts, ncols)](
         a_PK, b_EKN, a_idx if a_idx is not None else offs, offs, c_PN,
         n_experts, ncols, kdim,
@@ -524,7 +541,8 @@ def wgrad(a, b, idx_P, offs, c_EMN, *, a_gather: bool, b_gather: bool, accumulat
     if n_experts == 0 or m == 0 or n == 0:
         return
     _check_expert_span(c_EMN, "the weight gradient", "wgrad")
-    kernel, meta = _pick(_wgrad_tuned, _wgrad_kernel, config, None)
+    key = dict(zip(_WGRAD_KEY, (m, n, a_gather, b_gather, accumulate), strict=True))
+    kernel, meta = _pick(_wgrad_tuned, _wgrad_kernel, config, None, "wgrad", key, a.dtype)
     grid = lambda meta_: (  # noqa: E731
         n_experts * triton.cdiv(m, meta_["BLOCK_M"]) * triton.cdiv(n, meta_["BLOCK_N"]),
     )

@@ -1,0 +1,161 @@
+"""Regenerate the shipped kernel configurations (relaymoe/kernels/tuned_configs.json) here.
+
+    python benchmarks/tune_kernels.py [--configs qwen3_30b_a3b,qwen2_57b_a14b,qwen3_5_35b_a3b]
+        [--ep 1,2,4,8,16] [--tokens 8192] [--dtype bfloat16] [--dry-run]
+        [--out relaymoe/kernels/tuned_configs.json]
+
+For every model config and expert-parallel size (``E_local = num_experts / ep``) it runs, with the
+autotuner forced on (``RELAYMOE_AUTOTUNE=1``), what the runtime launches: ``moe_experts`` fwd+bwd
+under each recompute policy and a world-of-one ``ring_moe`` fwd+bwd in expert and token mode
+(the hop primitives, ``save="none"`` with per-hop recompute). Then it reads each grouped-GEMM
+autotuner's cache (its key values and the winning configuration), turns each key into its bucket
+(``relaymoe.kernels.tuned.bucket``) and merges the winners into the table under this GPU's name
+(``torch.cuda.get_device_name``), with the commit, versions and date as provenance. Other GPUs'
+entries stay. The pair count is not part of any autotune key, so ``--tokens`` only has to be
+large enough for a representative timing.
+
+Prints one line per (kernel, bucket) and the seconds the search took; ``--dry-run`` lists the
+shapes without a GPU. Commit the table from a clean tree with the command in the note.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import commit  # noqa: E402
+
+DEFAULT_CONFIGS = ("qwen3_30b_a3b", "qwen2_57b_a14b", "qwen3_5_35b_a3b")
+DEFAULT_EP = (1, 2, 4, 8, 16)
+KERNELS = ("up_swiglu", "rows_gemm", "wgrad")
+
+
+def shapes(configs, eps) -> list[dict]:
+    """(config, H, I, E_local, K) of every config and EP that divides its experts."""
+    from relaymoe.config import load_config
+
+    out = []
+    for name in configs:
+        m = load_config(name).model
+        for ep in eps:
+            if m.num_experts % ep:
+                continue
+            out.append(dict(config=name, ep=ep, H=m.hidden_size, I=m.moe_ffn_hidden_size,
+                            El=m.num_experts // ep, K=m.moe_router_topk))  # fmt: skip
+    return out
+
+
+def run_shape(s: dict, tokens: int, dtype) -> None:
+    """Every launch the runtime makes for this shape, fwd+bwd, once (the autotuner searches)."""
+    import torch
+
+    from relaymoe.experts import moe_experts
+    from relaymoe.ring import ring_moe
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    kw = {"device": "cuda", "generator": g}
+    T, H, I, El, K = tokens, s["H"], s["I"], s["El"], min(s["K"], s["El"])
+    x = torch.randn(T, H, **kw).to(dtype).requires_grad_()
+    w13 = (torch.randn(El, 2 * I, H, **kw) / H**0.5).to(dtype).requires_grad_()
+    w2 = (torch.randn(El, H, I, **kw) / I**0.5).to(dtype).requires_grad_()
+    idx = torch.rand(T, El, **kw).argsort(1)[:, :K]
+    probs = torch.rand(T, K, **kw).requires_grad_()
+    dy = torch.randn(T, H, **kw).to(dtype)
+    for recompute in ("act", "act_retain", "fc1"):
+        moe_experts(x, w13, w2, idx, probs, recompute=recompute).backward(dy)
+    for mode in ("expert", "token"):
+        ring_moe(x, w13, w2, idx, probs, mode=mode).backward(dy)
+    torch.cuda.synchronize()
+
+
+def winners() -> dict:
+    """{kernel: {bucket: config}} from the autotuners' caches of this process."""
+    from relaymoe.kernels import grouped
+    from relaymoe.kernels.tuned import bucket
+
+    out: dict = {}
+    for name, tuner, names in (("up_swiglu", grouped._up_tuned, grouped._UP_KEY),
+                               ("rows_gemm", grouped._rows_tuned, grouped._ROWS_KEY),
+                               ("wgrad", grouped._wgrad_tuned, grouped._WGRAD_KEY)):  # fmt: skip
+        for key, cfg in tuner.cache.items():
+            values, rest = key[: len(names)], key[len(names) :]
+            dtype = next((str(v) for v in rest if "float" in str(v)), "unknown")
+            b = bucket(dict(zip(names, values, strict=True)), dtype)
+            out.setdefault(name, {})[b] = {
+                **{k: cfg.kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")},
+                "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+            }  # fmt: skip
+    return out
+
+
+def merge(table: dict, gpu: str, found: dict, provenance: dict) -> dict:
+    """``table`` with ``gpu``'s entries updated by ``found`` (other GPUs untouched)."""
+    from relaymoe.kernels.tuned import VERSION
+
+    new = {"version": VERSION, "gpus": dict(table.get("gpus", {})),
+           "provenance": dict(table.get("provenance", {}))}  # fmt: skip
+    mine = {k: dict(v) for k, v in new["gpus"].get(gpu, {}).items()}
+    for kernel, buckets in found.items():
+        mine.setdefault(kernel, {}).update(buckets)
+    new["gpus"][gpu] = {k: dict(sorted(v.items())) for k, v in sorted(mine.items())}
+    new["provenance"][gpu] = provenance
+    return new
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS))
+    ap.add_argument("--ep", default=",".join(map(str, DEFAULT_EP)))
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--out", default=None, help="default: the package's tuned_configs.json")
+    ap.add_argument("--dry-run", action="store_true")
+    a = ap.parse_args(argv)
+    todo = shapes([c for c in a.configs.split(",") if c], [int(e) for e in a.ep.split(",") if e])
+    for s in todo:
+        print(f"shape {s}")
+    if a.dry_run:
+        return 0
+    import torch
+    import triton
+
+    from relaymoe.kernels import tuned
+
+    if not torch.cuda.is_available():
+        print("tune_kernels: needs a CUDA GPU; nothing tuned")
+        return 3
+    os.environ["RELAYMOE_AUTOTUNE"] = "1"
+    out = Path(a.out) if a.out else tuned.TABLE
+    t0 = time.perf_counter()
+    for s in todo:
+        t1 = time.perf_counter()
+        run_shape(s, a.tokens, getattr(torch, a.dtype))
+        print(f"tuned {s['config']} ep={s['ep']} (El={s['El']}): {time.perf_counter() - t1:.1f} s",
+              flush=True)  # fmt: skip
+    found = winners()
+    gpu = torch.cuda.get_device_name()
+    provenance = {
+        "commit": commit(), "torch": torch.__version__, "triton": triton.__version__,
+        "date": _dt.date.today().isoformat(), "tokens": a.tokens, "dtype": a.dtype,
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+    }  # fmt: skip
+    table = tuned.load_table(str(out)) if out.exists() else {"version": tuned.VERSION}
+    new = merge(table, gpu, found, provenance)
+    out.write_text(json.dumps(new, indent=1) + "\n")
+    for kernel, buckets in sorted(found.items()):
+        for b, cfg in sorted(buckets.items()):
+            print(f"{gpu} {kernel} {b}: {cfg}")
+    print(f"{sum(len(v) for v in found.values())} configurations for {gpu} written to {out} "
+          f"({time.perf_counter() - t0:.0f} s of search)")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

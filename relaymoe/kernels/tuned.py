@@ -1,0 +1,110 @@
+"""Shipped kernel configurations: the autotuner's pick per GPU, kernel and shape bucket.
+
+A process autotunes each grouped-GEMM kernel once per autotune key, compiling and timing every
+candidate (4 to 9 per kernel). On a fresh machine with an empty Triton cache that search alone
+kept the experts benchmark's first call past 170 s (H200, issue #15). With a shipped
+configuration for (GPU name, kernel, bucket) a launcher compiles that one configuration and
+skips the search.
+
+The table is package data (``tuned_configs.json`` beside this file)::
+
+    {"version": 1,
+     "gpus": {"NVIDIA H200": {"up_swiglu": {"<bucket>": {"BLOCK_M": 128, ..., "num_warps": 8,
+                                                         "num_stages": 3}, ...}, ...}},
+     "provenance": {"NVIDIA H200": {"commit": ..., "torch": ..., "triton": ..., "date": ...}}}
+
+A bucket is the kernel's autotune key with every size rounded up to a power of two (sizes within
+a factor of two share a configuration) and the activations' dtype, e.g.
+``H=2048,I=1024,n_experts=64,SAVE_H=1,SCALE=1,bfloat16``. Regenerate on the target GPU with
+``python benchmarks/tune_kernels.py`` (it autotunes representative shapes and merges the winners
+into the table under that GPU's name).
+
+``RELAYMOE_AUTOTUNE`` chooses: ``shipped`` (default: the shipped configuration when the table has
+one for this GPU and bucket, else the autotuner), ``1`` (always the autotuner), ``0`` (the
+kernel's first candidate, no search).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from pathlib import Path
+
+__all__ = ["TABLE", "autotune_mode", "bucket", "shipped_config", "load_table"]
+
+TABLE = Path(__file__).with_name("tuned_configs.json")
+VERSION = 1
+AUTOTUNE_MODES = ("shipped", "1", "0")
+_CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+
+
+def autotune_mode() -> str:
+    mode = os.environ.get("RELAYMOE_AUTOTUNE", "shipped")
+    if mode not in AUTOTUNE_MODES:
+        raise ValueError(
+            f"RELAYMOE_AUTOTUNE={mode!r}; known: {AUTOTUNE_MODES} (shipped: the package's tuned "
+            "configurations where they exist, 1: always autotune, 0: no search)"
+        )
+    return mode
+
+
+def _pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def bucket(key: dict, dtype) -> str:
+    """The bucket of an autotune key (name -> int or bool, in the kernel's key order) for
+    activations of ``dtype`` (a torch dtype or its name)."""
+    parts = []
+    for name, value in key.items():
+        if isinstance(value, bool):
+            parts.append(f"{name}={int(value)}")
+        else:
+            parts.append(f"{name}={_pow2(int(value))}")
+    parts.append(str(dtype).removeprefix("torch."))
+    return ",".join(parts)
+
+
+def _check_table(table: dict, where: str) -> dict:
+    if not isinstance(table, dict) or table.get("version") != VERSION:
+        raise ValueError(
+            f"{where}: not a version-{VERSION} tuned-configuration table; regenerate it with "
+            "python benchmarks/tune_kernels.py"
+        )
+    for gpu, kernels in table.get("gpus", {}).items():
+        for kernel, buckets in kernels.items():
+            for b, cfg in buckets.items():
+                if set(cfg) != set(_CONFIG_KEYS):
+                    raise ValueError(
+                        f"{where}: {gpu} / {kernel} / {b} has keys {sorted(cfg)}; a configuration "
+                        f"needs exactly {list(_CONFIG_KEYS)}"
+                    )
+    return table
+
+
+@functools.lru_cache(maxsize=4)
+def load_table(path: str | None = None) -> dict:
+    """The table at ``path`` (default: the shipped one), checked; read once per process."""
+    p = Path(path) if path else TABLE
+    if not p.exists():
+        return {"version": VERSION, "gpus": {}}
+    return _check_table(json.loads(p.read_text()), str(p))
+
+
+def _gpu_name() -> str | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_name(torch.cuda.current_device())
+
+
+def shipped_config(kernel: str, key: dict, dtype, *, gpu: str | None = None) -> dict | None:
+    """The shipped configuration of ``kernel`` for this autotune ``key`` on ``gpu`` (default:
+    the current CUDA device's name), or None."""
+    gpu = gpu or _gpu_name()
+    if gpu is None:
+        return None
+    cfg = load_table().get("gpus", {}).get(gpu, {}).get(kernel, {}).get(bucket(key, dtype))
+    return dict(cfg) if cfg is not None else None
