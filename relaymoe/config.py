@@ -650,6 +650,8 @@ def to_megatron_args(cfg: Config, *, dispatcher: str | None = None) -> list[str]
         args += ["--relaymoe-ring-mode", cfg.relaymoe.ring_mode]
         if cfg.relaymoe.transport != "auto":
             args += ["--relaymoe-transport", cfg.relaymoe.transport]
+        if p.gpus_per_node is not None:
+            args += ["--relaymoe-gpus-per-node", str(p.gpus_per_node)]
     if cfg.relaymoe.recompute_planner:
         args.append("--relaymoe-recompute-planner")
     if cfg.relaymoe.fused_loss:

@@ -277,6 +277,7 @@ def test_gpus_per_node_field():
         cfg.replace(parallel={"gpus_per_node": 0})
     with pytest.raises(ValueError, match="must be an integer"):
         cfg.replace(parallel={"gpus_per_node": "8"})
-    assert "gpus-per-node" not in " ".join(
-        to_megatron_args(cfg.replace(parallel={"gpus_per_node": 4}))
-    )
+    four = cfg.replace(parallel={"gpus_per_node": 4})
+    assert " --relaymoe-gpus-per-node 4" in " ".join(to_megatron_args(four, dispatcher="ring"))
+    assert "gpus-per-node" not in " ".join(to_megatron_args(four, dispatcher="alltoall"))
+    assert "gpus-per-node" not in " ".join(to_megatron_args(cfg, dispatcher="ring"))

@@ -91,6 +91,30 @@ def test_parser_accepts_ring_and_relaymoe_flags(mcore):
         plain.parse_args(["--moe-token-dispatcher-type", "ring"])
 
 
+def test_ring_flags_of_a_config_parse(mcore):
+    from megatron.training import arguments
+
+    from relaymoe.config import load_config, to_megatron_args
+
+    parser = arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    cfg = load_config("qwen3_30b_a3b").replace(parallel={"gpus_per_node": 4})
+    ns = parser.parse_args(to_megatron_args(cfg, dispatcher="ring"))
+    assert (ns.moe_token_dispatcher_type, ns.relaymoe_gpus_per_node) == ("ring", 4)
+
+
+def test_ep_ranks_per_node_from_global_ranks():
+    from relaymoe.megatron.dispatcher import ep_ranks_per_node
+
+    assert ep_ranks_per_node(list(range(16)), None) is None  # the hosts decide
+    assert ep_ranks_per_node(list(range(16)), 8) == 8  # two nodes of 8
+    assert ep_ranks_per_node(list(range(8, 16)), 8) == 8  # inside one node: flat later
+    assert ep_ranks_per_node([0, 2, 4, 6, 8, 10, 12, 14], 8) == 4  # every other GPU (tp 2)
+    assert ep_ranks_per_node([0, 8, 16, 24], 8) == 1  # one EP rank per node
+    with pytest.raises(ValueError, match=r"--relaymoe-gpus-per-node 8: the EP group's global "
+                                         r"ranks \[4, 5, 6, 7, 8, 9\]"):  # fmt: skip
+        ep_ranks_per_node([4, 5, 6, 7, 8, 9], 8)  # 4 on node 0, 2 on node 1
+
+
 def test_settings_from_args_and_configure(mcore):
     from relaymoe.megatron import settings
 

@@ -29,7 +29,26 @@ from relaymoe.megatron.settings import RingSettings, current_settings
 from relaymoe.megatron.validate import check_ring_config
 from relaymoe.ring import ring_moe
 
-__all__ = ["RingDispatcher", "routing_map_to_topk"]
+__all__ = ["RingDispatcher", "ep_ranks_per_node", "routing_map_to_topk"]
+
+
+def ep_ranks_per_node(global_ranks: list[int], gpus_per_node: int | None) -> int | None:
+    """EP ranks per node for the two-level ring, from the EP group's global ranks and the
+    cluster's GPUs per node (``--relaymoe-gpus-per-node``; node = global rank // GPUs per node,
+    torchrun's node-major numbering). None when not given: the ring reads the ranks' hosts."""
+    if gpus_per_node is None:
+        return None
+    from relaymoe.ring.agree import nodes_from_hosts
+
+    per_node = nodes_from_hosts([r // gpus_per_node for r in global_ranks])
+    if per_node is None:
+        raise ValueError(
+            f"--relaymoe-gpus-per-node {gpus_per_node}: the EP group's global ranks "
+            f"{list(global_ranks)} do not form equal blocks of consecutive ranks per node, which "
+            "the two-level ring needs; fix: choose parallel sizes whose EP groups are whole "
+            "nodes (or fit in one), or leave the flag unset (the flat ring then runs)"
+        )
+    return per_node
 
 
 def routing_map_to_topk(routing_map: Tensor, probs: Tensor, topk: int) -> tuple[Tensor, Tensor]:
@@ -86,6 +105,10 @@ class RingDispatcher(MoETokenDispatcher):
         self.num_experts = config.num_moe_experts
         self.topk = config.moe_router_topk
         self.settings = settings if settings is not None else current_settings()
+        import torch.distributed as dist
+
+        ranks = dist.get_process_group_ranks(self.ep_group) if dist.is_initialized() else [0]
+        self.ep_per_node = ep_ranks_per_node(ranks, self.settings.gpus_per_node)
         self.hidden_shape = None
         self.topk_idx = None
 
@@ -134,7 +157,7 @@ class RingDispatcher(MoETokenDispatcher):
             transport=s.transport,
             overlap=s.overlap,
             schedule=s.schedule,
-            gpus_per_node=s.gpus_per_node,
+            gpus_per_node=self.ep_per_node,
             trusted=True,  # ids from Megatron's router; every EP rank runs the same shapes
         )
 

@@ -75,8 +75,8 @@ def add_relaymoe_args(parser):
         "--relaymoe-gpus-per-node",
         type=_positive_int,
         default=None,
-        help="GPUs per node of the EP group, for the two-level ring (default: read from the "
-        "EP ranks' hosts)",
+        help="GPUs per node of the cluster, for the two-level ring: the EP ranks' nodes are "
+        "global rank // N (default: read from the EP ranks' hosts)",
     )
     group.add_argument(
         "--relaymoe-no-overlap",

@@ -41,7 +41,7 @@ class Settings:
     fused_loss: bool = False
     loss_chunk_tokens: int | None = None  # None: linear_cross_entropy's own choice
     schedule: str = "auto"
-    gpus_per_node: int | None = None  # None: from the EP ranks' hosts
+    gpus_per_node: int | None = None  # of the cluster; None: the EP ranks' hosts decide
 
     def __post_init__(self):
         if self.mode not in RING_MODES:
