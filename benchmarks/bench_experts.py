@@ -19,15 +19,26 @@ shapes. ``--breakdown`` also times each relaymoe kernel of the qwen3
 T32k layer alone (rows ``bench: experts_breakdown``), right after the first shape's table. Rows:
 ``bench: experts`` in the format of ``benchmarks/README.md``.
 
+``--first-call`` (issue #15, cold start) adds to each ``relaymoe`` act row ``first_call_s``: the
+wall time of the first fwd+bwd (routing index included, synchronized) in a fresh process whose
+Triton cache is an empty folder, with the default ``RELAYMOE_AUTOTUNE=shipped``, and
+``first_call_autotune_s``, the same with ``RELAYMOE_AUTOTUNE=1`` (the full search); and
+``shipped_configs``: whether ``relaymoe/kernels/tuned_configs.json`` has entries for this GPU.
+
     PYTHONPATH=. python3 benchmarks/bench_experts.py [--quick] [--out PATH.jsonl] [--breakdown]
+        [--first-call]
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
+import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -96,6 +107,32 @@ def relaymoe_fn(recompute: str, switches: dict | None = None):
                            backend="triton")  # fmt: skip
 
     return fn
+
+
+def first_call_seconds(shape: str, autotune: str, timeout_s: float = 900.0) -> float | None:
+    """Wall time of the first relaymoe fwd+bwd at ``shape`` in a fresh process with an empty
+    Triton cache and ``RELAYMOE_AUTOTUNE=autotune`` (None if the child failed)."""
+    with tempfile.TemporaryDirectory(prefix="relaymoe_cold_triton_") as cache:
+        env = dict(os.environ, TRITON_CACHE_DIR=cache, RELAYMOE_AUTOTUNE=autotune,
+                   PYTHONPATH=str(Path(__file__).resolve().parents[1]))  # fmt: skip
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--first-call-child", shape]
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
+    if r.returncode != 0 or not lines:
+        print(f"[bench_experts] first call {shape} ({autotune}) failed:\n{r.stderr[-2000:]}")
+        return None
+    return json.loads(lines[-1])["first_call_s"]
+
+
+def _first_call_child(shape: str) -> int:
+    inputs = make_inputs(*SHAPES[shape])
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = relaymoe_fn("act")(*inputs)
+    out.backward(torch.ones_like(out))
+    torch.cuda.synchronize()
+    print(json.dumps({"first_call_s": time.perf_counter() - t0}))
+    return 0
 
 
 def naive_fn(x, w13, w2, idx, probs):
@@ -264,7 +301,15 @@ def main(argv=None) -> int:
         "naive liger",
     )
     ap.add_argument("--breakdown", action="store_true", help="time each kernel at qwen3 T32k")
+    ap.add_argument(
+        "--first-call",
+        action="store_true",
+        help="cold-start rows: first fwd+bwd in a fresh process, empty Triton cache",
+    )
+    ap.add_argument("--first-call-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.first_call_child:
+        return _first_call_child(args.first_call_child)
     if not torch.cuda.is_available():
         print("bench_experts needs CUDA")
         return 1
@@ -320,6 +365,12 @@ def main(argv=None) -> int:
             if provider.startswith("relaymoe"):
                 row["variant"] = key
                 row.update(checks[key])
+            if args.first_call and key == "relaymoe_act":
+                from relaymoe.kernels.tuned import load_table
+
+                row["first_call_s"] = first_call_seconds(shape, "shipped")
+                row["first_call_autotune_s"] = first_call_seconds(shape, "1")
+                row["shipped_configs"] = torch.cuda.get_device_name() in load_table()["gpus"]
             shape_rows.append(writer.write(row))
             print(f"[bench_experts] {key} {shape} {r}", flush=True)
         for var in _SWITCHES:
