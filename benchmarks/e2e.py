@@ -332,22 +332,26 @@ def run_dispatcher(
     return run_pretrain(flags, gpus=gpus, timeout_s=timeout_s, workdir=workdir)
 
 
-def _stop_group(proc: subprocess.Popen) -> None:
+def _stop_group(proc: subprocess.Popen, grace_s: float = 15) -> None:
     """Stop the job's own process group (torchrun and its workers): SIGTERM, then SIGKILL to
-    whatever is left once torchrun has exited or 15 s have passed."""
+    whatever is left once the leader has exited or ``grace_s`` have passed; the leader is
+    reaped unless it outlives SIGKILL by 30 s (stuck in the kernel: the caller is not held)."""
     try:
         os.killpg(proc.pid, signal.SIGTERM)
     except ProcessLookupError:
         return
     try:
-        proc.wait(timeout=15)
+        proc.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
         pass
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    proc.wait()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 def _text(x) -> str:

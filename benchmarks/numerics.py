@@ -32,6 +32,7 @@ and the environment keys of ``benchmarks/README.md``.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import shutil
@@ -122,17 +123,15 @@ def make_problem(cfg: Config, world: int, seed: int, routing: str, dtype: torch.
     )
 
 
-def oracle(pb: dict) -> dict[str, torch.Tensor]:
-    """Output and gradients of the global problem in float64 (of the rounded inputs)."""
-    from relaymoe.reference import moe_experts_reference
-
+def _whole(fn, pb: dict, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Output and gradients of ``fn(x, w13, w2, idx, probs)`` on the whole problem, backward
+    with ``dy``; the inputs in ``dtype`` (default: as they are)."""
     leaves = {
-        k: pb[k].to(torch.float64, copy=True).requires_grad_() for k in ("x", "w13", "w2", "probs")
+        k: pb[k].to(dtype or pb[k].dtype, copy=True).requires_grad_()
+        for k in ("x", "w13", "w2", "probs")
     }
-    out = moe_experts_reference(
-        leaves["x"], leaves["w13"], leaves["w2"], pb["idx"], leaves["probs"]
-    )
-    out.backward(pb["dy"].double())
+    out = fn(leaves["x"], leaves["w13"], leaves["w2"], pb["idx"], leaves["probs"])
+    out.backward(pb["dy"].to(dtype or pb["dy"].dtype))
     return dict(
         out=out.detach(),
         dx=leaves["x"].grad,
@@ -140,6 +139,13 @@ def oracle(pb: dict) -> dict[str, torch.Tensor]:
         dw13=leaves["w13"].grad,
         dw2=leaves["w2"].grad,
     )
+
+
+def oracle(pb: dict) -> dict[str, torch.Tensor]:
+    """Output and gradients of the global problem in float64 (of the rounded inputs)."""
+    from relaymoe.reference import moe_experts_reference
+
+    return _whole(moe_experts_reference, pb, torch.float64)
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -166,18 +172,7 @@ def one_device(pb: dict) -> dict[str, torch.Tensor]:
     """The global problem through ``relaymoe.moe_experts`` on this process (torch backend)."""
     from relaymoe import moe_experts
 
-    leaves = {k: pb[k].clone().requires_grad_() for k in ("x", "w13", "w2", "probs")}
-    out = moe_experts(
-        leaves["x"], leaves["w13"], leaves["w2"], pb["idx"], leaves["probs"], backend="torch"
-    )
-    out.backward(pb["dy"])
-    return dict(
-        out=out.detach(),
-        dx=leaves["x"].grad,
-        dprobs=leaves["probs"].grad,
-        dw13=leaves["w13"].grad,
-        dw2=leaves["w2"].grad,
-    )
+    return _whole(functools.partial(moe_experts, backend="torch"), pb)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,7 +234,8 @@ def _worker(rank: int, world: int, port: int, cfg: Config, outdir: str) -> None:
         sys.exit(1)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on localhost for a spawned process group's rendezvous."""
     import socket
 
     with socket.socket() as s:
@@ -247,18 +243,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_world(world: int, cfg: Config, outdir: Path) -> None:
-    """Spawn ``world`` ranks under one deadline; raise naming the ranks that hung or failed."""
+def run_spawned(target, args_of_rank, world: int, timeout: float) -> tuple[list[int], list]:
+    """Start ``target(*args_of_rank(r))`` for every rank in spawned processes under one deadline
+    for the whole world; kill what is still alive then. Returns (ranks that hung, exit codes).
+    (The tests spawn their worlds with it too: ``tests.helpers`` imports it.)"""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, world, port, cfg, str(outdir))) for r in range(world)
-    ]
+    procs = [ctx.Process(target=target, args=args_of_rank(r)) for r in range(world)]
     for p in procs:
         p.start()
-    deadline = time.monotonic() + cfg.world_timeout_s
+    deadline = time.monotonic() + timeout
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
     hung = [r for r, p in enumerate(procs) if p.is_alive()]
@@ -266,14 +261,20 @@ def run_world(world: int, cfg: Config, outdir: Path) -> None:
         if p.is_alive():
             p.kill()
             p.join()
+    return hung, [p.exitcode for p in procs]
+
+
+def run_world(world: int, cfg: Config, outdir: Path) -> None:
+    """Spawn ``world`` ranks under one deadline; raise naming the ranks that hung or failed."""
+    port = free_port()
+    hung, codes = run_spawned(
+        _worker, lambda r: (r, world, port, cfg, str(outdir)), world, cfg.world_timeout_s
+    )
     errs = sorted(outdir.glob("error_r*.txt"))
-    if hung or errs or any(p.exitcode != 0 for p in procs):
+    if hung or errs or any(c != 0 for c in codes):
         detail = "\n".join(f"{f.name}:\n{f.read_text()}" for f in errs)
         hang = f"ranks {hung} hung past {cfg.world_timeout_s:.0f} s (raise --world-timeout-s); "
-        raise RuntimeError(
-            f"world {world}: {hang if hung else ''}exit codes "
-            f"{[p.exitcode for p in procs]}\n{detail}"
-        )
+        raise RuntimeError(f"world {world}: {hang if hung else ''}exit codes {codes}\n{detail}")
 
 
 def gather(outdir: Path, case: str, world: int) -> dict[str, torch.Tensor]:

@@ -45,7 +45,6 @@ import json
 import os
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tarfile
@@ -59,6 +58,7 @@ if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import runs  # noqa: E402
+from benchmarks.e2e import _stop_group  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ALL = "all"  # a step's ranks: one per GPU of the machine
@@ -287,29 +287,10 @@ def run_command(
         try:
             rc = proc.wait(timeout=max(limit_s, 0.1))
         except subprocess.TimeoutExpired:
-            _kill_group(proc)
+            _stop_group(proc, KILL_GRACE_S)
             f.write(f"\n[suite] killed after the step's limit of {limit_s:.0f} s\n".encode())
             return "timeout", proc.returncode, time.monotonic() - t0
     return ("ok" if rc == 0 else "failed"), rc, time.monotonic() - t0
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    for sig, wait in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, 30)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            pass
-        try:
-            proc.wait(timeout=wait)
-            if sig == signal.SIGKILL:
-                return
-        except subprocess.TimeoutExpired:
-            continue
-    # the leader is gone; make sure nothing of its group (torchrun's workers) is left
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 class Suite:

@@ -360,22 +360,17 @@ def transformer_config_kwargs(case: Case) -> dict:
 
     m = case.model_dict
     gran, method, n = case.recompute_settings()
+    # the model keys TransformerConfig takes under the same name (vocab_size goes to GPTModel)
+    same = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+            "num_query_groups", "kv_channels", "moe_router_topk", "moe_ffn_hidden_size",
+            "moe_grouped_gemm", "qk_layernorm")  # fmt: skip
     return dict(
-        num_layers=m["num_layers"],
-        hidden_size=m["hidden_size"],
-        ffn_hidden_size=m["ffn_hidden_size"],
-        num_attention_heads=m["num_attention_heads"],
-        num_query_groups=m["num_query_groups"],
-        kv_channels=m["kv_channels"],
+        **{k: m[k] for k in same},
         num_moe_experts=m["num_experts"],
-        moe_router_topk=m["moe_router_topk"],
-        moe_ffn_hidden_size=m["moe_ffn_hidden_size"],
         moe_token_dispatcher_type=case.dispatcher,
-        moe_grouped_gemm=m["moe_grouped_gemm"],
         moe_router_load_balancing_type="aux_loss",
         moe_aux_loss_coeff=1e-3,
         moe_router_pre_softmax=m["moe_router_topk"] == 1,  # megatron requires it for top-1
-        qk_layernorm=m["qk_layernorm"],
         normalization="RMSNorm",
         add_bias_linear=False,
         gated_linear_unit=True,

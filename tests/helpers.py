@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import torch
 
+# One copy of the spawn helpers, in the benchmark that spawns worlds too (benchmarks may not
+# import tests); re-exported here for the tests.
+from benchmarks.numerics import free_port, run_spawned  # noqa: F401
+
 
 def random_routing(num_tokens: int, num_experts: int, topk: int, *, gen=None, kind="uniform"):
     """(T, K) int64 distinct expert ids per row.
@@ -38,6 +42,31 @@ def random_problem(num_tokens, hidden, ffn, num_experts, topk, *, dtype=torch.fl
     return x, w13, w2, idx, probs
 
 
+def ring_problem(seed, tokens, num_experts, topk, hidden, ffn, *, route="uniform") -> dict:
+    """The float64 global problem every rank of a ring test builds from one ``seed``
+    (``tokens``: each rank's token count): ``x``, ``w13``, ``w2``, ``idx``, ``probs`` (in
+    [0.1, 1.1)), ``dy``. ``route``: ``uniform``; ``skew`` (experts 0..K only, the others
+    empty); ``one`` (every token picks the last expert first, plus K-1 others). The oracle of
+    it: ``benchmarks.numerics.oracle``."""
+    g = torch.Generator().manual_seed(seed)
+    E, K, total = num_experts, topk, sum(tokens)
+    f64 = torch.float64
+    x = torch.randn(total, hidden, generator=g, dtype=f64)
+    w13 = torch.randn(E, 2 * ffn, hidden, generator=g, dtype=f64) / hidden**0.5
+    w2 = torch.randn(E, hidden, ffn, generator=g, dtype=f64) / ffn**0.5
+    idx = torch.rand(total, E, generator=g).argsort(1)[:, :K]
+    if route == "one" and total:
+        others = torch.rand(total, E - 1, generator=g).argsort(1)[:, : K - 1]
+        idx = torch.cat([torch.full((total, 1), E - 1), others], 1)
+    elif route == "skew" and total:
+        idx = torch.stack([torch.randperm(min(E, K + 1), generator=g)[:K] for _ in range(total)])
+    elif route not in ("uniform", "one", "skew"):
+        raise ValueError(route)
+    probs = torch.rand(total, K, generator=g, dtype=f64) + 0.1
+    dy = torch.randn(total, hidden, generator=g, dtype=f64)
+    return dict(x=x, w13=w13, w2=w2, idx=idx, probs=probs, dy=dy)
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     assert torch.isfinite(a).all(), "non-finite values"
@@ -56,39 +85,8 @@ def assert_close(name: str, got: torch.Tensor, ref: torch.Tensor, tol: float) ->
     assert err < tol, f"{name}: relative error {err:.3g} > {tol}"
 
 
-def free_port() -> int:
-    """A free TCP port on localhost for a spawned process group's rendezvous."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_spawned(target, args_of_rank, world: int, timeout: float) -> tuple[list[int], list]:
-    """Start ``target(*args_of_rank(r))`` for every rank in spawned processes under one deadline
-    for the whole world; kill what is still alive then. Returns (ranks that hung, exit codes)."""
-    import time
-
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=target, args=args_of_rank(r)) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    return hung, [p.exitcode for p in procs]
-
-
-def _gloo_scenario_worker(rank, world, port, outdir, scenarios, timeout_s):
-    """One rank of ``run_gloo_scenarios``: every scenario on an explicit group of all ranks."""
+def _scenario_worker(rank, world, port, outdir, scenarios, timeout_s, backend):
+    """One rank of ``run_scenarios``: every scenario on an explicit group of all ranks."""
     import json
     import os
     import traceback
@@ -101,9 +99,13 @@ def _gloo_scenario_worker(rank, world, port, outdir, scenarios, timeout_s):
     torch.set_num_threads(1)
     results = {}
     try:
+        device_id = None
+        if backend == "nccl":  # rank r on GPU r
+            torch.cuda.set_device(rank)
+            device_id = torch.device("cuda", rank)
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-            timeout=timedelta(seconds=timeout_s),
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+            timeout=timedelta(seconds=timeout_s), device_id=device_id,
         )  # fmt: skip
         group = dist.new_group(list(range(world)))  # an explicit group, not the default
         for fn in scenarios:
@@ -118,16 +120,18 @@ def _gloo_scenario_worker(rank, world, port, outdir, scenarios, timeout_s):
     Path(outdir, f"rank{rank}.json").write_text(json.dumps(results))
 
 
-def run_gloo_scenarios(scenarios, world: int, outdir, *, timeout: float, pg_timeout_s: int = 30):
+def run_scenarios(scenarios, world: int, outdir, *, timeout: float, pg_timeout_s: int = 30,
+                  backend: str = "gloo"):  # fmt: skip
     """Run every ``fn(rank, world, group)`` of ``scenarios`` (module-level functions) on each rank
-    of a spawned gloo world of ``world`` ranks; fails the calling test when a rank hung, died or
-    a scenario raised on any rank (the message holds every rank's traceback)."""
+    of a spawned world of ``world`` ranks (``backend`` ``gloo``, or ``nccl``: rank r on GPU r);
+    fails the calling test when a rank hung, died or a scenario raised on any rank (the message
+    holds every rank's traceback)."""
     import json
     from pathlib import Path
 
     port = free_port()
-    args = (world, port, str(outdir), tuple(scenarios), pg_timeout_s)
-    hung, codes = run_spawned(_gloo_scenario_worker, lambda r: (r, *args), world, timeout)
+    args = (world, port, str(outdir), tuple(scenarios), pg_timeout_s, backend)
+    hung, codes = run_spawned(_scenario_worker, lambda r: (r, *args), world, timeout)
     assert not hung, f"ranks {hung} hung (world {world})"
     failures = []
     for r in range(world):
@@ -137,6 +141,9 @@ def run_gloo_scenarios(scenarios, world: int, outdir, *, timeout: float, pg_time
         assert set(res) == {fn.__name__ for fn in scenarios} or "setup" in res, res.keys()
         failures += [f"rank {r} {name}:\n{msg}" for name, msg in res.items() if msg != "ok"]
     assert not failures, "\n".join(failures)
+
+
+run_gloo_scenarios = run_scenarios  # the name the gloo ring suites call it by
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,19 +189,11 @@ def small_megatron_args(**over):
     attributes the planner reads)."""
     import argparse
 
-    m = SMALL_MODEL
-    kw = dict(
-        num_layers=m["num_layers"],
-        hidden_size=m["hidden_size"],
-        num_attention_heads=m["num_attention_heads"],
-        num_experts=m["num_experts"],
-        moe_router_topk=m["moe_router_topk"],
-        moe_ffn_hidden_size=m["moe_ffn_hidden_size"],
-        vocab_size=m["vocab_size"],
-        seq_length=128,
-        micro_batch_size=2,
-        bf16=True,
-    )
+    # the config keys that are also Megatron argument names (GQA and kv_channels left unset)
+    same = ("num_layers", "hidden_size", "num_attention_heads", "num_experts", "moe_router_topk",
+            "moe_ffn_hidden_size", "vocab_size")  # fmt: skip
+    kw = {k: SMALL_MODEL[k] for k in same}
+    kw.update(seq_length=128, micro_batch_size=2, bf16=True)
     kw.update(over)
     return argparse.Namespace(**kw)
 

@@ -37,6 +37,12 @@ def _sim(kind, commit, **kw):
     return {"bench": "scaling_sim", "kind": kind, "commit": commit, "gpu": "cpu", **kw}
 
 
+def _validation(commit, scheme, shape, measured_ms, predicted_ms, rel_err, fit):
+    """A simulator validation row: the measured time of ``scheme`` at EP 2 and the prediction."""
+    return _sim("validation", commit, scheme=scheme, shape=shape, ep=2, measured_ms=measured_ms,
+                predicted_ms=predicted_ms, rel_err=rel_err, fit=fit)  # fmt: skip
+
+
 # Path order puts OLD (ffff...) after NEW (aaaa...): only the manifests' order says which is newer.
 RUNS = {
     OLD: (
@@ -52,18 +58,8 @@ RUNS = {
                 _ring("mcore_alltoall", 48.0, 8000.0, "ffff00000000"),
             ],
             "scaling_sim.jsonl": [
-                _sim(
-                    "validation",
-                    "ffff00000000",
-                    scheme="ring_expert",
-                    shape="old_shape",
-                    ep=2,
-                    measured_ms=20.0,
-                    predicted_ms=21.0,
-                    rel_err=0.05,
-                    fit=False,
-                ),
-            ],  # fmt: skip
+                _validation("ffff00000000", "ring_expert", "old_shape", 20.0, 21.0, 0.05, False),
+            ],
         },
     ),
     NEW: (
@@ -72,17 +68,7 @@ RUNS = {
         {
             "experts.jsonl": [_expert("relaymoe", 15.5, "aaaa00000000")],  # the rerun wins
             "sim/scaling_sim.jsonl": [
-                _sim(
-                    "validation",
-                    "aaaa00000000",
-                    scheme="ring_token",
-                    shape="new_shape",
-                    ep=2,
-                    measured_ms=10.0,
-                    predicted_ms=11.0,
-                    rel_err=0.1,
-                    fit=True,
-                ),
+                _validation("aaaa00000000", "ring_token", "new_shape", 10.0, 11.0, 0.1, True),
                 _sim(
                     "extrapolation",
                     "aaaa00000000",

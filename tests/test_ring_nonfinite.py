@@ -10,18 +10,11 @@ affected only through the tokens routed to a poisoned expert, as the oracle's ar
 
 from __future__ import annotations
 
-import json
-import os
-import traceback
-from datetime import timedelta
-from pathlib import Path
-
 import pytest
 import torch
-import torch.distributed as dist
 
-from relaymoe.reference import moe_experts_reference
-from tests.helpers import free_port, run_spawned
+from benchmarks.numerics import oracle
+from tests.helpers import ring_problem, run_gloo_scenarios
 
 pytestmark = pytest.mark.slow
 
@@ -39,27 +32,7 @@ MODES = ("expert", "token", "alltoall")
 
 
 def _problem(seed: int):
-    g = torch.Generator().manual_seed(seed)
-    total, E = sum(TOKENS), EL * WORLD
-    f64 = torch.float64
-    idx = torch.rand(total, E, generator=g).argsort(1)[:, :K]
-    return dict(
-        x=torch.randn(total, H, generator=g, dtype=f64),
-        w13=torch.randn(E, 2 * I, H, generator=g, dtype=f64) / H**0.5,
-        w2=torch.randn(E, H, I, generator=g, dtype=f64) / I**0.5,
-        idx=idx,
-        probs=torch.rand(total, K, generator=g, dtype=f64) + 0.1,
-        dy=torch.randn(total, H, generator=g, dtype=f64),
-    )
-
-
-def _oracle(pb):
-    leaves = {k: pb[k].clone().requires_grad_() for k in ("x", "w13", "w2", "probs")}
-    out = moe_experts_reference(
-        leaves["x"], leaves["w13"], leaves["w2"], pb["idx"], leaves["probs"]
-    )
-    out.backward(pb["dy"])
-    return out.detach(), {k: v.grad for k, v in leaves.items()}
+    return ring_problem(seed, TOKENS, EL * WORLD, K, H, I)
 
 
 def _compare(name: str, got: torch.Tensor, ref: torch.Tensor, tol: float) -> str | None:
@@ -75,39 +48,41 @@ def _compare(name: str, got: torch.Tensor, ref: torch.Tensor, tol: float) -> str
     return None
 
 
+def _slices(rank):
+    """This rank's tokens (rows) and experts of the global problem."""
+    return slice(sum(TOKENS[:rank]), sum(TOKENS[: rank + 1])), slice(rank * EL, (rank + 1) * EL)
+
+
 def _run(rank, group, pb, mode, backend, dtype):
     from relaymoe.ring import ring_moe
 
-    lo, hi = sum(TOKENS[:rank]), sum(TOKENS[: rank + 1])
-    e0, e1 = rank * EL, (rank + 1) * EL
-    x = pb["x"][lo:hi].to(dtype).requires_grad_()
-    w13 = pb["w13"][e0:e1].to(dtype).requires_grad_()
-    w2 = pb["w2"][e0:e1].to(dtype).requires_grad_()
-    probs = pb["probs"][lo:hi].to(dtype).requires_grad_()
-    out = ring_moe(x, w13, w2, pb["idx"][lo:hi], probs, group=group, mode=mode, backend=backend)
-    out.backward(pb["dy"][lo:hi].to(dtype))
-    return {"out": out, "x": x.grad, "probs": probs.grad, "w13": w13.grad, "w2": w2.grad}
+    rows, experts = _slices(rank)
+    x = pb["x"][rows].to(dtype).requires_grad_()
+    w13 = pb["w13"][experts].to(dtype).requires_grad_()
+    w2 = pb["w2"][experts].to(dtype).requires_grad_()
+    probs = pb["probs"][rows].to(dtype).requires_grad_()
+    out = ring_moe(x, w13, w2, pb["idx"][rows], probs, group=group, mode=mode, backend=backend)
+    out.backward(pb["dy"][rows].to(dtype))
+    return {"out": out, "dx": x.grad, "dprobs": probs.grad, "dw13": w13.grad, "dw2": w2.grad}
 
 
 def _check(rank, group, pb, mode, backend, dtype, tol, what):
-    ref_out, ref_g = _oracle(pb)
+    ref = oracle(pb)
     got = _run(rank, group, pb, mode, backend, dtype)
-    lo, hi = sum(TOKENS[:rank]), sum(TOKENS[: rank + 1])
-    e0, e1 = rank * EL, (rank + 1) * EL
-    refs = {"out": ref_out[lo:hi], "x": ref_g["x"][lo:hi], "probs": ref_g["probs"][lo:hi],
-            "w13": ref_g["w13"][e0:e1], "w2": ref_g["w2"][e0:e1]}  # fmt: skip
-    errors = [_compare(k, got[k], refs[k], tol) for k in refs]
+    rows, experts = _slices(rank)
+    errors = [_compare(k, got[k], ref[k][experts if k in ("dw13", "dw2") else rows], tol)
+              for k in got]  # fmt: skip
     return [f"{what} rank {rank}: {e}" for e in errors if e]
 
 
-def _scenarios(rank, group):
+def poisoned_calls_then_a_clean_one(rank, world, group):
     failures, reached = [], 0
     for backend, dtype, tol in (("torch", torch.float64, 1e-11), ("triton", torch.float32, 1e-4)):
         for mode in MODES:
             for p, (name, at, value) in enumerate(POISONS):
                 pb = _problem(100 + p)
                 pb[name][at] = value
-                ref_out, ref_g = _oracle(pb)
+                ref_out = oracle(pb)["out"]
                 # the oracle itself must show the poison somewhere and leave finite entries
                 assert not torch.isfinite(ref_out).all() and torch.isfinite(ref_out).any()
                 reached += int(not torch.isfinite(ref_out).all())
@@ -116,32 +91,11 @@ def _scenarios(rank, group):
             # the group is still in step: a clean call agrees with the oracle
             what = f"{backend} {mode} clean call after the poisoned ones"
             failures += _check(rank, group, _problem(7), mode, backend, dtype, tol, what)
-    return failures, reached
-
-
-def _worker(rank, port, outdir):
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    res = {}
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=WORLD, timeout=timedelta(seconds=60))  # fmt: skip
-        group = dist.new_group(list(range(WORLD)))
-        res["failures"], res["reached"] = _scenarios(rank, group)
-        dist.destroy_process_group()
-    except Exception:
-        res["error"] = traceback.format_exc()
-    Path(outdir, f"rank{rank}.json").write_text(json.dumps(res))
+    assert not failures, "\n".join(failures)
+    assert reached == 2 * len(MODES) * len(POISONS)
 
 
 def test_nonfinite_inputs_propagate_like_the_oracle_and_never_hang(tmp_path):
-    port = free_port()
-    hung, codes = run_spawned(_worker, lambda r: (r, port, str(tmp_path)), WORLD, 240)
-    assert not hung, f"ranks {hung} hung (a non-finite input desynchronised the group?)"
-    for r in range(WORLD):
-        f = Path(tmp_path, f"rank{r}.json")
-        assert f.exists(), f"rank {r} died (exit code {codes[r]})"
-        res = json.loads(f.read_text())
-        assert "error" not in res, res["error"]
-        assert not res["failures"], "\n".join(res["failures"])
-        assert res["reached"] == 2 * len(MODES) * len(POISONS)
+    # a hang or a dead rank here: a non-finite input desynchronised the group
+    run_gloo_scenarios([poisoned_calls_then_a_clean_one], WORLD, tmp_path, timeout=240,
+                       pg_timeout_s=60)  # fmt: skip

@@ -224,6 +224,19 @@ def _pair_rows_times_weight(a_PK: Tensor, b_EKN: Tensor, offs: Tensor) -> Tensor
     return out_PN
 
 
+def _combine_pair_products(
+    a_PK: Tensor, b_EKN: Tensor, index, offs: Tensor, out_TH: Tensor, accumulate: bool
+) -> None:
+    """Write (add, with ``accumulate``) into ``out_TH[t]`` the sum over token t's pairs q of
+    ``a[q] @ b[e]``; the (P, H) products are made and reduced in column chunks (at most
+    ``RELAYMOE_PAIR_BUFFER_MIB`` alive). The forward's down projection and the dgrad."""
+    for c0, c1 in _col_chunks(a_PK.shape[0], out_TH.shape[1], a_PK.element_size()):
+        y_PH = _pair_rows_times_weight(a_PK, b_EKN[:, :, c0:c1], offs)
+        grouped.combine(y_PH, index.token_index_map, offs, out_TH[:, c0:c1], index.topk,
+                        accumulate=accumulate)  # fmt: skip
+        del y_PH
+
+
 def triton_hop_forward(
     x_TH: Tensor,
     w13: Tensor,
@@ -244,7 +257,7 @@ def triton_hop_forward(
     ``n_pairs``: the range's pair count; else ``max_pairs``: an upper bound on it (buffers sized
     from it, no host sync); else read from the index (a host sync for a partial range).
     """
-    num_tokens, hidden = x_TH.shape
+    num_tokens = x_TH.shape[0]
     n_local, two_i, _ = w13.shape
     ffn = two_i // 2
     accumulate = out_TH is not None
@@ -266,12 +279,7 @@ def triton_hop_forward(
     idx_P = index.expert_token_indices
     a_PI = x_TH.new_empty(n_pairs, ffn)
     grouped.up_swiglu(x_TH, w13, idx_P, offs, prob_P, h_P2I, a_PI)
-    w2_EIH = w2.transpose(1, 2)
-    for c0, c1 in _col_chunks(n_pairs, hidden, x_TH.element_size()):
-        y_PH = _pair_rows_times_weight(a_PI, w2_EIH[:, :, c0:c1], offs)
-        grouped.combine(y_PH, index.token_index_map, offs, out_TH[:, c0:c1], index.topk,
-                        accumulate=accumulate)  # fmt: skip
-        del y_PH
+    _combine_pair_products(a_PI, w2.transpose(1, 2), index, offs, out_TH, accumulate)
     return out_TH, h_P2I
 
 
@@ -301,7 +309,7 @@ def triton_hop_backward(
     ``consume_saved_h=True`` lets the kernel overwrite ``saved_h`` with its gradient (saves a
     (P, 2I) buffer); the caller must not use ``saved_h`` afterwards.
     """
-    num_tokens, hidden = x_TH.shape
+    num_tokens = x_TH.shape[0]
     n_local, two_i, _ = w13.shape
     ffn = two_i // 2
     acc_dx = dx_TH is not None
@@ -350,9 +358,5 @@ def triton_hop_backward(
     # dw13[e] (2I, H) = sum_q dh[q]^T x[tok]
     _wgrad(dh_P2I, x_TH, idx_P, offs, dw13, n_pairs, a_gather=False, b_gather=True,
            accumulate=acc_w13, exact=exact)  # fmt: skip
-    for c0, c1 in _col_chunks(n_pairs, hidden, x_TH.element_size()):
-        dxp_PH = _pair_rows_times_weight(dh_P2I, w13[:, :, c0:c1], offs)
-        grouped.combine(dxp_PH, index.token_index_map, offs, dx_TH[:, c0:c1], index.topk,
-                        accumulate=acc_dx)  # fmt: skip
-        del dxp_PH
+    _combine_pair_products(dh_P2I, w13, index, offs, dx_TH, acc_dx)
     return dx_TH, dprobs_TK, dw13, dw2

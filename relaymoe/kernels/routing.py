@@ -246,17 +246,13 @@ def routing_config(
 
 
 def build_routing_index_triton(
-    topk_idx: Tensor,
-    num_experts: int,
-    *,
-    pairwise: bool | None = None,
-    fused: bool | None = None,
-    max_blocks: int | None = None,
+    topk_idx: Tensor, num_experts: int, **overrides: bool | int | None
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Atomic-free build of ``(expert_token_indices, expert_token_offsets, token_expert_indices,
     token_index_map)`` for a validated ``topk_idx (T, K)``; bitwise equal to the torch build.
 
-    The keywords override the tuned launch choices (see ``routing_config``). No host sync.
+    ``overrides``: ``routing_config``'s keywords (``pairwise``, ``fused``, ``max_blocks``), which
+    override the tuned launch choices. No host sync.
     """
     if topk_idx.dim() != 2:
         raise ValueError(f"topk_idx must be 2-D (T, K), got shape {tuple(topk_idx.shape)}")
@@ -270,6 +266,8 @@ def build_routing_index_triton(
     check_int32("T (tokens)", num_tokens, where="build_routing_index_triton",
                 fix="split the micro-batch so one build holds fewer tokens")  # fmt: skip
     num_pairs = num_tokens * topk
+    # before the empty return, so that a misspelt override raises whatever the input
+    cfg = routing_config(num_pairs, num_experts, **overrides)
     device = topk_idx.device
     map_dtype = torch.int64 if num_pairs >= 2**31 else torch.int32
     eti = torch.empty(num_pairs, dtype=torch.int32, device=device)
@@ -279,9 +277,6 @@ def build_routing_index_triton(
     if num_pairs == 0:
         offsets.zero_()
         return eti, offsets, tei, tim
-    cfg = routing_config(
-        num_pairs, num_experts, pairwise=pairwise, fused=fused, max_blocks=max_blocks
-    )
     e_pad, nb, fused = cfg["e_pad"], cfg["num_blocks"], cfg["fused"]
     # The kernels index flat[i]: a strided view (e.g. a column of a wider tensor) must be copied.
     flat = topk_idx.reshape(-1).contiguous()  # any integer dtype

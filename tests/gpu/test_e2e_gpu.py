@@ -33,24 +33,37 @@ MAX_ABS_DIFF = 0.1
 FINAL_WINDOW_DIFF = 0.03
 
 
+def _assert_same_curves(runs, steps: int, window: int, learner: int) -> None:
+    """Both runs trained ``steps`` steps, ``runs[learner]`` learned, and the loss curves agree:
+    every step within MAX_ABS_DIFF, the last ``window`` steps within FINAL_WINDOW_DIFF on
+    average. Prints the throughput and memory summary."""
+    from benchmarks.e2e import compare, print_summary
+
+    for r in runs:
+        assert r.returncode == 0 and len(r.steps) == steps, (
+            f"{r.name} run failed rc={r.returncode}\n{r.command}\n{r.log_tail}"
+        )
+    cmp = compare(*runs)
+    print_summary(runs, cmp)
+    first, second = runs
+    learned = runs[learner]
+    assert learned.losses[-1] < learned.losses[0] - 0.5, (
+        f"{learned.name} run did not learn: {learned.command}"
+    )
+    assert cmp["max_abs_loss_diff"] < MAX_ABS_DIFF, cmp
+    pairs = zip(first.losses[-window:], second.losses[-window:], strict=True)
+    last = [abs(x - y) for x, y in pairs]
+    assert sum(last) / len(last) < FINAL_WINDOW_DIFF, last
+
+
 def test_tiny_qwen3_ring_vs_alltoall_200_steps():
-    from benchmarks.e2e import compare, print_summary, run_dispatcher
+    from benchmarks.e2e import run_dispatcher
 
     runs = [
         run_dispatcher("tiny_qwen3", d, gpus=GPUS, steps=200, timeout_s=300)
         for d in ("ring", "alltoall")
     ]
-    for r in runs:
-        assert r.returncode == 0 and len(r.steps) == 200, (
-            f"{r.dispatcher} run failed rc={r.returncode}\n{r.command}\n{r.log_tail}"
-        )
-    cmp = compare(*runs)
-    print_summary(runs, cmp)
-    ring, a2a = runs
-    assert ring.losses[-1] < ring.losses[0] - 0.5, "ring run did not learn"
-    assert cmp["max_abs_loss_diff"] < MAX_ABS_DIFF, cmp
-    last = [abs(x - y) for x, y in zip(ring.losses[-20:], a2a.losses[-20:], strict=True)]
-    assert sum(last) / len(last) < FINAL_WINDOW_DIFF, last
+    _assert_same_curves(runs, steps=200, window=20, learner=0)  # the ring run learned
 
 
 def _distributed_optimizer_can_resume() -> bool:
@@ -68,29 +81,18 @@ def test_checkpoint_alltoall_resumes_with_ring():
 
     with tempfile.TemporaryDirectory() as d:
         ck = os.path.join(d, "ckpt")
+
+        def run(dispatcher, steps, extra):  # in its own folder under d
+            return run_dispatcher("tiny_qwen3", dispatcher, gpus=GPUS, steps=steps, extra=extra,
+                                  timeout_s=240, workdir=os.path.join(d, dispatcher))  # fmt: skip
+
         save = ["--save", ck, "--save-interval", "10", "--ckpt-format", "torch_dist"]
-        a = run_dispatcher(
-            "tiny_qwen3",
-            "alltoall",
-            gpus=GPUS,
-            steps=10,
-            extra=save,
-            timeout_s=240,
-            workdir=os.path.join(d, "a"),
-        )
+        a = run("alltoall", 10, save)
         assert a.returncode == 0, a.log_tail
         load = ["--load", ck, "--ckpt-format", "torch_dist"]
         if not _distributed_optimizer_can_resume():
             load.append("--no-load-optim")
-        r = run_dispatcher(
-            "tiny_qwen3",
-            "ring",
-            gpus=GPUS,
-            steps=20,
-            extra=load,
-            timeout_s=240,
-            workdir=os.path.join(d, "r"),
-        )
+        r = run("ring", 20, load)
         assert r.returncode == 0, r.log_tail
         assert len(r.steps) == 10, f"ring did not resume at iteration 10: {len(r.steps)} steps"
         # continuing training from alltoall's weights: no jump back to the initial loss
@@ -149,20 +151,10 @@ def test_fused_loss_gpt_bf16_parity():
 def test_fused_loss_50_steps_matches_megatron():
     """The tiny Qwen3-style GPT (ring dispatcher) trains 50 steps with and without
     ``--relaymoe-fused-loss`` from the same seed: the loss curves agree within bf16 noise."""
-    from benchmarks.e2e import compare, print_summary, run_dispatcher
+    from benchmarks.e2e import run_dispatcher
 
     runs = [
         run_dispatcher("tiny_qwen3", "ring", gpus=GPUS, steps=50, extra=extra, timeout_s=300)
         for extra in ([], ["--relaymoe-fused-loss"])
     ]
-    for r in runs:
-        assert r.returncode == 0 and len(r.steps) == 50, (
-            f"run failed rc={r.returncode}\n{r.command}\n{r.log_tail}"
-        )
-    cmp = compare(*runs)
-    print_summary(runs, cmp)
-    plain, fused = runs
-    assert fused.losses[-1] < fused.losses[0] - 0.5, "the fused-loss run did not learn"
-    assert cmp["max_abs_loss_diff"] < MAX_ABS_DIFF, cmp
-    last = [abs(x - y) for x, y in zip(plain.losses[-10:], fused.losses[-10:], strict=True)]
-    assert sum(last) / len(last) < FINAL_WINDOW_DIFF, last
+    _assert_same_curves(runs, steps=50, window=10, learner=1)  # the fused-loss run learned

@@ -58,17 +58,23 @@ def _run(fn, x, w13, w2, idx, probs, dy, dtype):
     return [y.detach()] + [v.grad for v in ins]
 
 
-@pytest.mark.parametrize("recompute", ["act", "fc1"])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
-def test_bf16_matches_float64_oracle(case, recompute, monkeypatch):
-    monkeypatch.setenv("RELAYMOE_AUTOTUNE", "0")
-    x, w13, w2, idx, probs = _problem(*case, seed=sum(case[:5]))
+def _assert_bf16_matches_oracle(x, w13, w2, idx, probs, recompute):
+    """moe_experts (Triton, bf16) within BF16_BOUND of the float64 oracle in the output and
+    every gradient; returns its (out, dx, dw13, dw2, dprobs)."""
     dy = torch.randn_like(x)
     got = _run(lambda *a: moe_experts(*a, recompute=recompute, backend="triton"),
                x, w13, w2, idx, probs, dy, torch.bfloat16)  # fmt: skip
     ref = _run(moe_experts_reference, x, w13, w2, idx, probs, dy, torch.float64)
     for name, a, b in zip(("out", "dx", "dw13", "dw2", "dprobs"), got, ref, strict=True):
         assert rel_err(a, b) < BF16_BOUND, (name, rel_err(a, b))
+    return got
+
+
+@pytest.mark.parametrize("recompute", ["act", "fc1"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_bf16_matches_float64_oracle(case, recompute, monkeypatch):
+    monkeypatch.setenv("RELAYMOE_AUTOTUNE", "0")
+    got = _assert_bf16_matches_oracle(*_problem(*case, seed=sum(case[:5])), recompute)
     if case[-1] == "empty":
         assert torch.equal(got[2][-1], torch.zeros_like(got[2][-1]))
         assert torch.equal(got[3][-1], torch.zeros_like(got[3][-1]))
@@ -93,29 +99,10 @@ def test_ranges_sum_to_full_and_are_deterministic(monkeypatch):
     dw13 = torch.full_like(w13, float("nan"))
     dw2 = torch.full_like(w2, float("nan"))
     for e0, e1 in [(0, 5), (5, 5), (5, 31), (31, 32)]:
-        _, h_part = expert_hop_forward(
-            x,
-            w13[e0:e1],
-            w2[e0:e1],
-            probs,
-            index,
-            expert_range=(e0, e1),
-            out_TH=out,
-            backend="triton",
-        )
-        d = expert_hop_backward(
-            dy,
-            x,
-            w13[e0:e1],
-            w2[e0:e1],
-            probs,
-            index,
-            expert_range=(e0, e1),
-            saved_h=h_part,
-            dx_TH=dx,
-            dprobs_TK=dp,
-            backend="triton",
-        )
+        part = (w13[e0:e1], w2[e0:e1], probs, index)  # the range's weights, then the routing
+        kw = {"expert_range": (e0, e1), "backend": "triton"}
+        _, h_part = expert_hop_forward(x, *part, out_TH=out, **kw)
+        d = expert_hop_backward(dy, x, *part, saved_h=h_part, dx_TH=dx, dprobs_TK=dp, **kw)
         dw13[e0:e1], dw2[e0:e1] = d[2], d[3]
     ref = moe_experts_reference(*(v.double() for v in (x, w13, w2)), idx, probs.double())
     assert rel_err(out, ref) < BF16_BOUND
@@ -138,10 +125,4 @@ def test_backend_switches_match_oracle(dense, chunk_mib, wgrad, monkeypatch):
     monkeypatch.setenv("RELAYMOE_DENSE_GEMM", dense)
     monkeypatch.setenv("RELAYMOE_PAIR_BUFFER_MIB", chunk_mib)
     case = (4096, 2048, 768, 128, 8, "skewed")
-    x, w13, w2, idx, probs = _problem(*case, seed=99)
-    dy = torch.randn_like(x)
-    got = _run(lambda *a: moe_experts(*a, recompute="act", backend="triton"),
-               x, w13, w2, idx, probs, dy, torch.bfloat16)  # fmt: skip
-    ref = _run(moe_experts_reference, x, w13, w2, idx, probs, dy, torch.float64)
-    for name, a, b in zip(("out", "dx", "dw13", "dw2", "dprobs"), got, ref, strict=True):
-        assert rel_err(a, b) < BF16_BOUND, (name, rel_err(a, b))
+    _assert_bf16_matches_oracle(*_problem(*case, seed=99), recompute="act")

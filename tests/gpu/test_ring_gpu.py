@@ -11,17 +11,13 @@ two-level schedule forced with one GPU per node, bitwise the flat ring (issue #1
 
 from __future__ import annotations
 
-import json
 import os
-import traceback
-from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from tests.helpers import free_port, run_spawned
+from benchmarks.numerics import oracle
+from tests.helpers import rel_err, ring_problem, run_scenarios
 
 pytestmark = [
     pytest.mark.gpu,
@@ -32,29 +28,6 @@ pytestmark = [
 
 BF16_BOUND = 1e-2
 H, I, EL, K = 1024, 512, 4, 4
-
-
-def _problem(seed, tokens, route="uniform"):
-    g = torch.Generator().manual_seed(seed)
-    E, total = 2 * EL, sum(tokens)
-    f64 = torch.float64
-    idx = torch.rand(total, E, generator=g).argsort(1)[:, :K]
-    if route == "skew":  # experts 0..K only: the other experts stay empty
-        idx = torch.stack([torch.randperm(K + 1, generator=g)[:K] for _ in range(total)])
-    return dict(
-        x=torch.randn(total, H, generator=g, dtype=f64),
-        w13=torch.randn(E, 2 * I, H, generator=g, dtype=f64) / H**0.5,
-        w2=torch.randn(E, H, I, generator=g, dtype=f64) / I**0.5,
-        idx=idx,
-        probs=torch.rand(total, K, generator=g, dtype=f64),
-        dy=torch.randn(total, H, generator=g, dtype=f64),
-    )
-
-
-def _rel(a, b):
-    if b.numel() == 0:
-        return 0.0
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def _weights(w13, w2, form):
@@ -85,17 +58,14 @@ def _weights(w13, w2, form):
     )
 
 
-def _case(rank, dev, *, transport, mode, tokens, overlap=True, route="uniform", seed=0,
+def _case(rank, *, transport, mode, tokens, overlap=True, route="uniform", seed=0,
           form="tensor", check_memory=False, **topology):  # fmt: skip
-    from relaymoe.reference import moe_experts_reference
     from relaymoe.ring import ring_moe
 
-    pb = {k: v.to(dev) for k, v in _problem(seed, tokens, route).items()}
-    leaves = {k: pb[k].clone().requires_grad_() for k in ("x", "w13", "w2", "probs")}
-    ref = moe_experts_reference(
-        leaves["x"], leaves["w13"], leaves["w2"], pb["idx"], leaves["probs"]
-    )
-    ref.backward(pb["dy"])
+    dev = torch.device("cuda", rank)
+    problem = ring_problem(seed, tokens, 2 * EL, K, H, I, route=route)
+    pb = {k: v.to(dev) for k, v in problem.items()}
+    ref = oracle(pb)
     lo, hi = sum(tokens[:rank]), sum(tokens[: rank + 1])
     e0, e1 = rank * EL, (rank + 1) * EL
     bf = torch.bfloat16
@@ -117,123 +87,101 @@ def _case(rank, dev, *, transport, mode, tokens, overlap=True, route="uniform", 
     out.backward(pb["dy"][lo:hi].to(bf))
     dw13, dw2 = wgrads()
     for name, got, want in [
-        ("out", out, ref[lo:hi]),
-        ("dx", x.grad, leaves["x"].grad[lo:hi]),
-        ("dprobs", probs.grad, leaves["probs"].grad[lo:hi]),
-        ("dw13", dw13, leaves["w13"].grad[e0:e1]),
-        ("dw2", dw2, leaves["w2"].grad[e0:e1]),
+        ("out", out, ref["out"][lo:hi]),
+        ("dx", x.grad, ref["dx"][lo:hi]),
+        ("dprobs", probs.grad, ref["dprobs"][lo:hi]),
+        ("dw13", dw13, ref["dw13"][e0:e1]),
+        ("dw2", dw2, ref["dw2"][e0:e1]),
     ]:
         assert torch.isfinite(got).all(), f"{name} not finite: {what}"
-        assert _rel(got, want) < BF16_BOUND, f"{name} rel err {_rel(got, want):.3g}: {what}"
+        err = rel_err(got, want)
+        assert err < BF16_BOUND, f"{name} rel err {err:.3g}: {what}"
     return out.detach(), (x.grad, probs.grad, dw13, dw2)
 
 
-def _worker(rank, port, outdir):
-    results = {}
+def _assert_bitwise_equal(a, b, what):
+    """Two ``_case`` results (output, gradients) are bitwise equal."""
+    assert torch.equal(a[0], b[0]), what
+    assert all(torch.equal(u, v) for u, v in zip(a[1], b[1], strict=True)), what
+
+
+TRANSPORTS, RING_MODES = ("nccl", "copy_engine"), ("expert", "token")
+
+
+def uneven_tokens(rank, world, group):
+    for t in TRANSPORTS:
+        for m in RING_MODES:
+            _case(rank, transport=t, mode=m, tokens=[3000, 1234], seed=1)
+
+
+def zero_tokens_no_overlap(rank, world, group):
+    for t in TRANSPORTS:
+        for m in RING_MODES:
+            _case(rank, transport=t, mode=m, tokens=[0, 2001], overlap=False, route="skew", seed=2)
+
+
+def list_forms(rank, world, group):  # per-expert parameters: correct, no stacked copy kept alive
+    for t in TRANSPORTS:
+        for m in RING_MODES:
+            for f in ("reversed", "interleaved", "separate"):
+                _case(rank, transport=t, mode=m, tokens=[1500, 700], seed=3, form=f,
+                      check_memory=t == "nccl")  # fmt: skip
+    # bitwise equal to the tensor form where rows are used in expert order
+    for m, f in (("expert", "reversed"), ("token", "separate")):
+        a = _case(rank, transport="nccl", mode=m, tokens=[900, 700], seed=6)
+        b = _case(rank, transport="nccl", mode=m, tokens=[900, 700], seed=6, form=f)
+        _assert_bitwise_equal(a, b, (m, f))
+
+
+def timeline(rank, world, group):
+    from relaymoe.ring import record_timeline
+
+    with record_timeline() as tl:
+        _case(rank, transport="copy_engine", mode="expert", tokens=[512, 512])
+    phases = {(t.phase, t.hop) for t in tl}
+    assert {("fwd", 0), ("fwd", 1), ("bwd", 0), ("bwd", 1), ("bwd", 2)} <= phases, phases
+    assert all(t.compute_ms >= 0 and t.hop_ms > 0 for t in tl), tl
+
+
+def determinism(rank, world, group):
+    for t in TRANSPORTS:
+        a = _case(rank, transport=t, mode="token", tokens=[900, 700], seed=5)
+        b = _case(rank, transport=t, mode="token", tokens=[900, 700], seed=5)
+        _assert_bitwise_equal(a, b, t)
+
+
+def two_level_one_gpu_per_node(rank, world, group):  # issue #18: the two-level path at EP=2
+    for t in TRANSPORTS:
+        for m in RING_MODES:
+            a = _case(rank, transport=t, mode=m, tokens=[900, 700], seed=7, schedule="flat")
+            b = _case(rank, transport=t, mode=m, tokens=[900, 700], seed=7,
+                      schedule="two_level", gpus_per_node=1)  # fmt: skip
+            _assert_bitwise_equal(a, b, (t, m))
+
+
+def bad_input(rank, world, group):
+    from relaymoe.ring import ring_moe
+
+    dev = torch.device("cuda", rank)
+    x = torch.randn(8, H, device=dev, dtype=torch.bfloat16)
+    w13 = torch.randn(EL, 2 * I, H, device=dev, dtype=torch.bfloat16)
+    w2 = torch.randn(EL, H, I, device=dev, dtype=torch.bfloat16)
+    idx = torch.zeros(8, 1, dtype=torch.long, device=dev)
+    if rank == 1:
+        idx[3, 0] = 2 * EL  # out of range on rank 1 only
     try:
-        torch.cuda.set_device(rank)
-        dev = torch.device("cuda", rank)
-        dist.init_process_group(
-            "nccl",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=2,
-            timeout=timedelta(seconds=60),
-            device_id=dev,
-        )
-        from relaymoe.ring import record_timeline, ring_moe
+        ring_moe(x, w13, w2, idx, torch.ones(8, 1, device=dev), transport="copy_engine")
+    except ValueError as err:
+        assert "rank 1" in str(err), err
+    else:
+        raise AssertionError("no ValueError")
+    _case(rank, transport="copy_engine", mode="expert", tokens=[64, 64], seed=9)
 
-        def run(name, fn):
-            try:
-                fn()
-                results[name] = "ok"
-            except Exception:
-                results[name] = traceback.format_exc()
 
-        for transport in ("nccl", "copy_engine"):
-            for mode in ("expert", "token"):
-                run(f"{transport}_{mode}", lambda t=transport, m=mode: _case(
-                    rank, dev, transport=t, mode=m, tokens=[3000, 1234], seed=1))  # fmt: skip
-            run(f"{transport}_zero_tokens_nooverlap", lambda t=transport: [
-                _case(rank, dev, transport=t, mode=m, tokens=[0, 2001], overlap=False,
-                      route="skew", seed=2) for m in ("expert", "token")])  # fmt: skip
-
-        def list_forms():  # per-expert parameters: correct, and no stacked copy kept alive
-            for t in ("nccl", "copy_engine"):
-                for m in ("expert", "token"):
-                    for f in ("reversed", "interleaved", "separate"):
-                        _case(rank, dev, transport=t, mode=m, tokens=[1500, 700], seed=3,
-                              form=f, check_memory=t == "nccl")  # fmt: skip
-            # bitwise equal to the tensor form where rows are used in expert order
-            for m, f in (("expert", "reversed"), ("token", "separate")):
-                a = _case(rank, dev, transport="nccl", mode=m, tokens=[900, 700], seed=6)
-                b = _case(rank, dev, transport="nccl", mode=m, tokens=[900, 700], seed=6, form=f)
-                assert torch.equal(a[0], b[0]), (m, f)
-                assert all(torch.equal(u, v) for u, v in zip(a[1], b[1], strict=True)), (m, f)
-
-        run("list_forms", list_forms)
-
-        def timeline():
-            with record_timeline() as tl:
-                _case(rank, dev, transport="copy_engine", mode="expert", tokens=[512, 512])
-            phases = {(t.phase, t.hop) for t in tl}
-            assert {("fwd", 0), ("fwd", 1), ("bwd", 0), ("bwd", 1), ("bwd", 2)} <= phases, phases
-            assert all(t.compute_ms >= 0 and t.hop_ms > 0 for t in tl), tl
-
-        run("timeline", timeline)
-
-        def determinism():
-            for t in ("nccl", "copy_engine"):
-                a = _case(rank, dev, transport=t, mode="token", tokens=[900, 700], seed=5)
-                b = _case(rank, dev, transport=t, mode="token", tokens=[900, 700], seed=5)
-                assert torch.equal(a[0], b[0]), t
-                assert all(torch.equal(u, v) for u, v in zip(a[1], b[1], strict=True)), t
-
-        run("determinism", determinism)
-
-        def two_level_one_gpu_per_node():  # issue #18: the two-level path forced at EP=2
-            for t in ("nccl", "copy_engine"):
-                for m in ("expert", "token"):
-                    a = _case(rank, dev, transport=t, mode=m, tokens=[900, 700], seed=7,
-                              schedule="flat")  # fmt: skip
-                    b = _case(rank, dev, transport=t, mode=m, tokens=[900, 700], seed=7,
-                              schedule="two_level", gpus_per_node=1)  # fmt: skip
-                    assert torch.equal(a[0], b[0]), (t, m)
-                    assert all(torch.equal(u, v) for u, v in zip(a[1], b[1], strict=True)), (t, m)
-
-        run("two_level_one_gpu_per_node", two_level_one_gpu_per_node)
-
-        def bad_input():
-            x = torch.randn(8, H, device=dev, dtype=torch.bfloat16)
-            w13 = torch.randn(EL, 2 * I, H, device=dev, dtype=torch.bfloat16)
-            w2 = torch.randn(EL, H, I, device=dev, dtype=torch.bfloat16)
-            idx = torch.zeros(8, 1, dtype=torch.long, device=dev)
-            if rank == 1:
-                idx[3, 0] = 2 * EL  # out of range on rank 1 only
-            try:
-                ring_moe(x, w13, w2, idx, torch.ones(8, 1, device=dev), transport="copy_engine")
-            except ValueError as err:
-                assert "rank 1" in str(err), err
-            else:
-                raise AssertionError("no ValueError")
-            _case(rank, dev, transport="copy_engine", mode="expert", tokens=[64, 64], seed=9)
-
-        run("bad_input", bad_input)
-        dist.destroy_process_group()
-    except Exception:
-        results["setup"] = traceback.format_exc()
-    Path(outdir, f"rank{rank}.json").write_text(json.dumps(results))
+SCENARIOS = [uneven_tokens, zero_tokens_no_overlap, list_forms, timeline, determinism,
+             two_level_one_gpu_per_node, bad_input]  # fmt: skip
 
 
 def test_ring_moe_two_gpus(tmp_path):
-    port = free_port()
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-    hung, exitcodes = run_spawned(_worker, lambda r: (r, port, str(tmp_path)), 2, 240)
-    assert not hung, f"ranks {hung} hung"
-    failures = []
-    for r in range(2):
-        f = Path(tmp_path, f"rank{r}.json")
-        assert f.exists(), f"rank {r} died (exit code {exitcodes[r]})"
-        res = json.loads(f.read_text())
-        failures += [f"rank {r} {k}:\n{v}" for k, v in res.items() if v != "ok"]
-    assert not failures, "\n".join(failures)
+    run_scenarios(SCENARIOS, 2, tmp_path, timeout=240, pg_timeout_s=60, backend="nccl")
