@@ -41,8 +41,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+_CHECKOUT = str(Path(__file__).resolve().parents[1])
 if __package__ in (None, ""):  # run as a file: make ``relaymoe`` and ``configs`` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, _CHECKOUT)
 
 __all__ = [
     "PARITY_TOL",
@@ -367,11 +368,15 @@ def run_pretrain(
     label: str = "",
     timeout_s: float = 600,
     workdir: str | None = None,
+    module: str = "relaymoe.megatron.pretrain",
+    env: dict | None = None,
 ) -> RunResult:
     """One ``torchrun -m relaymoe.megatron.pretrain FLAGS`` job; never raises for a failed job.
 
     The job runs in its own process group: past ``timeout_s`` the whole group (torchrun and its
     workers, which would otherwise keep the GPUs) is stopped and the result says ``timed_out``.
+    ``module``: another entry point that runs the same pretrain (e.g. ``benchmarks.soak_pretrain``;
+    the checkout is put on ``PYTHONPATH``); ``env``: extra environment variables of the job.
     """
     dispatcher = _flag_value(flags, "--moe-token-dispatcher-type") or "?"
     name = label or dispatcher
@@ -383,11 +388,13 @@ def run_pretrain(
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
         "--standalone", "--nproc-per-node", str(gpus),
-        "-m", "relaymoe.megatron.pretrain",
+        "-m", module,
         *flags,
         "--relaymoe-report", report,
     ]  # fmt: skip
-    env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1", OMP_NUM_THREADS="4")
+    path = os.environ.get("PYTHONPATH")
+    env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1", OMP_NUM_THREADS="4", **(env or {}),
+               PYTHONPATH=_CHECKOUT + (os.pathsep + path if path else ""))  # fmt: skip
     t0 = time.perf_counter()
     proc = subprocess.Popen(
         cmd,

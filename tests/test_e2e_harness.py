@@ -435,3 +435,23 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_run_pretrain_runs_another_entry_module_with_extra_environment(monkeypatch, tmp_path):
+    """``module``/``env`` (the soak's drifting-router entry point): the command and environment
+    the job gets, with the checkout importable."""
+    import benchmarks.e2e as e2e
+
+    seen = {}
+    real_popen = subprocess.Popen
+
+    def popen(cmd, **kw):
+        seen["cmd"], seen["env"] = cmd, kw["env"]
+        return real_popen([sys.executable, "-c", "pass"], **kw)
+
+    monkeypatch.setattr(e2e.subprocess, "Popen", popen)
+    run_pretrain(["--moe-token-dispatcher-type", "ring"], gpus=2, workdir=str(tmp_path / "w"),
+                 module="benchmarks.soak_pretrain", env={"RELAYMOE_SOAK_EP": "2"})  # fmt: skip
+    assert seen["cmd"][seen["cmd"].index("-m", 2) + 1] == "benchmarks.soak_pretrain"
+    assert seen["env"]["RELAYMOE_SOAK_EP"] == "2"
+    assert seen["env"]["PYTHONPATH"].split(os.pathsep)[0] == e2e._CHECKOUT

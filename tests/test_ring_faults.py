@@ -281,7 +281,7 @@ def test_agreement_does_not_read_a_reduce_that_lost_a_rank(monkeypatch, lost):
     x, w13, w2, idx, probs = _inputs()
     with pytest.raises(RingPeerError) as info:
         agree_mod._agree_collective(
-            x, w13, w2, idx, probs, group=object(), rank=0, world=2,
+            (x, w13, w2, idx, probs), group=object(), rank=0, world=2,
             req=agree_mod.RingRequest(mode="expert", transport="nccl"), validate_ids=True,
             with_pairs=True,
         )  # fmt: skip

@@ -275,20 +275,18 @@ def _comm_device(group: dist.ProcessGroup, x) -> torch.device:
 
 
 def _agree_collective(
-    x,
-    w13,
-    w2,
-    topk_idx,
-    topk_probs,
+    inputs: tuple,
     *,
-    group: dist.ProcessGroup | None,
+    group,
     rank: int,
     world: int,
     req: RingRequest,
     validate_ids: bool,
     with_pairs: bool,
 ) -> RingProblem:
-    """Validate on every rank at once; raise the same ``ValueError`` everywhere or agree."""
+    """Validate on every rank at once; raise the same ``ValueError`` everywhere or agree.
+    ``inputs``: ``(x, w13, w2, topk_idx, topk_probs)`` as ``ring_moe`` got them."""
+    x, w13, w2, topk_idx, topk_probs = inputs
     code, msg = _local_check(x, w13, w2, topk_idx, topk_probs, req, world, validate_ids)
     row = [0] * NUM_FIELDS
     row[F_ERR] = code
@@ -566,9 +564,9 @@ def agree(
                _signature(*args, request))  # fmt: skip
         prob = _AGREED.get(key)
         if prob is None:
-            prob = _agree_collective(*args, **where, validate_ids=False, with_pairs=False)
+            prob = _agree_collective(args, **where, validate_ids=False, with_pairs=False)
             _AGREED[key] = prob
         if _bounded(prob):
             return prob
         return replace(prob, pairs=pair_counts(topk_idx, prob, group))
-    return _agree_collective(*args, **where, validate_ids=True, with_pairs=True)
+    return _agree_collective(args, **where, validate_ids=True, with_pairs=True)
