@@ -19,9 +19,11 @@ def table(tmp_path, monkeypatch):
         path.write_text(json.dumps(content))
         monkeypatch.setattr(tuned, "TABLE", path)
         tuned.load_table.cache_clear()
+        tuned._lookup.cache_clear()
 
     yield install
     tuned.load_table.cache_clear()
+    tuned._lookup.cache_clear()
 
 
 CFG = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 32, "num_warps": 4, "num_stages": 5}

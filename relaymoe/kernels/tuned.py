@@ -85,26 +85,37 @@ def _check_table(table: dict, where: str) -> dict:
 
 @functools.lru_cache(maxsize=4)
 def load_table(path: str | None = None) -> dict:
-    """The table at ``path`` (default: the shipped one), checked; read once per process."""
+    """The table at ``path`` (default: the shipped one), checked; read once per process (tests
+    that swap it clear this cache and ``_lookup``'s)."""
     p = Path(path) if path else TABLE
     if not p.exists():
         return {"version": VERSION, "gpus": {}}
     return _check_table(json.loads(p.read_text()), str(p))
 
 
-def _gpu_name() -> str | None:
+@functools.lru_cache(maxsize=16)
+def _device_name(index: int) -> str:
     import torch
 
-    if not torch.cuda.is_available():
-        return None
-    return torch.cuda.get_device_name(torch.cuda.current_device())
+    return torch.cuda.get_device_name(index)
 
 
 def shipped_config(kernel: str, key: dict, dtype, *, gpu: str | None = None) -> dict | None:
     """The shipped configuration of ``kernel`` for this autotune ``key`` on ``gpu`` (default:
-    the current CUDA device's name), or None."""
-    gpu = gpu or _gpu_name()
+    the current CUDA device's name), or None. Called at every launch: the lookups are cached."""
     if gpu is None:
-        return None
-    cfg = load_table().get("gpus", {}).get(gpu, {}).get(kernel, {}).get(bucket(key, dtype))
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        gpu = _device_name(torch.cuda.current_device())
+    cfg = _lookup(gpu, kernel, tuple(key.items()), str(dtype))
     return dict(cfg) if cfg is not None else None
+
+
+@functools.lru_cache(maxsize=1024)
+def _lookup(gpu: str, kernel: str, key: tuple, dtype: str) -> dict | None:
+    kernels = load_table().get("gpus", {}).get(gpu)
+    if not kernels:  # nothing shipped for this GPU: no bucket to compute
+        return None
+    return kernels.get(kernel, {}).get(bucket(dict(key), dtype))
