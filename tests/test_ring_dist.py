@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from relaymoe.reference import moe_experts_reference
-from tests.helpers import run_gloo_scenarios
+from tests.helpers import ring_problem, run_gloo_scenarios
 
 pytestmark = pytest.mark.slow
 
@@ -25,29 +25,8 @@ H, I = 24, 12
 # ---------------------------------------------------------------------------------------------
 # the global problem and the oracle
 # ---------------------------------------------------------------------------------------------
-def _routing(g, total, E, K, route):
-    idx = torch.rand(total, E, generator=g).argsort(1)[:, :K]
-    if route == "one" and total:
-        # every token picks expert E-1 (first slot) plus K-1 others
-        others = torch.rand(total, E - 1, generator=g).argsort(1)[:, : K - 1]
-        idx = torch.cat([torch.full((total, 1), E - 1), others], 1)
-    elif route == "skew" and total:
-        idx = torch.stack([torch.randperm(min(E, K + 1), generator=g)[:K] for _ in range(total)])
-    return idx
-
-
 def _problem(seed, tokens, El, K, world, route="uniform"):
-    g = torch.Generator().manual_seed(seed)
-    E, total = El * world, sum(tokens)
-    f64 = torch.float64
-    return dict(
-        x=torch.randn(total, H, generator=g, dtype=f64),
-        w13=torch.randn(E, 2 * I, H, generator=g, dtype=f64) / H**0.5,
-        w2=torch.randn(E, H, I, generator=g, dtype=f64) / I**0.5,
-        idx=_routing(g, total, E, K, route),
-        probs=torch.rand(total, K, generator=g, dtype=f64) + 0.1,
-        dy=torch.randn(total, H, generator=g, dtype=f64),
-    )
+    return ring_problem(seed, tokens, El * world, K, H, I, route=route)
 
 
 def _oracle(pb):
