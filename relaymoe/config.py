@@ -20,7 +20,8 @@ from typing import Any
 
 from relaymoe.costmodel import MODE_CHOICES, TRANSPORT_CHOICES
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+# shipped with the package (the checkout's configs/ links here), so bare names resolve in a wheel
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
 # YAML keys accepted as spellings of a field (TransformerConfig names for the same Megatron arg).
 _MODEL_ALIASES = {"num_moe_experts": "num_experts"}

@@ -281,3 +281,22 @@ def test_gpus_per_node_field():
     assert " --relaymoe-gpus-per-node 4" in " ".join(to_megatron_args(four, dispatcher="ring"))
     assert "gpus-per-node" not in " ".join(to_megatron_args(four, dispatcher="alltoall"))
     assert "gpus-per-node" not in " ".join(to_megatron_args(cfg, dispatcher="ring"))
+
+
+def test_configs_ship_in_the_package():
+    """Bare config names resolve in an installed wheel: the YAMLs live in the package and its
+    package data covers every one of them; pyyaml is a dependency, not a dev extra."""
+    import tomllib
+    from pathlib import Path
+
+    import relaymoe
+    from relaymoe.config import CONFIG_DIR
+
+    pkg = Path(relaymoe.__file__).resolve().parent
+    assert CONFIG_DIR == pkg / "configs"
+    meta = tomllib.loads((pkg.parent / "pyproject.toml").read_text())
+    globs = meta["tool"]["setuptools"]["package-data"]["relaymoe"]
+    shipped = {p for g in globs for p in pkg.glob(g)}
+    yamls = set(CONFIG_DIR.rglob("*.yaml"))
+    assert len(yamls) > 10 and yamls <= shipped, sorted(map(str, yamls - shipped))
+    assert any(d.lower().startswith("pyyaml") for d in meta["project"]["dependencies"])
