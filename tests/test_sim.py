@@ -220,7 +220,9 @@ def test_latest_row_of_each_measurement_counts():
 
 
 def test_width_dependence_is_fitted_from_expert_rows_of_several_widths():
-    truth = ComputeModel(peak_tflops_fwd=500.0, peak_tflops_bwd=400.0, width_exp=0.1)
+    # no host term: the expert rows calibrate device throughput (one layer call, host hidden)
+    truth = ComputeModel(peak_tflops_fwd=500.0, peak_tflops_bwd=400.0, width_exp=0.1,
+                         launch_us=0.0)  # fmt: skip
     rows = []
     for name in ("qwen3_30b_a3b_T32k", "moeblaze_conf3", "moeblaze_conf4"):
         s = shape_of({"shape": name})
@@ -356,3 +358,14 @@ def test_scaling_sim_rows_carry_the_schedule():
         assert r["speedup_vs_flat"] >= 1.0
         if ep <= g:
             assert r["ms_fwd_bwd"] == flat["ms_fwd_bwd"]
+
+
+def test_a_hops_host_and_device_time_add_in_quadrature():
+    """Neither hides the other fully when they are of one size (relaymoe.costmodel.TimeModel):
+    3 ms of host and 4 ms of device make a 5 ms hop; either alone is itself."""
+    cm = ComputeModel(peak_tflops_fwd=1.0, peak_tflops_bwd=1.0, m_half=0.0, launch_us=3000.0)
+    assert cm.seconds(4e9, pairs=10, experts=1, bwd=False) == pytest.approx(5e-3)
+    assert cm.seconds(4e9, pairs=10, experts=1, bwd=True) == pytest.approx(5e-3)
+    assert ComputeModel(peak_tflops_fwd=1.0, m_half=0.0, launch_us=0.0).seconds(
+        4e9, pairs=10, experts=1, bwd=False
+    ) == pytest.approx(4e-3)

@@ -11,6 +11,7 @@ width, ``R`` ranks in the EP group (the ring length), ``El = E / R`` local exper
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from relaymoe.costmodel import INTER_NODE_BYTES_PER_S, NVLINK_BYTES_PER_S, Dims
@@ -169,11 +170,12 @@ class Cluster:
 class ComputeModel:
     """Grouped-GEMM time of a batch of token-expert pairs on one GPU.
 
-    ``time = max(host, flops / (peak * m / (m + m_half)))`` with ``m`` the pairs per expert:
+    ``time = hypot(host, flops / (peak * m / (m + m_half)))`` with ``m`` the pairs per expert:
     small per-expert GEMMs waste tile rows, so throughput rises with ``m`` and saturates at
     ``peak``. ``host`` (``launch_us``) is the host time to issue one hop's work (launches, index
-    slices, Python): the GPU runs behind the host, so a hop is host-bound only when its kernels
-    take less than that (small T), and the host time is hidden otherwise.
+    slices, Python): the GPU runs behind the host, and neither hides the other fully where they
+    are of one size, which the root-sum-square says (``relaymoe.costmodel.TimeModel`` found the
+    same on the measured steps; with ``max`` the T8k ring rows came out 15-21% short).
     ``peak_*`` come from the measured relaymoe expert rows (``calibrate``); the default is what
     a fused-kernel grouped GEMM reaches on an H200 at qwen3 T32k (about 500 TFLOP/s) corrected
     for ``m = 2048`` pairs per expert. They hold at the expert width ``width_ref``; wider experts
@@ -186,7 +188,7 @@ class ComputeModel:
     m_half: float = 64.0
     width_ref: float = 768.0
     width_exp: float = 0.0
-    launch_us: float = 40.0  # per hop: host time to issue it (a floor, see the docstring)
+    launch_us: float = 40.0  # per hop: host time to issue it (see the docstring)
     hbm_GBps: float = 4300.0  # device copy bandwidth (probed): permutes, in-place adds
     # Megatron's SequentialMLP runs experts one by one: per-expert overhead (fit, see calibrate).
     seq_mlp_ms_per_expert: float = 0.0
@@ -212,7 +214,7 @@ class ComputeModel:
         if width and self.width_exp:
             peak *= (width / self.width_ref) ** self.width_exp
         eff = self.efficiency(pairs / max(experts, 1.0))
-        return max(self.launch_us * 1e-6, flops / (peak * eff))
+        return math.hypot(self.launch_us * 1e-6, flops / (peak * eff))
 
     def copy_seconds(self, nbytes: float) -> float:
         """Read + write ``nbytes`` once in HBM (permute, in-place gradient add)."""
