@@ -219,8 +219,10 @@ def _print_rich(cfg, p) -> None:
         f"{_mib(sm[m]['bytes_forward'] + sm[m]['bytes_backward'])} MiB"
         for m in sm
     )
+    # the alltoall mode runs on the EP group's collectives whatever the ring's transport
+    over = "NCCL collectives" if p.routing_mode == "alltoall" else p.transport
     con.print(
-        f"relaymoe mode: [bold]{p.routing_mode}[/] over {p.transport} (modelled layer step, "
+        f"relaymoe mode: [bold]{p.routing_mode}[/] over {over} (modelled layer step, "
         f"time / bytes sent: {model}; per hop, fwd+bwd: expert {_mib(hop['expert']['total'])} "
         f"MiB, token {_mib(hop['token']['total'])} MiB)"
     )

@@ -96,6 +96,10 @@ def test_rich_capacity_lines(capsys):
         assert f"max micro-batch {d['max_micro_batch_size'][v]:>4}" in ln, ln
     assert "binds: activations_retained" in lines["ring + fused loss"]
     assert "binds: logits_loss" in lines["alltoall"]
+    # the alltoall mode runs on the group's collectives, a ring mode on its transport
+    assert d["routing_mode"] == "alltoall" and "alltoall over NCCL collectives" in out
+    rc, out, _ = run(capsys, "plan", "--ring-mode", "token")
+    assert rc == 0 and "token over copy_engine" in out
 
 
 def test_fused_loss_switch(capsys):

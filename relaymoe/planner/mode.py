@@ -17,24 +17,25 @@ from relaymoe.config import Config, ParallelConfig
 from relaymoe.planner.memory import PROB_BYTES, Shapes, shapes
 
 
-def resolve_transport(transport: str, world: int, *, flat_across_nodes: bool = False) -> str:
+def resolve_transport(transport: str, world: int, *, across_nodes: bool = False) -> str:
     """The transport the runtime resolves: ``local`` in a world of one; ``auto`` is the copy
-    engine (the EP group's ranks of one node share symmetric memory: the whole group, or each
-    node's ring of the two-level schedule), except for a flat ring across nodes
-    (``flat_across_nodes``), which runs over NCCL."""
+    engine when the EP group lies in one node, and NCCL on every hop when it spans nodes
+    (``across_nodes``), in either schedule: the runtime's symmetric memory needs the whole group
+    on one host (a transport that pulls inside each node and sends over NCCL across nodes, which
+    the simulator's two-level rows assume, is not built)."""
     known = (costmodel.AUTO, *costmodel.TRANSPORTS)  # a request, or an already resolved name
     if transport not in known:
         raise ValueError(f"transport {transport!r}; known: {known}")
     if world == 1:
         return "local"
     if transport == costmodel.AUTO:
-        return "nccl" if flat_across_nodes else "copy_engine"
+        return "nccl" if across_nodes else "copy_engine"
     return transport
 
 
-def flat_across_nodes(cfg: Config) -> bool:
-    """Whether ``cfg``'s ring is a flat one whose group spans nodes."""
-    return ep_ranks_per_node(cfg.parallel) is not None and ring_schedule(cfg) == "flat"
+def across_nodes(cfg: Config) -> bool:
+    """Whether ``cfg``'s EP group spans nodes."""
+    return ep_ranks_per_node(cfg.parallel) is not None
 
 
 def ring_mode(
@@ -55,7 +56,7 @@ def ring_mode(
         sh = shapes(cfg, seq, mbs)
         forced = cfg.relaymoe.ring_mode if forced is None else forced
         transport = cfg.relaymoe.transport if transport is None else transport
-        across = flat_across_nodes(cfg)
+        across = across_nodes(cfg)
     else:
         sh, across = cfg_or_shapes, False
     forced = forced or costmodel.AUTO
@@ -72,7 +73,7 @@ def ring_mode(
         world=sh.R,
         act_bytes=sh.e,
         prob_bytes=PROB_BYTES,
-        transport=resolve_transport(transport or costmodel.AUTO, sh.R, flat_across_nodes=across),
+        transport=resolve_transport(transport or costmodel.AUTO, sh.R, across_nodes=across),
         modes=costmodel.RING_MODES if ring_only else costmodel.MODES,
     )
 

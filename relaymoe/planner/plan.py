@@ -193,7 +193,7 @@ def plan(cfg: Config, gpu_bytes: int | str = DEFAULT_GPU) -> Plan:
     sh = mm.shapes(cfg)
     schedule = pm.ring_schedule(cfg)
     transport = pm.resolve_transport(
-        cfg.relaymoe.transport, sh.R, flat_across_nodes=pm.flat_across_nodes(cfg)
+        cfg.relaymoe.transport, sh.R, across_nodes=pm.across_nodes(cfg)
     )
     mode = pm.ring_mode(cfg)
     # hop times of the ring mode that runs (the faster ring mode when alltoall does)

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 
 from relaymoe.config import Config
 from relaymoe.planner import memory as mm
-from relaymoe.planner.mode import flat_across_nodes, resolve_transport, ring_mode_of
+from relaymoe.planner.mode import across_nodes, resolve_transport, ring_mode_of
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ def stage_peak(
     workspace = 0
     if dispatcher == "ring":
         tr = resolve_transport(
-            transport or cfg.relaymoe.transport, sh.R, flat_across_nodes=flat_across_nodes(cfg)
+            transport or cfg.relaymoe.transport, sh.R, across_nodes=across_nodes(cfg)
         )
         ring_mode = ring_mode_of(cfg, sh, ring_mode, tr)
         moe_peak = mm.moe_peak_ring(sh, ring_mode, tr)
@@ -170,7 +170,7 @@ def layer_options(cfg: Config, dispatcher: str, stage: int, **kw) -> list[LayerO
         tr = resolve_transport(
             kw.get("transport") or cfg.relaymoe.transport,
             sh.R,
-            flat_across_nodes=flat_across_nodes(cfg),
+            across_nodes=across_nodes(cfg),
         )
         mode = ring_mode_of(cfg, sh, kw.get("ring_mode"), tr)
     inflight = mm.inflight_microbatches(cfg, stage)
