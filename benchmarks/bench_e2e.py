@@ -22,6 +22,10 @@ vocabulary 32768, every layer MoE, bf16) at EP = GPUs:
 
     qwen3_slice_s4k    sequence 4096, micro-batch 1
     qwen3_slice_s16k   sequence 16384, micro-batch 1, selective recompute of core_attn
+    tiny_qwen3_pp2     configs/tiny_qwen3.yaml at PP=2, EP=1 on 2 GPUs (global batch 2 = two
+                       micro-batches through Megatron's 1F1B schedule; issue #17)
+    tiny_qwen3_pp2_vpp2
+                       the same with two virtual stages per rank (interleaved 1F1B)
     qwen3_slice_v152k_s4k_fused_loss
                        configs/qwen3_slice_v152k.yaml (the slice with Qwen3's 151,936-token
                        vocabulary, full recompute), sequence 4096, micro-batch 1; the ring run
@@ -96,8 +100,10 @@ class E2EShape:
     recompute_modules: tuple[str, ...] = ()  # selective recompute of these; () none
     regime: str = "stable"
     fused_loss: bool = False  # the ring run adds --relaymoe-fused-loss (alltoall runs never)
+    extra: tuple[str, ...] = ()  # flags of every run of the shape (e.g. pipeline parallelism)
 
 
+_PP2 = ("--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "1")
 SHAPES = {
     s.name: s
     for s in (
@@ -108,6 +114,14 @@ SHAPES = {
             seq_length=16384,
             micro_batch_size=1,
             recompute_modules=("core_attn",),
+        ),
+        # issue #17 item 3: Megatron's 1F1B schedule (and the interleaved one) with the ring, PP=2
+        # on 2 GPUs, EP=1 (the ring is a world of one), 2 micro-batches a step
+        E2EShape("tiny_qwen3_pp2", "tiny_qwen3", extra=_PP2),
+        E2EShape(
+            "tiny_qwen3_pp2_vpp2",
+            "tiny_qwen3",
+            extra=(*_PP2, "--num-layers-per-virtual-pipeline-stage", "1"),
         ),
         E2EShape(
             "qwen3_slice_v152k_s4k_fused_loss",
@@ -155,7 +169,7 @@ def plan_runs(
                 steps=steps,
                 dispatcher=dispatcher,
                 seed=seed,
-                extra=["--relaymoe-fused-loss"] if fused else [],
+                extra=[*shape.extra, *(["--relaymoe-fused-loss"] if fused else [])],
                 seq_length=shape.seq_length,
                 micro_batch_size=shape.micro_batch_size,
                 recompute_modules=shape.recompute_modules or None,
@@ -186,7 +200,9 @@ def shape_rows(
         "bench": "e2e",
         "shape": shape.name,
         "config": shape.config,
-        "ep": gpus,
+        "ep": int(_flag(plans[0].flags, "--expert-model-parallel-size")),
+        "pp": int(_flag(plans[0].flags, "--pipeline-model-parallel-size")),
+        "gpus": gpus,
         "seq_length": int(_flag(plans[0].flags, "--seq-length")),
         "micro_batch_size": mbs,
         "global_batch_size": int(_flag(plans[0].flags, "--global-batch-size")),
@@ -390,7 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.dry_run:
         for runs in planned:
             for r in runs:
-                print(f"# {r.shape.name} {r.label} (regime {r.regime}, EP={gpus})")
+                ep = _flag(r.flags, "--expert-model-parallel-size")
+                print(f"# {r.shape.name} {r.label} (regime {r.regime}, EP={ep})")
                 print(" ".join(shlex.quote(f) for f in r.flags))
         return 0
     if not torch.cuda.is_available():

@@ -64,7 +64,35 @@ def test_qwen3_slice_config():
     assert (p.ep, p.dp, p.world_size) == (2, 2, 2)
 
 
-@pytest.mark.parametrize("shape", list(bench_e2e.SHAPES))
+QWEN_SHAPES = [n for n in bench_e2e.SHAPES if n.startswith("qwen3_slice")]
+PP_SHAPES = [n for n in bench_e2e.SHAPES if "_pp2" in n]
+
+
+def test_every_shape_is_checked_below():
+    assert set(QWEN_SHAPES) | set(PP_SHAPES) == set(bench_e2e.SHAPES) and PP_SHAPES
+
+
+@pytest.mark.parametrize("shape", PP_SHAPES)
+def test_pipeline_shapes_run_1f1b_at_ep1(shape):
+    """Issue #17: PP=2 on 2 GPUs, EP=1, two micro-batches a step (1F1B needs >= PP of them),
+    the interleaved variant with two virtual stages; ring and alltoall differ in the dispatcher."""
+    plans = bench_e2e.plan_runs(bench_e2e.SHAPES[shape], gpus=GPUS, steps=50, seed=1234,
+                                noise_run=True)  # fmt: skip
+    groups = {p.label: _groups(p.flags) for p in plans}
+    for g in groups.values():
+        assert _v(g, "--pipeline-model-parallel-size") == "2"
+        assert _v(g, "--expert-model-parallel-size") == "1"
+        mbs, gbs = int(_v(g, "--micro-batch-size")), int(_v(g, "--global-batch-size"))
+        assert gbs == 2 * mbs  # DP = 1: two micro-batches through the pipeline
+        vpp = g.get("--num-layers-per-virtual-pipeline-stage")
+        assert (vpp == ["1"]) == shape.endswith("_vpp2"), vpp
+    ring = {k: v for k, v in groups["ring"].items() if k != "--relaymoe-ring-mode"}
+    diff = {k for k in ring.keys() | groups["alltoall"].keys()
+            if ring.get(k) != groups["alltoall"].get(k)}  # fmt: skip
+    assert diff == {"--moe-token-dispatcher-type"}, diff
+
+
+@pytest.mark.parametrize("shape", QWEN_SHAPES)
 def test_shape_flags_per_provider(shape):
     seq = {"qwen3_slice_s4k": 4096, "qwen3_slice_s16k": 16384}.get(shape, 4096)
     vocab = "151936" if "v152k" in shape else "32768"
@@ -455,3 +483,38 @@ def test_run_pretrain_runs_another_entry_module_with_extra_environment(monkeypat
     assert seen["cmd"][seen["cmd"].index("-m", 2) + 1] == "benchmarks.soak_pretrain"
     assert seen["env"]["RELAYMOE_SOAK_EP"] == "2"
     assert seen["env"]["PYTHONPATH"].split(os.pathsep)[0] == e2e._CHECKOUT
+
+
+def test_megatron_validates_the_pipeline_shape_flags():
+    """Megatron's parser and validation accept the PP=2 shapes at world 2 (DP = 1) with the
+    interleaved schedule's two virtual stages."""
+    script = textwrap.dedent(
+        """
+        import json, sys, warnings
+        warnings.filterwarnings("ignore")
+        import torch
+        torch.cuda.get_device_capability = lambda *a: (9, 0)  # validate_args asks for it
+        from relaymoe.megatron import register
+        register()
+        from megatron.training.arguments import parse_and_validate_args
+        sys.argv = ["pretrain", *json.loads(sys.argv[1])]
+        a = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
+        keys = ("pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+                "data_parallel_size", "expert_model_parallel_size", "global_batch_size",
+                "micro_batch_size", "moe_token_dispatcher_type")
+        print("ARGS " + json.dumps({k: getattr(a, k) for k in keys}))
+        """
+    )
+    env = dict(os.environ, WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", CUDA_VISIBLE_DEVICES="")
+    shape = bench_e2e.SHAPES["tiny_qwen3_pp2_vpp2"]
+    for plan in bench_e2e.plan_runs(shape, gpus=GPUS, steps=50, seed=1234, noise_run=False):
+        p = subprocess.run([sys.executable, "-c", script, json.dumps(list(plan.flags))],
+                           capture_output=True, text=True, timeout=240, env=env)  # fmt: skip
+        line = [ln for ln in p.stdout.splitlines() if ln.startswith("ARGS ")]
+        assert p.returncode == 0 and line, p.stdout[-2000:] + p.stderr[-4000:]
+        a = json.loads(line[0][5:])
+        assert a["pipeline_model_parallel_size"] == 2 and a["data_parallel_size"] == 1
+        assert a["virtual_pipeline_model_parallel_size"] == 2
+        assert a["expert_model_parallel_size"] == 1
+        assert a["global_batch_size"] == 2 * a["micro_batch_size"]
+        assert a["moe_token_dispatcher_type"] == plan.dispatcher
