@@ -170,39 +170,46 @@ def test_noise_run_only_when_asked():
     assert [p.label for p in plans] == ["ring", "alltoall"]
 
 
+_MEGATRON_ARGS = textwrap.dedent(
+    """
+    import json, sys, warnings
+    warnings.filterwarnings("ignore")
+    import torch
+    torch.cuda.get_device_capability = lambda *a: (9, 0)  # validate_args asks for it
+    from relaymoe.megatron import register
+    register()
+    from megatron.training.arguments import parse_and_validate_args
+    flags, keys = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+    sys.argv = ["pretrain", *flags]
+    a = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
+    print("ARGS " + json.dumps({k: getattr(a, k) for k in keys}))
+    """
+)
+
+
+def megatron_args(flags, keys, world: int = 2) -> dict:
+    """``keys`` of the arguments Megatron's own parser and validation make of ``flags`` at world
+    size ``world`` (a subprocess, no GPU)."""
+    env = dict(os.environ, WORLD_SIZE=str(world), RANK="0", LOCAL_RANK="0",
+               CUDA_VISIBLE_DEVICES="")  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, "-c", _MEGATRON_ARGS, json.dumps(list(flags)), json.dumps(list(keys))],
+        capture_output=True, text=True, timeout=240, env=env,
+    )  # fmt: skip
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("ARGS ")]
+    assert p.returncode == 0 and line, p.stdout[-2000:] + p.stderr[-4000:]
+    return json.loads(line[0][5:])
+
+
 def test_megatron_parses_the_shape_flags():
     """Megatron's own parser and validation accept the flags (world size 2: EP=2, DP=2)."""
-    script = textwrap.dedent(
-        """
-        import json, sys, warnings
-        warnings.filterwarnings("ignore")
-        import torch
-        torch.cuda.get_device_capability = lambda *a: (9, 0)  # validate_args asks for it
-        from relaymoe.megatron import register
-        register()
-        from megatron.training.arguments import parse_and_validate_args
-        sys.argv = ["pretrain", *json.loads(sys.argv[1])]
-        a = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
-        keys = ("seq_length", "micro_batch_size", "global_batch_size", "data_parallel_size",
-                "expert_model_parallel_size", "padded_vocab_size", "num_experts",
-                "moe_token_dispatcher_type", "lr", "lr_warmup_iters", "clip_grad",
-                "adam_beta2", "recompute_granularity", "bf16", "train_iters")
-        print("ARGS " + json.dumps({k: getattr(a, k) for k in keys}))
-        """
-    )
-    env = dict(os.environ, WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", CUDA_VISIBLE_DEVICES="")
+    keys = ("seq_length", "micro_batch_size", "global_batch_size", "data_parallel_size",
+            "expert_model_parallel_size", "padded_vocab_size", "num_experts",
+            "moe_token_dispatcher_type", "lr", "lr_warmup_iters", "clip_grad", "adam_beta2",
+            "recompute_granularity", "bf16", "train_iters")  # fmt: skip
     shape = bench_e2e.SHAPES["qwen3_slice_s16k"]
     for plan in bench_e2e.plan_runs(shape, gpus=GPUS, steps=50, seed=1234, noise_run=False):
-        p = subprocess.run(
-            [sys.executable, "-c", script, json.dumps(list(plan.flags))],
-            capture_output=True,
-            text=True,
-            timeout=240,
-            env=env,
-        )
-        line = [ln for ln in p.stdout.splitlines() if ln.startswith("ARGS ")]
-        assert p.returncode == 0 and line, p.stdout[-2000:] + p.stderr[-4000:]
-        a = json.loads(line[0][5:])
+        a = megatron_args(plan.flags, keys)
         assert a == {
             "seq_length": 16384,
             "micro_batch_size": 1,
@@ -488,31 +495,12 @@ def test_run_pretrain_runs_another_entry_module_with_extra_environment(monkeypat
 def test_megatron_validates_the_pipeline_shape_flags():
     """Megatron's parser and validation accept the PP=2 shapes at world 2 (DP = 1) with the
     interleaved schedule's two virtual stages."""
-    script = textwrap.dedent(
-        """
-        import json, sys, warnings
-        warnings.filterwarnings("ignore")
-        import torch
-        torch.cuda.get_device_capability = lambda *a: (9, 0)  # validate_args asks for it
-        from relaymoe.megatron import register
-        register()
-        from megatron.training.arguments import parse_and_validate_args
-        sys.argv = ["pretrain", *json.loads(sys.argv[1])]
-        a = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
-        keys = ("pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-                "data_parallel_size", "expert_model_parallel_size", "global_batch_size",
-                "micro_batch_size", "moe_token_dispatcher_type")
-        print("ARGS " + json.dumps({k: getattr(a, k) for k in keys}))
-        """
-    )
-    env = dict(os.environ, WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", CUDA_VISIBLE_DEVICES="")
+    keys = ("pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+            "data_parallel_size", "expert_model_parallel_size", "global_batch_size",
+            "micro_batch_size", "moe_token_dispatcher_type")  # fmt: skip
     shape = bench_e2e.SHAPES["tiny_qwen3_pp2_vpp2"]
     for plan in bench_e2e.plan_runs(shape, gpus=GPUS, steps=50, seed=1234, noise_run=False):
-        p = subprocess.run([sys.executable, "-c", script, json.dumps(list(plan.flags))],
-                           capture_output=True, text=True, timeout=240, env=env)  # fmt: skip
-        line = [ln for ln in p.stdout.splitlines() if ln.startswith("ARGS ")]
-        assert p.returncode == 0 and line, p.stdout[-2000:] + p.stderr[-4000:]
-        a = json.loads(line[0][5:])
+        a = megatron_args(plan.flags, keys)
         assert a["pipeline_model_parallel_size"] == 2 and a["data_parallel_size"] == 1
         assert a["virtual_pipeline_model_parallel_size"] == 2
         assert a["expert_model_parallel_size"] == 1
