@@ -5,8 +5,9 @@ Two spawned ranks run every check in one world (bf16 bound 1e-2, CONTRIBUTING.md
 zero token counts, overlap on and off, the hop timeline, bitwise determinism, the list form of
 the expert weights (per-expert parameters in DDP-like layouts: correct, bitwise equal to the
 tensor form where rows keep expert order, and no stacked weight copy alive after forward), and
-a ValueError on both ranks for a bad input followed by a good call (nothing hangs), and the
-two-level schedule forced with one GPU per node, bitwise the flat ring (issue #18).
+a ValueError on both ranks for a bad input followed by a good call (nothing hangs), the
+two-level schedule forced with one GPU per node, bitwise the flat ring (issue #18), and
+non-finite inputs propagating as the oracle's (issue #17).
 """
 
 from __future__ import annotations
@@ -159,6 +160,44 @@ def two_level_one_gpu_per_node(rank, world, group):  # issue #18: the two-level 
             _assert_bitwise_equal(a, b, (t, m))
 
 
+def nonfinite(rank, world, group):
+    """Issue #17 item 4 on the GPU: NaN/Inf in x, probabilities or weights reaches exactly what
+    the float64 oracle's reaches (bf16, both transports, all three modes), then a clean call."""
+    from relaymoe.ring import ring_moe
+    from tests import test_ring_nonfinite as nf
+
+    dev = torch.device("cuda", rank)
+    rows, experts = nf._slices(rank)
+    failures = []
+
+    def problem(seed):  # the CPU test's tokens, experts and poisons at GPU-friendly widths
+        return ring_problem(seed, nf.TOKENS, nf.EL * nf.WORLD, nf.K, 64, 32)
+
+    def check(pb, transport, mode, what):
+        pb = {k: v.to(dev) for k, v in pb.items()}
+        ref = oracle(pb)
+        x = pb["x"][rows].bfloat16().requires_grad_()
+        w13 = pb["w13"][experts].bfloat16().requires_grad_()
+        w2 = pb["w2"][experts].bfloat16().requires_grad_()
+        probs = pb["probs"][rows].float().requires_grad_()
+        out = ring_moe(x, w13, w2, pb["idx"][rows], probs, mode=mode, transport=transport)
+        out.backward(pb["dy"][rows].bfloat16())
+        got = {"out": out, "dx": x.grad, "dprobs": probs.grad, "dw13": w13.grad, "dw2": w2.grad}
+        for k, v in got.items():
+            err = nf._compare(k, v, ref[k][experts if k in ("dw13", "dw2") else rows], BF16_BOUND)
+            if err:
+                failures.append(f"{what}: {err}")
+
+    for t in TRANSPORTS:
+        for mode in nf.MODES:
+            for p, (name, at, value) in enumerate(nf.POISONS):
+                pb = problem(100 + p)
+                pb[name][at] = value
+                check(pb, t, mode, f"{t} {mode} {name}{list(at)}={value}")
+            check(problem(7), t, mode, f"{t} {mode} clean call after the poisoned ones")
+    assert not failures, "\n".join(failures)
+
+
 def bad_input(rank, world, group):
     from relaymoe.ring import ring_moe
 
@@ -179,7 +218,7 @@ def bad_input(rank, world, group):
 
 
 SCENARIOS = [uneven_tokens, zero_tokens_no_overlap, list_forms, timeline, determinism,
-             two_level_one_gpu_per_node, bad_input]  # fmt: skip
+             two_level_one_gpu_per_node, nonfinite, bad_input]  # fmt: skip
 
 
 def test_ring_moe_two_gpus(tmp_path):
