@@ -129,3 +129,25 @@ def test_config_pads_experts_and_covers_pairs():
             cfg["num_blocks"] * cfg["chunk"] >= num_pairs > (cfg["num_blocks"] - 1) * cfg["chunk"]
         )
         assert cfg["pairwise"] == (cfg["e_pad"] >= 64)
+
+
+def test_build_passes_its_overrides_to_the_launch_config(monkeypatch):
+    """The paths above are bitwise equal whatever the config, so the build must be seen to take
+    the overrides: a spy on ``routing_config`` records what the build asked for."""
+    import relaymoe.kernels.routing as kr
+
+    seen = []
+    real = kr.routing_config
+
+    def spy(num_pairs, num_experts, **kw):
+        seen.append(kw)
+        return real(num_pairs, num_experts, **kw)
+
+    monkeypatch.setattr(kr, "routing_config", spy)
+    idx = random_routing(41, 6, 2, gen=torch.Generator().manual_seed(3))
+    for pairwise, fused in PATHS:
+        seen.clear()
+        build_routing_index_triton(idx, 6, pairwise=pairwise, fused=fused, max_blocks=3)
+        assert seen == [{"pairwise": pairwise, "fused": fused, "max_blocks": 3}], seen
+    with pytest.raises(TypeError):
+        build_routing_index_triton(idx, 6, pairwize=True)  # a misspelt keyword is an error
