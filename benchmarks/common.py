@@ -56,15 +56,17 @@ def commit() -> str:
         return "unknown"
 
 
-def environment() -> dict:
-    """Where and how a row was measured."""
+def environment(gpu: str | None = None) -> dict:
+    """Where and how a row was measured; ``gpu`` given: that name, and CUDA is not touched (a
+    harness whose GPUs belong to its child processes)."""
     try:
         import triton
 
         triton_version = triton.__version__
     except Exception:  # triton is optional for the plain-torch providers
         triton_version = None
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    if gpu is None:
+        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return {
         "gpu": gpu,
         "commit": commit(),

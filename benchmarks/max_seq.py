@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime as _dt
 import json
 import math
 import os
@@ -76,7 +75,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import ROOT, JsonlWriter, commit  # noqa: E402
+from benchmarks.common import ROOT, JsonlWriter, environment  # noqa: E402
 from benchmarks.e2e import RunResult, _have_te, _stop_group, pretrain_args  # noqa: E402
 
 DEFAULT_CONFIG = "qwen3_slice_v152k"
@@ -738,26 +737,6 @@ def device_facts(gpus: int) -> dict:
     return facts
 
 
-def machine_env(gpu_name: str) -> dict:
-    """Where and how (``benchmarks.common.environment``'s keys, without touching CUDA here)."""
-    import torch
-
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except Exception:
-        triton_version = None
-    return {
-        "gpu": gpu_name,
-        "commit": commit(),
-        "torch": torch.__version__,
-        "triton": triton_version,
-        "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
-        "date": _dt.date.today().isoformat(),
-    }
-
-
 def provider_row(
     provider: str,
     res: SearchResult,
@@ -944,7 +923,7 @@ def main(argv: list[str] | None = None) -> int:
     pred = predict(cfg, gpu_bytes or facts["total_bytes"], providers)
     print_plan(providers, pred, tm, a, gpus)
     workdir = Path(a.workdir or tempfile.mkdtemp(prefix="relaymoe_max_seq_"))
-    writer = JsonlWriter(a.out, env=machine_env(facts["gpu"]))
+    writer = JsonlWriter(a.out, env=environment(facts["gpu"]))
     marker = () if _have_te() else (SDPA_MARKER,)
     if cap_bytes is not None:
         from benchmarks.capped_pretrain import MARKER as CAP_MARKER

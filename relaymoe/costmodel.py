@@ -72,6 +72,8 @@ __all__ = [
     "mcore_alltoall_memory_bytes",
     "mcore_alltoall_send_bytes",
     "memory_bytes",
+    "order_partition",
+    "order_rank",
     "ring_hop_times",
     "schedule_rank",
     "slot_capacity",
@@ -96,8 +98,8 @@ SCHEDULES = ("flat", "two_level")
 SCHEDULE_CHOICES = (AUTO, *SCHEDULES)
 
 # The links a ring hop runs over (the planner's per-hop times; the simulator's Cluster defaults
-# import them). NVLink: one way between the two H200 of the anchor machine, 1 GiB messages
-# (shared/anchors/README.md: 394 GB/s one way, 741 both ways). Between nodes: one 400 Gb/s NIC
+# import them). NVLink: one way between the two GPUs of the lent 2x H200 machine, 1 GiB messages
+# (measured: 394 GB/s one way, 741 both ways). Between nodes: one 400 Gb/s NIC
 # per GPU (8 x 400 Gb/s per 8-GPU node, the H100 reference clusters: an assumption, no
 # multi-node machine was measured) = 50 GB/s nominal, of which RDMA P2P of tens of MB reaches
 # about 90% (assumption).
@@ -509,8 +511,8 @@ class TimeModel:
     # Effective per-rank all-to-all bandwidth of the alltoall mode's link bytes (NCCL): the
     # T64k rows.
     alltoall_bytes_per_s: float = 216e9
-    # Share of a ring transfer hidden under its hop's compute with the copy engine (the
-    # anchors' overlap probe: 93%) and with NCCL, whose kernels take SMs (51%).
+    # Share of a ring transfer hidden under its hop's compute with the copy engine (an overlap
+    # probe on 2x H200: 93%) and with NCCL, whose kernels take SMs (51%).
     hide: float = 0.9
     nccl_hide: float = 0.5
 
@@ -659,6 +661,24 @@ def _order_width(schedule: str, world: int, G: int) -> int:
     return G if schedule == "two_level" else world
 
 
+def order_partition(step: int, rank: int, world: int, width: int) -> int:
+    """The partition ``rank`` computes at ``step`` in the ring order whose level-one rings have
+    ``width`` ranks (``world``: flat; ``G``: two-level over ``world/G`` nodes): round
+    ``j = step // width`` brings node ``n - j``'s partitions, step ``i = step % width`` of it the
+    one of local rank ``g - i + j``. The one definition of the order (``relaymoe/ring/schedule.py``
+    runs it; no checks here: it is on the ring's per-hop path)."""
+    n, g = divmod(rank, width)
+    j, i = divmod(step, width)
+    return (n - j) % (world // width) * width + (g - i + j) % width
+
+
+def order_rank(step: int, partition: int, world: int, width: int) -> int:
+    """The rank that computes ``partition`` at ``step``: the inverse of ``order_partition``."""
+    pn, pg = divmod(partition, width)
+    j, i = divmod(step, width)
+    return (pn + j) % (world // width) * width + (pg + i - j) % width
+
+
 def schedule_rank(
     schedule: str, step: int, partition: int, world: int, gpus_per_node: int | None = None
 ) -> int:
@@ -670,10 +690,7 @@ def schedule_rank(
     between rounds."""
     _check_schedule(schedule)
     G = _order_width(schedule, world, _check_nodes(world, gpus_per_node))
-    N = world // G
-    pn, pg = divmod(partition, G)
-    j, i = divmod(step, G)
-    return (pn + j) % N * G + (pg + i - j) % G
+    return order_rank(step, partition, world, G)
 
 
 def choose_schedule(*, world: int, gpus_per_node: int | None = None, requested: str = AUTO) -> str:
@@ -696,12 +713,9 @@ def _hop_sends(schedule: str, R: int, G: int, hop: int, r: int, trail: bool) -> 
     along the same path, then home to the partition's owner; a lead and a trail for the same
     peer travel as one message."""
     W = _order_width(schedule, R, G)
-    N = R // W
 
-    def partition(step: int) -> int:  # what r computes at ``step`` (the inverse of the order)
-        n, g = divmod(r, W)
-        j, i = divmod(step, W)
-        return (n - j) % N * W + (g - i + j) % W
+    def partition(step: int) -> int:  # what r computes at ``step``
+        return order_partition(step, r, R, W)
 
     out: dict[int, tuple[bool, bool]] = {}
     if hop <= R - 2:

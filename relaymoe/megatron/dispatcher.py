@@ -21,6 +21,7 @@ routed_experts_compute -> combine -> postprocess):
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from torch import Tensor
 
@@ -105,8 +106,6 @@ class RingDispatcher(MoETokenDispatcher):
         self.num_experts = config.num_moe_experts
         self.topk = config.moe_router_topk
         self.settings = settings if settings is not None else current_settings()
-        import torch.distributed as dist
-
         ranks = dist.get_process_group_ranks(self.ep_group) if dist.is_initialized() else [0]
         self.ep_per_node = ep_ranks_per_node(ranks, self.settings.gpus_per_node)
         self.hidden_shape = None

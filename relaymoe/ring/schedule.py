@@ -1,4 +1,5 @@
-"""The ring schedule: pure Python, no torch (RelayMoE §3.1, Fig. 5), flat or two-level.
+"""The ring schedule: pure Python, no torch (RelayMoE §3.1, Fig. 5), flat or two-level. The
+order itself is ``relaymoe.costmodel.order_partition`` / ``order_rank`` (the planner's too).
 
 Every rank computes every partition once, one per step ``s = 0..R-1``, its own at step 0;
 ``partition(s, r)`` says which, and ``who(s, p)`` which rank computes ``p`` at step ``s``. Two
@@ -39,6 +40,8 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+
+from relaymoe.costmodel import order_partition, order_rank
 
 __all__ = ["ByteRange", "HopTransfer", "Leg", "RingPlan", "SlotLayout"]
 
@@ -168,17 +171,11 @@ class RingPlan:
     def partition(self, step: int, rank: int | None = None) -> int:
         """Partition computed at ``step`` by ``rank`` (default: this rank)."""
         r = self.rank if rank is None else rank
-        G, N = self.gpus_per_node, self.nodes
-        n, g = divmod(r, G)
-        j, i = divmod(step, G)
-        return (n - j) % N * G + (g - i + j) % G
+        return order_partition(step, r, self.world_size, self.gpus_per_node)
 
     def who(self, step: int, partition: int) -> int:
         """The rank that computes ``partition`` at ``step`` (the inverse of ``partition``)."""
-        G, N = self.gpus_per_node, self.nodes
-        pn, pg = divmod(partition, G)
-        j, i = divmod(step, G)
-        return (pn + j) % N * G + (pg + i - j) % G
+        return order_rank(step, partition, self.world_size, self.gpus_per_node)
 
     def slot_layout(self, step: int, rank: int | None = None) -> SlotLayout:
         """Layout of ``rank``'s slot ``step % 2`` during step ``step`` in ``0..R``."""
