@@ -426,12 +426,14 @@ def run_isolated(specs: list[Spec], outdir: str, *, concurrency: int = 4,
     return json.loads(Path(result).read_text())
 
 
-def run_torchrun(specs: list[Spec], outdir: str) -> list[dict]:
-    """NCCL: one ``torchrun`` job per case (this machine's GPUs), each under a wall-clock cap."""
-    import subprocess
+def run_torchrun(specs: list[Spec], outdir: str, *, concurrency: int = 1) -> list[dict]:
+    """NCCL: one ``torchrun`` job per case (this machine's GPUs), each under a wall-clock cap;
+    ``concurrency`` jobs at once (``--standalone`` gives each its own rendezvous port)."""
+    from concurrent.futures import ThreadPoolExecutor
 
-    rows = []
-    for i, spec in enumerate(specs):
+    def one(i: int, spec: Spec) -> dict:
+        import subprocess
+
         case_dir = Path(outdir, f"{i:03d}-{spec.label()}")
         case_dir.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -453,9 +455,12 @@ def run_torchrun(specs: list[Spec], outdir: str) -> list[dict]:
         hung = [r for r in spec.group_ranks if not Path(case_dir, f"rank{r}.json").exists()]
         row = row_of(spec, str(case_dir), hung=hung if note else [], note=note)
         row["wall_s"] = round(time.monotonic() - t0, 1)
-        rows.append(row)
+        row["concurrency"] = concurrency
         print(json.dumps(row), flush=True)
-    return rows
+        return row
+
+    with ThreadPoolExecutor(max(1, concurrency)) as pool:
+        return list(pool.map(one, range(len(specs)), specs))
 
 
 def _torchrun_one(args) -> int:
@@ -504,7 +509,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--transports", default=None, help="nccl,copy_engine (GPU default both)")
-    ap.add_argument("--concurrency", type=int, default=4, help="gloo cases run at once")
+    ap.add_argument("--concurrency", type=int, default=4, help="cases run at once")
     ap.add_argument(
         "--launcher",
         choices=("fork", "torchrun"),
@@ -540,7 +545,7 @@ def main(argv=None) -> int:
             raise SystemExit("--launcher fork runs gloo only; NCCL cases need --launcher torchrun")
         rows = run_isolated(specs, workdir, concurrency=args.concurrency)
     else:
-        rows = run_torchrun(specs, workdir)
+        rows = run_torchrun(specs, workdir, concurrency=args.concurrency)
     writer = JsonlWriter(args.out)
     for row in rows:
         writer.write(row)
