@@ -22,11 +22,12 @@ T32k layer alone (rows ``bench: experts_breakdown``), right after the first shap
 ``--first-call`` (issue #15, cold start) adds to each ``relaymoe`` act row ``first_call_s``: the
 wall time of the first fwd+bwd (routing index included, synchronized) in a fresh process whose
 Triton cache is an empty folder, with the default ``RELAYMOE_AUTOTUNE=shipped``, and
-``first_call_autotune_s``, the same with ``RELAYMOE_AUTOTUNE=1`` (the full search); and
-``shipped_configs``: whether ``relaymoe/kernels/tuned_configs.json`` has entries for this GPU.
+``shipped_configs``: whether ``relaymoe/kernels/tuned_configs.json`` has entries for this GPU;
+``--first-call both`` adds ``first_call_autotune_s``, the same with ``RELAYMOE_AUTOTUNE=1`` (the
+full search: minutes on a cold cache).
 
     PYTHONPATH=. python3 benchmarks/bench_experts.py [--quick] [--out PATH.jsonl] [--breakdown]
-        [--first-call]
+        [--first-call [shipped|both]]
 """
 
 from __future__ import annotations
@@ -303,8 +304,12 @@ def main(argv=None) -> int:
     ap.add_argument("--breakdown", action="store_true", help="time each kernel at qwen3 T32k")
     ap.add_argument(
         "--first-call",
-        action="store_true",
-        help="cold-start rows: first fwd+bwd in a fresh process, empty Triton cache",
+        nargs="?",
+        const="shipped",
+        default=None,
+        choices=("shipped", "both"),
+        help="cold-start fields: first fwd+bwd in a fresh process, empty Triton cache "
+        "(both: also with the full autotuner search)",
     )
     ap.add_argument("--first-call-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -369,7 +374,8 @@ def main(argv=None) -> int:
                 from relaymoe.kernels.tuned import load_table
 
                 row["first_call_s"] = first_call_seconds(shape, "shipped")
-                row["first_call_autotune_s"] = first_call_seconds(shape, "1")
+                if args.first_call == "both":
+                    row["first_call_autotune_s"] = first_call_seconds(shape, "1")
                 row["shipped_configs"] = torch.cuda.get_device_name() in load_table()["gpus"]
             shape_rows.append(writer.write(row))
             print(f"[bench_experts] {key} {shape} {r}", flush=True)

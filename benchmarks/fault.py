@@ -429,11 +429,12 @@ def run_isolated(specs: list[Spec], outdir: str, *, concurrency: int = 4,
 def run_torchrun(specs: list[Spec], outdir: str, *, concurrency: int = 1) -> list[dict]:
     """NCCL: one ``torchrun`` job per case (this machine's GPUs), each under a wall-clock cap;
     ``concurrency`` jobs at once (``--standalone`` gives each its own rendezvous port)."""
+    import subprocess
     from concurrent.futures import ThreadPoolExecutor
 
-    def one(i: int, spec: Spec) -> dict:
-        import subprocess
+    from benchmarks.e2e import _stop_group
 
+    def one(i: int, spec: Spec) -> dict:
         case_dir = Path(outdir, f"{i:03d}-{spec.label()}")
         case_dir.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -444,14 +445,17 @@ def run_torchrun(specs: list[Spec], outdir: str, *, concurrency: int = 1) -> lis
         cap = spec.timeout_s + SLACK_S + 60.0
         note = ""
         t0 = time.monotonic()
-        try:
-            proc = subprocess.run(cmd, timeout=cap, capture_output=True, text=True)
-            Path(case_dir, "torchrun.log").write_text(proc.stdout + proc.stderr)
-            if proc.returncode:
-                note = f"torchrun exit code {proc.returncode} (see {case_dir}/torchrun.log)"
-        except subprocess.TimeoutExpired as exc:
-            Path(case_dir, "torchrun.log").write_text(str(exc.stdout) + str(exc.stderr))
-            note = f"still running at the {cap:.0f} s cap (killed)"
+        # its own session: a survivor still hung at the cap is killed with its torchrun, never
+        # left spinning on the GPU under the next case
+        with open(Path(case_dir, "torchrun.log"), "w") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)  # fmt: skip
+            try:
+                if proc.wait(timeout=cap):
+                    note = f"torchrun exit code {proc.returncode} (see {case_dir}/torchrun.log)"
+            except subprocess.TimeoutExpired:
+                _stop_group(proc)
+                note = f"still running at the {cap:.0f} s cap (killed)"
         hung = [r for r in spec.group_ranks if not Path(case_dir, f"rank{r}.json").exists()]
         row = row_of(spec, str(case_dir), hung=hung if note else [], note=note)
         row["wall_s"] = round(time.monotonic() - t0, 1)
@@ -465,11 +469,17 @@ def run_torchrun(specs: list[Spec], outdir: str, *, concurrency: int = 1) -> lis
 
 def _torchrun_one(args) -> int:
     """One case under torchrun: NCCL with one GPU per rank, or gloo on CPU."""
+    import faulthandler
+
     import torch
     import torch.distributed as dist
 
     local = int(os.environ.get("LOCAL_RANK", 0))
     timeout = timedelta(seconds=args.timeout)
+    Path(args.outdir).mkdir(parents=True, exist_ok=True)
+    # a rank still running past the launcher's patience leaves its stacks here
+    trace = open(Path(args.outdir, f"rank{local}.stack.txt"), "w")  # noqa: SIM115 (until exit)
+    faulthandler.dump_traceback_later(args.timeout + SLACK_S + 30.0, exit=False, file=trace)
     if args.backend == "nccl":
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)

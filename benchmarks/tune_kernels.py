@@ -1,8 +1,8 @@
 """Regenerate the shipped kernel configurations (relaymoe/kernels/tuned_configs.json) here.
 
     python benchmarks/tune_kernels.py [--configs qwen3_30b_a3b,qwen2_57b_a14b,qwen3_5_35b_a3b]
-        [--ep 1,2,4,8,16] [--tokens 8192] [--dtype bfloat16] [--dry-run]
-        [--out relaymoe/kernels/tuned_configs.json]
+        [--ep 1,2,4,8,16] [--extra H2048,I2048,E64,K8] [--tokens 8192] [--dtype bfloat16]
+        [--budget-s S] [--dry-run] [--out relaymoe/kernels/tuned_configs.json]
 
 For every model config and expert-parallel size (``E_local = num_experts / ep``) it runs, with the
 autotuner forced on (``RELAYMOE_AUTOTUNE=1``), what the runtime launches: ``moe_experts`` fwd+bwd
@@ -11,8 +11,10 @@ under each recompute policy and a world-of-one ``ring_moe`` fwd+bwd in expert an
 autotuner's cache (its key values and the winning configuration), turns each key into its bucket
 (``relaymoe.kernels.tuned.bucket``) and merges the winners into the table under this GPU's name
 (``torch.cuda.get_device_name``), with the commit, versions and date as provenance. Other GPUs'
-entries stay. The pair count is not part of any autotune key, so ``--tokens`` only has to be
-large enough for a representative timing.
+entries stay. ``--extra`` adds shapes outside the model configs (``H..,I..,E..,K..``, E the
+experts per rank). The table is rewritten after every shape, so a run cut short keeps what it
+tuned; ``--budget-s`` starts no new shape past that many seconds. The pair count is not part
+of any autotune key, so ``--tokens`` only has to be large enough for a representative timing.
 
 Prints one line per (kernel, bucket) and the seconds the search took; ``--dry-run`` lists the
 shapes without a GPU. Commit the table from a clean tree with the command in the note.
@@ -49,6 +51,18 @@ def shapes(configs, eps) -> list[dict]:
                 continue
             out.append(dict(config=name, ep=ep, H=m.hidden_size, I=m.moe_ffn_hidden_size,
                             El=m.num_experts // ep, K=m.moe_router_topk))  # fmt: skip
+    return out
+
+
+def parse_extra(text: str) -> list[dict]:
+    """``H2048,I2048,E64,K8;H..`` -> shapes (``config`` "extra", ``ep`` 1, ``El`` = E)."""
+    out = []
+    for item in (t for t in text.split(";") if t.strip()):
+        try:
+            d = {part[0]: int(part[1:]) for part in item.strip().split(",")}
+            out.append(dict(config="extra", ep=1, H=d["H"], I=d["I"], El=d["E"], K=d["K"]))
+        except (KeyError, ValueError, IndexError):
+            raise SystemExit(f"--extra {item!r}: expected H<int>,I<int>,E<int>,K<int>") from None
     return out
 
 
@@ -115,10 +129,13 @@ def main(argv=None) -> int:
     ap.add_argument("--ep", default=",".join(map(str, DEFAULT_EP)))
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--extra", default="", help="more shapes: H2048,I2048,E64,K8;...")
+    ap.add_argument("--budget-s", type=float, default=None, help="start no shape after this")
     ap.add_argument("--out", default=None, help="default: the package's tuned_configs.json")
     ap.add_argument("--dry-run", action="store_true")
     a = ap.parse_args(argv)
     todo = shapes([c for c in a.configs.split(",") if c], [int(e) for e in a.ep.split(",") if e])
+    todo += parse_extra(a.extra)
     for s in todo:
         print(f"shape {s}")
     if a.dry_run:
@@ -133,22 +150,25 @@ def main(argv=None) -> int:
         return 3
     os.environ["RELAYMOE_AUTOTUNE"] = "1"
     out = Path(a.out) if a.out else tuned.TABLE
-    t0 = time.perf_counter()
-    for s in todo:
-        t1 = time.perf_counter()
-        run_shape(s, a.tokens, getattr(torch, a.dtype))
-        print(f"tuned {s['config']} ep={s['ep']} (El={s['El']}): {time.perf_counter() - t1:.1f} s",
-              flush=True)  # fmt: skip
-    found = winners()
     gpu = torch.cuda.get_device_name()
     provenance = {
         "commit": commit(), "torch": torch.__version__, "triton": triton.__version__,
         "date": _dt.date.today().isoformat(), "tokens": a.tokens, "dtype": a.dtype,
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
     }  # fmt: skip
-    table = tuned.load_table(str(out)) if out.exists() else {"version": tuned.VERSION}
-    new = merge(table, gpu, found, provenance)
-    out.write_text(json.dumps(new, indent=1) + "\n")
+    base = tuned.load_table(str(out)) if out.exists() else {"version": tuned.VERSION}
+    t0 = time.perf_counter()
+    found: dict = {}
+    for n, s in enumerate(todo):
+        if a.budget_s is not None and time.perf_counter() - t0 > a.budget_s:
+            print(f"budget of {a.budget_s:.0f} s spent: {len(todo) - n} shapes not tuned")
+            break
+        t1 = time.perf_counter()
+        run_shape(s, a.tokens, getattr(torch, a.dtype))
+        found = winners()
+        out.write_text(json.dumps(merge(base, gpu, found, provenance), indent=1) + "\n")
+        print(f"tuned {s['config']} ep={s['ep']} (El={s['El']}): {time.perf_counter() - t1:.1f} s",
+              flush=True)  # fmt: skip
     for kernel, buckets in sorted(found.items()):
         for b, cfg in sorted(buckets.items()):
             print(f"{gpu} {kernel} {b}: {cfg}")

@@ -115,6 +115,11 @@ def test_tune_harness_shapes_winners_and_merge(monkeypatch, tmp_path):
     got = tk.shapes(["qwen3_30b_a3b"], [1, 2, 3, 16])
     assert [(s["ep"], s["El"]) for s in got] == [(1, 128), (2, 64), (16, 8)]  # 3 does not divide
     assert {(s["H"], s["I"], s["K"]) for s in got} == {(2048, 768, 8)}
+    assert tk.parse_extra("H2048,I2048,E64,K8; H256,I128,E4,K2") == [
+        dict(config="extra", ep=1, H=2048, I=2048, El=64, K=8),
+        dict(config="extra", ep=1, H=256, I=128, El=4, K=2)]  # fmt: skip
+    with pytest.raises(SystemExit, match="H<int>,I<int>,E<int>,K<int>"):
+        tk.parse_extra("H2048,I2048,E64")
     # the autotuners' caches: key values, then the tensor dtypes Triton appends
     cfg = triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4, num_stages=4)
     for tuner in (grouped._up_tuned, grouped._wgrad_tuned):

@@ -28,6 +28,11 @@ pytestmark = [
 ]
 
 BF16_BOUND = 1e-2
+# dprobs[t, k] is one dot product <dy_t, y_tk> over H of bf16-rounded terms that largely cancel:
+# its relative error is ~eps_bf16 * |dy||y| / |<dy, y>|, several times eps. With a poisoned
+# expert only a handful of finite entries remain, so the norm-wise error does not average down
+# (measured 1.1e-2 on H200, identical in every mode and transport: rounding, not a defect).
+DPROBS_BF16_BOUND = 3e-2
 H, I, EL, K = 1024, 512, 4, 4
 
 
@@ -184,7 +189,8 @@ def nonfinite(rank, world, group):
         out.backward(pb["dy"][rows].bfloat16())
         got = {"out": out, "dx": x.grad, "dprobs": probs.grad, "dw13": w13.grad, "dw2": w2.grad}
         for k, v in got.items():
-            err = nf._compare(k, v, ref[k][experts if k in ("dw13", "dw2") else rows], BF16_BOUND)
+            bound = DPROBS_BF16_BOUND if k == "dprobs" else BF16_BOUND
+            err = nf._compare(k, v, ref[k][experts if k in ("dw13", "dw2") else rows], bound)
             if err:
                 failures.append(f"{what}: {err}")
 
