@@ -48,7 +48,10 @@ if str(ROOT) not in sys.path:
 CASES = ("before", "before_cached", "mid_fwd", "mid_bwd", "stall")
 MODES = ("expert", "token", "alltoall")
 SLACK_S = 15.0  # the target: detected within the timeout + 15 s
-_BEFORE_WAIT_S = 0.5  # survivors call this long after the victim's exit
+_BEFORE_WAIT_S = 0.5
+# a torchrun case's start, NCCL set-up and two healthy steps (kernels compiled, one configuration
+# each: the cases run with RELAYMOE_AUTOTUNE=0, they check errors, not speed)
+CASE_OVERHEAD_S = 90.0  # survivors call this long after the victim's exit
 
 
 @dataclass(frozen=True)
@@ -442,7 +445,7 @@ def run_torchrun(specs: list[Spec], outdir: str, *, concurrency: int = 1) -> lis
                "--backend", spec.backend, "--case", spec.case, "--mode", spec.mode,
                "--transport", spec.transport, "--timeout", str(spec.timeout_s),
                "--outdir", str(case_dir)]  # fmt: skip
-        cap = spec.timeout_s + SLACK_S + 60.0
+        cap = spec.timeout_s + SLACK_S + CASE_OVERHEAD_S
         note = ""
         t0 = time.monotonic()
         # its own session: a survivor still hung at the cap is killed with its torchrun, never
@@ -474,12 +477,16 @@ def _torchrun_one(args) -> int:
     import torch
     import torch.distributed as dist
 
+    # no autotuner search: on a cold Triton cache it alone outlasted the case's cap (H200)
+    os.environ.setdefault("RELAYMOE_AUTOTUNE", "0")
     local = int(os.environ.get("LOCAL_RANK", 0))
     timeout = timedelta(seconds=args.timeout)
     Path(args.outdir).mkdir(parents=True, exist_ok=True)
     # a rank still running past the launcher's patience leaves its stacks here
     trace = open(Path(args.outdir, f"rank{local}.stack.txt"), "w")  # noqa: SIM115 (until exit)
-    faulthandler.dump_traceback_later(args.timeout + SLACK_S + 30.0, exit=False, file=trace)
+    faulthandler.dump_traceback_later(
+        args.timeout + SLACK_S + CASE_OVERHEAD_S - 10.0, exit=False, file=trace
+    )
     if args.backend == "nccl":
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)

@@ -148,7 +148,8 @@ STEPS: tuple[Step, ...] = (
          args=("--rep-ms", "50", "--out", "{out}/routing.jsonl"), quick=("--quick",),
          outputs=("routing.jsonl",)),
     Step("experts", "benchmarks/bench_experts.py", "gpu1", 3, 200, 420,
-         args=("--out", "{out}/experts.jsonl"), quick=("--quick",), outputs=("experts.jsonl",)),
+         args=("--out", "{out}/experts.jsonl", "--first-call"), quick=("--quick",),
+         outputs=("experts.jsonl",)),
     # calibrated on the CURRENT runs' rows and this run's, which replace the same measurements
     Step("scaling_sim", "benchmarks/scaling_sim.py", "cpu", 4, 20, 60, min_gpus=0,
          args=("--out", "{out}/scaling_sim.jsonl", "--rows", "{out}/*.jsonl"),
