@@ -94,8 +94,16 @@ def run_name(date: str, gpu: str, gpus: int, commit: str) -> str:
 
 def git_state(root: Path = ROOT) -> tuple[str, bool | str]:
     """(12-digit HEAD commit, whether tracked files are unmodified) or ``unknown`` for either
-    (a copy without ``.git``: the suite then takes the caller's ``RELAYMOE_COMMIT``)."""
+    (a copy without ``.git``: the suite then takes the caller's ``RELAYMOE_COMMIT``). A copy
+    inside another checkout (a ``git archive`` unpacked under the repository) is not that
+    checkout: git would answer for the enclosing tree, so ``root`` must be the top level."""
     try:
+        top = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--show-toplevel"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()  # fmt: skip
+        if Path(top).resolve() != Path(root).resolve():
+            return UNKNOWN, UNKNOWN
         head = subprocess.run(
             ["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"],
             capture_output=True, text=True, check=True,

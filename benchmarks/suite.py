@@ -99,7 +99,12 @@ _NO_TUNE = (("RELAYMOE_AUTOTUNE", "0"),)  # values and bytes, not time: one conf
 _E2E_SLOW = (  # --quick leaves these to the e2e step (the same run, measured) and to --full
     "tests/gpu/test_e2e_gpu.py::test_tiny_qwen3_ring_vs_alltoall_200_steps",
     "tests/gpu/test_e2e_gpu.py::test_checkpoint_alltoall_resumes_with_ring",
+    "tests/gpu/test_e2e_gpu.py::test_fused_loss_50_steps_matches_megatron",
 )
+# Liger autotunes 32 configurations per GEMM kernel and 16 per weight-gradient kernel: on a cold
+# Triton cache its first call alone outlasted the quick experts step (H200, 2026-11-30). Quick
+# keeps relaymoe (shipped configurations) against naive; --full adds Liger and the ablations.
+_QUICK_EXPERTS = ("--providers", "relaymoe_act", "naive", "relaymoe_fc1")
 
 # Phases: 1 the untimed steps (correctness, memory) side by side, where sharing a GPU is
 # harmless: the tests gate a green run, so they come first; 2 the timed 2-GPU steps alone on the
@@ -148,7 +153,7 @@ STEPS: tuple[Step, ...] = (
          args=("--rep-ms", "50", "--out", "{out}/routing.jsonl"), quick=("--quick",),
          outputs=("routing.jsonl",)),
     Step("experts", "benchmarks/bench_experts.py", "gpu1", 3, 200, 420,
-         args=("--out", "{out}/experts.jsonl", "--first-call"), quick=("--quick",),
+         args=("--out", "{out}/experts.jsonl", "--first-call"), quick=("--quick", *_QUICK_EXPERTS),
          outputs=("experts.jsonl",)),
     # calibrated on the CURRENT runs' rows and this run's, which replace the same measurements
     Step("scaling_sim", "benchmarks/scaling_sim.py", "cpu", 4, 20, 60, min_gpus=0,

@@ -302,6 +302,9 @@ def test_run_names_and_manifests(tmp_path):
     )
     (tmp_path / "f").write_text("2")
     assert rs.git_state(tmp_path)[1] is False
+    # a copy unpacked inside the checkout (the device's git archive) is not that checkout
+    (tmp_path / "copy").mkdir()
+    assert rs.git_state(tmp_path / "copy") == (rs.UNKNOWN, rs.UNKNOWN)
 
 
 def test_repository_results_match_the_current_runs():
