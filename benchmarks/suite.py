@@ -78,6 +78,7 @@ class Step:
     must be present (0: a CPU step). ``{out}`` in an argument is the run folder. ``quick`` /
     ``full``: arguments added in that mode; ``quick_env``: environment added in ``--quick``.
     ``outputs``: the files (globs) the step leaves in the run folder, besides its log.
+    ``full_only``: left out of ``--quick`` (a step that alone fills a 10-minute call).
     """
 
     name: str
@@ -93,6 +94,7 @@ class Step:
     full: tuple[str, ...] = ()
     quick_env: tuple[tuple[str, str], ...] = ()
     outputs: tuple[str, ...] = ()
+    full_only: bool = False
 
 
 _NO_TUNE = (("RELAYMOE_AUTOTUNE", "0"),)  # values and bytes, not time: one config per kernel
@@ -149,6 +151,17 @@ STEPS: tuple[Step, ...] = (
     Step("ablation", "benchmarks/ablation.py", ALL, 2, 45, 300, min_gpus=2, ranks=2,
          args=("--out", "{out}/ablation.jsonl"), quick=("--quick",),
          outputs=("ablation.jsonl",)),
+    # issue #17 on 2 GPUs, --full only (each fills most of a call: run them with --only):
+    # a dead or stalled peer under NCCL, both transports and modes; the routing-drift soak;
+    # Megatron's 1F1B and interleaved schedules at PP=2 against alltoall
+    Step("fault_nccl", "benchmarks/fault.py", ALL, 2, 0, 540, min_gpus=2, full_only=True,
+         args=("--backend", "nccl", "--world", "2", "--timeout", "10", "--concurrency", "3",
+               "--out", "{out}/fault.jsonl"), outputs=("fault.jsonl",)),
+    Step("soak", "benchmarks/soak.py", ALL, 2, 0, 580, min_gpus=2, full_only=True,
+         args=("--run-timeout-s", "240", "--out", "{out}/soak.jsonl"), outputs=("soak.jsonl",)),
+    Step("e2e_pp", "benchmarks/bench_e2e.py", ALL, 2, 0, 540, min_gpus=2, full_only=True,
+         args=("--shapes", "tiny_qwen3_pp2,tiny_qwen3_pp2_vpp2", "--noise-run", "--out",
+               "{out}/e2e_pp.jsonl"), outputs=("e2e_pp.jsonl",)),
     Step("routing", "benchmarks/bench_routing.py", "gpu0", 3, 25, 240,
          args=("--rep-ms", "50", "--out", "{out}/routing.jsonl"), quick=("--quick",),
          outputs=("routing.jsonl",)),
@@ -200,7 +213,7 @@ def plan(
                 f"{what} names unknown step(s) {unknown}; known: {', '.join(sorted(names))}"
             )
     out_s = str(out)
-    chosen = [s for s in steps if not only or s.name in only]
+    chosen = [s for s in steps if (not only or s.name in only) and not (quick and s.full_only)]
     result = []
     for s in sorted(chosen, key=lambda s: s.phase):  # stable: table order within a phase
         mode_args = s.quick if quick else s.full

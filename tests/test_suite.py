@@ -31,7 +31,7 @@ def test_table_is_consistent():
         assert s.phase in suite.PHASES, s.name
         assert s.lane in ("all", "gpu0", "gpu1", "cpu"), s.name
         assert s.script.startswith("-m ") or (ROOT / s.script).is_file(), s.script
-        assert 0 < s.quick_s <= s.full_s, s.name
+        assert (s.full_only or 0 < s.quick_s) and s.quick_s <= s.full_s, s.name
         assert (s.lane == "cpu") == (s.min_gpus == 0), s.name
     # every step of the old bash suite is still there
     old = {"ring", "ring_wide", "e2e", "ablation", "routing", "experts", "memory_model",
@@ -57,6 +57,9 @@ def test_plan_on_two_gpus_quick(tmp_path):
         assert "RELAYMOE_AUTOTUNE" not in planned[n].env, n
     phases = [p.step.phase for p in planned.values()]
     assert phases == sorted(phases)
+    # the issue-#17 GPU steps fill a call each: --full only
+    full_only = {s.name for s in suite.STEPS if s.full_only}
+    assert full_only == {"fault_nccl", "soak", "e2e_pp"} and not full_only & set(planned)
     text = suite.describe(list(planned.values()), deadline_s=540)
     assert "deadline 540 s" in text and "SKIP (needs 3 GPUs, found 2)" in text
 
@@ -72,6 +75,12 @@ def test_plan_on_one_gpu_and_full(tmp_path):
     assert timeline.skip is None and "torch.distributed.run" not in timeline.command
     assert planned["ring"].limit_s == 540 and "--seq" in planned["ring"].command
     assert "RELAYMOE_AUTOTUNE" not in planned["gpu_tests_kernels"].env  # --full tunes
+    assert planned["fault_nccl"].skip == "needs 2 GPUs, found 1"
+    two = {p.step.name: p for p in suite.plan(suite.STEPS, gpus=2, quick=False, out=tmp_path,
+                                              only=["fault_nccl", "soak", "e2e_pp"])}  # fmt: skip
+    assert list(two) == ["fault_nccl", "soak", "e2e_pp"]
+    assert "nccl" in two["fault_nccl"].command
+    assert "torch.distributed.run" not in two["soak"].command  # it launches its own jobs
 
 
 def test_plan_refuses_unknown_names(tmp_path):
