@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from relaymoe.experts import expert_hop_backward, expert_hop_forward, moe_experts
-from relaymoe.kernels import grouped
+from relaymoe.kernels import grouped, pairs
 from relaymoe.reference import moe_experts_reference
 from relaymoe.routing import build_routing_index
 from tests.helpers import random_problem, rel_err
@@ -172,6 +172,36 @@ def test_combine_gather_reduce_range_and_determinism():
     again = base.clone()
     grouped.combine(y, s["index"].token_index_map, s["offs"], again, k, accumulate=True)
     assert torch.equal(acc, again)
+
+
+@pytest.mark.parametrize("case", [(23, 5, 3, "skewed", 1, 4), (17, 4, 4, "uniform", 0, 4),
+                                  (9, 6, 2, "empty", 4, 6)])  # fmt: skip
+def test_pair_probs_and_dprobs_move_between_token_and_pair_order(case):
+    """pair_probs puts each in-range (t, k) probability at its pair row (rows past the count of a
+    bound-sized buffer untouched); add_pair_dprobs adds each pair row back into its (t, k) entry
+    and leaves every other entry bit-for-bit, contiguous or strided."""
+    t, e, k, kind, e0, e1 = case
+    s = _setup(t, 4, 4, e, k, kind, e0, e1, seed=5)
+    tim, offs, n, pair = s["index"].token_index_map, s["offs"], s["n"], s["pair"]
+    for dtype in (torch.float32, torch.float16):
+        probs = s["probs"].to(dtype)
+        got = pairs.pair_probs(probs, tim, offs, n)
+        assert got.dtype == torch.float32 and torch.equal(got, probs.reshape(-1)[pair].float())
+        spare = pairs.pair_probs(probs, tim, offs, n + 3)  # a buffer sized from a bound
+        assert torch.equal(spare[:n], got)
+    dprob = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    inside = torch.zeros(t * k, dtype=torch.bool)
+    inside[pair] = True
+    for layout in ("contiguous", "strided"):
+        base = torch.randn(k, t).t() if layout == "strided" else torch.randn(t, k)
+        out = base.clone()
+        pairs.add_pair_dprobs(dprob, tim, offs, out)
+        want = base.reshape(-1).clone()
+        want[pair] += dprob
+        assert torch.equal(out.reshape(-1)[~inside], base.reshape(-1)[~inside]), layout
+        assert rel_err(out.reshape(-1), want) < F32, layout
+    with pytest.raises(ValueError, match="expected a contiguous T\\*K"):
+        pairs.pair_probs(s["probs"][:-1], tim, offs, n)
 
 
 CASES = [

@@ -32,7 +32,7 @@ import os
 import torch
 from torch import Tensor
 
-from relaymoe.kernels import check_int32, grouped
+from relaymoe.kernels import check_int32, grouped, pairs
 
 __all__ = ["triton_hop_forward", "triton_hop_backward"]
 
@@ -61,21 +61,6 @@ def _check_sizes(num_tokens: int, n_pairs: int, where: str) -> None:
                 fix="split the micro-batch so one call holds fewer tokens")  # fmt: skip
     check_int32("the pairs of the expert range", n_pairs, where=where,
                 fix="use fewer tokens per call, or fewer experts per rank")  # fmt: skip
-
-
-def _pair_positions(index, offs: Tensor, n_rows: int, exact: bool) -> tuple[Tensor, Tensor]:
-    """Local position ``q - offs[0]`` of every (t, k) pair and whether it is inside the range
-    (against the count on the device when the buffers were sized from a bound)."""
-    q = index.token_index_map.to(torch.int64) - offs[0]
-    count = n_rows if exact else offs[-1] - offs[0]
-    return q, (q >= 0) & (q < count)
-
-
-def _probs_in_pair_order(probs_TK: Tensor, q: Tensor, live: Tensor, n_pairs: int) -> Tensor:
-    prob_P = torch.empty(n_pairs + 1, dtype=torch.float32, device=probs_TK.device)
-    # pairs outside the range all land in the spare last slot, which is dropped
-    prob_P.scatter_(0, torch.where(live, q, n_pairs), probs_TK.reshape(-1).to(torch.float32))
-    return prob_P[:n_pairs]
 
 
 def _col_chunks(n_pairs: int, ncols: int, elt: int) -> list[tuple[int, int]]:
@@ -274,8 +259,7 @@ def triton_hop_forward(
             out_TH.zero_()
         return out_TH, h_P2I
     x_TH = x_TH.contiguous()
-    q, live = _pair_positions(index, offs, n_pairs, exact)
-    prob_P = _probs_in_pair_order(probs_TK, q, live, n_pairs)
+    prob_P = pairs.pair_probs(probs_TK, index.token_index_map, offs, n_pairs)
     idx_P = index.expert_token_indices
     a_PI = x_TH.new_empty(n_pairs, ffn)
     grouped.up_swiglu(x_TH, w13, idx_P, offs, prob_P, h_P2I, a_PI)
@@ -328,8 +312,7 @@ def triton_hop_backward(
             if not acc:
                 buf.zero_()
         return dx_TH, dprobs_TK, dw13, dw2
-    q, live = _pair_positions(index, offs, n_pairs, exact)
-    prob_P = _probs_in_pair_order(probs_TK, q, live, n_pairs)
+    prob_P = pairs.pair_probs(probs_TK, index.token_index_map, offs, n_pairs)
     a_PI = x_TH.new_empty(n_pairs, ffn)
     if saved_h is not None and not exact:
         raise ValueError("saved_h needs the exact pair count (n_pairs), not max_pairs")
@@ -349,8 +332,7 @@ def triton_hop_backward(
     grouped.rows_gemm(dy_TH, w2, offs, a_PI, a_idx=idx_P)
     dprob_P = torch.empty(n_pairs, dtype=torch.float32, device=x_TH.device)
     grouped.swiglu_backward(h_P2I, a_PI, prob_P, dh_P2I, dprob_P)
-    vals = torch.where(live, dprob_P[q.clamp(0, n_pairs - 1)], 0.0)
-    dprobs_TK.add_(vals.view_as(dprobs_TK).to(dprobs_TK.dtype))
+    pairs.add_pair_dprobs(dprob_P, index.token_index_map, offs, dprobs_TK)
     # dw2[e] (H, I) = sum_q dy[tok]^T (p*a)[q]
     _wgrad(dy_TH, a_PI, idx_P, offs, dw2, n_pairs, a_gather=True, b_gather=False,
            accumulate=acc_w2, exact=exact)  # fmt: skip
