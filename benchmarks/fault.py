@@ -45,6 +45,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from relaymoe.ring.faults import HOST_WAIT_ENV  # noqa: E402
+
 CASES = ("before", "before_cached", "mid_fwd", "mid_bwd", "stall")
 MODES = ("expert", "token", "alltoall")
 SLACK_S = 15.0  # the issue's target: detected within the timeout + 15 s
@@ -83,8 +85,11 @@ class Spec:
 
     def label(self) -> str:
         pg = f"-pg{self.pg_timeout_s:g}" if self.pg_timeout_s else ""
+        hw = dict(self.env).get(HOST_WAIT_ENV)
+        wait = f"-wait{hw}" if hw else ""
         return (
-            f"{self.case}-{self.mode}-{self.transport}-w{self.world}-ep{len(self.group_ranks)}{pg}"
+            f"{self.case}-{self.mode}-{self.transport}-w{self.world}-ep{len(self.group_ranks)}"
+            f"{pg}{wait}"
         )
 
 
@@ -320,7 +325,9 @@ def row_of(spec: Spec, outdir: str, *, hung: list[int] | None = None, note: str 
     extra = {}
     if spec.backend == "nccl":  # what NCCL's watchdog does at the timeout
         extra["nccl_error_handling"] = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "default")
-        extra["host_wait"] = os.environ.get("RELAYMOE_RING_HOST_WAIT", "off")
+        extra["host_wait"] = dict(spec.env).get(HOST_WAIT_ENV) or os.environ.get(
+            HOST_WAIT_ENV, "off"
+        )
     return {
         "bench": "fault",
         "case": spec.case,
@@ -453,6 +460,7 @@ def run_torchrun(specs: list[Spec], outdir: str, *, concurrency: int = 1) -> lis
         # left spinning on the GPU under the next case
         with open(Path(case_dir, "torchrun.log"), "w") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                    env=dict(os.environ, **dict(spec.env)),
                                     start_new_session=True)  # fmt: skip
             try:
                 if proc.wait(timeout=cap):
@@ -508,14 +516,19 @@ def _torchrun_one(args) -> int:
 
 
 def default_specs(worlds, timeout_s: float, *, transports=("nccl",), backend="gloo",
-                  cases=CASES, modes=MODES) -> list[Spec]:  # fmt: skip
+                  cases=CASES, modes=MODES, host_waits=(None,)) -> list[Spec]:  # fmt: skip
+    """Every (world, case, mode, transport[, host wait]) combination; the all-to-all mode runs on
+    NCCL P2P only. ``host_waits``: values of ``RELAYMOE_RING_HOST_WAIT`` (None: inherited)."""
     specs = []
     for world in worlds:
         for case in cases:
             for mode in modes:
                 for tr in transports if mode != "alltoall" else ("nccl",):
-                    specs.append(Spec(case=case, mode=mode, transport=tr, world=world,
-                                      timeout_s=timeout_s, backend=backend))  # fmt: skip
+                    for hw in host_waits:
+                        env = ((HOST_WAIT_ENV, hw),) if hw else ()
+                        specs.append(Spec(case=case, mode=mode, transport=tr, world=world,
+                                          timeout_s=timeout_s, backend=backend,
+                                          env=env))  # fmt: skip
     return specs
 
 
@@ -528,6 +541,12 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--transports", default=None, help="nccl,copy_engine (GPU default both)")
     ap.add_argument("--concurrency", type=int, default=4, help="cases run at once")
+    ap.add_argument(
+        "--host-wait",
+        default="",
+        help="RELAYMOE_RING_HOST_WAIT values, each a set of cases (e.g. off,pass; GPU only: "
+        "on CPU the ring always waits); default: the environment's",
+    )
     ap.add_argument(
         "--launcher",
         choices=("fork", "torchrun"),
@@ -554,7 +573,9 @@ def main(argv=None) -> int:
     transports = args.transports or ("nccl" if args.backend == "gloo" else "nccl,copy_engine")
     specs = default_specs(worlds, args.timeout, transports=tuple(transports.split(",")),
                           backend=args.backend, cases=tuple(args.cases.split(",")),
-                          modes=tuple(args.modes.split(",")))  # fmt: skip
+                          modes=tuple(args.modes.split(",")),
+                          host_waits=tuple(args.host_wait.split(",")) if args.host_wait
+                          else (None,))  # fmt: skip
     workdir = args.workdir or tempfile.mkdtemp(prefix="relaymoe_fault_")
     t0 = time.monotonic()
     launcher = args.launcher or ("fork" if args.backend == "gloo" else "torchrun")
@@ -567,8 +588,8 @@ def main(argv=None) -> int:
     writer = JsonlWriter(args.out)
     for row in rows:
         writer.write(row)
-    print_table(rows, ["case", "mode", "transport", "backend", "ep", "timeout_s", "detected_s",
-                       "ok", "why"])  # fmt: skip
+    print_table(rows, ["case", "mode", "transport", "backend", "host_wait", "ep", "timeout_s",
+                       "detected_s", "ok", "why"])  # fmt: skip
     bad = [r for r in rows if not r["ok"]]
     print(f"{len(rows) - len(bad)}/{len(rows)} ok in {time.monotonic() - t0:.0f} s; rows in "
           f"{args.out}; per-rank files in {workdir}")  # fmt: skip

@@ -155,9 +155,14 @@ STEPS: tuple[Step, ...] = (
     # issue #17 on 2 GPUs, --full only (each fills most of a call: run them with --only):
     # a dead or stalled peer under NCCL, both transports and modes; the routing-drift soak;
     # Megatron's 1F1B and interleaved schedules at PP=2 against alltoall
+    # (the ring's default on CUDA has no host wait: NCCL's watchdog bounds a hang; "pass" waits)
     Step("fault_nccl", "benchmarks/fault.py", ALL, 2, 0, 540, min_gpus=2, full_only=True,
          args=("--backend", "nccl", "--world", "2", "--timeout", "10", "--concurrency", "3",
-               "--out", "{out}/fault.jsonl"), outputs=("fault.jsonl",)),
+               "--host-wait", "off", "--out", "{out}/fault.jsonl"), outputs=("fault.jsonl",)),
+    Step("fault_nccl_pass", "benchmarks/fault.py", ALL, 2, 0, 540, min_gpus=2, full_only=True,
+         args=("--backend", "nccl", "--world", "2", "--timeout", "10", "--concurrency", "3",
+               "--host-wait", "pass", "--out", "{out}/fault_pass.jsonl"),
+         outputs=("fault_pass.jsonl",)),
     Step("soak", "benchmarks/soak.py", ALL, 2, 0, 580, min_gpus=2, full_only=True,
          args=("--run-timeout-s", "240", "--out", "{out}/soak.jsonl"), outputs=("soak.jsonl",)),
     Step("e2e_pp", "benchmarks/bench_e2e.py", ALL, 2, 0, 540, min_gpus=2, full_only=True,
