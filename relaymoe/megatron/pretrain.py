@@ -11,6 +11,9 @@ Megatron-LM's own script): SFT, FIM, packed sequences, multi-token prediction, M
 
 Extra output (rank 0, ``--relaymoe-report PATH``): one JSON line per logged iteration with the
 loss, tokens/s and that step's peak memory, for ``examples/`` and ``benchmarks/bench_e2e.py``.
+With ``--relaymoe-weights-digest`` every rank also writes ``PATH.weights.rank<R>.json`` after the
+last iteration: a SHA-256 of its model parameters (names, dtypes, shapes and bytes), so two runs
+can be compared for bitwise identical weights without saving checkpoints.
 """
 
 from __future__ import annotations
@@ -33,7 +36,29 @@ def _extra_args(parser):
         default=None,
         help="write one JSON line per training step (loss, tokens/s, peak memory) here",
     )
+    group.add_argument(
+        "--relaymoe-weights-digest",
+        action="store_true",
+        help="with --relaymoe-report PATH: after the last step every rank writes a SHA-256 of its "
+        "parameters to PATH.weights.rank<R>.json",
+    )
     return parser
+
+
+def weights_digest(modules) -> tuple[str, int]:
+    """(SHA-256 hex, parameter count) over ``modules``' named parameters in order: each name,
+    dtype, shape and the raw bytes. Equal digests mean bitwise identical weights."""
+    import hashlib
+
+    h = hashlib.sha256()
+    count = 0
+    for i, module in enumerate(modules):
+        for name, p in module.named_parameters():
+            t = p.detach().contiguous().cpu()
+            h.update(f"{i}.{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            count += 1
+    return h.hexdigest(), count
 
 
 def _dataset_config(args):
@@ -216,6 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_and_validate_args(
         extra_args_provider=_extra_args, args_defaults={"tokenizer_type": "NullTokenizer"}
     )
+    if args.relaymoe_weights_digest and not args.relaymoe_report:
+        raise SystemExit(
+            "--relaymoe-weights-digest writes beside the step report: add --relaymoe-report PATH"
+        )
     if args.relaymoe_report:
         _install_step_report(args)
     full = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
@@ -241,6 +270,8 @@ def _install_step_report(args) -> None:
         result = original(*a, **kw)
         torch.cuda.synchronize()
         dt = time.perf_counter() - t0
+        if args.relaymoe_weights_digest and _REPORT["step"] + 1 == args.train_iters:
+            _write_digest(path, a[2] if len(a) > 2 else kw["model"], _REPORT["step"] + 1)
         loss_dict = result[0] if isinstance(result, tuple) else {}
         loss = loss_dict.get("lm loss") if isinstance(loss_dict, dict) else None
         if isinstance(loss, torch.Tensor):
@@ -273,6 +304,13 @@ def _install_step_report(args) -> None:
         return result
 
     training.train_step = train_step
+
+
+def _write_digest(report: str, model, step: int) -> None:
+    rank = torch.distributed.get_rank()
+    digest, count = weights_digest(model if isinstance(model, (list, tuple)) else [model])
+    with open(f"{report}.weights.rank{rank}.json", "w") as f:
+        json.dump({"step": step, "rank": rank, "sha256": digest, "parameters": count}, f)
 
 
 if __name__ == "__main__":
