@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import ROOT, JsonlWriter  # noqa: E402
-from benchmarks.e2e import RunResult, pretrain_args, run_pretrain  # noqa: E402
+from benchmarks.e2e import RunResult, plans_or_no_gpus, pretrain_args, run_pretrain  # noqa: E402
 
 TRANSPORTS = ("copy_engine", "nccl")
 
@@ -77,15 +76,10 @@ def main(argv=None) -> int:
     plans = {t: pretrain_args(a.config, gpus=gpus, steps=a.steps, dispatcher="ring", seed=a.seed,
                               extra=["--relaymoe-transport", t, "--relaymoe-weights-digest"])
              for t in transports}  # fmt: skip
-    if a.dry_run:
-        for t, flags in plans.items():
-            print(f"# {t} (twice)\n" + " ".join(shlex.quote(f) for f in flags))
-        return 0
-    import torch
-
-    if torch.cuda.device_count() < gpus:
-        print(f"determinism: needs {gpus} CUDA GPUs; nothing measured")
-        return 3
+    early = plans_or_no_gpus({f"{t} (twice)": f for t, f in plans.items()}, dry_run=a.dry_run,
+                             gpus=gpus, who="determinism")  # fmt: skip
+    if early is not None:
+        return early
     writer = JsonlWriter(a.out)
     bad = 0
     for t, flags in plans.items():

@@ -333,6 +333,21 @@ def run_dispatcher(
     return run_pretrain(flags, gpus=gpus, timeout_s=timeout_s, workdir=workdir)
 
 
+def plans_or_no_gpus(plans: dict, *, dry_run: bool, gpus: int, who: str) -> int | None:
+    """A harness's early exit: with ``dry_run`` print each plan's flags (exit 0); without
+    ``gpus`` CUDA GPUs say so (exit 3); else None (go on and run the plans)."""
+    if dry_run:
+        for label, flags in plans.items():
+            print(f"# {label}\n" + " ".join(shlex.quote(f) for f in flags))
+        return 0
+    import torch
+
+    if torch.cuda.device_count() < gpus:
+        print(f"{who}: needs {gpus} CUDA GPUs; nothing measured")
+        return 3
+    return None
+
+
 def _stop_group(proc: subprocess.Popen, grace_s: float = 15) -> None:
     """Stop the job's own process group (torchrun and its workers): SIGTERM, then SIGKILL to
     whatever is left once the leader has exited or ``grace_s`` have passed; the leader is

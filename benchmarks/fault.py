@@ -541,12 +541,8 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--transports", default=None, help="nccl,copy_engine (GPU default both)")
     ap.add_argument("--concurrency", type=int, default=4, help="cases run at once")
-    ap.add_argument(
-        "--host-wait",
-        default="",
-        help="RELAYMOE_RING_HOST_WAIT values, each a set of cases (e.g. off,pass; GPU only: "
-        "on CPU the ring always waits); default: the environment's",
-    )
+    waits = f"{HOST_WAIT_ENV} values, each a set of cases (e.g. off,pass; on CPU the ring always "
+    ap.add_argument("--host-wait", default="", help=waits + "waits); default: the environment's")
     ap.add_argument(
         "--launcher",
         choices=("fork", "torchrun"),

@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import ROOT, JsonlWriter  # noqa: E402
-from benchmarks.e2e import loss_parity, pretrain_args, run_pretrain  # noqa: E402
+from benchmarks.e2e import loss_parity, plans_or_no_gpus, pretrain_args, run_pretrain  # noqa: E402
 
 GROWTH_LIMIT_PCT = 1.0
 RUNS = (("ring", "ring"), ("alltoall", "alltoall"), ("alltoall_repeat", "alltoall"))
@@ -109,15 +108,9 @@ def main(argv=None) -> int:
                 "warmup": a.warmup, "steps_requested": a.steps, "seed": a.seed}  # fmt: skip
     plans = {label: pretrain_args(a.config, gpus=gpus, steps=a.steps, dispatcher=d, seed=a.seed,
                                   regime="stable") for label, d in RUNS}  # fmt: skip
-    if a.dry_run:
-        for label, flags in plans.items():
-            print(f"# {label}\n" + " ".join(shlex.quote(f) for f in flags))
-        return 0
-    import torch
-
-    if torch.cuda.device_count() < gpus:
-        print(f"soak: needs {gpus} CUDA GPUs; nothing measured")
-        return 3
+    early = plans_or_no_gpus(plans, dry_run=a.dry_run, gpus=gpus, who="soak")
+    if early is not None:
+        return early
     results, logs = {}, {}
     for label, flags in plans.items():
         folder = Path(a.workdir) / label

@@ -23,16 +23,23 @@ _BLOCK = 1024
 
 
 @triton.jit
-def _pair_probs_kernel(probs_ptr, map_ptr, offs_ptr, out_ptr, TK, n_experts, BLOCK: tl.constexpr):
-    """out[map[i] - offs[0]] = probs[i] (fp32) for every pair i whose position is in the range."""
+def _block_pairs(map_ptr, offs_ptr, TK, n_experts, BLOCK: tl.constexpr):
+    """This program's (t, k) entries ``i``, their range rows ``q - offs[0]`` (0 where outside)
+    and whether each lies in the range."""
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = i < TK
     start = tl.load(offs_ptr).to(tl.int64)
     stop = tl.load(offs_ptr + n_experts).to(tl.int64)
-    q = tl.load(map_ptr + i, mask=ok, other=-1).to(tl.int64)
-    live = ok & (q >= start) & (q < stop)
+    q = tl.load(map_ptr + i, mask=i < TK, other=-1).to(tl.int64)
+    live = (i < TK) & (q >= start) & (q < stop)
+    return i, tl.where(live, q - start, 0), live
+
+
+@triton.jit
+def _pair_probs_kernel(probs_ptr, map_ptr, offs_ptr, out_ptr, TK, n_experts, BLOCK: tl.constexpr):
+    """out[map[i] - offs[0]] = probs[i] (fp32) for every pair i whose position is in the range."""
+    i, row, live = _block_pairs(map_ptr, offs_ptr, TK, n_experts, BLOCK)
     p = tl.load(probs_ptr + i, mask=live, other=0.0).to(tl.float32)
-    tl.store(out_ptr + tl.where(live, q - start, 0), p, mask=live)
+    tl.store(out_ptr + row, p, mask=live)
 
 
 @triton.jit
@@ -40,13 +47,8 @@ def _add_pair_dprobs_kernel(
     dprob_ptr, map_ptr, offs_ptr, out_ptr, TK, n_experts, BLOCK: tl.constexpr
 ):
     """out[i] += dprob[map[i] - offs[0]] for every pair i in the range (others untouched)."""
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = i < TK
-    start = tl.load(offs_ptr).to(tl.int64)
-    stop = tl.load(offs_ptr + n_experts).to(tl.int64)
-    q = tl.load(map_ptr + i, mask=ok, other=-1).to(tl.int64)
-    live = ok & (q >= start) & (q < stop)
-    d = tl.load(dprob_ptr + tl.where(live, q - start, 0), mask=live, other=0.0)
+    i, row, live = _block_pairs(map_ptr, offs_ptr, TK, n_experts, BLOCK)
+    d = tl.load(dprob_ptr + row, mask=live, other=0.0)
     cur = tl.load(out_ptr + i, mask=live, other=0.0)
     tl.store(out_ptr + i, (cur.to(tl.float32) + d).to(out_ptr.dtype.element_ty), mask=live)
 
