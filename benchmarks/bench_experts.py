@@ -235,17 +235,18 @@ def check_against_naive(inputs, fns: dict) -> dict:
 
 def breakdown(shape: str) -> list[dict]:
     """Each relaymoe kernel of one layer timed alone (same buffers the hop functions use)."""
-    from relaymoe.kernels import grouped
-    from relaymoe.kernels.experts import _pair_positions, _probs_in_pair_order, _wgrad_gmm
+    from relaymoe.kernels import grouped, pairs
+    from relaymoe.kernels.experts import _HopGroups, _wgrad_gmm
 
     num_tokens, num_experts, topk, hidden, ffn = SHAPES[shape]
     x, w13, w2, idx, probs = (t.detach() for t in make_inputs(*SHAPES[shape]))
     index = build_routing_index(idx, num_experts, validate=False)
     offs = index.offsets_for(0, num_experts)
     n_pairs = num_tokens * topk
-    q, live = _pair_positions(index, offs, n_pairs)
-    prob_P = _probs_in_pair_order(probs, q, live, n_pairs)
     idx_P, tim = index.expert_token_indices, index.token_index_map
+    prob_P = pairs.pair_probs(probs, tim, offs, n_pairs)
+    groups = _HopGroups(idx_P, offs, n_pairs, True)
+    dprobs = torch.zeros_like(probs)
     h = x.new_empty(n_pairs, 2 * ffn)
     dh = torch.empty_like(h)
     a = x.new_empty(n_pairs, ffn)
@@ -253,11 +254,14 @@ def breakdown(shape: str) -> list[dict]:
     out = torch.empty_like(x)
     dw13, dw2 = torch.empty_like(w13), torch.empty_like(w2)
     pf = 2.0 * n_pairs * hidden * ffn  # FLOPs of one (P, H) x (H, I) product
-    ends = (offs[1:] - offs[0]).to(torch.int32)
+    ends = groups.ends
+    _ = groups.tok  # built once per hop, outside the timed stages
     dprob = torch.empty(n_pairs, device="cuda")
     gmm = "torch._grouped_mm"
     stages = [
         ("route_build", lambda: build_routing_index(idx, num_experts, validate=False), 0),
+        ("pair_probs", lambda: pairs.pair_probs(probs, tim, offs, n_pairs), 0),
+        ("add_pair_dprobs", lambda: pairs.add_pair_dprobs(dprob, tim, offs, dprobs), 0),
         ("up_swiglu", lambda: grouped.up_swiglu(x, w13, idx_P, offs, prob_P, h, a), 2 * pf),
         ("down_rows", lambda: grouped.rows_gemm(a, w2.transpose(1, 2), offs, y), pf),
         ("down_" + gmm, lambda: torch._grouped_mm(a, w2.transpose(1, 2), offs=ends), pf),
@@ -268,10 +272,10 @@ def breakdown(shape: str) -> list[dict]:
                                             b_gather=False, accumulate=False), pf),
         ("wgrad_dw13", lambda: grouped.wgrad(dh, x, idx_P, offs, dw13, a_gather=False,
                                              b_gather=True, accumulate=False), 2 * pf),
-        ("wgrad_dw2_gmm", lambda: _wgrad_gmm(x, a, idx_P, offs, dw2, n_pairs, a_gather=True,
+        ("wgrad_dw2_gmm", lambda: _wgrad_gmm(x, a, dw2, groups, a_gather=True,
                                              accumulate=False), pf),
-        ("wgrad_dw13_gmm", lambda: _wgrad_gmm(dh, x, idx_P, offs, dw13, n_pairs,
-                                              a_gather=False, accumulate=False), 2 * pf),
+        ("wgrad_dw13_gmm", lambda: _wgrad_gmm(dh, x, dw13, groups, a_gather=False,
+                                              accumulate=False), 2 * pf),
         ("dgrad_rows", lambda: grouped.rows_gemm(dh, w13, offs, y), 2 * pf),
         ("dgrad_" + gmm, lambda: torch._grouped_mm(dh, w13, offs=ends), 2 * pf),
     ]  # fmt: skip

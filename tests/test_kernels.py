@@ -373,6 +373,33 @@ def test_ranges_sum_to_full_touch_nothing_else_and_are_deterministic():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("wgrad", ["triton", "gmm"])
+def test_ranges_with_bound_sized_buffers_match_exact_counts(wgrad, monkeypatch):
+    """The ring's form (``max_pairs``: buffers sized from a bound, the count read on the device)
+    gives the exact-count results, with either weight-gradient path; the bound past the index's
+    last pair (the gmm gathers clamp their rows there) included."""
+    monkeypatch.setenv("RELAYMOE_WGRAD", wgrad)
+    gen = torch.Generator().manual_seed(8)
+    x, w13, w2, idx, probs = (
+        v.float() if v.is_floating_point() else v
+        for v in random_problem(31, 16, 8, 6, 3, gen=gen, kind="skewed")
+    )
+    index = build_routing_index(idx, 6)
+    dy = torch.randn_like(x)
+    for e0, e1 in [(0, 2), (2, 5), (5, 6)]:
+        start, stop = index.pair_range(e0, e1)
+        got = []
+        for kw in ({"n_pairs": stop - start}, {"max_pairs": 31 * 3}):
+            w13r, w2r = w13[e0:e1], w2[e0:e1]
+            out, _ = expert_hop_forward(x, w13r, w2r, probs, index, expert_range=(e0, e1),
+                                        save="none", backend="triton", **kw)  # fmt: skip
+            grads = expert_hop_backward(dy, x, w13r, w2r, probs, index, expert_range=(e0, e1),
+                                        backend="triton", **kw)  # fmt: skip
+            got.append((out, *grads))
+        for name, a, b in zip(("out", "dx", "dprobs", "dw13", "dw2"), *got, strict=True):
+            assert rel_err(a, b) < F32, (e0, e1, name)
+
+
 def test_consumed_saved_h_and_errors():
     gen = torch.Generator().manual_seed(5)
     x, w13, w2, idx, probs = (

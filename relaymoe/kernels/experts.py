@@ -27,6 +27,7 @@ with ``RELAYMOE_WGRAD=triton``; ``gmm`` also uses torch's grouped GEMM on CPU (t
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -61,6 +62,27 @@ def _check_sizes(num_tokens: int, n_pairs: int, where: str) -> None:
                 fix="split the micro-batch so one call holds fewer tokens")  # fmt: skip
     check_int32("the pairs of the expert range", n_pairs, where=where,
                 fix="use fewer tokens per call, or fewer experts per rank")  # fmt: skip
+
+
+class _HopGroups:
+    """Device values that several GEMMs of one hop share, each built on its first use: the
+    group ends of ``torch._grouped_mm`` and the token of every pair row (the weight gradients'
+    gathers). Built once per hop instead of once per GEMM and column chunk: the hop is
+    host-bound at small T, each op costing the host tens of microseconds."""
+
+    def __init__(self, idx_P: Tensor, offs: Tensor, n_pairs: int, exact: bool):
+        self.idx_P, self.offs, self.n_pairs, self.exact = idx_P, offs, n_pairs, exact
+
+    @functools.cached_property
+    def ends(self) -> Tensor:
+        return (self.offs[1:] - self.offs[0]).to(torch.int32)
+
+    @functools.cached_property
+    def tok(self) -> Tensor:
+        rows = self.offs[0].to(torch.int64) + torch.arange(self.n_pairs, device=self.offs.device)
+        if not self.exact:  # buffers sized from a bound: rows past the index's end are never read
+            rows.clamp_(max=self.idx_P.shape[0] - 1)
+        return self.idx_P.index_select(0, rows).to(torch.int64)
 
 
 def _col_chunks(n_pairs: int, ncols: int, elt: int) -> list[tuple[int, int]]:
@@ -147,27 +169,20 @@ def _gmm_wgrad_ok(a: Tensor, b: Tensor, c_EMN: Tensor) -> bool:
     )
 
 
-def _wgrad_gmm(
-    a, b, idx_P, offs, c_EMN, n_pairs, *, a_gather: bool, accumulate: bool, exact: bool = True
-) -> None:
+def _wgrad_gmm(a, b, c_EMN, groups: _HopGroups, *, a_gather: bool, accumulate: bool) -> None:
     """``c[e] (+)= sum_q a[row]^T b[row]`` as one K-grouped ``torch._grouped_mm`` per column
     chunk of the gathered operand: the chunk (P, <= RELAYMOE_PAIR_BUFFER_MIB) is gathered through
     the pair indices, never the whole (P, H), and the (El, M, chunk) result is added into ``c``.
     Groups of zero pairs give exact zeros. No host sync (the range's rows are indexed on device).
     """
-    ends = (offs[1:] - offs[0]).to(torch.int32)
-    rows = offs[0].to(torch.int64) + torch.arange(n_pairs, device=a.device)
-    if not exact:  # buffers sized from a bound: rows past the index's end are never read
-        rows.clamp_(max=idx_P.shape[0] - 1)
-    tok = idx_P.index_select(0, rows).to(torch.int64)
     _, m, n = c_EMN.shape
     gathered = a if a_gather else b
-    for c0, c1 in _col_chunks(n_pairs, m if a_gather else n, a.element_size()):
-        g_PC = gathered[:, c0:c1].index_select(0, tok)  # (P, chunk): this chunk only
+    for c0, c1 in _col_chunks(groups.n_pairs, m if a_gather else n, a.element_size()):
+        g_PC = gathered[:, c0:c1].index_select(0, groups.tok)  # (P, chunk): this chunk only
         if a_gather:
-            res, dst = torch._grouped_mm(g_PC.t(), b, offs=ends), c_EMN[:, c0:c1, :]
+            res, dst = torch._grouped_mm(g_PC.t(), b, offs=groups.ends), c_EMN[:, c0:c1, :]
         else:
-            res, dst = torch._grouped_mm(a.t(), g_PC, offs=ends), c_EMN[:, :, c0:c1]
+            res, dst = torch._grouped_mm(a.t(), g_PC, offs=groups.ends), c_EMN[:, :, c0:c1]
         del g_PC
         if accumulate:
             dst.add_(res)
@@ -176,47 +191,42 @@ def _wgrad_gmm(
         del res
 
 
-def _wgrad(
-    a, b, idx_P, offs, c_EMN, n_pairs, *, a_gather, b_gather, accumulate, exact=True
-) -> None:
+def _wgrad(a, b, idx_P, offs, c_EMN, groups: _HopGroups, *, a_gather, b_gather, accumulate) -> None:
     """Weight gradient of the range: torch's grouped GEMM over gathered chunks where it runs
     (``auto``: on CUDA only), else the Triton kernel."""
     mode = _wgrad_mode()
     if (
         (mode == "gmm" or (mode == "auto" and a.is_cuda))
         and a_gather != b_gather
-        and n_pairs > 0
+        and groups.n_pairs > 0
         and c_EMN.shape[0] > 0
         and _gmm_wgrad_ok(a, b, c_EMN)
     ):
-        _wgrad_gmm(
-            a, b, idx_P, offs, c_EMN, n_pairs, a_gather=a_gather, accumulate=accumulate,
-            exact=exact,
-        )  # fmt: skip
+        _wgrad_gmm(a, b, c_EMN, groups, a_gather=a_gather, accumulate=accumulate)
         return
     grouped.wgrad(a, b, idx_P, offs, c_EMN, a_gather=a_gather, b_gather=b_gather,
                   accumulate=accumulate)  # fmt: skip
 
 
-def _pair_rows_times_weight(a_PK: Tensor, b_EKN: Tensor, offs: Tensor) -> Tensor:
+def _pair_rows_times_weight(a_PK: Tensor, b_EKN: Tensor, offs: Tensor, groups: _HopGroups):
     """(P, N) = a[q] @ b[e] over the range's pairs (a contiguous in expert order)."""
     n_pairs, ncols = a_PK.shape[0], b_EKN.shape[2]
     if _use_torch_grouped_mm(a_PK, b_EKN):
-        ends = (offs[1:] - offs[0]).to(torch.int32)
-        return torch._grouped_mm(a_PK, b_EKN, offs=ends)
+        return torch._grouped_mm(a_PK, b_EKN, offs=groups.ends)
     out_PN = a_PK.new_empty(n_pairs, ncols)
     grouped.rows_gemm(a_PK, b_EKN, offs, out_PN)
     return out_PN
 
 
 def _combine_pair_products(
-    a_PK: Tensor, b_EKN: Tensor, index, offs: Tensor, out_TH: Tensor, accumulate: bool
-) -> None:
+    a_PK: Tensor, b_EKN: Tensor, index, offs: Tensor, out_TH: Tensor, accumulate: bool,
+    groups: _HopGroups,
+) -> None:  # fmt: skip
     """Write (add, with ``accumulate``) into ``out_TH[t]`` the sum over token t's pairs q of
     ``a[q] @ b[e]``; the (P, H) products are made and reduced in column chunks (at most
     ``RELAYMOE_PAIR_BUFFER_MIB`` alive). The forward's down projection and the dgrad."""
     for c0, c1 in _col_chunks(a_PK.shape[0], out_TH.shape[1], a_PK.element_size()):
-        y_PH = _pair_rows_times_weight(a_PK, b_EKN[:, :, c0:c1], offs)
+        y_PH = _pair_rows_times_weight(a_PK, b_EKN[:, :, c0:c1], offs, groups)
         grouped.combine(y_PH, index.token_index_map, offs, out_TH[:, c0:c1], index.topk,
                         accumulate=accumulate)  # fmt: skip
         del y_PH
@@ -263,7 +273,8 @@ def triton_hop_forward(
     idx_P = index.expert_token_indices
     a_PI = x_TH.new_empty(n_pairs, ffn)
     grouped.up_swiglu(x_TH, w13, idx_P, offs, prob_P, h_P2I, a_PI)
-    _combine_pair_products(a_PI, w2.transpose(1, 2), index, offs, out_TH, accumulate)
+    groups = _HopGroups(idx_P, offs, n_pairs, exact)
+    _combine_pair_products(a_PI, w2.transpose(1, 2), index, offs, out_TH, accumulate, groups)
     return out_TH, h_P2I
 
 
@@ -334,11 +345,12 @@ def triton_hop_backward(
     grouped.swiglu_backward(h_P2I, a_PI, prob_P, dh_P2I, dprob_P)
     pairs.add_pair_dprobs(dprob_P, index.token_index_map, offs, dprobs_TK)
     # dw2[e] (H, I) = sum_q dy[tok]^T (p*a)[q]
-    _wgrad(dy_TH, a_PI, idx_P, offs, dw2, n_pairs, a_gather=True, b_gather=False,
-           accumulate=acc_w2, exact=exact)  # fmt: skip
+    groups = _HopGroups(idx_P, offs, n_pairs, exact)
+    _wgrad(dy_TH, a_PI, idx_P, offs, dw2, groups, a_gather=True, b_gather=False,
+           accumulate=acc_w2)  # fmt: skip
     del a_PI
     # dw13[e] (2I, H) = sum_q dh[q]^T x[tok]
-    _wgrad(dh_P2I, x_TH, idx_P, offs, dw13, n_pairs, a_gather=False, b_gather=True,
-           accumulate=acc_w13, exact=exact)  # fmt: skip
-    _combine_pair_products(dh_P2I, w13, index, offs, dx_TH, acc_dx)
+    _wgrad(dh_P2I, x_TH, idx_P, offs, dw13, groups, a_gather=False, b_gather=True,
+           accumulate=acc_w13)  # fmt: skip
+    _combine_pair_products(dh_P2I, w13, index, offs, dx_TH, acc_dx, groups)
     return dx_TH, dprobs_TK, dw13, dw2
