@@ -77,6 +77,7 @@ class Config:
     dtypes: tuple[str, ...] = ("bf16",)
     modes: tuple[str, ...] = MODES
     world_timeout_s: float = 900.0
+    grad_accum: str = "auto"  # ring_moe's weight-gradient accumulators (costmodel.GRAD_ACCUMS)
 
     def shape(self) -> str:
         return f"H{self.hidden}_I{self.ffn}_El{self.experts_per_rank}_K{self.topk}_T{self.tokens}"
@@ -204,6 +205,7 @@ def _run_rank(rank: int, world: int, group, cfg: Config, outdir: Path) -> None:
                     out = ring_moe(
                         x, w13, w2, pb["idx"][rows], probs,
                         group=group, mode=mode, transport="nccl", backend="torch",
+                        grad_accum=cfg.grad_accum,
                     )  # fmt: skip
                     out.backward(pb["dy"][rows])
                     # clones: the ring's gradients may be views of one byte buffer
@@ -334,9 +336,10 @@ def measure(cfg: Config, worlds: list[int], writer: JsonlWriter | None, log=prin
                     for dname in cfg.dtypes:
                         pb = make_problem(cfg, world, seed, routing, DTYPES[dname])
                         ref = oracle(pb)
+                        acc = resolved_accum(cfg.grad_accum, world, dname)
                         common = dict(base, ep=world, E=cfg.experts_per_rank * world,
                                       dtype=dname, prob_dtype=str(pb["probs"].dtype)[6:],
-                                      routing=routing, seed=seed)  # fmt: skip
+                                      routing=routing, seed=seed, grad_accum=acc)  # fmt: skip
                         cases = [(m, gather(Path(tmp), _case_name(routing, seed, dname, m), world))
                                  for m in cfg.modes]  # fmt: skip
                         cases.append(("one_device", one_device(pb)))
@@ -347,24 +350,34 @@ def measure(cfg: Config, worlds: list[int], writer: JsonlWriter | None, log=prin
     return rows
 
 
+def resolved_accum(choice: str, world: int, dname: str) -> str:
+    """What ``grad_accum=choice`` runs as for this EP and dtype: ``param`` or ``fp32``."""
+    from relaymoe.costmodel import grad_accum_bytes  # after pin_head (the library it measures)
+
+    b = DTYPES[dname].itemsize
+    return "fp32" if grad_accum_bytes(choice, world, b) > b else "param"
+
+
 def summarize(rows: list[dict]) -> tuple[list[dict], list[dict]]:
-    """(per (ep, routing, dtype, mode) means over seeds, ring/alltoall ratios of those means)."""
+    """(per (ep, routing, dtype, accumulators, mode) means over seeds, ring/alltoall ratios of
+    those means). Rows without ``grad_accum`` ran before it existed: 16-bit (``param``)."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault((r["ep"], r["routing"], r["dtype"], r["mode"]), []).append(r)
+        key = (r["ep"], r["routing"], r["dtype"], r.get("grad_accum", "param"), r["mode"])
+        groups.setdefault(key, []).append(r)
     means = []
-    for (ep, routing, dname, mode), rs in sorted(groups.items()):
-        m = dict(ep=ep, routing=routing, dtype=dname, mode=mode, seeds=len(rs))
+    for (ep, routing, dname, acc, mode), rs in sorted(groups.items()):
+        m = dict(ep=ep, routing=routing, dtype=dname, grad_accum=acc, mode=mode, seeds=len(rs))
         for k in METRICS:
             m[k] = sum(r[f"rel_err_{k}"] for r in rs) / len(rs)
         means.append(m)
-    by = {(m["ep"], m["routing"], m["dtype"], m["mode"]): m for m in means}
+    by = {(m["ep"], m["routing"], m["dtype"], m["grad_accum"], m["mode"]): m for m in means}
     ratios = []
-    for (ep, routing, dname, mode), m in sorted(by.items()):
-        a2a = by.get((ep, routing, dname, "alltoall"))
+    for (ep, routing, dname, acc, mode), m in sorted(by.items()):
+        a2a = by.get((ep, routing, dname, acc, "alltoall"))
         if mode not in RING_MODES or a2a is None:
             continue
-        rr = dict(ep=ep, routing=routing, dtype=dname, mode=f"{mode}/alltoall")
+        rr = dict(ep=ep, routing=routing, dtype=dname, grad_accum=acc, mode=f"{mode}/alltoall")
         for k in METRICS:
             rr[k] = m[k] / a2a[k] if a2a[k] > 0 else math.inf
         rr["max_grad_ratio"] = max(rr[k] for k in ("dx", "dw13", "dw2", "dprobs"))
@@ -385,6 +398,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--topk", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=512, help="tokens per rank")
     ap.add_argument("--world-timeout-s", type=float, default=900.0)
+    ap.add_argument("--grad-accum", default="auto", help="the ring's weight-gradient "
+                    "accumulators: auto, param or fp32")  # fmt: skip
     ap.add_argument(
         "--pin-head",
         action="store_true",
@@ -407,10 +422,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 def _run(a: argparse.Namespace, pin_dir: str | None) -> list[dict]:
+    from relaymoe.costmodel import GRAD_ACCUM_CHOICES
+
+    if a.grad_accum not in GRAD_ACCUM_CHOICES:
+        raise SystemExit(f"--grad-accum {a.grad_accum!r}: choose from {GRAD_ACCUM_CHOICES}")
     cfg = Config(
         hidden=a.hidden, ffn=a.ffn, experts_per_rank=a.experts_per_rank, topk=a.topk,
         tokens=a.tokens, seeds=tuple(a.seeds), routings=tuple(a.routings),
-        dtypes=tuple(a.dtypes), world_timeout_s=a.world_timeout_s,
+        dtypes=tuple(a.dtypes), world_timeout_s=a.world_timeout_s, grad_accum=a.grad_accum,
     )  # fmt: skip
     env = {**environment(), **provenance(pin_dir is not None)}
     if pin_dir is not None:
@@ -423,9 +442,10 @@ def _run(a: argparse.Namespace, pin_dir: str | None) -> list[dict]:
     rows = measure(cfg, a.worlds, writer, log=lambda s: print(s, flush=True))
     means, ratios = summarize(rows)
     print("\nrelative error vs the float64 oracle (mean over seeds)")
-    print_table(means, ["ep", "routing", "dtype", "mode", "seeds", *METRICS])
+    print_table(means, ["ep", "routing", "dtype", "grad_accum", "mode", "seeds", *METRICS])
     print(f"\nring / alltoall (ok: every gradient ratio <= {RATIO_LIMIT})")
-    print_table(ratios, ["ep", "routing", "dtype", "mode", *METRICS, "max_grad_ratio", "ok"])
+    print_table(ratios, ["ep", "routing", "dtype", "grad_accum", "mode", *METRICS,
+                         "max_grad_ratio", "ok"])  # fmt: skip
     return rows
 
 

@@ -7,13 +7,14 @@ from here, so they cannot disagree.
 Shape legend (one rank of the expert-parallel group): ``T`` tokens of the largest partition,
 ``H`` hidden, ``I`` expert FFN width, ``El`` experts per rank, ``E = El*R`` all experts, ``K``
 top-k, ``R`` ranks, ``b`` bytes of an activation/weight element, ``pb`` bytes of a router
-probability; expert ids travel as int32, so a token's routing metadata is ``m = K*(4 + pb)``
-bytes; ``W = El*3*H*I`` elements of the local experts (SwiGLU: gate, up, down).
+probability, ``gb`` bytes of a weight-gradient accumulator element (``b``, or 4 with fp32
+accumulators: ``GRAD_ACCUMS``); expert ids travel as int32, so a token's routing metadata is
+``m = K*(4 + pb)`` bytes; ``W = El*3*H*I`` elements of the local experts (SwiGLU: gate, up, down).
 
 Modes (``MODES``):
 
 * ``expert`` (ring): the weights travel. Per hop, forward ``W*b``; backward the weights and the
-  trailing weight gradients ``2*W*b`` (gradients in the activations' dtype).
+  trailing weight gradients ``W*(b + gb)``.
 * ``token`` (ring): the tokens travel. Per hop, forward ``T*(H*b + m)`` lead plus the trailing
   output ``T*H*b``; backward ``T*(2*H*b + K*pb)`` lead (x, dy, probabilities: the forward kept
   every partition's routing index, so no ids travel) plus the trailing dx and dprobs
@@ -41,6 +42,9 @@ __all__ = [
     "ALIGN",
     "DEFAULT_TIME_MODEL",
     "AUTO",
+    "FP32_GRAD_ACCUM_MIN_EP",
+    "GRAD_ACCUMS",
+    "GRAD_ACCUM_CHOICES",
     "INDEX_BYTES",
     "INTER_NODE_BYTES_PER_S",
     "LINK_TRANSPORTS",
@@ -68,6 +72,7 @@ __all__ = [
     "choose_schedule",
     "comm_volume",
     "dims",
+    "grad_accum_bytes",
     "hop_bytes",
     "mcore_alltoall_memory_bytes",
     "mcore_alltoall_send_bytes",
@@ -96,6 +101,15 @@ TRANSPORT_CHOICES = (AUTO, *LINK_TRANSPORTS)
 # of the node makes at once ("two_level"); "auto": two_level when the group spans nodes.
 SCHEDULES = ("flat", "two_level")
 SCHEDULE_CHOICES = (AUTO, *SCHEDULES)
+# The dtype of the ring's weight-gradient accumulators (expert mode: the gradients that travel
+# with their weights; token mode: the local ones every hop adds to): "param" (the weights' own,
+# bf16), "fp32", or "auto": fp32 from FP32_GRAD_ACCUM_MIN_EP ranks. Each hop adds one rounding
+# in a 16-bit accumulator, so the ring's weight-gradient error grows with EP while an all-to-all's
+# single GEMM does not: measured over gloo (docs/lab-notes/numerics_2026-11-30.md) the ring's
+# dw2 error was 1.55x the all-to-all's at EP 8 and 1.90x at EP 16, extrapolated 2.5x at EP 32.
+GRAD_ACCUMS = ("param", "fp32")
+GRAD_ACCUM_CHOICES = (AUTO, *GRAD_ACCUMS)
+FP32_GRAD_ACCUM_MIN_EP = 16
 
 # The links a ring hop runs over (the planner's per-hop times; the simulator's Cluster defaults
 # import them). NVLink: one way between the two GPUs of the lent 2x H200 machine, 1 GiB messages
@@ -135,9 +149,12 @@ class Dims:
     R: int
     b: int
     pb: int
+    gb: int = 0  # bytes of a weight-gradient accumulator element; 0: b (the weights' dtype)
 
     def __post_init__(self):
-        for name in ("T", "H", "I", "El", "K", "R", "b", "pb"):
+        if self.gb == 0:
+            object.__setattr__(self, "gb", self.b)
+        for name in ("T", "H", "I", "El", "K", "R", "b", "pb", "gb"):
             v = getattr(self, name)
             lo = 0 if name == "T" else 1
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
@@ -176,6 +193,20 @@ def _nbytes(dtype) -> int:
     return n
 
 
+def grad_accum_bytes(choice: str, world: int, act_bytes) -> int:
+    """Bytes of a weight-gradient accumulator element for ``choice`` (GRAD_ACCUM_CHOICES) in a
+    ring of ``world`` ranks whose weights have ``act_bytes`` (a byte count or a dtype)."""
+    if choice not in GRAD_ACCUM_CHOICES:
+        raise ValueError(
+            f"grad_accum={choice!r} is not one of {GRAD_ACCUM_CHOICES} (fp32: weight-gradient "
+            "accumulators in fp32; param: in the weights' dtype; auto: fp32 from "
+            f"{FP32_GRAD_ACCUM_MIN_EP} ranks)"
+        )
+    b = _nbytes(act_bytes)
+    fp32 = choice == "fp32" or (choice == AUTO and world >= FP32_GRAD_ACCUM_MIN_EP)
+    return max(b, 4) if fp32 else b
+
+
 def dims(
     *,
     tokens: int | Sequence[int],
@@ -186,13 +217,15 @@ def dims(
     world: int,
     act_bytes=2,
     prob_bytes=4,
+    grad_accum: str = AUTO,
 ) -> Dims:
     """``Dims`` from named sizes; ``tokens`` is one T or every rank's T (the largest counts:
-    it bounds every hop). ``act_bytes``/``prob_bytes``: a byte count or a dtype."""
+    it bounds every hop). ``act_bytes``/``prob_bytes``: a byte count or a dtype;
+    ``grad_accum``: the weight-gradient accumulators (GRAD_ACCUM_CHOICES)."""
     T = max(tokens) if isinstance(tokens, Sequence) else tokens
-    return Dims(
-        T, hidden, ffn, num_local_experts, topk, world, _nbytes(act_bytes), _nbytes(prob_bytes)
-    )
+    b = _nbytes(act_bytes)
+    return Dims(T, hidden, ffn, num_local_experts, topk, world, b, _nbytes(prob_bytes),
+                grad_accum_bytes(grad_accum, world, b))  # fmt: skip
 
 
 def _check_mode(mode: str, allowed: Sequence[str] = MODES) -> None:
@@ -244,11 +277,14 @@ class HopBytes:
         return self.fwd + self.bwd
 
 
-def _ring_hop_bytes(mode: str, T: int, H: int, I: int, El: int, K: int, b: int, pb: int):
-    """Sizes as plain ints, so that ``comm_volume`` may take sizes ``Dims`` refuses (0)."""
+def _ring_hop_bytes(
+    mode: str, T: int, H: int, I: int, El: int, K: int, b: int, pb: int, gb: int | None = None
+):
+    """Sizes as plain ints, so that ``comm_volume`` may take sizes ``Dims`` refuses (0).
+    ``gb``: bytes of a weight-gradient accumulator element (default ``b``)."""
     if mode == "expert":
-        w = El * 3 * H * I * b
-        return HopBytes(fwd_lead=w, fwd_trail=0, bwd_lead=w, bwd_trail=w)
+        w = El * 3 * H * I
+        return HopBytes(fwd_lead=w * b, fwd_trail=0, bwd_lead=w * b, bwd_trail=w * (gb or b))
     x, ids, probs = T * H * b, T * K * INDEX_BYTES, T * K * pb
     return HopBytes(
         fwd_lead=x + ids + probs, fwd_trail=x, bwd_lead=2 * x + probs, bwd_trail=x + probs
@@ -256,9 +292,10 @@ def _ring_hop_bytes(mode: str, T: int, H: int, I: int, El: int, K: int, b: int, 
 
 
 def hop_bytes(mode: str, d: Dims) -> HopBytes:
-    """Per-hop bytes of a ring mode (RelayMoE Table 2, accumulators in the activations' dtype)."""
+    """Per-hop bytes of a ring mode (RelayMoE Table 2; expert mode's travelling weight
+    gradients in ``d.gb`` bytes an element)."""
     _check_mode(mode, RING_MODES)
-    return _ring_hop_bytes(mode, d.T, d.H, d.I, d.El, d.K, d.b, d.pb)
+    return _ring_hop_bytes(mode, d.T, d.H, d.I, d.El, d.K, d.b, d.pb, d.gb)
 
 
 def alltoall_rows(d: Dims) -> float:
@@ -314,8 +351,9 @@ def _pass_slots(mode: str, d: Dims) -> tuple[int, int]:
     """(forward, backward) slot bytes with the engine's layouts (ring/engine.py)."""
     T, H, K, b, pb = d.T, d.H, d.K, d.b, d.pb
     if mode == "expert":
-        w = _packed(d.El * 2 * d.I * H * b, d.El * H * d.I * b)  # w13 | w2 (and dw13 | dw2)
-        return _slot(w, 0), _slot(w, w)
+        w = _packed(d.El * 2 * d.I * H * b, d.El * H * d.I * b)  # w13 | w2
+        dw = _packed(d.El * 2 * d.I * H * d.gb, d.El * H * d.I * d.gb)  # dw13 | dw2
+        return _slot(w, 0), _slot(w, dw)
     fwd_lead = _packed(T * H * b, T * K * INDEX_BYTES, T * K * pb)  # x | idx | probs
     bwd_lead = _packed(T * H * b, T * K * pb, T * H * b)  # x | probs | dy
     fwd_trail = T * H * b  # out
@@ -389,11 +427,12 @@ def memory_bytes(
 
     Ring modes (a hop computes ``T*K/R`` pairs under uniform routing):
       expert fwd: two slots + one hop's intermediates;
-      expert bwd: two slots (weights + trailing gradient), a gradient scratch ``W*b``, the
-      returned gradient ``W*b`` + one hop's intermediates;
+      expert bwd: two slots (weights + trailing gradient), a gradient scratch ``W*gb``, the
+      returned gradient ``W*gb`` (and its ``W*b`` cast when ``gb != b``) + one hop's
+      intermediates;
       token fwd: two slots, an output scratch ``T*H*b``, one hop's intermediates;
       token bwd: two slots, a dx/dprobs scratch ``T*(H*b + K*pb)``, the local weight-gradient
-      accumulator ``W*b``, one hop's intermediates.
+      accumulator ``W*gb`` (and its cast), one hop's intermediates.
       The two slots are ``2*slot_capacity``: transient with ``nccl``, the persistent
       ``workspace`` with ``copy_engine``. ``weights_copy``: list-form weights not back to back
       in one storage cost ``W*b`` per pass in token mode and in a world of one.
@@ -422,13 +461,14 @@ def memory_bytes(
     slots = 0 if persistent else 2 * cap
     workspace = symmetric_workspace_bytes(mode, d, training=training) if persistent else 0
     hop_pairs = -(-d.P // d.R)
+    Wg = d.W * d.gb + (Wb if d.gb != d.b else 0)  # an accumulator (and its cast to b)
     if mode == "expert":
         fwd = slots + _intermediates(hop_pairs, d, False)
-        bwd = slots + 2 * Wb + _intermediates(hop_pairs, d, True)
+        bwd = slots + d.W * d.gb + Wg + _intermediates(hop_pairs, d, True)
     else:
         copy = Wb if weights_copy else 0
         fwd = slots + d.T * d.H * d.b + _intermediates(hop_pairs, d, False) + copy
-        bwd = slots + d.T * (d.H * d.b + d.K * d.pb) + Wb + copy
+        bwd = slots + d.T * (d.H * d.b + d.K * d.pb) + Wg + copy
         bwd += _intermediates(hop_pairs, d, True)
         return out(fwd, bwd, own_index * d.R, workspace)
     return out(fwd, bwd, own_index, workspace)
@@ -602,10 +642,12 @@ def choose_mode(
     transport: str = "copy_engine",
     model: TimeModel = DEFAULT_TIME_MODEL,
     modes: Sequence[str] = MODES,
+    grad_accum: str = AUTO,
 ) -> str:
     """The fastest of ``modes`` by ``step_seconds`` (the runtime's ``mode="auto"`` and the
     planner's choice). Deterministic: the same floats on every rank; ties go to the earlier of
-    expert, token, alltoall. A world of one is local compute whatever the mode: ``"expert"``."""
+    expert, token, alltoall. A world of one is local compute whatever the mode: ``"expert"``.
+    ``grad_accum``: the weight-gradient accumulators (expert mode's backward trail bytes)."""
     d = dims(
         tokens=tokens,
         hidden=hidden,
@@ -615,6 +657,7 @@ def choose_mode(
         world=world,
         act_bytes=act_bytes,
         prob_bytes=prob_bytes,
+        grad_accum=grad_accum,
     )
     _check_transport(transport)
     wanted = tuple(modes)

@@ -424,3 +424,31 @@ def test_choose_schedule_and_its_errors():
         cm.ring_hop_times("expert", TINY4, schedule=cm.AUTO)
     with pytest.raises(ValueError, match="mode 'alltoall'"):
         cm.ring_hop_times("alltoall", TINY4, schedule="flat")
+
+
+def test_grad_accumulators_widen_expert_mode_backward_bytes_and_memory():
+    """fp32 weight-gradient accumulators (``grad_accum``): expert mode's backward trail and its
+    slots, scratch and returned gradient (plus its cast) grow; nothing else moves."""
+    assert cm.grad_accum_bytes("param", 64, 2) == 2 and cm.grad_accum_bytes("fp32", 2, 2) == 4
+    lo = cm.FP32_GRAD_ACCUM_MIN_EP
+    assert cm.grad_accum_bytes("auto", lo - 1, 2) == 2 and cm.grad_accum_bytes("auto", lo, 2) == 4
+    assert cm.grad_accum_bytes("fp32", 2, torch.float32) == 4  # fp32 weights: nothing to widen
+    with pytest.raises(ValueError, match="grad_accum='fp16' is not one of"):
+        cm.grad_accum_bytes("fp16", 2, 2)
+    kw = dict(tokens=4096, hidden=2048, ffn=768, num_local_experts=8, topk=8, world=16)
+    wide, narrow = cm.dims(**kw), cm.dims(**kw, grad_accum="param")
+    assert (wide.gb, narrow.gb) == (4, 2) and dataclasses.replace(narrow, gb=4) == wide
+    he, ne = cm.hop_bytes("expert", wide), cm.hop_bytes("expert", narrow)
+    assert he.bwd_trail == 2 * ne.bwd_trail == 2 * ne.bwd_lead and he.fwd == ne.fwd
+    assert cm.hop_bytes("token", wide) == cm.hop_bytes("token", narrow)
+    W = wide.W
+    assert cm.slot_capacity("expert", wide) - cm.slot_capacity("expert", narrow) >= 2 * W
+    mw = cm.memory_bytes("expert", wide, transport="nccl")
+    mn = cm.memory_bytes("expert", narrow, transport="nccl")
+    assert mw.fwd - mn.fwd == 2 * (cm.slot_capacity("expert", wide) - cm.slot_capacity(
+        "expert", narrow))  # fmt: skip
+    assert mw.bwd - mn.bwd >= 6 * W  # scratch +2W, returned +2W, its cast to bf16 +2W (+slots)
+    tw, tn = cm.memory_bytes("token", wide), cm.memory_bytes("token", narrow)
+    assert tw.bwd - tn.bwd == 4 * W and tw.fwd == tn.fwd  # the local sums in fp32 and the cast
+    # Dims refuses a zero-byte accumulator only through its default (0 means b)
+    assert cm.Dims(1, 1, 1, 1, 1, 1, 2, 4).gb == 2

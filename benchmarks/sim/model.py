@@ -14,7 +14,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from relaymoe.costmodel import INTER_NODE_BYTES_PER_S, NVLINK_BYTES_PER_S, Dims
+from relaymoe.costmodel import (
+    AUTO,
+    INTER_NODE_BYTES_PER_S,
+    NVLINK_BYTES_PER_S,
+    Dims,
+    grad_accum_bytes,
+)
 
 GB = 1e9
 
@@ -70,7 +76,7 @@ class MoEShape:
             raise ValueError(f"E={self.E} experts do not split over ep={ep}; pick ep dividing E")
         return Dims(
             T=self.T, H=self.H, I=self.I, El=self.E // ep, K=self.K, R=ep, b=self.dtype_bytes,
-            pb=self.prob_bytes,
+            pb=self.prob_bytes, gb=grad_accum_bytes(AUTO, ep, self.dtype_bytes),
         )  # fmt: skip
 
     @property

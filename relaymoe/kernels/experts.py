@@ -147,8 +147,11 @@ def _wgrad_mode() -> str:
 def _gmm_wgrad_ok(a: Tensor, b: Tensor, c_EMN: Tensor) -> bool:
     """Where the grouped-GEMM weight gradient can run: torch's grouped GEMM exists for the device and
     dtype (CUTLASS on sm90 for bf16; torch's CPU implementation) and every operand, chunk and
-    transpose keeps its 16-byte stride rule (M and N multiples of 16 bytes)."""
-    if not hasattr(torch, "_grouped_mm") or a.dtype != b.dtype or a.dtype != c_EMN.dtype:
+    transpose keeps its 16-byte stride rule (M and N multiples of 16 bytes). ``c`` may be fp32
+    (the ring's fp32 accumulators): each result is added into it in fp32."""
+    if not hasattr(torch, "_grouped_mm") or a.dtype != b.dtype:
+        return False
+    if c_EMN.dtype not in (a.dtype, torch.float32):  # fp32: accumulators of 16-bit weights
         return False
     if a.is_cuda:
         ok_dev = a.dtype == torch.bfloat16 and torch.cuda.get_device_capability(a.device)[0] == 9

@@ -157,6 +157,7 @@ class RingDispatcher(MoETokenDispatcher):
             overlap=s.overlap,
             schedule=s.schedule,
             gpus_per_node=self.ep_per_node,
+            grad_accum=s.grad_accum,
             trusted=True,  # ids from Megatron's router; every EP rank runs the same shapes
         )
 

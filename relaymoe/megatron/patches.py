@@ -44,7 +44,13 @@ def _mark(fn, original):
 # --------------------------------------------------------------------------- argparse
 def add_relaymoe_args(parser):
     """The ``relaymoe`` argument group (also usable as an ``extra_args_provider``)."""
-    from relaymoe.megatron.settings import RING_MODES, RING_SCHEDULES, RING_TRANSPORTS
+    from relaymoe.costmodel import FP32_GRAD_ACCUM_MIN_EP
+    from relaymoe.megatron.settings import (
+        RING_GRAD_ACCUMS,
+        RING_MODES,
+        RING_SCHEDULES,
+        RING_TRANSPORTS,
+    )
 
     if any(a.dest == "relaymoe_ring_mode" for a in parser._actions):
         return parser
@@ -77,6 +83,15 @@ def add_relaymoe_args(parser):
         default=None,
         help="GPUs per node of the cluster, for the two-level ring: the EP ranks' nodes are "
         "global rank // N (default: read from the EP ranks' hosts)",
+    )
+    group.add_argument(
+        "--relaymoe-grad-accum",
+        choices=RING_GRAD_ACCUMS,
+        default="auto",
+        help="dtype of the ring's expert weight-gradient accumulators (the gradients that travel "
+        "with their weights, or token mode's local sums): the weights' own (param), fp32, or "
+        f"fp32 from {FP32_GRAD_ACCUM_MIN_EP} EP ranks (auto), where bf16 sums rounded once a "
+        "hop would take the error past twice an all-to-all's",
     )
     group.add_argument(
         "--relaymoe-no-overlap",

@@ -3,7 +3,8 @@ import).
 
 Precedence, field by field: ``relaymoe.megatron.configure(...)`` > Megatron's parsed arguments
 (``--relaymoe-ring-mode``, ``--relaymoe-transport``, ``--relaymoe-no-overlap``,
-``--relaymoe-ring-schedule``, ``--relaymoe-gpus-per-node``, ``--relaymoe-fused-loss``,
+``--relaymoe-ring-schedule``, ``--relaymoe-gpus-per-node``, ``--relaymoe-grad-accum``,
+``--relaymoe-fused-loss``,
 ``--relaymoe-loss-chunk-tokens``, read from ``megatron.training.get_args()`` when a training
 script parsed them) > defaults (``auto``/``auto``/overlap on/``auto`` schedule with the nodes read
 from the ranks' hosts/fused loss off/chunk chosen by ``relaymoe.linear_cross_entropy``).
@@ -15,13 +16,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
-from relaymoe.costmodel import MODE_CHOICES, SCHEDULE_CHOICES, TRANSPORT_CHOICES
+from relaymoe.costmodel import (
+    GRAD_ACCUM_CHOICES,
+    MODE_CHOICES,
+    SCHEDULE_CHOICES,
+    TRANSPORT_CHOICES,
+)
 
 __all__ = [
     "Settings",
     "RingSettings",
     "configure",
     "current_settings",
+    "RING_GRAD_ACCUMS",
     "RING_MODES",
     "RING_SCHEDULES",
     "RING_TRANSPORTS",
@@ -31,6 +38,7 @@ __all__ = [
 RING_MODES = MODE_CHOICES
 RING_TRANSPORTS = TRANSPORT_CHOICES
 RING_SCHEDULES = SCHEDULE_CHOICES
+RING_GRAD_ACCUMS = GRAD_ACCUM_CHOICES
 
 
 @dataclass(frozen=True)
@@ -42,6 +50,7 @@ class Settings:
     loss_chunk_tokens: int | None = None  # None: linear_cross_entropy's own choice
     schedule: str = "auto"
     gpus_per_node: int | None = None  # of the cluster; None: the EP ranks' hosts decide
+    grad_accum: str = "auto"
 
     def __post_init__(self):
         if self.mode not in RING_MODES:
@@ -50,6 +59,10 @@ class Settings:
             raise ValueError(f"ring transport {self.transport!r} is not one of {RING_TRANSPORTS}")
         if self.schedule not in RING_SCHEDULES:
             raise ValueError(f"ring schedule {self.schedule!r} is not one of {RING_SCHEDULES}")
+        if self.grad_accum not in RING_GRAD_ACCUMS:
+            raise ValueError(
+                f"ring grad_accum {self.grad_accum!r} is not one of {RING_GRAD_ACCUMS}"
+            )
         gpn = self.gpus_per_node
         if gpn is not None and (isinstance(gpn, bool) or not isinstance(gpn, int) or gpn < 1):
             raise ValueError(
@@ -83,6 +96,7 @@ def configure(
     loss_chunk_tokens: int | None = None,
     schedule: str | None = None,
     gpus_per_node: int | None = None,
+    grad_accum: str | None = None,
 ) -> Settings:
     """Set relaymoe's settings for models built from now on (each given field overrides the
     Megatron argument of the same name; fields not given keep theirs)."""
@@ -95,6 +109,7 @@ def configure(
         "loss_chunk_tokens": loss_chunk_tokens,
         "schedule": schedule,
         "gpus_per_node": gpus_per_node,
+        "grad_accum": grad_accum,
     }
     kw = {k: v for k, v in given.items() if v is not None}
     _OVERRIDE = replace(_OVERRIDE or Settings(), **kw)
@@ -125,6 +140,7 @@ def _from_megatron_args() -> Settings | None:
         loss_chunk_tokens=getattr(args, "relaymoe_loss_chunk_tokens", None),
         schedule=getattr(args, "relaymoe_ring_schedule", "auto"),
         gpus_per_node=getattr(args, "relaymoe_gpus_per_node", None),
+        grad_accum=getattr(args, "relaymoe_grad_accum", "auto"),
     )
 
 

@@ -85,10 +85,13 @@ class Shapes:
         return self.T * self.K
 
     def dims(self) -> costmodel.Dims:
-        """The cost model's sizes of one GPU (every rank of the EP group holds ``T`` tokens)."""
+        """The cost model's sizes of one GPU (every rank of the EP group holds ``T`` tokens;
+        the weight-gradient accumulators as ``--relaymoe-grad-accum auto`` makes them)."""
+        gb = costmodel.grad_accum_bytes(costmodel.AUTO, self.R, self.e)
         return costmodel.Dims(
-            T=self.T, H=self.h, I=self.I, El=self.El, K=self.K, R=self.R, b=self.e, pb=PROB_BYTES
-        )
+            T=self.T, H=self.h, I=self.I, El=self.El, K=self.K, R=self.R, b=self.e, pb=PROB_BYTES,
+            gb=gb,
+        )  # fmt: skip
 
 
 def shapes(cfg: Config, seq: int | None = None, mbs: int | None = None) -> Shapes:

@@ -34,7 +34,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from relaymoe.costmodel import MODE_CHOICES, SCHEDULE_CHOICES, TRANSPORT_CHOICES, choose_mode
+from relaymoe.costmodel import (
+    GRAD_ACCUM_CHOICES,
+    MODE_CHOICES,
+    SCHEDULE_CHOICES,
+    TRANSPORT_CHOICES,
+    choose_mode,
+    grad_accum_bytes,
+)
 from relaymoe.kernels import check_problem_limits
 from relaymoe.ring.faults import all_reduce_checked, check_markers
 from relaymoe.ring.transport import copy_engine_available, copy_engine_works
@@ -66,12 +73,13 @@ _DEVICE_TYPES = ("cpu", "cuda")
     F_LIVE,
     F_SCHED,
     F_GPN,
-) = range(17)
-NUM_FIELDS = 17
+    F_GACC,
+) = range(18)
+NUM_FIELDS = 18
 
 _ERRORS = {
     1: "an input is not a tensor (or, for w13/w2, not a list of per-expert tensors)",
-    2: "mode, transport, schedule or gpus_per_node is not one of the accepted values",
+    2: "mode, transport, schedule, gpus_per_node or grad_accum is not one of the accepted values",
     3: "input shapes are inconsistent (x (T, H), w13 (E_local, 2I, H), w2 (E_local, H, I), "
     "topk_idx/topk_probs (T, K))",
     4: "dtypes are wrong (x, w13, w2 one float dtype; topk_probs float; topk_idx integer)",
@@ -91,6 +99,7 @@ class RingRequest:
     schedule: str = "auto"
     gpus_per_node: int | None = None  # None: from the ranks' hosts
     needs_grad: bool = True
+    grad_accum: str = "auto"  # the weight-gradient accumulators (costmodel.GRAD_ACCUM_CHOICES)
 
 
 @dataclass(frozen=True)
@@ -117,6 +126,13 @@ class RingProblem:
     # consecutive ranks (None for flat)
     schedule: str = "flat"
     gpus_per_node: int | None = None
+    # dtype of the weight-gradient accumulators (expert mode's travelling trail, token mode's
+    # local sums): ``dtype`` or fp32 (costmodel.grad_accum_bytes)
+    grad_dtype: torch.dtype | None = None
+
+    @property
+    def accum_dtype(self) -> torch.dtype:
+        return self.grad_dtype or self.dtype
 
     @property
     def num_experts(self) -> int:
@@ -208,6 +224,8 @@ def _local_check(
         return 2, f"transport must be one of {TRANSPORTS}, got {transport!r}"
     if schedule not in SCHEDULE_CHOICES:
         return 2, f"schedule must be one of {SCHEDULE_CHOICES}, got {schedule!r}"
+    if req.grad_accum not in GRAD_ACCUM_CHOICES:
+        return 2, f"grad_accum must be one of {GRAD_ACCUM_CHOICES}, got {req.grad_accum!r}"
     if gpus_per_node is not None and (
         isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node < 1
     ):
@@ -303,6 +321,7 @@ def _agree_collective(
         row[F_CE] = int(x.is_cuda and copy_engine_available()) + 1
         row[F_SCHED] = SCHEDULE_CHOICES.index(req.schedule) + 1
         row[F_GPN] = req.gpus_per_node or 0
+        row[F_GACC] = GRAD_ACCUM_CHOICES.index(req.grad_accum) + 1
     row[F_HOST] = _host_hash()
     row[F_LIVE] = 1  # the validity marker: a sum missing a rank's row lacks its 1
     counts = _pairs_per_owner(topk_idx, row[F_EL], world) if code == 0 and with_pairs else None
@@ -361,6 +380,8 @@ def _agree_collective(
     )
     same(F_SCHED, f"the requested schedule ({_codes(SCHEDULE_CHOICES)})", "pass the same schedule")
     same(F_GPN, "gpus_per_node (0: from the hosts)", "pass the same gpus_per_node on every rank")
+    same(F_GACC, f"the requested grad_accum ({_codes(GRAD_ACCUM_CHOICES)})",
+         "pass the same grad_accum on every rank")  # fmt: skip
 
     r0 = rows[0]
     dtype, prob_dtype = _FLOATS[r0[F_DTYPE] - 1], _FLOATS[r0[F_PDTYPE] - 1]
@@ -368,11 +389,14 @@ def _agree_collective(
     needs = r0[F_GRAD] == 2
     n_local, hidden, ffn, topk = r0[F_EL], r0[F_H], r0[F_I], r0[F_K]
     mode_req, tr_req = MODES[r0[F_MODE] - 1], TRANSPORTS[r0[F_TRANSPORT] - 1]
+    gacc = GRAD_ACCUM_CHOICES[r0[F_GACC] - 1]
+    grad_dtype = torch.float32 if grad_accum_bytes(gacc, world, dtype) > dtype.itemsize else dtype
     if mode_req == "auto":  # the time model (relaymoe.costmodel), the same floats on every rank
         mode_res = choose_mode(
             tokens=tokens, hidden=hidden, ffn=ffn, num_local_experts=n_local, topk=topk,
             world=world, act_bytes=dtype.itemsize, prob_bytes=prob_dtype.itemsize,
             training=needs, transport="nccl" if tr_req == "nccl" else "copy_engine",
+            grad_accum=gacc,
         )  # fmt: skip
     else:
         mode_res = mode_req
@@ -424,6 +448,7 @@ def _agree_collective(
         pairs=tuple(tuple(rw[NUM_FIELDS:]) for rw in rows) if with_pairs else None,
         schedule=sched,
         gpus_per_node=gpn,
+        grad_dtype=grad_dtype,
     )
 
 

@@ -94,10 +94,11 @@ def _transport(prob: RingProblem, group) -> Transport | None:
 # layouts
 # ---------------------------------------------------------------------------------------------
 def _weights_layout(prob: RingProblem, prefix: str = "") -> Layout:
+    """The experts' weights, or with ``prefix="d"`` their gradient accumulators (in
+    ``prob.accum_dtype``: fp32 for a long ring of 16-bit weights, see costmodel.GRAD_ACCUMS)."""
     El, H, I = prob.num_local_experts, prob.hidden, prob.ffn
-    return Layout.of(
-        (prefix + "w13", prob.dtype, (El, 2 * I, H)), (prefix + "w2", prob.dtype, (El, H, I))
-    )
+    dt = prob.accum_dtype if prefix == "d" else prob.dtype
+    return Layout.of((prefix + "w13", dt, (El, 2 * I, H)), (prefix + "w2", dt, (El, H, I)))
 
 
 def _token_lead(prob: RingProblem, T: int, backward: bool) -> Layout:
@@ -128,8 +129,8 @@ def _plan(prob: RingProblem, lead: list[int], trail: list[int] | None) -> RingPl
 
 def _expert_plans(prob: RingProblem) -> tuple[RingPlan, RingPlan]:
     R = prob.world_size
-    w = _weights_layout(prob).nbytes
-    return _plan(prob, [w] * R, None), _plan(prob, [w] * R, [w] * R)
+    w, dw = _weights_layout(prob).nbytes, _weights_layout(prob, "d").nbytes
+    return _plan(prob, [w] * R, None), _plan(prob, [w] * R, [dw] * R)
 
 
 def _token_layouts(prob: RingProblem, backward: bool) -> dict:
@@ -242,7 +243,7 @@ def _expert_backward(prob, group, backend, overlap, dy, x, experts, probs, index
         lead_layout=lambda p: _weights_layout(prob), own_lead=lambda views: _pack(experts, views),
         trail_layout=lambda p: _weights_layout(prob, "d"), compute=compute,
     )  # fmt: skip
-    return dx, dprobs, grads["dw13"], grads["dw2"]
+    return dx, dprobs, grads["dw13"].to(prob.dtype), grads["dw2"].to(prob.dtype)
 
 
 def _pack(experts: LocalExperts, views: dict[str, Tensor]) -> None:
@@ -293,8 +294,12 @@ def _token_backward(prob, group, backend, overlap, dy, x, experts, probs, indice
     ``indices``: the forward's routing index of every visiting partition."""
     Ts, own = prob.tokens, prob.expert_range
     w13, w2, order = experts.stacked(order)  # again for this pass only
-    # the first hop with pairs writes the local weight gradients, later hops add (no zero fill)
+    # the first hop with pairs writes the local weight gradients, later hops add (no zero fill);
+    # accumulators wider than the weights start as zeros that every hop adds to
     dw: dict[str, Tensor | None] = {"dw13": None, "dw2": None}
+    if prob.accum_dtype != prob.dtype:
+        dw = {"dw13": torch.zeros_like(w13, dtype=prob.accum_dtype),
+              "dw2": torch.zeros_like(w2, dtype=prob.accum_dtype)}  # fmt: skip
 
     def compute(hop, part, lead, trail):
         if Ts[part] == 0:
@@ -314,8 +319,8 @@ def _token_backward(prob, group, backend, overlap, dy, x, experts, probs, indice
         prob, group, overlap, x.device, "bwd", bwd, own_lead={"x": x, "probs": probs, "dy": dy},
         compute=compute, **_token_layouts(prob, True),
     )  # fmt: skip
-    dw13 = dw["dw13"] if dw["dw13"] is not None else torch.zeros_like(w13)
-    dw2 = dw["dw2"] if dw["dw2"] is not None else torch.zeros_like(w2)
+    dw13 = dw["dw13"].to(prob.dtype) if dw["dw13"] is not None else torch.zeros_like(w13)
+    dw2 = dw["dw2"].to(prob.dtype) if dw["dw2"] is not None else torch.zeros_like(w2)
     return result["dx"], result["dprobs"], dw13, dw2
 
 
@@ -406,6 +411,7 @@ def ring_moe(
     trusted: bool = False,
     schedule: str = "auto",
     gpus_per_node: int | None = None,
+    grad_accum: str = "auto",
 ) -> Tensor:
     """MoE experts over the expert-parallel ``group`` by ring execution (RelayMoE §3.1-3.3).
 
@@ -434,6 +440,10 @@ def ring_moe(
     node makes to the same local rank of the next node at once) or ``"auto"`` (two-level when the
     group spans several nodes of several GPUs). ``gpus_per_node``: None to read the nodes from the
     ranks' hosts (exchanged in the agreement), else the GPUs per node of the group.
+    ``grad_accum``: the dtype of the ring's weight-gradient accumulators: ``"param"`` (the
+    weights'), ``"fp32"``, or ``"auto"`` (fp32 from ``costmodel.FP32_GRAD_ACCUM_MIN_EP`` ranks,
+    where the per-hop rounding of 16-bit accumulators would take the weight-gradient error past
+    twice an all-to-all's; in expert mode the travelling gradients then cost 2x the bytes).
 
     Every rank of the group must call it (and its backward) with the same mode/transport; bad
     input raises ``ValueError`` on every rank before any P2P. Ranks may mix the two weight forms.
@@ -452,7 +462,7 @@ def ring_moe(
     needs_grad = torch.is_grad_enabled() and any(
         isinstance(t, Tensor) and t.requires_grad for t in (x, topk_probs, *ws)
     )
-    req = RingRequest(mode, transport, schedule, gpus_per_node, needs_grad)
+    req = RingRequest(mode, transport, schedule, gpus_per_node, needs_grad, grad_accum)
     with torch.profiler.record_function("relaymoe.agree"):
         prob = agree(
             x, w13, w2, topk_idx, topk_probs, group=group, rank=rank, world=world, request=req,
@@ -465,5 +475,5 @@ def resolved_problem(*args, **kwargs) -> RingProblem:
     """The agreed :class:`RingProblem` (mode, transport, sizes) ``ring_moe`` would run."""
     group, rank, world = _resolve_group(kwargs.pop("group", None))
     trusted = kwargs.pop("trusted", False)
-    req = RingRequest(**kwargs)  # mode, transport, schedule, gpus_per_node, needs_grad
+    req = RingRequest(**kwargs)  # mode, transport, schedule, gpus_per_node, needs_grad, grad_accum
     return agree(*args, group=group, rank=rank, world=world, request=req, trusted=trusted)
