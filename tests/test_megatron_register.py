@@ -81,7 +81,10 @@ def test_parser_accepts_ring_and_relaymoe_flags(mcore):
     assert (ns.relaymoe_ring_schedule, ns.relaymoe_gpus_per_node) == ("two_level", 8)
     defaults = parser.parse_args([])
     assert (defaults.relaymoe_ring_schedule, defaults.relaymoe_gpus_per_node) == ("auto", None)
-    for bad in (["--relaymoe-ring-schedule", "tree"], ["--relaymoe-gpus-per-node", "0"]):
+    assert defaults.relaymoe_grad_accum == "auto"
+    assert parser.parse_args(["--relaymoe-grad-accum", "fp32"]).relaymoe_grad_accum == "fp32"
+    for bad in (["--relaymoe-ring-schedule", "tree"], ["--relaymoe-gpus-per-node", "0"],
+                ["--relaymoe-grad-accum", "fp16"]):  # fmt: skip
         with pytest.raises(SystemExit):
             parser.parse_args(bad)
     # megatron's own parser (the unpatched function) rejects ring: the patch is what adds it
@@ -125,6 +128,7 @@ def test_settings_from_args_and_configure(mcore):
     assert settings.current_settings() is s
     s = mcore.configure(schedule="two_level", gpus_per_node=4)
     assert (s.schedule, s.gpus_per_node, s.mode) == ("two_level", 4, "expert")
+    assert mcore.configure(grad_accum="fp32").grad_accum == "fp32"
     settings.reset()
     with pytest.raises(ValueError, match="ring mode"):
         settings.RingSettings(mode="diagonal")
@@ -132,6 +136,8 @@ def test_settings_from_args_and_configure(mcore):
         settings.RingSettings(schedule="tree")
     with pytest.raises(ValueError, match="gpus_per_node=0 must be a positive int"):
         settings.RingSettings(gpus_per_node=0)
+    with pytest.raises(ValueError, match="ring grad_accum 'fp16'"):
+        settings.RingSettings(grad_accum="fp16")
 
 
 def test_supported_config_passes(mcore):
