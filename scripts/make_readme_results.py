@@ -81,10 +81,11 @@ TABLES = [
     (
         "numerics",
         "Numerics at scale: relative error against the float64 oracle, bf16, torch path, gloo "
-        "(one seed shown per row; the run's numerics.jsonl has three)",
-        ("ep", "routing", "mode"),
-        ["ep", "routing", "mode", "shape", "seed", "rel_err_out", "rel_err_dx", "rel_err_dw13",
-         "rel_err_dw2"],
+        "(one seed shown per row; weight-gradient accumulators `grad_accum`: param = bf16, fp32; "
+        "`-`: rows from before the option, bf16)",
+        ("ep", "routing", "grad_accum", "mode"),
+        ["ep", "routing", "grad_accum", "mode", "shape", "seed", "rel_err_out", "rel_err_dx",
+         "rel_err_dw13", "rel_err_dw2"],
     ),
     (
         "fault",
