@@ -93,3 +93,23 @@ def test_ring_grad_accum_gloo(world, tmp_path):
         [_fp32_accumulators_remove_the_per_hop_rounding, _resolution_and_refusals], world,
         tmp_path, timeout=400,
     )  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["expert", "token"])
+def test_world_of_one_and_list_form_with_fp32_accumulators(mode):
+    """No process group (a world of one) and per-expert weight lists: fp32 accumulators give
+    gradients in the weights' dtype, per expert, within bf16 rounding of the oracle."""
+    from relaymoe.ring import ring_moe
+
+    pb = ring_problem(11, [T], EL, K, H, I)
+    ref = oracle({k: v.to(torch.bfloat16).double() if k in ("x", "w13", "w2", "dy") else v
+                  for k, v in pb.items()})  # fmt: skip
+    w13 = [w.bfloat16().requires_grad_() for w in pb["w13"]]
+    w2 = [w.bfloat16().requires_grad_() for w in pb["w2"]]
+    x = pb["x"].bfloat16().requires_grad_()
+    out = ring_moe(x, w13, w2, pb["idx"], pb["probs"].float(), mode=mode, backend="torch",
+                   grad_accum="fp32")  # fmt: skip
+    out.backward(pb["dy"].bfloat16())
+    assert all(w.grad.dtype == torch.bfloat16 for w in (*w13, *w2))
+    assert rel_err(torch.stack([w.grad for w in w13]), ref["dw13"]) < 1e-2
+    assert rel_err(torch.stack([w.grad for w in w2]), ref["dw2"]) < 1e-2
