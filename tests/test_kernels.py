@@ -328,6 +328,32 @@ def test_fp16_within_bound():
         assert rel_err(a, b) < 3e-3, name
 
 
+@pytest.mark.parametrize("wgrad", ["triton", "gmm"])
+def test_fp16_ranges_accumulate_weight_gradients_in_fp32(wgrad, monkeypatch):
+    """The ring's fp32 accumulators (``grad_accum``): fp16 operands, fp32 dw buffers that
+    several expert ranges add into, with either weight-gradient path, equal the float64 oracle
+    within fp16 rounding of the inputs; the buffers stay fp32."""
+    monkeypatch.setenv("RELAYMOE_WGRAD", wgrad)
+    gen = torch.Generator().manual_seed(13)
+    x, w13, w2, idx, probs = random_problem(37, 32, 16, 6, 2, gen=gen, kind="skewed")
+    dy = torch.randn(37, 32, generator=gen, dtype=torch.float64)
+    h16 = [t.half() for t in (x, w13, w2, dy)]
+    index = build_routing_index(idx, 6)
+    dw13 = torch.zeros(6, 32, 32, dtype=torch.float32)
+    dw2 = torch.zeros(6, 32, 16, dtype=torch.float32)
+    for _pass in (0, 1):  # two passes over the same experts: the second adds onto the first
+        for e0, e1 in [(0, 2), (2, 6)]:
+            expert_hop_backward(
+                h16[3], h16[0], h16[1][e0:e1], h16[2][e0:e1], probs.float(), index,
+                expert_range=(e0, e1), dw13=dw13[e0:e1], dw2=dw2[e0:e1], backend="triton",
+                max_pairs=37 * 2,
+            )  # fmt: skip
+    ref = _grads(moe_experts_reference, *(t.double() for t in h16[:3]), idx, probs, h16[3].double(),
+                 torch.float64)  # fmt: skip
+    assert dw13.dtype == dw2.dtype == torch.float32
+    assert rel_err(dw13 / 2, ref[2]) < 2e-3 and rel_err(dw2 / 2, ref[3]) < 2e-3
+
+
 def test_ranges_sum_to_full_touch_nothing_else_and_are_deterministic():
     gen = torch.Generator().manual_seed(4)
     x, w13, w2, idx, probs = (
