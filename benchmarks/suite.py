@@ -157,10 +157,10 @@ STEPS: tuple[Step, ...] = (
     # Megatron's 1F1B and interleaved schedules at PP=2 against alltoall
     # (the ring's default on CUDA has no host wait: NCCL's watchdog bounds a hang; "pass" waits)
     Step("fault_nccl", "benchmarks/fault.py", ALL, 2, 0, 540, min_gpus=2, full_only=True,
-         args=("--backend", "nccl", "--world", "2", "--timeout", "10", "--concurrency", "3",
+         args=("--backend", "nccl", "--world", "2", "--timeout", "10", "--concurrency", "5",
                "--host-wait", "off", "--out", "{out}/fault.jsonl"), outputs=("fault.jsonl",)),
     Step("fault_nccl_pass", "benchmarks/fault.py", ALL, 2, 0, 540, min_gpus=2, full_only=True,
-         args=("--backend", "nccl", "--world", "2", "--timeout", "10", "--concurrency", "3",
+         args=("--backend", "nccl", "--world", "2", "--timeout", "10", "--concurrency", "5",
                "--host-wait", "pass", "--out", "{out}/fault_pass.jsonl"),
          outputs=("fault_pass.jsonl",)),
     Step("determinism", "benchmarks/determinism.py", ALL, 2, 0, 300, min_gpus=2,
