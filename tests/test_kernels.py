@@ -354,14 +354,18 @@ def test_fp16_ranges_accumulate_weight_gradients_in_fp32(wgrad, monkeypatch):
     assert rel_err(dw13 / 2, ref[2]) < 2e-3 and rel_err(dw2 / 2, ref[3]) < 2e-3
 
 
-def test_ranges_sum_to_full_touch_nothing_else_and_are_deterministic():
-    gen = torch.Generator().manual_seed(4)
+def _f32_problem(seed: int, t: int, h: int, i: int, e: int, k: int):
+    """A skewed fp32 problem: (x, w13, w2, idx, probs, its routing index, dy)."""
+    gen = torch.Generator().manual_seed(seed)
     x, w13, w2, idx, probs = (
         v.float() if v.is_floating_point() else v
-        for v in random_problem(40, 20, 12, 7, 3, gen=gen, kind="skewed")
+        for v in random_problem(t, h, i, e, k, gen=gen, kind="skewed")
     )
-    index = build_routing_index(idx, 7)
-    dy = torch.randn_like(x)
+    return x, w13, w2, idx, probs, build_routing_index(idx, e), torch.randn_like(x)
+
+
+def test_ranges_sum_to_full_touch_nothing_else_and_are_deterministic():
+    x, w13, w2, idx, probs, index, dy = _f32_problem(4, 40, 20, 12, 7, 3)
     full_out, full_h = expert_hop_forward(x, w13, w2, probs, index, backend="triton")
     full = expert_hop_backward(dy, x, w13, w2, probs, index, saved_h=full_h, backend="triton")
     base = torch.randn_like(x)
@@ -405,13 +409,7 @@ def test_ranges_with_bound_sized_buffers_match_exact_counts(wgrad, monkeypatch):
     gives the exact-count results, with either weight-gradient path; the bound past the index's
     last pair (the gmm gathers clamp their rows there) included."""
     monkeypatch.setenv("RELAYMOE_WGRAD", wgrad)
-    gen = torch.Generator().manual_seed(8)
-    x, w13, w2, idx, probs = (
-        v.float() if v.is_floating_point() else v
-        for v in random_problem(31, 16, 8, 6, 3, gen=gen, kind="skewed")
-    )
-    index = build_routing_index(idx, 6)
-    dy = torch.randn_like(x)
+    x, w13, w2, idx, probs, index, dy = _f32_problem(8, 31, 16, 8, 6, 3)
     for e0, e1 in [(0, 2), (2, 5), (5, 6)]:
         start, stop = index.pair_range(e0, e1)
         got = []
