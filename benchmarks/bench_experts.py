@@ -86,7 +86,7 @@ def make_inputs(num_tokens, num_experts, topk, hidden, ffn, seed=0):
 # --------------------------------------------------------------------------------------------
 # providers: fn(x, w13, w2, idx, probs) -> out (T, H)
 # --------------------------------------------------------------------------------------------
-_SWITCHES = ("RELAYMOE_DENSE_GEMM", "RELAYMOE_WGRAD")
+_SWITCHES = ("RELAYMOE_DENSE_GEMM", "RELAYMOE_WGRAD", "RELAYMOE_TMA")
 # Two bf16 implementations of the same layer differ by ~6e-3 relative (each ~4e-3 from float64,
 # tests/gpu); beyond this something is wrong, and the run exits non-zero after writing its rows.
 AGREE_BOUND = 2e-2
@@ -303,7 +303,7 @@ def main(argv=None) -> int:
         nargs="*",
         default=None,
         help="relaymoe_act relaymoe_fc1 relaymoe_act_wgradtriton relaymoe_act_tritongemm "
-        "naive liger",
+        "relaymoe_act_tma naive liger",
     )
     ap.add_argument("--breakdown", action="store_true", help="time each kernel at qwen3 T32k")
     ap.add_argument(
@@ -333,12 +333,14 @@ def main(argv=None) -> int:
             "relaymoe_wgradtriton", "act", relaymoe_fn("act", {"RELAYMOE_WGRAD": "triton"})),
         "relaymoe_act_tritongemm": (
             "relaymoe_tritongemm", "act", relaymoe_fn("act", {"RELAYMOE_DENSE_GEMM": "triton"})),
+        "relaymoe_act_tma": ("relaymoe_tma", "act", relaymoe_fn("act", {"RELAYMOE_TMA": "1"})),
         "naive": ("naive", None, naive_fn),
         "liger": ("liger", None, liger_fn()),
     }  # fmt: skip
     # the target's comparison (relaymoe act vs naive and liger) first, so a cut-off run keeps it
     wanted = args.providers or [
-        "relaymoe_act", "naive", "liger", "relaymoe_fc1", "relaymoe_act_wgradtriton"]  # fmt: skip
+        "relaymoe_act", "naive", "liger", "relaymoe_fc1", "relaymoe_act_wgradtriton",
+        "relaymoe_act_tma"]  # fmt: skip
     unknown = sorted(set(wanted) - set(providers))
     if unknown:
         ap.error(f"unknown providers {unknown}; choose from {sorted(providers)}")

@@ -72,6 +72,38 @@ def test_up_swiglu_and_rows_gemm(case, cfg):
 
 
 @pytest.mark.parametrize("cfg", [CFG_A, CFG_B])
+@pytest.mark.parametrize(
+    "case", [(29, 24, 20, 7, 3, "skewed", 2, 6), (19, 12, 7, 5, 2, "empty", 0, 5),
+             (13, 30, 12, 4, 4, "uniform", 0, 4)],  # H=30: 120-byte rows, no descriptor
+)  # fmt: skip
+def test_up_swiglu_weight_tiles_through_a_tensor_descriptor(case, cfg, monkeypatch):
+    """RELAYMOE_TMA=1 (weight tiles by a tensor descriptor, past-the-expert rows masked) gives
+    the pointer path's h and a to fp32 rounding (the interpreter's dot of a transposed tile may
+    sum in another order), both within the fp32 bound of the float64 h: odd I, a partial range,
+    empty experts, and a width the descriptor cannot take (the launcher falls back)."""
+    s = _setup(*case)
+    n, ffn = s["n"], s["w2"].shape[2]
+    prob_P = s["probs"].reshape(-1)[s["pair"]].float()
+    idx_P = s["index"].expert_token_indices
+    got = {}
+    for tma in ("0", "1"):
+        monkeypatch.setenv("RELAYMOE_TMA", tma)
+        h = torch.full((n, 2 * ffn), float("nan"))
+        a = torch.full((n, ffn), float("nan"))
+        w13 = s["w13"].float().contiguous()
+        grouped.up_swiglu(s["x"].float(), w13, idx_P, s["offs"], prob_P, h, a, config=cfg)
+        got[tma] = (h, a)
+    assert grouped._tma_weights(s["w13"].float().contiguous()) == (case[1] != 30)
+    h_ref = _h_ref(s)
+    for tma, (h, a) in got.items():
+        assert rel_err(h, h_ref) < F32, tma
+        assert rel_err(a, got["0"][1]) < 1e-6, tma
+    monkeypatch.setenv("RELAYMOE_TMA", "yes")
+    with pytest.raises(ValueError, match="RELAYMOE_TMA='yes'"):
+        grouped._tma_weights(s["w13"])
+
+
+@pytest.mark.parametrize("cfg", [CFG_A, CFG_B])
 def test_wgrads(cfg):
     s = _setup(31, 20, 24, 6, 2, "empty", 1, 6, seed=1)  # last expert (local 4) gets no pair
     c = s["cast"]

@@ -22,6 +22,9 @@ SwiGLU backward and the launch grid. The launchers check those on sizes before l
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -115,8 +118,14 @@ def _up_swiglu_kernel(
     stride_xt, stride_we, stride_wn, stride_wk, stride_hp, stride_ap,
     SAVE_H: tl.constexpr, SCALE: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    TMA_W: tl.constexpr = False,
 ):  # fmt: skip
-    """h[q] = x[tok[q]] @ w13[e]^T (gate and up tiles together); a = silu(gate) * up (* p)."""
+    """h[q] = x[tok[q]] @ w13[e]^T (gate and up tiles together); a = silu(gate) * up (* p).
+
+    ``TMA_W``: the weight tiles come through a tensor descriptor over w13 as (El*2I, H) rows
+    (TMA on sm90; the launcher checks contiguity and 16-byte strides). A gate tile that runs
+    past row I reads up rows and an up tile past the last expert reads zeros: those columns are
+    masked at the store, as the pointer path's clamped columns are."""
     e, row0, row_end, pid_n = _row_col_tile(I, offs_ptr, n_experts, BLOCK_M, BLOCK_N, BLOCK_E)
     if e >= n_experts:
         return
@@ -135,14 +144,24 @@ def _up_swiglu_kernel(
     u_ptrs = g_ptrs + I * stride_wn
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if TMA_W:
+        w_desc = tl.make_tensor_descriptor(
+            w_ptr, shape=[n_experts * 2 * I, H], strides=[H, 1], block_shape=[BLOCK_N, BLOCK_K]
+        )
+        g_row = (e * 2 * I + pid_n * BLOCK_N).to(tl.int32)
     for k0 in range(0, H, BLOCK_K):
         if EVEN_K:
             xa = tl.load(x_ptrs)
+        else:
+            xa = tl.load(x_ptrs, mask=(ks < H - k0)[None, :], other=0.0)
+        if TMA_W:  # rows past H are zero-filled by the descriptor
+            wg = w_desc.load([g_row, k0]).T
+            wu = w_desc.load([g_row + I, k0]).T
+        elif EVEN_K:
             wg = tl.load(g_ptrs)
             wu = tl.load(u_ptrs)
         else:
             k_ok = ks < H - k0
-            xa = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
             wg = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
             wu = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
         acc_g = _mma(xa, wg, acc_g, IEEE)
@@ -429,6 +448,38 @@ def _pick(tuned, raw, config, kdim, name: str, key: dict, dtype):
     return raw, meta
 
 
+def _tma_mode() -> bool:
+    mode = os.environ.get("RELAYMOE_TMA", "0")
+    if mode not in ("0", "1"):
+        raise ValueError(
+            f"RELAYMOE_TMA={mode!r}: use 1 (up_swiglu loads its weight tiles through a tensor "
+            "descriptor, TMA on sm90) or 0 (pointer loads, the default until measured faster)"
+        )
+    return mode == "1"
+
+
+def _tma_weights(w_EMK) -> bool:
+    """Whether ``up_swiglu`` loads ``w13`` through a tensor descriptor: asked for
+    (``RELAYMOE_TMA=1``), a contiguous weight on a 16-byte aligned base (descriptor strides must
+    be 16-byte multiples). Sets Triton's allocator for the descriptors' scratch on first use."""
+    if not _tma_mode():
+        return False
+    row_bytes = w_EMK.shape[-1] * w_EMK.element_size()
+    if not w_EMK.is_contiguous() or row_bytes % 16 or w_EMK.data_ptr() % 16:
+        return False
+    if w_EMK.is_cuda:
+        _set_descriptor_allocator()
+    return True
+
+
+@functools.cache
+def _set_descriptor_allocator() -> None:
+    def alloc(size: int, alignment: int, stream):
+        return torch.empty(size, dtype=torch.int8, device="cuda")
+
+    triton.set_allocator(alloc)
+
+
 def _block_e(n_experts: int) -> int:
     return max(16, triton.next_power_of_2(n_experts))
 
@@ -481,13 +532,14 @@ def up_swiglu(x_TH, w13_E2IH, idx_P, offs, prob_P, h_P2I, a_PI, *, config=None):
                          x_TH.dtype)  # fmt: skip
     h = h_P2I if h_P2I is not None else a_PI
     p = prob_P if prob_P is not None else a_PI
+    tma = _tma_weights(w13_E2IH)
     kernel[_row_grid(n_pairs, n_experts, ffn)](
         x_TH, w13_E2IH, idx_P, offs, p, h, a_PI,
         n_experts, hidden, ffn,
         x_TH.stride(0), w13_E2IH.stride(0), w13_E2IH.stride(1), w13_E2IH.stride(2),
         h.stride(0), a_PI.stride(0),
         SAVE_H=h_P2I is not None, SCALE=prob_P is not None, IEEE=_ieee(x_TH),
-        BLOCK_E=_block_e(n_experts), **meta,
+        BLOCK_E=_block_e(n_experts), TMA_W=tma, **meta,
     )  # fmt: skip
 
 

@@ -111,16 +111,18 @@ def test_ranges_sum_to_full_and_are_deterministic(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "dense,chunk_mib,wgrad",
-    [("triton", "512", "triton"), ("auto", "1", "triton"), ("auto", "512", "gmm"),
-     ("auto", "1", "gmm")],
+    "dense,chunk_mib,wgrad,tma",
+    [("triton", "512", "triton", "0"), ("auto", "1", "triton", "0"), ("auto", "512", "gmm", "0"),
+     ("auto", "1", "gmm", "0"), ("auto", "512", "gmm", "1")],
 )  # fmt: skip
-def test_backend_switches_match_oracle(dense, chunk_mib, wgrad, monkeypatch):
+def test_backend_switches_match_oracle(dense, chunk_mib, wgrad, tma, monkeypatch):
     """Each dispatch variant (Triton/torch._grouped_mm dense GEMMs, column-chunked (P, H)
     buffers: 1 MiB -> 256-column strided weight views, weight gradients by the Triton kernel or
-    by torch._grouped_mm over gathered column chunks) against float64 at the qwen3 widths, with
-    pinned configs: each variant autotuned would tune new shape keys."""
+    by torch._grouped_mm over gathered column chunks, up_swiglu's weight tiles by TMA) against
+    float64 at the qwen3 widths, with pinned configs: each variant autotuned would tune new shape
+    keys."""
     monkeypatch.setenv("RELAYMOE_AUTOTUNE", "0")
+    monkeypatch.setenv("RELAYMOE_TMA", tma)
     monkeypatch.setenv("RELAYMOE_WGRAD", wgrad)
     monkeypatch.setenv("RELAYMOE_DENSE_GEMM", dense)
     monkeypatch.setenv("RELAYMOE_PAIR_BUFFER_MIB", chunk_mib)
