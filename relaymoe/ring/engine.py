@@ -24,16 +24,19 @@ local. Ranks may hold different T (including 0): every rank knows every T from t
 step, so each hop sends and receives exactly the partition's bytes.
 
 **Memory bound** (besides inputs, outputs and gradients; ``W = El*3*H*I`` elements, ``b`` bytes
-per element, ``Tm`` the largest T of the group, ``m = K*(4+pb)`` metadata bytes per token):
+per element, ``gb`` bytes of a weight-gradient accumulator element (``b``, or 4 with fp32
+accumulators: ``grad_accum``), ``Tm`` the largest T of the group, ``m = K*(4+pb)`` metadata
+bytes per token; ``costmodel.memory_bytes`` is this list):
 
 * expert forward: two weight slots ``2*W*b``, plus one hop's compute intermediates;
-* expert backward: two slots of weights + trailing gradient ``2*2*W*b``, one gradient scratch
-  ``W*b``, the returned gradient ``W*b``, plus one hop's intermediates (recomputed per hop,
-  freed before the next);
+* expert backward: two slots of weights + trailing gradient ``2*W*(b + gb)``, one gradient
+  scratch ``W*gb``, the returned gradient ``W*gb`` (and its cast ``W*b`` when ``gb != b``),
+  plus one hop's intermediates (recomputed per hop, freed before the next);
 * token forward: two slots ``2*Tm*(2*H*b + m)``, one output scratch ``Tm*H*b``, plus one hop's
   intermediates and routing index;
 * token backward: two slots ``2*Tm*(3*H*b + m + K*pb)``, one dx/dprobs scratch, the local
-  weight-gradient accumulator ``W*b``, plus one hop's intermediates and routing index;
+  weight-gradient accumulator ``W*gb`` (and its cast), plus one hop's intermediates and routing
+  index;
 * list-form weights (``weights.py``): nothing more in expert mode; in token mode (and in a world
   of one) ``W*b`` more for the duration of each pass when the per-expert tensors are not back
   to back in one storage (in expert order or its reverse), else nothing (a zero-copy view).
