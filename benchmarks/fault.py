@@ -440,10 +440,25 @@ def run_isolated(specs: list[Spec], outdir: str, *, concurrency: int = 4,
 def run_torchrun(specs: list[Spec], outdir: str, *, concurrency: int = 1) -> list[dict]:
     """NCCL: one ``torchrun`` job per case (this machine's GPUs), each under a wall-clock cap;
     ``concurrency`` jobs at once (``--standalone`` gives each its own rendezvous port)."""
+    import signal
     import subprocess
+    import threading
     from concurrent.futures import ThreadPoolExecutor
 
     from benchmarks.e2e import _stop_group
+
+    running: set = set()
+    lock = threading.Lock()
+
+    def stop_all(signum, frame):  # the caller's SIGTERM (a suite limit): no orphaned cases
+        with lock:
+            procs = list(running)
+        for p in procs:
+            _stop_group(p, grace_s=5)
+        raise SystemExit(128 + signum)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, stop_all)
 
     def one(i: int, spec: Spec) -> dict:
         case_dir = Path(outdir, f"{i:03d}-{spec.label()}")
@@ -462,12 +477,17 @@ def run_torchrun(specs: list[Spec], outdir: str, *, concurrency: int = 1) -> lis
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                     env=dict(os.environ, **dict(spec.env)),
                                     start_new_session=True)  # fmt: skip
+            with lock:
+                running.add(proc)
             try:
                 if proc.wait(timeout=cap):
                     note = f"torchrun exit code {proc.returncode} (see {case_dir}/torchrun.log)"
             except subprocess.TimeoutExpired:
                 _stop_group(proc)
                 note = f"still running at the {cap:.0f} s cap (killed)"
+            finally:
+                with lock:
+                    running.discard(proc)
         hung = [r for r in spec.group_ranks if not Path(case_dir, f"rank{r}.json").exists()]
         row = row_of(spec, str(case_dir), hung=hung if note else [], note=note)
         row["wall_s"] = round(time.monotonic() - t0, 1)
