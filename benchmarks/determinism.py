@@ -22,7 +22,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import ROOT, JsonlWriter  # noqa: E402
-from benchmarks.e2e import RunResult, plans_or_no_gpus, pretrain_args, run_pretrain  # noqa: E402
+from benchmarks.e2e import (  # noqa: E402
+    RunResult,
+    _abs_diffs,
+    plans_or_no_gpus,
+    pretrain_args,
+    run_pretrain,
+)
 
 TRANSPORTS = ("copy_engine", "nccl")
 
@@ -44,7 +50,7 @@ def determinism_row(a: RunResult, b: RunResult, digests: tuple[dict, dict], *, s
     if not why and (len(da) != gpus or len(db) != gpus):
         why.append(f"weight digests from {len(da)} and {len(db)} of {gpus} ranks")
     n = min(len(a.steps), len(b.steps))
-    diffs = [abs(x - y) for x, y in zip(a.losses[:n], b.losses[:n], strict=True)]
+    diffs = _abs_diffs(a, b)
     losses_same = n == steps and a.losses[:n] == b.losses[:n]
     weights_same = len(da) == gpus and da == db
     return {

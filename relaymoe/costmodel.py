@@ -935,12 +935,14 @@ def comm_volume(
     dtype=2,
     prob_dtype=4,
     world: int | None = None,
+    grad_accum: str = AUTO,
 ) -> CommVolume:
     """Per-hop bytes of both ring modes for a partition of ``num_tokens`` tokens (the largest).
 
     ``dtype`` / ``prob_dtype``: the activations' and the probabilities' dtype or byte count
     (default bf16, fp32). ``world``: the ring length, which ``preferred`` needs to use the time
-    model (otherwise it compares bytes).
+    model (otherwise it compares bytes) and ``grad_accum`` its accumulators (GRAD_ACCUM_CHOICES;
+    without ``world`` ``auto`` counts them in the weights' dtype).
     """
     for name, v in (
         ("num_tokens", num_tokens),
@@ -952,10 +954,11 @@ def comm_volume(
         if not isinstance(v, int) or v < 0:
             raise ValueError(f"{name} must be an int >= 0, got {v!r}")
     b, pb = _nbytes(dtype), _nbytes(prob_dtype)
+    gb = grad_accum_bytes(grad_accum, world or 1, b)
     # bytes only need the per-rank sizes; Dims (the time model) needs every size >= 1
     d = None
     if world is not None and min(hidden, ffn, num_local_experts, topk) >= 1:
-        d = Dims(num_tokens, hidden, ffn, num_local_experts, topk, world, b, pb)
-    sizes = (num_tokens, hidden, ffn, num_local_experts, topk, b, pb)
+        d = Dims(num_tokens, hidden, ffn, num_local_experts, topk, world, b, pb, gb)
+    sizes = (num_tokens, hidden, ffn, num_local_experts, topk, b, pb, gb)
     e, t = _ring_hop_bytes("expert", *sizes), _ring_hop_bytes("token", *sizes)
     return CommVolume(expert_fwd=e.fwd, expert_bwd=e.bwd, token_fwd=t.fwd, token_bwd=t.bwd, dims=d)

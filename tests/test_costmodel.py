@@ -242,11 +242,15 @@ def test_comm_volume_is_the_cost_models():
     )
     # with the ring length, preferred is choose_mode over the ring modes
     for T in (512, 21504, 131072):
-        for world in (1, 2, 8):
+        for world in (1, 2, 8, 16, 32):
             w = cm.comm_volume(T, 2048, 768, 128 // world, 8, world=world)
             want = cm.choose_mode(tokens=T, hidden=2048, ffn=768, num_local_experts=128 // world,
                                   topk=8, world=world, modes=cm.RING_MODES)  # fmt: skip
             assert w.preferred() == want
+            # the accumulators as the runtime's auto makes them (fp32 from 16 ranks)
+            d = cm.dims(tokens=T, hidden=2048, ffn=768, num_local_experts=128 // world, topk=8,
+                        world=world)  # fmt: skip
+            assert w.expert_bwd == cm.hop_bytes("expert", d).bwd, world
     # without it, the smaller per-hop volume
     assert v.preferred() == ("expert" if v.expert_step <= v.token_step else "token")
 
