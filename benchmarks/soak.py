@@ -2,7 +2,8 @@
 one EP rank's experts and back, ring against alltoall from the same seed.
 
     python benchmarks/soak.py [--config tiny_qwen3] [--steps 1000] [--period 200]
-        [--strength 12] [--warmup 50] [--out benchmarks/results/soak.jsonl] [--dry-run]
+        [--strength 12] [--warmup 50] [--parallel] [--out benchmarks/results/soak.jsonl]
+        [--dry-run]
 
 Three ``torchrun -m benchmarks.soak_pretrain`` jobs at EP = 2 (two GPUs), identical flags and seed
 but the dispatcher: ``ring`` (mode auto), ``alltoall`` and ``alltoall`` again (megatron-core's
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -99,20 +101,27 @@ def main(argv=None) -> int:
     ap.add_argument("--run-timeout-s", type=float, default=900)
     ap.add_argument("--workdir", default="/tmp/relaymoe_soak")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "soak.jsonl"))
+    ap.add_argument(
+        "--parallel",
+        action="store_true",
+        help="the three runs at once on the same GPUs (wall_s is then not a speed)",
+    )
     ap.add_argument("--dry-run", action="store_true")
     a = ap.parse_args(argv)
     if a.warmup >= a.steps or a.period < 2:
         ap.error(f"--warmup {a.warmup} must be below --steps {a.steps}, --period >= 2")
     gpus = 2
     settings = {"config": a.config, "ep": gpus, "period": a.period, "strength": a.strength,
-                "warmup": a.warmup, "steps_requested": a.steps, "seed": a.seed}  # fmt: skip
+                "warmup": a.warmup, "steps_requested": a.steps, "seed": a.seed,
+                "parallel": a.parallel}  # fmt: skip
     plans = {label: pretrain_args(a.config, gpus=gpus, steps=a.steps, dispatcher=d, seed=a.seed,
                                   regime="stable") for label, d in RUNS}  # fmt: skip
     early = plans_or_no_gpus(plans, dry_run=a.dry_run, gpus=gpus, who="soak")
     if early is not None:
         return early
     results, logs = {}, {}
-    for label, flags in plans.items():
+
+    def one(label: str) -> None:
         folder = Path(a.workdir) / label
         env = {
             "RELAYMOE_SOAK_DIR": str(folder / "ranks"),
@@ -120,12 +129,19 @@ def main(argv=None) -> int:
             "RELAYMOE_SOAK_PERIOD": str(a.period),
             "RELAYMOE_SOAK_STRENGTH": str(a.strength),
         }
-        results[label] = run_pretrain(flags, gpus=gpus, label=label, timeout_s=a.run_timeout_s,
-                                      workdir=str(folder), module="benchmarks.soak_pretrain",
-                                      env=env)  # fmt: skip
+        results[label] = run_pretrain(plans[label], gpus=gpus, label=label,
+                                      timeout_s=a.run_timeout_s, workdir=str(folder),
+                                      module="benchmarks.soak_pretrain", env=env)  # fmt: skip
         logs[label] = read_rank_logs(folder / "ranks")
         why = results[label].failure(a.steps)
         print(f"[soak] {label}: {why or 'ok'} ({results[label].seconds:.0f} s)", flush=True)
+
+    if a.parallel:  # nothing measured here is a time: the runs may share the GPUs
+        with ThreadPoolExecutor(len(plans)) as pool:
+            list(pool.map(one, plans))
+    else:
+        for label in plans:
+            one(label)
     writer = JsonlWriter(a.out)
     rows = [writer.write(r) for r in soak_rows(results, logs, steps=a.steps, warmup=a.warmup,
                                                 settings=settings)]  # fmt: skip

@@ -167,7 +167,8 @@ STEPS: tuple[Step, ...] = (
          full_only=True, args=("--out", "{out}/determinism.jsonl"),
          outputs=("determinism.jsonl",)),
     Step("soak", "benchmarks/soak.py", ALL, 2, 0, 580, min_gpus=2, full_only=True,
-         args=("--run-timeout-s", "240", "--out", "{out}/soak.jsonl"), outputs=("soak.jsonl",)),
+         args=("--run-timeout-s", "420", "--parallel", "--out", "{out}/soak.jsonl"),
+         outputs=("soak.jsonl",)),
     Step("e2e_pp", "benchmarks/bench_e2e.py", ALL, 2, 0, 540, min_gpus=2, full_only=True,
          args=("--shapes", "tiny_qwen3_pp2,tiny_qwen3_pp2_vpp2", "--noise-run", "--out",
                "{out}/e2e_pp.jsonl"), outputs=("e2e_pp.jsonl",)),
@@ -479,6 +480,12 @@ def install_wheels(root: Path, log: Path) -> Path | None:
     if not wheels:
         return None
     site = Path("/tmp/site")
+    # a wheel's file name begins with its dist-info's: when all are there (device_run.sh put them,
+    # or a suite started beside this one), re-installing would swap modules under running steps
+    have = {d.name.removesuffix(".dist-info") for d in site.glob("*.dist-info")}
+    if all("-".join(w.name.split("-")[:2]) in have for w in wheels):
+        print(f"[suite] {len(wheels)} carried wheels already in {site}")
+        return site
     cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
            "--target", str(site), *map(str, wheels)]  # fmt: skip
     with open(log, "wb") as f:
