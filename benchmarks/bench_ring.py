@@ -113,6 +113,7 @@ def main(argv=None) -> int:
     from benchmarks._dist import timed_collective as _timed
     from benchmarks.common import JsonlWriter, moe_flops_fwd_bwd, print_table
     from relaymoe.ring import comm_volume, record_timeline, resolved_problem, ring_moe
+    from relaymoe.ring.faults import host_wait_mode
     from relaymoe.ring.transport import symmetric_workspace_bytes
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -181,6 +182,7 @@ def main(argv=None) -> int:
             mode=prob.mode, transport=prob.transport, overlap=overlap,
             symm_workspace_MiB=round(symm, 1), schedule=topo.get("schedule", prob.schedule),
             gpus_per_node=topo.get("gpus_per_node", prob.gpus_per_node),
+            host_wait=host_wait_mode(layer.x.device),
         )  # fmt: skip
         if overlap and world > 1 and prob.mode != "alltoall":
             with record_timeline() as tl_o:

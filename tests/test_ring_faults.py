@@ -223,8 +223,13 @@ def test_timeout_is_the_group_s_own_or_the_environment_s(monkeypatch):
     monkeypatch.setattr(faults.torch.cuda, "is_available", lambda: False)
     monkeypatch.delenv("RELAYMOE_RING_TIMEOUT_S", raising=False)
     assert faults.ring_timeout_s(_Group()) == 7.0
-    backend[0] = "nccl"  # gives up before NCCL's watchdog: 10% (at most 5 s) earlier
-    assert faults.ring_timeout_s(_Group()) == pytest.approx(6.3)
+    backend[0] = "nccl"  # gives up before NCCL's watchdog: 25% (at most 5 s) earlier
+    assert faults.ring_timeout_s(_Group()) == pytest.approx(5.25)
+    _Options._timeout = timedelta(seconds=600)  # a real job's: the 5 s cap
+    try:
+        assert faults.ring_timeout_s(_Group()) == pytest.approx(595.0)
+    finally:
+        _Options._timeout = timedelta(seconds=7)
     monkeypatch.setenv("RELAYMOE_RING_TIMEOUT_S", "2.5")
     assert faults.ring_timeout_s(_Group()) == 2.5
     for bad in ("0", "-1", "soon"):

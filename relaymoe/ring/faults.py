@@ -26,7 +26,7 @@ Where the host waits (``RELAYMOE_RING_HOST_WAIT``):
   stays ``off`` until the sync's cost is measured on GPU.
 
 The timeout is the group's own (``timeout=`` of ``init_process_group``/``new_group``), on NCCL
-less ``min(5 s, 10%)`` so the ring's error comes before the watchdog acts (:func:`ring_timeout_s`),
+less ``min(5 s, 25%)`` so the ring's error comes before the watchdog acts (:func:`ring_timeout_s`),
 or ``RELAYMOE_RING_TIMEOUT_S`` seconds when set.
 """
 
@@ -48,6 +48,8 @@ __all__ = [
     "check_markers",
     "group_timeout_s",
     "host_wait_enabled",
+    "host_wait_mode",
+    "nccl_margin_s",
     "ring_timeout_s",
 ]
 
@@ -55,7 +57,10 @@ TIMEOUT_ENV = "RELAYMOE_RING_TIMEOUT_S"
 HOST_WAIT_ENV = "RELAYMOE_RING_HOST_WAIT"
 _HOST_WAITS = ("pass", "off")
 _FALLBACK_TIMEOUT_S = 1800.0  # torch's default for non-NCCL groups
-NCCL_MARGIN_S = 5.0  # the ring gives up this much (at most 10%) before NCCL's watchdog
+# the ring gives up this much before NCCL's watchdog: 5 s, at most a quarter of the timeout (with
+# a tenth, 1 s of a 10 s group, a loaded host's survivor lost the race to its own watchdog)
+NCCL_MARGIN_S = 5.0
+NCCL_MARGIN_FRACTION = 0.25
 
 
 class RingPeerError(RuntimeError):
@@ -122,9 +127,14 @@ def _restore(kwargs: dict) -> RingPeerError:
     return RingPeerError(**kwargs)
 
 
+def nccl_margin_s(pg_timeout_s: float) -> float:
+    """Seconds the ring's NCCL waits give up before the group's own timeout."""
+    return min(NCCL_MARGIN_S, NCCL_MARGIN_FRACTION * pg_timeout_s)
+
+
 def ring_timeout_s(group: dist.ProcessGroup) -> float:
     """Seconds the ring waits for a peer: ``RELAYMOE_RING_TIMEOUT_S`` if set, else ``group``'s
-    own timeout (:func:`group_timeout_s`); on NCCL that less ``min(5 s, 10%)``, so that the
+    own timeout (:func:`group_timeout_s`); on NCCL that less :func:`nccl_margin_s`, so that the
     ring's wait gives up, and names the peer, before NCCL's watchdog (which may end the process
     at the group's timeout) acts on the same work."""
     env = os.environ.get(TIMEOUT_ENV)
@@ -141,7 +151,7 @@ def ring_timeout_s(group: dist.ProcessGroup) -> float:
         return value
     pg = group_timeout_s(group)
     if _is_nccl(group):
-        return pg - min(NCCL_MARGIN_S, 0.1 * pg)
+        return pg - nccl_margin_s(pg)
     return pg
 
 
@@ -178,8 +188,14 @@ def _comm_devices(group) -> list[torch.device]:
 
 def host_wait_enabled(device: torch.device) -> bool:
     """Whether the host waits (bounded) for a pass's transfers before the pass returns."""
+    return host_wait_mode(device) != "off"
+
+
+def host_wait_mode(device: torch.device) -> str:
+    """``"hop"`` (CPU: every hop's transfer is waited for before it is read), else the CUDA
+    setting of ``RELAYMOE_RING_HOST_WAIT``: ``"pass"`` or ``"off"``."""
     if device.type != "cuda":
-        return True  # the CPU path reads every hop only after its bounded wait
+        return "hop"
     value = os.environ.get(HOST_WAIT_ENV, "off")
     if value not in _HOST_WAITS:
         raise ValueError(
@@ -187,7 +203,7 @@ def host_wait_enabled(device: torch.device) -> bool:
             "each pass's transfers: a dead peer raises RingPeerError) or 'off' (no host sync; a "
             "hang is bounded only by NCCL's watchdog)"
         )
-    return value == "pass"
+    return value
 
 
 class PeerWatch:
