@@ -66,6 +66,7 @@ is 1 when any run failed. ``--dry-run`` prints the planned commands without a GP
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 import time
@@ -80,6 +81,7 @@ from benchmarks.e2e import (
     print_summary,
     run_pretrain,
 )
+from relaymoe.ring.faults import HOST_WAIT_ENV
 
 PROVIDER = {"ring": "relaymoe_ring", "alltoall": "mcore_alltoall"}
 DEFAULT_CONFIG = "tiny_qwen3"
@@ -209,6 +211,7 @@ def shape_rows(
         "recompute": list(shape.recompute_modules) or None,
         "steps_requested": steps,
         "seed": seed,
+        "ring_host_wait": os.environ.get(HOST_WAIT_ENV, "off"),  # the ring's runs inherit it
         **REGIMES[plans[0].regime].row_fields(steps),
         "max_abs_loss_diff_vs_other": par["max_abs_loss_diff"],
         "mean_abs_loss_diff_vs_other": par["mean_abs_loss_diff"],

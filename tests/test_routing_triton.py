@@ -151,3 +151,29 @@ def test_build_passes_its_overrides_to_the_launch_config(monkeypatch):
         assert seen == [{"pairwise": pairwise, "fused": fused, "max_blocks": 3}], seen
     with pytest.raises(TypeError):
         build_routing_index_triton(idx, 6, pairwize=True)  # a misspelt keyword is an error
+
+
+@pytest.mark.parametrize(("pairwise", "fused"), PATHS)
+def test_out_of_range_ids_stay_in_bounds(pairwise, fused):
+    """The garbage of a transfer a dead peer never filled (ids < 0 or >= E) must not make the
+    build, or the kernels indexing through it, address memory out of bounds: every output stays
+    a valid index, and the pairs of valid ids keep their experts."""
+    T, K, E = 37, 3, 6  # E_PAD 8 (or more for pairwise): ids 6, 7 also fall outside E
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, E, (T, K), generator=g)
+    bad = torch.rand(T, K, generator=g) < 0.3
+    ids[bad] = torch.tensor([-3, 9, 2**20, -(2**31)])[torch.arange(int(bad.sum())) % 4]
+    eti, offs, tei, tim = build_routing_index_triton(
+        ids.to(torch.int32), E, pairwise=pairwise, fused=fused, max_blocks=4
+    )
+    P = T * K
+    assert ((eti >= 0) & (eti < T)).all()
+    assert sorted(tim.tolist()) == list(range(P))  # a permutation: no position twice
+    assert (offs.diff() >= 0).all() and 0 <= offs[0] <= offs[-1] <= P
+    e_pad = routing_config(P, E, pairwise=pairwise)["e_pad"]
+    assert ((tei >= 0) & (tei < e_pad)).all()
+    good = ~bad.reshape(-1)
+    assert torch.equal(tei[good], ids.reshape(-1)[good].to(torch.int32))
+    for e in range(E):  # the valid pairs of expert e sit in its range, in token order
+        pos = tim[good & (tei == e)].long()
+        assert ((pos >= offs[e]) & (pos < offs[e + 1])).all()

@@ -61,6 +61,16 @@ _SCATTER_TILE = 1024
 
 
 @triton.jit
+def _safe_ids(e, live, E_PAD: tl.constexpr):
+    """int32 ids whose live lanes lie in ``[0, E_PAD)``: an id out of range (never from a router
+    or a validated input, but the garbage of a transfer a dead peer never filled) becomes
+    ``E_PAD - 1`` so that no kernel of the build or after it addresses memory out of bounds; the
+    ring names the dead peer, this only keeps the GPU from faulting first."""
+    e = e.to(tl.int64)
+    return tl.where(live & ((e < 0) | (e >= E_PAD)), E_PAD - 1, e).to(tl.int32)
+
+
+@triton.jit
 def _count_rank_kernel(
     topk_ptr,  # (P,) any integer dtype, token-major expert ids
     tei_ptr,  # (P,) int32 out: token_expert_indices
@@ -88,7 +98,7 @@ def _count_rank_kernel(
             idx = start + it * TILE + lane
             live = idx < stop
             # Dead lanes get the id E_PAD: no real expert, and they sit after every live lane.
-            e = tl.load(topk_ptr + idx, mask=live, other=E_PAD).to(tl.int32)
+            e = _safe_ids(tl.load(topk_ptr + idx, mask=live, other=E_PAD), live, E_PAD)
             tl.store(tei_ptr + idx, e, mask=live)
             same = e[:, None] == e[None, :]
             before = tl.sum((same & earlier).to(tl.int32), axis=1)
@@ -106,7 +116,7 @@ def _count_rank_kernel(
         for it in range(0, n_tiles):
             idx = start + it * TILE + lane
             live = idx < stop
-            e = tl.load(topk_ptr + idx, mask=live, other=E_PAD).to(tl.int32)
+            e = _safe_ids(tl.load(topk_ptr + idx, mask=live, other=E_PAD), live, E_PAD)
             tl.store(tei_ptr + idx, e, mask=live)
             hit = (e[:, None] == cols[None, :]).to(tl.int32)  # (TILE, E_PAD) one-hot
             upto = tl.cumsum(hit, axis=0)  # inclusive count per expert down the tile
