@@ -303,7 +303,8 @@ def main(argv=None) -> int:
         nargs="*",
         default=None,
         help="relaymoe_act relaymoe_fc1 relaymoe_act_wgradtriton relaymoe_act_tritongemm "
-        "relaymoe_act_tma naive liger",
+        "relaymoe_act_tma relaymoe_act_ptr naive liger (relaymoe_act: RELAYMOE_TMA's default, "
+        "tensor descriptors on sm90; _tma forces them, _ptr the pointer loads)",
     )
     ap.add_argument("--breakdown", action="store_true", help="time each kernel at qwen3 T32k")
     ap.add_argument(
@@ -334,13 +335,14 @@ def main(argv=None) -> int:
         "relaymoe_act_tritongemm": (
             "relaymoe_tritongemm", "act", relaymoe_fn("act", {"RELAYMOE_DENSE_GEMM": "triton"})),
         "relaymoe_act_tma": ("relaymoe_tma", "act", relaymoe_fn("act", {"RELAYMOE_TMA": "1"})),
+        "relaymoe_act_ptr": ("relaymoe_ptr", "act", relaymoe_fn("act", {"RELAYMOE_TMA": "0"})),
         "naive": ("naive", None, naive_fn),
         "liger": ("liger", None, liger_fn()),
     }  # fmt: skip
     # the target's comparison (relaymoe act vs naive and liger) first, so a cut-off run keeps it
     wanted = args.providers or [
         "relaymoe_act", "naive", "liger", "relaymoe_fc1", "relaymoe_act_wgradtriton",
-        "relaymoe_act_tma"]  # fmt: skip
+        "relaymoe_act_ptr"]  # fmt: skip
     unknown = sorted(set(wanted) - set(providers))
     if unknown:
         ap.error(f"unknown providers {unknown}; choose from {sorted(providers)}")

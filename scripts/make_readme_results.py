@@ -47,8 +47,8 @@ TABLES = [
     (
         "ring",
         "Ring vs all-to-all (EP over GPUs of one node)",
-        ("shape", "provider", "ep", "transport", "overlap", "I"),
-        ["shape", "ep", "provider", "transport", "overlap", "ms_fwd_bwd", "ms_fwd",
+        ("shape", "provider", "ep", "transport", "overlap", "I", "host_wait"),
+        ["shape", "ep", "provider", "transport", "overlap", "host_wait", "ms_fwd_bwd", "ms_fwd",
          "tflops_fwd_bwd", "peak_over_inputs_MiB", "hidden_pct", "speedup_vs_mcore"],
     ),
     (
@@ -90,8 +90,9 @@ TABLES = [
     (
         "fault",
         "A peer that dies or stalls: time until every survivor raised RingPeerError",
-        ("case", "mode", "transport", "backend", "ep"),
-        ["case", "mode", "transport", "backend", "ep", "timeout_s", "detected_s", "ok"],
+        ("case", "mode", "transport", "backend", "ep", "host_wait"),
+        ["case", "mode", "transport", "backend", "ep", "host_wait", "timeout_s", "detected_s",
+         "ok"],
     ),
     (
         "memory_model",

@@ -98,6 +98,8 @@ def test_up_swiglu_weight_tiles_through_a_tensor_descriptor(case, cfg, monkeypat
     for tma, (h, a) in got.items():
         assert rel_err(h, h_ref) < F32, tma
         assert rel_err(a, got["0"][1]) < 1e-6, tma
+    monkeypatch.delenv("RELAYMOE_TMA")  # auto: descriptors for sm90 GPUs only, never on CPU
+    assert not grouped._tma_weights(s["w13"].float().contiguous())
     monkeypatch.setenv("RELAYMOE_TMA", "yes")
     with pytest.raises(ValueError, match="RELAYMOE_TMA='yes'"):
         grouped._tma_weights(s["w13"])
