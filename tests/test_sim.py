@@ -209,6 +209,11 @@ def test_row_parsing():
     )
     assert scheme_of({"provider": "relaymoe_alltoall"}) == "alltoall"
     assert scheme_of({"provider": "liger"}) is None
+    # the model describes the default (no host wait) and the flat order it calibrates on
+    ring = {"provider": "relaymoe_ring_expert_copy_engine", "host_wait": "off"}
+    assert scheme_of(ring) == "ring_expert"
+    assert scheme_of({**ring, "host_wait": "pass"}) is None
+    assert scheme_of({**ring, "schedule": "two_level"}) is None
 
 
 def test_latest_row_of_each_measurement_counts():

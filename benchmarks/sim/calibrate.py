@@ -70,7 +70,7 @@ def load_rows(patterns) -> list[dict]:
 
 
 _IDENTITY = ("bench", "provider", "variant", "shape", "ep", "recompute", "mode", "transport",
-             "overlap", "kind")  # fmt: skip
+             "overlap", "kind", "host_wait")  # fmt: skip
 
 
 def latest_rows(rows: list[dict]) -> list[dict]:
@@ -111,7 +111,11 @@ def shape_of(row: dict) -> MoEShape | None:
 
 
 def scheme_of(row: dict) -> str | None:
-    """Which simulated scheme a measured row corresponds to (None: not modelled)."""
+    """Which simulated scheme a measured row corresponds to (None: not modelled: among them
+    rows with the host waiting once per pass, RELAYMOE_RING_HOST_WAIT=pass, and the two-level
+    schedule forced at one GPU per node, which at EP 2 repeat the flat ring's rows)."""
+    if row.get("host_wait") == "pass" or row.get("schedule") == "two_level":
+        return None
     prov = str(row.get("provider", ""))
     if prov.startswith("mcore") and "alltoall" in prov or prov == "mcore":
         return "mcore_alltoall"
