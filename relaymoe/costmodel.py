@@ -111,6 +111,10 @@ GRAD_ACCUMS = ("param", "fp32")
 GRAD_ACCUM_CHOICES = (AUTO, *GRAD_ACCUMS)
 FP32_GRAD_ACCUM_MIN_EP = 16
 
+# whether the host waits for a ring pass's transfers on CUDA (RELAYMOE_RING_HOST_WAIT): never
+# (the default, first) or once per pass (a dead peer named, at a measured cost; ring/faults.py)
+HOST_WAIT_CHOICES = ("off", "pass")
+
 # The links a ring hop runs over (the planner's per-hop times; the simulator's Cluster defaults
 # import them). NVLink: one way between the two GPUs of the lent 2x H200 machine, 1 GiB messages
 # (measured: 394 GB/s one way, 741 both ways). Between nodes: one 400 Gb/s NIC

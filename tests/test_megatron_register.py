@@ -83,8 +83,12 @@ def test_parser_accepts_ring_and_relaymoe_flags(mcore):
     assert (defaults.relaymoe_ring_schedule, defaults.relaymoe_gpus_per_node) == ("auto", None)
     assert defaults.relaymoe_grad_accum == "auto"
     assert parser.parse_args(["--relaymoe-grad-accum", "fp32"]).relaymoe_grad_accum == "fp32"
+    assert defaults.relaymoe_ring_host_wait is None  # the environment's, else off
+    wait = parser.parse_args(["--relaymoe-ring-host-wait", "pass"]).relaymoe_ring_host_wait
+    assert wait == "pass"
     for bad in (["--relaymoe-ring-schedule", "tree"], ["--relaymoe-gpus-per-node", "0"],
-                ["--relaymoe-grad-accum", "fp16"]):  # fmt: skip
+                ["--relaymoe-grad-accum", "fp16"],
+                ["--relaymoe-ring-host-wait", "hop"]):  # fmt: skip
         with pytest.raises(SystemExit):
             parser.parse_args(bad)
     # megatron's own parser (the unpatched function) rejects ring: the patch is what adds it
@@ -138,6 +142,10 @@ def test_settings_from_args_and_configure(mcore):
         settings.RingSettings(gpus_per_node=0)
     with pytest.raises(ValueError, match="ring grad_accum 'fp16'"):
         settings.RingSettings(grad_accum="fp16")
+    assert mcore.configure(host_wait="pass").host_wait == "pass"
+    settings.reset()
+    with pytest.raises(ValueError, match="ring host_wait 'always'"):
+        settings.RingSettings(host_wait="always")
 
 
 def test_supported_config_passes(mcore):

@@ -20,6 +20,8 @@ routed_experts_compute -> combine -> postprocess):
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
@@ -29,6 +31,7 @@ from relaymoe.megatron.expert_weights import expert_param_lists
 from relaymoe.megatron.settings import RingSettings, current_settings
 from relaymoe.megatron.validate import check_ring_config
 from relaymoe.ring import ring_moe
+from relaymoe.ring.faults import HOST_WAIT_ENV
 
 __all__ = ["RingDispatcher", "ep_ranks_per_node", "routing_map_to_topk"]
 
@@ -106,6 +109,8 @@ class RingDispatcher(MoETokenDispatcher):
         self.num_experts = config.num_moe_experts
         self.topk = config.moe_router_topk
         self.settings = settings if settings is not None else current_settings()
+        if self.settings.host_wait is not None:  # the ring reads it per pass, process-wide
+            os.environ[HOST_WAIT_ENV] = self.settings.host_wait
         ranks = dist.get_process_group_ranks(self.ep_group) if dist.is_initialized() else [0]
         self.ep_per_node = ep_ranks_per_node(ranks, self.settings.gpus_per_node)
         self.hidden_shape = None

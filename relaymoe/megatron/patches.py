@@ -47,6 +47,7 @@ def add_relaymoe_args(parser):
     from relaymoe.costmodel import FP32_GRAD_ACCUM_MIN_EP
     from relaymoe.megatron.settings import (
         RING_GRAD_ACCUMS,
+        RING_HOST_WAITS,
         RING_MODES,
         RING_SCHEDULES,
         RING_TRANSPORTS,
@@ -92,6 +93,15 @@ def add_relaymoe_args(parser):
         "with their weights, or token mode's local sums): the weights' own (param), fp32, or "
         f"fp32 from {FP32_GRAD_ACCUM_MIN_EP} EP ranks (auto), where bf16 sums rounded once a "
         "hop would take the error past twice an all-to-all's",
+    )
+    group.add_argument(
+        "--relaymoe-ring-host-wait",
+        choices=RING_HOST_WAITS,
+        default=None,
+        help="whether the host waits, bounded by the process group's timeout, for each ring "
+        "pass's transfers: pass (a dead or stalled EP peer raises RingPeerError naming it; about "
+        "8%% of throughput measured) or off (the default: no host sync, a hang is left to NCCL's "
+        "watchdog); sets RELAYMOE_RING_HOST_WAIT (default: the environment's)",
     )
     group.add_argument(
         "--relaymoe-no-overlap",

@@ -4,7 +4,7 @@ import).
 Precedence, field by field: ``relaymoe.megatron.configure(...)`` > Megatron's parsed arguments
 (``--relaymoe-ring-mode``, ``--relaymoe-transport``, ``--relaymoe-no-overlap``,
 ``--relaymoe-ring-schedule``, ``--relaymoe-gpus-per-node``, ``--relaymoe-grad-accum``,
-``--relaymoe-fused-loss``,
+``--relaymoe-ring-host-wait``, ``--relaymoe-fused-loss``,
 ``--relaymoe-loss-chunk-tokens``, read from ``megatron.training.get_args()`` when a training
 script parsed them) > defaults (``auto``/``auto``/overlap on/``auto`` schedule with the nodes read
 from the ranks' hosts/fused loss off/chunk chosen by ``relaymoe.linear_cross_entropy``).
@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields, replace
 
 from relaymoe.costmodel import (
     GRAD_ACCUM_CHOICES,
+    HOST_WAIT_CHOICES,
     MODE_CHOICES,
     SCHEDULE_CHOICES,
     TRANSPORT_CHOICES,
@@ -29,6 +30,7 @@ __all__ = [
     "configure",
     "current_settings",
     "RING_GRAD_ACCUMS",
+    "RING_HOST_WAITS",
     "RING_MODES",
     "RING_SCHEDULES",
     "RING_TRANSPORTS",
@@ -39,6 +41,7 @@ RING_MODES = MODE_CHOICES
 RING_TRANSPORTS = TRANSPORT_CHOICES
 RING_SCHEDULES = SCHEDULE_CHOICES
 RING_GRAD_ACCUMS = GRAD_ACCUM_CHOICES
+RING_HOST_WAITS = HOST_WAIT_CHOICES
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,8 @@ class Settings:
     schedule: str = "auto"
     gpus_per_node: int | None = None  # of the cluster; None: the EP ranks' hosts decide
     grad_accum: str = "auto"
+    # RELAYMOE_RING_HOST_WAIT for the ring's passes (None: the environment's, else "off")
+    host_wait: str | None = None
 
     def __post_init__(self):
         if self.mode not in RING_MODES:
@@ -63,6 +68,8 @@ class Settings:
             raise ValueError(
                 f"ring grad_accum {self.grad_accum!r} is not one of {RING_GRAD_ACCUMS}"
             )
+        if self.host_wait is not None and self.host_wait not in RING_HOST_WAITS:
+            raise ValueError(f"ring host_wait {self.host_wait!r} is not one of {RING_HOST_WAITS}")
         gpn = self.gpus_per_node
         if gpn is not None and (isinstance(gpn, bool) or not isinstance(gpn, int) or gpn < 1):
             raise ValueError(
@@ -97,6 +104,7 @@ def configure(
     schedule: str | None = None,
     gpus_per_node: int | None = None,
     grad_accum: str | None = None,
+    host_wait: str | None = None,
 ) -> Settings:
     """Set relaymoe's settings for models built from now on (each given field overrides the
     Megatron argument of the same name; fields not given keep theirs)."""
@@ -110,6 +118,7 @@ def configure(
         "schedule": schedule,
         "gpus_per_node": gpus_per_node,
         "grad_accum": grad_accum,
+        "host_wait": host_wait,
     }
     kw = {k: v for k, v in given.items() if v is not None}
     _OVERRIDE = replace(_OVERRIDE or Settings(), **kw)
@@ -141,6 +150,7 @@ def _from_megatron_args() -> Settings | None:
         schedule=getattr(args, "relaymoe_ring_schedule", "auto"),
         gpus_per_node=getattr(args, "relaymoe_gpus_per_node", None),
         grad_accum=getattr(args, "relaymoe_grad_accum", "auto"),
+        host_wait=getattr(args, "relaymoe_ring_host_wait", None),
     )
 
 

@@ -43,7 +43,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from relaymoe.costmodel import HOST_WAIT_CHOICES
+
 __all__ = [
+    "HOST_WAITS",
     "PeerWatch",
     "RingPeerError",
     "all_reduce_checked",
@@ -57,7 +60,7 @@ __all__ = [
 
 TIMEOUT_ENV = "RELAYMOE_RING_TIMEOUT_S"
 HOST_WAIT_ENV = "RELAYMOE_RING_HOST_WAIT"
-_HOST_WAITS = ("pass", "off")
+HOST_WAITS = HOST_WAIT_CHOICES  # RELAYMOE_RING_HOST_WAIT on CUDA; the first is the default
 _FALLBACK_TIMEOUT_S = 1800.0  # torch's default for non-NCCL groups
 # the ring gives up this much before NCCL's watchdog: 5 s, at most a quarter of the timeout (with
 # a tenth, 1 s of a 10 s group, a loaded host's survivor lost the race to its own watchdog)
@@ -199,7 +202,7 @@ def host_wait_mode(device: torch.device) -> str:
     if device.type != "cuda":
         return "hop"
     value = os.environ.get(HOST_WAIT_ENV, "off")
-    if value not in _HOST_WAITS:
+    if value not in HOST_WAITS:
         raise ValueError(
             f"{HOST_WAIT_ENV}={value!r}: use 'pass' (the host waits, bounded by the timeout, for "
             "each pass's transfers: a dead peer raises RingPeerError) or 'off' (no host sync; a "
