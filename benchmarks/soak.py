@@ -2,14 +2,15 @@
 one EP rank's experts and back, ring against alltoall from the same seed.
 
     python benchmarks/soak.py [--config tiny_qwen3] [--steps 1000] [--period 200]
-        [--strength 12] [--warmup 50] [--parallel] [--out benchmarks/results/soak.jsonl]
-        [--dry-run]
+        [--strength 12] [--warmup 50] [--ring-mode token] [--ring-transport copy_engine]
+        [--parallel] [--out benchmarks/results/soak.jsonl] [--dry-run]
 
 Three ``torchrun -m benchmarks.soak_pretrain`` jobs at EP = 2 (two GPUs), identical flags and seed
-but the dispatcher: ``ring`` (mode auto), ``alltoall`` and ``alltoall`` again (megatron-core's
-own run-to-run noise). The router drift is ``benchmarks/soak_pretrain.py``'s triangle wave (every
-``--period`` steps from no bias to ``--strength`` on EP rank 0's experts and back, so the other
-rank's experts receive almost no token at each peak).
+but the dispatcher: ``ring`` (``--ring-mode``/``--ring-transport``, default the token ring over
+the copy engine, whose workspace the soak watches), ``alltoall`` and ``alltoall`` again
+(megatron-core's own run-to-run noise). The router drift is ``benchmarks/soak_pretrain.py``'s
+triangle wave (every ``--period`` steps from no bias to ``--strength`` on EP rank 0's experts and
+back, so the other rank's experts receive almost no token at each peak).
 
 Row ``bench: soak`` per dispatcher run: ``provider``, ``steps`` (completed), ``failure``,
 ``peak_growth_pct`` (largest ``memory_allocated`` after a step past ``--warmup``, over the value
@@ -101,6 +102,8 @@ def main(argv=None) -> int:
     ap.add_argument("--run-timeout-s", type=float, default=900)
     ap.add_argument("--workdir", default="/tmp/relaymoe_soak")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "soak.jsonl"))
+    ap.add_argument("--ring-mode", default="token", choices=("expert", "token", "auto"))
+    ap.add_argument("--ring-transport", default="copy_engine", choices=("copy_engine", "nccl"))
     ap.add_argument(
         "--parallel",
         action="store_true",
@@ -113,9 +116,14 @@ def main(argv=None) -> int:
     gpus = 2
     settings = {"config": a.config, "ep": gpus, "period": a.period, "strength": a.strength,
                 "warmup": a.warmup, "steps_requested": a.steps, "seed": a.seed,
-                "parallel": a.parallel}  # fmt: skip
+                "parallel": a.parallel, "ring_mode": a.ring_mode,
+                "ring_transport": a.ring_transport}  # fmt: skip
+    # the ring's mode and transport forced: at tiny_qwen3's tokens per rank "auto" is the
+    # all-to-all mode, which never touches the copy-engine workspace this soak watches
+    ring = ["--relaymoe-ring-mode", a.ring_mode, "--relaymoe-transport", a.ring_transport]
     plans = {label: pretrain_args(a.config, gpus=gpus, steps=a.steps, dispatcher=d, seed=a.seed,
-                                  regime="stable") for label, d in RUNS}  # fmt: skip
+                                  regime="stable", extra=ring if d == "ring" else ())
+             for label, d in RUNS}  # fmt: skip
     early = plans_or_no_gpus(plans, dry_run=a.dry_run, gpus=gpus, who="soak")
     if early is not None:
         return early

@@ -161,7 +161,7 @@ STEPS: tuple[Step, ...] = (
          args=("--backend", "nccl", "--world", "2", "--timeout", "10", "--concurrency", "5",
                "--host-wait", "pass", "--out", "{out}/fault.jsonl"), outputs=("fault.jsonl",)),
     Step("determinism", "benchmarks/determinism.py", ALL, 2, 0, 300, min_gpus=2,
-         full_only=True, args=("--out", "{out}/determinism.jsonl"),
+         full_only=True, args=("--parallel", "4", "--out", "{out}/determinism.jsonl"),
          outputs=("determinism.jsonl",)),
     Step("soak", "benchmarks/soak.py", ALL, 2, 0, 580, min_gpus=2, full_only=True,
          args=("--run-timeout-s", "420", "--parallel", "--out", "{out}/soak.jsonl"),
