@@ -11,6 +11,10 @@ backward), then a third in which one rank, the *victim*, fails:
   all-to-all mode: at its second exchange of the pass);
 * ``stall``: the victim stops answering at forward hop 1 (it sleeps past the timeout + 20 s).
 
+With ``RELAYMOE_RING_HOST_WAIT=lag`` (``--host-wait lag``) a survivor makes one more ring call
+after the armed one before it synchronises, as the next layer of a model would: a pass's end
+waits for the pass before it.
+
 Every survivor must raise ``RingPeerError`` naming the call, the EP group, the timeout and, where
 it knows, the victim (never a wrong diagnosis, never returned data), within the process group's
 timeout + 15 s of the fault (of its own call for ``before*``).
@@ -226,6 +230,9 @@ def rank_main(spec: Spec, rank: int, group, store, device, outdir: str) -> None:
     res["call_at"] = time.time()
     try:
         _step(spec, group, me, device, 2, trusted)
+        if os.environ.get(HOST_WAIT_ENV) == "lag":
+            # the next layer's ring call, as in training: a pass's end waits for the pass before
+            _step(spec, group, me, device, 3, trusted)
         if device.type == "cuda":
             import torch
 

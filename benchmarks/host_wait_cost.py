@@ -1,10 +1,10 @@
 """What the ring's host wait costs a Megatron run (issue #17): ``RELAYMOE_RING_HOST_WAIT`` A/B.
 
-    python benchmarks/host_wait_cost.py [--shape qwen3_slice_s4k] [--values off,pass]
+    python benchmarks/host_wait_cost.py [--shape qwen3_slice_s4k] [--values off,lag,pass]
         [--repeats 2] [--steps 50] [--out benchmarks/results/host_wait.jsonl] [--dry-run]
 
 ``bench_e2e.py``'s ring run of ``--shape`` (the same flags and seed), once per value and repeat,
-the values interleaved (off, pass, off, pass, ...) so that a drift of the machine shows as a
+the values interleaved (off, lag, pass, off, ...) so that a drift of the machine shows as a
 difference between repeats of one value rather than as a cost. Row ``bench: host_wait`` per run:
 ``shape``, ``host_wait``, ``repeat``, ``tokens_per_s`` (steps past the warm-up), ``peak_MiB``,
 ``final_loss``, ``failure``. Only the ring runs: the value does not reach megatron-core's
@@ -28,7 +28,7 @@ from relaymoe.ring.faults import HOST_WAIT_ENV  # noqa: E402
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="qwen3_slice_s4k", choices=sorted(SHAPES))
-    ap.add_argument("--values", default="off,pass")
+    ap.add_argument("--values", default="off,lag,pass")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--steps", type=int, default=SHAPE_STEPS)
     ap.add_argument("--seed", type=int, default=1234)

@@ -154,12 +154,16 @@ STEPS: tuple[Step, ...] = (
          outputs=("ablation.jsonl",)),
     # issue #17 on 2 GPUs, --full only (each fills most of a call: run them with --only):
     # a dead or stalled peer under NCCL, both transports and modes; the routing-drift soak;
-    # Megatron's 1F1B and interleaved schedules at PP=2 against alltoall. Faults: the host
-    # waits once per pass (RELAYMOE_RING_HOST_WAIT=pass), the setting that names a dead peer
-    # under NCCL; the default "off" leaves a hang to NCCL's watchdog (no diagnosis)
+    # Megatron's 1F1B and interleaved schedules at PP=2 against alltoall. Faults with the host
+    # waits that name a dead peer under NCCL (RELAYMOE_RING_HOST_WAIT pass and lag; the default
+    # "off" leaves a hang to NCCL's watchdog), and what each costs a Megatron run
     Step("fault_nccl", "benchmarks/fault.py", ALL, 2, 0, 540, min_gpus=2, full_only=True,
-         args=("--backend", "nccl", "--world", "2", "--timeout", "10", "--concurrency", "5",
-               "--host-wait", "pass", "--out", "{out}/fault.jsonl"), outputs=("fault.jsonl",)),
+         args=("--backend", "nccl", "--world", "2", "--timeout", "10", "--concurrency", "6",
+               "--host-wait", "pass,lag", "--out", "{out}/fault.jsonl"),
+         outputs=("fault.jsonl",)),
+    Step("host_wait", "benchmarks/host_wait_cost.py", ALL, 2, 0, 540, min_gpus=2,
+         full_only=True, args=("--values", "off,lag,pass", "--run-timeout-s", "90", "--out",
+                               "{out}/host_wait.jsonl"), outputs=("host_wait.jsonl",)),
     Step("determinism", "benchmarks/determinism.py", ALL, 2, 0, 300, min_gpus=2,
          full_only=True, args=("--parallel", "4", "--out", "{out}/determinism.jsonl"),
          outputs=("determinism.jsonl",)),

@@ -204,6 +204,30 @@ def test_finish_waits_for_deferred_works_and_events(monkeypatch):
     assert faults.host_wait_enabled(torch.device("cpu"))  # CPU: every hop waits, always
 
 
+def test_lag_waits_at_each_pass_end_for_the_pass_before(monkeypatch):
+    """RELAYMOE_RING_HOST_WAIT=lag: a pass's end waits (bounded) for the previous pass's
+    transfers on the same device, never its own, and names the previous pass when they failed."""
+    cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    monkeypatch.setenv("RELAYMOE_RING_HOST_WAIT", "lag")
+    monkeypatch.setattr(faults, "_LAGGING", {})
+
+    def pass_(phase, work, device=cuda0):
+        watch = PeerWatch(None, mode="expert", phase=phase, timeout_s=0.1, rank=0, ranks=(4, 7))
+        watch.defer([(work, (1,))], op="p2p", hop=1)
+        watch.finish(device)
+
+    fwd, bwd, other = _Work(), _Work(exc=RuntimeError("NCCL communicator was aborted")), _Work()
+    pass_("fwd", fwd)
+    assert fwd.timeouts == []  # the host runs on: nothing waited at the pass's own end
+    pass_("fwd", other, cuda1)  # another device keeps its own queue
+    pass_("bwd", bwd)
+    assert len(fwd.timeouts) == 1 and bwd.timeouts == [] and other.timeouts == []
+    with pytest.raises(RingPeerError) as info:  # the failed backward, named one pass later
+        pass_("fwd", _Work())
+    assert (info.value.phase, info.value.hop, info.value.peers) == ("bwd", 1, (7,))
+    assert "expert bwd hop 1 (p2p)" in str(info.value)
+
+
 class _Options:
     _timeout = timedelta(seconds=7)
 

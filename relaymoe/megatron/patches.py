@@ -100,8 +100,9 @@ def add_relaymoe_args(parser):
         default=None,
         help="whether the host waits, bounded by the process group's timeout, for each ring "
         "pass's transfers: pass (a dead or stalled EP peer raises RingPeerError naming it; about "
-        "8%% of throughput measured) or off (the default: no host sync, a hang is left to NCCL's "
-        "watchdog); sets RELAYMOE_RING_HOST_WAIT (default: the environment's)",
+        "8%% of throughput measured), lag (at each pass's end for the pass before: named one "
+        "pass later, not yet measured) or off (the default: no host sync, a hang is left to "
+        "NCCL's watchdog); sets RELAYMOE_RING_HOST_WAIT (default: the environment's)",
     )
     group.add_argument(
         "--relaymoe-no-overlap",

@@ -20,7 +20,12 @@ Where the host waits (``RELAYMOE_RING_HOST_WAIT``):
   bounded by the timeout;
 * on CUDA the hops stay asynchronous for the host. With ``pass`` the host waits at the end of
   each pass (and of each all-to-all forward/backward) for the pass's transfers, bounded by the
-  timeout: one host sync per pass, so a dead peer is named before the pass returns. The default
+  timeout: one host sync per pass, so a dead peer is named before the pass returns. With ``lag``
+  the host waits at the end of each pass for the *previous* pass's transfers instead (one per
+  device), so it stays at most one pass ahead of the GPU rather than draining it: a dead peer is
+  named at the end of the next ring pass, and a fault in the last pass before a sync outside the
+  ring is left to NCCL's watchdog (not yet measured on GPU; expected to cost about what ``off``
+  does). The default
   is ``off``: no host sync (a ring call in steady state has none, issue #13), and a hang is then
   bounded by NCCL's watchdog and the copy engines' device-side barrier timeout, without the
   ring's diagnosis. Measured on 2x H200 (Megatron, the qwen3 slice at 4k tokens a GPU, EP 2):
@@ -205,10 +210,15 @@ def host_wait_mode(device: torch.device) -> str:
     if value not in HOST_WAITS:
         raise ValueError(
             f"{HOST_WAIT_ENV}={value!r}: use 'pass' (the host waits, bounded by the timeout, for "
-            "each pass's transfers: a dead peer raises RingPeerError) or 'off' (no host sync; a "
-            "hang is bounded only by NCCL's watchdog)"
+            "each pass's transfers: a dead peer raises RingPeerError), 'lag' (it waits for the "
+            "previous pass's at the end of each pass) or 'off' (no host sync; a hang is bounded "
+            "only by NCCL's watchdog)"
         )
     return value
+
+
+# host_wait "lag": the pass each device's next pass end waits for (its watch, works, events)
+_LAGGING: dict[tuple[str, int | None], tuple] = {}
 
 
 class PeerWatch:
@@ -320,15 +330,27 @@ class PeerWatch:
         self._events.append((ev, op, hop))
 
     def finish(self, device: torch.device) -> None:
-        """The host wait at the end of a pass (see the module doc); a no-op with ``off``."""
+        """The host wait at the end of a pass (see the module doc): for this pass's transfers
+        (``pass``), for the previous pass's on ``device`` (``lag``: this one waits for the next),
+        or none (``off``)."""
         deferred, events = self._deferred, self._events
         self._deferred, self._events = [], []
-        if not host_wait_enabled(device):
+        how = host_wait_mode(device)
+        if how == "off":
             return
+        if how == "lag":
+            key = (device.type, device.index)
+            previous = _LAGGING.pop(key, None)
+            _LAGGING[key] = (self, deferred, events)
+            if previous is None:
+                return
+            watch, deferred, events = previous
+        else:
+            watch = self
         for work, peers, op, hop in deferred:
-            self.wait([(work, peers)], op=op, hop=hop)
+            watch.wait([(work, peers)], op=op, hop=hop)
         for ev, op, hop in events:
-            self.wait_event(ev, op=op, hop=hop)
+            watch.wait_event(ev, op=op, hop=hop)
 
     def wait_event(self, event: torch.cuda.Event, *, op: str, hop: int | None = None) -> None:
         """Poll ``event`` until it completes, at most ``timeout_s``; a CUDA error raised by the
