@@ -65,6 +65,15 @@ def test_up_swiglu_and_rows_gemm(case, cfg):
     h_ref = _h_ref(s)
     a_ref = F.silu(h_ref[:, :ffn]) * h_ref[:, ffn:] * prob_P.double()[:, None]
     assert rel_err(h, h_ref) < F32 and rel_err(a, a_ref) < F32
+    # each output alone (the fc1 recompute wants h only): the same values, the other untouched
+    h_only = torch.full_like(h, float("nan"))
+    grouped.up_swiglu(c(s["x"]), c(s["w13"]), idx_P, s["offs"], None, h_only, None, config=cfg)
+    assert torch.equal(h_only, h)
+    a_only = torch.full_like(a, float("nan"))
+    grouped.up_swiglu(c(s["x"]), c(s["w13"]), idx_P, s["offs"], prob_P, None, a_only, config=cfg)
+    assert torch.equal(a_only, a)
+    with pytest.raises(ValueError, match="needs an output"):
+        grouped.up_swiglu(c(s["x"]), c(s["w13"]), idx_P, s["offs"], None, None, None)
     y = torch.full((n, s["x"].shape[1]), float("nan"))
     grouped.rows_gemm(a, c(s["w2"]).transpose(1, 2), s["offs"], y, config=cfg)
     y_ref = torch.einsum("ni,nhi->nh", a_ref, s["w2"][s["expert"]])

@@ -330,9 +330,9 @@ def triton_hop_backward(
     a_PI = x_TH.new_empty(n_pairs, ffn)
     if saved_h is not None and not exact:
         raise ValueError("saved_h needs the exact pair count (n_pairs), not max_pairs")
-    if saved_h is None:  # recompute="fc1": rebuild h (a_PI is scratch here, rewritten below)
+    if saved_h is None:  # recompute="fc1": rebuild h alone (a comes from it below)
         h_P2I = x_TH.new_empty(n_pairs, two_i)
-        grouped.up_swiglu(x_TH, w13, idx_P, offs, None, h_P2I, a_PI)
+        grouped.up_swiglu(x_TH, w13, idx_P, offs, None, h_P2I, None)
         dh_P2I = h_P2I
     else:
         if saved_h.shape != (n_pairs, two_i):

@@ -118,9 +118,10 @@ def _up_swiglu_kernel(
     stride_xt, stride_we, stride_wn, stride_wk, stride_hp, stride_ap,
     SAVE_H: tl.constexpr, SCALE: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    TMA_W: tl.constexpr = False,
+    TMA_W: tl.constexpr = False, SAVE_A: tl.constexpr = True,
 ):  # fmt: skip
     """h[q] = x[tok[q]] @ w13[e]^T (gate and up tiles together); a = silu(gate) * up (* p).
+    ``SAVE_A=False``: h only (the fc1 recompute of the backward, which needs no a).
 
     ``TMA_W``: the weight tiles come through a tensor descriptor over w13 as (El*2I, H) rows
     (TMA on sm90; the launcher checks contiguity and 16-byte strides). A gate tile that runs
@@ -171,16 +172,17 @@ def _up_swiglu_kernel(
         u_ptrs += BLOCK_K * stride_wk
     lrows = tl.where(row_ok, rows - base, 0)
     mask = row_ok[:, None] & col_ok[None, :]
-    act = acc_g * tl.sigmoid(acc_g) * acc_u
-    if SCALE:
-        p = tl.load(prob_ptr + lrows, mask=row_ok, other=0.0)
-        act = act * p[:, None]
     if SAVE_H:
         hp = h_ptr + lrows[:, None] * stride_hp + cols[None, :]
         tl.store(hp, acc_g.to(h_ptr.dtype.element_ty), mask=mask)
         tl.store(hp + I, acc_u.to(h_ptr.dtype.element_ty), mask=mask)
-    ap = a_ptr + lrows[:, None] * stride_ap + cols[None, :]
-    tl.store(ap, act.to(a_ptr.dtype.element_ty), mask=mask)
+    if SAVE_A:
+        act = acc_g * tl.sigmoid(acc_g) * acc_u
+        if SCALE:
+            p = tl.load(prob_ptr + lrows, mask=row_ok, other=0.0)
+            act = act * p[:, None]
+        ap = a_ptr + lrows[:, None] * stride_ap + cols[None, :]
+        tl.store(ap, act.to(a_ptr.dtype.element_ty), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -534,10 +536,13 @@ def _check_rows(n_rows: int, where: str) -> None:
 # ---------------------------------------------------------------------------------------------
 def up_swiglu(x_TH, w13_E2IH, idx_P, offs, prob_P, h_P2I, a_PI, *, config=None):
     """h = x[tok] @ w13[e]^T into ``h_P2I`` (skipped when None); a = silu(gate)*up(*prob_P when
-    given) into ``a_PI``. Rows are the range's pairs, ``n_pairs = a_PI.shape[0]``."""
+    given) into ``a_PI`` (skipped when None: the fc1 recompute needs h alone). Rows are the
+    range's pairs, ``n_pairs`` the rows of ``a_PI`` (else of ``h_P2I``)."""
+    if h_P2I is None and a_PI is None:
+        raise ValueError("up_swiglu needs an output: h_P2I, a_PI or both")
     n_experts, two_i, hidden = w13_E2IH.shape
     ffn = two_i // 2
-    n_pairs = a_PI.shape[0]
+    n_pairs = (a_PI if a_PI is not None else h_P2I).shape[0]
     if n_pairs == 0 or n_experts == 0:
         return
     _check_expert_span(w13_E2IH, "w13", "up_swiglu")
@@ -546,15 +551,16 @@ def up_swiglu(x_TH, w13_E2IH, idx_P, offs, prob_P, h_P2I, a_PI, *, config=None):
     kernel, meta = _pick(_up_tuned, _up_swiglu_kernel, config, hidden, "up_swiglu", key,
                          x_TH.dtype)  # fmt: skip
     h = h_P2I if h_P2I is not None else a_PI
-    p = prob_P if prob_P is not None else a_PI
+    a = a_PI if a_PI is not None else h_P2I  # an unused pointer when a is not stored
+    p = prob_P if prob_P is not None else a
     tma = _tma_weights(w13_E2IH)
     kernel[_row_grid(n_pairs, n_experts, ffn)](
-        x_TH, w13_E2IH, idx_P, offs, p, h, a_PI,
+        x_TH, w13_E2IH, idx_P, offs, p, h, a,
         n_experts, hidden, ffn,
         x_TH.stride(0), w13_E2IH.stride(0), w13_E2IH.stride(1), w13_E2IH.stride(2),
-        h.stride(0), a_PI.stride(0),
+        h.stride(0), a.stride(0),
         SAVE_H=h_P2I is not None, SCALE=prob_P is not None, IEEE=_ieee(x_TH),
-        BLOCK_E=_block_e(n_experts), TMA_W=tma, **meta,
+        BLOCK_E=_block_e(n_experts), TMA_W=tma, SAVE_A=a_PI is not None, **meta,
     )  # fmt: skip
 
 
