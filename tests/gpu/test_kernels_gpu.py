@@ -113,7 +113,7 @@ def test_ranges_sum_to_full_and_are_deterministic(monkeypatch):
 @pytest.mark.parametrize(
     "dense,chunk_mib,wgrad,tma",
     [("triton", "512", "triton", "0"), ("auto", "1", "triton", "0"), ("auto", "512", "gmm", "0"),
-     ("auto", "1", "gmm", "0"), ("auto", "512", "gmm", "1")],
+     ("auto", "1", "gmm", "0"), ("auto", "512", "gmm", "1"), ("auto", "512", "gmm", "auto")],
 )  # fmt: skip
 def test_backend_switches_match_oracle(dense, chunk_mib, wgrad, tma, monkeypatch):
     """Each dispatch variant (Triton/torch._grouped_mm dense GEMMs, column-chunked (P, H)
@@ -128,3 +128,21 @@ def test_backend_switches_match_oracle(dense, chunk_mib, wgrad, tma, monkeypatch
     monkeypatch.setenv("RELAYMOE_PAIR_BUFFER_MIB", chunk_mib)
     case = (4096, 2048, 768, 128, 8, "skewed")
     _assert_bf16_matches_oracle(*_problem(*case, seed=99), recompute="act")
+
+
+@pytest.mark.parametrize("num_experts", [6, 128])  # the one-hot and the pairwise tile rank
+def test_routing_build_survives_garbage_ids(num_experts):
+    """Ids a dead peer never sent (the receive buffer's garbage: negative, past E, past E_PAD)
+    must not fault the GPU in the unvalidated routing build; valid ids keep their experts."""
+    T, K = 5000, 4
+    g = torch.Generator(device="cuda").manual_seed(3)
+    ids = torch.randint(0, num_experts, (T, K), device="cuda", generator=g, dtype=torch.int32)
+    bad = torch.rand(T, K, device="cuda", generator=g) < 0.2
+    junk = torch.tensor([-7, num_experts, 4096, 2**30], device="cuda", dtype=torch.int32)
+    ids = torch.where(bad, junk[torch.arange(T * K, device="cuda").reshape(T, K) % 4], ids)
+    index = build_routing_index(ids, num_experts, validate=False)
+    torch.cuda.synchronize()  # a fault of the build surfaces here
+    eti, tei = index.expert_token_indices, index.token_expert_indices
+    assert ((eti >= 0) & (eti < T)).all()
+    good = ~bad.reshape(-1)
+    assert torch.equal(tei[good], ids.reshape(-1)[good])
