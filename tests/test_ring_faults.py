@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from relaymoe.ring import agree as agree_mod
-from relaymoe.ring import faults
+from relaymoe.ring import faults, lagwait
 from relaymoe.ring import transport as transport_mod
 from relaymoe.ring.faults import PeerWatch, RingPeerError
 
@@ -111,8 +111,12 @@ def test_error_names_call_group_peer_timeout_and_fix():
 
 
 class _Work:
-    def __init__(self, result=True, exc=None, delay=0.0):
+    def __init__(self, result=True, exc=None, delay=0.0, completed=True):
         self.result, self.exc, self.delay, self.timeouts = result, exc, delay, []
+        self.completed = completed
+
+    def is_completed(self):
+        return self.completed
 
     def wait(self, timeout=None):
         self.timeouts.append(timeout)
@@ -209,7 +213,7 @@ def test_lag_waits_at_each_pass_end_for_the_pass_before(monkeypatch):
     transfers on the same device, never its own, and names the previous pass when they failed."""
     cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
     monkeypatch.setenv("RELAYMOE_RING_HOST_WAIT", "lag")
-    monkeypatch.setattr(faults, "_LAGGING", {})
+    monkeypatch.setattr(lagwait, "_PENDING", {})
 
     def pass_(phase, work, device=cuda0):
         watch = PeerWatch(None, mode="expert", phase=phase, timeout_s=0.1, rank=0, ranks=(4, 7))
@@ -226,6 +230,30 @@ def test_lag_waits_at_each_pass_end_for_the_pass_before(monkeypatch):
         pass_("fwd", _Work())
     assert (info.value.phase, info.value.hop, info.value.peers) == ("bwd", 1, (7,))
     assert "expert bwd hop 1 (p2p)" in str(info.value)
+
+
+def test_lag_watchdog_logs_a_last_pass_that_never_finished(monkeypatch, caplog):
+    """The last pass before a sync outside the ring has no later pass to wait for it: past the
+    timeout the watchdog thread logs its error once; a finished pass is never reported."""
+    monkeypatch.setenv("RELAYMOE_RING_HOST_WAIT", "lag")
+    monkeypatch.setattr(lagwait, "_PENDING", {})
+    monkeypatch.setattr(lagwait, "POLL_S", 0.01)
+    caplog.set_level("ERROR", logger="relaymoe.ring")
+    for device, phase, work in (
+        (torch.device("cuda", 2), "fwd", _Work()),
+        (torch.device("cuda", 3), "bwd", _Work(completed=False)),
+    ):
+        watch = PeerWatch(None, mode="token", phase=phase, timeout_s=0.05, rank=1, ranks=(2, 5))
+        watch.defer([(work, (0,))], op="p2p", hop=1)
+        watch.finish(device)
+    t0 = time.monotonic()
+    while not caplog.records and time.monotonic() - t0 < 10:
+        time.sleep(0.01)
+    time.sleep(0.1)  # a few more rounds of the watchdog: still one report
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 1, msgs
+    assert "token bwd hop 1 (p2p) on rank 5" in msgs[0] and "rank 2 did not answer" in msgs[0]
+    assert "lag watchdog" in msgs[0]
 
 
 class _Options:

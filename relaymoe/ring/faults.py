@@ -23,9 +23,9 @@ Where the host waits (``RELAYMOE_RING_HOST_WAIT``):
   timeout: one host sync per pass, so a dead peer is named before the pass returns. With ``lag``
   the host waits at the end of each pass for the *previous* pass's transfers instead (one per
   device), so it stays at most one pass ahead of the GPU rather than draining it: a dead peer is
-  named at the end of the next ring pass, and a fault in the last pass before a sync outside the
-  ring is left to NCCL's watchdog (not yet measured on GPU; expected to cost about what ``off``
-  does). The default
+  named at the end of the next ring pass; the last pass before a sync outside the ring is watched
+  by a thread that logs its error past the timeout (``lagwait.py``). Not yet measured on GPU;
+  expected to cost about what ``off`` does. The default
   is ``off``: no host sync (a ring call in steady state has none, issue #13), and a hang is then
   bounded by NCCL's watchdog and the copy engines' device-side barrier timeout, without the
   ring's diagnosis. Measured on 2x H200 (Megatron, the qwen3 slice at 4k tokens a GPU, EP 2):
@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from relaymoe.costmodel import HOST_WAIT_CHOICES
+from relaymoe.ring import lagwait
 
 __all__ = [
     "HOST_WAITS",
@@ -217,10 +218,6 @@ def host_wait_mode(device: torch.device) -> str:
     return value
 
 
-# host_wait "lag": the pass each device's next pass end waits for (its watch, works, events)
-_LAGGING: dict[tuple[str, int | None], tuple] = {}
-
-
 class PeerWatch:
     """The bounded waits of one ring call (a pass, an agreement, an all-to-all) on one rank.
 
@@ -339,12 +336,10 @@ class PeerWatch:
         if how == "off":
             return
         if how == "lag":
-            key = (device.type, device.index)
-            previous = _LAGGING.pop(key, None)
-            _LAGGING[key] = (self, deferred, events)
+            previous = lagwait.swap((device.type, device.index), self, deferred, events)
             if previous is None:
                 return
-            watch, deferred, events = previous
+            watch, deferred, events = previous.watch, previous.deferred, previous.events
         else:
             watch = self
         for work, peers, op, hop in deferred:
