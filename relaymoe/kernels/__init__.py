@@ -14,6 +14,7 @@ __all__ = [
     "INT32_LIMIT",
     "check_int32",
     "check_problem_limits",
+    "env_switch",
     "interpret_mode",
     "triton_available",
 ]
@@ -43,6 +44,16 @@ def interpret_mode() -> bool:
 def triton_available() -> bool:
     """Triton is importable (kernels run on CUDA, or on CPU under the interpreter)."""
     return _import_triton()
+
+
+def env_switch(name: str, meanings: dict[str, str]) -> str:
+    """The value of the environment switch ``name``: one of ``meanings``' keys, the first being
+    the default; anything else raises ``ValueError`` naming the value and what each choice does."""
+    value = os.environ.get(name, next(iter(meanings)))
+    if value not in meanings:
+        choices = ", ".join(f"{k!r} ({what})" for k, what in meanings.items())
+        raise ValueError(f"{name}={value!r}: use one of {choices}; the first is the default")
+    return value
 
 
 def check_int32(what: str, value: int, *, where: str, fix: str) -> None:

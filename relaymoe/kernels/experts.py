@@ -33,7 +33,7 @@ import os
 import torch
 from torch import Tensor
 
-from relaymoe.kernels import check_int32, grouped, pairs
+from relaymoe.kernels import check_int32, env_switch, grouped, pairs
 
 __all__ = ["triton_hop_forward", "triton_hop_backward"]
 
@@ -93,13 +93,9 @@ def _col_chunks(n_pairs: int, ncols: int, elt: int) -> list[tuple[int, int]]:
 
 
 def _dense_gemm_mode() -> str:
-    mode = os.environ.get("RELAYMOE_DENSE_GEMM", "auto")
-    if mode not in ("auto", "torch", "triton"):
-        raise ValueError(
-            f"RELAYMOE_DENSE_GEMM={mode!r}: use 'auto' (torch._grouped_mm for bf16 on sm90, "
-            "Triton elsewhere), 'torch' (the same) or 'triton' (always the Triton kernel)"
-        )
-    return mode
+    return env_switch("RELAYMOE_DENSE_GEMM", {
+        "auto": "torch._grouped_mm for bf16 on sm90, Triton elsewhere",
+        "torch": "the same", "triton": "always the Triton kernel"})  # fmt: skip
 
 
 def _gmm_strides_ok(t: Tensor) -> bool:
@@ -134,14 +130,10 @@ def _use_torch_grouped_mm(a_PK: Tensor, b_EKN: Tensor) -> bool:
 
 
 def _wgrad_mode() -> str:
-    mode = os.environ.get("RELAYMOE_WGRAD", "auto")
-    if mode not in ("auto", "triton", "gmm"):
-        raise ValueError(
-            f"RELAYMOE_WGRAD={mode!r}: use 'auto' (torch._grouped_mm over gathered column chunks "
-            "on CUDA where it runs, the default), 'triton' (always the gathered-operand Triton "
-            "kernel) or 'gmm' (torch._grouped_mm wherever it runs, CPU included)"
-        )
-    return mode
+    return env_switch("RELAYMOE_WGRAD", {
+        "auto": "torch._grouped_mm over gathered column chunks on CUDA where it runs",
+        "triton": "always the gathered-operand Triton kernel",
+        "gmm": "torch._grouped_mm wherever it runs, CPU included"})  # fmt: skip
 
 
 def _gmm_wgrad_ok(a: Tensor, b: Tensor, c_EMN: Tensor) -> bool:

@@ -23,13 +23,12 @@ SwiGLU backward and the launch grid. The launchers check those on sizes before l
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from relaymoe.kernels import check_int32, interpret_mode
+from relaymoe.kernels import check_int32, env_switch, interpret_mode
 from relaymoe.kernels.tuned import autotune_mode, shipped_config
 
 
@@ -453,13 +452,10 @@ def _pick(tuned, raw, config, kdim, name: str, key: dict, dtype):
 def _tma_mode(w_EMK) -> bool:
     """``RELAYMOE_TMA``: ``auto`` (the default: on for CUDA tensors of an sm90 GPU, where it was
     measured faster, when Triton has tensor descriptors), ``1`` (always) or ``0`` (never)."""
-    mode = os.environ.get("RELAYMOE_TMA", "auto")
-    if mode not in ("auto", "0", "1"):
-        raise ValueError(
-            f"RELAYMOE_TMA={mode!r}: use auto (the default: tensor descriptors on sm90 GPUs), 1 "
-            "(up_swiglu loads its weight tiles through a tensor descriptor, TMA on sm90) or 0 "
-            "(pointer loads)"
-        )
+    mode = env_switch("RELAYMOE_TMA", {
+        "auto": "tensor descriptors on sm90 GPUs",
+        "1": "up_swiglu loads its weight tiles through a tensor descriptor, TMA on sm90",
+        "0": "pointer loads"})  # fmt: skip
     if mode == "auto":
         return w_EMK.is_cuda and _sm90_with_descriptors(w_EMK.device.index)
     return mode == "1"

@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 from pathlib import Path
+
+from relaymoe.kernels import env_switch
 
 __all__ = ["TABLE", "autotune_mode", "bucket", "shipped_config", "load_table"]
 
@@ -40,13 +41,9 @@ _CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 
 
 def autotune_mode() -> str:
-    mode = os.environ.get("RELAYMOE_AUTOTUNE", "shipped")
-    if mode not in AUTOTUNE_MODES:
-        raise ValueError(
-            f"RELAYMOE_AUTOTUNE={mode!r}; known: {AUTOTUNE_MODES} (shipped: the package's tuned "
-            "configurations where they exist, 1: always autotune, 0: no search)"
-        )
-    return mode
+    return env_switch("RELAYMOE_AUTOTUNE", dict(zip(AUTOTUNE_MODES, (
+        "the package's tuned configurations where they exist", "always autotune",
+        "no search: each kernel's first configuration"), strict=True)))  # fmt: skip
 
 
 def _pow2(n: int) -> int:

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from relaymoe.costmodel import HOST_WAIT_CHOICES
+from relaymoe.kernels import env_switch
 from relaymoe.ring import lagwait
 
 __all__ = [
@@ -204,18 +205,16 @@ def host_wait_enabled(device: torch.device) -> bool:
 
 def host_wait_mode(device: torch.device) -> str:
     """``"hop"`` (CPU: every hop's transfer is waited for before it is read), else the CUDA
-    setting of ``RELAYMOE_RING_HOST_WAIT``: ``"pass"`` or ``"off"``."""
+    setting of ``RELAYMOE_RING_HOST_WAIT``: ``"off"``, ``"pass"`` or ``"lag"``."""
     if device.type != "cuda":
         return "hop"
-    value = os.environ.get(HOST_WAIT_ENV, "off")
-    if value not in HOST_WAITS:
-        raise ValueError(
-            f"{HOST_WAIT_ENV}={value!r}: use 'pass' (the host waits, bounded by the timeout, for "
-            "each pass's transfers: a dead peer raises RingPeerError), 'lag' (it waits for the "
-            "previous pass's at the end of each pass) or 'off' (no host sync; a hang is bounded "
-            "only by NCCL's watchdog)"
-        )
-    return value
+    meanings = (
+        "no host sync; a hang is bounded only by NCCL's watchdog",
+        "the host waits, bounded by the timeout, for each pass's transfers: a dead peer raises "
+        "RingPeerError",
+        "it waits for the previous pass's at the end of each pass",
+    )
+    return env_switch(HOST_WAIT_ENV, dict(zip(HOST_WAITS, meanings, strict=True)))
 
 
 class PeerWatch:
