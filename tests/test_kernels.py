@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 
 from relaymoe.experts import expert_hop_backward, expert_hop_forward, moe_experts
 from relaymoe.kernels import grouped, pairs
@@ -112,6 +113,37 @@ def test_up_swiglu_weight_tiles_through_a_tensor_descriptor(case, cfg, monkeypat
     monkeypatch.setenv("RELAYMOE_TMA", "yes")
     with pytest.raises(ValueError, match="RELAYMOE_TMA='yes'"):
         grouped._tma_weights(s["w13"])
+
+
+def test_descriptor_allocator_is_set_in_every_thread():
+    """Triton's allocator is per thread (a ContextVar): autograd's backward thread, where the ring
+    recomputes up_swiglu, must get one too, and a user's own allocator is kept."""
+    import threading
+
+    seen = {}
+
+    def in_thread(name, preset=None):
+        def body():
+            if preset is not None:
+                triton.set_allocator(preset)
+            seen[name, "before"] = grouped._triton_allocator()
+            grouped._set_descriptor_allocator()
+            seen[name, "after"] = grouped._triton_allocator()
+
+        t = threading.Thread(target=body)
+        t.start()
+        t.join()
+
+    def mine(size, alignment, stream):
+        return torch.empty(size, dtype=torch.int8)
+
+    in_thread("forward")
+    in_thread("backward")
+    in_thread("user", preset=mine)
+    for name in ("forward", "backward"):
+        assert isinstance(seen[name, "before"], grouped._NullAllocator), name
+        assert seen[name, "after"] is grouped._torch_scratch, name
+    assert seen["user", "after"] is mine
 
 
 @pytest.mark.parametrize("cfg", [CFG_A, CFG_B])

@@ -485,12 +485,33 @@ def _tma_weights(w_EMK) -> bool:
     return True
 
 
-@functools.cache
 def _set_descriptor_allocator() -> None:
-    def alloc(size: int, alignment: int, stream):
-        return torch.empty(size, dtype=torch.int8, device="cuda")
+    """Give Triton an allocator for the descriptors' scratch in this thread, unless one is set.
 
-    triton.set_allocator(alloc)
+    Triton keeps its allocator in a ``ContextVar``: one set in the forward's thread is not seen by
+    autograd's backward thread, where the ring's per-hop recompute launches ``up_swiglu`` again.
+    So this runs before every descriptor launch, not once per process. A user's own allocator is
+    kept."""
+    current = _triton_allocator()
+    if current is not None and not isinstance(current, _NullAllocator):
+        return
+    triton.set_allocator(_torch_scratch)
+
+
+def _torch_scratch(size: int, alignment: int, stream):
+    # the caching allocator's blocks are 512-byte aligned, more than any descriptor asks
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+try:  # where Triton keeps the allocator (3.4-3.8); without it every call sets ours
+    from triton.runtime._allocation import NullAllocator as _NullAllocator
+    from triton.runtime._allocation import _allocator as _TRITON_ALLOCATOR
+except ImportError:  # pragma: no cover - a Triton that moved it
+    _NullAllocator, _TRITON_ALLOCATOR = type(None), None
+
+
+def _triton_allocator():
+    return None if _TRITON_ALLOCATOR is None else _TRITON_ALLOCATOR.get()
 
 
 def _block_e(n_experts: int) -> int:
