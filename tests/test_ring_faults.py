@@ -232,6 +232,42 @@ def test_lag_waits_at_each_pass_end_for_the_pass_before(monkeypatch):
     assert "expert bwd hop 1 (p2p)" in str(info.value)
 
 
+def test_lag_waits_for_a_backwards_last_pass_when_the_backward_ends(monkeypatch):
+    """The last ring pass of a backward has no later pass to wait for it: the backward's end does
+    (an autograd callback), so its RingPeerError reaches the caller of backward() rather than a
+    later sync reading aborted buffers. One wait per backward call; a pass that finished passes."""
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setenv("RELAYMOE_RING_HOST_WAIT", "lag")
+    monkeypatch.setattr(lagwait, "_PENDING", {})
+    monkeypatch.setattr(lagwait, "POLL_S", 60.0)  # the watchdog thread stays out of this test
+
+    class TwoPasses(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, works):
+            ctx.works = works
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            for hop, work in enumerate(ctx.works):  # two backward passes, as two layers make
+                watch = PeerWatch(None, mode="token", phase="bwd", timeout_s=0.1, rank=0,
+                                  ranks=(3, 6))  # fmt: skip
+                watch.defer([(work, (1,))], op="p2p", hop=hop)
+                watch.finish(cuda)
+            return g * 2, None
+
+    x = torch.ones(3, requires_grad=True)
+    good = [_Work(), _Work()]
+    TwoPasses.apply(x, good).sum().backward()
+    assert [len(w.timeouts) for w in good] == [1, 1]  # the first by the second, the last at the end
+    assert lagwait._PENDING == {}
+    bad = [_Work(), _Work(exc=RuntimeError("NCCL communicator was aborted"))]
+    with pytest.raises(RingPeerError) as info:
+        TwoPasses.apply(x, bad).sum().backward()
+    assert (info.value.phase, info.value.hop, info.value.peers) == ("bwd", 1, (6,))
+    assert faults._QUEUED_TASKS == set()
+
+
 def test_lag_watchdog_logs_a_last_pass_that_never_finished(monkeypatch, caplog):
     """The last pass before a sync outside the ring has no later pass to wait for it: past the
     timeout the watchdog thread logs its error once; a finished pass is never reported."""

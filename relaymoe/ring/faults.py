@@ -23,9 +23,9 @@ Where the host waits (``RELAYMOE_RING_HOST_WAIT``):
   timeout: one host sync per pass, so a dead peer is named before the pass returns. With ``lag``
   the host waits at the end of each pass for the *previous* pass's transfers instead (one per
   device), so it stays at most one pass ahead of the GPU rather than draining it: a dead peer is
-  named at the end of the next ring pass; the last pass before a sync outside the ring is watched
-  by a thread that logs its error past the timeout (``lagwait.py``). Not yet measured on GPU;
-  expected to cost about what ``off`` does. The default
+  named at the end of the next ring pass, and the last pass of a backward when the backward
+  ends (an autograd callback: one host sync a backward call); a pass that nothing follows is
+  watched by a thread that logs its error past the timeout (``lagwait.py``). The default
   is ``off``: no host sync (a ring call in steady state has none, issue #13), and a hang is then
   bounded by NCCL's watchdog and the copy engines' device-side barrier timeout, without the
   ring's diagnosis. Measured on 2x H200 (Megatron, the qwen3 slice at 4k tokens a GPU, EP 2):
@@ -335,16 +335,21 @@ class PeerWatch:
         if how == "off":
             return
         if how == "lag":
-            previous = lagwait.swap((device.type, device.index), self, deferred, events)
+            key = (device.type, device.index)
+            previous = lagwait.swap(key, self, deferred, events)
+            _wait_at_end_of_backward(key)
             if previous is None:
                 return
-            watch, deferred, events = previous.watch, previous.deferred, previous.events
-        else:
-            watch = self
+            previous.watch.wait_all(previous.deferred, previous.events)
+            return
+        self.wait_all(deferred, events)
+
+    def wait_all(self, deferred: Sequence, events: Sequence) -> None:
+        """Wait for deferred works ``(work, peers, op, hop)`` and events ``(event, op, hop)``."""
         for work, peers, op, hop in deferred:
-            watch.wait([(work, peers)], op=op, hop=hop)
+            self.wait([(work, peers)], op=op, hop=hop)
         for ev, op, hop in events:
-            watch.wait_event(ev, op=op, hop=hop)
+            self.wait_event(ev, op=op, hop=hop)
 
     def wait_event(self, event: torch.cuda.Event, *, op: str, hop: int | None = None) -> None:
         """Poll ``event`` until it completes, at most ``timeout_s``; a CUDA error raised by the
@@ -365,6 +370,27 @@ class PeerWatch:
                 )  # fmt: skip
             time.sleep(nap)
             nap = min(nap * 2, 1e-3)
+
+
+_QUEUED_TASKS: set[tuple[int, tuple[str, int | None]]] = set()
+
+
+def _wait_at_end_of_backward(key: tuple[str, int | None]) -> None:
+    """Inside a backward, queue (once per backward call and device) the wait for the device's
+    last pending pass when the backward ends (``lag``; see ``lagwait.py``). Its RingPeerError
+    is raised to the caller of ``backward()``."""
+    task = torch._C._current_graph_task_id()
+    if task < 0 or (task, key) in _QUEUED_TASKS:
+        return
+    _QUEUED_TASKS.add((task, key))
+
+    def wait_for_last_pass() -> None:
+        _QUEUED_TASKS.discard((task, key))
+        last = lagwait.take(key)
+        if last is not None:
+            last.watch.wait_all(last.deferred, last.events)
+
+    torch.autograd.Variable._execution_engine.queue_callback(wait_for_last_pass)
 
 
 def all_reduce_checked(

@@ -3,10 +3,14 @@ device.
 
 At the end of each ring pass the host waits, bounded, for the pass before it on the same device,
 never for its own, so it stays one pass ahead of the GPU instead of draining it. The last pass
-before a host sync outside the ring (the end of a step's backward) has no later pass to wait for
-it: a daemon thread watches that one, and past the ring's timeout logs its ``RingPeerError`` once
-(logger ``relaymoe.ring``), so the log names the dead peer before NCCL's watchdog, which acts at
-the group's own timeout, ends the process.
+of a backward has no later pass to wait for it, and the step's own syncs (the loss, the gradient
+norm) would block on its dead transfer until NCCL's watchdog aborts the communicator (measured on
+2x H200: 73 s with a 10 s timeout, the watchdog's debug dump included), then read the aborted
+buffers. So a backward pass also queues, once per backward call, an autograd callback that runs
+when the backward ends and waits for the device's pending pass: the error reaches the caller of
+``backward()``. A pass outside any backward (evaluation, a forward whose backward never comes) is
+watched by a daemon thread that logs its ``RingPeerError`` past the ring's timeout (logger
+``relaymoe.ring``), so the log names the dead peer before NCCL's watchdog ends the process.
 
 Entries hold the pass's ``PeerWatch`` (its ``error`` and ``timeout_s``), the works it deferred
 (``(work, peers, op, hop)``, c10d works: ``is_completed``) and its events (``(event, op, hop)``,
@@ -20,7 +24,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-__all__ = ["swap"]
+__all__ = ["swap", "take"]
 
 log = logging.getLogger("relaymoe.ring")
 POLL_S = 0.25  # how often the watchdog looks at the pending passes
@@ -53,6 +57,15 @@ def swap(key: tuple[str, int | None], watch, deferred: list, events: list) -> _P
     if previous is not None:
         previous.settled = True  # the caller waits for it now
     return previous
+
+
+def take(key: tuple[str, int | None]) -> _Pending | None:
+    """Remove and return the device's pending pass (the caller waits for it), or None."""
+    with _LOCK:
+        entry = _PENDING.pop(key, None)
+    if entry is not None:
+        entry.settled = True
+    return entry
 
 
 def _first_unfinished(entry: _Pending) -> tuple[str, int | None] | None:
