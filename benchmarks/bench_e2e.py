@@ -81,7 +81,7 @@ from benchmarks.e2e import (
     print_summary,
     run_pretrain,
 )
-from relaymoe.ring.faults import HOST_WAIT_ENV
+from relaymoe.ring.faults import HOST_WAIT_ENV, HOST_WAITS
 
 PROVIDER = {"ring": "relaymoe_ring", "alltoall": "mcore_alltoall"}
 DEFAULT_CONFIG = "tiny_qwen3"
@@ -211,7 +211,7 @@ def shape_rows(
         "recompute": list(shape.recompute_modules) or None,
         "steps_requested": steps,
         "seed": seed,
-        "ring_host_wait": os.environ.get(HOST_WAIT_ENV, "off"),  # the ring's runs inherit it
+        "ring_host_wait": os.environ.get(HOST_WAIT_ENV, HOST_WAITS[0]),  # the ring inherits it
         **REGIMES[plans[0].regime].row_fields(steps),
         "max_abs_loss_diff_vs_other": par["max_abs_loss_diff"],
         "mean_abs_loss_diff_vs_other": par["mean_abs_loss_diff"],

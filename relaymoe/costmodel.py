@@ -111,10 +111,11 @@ GRAD_ACCUMS = ("param", "fp32")
 GRAD_ACCUM_CHOICES = (AUTO, *GRAD_ACCUMS)
 FP32_GRAD_ACCUM_MIN_EP = 16
 
-# whether the host waits for a ring pass's transfers on CUDA (RELAYMOE_RING_HOST_WAIT): never
-# (the default, first), at the end of each pass (a dead peer named, at a measured cost), or at the
-# end of each pass for the one before it (named one pass later; ring/faults.py)
-HOST_WAIT_CHOICES = ("off", "pass", "lag")
+# whether the host waits for a ring pass's transfers on CUDA (RELAYMOE_RING_HOST_WAIT): at the
+# end of each pass for the one before it, and at a backward's end for its last (the default,
+# first: a dead peer named a pass later, measured free), never, or at the end of each pass for
+# the pass itself (a dead peer named at once, at a measured cost; ring/faults.py)
+HOST_WAIT_CHOICES = ("lag", "off", "pass")
 
 # The links a ring hop runs over (the planner's per-hop times; the simulator's Cluster defaults
 # import them). NVLink: one way between the two GPUs of the lent 2x H200 machine, 1 GiB messages

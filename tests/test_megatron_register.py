@@ -83,7 +83,7 @@ def test_parser_accepts_ring_and_relaymoe_flags(mcore):
     assert (defaults.relaymoe_ring_schedule, defaults.relaymoe_gpus_per_node) == ("auto", None)
     assert defaults.relaymoe_grad_accum == "auto"
     assert parser.parse_args(["--relaymoe-grad-accum", "fp32"]).relaymoe_grad_accum == "fp32"
-    assert defaults.relaymoe_ring_host_wait is None  # the environment's, else off
+    assert defaults.relaymoe_ring_host_wait is None  # the environment's, else lag
     wait = parser.parse_args(["--relaymoe-ring-host-wait", "pass"]).relaymoe_ring_host_wait
     assert wait == "pass"
     for bad in (["--relaymoe-ring-schedule", "tree"], ["--relaymoe-gpus-per-node", "0"],

@@ -187,7 +187,7 @@ def test_device_side_waits_are_bounded_on_the_host():
 def test_finish_waits_for_deferred_works_and_events(monkeypatch):
     cuda = torch.device("cuda", 0)  # the device object only: nothing runs on it
     monkeypatch.delenv("RELAYMOE_RING_HOST_WAIT", raising=False)
-    assert not faults.host_wait_enabled(cuda)  # default: no host sync on CUDA (issue #13)
+    assert faults.host_wait_mode(cuda) == "lag"  # default: a pass waits for the one before
     monkeypatch.setenv("RELAYMOE_RING_HOST_WAIT", "pass")
     watch = _watch(timeout_s=0.1)
     works = [_Work(), _Work(exc=RuntimeError("NCCL communicator was aborted"))]

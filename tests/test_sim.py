@@ -209,9 +209,11 @@ def test_row_parsing():
     )
     assert scheme_of({"provider": "relaymoe_alltoall"}) == "alltoall"
     assert scheme_of({"provider": "liger"}) is None
-    # the model describes the default (no host wait) and the flat order it calibrates on
+    # the model describes the host waits that cost nothing measurable (off, lag: the default)
+    # and the flat order it calibrates on
     ring = {"provider": "relaymoe_ring_expert_copy_engine", "host_wait": "off"}
     assert scheme_of(ring) == "ring_expert"
+    assert scheme_of({**ring, "host_wait": "lag"}) == "ring_expert"
     assert scheme_of({**ring, "host_wait": "pass"}) is None
     assert scheme_of({**ring, "schedule": "two_level"}) is None
 

@@ -98,11 +98,12 @@ def add_relaymoe_args(parser):
         "--relaymoe-ring-host-wait",
         choices=RING_HOST_WAITS,
         default=None,
-        help="whether the host waits, bounded by the process group's timeout, for each ring "
-        "pass's transfers: pass (a dead or stalled EP peer raises RingPeerError naming it; about "
-        "8%% of throughput measured), lag (at each pass's end for the pass before: named one "
-        "pass later, not yet measured) or off (the default: no host sync, a hang is left to "
-        "NCCL's watchdog); sets RELAYMOE_RING_HOST_WAIT (default: the environment's)",
+        help="how the host waits, bounded by the process group's timeout, for the ring's "
+        "transfers so that a dead or stalled EP peer raises RingPeerError naming it: lag (the "
+        "default: at each pass's end for the pass before, at a backward's end for its last; "
+        "measured free), pass (at each pass's end for the pass itself: about 10%% of "
+        "throughput) or off (no host sync: a hang is left to NCCL's watchdog); sets "
+        "RELAYMOE_RING_HOST_WAIT (default: the environment's)",
     )
     group.add_argument(
         "--relaymoe-no-overlap",

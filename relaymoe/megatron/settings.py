@@ -54,7 +54,7 @@ class Settings:
     schedule: str = "auto"
     gpus_per_node: int | None = None  # of the cluster; None: the EP ranks' hosts decide
     grad_accum: str = "auto"
-    # RELAYMOE_RING_HOST_WAIT for the ring's passes (None: the environment's, else "off")
+    # RELAYMOE_RING_HOST_WAIT for the ring's passes (None: the environment's, else "lag")
     host_wait: str | None = None
 
     def __post_init__(self):

@@ -25,12 +25,14 @@ Where the host waits (``RELAYMOE_RING_HOST_WAIT``):
   device), so it stays at most one pass ahead of the GPU rather than draining it: a dead peer is
   named at the end of the next ring pass, and the last pass of a backward when the backward
   ends (an autograd callback: one host sync a backward call); a pass that nothing follows is
-  watched by a thread that logs its error past the timeout (``lagwait.py``). The default
-  is ``off``: no host sync (a ring call in steady state has none, issue #13), and a hang is then
-  bounded by NCCL's watchdog and the copy engines' device-side barrier timeout, without the
-  ring's diagnosis. Measured on 2x H200 (Megatron, the qwen3 slice at 4k tokens a GPU, EP 2):
-  ``pass`` trains 8% fewer tokens a second than ``off``, the price of the host no longer running
-  ahead of the GPU; with it every NCCL fault case raised RingPeerError within the timeout.
+  watched by a thread that logs its error past the timeout (``lagwait.py``). ``lag`` is the
+  default. With ``off`` there is no host sync (a ring call in steady state has none, issue #13),
+  and a hang is bounded by NCCL's watchdog and the copy engines' device-side barrier timeout,
+  without the ring's diagnosis (5 of 25 NCCL fault cases named the peer; the others read
+  aborted buffers or faulted). Measured on 2x H200 (Megatron, the qwen3 slice at 4k tokens a
+  GPU, EP 2, off/lag/pass interleaved twice): ``lag`` trains as many tokens a second as ``off``
+  (-0.04%), ``pass`` 10% fewer (the host no longer runs ahead of the GPU); with ``lag`` and with
+  ``pass`` every NCCL fault case raised RingPeerError within the timeout.
 
 The timeout is the group's own (``timeout=`` of ``init_process_group``/``new_group``), on NCCL
 less ``min(5 s, 25%)`` so the ring's error comes before the watchdog acts (:func:`ring_timeout_s`),
@@ -205,16 +207,17 @@ def host_wait_enabled(device: torch.device) -> bool:
 
 def host_wait_mode(device: torch.device) -> str:
     """``"hop"`` (CPU: every hop's transfer is waited for before it is read), else the CUDA
-    setting of ``RELAYMOE_RING_HOST_WAIT``: ``"off"``, ``"pass"`` or ``"lag"``."""
+    setting of ``RELAYMOE_RING_HOST_WAIT``: ``"lag"`` (the default), ``"off"`` or ``"pass"``."""
     if device.type != "cuda":
         return "hop"
-    meanings = (
-        "no host sync; a hang is bounded only by NCCL's watchdog",
-        "the host waits, bounded by the timeout, for each pass's transfers: a dead peer raises "
-        "RingPeerError",
-        "it waits for the previous pass's at the end of each pass",
-    )
-    return env_switch(HOST_WAIT_ENV, dict(zip(HOST_WAITS, meanings, strict=True)))
+    meanings = {
+        "lag": "the host waits, bounded by the timeout, for the previous pass's transfers at the "
+        "end of each pass and for a backward's last pass when the backward ends: a dead peer "
+        "raises RingPeerError",
+        "off": "no host sync; a hang is bounded only by NCCL's watchdog",
+        "pass": "the host waits, bounded by the timeout, for each pass's own transfers at its end",
+    }
+    return env_switch(HOST_WAIT_ENV, {k: meanings[k] for k in HOST_WAITS})
 
 
 class PeerWatch:
