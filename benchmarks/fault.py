@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from relaymoe.ring.faults import HOST_WAIT_ENV, nccl_margin_s  # noqa: E402
+from relaymoe.ring.faults import HOST_WAIT_ENV, HOST_WAITS, nccl_margin_s  # noqa: E402
 
 CASES = ("before", "before_cached", "mid_fwd", "mid_bwd", "stall")
 MODES = ("expert", "token", "alltoall")
@@ -58,6 +58,11 @@ _BEFORE_WAIT_S = 0.5
 # a torchrun case's start, NCCL set-up and two healthy steps (kernels compiled, one configuration
 # each: the cases run with RELAYMOE_AUTOTUNE=0, they check errors, not speed)
 CASE_OVERHEAD_S = 90.0  # survivors call this long after the victim's exit
+
+
+def _host_wait() -> str:
+    """The CUDA host wait this process runs with: the environment's, else the ring's default."""
+    return os.environ.get(HOST_WAIT_ENV, HOST_WAITS[0])
 
 
 @dataclass(frozen=True)
@@ -230,7 +235,7 @@ def rank_main(spec: Spec, rank: int, group, store, device, outdir: str) -> None:
     res["call_at"] = time.time()
     try:
         _step(spec, group, me, device, 2, trusted)
-        if os.environ.get(HOST_WAIT_ENV) == "lag":
+        if _host_wait() == "lag":
             # the next layer's ring call, as in training: a pass's end waits for the pass before
             _step(spec, group, me, device, 3, trusted)
         if device.type == "cuda":
@@ -332,9 +337,7 @@ def row_of(spec: Spec, outdir: str, *, hung: list[int] | None = None, note: str 
     extra = {}
     if spec.backend == "nccl":  # what NCCL's watchdog does at the timeout
         extra["nccl_error_handling"] = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "default")
-        extra["host_wait"] = dict(spec.env).get(HOST_WAIT_ENV) or os.environ.get(
-            HOST_WAIT_ENV, "off"
-        )
+        extra["host_wait"] = dict(spec.env).get(HOST_WAIT_ENV) or _host_wait()
     return {
         "bench": "fault",
         "case": spec.case,
