@@ -376,3 +376,18 @@ def test_a_hops_host_and_device_time_add_in_quadrature():
     assert ComputeModel(peak_tflops_fwd=1.0, m_half=0.0, launch_us=0.0).seconds(
         4e9, pairs=10, experts=1, bwd=False
     ) == pytest.approx(4e-3)
+
+
+def test_node_batched_whatif_pays_the_hop_cost_once_a_node():
+    """The what-if's claim: with compute and links made free, a pass of node-batched rounds
+    costs one fixed hop cost per node (N = EP / G), not per rank."""
+    from benchmarks.whatif_node_batched import node_batched_ms
+
+    shape = MoEShape(name="s", T=4096, E=64, K=4, H=256, I=128)
+    cm = ComputeModel(peak_tflops_fwd=1e9, peak_tflops_bwd=1e9, launch_us=1000.0, hbm_GBps=1e12)
+    for ep, g in ((16, 8), (32, 8), (16, 4)):
+        cl = Cluster(ep=ep, gpus_per_node=g, intra_GBps=1e9, inter_GBps=1e9, intra_latency_us=0.0,
+                     inter_latency_us=0.0)  # fmt: skip
+        fwd_ms, bwd_ms = node_batched_ms(shape, cl, cm)
+        assert fwd_ms == pytest.approx(ep // g * 1.0, rel=1e-3), (ep, g)
+        assert bwd_ms == pytest.approx(ep // g * 1.0, rel=1e-3), (ep, g)
