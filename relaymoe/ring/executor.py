@@ -16,9 +16,10 @@ CPU the transfers run in gloo's background threads; there are no streams.
 
 Faults (``faults.py``): on CPU step 3 waits for the hop's works with the group's timeout and a
 failure raises ``RingPeerError`` naming the neighbour before anything reads the slot. On CUDA the
-host does not wait per hop; with ``RELAYMOE_RING_HOST_WAIT=pass`` ``finish`` waits (bounded) for
-all the pass's works, and for events recorded after each copy-engine hop, before the pass returns
-its result (default ``off``: no host sync).
+host does not wait per hop; ``finish`` hands the pass's works, and events recorded after each
+copy-engine hop, to the host wait of ``RELAYMOE_RING_HOST_WAIT`` (``faults.PeerWatch.finish``:
+the default ``lag`` waits for them at the end of the next pass or of the backward; ``pass`` before
+this pass returns; ``off`` never).
 
 Memory: two slots of ``plan.capacity()`` bytes, one trail scratch, and whatever one hop's
 compute allocates; the caller's accumulators. The returned trail lives in a fresh buffer.
