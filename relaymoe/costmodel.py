@@ -55,6 +55,7 @@ __all__ = [
     "NVLINK_BYTES_PER_S",
     "RING_MODES",
     "ROUTING_INDEX_BYTES_PER_PAIR",
+    "NODE_BATCHED",
     "SCHEDULES",
     "SCHEDULE_CHOICES",
     "SYMM_GRANULE",
@@ -100,7 +101,11 @@ TRANSPORT_CHOICES = (AUTO, *LINK_TRANSPORTS)
 # group ("flat"), or rings inside each node joined by one hop to the next node that every GPU
 # of the node makes at once ("two_level"); "auto": two_level when the group spans nodes.
 SCHEDULES = ("flat", "two_level")
-SCHEDULE_CHOICES = (AUTO, *SCHEDULES)
+# Expert mode only, asked for by name (not yet measured, so "auto" never picks it): rounds of a
+# whole node's experts, all-gathered inside the node, the column of each local rank a ring
+# across nodes (relaymoe/ring/nodebatch.py): one hop per node instead of per rank.
+NODE_BATCHED = "node_batched"
+SCHEDULE_CHOICES = (AUTO, *SCHEDULES, NODE_BATCHED)
 # The dtype of the ring's weight-gradient accumulators (expert mode: the gradients that travel
 # with their weights; token mode: the local ones every hop adds to): "param" (the weights' own,
 # bf16), "fp32", or "auto": fp32 from FP32_GRAD_ACCUM_MIN_EP ranks. Each hop adds one rounding

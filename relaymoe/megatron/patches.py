@@ -75,8 +75,10 @@ def add_relaymoe_args(parser):
         choices=RING_SCHEDULES,
         default="auto",
         help="hop order of the ring: one ring over the EP group (flat), rings inside each node "
-        "joined by hops every GPU of a node makes at once to the next node (two_level), or "
-        "two_level when the EP group spans nodes (auto)",
+        "joined by hops every GPU of a node makes at once to the next node (two_level), "
+        "two_level when the EP group spans nodes (auto), or, expert mode only and asked for by "
+        "name, one hop per node over a node's experts all-gathered inside it (node_batched; "
+        "simulated, not yet measured across nodes)",
     )
     group.add_argument(
         "--relaymoe-gpus-per-node",

@@ -37,6 +37,7 @@ from torch import Tensor
 from relaymoe.costmodel import (
     GRAD_ACCUM_CHOICES,
     MODE_CHOICES,
+    NODE_BATCHED,
     SCHEDULE_CHOICES,
     TRANSPORT_CHOICES,
     choose_mode,
@@ -123,7 +124,7 @@ class RingProblem:
     # size their buffers from the bound ``pair_bound`` (trusted callers, small T).
     pairs: tuple[tuple[int, ...], ...] | None
     # the hop order (schedule.RingPlan): "flat", or "two_level" over nodes of gpus_per_node
-    # consecutive ranks (None for flat)
+    # consecutive ranks (None for flat); or "node_batched" (expert mode, nodebatch.py)
     schedule: str = "flat"
     gpus_per_node: int | None = None
     # dtype of the weight-gradient accumulators (expert mode's travelling trail, token mode's
@@ -400,6 +401,20 @@ def _agree_collective(
         )  # fmt: skip
     else:
         mode_res = mode_req
+    sched_req = SCHEDULE_CHOICES[r0[F_SCHED] - 1]
+    batched = sched_req == NODE_BATCHED and world > 1 and mode_req != "alltoall"
+    if batched:
+        if mode_req == "token":
+            raise ValueError(
+                "ring_moe: schedule='node_batched' batches expert partitions (expert mode only), "
+                "but mode='token'; use mode='expert' (or 'auto'), or schedule 'flat'/'two_level'"
+            )
+        if tr_req == "copy_engine":
+            raise ValueError(
+                "ring_moe: schedule='node_batched' exchanges over the group's P2P (NCCL), not "
+                "the copy engine; use transport='nccl' (or 'auto')"
+            )
+        mode_res = "expert"  # "auto": the schedule's only mode
     _check_limits(rows, mode_res)
     on_cuda = r0[F_DEV] == 2
     one_host = len({rw[F_HOST] for rw in rows}) == 1
@@ -422,6 +437,8 @@ def _agree_collective(
         tr_res = "copy_engine" if mode_res != "alltoall" else "nccl"
     elif mode_res == "alltoall":  # collectives over the group's own backend
         tr_res = "nccl"
+    elif batched:
+        tr_res = "nccl"
     elif tr_req == "auto":
         g = group if group is not None else dist.group.WORLD
         tr_res = "copy_engine" if ce_ok and copy_engine_works(g, x.device) else "nccl"
@@ -429,9 +446,7 @@ def _agree_collective(
         tr_res = "nccl"
     sched, gpn = "flat", None
     if world > 1 and mode_res != "alltoall":
-        sched, gpn = resolve_schedule(
-            SCHEDULE_CHOICES[r0[F_SCHED] - 1], r0[F_GPN] or None, [rw[F_HOST] for rw in rows]
-        )
+        sched, gpn = resolve_schedule(sched_req, r0[F_GPN] or None, [rw[F_HOST] for rw in rows])
     return RingProblem(
         rank=rank,
         world_size=world,
@@ -492,13 +507,15 @@ def resolve_schedule(
     if requested == "flat":
         return "flat", None
     if G is None:
-        if requested == "two_level":
+        if requested in ("two_level", NODE_BATCHED):
             raise ValueError(
-                "ring_moe: schedule='two_level' needs nodes of equally many consecutive ranks, but "
-                f"the EP group's hosts by rank are {_host_runs(hosts)}; pass gpus_per_node (and "
-                "order the ranks node by node), or use schedule='flat'"
+                f"ring_moe: schedule={requested!r} needs nodes of equally many consecutive ranks, "
+                f"but the EP group's hosts by rank are {_host_runs(hosts)}; pass gpus_per_node "
+                "(and order the ranks node by node), or use schedule='flat'"
             )
         return "flat", None  # auto: an irregular placement runs the flat ring
+    if requested == NODE_BATCHED:  # any node size: G = 1 is the flat ring, G = R one round
+        return NODE_BATCHED, min(G, R)
     if 1 < G < R:
         return "two_level", G
     return "flat", None

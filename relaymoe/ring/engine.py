@@ -44,6 +44,13 @@ bytes per token; ``costmodel.memory_bytes`` is this list):
   index of every visiting partition (``12*T*K`` bytes each: built once per call, no ids travel
   backward), nothing else.
 
+**Node-batched rounds** (``schedule="node_batched"``, expert mode, ``nodebatch.py``): the
+expert pass over the column ring of each local rank (``N`` nodes, one hop per node); each hop
+all-gathers the node's ``G`` partitions and computes the node's ``G*El`` experts at once, and
+the backward reduce-scatters their gradients inside the node before they travel. Memory: the
+gathered experts (and their gradients) of one hop, ``G`` times a flat hop's, on top of the
+expert bounds below.
+
 **All-to-all mode** (``mode="alltoall"``, ``alltoall.py``): the same hop primitives behind one
 all-to-all of index-dispatched tokens, for the small-T regime where the ring's per-hop host cost
 dominates. ``mode="auto"`` picks among the three with ``relaymoe.costmodel.choose_mode`` (a time
@@ -62,11 +69,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from relaymoe.costmodel import NODE_BATCHED
 from relaymoe.experts import expert_hop_backward, expert_hop_forward
 from relaymoe.ring.agree import RingProblem, RingRequest, agree
 from relaymoe.ring.alltoall import alltoall_backward, alltoall_forward
 from relaymoe.ring.executor import relay
 from relaymoe.ring.layout import Layout
+from relaymoe.ring.nodebatch import ColumnTransport, column_plan, row_exchange
 from relaymoe.ring.schedule import RingPlan
 from relaymoe.ring.transport import CopyEngineTransport, P2PTransport, Transport
 from relaymoe.ring.weights import FORWARD, REVERSED, LocalExperts, reverse_local_ids
@@ -249,6 +258,96 @@ def _expert_backward(prob, group, backend, overlap, dy, x, experts, probs, index
     return dx, dprobs, grads["dw13"].to(prob.dtype), grads["dw2"].to(prob.dtype)
 
 
+# ---------------------------------------------------------------------------------------------
+# expert mode, node-batched rounds (nodebatch.py)
+# ---------------------------------------------------------------------------------------------
+def _node_pairs(prob: RingProblem, node: int) -> dict[str, int]:
+    """The pair-count keyword of one round: this rank's tokens against node ``node``'s experts."""
+    G, T = prob.gpus_per_node, prob.tokens[prob.rank]
+    if prob.pairs is not None:
+        return {"n_pairs": sum(prob.pairs[prob.rank][node * G : (node + 1) * G])}
+    return {"max_pairs": T * min(prob.topk, G * prob.num_local_experts)}
+
+
+def _node_experts(prob: RingProblem, group, lead, local, device, phase):
+    """The round's ``G*El`` experts ``(w13, w2)``: this rank's visiting partition (``lead``, or
+    ``local`` in a column of one) and its node peers', all-gathered over the row."""
+    G, El, g = prob.gpus_per_node, prob.num_local_experts, prob.rank % prob.gpus_per_node
+    mine = (lead["w13"], lead["w2"]) if lead is not None else tuple(local[:2])
+    w13 = mine[0].new_empty((G * El, *mine[0].shape[1:]))
+    w2 = mine[1].new_empty((G * El, *mine[1].shape[1:]))
+    w13[g * El : (g + 1) * El].copy_(mine[0])
+    w2[g * El : (g + 1) * El].copy_(mine[1])
+    row_exchange(
+        group, prob.rank, G, lambda q: list(mine),
+        lambda q: [w13[q * El : (q + 1) * El], w2[q * El : (q + 1) * El]],
+        mode=prob.mode, phase=phase, device=device,
+    )  # fmt: skip
+    return w13, w2
+
+
+def _batched_pass(prob, group, overlap, device, phase, compute, experts, backward):
+    G = prob.gpus_per_node
+    w, dw = _weights_layout(prob), _weights_layout(prob, "d")
+    plan = column_plan(prob.rank, prob.world_size, G, w.nbytes, dw.nbytes if backward else None)
+    return relay(
+        plan, lead_layout=lambda p: w, own_lead=lambda views: _pack(experts, views),
+        trail_layout=(lambda p: dw) if backward else None, compute=compute,
+        transport=ColumnTransport(group, prob.rank, G), device=device, overlap=overlap,
+        mode=prob.mode, phase=phase,
+    )  # fmt: skip
+
+
+def _batched_expert_forward(prob, group, backend, overlap, x, experts, probs, index, order):
+    G, El = prob.gpus_per_node, prob.num_local_experts
+    out = torch.zeros_like(x)
+    local = experts.stacked(FORWARD) if prob.world_size == G else None
+
+    def compute(hop, node, lead, trail):
+        w13, w2 = _node_experts(prob, group, lead, local, x.device, "fwd")
+        if x.shape[0] == 0:
+            return
+        expert_hop_forward(
+            x, w13, w2, probs, index, expert_range=(node * G * El, (node + 1) * G * El),
+            out_TH=out, save="none", backend=backend, **_node_pairs(prob, node),
+        )  # fmt: skip
+
+    _batched_pass(prob, group, overlap, x.device, "fwd", compute, experts, backward=False)
+    return out
+
+
+def _batched_expert_backward(prob, group, backend, overlap, dy, x, experts, probs, index, order):
+    """As ``_expert_backward``; the weight gradients' rows in expert order."""
+    G, El, g = prob.gpus_per_node, prob.num_local_experts, prob.rank % prob.gpus_per_node
+    dx, dprobs = torch.zeros_like(x), torch.zeros_like(probs)
+    local = experts.stacked(FORWARD) if prob.world_size == G else None
+
+    def compute(hop, node, lead, trail):
+        w13, w2 = _node_experts(prob, group, lead, local, x.device, "bwd")
+        d13 = torch.zeros_like(w13, dtype=prob.accum_dtype)
+        d2 = torch.zeros_like(w2, dtype=prob.accum_dtype)
+        if x.shape[0] > 0:
+            expert_hop_backward(
+                dy, x, w13, w2, probs, index, expert_range=(node * G * El, (node + 1) * G * El),
+                saved_h=None, dx_TH=dx, dprobs_TK=dprobs, dw13=d13, dw2=d2, backend=backend,
+                **_node_pairs(prob, node),
+            )  # fmt: skip
+        # reduce-scatter over the row: partition (node, q)'s share to local rank q
+        got = [(torch.empty_like(d13[:El]), torch.empty_like(d2[:El])) for _ in range(G)]
+        row_exchange(
+            group, prob.rank, G,
+            lambda q: [d13[q * El : (q + 1) * El], d2[q * El : (q + 1) * El]],
+            lambda q: list(got[q]), mode=prob.mode, phase="bwd", device=x.device,
+        )  # fmt: skip
+        for q in range(G):
+            a, b = (d13[g * El : (g + 1) * El], d2[g * El : (g + 1) * El]) if q == g else got[q]
+            trail["dw13"].add_(a)
+            trail["dw2"].add_(b)
+
+    grads = _batched_pass(prob, group, overlap, x.device, "bwd", compute, experts, backward=True)
+    return dx, dprobs, grads["dw13"].to(prob.dtype), grads["dw2"].to(prob.dtype)
+
+
 def _pack(experts: LocalExperts, views: dict[str, Tensor]) -> None:
     """The rank's own experts into slot 0, in expert order (per element in list form)."""
     for name, view in views.items():
@@ -353,7 +452,8 @@ class _RingMoE(torch.autograd.Function):
             if prob.world_size == 1 and order == REVERSED:
                 ids = reverse_local_ids(idx32, prob.num_local_experts)
             index = build_routing_index(ids, prob.num_experts, validate=False)
-            out = _expert_forward(prob, group, backend, overlap, x, experts, probs, index, order)
+            fwd = _batched_expert_forward if prob.schedule == NODE_BATCHED else _expert_forward
+            out = fwd(prob, group, backend, overlap, x, experts, probs, index, order)
             ctx.index = index
         elif prob.mode == "token":
             out, ctx.index = _token_forward(
@@ -373,7 +473,8 @@ class _RingMoE(torch.autograd.Function):
         dy = dy.to(prob.dtype).contiguous()
         args = (prob, ctx.group, ctx.backend, ctx.overlap, dy, x, experts, probs)
         if prob.mode == "expert":
-            dx, dprobs, dw13, dw2 = _expert_backward(*args, ctx.index, order)
+            bwd = _batched_expert_backward if prob.schedule == NODE_BATCHED else _expert_backward
+            dx, dprobs, dw13, dw2 = bwd(*args, ctx.index, order)
             rows = order if prob.world_size == 1 else FORWARD
         elif prob.mode == "token":
             dx, dprobs, dw13, dw2 = _token_backward(*args, ctx.index, order)
@@ -441,8 +542,10 @@ def ring_moe(
     ``schedule``: the hop order (``schedule.py``): ``"flat"`` (one ring), ``"two_level"`` (rings
     inside each node of ``gpus_per_node`` consecutive ranks, joined by hops that every GPU of a
     node makes to the same local rank of the next node at once) or ``"auto"`` (two-level when the
-    group spans several nodes of several GPUs). ``gpus_per_node``: None to read the nodes from the
-    ranks' hosts (exchanged in the agreement), else the GPUs per node of the group.
+    group spans several nodes of several GPUs); or ``"node_batched"`` (expert mode, asked for by
+    name: one hop per node over the node's experts, all-gathered inside it; ``nodebatch.py``).
+    ``gpus_per_node``: None to read the nodes from the ranks' hosts (exchanged in the agreement),
+    else the GPUs per node of the group.
     ``grad_accum``: the dtype of the ring's weight-gradient accumulators: ``"param"`` (the
     weights'), ``"fp32"``, or ``"auto"`` (fp32 from ``costmodel.FP32_GRAD_ACCUM_MIN_EP`` ranks,
     where the per-hop rounding of 16-bit accumulators would take the weight-gradient error past
