@@ -49,7 +49,7 @@ expert pass over the column ring of each local rank (``N`` nodes, one hop per no
 all-gathers the node's ``G`` partitions and computes the node's ``G*El`` experts at once, and
 the backward reduce-scatters their gradients inside the node before they travel. Memory: the
 gathered experts (and their gradients) of one hop, ``G`` times a flat hop's, on top of the
-expert bounds below.
+expert bounds above.
 
 **All-to-all mode** (``mode="alltoall"``, ``alltoall.py``): the same hop primitives behind one
 all-to-all of index-dispatched tokens, for the small-T regime where the ring's per-hop host cost

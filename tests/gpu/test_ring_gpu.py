@@ -165,6 +165,15 @@ def two_level_one_gpu_per_node(rank, world, group):  # issue #18: the two-level 
             _assert_bitwise_equal(a, b, (t, m))
 
 
+def node_batched_one_and_two_nodes(rank, world, group):  # issue #18: node-batched over NCCL
+    """One node of two GPUs (one round: the row all-gather and reduce-scatter) and two nodes of
+    one GPU (the column ring, no row): bf16 against the float64 oracle, a zero-token rank."""
+    for gpn in (2, 1):
+        for tokens in ([900, 700], [0, 1200]):
+            _case(rank, transport="nccl", mode="expert", tokens=tokens, seed=9,
+                  schedule="node_batched", gpus_per_node=gpn)  # fmt: skip
+
+
 def nonfinite(rank, world, group):
     """Issue #17 item 4 on the GPU: NaN/Inf in x, probabilities or weights reaches exactly what
     the float64 oracle's reaches (bf16, both transports, all three modes), then a clean call."""
@@ -224,7 +233,8 @@ def bad_input(rank, world, group):
 
 
 SCENARIOS = [uneven_tokens, zero_tokens_no_overlap, list_forms, timeline, determinism,
-             two_level_one_gpu_per_node, nonfinite, bad_input]  # fmt: skip
+             two_level_one_gpu_per_node, node_batched_one_and_two_nodes, nonfinite,
+             bad_input]  # fmt: skip
 
 
 def test_ring_moe_two_gpus(tmp_path):
