@@ -286,13 +286,25 @@ def _node_experts(prob: RingProblem, group, lead, local, device, phase):
     return w13, w2
 
 
-def _batched_pass(prob, group, overlap, device, phase, compute, experts, backward):
+def _batched_pass(prob, group, overlap, device, phase, compute, experts, backward, local):
+    """One column pass; the hop's experts are all-gathered over the row before the hop's column
+    transfer is issued (``relay``'s ``prepare``) and handed to ``compute(node, w13, w2,
+    trail)``."""
     G = prob.gpus_per_node
     w, dw = _weights_layout(prob), _weights_layout(prob, "d")
     plan = column_plan(prob.rank, prob.world_size, G, w.nbytes, dw.nbytes if backward else None)
+    gathered = {}
+
+    def prepare(hop, node, lead):
+        gathered["w"] = _node_experts(prob, group, lead, local, device, phase)
+
+    def run(hop, node, lead, trail):
+        w13, w2 = gathered.pop("w")
+        compute(node, w13, w2, trail)
+
     return relay(
         plan, lead_layout=lambda p: w, own_lead=lambda views: _pack(experts, views),
-        trail_layout=(lambda p: dw) if backward else None, compute=compute,
+        trail_layout=(lambda p: dw) if backward else None, compute=run, prepare=prepare,
         transport=ColumnTransport(group, prob.rank, G), device=device, overlap=overlap,
         mode=prob.mode, phase=phase,
     )  # fmt: skip
@@ -303,8 +315,7 @@ def _batched_expert_forward(prob, group, backend, overlap, x, experts, probs, in
     out = torch.zeros_like(x)
     local = experts.stacked(FORWARD) if prob.world_size == G else None
 
-    def compute(hop, node, lead, trail):
-        w13, w2 = _node_experts(prob, group, lead, local, x.device, "fwd")
+    def compute(node, w13, w2, trail):
         if x.shape[0] == 0:
             return
         expert_hop_forward(
@@ -312,7 +323,7 @@ def _batched_expert_forward(prob, group, backend, overlap, x, experts, probs, in
             out_TH=out, save="none", backend=backend, **_node_pairs(prob, node),
         )  # fmt: skip
 
-    _batched_pass(prob, group, overlap, x.device, "fwd", compute, experts, backward=False)
+    _batched_pass(prob, group, overlap, x.device, "fwd", compute, experts, False, local)
     return out
 
 
@@ -322,8 +333,7 @@ def _batched_expert_backward(prob, group, backend, overlap, dy, x, experts, prob
     dx, dprobs = torch.zeros_like(x), torch.zeros_like(probs)
     local = experts.stacked(FORWARD) if prob.world_size == G else None
 
-    def compute(hop, node, lead, trail):
-        w13, w2 = _node_experts(prob, group, lead, local, x.device, "bwd")
+    def compute(node, w13, w2, trail):
         d13 = torch.zeros_like(w13, dtype=prob.accum_dtype)
         d2 = torch.zeros_like(w2, dtype=prob.accum_dtype)
         if x.shape[0] > 0:
@@ -344,7 +354,7 @@ def _batched_expert_backward(prob, group, backend, overlap, dy, x, experts, prob
             trail["dw13"].add_(a)
             trail["dw2"].add_(b)
 
-    grads = _batched_pass(prob, group, overlap, x.device, "bwd", compute, experts, backward=True)
+    grads = _batched_pass(prob, group, overlap, x.device, "bwd", compute, experts, True, local)
     return dx, dprobs, grads["dw13"].to(prob.dtype), grads["dw2"].to(prob.dtype)
 
 

@@ -274,6 +274,7 @@ def relay(
     mode: str = "",
     phase: str = "",
     capacity: int | None = None,
+    prepare: Callable[[int, int, dict[str, Tensor] | None], None] | None = None,
 ) -> dict[str, Tensor] | None:
     """One ring pass. Returns the views of this rank's complete trail (None without a trail).
 
@@ -284,6 +285,9 @@ def relay(
     the local tensors; nothing is packed); ``trail`` are zero-initialised views to ADD this
     rank's share of ``partition``'s accumulator into (None without a trail).
     ``capacity``: reserve at least this many bytes per slot (e.g. the backward's, at forward).
+    ``prepare(hop, partition, lead)``: called before the hop's transfer is issued, with the lead
+    already in place (e.g. node-batched rounds exchange it inside the node there, so that on
+    NCCL that exchange is not queued behind the hop's transfer, which overlaps the compute).
     """
     R, rank = plan.world_size, plan.rank
     has_trail = trail_layout is not None
@@ -292,6 +296,8 @@ def relay(
         if has_trail:
             lay = trail_layout(rank)
             trail = _zero_views(lay, torch.empty(lay.nbytes, dtype=torch.uint8, device=device))
+        if prepare is not None:
+            prepare(0, rank, None)
         compute(0, rank, None, trail)
         return trail
 
@@ -314,10 +320,12 @@ def relay(
         p = plan.partition(h)
         with torch.profiler.record_function(f"relaymoe.{mode}.{phase}.hop"):  # host time per hop
             ex.mark(h, "h0")
+            lead = own_views if h == 0 else lead_layout(p).views(slots[h % 2])
+            if prepare is not None:
+                prepare(h, p, lead)
             pending = ex.start(h)
             if not overlap:
                 ex.wait(pending, h)
-            lead = own_views if h == 0 else lead_layout(p).views(slots[h % 2])
             if has_trail:
                 dst = trail_layout(p).views(
                     slots[(h + 1) % 2], plan.slot_layout(h + 1).trail_offset
