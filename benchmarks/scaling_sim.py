@@ -8,7 +8,9 @@
    (target: within 15%).
 3. Extrapolate: ring (expert, token, auto) in both schedules (``schedule``: ``flat``, one ring
    over the group; ``two_level``, rings inside the nodes joined by one hop per node crossing on
-   every GPU's NIC at once) vs all-to-all with the same expert kernels, EP 8..64, 4 or 8 GPUs per
+   every GPU's NIC at once), and the expert ring's ``node_batched`` rounds (one hop per node over
+   the node's experts, ``benchmarks/sim/batched.py``), vs all-to-all with the same expert
+   kernels, EP 8..64, 4 or 8 GPUs per
    node (NVLink inside a node, one 400 Gb/s NIC per GPU between nodes: ``relaymoe.costmodel``'s
    link constants), for Qwen3-style layers like the paper's Table 3 (E128 K8 H2048 I768 and its
    K/E/I variants), 12 x 8192 tokens per GPU as in the paper's EP-scaling study.
@@ -51,8 +53,14 @@ QUICK_VARIANTS = ("E128_K8", "E128_K16", "E128_K4")
 
 
 def extrapolate(cm, *, variants, eps, gpus_per_node, intra_GBps=None):
-    from benchmarks.sim import Cluster, MoEShape, simulate_alltoall, simulate_ring
-    from relaymoe.costmodel import SCHEDULES
+    from benchmarks.sim import (
+        Cluster,
+        MoEShape,
+        simulate_alltoall,
+        simulate_node_batched,
+        simulate_ring,
+    )
+    from relaymoe.costmodel import NODE_BATCHED, SCHEDULES
 
     rows = []
     for name in variants:
@@ -87,6 +95,12 @@ def extrapolate(cm, *, variants, eps, gpus_per_node, intra_GBps=None):
                         else:
                             row["speedup_vs_flat"] = round(flat[m].ms_fwd_bwd / r.ms_fwd_bwd, 3)
                         rows.append(row)
+                # expert mode only, asked for by name (relaymoe/ring/nodebatch.py)
+                nb = simulate_node_batched(shape, cl, cm)
+                rows.append({**common, "provider": "sim_ring_expert", "schedule": NODE_BATCHED,
+                             **_times(nb, a2a),
+                             "speedup_vs_flat": round(flat["expert"].ms_fwd_bwd / nb.ms_fwd_bwd,
+                                                      3)})  # fmt: skip
     return rows
 
 

@@ -124,6 +124,8 @@ TABLES = [
     ),
 ]  # fmt: skip
 SIM_VALIDATION_COLS = ["scheme", "shape", "ep", "measured_ms", "predicted_ms", "rel_err", "fit"]
+SIM_SCHEDULE_COLS = ["shape", "ep", "gpus_per_node", "schedule", "ms_fwd_bwd", "speedup_vs_flat",
+                     "speedup_vs_alltoall", "peak_MiB"]  # fmt: skip
 SIM_EXTRAP_COLS = ["shape", "ep", "gpus_per_node", "auto_mode", "ms_fwd_bwd",
                    "speedup_vs_alltoall", "mem_reduction_vs_alltoall"]  # fmt: skip
 ROUTING_COLS = ["T", "E", "K", "routing", "triton_us", "triton_device_us", "sort_us", "torch_us",
@@ -327,6 +329,18 @@ def sim_section(sim: list[tuple[str, dict, str]]) -> list[str]:
         rows, _ = _dedupe(ext, ("shape", "ep", "gpus_per_node"))
         out += ["Extrapolation, ring (auto mode) vs all-to-all with the same expert kernels:", "",
                 *table(rows, SIM_EXTRAP_COLS), ""]  # fmt: skip
+    sched = [
+        (s, r)
+        for s, r in sim
+        if r.get("kind") == "extrapolation" and r.get("provider") == "sim_ring_expert"
+        and r.get("shape") == "E128_K8"
+    ]  # fmt: skip
+    if sched:
+        rows, _ = _dedupe(sched, ("shape", "ep", "gpus_per_node", "schedule"))
+        rows.sort(key=lambda r: (r["gpus_per_node"], r["ep"], str(r.get("schedule"))))
+        title = ("Expert ring by schedule (E128 K8; `node_batched`: one hop per node over the "
+                 "node's experts, by name only):")  # fmt: skip
+        out += [title, "", *table(rows, SIM_SCHEDULE_COLS), ""]
     cal = [r for _, r in sim if r.get("kind") == "calibration" and r.get("paper")]
     if cal:
         out += [f"Paper (reported, not simulated): {cal[-1]['paper'].get('source', '')}", ""]

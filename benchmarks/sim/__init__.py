@@ -7,6 +7,7 @@ discrete-event ring, ``alltoall`` the all-to-all dispatcher, ``memory`` the MoE-
 """
 
 from benchmarks.sim.alltoall import simulate_alltoall
+from benchmarks.sim.batched import simulate_node_batched
 from benchmarks.sim.model import Cluster, ComputeModel, MoEShape, SimResult
 from benchmarks.sim.ring import hop_payloads, simulate_pass, simulate_ring
 
@@ -17,6 +18,7 @@ __all__ = [
     "SimResult",
     "hop_payloads",
     "simulate_alltoall",
+    "simulate_node_batched",
     "simulate_pass",
     "simulate_ring",
 ]
