@@ -43,6 +43,23 @@ def _node_batched(rank, world, group):
             _run_case(rank, world, group, **c)
 
 
+def _errors_name_the_column(rank, world, group):
+    """The column plan's peers are node indices; a RingPeerError names the global ranks."""
+    from relaymoe.ring.faults import PeerWatch
+    from relaymoe.ring.nodebatch import ColumnTransport
+
+    G = 2
+    n, g = divmod(rank, G)
+    view = ColumnTransport(group, rank, G).watch_view()
+    column = list(range(g, world, G))  # the default group: group ranks are global ranks
+    assert view == {"rank": n, "ranks": column}, view
+    err = PeerWatch(group, mode="expert", phase="bwd", **view).error(
+        "no answer", op="p2p", hop=1, peers=[(n + 1) % len(column)]
+    )
+    assert err.peers == (column[(n + 1) % len(column)],), err
+    assert f"sends to {column[(n + 1) % len(column)]}" in str(err), err
+
+
 def _same_as_the_flat_ring(rank, world, group):
     """Fp32 sums in another order than the flat ring's: equal within rounding, not bitwise."""
     kw = dict(mode="expert", seed=21, tokens=[4, 1, 0, 5, 2, 3][:world], El=2, K=2, dtype=F32)
@@ -84,7 +101,7 @@ def _slice(pb, rank):
     return pb["x"][lo:hi], pb["w13"][e0:e1], pb["w2"][e0:e1], pb["idx"][lo:hi], pb["probs"][lo:hi]
 
 
-SCENARIOS = (_node_batched, _same_as_the_flat_ring, _refusals)
+SCENARIOS = (_node_batched, _errors_name_the_column, _same_as_the_flat_ring, _refusals)
 
 
 @pytest.mark.parametrize("world", [4, 6])

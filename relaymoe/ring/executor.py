@@ -151,7 +151,10 @@ class RingExecutor:
         self.stream = comm_stream(device) if self.cuda else None
         self.mode, self.phase = mode, phase
         group = getattr(transport, "group", None)
-        self.watch = PeerWatch(group, mode=mode or "ring", phase=phase or "pass") if group else None
+        self.watch = None
+        if group is not None:  # the ring's view of the group: its plan's ranks
+            self.watch = PeerWatch(group, mode=mode or "ring", phase=phase or "pass",
+                                   **transport.watch_view())  # fmt: skip
         # device-side waits with no work object (the copy engines' barriers): an event per hop,
         # recorded only when finish() will wait on it
         self._mark_events = (

@@ -65,6 +65,12 @@ class ColumnTransport(P2PTransport):
     def __init__(self, group: dist.ProcessGroup, rank: int, gpus_per_node: int):
         super().__init__(group)
         self.g, self.G = rank % gpus_per_node, gpus_per_node
+        self.node = rank // gpus_per_node
+
+    def watch_view(self) -> dict:
+        """Errors name the column's global ranks (the plan's peers are node indices)."""
+        every = dist.get_process_group_ranks(self.group)
+        return {"rank": self.node, "ranks": every[self.g :: self.G]}
 
     def issue(self, xfer: HopTransfer, sends: list[Tensor], recvs: list[Tensor]) -> list:
         def leg(lg: Leg) -> Leg:
@@ -74,7 +80,8 @@ class ColumnTransport(P2PTransport):
             xfer.hop, tuple(map(leg, xfer.sends)), tuple(map(leg, xfer.recvs)),
             xfer.sends_lead, xfer.sends_trail,
         )  # fmt: skip
-        return super().issue(mapped, sends, recvs)
+        works = super().issue(mapped, sends, recvs)
+        return [(w, tuple(p // self.G for p in peers)) for w, peers in works]  # node indices
 
 
 def row_exchange(

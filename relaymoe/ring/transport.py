@@ -62,6 +62,11 @@ class Transport(abc.ABC):
     def slots(self, capacity: int, device: torch.device) -> tuple[Tensor, Tensor]:
         """The two slot buffers of at least ``capacity`` bytes each."""
 
+    def watch_view(self) -> dict:
+        """``PeerWatch`` keywords when the plan's ranks are not the group's (``rank``,
+        ``ranks``: this rank and the plan's global ranks); empty: the group's own."""
+        return {}
+
     def entry_sync(self) -> None:  # noqa: B027 (optional hook: most transports need none)
         """Called once per pass before the first hop when ``needs_entry_sync``."""
 
