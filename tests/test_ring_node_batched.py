@@ -44,20 +44,23 @@ def _node_batched(rank, world, group):
 
 
 def _errors_name_the_column(rank, world, group):
-    """The column plan's peers are node indices; a RingPeerError names the global ranks."""
+    """The column plan's peers are node indices: an error names them as group ranks, the whole
+    EP group, and the hop's neighbours in the column."""
     from relaymoe.ring.faults import PeerWatch
     from relaymoe.ring.nodebatch import ColumnTransport
 
     G = 2
     n, g = divmod(rank, G)
-    view = ColumnTransport(group, rank, G).watch_view()
+    tr = ColumnTransport(group, rank, G)
     column = list(range(g, world, G))  # the default group: group ranks are global ranks
-    assert view == {"rank": n, "ranks": column}, view
-    err = PeerWatch(group, mode="expert", phase="bwd", **view).error(
-        "no answer", op="p2p", hop=1, peers=[(n + 1) % len(column)]
+    assert tr.watch_view() == {"ring": column}
+    N = len(column)
+    assert tr.group_peers({(n + 1) % N}) == {column[(n + 1) % N]}
+    err = PeerWatch(group, mode="expert", phase="bwd", **tr.watch_view()).error(
+        "no answer", op="p2p", hop=1, peers=sorted(tr.group_peers({(n + 1) % N}))
     )
-    assert err.peers == (column[(n + 1) % len(column)],), err
-    assert f"sends to {column[(n + 1) % len(column)]}" in str(err), err
+    assert err.peers == (column[(n + 1) % N],) and err.group_ranks == tuple(range(world)), err
+    assert f"sends to {column[(n + 1) % N]}, receives from {column[(n - 1) % N]}" in str(err)
 
 
 def _same_as_the_flat_ring(rank, world, group):

@@ -211,7 +211,8 @@ class RingExecutor:
 
         def issue():
             self.mark(hop, "t0", on_comm=True)
-            with self.watch.issuing(op="p2p", hop=hop, peers=set(xfer.peers)):
+            peers = self.transport.group_peers(xfer.peers)
+            with self.watch.issuing(op="p2p", hop=hop, peers=peers):
                 works = self.transport.issue(xfer, sends, recvs)
             self.mark(hop, "t1", on_comm=True)
             if self._mark_events:

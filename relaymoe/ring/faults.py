@@ -238,13 +238,17 @@ class PeerWatch:
         timeout_s: float | None = None,
         rank: int | None = None,
         ranks: Sequence[int] | None = None,
+        ring: Sequence[int] | None = None,
     ):
         """``rank`` (this process's group rank), ``ranks`` (the group's global ranks) and
-        ``timeout_s`` default to ``group``'s; pass all three to watch without a group."""
+        ``timeout_s`` default to ``group``'s; pass all three to watch without a group.
+        ``ring``: the group ranks of the ring the P2P transfers go around, in order (default:
+        the whole group), which names a hop's neighbours."""
         self.group, self.mode, self.phase = group, mode, phase
         self.rank = dist.get_rank(group) if rank is None else rank
         self.ranks = tuple(dist.get_process_group_ranks(group) if ranks is None else ranks)
         self.timeout_s = ring_timeout_s(group) if timeout_s is None else float(timeout_s)
+        self.ring = tuple(range(len(self.ranks)) if ring is None else ring)
         self._deferred: list[tuple[object, tuple[int, ...] | None, str, int | None]] = []
         self._events: list[tuple[torch.cuda.Event, str, int | None]] = []
 
@@ -261,8 +265,9 @@ class PeerWatch:
         """The error naming ``peers`` (group ranks; None: unknown which)."""
         neighbours = None
         R = len(self.ranks)
-        if op == "p2p" or op.startswith("copy-engine"):
-            neighbours = (self.ranks[(self.rank + 1) % R], self.ranks[(self.rank - 1) % R])
+        if (op == "p2p" or op.startswith("copy-engine")) and self.rank in self.ring:
+            at, n = self.ring.index(self.rank), len(self.ring)
+            neighbours = (self.ranks[self.ring[(at + 1) % n]], self.ranks[self.ring[(at - 1) % n]])
         if peers is None and R == 2:  # only one rank can have failed to answer
             peers = [1 - self.rank]
         return RingPeerError(

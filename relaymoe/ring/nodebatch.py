@@ -68,9 +68,12 @@ class ColumnTransport(P2PTransport):
         self.node = rank // gpus_per_node
 
     def watch_view(self) -> dict:
-        """Errors name the column's global ranks (the plan's peers are node indices)."""
-        every = dist.get_process_group_ranks(self.group)
-        return {"rank": self.node, "ranks": every[self.g :: self.G]}
+        """A hop's neighbours are the column's (errors still name the whole EP group)."""
+        N = dist.get_world_size(self.group) // self.G
+        return {"ring": [m * self.G + self.g for m in range(N)]}
+
+    def group_peers(self, peers) -> set[int]:
+        return {p * self.G + self.g for p in peers}
 
     def issue(self, xfer: HopTransfer, sends: list[Tensor], recvs: list[Tensor]) -> list:
         def leg(lg: Leg) -> Leg:
@@ -80,8 +83,7 @@ class ColumnTransport(P2PTransport):
             xfer.hop, tuple(map(leg, xfer.sends)), tuple(map(leg, xfer.recvs)),
             xfer.sends_lead, xfer.sends_trail,
         )  # fmt: skip
-        works = super().issue(mapped, sends, recvs)
-        return [(w, tuple(p // self.G for p in peers)) for w, peers in works]  # node indices
+        return super().issue(mapped, sends, recvs)
 
 
 def row_exchange(

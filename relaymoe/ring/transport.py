@@ -63,9 +63,13 @@ class Transport(abc.ABC):
         """The two slot buffers of at least ``capacity`` bytes each."""
 
     def watch_view(self) -> dict:
-        """``PeerWatch`` keywords when the plan's ranks are not the group's (``rank``,
-        ``ranks``: this rank and the plan's global ranks); empty: the group's own."""
+        """``PeerWatch`` keywords when the plan's ring is not the whole group (``ring``: its
+        group ranks in order); empty: the group's own."""
         return {}
+
+    def group_peers(self, peers) -> set[int]:
+        """The group ranks of a plan's peers (the plan's own numbering)."""
+        return set(peers)
 
     def entry_sync(self) -> None:  # noqa: B027 (optional hook: most transports need none)
         """Called once per pass before the first hop when ``needs_entry_sync``."""
