@@ -87,6 +87,8 @@ class Spec:
     ffn: int = 8
     experts_per_rank: int = 2
     topk: int = 2
+    schedule: str = "auto"  # ring_moe's schedule; "node_batched" also arms its row exchanges
+    gpus_per_node: int | None = None
 
     @property
     def group_ranks(self) -> tuple[int, ...]:
@@ -96,9 +98,10 @@ class Spec:
         pg = f"-pg{self.pg_timeout_s:g}" if self.pg_timeout_s else ""
         hw = dict(self.env).get(HOST_WAIT_ENV)
         wait = f"-wait{hw}" if hw else ""
+        sched = "" if self.schedule == "auto" else f"-{self.schedule}-g{self.gpus_per_node}"
         return (
             f"{self.case}-{self.mode}-{self.transport}-w{self.world}-ep{len(self.group_ranks)}"
-            f"{pg}{wait}"
+            f"{pg}{wait}{sched}"
         )
 
 
@@ -141,6 +144,18 @@ def _arm_victim(spec: Spec, store, state: dict) -> None:
         return real_exchange(*args, **kwargs)
 
     a2a_mod._exchange = exchange
+    if spec.schedule == "node_batched":  # the row's all-gather (forward) / reduce-scatter (bwd)
+        from relaymoe.ring import engine
+
+        real_row = engine.row_exchange
+        phase = "bwd" if spec.case == "mid_bwd" else "fwd"
+
+        def row_exchange(*args, **kwargs):
+            if state["armed"] and kwargs.get("phase") == phase:
+                fail()
+            return real_row(*args, **kwargs)
+
+        engine.row_exchange = row_exchange
 
 
 def _inputs(spec: Spec, group_rank: int, device, step: int):
@@ -166,7 +181,8 @@ def _step(spec: Spec, group, group_rank: int, device, step: int, trusted: bool):
 
     x, w13, w2, idx, probs = _inputs(spec, group_rank, device, step)
     out = ring_moe(x, w13, w2, idx, probs, group=group, mode=spec.mode,
-                   transport=spec.transport, trusted=trusted)  # fmt: skip
+                   transport=spec.transport, trusted=trusted, schedule=spec.schedule,
+                   gpus_per_node=spec.gpus_per_node)  # fmt: skip
     out.backward(torch.ones_like(out))
     return out
 
@@ -354,6 +370,11 @@ def row_of(spec: Spec, outdir: str, *, hung: list[int] | None = None, note: str 
         "message": message,
         "why": "; ".join(why) or None,
         "launcher": note or None,
+        **(
+            {"schedule": spec.schedule, "gpus_per_node": spec.gpus_per_node}
+            if spec.schedule != "auto"
+            else {}
+        ),
         **extra,
     }
 
@@ -478,6 +499,7 @@ def run_torchrun(specs: list[Spec], outdir: str, *, concurrency: int = 1) -> lis
                f"--nproc-per-node={spec.world}", str(Path(__file__).resolve()), "--one",
                "--backend", spec.backend, "--case", spec.case, "--mode", spec.mode,
                "--transport", spec.transport, "--timeout", str(spec.timeout_s),
+               "--schedule", spec.schedule, "--gpus-per-node", str(spec.gpus_per_node or 0),
                "--outdir", str(case_dir)]  # fmt: skip
         cap = spec.timeout_s + SLACK_S + CASE_OVERHEAD_S
         note = ""
@@ -537,7 +559,8 @@ def _torchrun_one(args) -> int:
         dist.init_process_group("gloo", timeout=timeout)
     world, rank = dist.get_world_size(), dist.get_rank()
     spec = Spec(case=args.case, mode=args.mode, transport=args.transport, world=world,
-                timeout_s=args.timeout, backend=args.backend)  # fmt: skip
+                timeout_s=args.timeout, backend=args.backend, schedule=args.schedule,
+                gpus_per_node=args.gpus_per_node or None)  # fmt: skip
     group = dist.new_group(list(spec.group_ranks), timeout=timeout)
     store = dist.distributed_c10d._get_default_store()
     Path(args.outdir).mkdir(parents=True, exist_ok=True)
@@ -587,6 +610,8 @@ def main(argv=None) -> int:
     ap.add_argument("--case", choices=CASES)
     ap.add_argument("--mode", choices=MODES)
     ap.add_argument("--transport", default="nccl")
+    ap.add_argument("--schedule", default="auto")
+    ap.add_argument("--gpus-per-node", type=int, default=0)
     ap.add_argument("--outdir")
     args = ap.parse_args(argv)
     if args.one:

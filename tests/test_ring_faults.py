@@ -64,6 +64,15 @@ def _specs():
         # an EP group of global ranks [0, 2] (rank 1 a bystander): the error names global ranks
         Spec(case="mid_fwd", mode="token", world=3, ep=(0, 2), victim=2, timeout_s=TIMEOUT_S),
     ]
+    # node-batched rounds: the victim dies in a row exchange (the node's all-gather forward, its
+    # reduce-scatter backward) or in the column ring (one GPU a node), or stalls
+    nb = dict(mode="expert", schedule="node_batched", timeout_s=TIMEOUT_S)
+    specs += [
+        Spec(case="mid_fwd", world=2, gpus_per_node=2, **nb),
+        Spec(case="mid_bwd", world=4, gpus_per_node=2, **nb),
+        Spec(case="stall", world=4, gpus_per_node=2, **nb),
+        Spec(case="mid_fwd", world=3, gpus_per_node=1, **nb),
+    ]
     return specs
 
 
