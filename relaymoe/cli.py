@@ -277,7 +277,7 @@ def schedule_lines(p, ep: int) -> list[str]:
     for name, h in p.hop_times.items():
         mark = "*" if name == p.schedule else " "
         lines.append(
-            f" {mark}{name:<9} inside nodes {_hops(h, 'intra')}  across {_hops(h, 'inter')}  "
+            f" {mark}{name:<12} inside nodes {_hops(h, 'intra')}  across {_hops(h, 'inter')}  "
             f"step {_ms(h['step_s'])} ms"
         )
     return lines

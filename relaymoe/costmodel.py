@@ -56,6 +56,7 @@ __all__ = [
     "RING_MODES",
     "ROUTING_INDEX_BYTES_PER_PAIR",
     "NODE_BATCHED",
+    "node_batched_hop_times",
     "SCHEDULES",
     "SCHEDULE_CHOICES",
     "SYMM_GRANULE",
@@ -886,6 +887,50 @@ def ring_hop_times(
         inter_hops=counts["inter"], hop_compute_s=c_max, intra_hop_s=hop_s["intra"],
         inter_hop_s=hop_s["inter"], intra_transfer_s=x_s["intra"],
         inter_transfer_s=x_s["inter"], host_s=host, device_s=device,
+    )  # fmt: skip
+
+
+def node_batched_hop_times(
+    d: Dims,
+    *,
+    gpus_per_node: int | None = None,
+    training: bool = True,
+    model: TimeModel = DEFAULT_TIME_MODEL,
+    inter_bytes_per_s: float = INTER_NODE_BYTES_PER_S,
+) -> RingHopTimes:
+    """Hop times of the expert ring's node-batched rounds (``NODE_BATCHED``,
+    ``relaymoe/ring/nodebatch.py``): ``N = R/G`` hops a pass, each over ``G/R`` of the rank's
+    pairs, after an all-gather of the node's ``G-1`` other partitions over NVLink (not hidden);
+    the next partition (backward with the travelling gradients) crosses to the next node on
+    this GPU's NIC under the compute; backward, the round's gradients are reduce-scattered in
+    the node after it (not hidden). Every hop is ``inter`` when there are several nodes."""
+    R = d.R
+    G = _check_nodes(R, gpus_per_node)
+    N = R // G
+    passes = (False, True) if training else (False,)
+    host = model.call_fixed_s + len(passes) * N * model.hop_fixed_s
+    h = hop_bytes("expert", d)
+    device, c_max, hop_max, row_max, x_max = 0.0, 0.0, 0.0, 0.0, 0.0
+    for bwd in passes:
+        c = _compute_seconds(d, model, bwd) * G / R
+        lead, trail = (h.bwd_lead, h.bwd_trail) if bwd else (h.fwd_lead, 0)
+        row = (G - 1) * (lead + trail) / model.link_bytes_per_s  # gather (+ reduce-scatter)
+        for j in range(N + (1 if bwd and N > 1 else 0)):  # backward: the gradients home
+            nbytes = (lead if j < N - 1 else 0) + (trail if 0 < j else 0)
+            x = nbytes / inter_bytes_per_s if N > 1 else 0.0
+            comp = c if j < N else 0.0
+            e = _exposed(x, comp, model.nccl_hide) if comp else x
+            hop = (row if j < N else 0.0) + comp + e
+            device += hop
+            hop_max, x_max = max(hop_max, hop), max(x_max, x)
+        c_max, row_max = max(c_max, c), max(row_max, row)
+    inter = N > 1
+    hops = len(passes) * N + (1 if training and inter else 0)
+    return RingHopTimes(
+        schedule=NODE_BATCHED, world=R, gpus_per_node=G, intra_hops=0 if inter else hops,
+        inter_hops=hops if inter else 0, hop_compute_s=c_max,
+        intra_hop_s=0.0 if inter else hop_max, inter_hop_s=hop_max if inter else 0.0,
+        intra_transfer_s=row_max, inter_transfer_s=x_max, host_s=host, device_s=device,
     )  # fmt: skip
 
 

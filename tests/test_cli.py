@@ -204,12 +204,15 @@ def test_plan_schedule_with_gpus_per_node(capsys):
     rc, out, err = run(capsys, "plan", "--gpus-per-node", "4")
     assert rc == 0, err
     assert "ring schedule: two_level (EP=8 over 2 nodes of 4 EP ranks)" in out
-    assert " *two_level inside nodes " in out and "  flat      inside nodes " in out
+    assert " *two_level    inside nodes " in out and "  flat         inside nodes " in out
     rc, out, err = run(capsys, "plan", "--gpus-per-node", "4", "--json")
     d = json.loads(out)
     assert d["schedule"] == "two_level" and d["gpus_per_node"] == 4
-    assert set(d["hop_times"]) == {"flat", "two_level"}
+    expert = d["hop_times"]["flat"]["mode"] == "expert"  # node_batched: expert mode only
+    assert set(d["hop_times"]) == {"flat", "two_level"} | ({"node_batched"} if expert else set())
     assert d["hop_times"]["two_level"]["step_s"] < d["hop_times"]["flat"]["step_s"]
+    rc, out, err = run(capsys, "plan", "--gpus-per-node", "4", "--ring-mode", "expert")
+    assert rc == 0 and "  node_batched inside nodes " in out and "*two_level" in out  # never picked
     rc, out, err = run(capsys, "plan")
     assert rc == 0 and "ring schedule: flat (EP=8 in one node (--gpus-per-node N" in out
     rc, out, err = run(capsys, "plan", "--gpus-per-node", "3")

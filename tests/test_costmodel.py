@@ -413,6 +413,24 @@ def test_two_level_never_slower_and_chosen_across_nodes():
     assert worst >= 1.0 - 1e-12, worst
 
 
+def test_node_batched_pays_one_hop_per_node_and_wins_across_many_nodes():
+    """The planner's node-batched rounds: N = R/G hops a pass (the gradients' hop home besides),
+    the fixed host cost per hop, and across many nodes a faster step than the two-level ring;
+    never chosen by ``auto``."""
+    m = cm.DEFAULT_TIME_MODEL
+    d = cm.Dims(T=98304, H=2048, I=768, El=2, K=8, R=64, b=2, pb=4)
+    nb = cm.node_batched_hop_times(d, gpus_per_node=8)
+    assert (nb.schedule, nb.inter_hops, nb.intra_hops) == (cm.NODE_BATCHED, 2 * 8 + 1, 0)
+    assert nb.host_s == pytest.approx(m.call_fixed_s + 2 * 8 * m.hop_fixed_s)
+    two = cm.ring_hop_times("expert", d, schedule="two_level", gpus_per_node=8)
+    assert nb.step_s < two.step_s / 2, (nb.step_s, two.step_s)
+    one = cm.node_batched_hop_times(dataclasses.replace(d, R=8, El=16), gpus_per_node=8)
+    assert (one.inter_hops, one.intra_hops, one.inter_transfer_s) == (0, 2, 0.0)  # one round
+    fwd = cm.node_batched_hop_times(d, gpus_per_node=8, training=False)
+    assert fwd.inter_hops == 8 and fwd.host_s == pytest.approx(m.call_fixed_s + 8 * m.hop_fixed_s)
+    assert cm.choose_schedule(world=64, gpus_per_node=8) == "two_level"
+
+
 def test_choose_schedule_and_its_errors():
     assert cm.choose_schedule(world=8) == "flat"  # one node
     assert cm.choose_schedule(world=8, gpus_per_node=1) == "flat"  # both orders are the same

@@ -136,4 +136,8 @@ def hop_time_report(sh: Shapes, mode: str, transport: str, gpus_per_node: int | 
             mode, d, schedule=sched, gpus_per_node=gpus_per_node, transport=tr
         )
         out[sched] = {"mode": mode, **dataclasses.asdict(t), "nodes": t.nodes, "step_s": t.step_s}
+    if mode == "expert":  # asked for by name only: reported, never chosen (not yet measured)
+        t = costmodel.node_batched_hop_times(d, gpus_per_node=gpus_per_node)
+        out[costmodel.NODE_BATCHED] = {"mode": mode, **dataclasses.asdict(t), "nodes": t.nodes,
+                                       "step_s": t.step_s}  # fmt: skip
     return out
