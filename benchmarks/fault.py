@@ -41,7 +41,7 @@ import os
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -610,8 +610,12 @@ def main(argv=None) -> int:
     ap.add_argument("--case", choices=CASES)
     ap.add_argument("--mode", choices=MODES)
     ap.add_argument("--transport", default="nccl")
-    ap.add_argument("--schedule", default="auto")
-    ap.add_argument("--gpus-per-node", type=int, default=0)
+    ap.add_argument(
+        "--schedule",
+        default="auto",
+        help="ring_moe's schedule for every case (node_batched: expert mode only)",
+    )
+    ap.add_argument("--gpus-per-node", type=int, default=0, help="with --schedule (0: hosts)")
     ap.add_argument("--outdir")
     args = ap.parse_args(argv)
     if args.one:
@@ -628,6 +632,9 @@ def main(argv=None) -> int:
                           modes=tuple(args.modes.split(",")),
                           host_waits=tuple(args.host_wait.split(",")) if args.host_wait
                           else (None,))  # fmt: skip
+    if args.schedule != "auto":  # e.g. --schedule node_batched --gpus-per-node 1 --modes expert
+        specs = [replace(s, schedule=args.schedule, gpus_per_node=args.gpus_per_node or None)
+                 for s in specs]  # fmt: skip
     workdir = args.workdir or tempfile.mkdtemp(prefix="relaymoe_fault_")
     t0 = time.monotonic()
     launcher = args.launcher or ("fork" if args.backend == "gloo" else "torchrun")
