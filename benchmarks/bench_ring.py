@@ -134,6 +134,14 @@ def main(argv=None) -> int:
         help="also each ring provider with the two-level schedule forced at one GPU per node "
         "(suffix _2lvl_g1; issue #18: equal to the flat ring within noise)",
     )
+    ap.add_argument(
+        "--node-batched",
+        type=int,
+        default=0,
+        metavar="G",
+        help="also the expert ring providers with schedule node_batched at G GPUs per node "
+        "(suffix _nb_gG; NCCL only)",
+    )
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/bench_ring.jsonl"))
     args = ap.parse_args(argv)
 
@@ -227,6 +235,11 @@ def main(argv=None) -> int:
         if args.two_level and ov:
             forced = {"schedule": "two_level", "gpus_per_node": 1}
             guarded(name + "_2lvl_g1", lambda m=mode, t=tr, n=name + "_2lvl_g1", f=forced:
+                    ring_row(shape, layer, n, m, t, True, topo=f))  # fmt: skip
+        if args.node_batched and ov and mode == "expert" and tr == "nccl":
+            nb = {"schedule": "node_batched", "gpus_per_node": args.node_batched}
+            n_nb = f"{name}_nb_g{args.node_batched}"
+            guarded(n_nb, lambda m=mode, t=tr, n=n_nb, f=nb:
                     ring_row(shape, layer, n, m, t, True, topo=f))  # fmt: skip
 
     def baseline_row(provider, shape, fwd, bwd, extra=None):

@@ -216,6 +216,8 @@ def test_row_parsing():
     assert scheme_of({**ring, "host_wait": "lag"}) == "ring_expert"
     assert scheme_of({**ring, "host_wait": "pass"}) is None
     assert scheme_of({**ring, "schedule": "two_level"}) is None
+    assert scheme_of({**ring, "schedule": "node_batched"}) is None
+    assert scheme_of({**ring, "schedule": "flat"}) == "ring_expert"
 
 
 def test_latest_row_of_each_measurement_counts():

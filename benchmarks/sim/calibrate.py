@@ -112,9 +112,10 @@ def shape_of(row: dict) -> MoEShape | None:
 
 def scheme_of(row: dict) -> str | None:
     """Which simulated scheme a measured row corresponds to (None: not modelled: among them
-    rows with the host waiting once per pass, RELAYMOE_RING_HOST_WAIT=pass, and the two-level
-    schedule forced at one GPU per node, which at EP 2 repeat the flat ring's rows)."""
-    if row.get("host_wait") == "pass" or row.get("schedule") == "two_level":
+    rows with the host waiting once per pass, RELAYMOE_RING_HOST_WAIT=pass, and any schedule
+    but the flat one: the two-level one forced at one GPU per node repeats the flat ring's rows
+    at EP 2, and node-batched rounds are another schedule)."""
+    if row.get("host_wait") == "pass" or row.get("schedule", "flat") != "flat":
         return None
     prov = str(row.get("provider", ""))
     if prov.startswith("mcore") and "alltoall" in prov or prov == "mcore":
