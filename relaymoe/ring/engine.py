@@ -286,13 +286,14 @@ def _node_experts(prob: RingProblem, group, lead, local, device, phase):
     return w13, w2
 
 
-def _batched_pass(prob, group, overlap, device, phase, compute, experts, backward, local):
+def _batched_pass(prob, group, overlap, device, phase, compute, experts, backward):
     """One column pass; the hop's experts are all-gathered over the row before the hop's column
     transfer is issued (``relay``'s ``prepare``) and handed to ``compute(node, w13, w2,
     trail)``."""
     G = prob.gpus_per_node
     w, dw = _weights_layout(prob), _weights_layout(prob, "d")
     plan = column_plan(prob.rank, prob.world_size, G, w.nbytes, dw.nbytes if backward else None)
+    local = experts.stacked(FORWARD) if plan.world_size == 1 else None  # a column of one node
     gathered = {}
 
     def prepare(hop, node, lead):
@@ -313,7 +314,6 @@ def _batched_pass(prob, group, overlap, device, phase, compute, experts, backwar
 def _batched_expert_forward(prob, group, backend, overlap, x, experts, probs, index, order):
     G, El = prob.gpus_per_node, prob.num_local_experts
     out = torch.zeros_like(x)
-    local = experts.stacked(FORWARD) if prob.world_size == G else None
 
     def compute(node, w13, w2, trail):
         if x.shape[0] == 0:
@@ -323,7 +323,7 @@ def _batched_expert_forward(prob, group, backend, overlap, x, experts, probs, in
             out_TH=out, save="none", backend=backend, **_node_pairs(prob, node),
         )  # fmt: skip
 
-    _batched_pass(prob, group, overlap, x.device, "fwd", compute, experts, False, local)
+    _batched_pass(prob, group, overlap, x.device, "fwd", compute, experts, False)
     return out
 
 
@@ -331,7 +331,6 @@ def _batched_expert_backward(prob, group, backend, overlap, dy, x, experts, prob
     """As ``_expert_backward``; the weight gradients' rows in expert order."""
     G, El, g = prob.gpus_per_node, prob.num_local_experts, prob.rank % prob.gpus_per_node
     dx, dprobs = torch.zeros_like(x), torch.zeros_like(probs)
-    local = experts.stacked(FORWARD) if prob.world_size == G else None
 
     def compute(node, w13, w2, trail):
         d13 = torch.zeros_like(w13, dtype=prob.accum_dtype)
@@ -343,18 +342,19 @@ def _batched_expert_backward(prob, group, backend, overlap, dy, x, experts, prob
                 **_node_pairs(prob, node),
             )  # fmt: skip
         # reduce-scatter over the row: partition (node, q)'s share to local rank q
-        got = [(torch.empty_like(d13[:El]), torch.empty_like(d2[:El])) for _ in range(G)]
+        mine = (d13[g * El : (g + 1) * El], d2[g * El : (g + 1) * El])
+        got = {q: (torch.empty_like(mine[0]), torch.empty_like(mine[1]))
+               for q in range(G) if q != g}  # fmt: skip
         row_exchange(
             group, prob.rank, G,
             lambda q: [d13[q * El : (q + 1) * El], d2[q * El : (q + 1) * El]],
             lambda q: list(got[q]), mode=prob.mode, phase="bwd", device=x.device,
         )  # fmt: skip
-        for q in range(G):
-            a, b = (d13[g * El : (g + 1) * El], d2[g * El : (g + 1) * El]) if q == g else got[q]
+        for a, b in (mine, *got.values()):
             trail["dw13"].add_(a)
             trail["dw2"].add_(b)
 
-    grads = _batched_pass(prob, group, overlap, x.device, "bwd", compute, experts, True, local)
+    grads = _batched_pass(prob, group, overlap, x.device, "bwd", compute, experts, True)
     return dx, dprobs, grads["dw13"].to(prob.dtype), grads["dw2"].to(prob.dtype)
 
 
