@@ -146,8 +146,12 @@ def test_descriptor_allocator_is_set_in_every_thread():
     assert seen["user", "after"] is mine
 
 
+@pytest.mark.parametrize("tma", ["0", "1"])
 @pytest.mark.parametrize("cfg", [CFG_A, CFG_B])
-def test_wgrads(cfg):
+def test_wgrads(cfg, tma, monkeypatch):
+    """Both weight gradients, write and accumulate modes, an empty expert; with ``tma=1`` the
+    contiguous operand's full blocks come through a tensor descriptor."""
+    monkeypatch.setenv("RELAYMOE_TMA", tma)
     s = _setup(31, 20, 24, 6, 2, "empty", 1, 6, seed=1)  # last expert (local 4) gets no pair
     c = s["cast"]
     ffn = s["w2"].shape[2]
@@ -180,6 +184,27 @@ def test_wgrads(cfg):
     )
     assert rel_err(dw13, dw13_ref) < F32
     assert torch.equal(dw13[-1], base[-1])  # nothing added for the empty expert
+
+
+@pytest.mark.parametrize("tma", ["0", "1"])
+def test_wgrad_never_reads_the_next_experts_rows(tma, monkeypatch):
+    """An expert's last, partial block of pairs must not read the next expert's rows of the
+    contiguous operand (a masked load, not a full tile): a non-finite row of expert 1 leaves
+    expert 0's gradient finite and exact (inf * 0 would be NaN)."""
+    monkeypatch.setenv("RELAYMOE_TMA", tma)
+    s = _setup(40, 16, 16, 3, 1, "uniform", 0, 3, seed=2)
+    offs = s["offs"]
+    lo1 = int(offs[1])
+    assert lo1 % 16, "expert 0 must end inside a 16-row block"
+    dy = torch.randn_like(s["x"]).float()
+    a = torch.randn(s["n"], 16)
+    a[lo1:] = float("inf")  # every row of experts 1 and 2
+    dw2 = torch.full((3, 16, 16), float("nan"))
+    grouped.wgrad(dy, a, s["index"].expert_token_indices, offs, dw2, a_gather=True,
+                  b_gather=False, accumulate=False, config=CFG_A)  # fmt: skip
+    ref0 = dy[s["tok"][:lo1]].double().T @ a[:lo1].double()
+    assert torch.isfinite(dw2[0]).all()
+    assert rel_err(dw2[0], ref0) < F32
 
 
 @pytest.mark.parametrize(

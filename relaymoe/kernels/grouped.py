@@ -265,16 +265,55 @@ def _swiglu_bwd_kernel(
 # backward wgrad: dW[e] = sum over the expert's pairs of A[q]^T B[q]
 # ---------------------------------------------------------------------------------------------
 @triton.jit
+def _wgrad_tile(
+    acc, q0, q_ok, a_ptr, b_ptr, idx_ptr, base, rm, rn, m_ok, n_ok, stride_a, stride_b,
+    A_GATHER: tl.constexpr, B_GATHER: tl.constexpr, IEEE: tl.constexpr, MASK_Q: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """acc += A[q0:q0+BLOCK_K, rm]^T B[q0:q0+BLOCK_K, rn] by pointer loads; ``MASK_Q`` only on an
+    expert's last, partial block (the full blocks need no row mask)."""
+    q = q0 + tl.arange(0, BLOCK_K)
+    if MASK_Q:
+        local = tl.where(q_ok, q - base, 0).to(tl.int64)
+        if A_GATHER or B_GATHER:
+            tok = tl.load(idx_ptr + q, mask=q_ok, other=0).to(tl.int64)
+        else:
+            tok = local
+    else:
+        local = (q - base).to(tl.int64)
+        if A_GATHER or B_GATHER:
+            tok = tl.load(idx_ptr + q).to(tl.int64)
+        else:
+            tok = local
+    a_rows = tok if A_GATHER else local
+    b_rows = tok if B_GATHER else local
+    a_mask = m_ok[None, :]
+    b_mask = n_ok[None, :]
+    if MASK_Q:
+        a_mask = q_ok[:, None] & a_mask
+        b_mask = q_ok[:, None] & b_mask
+    at = tl.load(a_ptr + a_rows[:, None] * stride_a + rm[None, :], mask=a_mask, other=0.0)
+    bt = tl.load(b_ptr + b_rows[:, None] * stride_b + rn[None, :], mask=b_mask, other=0.0)
+    return _mma(tl.trans(at), bt, acc, IEEE)
+
+
+@triton.jit
 def _wgrad_kernel(
     a_ptr, b_ptr, idx_ptr, offs_ptr, c_ptr,
-    M, N,
+    M, N, n_rows_c,
     stride_a, stride_b, stride_ce, stride_cm, stride_cn,
     A_GATHER: tl.constexpr, B_GATHER: tl.constexpr, ACCUMULATE: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, TMA_C: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """c[e] (M, N) (+)= sum_q A[q, :]^T B[q, :]; a gathered operand reads row tok[q], a
-    contiguous one row q - offs[0]. An expert without pairs writes exact zeros (adds nothing)."""
+    contiguous one row q - offs[0]. An expert without pairs writes exact zeros (adds nothing).
+
+    The expert's full BLOCK_K blocks of pairs run without a row mask, its last partial block
+    after them with one. ``TMA_C`` (one operand gathered, the other contiguous with
+    ``n_rows_c`` rows): the full blocks of the contiguous operand come through a tensor
+    descriptor (TMA on sm90); the partial block stays a masked pointer load, so no row of the
+    next expert is ever read."""
     pid = tl.program_id(0)
     n_tiles_m = tl.cdiv(M, BLOCK_M)
     n_tiles_n = tl.cdiv(N, BLOCK_N)
@@ -286,37 +325,40 @@ def _wgrad_kernel(
     base = tl.load(offs_ptr)
     lo = tl.load(offs_ptr + e)
     hi = tl.load(offs_ptr + e + 1)
+    q_full = lo + (hi - lo) // BLOCK_K * BLOCK_K
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = rm < M  # masks, not clamps: the compiler must see rm/rn contiguous
     n_ok = rn < N
-    qs = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for q0 in range(lo, hi, BLOCK_K):
-        q = q0 + qs
-        q_ok = q < hi
-        if A_GATHER or B_GATHER:
-            tok = tl.load(idx_ptr + q, mask=q_ok, other=0).to(tl.int64)
-        local = tl.where(q_ok, q - base, 0).to(tl.int64)
-        if A_GATHER:
-            a_rows = tok
-        else:
-            a_rows = local
-        if B_GATHER:
-            b_rows = tok
-        else:
-            b_rows = local
-        at = tl.load(
-            a_ptr + a_rows[:, None] * stride_a + rm[None, :],
-            mask=q_ok[:, None] & m_ok[None, :],
-            other=0.0,
-        )
-        bt = tl.load(
-            b_ptr + b_rows[:, None] * stride_b + rn[None, :],
-            mask=q_ok[:, None] & n_ok[None, :],
-            other=0.0,
-        )
-        acc = _mma(tl.trans(at), bt, acc, IEEE)
+    if TMA_C:
+        qs = tl.arange(0, BLOCK_K)
+        if A_GATHER:  # b contiguous: (n_rows_c, N)
+            c_desc = tl.make_tensor_descriptor(b_ptr, shape=[n_rows_c, N], strides=[stride_b, 1],
+                                               block_shape=[BLOCK_K, BLOCK_N])  # fmt: skip
+        else:  # a contiguous: (n_rows_c, M)
+            c_desc = tl.make_tensor_descriptor(a_ptr, shape=[n_rows_c, M], strides=[stride_a, 1],
+                                               block_shape=[BLOCK_K, BLOCK_M])  # fmt: skip
+        for q0 in range(lo, q_full, BLOCK_K):
+            tok = tl.load(idx_ptr + q0 + qs).to(tl.int64)
+            row_c = (q0 - base).to(tl.int32)
+            if A_GATHER:
+                at = tl.load(a_ptr + tok[:, None] * stride_a + rm[None, :], mask=m_ok[None, :],
+                             other=0.0)  # fmt: skip
+                bt = c_desc.load([row_c, pid_n * BLOCK_N])
+            else:
+                at = c_desc.load([row_c, pid_m * BLOCK_M])
+                bt = tl.load(b_ptr + tok[:, None] * stride_b + rn[None, :], mask=n_ok[None, :],
+                             other=0.0)  # fmt: skip
+            acc = _mma(tl.trans(at), bt, acc, IEEE)
+    else:
+        for q0 in range(lo, q_full, BLOCK_K):
+            acc = _wgrad_tile(acc, q0, None, a_ptr, b_ptr, idx_ptr, base, rm, rn, m_ok, n_ok,
+                              stride_a, stride_b, A_GATHER, B_GATHER, IEEE, False, BLOCK_K)  # fmt: skip
+    if q_full < hi:
+        q_ok = q_full + tl.arange(0, BLOCK_K) < hi
+        acc = _wgrad_tile(acc, q_full, q_ok, a_ptr, b_ptr, idx_ptr, base, rm, rn, m_ok, n_ok,
+                          stride_a, stride_b, A_GATHER, B_GATHER, IEEE, True, BLOCK_K)  # fmt: skip
     mask = m_ok[:, None] & n_ok[None, :]
     cp = c_ptr + e.to(tl.int64) * stride_ce + rm[:, None] * stride_cm + rn[None, :] * stride_cn
     if ACCUMULATE:
@@ -449,15 +491,16 @@ def _pick(tuned, raw, config, kdim, name: str, key: dict, dtype):
     return raw, meta
 
 
-def _tma_mode(w_EMK) -> bool:
+def _tma_mode(t) -> bool:
     """``RELAYMOE_TMA``: ``auto`` (the default: on for CUDA tensors of an sm90 GPU, where it was
     measured faster, when Triton has tensor descriptors), ``1`` (always) or ``0`` (never)."""
     mode = env_switch("RELAYMOE_TMA", {
         "auto": "tensor descriptors on sm90 GPUs",
-        "1": "up_swiglu loads its weight tiles through a tensor descriptor, TMA on sm90",
+        "1": "contiguous operands (up_swiglu's weight, the wgrad's pair buffer) through tensor "
+             "descriptors, TMA on sm90",
         "0": "pointer loads"})  # fmt: skip
     if mode == "auto":
-        return w_EMK.is_cuda and _sm90_with_descriptors(w_EMK.device.index)
+        return t.is_cuda and _sm90_with_descriptors(t.device.index)
     return mode == "1"
 
 
@@ -468,6 +511,20 @@ def _sm90_with_descriptors(device_index: int | None) -> bool:
     if not hasattr(tl, "make_tensor_descriptor"):
         return False
     return torch.cuda.get_device_capability(device_index)[0] == 9
+
+
+def _tma_operand(t) -> bool:
+    """Whether a 2-D operand (rows, cols) can be read through a tensor descriptor: asked for
+    (``RELAYMOE_TMA``), unit column stride, 16-byte aligned base and row stride. Sets Triton's
+    allocator for the descriptors' scratch in this thread."""
+    if not _tma_mode(t):
+        return False
+    elt = t.element_size()
+    if t.stride(1) != 1 or (t.stride(0) * elt) % 16 or t.data_ptr() % 16:
+        return False
+    if t.is_cuda:
+        _set_descriptor_allocator()
+    return True
 
 
 def _tma_weights(w_EMK) -> bool:
@@ -626,21 +683,26 @@ def swiglu_backward(h_P2I, g_PI, prob_P, dh_P2I, dprob_P, *, block_rows=None, bl
 
 def wgrad(a, b, idx_P, offs, c_EMN, *, a_gather: bool, b_gather: bool, accumulate: bool,
           config=None):  # fmt: skip
-    """c[e] (+)= sum over expert e's pairs of a[row]^T b[row] (gathered operands read tok[q])."""
+    """c[e] (+)= sum over expert e's pairs of a[row]^T b[row] (gathered operands read tok[q]).
+    With one operand gathered, the other (contiguous, in pair order) comes through a tensor
+    descriptor where ``RELAYMOE_TMA`` asks for it and its strides allow (:func:`_tma_operand`)."""
     n_experts, m, n = c_EMN.shape
     if n_experts == 0 or m == 0 or n == 0:
         return
     _check_expert_span(c_EMN, "the weight gradient", "wgrad")
     key = dict(zip(_WGRAD_KEY, (m, n, a_gather, b_gather, accumulate), strict=True))
     kernel, meta = _pick(_wgrad_tuned, _wgrad_kernel, config, None, "wgrad", key, a.dtype)
+    contig = None if a_gather == b_gather else (b if a_gather else a)
+    tma = contig is not None and _tma_operand(contig)
     grid = lambda meta_: (  # noqa: E731
         n_experts * triton.cdiv(m, meta_["BLOCK_M"]) * triton.cdiv(n, meta_["BLOCK_N"]),
     )
     kernel[grid](
         a, b, idx_P, offs, c_EMN,
-        m, n,
+        m, n, contig.shape[0] if contig is not None else 0,
         a.stride(0), b.stride(0), c_EMN.stride(0), c_EMN.stride(1), c_EMN.stride(2),
-        A_GATHER=a_gather, B_GATHER=b_gather, ACCUMULATE=accumulate, IEEE=_ieee(a), **meta,
+        A_GATHER=a_gather, B_GATHER=b_gather, ACCUMULATE=accumulate, IEEE=_ieee(a),
+        TMA_C=tma, **meta,
     )  # fmt: skip
 
 

@@ -1,0 +1,163 @@
+"""Each weight-gradient variant of one expert layer timed alone, per tile configuration (#15).
+
+At one shape (default qwen3 T32k, bf16, one GPU) it times, with the buffers the hop backward uses:
+- the Triton wgrad kernel (``dw2``: dy gathered, p*a contiguous; ``dw13``: dh contiguous, x
+  gathered) for each configuration of ``CONFIGS``, with the contiguous operand by pointer loads
+  (``tma=0``) and through a tensor descriptor (``tma=1``);
+- the default ``torch._grouped_mm`` path (``gmm``) whole, and its parts: the column-chunk
+  gathers alone, the grouped GEMMs alone on gathered chunks, and the copies into the gradient.
+Each variant's result is compared with the float32 ``gmm`` result (``err``), so a fast wrong
+configuration is visible. Rows ``bench: kernel_sweep`` (``kernel``, ``variant``, ``config``,
+``ms``, ``tflops``, ``err``).
+
+    PYTHONPATH=. python3 benchmarks/sweep_kernels.py [--shape qwen3_30b_a3b_T32k] [--out F.jsonl]
+        [--configs all|short]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_experts import SHAPES  # noqa: E402
+from benchmarks.common import JsonlWriter, bench_ms, environment, print_table  # noqa: E402
+from relaymoe.routing import build_routing_index  # noqa: E402
+
+
+def _cfg(bm, bn, bk, warps, stages) -> dict:
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
+
+
+# (M tile over the gradient's rows, N tile over its columns, K: pairs a step)
+CONFIGS = [
+    _cfg(128, 128, 64, 8, 3),
+    _cfg(128, 128, 64, 8, 4),
+    _cfg(128, 256, 64, 8, 3),
+    _cfg(256, 128, 64, 8, 3),
+    _cfg(128, 128, 128, 8, 3),
+    _cfg(128, 256, 32, 8, 4),
+    _cfg(128, 128, 64, 4, 4),
+]
+SHORT = CONFIGS[:4]
+
+
+def _err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return round(((got.float() - ref).norm() / ref.norm()).item(), 5)
+
+
+def sweep(shape: str, configs: list[dict], *, dims=None, device="cuda",
+          dtype=torch.bfloat16) -> list[dict]:
+    """Rows for ``shape`` (``dims`` = (T, E, K, H, I) overrides it: the CPU check of this
+    harness runs a tiny problem under the Triton interpreter)."""
+    from relaymoe.kernels import grouped
+    from relaymoe.kernels.experts import _col_chunks, _HopGroups, _wgrad_gmm
+
+    num_tokens, num_experts, topk, hidden, ffn = dims or SHAPES[shape]
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*size, scale=1.0):
+        return (torch.randn(*size, device=device, generator=gen) * scale).to(dtype)
+
+    logits = torch.randn(num_tokens, num_experts, device=device, generator=gen)
+    idx = torch.topk(logits, topk, dim=-1).indices.to(torch.int32)
+    index = build_routing_index(idx, num_experts, validate=False)
+    offs = index.offsets_for(0, num_experts)
+    n_pairs = num_tokens * topk
+    idx_P = index.expert_token_indices
+    groups = _HopGroups(idx_P, offs, n_pairs, True)
+    _ = groups.tok, groups.ends  # built once per hop, outside the timed stages
+    x, dy = randn(num_tokens, hidden), randn(num_tokens, hidden)
+    a, dh = randn(n_pairs, ffn, scale=0.1), randn(n_pairs, 2 * ffn, scale=0.1)
+    w13_shape, w2_shape = (num_experts, 2 * ffn, hidden), (num_experts, hidden, ffn)
+    pf = 2.0 * n_pairs * hidden * ffn
+    # (kernel, a, b, a_gather, out shape, flops)
+    kernels = [
+        ("dw2", dy, a, True, w2_shape, pf),
+        ("dw13", dh, x, False, w13_shape, 2 * pf),
+    ]
+    rows = []
+
+    def add(kernel, variant, config, fn, flops, out, ref):
+        try:
+            ms = bench_ms(fn, warmup_ms=25, rep_ms=100)
+            rows.append({"kernel": kernel, "variant": variant, "config": config,
+                         "ms": round(ms, 3), "tflops": round(flops / ms / 1e9, 1),
+                         "err": _err(out, ref) if ref is not None else None})  # fmt: skip
+        except Exception as exc:  # one failing configuration must not hide the others
+            rows.append({"kernel": kernel, "variant": variant, "config": config,
+                         "error": repr(exc)[:300]})  # fmt: skip
+        print(rows[-1], flush=True)
+
+    for name, op_a, op_b, a_gather, out_shape, flops in kernels:
+        out = torch.empty(out_shape, device=device, dtype=dtype)
+        ref = torch.empty(out_shape, device=device, dtype=torch.float32)
+        _wgrad_gmm(op_a, op_b, ref, groups, a_gather=a_gather, accumulate=False)
+        add(name, "gmm", None, lambda o=out, aa=op_a, bb=op_b, ag=a_gather: _wgrad_gmm(
+            aa, bb, o, groups, a_gather=ag, accumulate=False), flops, out, ref)  # fmt: skip
+        gathered = op_a if a_gather else op_b
+        chunks = _col_chunks(n_pairs, gathered.shape[1], gathered.element_size())
+        bufs = [gathered[:, c0:c1].index_select(0, groups.tok) for c0, c1 in chunks]
+
+        def gathers(g=gathered, ch=chunks):
+            for c0, c1 in ch:
+                g[:, c0:c1].index_select(0, groups.tok)
+
+        def gemms(bb=bufs, aa=op_a, b_=op_b, ag=a_gather):
+            for buf in bb:
+                if ag:
+                    torch._grouped_mm(buf.t(), b_, offs=groups.ends)
+                else:
+                    torch._grouped_mm(aa.t(), buf, offs=groups.ends)
+
+        res = [torch._grouped_mm(b.t(), op_b, offs=groups.ends) if a_gather
+               else torch._grouped_mm(op_a.t(), b, offs=groups.ends) for b in bufs]  # fmt: skip
+
+        def copies(o=out, rr=res, ch=chunks, ag=a_gather):
+            for (c0, c1), r in zip(ch, rr, strict=True):
+                (o[:, c0:c1, :] if ag else o[:, :, c0:c1]).copy_(r)
+
+        add(name, "gmm_gathers", {"chunks": len(chunks)}, gathers, 0.0, out, None)
+        add(name, "gmm_gemms", {"chunks": len(chunks)}, gemms, flops, out, None)
+        add(name, "gmm_copies", {"chunks": len(chunks)}, copies, 0.0, out, None)
+        del bufs, res
+        for tma in ("0", "1"):
+            os.environ["RELAYMOE_TMA"] = tma
+            for cfg in configs:
+                out.fill_(float("nan"))
+                add(name, f"triton_tma{tma}", cfg, lambda o=out, aa=op_a, bb=op_b, ag=a_gather, c=cfg:
+                    grouped.wgrad(aa, bb, idx_P, offs, o, a_gather=ag, b_gather=not ag,
+                                  accumulate=False, config=c), flops, out, ref)  # fmt: skip
+        os.environ.pop("RELAYMOE_TMA", None)
+        del out, ref
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="qwen3_30b_a3b_T32k", choices=sorted(SHAPES))
+    ap.add_argument("--configs", default="all", choices=("all", "short"))
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("sweep_kernels needs CUDA")
+        return 1
+    env = environment()
+    writer = JsonlWriter(args.out or f"benchmarks/results/kernel_sweep_{env['date']}.jsonl",
+                         env=env)  # fmt: skip
+    rows = sweep(args.shape, CONFIGS if args.configs == "all" else SHORT)
+    for r in rows:
+        writer.write({"bench": "kernel_sweep", "shape": args.shape, **r})
+    print_table(rows, ["kernel", "variant", "config", "ms", "tflops", "err", "error"])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
