@@ -51,8 +51,9 @@ def _err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return round(((got.float() - ref).norm() / ref.norm()).item(), 5)
 
 
-def sweep(shape: str, configs: list[dict], *, dims=None, device="cuda",
-          dtype=torch.bfloat16) -> list[dict]:
+def sweep(
+    shape: str, configs: list[dict], *, dims=None, device="cuda", dtype=torch.bfloat16
+) -> list[dict]:
     """Rows for ``shape`` (``dims`` = (T, E, K, H, I) overrides it: the CPU check of this
     harness runs a tiny problem under the Triton interpreter)."""
     from relaymoe.kernels import grouped
@@ -130,9 +131,12 @@ def sweep(shape: str, configs: list[dict], *, dims=None, device="cuda",
             os.environ["RELAYMOE_TMA"] = tma
             for cfg in configs:
                 out.fill_(float("nan"))
-                add(name, f"triton_tma{tma}", cfg, lambda o=out, aa=op_a, bb=op_b, ag=a_gather, c=cfg:
+
+                def run(o=out, aa=op_a, bb=op_b, ag=a_gather, c=cfg):
                     grouped.wgrad(aa, bb, idx_P, offs, o, a_gather=ag, b_gather=not ag,
-                                  accumulate=False, config=c), flops, out, ref)  # fmt: skip
+                                  accumulate=False, config=c)  # fmt: skip
+
+                add(name, f"triton_tma{tma}", cfg, run, flops, out, ref)
         os.environ.pop("RELAYMOE_TMA", None)
         del out, ref
         if device == "cuda":

@@ -19,8 +19,10 @@ pytestmark = pytest.mark.skipif(
 def test_sweep_rows_cover_every_variant_and_agree(monkeypatch):
     monkeypatch.setattr(sweep_kernels, "bench_ms", lambda fn, **_: (fn(), 1.0)[1])
     monkeypatch.setenv("RELAYMOE_PAIR_BUFFER_MIB", "0")  # 256-column chunks: two for H=384
-    cfgs = [{"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 2},
-            {"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2}]
+    cfgs = [
+        {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 2},
+        {"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2},
+    ]
     rows = sweep_kernels.sweep("tiny", cfgs, dims=(37, 5, 2, 384, 24), device="cpu",
                                dtype=torch.float32)  # fmt: skip
     assert not [r for r in rows if "error" in r]
