@@ -36,15 +36,13 @@ def _cfg(bm, bn, bk, warps, stages) -> dict:
 
 # (M tile over the gradient's rows, N tile over its columns, K: pairs a step)
 CONFIGS = [
-    _cfg(128, 128, 64, 8, 3),
     _cfg(128, 128, 64, 8, 4),
+    _cfg(128, 128, 64, 8, 3),
+    _cfg(128, 128, 64, 8, 5),
+    _cfg(128, 128, 32, 8, 6),
     _cfg(128, 256, 64, 8, 3),
-    _cfg(256, 128, 64, 8, 3),
-    _cfg(128, 128, 128, 8, 3),
-    _cfg(128, 256, 32, 8, 4),
-    _cfg(128, 128, 64, 4, 4),
 ]
-SHORT = CONFIGS[:4]
+SHORT = CONFIGS[:2]
 
 
 def _err(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -137,6 +135,30 @@ def sweep(
                                   accumulate=False, config=c)  # fmt: skip
 
                 add(name, f"triton_tma{tma}", cfg, run, flops, out, ref)
+            # one program per SM (and two), walking the tiles: descriptors built once a program
+            if tma == "1":
+                sms = torch.cuda.get_device_properties(0).multi_processor_count if (
+                    device == "cuda") else 3  # fmt: skip
+                for progs in (sms, 2 * sms):
+
+                    def run_p(o=out, aa=op_a, bb=op_b, ag=a_gather, c=configs[0], n=progs):
+                        grouped.wgrad(aa, bb, idx_P, offs, o, a_gather=ag, b_gather=not ag,
+                                      accumulate=False, config=c, persistent=n)  # fmt: skip
+
+                    add(name, f"triton_tma1_persistent{progs}", configs[0], run_p, flops, out, ref)
+        # the ceiling without the gather: both operands contiguous (the gathered one copied in
+        # pair order beforehand, not timed), both through descriptors
+        os.environ["RELAYMOE_TMA"] = "1"
+        full = gathered.index_select(0, groups.tok)
+        ca, cb = (full, op_b) if a_gather else (op_a, full)
+        for cfg in configs[:2]:
+
+            def run_c(o=out, c=cfg, x_a=ca, x_b=cb):
+                grouped.wgrad(x_a, x_b, idx_P, offs, o, a_gather=False, b_gather=False,
+                              accumulate=False, config=c)  # fmt: skip
+
+            add(name, "triton_contiguous_tma1", cfg, run_c, flops, out, ref)
+        del full, ca, cb
         os.environ.pop("RELAYMOE_TMA", None)
         del out, ref
         if device == "cuda":

@@ -27,11 +27,22 @@ def test_sweep_rows_cover_every_variant_and_agree(monkeypatch):
                                dtype=torch.float32)  # fmt: skip
     assert not [r for r in rows if "error" in r]
     seen = {(r["kernel"], r["variant"]) for r in rows}
+    variants = (
+        "gmm",
+        "gmm_gathers",
+        "gmm_gemms",
+        "gmm_copies",
+        "triton_tma0",
+        "triton_tma1",
+        "triton_tma1_persistent3",
+        "triton_tma1_persistent6",
+        "triton_contiguous_tma1",
+    )
     for k in ("dw2", "dw13"):
-        for v in ("gmm", "gmm_gathers", "gmm_gemms", "gmm_copies", "triton_tma0", "triton_tma1"):
-            assert (k, v) in seen
+        for v in variants:
+            assert (k, v) in seen, (k, v)
     chunked = [r for r in rows if r["variant"] == "gmm_gathers"]
     assert all(r["config"]["chunks"] == 2 for r in chunked)
     checked = [r for r in rows if r["variant"] != "gmm" and r["err"] is not None]
-    assert len(checked) == 2 * 2 * len(cfgs)
+    assert len(checked) == 2 * (2 * len(cfgs) + 2 + 2)
     assert all(r["err"] < 1e-5 for r in checked), checked

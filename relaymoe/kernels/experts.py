@@ -18,11 +18,10 @@ sm90 when strides allow (``RELAYMOE_DENSE_GEMM=auto``, the default), the Triton 
 elsewhere or with ``RELAYMOE_DENSE_GEMM=triton``.
 No (P, H) copy of x or dy is made; (P, H) outputs of the down projection and of the dgrad are
 produced in column chunks of at most ``RELAYMOE_PAIR_BUFFER_MIB`` (default 512) MiB.
-Weight gradients: on CUDA where torch's grouped GEMM runs (bf16, sm90) a K-grouped
-``torch._grouped_mm`` over the pairs, x or dy gathered in such column chunks
-(``RELAYMOE_WGRAD=auto``, the default: on an H200 it tied the Triton wgrad at qwen3 T32k and was
-0.7 ms faster at T64k, 5.9 ms at moeblaze_conf3); the gathered-operand Triton kernel elsewhere or
-with ``RELAYMOE_WGRAD=triton``; ``gmm`` also uses torch's grouped GEMM on CPU (tests).
+Weight gradients: the gathered-operand Triton kernel, or, for long expert groups on CUDA where
+torch's grouped GEMM runs (bf16, sm90), a K-grouped ``torch._grouped_mm`` over the pairs with x or
+dy gathered in such column chunks (``RELAYMOE_WGRAD=auto``, the default, ``WGRAD_GMM_MIN_PAIRS``);
+``triton`` always the kernel; ``gmm`` torch's grouped GEMM wherever it runs, CPU included (tests).
 """
 
 from __future__ import annotations
@@ -131,9 +130,18 @@ def _use_torch_grouped_mm(a_PK: Tensor, b_EKN: Tensor) -> bool:
 
 def _wgrad_mode() -> str:
     return env_switch("RELAYMOE_WGRAD", {
-        "auto": "torch._grouped_mm over gathered column chunks on CUDA where it runs",
+        "auto": "torch._grouped_mm over gathered column chunks on CUDA for long expert groups "
+                "(WGRAD_GMM_MIN_PAIRS), the Triton kernel otherwise",
         "triton": "always the gathered-operand Triton kernel",
         "gmm": "torch._grouped_mm wherever it runs, CPU included"})  # fmt: skip
+
+
+# Mean pairs per expert from which ``auto`` takes torch._grouped_mm for the weight gradients.
+# H200, benchmarks/sweep_kernels.py: at qwen3 T32k (2,048 pairs an expert) the grouped GEMMs
+# themselves run at 590-630 TFLOP/s but the chunk gathers (0.51 ms a gradient) and the copies
+# into the gradient (0.47 and 0.94 ms) put the whole at 3.97 + 2.22 ms, against 3.77 + 1.93 for
+# the Triton kernel; with 16 experts of ~16k pairs (moeblaze conf3/conf4) it was 13-14% faster.
+WGRAD_GMM_MIN_PAIRS = 4096
 
 
 def _gmm_wgrad_ok(a: Tensor, b: Tensor, c_EMN: Tensor) -> bool:
@@ -190,8 +198,9 @@ def _wgrad(a, b, idx_P, offs, c_EMN, groups: _HopGroups, *, a_gather, b_gather, 
     """Weight gradient of the range: torch's grouped GEMM over gathered chunks where it runs
     (``auto``: on CUDA only), else the Triton kernel."""
     mode = _wgrad_mode()
+    long_groups = groups.n_pairs >= WGRAD_GMM_MIN_PAIRS * max(1, c_EMN.shape[0])
     if (
-        (mode == "gmm" or (mode == "auto" and a.is_cuda))
+        (mode == "gmm" or (mode == "auto" and a.is_cuda and long_groups))
         and a_gather != b_gather
         and groups.n_pairs > 0
         and c_EMN.shape[0] > 0

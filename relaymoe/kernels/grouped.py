@@ -298,28 +298,19 @@ def _wgrad_tile(
 
 
 @triton.jit
-def _wgrad_kernel(
-    a_ptr, b_ptr, idx_ptr, offs_ptr, c_ptr,
-    M, N, n_rows_c,
-    stride_a, stride_b, stride_ce, stride_cm, stride_cn,
+def _wgrad_one_tile(
+    tile, a_ptr, b_ptr, idx_ptr, offs_ptr, c_ptr, a_desc, b_desc,
+    M, N, stride_a, stride_b, stride_ce, stride_cm, stride_cn,
     A_GATHER: tl.constexpr, B_GATHER: tl.constexpr, ACCUMULATE: tl.constexpr,
-    IEEE: tl.constexpr, TMA_C: tl.constexpr,
+    IEEE: tl.constexpr, TMA_A: tl.constexpr, TMA_B: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """c[e] (M, N) (+)= sum_q A[q, :]^T B[q, :]; a gathered operand reads row tok[q], a
-    contiguous one row q - offs[0]. An expert without pairs writes exact zeros (adds nothing).
-
-    The expert's full BLOCK_K blocks of pairs run without a row mask, its last partial block
-    after them with one. ``TMA_C`` (one operand gathered, the other contiguous with
-    ``n_rows_c`` rows): the full blocks of the contiguous operand come through a tensor
-    descriptor (TMA on sm90); the partial block stays a masked pointer load, so no row of the
-    next expert is ever read."""
-    pid = tl.program_id(0)
+    """Output tile ``tile`` = (expert, M tile, N tile), N tiles fastest."""
     n_tiles_m = tl.cdiv(M, BLOCK_M)
     n_tiles_n = tl.cdiv(N, BLOCK_N)
     per_e = n_tiles_m * n_tiles_n
-    e = pid // per_e
-    r = pid % per_e
+    e = tile // per_e
+    r = tile % per_e
     pid_m = r // n_tiles_n
     pid_n = r % n_tiles_n
     base = tl.load(offs_ptr)
@@ -331,23 +322,22 @@ def _wgrad_kernel(
     m_ok = rm < M  # masks, not clamps: the compiler must see rm/rn contiguous
     n_ok = rn < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if TMA_C:
+    if TMA_A or TMA_B:
         qs = tl.arange(0, BLOCK_K)
-        if A_GATHER:  # b contiguous: (n_rows_c, N)
-            c_desc = tl.make_tensor_descriptor(b_ptr, shape=[n_rows_c, N], strides=[stride_b, 1],
-                                               block_shape=[BLOCK_K, BLOCK_N])  # fmt: skip
-        else:  # a contiguous: (n_rows_c, M)
-            c_desc = tl.make_tensor_descriptor(a_ptr, shape=[n_rows_c, M], strides=[stride_a, 1],
-                                               block_shape=[BLOCK_K, BLOCK_M])  # fmt: skip
         for q0 in range(lo, q_full, BLOCK_K):
-            tok = tl.load(idx_ptr + q0 + qs).to(tl.int64)
-            row_c = (q0 - base).to(tl.int32)
-            if A_GATHER:
+            row = (q0 - base).to(tl.int32)
+            if A_GATHER or B_GATHER:
+                tok = tl.load(idx_ptr + q0 + qs).to(tl.int64)
+            else:
+                tok = (q0 - base + qs).to(tl.int64)
+            if TMA_A:
+                at = a_desc.load([row, pid_m * BLOCK_M])
+            else:
                 at = tl.load(a_ptr + tok[:, None] * stride_a + rm[None, :], mask=m_ok[None, :],
                              other=0.0)  # fmt: skip
-                bt = c_desc.load([row_c, pid_n * BLOCK_N])
+            if TMA_B:
+                bt = b_desc.load([row, pid_n * BLOCK_N])
             else:
-                at = c_desc.load([row_c, pid_m * BLOCK_M])
                 bt = tl.load(b_ptr + tok[:, None] * stride_b + rn[None, :], mask=n_ok[None, :],
                              other=0.0)  # fmt: skip
             acc = _mma(tl.trans(at), bt, acc, IEEE)
@@ -364,6 +354,47 @@ def _wgrad_kernel(
     if ACCUMULATE:
         acc += tl.load(cp, mask=mask, other=0.0).to(tl.float32)
     tl.store(cp, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _wgrad_kernel(
+    a_ptr, b_ptr, idx_ptr, offs_ptr, c_ptr,
+    M, N, n_rows, n_experts, n_programs,
+    stride_a, stride_b, stride_ce, stride_cm, stride_cn,
+    A_GATHER: tl.constexpr, B_GATHER: tl.constexpr, ACCUMULATE: tl.constexpr,
+    IEEE: tl.constexpr, TMA_A: tl.constexpr = False, TMA_B: tl.constexpr = False,
+    PERSISTENT: tl.constexpr = False,
+    BLOCK_M: tl.constexpr = 64, BLOCK_N: tl.constexpr = 64, BLOCK_K: tl.constexpr = 32,
+):  # fmt: skip
+    """c[e] (M, N) (+)= sum_q A[q, :]^T B[q, :]; a gathered operand reads row tok[q], a
+    contiguous one row q - offs[0]. An expert without pairs writes exact zeros (adds nothing).
+
+    The expert's full BLOCK_K blocks of pairs run without a row mask, its last partial block
+    after them with one. ``TMA_A`` / ``TMA_B``: that operand is contiguous (``n_rows`` rows in
+    pair order) and its full blocks come through a tensor descriptor (TMA on sm90); the partial
+    block stays a masked pointer load, so no row of the next expert is ever read.
+    ``PERSISTENT``: ``n_programs`` programs walk the output tiles (descriptors built once a
+    program); else one program a tile."""
+    a_desc = None
+    b_desc = None
+    if TMA_A:
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[n_rows, M], strides=[stride_a, 1],
+                                           block_shape=[BLOCK_K, BLOCK_M])  # fmt: skip
+    if TMA_B:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[n_rows, N], strides=[stride_b, 1],
+                                           block_shape=[BLOCK_K, BLOCK_N])  # fmt: skip
+    if PERSISTENT:
+        n_tiles = n_experts * tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+        for tile in range(tl.program_id(0), n_tiles, n_programs):
+            _wgrad_one_tile(tile, a_ptr, b_ptr, idx_ptr, offs_ptr, c_ptr, a_desc, b_desc,
+                            M, N, stride_a, stride_b, stride_ce, stride_cm, stride_cn,
+                            A_GATHER, B_GATHER, ACCUMULATE, IEEE, TMA_A, TMA_B,
+                            BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+    else:
+        _wgrad_one_tile(tl.program_id(0), a_ptr, b_ptr, idx_ptr, offs_ptr, c_ptr, a_desc, b_desc,
+                        M, N, stride_a, stride_b, stride_ce, stride_cm, stride_cn,
+                        A_GATHER, B_GATHER, ACCUMULATE, IEEE, TMA_A, TMA_B,
+                        BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -426,19 +457,14 @@ _ROWS_CONFIGS = [
     _cfg(64, 128, 64, 4, 4),
 ]
 _WGRAD_CONFIGS = [
-    _cfg(128, 128, 64, 8, 3),
-    _cfg(128, 128, 32, 4, 4),
-    _cfg(128, 256, 64, 8, 3),
-    _cfg(64, 128, 64, 4, 4),
-    # v3: deeper pipelines over the pair (reduction) axis; smem 64x(128+128)x2B x 4-5 stages fits
+    # H200, qwen3 T32k (benchmarks/sweep_kernels.py, each alone): 128x128x64 with 8 warps and 3-4
+    # stages ran at 420-437 TFLOP/s; 128x256 and 256x128 tiles at 340-420, a 128-pair step at
+    # 300-340, a 32-pair step with 128x256 tiles at 270-290 (left out)
     _cfg(128, 128, 64, 8, 4),
-    _cfg(128, 128, 32, 8, 5),
-    _cfg(256, 128, 64, 8, 3),  # 48 KB a stage: fewer passes over the gathered operand
-    # 2026-11-30, not yet measured: a longer reduction step per iteration amortises the index
-    # load and the gathered-row address math (64 KB a stage x 3), and a wider N tile halves the
-    # passes over A (48 KB x 4). Prediction: wgrad ~390 -> ~430 TFLOP/s at qwen3 (-0.6 ms T32k).
-    _cfg(128, 128, 128, 8, 3),
-    _cfg(128, 256, 64, 8, 4),
+    _cfg(128, 128, 64, 8, 3),
+    _cfg(128, 256, 64, 8, 3),
+    _cfg(128, 128, 64, 4, 4),
+    _cfg(64, 128, 64, 4, 4),  # small M (narrow experts)
 ]
 # Interpreter (CPU tests): small tiles so odd shapes cross tile edges.
 _INTERP_CFG = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}
@@ -682,27 +708,33 @@ def swiglu_backward(h_P2I, g_PI, prob_P, dh_P2I, dprob_P, *, block_rows=None, bl
 
 
 def wgrad(a, b, idx_P, offs, c_EMN, *, a_gather: bool, b_gather: bool, accumulate: bool,
-          config=None):  # fmt: skip
+          config=None, persistent: int = 0):  # fmt: skip
     """c[e] (+)= sum over expert e's pairs of a[row]^T b[row] (gathered operands read tok[q]).
-    With one operand gathered, the other (contiguous, in pair order) comes through a tensor
-    descriptor where ``RELAYMOE_TMA`` asks for it and its strides allow (:func:`_tma_operand`)."""
+    A contiguous operand (in pair order) comes through a tensor descriptor where
+    ``RELAYMOE_TMA`` asks for it and its strides allow (:func:`_tma_operand`).
+    ``persistent`` > 0: that many programs walk the output tiles (else one program a tile)."""
     n_experts, m, n = c_EMN.shape
     if n_experts == 0 or m == 0 or n == 0:
         return
     _check_expert_span(c_EMN, "the weight gradient", "wgrad")
     key = dict(zip(_WGRAD_KEY, (m, n, a_gather, b_gather, accumulate), strict=True))
     kernel, meta = _pick(_wgrad_tuned, _wgrad_kernel, config, None, "wgrad", key, a.dtype)
-    contig = None if a_gather == b_gather else (b if a_gather else a)
-    tma = contig is not None and _tma_operand(contig)
-    grid = lambda meta_: (  # noqa: E731
-        n_experts * triton.cdiv(m, meta_["BLOCK_M"]) * triton.cdiv(n, meta_["BLOCK_N"]),
-    )
+    tma_a = not a_gather and _tma_operand(a)
+    tma_b = not b_gather and _tma_operand(b)
+    n_rows = b.shape[0] if a_gather else a.shape[0]
+
+    def tiles(meta_):
+        return n_experts * triton.cdiv(m, meta_["BLOCK_M"]) * triton.cdiv(n, meta_["BLOCK_N"])
+
+    def grid(meta_):
+        return (min(tiles(meta_), persistent) if persistent else tiles(meta_),)
+
     kernel[grid](
         a, b, idx_P, offs, c_EMN,
-        m, n, contig.shape[0] if contig is not None else 0,
+        m, n, n_rows, n_experts, persistent,
         a.stride(0), b.stride(0), c_EMN.stride(0), c_EMN.stride(1), c_EMN.stride(2),
         A_GATHER=a_gather, B_GATHER=b_gather, ACCUMULATE=accumulate, IEEE=_ieee(a),
-        TMA_C=tma, **meta,
+        TMA_A=tma_a, TMA_B=tma_b, PERSISTENT=persistent > 0, **meta,
     )  # fmt: skip
 
 

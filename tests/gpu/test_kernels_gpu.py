@@ -113,7 +113,8 @@ def test_ranges_sum_to_full_and_are_deterministic(monkeypatch):
 @pytest.mark.parametrize(
     "dense,chunk_mib,wgrad,tma",
     [("triton", "512", "triton", "0"), ("auto", "1", "triton", "0"), ("auto", "512", "gmm", "0"),
-     ("auto", "1", "gmm", "0"), ("auto", "512", "gmm", "1"), ("auto", "512", "gmm", "auto")],
+     ("auto", "1", "gmm", "0"), ("auto", "512", "gmm", "1"), ("auto", "512", "gmm", "auto"),
+     ("auto", "512", "triton", "1"), ("auto", "512", "auto", "auto")],
 )  # fmt: skip
 def test_backend_switches_match_oracle(dense, chunk_mib, wgrad, tma, monkeypatch):
     """Each dispatch variant (Triton/torch._grouped_mm dense GEMMs, column-chunked (P, H)
