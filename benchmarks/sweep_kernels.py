@@ -1,5 +1,8 @@
 """Each weight-gradient variant of one expert layer timed alone, per tile configuration (#15).
 
+``--kernels rows`` also times up_swiglu and the gathered-dy ``rows_gemm`` per configuration
+(``ROW_CONFIGS``).
+
 At one shape (default qwen3 T32k, bf16, one GPU) it times, with the buffers the hop backward uses:
 - the Triton wgrad kernel (``dw2``: dy gathered, p*a contiguous; ``dw13``: dh contiguous, x
   gathered) for each configuration of ``CONFIGS``, with the contiguous operand by pointer loads
@@ -11,7 +14,7 @@ configuration is visible. Rows ``bench: kernel_sweep`` (``kernel``, ``variant``,
 ``ms``, ``tflops``, ``err``).
 
     PYTHONPATH=. python3 benchmarks/sweep_kernels.py [--shape qwen3_30b_a3b_T32k] [--out F.jsonl]
-        [--configs all|short]
+        [--configs all|short] [--kernels wgrad,rows]
 """
 
 from __future__ import annotations
@@ -36,9 +39,9 @@ def _cfg(bm, bn, bk, warps, stages) -> dict:
 
 # (M tile over the gradient's rows, N tile over its columns, K: pairs a step)
 CONFIGS = [
+    _cfg(128, 128, 64, 8, 5),
     _cfg(128, 128, 64, 8, 4),
     _cfg(128, 128, 64, 8, 3),
-    _cfg(128, 128, 64, 8, 5),
     _cfg(128, 128, 32, 8, 6),
     _cfg(128, 256, 64, 8, 3),
 ]
@@ -135,17 +138,6 @@ def sweep(
                                   accumulate=False, config=c)  # fmt: skip
 
                 add(name, f"triton_tma{tma}", cfg, run, flops, out, ref)
-            # one program per SM (and two), walking the tiles: descriptors built once a program
-            if tma == "1":
-                sms = torch.cuda.get_device_properties(0).multi_processor_count if (
-                    device == "cuda") else 3  # fmt: skip
-                for progs in (sms, 2 * sms):
-
-                    def run_p(o=out, aa=op_a, bb=op_b, ag=a_gather, c=configs[0], n=progs):
-                        grouped.wgrad(aa, bb, idx_P, offs, o, a_gather=ag, b_gather=not ag,
-                                      accumulate=False, config=c, persistent=n)  # fmt: skip
-
-                    add(name, f"triton_tma1_persistent{progs}", configs[0], run_p, flops, out, ref)
         # the ceiling without the gather: both operands contiguous (the gathered one copied in
         # pair order beforehand, not timed), both through descriptors
         os.environ["RELAYMOE_TMA"] = "1"
@@ -166,10 +158,86 @@ def sweep(
     return rows
 
 
+# the gathered-row GEMMs: up_swiglu (x[tok] @ w13[e]^T, two accumulators) and the down
+# projection's backward (dy[tok] @ w2[e]); a 64-pair step uses 48 KB (up) of shared memory a stage
+ROW_CONFIGS = {
+    "up_swiglu": [
+        _cfg(128, 128, 64, 8, 4),
+        _cfg(128, 128, 64, 8, 3),
+        _cfg(128, 128, 32, 8, 6),
+        _cfg(128, 128, 32, 8, 8),
+        _cfg(128, 64, 64, 4, 5),
+    ],
+    "down_bwd": [
+        _cfg(128, 256, 64, 8, 3),
+        _cfg(128, 128, 64, 8, 4),
+        _cfg(128, 128, 64, 8, 5),
+        _cfg(128, 256, 32, 8, 5),
+        _cfg(128, 128, 32, 8, 8),
+    ],
+}
+
+
+def sweep_rows(shape: str, configs: dict, *, dims=None, device="cuda", dtype=torch.bfloat16):
+    """up_swiglu and the gathered-dy rows_gemm per configuration (default ``RELAYMOE_TMA``);
+    ``err`` against the first configuration's result."""
+    from relaymoe.kernels import grouped, pairs
+
+    num_tokens, num_experts, topk, hidden, ffn = dims or SHAPES[shape]
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*size, scale=1.0):
+        return (torch.randn(*size, device=device, generator=gen) * scale).to(dtype)
+
+    logits = torch.randn(num_tokens, num_experts, device=device, generator=gen)
+    probs, idx = torch.topk(torch.softmax(logits, -1), topk, dim=-1)
+    index = build_routing_index(idx.to(torch.int32), num_experts, validate=False)
+    offs = index.offsets_for(0, num_experts)
+    n_pairs = num_tokens * topk
+    idx_P = index.expert_token_indices
+    prob_P = pairs.pair_probs(probs.to(dtype), index.token_index_map, offs, n_pairs)
+    x, dy = randn(num_tokens, hidden), randn(num_tokens, hidden)
+    w13 = randn(num_experts, 2 * ffn, hidden, scale=hidden**-0.5)
+    w2 = randn(num_experts, hidden, ffn, scale=ffn**-0.5)
+    h, a = x.new_empty(n_pairs, 2 * ffn), x.new_empty(n_pairs, ffn)
+    pf = 2.0 * n_pairs * hidden * ffn
+    rows = []
+    for kernel, cfgs in configs.items():
+        ref = None
+        for cfg in cfgs:
+            if kernel == "up_swiglu":
+
+                def fn(c=cfg):
+                    grouped.up_swiglu(x, w13, idx_P, offs, prob_P, h, a, config=c)
+
+                out, flops = h, 2 * pf
+            else:
+
+                def fn(c=cfg):
+                    grouped.rows_gemm(dy, w2, offs, a, a_idx=idx_P, config=c)
+
+                out, flops = a, pf
+            row = {"kernel": kernel, "variant": "triton", "config": cfg}
+            try:
+                out.fill_(float("nan"))
+                fn()
+                if ref is None:
+                    ref = out.float().clone()
+                row["err"] = _err(out, ref)
+                ms = bench_ms(fn, warmup_ms=25, rep_ms=100)
+                row.update(ms=round(ms, 3), tflops=round(flops / ms / 1e9, 1))
+            except Exception as exc:  # e.g. shared memory: the others still run
+                row["error"] = repr(exc)[:300]
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="qwen3_30b_a3b_T32k", choices=sorted(SHAPES))
     ap.add_argument("--configs", default="all", choices=("all", "short"))
+    ap.add_argument("--kernels", default="wgrad,rows", help="wgrad, rows (up_swiglu, down_bwd)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -178,7 +246,11 @@ def main(argv=None) -> int:
     env = environment()
     writer = JsonlWriter(args.out or f"benchmarks/results/kernel_sweep_{env['date']}.jsonl",
                          env=env)  # fmt: skip
-    rows = sweep(args.shape, CONFIGS if args.configs == "all" else SHORT)
+    rows = []
+    if "rows" in args.kernels:
+        rows += sweep_rows(args.shape, ROW_CONFIGS)
+    if "wgrad" in args.kernels:
+        rows += sweep(args.shape, CONFIGS if args.configs == "all" else SHORT)
     for r in rows:
         writer.write({"bench": "kernel_sweep", "shape": args.shape, **r})
     print_table(rows, ["kernel", "variant", "config", "ms", "tflops", "err", "error"])

@@ -146,13 +146,11 @@ def test_descriptor_allocator_is_set_in_every_thread():
     assert seen["user", "after"] is mine
 
 
-@pytest.mark.parametrize("persistent", [0, 3])
 @pytest.mark.parametrize("tma", ["0", "1"])
 @pytest.mark.parametrize("cfg", [CFG_A, CFG_B])
-def test_wgrads(cfg, tma, persistent, monkeypatch):
+def test_wgrads(cfg, tma, monkeypatch):
     """Both weight gradients, write and accumulate modes, an empty expert; with ``tma=1`` the
-    contiguous operand's full blocks come through a tensor descriptor; ``persistent``: three
-    programs walk all the output tiles."""
+    contiguous operand's full blocks come through a tensor descriptor."""
     monkeypatch.setenv("RELAYMOE_TMA", tma)
     s = _setup(31, 20, 24, 6, 2, "empty", 1, 6, seed=1)  # last expert (local 4) gets no pair
     c = s["cast"]
@@ -171,7 +169,7 @@ def test_wgrads(cfg, tma, persistent, monkeypatch):
     # wgrads: write mode into NaN, then accumulate mode onto a base
     dw2 = torch.full(s["w2"].shape, float("nan"))
     grouped.wgrad(c(dy), a, idx_P, s["offs"], dw2, a_gather=True, b_gather=False,
-                  accumulate=False, config=cfg, persistent=persistent)  # fmt: skip
+                  accumulate=False, config=cfg)  # fmt: skip
     dw2_ref = torch.zeros_like(s["w2"]).index_add_(
         0, s["expert"], torch.einsum("nh,ni->nhi", dy[s["tok"]], act * p)
     )
@@ -180,7 +178,7 @@ def test_wgrads(cfg, tma, persistent, monkeypatch):
     base = torch.randn(s["w13"].shape)
     dw13 = base.clone()
     grouped.wgrad(dh, c(s["x"]), idx_P, s["offs"], dw13, a_gather=False, b_gather=True,
-                  accumulate=True, config=cfg, persistent=persistent)  # fmt: skip
+                  accumulate=True, config=cfg)  # fmt: skip
     dw13_ref = base.double().index_add(
         0, s["expert"], torch.einsum("nj,nh->njh", dh_ref, s["x"][s["tok"]])
     )

@@ -137,11 +137,13 @@ def _wgrad_mode() -> str:
 
 
 # Mean pairs per expert from which ``auto`` takes torch._grouped_mm for the weight gradients.
-# H200, benchmarks/sweep_kernels.py: at qwen3 T32k (2,048 pairs an expert) the grouped GEMMs
-# themselves run at 590-630 TFLOP/s but the chunk gathers (0.51 ms a gradient) and the copies
-# into the gradient (0.47 and 0.94 ms) put the whole at 3.97 + 2.22 ms, against 3.77 + 1.93 for
-# the Triton kernel; with 16 experts of ~16k pairs (moeblaze conf3/conf4) it was 13-14% faster.
-WGRAD_GMM_MIN_PAIRS = 4096
+# H200, benchmarks/sweep_kernels.py (session 11): the grouped GEMMs themselves run at 570-630
+# TFLOP/s, but the chunk gathers (0.51 ms a gradient at qwen3 T32k) and the copies into the
+# gradient (0.47 and 0.93 ms) put the whole at dw13 3.98 + dw2 2.22 ms against 3.58 + 1.82 for
+# the Triton kernel (2,048 pairs an expert); at T64k (4,096) 7.23 + 4.20 against 7.33 + 3.66
+# with 4 stages. With 16 experts of 8-16k pairs (moeblaze conf3/conf4) the gmm path was 13-14%
+# faster (session 3), where the GEMM dwarfs the copies.
+WGRAD_GMM_MIN_PAIRS = 8192
 
 
 def _gmm_wgrad_ok(a: Tensor, b: Tensor, c_EMN: Tensor) -> bool:

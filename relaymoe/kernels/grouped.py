@@ -359,11 +359,10 @@ def _wgrad_one_tile(
 @triton.jit
 def _wgrad_kernel(
     a_ptr, b_ptr, idx_ptr, offs_ptr, c_ptr,
-    M, N, n_rows, n_experts, n_programs,
+    M, N, n_rows,
     stride_a, stride_b, stride_ce, stride_cm, stride_cn,
     A_GATHER: tl.constexpr, B_GATHER: tl.constexpr, ACCUMULATE: tl.constexpr,
     IEEE: tl.constexpr, TMA_A: tl.constexpr = False, TMA_B: tl.constexpr = False,
-    PERSISTENT: tl.constexpr = False,
     BLOCK_M: tl.constexpr = 64, BLOCK_N: tl.constexpr = 64, BLOCK_K: tl.constexpr = 32,
 ):  # fmt: skip
     """c[e] (M, N) (+)= sum_q A[q, :]^T B[q, :]; a gathered operand reads row tok[q], a
@@ -372,9 +371,9 @@ def _wgrad_kernel(
     The expert's full BLOCK_K blocks of pairs run without a row mask, its last partial block
     after them with one. ``TMA_A`` / ``TMA_B``: that operand is contiguous (``n_rows`` rows in
     pair order) and its full blocks come through a tensor descriptor (TMA on sm90); the partial
-    block stays a masked pointer load, so no row of the next expert is ever read.
-    ``PERSISTENT``: ``n_programs`` programs walk the output tiles (descriptors built once a
-    program); else one program a tile."""
+    block stays a masked pointer load, so no row of the next expert is ever read. One program a
+    tile: a persistent grid of programs walking the tiles measured no faster on H200 with two
+    programs an SM and 1.5-1.8x slower with one (benchmarks/sweep_kernels.py, session 11)."""
     a_desc = None
     b_desc = None
     if TMA_A:
@@ -383,18 +382,10 @@ def _wgrad_kernel(
     if TMA_B:
         b_desc = tl.make_tensor_descriptor(b_ptr, shape=[n_rows, N], strides=[stride_b, 1],
                                            block_shape=[BLOCK_K, BLOCK_N])  # fmt: skip
-    if PERSISTENT:
-        n_tiles = n_experts * tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-        for tile in range(tl.program_id(0), n_tiles, n_programs):
-            _wgrad_one_tile(tile, a_ptr, b_ptr, idx_ptr, offs_ptr, c_ptr, a_desc, b_desc,
-                            M, N, stride_a, stride_b, stride_ce, stride_cm, stride_cn,
-                            A_GATHER, B_GATHER, ACCUMULATE, IEEE, TMA_A, TMA_B,
-                            BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
-    else:
-        _wgrad_one_tile(tl.program_id(0), a_ptr, b_ptr, idx_ptr, offs_ptr, c_ptr, a_desc, b_desc,
-                        M, N, stride_a, stride_b, stride_ce, stride_cm, stride_cn,
-                        A_GATHER, B_GATHER, ACCUMULATE, IEEE, TMA_A, TMA_B,
-                        BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+    _wgrad_one_tile(tl.program_id(0), a_ptr, b_ptr, idx_ptr, offs_ptr, c_ptr, a_desc, b_desc,
+                    M, N, stride_a, stride_b, stride_ce, stride_cm, stride_cn,
+                    A_GATHER, B_GATHER, ACCUMULATE, IEEE, TMA_A, TMA_B,
+                    BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -457,13 +448,13 @@ _ROWS_CONFIGS = [
     _cfg(64, 128, 64, 4, 4),
 ]
 _WGRAD_CONFIGS = [
-    # H200, qwen3 T32k (benchmarks/sweep_kernels.py, each alone): 128x128x64 with 8 warps and 3-4
-    # stages ran at 420-437 TFLOP/s; 128x256 and 256x128 tiles at 340-420, a 128-pair step at
-    # 300-340, a 32-pair step with 128x256 tiles at 270-290 (left out)
+    # H200, qwen3 T32k (benchmarks/sweep_kernels.py, each alone, session 11): 128x128x64 with 8
+    # warps ran at 450-461 TFLOP/s with 5 stages, 416-437 with 3-4; 128x256 and 256x128 tiles
+    # at 340-420, a 128-pair step at 300-340, a 32-pair step at 270-420 (left out)
+    _cfg(128, 128, 64, 8, 5),
     _cfg(128, 128, 64, 8, 4),
     _cfg(128, 128, 64, 8, 3),
     _cfg(128, 256, 64, 8, 3),
-    _cfg(128, 128, 64, 4, 4),
     _cfg(64, 128, 64, 4, 4),  # small M (narrow experts)
 ]
 # Interpreter (CPU tests): small tiles so odd shapes cross tile edges.
@@ -708,11 +699,10 @@ def swiglu_backward(h_P2I, g_PI, prob_P, dh_P2I, dprob_P, *, block_rows=None, bl
 
 
 def wgrad(a, b, idx_P, offs, c_EMN, *, a_gather: bool, b_gather: bool, accumulate: bool,
-          config=None, persistent: int = 0):  # fmt: skip
+          config=None):  # fmt: skip
     """c[e] (+)= sum over expert e's pairs of a[row]^T b[row] (gathered operands read tok[q]).
     A contiguous operand (in pair order) comes through a tensor descriptor where
-    ``RELAYMOE_TMA`` asks for it and its strides allow (:func:`_tma_operand`).
-    ``persistent`` > 0: that many programs walk the output tiles (else one program a tile)."""
+    ``RELAYMOE_TMA`` asks for it and its strides allow (:func:`_tma_operand`)."""
     n_experts, m, n = c_EMN.shape
     if n_experts == 0 or m == 0 or n == 0:
         return
@@ -723,18 +713,15 @@ def wgrad(a, b, idx_P, offs, c_EMN, *, a_gather: bool, b_gather: bool, accumulat
     tma_b = not b_gather and _tma_operand(b)
     n_rows = b.shape[0] if a_gather else a.shape[0]
 
-    def tiles(meta_):
-        return n_experts * triton.cdiv(m, meta_["BLOCK_M"]) * triton.cdiv(n, meta_["BLOCK_N"])
-
     def grid(meta_):
-        return (min(tiles(meta_), persistent) if persistent else tiles(meta_),)
+        return (n_experts * triton.cdiv(m, meta_["BLOCK_M"]) * triton.cdiv(n, meta_["BLOCK_N"]),)
 
     kernel[grid](
         a, b, idx_P, offs, c_EMN,
-        m, n, n_rows, n_experts, persistent,
+        m, n, n_rows,
         a.stride(0), b.stride(0), c_EMN.stride(0), c_EMN.stride(1), c_EMN.stride(2),
         A_GATHER=a_gather, B_GATHER=b_gather, ACCUMULATE=accumulate, IEEE=_ieee(a),
-        TMA_A=tma_a, TMA_B=tma_b, PERSISTENT=persistent > 0, **meta,
+        TMA_A=tma_a, TMA_B=tma_b, **meta,
     )  # fmt: skip
 
 
