@@ -90,9 +90,9 @@ TABLES = [
     (
         "fault",
         "A peer that dies or stalls: time until every survivor raised RingPeerError",
-        ("case", "mode", "transport", "backend", "ep", "host_wait"),
-        ["case", "mode", "transport", "backend", "ep", "host_wait", "timeout_s", "detected_s",
-         "ok"],
+        ("case", "mode", "transport", "backend", "ep", "host_wait", "schedule", "gpus_per_node"),
+        ["case", "mode", "transport", "backend", "ep", "host_wait", "schedule", "gpus_per_node",
+         "timeout_s", "detected_s", "ok"],
     ),
     (
         "host_wait",
