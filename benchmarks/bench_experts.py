@@ -15,8 +15,8 @@ grad, as in ``../shared/anchors``):
 Before timing a shape, the output and all gradients of every other provider are checked against
 naive's (``err_*`` keys of relaymoe's rows); a relative error above ``AGREE_BOUND`` makes the run
 exit 1 (after all rows are written): this is where the autotuned kernels are checked at real
-shapes. ``--breakdown`` also times each relaymoe kernel of the qwen3
-T32k layer alone (rows ``bench: experts_breakdown``), right after the first shape's table. Rows:
+shapes. ``--breakdown`` also times each relaymoe kernel of the first shape's layer alone (rows
+``bench: experts_breakdown``), right after that shape's table. Rows:
 ``bench: experts`` in the format of ``benchmarks/README.md``.
 
 ``--first-call`` (issue #15, cold start) adds to each ``relaymoe`` act row ``first_call_s``: the
@@ -306,7 +306,7 @@ def main(argv=None) -> int:
         "relaymoe_act_tma relaymoe_act_ptr naive liger (relaymoe_act: RELAYMOE_TMA's default, "
         "tensor descriptors on sm90; _tma forces them, _ptr the pointer loads)",
     )
-    ap.add_argument("--breakdown", action="store_true", help="time each kernel at qwen3 T32k")
+    ap.add_argument("--breakdown", action="store_true", help="time each kernel of the first shape")
     ap.add_argument(
         "--first-call",
         nargs="?",
@@ -400,9 +400,9 @@ def main(argv=None) -> int:
                 print(f"{shape} {r['variant']}: {min(comp) / r['ms_fwd_bwd']:.2f}x the faster "
                       f"competitor ({min(comp):.2f} ms)", flush=True)  # fmt: skip
         if args.breakdown and n_shape == 0:
-            bd = breakdown("qwen3_30b_a3b_T32k")
+            bd = breakdown(shape)
             for r in bd:
-                writer.write({"bench": "experts_breakdown", "shape": "qwen3_30b_a3b_T32k", **r})
+                writer.write({"bench": "experts_breakdown", "shape": shape, **r})
             print_table(bd, ["stage", "ms", "tflops", "gbps", "error"])
             sys.stdout.flush()
     if len(shapes) > 1:

@@ -210,6 +210,7 @@ def expert_hop_backward(
     consume_saved_h: bool = False,
     n_pairs: int | None = None,
     max_pairs: int | None = None,
+    grad_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients of the pairs of ``expert_range``; ADDS into the given buffers (zeros otherwise).
 
@@ -217,7 +218,8 @@ def expert_hop_backward(
     recomputed from the pre-activation). Returns ``(dx_TH, dprobs_TK, dw13, dw2)``.
     ``consume_saved_h=True`` lets the Triton backend overwrite ``saved_h`` with its gradient
     (one (P, 2I) buffer less at the backward's peak); ``saved_h`` is garbage afterwards.
-    ``n_pairs``, ``max_pairs``: as in :func:`expert_hop_forward`.
+    ``n_pairs``, ``max_pairs``: as in :func:`expert_hop_forward`. ``grad_dtype``: the dtype of
+    the weight gradients allocated here when ``dw13``/``dw2`` are None (default the weights').
     """
     e0, e1 = _range(expert_range, index)
     if resolve_backend(backend, x_TH.device) == "triton":
@@ -227,12 +229,12 @@ def expert_hop_backward(
         return triton_hop_backward(
             dy_TH, x_TH, w13_El2IH, w2_ElHI, probs_TK, index, e0, e1,
             saved_h, dx_TH, dprobs_TK, dw13, dw2, consume_saved_h=consume_saved_h,
-            n_pairs=n_pairs, max_pairs=max_pairs,
+            n_pairs=n_pairs, max_pairs=max_pairs, grad_dtype=grad_dtype,
         )  # fmt: skip
     dx_TH = torch.zeros_like(x_TH) if dx_TH is None else dx_TH
     dprobs_TK = torch.zeros_like(probs_TK) if dprobs_TK is None else dprobs_TK
-    dw13 = torch.zeros_like(w13_El2IH) if dw13 is None else dw13
-    dw2 = torch.zeros_like(w2_ElHI) if dw2 is None else dw2
+    dw13 = torch.zeros_like(w13_El2IH, dtype=grad_dtype) if dw13 is None else dw13
+    dw2 = torch.zeros_like(w2_ElHI, dtype=grad_dtype) if dw2 is None else dw2
     _torch_hop_backward(
         dy_TH, x_TH, w13_El2IH, w2_ElHI, probs_TK, index, e0, e1,
         saved_h, dx_TH, dprobs_TK, dw13, dw2,

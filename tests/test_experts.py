@@ -96,6 +96,30 @@ def test_hop_backward_accumulates_into_buffers():
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_hop_backward_allocates_gradients_in_grad_dtype(backend):
+    """``grad_dtype``: 16-bit weights, fp32 weight gradients allocated and written by the hop,
+    equal to adding into fp32 zeros (what the node-batched ring did before), experts without pairs
+    exact zeros."""
+    from relaymoe.kernels import interpret_mode
+
+    if backend == "triton" and not interpret_mode():
+        pytest.skip("the Triton backend runs under TRITON_INTERPRET=1 on CPU")
+    gen = torch.Generator().manual_seed(6)
+    x, w13, w2, idx, probs = random_problem(29, 16, 12, 5, 2, gen=gen, kind="empty")
+    x, w13, w2, probs = (t.to(torch.float16) for t in (x, w13, w2, probs))
+    index = build_routing_index(idx, 5)
+    dy = torch.randn(x.shape, generator=gen).to(torch.float16)
+    got = expert_hop_backward(dy, x, w13, w2, probs, index, backend=backend,
+                              grad_dtype=torch.float32)  # fmt: skip
+    z13, z2 = torch.zeros_like(w13, dtype=torch.float32), torch.zeros_like(w2, dtype=torch.float32)
+    ref = expert_hop_backward(dy, x, w13, w2, probs, index, backend=backend, dw13=z13, dw2=z2)
+    for a, b in zip(got[2:], ref[2:], strict=True):
+        assert a.dtype == torch.float32
+        assert torch.equal(a, b)
+    assert torch.equal(got[2][-1], torch.zeros_like(got[2][-1]))  # "empty": the last expert
+
+
 def test_old_names_warn_and_mean_the_new_ones():
     """recompute="none" was the name of "act_retain" (it saves the pre-activation); save="fc1"
     saved nothing, as "none" does."""

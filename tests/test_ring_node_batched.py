@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from relaymoe.kernels import triton_available
 from tests.helpers import run_gloo_scenarios
 from tests.test_ring_dist import _run_case
 from tests.test_ring_two_level import _resolved
@@ -41,6 +42,11 @@ def _node_batched(rank, world, group):
         assert prob.transport == "nccl", prob
         for c in _cases(world, G):
             _run_case(rank, world, group, **c)
+    if world == 4 and triton_available():  # the fused hop kernels (interpreter on CPU): G*El
+        for G in (2, 1):  # experts written into fresh gradients (G=2) or into the trail (G=1)
+            _run_case(rank, world, group, mode="expert", seed=13, tokens=[5, 0, 7, 3], El=2,
+                      K=2, dtype=F32, backend="triton", tol=1e-4, gpus_per_node=G,
+                      schedule="node_batched")  # fmt: skip
 
 
 def _errors_name_the_column(rank, world, group):

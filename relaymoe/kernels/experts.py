@@ -302,13 +302,15 @@ def triton_hop_backward(
     consume_saved_h: bool = False,
     n_pairs: int | None = None,
     max_pairs: int | None = None,
+    grad_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients of experts ``[e0, e1)``'s pairs, ADDED into the given buffers; a buffer passed
     as None is allocated and written (no zero fill). Returns ``(dx, dprobs, dw13, dw2)``.
     ``n_pairs`` / ``max_pairs``: as in :func:`triton_hop_forward`.
 
     ``consume_saved_h=True`` lets the kernel overwrite ``saved_h`` with its gradient (saves a
-    (P, 2I) buffer); the caller must not use ``saved_h`` afterwards.
+    (P, 2I) buffer); the caller must not use ``saved_h`` afterwards. ``grad_dtype``: the dtype of
+    weight-gradient buffers allocated here (default the weights'; e.g. fp32 accumulators).
     """
     num_tokens = x_TH.shape[0]
     n_local, two_i, _ = w13.shape
@@ -317,8 +319,8 @@ def triton_hop_backward(
     acc_w13, acc_w2 = dw13 is not None, dw2 is not None
     dx_TH = torch.empty_like(x_TH) if dx_TH is None else dx_TH
     dprobs_TK = torch.zeros_like(probs_TK) if dprobs_TK is None else dprobs_TK
-    dw13 = torch.empty_like(w13) if dw13 is None else dw13
-    dw2 = torch.empty_like(w2) if dw2 is None else dw2
+    dw13 = torch.empty_like(w13, dtype=grad_dtype) if dw13 is None else dw13
+    dw2 = torch.empty_like(w2, dtype=grad_dtype) if dw2 is None else dw2
     offs = index.offsets_for(e0, e1)
     n_pairs, exact = _pair_count(index, e0, e1, n_pairs, max_pairs) if n_local > 0 else (0, True)
     _check_sizes(num_tokens, n_pairs, "triton_hop_backward")

@@ -274,6 +274,8 @@ def _node_experts(prob: RingProblem, group, lead, local, device, phase):
     ``local`` in a column of one) and its node peers', all-gathered over the row."""
     G, El, g = prob.gpus_per_node, prob.num_local_experts, prob.rank % prob.gpus_per_node
     mine = (lead["w13"], lead["w2"]) if lead is not None else tuple(local[:2])
+    if G == 1:  # the node is this rank: its partition as it is, no copy
+        return mine
     w13 = mine[0].new_empty((G * El, *mine[0].shape[1:]))
     w2 = mine[1].new_empty((G * El, *mine[1].shape[1:]))
     w13[g * El : (g + 1) * El].copy_(mine[0])
@@ -333,14 +335,22 @@ def _batched_expert_backward(prob, group, backend, overlap, dy, x, experts, prob
     dx, dprobs = torch.zeros_like(x), torch.zeros_like(probs)
 
     def compute(node, w13, w2, trail):
-        d13 = torch.zeros_like(w13, dtype=prob.accum_dtype)
-        d2 = torch.zeros_like(w2, dtype=prob.accum_dtype)
-        if x.shape[0] > 0:
-            expert_hop_backward(
+        def hop(d13, d2):
+            return expert_hop_backward(
                 dy, x, w13, w2, probs, index, expert_range=(node * G * El, (node + 1) * G * El),
                 saved_h=None, dx_TH=dx, dprobs_TK=dprobs, dw13=d13, dw2=d2, backend=backend,
-                **_node_pairs(prob, node),
+                grad_dtype=prob.accum_dtype, **_node_pairs(prob, node),
             )  # fmt: skip
+
+        if G == 1:  # no row: the gradients go straight into the trail, as in the flat ring
+            if x.shape[0] > 0:
+                hop(trail["dw13"], trail["dw2"])
+            return
+        if x.shape[0] > 0:  # written, not added: no zero fill of the G*El gradients
+            _, _, d13, d2 = hop(None, None)
+        else:  # the peers still wait for this rank's (zero) shares
+            d13 = torch.zeros_like(w13, dtype=prob.accum_dtype)
+            d2 = torch.zeros_like(w2, dtype=prob.accum_dtype)
         # reduce-scatter over the row: partition (node, q)'s share to local rank q
         mine = (d13[g * El : (g + 1) * El], d2[g * El : (g + 1) * El])
         got = {q: (torch.empty_like(mine[0]), torch.empty_like(mine[1]))
