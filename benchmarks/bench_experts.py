@@ -4,10 +4,12 @@ Providers (one process, same inputs; routing ``softmax(randn) -> top-k``, probab
 grad, as in ``../shared/anchors``):
 - ``relaymoe`` (``recompute="act"`` and ``"fc1"``; the row's ``recompute`` key says which):
   ``moe_experts`` with the Triton backend and the default dispatch; the routing-index build is
-  inside the timed step. Variants: ``relaymoe_wgradtriton`` (``RELAYMOE_WGRAD=triton``: weight
-  gradients by the gathered-operand Triton kernel instead of the default ``torch._grouped_mm``
-  over gathered column chunks) and ``relaymoe_tritongemm``
-  (``RELAYMOE_DENSE_GEMM=triton``: no ``torch._grouped_mm``).
+  inside the timed step. Variants: ``relaymoe_rowscopy`` (``RELAYMOE_ROWS_GATHER=copy``: one
+  gathered (P, H) copy and ``torch._grouped_mm`` for the up-projection and the down backward),
+  ``relaymoe_wgradtriton`` (``RELAYMOE_WGRAD=triton``: weight gradients always by the
+  gathered-operand Triton kernel, not ``torch._grouped_mm`` over gathered column chunks for long
+  expert groups) and ``relaymoe_tritongemm`` (``RELAYMOE_DENSE_GEMM=triton``: no
+  ``torch._grouped_mm``).
 - ``naive``: gather x into a (T*K, H) buffer, ``torch._grouped_mm`` up, SiLU*up,
   ``torch._grouped_mm`` down, probability weight, ``index_add_`` (sort inside the timed step).
 - ``liger``: ``liger_kernel.ops.fused_moe.LigerFusedMoEFunction`` when importable.
@@ -86,7 +88,7 @@ def make_inputs(num_tokens, num_experts, topk, hidden, ffn, seed=0):
 # --------------------------------------------------------------------------------------------
 # providers: fn(x, w13, w2, idx, probs) -> out (T, H)
 # --------------------------------------------------------------------------------------------
-_SWITCHES = ("RELAYMOE_DENSE_GEMM", "RELAYMOE_WGRAD", "RELAYMOE_TMA")
+_SWITCHES = ("RELAYMOE_DENSE_GEMM", "RELAYMOE_WGRAD", "RELAYMOE_TMA", "RELAYMOE_ROWS_GATHER")
 # Two bf16 implementations of the same layer differ by ~6e-3 relative (each ~4e-3 from float64,
 # tests/gpu); beyond this something is wrong, and the run exits non-zero after writing its rows.
 AGREE_BOUND = 2e-2
@@ -236,7 +238,7 @@ def check_against_naive(inputs, fns: dict) -> dict:
 def breakdown(shape: str) -> list[dict]:
     """Each relaymoe kernel of one layer timed alone (same buffers the hop functions use)."""
     from relaymoe.kernels import grouped, pairs
-    from relaymoe.kernels.experts import _HopGroups, _wgrad_gmm
+    from relaymoe.kernels.experts import _gathered_rows_times_weight, _HopGroups, _wgrad_gmm
 
     num_tokens, num_experts, topk, hidden, ffn = SHAPES[shape]
     x, w13, w2, idx, probs = (t.detach() for t in make_inputs(*SHAPES[shape]))
@@ -267,6 +269,9 @@ def breakdown(shape: str) -> list[dict]:
         ("down_" + gmm, lambda: torch._grouped_mm(a, w2.transpose(1, 2), offs=ends), pf),
         ("combine", lambda: grouped.combine(y, tim, offs, out, topk, accumulate=False), 0),
         ("down_bwd_gemm", lambda: grouped.rows_gemm(x, w2, offs, a, a_idx=idx_P), pf),
+        ("up_copy_" + gmm, lambda: grouped.swiglu_forward(
+            _gathered_rows_times_weight(x, w13.transpose(1, 2), groups), prob_P, a), 2 * pf),
+        ("down_bwd_copy_" + gmm, lambda: _gathered_rows_times_weight(x, w2, groups), pf),
         ("swiglu_bwd", lambda: grouped.swiglu_backward(h, a, prob_P, dh, dprob), 0),
         ("wgrad_dw2", lambda: grouped.wgrad(x, a, idx_P, offs, dw2, a_gather=True,
                                             b_gather=False, accumulate=False), pf),
@@ -303,8 +308,9 @@ def main(argv=None) -> int:
         nargs="*",
         default=None,
         help="relaymoe_act relaymoe_fc1 relaymoe_act_wgradtriton relaymoe_act_tritongemm "
-        "relaymoe_act_tma relaymoe_act_ptr naive liger (relaymoe_act: RELAYMOE_TMA's default, "
-        "tensor descriptors on sm90; _tma forces them, _ptr the pointer loads)",
+        "relaymoe_act_tma relaymoe_act_ptr relaymoe_act_rowscopy naive liger (relaymoe_act: "
+        "RELAYMOE_TMA's default, tensor descriptors on sm90; _tma forces them, _ptr the pointer "
+        "loads; _rowscopy: RELAYMOE_ROWS_GATHER=copy)",
     )
     ap.add_argument("--breakdown", action="store_true", help="time each kernel of the first shape")
     ap.add_argument(
@@ -336,6 +342,8 @@ def main(argv=None) -> int:
             "relaymoe_tritongemm", "act", relaymoe_fn("act", {"RELAYMOE_DENSE_GEMM": "triton"})),
         "relaymoe_act_tma": ("relaymoe_tma", "act", relaymoe_fn("act", {"RELAYMOE_TMA": "1"})),
         "relaymoe_act_ptr": ("relaymoe_ptr", "act", relaymoe_fn("act", {"RELAYMOE_TMA": "0"})),
+        "relaymoe_act_rowscopy": (
+            "relaymoe_rowscopy", "act", relaymoe_fn("act", {"RELAYMOE_ROWS_GATHER": "copy"})),
         "naive": ("naive", None, naive_fn),
         "liger": ("liger", None, liger_fn()),
     }  # fmt: skip

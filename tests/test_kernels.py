@@ -363,6 +363,58 @@ def test_wgrad_gmm_path_matches_oracle(case, chunk_mib, monkeypatch):
     check_triton_vs_oracle(case, sum(case[:5]) + 3, "act")
 
 
+@pytest.mark.parametrize("recompute", ["act", "fc1"])
+@pytest.mark.parametrize(
+    "case", [(41, 32, 24, 6, 2, "empty"), (37, 24, 20, 5, 5, "skewed"), (29, 16, 12, 4, 1, "one")],
+    ids=["empty-experts", "K=E", "top-1"],
+)  # fmt: skip
+def test_rows_gather_copy_matches_oracle(case, recompute, monkeypatch):
+    """RELAYMOE_ROWS_GATHER=copy: the up-projection (forward, and the fc1 recompute) and the down
+    backward by one gathered copy and torch._grouped_mm (torch's CPU implementation here) plus
+    the separate SwiGLU pass: the oracle's output and gradients, and neither gather-on-load
+    kernel runs. With a budget the copy cannot fit, the index kernels run instead."""
+    monkeypatch.setenv("RELAYMOE_ROWS_GATHER", "copy")
+    calls = []
+
+    def refuse(name):
+        def fn(*a, **k):
+            calls.append(name)
+            raise AssertionError(f"{name} ran")
+
+        return fn
+
+    up, rows = grouped.up_swiglu, grouped.rows_gemm
+    monkeypatch.setattr(grouped, "up_swiglu", refuse("up_swiglu"))
+
+    def contiguous_rows_only(*a, **k):
+        if k.get("a_idx") is not None:
+            refuse("the gathered rows_gemm")()
+        return rows(*a, **k)
+
+    monkeypatch.setattr(grouped, "rows_gemm", contiguous_rows_only)
+    check_triton_vs_oracle(case, sum(case[:5]) + 5, recompute)
+    assert not calls
+    monkeypatch.setattr(grouped, "up_swiglu", up)
+    monkeypatch.setattr(grouped, "rows_gemm", rows)
+    monkeypatch.setenv("RELAYMOE_PAIR_BUFFER_MIB", "0")
+    used = []
+    monkeypatch.setattr(grouped, "up_swiglu", lambda *a, **k: (used.append(1), up(*a, **k)))
+    check_triton_vs_oracle(case, sum(case[:5]) + 6, recompute)
+    assert used
+
+
+def test_swiglu_forward_pass():
+    """a = silu(gate) * up (* p) over rows, NaN-poisoned output fully written, p optional."""
+    gen = torch.Generator().manual_seed(8)
+    h = torch.randn(37, 2 * 21, generator=gen)
+    p = torch.rand(37, generator=gen)
+    ref = F.silu(h[:, :21].double()) * h[:, 21:].double()
+    for prob, want in ((p, ref * p.double()[:, None]), (None, ref)):
+        a = torch.full((37, 21), float("nan"))
+        grouped.swiglu_forward(h, prob, a)
+        assert rel_err(a, want) < F32
+
+
 def test_wgrad_gmm_ranges_accumulate_and_wide_rows_chunk(monkeypatch):
     """Ring-style use: expert ranges accumulate into shared dx/dprobs and write their own dw
     slices; H = 512 with a 0 MiB budget gathers x and dy in two 256-column chunks. Odd widths
@@ -403,7 +455,7 @@ def test_wgrad_gmm_ranges_accumulate_and_wide_rows_chunk(monkeypatch):
         assert bool(calls) == expect_gmm, (h, len(calls))
 
 
-@pytest.mark.parametrize("var", ["RELAYMOE_DENSE_GEMM", "RELAYMOE_WGRAD"])
+@pytest.mark.parametrize("var", ["RELAYMOE_DENSE_GEMM", "RELAYMOE_WGRAD", "RELAYMOE_ROWS_GATHER"])
 def test_bad_switch_values_are_refused(var, monkeypatch):
     monkeypatch.setenv(var, "fastest")
     gen = torch.Generator().manual_seed(6)

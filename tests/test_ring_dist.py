@@ -220,6 +220,15 @@ def _triton_backend(rank, world, group):
                           route="skew")  # fmt: skip
         finally:
             del os.environ["RELAYMOE_PAIR_BUFFER_MIB"]
+    # the gathered-copy row GEMMs (RELAYMOE_ROWS_GATHER=copy) over bound-sized pair buffers
+    os.environ["RELAYMOE_ROWS_GATHER"] = "copy"
+    try:
+        for mode in ("expert", "token"):
+            _run_case(rank, world, group, mode=mode, seed=13, tokens=tokens, El=2, K=2,
+                      dtype=torch.float32, backend="triton", tol=1e-4, trusted=True,
+                      route="skew")  # fmt: skip
+    finally:
+        del os.environ["RELAYMOE_ROWS_GATHER"]
 
 
 def _list_forms(rank, world, group):

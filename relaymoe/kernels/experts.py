@@ -16,11 +16,13 @@ Backward: rows_gemm ``g = dy[tok] @ w2[e]`` (dy rows gathered on load, plain epi
 Contiguous-operand GEMMs (``a @ w2[e]^T``, ``dh @ w13[e]``) use ``torch._grouped_mm`` for bf16 on
 sm90 when strides allow (``RELAYMOE_DENSE_GEMM=auto``, the default), the Triton ``rows_gemm``
 elsewhere or with ``RELAYMOE_DENSE_GEMM=triton``.
-No (P, H) copy of x or dy is made; (P, H) outputs of the down projection and of the dgrad are
-produced in column chunks of at most ``RELAYMOE_PAIR_BUFFER_MIB`` (default 512) MiB.
+By default no (P, H) copy of x or dy is made (``RELAYMOE_ROWS_GATHER=index``; ``copy`` gathers
+one within the budget below for the up-projection and the down backward and runs
+``torch._grouped_mm``); (P, H) outputs of the down projection and of the dgrad are produced in
+column chunks of at most ``RELAYMOE_PAIR_BUFFER_MIB`` (default 512) MiB.
 Weight gradients: the gathered-operand Triton kernel, or, for long expert groups on CUDA where
 torch's grouped GEMM runs (bf16, sm90), a K-grouped ``torch._grouped_mm`` over the pairs with x or
-dy gathered in such column chunks (``RELAYMOE_WGRAD=auto``, the default, ``WGRAD_GMM_MIN_PAIRS``);
+dy gathered in such column chunks (``RELAYMOE_WGRAD=auto``, the default, ``LONG_GROUP_PAIRS``);
 ``triton`` always the kernel; ``gmm`` torch's grouped GEMM wherever it runs, CPU included (tests).
 """
 
@@ -84,9 +86,14 @@ class _HopGroups:
         return self.idx_P.index_select(0, rows).to(torch.int64)
 
 
+def _pair_buffer_bytes() -> int:
+    """``RELAYMOE_PAIR_BUFFER_MIB`` (default 512): the budget of any transient (P, chunk) buffer."""
+    return int(os.environ.get("RELAYMOE_PAIR_BUFFER_MIB", "512")) * 2**20
+
+
 def _col_chunks(n_pairs: int, ncols: int, elt: int) -> list[tuple[int, int]]:
     """Column chunks of a (P, ncols) buffer under the pair-buffer budget, multiples of 256."""
-    budget = int(os.environ.get("RELAYMOE_PAIR_BUFFER_MIB", "512")) * 2**20
+    budget = _pair_buffer_bytes()
     width = max(256, budget // max(1, n_pairs * elt) // 256 * 256)
     return [(c, min(c + width, ncols)) for c in range(0, ncols, width)]
 
@@ -131,19 +138,20 @@ def _use_torch_grouped_mm(a_PK: Tensor, b_EKN: Tensor) -> bool:
 def _wgrad_mode() -> str:
     return env_switch("RELAYMOE_WGRAD", {
         "auto": "torch._grouped_mm over gathered column chunks on CUDA for long expert groups "
-                "(WGRAD_GMM_MIN_PAIRS), the Triton kernel otherwise",
+                "(LONG_GROUP_PAIRS), the Triton kernel otherwise",
         "triton": "always the gathered-operand Triton kernel",
         "gmm": "torch._grouped_mm wherever it runs, CPU included"})  # fmt: skip
 
 
-# Mean pairs per expert from which ``auto`` takes torch._grouped_mm for the weight gradients.
-# H200, benchmarks/sweep_kernels.py (session 11): the grouped GEMMs themselves run at 570-630
+# Mean pairs per expert from which ``RELAYMOE_WGRAD=auto`` takes torch._grouped_mm over gathered
+# column chunks for the weight gradients.
+# H200, benchmarks/sweep_kernels.py (session 11): the grouped GEMMs themselves run at 570-650
 # TFLOP/s, but the chunk gathers (0.51 ms a gradient at qwen3 T32k) and the copies into the
 # gradient (0.47 and 0.93 ms) put the whole at dw13 3.98 + dw2 2.22 ms against 3.58 + 1.82 for
 # the Triton kernel (2,048 pairs an expert); at T64k (4,096) 7.23 + 4.20 against 7.33 + 3.66
-# with 4 stages. With 16 experts of 8-16k pairs (moeblaze conf3/conf4) the gmm path was 13-14%
-# faster (session 3), where the GEMM dwarfs the copies.
-WGRAD_GMM_MIN_PAIRS = 8192
+# with 4 stages. At moeblaze conf4 (16 experts of 8,192 pairs) the gmm weight gradients ran at
+# 565-636 TFLOP/s against 471-498 for the Triton kernel.
+LONG_GROUP_PAIRS = 8192
 
 
 def _gmm_wgrad_ok(a: Tensor, b: Tensor, c_EMN: Tensor) -> bool:
@@ -200,7 +208,7 @@ def _wgrad(a, b, idx_P, offs, c_EMN, groups: _HopGroups, *, a_gather, b_gather, 
     """Weight gradient of the range: torch's grouped GEMM over gathered chunks where it runs
     (``auto``: on CUDA only), else the Triton kernel."""
     mode = _wgrad_mode()
-    long_groups = groups.n_pairs >= WGRAD_GMM_MIN_PAIRS * max(1, c_EMN.shape[0])
+    long_groups = _long_groups(groups, c_EMN.shape[0])
     if (
         (mode == "gmm" or (mode == "auto" and a.is_cuda and long_groups))
         and a_gather != b_gather
@@ -212,6 +220,42 @@ def _wgrad(a, b, idx_P, offs, c_EMN, groups: _HopGroups, *, a_gather, b_gather, 
         return
     grouped.wgrad(a, b, idx_P, offs, c_EMN, a_gather=a_gather, b_gather=b_gather,
                   accumulate=accumulate)  # fmt: skip
+
+
+def _long_groups(groups: _HopGroups, n_experts: int) -> bool:
+    return groups.n_pairs >= LONG_GROUP_PAIRS * max(1, n_experts)
+
+
+def _rows_gather_mode() -> str:
+    return env_switch("RELAYMOE_ROWS_GATHER", {
+        "index": "the up-projection and the down backward read x and dy rows through the routing "
+                 "index (Triton gather-on-load kernels): no (P, H) copy",
+        "copy": "one gathered (P, H) copy within RELAYMOE_PAIR_BUFFER_MIB, then torch._grouped_mm "
+                "(wherever torch's grouped GEMM takes the operands, CPU included)"})  # fmt: skip
+
+
+def _gather_then_gmm(x_TK: Tensor, w_EKN: Tensor, groups: _HopGroups) -> bool:
+    """Whether the gathered-row GEMM ``x[tok[q]] @ w[e]`` runs as one gathered (P, K) copy and
+    ``torch._grouped_mm`` (``RELAYMOE_ROWS_GATHER=copy``) instead of a Triton gather-on-load
+    kernel (``index``, the default: issue #15 keeps gathered-token operands index-based). The
+    copy must fit the pair-buffer budget in one piece (no host sync to split it by experts).
+    H200, moeblaze conf4 (16 experts of 8,192 pairs): torch._grouped_mm on contiguous rows ran
+    at 665 TFLOP/s against the gather-on-load up-projection's 466 (bench_experts --breakdown)."""
+    if _rows_gather_mode() != "copy" or groups.n_pairs == 0 or not hasattr(torch, "_grouped_mm"):
+        return False
+    if groups.n_pairs * x_TK.shape[1] * x_TK.element_size() > _pair_buffer_bytes():
+        return False
+    if x_TK.device.type == "cpu":
+        return x_TK.dtype == w_EKN.dtype
+    return _use_torch_grouped_mm(x_TK, w_EKN)
+
+
+def _gathered_rows_times_weight(x_TK: Tensor, w_EKN: Tensor, groups: _HopGroups) -> Tensor:
+    """(P, N) = x[tok[q]] @ w[e] over the range's pairs: the rows gathered into one (P, K) copy
+    (freed on return), then one grouped GEMM. Rows past the pair count (buffers sized from a
+    bound) are not written and never read."""
+    x_PK = x_TK.index_select(0, groups.tok)
+    return torch._grouped_mm(x_PK, w_EKN, offs=groups.ends)
 
 
 def _pair_rows_times_weight(a_PK: Tensor, b_EKN: Tensor, offs: Tensor, groups: _HopGroups):
@@ -269,17 +313,24 @@ def triton_hop_forward(
     _check_sizes(num_tokens, n_pairs, "triton_hop_forward")
     if save_act and not exact:
         raise ValueError("save_act needs the exact pair count (n_pairs), not max_pairs")
-    h_P2I = x_TH.new_empty(n_pairs, two_i) if save_act else None
     if n_pairs == 0 or n_local == 0 or num_tokens == 0:
         if not accumulate:
             out_TH.zero_()
-        return out_TH, h_P2I
+        return out_TH, x_TH.new_empty(n_pairs, two_i) if save_act else None
     x_TH = x_TH.contiguous()
     prob_P = pairs.pair_probs(probs_TK, index.token_index_map, offs, n_pairs)
     idx_P = index.expert_token_indices
-    a_PI = x_TH.new_empty(n_pairs, ffn)
-    grouped.up_swiglu(x_TH, w13, idx_P, offs, prob_P, h_P2I, a_PI)
     groups = _HopGroups(idx_P, offs, n_pairs, exact)
+    a_PI = x_TH.new_empty(n_pairs, ffn)
+    w13_EHJ = w13.transpose(1, 2)
+    if _gather_then_gmm(x_TH, w13_EHJ, groups):  # h from the GEMM, then a from h (bf16 h)
+        h = _gathered_rows_times_weight(x_TH, w13_EHJ, groups)
+        grouped.swiglu_forward(h, prob_P, a_PI)
+        h_P2I = h if save_act else None
+        del h
+    else:  # one kernel: a from the fp32 accumulators, h stored when saved
+        h_P2I = x_TH.new_empty(n_pairs, two_i) if save_act else None
+        grouped.up_swiglu(x_TH, w13, idx_P, offs, prob_P, h_P2I, a_PI)
     _combine_pair_products(a_PI, w2.transpose(1, 2), index, offs, out_TH, accumulate, groups)
     return out_TH, h_P2I
 
@@ -332,12 +383,16 @@ def triton_hop_backward(
                 buf.zero_()
         return dx_TH, dprobs_TK, dw13, dw2
     prob_P = pairs.pair_probs(probs_TK, index.token_index_map, offs, n_pairs)
-    a_PI = x_TH.new_empty(n_pairs, ffn)
+    groups = _HopGroups(idx_P, offs, n_pairs, exact)
     if saved_h is not None and not exact:
         raise ValueError("saved_h needs the exact pair count (n_pairs), not max_pairs")
     if saved_h is None:  # recompute="fc1": rebuild h alone (a comes from it below)
-        h_P2I = x_TH.new_empty(n_pairs, two_i)
-        grouped.up_swiglu(x_TH, w13, idx_P, offs, None, h_P2I, None)
+        w13_EHJ = w13.transpose(1, 2)
+        if _gather_then_gmm(x_TH, w13_EHJ, groups):
+            h_P2I = _gathered_rows_times_weight(x_TH, w13_EHJ, groups)
+        else:
+            h_P2I = x_TH.new_empty(n_pairs, two_i)
+            grouped.up_swiglu(x_TH, w13, idx_P, offs, None, h_P2I, None)
         dh_P2I = h_P2I
     else:
         if saved_h.shape != (n_pairs, two_i):
@@ -348,12 +403,15 @@ def triton_hop_backward(
         h_P2I = saved_h
         dh_P2I = saved_h if consume_saved_h else torch.empty_like(saved_h)
     # g = dy[tok] @ w2[e] into a_PI, then one memory pass turns it into p*a (dh, dprob out)
-    grouped.rows_gemm(dy_TH, w2, offs, a_PI, a_idx=idx_P)
+    if _gather_then_gmm(dy_TH, w2, groups):
+        a_PI = _gathered_rows_times_weight(dy_TH, w2, groups)
+    else:
+        a_PI = x_TH.new_empty(n_pairs, ffn)
+        grouped.rows_gemm(dy_TH, w2, offs, a_PI, a_idx=idx_P)
     dprob_P = torch.empty(n_pairs, dtype=torch.float32, device=x_TH.device)
     grouped.swiglu_backward(h_P2I, a_PI, prob_P, dh_P2I, dprob_P)
     pairs.add_pair_dprobs(dprob_P, index.token_index_map, offs, dprobs_TK)
     # dw2[e] (H, I) = sum_q dy[tok]^T (p*a)[q]
-    groups = _HopGroups(idx_P, offs, n_pairs, exact)
     _wgrad(dy_TH, a_PI, idx_P, offs, dw2, groups, a_gather=True, b_gather=False,
            accumulate=acc_w2)  # fmt: skip
     del a_PI

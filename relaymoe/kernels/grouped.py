@@ -262,6 +262,36 @@ def _swiglu_bwd_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
+# forward SwiGLU alone: a = silu(gate) * up (* p) over rows of h (after a GEMM made h)
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _swiglu_fwd_kernel(
+    h_ptr, prob_ptr, a_ptr,
+    n_pairs, I,
+    stride_hp, stride_ap,
+    SCALE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """Memory-bound pass over BLOCK_R pair rows of h = [gate, up], I in BLOCK_C column steps."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < n_pairs
+    r64 = rows.to(tl.int64)
+    if SCALE:
+        p = tl.load(prob_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    for c0 in range(0, I, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        mask = row_ok[:, None] & (cols < I)[None, :]
+        hp = h_ptr + r64[:, None] * stride_hp + cols[None, :]
+        gate = tl.load(hp, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(hp + I, mask=mask, other=0.0).to(tl.float32)
+        act = gate * tl.sigmoid(gate) * up
+        if SCALE:
+            act = act * p
+        tl.store(a_ptr + r64[:, None] * stride_ap + cols[None, :], act.to(a_ptr.dtype.element_ty),
+                 mask=mask)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
 # backward wgrad: dW[e] = sum over the expert's pairs of A[q]^T B[q]
 # ---------------------------------------------------------------------------------------------
 @triton.jit
@@ -695,6 +725,25 @@ def swiglu_backward(h_P2I, g_PI, prob_P, dh_P2I, dprob_P, *, block_rows=None, bl
         n_pairs, ffn,
         h_P2I.stride(0), g_PI.stride(0), dh_P2I.stride(0),
         BLOCK_R=br, BLOCK_C=bc, num_warps=warps,
+    )  # fmt: skip
+
+
+def swiglu_forward(h_P2I, prob_P, a_PI):
+    """a = silu(gate) * up (* prob_P when given) over the rows of ``h_P2I`` = [gate, up] (the
+    forward when a GEMM made h; ``up_swiglu`` fuses this into its epilogue instead)."""
+    n_pairs, ffn = a_PI.shape
+    if n_pairs == 0 or ffn == 0:
+        return
+    _check_rows(n_pairs, "swiglu_forward")
+    if interpret_mode():
+        br, bc, warps = 16, 16, 4
+    else:  # as swiglu_backward: 16 x 256 a tile at 4 warps
+        br, bc, warps = 16, min(256, triton.next_power_of_2(ffn)), 4
+    _swiglu_fwd_kernel[(triton.cdiv(n_pairs, br),)](
+        h_P2I, prob_P if prob_P is not None else a_PI, a_PI,
+        n_pairs, ffn,
+        h_P2I.stride(0), a_PI.stride(0),
+        SCALE=prob_P is not None, BLOCK_R=br, BLOCK_C=bc, num_warps=warps,
     )  # fmt: skip
 
 

@@ -131,6 +131,16 @@ def test_backend_switches_match_oracle(dense, chunk_mib, wgrad, tma, monkeypatch
     _assert_bf16_matches_oracle(*_problem(*case, seed=99), recompute="act")
 
 
+@pytest.mark.parametrize("recompute", ["act", "fc1"])
+def test_rows_gather_copy_matches_oracle(recompute, monkeypatch):
+    """RELAYMOE_ROWS_GATHER=copy (x and dy gathered into one copy, torch._grouped_mm, the
+    separate SwiGLU pass) against float64 at the qwen3 widths, bf16."""
+    monkeypatch.setenv("RELAYMOE_AUTOTUNE", "0")
+    monkeypatch.setenv("RELAYMOE_ROWS_GATHER", "copy")
+    case = (4096, 2048, 768, 128, 8, "skewed")
+    _assert_bf16_matches_oracle(*_problem(*case, seed=98), recompute=recompute)
+
+
 @pytest.mark.parametrize("num_experts", [6, 128])  # the one-hot and the pairwise tile rank
 def test_routing_build_survives_garbage_ids(num_experts):
     """Ids a dead peer never sent (the receive buffer's garbage: negative, past E, past E_PAD)
