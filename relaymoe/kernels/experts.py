@@ -206,7 +206,7 @@ def _wgrad_gmm(a, b, c_EMN, groups: _HopGroups, *, a_gather: bool, accumulate: b
 
 def _wgrad(a, b, idx_P, offs, c_EMN, groups: _HopGroups, *, a_gather, b_gather, accumulate) -> None:
     """Weight gradient of the range: torch's grouped GEMM over gathered chunks where it runs
-    (``auto``: on CUDA only), else the Triton kernel."""
+    (``auto``: on CUDA, for long expert groups only), else the Triton kernel."""
     mode = _wgrad_mode()
     long_groups = _long_groups(groups, c_EMN.shape[0])
     if (
