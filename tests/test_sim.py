@@ -13,6 +13,7 @@ from benchmarks.sim import (
     MoEShape,
     hop_payloads,
     simulate_alltoall,
+    simulate_node_batched,
     simulate_pass,
     simulate_ring,
 )
@@ -196,6 +197,20 @@ def test_calibrate_and_validate_from_rows(tmp_path):
     assert [v["scheme"] for v in val] == ["ring_expert", "ring_expert_sequential"]
     assert all(v["ep"] == 2 for v in val)
     assert val[0]["predicted_ms"] < val[1]["predicted_ms"]
+    # node-batched rows: predicted (never fitted) where the row's node holds the whole EP group
+    nb = {"bench": "ring", "provider": "relaymoe_ring_expert_nccl_nb_g2", "ep": 2,
+          "shape": "qwen3_30b_a3b_T4k", "ms_fwd_bwd": 11.0, "schedule": "node_batched",
+          "transport": "nccl"}  # fmt: skip
+    forced = {**nb, "provider": "relaymoe_ring_expert_nccl_nb_g1"}
+    cm2, _ = calibrate([*loaded, {**nb, "gpus_per_node": 2}, {**forced, "gpus_per_node": 1}])
+    assert cm2 == cm  # not fitted
+    got = validate([{**nb, "gpus_per_node": 2}, {**forced, "gpus_per_node": 1}], cm)
+    assert [(v["scheme"], v["provider"], v["fit"]) for v in got] == [
+        ("ring_expert_node_batched", nb["provider"], False)
+    ]
+    hide = Cluster.__dataclass_fields__["hide_inter"].default  # NCCL rows, as validate does
+    want = simulate_node_batched(shape_of(nb), Cluster(ep=2, gpus_per_node=2, hide_intra=hide), cm)
+    assert got[0]["predicted_ms"] == round(want.ms_fwd_bwd, 3)
 
 
 def test_row_parsing():

@@ -6,7 +6,8 @@ NVLink (each GPU receives ``G - 1`` partitions; before the round's compute, not 
 round's column transfer (the next partition over this GPU's NIC; backward also the travelling
 gradients) starts and overlaps the compute of ``G*T*K/EP`` pairs over ``G*El`` experts (one hop:
 the fixed host cost once). Backward, after the compute, the round's gradients are
-reduce-scattered inside the node (``G - 1`` partitions out and in, not hidden) and added. After
+reduce-scattered inside the node (``G - 1`` partitions out and in, not hidden) and added (at
+``G = 1`` the hop adds into the travelling gradients itself, as the flat ring does). After
 the last round the gradients make one column hop home. Uniform routing, every rank alike.
 """
 
@@ -27,7 +28,8 @@ def simulate_node_batched(shape: MoEShape, cluster: Cluster, compute: ComputeMod
     fwd_c = compute.seconds(shape.flops_fwd(pairs), pairs, G * d.El, bwd=False, width=shape.I)
     bwd_c = compute.seconds(shape.flops_bwd(pairs, recompute=True), pairs, G * d.El, bwd=True,
                             width=shape.I)  # fmt: skip
-    bwd_c += compute.copy_seconds(G * dw)  # the round's shares added into the travelling sums
+    if G > 1:  # the round's shares added into the travelling sums (G = 1: written there)
+        bwd_c += compute.copy_seconds(G * dw)
     row_latency = (G - 1) * cluster.intra_latency_us * 1e-6 if G > 1 else 0.0
     gather = row_latency + (G - 1) * w / (cluster.intra_GBps * 1e9) if G > 1 else 0.0
     scatter = row_latency + (G - 1) * dw / (cluster.intra_GBps * 1e9) if G > 1 else 0.0
