@@ -146,6 +146,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     rank, world, group = init_dist()
+    if world < 2:  # a world of one would write ring rows under transport names it never used
+        print("bench_ring.py measures expert parallelism: run it under torchrun with "
+              f"--nproc-per-node >= 2 (this world has {world} rank)", file=sys.stderr)  # fmt: skip
+        return 2
     warmup, reps = (2, 5) if args.quick else (3, 15)
     writer = JsonlWriter(args.out) if rank == 0 else None
     rows = []
