@@ -210,25 +210,18 @@ def _triton_backend(rank, world, group):
         _run_case(rank, world, group, mode=mode, seed=11, tokens=tokens, El=2, K=2,
                   dtype=torch.float32, backend="triton", tol=1e-4)  # fmt: skip
     # a trusted caller: pair buffers sized from the bound (rows past the count never read),
-    # then exact counts per call once the bound is over the budget
-    for budget in ("512", "0"):
-        os.environ["RELAYMOE_PAIR_BUFFER_MIB"] = budget
+    # then exact counts per call once the bound is over the budget, then the gathered-copy row
+    # GEMMs over bound-sized buffers
+    for var, value in (("RELAYMOE_PAIR_BUFFER_MIB", "512"), ("RELAYMOE_PAIR_BUFFER_MIB", "0"),
+                       ("RELAYMOE_ROWS_GATHER", "copy")):  # fmt: skip
+        os.environ[var] = value
         try:
             for mode in ("expert", "token"):
                 _run_case(rank, world, group, mode=mode, seed=12, tokens=tokens, El=2, K=2,
                           dtype=torch.float32, backend="triton", tol=1e-4, trusted=True,
                           route="skew")  # fmt: skip
         finally:
-            del os.environ["RELAYMOE_PAIR_BUFFER_MIB"]
-    # the gathered-copy row GEMMs (RELAYMOE_ROWS_GATHER=copy) over bound-sized pair buffers
-    os.environ["RELAYMOE_ROWS_GATHER"] = "copy"
-    try:
-        for mode in ("expert", "token"):
-            _run_case(rank, world, group, mode=mode, seed=13, tokens=tokens, El=2, K=2,
-                      dtype=torch.float32, backend="triton", tol=1e-4, trusted=True,
-                      route="skew")  # fmt: skip
-    finally:
-        del os.environ["RELAYMOE_ROWS_GATHER"]
+            del os.environ[var]
 
 
 def _list_forms(rank, world, group):

@@ -19,7 +19,9 @@ rank ``r = n*G + g``:
 So a pass has ``N`` hops of ``G`` times the pairs of a flat hop. Every exchange is a
 ``batch_isend_irecv`` on the EP group (gloo on CPU, NCCL on CUDA): no sub-group is created.
 Extra memory against the flat expert ring: the gathered ``G*El`` experts (and, backward, their
-gradients in the accumulator dtype) for one hop; no token buffer grows. A rank with no tokens
+gradients in the accumulator dtype, written by the hop, not zero-filled) for one hop; none at
+``G = 1``, where the hop runs on the visiting partition in place and adds into the travelling
+gradients as the flat ring does. No token buffer grows. A rank with no tokens
 still exchanges (its peers wait for its partition and its zero gradient share). Expert mode only:
 token partitions batched ``G`` at a time would multiply the token slots by ``G``.
 
