@@ -328,19 +328,30 @@ def _wgrad_tile(
 
 
 @triton.jit
-def _wgrad_one_tile(
-    tile, a_ptr, b_ptr, idx_ptr, offs_ptr, c_ptr, a_desc, b_desc,
-    M, N, stride_a, stride_b, stride_ce, stride_cm, stride_cn,
+def _wgrad_kernel(
+    a_ptr, b_ptr, idx_ptr, offs_ptr, c_ptr,
+    M, N, n_rows,
+    stride_a, stride_b, stride_ce, stride_cm, stride_cn,
     A_GATHER: tl.constexpr, B_GATHER: tl.constexpr, ACCUMULATE: tl.constexpr,
-    IEEE: tl.constexpr, TMA_A: tl.constexpr, TMA_B: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr, TMA_A: tl.constexpr = False, TMA_B: tl.constexpr = False,
+    BLOCK_M: tl.constexpr = 64, BLOCK_N: tl.constexpr = 64, BLOCK_K: tl.constexpr = 32,
 ):  # fmt: skip
-    """Output tile ``tile`` = (expert, M tile, N tile), N tiles fastest."""
+    """c[e] (M, N) (+)= sum_q A[q, :]^T B[q, :]; a gathered operand reads row tok[q], a
+    contiguous one row q - offs[0]. An expert without pairs writes exact zeros (adds nothing).
+
+    The expert's full BLOCK_K blocks of pairs run without a row mask, its last partial block
+    after them with one. ``TMA_A`` / ``TMA_B``: that operand is contiguous (``n_rows`` rows in
+    pair order) and its full blocks come through a tensor descriptor (TMA on sm90); the partial
+    block stays a masked pointer load, so no row of the next expert is ever read. One program an
+    output tile (expert, M tile, N tile), N tiles fastest: a persistent grid of programs walking
+    the tiles measured no faster on H200 with two programs an SM and 1.5-1.8x slower with one
+    (benchmarks/sweep_kernels.py, session 11)."""
+    pid = tl.program_id(0)
     n_tiles_m = tl.cdiv(M, BLOCK_M)
     n_tiles_n = tl.cdiv(N, BLOCK_N)
     per_e = n_tiles_m * n_tiles_n
-    e = tile // per_e
-    r = tile % per_e
+    e = pid // per_e
+    r = pid % per_e
     pid_m = r // n_tiles_n
     pid_n = r % n_tiles_n
     base = tl.load(offs_ptr)
@@ -351,6 +362,14 @@ def _wgrad_one_tile(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = rm < M  # masks, not clamps: the compiler must see rm/rn contiguous
     n_ok = rn < N
+    a_desc = None
+    b_desc = None
+    if TMA_A:
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[n_rows, M], strides=[stride_a, 1],
+                                           block_shape=[BLOCK_K, BLOCK_M])  # fmt: skip
+    if TMA_B:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[n_rows, N], strides=[stride_b, 1],
+                                           block_shape=[BLOCK_K, BLOCK_N])  # fmt: skip
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if TMA_A or TMA_B:
         qs = tl.arange(0, BLOCK_K)
@@ -384,38 +403,6 @@ def _wgrad_one_tile(
     if ACCUMULATE:
         acc += tl.load(cp, mask=mask, other=0.0).to(tl.float32)
     tl.store(cp, acc.to(c_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _wgrad_kernel(
-    a_ptr, b_ptr, idx_ptr, offs_ptr, c_ptr,
-    M, N, n_rows,
-    stride_a, stride_b, stride_ce, stride_cm, stride_cn,
-    A_GATHER: tl.constexpr, B_GATHER: tl.constexpr, ACCUMULATE: tl.constexpr,
-    IEEE: tl.constexpr, TMA_A: tl.constexpr = False, TMA_B: tl.constexpr = False,
-    BLOCK_M: tl.constexpr = 64, BLOCK_N: tl.constexpr = 64, BLOCK_K: tl.constexpr = 32,
-):  # fmt: skip
-    """c[e] (M, N) (+)= sum_q A[q, :]^T B[q, :]; a gathered operand reads row tok[q], a
-    contiguous one row q - offs[0]. An expert without pairs writes exact zeros (adds nothing).
-
-    The expert's full BLOCK_K blocks of pairs run without a row mask, its last partial block
-    after them with one. ``TMA_A`` / ``TMA_B``: that operand is contiguous (``n_rows`` rows in
-    pair order) and its full blocks come through a tensor descriptor (TMA on sm90); the partial
-    block stays a masked pointer load, so no row of the next expert is ever read. One program a
-    tile: a persistent grid of programs walking the tiles measured no faster on H200 with two
-    programs an SM and 1.5-1.8x slower with one (benchmarks/sweep_kernels.py, session 11)."""
-    a_desc = None
-    b_desc = None
-    if TMA_A:
-        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[n_rows, M], strides=[stride_a, 1],
-                                           block_shape=[BLOCK_K, BLOCK_M])  # fmt: skip
-    if TMA_B:
-        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[n_rows, N], strides=[stride_b, 1],
-                                           block_shape=[BLOCK_K, BLOCK_N])  # fmt: skip
-    _wgrad_one_tile(tl.program_id(0), a_ptr, b_ptr, idx_ptr, offs_ptr, c_ptr, a_desc, b_desc,
-                    M, N, stride_a, stride_b, stride_ce, stride_cm, stride_cn,
-                    A_GATHER, B_GATHER, ACCUMULATE, IEEE, TMA_A, TMA_B,
-                    BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -575,18 +562,11 @@ def _tma_operand(t) -> bool:
 
 
 def _tma_weights(w_EMK) -> bool:
-    """Whether ``up_swiglu`` loads ``w13`` through a tensor descriptor: asked for
-    (``RELAYMOE_TMA``, :func:`_tma_mode`), a contiguous weight on a 16-byte aligned base
-    (descriptor strides must be 16-byte multiples). Sets Triton's allocator for the descriptors'
-    scratch on first use."""
-    if not _tma_mode(w_EMK):
+    """Whether ``up_swiglu`` loads ``w13`` through a tensor descriptor over its (El*2I, H) rows:
+    asked for (``RELAYMOE_TMA``), and a contiguous weight whose rows :func:`_tma_operand` takes."""
+    if not _tma_mode(w_EMK) or not w_EMK.is_contiguous():
         return False
-    row_bytes = w_EMK.shape[-1] * w_EMK.element_size()
-    if not w_EMK.is_contiguous() or row_bytes % 16 or w_EMK.data_ptr() % 16:
-        return False
-    if w_EMK.is_cuda:
-        _set_descriptor_allocator()
-    return True
+    return _tma_operand(w_EMK.view(-1, w_EMK.shape[-1]))
 
 
 def _set_descriptor_allocator() -> None:
