@@ -33,8 +33,9 @@ from benchmarks.common import JsonlWriter, bench_ms, environment, print_table  #
 from relaymoe.routing import build_routing_index  # noqa: E402
 
 
-def _cfg(bm, bn, bk, warps, stages) -> dict:
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
+def _cfg(bm, bn, bk, warps, stages, ws=False) -> dict:
+    cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
+    return {**cfg, "WS": True} if ws else cfg
 
 
 # (M tile over the gradient's rows, N tile over its columns, K: pairs a step)
@@ -46,6 +47,13 @@ CONFIGS = [
     _cfg(128, 256, 64, 8, 3),
 ]
 SHORT = CONFIGS[:2]
+# Triton's automatic warp specialisation of the main loop (tl.range(warp_specialize=True); on sm90
+# Triton 3.5+ runs its Hopper pass): loads in producer warps, the MMA in consumer warps
+WS_CONFIGS = [
+    _cfg(128, 128, 64, 8, 5, ws=True),
+    _cfg(128, 128, 64, 4, 4, ws=True),
+    _cfg(128, 256, 64, 8, 3, ws=True),
+]
 
 
 def _err(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -176,6 +184,10 @@ ROW_CONFIGS = {
         _cfg(128, 128, 32, 8, 8),
     ],
 }
+WS_ROW_CONFIGS = {
+    "up_swiglu": [_cfg(128, 128, 64, 8, 4, ws=True), _cfg(128, 128, 64, 4, 3, ws=True)],
+    "down_bwd": [_cfg(128, 256, 64, 8, 3, ws=True), _cfg(128, 128, 64, 8, 4, ws=True)],
+}
 
 
 def sweep_rows(shape: str, configs: dict, *, dims=None, device="cuda", dtype=torch.bfloat16):
@@ -204,7 +216,7 @@ def sweep_rows(shape: str, configs: dict, *, dims=None, device="cuda", dtype=tor
     rows = []
     for kernel, cfgs in configs.items():
         ref = None
-        for cfg in cfgs:
+        for cfg in [ROW_CONFIGS[kernel][0], *cfgs] if cfgs[0].get("WS") else cfgs:
             if kernel == "up_swiglu":
 
                 def fn(c=cfg):
@@ -236,7 +248,9 @@ def sweep_rows(shape: str, configs: dict, *, dims=None, device="cuda", dtype=tor
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="qwen3_30b_a3b_T32k", choices=sorted(SHAPES))
-    ap.add_argument("--configs", default="all", choices=("all", "short"))
+    ap.add_argument("--configs", default="all", choices=("all", "short", "ws"),
+                    help="ws: the warp-specialised configurations (rows: after the first plain "
+                         "one, the reference of err)")  # fmt: skip
     ap.add_argument("--kernels", default="wgrad,rows", help="wgrad, rows (up_swiglu, down_bwd)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -248,9 +262,10 @@ def main(argv=None) -> int:
                          env=env)  # fmt: skip
     rows = []
     if "rows" in args.kernels:
-        rows += sweep_rows(args.shape, ROW_CONFIGS)
+        rows += sweep_rows(args.shape, WS_ROW_CONFIGS if args.configs == "ws" else ROW_CONFIGS)
     if "wgrad" in args.kernels:
-        rows += sweep(args.shape, CONFIGS if args.configs == "all" else SHORT)
+        configs = {"all": CONFIGS, "short": SHORT, "ws": [SHORT[0], *WS_CONFIGS]}[args.configs]
+        rows += sweep(args.shape, configs)
     for r in rows:
         writer.write({"bench": "kernel_sweep", "shape": args.shape, **r})
     print_table(rows, ["kernel", "variant", "config", "ms", "tflops", "err", "error"])

@@ -88,12 +88,13 @@ def _row_gemm_loop(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    WS: tl.constexpr = False,
 ):
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None] * stride_a + ks[None, :]
     b_ptrs = b_ptr + cols[None, :] * stride_bn + ks[:, None] * stride_bk
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.range(0, K, BLOCK_K, warp_specialize=WS):
         if EVEN_K:
             a = tl.load(a_ptrs)
             b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
@@ -117,7 +118,7 @@ def _up_swiglu_kernel(
     stride_xt, stride_we, stride_wn, stride_wk, stride_hp, stride_ap,
     SAVE_H: tl.constexpr, SCALE: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    TMA_W: tl.constexpr = False, SAVE_A: tl.constexpr = True,
+    TMA_W: tl.constexpr = False, SAVE_A: tl.constexpr = True, WS: tl.constexpr = False,
 ):  # fmt: skip
     """h[q] = x[tok[q]] @ w13[e]^T (gate and up tiles together); a = silu(gate) * up (* p).
     ``SAVE_A=False``: h only (the fc1 recompute of the backward, which needs no a).
@@ -149,7 +150,7 @@ def _up_swiglu_kernel(
             w_ptr, shape=[n_experts * 2 * I, H], strides=[H, 1], block_shape=[BLOCK_N, BLOCK_K]
         )
         g_row = (e * 2 * I + pid_n * BLOCK_N).to(tl.int32)
-    for k0 in range(0, H, BLOCK_K):
+    for k0 in tl.range(0, H, BLOCK_K, warp_specialize=WS):
         if EVEN_K:
             xa = tl.load(x_ptrs)
         else:
@@ -194,6 +195,7 @@ def _rows_gemm_kernel(
     stride_ap, stride_be, stride_bk, stride_bn, stride_cp,
     A_GATHER: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    WS: tl.constexpr = False,
 ):  # fmt: skip
     """c[q] = A[q] @ B[e] for the range's pairs (B[e] is (K, N) through strides). A's row is
     ``tok[q]`` when ``A_GATHER`` (a (T, K) operand read through the index), else ``q - offs[0]``."""
@@ -212,7 +214,7 @@ def _rows_gemm_kernel(
     col_ok = cols < N
     acc = _row_gemm_loop(
         a_rows, a_ptr, stride_ap, b_ptr + e.to(tl.int64) * stride_be, stride_bk, stride_bn,
-        cols, col_ok, K, IEEE, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
+        cols, col_ok, K, IEEE, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, WS,
     )  # fmt: skip
     cp = c_ptr + lrows[:, None] * stride_cp + cols[None, :]
     tl.store(cp, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
@@ -335,6 +337,7 @@ def _wgrad_kernel(
     A_GATHER: tl.constexpr, B_GATHER: tl.constexpr, ACCUMULATE: tl.constexpr,
     IEEE: tl.constexpr, TMA_A: tl.constexpr = False, TMA_B: tl.constexpr = False,
     BLOCK_M: tl.constexpr = 64, BLOCK_N: tl.constexpr = 64, BLOCK_K: tl.constexpr = 32,
+    WS: tl.constexpr = False,
 ):  # fmt: skip
     """c[e] (M, N) (+)= sum_q A[q, :]^T B[q, :]; a gathered operand reads row tok[q], a
     contiguous one row q - offs[0]. An expert without pairs writes exact zeros (adds nothing).
@@ -373,7 +376,7 @@ def _wgrad_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if TMA_A or TMA_B:
         qs = tl.arange(0, BLOCK_K)
-        for q0 in range(lo, q_full, BLOCK_K):
+        for q0 in tl.range(lo, q_full, BLOCK_K, warp_specialize=WS):
             row = (q0 - base).to(tl.int32)
             if A_GATHER or B_GATHER:
                 tok = tl.load(idx_ptr + q0 + qs).to(tl.int64)
@@ -391,7 +394,7 @@ def _wgrad_kernel(
                              other=0.0)  # fmt: skip
             acc = _mma(tl.trans(at), bt, acc, IEEE)
     else:
-        for q0 in range(lo, q_full, BLOCK_K):
+        for q0 in tl.range(lo, q_full, BLOCK_K, warp_specialize=WS):
             acc = _wgrad_tile(acc, q0, None, a_ptr, b_ptr, idx_ptr, base, rm, rn, m_ok, n_ok,
                               stride_a, stride_b, A_GATHER, B_GATHER, IEEE, False, BLOCK_K)  # fmt: skip
     if q_full < hi:
@@ -517,7 +520,7 @@ def _pick(tuned, raw, config, kdim, name: str, key: dict, dtype):
                       "num_stages": first.num_stages}  # fmt: skip
     cfg = dict(_INTERP_CFG if config is None else config)
     meta = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
-    for k in ("num_warps", "num_stages"):
+    for k in ("num_warps", "num_stages", "WS"):
         if k in cfg:
             meta[k] = cfg[k]
     if kdim is not None:
