@@ -33,8 +33,10 @@ from benchmarks.common import JsonlWriter, bench_ms, environment, print_table  #
 from relaymoe.routing import build_routing_index  # noqa: E402
 
 
-def _cfg(bm, bn, bk, warps, stages, ws=False) -> dict:
+def _cfg(bm, bn, bk, warps, stages, ws=False, persist=0) -> dict:
     cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
+    if persist:
+        cfg["PERSIST"] = persist
     return {**cfg, "WS": True} if ws else cfg
 
 
@@ -184,6 +186,13 @@ ROW_CONFIGS = {
         _cfg(128, 128, 32, 8, 8),
     ],
 }
+# persistent wgrad grids (PERSIST programs an SM) whose tile loop is flattened into the pair loop
+PERSIST_CONFIGS = [
+    _cfg(128, 128, 64, 8, 5, persist=1),
+    _cfg(128, 128, 64, 8, 4, persist=1),
+    _cfg(128, 128, 64, 8, 3, persist=2),
+    _cfg(128, 256, 64, 8, 3, persist=1),
+]
 WS_ROW_CONFIGS = {
     "up_swiglu": [_cfg(128, 128, 64, 8, 4, ws=True), _cfg(128, 128, 64, 4, 3, ws=True)],
     "down_bwd": [_cfg(128, 256, 64, 8, 3, ws=True), _cfg(128, 128, 64, 8, 4, ws=True)],
@@ -248,7 +257,7 @@ def sweep_rows(shape: str, configs: dict, *, dims=None, device="cuda", dtype=tor
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="qwen3_30b_a3b_T32k", choices=sorted(SHAPES))
-    ap.add_argument("--configs", default="all", choices=("all", "short", "ws"),
+    ap.add_argument("--configs", default="all", choices=("all", "short", "ws", "persist"),
                     help="ws: the warp-specialised configurations (rows: after the first plain "
                          "one, the reference of err)")  # fmt: skip
     ap.add_argument("--kernels", default="wgrad,rows", help="wgrad, rows (up_swiglu, down_bwd)")
@@ -261,10 +270,11 @@ def main(argv=None) -> int:
     writer = JsonlWriter(args.out or f"benchmarks/results/kernel_sweep_{env['date']}.jsonl",
                          env=env)  # fmt: skip
     rows = []
-    if "rows" in args.kernels:
+    if "rows" in args.kernels and args.configs != "persist":
         rows += sweep_rows(args.shape, WS_ROW_CONFIGS if args.configs == "ws" else ROW_CONFIGS)
     if "wgrad" in args.kernels:
-        configs = {"all": CONFIGS, "short": SHORT, "ws": [SHORT[0], *WS_CONFIGS]}[args.configs]
+        configs = {"all": CONFIGS, "short": SHORT, "ws": [SHORT[0], *WS_CONFIGS],
+                   "persist": [SHORT[0], *PERSIST_CONFIGS]}[args.configs]  # fmt: skip
         rows += sweep(args.shape, configs)
     for r in rows:
         writer.write({"bench": "kernel_sweep", "shape": args.shape, **r})

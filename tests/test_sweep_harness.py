@@ -23,6 +23,7 @@ def test_sweep_rows_cover_every_variant_and_agree(monkeypatch):
         {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 2},
         {"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2},
         {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "num_warps": 4, "num_stages": 2, "WS": True},
+        {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "PERSIST": 1},
     ]
     rows = sweep_kernels.sweep("tiny", cfgs, dims=(37, 5, 2, 384, 24), device="cpu",
                                dtype=torch.float32)  # fmt: skip

@@ -330,31 +330,19 @@ def _wgrad_tile(
 
 
 @triton.jit
-def _wgrad_kernel(
-    a_ptr, b_ptr, idx_ptr, offs_ptr, c_ptr,
-    M, N, n_rows,
-    stride_a, stride_b, stride_ce, stride_cm, stride_cn,
+def _wgrad_out_tile(
+    tile, a_ptr, b_ptr, idx_ptr, offs_ptr, c_ptr, a_desc, b_desc,
+    M, N, stride_a, stride_b, stride_ce, stride_cm, stride_cn,
     A_GATHER: tl.constexpr, B_GATHER: tl.constexpr, ACCUMULATE: tl.constexpr,
-    IEEE: tl.constexpr, TMA_A: tl.constexpr = False, TMA_B: tl.constexpr = False,
-    BLOCK_M: tl.constexpr = 64, BLOCK_N: tl.constexpr = 64, BLOCK_K: tl.constexpr = 32,
-    WS: tl.constexpr = False,
+    IEEE: tl.constexpr, TMA_A: tl.constexpr, TMA_B: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WS: tl.constexpr,
 ):  # fmt: skip
-    """c[e] (M, N) (+)= sum_q A[q, :]^T B[q, :]; a gathered operand reads row tok[q], a
-    contiguous one row q - offs[0]. An expert without pairs writes exact zeros (adds nothing).
-
-    The expert's full BLOCK_K blocks of pairs run without a row mask, its last partial block
-    after them with one. ``TMA_A`` / ``TMA_B``: that operand is contiguous (``n_rows`` rows in
-    pair order) and its full blocks come through a tensor descriptor (TMA on sm90); the partial
-    block stays a masked pointer load, so no row of the next expert is ever read. One program an
-    output tile (expert, M tile, N tile), N tiles fastest: a persistent grid of programs walking
-    the tiles measured no faster on H200 with two programs an SM and 1.5-1.8x slower with one
-    (benchmarks/sweep_kernels.py, session 11)."""
-    pid = tl.program_id(0)
+    """Output tile ``tile`` = (expert, M tile, N tile), N tiles fastest."""
     n_tiles_m = tl.cdiv(M, BLOCK_M)
     n_tiles_n = tl.cdiv(N, BLOCK_N)
     per_e = n_tiles_m * n_tiles_n
-    e = pid // per_e
-    r = pid % per_e
+    e = tile // per_e
+    r = tile % per_e
     pid_m = r // n_tiles_n
     pid_n = r % n_tiles_n
     base = tl.load(offs_ptr)
@@ -365,14 +353,6 @@ def _wgrad_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = rm < M  # masks, not clamps: the compiler must see rm/rn contiguous
     n_ok = rn < N
-    a_desc = None
-    b_desc = None
-    if TMA_A:
-        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[n_rows, M], strides=[stride_a, 1],
-                                           block_shape=[BLOCK_K, BLOCK_M])  # fmt: skip
-    if TMA_B:
-        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[n_rows, N], strides=[stride_b, 1],
-                                           block_shape=[BLOCK_K, BLOCK_N])  # fmt: skip
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if TMA_A or TMA_B:
         qs = tl.arange(0, BLOCK_K)
@@ -406,6 +386,49 @@ def _wgrad_kernel(
     if ACCUMULATE:
         acc += tl.load(cp, mask=mask, other=0.0).to(tl.float32)
     tl.store(cp, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _wgrad_kernel(
+    a_ptr, b_ptr, idx_ptr, offs_ptr, c_ptr,
+    M, N, n_rows, n_experts,
+    stride_a, stride_b, stride_ce, stride_cm, stride_cn,
+    A_GATHER: tl.constexpr, B_GATHER: tl.constexpr, ACCUMULATE: tl.constexpr,
+    IEEE: tl.constexpr, TMA_A: tl.constexpr = False, TMA_B: tl.constexpr = False,
+    BLOCK_M: tl.constexpr = 64, BLOCK_N: tl.constexpr = 64, BLOCK_K: tl.constexpr = 32,
+    WS: tl.constexpr = False, PERSIST: tl.constexpr = False,
+):  # fmt: skip
+    """c[e] (M, N) (+)= sum_q A[q, :]^T B[q, :]; a gathered operand reads row tok[q], a
+    contiguous one row q - offs[0]. An expert without pairs writes exact zeros (adds nothing).
+
+    The expert's full BLOCK_K blocks of pairs run without a row mask, its last partial block
+    after them with one. ``TMA_A`` / ``TMA_B``: that operand is contiguous (``n_rows`` rows in
+    pair order) and its full blocks come through a tensor descriptor (TMA on sm90); the partial
+    block stays a masked pointer load, so no row of the next expert is ever read.
+
+    One program an output tile, or with ``PERSIST`` a grid of programs that each walk the tiles
+    ``pid, pid + programs, ...`` in one flattened loop (the pipeline then loads the next tile's
+    first blocks during this tile's store)."""
+    a_desc = None
+    b_desc = None
+    if TMA_A:
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[n_rows, M], strides=[stride_a, 1],
+                                           block_shape=[BLOCK_K, BLOCK_M])  # fmt: skip
+    if TMA_B:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[n_rows, N], strides=[stride_b, 1],
+                                           block_shape=[BLOCK_K, BLOCK_N])  # fmt: skip
+    if PERSIST:
+        n_tiles = n_experts * tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+        for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), flatten=True):
+            _wgrad_out_tile(tile, a_ptr, b_ptr, idx_ptr, offs_ptr, c_ptr, a_desc, b_desc,
+                            M, N, stride_a, stride_b, stride_ce, stride_cm, stride_cn,
+                            A_GATHER, B_GATHER, ACCUMULATE, IEEE, TMA_A, TMA_B,
+                            BLOCK_M, BLOCK_N, BLOCK_K, WS)  # fmt: skip
+    else:
+        _wgrad_out_tile(tl.program_id(0), a_ptr, b_ptr, idx_ptr, offs_ptr, c_ptr, a_desc, b_desc,
+                        M, N, stride_a, stride_b, stride_ce, stride_cm, stride_cn,
+                        A_GATHER, B_GATHER, ACCUMULATE, IEEE, TMA_A, TMA_B,
+                        BLOCK_M, BLOCK_N, BLOCK_K, WS)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -520,7 +543,7 @@ def _pick(tuned, raw, config, kdim, name: str, key: dict, dtype):
                       "num_stages": first.num_stages}  # fmt: skip
     cfg = dict(_INTERP_CFG if config is None else config)
     meta = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
-    for k in ("num_warps", "num_stages", "WS"):
+    for k in ("num_warps", "num_stages", "WS", "PERSIST"):
         if k in cfg:
             meta[k] = cfg[k]
     if kdim is not None:
@@ -599,6 +622,13 @@ except ImportError:  # pragma: no cover - a Triton that moved it
 
 def _triton_allocator():
     return None if _TRITON_ALLOCATOR is None else _TRITON_ALLOCATOR.get()
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 2  # the interpreter: a few programs, each walking several tiles
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _block_e(n_experts: int) -> int:
@@ -744,13 +774,17 @@ def wgrad(a, b, idx_P, offs, c_EMN, *, a_gather: bool, b_gather: bool, accumulat
     tma_a = not a_gather and _tma_operand(a)
     tma_b = not b_gather and _tma_operand(b)
     n_rows = b.shape[0] if a_gather else a.shape[0]
+    per_sm = meta.pop("PERSIST", 0)  # programs an SM (a configuration key; 0: one a tile)
+    if per_sm:
+        meta["PERSIST"] = True
 
     def grid(meta_):
-        return (n_experts * triton.cdiv(m, meta_["BLOCK_M"]) * triton.cdiv(n, meta_["BLOCK_N"]),)
+        tiles = n_experts * triton.cdiv(m, meta_["BLOCK_M"]) * triton.cdiv(n, meta_["BLOCK_N"])
+        return (min(tiles, per_sm * _sm_count(c_EMN.device)),) if per_sm else (tiles,)
 
     kernel[grid](
         a, b, idx_P, offs, c_EMN,
-        m, n, n_rows,
+        m, n, n_rows, n_experts,
         a.stride(0), b.stride(0), c_EMN.stride(0), c_EMN.stride(1), c_EMN.stride(2),
         A_GATHER=a_gather, B_GATHER=b_gather, ACCUMULATE=accumulate, IEEE=_ieee(a),
         TMA_A=tma_a, TMA_B=tma_b, **meta,
