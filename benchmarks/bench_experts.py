@@ -29,7 +29,7 @@ Triton cache is an empty folder, with the default ``RELAYMOE_AUTOTUNE=shipped``,
 full search: minutes on a cold cache).
 
     PYTHONPATH=. python3 benchmarks/bench_experts.py [--quick] [--out PATH.jsonl] [--breakdown]
-        [--first-call [shipped|both]]
+        [--first-call [shipped|both]] [--profile]
 """
 
 from __future__ import annotations
@@ -298,6 +298,46 @@ def breakdown(shape: str) -> list[dict]:
     return rows
 
 
+def profile_step(shape: str, recompute: str = "act", steps: int = 5) -> tuple[list[dict], dict]:
+    """torch.profiler over ``steps`` relaymoe fwd+bwd steps at ``shape``: GPU time per step by
+    kernel name (rows), and the step's wall time against the sum of its kernels' times (the
+    rest is launch gaps and host waits)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    inputs = make_inputs(*SHAPES[shape])
+    fn = relaymoe_fn(recompute)
+    dy = torch.randn_like(inputs[0])
+
+    def step():
+        fn(*inputs).backward(dy)
+        _clear_grads(inputs)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    per_name: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            per_name.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
+    rows = sorted(({"kernel": k[:90], "calls_per_step": len(v) / steps,
+                    "us_per_step": round(sum(v) / steps, 1)} for k, v in per_name.items()),
+                  key=lambda r: -r["us_per_step"])  # fmt: skip
+    busy_ms = sum(r["us_per_step"] for r in rows) / 1e3
+    summary = {"wall_ms": round(wall_ms, 3), "kernels_ms": round(busy_ms, 3),
+               "gap_ms": round(wall_ms - busy_ms, 3)}  # fmt: skip
+    return rows, summary
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="qwen3 T32k only, shorter timing")
@@ -313,6 +353,12 @@ def main(argv=None) -> int:
         "loads; _rowscopy: RELAYMOE_ROWS_GATHER=copy)",
     )
     ap.add_argument("--breakdown", action="store_true", help="time each kernel of the first shape")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="torch.profiler over relaymoe act steps of the first shape: GPU time by kernel, "
+        "and the gap to the step's wall time (rows experts_profile)",
+    )
     ap.add_argument(
         "--first-call",
         nargs="?",
@@ -407,6 +453,13 @@ def main(argv=None) -> int:
             if r["provider"].startswith("relaymoe") and comp:
                 print(f"{shape} {r['variant']}: {min(comp) / r['ms_fwd_bwd']:.2f}x the faster "
                       f"competitor ({min(comp):.2f} ms)", flush=True)  # fmt: skip
+        if args.profile and n_shape == 0:
+            prof_rows, summary = profile_step(shape)
+            for r in prof_rows:
+                writer.write({"bench": "experts_profile", "shape": shape, **r})
+            writer.write({"bench": "experts_profile_step", "shape": shape, **summary})
+            print_table(prof_rows[:40], ["kernel", "calls_per_step", "us_per_step"])
+            print(f"[bench_experts] {shape} profile: {summary}", flush=True)
         if args.breakdown and n_shape == 0:
             bd = breakdown(shape)
             for r in bd:
