@@ -171,7 +171,13 @@ def _clear_grads(inputs):
             t.grad = None
 
 
-def measure(fn, inputs, flops, quick: bool) -> dict:
+def measure(fn, inputs, flops, quick: bool, accumulate_grads: bool = False) -> dict:
+    """Times, saved activations and peak of ``fn``'s forward+backward. Each timed step starts
+    with the leaves' gradients cleared (as bench_loss and bench_ring do, and triton's
+    ``grad_to_none``): a training step's first micro-batch, no add into existing ``.grad``.
+    ``accumulate_grads``: keep them, so every step after the first also adds each gradient into
+    ``.grad`` (an extra read-modify-write of dx, dw13, dw2, dprobs: how rows before session 12
+    were measured)."""
     x = inputs[0]
     for _ in range(2):  # compile + autotune outside the timed region
         fn(*inputs).backward(torch.randn_like(x))
@@ -192,6 +198,8 @@ def measure(fn, inputs, flops, quick: bool) -> dict:
     _clear_grads(inputs)
 
     def step():
+        if not accumulate_grads:
+            _clear_grads(inputs)
         fn(*inputs).backward(dy)
 
     rep = 100 if quick else 300
@@ -200,6 +208,7 @@ def measure(fn, inputs, flops, quick: bool) -> dict:
         ms_fwd = bench_ms(lambda: fn(*inputs), warmup_ms=25, rep_ms=rep)
     _clear_grads(inputs)
     return {
+        "grads": "accumulated" if accumulate_grads else "cleared",
         "ms_fwd_bwd": round(ms, 3),
         "ms_fwd": round(ms_fwd, 3),
         "tflops_fwd_bwd": round(flops / ms / 1e9, 1),
@@ -301,7 +310,7 @@ def breakdown(shape: str) -> list[dict]:
 def profile_step(shape: str, recompute: str = "act", steps: int = 5) -> tuple[list[dict], dict]:
     """torch.profiler over ``steps`` relaymoe fwd+bwd steps at ``shape``: GPU time per step by
     kernel name (rows), and the step's wall time against the sum of its kernels' times (the
-    rest is launch gaps and host waits)."""
+    rest is launch gaps and host waits), with one step's host syncs by where they happen."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -315,6 +324,10 @@ def profile_step(shape: str, recompute: str = "act", steps: int = 5) -> tuple[li
 
     for _ in range(3):
         step()
+    torch.cuda.synchronize()
+    from benchmarks.profile_ring import host_syncs
+
+    syncs = host_syncs(step)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(steps):
@@ -334,7 +347,7 @@ def profile_step(shape: str, recompute: str = "act", steps: int = 5) -> tuple[li
                   key=lambda r: -r["us_per_step"])  # fmt: skip
     busy_ms = sum(r["us_per_step"] for r in rows) / 1e3
     summary = {"wall_ms": round(wall_ms, 3), "kernels_ms": round(busy_ms, 3),
-               "gap_ms": round(wall_ms - busy_ms, 3)}  # fmt: skip
+               "gap_ms": round(wall_ms - busy_ms, 3), "host_syncs": syncs}  # fmt: skip
     return rows, summary
 
 
@@ -353,6 +366,12 @@ def main(argv=None) -> int:
         "loads; _rowscopy: RELAYMOE_ROWS_GATHER=copy)",
     )
     ap.add_argument("--breakdown", action="store_true", help="time each kernel of the first shape")
+    ap.add_argument(
+        "--accumulate-grads",
+        action="store_true",
+        help="time steps that add into the previous step's .grad (the rows before session 12); "
+        "default: gradients cleared before each step",
+    )
     ap.add_argument(
         "--profile",
         action="store_true",
@@ -421,7 +440,7 @@ def main(argv=None) -> int:
             if fn is None:
                 continue
             try:
-                r = measure(fn, inputs, flops, args.quick)
+                r = measure(fn, inputs, flops, args.quick, args.accumulate_grads)
             except Exception as exc:  # keep the other providers' rows
                 print(f"[bench_experts] {key} {shape} failed: {exc!r}", flush=True)
                 torch.cuda.empty_cache()

@@ -1,7 +1,7 @@
 """Each weight-gradient variant of one expert layer timed alone, per tile configuration (#15).
 
 ``--kernels rows`` also times up_swiglu and the gathered-dy ``rows_gemm`` per configuration
-(``ROW_CONFIGS``).
+(``ROW_CONFIGS``), ``--kernels combine`` the deterministic combine (``COMBINE_CONFIGS``).
 
 At one shape (default qwen3 T32k, bf16, one GPU) it times, with the buffers the hop backward uses:
 - the Triton wgrad kernel (``dw2``: dy gathered, p*a contiguous; ``dw13``: dh contiguous, x
@@ -254,13 +254,58 @@ def sweep_rows(shape: str, configs: dict, *, dims=None, device="cuda", dtype=tor
     return rows
 
 
+# combine (BLOCK_T tokens, BLOCK_N columns, warps): the first is the launcher's default
+COMBINE_CONFIGS = [
+    (16, 256, 4), (32, 256, 4), (32, 256, 8), (64, 128, 8), (16, 512, 8), (8, 512, 4),
+]  # fmt: skip
+
+
+def sweep_combine(shape: str, configs: list, *, dims=None, device="cuda", dtype=torch.bfloat16):
+    """The deterministic combine of one (P, H/2) column chunk (what the down projection and the
+    dgrad reduce per chunk at the default pair-buffer budget) per configuration; ``err``
+    against the first configuration's result, ``gbps`` = bytes of y read and out written."""
+    from relaymoe.kernels import grouped
+
+    num_tokens, num_experts, topk, hidden, _ = dims or SHAPES[shape]
+    gen = torch.Generator(device=device).manual_seed(0)
+    logits = torch.randn(num_tokens, num_experts, device=device, generator=gen)
+    idx = torch.topk(logits, topk, dim=-1).indices.to(torch.int32)
+    index = build_routing_index(idx, num_experts, validate=False)
+    offs = index.offsets_for(0, num_experts)
+    n_pairs, ncols = num_tokens * topk, max(1, hidden // 2)
+    y = torch.randn(n_pairs, ncols, device=device, generator=gen).to(dtype)
+    out = torch.empty(num_tokens, ncols, device=device, dtype=dtype)
+    nbytes = (n_pairs + num_tokens) * ncols * y.element_size()
+    rows, ref = [], None
+    for cfg in configs:
+
+        def fn(c=cfg):
+            grouped.combine(y, index.token_index_map, offs, out, topk, accumulate=False, config=c)
+
+        row = {"kernel": "combine", "variant": "triton", "config": list(cfg)}
+        try:
+            out.fill_(float("nan"))
+            fn()
+            if ref is None:
+                ref = out.float().clone()
+            row["err"] = _err(out, ref)
+            ms = bench_ms(fn, warmup_ms=25, rep_ms=100)
+            row.update(ms=round(ms, 3), gbps=round(nbytes / ms / 1e6, 1))
+        except Exception as exc:
+            row["error"] = repr(exc)[:300]
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="qwen3_30b_a3b_T32k", choices=sorted(SHAPES))
     ap.add_argument("--configs", default="all", choices=("all", "short", "ws", "persist"),
                     help="ws: the warp-specialised configurations (rows: after the first plain "
                          "one, the reference of err)")  # fmt: skip
-    ap.add_argument("--kernels", default="wgrad,rows", help="wgrad, rows (up_swiglu, down_bwd)")
+    ap.add_argument("--kernels", default="wgrad,rows",
+                    help="wgrad, rows (up_swiglu, down_bwd), combine")  # fmt: skip
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -272,13 +317,15 @@ def main(argv=None) -> int:
     rows = []
     if "rows" in args.kernels and args.configs != "persist":
         rows += sweep_rows(args.shape, WS_ROW_CONFIGS if args.configs == "ws" else ROW_CONFIGS)
+    if "combine" in args.kernels:
+        rows += sweep_combine(args.shape, COMBINE_CONFIGS)
     if "wgrad" in args.kernels:
         configs = {"all": CONFIGS, "short": SHORT, "ws": [SHORT[0], *WS_CONFIGS],
                    "persist": [SHORT[0], *PERSIST_CONFIGS]}[args.configs]  # fmt: skip
         rows += sweep(args.shape, configs)
     for r in rows:
         writer.write({"bench": "kernel_sweep", "shape": args.shape, **r})
-    print_table(rows, ["kernel", "variant", "config", "ms", "tflops", "err", "error"])
+    print_table(rows, ["kernel", "variant", "config", "ms", "tflops", "gbps", "err", "error"])
     return 0
 
 

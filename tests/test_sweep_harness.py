@@ -62,3 +62,12 @@ def test_row_sweep_runs_every_configuration(monkeypatch):
                                     dtype=torch.float32)  # fmt: skip
     assert [r["kernel"] for r in rows] == ["up_swiglu"] * 3 + ["down_bwd"] * 3
     assert all("error" not in r and r["err"] < 1e-5 for r in rows), rows
+
+
+def test_combine_sweep_runs_every_configuration(monkeypatch):
+    monkeypatch.setattr(sweep_kernels, "bench_ms", lambda fn, **_: (fn(), 1.0)[1])
+    cfgs = [(16, 16, 4), (8, 32, 4), (32, 16, 4)]
+    rows = sweep_kernels.sweep_combine("tiny", cfgs, dims=(37, 5, 3, 96, 24), device="cpu",
+                                       dtype=torch.float32)  # fmt: skip
+    assert [r["config"] for r in rows] == [list(c) for c in cfgs]
+    assert all("error" not in r and r["err"] < 1e-6 for r in rows), rows

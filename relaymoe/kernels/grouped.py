@@ -791,13 +791,16 @@ def wgrad(a, b, idx_P, offs, c_EMN, *, a_gather: bool, b_gather: bool, accumulat
     )  # fmt: skip
 
 
-def combine(y_PN, token_index_map, offs, out_TN, topk: int, *, accumulate: bool):
-    """out[t] (+)= sum_k y[map[t*K+k] - offs[0]] over pairs inside the range; deterministic."""
+def combine(y_PN, token_index_map, offs, out_TN, topk: int, *, accumulate: bool, config=None):
+    """out[t] (+)= sum_k y[map[t*K+k] - offs[0]] over pairs inside the range; deterministic.
+    ``config``: (BLOCK_T, BLOCK_N, num_warps), for sweeps."""
     num_tokens, ncols = out_TN.shape
     if num_tokens == 0 or ncols == 0:
         return
     n_experts = offs.shape[0] - 1
-    if interpret_mode():
+    if config is not None:
+        bt, bn, warps = config
+    elif interpret_mode():
         bt, bn, warps = 16, 16, 4
     else:
         bt, bn, warps = 16, min(256, triton.next_power_of_2(ncols)), 4
