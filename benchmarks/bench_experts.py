@@ -307,10 +307,13 @@ def breakdown(shape: str) -> list[dict]:
     return rows
 
 
-def profile_step(shape: str, recompute: str = "act", steps: int = 5) -> tuple[list[dict], dict]:
+def profile_step(
+    shape: str, recompute: str = "act", steps: int = 5, print_host: bool = True
+) -> tuple[list[dict], dict]:
     """torch.profiler over ``steps`` relaymoe fwd+bwd steps at ``shape``: GPU time per step by
     kernel name (rows), and the step's wall time against the sum of its kernels' times (the
-    rest is launch gaps and host waits), with one step's host syncs by where they happen."""
+    rest is launch gaps and host waits), the host's time to issue a step, one step's host syncs
+    by where they happen; ``print_host`` prints the host's time by function (cProfile)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -330,10 +333,24 @@ def profile_step(shape: str, recompute: str = "act", steps: int = 5) -> tuple[li
     syncs = host_syncs(step)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
+    host = 0.0
     for _ in range(steps):
+        h0 = time.perf_counter()
         step()
+        host += time.perf_counter() - h0  # host time to issue a step (the GPU may lag behind)
     torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+    if print_host:  # where the host's time goes, by Python function
+        import cProfile
+        import pstats
+
+        cp = cProfile.Profile()
+        cp.enable()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        cp.disable()
+        pstats.Stats(cp).sort_stats("tottime").print_stats(25)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
@@ -346,7 +363,8 @@ def profile_step(shape: str, recompute: str = "act", steps: int = 5) -> tuple[li
                     "us_per_step": round(sum(v) / steps, 1)} for k, v in per_name.items()),
                   key=lambda r: -r["us_per_step"])  # fmt: skip
     busy_ms = sum(r["us_per_step"] for r in rows) / 1e3
-    summary = {"wall_ms": round(wall_ms, 3), "kernels_ms": round(busy_ms, 3),
+    summary = {"wall_ms": round(wall_ms, 3), "host_ms": round(host * 1e3 / steps, 3),
+               "kernels_ms": round(busy_ms, 3),
                "gap_ms": round(wall_ms - busy_ms, 3), "host_syncs": syncs}  # fmt: skip
     return rows, summary
 

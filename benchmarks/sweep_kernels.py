@@ -254,9 +254,10 @@ def sweep_rows(shape: str, configs: dict, *, dims=None, device="cuda", dtype=tor
     return rows
 
 
-# combine (BLOCK_T tokens, BLOCK_N columns, warps): the first is the launcher's default
+# combine (BLOCK_T tokens, BLOCK_N columns, warps): the first is the launcher's default (session
+# 12: 32 x 256 with 8 warps, 0.167 ms against 0.198 for 16 x 256 with 4 warps, the old default)
 COMBINE_CONFIGS = [
-    (16, 256, 4), (32, 256, 4), (32, 256, 8), (64, 128, 8), (16, 512, 8), (8, 512, 4),
+    (32, 256, 8), (16, 256, 4), (32, 256, 4), (64, 128, 8), (16, 512, 8), (8, 512, 4),
 ]  # fmt: skip
 
 

@@ -802,8 +802,8 @@ def combine(y_PN, token_index_map, offs, out_TN, topk: int, *, accumulate: bool,
         bt, bn, warps = config
     elif interpret_mode():
         bt, bn, warps = 16, 16, 4
-    else:
-        bt, bn, warps = 16, min(256, triton.next_power_of_2(ncols)), 4
+    else:  # H200, qwen3 T32k, a (P, 1024) chunk: 3.6 TB/s against 3.1 with 16 tokens, 4 warps
+        bt, bn, warps = 32, min(256, triton.next_power_of_2(ncols)), 8
     grid = (triton.cdiv(num_tokens, bt), triton.cdiv(ncols, bn))
     _combine_kernel[grid](
         y_PN, token_index_map, offs, out_TN,
