@@ -356,16 +356,25 @@ def profile_step(
             step()
         torch.cuda.synchronize()
     per_name: dict[str, list[float]] = {}
-    for e in prof.events():
-        if e.device_type == DeviceType.CUDA:
-            per_name.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == DeviceType.CUDA)  # fmt: skip
+    for a, b, name in spans:
+        per_name.setdefault(name, []).append(b - a)
+    # the GPU's idle time between consecutive kernels, summed by the pair of kernels around it
+    idle: dict[str, float] = {}
+    for (_, b0, n0), (a1, _, n1) in zip(spans, spans[1:], strict=False):
+        if a1 > b0:
+            key = f"{n0[:40]} -> {n1[:40]}"
+            idle[key] = idle.get(key, 0.0) + (a1 - b0) / steps
     rows = sorted(({"kernel": k[:90], "calls_per_step": len(v) / steps,
                     "us_per_step": round(sum(v) / steps, 1)} for k, v in per_name.items()),
                   key=lambda r: -r["us_per_step"])  # fmt: skip
     busy_ms = sum(r["us_per_step"] for r in rows) / 1e3
     summary = {"wall_ms": round(wall_ms, 3), "host_ms": round(host * 1e3 / steps, 3),
                "kernels_ms": round(busy_ms, 3),
-               "gap_ms": round(wall_ms - busy_ms, 3), "host_syncs": syncs}  # fmt: skip
+               "gap_ms": round(wall_ms - busy_ms, 3), "host_syncs": syncs,
+               "idle_us_per_step": {k: round(v, 1) for k, v in
+                                    sorted(idle.items(), key=lambda kv: -kv[1])[:12]}}  # fmt: skip
     return rows, summary
 
 
