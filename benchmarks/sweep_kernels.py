@@ -33,11 +33,8 @@ from benchmarks.common import JsonlWriter, bench_ms, environment, print_table  #
 from relaymoe.routing import build_routing_index  # noqa: E402
 
 
-def _cfg(bm, bn, bk, warps, stages, ws=False, persist=0) -> dict:
-    cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
-    if persist:
-        cfg["PERSIST"] = persist
-    return {**cfg, "WS": True} if ws else cfg
+def _cfg(bm, bn, bk, warps, stages) -> dict:
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
 
 
 # (M tile over the gradient's rows, N tile over its columns, K: pairs a step)
@@ -49,13 +46,6 @@ CONFIGS = [
     _cfg(128, 256, 64, 8, 3),
 ]
 SHORT = CONFIGS[:2]
-# Triton's automatic warp specialisation of the main loop (tl.range(warp_specialize=True); on sm90
-# Triton 3.5+ runs its Hopper pass): loads in producer warps, the MMA in consumer warps
-WS_CONFIGS = [
-    _cfg(128, 128, 64, 8, 5, ws=True),
-    _cfg(128, 128, 64, 4, 4, ws=True),
-    _cfg(128, 256, 64, 8, 3, ws=True),
-]
 
 
 def _err(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -186,17 +176,6 @@ ROW_CONFIGS = {
         _cfg(128, 128, 32, 8, 8),
     ],
 }
-# persistent wgrad grids (PERSIST programs an SM) whose tile loop is flattened into the pair loop
-PERSIST_CONFIGS = [
-    _cfg(128, 128, 64, 8, 5, persist=1),
-    _cfg(128, 128, 64, 8, 4, persist=1),
-    _cfg(128, 128, 64, 8, 3, persist=2),
-    _cfg(128, 256, 64, 8, 3, persist=1),
-]
-WS_ROW_CONFIGS = {
-    "up_swiglu": [_cfg(128, 128, 64, 8, 4, ws=True), _cfg(128, 128, 64, 4, 3, ws=True)],
-    "down_bwd": [_cfg(128, 256, 64, 8, 3, ws=True), _cfg(128, 128, 64, 8, 4, ws=True)],
-}
 
 
 def sweep_rows(shape: str, configs: dict, *, dims=None, device="cuda", dtype=torch.bfloat16):
@@ -225,7 +204,7 @@ def sweep_rows(shape: str, configs: dict, *, dims=None, device="cuda", dtype=tor
     rows = []
     for kernel, cfgs in configs.items():
         ref = None
-        for cfg in [ROW_CONFIGS[kernel][0], *cfgs] if cfgs[0].get("WS") else cfgs:
+        for cfg in cfgs:
             if kernel == "up_swiglu":
 
                 def fn(c=cfg):
@@ -302,9 +281,7 @@ def sweep_combine(shape: str, configs: list, *, dims=None, device="cuda", dtype=
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="qwen3_30b_a3b_T32k", choices=sorted(SHAPES))
-    ap.add_argument("--configs", default="all", choices=("all", "short", "ws", "persist"),
-                    help="ws: the warp-specialised configurations (rows: after the first plain "
-                         "one, the reference of err)")  # fmt: skip
+    ap.add_argument("--configs", default="all", choices=("all", "short"))
     ap.add_argument("--kernels", default="wgrad,rows",
                     help="wgrad, rows (up_swiglu, down_bwd), combine")  # fmt: skip
     ap.add_argument("--out", default=None)
@@ -316,14 +293,12 @@ def main(argv=None) -> int:
     writer = JsonlWriter(args.out or f"benchmarks/results/kernel_sweep_{env['date']}.jsonl",
                          env=env)  # fmt: skip
     rows = []
-    if "rows" in args.kernels and args.configs != "persist":
-        rows += sweep_rows(args.shape, WS_ROW_CONFIGS if args.configs == "ws" else ROW_CONFIGS)
+    if "rows" in args.kernels:
+        rows += sweep_rows(args.shape, ROW_CONFIGS)
     if "combine" in args.kernels:
         rows += sweep_combine(args.shape, COMBINE_CONFIGS)
     if "wgrad" in args.kernels:
-        configs = {"all": CONFIGS, "short": SHORT, "ws": [SHORT[0], *WS_CONFIGS],
-                   "persist": [SHORT[0], *PERSIST_CONFIGS]}[args.configs]  # fmt: skip
-        rows += sweep(args.shape, configs)
+        rows += sweep(args.shape, CONFIGS if args.configs == "all" else SHORT)
     for r in rows:
         writer.write({"bench": "kernel_sweep", "shape": args.shape, **r})
     print_table(rows, ["kernel", "variant", "config", "ms", "tflops", "gbps", "err", "error"])

@@ -88,13 +88,12 @@ def _row_gemm_loop(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    WS: tl.constexpr = False,
 ):
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None] * stride_a + ks[None, :]
     b_ptrs = b_ptr + cols[None, :] * stride_bn + ks[:, None] * stride_bk
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, warp_specialize=WS):
+    for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs)
             b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
@@ -118,7 +117,7 @@ def _up_swiglu_kernel(
     stride_xt, stride_we, stride_wn, stride_wk, stride_hp, stride_ap,
     SAVE_H: tl.constexpr, SCALE: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    TMA_W: tl.constexpr = False, SAVE_A: tl.constexpr = True, WS: tl.constexpr = False,
+    TMA_W: tl.constexpr = False, SAVE_A: tl.constexpr = True,
 ):  # fmt: skip
     """h[q] = x[tok[q]] @ w13[e]^T (gate and up tiles together); a = silu(gate) * up (* p).
     ``SAVE_A=False``: h only (the fc1 recompute of the backward, which needs no a).
@@ -150,7 +149,7 @@ def _up_swiglu_kernel(
             w_ptr, shape=[n_experts * 2 * I, H], strides=[H, 1], block_shape=[BLOCK_N, BLOCK_K]
         )
         g_row = (e * 2 * I + pid_n * BLOCK_N).to(tl.int32)
-    for k0 in tl.range(0, H, BLOCK_K, warp_specialize=WS):
+    for k0 in range(0, H, BLOCK_K):
         if EVEN_K:
             xa = tl.load(x_ptrs)
         else:
@@ -195,7 +194,6 @@ def _rows_gemm_kernel(
     stride_ap, stride_be, stride_bk, stride_bn, stride_cp,
     A_GATHER: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    WS: tl.constexpr = False,
 ):  # fmt: skip
     """c[q] = A[q] @ B[e] for the range's pairs (B[e] is (K, N) through strides). A's row is
     ``tok[q]`` when ``A_GATHER`` (a (T, K) operand read through the index), else ``q - offs[0]``."""
@@ -214,7 +212,7 @@ def _rows_gemm_kernel(
     col_ok = cols < N
     acc = _row_gemm_loop(
         a_rows, a_ptr, stride_ap, b_ptr + e.to(tl.int64) * stride_be, stride_bk, stride_bn,
-        cols, col_ok, K, IEEE, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, WS,
+        cols, col_ok, K, IEEE, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
     cp = c_ptr + lrows[:, None] * stride_cp + cols[None, :]
     tl.store(cp, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
@@ -330,19 +328,34 @@ def _wgrad_tile(
 
 
 @triton.jit
-def _wgrad_out_tile(
-    tile, a_ptr, b_ptr, idx_ptr, offs_ptr, c_ptr, a_desc, b_desc,
-    M, N, stride_a, stride_b, stride_ce, stride_cm, stride_cn,
+def _wgrad_kernel(
+    a_ptr, b_ptr, idx_ptr, offs_ptr, c_ptr,
+    M, N, n_rows,
+    stride_a, stride_b, stride_ce, stride_cm, stride_cn,
     A_GATHER: tl.constexpr, B_GATHER: tl.constexpr, ACCUMULATE: tl.constexpr,
-    IEEE: tl.constexpr, TMA_A: tl.constexpr, TMA_B: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WS: tl.constexpr,
+    IEEE: tl.constexpr, TMA_A: tl.constexpr = False, TMA_B: tl.constexpr = False,
+    BLOCK_M: tl.constexpr = 64, BLOCK_N: tl.constexpr = 64, BLOCK_K: tl.constexpr = 32,
 ):  # fmt: skip
-    """Output tile ``tile`` = (expert, M tile, N tile), N tiles fastest."""
+    """c[e] (M, N) (+)= sum_q A[q, :]^T B[q, :]; a gathered operand reads row tok[q], a
+    contiguous one row q - offs[0]. An expert without pairs writes exact zeros (adds nothing).
+
+    The expert's full BLOCK_K blocks of pairs run without a row mask, its last partial block
+    after them with one. ``TMA_A`` / ``TMA_B``: that operand is contiguous (``n_rows`` rows in
+    pair order) and its full blocks come through a tensor descriptor (TMA on sm90); the partial
+    block stays a masked pointer load, so no row of the next expert is ever read. One program an
+    output tile (expert, M tile, N tile), N tiles fastest. Measured slower on H200, qwen3 T32k
+    (benchmarks/sweep_kernels.py): a persistent grid walking the tiles (session 11: equal with
+    two programs an SM, 1.5-1.8x slower with one); the same with its tile loop flattened into
+    the pair loop (``tl.range(flatten=True)``, session 12: 1.02-1.12x slower with the gathered
+    operand, though 1.11-1.12x faster when both operands are contiguous and come through TMA);
+    and Triton's warp specialisation of the pair loop (``warp_specialize=True``, Triton 3.6:
+    equal with 8 warps, slower with 4)."""
+    pid = tl.program_id(0)
     n_tiles_m = tl.cdiv(M, BLOCK_M)
     n_tiles_n = tl.cdiv(N, BLOCK_N)
     per_e = n_tiles_m * n_tiles_n
-    e = tile // per_e
-    r = tile % per_e
+    e = pid // per_e
+    r = pid % per_e
     pid_m = r // n_tiles_n
     pid_n = r % n_tiles_n
     base = tl.load(offs_ptr)
@@ -353,10 +366,18 @@ def _wgrad_out_tile(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = rm < M  # masks, not clamps: the compiler must see rm/rn contiguous
     n_ok = rn < N
+    a_desc = None
+    b_desc = None
+    if TMA_A:
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[n_rows, M], strides=[stride_a, 1],
+                                           block_shape=[BLOCK_K, BLOCK_M])  # fmt: skip
+    if TMA_B:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[n_rows, N], strides=[stride_b, 1],
+                                           block_shape=[BLOCK_K, BLOCK_N])  # fmt: skip
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if TMA_A or TMA_B:
         qs = tl.arange(0, BLOCK_K)
-        for q0 in tl.range(lo, q_full, BLOCK_K, warp_specialize=WS):
+        for q0 in range(lo, q_full, BLOCK_K):
             row = (q0 - base).to(tl.int32)
             if A_GATHER or B_GATHER:
                 tok = tl.load(idx_ptr + q0 + qs).to(tl.int64)
@@ -374,7 +395,7 @@ def _wgrad_out_tile(
                              other=0.0)  # fmt: skip
             acc = _mma(tl.trans(at), bt, acc, IEEE)
     else:
-        for q0 in tl.range(lo, q_full, BLOCK_K, warp_specialize=WS):
+        for q0 in range(lo, q_full, BLOCK_K):
             acc = _wgrad_tile(acc, q0, None, a_ptr, b_ptr, idx_ptr, base, rm, rn, m_ok, n_ok,
                               stride_a, stride_b, A_GATHER, B_GATHER, IEEE, False, BLOCK_K)  # fmt: skip
     if q_full < hi:
@@ -386,49 +407,6 @@ def _wgrad_out_tile(
     if ACCUMULATE:
         acc += tl.load(cp, mask=mask, other=0.0).to(tl.float32)
     tl.store(cp, acc.to(c_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _wgrad_kernel(
-    a_ptr, b_ptr, idx_ptr, offs_ptr, c_ptr,
-    M, N, n_rows, n_experts,
-    stride_a, stride_b, stride_ce, stride_cm, stride_cn,
-    A_GATHER: tl.constexpr, B_GATHER: tl.constexpr, ACCUMULATE: tl.constexpr,
-    IEEE: tl.constexpr, TMA_A: tl.constexpr = False, TMA_B: tl.constexpr = False,
-    BLOCK_M: tl.constexpr = 64, BLOCK_N: tl.constexpr = 64, BLOCK_K: tl.constexpr = 32,
-    WS: tl.constexpr = False, PERSIST: tl.constexpr = False,
-):  # fmt: skip
-    """c[e] (M, N) (+)= sum_q A[q, :]^T B[q, :]; a gathered operand reads row tok[q], a
-    contiguous one row q - offs[0]. An expert without pairs writes exact zeros (adds nothing).
-
-    The expert's full BLOCK_K blocks of pairs run without a row mask, its last partial block
-    after them with one. ``TMA_A`` / ``TMA_B``: that operand is contiguous (``n_rows`` rows in
-    pair order) and its full blocks come through a tensor descriptor (TMA on sm90); the partial
-    block stays a masked pointer load, so no row of the next expert is ever read.
-
-    One program an output tile, or with ``PERSIST`` a grid of programs that each walk the tiles
-    ``pid, pid + programs, ...`` in one flattened loop (the pipeline then loads the next tile's
-    first blocks during this tile's store)."""
-    a_desc = None
-    b_desc = None
-    if TMA_A:
-        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[n_rows, M], strides=[stride_a, 1],
-                                           block_shape=[BLOCK_K, BLOCK_M])  # fmt: skip
-    if TMA_B:
-        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[n_rows, N], strides=[stride_b, 1],
-                                           block_shape=[BLOCK_K, BLOCK_N])  # fmt: skip
-    if PERSIST:
-        n_tiles = n_experts * tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-        for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), flatten=True):
-            _wgrad_out_tile(tile, a_ptr, b_ptr, idx_ptr, offs_ptr, c_ptr, a_desc, b_desc,
-                            M, N, stride_a, stride_b, stride_ce, stride_cm, stride_cn,
-                            A_GATHER, B_GATHER, ACCUMULATE, IEEE, TMA_A, TMA_B,
-                            BLOCK_M, BLOCK_N, BLOCK_K, WS)  # fmt: skip
-    else:
-        _wgrad_out_tile(tl.program_id(0), a_ptr, b_ptr, idx_ptr, offs_ptr, c_ptr, a_desc, b_desc,
-                        M, N, stride_a, stride_b, stride_ce, stride_cm, stride_cn,
-                        A_GATHER, B_GATHER, ACCUMULATE, IEEE, TMA_A, TMA_B,
-                        BLOCK_M, BLOCK_N, BLOCK_K, WS)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -543,7 +521,7 @@ def _pick(tuned, raw, config, kdim, name: str, key: dict, dtype):
                       "num_stages": first.num_stages}  # fmt: skip
     cfg = dict(_INTERP_CFG if config is None else config)
     meta = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
-    for k in ("num_warps", "num_stages", "WS", "PERSIST"):
+    for k in ("num_warps", "num_stages"):
         if k in cfg:
             meta[k] = cfg[k]
     if kdim is not None:
@@ -622,13 +600,6 @@ except ImportError:  # pragma: no cover - a Triton that moved it
 
 def _triton_allocator():
     return None if _TRITON_ALLOCATOR is None else _TRITON_ALLOCATOR.get()
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 2  # the interpreter: a few programs, each walking several tiles
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _block_e(n_experts: int) -> int:
@@ -774,17 +745,13 @@ def wgrad(a, b, idx_P, offs, c_EMN, *, a_gather: bool, b_gather: bool, accumulat
     tma_a = not a_gather and _tma_operand(a)
     tma_b = not b_gather and _tma_operand(b)
     n_rows = b.shape[0] if a_gather else a.shape[0]
-    per_sm = meta.pop("PERSIST", 0)  # programs an SM (a configuration key; 0: one a tile)
-    if per_sm:
-        meta["PERSIST"] = True
 
     def grid(meta_):
-        tiles = n_experts * triton.cdiv(m, meta_["BLOCK_M"]) * triton.cdiv(n, meta_["BLOCK_N"])
-        return (min(tiles, per_sm * _sm_count(c_EMN.device)),) if per_sm else (tiles,)
+        return (n_experts * triton.cdiv(m, meta_["BLOCK_M"]) * triton.cdiv(n, meta_["BLOCK_N"]),)
 
     kernel[grid](
         a, b, idx_P, offs, c_EMN,
-        m, n, n_rows, n_experts,
+        m, n, n_rows,
         a.stride(0), b.stride(0), c_EMN.stride(0), c_EMN.stride(1), c_EMN.stride(2),
         A_GATHER=a_gather, B_GATHER=b_gather, ACCUMULATE=accumulate, IEEE=_ieee(a),
         TMA_A=tma_a, TMA_B=tma_b, **meta,
