@@ -213,6 +213,31 @@ def test_calibrate_and_validate_from_rows(tmp_path):
     assert got[0]["predicted_ms"] == round(want.ms_fwd_bwd, 3)
 
 
+def test_node_batched_peak_counts_what_a_round_holds():
+    from benchmarks.sim.memory import node_batched_peak_bytes, ring_peak_bytes
+    from relaymoe import costmodel
+
+    shape = MoEShape("qwen3_30b_a3b_T4k", T=4096, E=128, K=8, H=2048, I=768)
+    d = shape.dims(2)
+    W = d.W * d.b  # gradients in the weights' dtype here (gb == b)
+    resident = 2 * d.T * d.H * d.b
+    # one node of 2 (measured on 2x H200: 3,488.6 MiB): the home accumulator, the gathered
+    # experts and their fresh gradients (2W each), the one received share; the intermediates
+    # are freed before the reduce-scatter
+    index = costmodel.ROUTING_INDEX_BYTES_PER_PAIR * d.P  # the own tokens' routing index
+    assert node_batched_peak_bytes(shape, 2, 2) == resident + W * (1 + 2 + 2 + 1) + index
+    assert round(node_batched_peak_bytes(shape, 2, 2) / 2**20) == 3488
+    assert node_batched_peak_bytes(shape, 2, 1) == ring_peak_bytes(shape, 2, "expert", "nccl")
+    # over several nodes the column ring's two transfer slots come on top
+    d8 = shape.dims(8)
+    W8 = d8.W * d8.b
+    slots = 2 * costmodel.slot_capacity("expert", d8)
+    index8 = costmodel.ROUTING_INDEX_BYTES_PER_PAIR * d8.P
+    assert node_batched_peak_bytes(shape, 8, 2) == 2 * d8.T * d8.H * d8.b + slots + W8 * 6 + index8
+    r = simulate_node_batched(shape, Cluster(ep=2, gpus_per_node=2), CM)
+    assert r.peak_MiB == node_batched_peak_bytes(shape, 2, 2) / 2**20
+
+
 def test_row_parsing():
     assert shape_of({"shape": "qwen3_30b_a3b_T64k"}).T == 65536
     assert shape_of({"shape": "moeblaze_conf4"}).I == 8192

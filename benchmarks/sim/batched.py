@@ -13,7 +13,7 @@ the last round the gradients make one column hop home. Uniform routing, every ra
 
 from __future__ import annotations
 
-from benchmarks.sim.memory import ring_peak_bytes
+from benchmarks.sim.memory import node_batched_peak_bytes
 from benchmarks.sim.model import Cluster, ComputeModel, MoEShape, SimResult
 
 
@@ -44,7 +44,6 @@ def simulate_node_batched(shape: MoEShape, cluster: Cluster, compute: ComputeMod
         xfer = column((w if j < N - 1 else 0) + (dw if j > 0 else 0))
         bwd += gather + max(bwd_c, xfer) + scatter
     bwd += column(dw) + compute.copy_seconds(dw)  # the gradients home, added there
-    extra_mem = G * d.El * 3 * shape.H * shape.I * (d.b + 2 * d.gb)  # gathered w, dw, shares
     sent = (N - 1) * w + N * dw + 2 * (G - 1) * w + (G - 1) * dw
     return SimResult(
         scheme="ring_expert",
@@ -54,7 +53,7 @@ def simulate_node_batched(shape: MoEShape, cluster: Cluster, compute: ComputeMod
         ms_fwd=fwd * 1e3,
         ms_bwd=bwd * 1e3,
         bytes_per_rank=sent,
-        peak_MiB=(ring_peak_bytes(shape, ep, "expert", "nccl") + extra_mem) / 2**20,
+        peak_MiB=node_batched_peak_bytes(shape, ep, G) / 2**20,
         compute_ms=N * (fwd_c + bwd_c) * 1e3,
         extra={
             "schedule": "node_batched",

@@ -7,7 +7,8 @@ the runtime's numbers):
 * all-to-all (Megatron dispatcher): ``costmodel.mcore_alltoall_memory_bytes``;
 * ring: the resident output and dx accumulators (activations' dtype) plus the mode's memory
   bound (``costmodel.memory_bytes``: saved and transient bytes, and with the copy engine the
-  symmetric workspace, which a single layer does not share with others).
+  symmetric workspace, which a single layer does not share with others); node-batched rounds:
+  ``costmodel.node_batched_memory_bytes`` instead.
 """
 
 from __future__ import annotations
@@ -27,3 +28,10 @@ def ring_peak_bytes(
     mem = costmodel.memory_bytes(mode, d, transport=transport)
     resident = 2 * d.T * d.H * d.b  # output + dx accumulator
     return float(resident + mem.peak + mem.workspace)
+
+
+def node_batched_peak_bytes(shape: MoEShape, ep: int, gpus_per_node: int) -> float:
+    d = shape.dims(ep)
+    mem = costmodel.node_batched_memory_bytes(d, gpus_per_node=gpus_per_node)
+    resident = 2 * d.T * d.H * d.b  # output + dx accumulator
+    return float(resident + mem.peak)
