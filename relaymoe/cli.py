@@ -260,7 +260,8 @@ def _ms(s: float) -> str:
 def schedule_lines(p, ep: int) -> list[str]:
     """The ring's schedule for the cluster shape and, per schedule, its modelled hop times
     (``Plan.hop_times``): hops per layer step inside a node and across nodes, the slowest hop
-    of each kind (compute + exposed transfer), and the layer step with the host time."""
+    of each kind (compute + exposed transfer), the layer step with the host time, and the layer
+    step's peak memory over its inputs."""
     G = p.gpus_per_node
     t = p.hop_times[p.schedule]
     if t["nodes"] > 1:
@@ -278,7 +279,7 @@ def schedule_lines(p, ep: int) -> list[str]:
         mark = "*" if name == p.schedule else " "
         lines.append(
             f" {mark}{name:<12} inside nodes {_hops(h, 'intra')}  across {_hops(h, 'inter')}  "
-            f"step {_ms(h['step_s'])} ms"
+            f"step {_ms(h['step_s'])} ms  peak {h['layer_peak_bytes'] / 2**30:.2f} GiB"
         )
     return lines
 

@@ -213,6 +213,12 @@ def test_plan_schedule_with_gpus_per_node(capsys):
     assert d["hop_times"]["two_level"]["step_s"] < d["hop_times"]["flat"]["step_s"]
     rc, out, err = run(capsys, "plan", "--gpus-per-node", "4", "--ring-mode", "expert")
     assert rc == 0 and "  node_batched inside nodes " in out and "*two_level" in out  # never picked
+    assert " GiB" in out.split("  node_batched inside nodes ")[1].splitlines()[0]
+    rc, out, err = run(capsys, "plan", "--gpus-per-node", "4", "--ring-mode", "expert", "--json")
+    h = json.loads(out)["hop_times"]
+    # the node's 4 partitions gathered (and their gradients): more than the flat ring holds
+    assert h["node_batched"]["layer_peak_bytes"] > h["flat"]["layer_peak_bytes"]
+    assert h["flat"]["layer_peak_bytes"] == h["two_level"]["layer_peak_bytes"] > 0
     rc, out, err = run(capsys, "plan")
     assert rc == 0 and "ring schedule: flat (EP=8 in one node (--gpus-per-node N" in out
     rc, out, err = run(capsys, "plan", "--gpus-per-node", "3")

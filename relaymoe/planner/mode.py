@@ -127,17 +127,24 @@ def ring_schedule(cfg: Config) -> str:
 
 def hop_time_report(sh: Shapes, mode: str, transport: str, gpus_per_node: int | None) -> dict:
     """Per schedule (``costmodel.SCHEDULES``): the hop times of ``mode`` (a ring mode) in one
-    layer step (``costmodel.ring_hop_times``, fields in seconds, ``step_s`` the layer step)."""
+    layer step (``costmodel.ring_hop_times``, fields in seconds, ``step_s`` the layer step) and
+    ``layer_peak_bytes``, the layer step's peak over its inputs (``MemoryBytes.peak``: the
+    copy engine's shared workspace excluded)."""
     d = sh.dims()
     tr = resolve_transport(transport, sh.R)
+    peak = costmodel.memory_bytes(mode, d, transport=tr).peak  # the same buffers in any order
     out = {}
     for sched in costmodel.SCHEDULES:
         t = costmodel.ring_hop_times(
             mode, d, schedule=sched, gpus_per_node=gpus_per_node, transport=tr
         )
-        out[sched] = {"mode": mode, **dataclasses.asdict(t), "nodes": t.nodes, "step_s": t.step_s}
+        out[sched] = {"mode": mode, **dataclasses.asdict(t), "nodes": t.nodes, "step_s": t.step_s,
+                      "layer_peak_bytes": peak}  # fmt: skip
     if mode == "expert":  # asked for by name only: reported, never chosen (not yet measured)
         t = costmodel.node_batched_hop_times(d, gpus_per_node=gpus_per_node)
-        out[costmodel.NODE_BATCHED] = {"mode": mode, **dataclasses.asdict(t), "nodes": t.nodes,
-                                       "step_s": t.step_s}  # fmt: skip
+        mem = costmodel.node_batched_memory_bytes(d, gpus_per_node=gpus_per_node or sh.R)
+        out[costmodel.NODE_BATCHED] = {
+            "mode": mode, **dataclasses.asdict(t), "nodes": t.nodes, "step_s": t.step_s,
+            "layer_peak_bytes": mem.peak,  # NCCL: its exchanges are batch_isend_irecv
+        }  # fmt: skip
     return out
