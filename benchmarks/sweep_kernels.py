@@ -218,19 +218,27 @@ def sweep_rows(shape: str, configs: dict, *, dims=None, device="cuda", dtype=tor
 
                 out, flops = a, pf
             row = {"kernel": kernel, "variant": "triton", "config": cfg}
-            try:
-                out.fill_(float("nan"))
-                fn()
-                if ref is None:
-                    ref = out.float().clone()
-                row["err"] = _err(out, ref)
-                ms = bench_ms(fn, warmup_ms=25, rep_ms=100)
-                row.update(ms=round(ms, 3), tflops=round(flops / ms / 1e9, 1))
-            except Exception as exc:  # e.g. shared memory: the others still run
-                row["error"] = repr(exc)[:300]
+            ref = _time_config(row, fn, out, ref, lambda ms, f=flops: {
+                "tflops": round(f / ms / 1e9, 1)})  # fmt: skip
             rows.append(row)
-            print(row, flush=True)
     return rows
+
+
+def _time_config(row: dict, fn, out, ref, rate):
+    """Fill ``row``: ``err`` of ``fn``'s ``out`` against ``ref`` (its own first result when None)
+    and its time, with ``rate(ms)``'s keys; or ``error``. Returns ``ref``."""
+    try:
+        out.fill_(float("nan"))
+        fn()
+        if ref is None:
+            ref = out.float().clone()
+        row["err"] = _err(out, ref)
+        ms = bench_ms(fn, warmup_ms=25, rep_ms=100)
+        row.update(ms=round(ms, 3), **rate(ms))
+    except Exception as exc:  # e.g. shared memory: the other configurations still run
+        row["error"] = repr(exc)[:300]
+    print(row, flush=True)
+    return ref
 
 
 # combine (BLOCK_T tokens, BLOCK_N columns, warps): the first is the launcher's default (session
@@ -263,18 +271,8 @@ def sweep_combine(shape: str, configs: list, *, dims=None, device="cuda", dtype=
             grouped.combine(y, index.token_index_map, offs, out, topk, accumulate=False, config=c)
 
         row = {"kernel": "combine", "variant": "triton", "config": list(cfg)}
-        try:
-            out.fill_(float("nan"))
-            fn()
-            if ref is None:
-                ref = out.float().clone()
-            row["err"] = _err(out, ref)
-            ms = bench_ms(fn, warmup_ms=25, rep_ms=100)
-            row.update(ms=round(ms, 3), gbps=round(nbytes / ms / 1e6, 1))
-        except Exception as exc:
-            row["error"] = repr(exc)[:300]
+        ref = _time_config(row, fn, out, ref, lambda ms: {"gbps": round(nbytes / ms / 1e6, 1)})
         rows.append(row)
-        print(row, flush=True)
     return rows
 
 
