@@ -307,77 +307,6 @@ def breakdown(shape: str) -> list[dict]:
     return rows
 
 
-def profile_step(
-    shape: str, recompute: str = "act", steps: int = 5, print_host: bool = True
-) -> tuple[list[dict], dict]:
-    """torch.profiler over ``steps`` relaymoe fwd+bwd steps at ``shape``: GPU time per step by
-    kernel name (rows), and the step's wall time against the sum of its kernels' times (the
-    rest is launch gaps and host waits), the host's time to issue a step, one step's host syncs
-    by where they happen; ``print_host`` prints the host's time by function (cProfile)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    inputs = make_inputs(*SHAPES[shape])
-    fn = relaymoe_fn(recompute)
-    dy = torch.randn_like(inputs[0])
-
-    def step():
-        fn(*inputs).backward(dy)
-        _clear_grads(inputs)
-
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    from benchmarks.profile_ring import host_syncs
-
-    syncs = host_syncs(step)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    host = 0.0
-    for _ in range(steps):
-        h0 = time.perf_counter()
-        step()
-        host += time.perf_counter() - h0  # host time to issue a step (the GPU may lag behind)
-    torch.cuda.synchronize()
-    wall_ms = (time.perf_counter() - t0) * 1e3 / steps
-    if print_host:  # where the host's time goes, by Python function
-        import cProfile
-        import pstats
-
-        cp = cProfile.Profile()
-        cp.enable()
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-        cp.disable()
-        pstats.Stats(cp).sort_stats("tottime").print_stats(25)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    per_name: dict[str, list[float]] = {}
-    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                   if e.device_type == DeviceType.CUDA)  # fmt: skip
-    for a, b, name in spans:
-        per_name.setdefault(name, []).append(b - a)
-    # the GPU's idle time between consecutive kernels, summed by the pair of kernels around it
-    idle: dict[str, float] = {}
-    for (_, b0, n0), (a1, _, n1) in zip(spans, spans[1:], strict=False):
-        if a1 > b0:
-            key = f"{n0[:40]} -> {n1[:40]}"
-            idle[key] = idle.get(key, 0.0) + (a1 - b0) / steps
-    rows = sorted(({"kernel": k[:90], "calls_per_step": len(v) / steps,
-                    "us_per_step": round(sum(v) / steps, 1)} for k, v in per_name.items()),
-                  key=lambda r: -r["us_per_step"])  # fmt: skip
-    busy_ms = sum(r["us_per_step"] for r in rows) / 1e3
-    summary = {"wall_ms": round(wall_ms, 3), "host_ms": round(host * 1e3 / steps, 3),
-               "kernels_ms": round(busy_ms, 3),
-               "gap_ms": round(wall_ms - busy_ms, 3), "host_syncs": syncs,
-               "idle_us_per_step": {k: round(v, 1) for k, v in
-                                    sorted(idle.items(), key=lambda kv: -kv[1])[:12]}}  # fmt: skip
-    return rows, summary
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="qwen3 T32k only, shorter timing")
@@ -500,7 +429,9 @@ def main(argv=None) -> int:
                 print(f"{shape} {r['variant']}: {min(comp) / r['ms_fwd_bwd']:.2f}x the faster "
                       f"competitor ({min(comp):.2f} ms)", flush=True)  # fmt: skip
         if args.profile and n_shape == 0:
-            prof_rows, summary = profile_step(shape)
+            from benchmarks.profile_experts import profile_step
+
+            prof_rows, summary = profile_step(shape, relaymoe_fn("act"))
             for r in prof_rows:
                 writer.write({"bench": "experts_profile", "shape": shape, **r})
             writer.write({"bench": "experts_profile_step", "shape": shape, **summary})
