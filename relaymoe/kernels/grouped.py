@@ -346,8 +346,9 @@ def _wgrad_kernel(
     output tile (expert, M tile, N tile), N tiles fastest. Measured slower on H200, qwen3 T32k
     (benchmarks/sweep_kernels.py): a persistent grid walking the tiles (session 11: equal with
     two programs an SM, 1.5-1.8x slower with one); the same with its tile loop flattened into
-    the pair loop (``tl.range(flatten=True)``, session 12: 1.02-1.12x slower with the gathered
-    operand, though 1.11-1.12x faster when both operands are contiguous and come through TMA);
+    the pair loop (``tl.range(flatten=True)``, session 12: with the gathered operand 1.07-1.13x
+    slower at 5 stages, 1.00-1.05x at two programs an SM, up to 1.9x in other configurations;
+    though 1.11-1.12x faster when both operands are contiguous and come through TMA);
     and Triton's warp specialisation of the pair loop (``warp_specialize=True``, Triton 3.6:
     equal with 8 warps, slower with 4)."""
     pid = tl.program_id(0)
