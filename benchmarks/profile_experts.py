@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import cProfile
+import pstats
 import time
 
 import torch
@@ -13,13 +15,13 @@ from benchmarks.bench_experts import SHAPES, _clear_grads, make_inputs
 from benchmarks.profile_ring import host_syncs
 
 
-def profile_step(shape: str, fn, steps: int = 5, print_host: bool = True) -> tuple[list, dict]:
+def profile_step(shape: str, fn, steps: int = 5) -> tuple[list, dict]:
     """torch.profiler over ``steps`` fwd+bwd steps of ``fn`` (a bench_experts provider) at
     ``shape``, gradients cleared each step: GPU time per step by kernel name (rows), and the
     step's wall time against the sum of its kernels' times (the rest is launch gaps and host
     waits), the host's time to issue a step, one step's host syncs by where they happen, and
-    the GPU's idle time between kernels by the kernels around it. ``print_host`` prints the
-    host's time by function (cProfile)."""
+    the GPU's idle time between kernels by the kernels around it. Prints the host's time by
+    function (cProfile)."""
     inputs = make_inputs(*SHAPES[shape])
     dy = torch.randn_like(inputs[0])
 
@@ -40,17 +42,13 @@ def profile_step(shape: str, fn, steps: int = 5, print_host: bool = True) -> tup
         host += time.perf_counter() - h0  # host time to issue a step (the GPU may lag behind)
     torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - t0) * 1e3 / steps
-    if print_host:  # where the host's time goes, by Python function
-        import cProfile
-        import pstats
-
-        cp = cProfile.Profile()
-        cp.enable()
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-        cp.disable()
-        pstats.Stats(cp).sort_stats("tottime").print_stats(25)
+    cp = cProfile.Profile()  # where the host's time goes, by Python function
+    cp.enable()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    cp.disable()
+    pstats.Stats(cp).sort_stats("tottime").print_stats(25)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()

@@ -569,9 +569,7 @@ def _tma_operand(t) -> bool:
 def _tma_weights(w_EMK) -> bool:
     """Whether ``up_swiglu`` loads ``w13`` through a tensor descriptor over its (El*2I, H) rows:
     asked for (``RELAYMOE_TMA``), and a contiguous weight whose rows :func:`_tma_operand` takes."""
-    if not _tma_mode(w_EMK) or not w_EMK.is_contiguous():
-        return False
-    return _tma_operand(w_EMK.view(-1, w_EMK.shape[-1]))
+    return w_EMK.is_contiguous() and _tma_operand(w_EMK.view(-1, w_EMK.shape[-1]))
 
 
 def _set_descriptor_allocator() -> None:
