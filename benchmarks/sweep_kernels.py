@@ -178,9 +178,38 @@ ROW_CONFIGS = {
 }
 
 
-def sweep_rows(shape: str, configs: dict, *, dims=None, device="cuda", dtype=torch.bfloat16):
+# the warp-specialised Gluon up-projection (kernels/gather_ws.py): tiles, stages, consumer warps,
+# producer registers and the kernel's register cap
+def _ws(bm, bn, bk, stages, warps, producer_regs, maxnreg) -> dict:
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "STAGES": stages, "num_warps": warps,
+            "producer_regs": producer_regs, "maxnreg": maxnreg}  # fmt: skip
+
+
+WS_UP_CONFIGS = [
+    _ws(128, 128, 64, 4, 8, 56, 168),
+    _ws(128, 128, 64, 3, 8, 56, 168),
+    _ws(128, 128, 32, 6, 8, 56, 168),
+    _ws(64, 128, 64, 2, 4, 56, 128),
+    _ws(64, 128, 64, 4, 4, 56, 168),
+    _ws(128, 128, 64, 4, 8, 88, 176),
+]
+
+
+def _gather_ws():
+    """The Gluon module, or None where it does not import (no Gluon, not Hopper)."""
+    try:
+        from relaymoe.kernels import gather_ws
+    except ImportError as exc:
+        print(f"gather_ws does not import: {exc!r}")
+        return None
+    return gather_ws
+
+
+def sweep_rows(shape: str, configs: dict, *, dims=None, device="cuda", dtype=torch.bfloat16,
+               ws_configs=()):  # fmt: skip
     """up_swiglu and the gathered-dy rows_gemm per configuration (default ``RELAYMOE_TMA``);
-    ``err`` against the first configuration's result."""
+    ``err`` against the first configuration's result. ``ws_configs``: the Gluon up-projection's
+    configurations, timed after the Triton ones (variant ``gluon_ws``)."""
     from relaymoe.kernels import grouped, pairs
 
     num_tokens, num_experts, topk, hidden, ffn = dims or SHAPES[shape]
@@ -220,6 +249,15 @@ def sweep_rows(shape: str, configs: dict, *, dims=None, device="cuda", dtype=tor
             row = {"kernel": kernel, "variant": "triton", "config": cfg}
             ref = _time_config(row, fn, out, ref, lambda ms, f=flops: {
                 "tflops": round(f / ms / 1e9, 1)})  # fmt: skip
+            rows.append(row)
+        ws = _gather_ws() if kernel == "up_swiglu" and ws_configs else None
+        for cfg in ws_configs if ws is not None else ():
+
+            def fn(c=cfg, m=ws):
+                m.up_swiglu(x, w13, idx_P, offs, prob_P, h, a, config=c)
+
+            row = {"kernel": kernel, "variant": "gluon_ws", "config": cfg}
+            ref = _time_config(row, fn, h, ref, lambda ms: {"tflops": round(2 * pf / ms / 1e9, 1)})
             rows.append(row)
     return rows
 
@@ -281,7 +319,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default="qwen3_30b_a3b_T32k", choices=sorted(SHAPES))
     ap.add_argument("--configs", default="all", choices=("all", "short"))
     ap.add_argument("--kernels", default="wgrad,rows",
-                    help="wgrad, rows (up_swiglu, down_bwd), combine")  # fmt: skip
+                    help="wgrad, rows (up_swiglu, down_bwd), up_swiglu alone, combine")  # fmt: skip
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -291,8 +329,9 @@ def main(argv=None) -> int:
     writer = JsonlWriter(args.out or f"benchmarks/results/kernel_sweep_{env['date']}.jsonl",
                          env=env)  # fmt: skip
     rows = []
-    if "rows" in args.kernels:
-        rows += sweep_rows(args.shape, ROW_CONFIGS)
+    if "rows" in args.kernels or "up_swiglu" in args.kernels:
+        which = ROW_CONFIGS if "rows" in args.kernels else {"up_swiglu": ROW_CONFIGS["up_swiglu"]}
+        rows += sweep_rows(args.shape, which, ws_configs=WS_UP_CONFIGS)
     if "combine" in args.kernels:
         rows += sweep_combine(args.shape, COMBINE_CONFIGS)
     if "wgrad" in args.kernels:

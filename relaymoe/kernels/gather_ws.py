@@ -1,0 +1,250 @@
+"""Warp-specialised gather-on-load grouped GEMMs for sm90 (Gluon; Triton >= 3.6 on Hopper).
+
+Why a second implementation of ``grouped.up_swiglu``: in Triton's own pipeliner a gathered
+operand arrives through ``cp.async`` issued by the MMA warps themselves, and every K step ends in
+a ``cp.async`` wait and a block-wide barrier before the ``wgmma`` may read the stage. The
+contiguous-operand GEMMs, whose tiles come through TMA, run at 560-640 TFLOP/s on H200; the
+gathered ones at 440-520 (issue #15). Here one producer warp group gathers the token rows with
+``cp.async`` and signals each stage through an mbarrier (``cp.async.mbarrier.arrive.noinc``: the
+stage is ready when every producer thread's copies have landed), while the weight tiles come by
+TMA onto the same barrier. The consumer warps only wait, fence and issue ``wgmma``; nobody waits
+on a copy it issued.
+
+Shape legend as in ``grouped``: T tokens, H hidden, I expert FFN width, El local experts, P pairs
+of the range (rows ``offs[0]:offs[El]`` of the routing index).
+
+Stage protocol (``STAGES`` slots, step ``i`` uses slot ``i % STAGES``, parity ``(i // STAGES) & 1``):
+- ``ready[s]``: expected arrivals = producer threads (their ``cp.async`` completions) + 1 (the
+  weight TMA's ``expect``, whose bytes complete the phase);
+- ``empty[s]``: 1 arrival, by the consumer once both MMAs of the step have retired. With two
+  consumer warp groups a partition barrier comes first: the arrive is one thread's, and the other
+  warp group's MMAs read the same slot.
+
+Only this module imports ``triton.experimental.gluon``; ``grouped.up_swiglu`` imports it lazily
+on sm90 (``available``), so CPU runs never touch it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy,
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+__all__ = ["UP_CONFIG", "supports_up_swiglu", "up_swiglu"]
+
+PRODUCER_WARPS = 4
+# (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, consumer warps, producer registers, maxnreg)
+UP_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "STAGES": 4, "num_warps": 8,
+             "producer_regs": 56, "maxnreg": 168}  # fmt: skip
+
+
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _expert_tile(pid_m, offs_ptr, n_experts, BLOCK_M: gl.constexpr, BLOCK_E: gl.constexpr,
+                 num_warps: gl.constexpr):  # fmt: skip
+    """(local expert, first global row, end global row) of M tile ``pid_m`` (as in
+    ``grouped._expert_tile``); expert == n_experts when the program has no tile."""
+    lay: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    j = gl.arange(0, BLOCK_E, layout=lay)
+    live = j < n_experts
+    lo = gl.load(offs_ptr + j, mask=live, other=0)
+    hi = gl.load(offs_ptr + j + 1, mask=live, other=0)
+    tiles = (hi - lo + BLOCK_M - 1) // BLOCK_M
+    last = gl.associative_scan(tiles, 0, _add)
+    e = gl.sum((last <= pid_m).to(gl.int32), 0)
+    pick = j == e
+    first_tile = gl.sum(gl.where(pick, last - tiles, 0), 0)
+    row0 = gl.sum(gl.where(pick, lo, 0), 0) + (pid_m - first_tile) * BLOCK_M
+    row_end = gl.sum(gl.where(pick, hi, 0), 0)
+    return e, row0, row_end
+
+
+@gluon.jit
+def _gather_producer(x_ptr, idx_ptr, w_desc, x_bufs, wg_bufs, wu_bufs, ready, empty,
+                     row0, row_end, g_row, u_row, n_k, stride_xt,
+                     BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, WARPS: gl.constexpr):  # fmt: skip
+    """Fills slot after slot: the gate and up weight tiles by TMA, the x rows of the tile's tokens
+    by ``cp.async`` (16-byte vectors, 8 columns a thread)."""
+    STAGES: gl.constexpr = x_bufs.type.shape[0]
+    TK: gl.constexpr = BLOCK_K // 8
+    lay: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TK, TK], [WARPS, 1], [1, 0])
+    rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, lay))
+    tok = gl.load(idx_ptr + rows, mask=rows < row_end, other=0).to(gl.int64)
+    ks = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, lay))
+    x_ptrs = x_ptr + tok[:, None] * stride_xt + ks[None, :]
+    for i in range(n_k):
+        s = i % STAGES
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        bar = ready.index(s)
+        mbarrier.expect(bar, 2 * w_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(w_desc, [g_row, i * BLOCK_K], bar, wg_bufs.index(s))
+        tma.async_copy_global_to_shared(w_desc, [u_row, i * BLOCK_K], bar, wu_bufs.index(s))
+        async_copy.async_copy_global_to_shared(x_bufs.index(s), x_ptrs + i * BLOCK_K)
+        async_copy.mbarrier_arrive(bar, increment_count=False)
+
+
+@gluon.jit
+def _dual_mma_consumer(x_bufs, wg_bufs, wu_bufs, ready, empty, n_k,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+    """gate and up accumulators over the K steps; one step's two MMAs stay in flight."""
+    STAGES: gl.constexpr = x_bufs.type.shape[0]
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    acc_g = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
+    acc_u = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
+    for i in range(n_k):
+        s = i % STAGES
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads async
+        xs = x_bufs.index(s)
+        acc_g = warpgroup_mma(xs, wg_bufs.index(s).permute((1, 0)), acc_g, is_async=True)
+        acc_u = warpgroup_mma(xs, wu_bufs.index(s).permute((1, 0)), acc_u, is_async=True)
+        acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
+        if num_warps > 4:
+            gl.thread_barrier()
+        mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
+    acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
+    return acc_g, acc_u
+
+
+@gluon.jit
+def _up_swiglu_ws_kernel(
+    x_ptr, w_desc, idx_ptr, offs_ptr, prob_ptr, h_ptr, a_ptr,
+    n_experts, H, I,
+    stride_xt, stride_hp, stride_ap,
+    x_layout: gl.constexpr,
+    SAVE_H: gl.constexpr, SCALE: gl.constexpr, SAVE_A: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, BLOCK_E: gl.constexpr,
+    STAGES: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    num_warps: gl.constexpr,
+):  # fmt: skip
+    """h[q] = x[tok[q]] @ w13[e]^T, a = silu(gate) * up (* p): ``grouped._up_swiglu_kernel``'s
+    contract, with ``H % BLOCK_K == 0`` and w13 read as (El*2I, H) rows through ``w_desc``."""
+    pid = gl.program_id(0)
+    n_tiles_n = gl.cdiv(I, BLOCK_N)
+    pid_n = pid % n_tiles_n
+    e, row0, row_end = _expert_tile(pid // n_tiles_n, offs_ptr, n_experts, BLOCK_M, BLOCK_E,
+                                    num_warps)  # fmt: skip
+    if e < n_experts:
+        x_bufs = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, BLOCK_M, BLOCK_K],
+                                           x_layout)  # fmt: skip
+        wg_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape,
+                                            w_desc.layout)  # fmt: skip
+        wu_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape,
+                                            w_desc.layout)  # fmt: skip
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=PRODUCER_WARPS * 32 + 1)
+            mbarrier.init(empty.index(s), count=1)
+        g_row = (e * 2 * I + pid_n * BLOCK_N).to(gl.int32)
+        n_k = H // BLOCK_K
+        # fmt: off
+        # (argument tuples written in place: a tuple bound to a name first loses its constexprs)
+        acc_g, acc_u = gl.warp_specialize(
+            [(_dual_mma_consumer, (x_bufs, wg_bufs, wu_bufs, ready, empty, n_k,
+                                   BLOCK_M, BLOCK_N, num_warps)),
+             (_gather_producer, (x_ptr, idx_ptr, w_desc, x_bufs, wg_bufs, wu_bufs, ready, empty,
+                                 row0, row_end, g_row, g_row + I, n_k, stride_xt,
+                                 BLOCK_M, BLOCK_K, PRODUCER_WARPS))],
+            [PRODUCER_WARPS],
+            [PRODUCER_REGS],
+        )
+        # fmt: on
+        for s in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(s))
+            mbarrier.invalidate(empty.index(s))
+        mma_layout: gl.constexpr = acc_g.type.layout
+        base = gl.load(offs_ptr)
+        rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma_layout))
+        row_ok = rows < row_end
+        lrows = gl.where(row_ok, rows - base, 0)
+        cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
+        mask = row_ok[:, None] & (cols < I)[None, :]
+        if SAVE_H:
+            hp = h_ptr + lrows[:, None] * stride_hp + cols[None, :]
+            gl.store(hp, acc_g.to(h_ptr.dtype.element_ty), mask=mask)
+            gl.store(hp + I, acc_u.to(h_ptr.dtype.element_ty), mask=mask)
+        if SAVE_A:
+            act = acc_g / (1.0 + gl.exp(-acc_g)) * acc_u
+            if SCALE:
+                p = gl.load(prob_ptr + lrows, mask=row_ok, other=0.0)
+                act = act * p[:, None]
+            ap = a_ptr + lrows[:, None] * stride_ap + cols[None, :]
+            gl.store(ap, act.to(a_ptr.dtype.element_ty), mask=mask)
+
+
+def supports_up_swiglu(x_TH, w13_E2IH, config=None) -> bool:
+    """Whether this kernel takes the call: bf16/fp16 CUDA tensors on sm90, H a multiple of the K
+    step, a contiguous w13 whose (El*2I, H) rows a tensor descriptor takes, 16-byte x rows."""
+    cfg = config or UP_CONFIG
+    if not (x_TH.is_cuda and x_TH.dtype in (torch.bfloat16, torch.float16)):
+        return False
+    if w13_E2IH.dtype != x_TH.dtype or not w13_E2IH.is_contiguous():
+        return False
+    if torch.cuda.get_device_capability(x_TH.device)[0] != 9:
+        return False
+    hidden = w13_E2IH.shape[2]
+    elt = x_TH.element_size()
+    return (
+        hidden % cfg["BLOCK_K"] == 0
+        and x_TH.stride(1) == 1
+        and (x_TH.stride(0) * elt) % 16 == 0
+        and x_TH.data_ptr() % 16 == 0
+        and w13_E2IH.data_ptr() % 16 == 0
+        and (hidden * elt) % 16 == 0
+    )
+
+
+@functools.cache
+def _layouts(bm: int, bn: int, bk: int, dtype: torch.dtype):
+    gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    return (gl.NVMMASharedLayout.get_default_for([bm, bk], gdt),
+            gl.NVMMASharedLayout.get_default_for([bn, bk], gdt))  # fmt: skip
+
+
+def up_swiglu(x_TH, w13_E2IH, idx_P, offs, prob_P, h_P2I, a_PI, *, config=None) -> None:
+    """``grouped.up_swiglu``'s contract (outputs passed in, ``h_P2I`` or ``a_PI`` may be None);
+    call only where :func:`supports_up_swiglu` holds."""
+    cfg = config or UP_CONFIG
+    n_experts, two_i, hidden = w13_E2IH.shape
+    ffn = two_i // 2
+    n_pairs = (a_PI if a_PI is not None else h_P2I).shape[0]
+    if n_pairs == 0 or n_experts == 0:
+        return
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    x_layout, w_layout = _layouts(bm, bn, bk, x_TH.dtype)
+    w_desc = TensorDescriptor.from_tensor(w13_E2IH.view(n_experts * two_i, hidden), [bn, bk],
+                                          w_layout)  # fmt: skip
+    h = h_P2I if h_P2I is not None else a_PI
+    a = a_PI if a_PI is not None else h_P2I
+    p = prob_P if prob_P is not None else a
+    tiles_m = triton.cdiv(n_pairs, bm) + n_experts
+    grid = (tiles_m * triton.cdiv(ffn, bn),)
+    _up_swiglu_ws_kernel[grid](
+        x_TH, w_desc, idx_P, offs, p, h, a,
+        n_experts, hidden, ffn,
+        x_TH.stride(0), h.stride(0), a.stride(0),
+        x_layout,
+        SAVE_H=h_P2I is not None, SCALE=prob_P is not None, SAVE_A=a_PI is not None,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=max(16, triton.next_power_of_2(n_experts)),
+        STAGES=cfg["STAGES"], PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=cfg["producer_regs"], num_warps=cfg["num_warps"],
+        maxnreg=cfg["maxnreg"],
+    )  # fmt: skip
