@@ -76,7 +76,7 @@ def probe(shape: str, ws_configs: list[dict], dtype=torch.bfloat16) -> list[dict
 
 
 def main(argv=None) -> int:
-    from benchmarks.sweep_kernels import WS_UP_CONFIGS
+    from relaymoe.kernels.gather_ws import UP_CONFIG
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="qwen3_30b_a3b_T32k", choices=sorted(SHAPES))
@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     env = environment()
     writer = JsonlWriter(args.out or f"benchmarks/results/gather_probe_{env['date']}.jsonl",
                          env=env)  # fmt: skip
-    rows = probe(args.shape, WS_UP_CONFIGS[:1] + [dict(WS_UP_CONFIGS[0], BLOCK_N=64)])
+    rows = probe(args.shape, [UP_CONFIG])
     for r in rows:
         writer.write({"bench": "gather_probe", "shape": args.shape, **r})
     print_table(rows, ["kernel", "rows", "out", "config", "ms", "tflops", "error"])

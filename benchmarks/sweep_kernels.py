@@ -178,20 +178,13 @@ ROW_CONFIGS = {
 }
 
 
-# the warp-specialised Gluon up-projection (kernels/gather_ws.py): tiles, stages, consumer warps,
-# producer registers and the kernel's register cap
-def _ws(bm, bn, bk, stages, warps, producer_regs, maxnreg) -> dict:
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "STAGES": stages, "num_warps": warps,
-            "producer_regs": producer_regs, "maxnreg": maxnreg}  # fmt: skip
-
-
-WS_UP_CONFIGS = [
-    _ws(128, 128, 64, 4, 8, 56, 168),
-    _ws(128, 128, 64, 3, 8, 56, 168),
-    _ws(128, 128, 32, 6, 8, 56, 168),
-    _ws(64, 128, 64, 2, 4, 56, 128),
-    _ws(64, 128, 64, 4, 4, 56, 168),
-    _ws(128, 128, 64, 4, 8, 88, 176),
+# the warp-specialised Gluon up-projection (kernels/gather_ws.py): overrides of its UP_CONFIG
+WS_UP_VARIANTS = [
+    {},
+    {"STAGES": 2},
+    {"BLOCK_K": 32, "STAGES": 6},
+    {"EPI_ROWS": 16},
+    {"producer_regs": 72, "storer_regs": 72},
 ]
 
 
@@ -209,7 +202,8 @@ def sweep_rows(shape: str, configs: dict, *, dims=None, device="cuda", dtype=tor
                ws_configs=()):  # fmt: skip
     """up_swiglu and the gathered-dy rows_gemm per configuration (default ``RELAYMOE_TMA``);
     ``err`` against the first configuration's result. ``ws_configs``: the Gluon up-projection's
-    configurations, timed after the Triton ones (variant ``gluon_ws``)."""
+    configurations (overrides of its ``UP_CONFIG``), timed after the Triton ones (variant
+    ``gluon_ws``)."""
     from relaymoe.kernels import grouped, pairs
 
     num_tokens, num_experts, topk, hidden, ffn = dims or SHAPES[shape]
@@ -251,7 +245,7 @@ def sweep_rows(shape: str, configs: dict, *, dims=None, device="cuda", dtype=tor
                 "tflops": round(f / ms / 1e9, 1)})  # fmt: skip
             rows.append(row)
         ws = _gather_ws() if kernel == "up_swiglu" and ws_configs else None
-        for cfg in ws_configs if ws is not None else ():
+        for cfg in [{**ws.UP_CONFIG, **v} for v in ws_configs] if ws is not None else ():
 
             def fn(c=cfg, m=ws):
                 m.up_swiglu(x, w13, idx_P, offs, prob_P, h, a, config=c)
@@ -331,7 +325,7 @@ def main(argv=None) -> int:
     rows = []
     if "rows" in args.kernels or "up_swiglu" in args.kernels:
         which = ROW_CONFIGS if "rows" in args.kernels else {"up_swiglu": ROW_CONFIGS["up_swiglu"]}
-        rows += sweep_rows(args.shape, which, ws_configs=WS_UP_CONFIGS)
+        rows += sweep_rows(args.shape, which, ws_configs=WS_UP_VARIANTS)
     if "combine" in args.kernels:
         rows += sweep_combine(args.shape, COMBINE_CONFIGS)
     if "wgrad" in args.kernels:
