@@ -317,9 +317,10 @@ def main(argv=None) -> int:
         nargs="*",
         default=None,
         help="relaymoe_act relaymoe_fc1 relaymoe_act_wgradtriton relaymoe_act_tritongemm "
-        "relaymoe_act_tma relaymoe_act_ptr relaymoe_act_rowscopy naive liger (relaymoe_act: "
-        "RELAYMOE_TMA's default, tensor descriptors on sm90; _tma forces them, _ptr the pointer "
-        "loads; _rowscopy: RELAYMOE_ROWS_GATHER=copy)",
+        "relaymoe_act_tma relaymoe_act_ptr relaymoe_act_rowscopy relaymoe_act_tritonup "
+        "relaymoe_fc1_tritonup naive liger (relaymoe_act: RELAYMOE_TMA's default, tensor "
+        "descriptors on sm90; _tma forces them, _ptr the pointer loads; _rowscopy: "
+        "RELAYMOE_ROWS_GATHER=copy; _tritonup: RELAYMOE_GATHER_WS=0, the Triton up-projection)",
     )
     ap.add_argument("--breakdown", action="store_true", help="time each kernel of the first shape")
     ap.add_argument(
@@ -365,6 +366,10 @@ def main(argv=None) -> int:
         "relaymoe_act_ptr": ("relaymoe_ptr", "act", relaymoe_fn("act", {"RELAYMOE_TMA": "0"})),
         "relaymoe_act_rowscopy": (
             "relaymoe_rowscopy", "act", relaymoe_fn("act", {"RELAYMOE_ROWS_GATHER": "copy"})),
+        "relaymoe_act_tritonup": (
+            "relaymoe_tritonup", "act", relaymoe_fn("act", {"RELAYMOE_GATHER_WS": "0"})),
+        "relaymoe_fc1_tritonup": (
+            "relaymoe_tritonup", "fc1", relaymoe_fn("fc1", {"RELAYMOE_GATHER_WS": "0"})),
         "naive": ("naive", None, naive_fn),
         "liger": ("liger", None, liger_fn()),
     }  # fmt: skip

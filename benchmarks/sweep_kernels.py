@@ -184,7 +184,7 @@ WS_UP_VARIANTS = [
     {"STAGES": 2},
     {"BLOCK_K": 32, "STAGES": 6},
     {"EPI_ROWS": 16},
-    {"producer_regs": 72, "storer_regs": 72},
+    {"producer_regs": 56, "storer_regs": 80},
 ]
 
 

@@ -115,6 +115,16 @@ def test_up_swiglu_weight_tiles_through_a_tensor_descriptor(case, cfg, monkeypat
         grouped._tma_weights(s["w13"])
 
 
+def test_gather_ws_switch(monkeypatch):
+    """RELAYMOE_GATHER_WS: never the Gluon kernel on CPU; a bad value names the choices."""
+    x, w13 = torch.zeros(4, 64), torch.zeros(2, 32, 64)
+    monkeypatch.delenv("RELAYMOE_GATHER_WS", raising=False)
+    assert grouped._up_swiglu_ws(x, w13) is None
+    monkeypatch.setenv("RELAYMOE_GATHER_WS", "yes")
+    with pytest.raises(ValueError, match="RELAYMOE_GATHER_WS='yes'.*'auto'.*'0'"):
+        grouped._up_swiglu_ws(x, w13)
+
+
 def test_descriptor_allocator_is_set_in_every_thread():
     """Triton's allocator is per thread (a ContextVar): autograd's backward thread, where the ring
     recomputes up_swiglu, must get one too, and a user's own allocator is kept."""

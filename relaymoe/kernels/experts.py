@@ -4,7 +4,7 @@ Shape legend: T tokens, H hidden, I expert FFN width, El local experts (``e1 - e
 P pairs of the range in expert-grouped order (``index.offsets_for(e0, e1)``).
 
 Forward:  up_swiglu (x rows gathered on load, gate+up tiles together, SwiGLU epilogue, router
-          probability folded into ``a``) -> rows_gemm ``y = a @ w2[e]^T`` -> combine (gather-reduce
+          probability folded into ``a``; on sm90 the persistent Gluon kernel of ``gather_ws``) -> rows_gemm ``y = a @ w2[e]^T`` -> combine (gather-reduce
           into out through ``token_index_map``, deterministic, no atomics).
 Backward: rows_gemm ``g = dy[tok] @ w2[e]`` (dy rows gathered on load, plain epilogue, g written
           into the (P, I) buffer that later holds ``p*a``) -> swiglu_backward (memory-bound:

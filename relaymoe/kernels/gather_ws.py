@@ -1,27 +1,29 @@
-"""Warp-specialised gather-on-load grouped GEMMs for sm90 (Gluon; Triton >= 3.6 on Hopper).
+"""The up-projection as a warp-specialised, persistent Gluon kernel for sm90 (Triton >= 3.6).
 
-Why a second implementation of ``grouped.up_swiglu``: in Triton's own pipeliner a gathered
-operand arrives through ``cp.async`` issued by the MMA warps themselves, and every K step ends in
-a ``cp.async`` wait and a block-wide barrier before the ``wgmma`` may read the stage. The
-contiguous-operand GEMMs, whose tiles come through TMA, run at 560-640 TFLOP/s on H200; the
-gathered ones at 440-520 (issue #15). Here one producer warp group gathers the token rows with
-``cp.async`` and signals each stage through an mbarrier (``cp.async.mbarrier.arrive.noinc``: the
-stage is ready when every producer thread's copies have landed), while the weight tiles come by
-TMA onto the same barrier. The consumer warps only wait, fence and issue ``wgmma``; nobody waits
-on a copy it issued.
+What it fixes (issue #15, H200, qwen3 T32k, ``benchmarks/probe_gather.py``): the gather itself
+costs nothing (the Triton kernel ran 3.19 ms over gathered rows, 3.26 over a sorted copy), but
+each program's epilogue does: storing h (64 KB a 128-row tile) took 0.38 ms of 3.38, with the
+tensor cores idle while a program stores. Here each program walks many tiles, and three warp
+partitions overlap:
+- producer (4 warps): gathers each step's x rows with ``cp.async`` (the stage's mbarrier counts
+  every producer thread's copies: ``cp.async.mbarrier.arrive.noinc``) and brings the gate and up
+  weight tiles by TMA onto the same barrier; it runs ahead across tiles;
+- consumer (the kernel's warps): waits, fences (``cp.async`` writes through the generic proxy,
+  ``wgmma`` reads through the async one) and issues the gate and up ``wgmma``; at a tile's end
+  it writes both accumulators, rounded to the output dtype, into shared memory;
+- storer (4 warps): stores h from there in 16-byte vectors and computes a = silu(gate) * up (* p)
+  from the stored values while the consumer runs the next tile.
 
 Shape legend as in ``grouped``: T tokens, H hidden, I expert FFN width, El local experts, P pairs
 of the range (rows ``offs[0]:offs[El]`` of the routing index).
 
-Stage protocol (``STAGES`` slots, step ``i`` uses slot ``i % STAGES``, parity ``(i // STAGES) & 1``):
-- ``ready[s]``: expected arrivals = producer threads (their ``cp.async`` completions) + 1 (the
-  weight TMA's ``expect``, whose bytes complete the phase);
-- ``empty[s]``: 1 arrival, by the consumer once both MMAs of the step have retired. With two
-  consumer warp groups a partition barrier comes first: the arrive is one thread's, and the other
-  warp group's MMAs read the same slot.
+Barriers: ``ready[s]`` / ``empty[s]`` per slot (step ``c`` of the program uses slot
+``c % STAGES`` with parity ``(c // STAGES) & 1``; ``ready`` expects the producer's threads plus
+the TMA's ``expect``); ``epi_ready`` / ``epi_empty`` for the one epilogue buffer. An arrive is one
+thread's, so a partition of two warp groups meets at a partition barrier first.
 
 Only this module imports ``triton.experimental.gluon``; ``grouped.up_swiglu`` imports it lazily
-on sm90 (``available``), so CPU runs never touch it.
+on sm90 (``RELAYMOE_GATHER_WS``), so CPU runs never touch it.
 """
 
 from __future__ import annotations
@@ -47,8 +49,11 @@ __all__ = ["UP_CONFIG", "supports_up_swiglu", "up_swiglu"]
 PRODUCER_WARPS = 4
 STORER_WARPS = 4
 # tiles, slots, consumer warps, the storer's row slice, the workers' registers and the cap
+# H200, qwen3 T32k (benchmarks/sweep_kernels.py --kernels up_swiglu, c91189d): 2.91 ms against
+# 3.18 for the Triton kernel's best; 2 slots 4.54 ms, a 32-column K step with 6 slots 3.11,
+# producer/storer registers 56/80 3.03 (the cap 128 is 16 warps' share of the register file)
 UP_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "STAGES": 3, "EPI_ROWS": 32,
-             "num_warps": 8, "producer_regs": 56, "storer_regs": 80, "maxnreg": 128}  # fmt: skip
+             "num_warps": 8, "producer_regs": 72, "storer_regs": 72, "maxnreg": 128}  # fmt: skip
 
 
 @gluon.jit

@@ -641,7 +641,10 @@ def _check_rows(n_rows: int, where: str) -> None:
 def up_swiglu(x_TH, w13_E2IH, idx_P, offs, prob_P, h_P2I, a_PI, *, config=None):
     """h = x[tok] @ w13[e]^T into ``h_P2I`` (skipped when None); a = silu(gate)*up(*prob_P when
     given) into ``a_PI`` (skipped when None: the fc1 recompute needs h alone). Rows are the
-    range's pairs, ``n_pairs`` the rows of ``a_PI`` (else of ``h_P2I``)."""
+    range's pairs, ``n_pairs`` the rows of ``a_PI`` (else of ``h_P2I``).
+
+    On sm90 the warp-specialised Gluon kernel runs (``RELAYMOE_GATHER_WS``, ``gather_ws.py``)
+    unless a Triton ``config`` is passed; its a comes from h rounded to the output dtype."""
     if h_P2I is None and a_PI is None:
         raise ValueError("up_swiglu needs an output: h_P2I, a_PI or both")
     n_experts, two_i, hidden = w13_E2IH.shape
@@ -650,6 +653,10 @@ def up_swiglu(x_TH, w13_E2IH, idx_P, offs, prob_P, h_P2I, a_PI, *, config=None):
     if n_pairs == 0 or n_experts == 0:
         return
     _check_expert_span(w13_E2IH, "w13", "up_swiglu")
+    ws = _up_swiglu_ws(x_TH, w13_E2IH) if config is None else None
+    if ws is not None:
+        ws.up_swiglu(x_TH, w13_E2IH, idx_P, offs, prob_P, h_P2I, a_PI)
+        return
     key = dict(zip(_UP_KEY, (hidden, ffn, n_experts, h_P2I is not None, prob_P is not None),
                    strict=True))  # fmt: skip
     kernel, meta = _pick(_up_tuned, _up_swiglu_kernel, config, hidden, "up_swiglu", key,
@@ -666,6 +673,36 @@ def up_swiglu(x_TH, w13_E2IH, idx_P, offs, prob_P, h_P2I, a_PI, *, config=None):
         SAVE_H=h_P2I is not None, SCALE=prob_P is not None, IEEE=_ieee(x_TH),
         BLOCK_E=_block_e(n_experts), TMA_W=tma, SAVE_A=a_PI is not None, **meta,
     )  # fmt: skip
+
+
+def _gather_ws_mode() -> str:
+    return env_switch("RELAYMOE_GATHER_WS", {
+        "auto": "the warp-specialised Gluon up-projection (kernels/gather_ws.py) on sm90 where "
+                "Triton's Gluon imports and the shapes allow it, the Triton kernel elsewhere",
+        "0": "always the Triton kernel"})  # fmt: skip
+
+
+@functools.cache
+def _gather_ws_module():
+    """``(module, None)`` or ``(None, reason)``: Gluon is experimental, and a Triton without it,
+    or with another API, keeps the Triton kernel."""
+    try:
+        from relaymoe.kernels import gather_ws
+    except Exception as exc:  # ImportError, or a Gluon whose names moved
+        return None, f"relaymoe.kernels.gather_ws does not import: {exc!r}"
+    return gather_ws, None
+
+
+def _up_swiglu_ws(x_TH, w13_E2IH):
+    """The Gluon module when it takes this up-projection (``RELAYMOE_GATHER_WS``), else None."""
+    if _gather_ws_mode() == "0" or not x_TH.is_cuda or interpret_mode():
+        return None
+    if torch.cuda.get_device_capability(x_TH.device)[0] != 9:
+        return None
+    module, _ = _gather_ws_module()
+    if module is None or not module.supports_up_swiglu(x_TH, w13_E2IH):
+        return None
+    return module
 
 
 def rows_gemm(a_PK, b_EKN, offs, c_PN, *, a_idx=None, config=None):

@@ -80,6 +80,30 @@ def test_up_swiglu_matches_float64(case, dtype):
     assert rel_err(a_only, act_ref) < BOUND
 
 
+def test_grouped_dispatch_and_triton_agree(monkeypatch):
+    """grouped.up_swiglu takes the Gluon kernel on sm90 by default, the Triton one with
+    RELAYMOE_GATHER_WS=0 or a Triton config; h is the same bf16 result either way."""
+    from relaymoe.kernels import grouped
+
+    t, h, i, e, k = 4096, 2048, 768, 128, 8
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    x = torch.randn(t, h, device="cuda", generator=gen).to(torch.bfloat16)
+    w13 = (torch.randn(e, 2 * i, h, device="cuda", generator=gen) / h**0.5).to(torch.bfloat16)
+    idx = random_routing(t, e, k, gen=torch.Generator().manual_seed(6)).cuda()
+    index = build_routing_index(idx.to(torch.int32), e)
+    offs = index.offsets_for(0, e)
+    monkeypatch.delenv("RELAYMOE_GATHER_WS", raising=False)
+    assert grouped._up_swiglu_ws(x, w13) is gather_ws
+    outs = {}
+    for mode in ("auto", "0"):
+        monkeypatch.setenv("RELAYMOE_GATHER_WS", mode)
+        out = torch.full((t * k, 2 * i), float("nan"), device="cuda", dtype=torch.bfloat16)
+        grouped.up_swiglu(x, w13, index.expert_token_indices, offs, None, out, None)
+        outs[mode] = out
+    assert grouped._up_swiglu_ws(x, w13) is None
+    assert torch.equal(outs["auto"], outs["0"])
+
+
 def test_up_swiglu_is_deterministic():
     t, h, i, e, k = 4096, 2048, 768, 128, 8
     gen = torch.Generator(device="cuda").manual_seed(5)
