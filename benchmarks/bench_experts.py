@@ -88,7 +88,8 @@ def make_inputs(num_tokens, num_experts, topk, hidden, ffn, seed=0):
 # --------------------------------------------------------------------------------------------
 # providers: fn(x, w13, w2, idx, probs) -> out (T, H)
 # --------------------------------------------------------------------------------------------
-_SWITCHES = ("RELAYMOE_DENSE_GEMM", "RELAYMOE_WGRAD", "RELAYMOE_TMA", "RELAYMOE_ROWS_GATHER")
+_SWITCHES = ("RELAYMOE_DENSE_GEMM", "RELAYMOE_WGRAD", "RELAYMOE_TMA", "RELAYMOE_ROWS_GATHER",
+             "RELAYMOE_GATHER_WS")  # fmt: skip
 # Two bf16 implementations of the same layer differ by ~6e-3 relative (each ~4e-3 from float64,
 # tests/gpu); beyond this something is wrong, and the run exits non-zero after writing its rows.
 AGREE_BOUND = 2e-2

@@ -178,14 +178,18 @@ ROW_CONFIGS = {
 }
 
 
-# the warp-specialised Gluon up-projection (kernels/gather_ws.py): overrides of its UP_CONFIG
-WS_UP_VARIANTS = [
-    {},
-    {"STAGES": 2},
-    {"BLOCK_K": 32, "STAGES": 6},
-    {"EPI_ROWS": 16},
-    {"producer_regs": 56, "storer_regs": 80},
-]
+# the warp-specialised Gluon kernels (kernels/gather_ws.py): overrides of their UP_CONFIG and
+# ROWS_CONFIG
+WS_VARIANTS = {
+    "up_swiglu": [
+        {},
+        {"STAGES": 2},
+        {"BLOCK_K": 32, "STAGES": 6},
+        {"EPI_ROWS": 16},
+        {"producer_regs": 56, "storer_regs": 80},
+    ],
+    "down_bwd": [{}, {"EPI_ROWS": 16}, {"BLOCK_K": 32, "STAGES": 6}],
+}
 
 
 def _gather_ws():
@@ -199,13 +203,14 @@ def _gather_ws():
 
 
 def sweep_rows(shape: str, configs: dict, *, dims=None, device="cuda", dtype=torch.bfloat16,
-               ws_configs=()):  # fmt: skip
+               ws_configs=None):  # fmt: skip
     """up_swiglu and the gathered-dy rows_gemm per configuration (default ``RELAYMOE_TMA``);
-    ``err`` against the first configuration's result. ``ws_configs``: the Gluon up-projection's
-    configurations (overrides of its ``UP_CONFIG``), timed after the Triton ones (variant
-    ``gluon_ws``)."""
+    ``err`` against the first configuration's result. ``ws_configs``: kernel -> the Gluon
+    kernels' configurations (overrides of ``UP_CONFIG`` / ``ROWS_CONFIG``), timed after the
+    Triton ones (variant ``gluon_ws``)."""
     from relaymoe.kernels import grouped, pairs
 
+    ws_configs = ws_configs or {}
     num_tokens, num_experts, topk, hidden, ffn = dims or SHAPES[shape]
     gen = torch.Generator(device=device).manual_seed(0)
 
@@ -244,14 +249,24 @@ def sweep_rows(shape: str, configs: dict, *, dims=None, device="cuda", dtype=tor
             ref = _time_config(row, fn, out, ref, lambda ms, f=flops: {
                 "tflops": round(f / ms / 1e9, 1)})  # fmt: skip
             rows.append(row)
-        ws = _gather_ws() if kernel == "up_swiglu" and ws_configs else None
-        for cfg in [{**ws.UP_CONFIG, **v} for v in ws_configs] if ws is not None else ():
+        ws = _gather_ws() if ws_configs.get(kernel) else None
+        base = {} if ws is None else ws.UP_CONFIG if kernel == "up_swiglu" else ws.ROWS_CONFIG
+        for cfg in [{**base, **v} for v in ws_configs.get(kernel, ())] if ws is not None else ():
+            if kernel == "up_swiglu":
 
-            def fn(c=cfg, m=ws):
-                m.up_swiglu(x, w13, idx_P, offs, prob_P, h, a, config=c)
+                def fn(c=cfg, m=ws):
+                    m.up_swiglu(x, w13, idx_P, offs, prob_P, h, a, config=c)
 
+                out, flops = h, 2 * pf
+            else:
+
+                def fn(c=cfg, m=ws):
+                    m.rows_gemm(dy, w2, idx_P, offs, a, config=c)
+
+                out, flops = a, pf
             row = {"kernel": kernel, "variant": "gluon_ws", "config": cfg}
-            ref = _time_config(row, fn, h, ref, lambda ms: {"tflops": round(2 * pf / ms / 1e9, 1)})
+            ref = _time_config(row, fn, out, ref, lambda ms, f=flops: {
+                "tflops": round(f / ms / 1e9, 1)})  # fmt: skip
             rows.append(row)
     return rows
 
@@ -313,7 +328,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default="qwen3_30b_a3b_T32k", choices=sorted(SHAPES))
     ap.add_argument("--configs", default="all", choices=("all", "short"))
     ap.add_argument("--kernels", default="wgrad,rows",
-                    help="wgrad, rows (up_swiglu, down_bwd), up_swiglu alone, combine")  # fmt: skip
+                    help="wgrad, rows (up_swiglu, down_bwd: either alone), combine")  # fmt: skip
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -323,9 +338,9 @@ def main(argv=None) -> int:
     writer = JsonlWriter(args.out or f"benchmarks/results/kernel_sweep_{env['date']}.jsonl",
                          env=env)  # fmt: skip
     rows = []
-    if "rows" in args.kernels or "up_swiglu" in args.kernels:
-        which = ROW_CONFIGS if "rows" in args.kernels else {"up_swiglu": ROW_CONFIGS["up_swiglu"]}
-        rows += sweep_rows(args.shape, which, ws_configs=WS_UP_VARIANTS)
+    which = {k: v for k, v in ROW_CONFIGS.items() if "rows" in args.kernels or k in args.kernels}
+    if which:
+        rows += sweep_rows(args.shape, which, ws_configs=WS_VARIANTS)
     if "combine" in args.kernels:
         rows += sweep_combine(args.shape, COMBINE_CONFIGS)
     if "wgrad" in args.kernels:

@@ -119,10 +119,10 @@ def test_gather_ws_switch(monkeypatch):
     """RELAYMOE_GATHER_WS: never the Gluon kernel on CPU; a bad value names the choices."""
     x, w13 = torch.zeros(4, 64), torch.zeros(2, 32, 64)
     monkeypatch.delenv("RELAYMOE_GATHER_WS", raising=False)
-    assert grouped._up_swiglu_ws(x, w13) is None
+    assert grouped._gather_ws("up_swiglu", x, w13) is None
     monkeypatch.setenv("RELAYMOE_GATHER_WS", "yes")
     with pytest.raises(ValueError, match="RELAYMOE_GATHER_WS='yes'.*'auto'.*'0'"):
-        grouped._up_swiglu_ws(x, w13)
+        grouped._gather_ws("up_swiglu", x, w13)
 
 
 def test_descriptor_allocator_is_set_in_every_thread():

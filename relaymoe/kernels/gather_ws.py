@@ -1,4 +1,6 @@
-"""The up-projection as a warp-specialised, persistent Gluon kernel for sm90 (Triton >= 3.6).
+"""The gathered-row GEMMs as warp-specialised, persistent Gluon kernels for sm90 (Triton >= 3.6):
+the up-projection ``x[tok] @ w13[e]^T`` with its SwiGLU, and the down projection's backward
+``dy[tok] @ w2[e]``.
 
 What it fixes (issue #15, H200, qwen3 T32k, ``benchmarks/probe_gather.py``): the gather itself
 costs nothing (the Triton kernel ran 3.19 ms over gathered rows, 3.26 over a sorted copy), but
@@ -13,6 +15,8 @@ partitions overlap:
   it writes both accumulators, rounded to the output dtype, into shared memory;
 - storer (4 warps): stores h from there in 16-byte vectors and computes a = silu(gate) * up (* p)
   from the stored values while the consumer runs the next tile.
+The plain GEMM is the same kernel with its (K, N) weight tiles taken as two adjacent column
+blocks in place of gate and up (``W_KN``), and no SwiGLU.
 
 Shape legend as in ``grouped``: T tokens, H hidden, I expert FFN width, El local experts, P pairs
 of the range (rows ``offs[0]:offs[El]`` of the routing index).
@@ -22,8 +26,9 @@ Barriers: ``ready[s]`` / ``empty[s]`` per slot (step ``c`` of the program uses s
 the TMA's ``expect``); ``epi_ready`` / ``epi_empty`` for the one epilogue buffer. An arrive is one
 thread's, so a partition of two warp groups meets at a partition barrier first.
 
-Only this module imports ``triton.experimental.gluon``; ``grouped.up_swiglu`` imports it lazily
-on sm90 (``RELAYMOE_GATHER_WS``), so CPU runs never touch it.
+Only this module imports ``triton.experimental.gluon``; ``grouped.up_swiglu`` and
+``grouped.rows_gemm`` import it lazily on sm90 (``RELAYMOE_GATHER_WS``), so CPU runs never touch
+it.
 """
 
 from __future__ import annotations
@@ -44,7 +49,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-__all__ = ["UP_CONFIG", "supports_up_swiglu", "up_swiglu"]
+__all__ = ["ROWS_CONFIG", "UP_CONFIG", "rows_gemm", "supports_rows_gemm", "supports_up_swiglu",
+           "up_swiglu"]  # fmt: skip
 
 PRODUCER_WARPS = 4
 STORER_WARPS = 4
@@ -54,6 +60,9 @@ STORER_WARPS = 4
 # producer/storer registers 56/80 3.03 (the cap 128 is 16 warps' share of the register file)
 UP_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "STAGES": 3, "EPI_ROWS": 32,
              "num_warps": 8, "producer_regs": 72, "storer_regs": 72, "maxnreg": 128}  # fmt: skip
+# the plain gathered GEMM (down projection's backward, dy[tok] @ w2[e]): a tile is two adjacent
+# 128-column blocks
+ROWS_CONFIG = dict(UP_CONFIG)
 
 
 @gluon.jit
@@ -92,16 +101,27 @@ def _tile_of(t, n_tiles_n, offs_ptr, n_experts, BLOCK_M: gl.constexpr, BLOCK_E: 
 
 
 @gluon.jit
-def _gather_producer(x_ptr, idx_ptr, offs_ptr, w_desc, x_bufs, wg_bufs, wu_bufs, ready, empty,
-                     n_experts, I, n_tiles, n_tiles_n, n_k, stride_xt,
-                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                     BLOCK_E: gl.constexpr, WARPS: gl.constexpr):  # fmt: skip
-    """Fills slot after slot, across tiles: the gate and up weight tiles by TMA, the x rows of
-    the tile's tokens by ``cp.async`` (16-byte vectors, 8 columns a thread)."""
+def _halves(pid_n, n_cols, W_KN: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(first column of the lo half, offset of the hi half, end of lo, end of hi) of N tile
+    ``pid_n``. Up-projection (``W_KN`` False): lo = gate columns, hi = the up columns I further
+    (h's second half). Plain GEMM: lo and hi are two adjacent BLOCK_N column blocks."""
+    if W_KN:
+        return pid_n * 2 * BLOCK_N, BLOCK_N, n_cols, n_cols
+    return pid_n * BLOCK_N, n_cols, n_cols, 2 * n_cols
+
+
+@gluon.jit
+def _gather_producer(x_ptr, idx_ptr, offs_ptr, w_desc, x_bufs, lo_bufs, hi_bufs, ready, empty,
+                     n_experts, K, n_cols, n_tiles, n_tiles_n, stride_xt,
+                     W_KN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     BLOCK_K: gl.constexpr, BLOCK_E: gl.constexpr, WARPS: gl.constexpr):  # fmt: skip
+    """Fills slot after slot, across tiles: the two weight tiles by TMA, the x rows of the
+    tile's tokens by ``cp.async`` (16-byte vectors, 8 columns a thread)."""
     STAGES: gl.constexpr = x_bufs.type.shape[0]
     TK: gl.constexpr = BLOCK_K // 8
     lay: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TK, TK], [WARPS, 1], [1, 0])
     ks = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, lay))
+    n_k = K // BLOCK_K
     step = 0
     for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
         e, row0, row_end, pid_n = _tile_of(t, n_tiles_n, offs_ptr, n_experts, BLOCK_M, BLOCK_E,
@@ -110,73 +130,91 @@ def _gather_producer(x_ptr, idx_ptr, offs_ptr, w_desc, x_bufs, wg_bufs, wu_bufs,
             rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, lay))
             tok = gl.load(idx_ptr + rows, mask=rows < row_end, other=0).to(gl.int64)
             x_ptrs = x_ptr + tok[:, None] * stride_xt + ks[None, :]
-            g_row = (e * 2 * I + pid_n * BLOCK_N).to(gl.int32)
+            col0, hi_off, lo_end, hi_end = _halves(pid_n, n_cols, W_KN, BLOCK_N)
+            if W_KN:  # w as (El*K, N) rows
+                w_row = (e * K).to(gl.int32)
+            else:  # w13 as (El*2I, H) rows
+                w_row = (e * 2 * n_cols + col0).to(gl.int32)
             for i in range(n_k):
                 s = step % STAGES
                 mbarrier.wait(empty.index(s), ((step // STAGES) & 1) ^ 1)
                 bar = ready.index(s)
                 mbarrier.expect(bar, 2 * w_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(w_desc, [g_row, i * BLOCK_K], bar,
-                                                wg_bufs.index(s))  # fmt: skip
-                tma.async_copy_global_to_shared(w_desc, [g_row + I, i * BLOCK_K], bar,
-                                                wu_bufs.index(s))  # fmt: skip
+                if W_KN:
+                    tma.async_copy_global_to_shared(w_desc, [w_row + i * BLOCK_K, col0], bar,
+                                                    lo_bufs.index(s))  # fmt: skip
+                    tma.async_copy_global_to_shared(w_desc, [w_row + i * BLOCK_K, col0 + hi_off],
+                                                    bar, hi_bufs.index(s))  # fmt: skip
+                else:
+                    tma.async_copy_global_to_shared(w_desc, [w_row, i * BLOCK_K], bar,
+                                                    lo_bufs.index(s))  # fmt: skip
+                    tma.async_copy_global_to_shared(w_desc, [w_row + hi_off, i * BLOCK_K], bar,
+                                                    hi_bufs.index(s))  # fmt: skip
                 async_copy.async_copy_global_to_shared(x_bufs.index(s), x_ptrs + i * BLOCK_K)
                 async_copy.mbarrier_arrive(bar, increment_count=False)
                 step += 1
 
 
 @gluon.jit
-def _dual_mma_consumer(x_bufs, wg_bufs, wu_bufs, ready, empty, g_epi, u_epi, epi_ready,
-                       epi_empty, offs_ptr, n_experts, n_tiles, n_tiles_n, n_k,
-                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_E: gl.constexpr,
+def _dual_mma_consumer(x_bufs, lo_bufs, hi_bufs, ready, empty, lo_epi, hi_epi, epi_ready,
+                       epi_empty, offs_ptr, n_experts, K, n_tiles, n_tiles_n,
+                       W_KN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                       BLOCK_K: gl.constexpr, BLOCK_E: gl.constexpr,
                        num_warps: gl.constexpr):  # fmt: skip
-    """gate and up accumulators of each tile (one step's two MMAs stay in flight), handed to the
-    storer through shared memory in the output dtype."""
+    """The lo and hi accumulators of each tile (one step's two MMAs stay in flight), handed to
+    the storer through shared memory in the output dtype."""
     STAGES: gl.constexpr = x_bufs.type.shape[0]
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
     )
+    n_k = K // BLOCK_K
     step = 0
     done = 0
     for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
         e, row0, row_end, pid_n = _tile_of(t, n_tiles_n, offs_ptr, n_experts, BLOCK_M, BLOCK_E,
                                            num_warps)  # fmt: skip
         if e < n_experts:
-            acc_g = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
-            acc_u = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
+            acc_lo = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
+            acc_hi = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
             for i in range(n_k):
                 s = step % STAGES
                 mbarrier.wait(ready.index(s), (step // STAGES) & 1)
                 fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads async
                 xs = x_bufs.index(s)
-                acc_g = warpgroup_mma(xs, wg_bufs.index(s).permute((1, 0)), acc_g, is_async=True)
-                acc_u = warpgroup_mma(xs, wu_bufs.index(s).permute((1, 0)), acc_u, is_async=True)
-                acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
+                if W_KN:
+                    b_lo = lo_bufs.index(s)
+                    b_hi = hi_bufs.index(s)
+                else:
+                    b_lo = lo_bufs.index(s).permute((1, 0))
+                    b_hi = hi_bufs.index(s).permute((1, 0))
+                acc_lo = warpgroup_mma(xs, b_lo, acc_lo, is_async=True)
+                acc_hi = warpgroup_mma(xs, b_hi, acc_hi, is_async=True)
+                acc_lo, acc_hi = warpgroup_mma_wait(num_outstanding=2, deps=(acc_lo, acc_hi))
                 if num_warps > 4:
                     gl.thread_barrier()
                 mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=i > 0)
                 step += 1
-            acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
+            acc_lo, acc_hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc_lo, acc_hi))
             if num_warps > 4:
                 gl.thread_barrier()
             mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))
             mbarrier.wait(epi_empty, (done & 1) ^ 1)
-            g_epi.store(acc_g.to(g_epi.dtype))
-            u_epi.store(acc_u.to(u_epi.dtype))
+            lo_epi.store(acc_lo.to(lo_epi.dtype))
+            hi_epi.store(acc_hi.to(hi_epi.dtype))
             gl.thread_barrier()
             mbarrier.arrive(epi_ready)
             done += 1
 
 
 @gluon.jit
-def _swiglu_storer(g_epi, u_epi, epi_ready, epi_empty, offs_ptr, prob_ptr, h_ptr, a_ptr,
-                   n_experts, I, n_tiles, n_tiles_n, stride_hp, stride_ap,
-                   SAVE_H: gl.constexpr, SCALE: gl.constexpr, SAVE_A: gl.constexpr,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_E: gl.constexpr,
-                   ROWS: gl.constexpr, WARPS: gl.constexpr):  # fmt: skip
-    """Drains each tile's gate and up from shared memory in ``ROWS``-row slices while the
-    consumer runs the next tile: h stored (16-byte vectors), a = silu(gate) * up (* p) from the
-    stored values, rows masked at the expert's end and columns at I."""
+def _tile_storer(lo_epi, hi_epi, epi_ready, epi_empty, offs_ptr, prob_ptr, h_ptr, a_ptr,
+                 n_experts, n_cols, n_tiles, n_tiles_n, stride_hp, stride_ap,
+                 W_KN: gl.constexpr, SAVE_H: gl.constexpr, SCALE: gl.constexpr,
+                 SAVE_A: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 BLOCK_E: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr):  # fmt: skip
+    """Drains each tile from shared memory in ``ROWS``-row slices while the consumer runs the
+    next tile: both halves stored into h (16-byte vectors); for the up-projection also
+    a = silu(gate) * up (* p) from the stored values. Rows masked at the expert's end."""
     TN: gl.constexpr = BLOCK_N // 8
     lay: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TN, TN], [WARPS, 1], [1, 0])
     base = gl.load(offs_ptr)
@@ -185,57 +223,61 @@ def _swiglu_storer(g_epi, u_epi, epi_ready, epi_empty, offs_ptr, prob_ptr, h_ptr
         e, row0, row_end, pid_n = _tile_of(t, n_tiles_n, offs_ptr, n_experts, BLOCK_M, BLOCK_E,
                                            WARPS)  # fmt: skip
         if e < n_experts:
-            cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, lay))
-            col_ok = cols < I
+            col0, hi_off, lo_end, hi_end = _halves(pid_n, n_cols, W_KN, BLOCK_N)
+            cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, lay))
+            lo_ok = cols < lo_end
+            hi_ok = cols + hi_off < hi_end
             mbarrier.wait(epi_ready, done & 1)
             for r in gl.static_range(0, BLOCK_M, ROWS):
                 rows = row0 + r + gl.arange(0, ROWS, layout=gl.SliceLayout(1, lay))
                 row_ok = rows < row_end
                 lrows = gl.where(row_ok, rows - base, 0)
-                mask = row_ok[:, None] & col_ok[None, :]
-                gate = g_epi.slice(r, ROWS).load(lay)
-                up = u_epi.slice(r, ROWS).load(lay)
+                lo = lo_epi.slice(r, ROWS).load(lay)
+                hi = hi_epi.slice(r, ROWS).load(lay)
                 if SAVE_H:
                     hp = h_ptr + lrows[:, None] * stride_hp + cols[None, :]
-                    gl.store(hp, gate, mask=mask)
-                    gl.store(hp + I, up, mask=mask)
+                    gl.store(hp, lo, mask=row_ok[:, None] & lo_ok[None, :])
+                    gl.store(hp + hi_off, hi, mask=row_ok[:, None] & hi_ok[None, :])
                 if SAVE_A:
-                    g32 = gate.to(gl.float32)
-                    act = g32 / (1.0 + gl.exp(-g32)) * up.to(gl.float32)
+                    g32 = lo.to(gl.float32)
+                    act = g32 / (1.0 + gl.exp(-g32)) * hi.to(gl.float32)
                     if SCALE:
                         p = gl.load(prob_ptr + lrows, mask=row_ok, other=0.0)
                         act = act * p.to(gl.float32)[:, None]
                     ap = a_ptr + lrows[:, None] * stride_ap + cols[None, :]
-                    gl.store(ap, act.to(a_ptr.dtype.element_ty), mask=mask)
+                    gl.store(ap, act.to(a_ptr.dtype.element_ty),
+                             mask=row_ok[:, None] & lo_ok[None, :])  # fmt: skip
             gl.thread_barrier()
             mbarrier.arrive(epi_empty)
             done += 1
 
 
 @gluon.jit
-def _up_swiglu_ws_kernel(
+def _gathered_gemm_ws_kernel(
     x_ptr, w_desc, idx_ptr, offs_ptr, prob_ptr, h_ptr, a_ptr,
-    n_experts, H, I, n_tiles,
+    n_experts, K, n_cols, n_tiles,
     stride_xt, stride_hp, stride_ap,
     x_layout: gl.constexpr, epi_layout: gl.constexpr,
-    SAVE_H: gl.constexpr, SCALE: gl.constexpr, SAVE_A: gl.constexpr,
+    W_KN: gl.constexpr, SAVE_H: gl.constexpr, SCALE: gl.constexpr, SAVE_A: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, BLOCK_E: gl.constexpr,
     STAGES: gl.constexpr, EPI_ROWS: gl.constexpr,
     PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     STORER_WARPS: gl.constexpr, STORER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
-    """h[q] = x[tok[q]] @ w13[e]^T, a = silu(gate) * up (* p): ``grouped._up_swiglu_kernel``'s
-    contract, with ``H % BLOCK_K == 0`` and w13 read as (El*2I, H) rows through ``w_desc``.
-    Persistent: each program walks work items ``pid, pid + nprog, ...`` of the ``n_tiles``
-    (M tiles, an upper bound, x N tiles); the three partitions walk the same items."""
+    """Rows ``x[tok[q]]`` (q of the range, K = H columns, ``K % BLOCK_K == 0``) times expert e's
+    weight, persistent over the work items ``pid, pid + nprog, ...`` of ``n_tiles`` (M tiles, an
+    upper bound, x N tiles); the three partitions walk the same items.
+    - ``W_KN`` False (up-projection): w13 as (El*2I, H) rows through ``w_desc``, ``n_cols`` = I;
+      h = [gate, up] stored when ``SAVE_H``, a = silu(gate) * up (* p) when ``SAVE_A``.
+    - ``W_KN`` True (plain): w as (El*K, N) rows, ``n_cols`` = N; h = x[tok] @ w[e]."""
     x_bufs = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, BLOCK_M, BLOCK_K],
                                        x_layout)  # fmt: skip
-    wg_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape,
+    lo_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape,
                                         w_desc.layout)  # fmt: skip
-    wu_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape,
+    hi_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape,
                                         w_desc.layout)  # fmt: skip
-    g_epi = gl.allocate_shared_memory(h_ptr.dtype.element_ty, [BLOCK_M, BLOCK_N], epi_layout)
-    u_epi = gl.allocate_shared_memory(h_ptr.dtype.element_ty, [BLOCK_M, BLOCK_N], epi_layout)
+    lo_epi = gl.allocate_shared_memory(h_ptr.dtype.element_ty, [BLOCK_M, BLOCK_N], epi_layout)
+    hi_epi = gl.allocate_shared_memory(h_ptr.dtype.element_ty, [BLOCK_M, BLOCK_N], epi_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     epi_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -245,21 +287,23 @@ def _up_swiglu_ws_kernel(
         mbarrier.init(empty.index(s), count=1)
     mbarrier.init(epi_ready, count=1)
     mbarrier.init(epi_empty, count=1)
-    n_tiles_n = gl.cdiv(I, BLOCK_N)
-    n_k = H // BLOCK_K
+    if W_KN:
+        n_tiles_n = gl.cdiv(n_cols, 2 * BLOCK_N)
+    else:
+        n_tiles_n = gl.cdiv(n_cols, BLOCK_N)
     # fmt: off
     # (argument tuples written in place: a tuple bound to a name first loses its constexprs)
     gl.warp_specialize(
-        [(_dual_mma_consumer, (x_bufs, wg_bufs, wu_bufs, ready, empty, g_epi, u_epi, epi_ready,
-                               epi_empty, offs_ptr, n_experts, n_tiles, n_tiles_n, n_k,
-                               BLOCK_M, BLOCK_N, BLOCK_E, num_warps)),
-         (_gather_producer, (x_ptr, idx_ptr, offs_ptr, w_desc, x_bufs, wg_bufs, wu_bufs, ready,
-                             empty, n_experts, I, n_tiles, n_tiles_n, n_k, stride_xt,
-                             BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E, PRODUCER_WARPS)),
-         (_swiglu_storer, (g_epi, u_epi, epi_ready, epi_empty, offs_ptr, prob_ptr, h_ptr, a_ptr,
-                           n_experts, I, n_tiles, n_tiles_n, stride_hp, stride_ap,
-                           SAVE_H, SCALE, SAVE_A, BLOCK_M, BLOCK_N, BLOCK_E, EPI_ROWS,
-                           STORER_WARPS))],
+        [(_dual_mma_consumer, (x_bufs, lo_bufs, hi_bufs, ready, empty, lo_epi, hi_epi, epi_ready,
+                               epi_empty, offs_ptr, n_experts, K, n_tiles, n_tiles_n,
+                               W_KN, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E, num_warps)),
+         (_gather_producer, (x_ptr, idx_ptr, offs_ptr, w_desc, x_bufs, lo_bufs, hi_bufs, ready,
+                             empty, n_experts, K, n_cols, n_tiles, n_tiles_n, stride_xt,
+                             W_KN, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E, PRODUCER_WARPS)),
+         (_tile_storer, (lo_epi, hi_epi, epi_ready, epi_empty, offs_ptr, prob_ptr, h_ptr, a_ptr,
+                         n_experts, n_cols, n_tiles, n_tiles_n, stride_hp, stride_ap,
+                         W_KN, SAVE_H, SCALE, SAVE_A, BLOCK_M, BLOCK_N, BLOCK_E, EPI_ROWS,
+                         STORER_WARPS))],
         [PRODUCER_WARPS, STORER_WARPS],
         [PRODUCER_REGS, STORER_REGS],
     )
@@ -271,39 +315,69 @@ def _up_swiglu_ws_kernel(
     mbarrier.invalidate(epi_empty)
 
 
-def supports_up_swiglu(x_TH, w13_E2IH, config=None) -> bool:
-    """Whether this kernel takes the call: bf16/fp16 CUDA tensors on sm90, H a multiple of the K
-    step, a contiguous w13 whose (El*2I, H) rows a tensor descriptor takes, 16-byte x rows."""
-    cfg = config or UP_CONFIG
-    if not (x_TH.is_cuda and x_TH.dtype in (torch.bfloat16, torch.float16)):
+def _supports(x_TK, w, cfg) -> bool:
+    """bf16/fp16 CUDA tensors on sm90; K a multiple of the K step; a contiguous weight whose 2-D
+    row view a tensor descriptor takes; x rows of unit column stride and 16-byte aligned."""
+    if not (x_TK.is_cuda and x_TK.dtype in (torch.bfloat16, torch.float16)):
         return False
-    if w13_E2IH.dtype != x_TH.dtype or not w13_E2IH.is_contiguous():
+    if w.dtype != x_TK.dtype or not w.is_contiguous() or w.data_ptr() % 16:
         return False
-    if torch.cuda.get_device_capability(x_TH.device)[0] != 9:
+    if torch.cuda.get_device_capability(x_TK.device)[0] != 9:
         return False
-    hidden = w13_E2IH.shape[2]
-    elt = x_TH.element_size()
+    elt = x_TK.element_size()
     return (
-        hidden % cfg["BLOCK_K"] == 0
-        and x_TH.stride(1) == 1
-        and (x_TH.stride(0) * elt) % 16 == 0
-        and x_TH.data_ptr() % 16 == 0
-        and w13_E2IH.data_ptr() % 16 == 0
-        and (hidden * elt) % 16 == 0
+        x_TK.shape[1] % cfg["BLOCK_K"] == 0
+        and x_TK.stride(1) == 1
+        and (x_TK.stride(0) * elt) % 16 == 0
+        and x_TK.data_ptr() % 16 == 0
+        and (w.shape[2] * elt) % 16 == 0
     )
 
 
+def supports_up_swiglu(x_TH, w13_E2IH, config=None) -> bool:
+    """Whether :func:`up_swiglu` takes the call (``_supports`` with w13 as (El*2I, H) rows)."""
+    return x_TH.shape[1] == w13_E2IH.shape[2] and _supports(x_TH, w13_E2IH, config or UP_CONFIG)
+
+
+def supports_rows_gemm(x_TK, w_EKN, config=None) -> bool:
+    """Whether :func:`rows_gemm` takes the call (``_supports`` with w as (El*K, N) rows)."""
+    return x_TK.shape[1] == w_EKN.shape[1] and _supports(x_TK, w_EKN, config or ROWS_CONFIG)
+
+
 @functools.cache
-def _layouts(bm: int, bn: int, bk: int, dtype: torch.dtype):
+def _layouts(bm: int, bn: int, bk: int, dtype: torch.dtype, w_kn: bool):
     gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-    return (gl.NVMMASharedLayout.get_default_for([bm, bk], gdt),
-            gl.NVMMASharedLayout.get_default_for([bn, bk], gdt),
+    w_block = [bk, bn] if w_kn else [bn, bk]
+    return (gl.NVMMASharedLayout.get_default_for([bm, bk], gdt), w_block,
+            gl.NVMMASharedLayout.get_default_for(w_block, gdt),
             gl.NVMMASharedLayout.get_default_for([bm, bn], gdt))  # fmt: skip
 
 
 @functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _launch(x_TK, w_rows, idx_P, offs, prob_P, h, a, *, n_experts, n_cols, n_tiles_n, w_kn,
+            save_h, save_a, cfg) -> None:  # fmt: skip
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    x_layout, w_block, w_layout, epi_layout = _layouts(bm, bn, bk, x_TK.dtype, w_kn)
+    w_desc = TensorDescriptor.from_tensor(w_rows, w_block, w_layout)
+    n_pairs = h.shape[0]
+    n_tiles = (triton.cdiv(n_pairs, bm) + n_experts) * n_tiles_n
+    grid = (min(n_tiles, _sm_count(x_TK.device.index or 0)),)
+    _gathered_gemm_ws_kernel[grid](
+        x_TK, w_desc, idx_P, offs, prob_P if prob_P is not None else a, h, a,
+        n_experts, x_TK.shape[1], n_cols, n_tiles,
+        x_TK.stride(0), h.stride(0), a.stride(0),
+        x_layout, epi_layout,
+        W_KN=w_kn, SAVE_H=save_h, SCALE=prob_P is not None, SAVE_A=save_a,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=max(32, triton.next_power_of_2(n_experts)),
+        STAGES=cfg["STAGES"], EPI_ROWS=cfg["EPI_ROWS"],
+        PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=cfg["producer_regs"],
+        STORER_WARPS=STORER_WARPS, STORER_REGS=cfg["storer_regs"], num_warps=cfg["num_warps"],
+        maxnreg=cfg["maxnreg"],
+    )  # fmt: skip
 
 
 def up_swiglu(x_TH, w13_E2IH, idx_P, offs, prob_P, h_P2I, a_PI, *, config=None) -> None:
@@ -313,27 +387,23 @@ def up_swiglu(x_TH, w13_E2IH, idx_P, offs, prob_P, h_P2I, a_PI, *, config=None) 
     cfg = config or UP_CONFIG
     n_experts, two_i, hidden = w13_E2IH.shape
     ffn = two_i // 2
-    n_pairs = (a_PI if a_PI is not None else h_P2I).shape[0]
-    if n_pairs == 0 or n_experts == 0:
-        return
-    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    x_layout, w_layout, epi_layout = _layouts(bm, bn, bk, x_TH.dtype)
-    w_desc = TensorDescriptor.from_tensor(w13_E2IH.view(n_experts * two_i, hidden), [bn, bk],
-                                          w_layout)  # fmt: skip
     h = h_P2I if h_P2I is not None else a_PI
     a = a_PI if a_PI is not None else h_P2I
-    p = prob_P if prob_P is not None else a
-    n_tiles = (triton.cdiv(n_pairs, bm) + n_experts) * triton.cdiv(ffn, bn)
-    grid = (min(n_tiles, _sm_count(x_TH.device.index or 0) * cfg.get("ctas_per_sm", 1)),)
-    _up_swiglu_ws_kernel[grid](
-        x_TH, w_desc, idx_P, offs, p, h, a,
-        n_experts, hidden, ffn, n_tiles,
-        x_TH.stride(0), h.stride(0), a.stride(0),
-        x_layout, epi_layout,
-        SAVE_H=h_P2I is not None, SCALE=prob_P is not None, SAVE_A=a_PI is not None,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=max(32, triton.next_power_of_2(n_experts)),
-        STAGES=cfg["STAGES"], EPI_ROWS=cfg["EPI_ROWS"],
-        PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=cfg["producer_regs"],
-        STORER_WARPS=STORER_WARPS, STORER_REGS=cfg["storer_regs"], num_warps=cfg["num_warps"],
-        maxnreg=cfg["maxnreg"],
-    )  # fmt: skip
+    if h.shape[0] == 0 or n_experts == 0:
+        return
+    _launch(x_TH, w13_E2IH.view(n_experts * two_i, hidden), idx_P, offs, prob_P, h, a,
+            n_experts=n_experts, n_cols=ffn, n_tiles_n=triton.cdiv(ffn, cfg["BLOCK_N"]),
+            w_kn=False, save_h=h_P2I is not None, save_a=a_PI is not None, cfg=cfg)  # fmt: skip
+
+
+def rows_gemm(x_TK, w_EKN, idx_P, offs, c_PN, *, config=None) -> None:
+    """c[q] = x[idx_P[q]] @ w[e] for the range's pairs (``grouped.rows_gemm`` with ``a_idx``);
+    call only where :func:`supports_rows_gemm` holds."""
+    cfg = config or ROWS_CONFIG
+    n_experts, kdim, ncols = w_EKN.shape
+    if c_PN.shape[0] == 0 or n_experts == 0:
+        return
+    _launch(x_TK, w_EKN.view(n_experts * kdim, ncols), idx_P, offs, None, c_PN, c_PN,
+            n_experts=n_experts, n_cols=ncols,
+            n_tiles_n=triton.cdiv(ncols, 2 * cfg["BLOCK_N"]), w_kn=True, save_h=True,
+            save_a=False, cfg=cfg)  # fmt: skip

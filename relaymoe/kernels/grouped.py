@@ -653,7 +653,7 @@ def up_swiglu(x_TH, w13_E2IH, idx_P, offs, prob_P, h_P2I, a_PI, *, config=None):
     if n_pairs == 0 or n_experts == 0:
         return
     _check_expert_span(w13_E2IH, "w13", "up_swiglu")
-    ws = _up_swiglu_ws(x_TH, w13_E2IH) if config is None else None
+    ws = _gather_ws("up_swiglu", x_TH, w13_E2IH) if config is None else None
     if ws is not None:
         ws.up_swiglu(x_TH, w13_E2IH, idx_P, offs, prob_P, h_P2I, a_PI)
         return
@@ -677,9 +677,10 @@ def up_swiglu(x_TH, w13_E2IH, idx_P, offs, prob_P, h_P2I, a_PI, *, config=None):
 
 def _gather_ws_mode() -> str:
     return env_switch("RELAYMOE_GATHER_WS", {
-        "auto": "the warp-specialised Gluon up-projection (kernels/gather_ws.py) on sm90 where "
-                "Triton's Gluon imports and the shapes allow it, the Triton kernel elsewhere",
-        "0": "always the Triton kernel"})  # fmt: skip
+        "auto": "the warp-specialised Gluon kernels (kernels/gather_ws.py) for the up-projection "
+                "and the gathered-row GEMM on sm90 where Triton's Gluon imports and the shapes "
+                "allow it, the Triton kernels elsewhere",
+        "0": "always the Triton kernels"})  # fmt: skip
 
 
 @functools.cache
@@ -693,14 +694,15 @@ def _gather_ws_module():
     return gather_ws, None
 
 
-def _up_swiglu_ws(x_TH, w13_E2IH):
-    """The Gluon module when it takes this up-projection (``RELAYMOE_GATHER_WS``), else None."""
-    if _gather_ws_mode() == "0" or not x_TH.is_cuda or interpret_mode():
+def _gather_ws(kind: str, x_TK, w):
+    """The Gluon module when it takes this gathered GEMM (``kind``: ``up_swiglu`` or
+    ``rows_gemm``; ``RELAYMOE_GATHER_WS``), else None."""
+    if _gather_ws_mode() == "0" or not x_TK.is_cuda or interpret_mode():
         return None
-    if torch.cuda.get_device_capability(x_TH.device)[0] != 9:
+    if torch.cuda.get_device_capability(x_TK.device)[0] != 9:
         return None
     module, _ = _gather_ws_module()
-    if module is None or not module.supports_up_swiglu(x_TH, w13_E2IH):
+    if module is None or not getattr(module, f"supports_{kind}")(x_TK, w):
         return None
     return module
 
@@ -709,12 +711,17 @@ def rows_gemm(a_PK, b_EKN, offs, c_PN, *, a_idx=None, config=None):
     """c[q] = a[q] @ b[e] for the range's pairs; ``b_EKN`` may be any strided (E, K, N) view.
 
     With ``a_idx`` (the full ``expert_token_indices``) ``a`` is a (T, K) operand read at row
-    ``a_idx[q]`` (gather on load); then ``n_pairs = c_PN.shape[0]``."""
+    ``a_idx[q]`` (gather on load); then ``n_pairs = c_PN.shape[0]``, and on sm90 the Gluon
+    kernel runs unless a Triton ``config`` is passed (``RELAYMOE_GATHER_WS``)."""
     n_experts, kdim, ncols = b_EKN.shape
     n_pairs = c_PN.shape[0]
     if n_pairs == 0 or n_experts == 0:
         return
     _check_expert_span(b_EKN, "the weight operand", "rows_gemm")
+    ws = _gather_ws("rows_gemm", a_PK, b_EKN) if a_idx is not None and config is None else None
+    if ws is not None:
+        ws.rows_gemm(a_PK, b_EKN, a_idx, offs, c_PN)
+        return
     key = dict(zip(_ROWS_KEY, (ncols, kdim, n_experts, a_idx is not None), strict=True))
     kernel, meta = _pick(_rows_tuned, _rows_gemm_kernel, config, kdim, "rows_gemm", key,
                          a_PK.dtype)  # fmt: skip

@@ -93,15 +93,41 @@ def test_grouped_dispatch_and_triton_agree(monkeypatch):
     index = build_routing_index(idx.to(torch.int32), e)
     offs = index.offsets_for(0, e)
     monkeypatch.delenv("RELAYMOE_GATHER_WS", raising=False)
-    assert grouped._up_swiglu_ws(x, w13) is gather_ws
+    assert grouped._gather_ws("up_swiglu", x, w13) is gather_ws
     outs = {}
     for mode in ("auto", "0"):
         monkeypatch.setenv("RELAYMOE_GATHER_WS", mode)
         out = torch.full((t * k, 2 * i), float("nan"), device="cuda", dtype=torch.bfloat16)
         grouped.up_swiglu(x, w13, index.expert_token_indices, offs, None, out, None)
         outs[mode] = out
-    assert grouped._up_swiglu_ws(x, w13) is None
+    assert grouped._gather_ws("up_swiglu", x, w13) is None
     assert torch.equal(outs["auto"], outs["0"])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", CASES)
+def test_rows_gemm_matches_float64(case, dtype):
+    """c[q] = dy[tok[q]] @ w2[e] (the down projection's backward), N = I not always a multiple
+    of the 256-column tile, through grouped.rows_gemm's dispatch."""
+    from relaymoe.kernels import grouped
+
+    t, h, i, e, k, kind, rng = case
+    gen = torch.Generator(device="cuda").manual_seed(t + e + 1)
+    dy = torch.randn(t, h, device="cuda", generator=gen).to(dtype)
+    w2 = (torch.randn(e, h, i, device="cuda", generator=gen) / h**0.5).to(dtype)
+    idx = random_routing(t, e, k, gen=torch.Generator().manual_seed(e + 1), kind=kind).cuda()
+    index = build_routing_index(idx.to(torch.int32), e)
+    e0, e1 = rng or (0, e)
+    offs = index.offsets_for(e0, e1)
+    n_pairs = int(offs[-1] - offs[0])
+    assert grouped._gather_ws("rows_gemm", dy, w2[e0:e1]) is gather_ws
+    c = torch.full((n_pairs, i), float("nan"), device="cuda", dtype=dtype)
+    grouped.rows_gemm(dy, w2[e0:e1], offs, c, a_idx=index.expert_token_indices)
+    tok = index.expert_token_indices[int(offs[0]) :].long()
+    starts = (offs - offs[0]).tolist()
+    ref = torch.cat([dy[tok[starts[j] : starts[j + 1]]].double() @ w2[e0 + j].double()
+                     for j in range(e1 - e0)])  # fmt: skip
+    assert rel_err(c, ref) < BOUND
 
 
 def test_up_swiglu_is_deterministic():
