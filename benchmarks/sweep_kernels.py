@@ -53,12 +53,10 @@ def _err(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def sweep(
-    shape: str, configs: list[dict], *, dims=None, device="cuda", dtype=torch.bfloat16,
-    ws_configs=(),
-) -> list[dict]:  # fmt: skip
+    shape: str, configs: list[dict], *, dims=None, device="cuda", dtype=torch.bfloat16
+) -> list[dict]:
     """Rows for ``shape`` (``dims`` = (T, E, K, H, I) overrides it: the CPU check of this
-    harness runs a tiny problem under the Triton interpreter). ``ws_configs``: overrides of the
-    Gluon wgrad's ``WGRAD_CONFIG``, timed after the Triton kernel (variant ``gluon_ws``)."""
+    harness runs a tiny problem under the Triton interpreter)."""
     from relaymoe.kernels import grouped
     from relaymoe.kernels.experts import _col_chunks, _HopGroups, _wgrad_gmm
 
@@ -154,15 +152,6 @@ def sweep(
             add(name, "triton_contiguous_tma1", cfg, run_c, flops, out, ref)
         del full, ca, cb
         os.environ.pop("RELAYMOE_TMA", None)
-        ws = _gather_ws() if ws_configs else None
-        for cfg in [{**ws.WGRAD_CONFIG, **v} for v in ws_configs] if ws is not None else ():
-            out.fill_(float("nan"))
-
-            def run_ws(o=out, aa=op_a, bb=op_b, ag=a_gather, c=cfg, m=ws):
-                m.wgrad(aa, bb, idx_P, offs, o, a_gather=ag, b_gather=not ag, accumulate=False,
-                        config=c)  # fmt: skip
-
-            add(name, "gluon_ws", cfg, run_ws, flops, out, ref)
         del out, ref
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -200,12 +189,6 @@ WS_VARIANTS = {
         {"producer_regs": 56, "storer_regs": 80},
     ],
     "down_bwd": [{}, {"EPI_ROWS": 16}, {"BLOCK_K": 32, "STAGES": 6}],
-    "wgrad": [
-        {},
-        {"EPI_ROWS": 32},
-        {"BLOCK_K": 32, "STAGES": 6},
-        {"producer_regs": 72, "storer_regs": 72},
-    ],
 }
 
 
@@ -361,8 +344,7 @@ def main(argv=None) -> int:
     if "combine" in args.kernels:
         rows += sweep_combine(args.shape, COMBINE_CONFIGS)
     if "wgrad" in args.kernels:
-        rows += sweep(args.shape, CONFIGS if args.configs == "all" else SHORT,
-                      ws_configs=WS_VARIANTS["wgrad"])  # fmt: skip
+        rows += sweep(args.shape, CONFIGS if args.configs == "all" else SHORT)
     for r in rows:
         writer.write({"bench": "kernel_sweep", "shape": args.shape, **r})
     print_table(rows, ["kernel", "variant", "config", "ms", "tflops", "gbps", "err", "error"])

@@ -26,6 +26,11 @@ Barriers: ``ready[s]`` / ``empty[s]`` per slot (step ``c`` of the program uses s
 the TMA's ``expect``); ``epi_ready`` / ``epi_empty`` for the one epilogue buffer. An arrive is one
 thread's, so a partition of two warp groups meets at a partition barrier first.
 
+Tried and removed: the weight gradients in the same form (both operands by masked ``cp.async``,
+A read transposed, two 128-column accumulators, storer partition) ran dw2 in 3.8 ms and dw13 in
+3.6 against the Triton kernel's 1.66 and 3.45 (H200, qwen3 T32k, sweep_kernels.py --kernels
+wgrad, d276ef7). The Triton kernel keeps them.
+
 Only this module imports ``triton.experimental.gluon``; ``grouped.up_swiglu`` and
 ``grouped.rows_gemm`` import it lazily on sm90 (``RELAYMOE_GATHER_WS``), so CPU runs never touch
 it.
@@ -49,8 +54,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-__all__ = ["ROWS_CONFIG", "UP_CONFIG", "WGRAD_CONFIG", "rows_gemm", "supports_rows_gemm",
-           "supports_up_swiglu", "supports_wgrad", "up_swiglu", "wgrad"]  # fmt: skip
+__all__ = ["ROWS_CONFIG", "UP_CONFIG", "rows_gemm", "supports_rows_gemm", "supports_up_swiglu",
+           "up_swiglu"]  # fmt: skip
 
 PRODUCER_WARPS = 4
 STORER_WARPS = 4
@@ -63,9 +68,6 @@ UP_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "STAGES": 3, "EPI_RO
 # the plain gathered GEMM (down projection's backward, dy[tok] @ w2[e]): a tile is two adjacent
 # 128-column blocks
 ROWS_CONFIG = dict(UP_CONFIG)
-# weight gradients: a 128 x (2 x 128) output tile, 64 pairs a step
-WGRAD_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "STAGES": 3, "EPI_ROWS": 16,
-                "num_warps": 8, "producer_regs": 88, "storer_regs": 56, "maxnreg": 128}  # fmt: skip
 
 
 @gluon.jit
@@ -318,205 +320,6 @@ def _gathered_gemm_ws_kernel(
     mbarrier.invalidate(epi_empty)
 
 
-@gluon.jit
-def _wgrad_item(t, tiles_m, tiles_n):
-    """(expert, M tile, N tile) of work item ``t``: N tiles fastest, then M, so the programs
-    running at once read one expert's pair rows (both operands) from L2."""
-    per_e = tiles_m * tiles_n
-    r = t % per_e
-    return t // per_e, r // tiles_n, r % tiles_n
-
-
-@gluon.jit
-def _wgrad_producer(a_ptr, b_ptr, idx_ptr, offs_ptr, a_bufs, lo_bufs, hi_bufs, ready, empty,
-                    M, N, n_tiles, tiles_m, tiles_n, stride_a, stride_b,
-                    A_GATHER: gl.constexpr, B_GATHER: gl.constexpr, BLOCK_M: gl.constexpr,
-                    BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, WARPS: gl.constexpr):  # fmt: skip
-    """Each step: BLOCK_K pair rows of both operands by masked ``cp.async`` (a row past the
-    expert's last pair, or a column past M / N, lands as zeros: no row of the next expert is
-    read). A gathered operand reads row ``tok[q]``, a contiguous one row ``q - offs[0]``. B's
-    2 * BLOCK_N columns go to two buffers (the consumer's two accumulators)."""
-    STAGES: gl.constexpr = a_bufs.type.shape[0]
-    TA: gl.constexpr = BLOCK_M // 8
-    TB: gl.constexpr = BLOCK_N // 8
-    lay_a: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TA, TA], [WARPS, 1], [1, 0])
-    lay_b: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TB, TB], [WARPS, 1], [1, 0])
-    base = gl.load(offs_ptr)
-    ka = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, lay_a))
-    kb = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, lay_b))
-    step = 0
-    for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        e, pid_m, pid_n = _wgrad_item(t, tiles_m, tiles_n)
-        q0 = gl.load(offs_ptr + e)
-        q1 = gl.load(offs_ptr + e + 1)
-        rm = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, lay_a))
-        rn = pid_n * 2 * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, lay_b))
-        m_ok = rm < M
-        n_ok = rn < N
-        hi_ok = rn + BLOCK_N < N
-        for i in range(gl.cdiv(q1 - q0, BLOCK_K)):
-            s = step % STAGES
-            mbarrier.wait(empty.index(s), ((step // STAGES) & 1) ^ 1)
-            qa = q0 + i * BLOCK_K + ka
-            qa_ok = qa < q1
-            if A_GATHER:
-                ra = gl.load(idx_ptr + qa, mask=qa_ok, other=0).to(gl.int64)
-            else:
-                ra = gl.where(qa_ok, qa - base, 0).to(gl.int64)
-            async_copy.async_copy_global_to_shared(
-                a_bufs.index(s), a_ptr + ra[:, None] * stride_a + rm[None, :],
-                mask=qa_ok[:, None] & m_ok[None, :])  # fmt: skip
-            qb = q0 + i * BLOCK_K + kb
-            qb_ok = qb < q1
-            if B_GATHER:
-                rb = gl.load(idx_ptr + qb, mask=qb_ok, other=0).to(gl.int64)
-            else:
-                rb = gl.where(qb_ok, qb - base, 0).to(gl.int64)
-            b_ptrs = b_ptr + rb[:, None] * stride_b + rn[None, :]
-            async_copy.async_copy_global_to_shared(lo_bufs.index(s), b_ptrs,
-                                                   mask=qb_ok[:, None] & n_ok[None, :])  # fmt: skip
-            async_copy.async_copy_global_to_shared(hi_bufs.index(s), b_ptrs + BLOCK_N,
-                                                   mask=qb_ok[:, None] & hi_ok[None, :])  # fmt: skip
-            async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
-            step += 1
-
-
-@gluon.jit
-def _wgrad_consumer(a_bufs, lo_bufs, hi_bufs, ready, empty, lo_epi, hi_epi, epi_ready, epi_empty,
-                    offs_ptr, n_tiles, tiles_m, tiles_n, BLOCK_M: gl.constexpr,
-                    BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                    num_warps: gl.constexpr):  # fmt: skip
-    """Two (BLOCK_M, BLOCK_N) accumulators += A^T B over the expert's pair steps (A read
-    transposed from its (pairs, M) tile). Two of 128 columns, not one of 256: under the 128
-    registers a thread that 16 warps leave, ptxas cannot place a 256-column wgmma.
-    An expert without pairs hands over zeros."""
-    STAGES: gl.constexpr = a_bufs.type.shape[0]
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
-    )
-    step = 0
-    done = 0
-    for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        e, pid_m, pid_n = _wgrad_item(t, tiles_m, tiles_n)
-        n_k = gl.cdiv(gl.load(offs_ptr + e + 1) - gl.load(offs_ptr + e), BLOCK_K)
-        acc_lo = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
-        acc_hi = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
-        for i in range(n_k):
-            s = step % STAGES
-            mbarrier.wait(ready.index(s), (step // STAGES) & 1)
-            fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads async
-            a_t = a_bufs.index(s).permute((1, 0))
-            acc_lo = warpgroup_mma(a_t, lo_bufs.index(s), acc_lo, is_async=True)
-            acc_hi = warpgroup_mma(a_t, hi_bufs.index(s), acc_hi, is_async=True)
-            acc_lo, acc_hi = warpgroup_mma_wait(num_outstanding=2, deps=(acc_lo, acc_hi))
-            if num_warps > 4:
-                gl.thread_barrier()
-            mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=i > 0)
-            step += 1
-        acc_lo, acc_hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc_lo, acc_hi))
-        if num_warps > 4:
-            gl.thread_barrier()
-        mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=n_k > 0)
-        mbarrier.wait(epi_empty, (done & 1) ^ 1)
-        lo_epi.store(acc_lo.to(lo_epi.dtype))
-        hi_epi.store(acc_hi.to(hi_epi.dtype))
-        gl.thread_barrier()
-        mbarrier.arrive(epi_ready)
-        done += 1
-
-
-@gluon.jit
-def _store_block(ptrs, v, mask, ACCUMULATE: gl.constexpr):
-    if ACCUMULATE:
-        old = gl.load(ptrs, mask=mask, other=0.0)
-        v = (v.to(gl.float32) + old.to(gl.float32)).to(ptrs.dtype.element_ty)
-    gl.store(ptrs, v, mask=mask)
-
-
-@gluon.jit
-def _wgrad_storer(lo_epi, hi_epi, epi_ready, epi_empty, c_ptr, M, N, n_tiles, tiles_m, tiles_n,
-                  stride_ce, stride_cm, ACCUMULATE: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr):  # fmt: skip
-    """c[e] tile (two BLOCK_N column blocks) written (added, ``ACCUMULATE``) from shared memory
-    in ``ROWS``-row slices."""
-    TN: gl.constexpr = BLOCK_N // 8
-    lay: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TN, TN], [WARPS, 1], [1, 0])
-    done = 0
-    for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        e, pid_m, pid_n = _wgrad_item(t, tiles_m, tiles_n)
-        cols = pid_n * 2 * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, lay))
-        c_e = c_ptr + e.to(gl.int64) * stride_ce
-        mbarrier.wait(epi_ready, done & 1)
-        for r in gl.static_range(0, BLOCK_M, ROWS):
-            rows = pid_m * BLOCK_M + r + gl.arange(0, ROWS, layout=gl.SliceLayout(1, lay))
-            row_ok = (rows < M)[:, None]
-            cp = c_e + rows[:, None] * stride_cm + cols[None, :]
-            _store_block(cp, lo_epi.slice(r, ROWS).load(lay), row_ok & (cols < N)[None, :],
-                         ACCUMULATE)  # fmt: skip
-            _store_block(cp + BLOCK_N, hi_epi.slice(r, ROWS).load(lay),
-                         row_ok & (cols + BLOCK_N < N)[None, :], ACCUMULATE)  # fmt: skip
-        gl.thread_barrier()
-        mbarrier.arrive(epi_empty)
-        done += 1
-
-
-@gluon.jit
-def _wgrad_ws_kernel(
-    a_ptr, b_ptr, idx_ptr, offs_ptr, c_ptr,
-    M, N, n_tiles,
-    stride_a, stride_b, stride_ce, stride_cm,
-    a_layout: gl.constexpr, b_layout: gl.constexpr, epi_layout: gl.constexpr,
-    A_GATHER: gl.constexpr, B_GATHER: gl.constexpr, ACCUMULATE: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-    STAGES: gl.constexpr, EPI_ROWS: gl.constexpr,
-    PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    STORER_WARPS: gl.constexpr, STORER_REGS: gl.constexpr, num_warps: gl.constexpr,
-):  # fmt: skip
-    """c[e] (M, N) (+)= sum over expert e's pairs q of A[q]^T B[q] (``grouped._wgrad_kernel``'s
-    contract), persistent over the (expert, M tile, N tile) items, with the up-projection's
-    three partitions (producer, MMA consumer, storer)."""
-    a_bufs = gl.allocate_shared_memory(a_ptr.dtype.element_ty, [STAGES, BLOCK_K, BLOCK_M],
-                                       a_layout)  # fmt: skip
-    lo_bufs = gl.allocate_shared_memory(b_ptr.dtype.element_ty, [STAGES, BLOCK_K, BLOCK_N],
-                                        b_layout)  # fmt: skip
-    hi_bufs = gl.allocate_shared_memory(b_ptr.dtype.element_ty, [STAGES, BLOCK_K, BLOCK_N],
-                                        b_layout)  # fmt: skip
-    lo_epi = gl.allocate_shared_memory(c_ptr.dtype.element_ty, [BLOCK_M, BLOCK_N], epi_layout)
-    hi_epi = gl.allocate_shared_memory(c_ptr.dtype.element_ty, [BLOCK_M, BLOCK_N], epi_layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    epi_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    epi_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=PRODUCER_WARPS * 32)
-        mbarrier.init(empty.index(s), count=1)
-    mbarrier.init(epi_ready, count=1)
-    mbarrier.init(epi_empty, count=1)
-    tiles_m = gl.cdiv(M, BLOCK_M)
-    tiles_n = gl.cdiv(N, 2 * BLOCK_N)
-    # fmt: off
-    gl.warp_specialize(
-        [(_wgrad_consumer, (a_bufs, lo_bufs, hi_bufs, ready, empty, lo_epi, hi_epi, epi_ready,
-                            epi_empty, offs_ptr, n_tiles, tiles_m, tiles_n, BLOCK_M, BLOCK_N,
-                            BLOCK_K, num_warps)),
-         (_wgrad_producer, (a_ptr, b_ptr, idx_ptr, offs_ptr, a_bufs, lo_bufs, hi_bufs, ready,
-                            empty, M, N, n_tiles, tiles_m, tiles_n, stride_a, stride_b,
-                            A_GATHER, B_GATHER, BLOCK_M, BLOCK_N, BLOCK_K, PRODUCER_WARPS)),
-         (_wgrad_storer, (lo_epi, hi_epi, epi_ready, epi_empty, c_ptr, M, N, n_tiles, tiles_m,
-                          tiles_n,
-                          stride_ce, stride_cm, ACCUMULATE, BLOCK_M, BLOCK_N, EPI_ROWS,
-                          STORER_WARPS))],
-        [PRODUCER_WARPS, STORER_WARPS],
-        [PRODUCER_REGS, STORER_REGS],
-    )
-    # fmt: on
-    for s in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(s))
-        mbarrier.invalidate(empty.index(s))
-    mbarrier.invalidate(epi_ready)
-    mbarrier.invalidate(epi_empty)
-
-
 def _supports(x_TK, w, cfg) -> bool:
     """bf16/fp16 CUDA tensors on sm90; K a multiple of the K step; a contiguous weight whose 2-D
     row view a tensor descriptor takes; x rows of unit column stride and 16-byte aligned."""
@@ -609,58 +412,3 @@ def rows_gemm(x_TK, w_EKN, idx_P, offs, c_PN, *, config=None) -> None:
             n_experts=n_experts, n_cols=ncols,
             n_tiles_n=triton.cdiv(ncols, 2 * cfg["BLOCK_N"]), w_kn=True, save_h=True,
             save_a=False, cfg=cfg)  # fmt: skip
-
-
-def supports_wgrad(a, b, c_EMN, config=None) -> bool:
-    """Whether :func:`wgrad` takes the call: bf16/fp16 CUDA operands on sm90 with the gradient in
-    their dtype (an fp32 accumulator keeps the Triton kernel), unit column strides, 16-byte rows
-    and bases, and M, N multiples of 8 (16-byte vectors at the tile edges)."""
-    if not (a.is_cuda and a.dtype in (torch.bfloat16, torch.float16)):
-        return False
-    if b.dtype != a.dtype or c_EMN.dtype != a.dtype:
-        return False
-    if torch.cuda.get_device_capability(a.device)[0] != 9:
-        return False
-    elt = a.element_size()
-    _, m, n = c_EMN.shape
-    return (
-        m % 8 == 0
-        and n % 8 == 0
-        and c_EMN.stride(2) == 1
-        and all(
-            t.stride(1) == 1 and (t.stride(0) * elt) % 16 == 0 and t.data_ptr() % 16 == 0
-            for t in (a, b)
-        )  # fmt: skip
-    )
-
-
-@functools.cache
-def _wgrad_layouts(bm: int, bn: int, bk: int, dtype: torch.dtype):
-    gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-    return (gl.NVMMASharedLayout.get_default_for([bk, bm], gdt),
-            gl.NVMMASharedLayout.get_default_for([bk, bn], gdt),
-            gl.NVMMASharedLayout.get_default_for([bm, bn], gdt))  # fmt: skip
-
-
-def wgrad(a, b, idx_P, offs, c_EMN, *, a_gather: bool, b_gather: bool, accumulate: bool,
-          config=None) -> None:  # fmt: skip
-    """``grouped.wgrad``'s contract; call only where :func:`supports_wgrad` holds."""
-    cfg = config or WGRAD_CONFIG
-    n_experts, m, n = c_EMN.shape
-    if n_experts == 0 or m == 0 or n == 0:
-        return
-    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    a_layout, b_layout, epi_layout = _wgrad_layouts(bm, bn, bk, a.dtype)
-    n_tiles = n_experts * triton.cdiv(m, bm) * triton.cdiv(n, 2 * bn)
-    grid = (min(n_tiles, _sm_count(a.device.index or 0)),)
-    _wgrad_ws_kernel[grid](
-        a, b, idx_P, offs, c_EMN,
-        m, n, n_tiles,
-        a.stride(0), b.stride(0), c_EMN.stride(0), c_EMN.stride(1),
-        a_layout, b_layout, epi_layout,
-        A_GATHER=a_gather, B_GATHER=b_gather, ACCUMULATE=accumulate,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=cfg["STAGES"], EPI_ROWS=cfg["EPI_ROWS"],
-        PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=cfg["producer_regs"],
-        STORER_WARPS=STORER_WARPS, STORER_REGS=cfg["storer_regs"], num_warps=cfg["num_warps"],
-        maxnreg=cfg["maxnreg"],
-    )  # fmt: skip

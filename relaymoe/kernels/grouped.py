@@ -694,16 +694,15 @@ def _gather_ws_module():
     return gather_ws, None
 
 
-def _gather_ws(kind: str, x, *operands):
-    """The Gluon module when it takes this gathered GEMM (``kind``: ``up_swiglu``,
-    ``rows_gemm`` or ``wgrad``, whose ``supports_<kind>`` gets ``x`` and ``operands``;
-    ``RELAYMOE_GATHER_WS``), else None."""
-    if _gather_ws_mode() == "0" or not x.is_cuda or interpret_mode():
+def _gather_ws(kind: str, x_TK, w):
+    """The Gluon module when it takes this gathered GEMM (``kind``: ``up_swiglu`` or
+    ``rows_gemm``; ``RELAYMOE_GATHER_WS``), else None."""
+    if _gather_ws_mode() == "0" or not x_TK.is_cuda or interpret_mode():
         return None
-    if torch.cuda.get_device_capability(x.device)[0] != 9:
+    if torch.cuda.get_device_capability(x_TK.device)[0] != 9:
         return None
     module, _ = _gather_ws_module()
-    if module is None or not getattr(module, f"supports_{kind}")(x, *operands):
+    if module is None or not getattr(module, f"supports_{kind}")(x_TK, w):
         return None
     return module
 
@@ -779,19 +778,11 @@ def wgrad(a, b, idx_P, offs, c_EMN, *, a_gather: bool, b_gather: bool, accumulat
           config=None):  # fmt: skip
     """c[e] (+)= sum over expert e's pairs of a[row]^T b[row] (gathered operands read tok[q]).
     A contiguous operand (in pair order) comes through a tensor descriptor where
-    ``RELAYMOE_TMA`` asks for it and its strides allow (:func:`_tma_operand`). On sm90 the Gluon
-    kernel runs instead (``RELAYMOE_GATHER_WS``) when one operand is gathered, the gradient has
-    the operands' dtype and no Triton ``config`` is passed."""
+    ``RELAYMOE_TMA`` asks for it and its strides allow (:func:`_tma_operand`)."""
     n_experts, m, n = c_EMN.shape
     if n_experts == 0 or m == 0 or n == 0:
         return
     _check_expert_span(c_EMN, "the weight gradient", "wgrad")
-    one_gathered = a_gather != b_gather
-    ws = _gather_ws("wgrad", a, b, c_EMN) if config is None and one_gathered else None
-    if ws is not None:
-        ws.wgrad(a, b, idx_P, offs, c_EMN, a_gather=a_gather, b_gather=b_gather,
-                 accumulate=accumulate)  # fmt: skip
-        return
     key = dict(zip(_WGRAD_KEY, (m, n, a_gather, b_gather, accumulate), strict=True))
     kernel, meta = _pick(_wgrad_tuned, _wgrad_kernel, config, None, "wgrad", key, a.dtype)
     tma_a = not a_gather and _tma_operand(a)
