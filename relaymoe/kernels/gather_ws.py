@@ -54,6 +54,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+# a barrier among the warps of one partition: ``thread_barrier`` in Triton 3.6, ``barrier`` later
+_partition_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
 __all__ = ["ROWS_CONFIG", "UP_CONFIG", "rows_gemm", "supports_rows_gemm", "supports_up_swiglu",
            "up_swiglu"]  # fmt: skip
 
@@ -196,17 +199,17 @@ def _dual_mma_consumer(x_bufs, lo_bufs, hi_bufs, ready, empty, lo_epi, hi_epi, e
                 acc_hi = warpgroup_mma(xs, b_hi, acc_hi, is_async=True)
                 acc_lo, acc_hi = warpgroup_mma_wait(num_outstanding=2, deps=(acc_lo, acc_hi))
                 if num_warps > 4:
-                    gl.thread_barrier()
+                    _partition_barrier()
                 mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=i > 0)
                 step += 1
             acc_lo, acc_hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc_lo, acc_hi))
             if num_warps > 4:
-                gl.thread_barrier()
+                _partition_barrier()
             mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))
             mbarrier.wait(epi_empty, (done & 1) ^ 1)
             lo_epi.store(acc_lo.to(lo_epi.dtype))
             hi_epi.store(acc_hi.to(hi_epi.dtype))
-            gl.thread_barrier()
+            _partition_barrier()
             mbarrier.arrive(epi_ready)
             done += 1
 
@@ -252,7 +255,7 @@ def _tile_storer(lo_epi, hi_epi, epi_ready, epi_empty, offs_ptr, prob_ptr, h_ptr
                     ap = a_ptr + lrows[:, None] * stride_ap + cols[None, :]
                     gl.store(ap, act.to(a_ptr.dtype.element_ty),
                              mask=row_ok[:, None] & lo_ok[None, :])  # fmt: skip
-            gl.thread_barrier()
+            _partition_barrier()
             mbarrier.arrive(epi_empty)
             done += 1
 
