@@ -332,9 +332,11 @@ def main(argv=None) -> int:
     )
     ap.add_argument(
         "--profile",
-        action="store_true",
-        help="torch.profiler over relaymoe act steps of the first shape: GPU time by kernel, "
-        "and the gap to the step's wall time (rows experts_profile)",
+        nargs="*",
+        default=None,
+        help="torch.profiler over steps of the first shape for these providers (none named: "
+        "relaymoe_act): GPU time by kernel, and the gap to the step's wall time (rows "
+        "experts_profile)",
     )
     ap.add_argument(
         "--first-call",
@@ -378,7 +380,7 @@ def main(argv=None) -> int:
     wanted = args.providers or [
         "relaymoe_act", "naive", "liger", "relaymoe_fc1", "relaymoe_act_wgradtriton",
         "relaymoe_act_ptr"]  # fmt: skip
-    unknown = sorted(set(wanted) - set(providers))
+    unknown = sorted((set(wanted) | set(args.profile or ())) - set(providers))
     if unknown:
         ap.error(f"unknown providers {unknown}; choose from {sorted(providers)}")
     columns = ["provider", "recompute", "shape", "ms_fwd_bwd", "ms_fwd", "tflops_fwd_bwd",
@@ -434,15 +436,18 @@ def main(argv=None) -> int:
             if r["provider"].startswith("relaymoe") and comp:
                 print(f"{shape} {r['variant']}: {min(comp) / r['ms_fwd_bwd']:.2f}x the faster "
                       f"competitor ({min(comp):.2f} ms)", flush=True)  # fmt: skip
-        if args.profile and n_shape == 0:
+        for name in (args.profile or ["relaymoe_act"]) if args.profile is not None else ():
+            if n_shape != 0:
+                break
             from benchmarks.profile_experts import profile_step
 
-            prof_rows, summary = profile_step(shape, relaymoe_fn("act"))
+            prof_rows, summary = profile_step(shape, providers[name][2])
+            tag = {"shape": shape, "profiled": name}
             for r in prof_rows:
-                writer.write({"bench": "experts_profile", "shape": shape, **r})
-            writer.write({"bench": "experts_profile_step", "shape": shape, **summary})
+                writer.write({"bench": "experts_profile", **tag, **r})
+            writer.write({"bench": "experts_profile_step", **tag, **summary})
             print_table(prof_rows[:40], ["kernel", "calls_per_step", "us_per_step"])
-            print(f"[bench_experts] {shape} profile: {summary}", flush=True)
+            print(f"[bench_experts] {shape} profile of {name}: {summary}", flush=True)
         if args.breakdown and n_shape == 0:
             bd = breakdown(shape)
             for r in bd:
