@@ -114,6 +114,16 @@ class JsonlWriter:
         return full
 
 
+def gpu_writer(tool: str, stem: str, out: str | None) -> JsonlWriter | None:
+    """The JSONL writer of a GPU-only harness (``out``, else
+    ``benchmarks/results/<stem>_<date>.jsonl``), or None after saying that ``tool`` needs CUDA."""
+    if not torch.cuda.is_available():
+        print(f"{tool} needs CUDA")
+        return None
+    env = environment()
+    return JsonlWriter(out or f"benchmarks/results/{stem}_{env['date']}.jsonl", env=env)
+
+
 def print_table(rows: Iterable[dict], columns: list[str]) -> None:
     """Plain fixed-width table (the device tool returns only the output's tail)."""
     rows = list(rows)

@@ -22,22 +22,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_experts import SHAPES  # noqa: E402
-from benchmarks.common import JsonlWriter, bench_ms, environment, print_table  # noqa: E402
-from relaymoe.routing import build_routing_index  # noqa: E402
+from benchmarks.common import bench_ms, gpu_writer, print_table  # noqa: E402
 
 
 def probe(shape: str, ws_configs: list[dict], dtype=torch.bfloat16) -> list[dict]:
-    from relaymoe.kernels import gather_ws, grouped, pairs
+    from benchmarks.sweep_kernels import routed_pairs
+    from relaymoe.kernels import gather_ws, grouped
 
     num_tokens, num_experts, topk, hidden, ffn = SHAPES[shape]
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    logits = torch.randn(num_tokens, num_experts, device="cuda", generator=gen)
-    probs, idx = torch.topk(torch.softmax(logits, -1), topk, dim=-1)
-    index = build_routing_index(idx.to(torch.int32), num_experts, validate=False)
-    offs = index.offsets_for(0, num_experts)
+    gen, offs, idx_P, prob_P = routed_pairs(SHAPES[shape], "cuda", dtype)
     n_pairs = num_tokens * topk
-    idx_P = index.expert_token_indices
-    prob_P = pairs.pair_probs(probs.to(dtype), index.token_index_map, offs, n_pairs)
     x = torch.randn(num_tokens, hidden, device="cuda", generator=gen).to(dtype)
     w13 = (torch.randn(num_experts, 2 * ffn, hidden, device="cuda", generator=gen)
            * hidden**-0.5).to(dtype)  # fmt: skip
@@ -82,12 +76,9 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default="qwen3_30b_a3b_T32k", choices=sorted(SHAPES))
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("probe_gather needs CUDA")
+    writer = gpu_writer("probe_gather", "gather_probe", args.out)
+    if writer is None:
         return 1
-    env = environment()
-    writer = JsonlWriter(args.out or f"benchmarks/results/gather_probe_{env['date']}.jsonl",
-                         env=env)  # fmt: skip
     rows = probe(args.shape, [UP_CONFIG])
     for r in rows:
         writer.write({"bench": "gather_probe", "shape": args.shape, **r})

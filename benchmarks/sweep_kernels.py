@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_experts import SHAPES  # noqa: E402
-from benchmarks.common import JsonlWriter, bench_ms, environment, print_table  # noqa: E402
+from benchmarks.common import bench_ms, gpu_writer, print_table  # noqa: E402
 from relaymoe.routing import build_routing_index  # noqa: E402
 
 
@@ -202,28 +202,37 @@ def _gather_ws():
     return gather_ws
 
 
+def routed_pairs(dims, device, dtype):
+    """Softmax top-k routing of random logits over ``dims`` = (T, E, K, H, I), seed 0: the
+    generator (drawn on next), the whole range's offsets, the pair tokens and the pair probs."""
+    from relaymoe.kernels import pairs
+
+    num_tokens, num_experts, topk, _, _ = dims
+    gen = torch.Generator(device=device).manual_seed(0)
+    logits = torch.randn(num_tokens, num_experts, device=device, generator=gen)
+    probs, idx = torch.topk(torch.softmax(logits, -1), topk, dim=-1)
+    index = build_routing_index(idx.to(torch.int32), num_experts, validate=False)
+    offs = index.offsets_for(0, num_experts)
+    prob_P = pairs.pair_probs(probs.to(dtype), index.token_index_map, offs, num_tokens * topk)
+    return gen, offs, index.expert_token_indices, prob_P
+
+
 def sweep_rows(shape: str, configs: dict, *, dims=None, device="cuda", dtype=torch.bfloat16,
                ws_configs=None):  # fmt: skip
     """up_swiglu and the gathered-dy rows_gemm per configuration (default ``RELAYMOE_TMA``);
     ``err`` against the first configuration's result. ``ws_configs``: kernel -> the Gluon
     kernels' configurations (overrides of ``UP_CONFIG`` / ``ROWS_CONFIG``), timed after the
     Triton ones (variant ``gluon_ws``)."""
-    from relaymoe.kernels import grouped, pairs
+    from relaymoe.kernels import grouped
 
     ws_configs = ws_configs or {}
     num_tokens, num_experts, topk, hidden, ffn = dims or SHAPES[shape]
-    gen = torch.Generator(device=device).manual_seed(0)
+    gen, offs, idx_P, prob_P = routed_pairs(dims or SHAPES[shape], device, dtype)
+    n_pairs = num_tokens * topk
 
     def randn(*size, scale=1.0):
         return (torch.randn(*size, device=device, generator=gen) * scale).to(dtype)
 
-    logits = torch.randn(num_tokens, num_experts, device=device, generator=gen)
-    probs, idx = torch.topk(torch.softmax(logits, -1), topk, dim=-1)
-    index = build_routing_index(idx.to(torch.int32), num_experts, validate=False)
-    offs = index.offsets_for(0, num_experts)
-    n_pairs = num_tokens * topk
-    idx_P = index.expert_token_indices
-    prob_P = pairs.pair_probs(probs.to(dtype), index.token_index_map, offs, n_pairs)
     x, dy = randn(num_tokens, hidden), randn(num_tokens, hidden)
     w13 = randn(num_experts, 2 * ffn, hidden, scale=hidden**-0.5)
     w2 = randn(num_experts, hidden, ffn, scale=ffn**-0.5)
@@ -331,12 +340,9 @@ def main(argv=None) -> int:
                     help="wgrad, rows (up_swiglu, down_bwd: either alone), combine")  # fmt: skip
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("sweep_kernels needs CUDA")
+    writer = gpu_writer("sweep_kernels", "kernel_sweep", args.out)
+    if writer is None:
         return 1
-    env = environment()
-    writer = JsonlWriter(args.out or f"benchmarks/results/kernel_sweep_{env['date']}.jsonl",
-                         env=env)  # fmt: skip
     rows = []
     which = {k: v for k, v in ROW_CONFIGS.items() if "rows" in args.kernels or k in args.kernels}
     if which:

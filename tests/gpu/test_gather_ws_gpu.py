@@ -23,16 +23,28 @@ pytestmark = [
 gather_ws = pytest.importorskip("relaymoe.kernels.gather_ws")
 
 BOUND = 1e-2
+QWEN = (4096, 2048, 768, 128, 8)  # (T, H, I, E, K): the qwen3 widths, fewer tokens
 
 CASES = [
     # (T, H, I, E, K, kind, expert range or None for all)
-    (4096, 2048, 768, 128, 8, "skewed", None),  # qwen3 widths
-    (4096, 2048, 768, 128, 8, "uniform", (37, 101)),  # a ring hop's range: offs[0] > 0
+    (*QWEN, "skewed", None),  # qwen3 widths
+    (*QWEN, "uniform", (37, 101)),  # a ring hop's range: offs[0] > 0
     (1531, 1024, 700, 24, 3, "empty", None),  # I not a tile multiple; an empty expert
     (777, 512, 384, 8, 1, "one", None),  # top-1, one hot expert
     (300, 256, 192, 6, 6, "uniform", (2, 5)),  # K = E
     (5, 256, 128, 4, 2, "uniform", None),  # fewer pairs than one tile
 ]
+
+
+def _qwen_up_problem(seed):
+    """bf16 x, w13, the routing index and its whole-range offsets at the qwen3 widths."""
+    t, h, i, e, k = QWEN
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(t, h, device="cuda", generator=gen).to(torch.bfloat16)
+    w13 = (torch.randn(e, 2 * i, h, device="cuda", generator=gen) / h**0.5).to(torch.bfloat16)
+    idx = random_routing(t, e, k, gen=torch.Generator().manual_seed(seed)).cuda()
+    index = build_routing_index(idx.to(torch.int32), e)
+    return x, w13, index, index.offsets_for(0, e)
 
 
 def _oracle(x, w13, idx_P, offs, e0):
@@ -85,13 +97,8 @@ def test_grouped_dispatch_and_triton_agree(monkeypatch):
     RELAYMOE_GATHER_WS=0 or a Triton config; h is the same bf16 result either way."""
     from relaymoe.kernels import grouped
 
-    t, h, i, e, k = 4096, 2048, 768, 128, 8
-    gen = torch.Generator(device="cuda").manual_seed(6)
-    x = torch.randn(t, h, device="cuda", generator=gen).to(torch.bfloat16)
-    w13 = (torch.randn(e, 2 * i, h, device="cuda", generator=gen) / h**0.5).to(torch.bfloat16)
-    idx = random_routing(t, e, k, gen=torch.Generator().manual_seed(6)).cuda()
-    index = build_routing_index(idx.to(torch.int32), e)
-    offs = index.offsets_for(0, e)
+    t, i, k = QWEN[0], QWEN[2], QWEN[4]
+    x, w13, index, offs = _qwen_up_problem(seed=6)
     monkeypatch.delenv("RELAYMOE_GATHER_WS", raising=False)
     assert grouped._gather_ws("up_swiglu", x, w13) is gather_ws
     outs = {}
@@ -132,13 +139,8 @@ def test_rows_gemm_matches_float64(case, dtype):
 
 
 def test_up_swiglu_is_deterministic():
-    t, h, i, e, k = 4096, 2048, 768, 128, 8
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    x = torch.randn(t, h, device="cuda", generator=gen).to(torch.bfloat16)
-    w13 = (torch.randn(e, 2 * i, h, device="cuda", generator=gen) / h**0.5).to(torch.bfloat16)
-    idx = random_routing(t, e, k, gen=torch.Generator().manual_seed(5)).cuda()
-    index = build_routing_index(idx.to(torch.int32), e)
-    offs = index.offsets_for(0, e)
+    t, i, k = QWEN[0], QWEN[2], QWEN[4]
+    x, w13, index, offs = _qwen_up_problem(seed=5)
     outs = []
     for _ in range(2):
         a = torch.empty(t * k, i, device="cuda", dtype=torch.bfloat16)
