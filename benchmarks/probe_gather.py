@@ -14,6 +14,7 @@ Rows ``bench: gather_probe`` (``kernel``, ``rows``, ``out``, ``config``, ``ms``,
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -25,9 +26,25 @@ from benchmarks.bench_experts import SHAPES  # noqa: E402
 from benchmarks.common import bench_ms, gpu_writer, print_table  # noqa: E402
 
 
+def _triton_up(*args) -> None:
+    """grouped.up_swiglu on its Triton kernel (``RELAYMOE_GATHER_WS=0``): with the default the
+    launcher takes the Gluon kernel on sm90."""
+    from relaymoe.kernels import grouped
+
+    before = os.environ.get("RELAYMOE_GATHER_WS")
+    os.environ["RELAYMOE_GATHER_WS"] = "0"
+    try:
+        grouped.up_swiglu(*args)
+    finally:
+        if before is None:
+            os.environ.pop("RELAYMOE_GATHER_WS")
+        else:
+            os.environ["RELAYMOE_GATHER_WS"] = before
+
+
 def probe(shape: str, ws_configs: list[dict], dtype=torch.bfloat16) -> list[dict]:
     from benchmarks.sweep_kernels import routed_pairs
-    from relaymoe.kernels import gather_ws, grouped
+    from relaymoe.kernels import gather_ws
 
     num_tokens, num_experts, topk, hidden, ffn = SHAPES[shape]
     gen, offs, idx_P, prob_P = routed_pairs(SHAPES[shape], "cuda", dtype)
@@ -55,7 +72,7 @@ def probe(shape: str, ws_configs: list[dict], dtype=torch.bfloat16) -> list[dict
 
     for kind, xx, ii in (("gathered", x, idx_P), ("sorted", x_sorted, ident)):
         add("triton", kind, "h+a", None,
-            lambda xx=xx, ii=ii: grouped.up_swiglu(xx, w13, ii, offs, prob_P, h, a))  # fmt: skip
+            lambda xx=xx, ii=ii: _triton_up(xx, w13, ii, offs, prob_P, h, a))  # fmt: skip
         for cfg in ws_configs:
             add("gluon_ws", kind, "h+a", cfg,
                 lambda xx=xx, ii=ii, c=cfg: gather_ws.up_swiglu(
