@@ -323,12 +323,15 @@ def _gathered_gemm_ws_kernel(
     mbarrier.invalidate(epi_empty)
 
 
-def _supports(x_TK, w, cfg) -> bool:
+def _supports(x_TK, w, outs, cfg) -> bool:
     """bf16/fp16 CUDA tensors on sm90; K a multiple of the K step; a contiguous weight whose 2-D
-    row view a tensor descriptor takes; x rows of unit column stride and 16-byte aligned."""
+    row view a tensor descriptor takes; x rows of unit column stride and 16-byte aligned; outputs
+    (None: not written) in x's dtype with unit column stride (the epilogue buffer holds them)."""
     if not (x_TK.is_cuda and x_TK.dtype in (torch.bfloat16, torch.float16)):
         return False
     if w.dtype != x_TK.dtype or not w.is_contiguous() or w.data_ptr() % 16:
+        return False
+    if any(o is not None and (o.dtype != x_TK.dtype or o.stride(1) != 1) for o in outs):
         return False
     if torch.cuda.get_device_capability(x_TK.device)[0] != 9:
         return False
@@ -342,14 +345,18 @@ def _supports(x_TK, w, cfg) -> bool:
     )
 
 
-def supports_up_swiglu(x_TH, w13_E2IH, config=None) -> bool:
+def supports_up_swiglu(x_TH, w13_E2IH, h_P2I=None, a_PI=None, config=None) -> bool:
     """Whether :func:`up_swiglu` takes the call (``_supports`` with w13 as (El*2I, H) rows)."""
-    return x_TH.shape[1] == w13_E2IH.shape[2] and _supports(x_TH, w13_E2IH, config or UP_CONFIG)
+    return x_TH.shape[1] == w13_E2IH.shape[2] and _supports(
+        x_TH, w13_E2IH, (h_P2I, a_PI), config or UP_CONFIG
+    )
 
 
-def supports_rows_gemm(x_TK, w_EKN, config=None) -> bool:
+def supports_rows_gemm(x_TK, w_EKN, c_PN=None, config=None) -> bool:
     """Whether :func:`rows_gemm` takes the call (``_supports`` with w as (El*K, N) rows)."""
-    return x_TK.shape[1] == w_EKN.shape[1] and _supports(x_TK, w_EKN, config or ROWS_CONFIG)
+    return x_TK.shape[1] == w_EKN.shape[1] and _supports(
+        x_TK, w_EKN, (c_PN,), config or ROWS_CONFIG
+    )
 
 
 @functools.cache

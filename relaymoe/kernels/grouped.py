@@ -653,7 +653,7 @@ def up_swiglu(x_TH, w13_E2IH, idx_P, offs, prob_P, h_P2I, a_PI, *, config=None):
     if n_pairs == 0 or n_experts == 0:
         return
     _check_expert_span(w13_E2IH, "w13", "up_swiglu")
-    ws = _gather_ws("up_swiglu", x_TH, w13_E2IH) if config is None else None
+    ws = _gather_ws("up_swiglu", x_TH, w13_E2IH, h_P2I, a_PI) if config is None else None
     if ws is not None:
         ws.up_swiglu(x_TH, w13_E2IH, idx_P, offs, prob_P, h_P2I, a_PI)
         return
@@ -694,15 +694,16 @@ def _gather_ws_module():
     return gather_ws, None
 
 
-def _gather_ws(kind: str, x_TK, w):
+def _gather_ws(kind: str, x_TK, *operands):
     """The Gluon module when it takes this gathered GEMM (``kind``: ``up_swiglu`` or
-    ``rows_gemm``; ``RELAYMOE_GATHER_WS``), else None."""
+    ``rows_gemm``, whose ``supports_<kind>`` gets ``x_TK`` and ``operands``: the weight, then the
+    outputs; ``RELAYMOE_GATHER_WS``), else None."""
     if _gather_ws_mode() == "0" or not x_TK.is_cuda or interpret_mode():
         return None
     if torch.cuda.get_device_capability(x_TK.device)[0] != 9:
         return None
     module, _ = _gather_ws_module()
-    if module is None or not getattr(module, f"supports_{kind}")(x_TK, w):
+    if module is None or not getattr(module, f"supports_{kind}")(x_TK, *operands):
         return None
     return module
 
@@ -718,7 +719,9 @@ def rows_gemm(a_PK, b_EKN, offs, c_PN, *, a_idx=None, config=None):
     if n_pairs == 0 or n_experts == 0:
         return
     _check_expert_span(b_EKN, "the weight operand", "rows_gemm")
-    ws = _gather_ws("rows_gemm", a_PK, b_EKN) if a_idx is not None and config is None else None
+    ws = (
+        _gather_ws("rows_gemm", a_PK, b_EKN, c_PN) if a_idx is not None and config is None else None
+    )
     if ws is not None:
         ws.rows_gemm(a_PK, b_EKN, a_idx, offs, c_PN)
         return

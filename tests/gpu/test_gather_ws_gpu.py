@@ -101,6 +101,8 @@ def test_grouped_dispatch_and_triton_agree(monkeypatch):
     x, w13, index, offs = _qwen_up_problem(seed=6)
     monkeypatch.delenv("RELAYMOE_GATHER_WS", raising=False)
     assert grouped._gather_ws("up_swiglu", x, w13) is gather_ws
+    h32 = torch.empty(t * k, 2 * i, device="cuda")  # an fp32 output: the Triton kernel's
+    assert grouped._gather_ws("up_swiglu", x, w13, h32, None) is None
     outs = {}
     for mode in ("auto", "0"):
         monkeypatch.setenv("RELAYMOE_GATHER_WS", mode)
