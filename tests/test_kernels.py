@@ -125,6 +125,30 @@ def test_gather_ws_switch(monkeypatch):
         grouped._gather_ws("up_swiglu", x, w13)
 
 
+def test_gluon_build_failure_falls_back(monkeypatch):
+    """A Gluon kernel this Triton cannot build (its errors, an MLIR pass failure) warns once and
+    leaves that kind to the Triton kernels; any other error propagates."""
+    from triton.runtime.errors import OutOfResources
+
+    monkeypatch.setattr(grouped, "_GATHER_WS_UNBUILT", {})
+
+    def raising(exc):
+        def launch():
+            raise exc
+
+        return launch
+
+    with pytest.warns(RuntimeWarning, match="Gluon up_swiglu kernel does not build"):
+        assert not grouped._launch_ws("up_swiglu", raising(OutOfResources(300000, 232448, "x")))
+    with pytest.warns(RuntimeWarning, match="PassManager"):
+        assert not grouped._launch_ws("rows_gemm", raising(RuntimeError("PassManager::run failed")))
+    assert set(grouped._GATHER_WS_UNBUILT) == {"up_swiglu", "rows_gemm"}
+    for exc in (ValueError("a bad argument"), RuntimeError("CUDA error: an illegal access")):
+        with pytest.raises(type(exc)):
+            grouped._launch_ws("up_swiglu", raising(exc))
+    assert grouped._launch_ws("up_swiglu", lambda: None)
+
+
 def test_descriptor_allocator_is_set_in_every_thread():
     """Triton's allocator is per thread (a ContextVar): autograd's backward thread, where the ring
     recomputes up_swiglu, must get one too, and a user's own allocator is kept."""

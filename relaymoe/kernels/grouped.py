@@ -23,6 +23,7 @@ SwiGLU backward and the launch grid. The launchers check those on sizes before l
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 import triton
@@ -654,8 +655,9 @@ def up_swiglu(x_TH, w13_E2IH, idx_P, offs, prob_P, h_P2I, a_PI, *, config=None):
         return
     _check_expert_span(w13_E2IH, "w13", "up_swiglu")
     ws = _gather_ws("up_swiglu", x_TH, w13_E2IH, h_P2I, a_PI) if config is None else None
-    if ws is not None:
-        ws.up_swiglu(x_TH, w13_E2IH, idx_P, offs, prob_P, h_P2I, a_PI)
+    if ws is not None and _launch_ws(
+        "up_swiglu", lambda: ws.up_swiglu(x_TH, w13_E2IH, idx_P, offs, prob_P, h_P2I, a_PI)
+    ):
         return
     key = dict(zip(_UP_KEY, (hidden, ffn, n_experts, h_P2I is not None, prob_P is not None),
                    strict=True))  # fmt: skip
@@ -694,6 +696,41 @@ def _gather_ws_module():
     return gather_ws, None
 
 
+# kinds whose Gluon kernel failed to build on this Triton -> the reason (the Triton kernels run)
+_GATHER_WS_UNBUILT: dict[str, str] = {}
+
+
+def _build_failure(exc: BaseException) -> bool:
+    """A failure to build a kernel (raised at launch, before any work is queued): Triton's own
+    errors (compilation, ptxas, resources) and an MLIR pass failure. Anything else propagates."""
+    from triton.errors import TritonError
+
+    return isinstance(exc, TritonError) or (
+        isinstance(exc, RuntimeError) and "PassManager" in str(exc)
+    )
+
+
+def _launch_ws(kind: str, launch) -> bool:
+    """Run the Gluon ``launch`` of ``kind``. If this Triton cannot build it (Gluon's API moves
+    between releases), remember why, warn once, and return False: the caller runs the Triton
+    kernel, now and for every later call of that kind."""
+    try:
+        launch()
+    except Exception as exc:
+        if not _build_failure(exc):
+            raise
+        _GATHER_WS_UNBUILT[kind] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        warnings.warn(
+            f"relaymoe: the Gluon {kind} kernel does not build on Triton {triton.__version__} "
+            f"({_GATHER_WS_UNBUILT[kind]}); the Triton kernel runs instead "
+            "(RELAYMOE_GATHER_WS=0 skips the attempt)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return False
+    return True
+
+
 def _gather_ws(kind: str, x_TK, *operands):
     """The Gluon module when it takes this gathered GEMM (``kind``: ``up_swiglu`` or
     ``rows_gemm``, whose ``supports_<kind>`` gets ``x_TK`` and ``operands``: the weight, then the
@@ -703,7 +740,9 @@ def _gather_ws(kind: str, x_TK, *operands):
     if torch.cuda.get_device_capability(x_TK.device)[0] != 9:
         return None
     module, _ = _gather_ws_module()
-    if module is None or not getattr(module, f"supports_{kind}")(x_TK, *operands):
+    if module is None or kind in _GATHER_WS_UNBUILT:
+        return None
+    if not getattr(module, f"supports_{kind}")(x_TK, *operands):
         return None
     return module
 
@@ -722,8 +761,9 @@ def rows_gemm(a_PK, b_EKN, offs, c_PN, *, a_idx=None, config=None):
     ws = (
         _gather_ws("rows_gemm", a_PK, b_EKN, c_PN) if a_idx is not None and config is None else None
     )
-    if ws is not None:
-        ws.rows_gemm(a_PK, b_EKN, a_idx, offs, c_PN)
+    if ws is not None and _launch_ws(
+        "rows_gemm", lambda: ws.rows_gemm(a_PK, b_EKN, a_idx, offs, c_PN)
+    ):
         return
     key = dict(zip(_ROWS_KEY, (ncols, kdim, n_experts, a_idx is not None), strict=True))
     kernel, meta = _pick(_rows_tuned, _rows_gemm_kernel, config, kdim, "rows_gemm", key,

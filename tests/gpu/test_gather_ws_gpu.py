@@ -103,6 +103,9 @@ def test_grouped_dispatch_and_triton_agree(monkeypatch):
     assert grouped._gather_ws("up_swiglu", x, w13) is gather_ws
     h32 = torch.empty(t * k, 2 * i, device="cuda")  # an fp32 output: the Triton kernel's
     assert grouped._gather_ws("up_swiglu", x, w13, h32, None) is None
+    monkeypatch.setattr(grouped, "_GATHER_WS_UNBUILT", {"up_swiglu": "a build failure"})
+    assert grouped._gather_ws("up_swiglu", x, w13) is None  # remembered: Triton from then on
+    monkeypatch.setattr(grouped, "_GATHER_WS_UNBUILT", {})
     outs = {}
     for mode in ("auto", "0"):
         monkeypatch.setenv("RELAYMOE_GATHER_WS", mode)
