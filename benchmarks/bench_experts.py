@@ -380,7 +380,8 @@ def main(argv=None) -> int:
     wanted = args.providers or [
         "relaymoe_act", "naive", "liger", "relaymoe_fc1", "relaymoe_act_wgradtriton",
         "relaymoe_act_ptr"]  # fmt: skip
-    unknown = sorted((set(wanted) | set(args.profile or ())) - set(providers))
+    profiled = [] if args.profile is None else args.profile or ["relaymoe_act"]
+    unknown = sorted((set(wanted) | set(profiled)) - set(providers))
     if unknown:
         ap.error(f"unknown providers {unknown}; choose from {sorted(providers)}")
     columns = ["provider", "recompute", "shape", "ms_fwd_bwd", "ms_fwd", "tflops_fwd_bwd",
@@ -436,9 +437,7 @@ def main(argv=None) -> int:
             if r["provider"].startswith("relaymoe") and comp:
                 print(f"{shape} {r['variant']}: {min(comp) / r['ms_fwd_bwd']:.2f}x the faster "
                       f"competitor ({min(comp):.2f} ms)", flush=True)  # fmt: skip
-        for name in (args.profile or ["relaymoe_act"]) if args.profile is not None else ():
-            if n_shape != 0:
-                break
+        for name in profiled if n_shape == 0 else ():
             from benchmarks.profile_experts import profile_step
 
             prof_rows, summary = profile_step(shape, providers[name][2])

@@ -192,16 +192,6 @@ WS_VARIANTS = {
 }
 
 
-def _gather_ws():
-    """The Gluon module, or None where it does not import (no Gluon, not Hopper)."""
-    try:
-        from relaymoe.kernels import gather_ws
-    except ImportError as exc:
-        print(f"gather_ws does not import: {exc!r}")
-        return None
-    return gather_ws
-
-
 def routed_pairs(dims, device, dtype):
     """Softmax top-k routing of random logits over ``dims`` = (T, E, K, H, I), seed 0: the
     generator (drawn on next), the whole range's offsets, the pair tokens and the pair probs."""
@@ -238,42 +228,36 @@ def sweep_rows(shape: str, configs: dict, *, dims=None, device="cuda", dtype=tor
     w2 = randn(num_experts, hidden, ffn, scale=ffn**-0.5)
     h, a = x.new_empty(n_pairs, 2 * ffn), x.new_empty(n_pairs, ffn)
     pf = 2.0 * n_pairs * hidden * ffn
+    ws, why = grouped._gather_ws_module() if ws_configs else (None, None)
+    if why:
+        print(why)
     rows = []
     for kernel, cfgs in configs.items():
+        runs = [("triton", grouped, cfg) for cfg in cfgs]
+        if ws is not None:
+            base = ws.UP_CONFIG if kernel == "up_swiglu" else ws.ROWS_CONFIG
+            runs += [("gluon_ws", ws, {**base, **v}) for v in ws_configs.get(kernel, ())]
         ref = None
-        for cfg in cfgs:
+        for variant, lib, cfg in runs:
             if kernel == "up_swiglu":
 
-                def fn(c=cfg):
-                    grouped.up_swiglu(x, w13, idx_P, offs, prob_P, h, a, config=c)
+                def fn(c=cfg, m=lib):
+                    m.up_swiglu(x, w13, idx_P, offs, prob_P, h, a, config=c)
 
                 out, flops = h, 2 * pf
-            else:
+            elif variant == "triton":
 
                 def fn(c=cfg):
                     grouped.rows_gemm(dy, w2, offs, a, a_idx=idx_P, config=c)
 
                 out, flops = a, pf
-            row = {"kernel": kernel, "variant": "triton", "config": cfg}
-            ref = _time_config(row, fn, out, ref, lambda ms, f=flops: {
-                "tflops": round(f / ms / 1e9, 1)})  # fmt: skip
-            rows.append(row)
-        ws = _gather_ws() if ws_configs.get(kernel) else None
-        base = {} if ws is None else ws.UP_CONFIG if kernel == "up_swiglu" else ws.ROWS_CONFIG
-        for cfg in [{**base, **v} for v in ws_configs.get(kernel, ())] if ws is not None else ():
-            if kernel == "up_swiglu":
-
-                def fn(c=cfg, m=ws):
-                    m.up_swiglu(x, w13, idx_P, offs, prob_P, h, a, config=c)
-
-                out, flops = h, 2 * pf
             else:
 
-                def fn(c=cfg, m=ws):
-                    m.rows_gemm(dy, w2, idx_P, offs, a, config=c)
+                def fn(c=cfg):
+                    ws.rows_gemm(dy, w2, idx_P, offs, a, config=c)
 
                 out, flops = a, pf
-            row = {"kernel": kernel, "variant": "gluon_ws", "config": cfg}
+            row = {"kernel": kernel, "variant": variant, "config": cfg}
             ref = _time_config(row, fn, out, ref, lambda ms, f=flops: {
                 "tflops": round(f / ms / 1e9, 1)})  # fmt: skip
             rows.append(row)

@@ -4,8 +4,9 @@ Shape legend: T tokens, H hidden, I expert FFN width, El local experts (``e1 - e
 P pairs of the range in expert-grouped order (``index.offsets_for(e0, e1)``).
 
 Forward:  up_swiglu (x rows gathered on load, gate+up tiles together, SwiGLU epilogue, router
-          probability folded into ``a``; on sm90 the persistent Gluon kernel of ``gather_ws``) -> rows_gemm ``y = a @ w2[e]^T`` -> combine (gather-reduce
-          into out through ``token_index_map``, deterministic, no atomics).
+          probability folded into ``a``) -> rows_gemm ``y = a @ w2[e]^T`` -> combine (gather-reduce
+          into out through ``token_index_map``, deterministic, no atomics). On sm90 up_swiglu and
+          the backward's gathered rows_gemm run as the persistent Gluon kernel of ``gather_ws``.
 Backward: rows_gemm ``g = dy[tok] @ w2[e]`` (dy rows gathered on load, plain epilogue, g written
           into the (P, I) buffer that later holds ``p*a``) -> swiglu_backward (memory-bound:
           SiLU recomputed from h, dprob as the row-wise dot of g with a, dh written over h in
@@ -328,7 +329,7 @@ def triton_hop_forward(
         grouped.swiglu_forward(h, prob_P, a_PI)
         h_P2I = h if save_act else None
         del h
-    else:  # one kernel: a from the fp32 accumulators, h stored when saved
+    else:  # one kernel: h stored when saved, a from its epilogue (from h rounded on sm90)
         h_P2I = x_TH.new_empty(n_pairs, two_i) if save_act else None
         grouped.up_swiglu(x_TH, w13, idx_P, offs, prob_P, h_P2I, a_PI)
     _combine_pair_products(a_PI, w2.transpose(1, 2), index, offs, out_TH, accumulate, groups)
