@@ -22,7 +22,7 @@ import torch
 E, I, H = 8, 768, 2048
 
 
-def _compile(w_kn: bool):
+def _compile(kind: str):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -30,19 +30,25 @@ def _compile(w_kn: bool):
 
     from relaymoe.kernels import gather_ws
 
-    cfg = gather_ws.ROWS_CONFIG if w_kn else gather_ws.UP_CONFIG
+    fused = kind == "down_bwd_swiglu"
+    w_kn = kind != "up_swiglu"
+    cfg = {"up_swiglu": gather_ws.UP_CONFIG, "rows_gemm": gather_ws.ROWS_CONFIG,
+           "down_bwd_swiglu": gather_ws.DOWN_BWD_CONFIG}[kind]  # fmt: skip
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     rows = torch.empty(E * H, I, dtype=torch.bfloat16) if w_kn else torch.empty(E * 2 * I, H)
     x_layout, w_block, w_layout, epi_layout = gather_ws._layouts(bm, bn, bk, torch.bfloat16, w_kn)
     desc = gather_ws.TensorDescriptor.from_tensor(rows.to(torch.bfloat16), w_block, w_layout)
     fn = gather_ws._gathered_gemm_ws_kernel
     types = {"x_ptr": "*bf16", "w_desc": mangle_type(desc), "idx_ptr": "*i32", "offs_ptr": "*i64",
-             "prob_ptr": "*bf16", "h_ptr": "*bf16", "a_ptr": "*bf16"}  # fmt: skip
-    for name in ("n_experts", "K", "n_cols", "n_tiles", "stride_xt", "stride_hp", "stride_ap"):
+             "prob_ptr": "*fp32" if fused else "*bf16", "h_ptr": "*bf16", "a_ptr": "*bf16",
+             "dh_ptr": "*bf16", "part_ptr": "*fp32"}  # fmt: skip
+    for name in ("n_experts", "K", "n_cols", "n_tiles", "stride_xt", "stride_hp", "stride_ap",
+                 "stride_dhp"):  # fmt: skip
         types[name] = "i32"
     consts = {
-        "x_layout": x_layout, "epi_layout": epi_layout, "W_KN": w_kn, "SAVE_H": True,
-        "SCALE": not w_kn, "SAVE_A": not w_kn, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
+        "x_layout": x_layout, "epi_layout": epi_layout, "W_KN": w_kn, "SAVE_H": not fused,
+        "SCALE": kind != "rows_gemm", "SAVE_A": not w_kn, "SWIGLU_BWD": fused,
+        "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
         "BLOCK_E": 32, "STAGES": cfg["STAGES"], "EPI_ROWS": cfg["EPI_ROWS"],
         "PRODUCER_WARPS": gather_ws.PRODUCER_WARPS, "PRODUCER_REGS": cfg["producer_regs"],
         "STORER_WARPS": gather_ws.STORER_WARPS, "STORER_REGS": cfg["storer_regs"],
@@ -59,7 +65,7 @@ def _compile(w_kn: bool):
 
 
 def _child(kind: str) -> None:
-    kernel = _compile(kind == "rows_gemm")
+    kernel = _compile(kind)
     ptx = kernel.asm["ptx"]
     print(json.dumps({
         "noinc_arrive": "cp.async.mbarrier.arrive.noinc" in ptx,  # the producer's stage signal
@@ -69,7 +75,7 @@ def _child(kind: str) -> None:
     }))  # fmt: skip
 
 
-@pytest.mark.parametrize("kind", ["up_swiglu", "rows_gemm"])
+@pytest.mark.parametrize("kind", ["up_swiglu", "rows_gemm", "down_bwd_swiglu"])
 def test_compiles_for_sm90(kind):
     pytest.importorskip("triton.experimental.gluon")
     root = Path(__file__).resolve().parents[1]

@@ -57,7 +57,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 # a barrier among the warps of one partition: ``thread_barrier`` in Triton 3.6, ``barrier`` later
 _partition_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
-__all__ = ["ROWS_CONFIG", "UP_CONFIG", "rows_gemm", "supports_rows_gemm", "supports_up_swiglu",
+__all__ = ["DOWN_BWD_CONFIG", "ROWS_CONFIG", "UP_CONFIG", "down_bwd_swiglu", "rows_gemm",
+           "supports_down_bwd_swiglu", "supports_rows_gemm", "supports_up_swiglu",
            "up_swiglu"]  # fmt: skip
 
 PRODUCER_WARPS = 4
@@ -71,6 +72,10 @@ UP_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "STAGES": 3, "EPI_RO
 # the plain gathered GEMM (down projection's backward, dy[tok] @ w2[e]): a tile is two adjacent
 # 128-column blocks
 ROWS_CONFIG = dict(UP_CONFIG)
+# the same GEMM with the SwiGLU backward as its epilogue: the storer reads h and writes dh, p * a
+# and dprob partials. 8-row slices (two slices' h loads in flight), the storer's registers raised
+# to 104: ptxas (Triton 3.6, sm90a) spilled kilobytes with 16-row slices, and 88 bytes at 48/96
+DOWN_BWD_CONFIG = dict(ROWS_CONFIG, EPI_ROWS=8, producer_regs=56, storer_regs=104)
 
 
 @gluon.jit
@@ -215,14 +220,87 @@ def _dual_mma_consumer(x_bufs, lo_bufs, hi_bufs, ready, empty, lo_epi, hi_epi, e
 
 
 @gluon.jit
-def _tile_storer(lo_epi, hi_epi, epi_ready, epi_empty, offs_ptr, prob_ptr, h_ptr, a_ptr,
-                 n_experts, n_cols, n_tiles, n_tiles_n, stride_hp, stride_ap,
+def _swiglu_bwd_cols(g, gate, up, p, dh_ptrs, a_ptrs, n_cols, mask):
+    """One half's columns of :func:`_swiglu_bwd_slice`; returns the rows' sum of g * a."""
+    g32 = g.to(gl.float32)
+    gate32 = gate.to(gl.float32)
+    up32 = up.to(gl.float32)
+    sig = 1.0 / (1.0 + gl.exp(-gate32))
+    silu = gate32 * sig
+    act = silu * up32
+    da = g32 * p
+    dty: gl.constexpr = dh_ptrs.dtype.element_ty
+    gl.store(dh_ptrs, (da * up32 * sig * (1.0 + gate32 * (1.0 - sig))).to(dty), mask=mask)
+    gl.store(dh_ptrs + n_cols, (da * silu).to(dty), mask=mask)
+    gl.store(a_ptrs, (act * p).to(a_ptrs.dtype.element_ty), mask=mask)
+    return gl.sum(g32 * act, 1)
+
+
+@gluon.jit
+def _h_slice(h_ptr, prob_ptr, r0, row_end, base, cols, lo_ok, hi_ok, n_cols, stride_hp,
+             ROWS: gl.constexpr, BLOCK_N: gl.constexpr, lay: gl.constexpr):  # fmt: skip
+    """Loads of one row slice for the SwiGLU backward: (local rows, row mask, p, gate and up of
+    the lo columns, gate and up of the hi columns), issued together."""
+    rows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, lay))
+    row_ok = rows < row_end
+    lrows = gl.where(row_ok, rows - base, 0)
+    p = gl.load(prob_ptr + lrows, mask=row_ok, other=0.0)
+    m_lo = row_ok[:, None] & lo_ok[None, :]
+    m_hi = row_ok[:, None] & hi_ok[None, :]
+    hp = h_ptr + lrows[:, None] * stride_hp + cols[None, :]
+    gate_lo = gl.load(hp, mask=m_lo, other=0.0)
+    up_lo = gl.load(hp + n_cols, mask=m_lo, other=0.0)
+    gate_hi = gl.load(hp + BLOCK_N, mask=m_hi, other=0.0)
+    up_hi = gl.load(hp + BLOCK_N + n_cols, mask=m_hi, other=0.0)
+    return lrows, row_ok, p, gate_lo, up_lo, gate_hi, up_hi
+
+
+@gluon.jit
+def _swiglu_bwd_tile(lo_epi, hi_epi, epi_ready, phase, row0, row_end, base, cols, lo_ok, hi_ok,
+                     pid_n, prob_ptr, h_ptr, a_ptr, dh_ptr, part_ptr, n_cols, n_tiles_n,
+                     stride_hp, stride_ap, stride_dhp, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, ROWS: gl.constexpr, lay: gl.constexpr):  # fmt: skip
+    """The storer's SwiGLU backward of one tile of g = dy[tok] @ w2[e] (``lo_epi``, ``hi_epi``:
+    its two column blocks, g rounded to the output dtype as the split path stores it). SiLU is
+    recomputed from the saved h = [gate, up]; dh = [p*g * up * silu'(gate), p*g * silu(gate)]
+    goes into ``dh_ptr`` (which may be ``h_ptr``: each element is read, then written, by the
+    same thread, and belongs to one tile); p * a into ``a_ptr`` (for dw2); the tile's share of
+    dprob = rowsum(g * a) into column ``pid_n`` of the fp32 ``(P, n_tiles_n)`` partials (summed
+    after the kernel in a fixed order). The next slice's h is loaded before this one is
+    computed, the first one before the tile's accumulators are waited for."""
+    nxt = _h_slice(h_ptr, prob_ptr, row0, row_end, base, cols, lo_ok, hi_ok, n_cols, stride_hp,
+                   ROWS, BLOCK_N, lay)  # fmt: skip
+    mbarrier.wait(epi_ready, phase)
+    for r in gl.static_range(0, BLOCK_M, ROWS):
+        lrows, row_ok, p, gate_lo, up_lo, gate_hi, up_hi = nxt
+        if r + ROWS < BLOCK_M:
+            nxt = _h_slice(h_ptr, prob_ptr, row0 + r + ROWS, row_end, base, cols, lo_ok, hi_ok,
+                           n_cols, stride_hp, ROWS, BLOCK_N, lay)  # fmt: skip
+        p32 = p.to(gl.float32)[:, None]
+        dhp = dh_ptr + lrows[:, None] * stride_dhp + cols[None, :]
+        ap = a_ptr + lrows[:, None] * stride_ap + cols[None, :]
+        m_lo = row_ok[:, None] & lo_ok[None, :]
+        m_hi = row_ok[:, None] & hi_ok[None, :]
+        lo = lo_epi.slice(r, ROWS).load(lay)
+        dprob = _swiglu_bwd_cols(lo, gate_lo, up_lo, p32, dhp, ap, n_cols, m_lo)
+        hi = hi_epi.slice(r, ROWS).load(lay)
+        dprob += _swiglu_bwd_cols(hi, gate_hi, up_hi, p32, dhp + BLOCK_N, ap + BLOCK_N, n_cols,
+                                  m_hi)  # fmt: skip
+        gl.store(part_ptr + lrows * n_tiles_n + pid_n, dprob, mask=row_ok)
+
+
+@gluon.jit
+def _tile_storer(lo_epi, hi_epi, epi_ready, epi_empty, offs_ptr, prob_ptr, h_ptr, a_ptr, dh_ptr,
+                 part_ptr, n_experts, n_cols, n_tiles, n_tiles_n, stride_hp, stride_ap, stride_dhp,
                  W_KN: gl.constexpr, SAVE_H: gl.constexpr, SCALE: gl.constexpr,
-                 SAVE_A: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 BLOCK_E: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr):  # fmt: skip
+                 SAVE_A: gl.constexpr, SWIGLU_BWD: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, BLOCK_E: gl.constexpr, ROWS: gl.constexpr,
+                 WARPS: gl.constexpr):  # fmt: skip
     """Drains each tile from shared memory in ``ROWS``-row slices while the consumer runs the
     next tile: both halves stored into h (16-byte vectors); for the up-projection also
-    a = silu(gate) * up (* p) from the stored values. Rows masked at the expert's end."""
+    a = silu(gate) * up (* p) from the stored values. Rows masked at the expert's end.
+    ``SWIGLU_BWD`` (plain GEMM g = dy[tok] @ w2[e]): the SwiGLU backward instead
+    (:func:`_swiglu_bwd_tile`)."""
     TN: gl.constexpr = BLOCK_N // 8
     lay: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TN, TN], [WARPS, 1], [1, 0])
     base = gl.load(offs_ptr)
@@ -235,8 +313,14 @@ def _tile_storer(lo_epi, hi_epi, epi_ready, epi_empty, offs_ptr, prob_ptr, h_ptr
             cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, lay))
             lo_ok = cols < lo_end
             hi_ok = cols + hi_off < hi_end
-            mbarrier.wait(epi_ready, done & 1)
-            for r in gl.static_range(0, BLOCK_M, ROWS):
+            if SWIGLU_BWD:
+                _swiglu_bwd_tile(lo_epi, hi_epi, epi_ready, done & 1, row0, row_end, base, cols,
+                                 lo_ok, hi_ok, pid_n, prob_ptr, h_ptr, a_ptr, dh_ptr, part_ptr,
+                                 n_cols, n_tiles_n, stride_hp, stride_ap, stride_dhp, BLOCK_M,
+                                 BLOCK_N, ROWS, lay)  # fmt: skip
+            else:
+                mbarrier.wait(epi_ready, done & 1)
+            for r in gl.static_range(0, BLOCK_M if not SWIGLU_BWD else 0, ROWS):
                 rows = row0 + r + gl.arange(0, ROWS, layout=gl.SliceLayout(1, lay))
                 row_ok = rows < row_end
                 lrows = gl.where(row_ok, rows - base, 0)
@@ -262,11 +346,12 @@ def _tile_storer(lo_epi, hi_epi, epi_ready, epi_empty, offs_ptr, prob_ptr, h_ptr
 
 @gluon.jit
 def _gathered_gemm_ws_kernel(
-    x_ptr, w_desc, idx_ptr, offs_ptr, prob_ptr, h_ptr, a_ptr,
+    x_ptr, w_desc, idx_ptr, offs_ptr, prob_ptr, h_ptr, a_ptr, dh_ptr, part_ptr,
     n_experts, K, n_cols, n_tiles,
-    stride_xt, stride_hp, stride_ap,
+    stride_xt, stride_hp, stride_ap, stride_dhp,
     x_layout: gl.constexpr, epi_layout: gl.constexpr,
     W_KN: gl.constexpr, SAVE_H: gl.constexpr, SCALE: gl.constexpr, SAVE_A: gl.constexpr,
+    SWIGLU_BWD: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, BLOCK_E: gl.constexpr,
     STAGES: gl.constexpr, EPI_ROWS: gl.constexpr,
     PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
@@ -277,7 +362,10 @@ def _gathered_gemm_ws_kernel(
     upper bound, x N tiles); the three partitions walk the same items.
     - ``W_KN`` False (up-projection): w13 as (El*2I, H) rows through ``w_desc``, ``n_cols`` = I;
       h = [gate, up] stored when ``SAVE_H``, a = silu(gate) * up (* p) when ``SAVE_A``.
-    - ``W_KN`` True (plain): w as (El*K, N) rows, ``n_cols`` = N; h = x[tok] @ w[e]."""
+    - ``W_KN`` True (plain): w as (El*K, N) rows, ``n_cols`` = N; h = x[tok] @ w[e].
+    - ``W_KN`` and ``SWIGLU_BWD`` (down backward, w = w2 as (El*H, I) rows): g = dy[tok] @ w2[e]
+      never stored; h is the saved pre-activation (read), dh, p * a and dprob partials written
+      (``_swiglu_bwd_slice``)."""
     x_bufs = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, BLOCK_M, BLOCK_K],
                                        x_layout)  # fmt: skip
     lo_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape,
@@ -309,9 +397,9 @@ def _gathered_gemm_ws_kernel(
                              empty, n_experts, K, n_cols, n_tiles, n_tiles_n, stride_xt,
                              W_KN, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E, PRODUCER_WARPS)),
          (_tile_storer, (lo_epi, hi_epi, epi_ready, epi_empty, offs_ptr, prob_ptr, h_ptr, a_ptr,
-                         n_experts, n_cols, n_tiles, n_tiles_n, stride_hp, stride_ap,
-                         W_KN, SAVE_H, SCALE, SAVE_A, BLOCK_M, BLOCK_N, BLOCK_E, EPI_ROWS,
-                         STORER_WARPS))],
+                         dh_ptr, part_ptr, n_experts, n_cols, n_tiles, n_tiles_n, stride_hp,
+                         stride_ap, stride_dhp, W_KN, SAVE_H, SCALE, SAVE_A, SWIGLU_BWD, BLOCK_M,
+                         BLOCK_N, BLOCK_E, EPI_ROWS, STORER_WARPS))],
         [PRODUCER_WARPS, STORER_WARPS],
         [PRODUCER_REGS, STORER_REGS],
     )
@@ -359,6 +447,17 @@ def supports_rows_gemm(x_TK, w_EKN, c_PN=None, config=None) -> bool:
     )
 
 
+def supports_down_bwd_swiglu(dy_TH, w2_EHI, g_PI, h_P2I, dh_P2I, config=None) -> bool:
+    """Whether :func:`down_bwd_swiglu` takes the call: :func:`supports_rows_gemm`'s rules, with
+    h and dh as (P, 2I) in dy's dtype, unit column stride."""
+    ffn = w2_EHI.shape[2]
+    return (
+        all(t.shape[1] == 2 * ffn for t in (h_P2I, dh_P2I))
+        and _supports(dy_TH, w2_EHI, (g_PI, h_P2I, dh_P2I), config or DOWN_BWD_CONFIG)
+        and dy_TH.shape[1] == w2_EHI.shape[1]
+    )
+
+
 @functools.cache
 def _layouts(bm: int, bn: int, bk: int, dtype: torch.dtype, w_kn: bool):
     gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
@@ -374,19 +473,22 @@ def _sm_count(device_index: int) -> int:
 
 
 def _launch(x_TK, w_rows, idx_P, offs, prob_P, h, a, *, n_experts, n_cols, n_tiles_n, w_kn,
-            save_h, save_a, cfg) -> None:  # fmt: skip
+            save_h, save_a, cfg, dh=None, part=None) -> None:  # fmt: skip
+    """One launch; ``dh`` and ``part`` (the SwiGLU backward's outputs) select that epilogue."""
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     x_layout, w_block, w_layout, epi_layout = _layouts(bm, bn, bk, x_TK.dtype, w_kn)
     w_desc = TensorDescriptor.from_tensor(w_rows, w_block, w_layout)
     n_pairs = h.shape[0]
     n_tiles = (triton.cdiv(n_pairs, bm) + n_experts) * n_tiles_n
     grid = (min(n_tiles, _sm_count(x_TK.device.index or 0)),)
+    swiglu_bwd = dh is not None
     _gathered_gemm_ws_kernel[grid](
         x_TK, w_desc, idx_P, offs, prob_P if prob_P is not None else a, h, a,
+        dh if swiglu_bwd else h, part if swiglu_bwd else a,
         n_experts, x_TK.shape[1], n_cols, n_tiles,
-        x_TK.stride(0), h.stride(0), a.stride(0),
+        x_TK.stride(0), h.stride(0), a.stride(0), dh.stride(0) if swiglu_bwd else 0,
         x_layout, epi_layout,
-        W_KN=w_kn, SAVE_H=save_h, SCALE=prob_P is not None, SAVE_A=save_a,
+        W_KN=w_kn, SAVE_H=save_h, SCALE=prob_P is not None, SAVE_A=save_a, SWIGLU_BWD=swiglu_bwd,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=max(32, triton.next_power_of_2(n_experts)),
         STAGES=cfg["STAGES"], EPI_ROWS=cfg["EPI_ROWS"],
         PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=cfg["producer_regs"],
@@ -422,3 +524,21 @@ def rows_gemm(x_TK, w_EKN, idx_P, offs, c_PN, *, config=None) -> None:
             n_experts=n_experts, n_cols=ncols,
             n_tiles_n=triton.cdiv(ncols, 2 * cfg["BLOCK_N"]), w_kn=True, save_h=True,
             save_a=False, cfg=cfg)  # fmt: skip
+
+
+def down_bwd_swiglu(dy_TH, w2_EHI, idx_P, offs, h_P2I, prob_P, g_PI, dh_P2I, dprob_P, *,
+                    config=None) -> None:  # fmt: skip
+    """``grouped.down_backward_swiglu``'s contract: g = dy[tok] @ w2[e] is never stored; ``g_PI``
+    receives p * a, ``dh_P2I`` (may be ``h_P2I``) the pre-activation's gradient, ``dprob_P``
+    (fp32) rowsum(g * a). Call only where :func:`supports_down_bwd_swiglu` holds."""
+    cfg = config or DOWN_BWD_CONFIG
+    n_experts, hidden, ffn = w2_EHI.shape
+    n_pairs = g_PI.shape[0]
+    if n_pairs == 0 or n_experts == 0:
+        return
+    n_tiles_n = triton.cdiv(ffn, 2 * cfg["BLOCK_N"])
+    part_PN = torch.empty(n_pairs, n_tiles_n, dtype=torch.float32, device=g_PI.device)
+    _launch(dy_TH, w2_EHI.view(n_experts * hidden, ffn), idx_P, offs, prob_P, h_P2I, g_PI,
+            n_experts=n_experts, n_cols=ffn, n_tiles_n=n_tiles_n, w_kn=True, save_h=False,
+            save_a=False, cfg=cfg, dh=dh_P2I, part=part_PN)  # fmt: skip
+    torch.sum(part_PN, dim=1, out=dprob_P)
