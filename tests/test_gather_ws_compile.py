@@ -38,8 +38,15 @@ def _compile(kind: str):
     rows = torch.empty(E * H, I, dtype=torch.bfloat16) if w_kn else torch.empty(E * 2 * I, H)
     x_layout, w_block, w_layout, epi_layout = gather_ws._layouts(bm, bn, bk, torch.bfloat16, w_kn)
     desc = gather_ws.TensorDescriptor.from_tensor(rows.to(torch.bfloat16), w_block, w_layout)
+    h_desc = desc  # read by the SwiGLU backward alone
+    if fused:
+        h_block = [cfg["EPI_ROWS"], bn]
+        h_desc = gather_ws.TensorDescriptor.from_tensor(
+            torch.empty(256, 2 * I, dtype=torch.bfloat16), h_block,
+            gather_ws._h_layout(*h_block, torch.bfloat16))  # fmt: skip
     fn = gather_ws._gathered_gemm_ws_kernel
-    types = {"x_ptr": "*bf16", "w_desc": mangle_type(desc), "idx_ptr": "*i32", "offs_ptr": "*i64",
+    types = {"x_ptr": "*bf16", "w_desc": mangle_type(desc), "h_desc": mangle_type(h_desc),
+             "idx_ptr": "*i32", "offs_ptr": "*i64",
              "prob_ptr": "*fp32" if fused else "*bf16", "h_ptr": "*bf16", "a_ptr": "*bf16",
              "dh_ptr": "*bf16", "part_ptr": "*fp32"}  # fmt: skip
     for name in ("n_experts", "K", "n_cols", "n_tiles", "stride_xt", "stride_hp", "stride_ap",
@@ -50,14 +57,15 @@ def _compile(kind: str):
         "SCALE": kind != "rows_gemm", "SAVE_A": not w_kn, "SWIGLU_BWD": fused,
         "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
         "BLOCK_E": 32, "STAGES": cfg["STAGES"], "EPI_ROWS": cfg["EPI_ROWS"],
-        "PRODUCER_WARPS": gather_ws.PRODUCER_WARPS, "PRODUCER_REGS": cfg["producer_regs"],
+        "H_SLOTS": cfg.get("H_SLOTS", 1), "PRODUCER_WARPS": gather_ws.PRODUCER_WARPS,
+        "PRODUCER_REGS": cfg["producer_regs"],
         "STORER_WARPS": gather_ws.STORER_WARPS, "STORER_REGS": cfg["storer_regs"],
         "num_warps": cfg["num_warps"],
     }  # fmt: skip
     names = fn.arg_names
     signature = {n: types.get(n, "constexpr") for n in names}
     constexprs = {(names.index(k),): v for k, v in consts.items()}
-    aligned = [n for n in types if n != "w_desc"]
+    aligned = [n for n in types if not n.endswith("_desc")]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     src = GluonASTSource(fn, signature, constexprs, attrs)
     options = {"num_warps": cfg["num_warps"], "maxnreg": cfg["maxnreg"]}

@@ -72,10 +72,9 @@ UP_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "STAGES": 3, "EPI_RO
 # the plain gathered GEMM (down projection's backward, dy[tok] @ w2[e]): a tile is two adjacent
 # 128-column blocks
 ROWS_CONFIG = dict(UP_CONFIG)
-# the same GEMM with the SwiGLU backward as its epilogue: the storer reads h and writes dh, p * a
-# and dprob partials. 8-row slices (two slices' h loads in flight), the storer's registers raised
-# to 104: ptxas (Triton 3.6, sm90a) spilled kilobytes with 16-row slices, and 88 bytes at 48/96
-DOWN_BWD_CONFIG = dict(ROWS_CONFIG, EPI_ROWS=8, producer_regs=56, storer_regs=104)
+# the same GEMM with the SwiGLU backward as its epilogue: the storer reads h (8-row slices by TMA,
+# H_SLOTS of them in flight) and writes dh, p * a and dprob partials
+DOWN_BWD_CONFIG = dict(ROWS_CONFIG, EPI_ROWS=8, H_SLOTS=2, producer_regs=56, storer_regs=104)
 
 
 @gluon.jit
@@ -237,61 +236,78 @@ def _swiglu_bwd_cols(g, gate, up, p, dh_ptrs, a_ptrs, n_cols, mask):
 
 
 @gluon.jit
-def _h_slice(h_ptr, prob_ptr, r0, row_end, base, cols, lo_ok, hi_ok, n_cols, stride_hp,
-             ROWS: gl.constexpr, BLOCK_N: gl.constexpr, lay: gl.constexpr):  # fmt: skip
-    """Loads of one row slice for the SwiGLU backward: (local rows, row mask, p, gate and up of
-    the lo columns, gate and up of the hi columns), issued together."""
-    rows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, lay))
-    row_ok = rows < row_end
-    lrows = gl.where(row_ok, rows - base, 0)
-    p = gl.load(prob_ptr + lrows, mask=row_ok, other=0.0)
-    m_lo = row_ok[:, None] & lo_ok[None, :]
-    m_hi = row_ok[:, None] & hi_ok[None, :]
-    hp = h_ptr + lrows[:, None] * stride_hp + cols[None, :]
-    gate_lo = gl.load(hp, mask=m_lo, other=0.0)
-    up_lo = gl.load(hp + n_cols, mask=m_lo, other=0.0)
-    gate_hi = gl.load(hp + BLOCK_N, mask=m_hi, other=0.0)
-    up_hi = gl.load(hp + BLOCK_N + n_cols, mask=m_hi, other=0.0)
-    return lrows, row_ok, p, gate_lo, up_lo, gate_hi, up_hi
+def _load_h_slice(h_desc, h_bufs, h_bars, slot, lrow, col0, n_cols, BLOCK_N: gl.constexpr):
+    """TMA of one row slice of h into ``slot``: gate and up of the tile's lo and hi columns
+    (buffers ``4 * slot + 0..3``), onto ``h_bars[slot]``. Rows past h's end read as zeros."""
+    bar = h_bars.index(slot)
+    mbarrier.expect(bar, 4 * h_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(h_desc, [lrow, col0], bar, h_bufs.index(4 * slot))
+    tma.async_copy_global_to_shared(h_desc, [lrow, col0 + n_cols], bar, h_bufs.index(4 * slot + 1))
+    tma.async_copy_global_to_shared(h_desc, [lrow, col0 + BLOCK_N], bar,
+                                    h_bufs.index(4 * slot + 2))  # fmt: skip
+    tma.async_copy_global_to_shared(h_desc, [lrow, col0 + BLOCK_N + n_cols], bar,
+                                    h_bufs.index(4 * slot + 3))  # fmt: skip
 
 
 @gluon.jit
-def _swiglu_bwd_tile(lo_epi, hi_epi, epi_ready, phase, row0, row_end, base, cols, lo_ok, hi_ok,
-                     pid_n, prob_ptr, h_ptr, a_ptr, dh_ptr, part_ptr, n_cols, n_tiles_n,
-                     stride_hp, stride_ap, stride_dhp, BLOCK_M: gl.constexpr,
+def _swiglu_bwd_tile(lo_epi, hi_epi, epi_ready, h_desc, h_bufs, h_bars, done, row0, row_end,
+                     base, col0, cols, lo_ok, hi_ok, pid_n, prob_ptr, a_ptr, dh_ptr, part_ptr,
+                     n_cols, n_tiles_n, stride_ap, stride_dhp, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, ROWS: gl.constexpr, lay: gl.constexpr):  # fmt: skip
     """The storer's SwiGLU backward of one tile of g = dy[tok] @ w2[e] (``lo_epi``, ``hi_epi``:
     its two column blocks, g rounded to the output dtype as the split path stores it). SiLU is
     recomputed from the saved h = [gate, up]; dh = [p*g * up * silu'(gate), p*g * silu(gate)]
-    goes into ``dh_ptr`` (which may be ``h_ptr``: each element is read, then written, by the
-    same thread, and belongs to one tile); p * a into ``a_ptr`` (for dw2); the tile's share of
-    dprob = rowsum(g * a) into column ``pid_n`` of the fp32 ``(P, n_tiles_n)`` partials (summed
-    after the kernel in a fixed order). The next slice's h is loaded before this one is
-    computed, the first one before the tile's accumulators are waited for."""
-    nxt = _h_slice(h_ptr, prob_ptr, row0, row_end, base, cols, lo_ok, hi_ok, n_cols, stride_hp,
-                   ROWS, BLOCK_N, lay)  # fmt: skip
-    mbarrier.wait(epi_ready, phase)
-    for r in gl.static_range(0, BLOCK_M, ROWS):
-        lrows, row_ok, p, gate_lo, up_lo, gate_hi, up_hi = nxt
-        if r + ROWS < BLOCK_M:
-            nxt = _h_slice(h_ptr, prob_ptr, row0 + r + ROWS, row_end, base, cols, lo_ok, hi_ok,
-                           n_cols, stride_hp, ROWS, BLOCK_N, lay)  # fmt: skip
-        p32 = p.to(gl.float32)[:, None]
+    goes into ``dh_ptr`` (which may be h itself: each element is read, then written, and
+    belongs to one tile); p * a into ``a_ptr`` (for dw2); the tile's share of dprob =
+    rowsum(g * a) into column ``pid_n`` of the fp32 ``(P, n_tiles_n)`` partials (summed after
+    the kernel in a fixed order).
+
+    h comes by TMA in ``ROWS``-row slices through a ring of ``H_SLOTS`` slots: four storer warps
+    hold too few registers to keep enough loads in flight while the GEMM keeps L2 busy (8-row
+    slices loaded into registers, the next one ahead: 3.39 ms against the split path's 2.08,
+    H200, qwen3 T32k, b229c62). The first slots are requested before the tile's accumulators
+    are waited for."""
+    H_SLOTS: gl.constexpr = h_bars.type.shape[0]
+    N_SLICES: gl.constexpr = BLOCK_M // ROWS
+    first = done * N_SLICES  # slices this partition consumed before this tile
+    lrow0 = (row0 - base).to(gl.int32)  # h's row count is checked against int32 at launch
+    col0 = col0.to(gl.int32)
+    for j in gl.static_range(H_SLOTS):
+        _load_h_slice(h_desc, h_bufs, h_bars, (first + j) % H_SLOTS, lrow0 + j * ROWS, col0,
+                      n_cols, BLOCK_N)  # fmt: skip
+    mbarrier.wait(epi_ready, done & 1)
+    for r in gl.static_range(N_SLICES):
+        c = first + r
+        slot = c % H_SLOTS
+        rows = row0 + r * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, lay))
+        row_ok = rows < row_end
+        lrows = gl.where(row_ok, rows - base, 0)
+        p = gl.load(prob_ptr + lrows, mask=row_ok, other=0.0).to(gl.float32)[:, None]
         dhp = dh_ptr + lrows[:, None] * stride_dhp + cols[None, :]
         ap = a_ptr + lrows[:, None] * stride_ap + cols[None, :]
         m_lo = row_ok[:, None] & lo_ok[None, :]
         m_hi = row_ok[:, None] & hi_ok[None, :]
-        lo = lo_epi.slice(r, ROWS).load(lay)
-        dprob = _swiglu_bwd_cols(lo, gate_lo, up_lo, p32, dhp, ap, n_cols, m_lo)
-        hi = hi_epi.slice(r, ROWS).load(lay)
-        dprob += _swiglu_bwd_cols(hi, gate_hi, up_hi, p32, dhp + BLOCK_N, ap + BLOCK_N, n_cols,
+        mbarrier.wait(h_bars.index(slot), (c // H_SLOTS) & 1)
+        gate_lo = h_bufs.index(4 * slot).load(lay)
+        up_lo = h_bufs.index(4 * slot + 1).load(lay)
+        gate_hi = h_bufs.index(4 * slot + 2).load(lay)
+        up_hi = h_bufs.index(4 * slot + 3).load(lay)
+        if r + H_SLOTS < N_SLICES:  # the slot is read: every thread, then the next request
+            _partition_barrier()
+            _load_h_slice(h_desc, h_bufs, h_bars, slot, lrow0 + (r + H_SLOTS) * ROWS, col0,
+                          n_cols, BLOCK_N)  # fmt: skip
+        lo = lo_epi.slice(r * ROWS, ROWS).load(lay)
+        dprob = _swiglu_bwd_cols(lo, gate_lo, up_lo, p, dhp, ap, n_cols, m_lo)
+        hi = hi_epi.slice(r * ROWS, ROWS).load(lay)
+        dprob += _swiglu_bwd_cols(hi, gate_hi, up_hi, p, dhp + BLOCK_N, ap + BLOCK_N, n_cols,
                                   m_hi)  # fmt: skip
         gl.store(part_ptr + lrows * n_tiles_n + pid_n, dprob, mask=row_ok)
 
 
 @gluon.jit
-def _tile_storer(lo_epi, hi_epi, epi_ready, epi_empty, offs_ptr, prob_ptr, h_ptr, a_ptr, dh_ptr,
-                 part_ptr, n_experts, n_cols, n_tiles, n_tiles_n, stride_hp, stride_ap, stride_dhp,
+def _tile_storer(lo_epi, hi_epi, epi_ready, epi_empty, h_desc, h_bufs, h_bars, offs_ptr, prob_ptr,
+                 h_ptr, a_ptr, dh_ptr, part_ptr, n_experts, n_cols, n_tiles, n_tiles_n, stride_hp,
+                 stride_ap, stride_dhp,
                  W_KN: gl.constexpr, SAVE_H: gl.constexpr, SCALE: gl.constexpr,
                  SAVE_A: gl.constexpr, SWIGLU_BWD: gl.constexpr, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr, BLOCK_E: gl.constexpr, ROWS: gl.constexpr,
@@ -314,10 +330,10 @@ def _tile_storer(lo_epi, hi_epi, epi_ready, epi_empty, offs_ptr, prob_ptr, h_ptr
             lo_ok = cols < lo_end
             hi_ok = cols + hi_off < hi_end
             if SWIGLU_BWD:
-                _swiglu_bwd_tile(lo_epi, hi_epi, epi_ready, done & 1, row0, row_end, base, cols,
-                                 lo_ok, hi_ok, pid_n, prob_ptr, h_ptr, a_ptr, dh_ptr, part_ptr,
-                                 n_cols, n_tiles_n, stride_hp, stride_ap, stride_dhp, BLOCK_M,
-                                 BLOCK_N, ROWS, lay)  # fmt: skip
+                _swiglu_bwd_tile(lo_epi, hi_epi, epi_ready, h_desc, h_bufs, h_bars, done, row0,
+                                 row_end, base, col0, cols, lo_ok, hi_ok, pid_n, prob_ptr, a_ptr,
+                                 dh_ptr, part_ptr, n_cols, n_tiles_n, stride_ap, stride_dhp,
+                                 BLOCK_M, BLOCK_N, ROWS, lay)  # fmt: skip
             else:
                 mbarrier.wait(epi_ready, done & 1)
             for r in gl.static_range(0, BLOCK_M if not SWIGLU_BWD else 0, ROWS):
@@ -346,14 +362,14 @@ def _tile_storer(lo_epi, hi_epi, epi_ready, epi_empty, offs_ptr, prob_ptr, h_ptr
 
 @gluon.jit
 def _gathered_gemm_ws_kernel(
-    x_ptr, w_desc, idx_ptr, offs_ptr, prob_ptr, h_ptr, a_ptr, dh_ptr, part_ptr,
+    x_ptr, w_desc, h_desc, idx_ptr, offs_ptr, prob_ptr, h_ptr, a_ptr, dh_ptr, part_ptr,
     n_experts, K, n_cols, n_tiles,
     stride_xt, stride_hp, stride_ap, stride_dhp,
     x_layout: gl.constexpr, epi_layout: gl.constexpr,
     W_KN: gl.constexpr, SAVE_H: gl.constexpr, SCALE: gl.constexpr, SAVE_A: gl.constexpr,
     SWIGLU_BWD: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, BLOCK_E: gl.constexpr,
-    STAGES: gl.constexpr, EPI_ROWS: gl.constexpr,
+    STAGES: gl.constexpr, EPI_ROWS: gl.constexpr, H_SLOTS: gl.constexpr,
     PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     STORER_WARPS: gl.constexpr, STORER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
@@ -364,8 +380,9 @@ def _gathered_gemm_ws_kernel(
       h = [gate, up] stored when ``SAVE_H``, a = silu(gate) * up (* p) when ``SAVE_A``.
     - ``W_KN`` True (plain): w as (El*K, N) rows, ``n_cols`` = N; h = x[tok] @ w[e].
     - ``W_KN`` and ``SWIGLU_BWD`` (down backward, w = w2 as (El*H, I) rows): g = dy[tok] @ w2[e]
-      never stored; h is the saved pre-activation (read), dh, p * a and dprob partials written
-      (``_swiglu_bwd_slice``)."""
+      never stored; h is the saved pre-activation (read through ``h_desc``, ``EPI_ROWS`` x
+      ``BLOCK_N`` boxes, ``H_SLOTS`` slices in flight), dh, p * a and dprob partials written
+      (``_swiglu_bwd_tile``). Other kinds pass any descriptor as ``h_desc`` (unused)."""
     x_bufs = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, BLOCK_M, BLOCK_K],
                                        x_layout)  # fmt: skip
     lo_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape,
@@ -378,6 +395,13 @@ def _gathered_gemm_ws_kernel(
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     epi_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     epi_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    # the SwiGLU backward's h slices (a token allocation for the other kinds)
+    HB: gl.constexpr = 4 * H_SLOTS if SWIGLU_BWD else 1
+    HR: gl.constexpr = EPI_ROWS if SWIGLU_BWD else 8
+    h_bufs = gl.allocate_shared_memory(h_ptr.dtype.element_ty, [HB, HR, BLOCK_N], h_desc.layout)
+    h_bars = gl.allocate_shared_memory(gl.int64, [H_SLOTS, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(H_SLOTS):
+        mbarrier.init(h_bars.index(s), count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=PRODUCER_WARPS * 32 + 1)
         mbarrier.init(empty.index(s), count=1)
@@ -396,10 +420,10 @@ def _gathered_gemm_ws_kernel(
          (_gather_producer, (x_ptr, idx_ptr, offs_ptr, w_desc, x_bufs, lo_bufs, hi_bufs, ready,
                              empty, n_experts, K, n_cols, n_tiles, n_tiles_n, stride_xt,
                              W_KN, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E, PRODUCER_WARPS)),
-         (_tile_storer, (lo_epi, hi_epi, epi_ready, epi_empty, offs_ptr, prob_ptr, h_ptr, a_ptr,
-                         dh_ptr, part_ptr, n_experts, n_cols, n_tiles, n_tiles_n, stride_hp,
-                         stride_ap, stride_dhp, W_KN, SAVE_H, SCALE, SAVE_A, SWIGLU_BWD, BLOCK_M,
-                         BLOCK_N, BLOCK_E, EPI_ROWS, STORER_WARPS))],
+         (_tile_storer, (lo_epi, hi_epi, epi_ready, epi_empty, h_desc, h_bufs, h_bars, offs_ptr,
+                         prob_ptr, h_ptr, a_ptr, dh_ptr, part_ptr, n_experts, n_cols, n_tiles,
+                         n_tiles_n, stride_hp, stride_ap, stride_dhp, W_KN, SAVE_H, SCALE, SAVE_A,
+                         SWIGLU_BWD, BLOCK_M, BLOCK_N, BLOCK_E, EPI_ROWS, STORER_WARPS))],
         [PRODUCER_WARPS, STORER_WARPS],
         [PRODUCER_REGS, STORER_REGS],
     )
@@ -409,6 +433,8 @@ def _gathered_gemm_ws_kernel(
         mbarrier.invalidate(empty.index(s))
     mbarrier.invalidate(epi_ready)
     mbarrier.invalidate(epi_empty)
+    for s in gl.static_range(H_SLOTS):
+        mbarrier.invalidate(h_bars.index(s))
 
 
 def _supports(x_TK, w, outs, cfg) -> bool:
@@ -453,6 +479,8 @@ def supports_down_bwd_swiglu(dy_TH, w2_EHI, g_PI, h_P2I, dh_P2I, config=None) ->
     ffn = w2_EHI.shape[2]
     return (
         all(t.shape[1] == 2 * ffn for t in (h_P2I, dh_P2I))
+        and (h_P2I.stride(0) * h_P2I.element_size()) % 16 == 0  # h through a tensor descriptor
+        and h_P2I.data_ptr() % 16 == 0
         and _supports(dy_TH, w2_EHI, (g_PI, h_P2I, dh_P2I), config or DOWN_BWD_CONFIG)
         and dy_TH.shape[1] == w2_EHI.shape[1]
     )
@@ -465,6 +493,12 @@ def _layouts(bm: int, bn: int, bk: int, dtype: torch.dtype, w_kn: bool):
     return (gl.NVMMASharedLayout.get_default_for([bm, bk], gdt), w_block,
             gl.NVMMASharedLayout.get_default_for(w_block, gdt),
             gl.NVMMASharedLayout.get_default_for([bm, bn], gdt))  # fmt: skip
+
+
+@functools.cache
+def _h_layout(rows: int, cols: int, dtype: torch.dtype):
+    gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], gdt)
 
 
 @functools.cache
@@ -482,15 +516,19 @@ def _launch(x_TK, w_rows, idx_P, offs, prob_P, h, a, *, n_experts, n_cols, n_til
     n_tiles = (triton.cdiv(n_pairs, bm) + n_experts) * n_tiles_n
     grid = (min(n_tiles, _sm_count(x_TK.device.index or 0)),)
     swiglu_bwd = dh is not None
+    h_desc = w_desc  # unused but for the SwiGLU backward
+    if swiglu_bwd:
+        h_block = [cfg["EPI_ROWS"], bn]
+        h_desc = TensorDescriptor.from_tensor(h, h_block, _h_layout(*h_block, h.dtype))
     _gathered_gemm_ws_kernel[grid](
-        x_TK, w_desc, idx_P, offs, prob_P if prob_P is not None else a, h, a,
+        x_TK, w_desc, h_desc, idx_P, offs, prob_P if prob_P is not None else a, h, a,
         dh if swiglu_bwd else h, part if swiglu_bwd else a,
         n_experts, x_TK.shape[1], n_cols, n_tiles,
         x_TK.stride(0), h.stride(0), a.stride(0), dh.stride(0) if swiglu_bwd else 0,
         x_layout, epi_layout,
         W_KN=w_kn, SAVE_H=save_h, SCALE=prob_P is not None, SAVE_A=save_a, SWIGLU_BWD=swiglu_bwd,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=max(32, triton.next_power_of_2(n_experts)),
-        STAGES=cfg["STAGES"], EPI_ROWS=cfg["EPI_ROWS"],
+        STAGES=cfg["STAGES"], EPI_ROWS=cfg["EPI_ROWS"], H_SLOTS=cfg.get("H_SLOTS", 1),
         PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=cfg["producer_regs"],
         STORER_WARPS=STORER_WARPS, STORER_REGS=cfg["storer_regs"], num_warps=cfg["num_warps"],
         maxnreg=cfg["maxnreg"],
