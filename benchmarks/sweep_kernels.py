@@ -194,9 +194,9 @@ WS_VARIANTS = {
     "down_bwd": [{}, {"EPI_ROWS": 16}, {"BLOCK_K": 32, "STAGES": 6}],
     "down_bwd_swiglu": [
         {},
-        {"H_SLOTS": 3, "BLOCK_K": 32, "STAGES": 5},
-        {"H_SLOTS": 4, "BLOCK_K": 32, "STAGES": 4},
+        {"H_SLOTS": 3, "STAGES": 4},
         {"producer_regs": 40, "storer_regs": 120},
+        {"H_SLOTS": 4, "STAGES": 3},
     ],
 }
 

@@ -46,6 +46,7 @@ def _compile(kind: str):
             gather_ws._h_layout(*h_block, torch.bfloat16))  # fmt: skip
     fn = gather_ws._gathered_gemm_ws_kernel
     types = {"x_ptr": "*bf16", "w_desc": mangle_type(desc), "h_desc": mangle_type(h_desc),
+             "dh_desc": mangle_type(h_desc), "a_desc": mangle_type(h_desc),
              "idx_ptr": "*i32", "offs_ptr": "*i64",
              "prob_ptr": "*fp32" if fused else "*bf16", "h_ptr": "*bf16", "a_ptr": "*bf16",
              "dh_ptr": "*bf16", "part_ptr": "*fp32"}  # fmt: skip

@@ -74,7 +74,8 @@ UP_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "STAGES": 3, "EPI_RO
 ROWS_CONFIG = dict(UP_CONFIG)
 # the same GEMM with the SwiGLU backward as its epilogue: the storer reads h (8-row slices by TMA,
 # H_SLOTS of them in flight) and writes dh, p * a and dprob partials
-DOWN_BWD_CONFIG = dict(ROWS_CONFIG, EPI_ROWS=8, H_SLOTS=2, producer_regs=56, storer_regs=104)
+DOWN_BWD_CONFIG = dict(ROWS_CONFIG, BLOCK_K=32, STAGES=5, EPI_ROWS=8, H_SLOTS=2, producer_regs=56,
+                       storer_regs=104)  # fmt: skip
 
 
 @gluon.jit
@@ -219,8 +220,8 @@ def _dual_mma_consumer(x_bufs, lo_bufs, hi_bufs, ready, empty, lo_epi, hi_epi, e
 
 
 @gluon.jit
-def _swiglu_bwd_cols(g, gate, up, p, dh_ptrs, a_ptrs, n_cols, mask):
-    """One half's columns of :func:`_swiglu_bwd_slice`; returns the rows' sum of g * a."""
+def _swiglu_bwd_math(g, gate, up, p):
+    """(dgate, dup, p * a, rowsum(g * a)) in fp32 from g, h = [gate, up] and p (fp32, (ROWS, 1))."""
     g32 = g.to(gl.float32)
     gate32 = gate.to(gl.float32)
     up32 = up.to(gl.float32)
@@ -228,11 +229,8 @@ def _swiglu_bwd_cols(g, gate, up, p, dh_ptrs, a_ptrs, n_cols, mask):
     silu = gate32 * sig
     act = silu * up32
     da = g32 * p
-    dty: gl.constexpr = dh_ptrs.dtype.element_ty
-    gl.store(dh_ptrs, (da * up32 * sig * (1.0 + gate32 * (1.0 - sig))).to(dty), mask=mask)
-    gl.store(dh_ptrs + n_cols, (da * silu).to(dty), mask=mask)
-    gl.store(a_ptrs, (act * p).to(a_ptrs.dtype.element_ty), mask=mask)
-    return gl.sum(g32 * act, 1)
+    dgate = da * up32 * sig * (1.0 + gate32 * (1.0 - sig))
+    return dgate, da * silu, act * p, gl.sum(g32 * act, 1)
 
 
 @gluon.jit
@@ -250,10 +248,11 @@ def _load_h_slice(h_desc, h_bufs, h_bars, slot, lrow, col0, n_cols, BLOCK_N: gl.
 
 
 @gluon.jit
-def _swiglu_bwd_tile(lo_epi, hi_epi, epi_ready, h_desc, h_bufs, h_bars, p_smem, done, row0, row_end,
-                     base, col0, cols, lo_ok, hi_ok, pid_n, prob_ptr, a_ptr, dh_ptr, part_ptr,
-                     n_cols, n_tiles_n, stride_ap, stride_dhp, BLOCK_M: gl.constexpr,
-                     BLOCK_N: gl.constexpr, ROWS: gl.constexpr, lay: gl.constexpr):  # fmt: skip
+def _swiglu_bwd_tile(lo_epi, hi_epi, epi_ready, h_desc, h_bufs, h_bars, p_smem, dh_desc, a_desc,
+                     o_bufs, done, row0, row_end, base, col0, cols, lo_ok, hi_ok, pid_n, prob_ptr,
+                     a_ptr, dh_ptr, part_ptr, n_cols, n_tiles_n, stride_ap, stride_dhp,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ROWS: gl.constexpr,
+                     lay: gl.constexpr):  # fmt: skip
     """The storer's SwiGLU backward of one tile of g = dy[tok] @ w2[e] (``lo_epi``, ``hi_epi``:
     its two column blocks, g rounded to the output dtype as the split path stores it). SiLU is
     recomputed from the saved h = [gate, up]; dh = [p*g * up * silu'(gate), p*g * silu(gate)]
@@ -291,8 +290,6 @@ def _swiglu_bwd_tile(lo_epi, hi_epi, epi_ready, h_desc, h_bufs, h_bars, p_smem, 
         row_ok = rows < row_end
         lrows = gl.where(row_ok, rows - base, 0)
         p = p_smem.slice(r * ROWS, ROWS).load(gl.SliceLayout(1, lay))[:, None]
-        dhp = dh_ptr + lrows[:, None] * stride_dhp + cols[None, :]
-        ap = a_ptr + lrows[:, None] * stride_ap + cols[None, :]
         m_lo = row_ok[:, None] & lo_ok[None, :]
         m_hi = row_ok[:, None] & hi_ok[None, :]
         mbarrier.wait(h_bars.index(slot), (c // H_SLOTS) & 1)
@@ -305,16 +302,54 @@ def _swiglu_bwd_tile(lo_epi, hi_epi, epi_ready, h_desc, h_bufs, h_bars, p_smem, 
             _load_h_slice(h_desc, h_bufs, h_bars, slot, lrow0 + (r + H_SLOTS) * ROWS, col0,
                           n_cols, BLOCK_N)  # fmt: skip
         lo = lo_epi.slice(r * ROWS, ROWS).load(lay)
-        dprob = _swiglu_bwd_cols(lo, gate_lo, up_lo, p, dhp, ap, n_cols, m_lo)
+        dg_lo, du_lo, pa_lo, dprob = _swiglu_bwd_math(lo, gate_lo, up_lo, p)
         hi = hi_epi.slice(r * ROWS, ROWS).load(lay)
-        dprob += _swiglu_bwd_cols(hi, gate_hi, up_hi, p, dhp + BLOCK_N, ap + BLOCK_N, n_cols,
-                                  m_hi)  # fmt: skip
-        gl.store(part_ptr + lrows * n_tiles_n + pid_n, dprob, mask=row_ok)
+        dg_hi, du_hi, pa_hi, dprob_hi = _swiglu_bwd_math(hi, gate_hi, up_hi, p)
+        gl.store(part_ptr + lrows * n_tiles_n + pid_n, dprob + dprob_hi, mask=row_ok)
+        if row0 + (r + 1) * ROWS <= row_end:  # a whole slice of this expert: TMA stores
+            _store_slice_tma(dh_desc, a_desc, o_bufs, (r % 2) * 6, lrow0 + r * ROWS, col0, n_cols,
+                             dg_lo, du_lo, pa_lo, dg_hi, du_hi, pa_hi, BLOCK_N)  # fmt: skip
+        else:  # the expert's last rows: the next expert's rows must not be written
+            dty: gl.constexpr = dh_ptr.dtype.element_ty
+            aty: gl.constexpr = a_ptr.dtype.element_ty
+            dhp = dh_ptr + lrows[:, None] * stride_dhp + cols[None, :]
+            ap = a_ptr + lrows[:, None] * stride_ap + cols[None, :]
+            gl.store(dhp, dg_lo.to(dty), mask=m_lo)
+            gl.store(dhp + n_cols, du_lo.to(dty), mask=m_lo)
+            gl.store(ap, pa_lo.to(aty), mask=m_lo)
+            gl.store(dhp + BLOCK_N, dg_hi.to(dty), mask=m_hi)
+            gl.store(dhp + BLOCK_N + n_cols, du_hi.to(dty), mask=m_hi)
+            gl.store(ap + BLOCK_N, pa_hi.to(aty), mask=m_hi)
 
 
 @gluon.jit
-def _tile_storer(lo_epi, hi_epi, epi_ready, epi_empty, h_desc, h_bufs, h_bars, p_smem, offs_ptr,
-                 prob_ptr,
+def _store_slice_tma(dh_desc, a_desc, o_bufs, b0, lrow, col0, n_cols, dg_lo, du_lo, pa_lo, dg_hi,
+                     du_hi, pa_hi, BLOCK_N: gl.constexpr):  # fmt: skip
+    """One slice's six (ROWS, BLOCK_N) results through staging buffers ``b0 .. b0 + 5`` and TMA
+    stores (dh's gate and up columns, p * a; lo then hi). The buffers were last handed to TMA two
+    slices ago: at most that slice's six stores may still be reading shared memory."""
+    tma.store_wait(6)
+    _partition_barrier()
+    dty: gl.constexpr = o_bufs.dtype
+    o_bufs.index(b0).store(dg_lo.to(dty))
+    o_bufs.index(b0 + 1).store(du_lo.to(dty))
+    o_bufs.index(b0 + 2).store(pa_lo.to(dty))
+    o_bufs.index(b0 + 3).store(dg_hi.to(dty))
+    o_bufs.index(b0 + 4).store(du_hi.to(dty))
+    o_bufs.index(b0 + 5).store(pa_hi.to(dty))
+    fence_async_shared()
+    _partition_barrier()
+    tma.async_copy_shared_to_global(dh_desc, [lrow, col0], o_bufs.index(b0))
+    tma.async_copy_shared_to_global(dh_desc, [lrow, col0 + n_cols], o_bufs.index(b0 + 1))
+    tma.async_copy_shared_to_global(a_desc, [lrow, col0], o_bufs.index(b0 + 2))
+    tma.async_copy_shared_to_global(dh_desc, [lrow, col0 + BLOCK_N], o_bufs.index(b0 + 3))
+    tma.async_copy_shared_to_global(dh_desc, [lrow, col0 + BLOCK_N + n_cols], o_bufs.index(b0 + 4))
+    tma.async_copy_shared_to_global(a_desc, [lrow, col0 + BLOCK_N], o_bufs.index(b0 + 5))
+
+
+@gluon.jit
+def _tile_storer(lo_epi, hi_epi, epi_ready, epi_empty, h_desc, h_bufs, h_bars, p_smem, dh_desc,
+                 a_desc, o_bufs, offs_ptr, prob_ptr,
                  h_ptr, a_ptr, dh_ptr, part_ptr, n_experts, n_cols, n_tiles, n_tiles_n, stride_hp,
                  stride_ap, stride_dhp,
                  W_KN: gl.constexpr, SAVE_H: gl.constexpr, SCALE: gl.constexpr,
@@ -339,7 +374,8 @@ def _tile_storer(lo_epi, hi_epi, epi_ready, epi_empty, h_desc, h_bufs, h_bars, p
             lo_ok = cols < lo_end
             hi_ok = cols + hi_off < hi_end
             if SWIGLU_BWD:
-                _swiglu_bwd_tile(lo_epi, hi_epi, epi_ready, h_desc, h_bufs, h_bars, p_smem, done, row0,
+                _swiglu_bwd_tile(lo_epi, hi_epi, epi_ready, h_desc, h_bufs, h_bars, p_smem, dh_desc,
+                                 a_desc, o_bufs, done, row0,
                                  row_end, base, col0, cols, lo_ok, hi_ok, pid_n, prob_ptr, a_ptr,
                                  dh_ptr, part_ptr, n_cols, n_tiles_n, stride_ap, stride_dhp,
                                  BLOCK_M, BLOCK_N, ROWS, lay)  # fmt: skip
@@ -367,11 +403,13 @@ def _tile_storer(lo_epi, hi_epi, epi_ready, epi_empty, h_desc, h_bufs, h_bars, p
             _partition_barrier()
             mbarrier.arrive(epi_empty)
             done += 1
+    if SWIGLU_BWD:
+        tma.store_wait(0)  # the staging buffers are read before the kernel ends
 
 
 @gluon.jit
 def _gathered_gemm_ws_kernel(
-    x_ptr, w_desc, h_desc, idx_ptr, offs_ptr, prob_ptr, h_ptr, a_ptr, dh_ptr, part_ptr,
+    x_ptr, w_desc, h_desc, dh_desc, a_desc, idx_ptr, offs_ptr, prob_ptr, h_ptr, a_ptr, dh_ptr, part_ptr,
     n_experts, K, n_cols, n_tiles,
     stride_xt, stride_hp, stride_ap, stride_dhp,
     x_layout: gl.constexpr, epi_layout: gl.constexpr,
@@ -411,6 +449,8 @@ def _gathered_gemm_ws_kernel(
     h_bars = gl.allocate_shared_memory(gl.int64, [H_SLOTS, 1], mbarrier.MBarrierLayout())
     p_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M if SWIGLU_BWD else 32],
                                        gl.SwizzledSharedLayout(1, 1, 1, [0]))  # fmt: skip
+    o_bufs = gl.allocate_shared_memory(h_ptr.dtype.element_ty, [12 if SWIGLU_BWD else 1, HR,
+                                       BLOCK_N], h_desc.layout)  # fmt: skip
     for s in gl.static_range(H_SLOTS):
         mbarrier.init(h_bars.index(s), count=1)
     for s in gl.static_range(STAGES):
@@ -431,7 +471,8 @@ def _gathered_gemm_ws_kernel(
          (_gather_producer, (x_ptr, idx_ptr, offs_ptr, w_desc, x_bufs, lo_bufs, hi_bufs, ready,
                              empty, n_experts, K, n_cols, n_tiles, n_tiles_n, stride_xt,
                              W_KN, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E, PRODUCER_WARPS)),
-         (_tile_storer, (lo_epi, hi_epi, epi_ready, epi_empty, h_desc, h_bufs, h_bars, p_smem, offs_ptr,
+         (_tile_storer, (lo_epi, hi_epi, epi_ready, epi_empty, h_desc, h_bufs, h_bars, p_smem,
+                         dh_desc, a_desc, o_bufs, offs_ptr,
                          prob_ptr, h_ptr, a_ptr, dh_ptr, part_ptr, n_experts, n_cols, n_tiles,
                          n_tiles_n, stride_hp, stride_ap, stride_dhp, W_KN, SAVE_H, SCALE, SAVE_A,
                          SWIGLU_BWD, BLOCK_M, BLOCK_N, BLOCK_E, EPI_ROWS, STORER_WARPS))],
@@ -486,12 +527,17 @@ def supports_rows_gemm(x_TK, w_EKN, c_PN=None, config=None) -> bool:
 
 def supports_down_bwd_swiglu(dy_TH, w2_EHI, g_PI, h_P2I, dh_P2I, config=None) -> bool:
     """Whether :func:`down_bwd_swiglu` takes the call: :func:`supports_rows_gemm`'s rules, with
-    h and dh as (P, 2I) in dy's dtype, unit column stride."""
+    h and dh as (P, 2I) in dy's dtype, unit column stride, I a multiple of the 256-column tile,
+    and the rows of h, dh and g 16-byte aligned (tensor descriptors)."""
     ffn = w2_EHI.shape[2]
+    cfg = config or DOWN_BWD_CONFIG
     return (
         all(t.shape[1] == 2 * ffn for t in (h_P2I, dh_P2I))
-        and (h_P2I.stride(0) * h_P2I.element_size()) % 16 == 0  # h through a tensor descriptor
-        and h_P2I.data_ptr() % 16 == 0
+        and ffn % (2 * cfg["BLOCK_N"]) == 0  # a tile's TMA boxes stay inside gate, up and p*a
+        and all(  # h, dh and p*a through tensor descriptors
+            (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+            for t in (h_P2I, dh_P2I, g_PI)
+        )
         and _supports(dy_TH, w2_EHI, (g_PI, h_P2I, dh_P2I), config or DOWN_BWD_CONFIG)
         and dy_TH.shape[1] == w2_EHI.shape[1]
     )
@@ -527,12 +573,15 @@ def _launch(x_TK, w_rows, idx_P, offs, prob_P, h, a, *, n_experts, n_cols, n_til
     n_tiles = (triton.cdiv(n_pairs, bm) + n_experts) * n_tiles_n
     grid = (min(n_tiles, _sm_count(x_TK.device.index or 0)),)
     swiglu_bwd = dh is not None
-    h_desc = w_desc  # unused but for the SwiGLU backward
+    h_desc = dh_desc = a_desc = w_desc  # unused but for the SwiGLU backward
     if swiglu_bwd:
-        h_block = [cfg["EPI_ROWS"], bn]
-        h_desc = TensorDescriptor.from_tensor(h, h_block, _h_layout(*h_block, h.dtype))
+        block = [cfg["EPI_ROWS"], bn]
+        layout = _h_layout(*block, h.dtype)
+        h_desc, dh_desc, a_desc = (
+            TensorDescriptor.from_tensor(t, block, layout) for t in (h, dh, a)
+        )
     _gathered_gemm_ws_kernel[grid](
-        x_TK, w_desc, h_desc, idx_P, offs, prob_P if prob_P is not None else a, h, a,
+        x_TK, w_desc, h_desc, dh_desc, a_desc, idx_P, offs, prob_P if prob_P is not None else a, h, a,
         dh if swiglu_bwd else h, part if swiglu_bwd else a,
         n_experts, x_TK.shape[1], n_cols, n_tiles,
         x_TK.stride(0), h.stride(0), a.stride(0), dh.stride(0) if swiglu_bwd else 0,

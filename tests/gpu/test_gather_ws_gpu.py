@@ -35,6 +35,7 @@ CASES = [
     (777, 512, 384, 8, 1, "one", None),  # top-1, one hot expert
     (300, 256, 192, 6, 6, "uniform", (2, 5)),  # K = E
     (5, 256, 128, 4, 2, "uniform", None),  # fewer pairs than one tile
+    (333, 512, 512, 12, 2, "skewed", (3, 9)),  # two 256-column tiles, partial slices
 ]
 
 
@@ -174,8 +175,8 @@ def _swiglu_bwd_oracle(dy, w2, h, prob_P, tok, starts, e0):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", CASES)
 def test_down_backward_swiglu_matches_float64(case, dtype, in_place, monkeypatch):
-    """grouped.down_backward_swiglu (one Gluon kernel where g rows are 16-byte multiples, else
-    the Triton GEMM and pass) against float64; dh over h (act mode) or into its own buffer."""
+    """grouped.down_backward_swiglu (one Gluon kernel where I is a multiple of 256, else the
+    GEMM and the Triton pass) against float64; dh over h (act mode) or into its own buffer."""
     from relaymoe.kernels import grouped
 
     monkeypatch.delenv("RELAYMOE_SWIGLU_BWD", raising=False)
@@ -195,8 +196,8 @@ def test_down_backward_swiglu_matches_float64(case, dtype, in_place, monkeypatch
     dh = h if in_place else torch.full_like(h, float("nan"))
     g = torch.full((n_pairs, i), float("nan"), device="cuda", dtype=dtype)
     dprob = torch.full((n_pairs,), float("nan"), device="cuda")
-    aligned = (i * dy.element_size()) % 16 == 0
-    assert (grouped._gather_ws("down_bwd_swiglu", dy, w2[e0:e1], g, h, dh) is gather_ws) == aligned
+    fused = i % 256 == 0  # the tile's TMA boxes: I a multiple of 256 columns
+    assert (grouped._gather_ws("down_bwd_swiglu", dy, w2[e0:e1], g, h, dh) is gather_ws) == fused
     grouped.down_backward_swiglu(dy, w2[e0:e1], index.expert_token_indices, offs, h, prob_P, g,
                                  dh, dprob)  # fmt: skip
     tok = index.expert_token_indices[int(offs[0]) :].long()
