@@ -89,7 +89,7 @@ def make_inputs(num_tokens, num_experts, topk, hidden, ffn, seed=0):
 # providers: fn(x, w13, w2, idx, probs) -> out (T, H)
 # --------------------------------------------------------------------------------------------
 _SWITCHES = ("RELAYMOE_DENSE_GEMM", "RELAYMOE_WGRAD", "RELAYMOE_TMA", "RELAYMOE_ROWS_GATHER",
-             "RELAYMOE_GATHER_WS", "RELAYMOE_SWIGLU_BWD")  # fmt: skip
+             "RELAYMOE_GATHER_WS")  # fmt: skip
 # Two bf16 implementations of the same layer differ by ~6e-3 relative (each ~4e-3 from float64,
 # tests/gpu); beyond this something is wrong, and the run exits non-zero after writing its rows.
 AGREE_BOUND = 2e-2
@@ -283,8 +283,6 @@ def breakdown(shape: str) -> list[dict]:
             _gathered_rows_times_weight(x, w13.transpose(1, 2), groups), prob_P, a), 2 * pf),
         ("down_bwd_copy_" + gmm, lambda: _gathered_rows_times_weight(x, w2, groups), pf),
         ("swiglu_bwd", lambda: grouped.swiglu_backward(h, a, prob_P, dh, dprob), 0),
-        ("down_bwd_swiglu", lambda: grouped.down_backward_swiglu(
-            x, w2, idx_P, offs, h, prob_P, a, dh, dprob), pf),
         ("wgrad_dw2", lambda: grouped.wgrad(x, a, idx_P, offs, dw2, a_gather=True,
                                             b_gather=False, accumulate=False), pf),
         ("wgrad_dw13", lambda: grouped.wgrad(dh, x, idx_P, offs, dw13, a_gather=False,
@@ -321,11 +319,9 @@ def main(argv=None) -> int:
         default=None,
         help="relaymoe_act relaymoe_fc1 relaymoe_act_wgradtriton relaymoe_act_tritongemm "
         "relaymoe_act_tma relaymoe_act_ptr relaymoe_act_rowscopy relaymoe_act_tritonup "
-        "relaymoe_fc1_tritonup relaymoe_act_splitbwd relaymoe_fc1_splitbwd naive liger "
-        "(relaymoe_act: RELAYMOE_TMA's default, tensor descriptors on sm90; _tma forces them, "
-        "_ptr the pointer loads; _rowscopy: RELAYMOE_ROWS_GATHER=copy; _tritonup: "
-        "RELAYMOE_GATHER_WS=0, the Triton up-projection; _splitbwd: RELAYMOE_SWIGLU_BWD=split, "
-        "the SwiGLU backward in its own pass)",
+        "relaymoe_fc1_tritonup naive liger (relaymoe_act: RELAYMOE_TMA's default, tensor "
+        "descriptors on sm90; _tma forces them, _ptr the pointer loads; _rowscopy: "
+        "RELAYMOE_ROWS_GATHER=copy; _tritonup: RELAYMOE_GATHER_WS=0, the Triton up-projection)",
     )
     ap.add_argument("--breakdown", action="store_true", help="time each kernel of the first shape")
     ap.add_argument(
@@ -377,10 +373,6 @@ def main(argv=None) -> int:
             "relaymoe_tritonup", "act", relaymoe_fn("act", {"RELAYMOE_GATHER_WS": "0"})),
         "relaymoe_fc1_tritonup": (
             "relaymoe_tritonup", "fc1", relaymoe_fn("fc1", {"RELAYMOE_GATHER_WS": "0"})),
-        "relaymoe_act_splitbwd": (
-            "relaymoe_splitbwd", "act", relaymoe_fn("act", {"RELAYMOE_SWIGLU_BWD": "split"})),
-        "relaymoe_fc1_splitbwd": (
-            "relaymoe_splitbwd", "fc1", relaymoe_fn("fc1", {"RELAYMOE_SWIGLU_BWD": "split"})),
         "naive": ("naive", None, naive_fn),
         "liger": ("liger", None, liger_fn()),
     }  # fmt: skip

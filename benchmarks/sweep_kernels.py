@@ -175,9 +175,6 @@ ROW_CONFIGS = {
         _cfg(128, 256, 32, 8, 5),
         _cfg(128, 128, 32, 8, 8),
     ],
-    # the down backward with the SwiGLU backward: no Triton kernel; the split path (the default
-    # GEMM, then grouped.swiglu_backward) is timed as variant "split"
-    "down_bwd_swiglu": [],
 }
 
 
@@ -192,12 +189,6 @@ WS_VARIANTS = {
         {"producer_regs": 56, "storer_regs": 80},
     ],
     "down_bwd": [{}, {"EPI_ROWS": 16}, {"BLOCK_K": 32, "STAGES": 6}],
-    "down_bwd_swiglu": [
-        {},
-        {"H_SLOTS": 3, "STAGES": 4},
-        {"producer_regs": 40, "storer_regs": 120},
-        {"H_SLOTS": 4, "STAGES": 3},
-    ],
 }
 
 
@@ -218,11 +209,10 @@ def routed_pairs(dims, device, dtype):
 
 def sweep_rows(shape: str, configs: dict, *, dims=None, device="cuda", dtype=torch.bfloat16,
                ws_configs=None):  # fmt: skip
-    """up_swiglu, the gathered-dy rows_gemm and the down backward with its SwiGLU backward
-    (``down_bwd_swiglu``: the split path, then the fused Gluon kernel; ``err`` of dh) per
-    configuration (default ``RELAYMOE_TMA``); ``err`` against the first configuration's result.
-    ``ws_configs``: kernel -> the Gluon kernels' configurations (overrides of ``UP_CONFIG`` /
-    ``ROWS_CONFIG`` / ``DOWN_BWD_CONFIG``), timed after the Triton ones (variant ``gluon_ws``)."""
+    """up_swiglu and the gathered-dy rows_gemm per configuration (default ``RELAYMOE_TMA``);
+    ``err`` against the first configuration's result. ``ws_configs``: kernel -> the Gluon
+    kernels' configurations (overrides of ``UP_CONFIG`` / ``ROWS_CONFIG``), timed after the
+    Triton ones (variant ``gluon_ws``)."""
     from relaymoe.kernels import grouped
 
     ws_configs = ws_configs or {}
@@ -236,8 +226,7 @@ def sweep_rows(shape: str, configs: dict, *, dims=None, device="cuda", dtype=tor
     x, dy = randn(num_tokens, hidden), randn(num_tokens, hidden)
     w13 = randn(num_experts, 2 * ffn, hidden, scale=hidden**-0.5)
     w2 = randn(num_experts, hidden, ffn, scale=ffn**-0.5)
-    h, a = randn(n_pairs, 2 * ffn), x.new_empty(n_pairs, ffn)
-    dh, dprob = torch.empty_like(h), torch.empty(n_pairs, device=device)
+    h, a = x.new_empty(n_pairs, 2 * ffn), x.new_empty(n_pairs, ffn)
     pf = 2.0 * n_pairs * hidden * ffn
     ws, why = grouped._gather_ws_module() if ws_configs else (None, None)
     if why:
@@ -245,12 +234,8 @@ def sweep_rows(shape: str, configs: dict, *, dims=None, device="cuda", dtype=tor
     rows = []
     for kernel, cfgs in configs.items():
         runs = [("triton", grouped, cfg) for cfg in cfgs]
-        if kernel == "down_bwd_swiglu":
-            runs = [("split", grouped, None)]
         if ws is not None:
-            base = {"up_swiglu": ws.UP_CONFIG, "down_bwd_swiglu": ws.DOWN_BWD_CONFIG}.get(
-                kernel, ws.ROWS_CONFIG
-            )
+            base = ws.UP_CONFIG if kernel == "up_swiglu" else ws.ROWS_CONFIG
             runs += [("gluon_ws", ws, {**base, **v}) for v in ws_configs.get(kernel, ())]
         ref = None
         for variant, lib, cfg in runs:
@@ -260,19 +245,6 @@ def sweep_rows(shape: str, configs: dict, *, dims=None, device="cuda", dtype=tor
                     m.up_swiglu(x, w13, idx_P, offs, prob_P, h, a, config=c)
 
                 out, flops = h, 2 * pf
-            elif kernel == "down_bwd_swiglu" and variant == "split":
-
-                def fn():
-                    grouped.rows_gemm(dy, w2, offs, a, a_idx=idx_P)
-                    grouped.swiglu_backward(h, a, prob_P, dh, dprob)
-
-                out, flops = dh, pf
-            elif kernel == "down_bwd_swiglu":
-
-                def fn(c=cfg):
-                    ws.down_bwd_swiglu(dy, w2, idx_P, offs, h, prob_P, a, dh, dprob, config=c)
-
-                out, flops = dh, pf
             elif variant == "triton":
 
                 def fn(c=cfg):
@@ -349,8 +321,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default="qwen3_30b_a3b_T32k", choices=sorted(SHAPES))
     ap.add_argument("--configs", default="all", choices=("all", "short"))
     ap.add_argument("--kernels", default="wgrad,rows",
-                    help="wgrad, rows (up_swiglu, down_bwd, down_bwd_swiglu: one alone), "
-                         "combine")  # fmt: skip
+                    help="wgrad, rows (up_swiglu, down_bwd: either alone), combine")  # fmt: skip
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     writer = gpu_writer("sweep_kernels", "kernel_sweep", args.out)

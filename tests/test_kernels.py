@@ -282,29 +282,6 @@ def test_split_down_backward(cfg, blocks, in_place):
     assert torch.equal(dh2, dh) and torch.equal(dprob2, dprob) and torch.equal(g2, g_buf)
 
 
-def test_down_backward_swiglu_dispatch(monkeypatch):
-    """grouped.down_backward_swiglu off sm90 is the split path (rows_gemm, then swiglu_backward):
-    bitwise the same outputs; a bad RELAYMOE_SWIGLU_BWD names both choices."""
-    s = _setup(31, 20, 24, 6, 2, "skewed", 0, 6, seed=4)
-    n, ffn, idx_P = s["n"], s["w2"].shape[2], s["index"].expert_token_indices
-    dy = torch.randn_like(s["x"])
-    prob_P = s["probs"].reshape(-1)[s["pair"]].float()
-    h = _h_ref(s).float()
-    outs = []
-    for fused in (True, False):
-        g, dh, dprob = torch.empty(n, ffn), torch.empty(n, 2 * ffn), torch.empty(n)
-        if fused:
-            grouped.down_backward_swiglu(dy, s["w2"], idx_P, s["offs"], h, prob_P, g, dh, dprob)
-        else:
-            grouped.rows_gemm(dy, s["w2"], s["offs"], g, a_idx=idx_P)
-            grouped.swiglu_backward(h, g, prob_P, dh, dprob)
-        outs.append((g, dh, dprob))
-    assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
-    monkeypatch.setenv("RELAYMOE_SWIGLU_BWD", "fused")
-    with pytest.raises(ValueError, match="RELAYMOE_SWIGLU_BWD='fused'.*'auto'.*'split'"):
-        grouped.down_backward_swiglu(dy, s["w2"], idx_P, s["offs"], h, prob_P, g, dh, dprob)
-
-
 def test_swiglu_backward_zero_width_and_no_rows():
     dprob = torch.full((3,), float("nan"))
     grouped.swiglu_backward(torch.empty(3, 0), torch.empty(3, 0), torch.ones(3),

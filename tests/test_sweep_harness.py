@@ -55,13 +55,9 @@ def test_row_sweep_runs_every_configuration(monkeypatch):
         ]
         for k in ("up_swiglu", "down_bwd")
     }
-    cfgs["down_bwd_swiglu"] = []  # the split path alone off sm90
     rows = sweep_kernels.sweep_rows("tiny", cfgs, dims=(37, 5, 2, 48, 24), device="cpu",
                                     dtype=torch.float32)  # fmt: skip
-    kinds = [(r["kernel"], r["variant"]) for r in rows]
-    assert kinds == [("up_swiglu", "triton")] * 2 + [("down_bwd", "triton")] * 2 + [
-        ("down_bwd_swiglu", "split")
-    ]
+    assert [r["kernel"] for r in rows] == ["up_swiglu"] * 2 + ["down_bwd"] * 2
     assert all("error" not in r and r["err"] < 1e-5 for r in rows), rows
 
 

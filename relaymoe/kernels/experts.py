@@ -5,16 +5,15 @@ P pairs of the range in expert-grouped order (``index.offsets_for(e0, e1)``).
 
 Forward:  up_swiglu (x rows gathered on load, gate+up tiles together, SwiGLU epilogue, router
           probability folded into ``a``) -> rows_gemm ``y = a @ w2[e]^T`` -> combine (gather-reduce
-          into out through ``token_index_map``, deterministic, no atomics). On sm90 up_swiglu
-          runs as the persistent Gluon kernel of ``gather_ws``.
-Backward: down_backward_swiglu: ``g = dy[tok] @ w2[e]`` (dy rows gathered on load) and the
-          SwiGLU backward (SiLU recomputed from h, dprob as the row-wise dot of g with a, dh
-          written over h in act mode, ``p*a`` into the (P, I) buffer) -> wgrad dw2 (dy gathered)
-          -> wgrad dw13 (x gathered) -> ``dh @ w13[e]`` -> combine into dx. On sm90 the first
-          step is one Gluon kernel, the SwiGLU backward in its storer warps (g never stored);
-          elsewhere a Triton GEMM stores g and a memory-bound pass follows. (A Triton kernel
-          with the SwiGLU backward in its GEMM epilogue ran at 189 TFLOP/s, its registers
-          spilling, and stalled the H200 compiler at some configs: removed on 2026-11-30.)
+          into out through ``token_index_map``, deterministic, no atomics). On sm90 up_swiglu and
+          the backward's gathered rows_gemm run as the persistent Gluon kernel of ``gather_ws``.
+Backward: rows_gemm ``g = dy[tok] @ w2[e]`` (dy rows gathered on load, plain epilogue, g written
+          into the (P, I) buffer that later holds ``p*a``) -> swiglu_backward (memory-bound:
+          SiLU recomputed from h, dprob as the row-wise dot of g with a, dh written over h in
+          act mode, ``p*a`` over g) -> wgrad dw2 (dy gathered) -> wgrad dw13 (x gathered) ->
+          ``dh @ w13[e]`` -> combine into dx. (A single kernel with the SwiGLU backward in the
+          GEMM epilogue ran at 189 TFLOP/s, its registers spilling, and stalled the H200
+          compiler at some configs: removed on 2026-11-30.)
 Contiguous-operand GEMMs (``a @ w2[e]^T``, ``dh @ w13[e]``) use ``torch._grouped_mm`` for bf16 on
 sm90 when strides allow (``RELAYMOE_DENSE_GEMM=auto``, the default), the Triton ``rows_gemm``
 elsewhere or with ``RELAYMOE_DENSE_GEMM=triton``.
@@ -404,14 +403,14 @@ def triton_hop_backward(
             )
         h_P2I = saved_h
         dh_P2I = saved_h if consume_saved_h else torch.empty_like(saved_h)
-    # g = dy[tok] @ w2[e], then the SwiGLU backward: a_PI ends holding p*a (dh, dprob out)
-    dprob_P = torch.empty(n_pairs, dtype=torch.float32, device=x_TH.device)
+    # g = dy[tok] @ w2[e] into a_PI, then one memory pass turns it into p*a (dh, dprob out)
     if _gather_then_gmm(dy_TH, w2, groups):
         a_PI = _gathered_rows_times_weight(dy_TH, w2, groups)
-        grouped.swiglu_backward(h_P2I, a_PI, prob_P, dh_P2I, dprob_P)
     else:
         a_PI = x_TH.new_empty(n_pairs, ffn)
-        grouped.down_backward_swiglu(dy_TH, w2, idx_P, offs, h_P2I, prob_P, a_PI, dh_P2I, dprob_P)
+        grouped.rows_gemm(dy_TH, w2, offs, a_PI, a_idx=idx_P)
+    dprob_P = torch.empty(n_pairs, dtype=torch.float32, device=x_TH.device)
+    grouped.swiglu_backward(h_P2I, a_PI, prob_P, dh_P2I, dprob_P)
     pairs.add_pair_dprobs(dprob_P, index.token_index_map, offs, dprobs_TK)
     # dw2[e] (H, I) = sum_q dy[tok]^T (p*a)[q]
     _wgrad(dy_TH, a_PI, idx_P, offs, dw2, groups, a_gather=True, b_gather=False,

@@ -680,7 +680,7 @@ def up_swiglu(x_TH, w13_E2IH, idx_P, offs, prob_P, h_P2I, a_PI, *, config=None):
 def _gather_ws_mode() -> str:
     return env_switch("RELAYMOE_GATHER_WS", {
         "auto": "the warp-specialised Gluon kernels (kernels/gather_ws.py) for the up-projection "
-                "and the gathered-row GEMMs (the down backward) on sm90 where Triton's Gluon imports and the shapes "
+                "and the gathered-row GEMM on sm90 where Triton's Gluon imports and the shapes "
                 "allow it, the Triton kernels elsewhere",
         "0": "always the Triton kernels"})  # fmt: skip
 
@@ -732,8 +732,8 @@ def _launch_ws(kind: str, launch) -> bool:
 
 
 def _gather_ws(kind: str, x_TK, *operands):
-    """The Gluon module when it takes this gathered GEMM (``kind``: ``up_swiglu``, ``rows_gemm``
-    or ``down_bwd_swiglu``, whose ``supports_<kind>`` gets ``x_TK`` and ``operands``: the weight, then the
+    """The Gluon module when it takes this gathered GEMM (``kind``: ``up_swiglu`` or
+    ``rows_gemm``, whose ``supports_<kind>`` gets ``x_TK`` and ``operands``: the weight, then the
     outputs; ``RELAYMOE_GATHER_WS``), else None."""
     if _gather_ws_mode() == "0" or not x_TK.is_cuda or interpret_mode():
         return None
@@ -774,35 +774,6 @@ def rows_gemm(a_PK, b_EKN, offs, c_PN, *, a_idx=None, config=None):
         a_PK.stride(0), b_EKN.stride(0), b_EKN.stride(1), b_EKN.stride(2), c_PN.stride(0),
         A_GATHER=a_idx is not None, IEEE=_ieee(a_PK), BLOCK_E=_block_e(n_experts), **meta,
     )  # fmt: skip
-
-
-def _swiglu_bwd_mode() -> str:
-    return env_switch("RELAYMOE_SWIGLU_BWD", {
-        "auto": "the SwiGLU backward in the epilogue of the down backward's Gluon kernel where "
-                "that kernel runs (sm90, RELAYMOE_GATHER_WS), a separate pass elsewhere",
-        "split": "always a separate pass after the GEMM"})  # fmt: skip
-
-
-def down_backward_swiglu(dy_TH, w2_EHI, idx_P, offs, h_P2I, prob_P, g_PI, dh_P2I, dprob_P):
-    """The down projection's backward and the SwiGLU backward of the range's pairs: g =
-    dy[idx_P[q]] @ w2[e] (dy rows gathered on load), then ``swiglu_backward``'s outputs: dh into
-    ``dh_P2I`` (may be ``h_P2I``), p * a into ``g_PI``, rowsum(g * a) into ``dprob_P`` (fp32).
-
-    On sm90 one Gluon kernel does both and g never reaches memory (``RELAYMOE_SWIGLU_BWD``);
-    elsewhere g is stored into ``g_PI`` by :func:`rows_gemm` and read back by
-    :func:`swiglu_backward`. Both round g to ``g_PI``'s dtype before the SwiGLU backward."""
-    n_pairs = g_PI.shape[0]
-    ws = None
-    if n_pairs > 0 and _swiglu_bwd_mode() == "auto":
-        ws = _gather_ws("down_bwd_swiglu", dy_TH, w2_EHI, g_PI, h_P2I, dh_P2I)
-    if ws is not None:
-        _check_expert_span(w2_EHI, "the weight operand", "down_backward_swiglu")
-        _check_rows(n_pairs, "down_backward_swiglu")
-        if _launch_ws("down_bwd_swiglu", lambda: ws.down_bwd_swiglu(
-                dy_TH, w2_EHI, idx_P, offs, h_P2I, prob_P, g_PI, dh_P2I, dprob_P)):  # fmt: skip
-            return
-    rows_gemm(dy_TH, w2_EHI, offs, g_PI, a_idx=idx_P)
-    swiglu_backward(h_P2I, g_PI, prob_P, dh_P2I, dprob_P)
 
 
 def swiglu_backward(h_P2I, g_PI, prob_P, dh_P2I, dprob_P, *, block_rows=None, block_cols=None):
