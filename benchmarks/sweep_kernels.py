@@ -187,8 +187,12 @@ WS_VARIANTS = {
         {"BLOCK_K": 32, "STAGES": 6},
         {"EPI_ROWS": 16},
         {"producer_regs": 56, "storer_regs": 80},
+        {"GROUP_M": 1},  # the order before GROUP_M: N tiles fastest
+        {"GROUP_M": 4},
+        {"GROUP_M": 16},
     ],
-    "down_bwd": [{}, {"EPI_ROWS": 16}, {"BLOCK_K": 32, "STAGES": 6}],
+    "down_bwd": [{}, {"EPI_ROWS": 16}, {"BLOCK_K": 32, "STAGES": 6}, {"GROUP_M": 1},
+                 {"GROUP_M": 16}],  # fmt: skip
 }
 
 

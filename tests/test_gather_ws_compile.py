@@ -44,6 +44,7 @@ def _compile(w_kn: bool):
         "x_layout": x_layout, "epi_layout": epi_layout, "W_KN": w_kn, "SAVE_H": True,
         "SCALE": not w_kn, "SAVE_A": not w_kn, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
         "BLOCK_E": 32, "STAGES": cfg["STAGES"], "EPI_ROWS": cfg["EPI_ROWS"],
+        "GROUP_M": cfg["GROUP_M"],
         "PRODUCER_WARPS": gather_ws.PRODUCER_WARPS, "PRODUCER_REGS": cfg["producer_regs"],
         "STORER_WARPS": gather_ws.STORER_WARPS, "STORER_REGS": cfg["storer_regs"],
         "num_warps": cfg["num_warps"],

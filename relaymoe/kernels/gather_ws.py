@@ -73,7 +73,8 @@ STORER_WARPS = 4
 # 3.18 for the Triton kernel's best; 2 slots 4.54 ms, a 32-column K step with 6 slots 3.11,
 # producer/storer registers 56/80 3.03 (the cap 128 is 16 warps' share of the register file)
 UP_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "STAGES": 3, "EPI_ROWS": 32,
-             "num_warps": 8, "producer_regs": 72, "storer_regs": 72, "maxnreg": 128}  # fmt: skip
+             "GROUP_M": 8, "num_warps": 8, "producer_regs": 72, "storer_regs": 72,
+             "maxnreg": 128}  # fmt: skip
 # the plain gathered GEMM (down projection's backward, dy[tok] @ w2[e]): a tile is two adjacent
 # 128-column blocks
 ROWS_CONFIG = dict(UP_CONFIG)
@@ -106,12 +107,21 @@ def _expert_tile(pid_m, offs_ptr, n_experts, BLOCK_M: gl.constexpr, BLOCK_E: gl.
 
 
 @gluon.jit
-def _tile_of(t, n_tiles_n, offs_ptr, n_experts, BLOCK_M: gl.constexpr, BLOCK_E: gl.constexpr,
-             WARPS: gl.constexpr):  # fmt: skip
-    """Work item ``t`` of the persistent loop: (expert, first row, end row, N tile); N tiles
-    fastest, so the programs running at once share the gathered rows of one M tile in L2."""
-    e, row0, row_end = _expert_tile(t // n_tiles_n, offs_ptr, n_experts, BLOCK_M, BLOCK_E, WARPS)
-    return e, row0, row_end, t % n_tiles_n
+def _tile_of(t, n_tiles, n_tiles_n, offs_ptr, n_experts, BLOCK_M: gl.constexpr,
+             BLOCK_E: gl.constexpr, GROUP_M: gl.constexpr, WARPS: gl.constexpr):  # fmt: skip
+    """Work item ``t`` of the persistent loop: (expert, first row, end row, N tile). Items run
+    in groups of ``GROUP_M`` M tiles, M fastest inside a group: the programs running at once
+    share a few M tiles' gathered rows and a few weight column blocks in L2. (N fastest, the
+    old order, had every program of a wide expert (moeblaze conf4: 64 N tiles) read the whole
+    weight again for each M tile.)"""
+    n_m = n_tiles // n_tiles_n
+    per_group = GROUP_M * n_tiles_n
+    first_m = (t // per_group) * GROUP_M
+    size = gl.minimum(n_m - first_m, GROUP_M)
+    rem = t % per_group
+    e, row0, row_end = _expert_tile(first_m + rem % size, offs_ptr, n_experts, BLOCK_M, BLOCK_E,
+                                    WARPS)  # fmt: skip
+    return e, row0, row_end, rem // size
 
 
 @gluon.jit
@@ -128,7 +138,8 @@ def _halves(pid_n, n_cols, W_KN: gl.constexpr, BLOCK_N: gl.constexpr):
 def _gather_producer(x_ptr, idx_ptr, offs_ptr, w_desc, x_bufs, lo_bufs, hi_bufs, ready, empty,
                      n_experts, K, n_cols, n_tiles, n_tiles_n, stride_xt,
                      W_KN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     BLOCK_K: gl.constexpr, BLOCK_E: gl.constexpr, WARPS: gl.constexpr):  # fmt: skip
+                     BLOCK_K: gl.constexpr, BLOCK_E: gl.constexpr, GROUP_M: gl.constexpr,
+                     WARPS: gl.constexpr):  # fmt: skip
     """Fills slot after slot, across tiles: the two weight tiles by TMA, the x rows of the
     tile's tokens by ``cp.async`` (16-byte vectors, 8 columns a thread)."""
     STAGES: gl.constexpr = x_bufs.type.shape[0]
@@ -138,8 +149,8 @@ def _gather_producer(x_ptr, idx_ptr, offs_ptr, w_desc, x_bufs, lo_bufs, hi_bufs,
     n_k = K // BLOCK_K
     step = 0
     for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        e, row0, row_end, pid_n = _tile_of(t, n_tiles_n, offs_ptr, n_experts, BLOCK_M, BLOCK_E,
-                                           WARPS)  # fmt: skip
+        e, row0, row_end, pid_n = _tile_of(t, n_tiles, n_tiles_n, offs_ptr, n_experts, BLOCK_M,
+                                           BLOCK_E, GROUP_M, WARPS)  # fmt: skip
         if e < n_experts:
             rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, lay))
             tok = gl.load(idx_ptr + rows, mask=rows < row_end, other=0).to(gl.int64)
@@ -173,7 +184,7 @@ def _gather_producer(x_ptr, idx_ptr, offs_ptr, w_desc, x_bufs, lo_bufs, hi_bufs,
 def _dual_mma_consumer(x_bufs, lo_bufs, hi_bufs, ready, empty, lo_epi, hi_epi, epi_ready,
                        epi_empty, offs_ptr, n_experts, K, n_tiles, n_tiles_n,
                        W_KN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                       BLOCK_K: gl.constexpr, BLOCK_E: gl.constexpr,
+                       BLOCK_K: gl.constexpr, BLOCK_E: gl.constexpr, GROUP_M: gl.constexpr,
                        num_warps: gl.constexpr):  # fmt: skip
     """The lo and hi accumulators of each tile (one step's two MMAs stay in flight), handed to
     the storer through shared memory in the output dtype."""
@@ -185,8 +196,8 @@ def _dual_mma_consumer(x_bufs, lo_bufs, hi_bufs, ready, empty, lo_epi, hi_epi, e
     step = 0
     done = 0
     for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        e, row0, row_end, pid_n = _tile_of(t, n_tiles_n, offs_ptr, n_experts, BLOCK_M, BLOCK_E,
-                                           num_warps)  # fmt: skip
+        e, row0, row_end, pid_n = _tile_of(t, n_tiles, n_tiles_n, offs_ptr, n_experts, BLOCK_M,
+                                           BLOCK_E, GROUP_M, num_warps)  # fmt: skip
         if e < n_experts:
             acc_lo = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
             acc_hi = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
@@ -225,7 +236,8 @@ def _tile_storer(lo_epi, hi_epi, epi_ready, epi_empty, offs_ptr, prob_ptr, h_ptr
                  n_experts, n_cols, n_tiles, n_tiles_n, stride_hp, stride_ap,
                  W_KN: gl.constexpr, SAVE_H: gl.constexpr, SCALE: gl.constexpr,
                  SAVE_A: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 BLOCK_E: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr):  # fmt: skip
+                 BLOCK_E: gl.constexpr, GROUP_M: gl.constexpr, ROWS: gl.constexpr,
+                 WARPS: gl.constexpr):  # fmt: skip
     """Drains each tile from shared memory in ``ROWS``-row slices while the consumer runs the
     next tile: both halves stored into h (16-byte vectors); for the up-projection also
     a = silu(gate) * up (* p) from the stored values. Rows masked at the expert's end."""
@@ -234,8 +246,8 @@ def _tile_storer(lo_epi, hi_epi, epi_ready, epi_empty, offs_ptr, prob_ptr, h_ptr
     base = gl.load(offs_ptr)
     done = 0
     for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        e, row0, row_end, pid_n = _tile_of(t, n_tiles_n, offs_ptr, n_experts, BLOCK_M, BLOCK_E,
-                                           WARPS)  # fmt: skip
+        e, row0, row_end, pid_n = _tile_of(t, n_tiles, n_tiles_n, offs_ptr, n_experts, BLOCK_M,
+                                           BLOCK_E, GROUP_M, WARPS)  # fmt: skip
         if e < n_experts:
             col0, hi_off, lo_end, hi_end = _halves(pid_n, n_cols, W_KN, BLOCK_N)
             cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, lay))
@@ -274,7 +286,7 @@ def _gathered_gemm_ws_kernel(
     x_layout: gl.constexpr, epi_layout: gl.constexpr,
     W_KN: gl.constexpr, SAVE_H: gl.constexpr, SCALE: gl.constexpr, SAVE_A: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, BLOCK_E: gl.constexpr,
-    STAGES: gl.constexpr, EPI_ROWS: gl.constexpr,
+    STAGES: gl.constexpr, EPI_ROWS: gl.constexpr, GROUP_M: gl.constexpr,
     PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     STORER_WARPS: gl.constexpr, STORER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
@@ -310,14 +322,15 @@ def _gathered_gemm_ws_kernel(
     gl.warp_specialize(
         [(_dual_mma_consumer, (x_bufs, lo_bufs, hi_bufs, ready, empty, lo_epi, hi_epi, epi_ready,
                                epi_empty, offs_ptr, n_experts, K, n_tiles, n_tiles_n,
-                               W_KN, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E, num_warps)),
+                               W_KN, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E, GROUP_M, num_warps)),
          (_gather_producer, (x_ptr, idx_ptr, offs_ptr, w_desc, x_bufs, lo_bufs, hi_bufs, ready,
                              empty, n_experts, K, n_cols, n_tiles, n_tiles_n, stride_xt,
-                             W_KN, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E, PRODUCER_WARPS)),
+                             W_KN, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E, GROUP_M,
+                             PRODUCER_WARPS)),
          (_tile_storer, (lo_epi, hi_epi, epi_ready, epi_empty, offs_ptr, prob_ptr, h_ptr, a_ptr,
                          n_experts, n_cols, n_tiles, n_tiles_n, stride_hp, stride_ap,
-                         W_KN, SAVE_H, SCALE, SAVE_A, BLOCK_M, BLOCK_N, BLOCK_E, EPI_ROWS,
-                         STORER_WARPS))],
+                         W_KN, SAVE_H, SCALE, SAVE_A, BLOCK_M, BLOCK_N, BLOCK_E, GROUP_M,
+                         EPI_ROWS, STORER_WARPS))],
         [PRODUCER_WARPS, STORER_WARPS],
         [PRODUCER_REGS, STORER_REGS],
     )
@@ -394,7 +407,7 @@ def _launch(x_TK, w_rows, idx_P, offs, prob_P, h, a, *, n_experts, n_cols, n_til
         x_layout, epi_layout,
         W_KN=w_kn, SAVE_H=save_h, SCALE=prob_P is not None, SAVE_A=save_a,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=max(32, triton.next_power_of_2(n_experts)),
-        STAGES=cfg["STAGES"], EPI_ROWS=cfg["EPI_ROWS"],
+        STAGES=cfg["STAGES"], EPI_ROWS=cfg["EPI_ROWS"], GROUP_M=cfg["GROUP_M"],
         PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=cfg["producer_regs"],
         STORER_WARPS=STORER_WARPS, STORER_REGS=cfg["storer_regs"], num_warps=cfg["num_warps"],
         maxnreg=cfg["maxnreg"],
