@@ -191,8 +191,13 @@ WS_VARIANTS = {
         {"GROUP_M": 4},
         {"GROUP_M": 16},
     ],
-    "down_bwd": [{}, {"EPI_ROWS": 16}, {"BLOCK_K": 32, "STAGES": 6}, {"GROUP_M": 1},
-                 {"GROUP_M": 16}],  # fmt: skip
+    "down_bwd": [
+        {},
+        {"EPI_ROWS": 16},
+        {"BLOCK_K": 32, "STAGES": 6},
+        {"GROUP_M": 1},
+        {"GROUP_M": 16},
+    ],  # fmt: skip
 }
 
 
