@@ -68,16 +68,20 @@ __all__ = ["ROWS_CONFIG", "UP_CONFIG", "rows_gemm", "supports_rows_gemm", "suppo
 
 PRODUCER_WARPS = 4
 STORER_WARPS = 4
-# tiles, slots, consumer warps, the storer's row slice, the workers' registers and the cap
-# H200, qwen3 T32k (benchmarks/sweep_kernels.py --kernels up_swiglu, c91189d): 2.91 ms against
-# 3.18 for the Triton kernel's best; 2 slots 4.54 ms, a 32-column K step with 6 slots 3.11,
-# producer/storer registers 56/80 3.03 (the cap 128 is 16 warps' share of the register file)
-UP_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "STAGES": 3, "EPI_ROWS": 32,
+# tiles, slots, consumer warps, the storer's row slice, the tile order's M group, the workers'
+# registers and the cap. H200 (benchmarks/sweep_kernels.py --kernels up_swiglu): qwen3 T32k
+# (c91189d) 2.91 ms against 3.18 for the Triton kernel's best; 2 slots 4.54 ms, a 32-column K step
+# with 6 slots 3.11, producer/storer registers 56/80 3.03 (the cap 128 is 16 warps' share of the
+# register file). 16-row storer slices: 2.95 against 3.01 (qwen3 T32k, d6a2854) and 15.10
+# against 15.44 (moeblaze conf4, 9321387). GROUP_M at conf4: 1 (N tiles fastest) 17.21, 4 15.70,
+# 8 15.44, 16 15.33.
+UP_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "STAGES": 3, "EPI_ROWS": 16,
              "GROUP_M": 8, "num_warps": 8, "producer_regs": 72, "storer_regs": 72,
              "maxnreg": 128}  # fmt: skip
 # the plain gathered GEMM (down projection's backward, dy[tok] @ w2[e]): a tile is two adjacent
-# 128-column blocks
-ROWS_CONFIG = dict(UP_CONFIG)
+# 128-column blocks. 32-row slices: 1.41-1.47 ms against 1.47-1.52 with 16 (qwen3 T32k), 7.42
+# against 7.54 (conf4); GROUP_M 1 7.95 and 16 7.43 (conf4)
+ROWS_CONFIG = dict(UP_CONFIG, EPI_ROWS=32)
 
 
 @gluon.jit
