@@ -192,8 +192,8 @@ def _wgrad_gmm(a, b, c_EMN, groups: _HopGroups, *, a_gather: bool, accumulate: b
 
     Returns the gradient. Without ``accumulate``, one chunk's result in the gradient's dtype is
     returned as it is (``c_EMN`` left untouched, or None: shaped and typed like ``out_like``, a
-    meta tensor will do): no copy, and no second (El, M, N) buffer at the peak. (H200, moeblaze
-    conf4: copying the result into the gradient cost about 0.5 ms for dw13, 0.25 for dw2.)"""
+    meta tensor will do): no copy, and no second (El, M, N) buffer at the peak (H200, moeblaze
+    conf4, one 512 MiB chunk: peak over the inputs 8,964 -> 7,428 MiB; b4157ca)."""
     ref = c_EMN if c_EMN is not None else out_like
     _, m, n = ref.shape
     gathered = a if a_gather else b
