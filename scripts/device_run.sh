@@ -21,7 +21,16 @@ fi
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/relaymoe_triton_cache}" TRITON_CACHE_AUTOTUNING=1
 mkdir -p "$TRITON_CACHE_DIR"
 [ -f .triton_cache.tar.gz ] && tar -xaf .triton_cache.tar.gz -C "$TRITON_CACHE_DIR"
-export RELAYMOE_COMMIT="${RELAYMOE_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}"
+# the commit of this tree: git's answer only where ROOT is itself a checkout's top (a carried
+# `git archive` copy has no .git, and git would answer for a checkout around it); else pass
+# RELAYMOE_COMMIT in the environment: RELAYMOE_COMMIT=<sha> bash scripts/device_run.sh '...'
+if [ -z "${RELAYMOE_COMMIT:-}" ]; then
+  RELAYMOE_COMMIT=unknown
+  if [ "$(git -C "$ROOT" rev-parse --show-toplevel 2>/dev/null)" = "$ROOT" ]; then
+    RELAYMOE_COMMIT="$(git -C "$ROOT" rev-parse --short=12 HEAD)"
+  fi
+fi
+export RELAYMOE_COMMIT
 export WORK=/tmp/relaymoe_work
 rm -rf "$WORK"; mkdir -p "$WORK"
 echo "[device_run] commit $RELAYMOE_COMMIT; $(nvidia-smi -L | wc -l) GPUs"
