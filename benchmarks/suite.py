@@ -35,6 +35,18 @@ and ``triton_cache.tar.gz`` in DIR.
 
 ``--dry-run`` prints the plan (order, lanes, limits, commands, what would be skipped) and runs
 nothing; without a GPU it plans for 2 (``--gpus`` to choose). Pure Python, no torch.
+
+Ad hoc steps (``--step NAME=COMMAND``, repeatable) replace the table for one device call: each
+runs ``python COMMAND`` (a script under the repository, or ``-m module``, then its arguments;
+``{out}`` is the run folder) on GPU 0, in the order given, with the same limits, logs and
+manifest. The files named ``NAME*`` in the run folder are that step's. On the lent machine::
+
+    RELAYMOE_COMMIT=<sha12> RELAYMOE_TREE_CLEAN=1 python3 -m benchmarks.suite --handoff $OUT \
+        --step sweep='benchmarks/sweep_kernels.py --kernels rows --out {out}/sweep.jsonl' \
+        --step gpu_tests='-m pytest -q tests/gpu/test_gather_ws_gpu.py'
+
+then unpack the returned ``suite.tar.gz`` under ``benchmarks/results/``: the run folder with its
+manifest (name, order, versions, each step's command, time and files).
 """
 
 from __future__ import annotations
@@ -252,6 +264,30 @@ def plan(
         limit = (limits or {}).get(s.name, s.quick_s if quick else s.full_s)
         result.append(Planned(s, (*cmd, *args), env, int(limit), lane, skip))
     return result
+
+
+def adhoc_steps(specs: Sequence[str], *, limit_s: int = QUICK_DEADLINE_S) -> tuple[Step, ...]:
+    """``--step NAME=COMMAND`` items as steps of one lane (GPU 0, or the CPU where there is no
+    GPU: ``min_gpus`` 0), in the order given; each owns the run folder's files ``NAME*``."""
+    steps: list[Step] = []
+    for item in specs:
+        name, sep, command = item.partition("=")
+        words = shlex.split(command)
+        if not sep or not name.isidentifier() or not words or words == ["-m"]:
+            raise ValueError(
+                f"--step {item!r}: use NAME=COMMAND with NAME a word and COMMAND a script or "
+                "'-m module' and its arguments, e.g. --step sweep='benchmarks/sweep_kernels.py "
+                "--out {out}/sweep.jsonl'"
+            )
+        if any(s.name == name for s in steps):
+            raise ValueError(f"--step {name!r} is given twice; each step needs its own name")
+        if words[0] == "-m":
+            script, args = f"-m {words[1]}", words[2:]
+        else:
+            script, args = words[0], words[1:]
+        steps.append(Step(name, script, "gpu0", 3, limit_s, limit_s, min_gpus=0,
+                          args=tuple(args), outputs=(f"{name}*",)))  # fmt: skip
+    return tuple(steps)
 
 
 def describe(planned: Sequence[Planned], *, deadline_s: float | None) -> str:
@@ -573,8 +609,21 @@ def main(argv: Sequence[str] | None = None, steps: Sequence[Step] = STEPS) -> in
         metavar="STEP=ARGS",
         help="more arguments for a step, e.g. experts='--shapes qwen3_30b_a3b_T64k'",
     )
+    ap.add_argument(
+        "--step",
+        action="append",
+        default=[],
+        metavar="NAME=COMMAND",
+        help="an ad hoc step in place of the table (repeatable, run in order on GPU 0): a script "
+        "or '-m module' and its arguments, '{out}' the run folder, files NAME* the step's",
+    )
     ap.add_argument("--dry-run", action="store_true", help="print the plan; run nothing")
     a = ap.parse_args(argv)
+    if a.step:
+        try:
+            steps = adhoc_steps(a.step)
+        except ValueError as e:
+            ap.error(str(e))
     quick = not a.full
     deadline = a.deadline_s if a.deadline_s is not None else (QUICK_DEADLINE_S if quick else 0)
     limits = {}

@@ -275,3 +275,28 @@ def test_tree_state_without_git(tmp_path, monkeypatch):
     assert suite.tree_state(tmp_path)[:2] == ("0123456789abcdef", True)
     m = suite.make_manifest("cmd", "NVIDIA H200", 2, root=tmp_path)
     assert m["name"].endswith("_h200x2_0123456789ab") and m["tree_clean"] is True
+
+
+def test_adhoc_steps_replace_the_table(tmp_path, monkeypatch):
+    """``--step NAME=COMMAND``: the given steps alone, in order, with the table's manifest
+    (status, command, the files named after the step); bad items name the form to use."""
+    src, out = _fakes(tmp_path), tmp_path / "run"
+    monkeypatch.setattr(suite, "ROOT", src)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.chdir(src)
+    rc = suite.main(["--gpus", "0", "--out", str(out), "--step", "fails=fails.py",
+                     "--step", "ok=ok.py {out}"])  # fmt: skip
+    assert rc == 1
+    m = runs.validate_manifest(json.loads((out / runs.MANIFEST).read_text()), "manifest")
+    assert [(s["name"], s["status"]) for s in m["steps"]] == [("fails", "failed"), ("ok", "ok")]
+    ok = m["steps"][1]
+    assert ok["files"] == ["ok.jsonl", "ok.log"]
+    assert ok["command"] == shlex.join([sys.executable, "ok.py", str(out)])
+    (step,) = suite.adhoc_steps(["tests=-m pytest -q tests/x.py"])  # as the shell passes it
+    assert step.script == "-m pytest" and step.args == ("-q", "tests/x.py")
+    for bad, why in [("nocommand", "NAME=COMMAND"), ("=ok.py", "NAME=COMMAND"),
+                     ("a=-m", "NAME=COMMAND")]:  # fmt: skip
+        with pytest.raises(ValueError, match=why):
+            suite.adhoc_steps([bad])
+    with pytest.raises(ValueError, match="given twice"):
+        suite.adhoc_steps(["a=ok.py", "a=fails.py"])
