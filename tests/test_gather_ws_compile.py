@@ -45,8 +45,8 @@ def _compile(w_kn: bool):
         "SCALE": not w_kn, "SAVE_A": not w_kn, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
         "BLOCK_E": 32, "STAGES": cfg["STAGES"], "EPI_ROWS": cfg["EPI_ROWS"],
         "GROUP_M": cfg["GROUP_M"],
-        "PRODUCER_WARPS": gather_ws.PRODUCER_WARPS, "PRODUCER_REGS": cfg["producer_regs"],
-        "STORER_WARPS": gather_ws.STORER_WARPS, "STORER_REGS": cfg["storer_regs"],
+        "PRODUCER_WARPS": cfg["producer_warps"], "PRODUCER_REGS": cfg["producer_regs"],
+        "STORER_WARPS": cfg["storer_warps"], "STORER_REGS": cfg["storer_regs"],
         "num_warps": cfg["num_warps"],
     }  # fmt: skip
     names = fn.arg_names

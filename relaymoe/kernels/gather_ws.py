@@ -7,14 +7,14 @@ costs nothing (the Triton kernel ran 3.19 ms over gathered rows, 3.26 over a sor
 each program's epilogue does: storing h (64 KB a 128-row tile) took 0.38 ms of 3.38, with the
 tensor cores idle while a program stores. Here each program walks many tiles, and three warp
 partitions overlap:
-- producer (4 warps): gathers each step's x rows with ``cp.async`` (the stage's mbarrier counts
-  every producer thread's copies: ``cp.async.mbarrier.arrive.noinc``) and brings the gate and up
-  weight tiles by TMA onto the same barrier; it runs ahead across tiles;
+- producer (``producer_warps``, 4): gathers each step's x rows with ``cp.async`` (the stage's
+  mbarrier counts every producer thread's copies: ``cp.async.mbarrier.arrive.noinc``) and brings
+  the gate and up weight tiles by TMA onto the same barrier; it runs ahead across tiles;
 - consumer (the kernel's warps): waits, fences (``cp.async`` writes through the generic proxy,
   ``wgmma`` reads through the async one) and issues the gate and up ``wgmma``; at a tile's end
   it writes both accumulators, rounded to the output dtype, into shared memory;
-- storer (4 warps): stores h from there in 16-byte vectors and computes a = silu(gate) * up (* p)
-  from the stored values while the consumer runs the next tile.
+- storer (``storer_warps``, 4): stores h from there in 16-byte vectors and computes
+  a = silu(gate) * up (* p) from the stored values while the consumer runs the next tile.
 The plain GEMM is the same kernel with its (K, N) weight tiles taken as two adjacent column
 blocks in place of gate and up (``W_KN``), and no SwiGLU.
 
@@ -66,8 +66,6 @@ _partition_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 __all__ = ["ROWS_CONFIG", "UP_CONFIG", "rows_gemm", "supports_rows_gemm", "supports_up_swiglu",
            "up_swiglu"]  # fmt: skip
 
-PRODUCER_WARPS = 4
-STORER_WARPS = 4
 # tiles, slots, consumer warps, the storer's row slice, the tile order's M group, the workers'
 # registers and the cap. H200 (benchmarks/sweep_kernels.py --kernels up_swiglu): qwen3 T32k
 # (c91189d) 2.91 ms against 3.18 for the Triton kernel's best; 2 slots 4.54 ms, a 32-column K step
@@ -76,8 +74,8 @@ STORER_WARPS = 4
 # against 15.44 (moeblaze conf4, 9321387). GROUP_M at conf4: 1 (N tiles fastest) 17.21, 4 15.70,
 # 8 15.44, 16 15.33.
 UP_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "STAGES": 3, "EPI_ROWS": 16,
-             "GROUP_M": 8, "num_warps": 8, "producer_regs": 72, "storer_regs": 72,
-             "maxnreg": 128}  # fmt: skip
+             "GROUP_M": 8, "num_warps": 8, "producer_warps": 4, "storer_warps": 4,
+             "producer_regs": 72, "storer_regs": 72, "maxnreg": 128}  # fmt: skip
 # the plain gathered GEMM (down projection's backward, dy[tok] @ w2[e]): a tile is two adjacent
 # 128-column blocks. 32-row slices: 1.41-1.47 ms against 1.47-1.52 with 16 (qwen3 T32k), 7.42
 # against 7.54 (conf4); GROUP_M 1 7.95 and 16 7.43 (conf4)
@@ -412,8 +410,9 @@ def _launch(x_TK, w_rows, idx_P, offs, prob_P, h, a, *, n_experts, n_cols, n_til
         W_KN=w_kn, SAVE_H=save_h, SCALE=prob_P is not None, SAVE_A=save_a,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=max(32, triton.next_power_of_2(n_experts)),
         STAGES=cfg["STAGES"], EPI_ROWS=cfg["EPI_ROWS"], GROUP_M=cfg["GROUP_M"],
-        PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=cfg["producer_regs"],
-        STORER_WARPS=STORER_WARPS, STORER_REGS=cfg["storer_regs"], num_warps=cfg["num_warps"],
+        PRODUCER_WARPS=cfg["producer_warps"], PRODUCER_REGS=cfg["producer_regs"],
+        STORER_WARPS=cfg["storer_warps"], STORER_REGS=cfg["storer_regs"],
+        num_warps=cfg["num_warps"],
         maxnreg=cfg["maxnreg"],
     )  # fmt: skip
 
