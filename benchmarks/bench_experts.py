@@ -50,10 +50,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
-    JsonlWriter,
     MiB,
     bench_ms,
-    environment,
+    gpu_writer,
     moe_flops_fwd_bwd,
     print_table,
 )
@@ -287,10 +286,11 @@ def breakdown(shape: str) -> list[dict]:
                                             b_gather=False, accumulate=False), pf),
         ("wgrad_dw13", lambda: grouped.wgrad(dh, x, idx_P, offs, dw13, a_gather=False,
                                              b_gather=True, accumulate=False), 2 * pf),
-        ("wgrad_dw2_gmm", lambda: _wgrad_gmm(x, a, dw2, groups, a_gather=True,
-                                             accumulate=False), pf),
-        ("wgrad_dw13_gmm", lambda: _wgrad_gmm(dh, x, dw13, groups, a_gather=False,
-                                              accumulate=False), 2 * pf),
+        # as the hop runs them: a new gradient (torch's result itself when one chunk holds it)
+        ("wgrad_dw2_gmm", lambda: _wgrad_gmm(x, a, None, groups, a_gather=True,
+                                             accumulate=False, out_like=dw2), pf),
+        ("wgrad_dw13_gmm", lambda: _wgrad_gmm(dh, x, None, groups, a_gather=False,
+                                              accumulate=False, out_like=dw13), 2 * pf),
         ("dgrad_rows", lambda: grouped.rows_gemm(dh, w13, offs, y), 2 * pf),
         ("dgrad_" + gmm, lambda: torch._grouped_mm(dh, w13, offs=ends), 2 * pf),
     ]  # fmt: skip
@@ -351,12 +351,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.first_call_child:
         return _first_call_child(args.first_call_child)
-    if not torch.cuda.is_available():
-        print("bench_experts needs CUDA")
+    writer = gpu_writer("bench_experts", "experts", args.out)
+    if writer is None:
         return 1
-    env = environment()
-    out = args.out or f"benchmarks/results/experts_{env['date']}.jsonl"
-    writer = JsonlWriter(out, env=env)
     shapes = args.shapes or (["qwen3_30b_a3b_T32k"] if args.quick else list(SHAPES))
     providers = {
         "relaymoe_act": ("relaymoe", "act", relaymoe_fn("act")),

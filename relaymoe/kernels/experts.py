@@ -190,10 +190,11 @@ def _wgrad_gmm(a, b, c_EMN, groups: _HopGroups, *, a_gather: bool, accumulate: b
     the pair indices, never the whole (P, H), and the (El, M, chunk) result is added into ``c``.
     Groups of zero pairs give exact zeros. No host sync (the range's rows are indexed on device).
 
-    Returns the gradient. Without ``accumulate``, one chunk's result in the gradient's dtype is
-    returned as it is (``c_EMN`` left untouched, or None: shaped and typed like ``out_like``, a
-    meta tensor will do): no copy, and no second (El, M, N) buffer at the peak (H200, moeblaze
-    conf4, one 512 MiB chunk: peak over the inputs 8,964 -> 7,428 MiB; b4157ca)."""
+    Returns the gradient: ``c_EMN`` written (added into with ``accumulate``), or with ``c_EMN``
+    None a new one shaped and typed like ``out_like`` (a meta tensor will do). That new one is
+    torch's result itself when one chunk covers it in the gradient's dtype: no copy, and no
+    second (El, M, N) buffer at the peak (H200, moeblaze conf4, one 512 MiB chunk: peak over the
+    inputs 8,964 -> 7,428 MiB; b4157ca)."""
     ref = c_EMN if c_EMN is not None else out_like
     _, m, n = ref.shape
     gathered = a if a_gather else b
@@ -205,7 +206,7 @@ def _wgrad_gmm(a, b, c_EMN, groups: _HopGroups, *, a_gather: bool, accumulate: b
         else:
             res = torch._grouped_mm(a.t(), g_PC, offs=groups.ends)
         del g_PC
-        if not accumulate and len(chunks) == 1 and res.dtype == ref.dtype:
+        if c_EMN is None and len(chunks) == 1 and res.dtype == ref.dtype:
             return res
         if c_EMN is None:
             c_EMN = torch.empty(ref.shape, dtype=ref.dtype, device=a.device)
