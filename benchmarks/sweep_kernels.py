@@ -201,6 +201,9 @@ WS_VARIANTS = {
         {"GROUP_M": 4},
         {"GROUP_M": 16},
         _WIDE_STORER,
+        {"outputs": "a"},  # the forward of recompute="fc1"
+        {"outputs": "h"},  # its backward's recompute
+        {"outputs": "none"},
     ],
     "down_bwd": [
         {},
@@ -209,8 +212,13 @@ WS_VARIANTS = {
         {"GROUP_M": 1},
         {"GROUP_M": 16},
         _WIDE_STORER,
+        {"outputs": "none"},
     ],
 }
+# ``outputs`` (a variant's key, not a kernel configuration): what the storer writes. "h+a" (the
+# default: act mode's forward) or "h" for the down backward; "a" and "h" alone; "none" stores
+# nothing, the storer only hands the epilogue buffer back: the tile's time without its stores,
+# which tells whether the stores bound it (a diagnostic, not a usable kernel).
 
 
 def routed_pairs(dims, device, dtype):
@@ -260,29 +268,70 @@ def sweep_rows(shape: str, configs: dict, *, dims=None, device="cuda", dtype=tor
             runs += [("gluon_ws", ws, {**base, **v}) for v in ws_configs.get(kernel, ())]
         ref = None
         for variant, lib, cfg in runs:
-            if kernel == "up_swiglu":
+            outputs = cfg.get("outputs", "default")
+            c_run = {k: v for k, v in cfg.items() if k != "outputs"}
+            if outputs != "default":
+                fn, out = _ws_outputs_run(ws, kernel, outputs, c_run, x, dy, w13, w2, idx_P,
+                                          offs, prob_P, h, a)  # fmt: skip
+                flops = 2 * pf if kernel == "up_swiglu" else pf
+            elif kernel == "up_swiglu":
 
-                def fn(c=cfg, m=lib):
+                def fn(c=c_run, m=lib):
                     m.up_swiglu(x, w13, idx_P, offs, prob_P, h, a, config=c)
 
                 out, flops = h, 2 * pf
             elif variant == "triton":
 
-                def fn(c=cfg):
+                def fn(c=c_run):
                     grouped.rows_gemm(dy, w2, offs, a, a_idx=idx_P, config=c)
 
                 out, flops = a, pf
             else:
 
-                def fn(c=cfg):
+                def fn(c=c_run):
                     ws.rows_gemm(dy, w2, idx_P, offs, a, config=c)
 
                 out, flops = a, pf
             row = {"kernel": kernel, "variant": variant, "config": cfg}
-            ref = _time_config(row, fn, out, ref, lambda ms, f=flops: {
-                "tflops": round(f / ms / 1e9, 1)})  # fmt: skip
+            rate = lambda ms, f=flops: {"tflops": round(f / ms / 1e9, 1)}  # noqa: E731
+            if outputs == "default":
+                ref = _time_config(row, fn, out, ref, rate)
+            else:  # other outputs: compared with nothing (``err`` of a run against itself)
+                _time_config(row, fn, out, None, rate)
+                if outputs == "none":
+                    row["err"] = None
             rows.append(row)
     return rows
+
+
+def _ws_outputs_run(ws, kernel, outputs, cfg, x, dy, w13, w2, idx_P, offs, prob_P, h, a):
+    """``(fn, out)``: the Gluon kernel with only ``outputs`` stored (see ``WS_VARIANTS``)."""
+    import triton
+
+    if kernel == "up_swiglu" and outputs in ("a", "h"):
+        h_out, a_out = (None, a) if outputs == "a" else (h, None)
+
+        def fn():
+            ws.up_swiglu(x, w13, idx_P, offs, prob_P if outputs == "a" else None, h_out, a_out,
+                         config=cfg)  # fmt: skip
+
+        return fn, a if outputs == "a" else h
+    if outputs != "none":
+        raise ValueError(f"outputs={outputs!r} for {kernel}: 'a', 'h' (up_swiglu) or 'none'")
+    n_exp = w13.shape[0]
+    if kernel == "up_swiglu":
+        ffn = w13.shape[1] // 2
+        args = (x, w13.view(n_exp * 2 * ffn, -1), idx_P, offs, None, h, a)
+        kw = {"n_cols": ffn, "n_tiles_n": triton.cdiv(ffn, cfg["BLOCK_N"]), "w_kn": False}
+    else:
+        ncols = w2.shape[2]
+        args = (dy, w2.reshape(n_exp * w2.shape[1], ncols), idx_P, offs, None, a, a)
+        kw = {"n_cols": ncols, "n_tiles_n": triton.cdiv(ncols, 2 * cfg["BLOCK_N"]), "w_kn": True}
+
+    def fn():
+        ws._launch(*args, n_experts=n_exp, save_h=False, save_a=False, cfg=cfg, **kw)
+
+    return fn, a
 
 
 def _time_config(row: dict, fn, out, ref, rate):
@@ -343,6 +392,11 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default="all", choices=("all", "short"))
     ap.add_argument("--kernels", default="wgrad,rows",
                     help="wgrad, rows (up_swiglu, down_bwd: either alone), combine")  # fmt: skip
+    ap.add_argument(
+        "--gluon-only",
+        action="store_true",
+        help="rows kernels: time the Gluon variants alone (no Triton compiles)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     writer = gpu_writer("sweep_kernels", "kernel_sweep", args.out)
@@ -350,6 +404,8 @@ def main(argv=None) -> int:
         return 1
     rows = []
     which = {k: v for k, v in ROW_CONFIGS.items() if "rows" in args.kernels or k in args.kernels}
+    if which and args.gluon_only:
+        which = {k: [] for k in which}
     if which:
         rows += sweep_rows(args.shape, which, ws_configs=WS_VARIANTS)
     if "combine" in args.kernels:
