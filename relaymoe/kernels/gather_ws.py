@@ -185,11 +185,12 @@ def _gather_producer(x_ptr, idx_ptr, offs_ptr, w_desc, x_bufs, lo_bufs, hi_bufs,
 @gluon.jit
 def _dual_mma_consumer(x_bufs, lo_bufs, hi_bufs, ready, empty, lo_epi, hi_epi, epi_ready,
                        epi_empty, offs_ptr, n_experts, K, n_tiles, n_tiles_n,
-                       W_KN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                       BLOCK_K: gl.constexpr, BLOCK_E: gl.constexpr, GROUP_M: gl.constexpr,
-                       num_warps: gl.constexpr):  # fmt: skip
+                       W_KN: gl.constexpr, EPI: gl.constexpr, BLOCK_M: gl.constexpr,
+                       BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, BLOCK_E: gl.constexpr,
+                       GROUP_M: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
     """The lo and hi accumulators of each tile (one step's two MMAs stay in flight), handed to
-    the storer through shared memory in the output dtype."""
+    the storer through shared memory in the output dtype (``EPI``; else dropped: a diagnostic
+    that times the main loop alone)."""
     STAGES: gl.constexpr = x_bufs.type.shape[0]
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
@@ -225,12 +226,13 @@ def _dual_mma_consumer(x_bufs, lo_bufs, hi_bufs, ready, empty, lo_epi, hi_epi, e
             if num_warps > 4:
                 _partition_barrier()
             mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))
-            mbarrier.wait(epi_empty, (done & 1) ^ 1)
-            lo_epi.store(acc_lo.to(lo_epi.dtype))
-            hi_epi.store(acc_hi.to(hi_epi.dtype))
-            _partition_barrier()
-            mbarrier.arrive(epi_ready)
-            done += 1
+            if EPI:
+                mbarrier.wait(epi_empty, (done & 1) ^ 1)
+                lo_epi.store(acc_lo.to(lo_epi.dtype))
+                hi_epi.store(acc_hi.to(hi_epi.dtype))
+                _partition_barrier()
+                mbarrier.arrive(epi_ready)
+                done += 1
 
 
 @gluon.jit
@@ -250,7 +252,7 @@ def _tile_storer(lo_epi, hi_epi, epi_ready, epi_empty, offs_ptr, prob_ptr, h_ptr
     for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
         e, row0, row_end, pid_n = _tile_of(t, n_tiles, n_tiles_n, offs_ptr, n_experts, BLOCK_M,
                                            BLOCK_E, GROUP_M, WARPS)  # fmt: skip
-        if e < n_experts:
+        if e < n_experts and (SAVE_H or SAVE_A):
             col0, hi_off, lo_end, hi_end = _halves(pid_n, n_cols, W_KN, BLOCK_N)
             cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, lay))
             lo_ok = cols < lo_end
@@ -297,15 +299,19 @@ def _gathered_gemm_ws_kernel(
     upper bound, x N tiles); the three partitions walk the same items.
     - ``W_KN`` False (up-projection): w13 as (El*2I, H) rows through ``w_desc``, ``n_cols`` = I;
       h = [gate, up] stored when ``SAVE_H``, a = silu(gate) * up (* p) when ``SAVE_A``.
-    - ``W_KN`` True (plain): w as (El*K, N) rows, ``n_cols`` = N; h = x[tok] @ w[e]."""
+    - ``W_KN`` True (plain): w as (El*K, N) rows, ``n_cols`` = N; h = x[tok] @ w[e].
+    Neither ``SAVE_H`` nor ``SAVE_A``: nothing is stored and no epilogue buffer is allocated,
+    which times the main loop alone (``benchmarks/sweep_kernels.py``'s ``outputs="none"``)."""
     x_bufs = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, BLOCK_M, BLOCK_K],
                                        x_layout)  # fmt: skip
     lo_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape,
                                         w_desc.layout)  # fmt: skip
     hi_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape,
                                         w_desc.layout)  # fmt: skip
-    lo_epi = gl.allocate_shared_memory(h_ptr.dtype.element_ty, [BLOCK_M, BLOCK_N], epi_layout)
-    hi_epi = gl.allocate_shared_memory(h_ptr.dtype.element_ty, [BLOCK_M, BLOCK_N], epi_layout)
+    EPI: gl.constexpr = SAVE_H or SAVE_A
+    EPI_M: gl.constexpr = BLOCK_M if EPI else 8  # no stores (a diagnostic): a token buffer
+    lo_epi = gl.allocate_shared_memory(h_ptr.dtype.element_ty, [EPI_M, BLOCK_N], epi_layout)
+    hi_epi = gl.allocate_shared_memory(h_ptr.dtype.element_ty, [EPI_M, BLOCK_N], epi_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     epi_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -324,7 +330,8 @@ def _gathered_gemm_ws_kernel(
     gl.warp_specialize(
         [(_dual_mma_consumer, (x_bufs, lo_bufs, hi_bufs, ready, empty, lo_epi, hi_epi, epi_ready,
                                epi_empty, offs_ptr, n_experts, K, n_tiles, n_tiles_n,
-                               W_KN, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E, GROUP_M, num_warps)),
+                               W_KN, EPI, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E, GROUP_M,
+                               num_warps)),
          (_gather_producer, (x_ptr, idx_ptr, offs_ptr, w_desc, x_bufs, lo_bufs, hi_bufs, ready,
                              empty, n_experts, K, n_cols, n_tiles, n_tiles_n, stride_xt,
                              W_KN, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E, GROUP_M,
