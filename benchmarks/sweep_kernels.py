@@ -399,6 +399,12 @@ def main(argv=None) -> int:
         action="store_true",
         help="rows kernels: time the Gluon variants alone (no Triton compiles)",
     )
+    ap.add_argument(
+        "--ws-only",
+        default=None,
+        metavar="TEXT",
+        help="time only the Gluon variants whose override mentions TEXT",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     writer = gpu_writer("sweep_kernels", "kernel_sweep", args.out)
@@ -409,7 +415,10 @@ def main(argv=None) -> int:
     if which and args.gluon_only:
         which = {k: [] for k in which}
     if which:
-        rows += sweep_rows(args.shape, which, ws_configs=WS_VARIANTS)
+        ws = WS_VARIANTS
+        if args.ws_only:
+            ws = {k: [v for v in vs if args.ws_only in repr(v)] for k, vs in ws.items()}
+        rows += sweep_rows(args.shape, which, ws_configs=ws)
     if "combine" in args.kernels:
         rows += sweep_combine(args.shape, COMBINE_CONFIGS)
     if "wgrad" in args.kernels:
