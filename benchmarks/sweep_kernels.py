@@ -183,13 +183,9 @@ ROW_CONFIGS = {
 }
 
 
-# 8 storer warps and 2 producer warps, the consumer keeping its 184 registers (18 warps, 112
-# each before the split): is the storer what bounds a tile? (compiled for sm90 with a 12-byte
-# spill; not yet timed)
-_WIDE_STORER = {"producer_warps": 2, "storer_warps": 8, "producer_regs": 48, "storer_regs": 72,
-                "maxnreg": 112}  # fmt: skip
 # the warp-specialised Gluon kernels (kernels/gather_ws.py): overrides of their UP_CONFIG and
-# ROWS_CONFIG
+# ROWS_CONFIG (``{}`` keeps GROUP_M 8 at every shape; the library's default takes WIDE_GROUP_M
+# for wide experts)
 WS_VARIANTS = {
     "up_swiglu": [
         {},
@@ -200,7 +196,9 @@ WS_VARIANTS = {
         {"GROUP_M": 1},  # the order before GROUP_M: N tiles fastest
         {"GROUP_M": 4},
         {"GROUP_M": 16},
-        _WIDE_STORER,
+        # fewer storer or producer warps (a 2-warp storer spills with 16-row slices)
+        {"storer_warps": 2, "EPI_ROWS": 8},
+        {"producer_warps": 2},
         {"outputs": "a"},  # the forward of recompute="fc1"
         {"outputs": "h"},  # its backward's recompute
         {"outputs": "none"},
@@ -212,15 +210,17 @@ WS_VARIANTS = {
         {"BLOCK_K": 32, "STAGES": 6},
         {"GROUP_M": 1},
         {"GROUP_M": 16},
-        _WIDE_STORER,
+        {"storer_warps": 2},
+        {"producer_warps": 2},
         {"outputs": "none"},
         {"outputs": "none", "STAGES": 4},
     ],
 }
 # ``outputs`` (a variant's key, not a kernel configuration): what the storer writes. "h+a" (the
 # default: act mode's forward) or "h" for the down backward; "a" and "h" alone; "none" stores
-# nothing and the consumer drops its accumulators (no epilogue buffer, so a 4th slot fits): the
-# main loop's time alone, which tells what the stores and the slot count cost (a diagnostic).
+# nothing and the consumer keeps only its accumulators' row sums (no epilogue buffer, so a 4th
+# slot fits): the main loop's time alone, what the epilogue and the slot count cost (a
+# diagnostic).
 
 
 def routed_pairs(dims, device, dtype):

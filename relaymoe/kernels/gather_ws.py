@@ -80,6 +80,17 @@ UP_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "STAGES": 3, "EPI_RO
 # 128-column blocks. 32-row slices: 1.41-1.47 ms against 1.47-1.52 with 16 (qwen3 T32k), 7.42
 # against 7.54 (conf4); GROUP_M 1 7.95 and 16 7.43 (conf4)
 ROWS_CONFIG = dict(UP_CONFIG, EPI_ROWS=32)
+# the default configurations' GROUP_M for wide experts (at least WIDE_N_TILES N tiles a row of
+# tiles). GROUP_M 16 against 8, H200, ms, three calls in two sessions (9321387, 3d73834,
+# bda1082): moeblaze conf4 (64 and 32 N tiles) up-projection 15.33/15.44, 15.18/15.40,
+# 14.89/15.15, down backward 7.43/7.42, 7.19/7.40, 7.23/7.28; qwen3 T32k (6 and 3 N tiles) up
+# 3.05/2.95, 3.03/2.98, down backward 1.53/1.52, 1.51/1.49, so narrow experts keep 8.
+WIDE_N_TILES = 16
+WIDE_GROUP_M = 16
+
+
+def _default_config(cfg: dict, n_tiles_n: int) -> dict:
+    return dict(cfg, GROUP_M=WIDE_GROUP_M) if n_tiles_n >= WIDE_N_TILES else cfg
 
 
 @gluon.jit
@@ -433,9 +444,9 @@ def up_swiglu(x_TH, w13_E2IH, idx_P, offs, prob_P, h_P2I, a_PI, *, config=None) 
     """``grouped.up_swiglu``'s contract (outputs passed in, ``h_P2I`` or ``a_PI`` may be None);
     call only where :func:`supports_up_swiglu` holds. ``a`` is computed from h rounded to the
     output dtype (the storer's input), not from the fp32 accumulators."""
-    cfg = config or UP_CONFIG
     n_experts, two_i, hidden = w13_E2IH.shape
     ffn = two_i // 2
+    cfg = config or _default_config(UP_CONFIG, triton.cdiv(ffn, UP_CONFIG["BLOCK_N"]))
     h = h_P2I if h_P2I is not None else a_PI
     a = a_PI if a_PI is not None else h_P2I
     if h.shape[0] == 0 or n_experts == 0:
@@ -448,8 +459,8 @@ def up_swiglu(x_TH, w13_E2IH, idx_P, offs, prob_P, h_P2I, a_PI, *, config=None) 
 def rows_gemm(x_TK, w_EKN, idx_P, offs, c_PN, *, config=None) -> None:
     """c[q] = x[idx_P[q]] @ w[e] for the range's pairs (``grouped.rows_gemm`` with ``a_idx``);
     call only where :func:`supports_rows_gemm` holds."""
-    cfg = config or ROWS_CONFIG
     n_experts, kdim, ncols = w_EKN.shape
+    cfg = config or _default_config(ROWS_CONFIG, triton.cdiv(ncols, 2 * ROWS_CONFIG["BLOCK_N"]))
     if c_PN.shape[0] == 0 or n_experts == 0:
         return
     _launch(x_TK, w_EKN.view(n_experts * kdim, ncols), idx_P, offs, None, c_PN, c_PN,

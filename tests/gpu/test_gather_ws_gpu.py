@@ -33,6 +33,7 @@ CASES = [
     (777, 512, 384, 8, 1, "one", None),  # top-1, one hot expert
     (300, 256, 192, 6, 6, "uniform", (2, 5)),  # K = E
     (5, 256, 128, 4, 2, "uniform", None),  # fewer pairs than one tile
+    (700, 256, 4200, 3, 2, "skewed", None),  # wide experts: the default's WIDE_GROUP_M order
 ]
 
 
