@@ -37,6 +37,16 @@ h read, dh, p * a and per-tile dprob partials written), against the GEMM and the
 9ec3195). The storer then moves 320 KB a tile beside the GEMM's operands, not 64; no slot depth
 or register split changed the time.
 
+Where the time goes (H200, ``sweep_kernels.py --gluon-only``, 1ec46fe and 244f9a2; ms, the
+up-projection at qwen3 T32k / moeblaze conf4): the main loop alone (nothing stored,
+``outputs="none"``) runs in 2.58-2.73 / 13.75-14.22, the kernel in 2.94 / 15.26 (244f9a2), so
+the epilogue costs 7-10%. Storing only a (32 KB a tile) or only h (64 KB) takes 2.89-2.93 /
+14.53-14.89: at qwen3 the bytes stored hardly matter, and the hand-off and the storer's presence
+cost the rest. Without an epilogue buffer a 4th slot fits, and it was slower: 2.75-2.77 /
+14.30-14.63. Two producer warps instead of 4 cost 14% / 23% (3.35 / 18.76): the gather's issue
+bounds the main loop, not the slot count. Two slots: 4.48 / 22.7. Triton caps a kernel at 16
+warps (512 threads), so the producer cannot grow without taking the storer's warps.
+
 Only this module imports ``triton.experimental.gluon``; ``grouped.up_swiglu`` and
 ``grouped.rows_gemm`` import it lazily on sm90 (``RELAYMOE_GATHER_WS``), so CPU runs never touch
 it.
