@@ -403,7 +403,8 @@ def main(argv=None) -> int:
         "--ws-only",
         default=None,
         metavar="TEXT",
-        help="time only the Gluon variants whose override mentions TEXT",
+        help="time only the Gluon variants whose override mentions TEXT (or one of TEXT1|TEXT2; "
+        "{} is the unchanged configuration)",
     )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -416,8 +417,9 @@ def main(argv=None) -> int:
         which = {k: [] for k in which}
     if which:
         ws = WS_VARIANTS
-        if args.ws_only:
-            ws = {k: [v for v in vs if args.ws_only in repr(v)] for k, vs in ws.items()}
+        if args.ws_only:  # alternatives split by "|"; "{}" is the unchanged configuration
+            alts = args.ws_only.split("|")
+            ws = {k: [v for v in vs if any(a in repr(v) for a in alts)] for k, vs in ws.items()}
         rows += sweep_rows(args.shape, which, ws_configs=ws)
     if "combine" in args.kernels:
         rows += sweep_combine(args.shape, COMBINE_CONFIGS)
