@@ -68,8 +68,12 @@ def profile_step(shape: str, fn, steps: int = 5) -> tuple[list, dict]:
                     "us_per_step": round(sum(v) / steps, 1)} for k, v in per_name.items()),
                   key=lambda r: -r["us_per_step"])  # fmt: skip
     busy_ms = sum(r["us_per_step"] for r in rows) / 1e3
+    # the GPU's whole span (first start to last end) and its idle time in it, per step: wall_ms
+    # also holds the host's head start before the first kernel
+    span_ms = (spans[-1][1] - spans[0][0]) / 1e3 / steps if spans else 0.0
     summary = {"wall_ms": round(wall_ms, 3), "host_ms": round(host * 1e3 / steps, 3),
-               "kernels_ms": round(busy_ms, 3),
+               "kernels_ms": round(busy_ms, 3), "span_ms": round(span_ms, 3),
+               "idle_ms": round(sum(idle.values()) / 1e3, 3),
                "gap_ms": round(wall_ms - busy_ms, 3), "host_syncs": syncs,
                "idle_us_per_step": {k: round(v, 1) for k, v in
                                     sorted(idle.items(), key=lambda kv: -kv[1])[:12]}}  # fmt: skip
