@@ -406,6 +406,12 @@ def main(argv=None) -> int:
         help="time only the Gluon variants whose override mentions TEXT (or one of TEXT1|TEXT2; "
         "{} is the unchanged configuration)",
     )
+    ap.add_argument(
+        "--triton-order",
+        action="store_true",
+        help="rows kernels: the first Triton configuration alone, at GROUP_M 1 (N "
+        "tiles fastest), its default and 16",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     writer = gpu_writer("sweep_kernels", "kernel_sweep", args.out)
@@ -415,8 +421,11 @@ def main(argv=None) -> int:
     which = {k: v for k, v in ROW_CONFIGS.items() if "rows" in args.kernels or k in args.kernels}
     if which and args.gluon_only:
         which = {k: [] for k in which}
+    if which and args.triton_order:
+        first = {k: v[0] for k, v in which.items()}
+        which = {k: [dict(c, GROUP_M=1), c, dict(c, GROUP_M=16)] for k, c in first.items()}
     if which:
-        ws = WS_VARIANTS
+        ws = {} if args.triton_order else WS_VARIANTS
         if args.ws_only:  # alternatives split by "|"; "{}" is the unchanged configuration
             alts = args.ws_only.split("|")
             ws = {k: [v for v in vs if any(a in repr(v) for a in alts)] for k, vs in ws.items()}

@@ -16,6 +16,7 @@ __all__ = [
     "check_problem_limits",
     "env_switch",
     "interpret_mode",
+    "tile_group_m",
     "triton_available",
 ]
 
@@ -54,6 +55,23 @@ def env_switch(name: str, meanings: dict[str, str]) -> str:
         choices = ", ".join(f"{k!r} ({what})" for k, what in meanings.items())
         raise ValueError(f"{name}={value!r}: use one of {choices}; the first is the default")
     return value
+
+
+# The gathered-row GEMMs (Triton and Gluon) walk their tiles in groups of GROUP_M M tiles, M
+# fastest inside a group, so the tiles in flight share a few row blocks and weight column blocks
+# in L2. Wide experts (at least WIDE_N_TILES N tiles a row of tiles) take taller groups. H200,
+# the Gluon kernels, GROUP_M 16 against 8 (ms, three calls in two sessions: 9321387, 3d73834,
+# bda1082): moeblaze conf4 (64 and 32 N tiles) up-projection 15.33/15.44, 15.18/15.40,
+# 14.89/15.15, down backward 7.43/7.42, 7.19/7.40, 7.23/7.28; qwen3 T32k (6 and 3 N tiles) up
+# 3.05/2.95, 3.03/2.98, down backward 1.53/1.52, 1.51/1.49.
+WIDE_N_TILES = 16
+WIDE_GROUP_M = 16
+
+
+def tile_group_m(n_tiles_n: int, narrow: int) -> int:
+    """GROUP_M for a row of ``n_tiles_n`` N tiles: ``WIDE_GROUP_M`` for wide experts, else
+    ``narrow`` (the kernel's own default)."""
+    return WIDE_GROUP_M if n_tiles_n >= WIDE_N_TILES else narrow
 
 
 def check_int32(what: str, value: int, *, where: str, fix: str) -> None:

@@ -71,6 +71,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from relaymoe.kernels import tile_group_m
+
 # a barrier among the warps of one partition: ``thread_barrier`` in Triton 3.6, ``barrier`` later
 _partition_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
@@ -91,17 +93,11 @@ UP_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "STAGES": 3, "EPI_RO
 # 128-column blocks. 32-row slices: 1.41-1.47 ms against 1.47-1.52 with 16 (qwen3 T32k), 7.42
 # against 7.54 (conf4); GROUP_M 1 7.95 and 16 7.43 (conf4)
 ROWS_CONFIG = dict(UP_CONFIG, EPI_ROWS=32)
-# the default configurations' GROUP_M for wide experts (at least WIDE_N_TILES N tiles a row of
-# tiles). GROUP_M 16 against 8, H200, ms, three calls in two sessions (9321387, 3d73834,
-# bda1082): moeblaze conf4 (64 and 32 N tiles) up-projection 15.33/15.44, 15.18/15.40,
-# 14.89/15.15, down backward 7.43/7.42, 7.19/7.40, 7.23/7.28; qwen3 T32k (6 and 3 N tiles) up
-# 3.05/2.95, 3.03/2.98, down backward 1.53/1.52, 1.51/1.49, so narrow experts keep 8.
-WIDE_N_TILES = 16
-WIDE_GROUP_M = 16
 
 
 def _default_config(cfg: dict, n_tiles_n: int) -> dict:
-    return dict(cfg, GROUP_M=WIDE_GROUP_M) if n_tiles_n >= WIDE_N_TILES else cfg
+    """``cfg`` with the GROUP_M of its shape (``relaymoe.kernels.tile_group_m``)."""
+    return dict(cfg, GROUP_M=tile_group_m(n_tiles_n, cfg["GROUP_M"]))
 
 
 @gluon.jit

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from relaymoe.kernels import check_int32, env_switch, interpret_mode
+from relaymoe.kernels import check_int32, env_switch, interpret_mode, tile_group_m
 from relaymoe.kernels.tuned import autotune_mode, shipped_config
 
 
@@ -56,14 +56,21 @@ def _expert_tile(pid_m, offs_ptr, n_experts, BLOCK_M: tl.constexpr, BLOCK_E: tl.
 
 @triton.jit
 def _row_col_tile(
-    n_cols, offs_ptr, n_experts, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr
-):
+    n_cols, offs_ptr, n_experts, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
     """``_expert_tile`` of this program plus its N tile, on a grid of (M tiles) x
-    ``cdiv(n_cols, BLOCK_N)`` programs, N tiles fastest (``_row_grid``)."""
+    ``cdiv(n_cols, BLOCK_N)`` programs (``_row_grid``) taken in groups of ``GROUP_M`` M tiles,
+    M fastest inside a group (``relaymoe.kernels.tile_group_m``; 1: N tiles fastest)."""
     pid = tl.program_id(0)
     n_tiles_n = tl.cdiv(n_cols, BLOCK_N)
-    e, row0, row_end = _expert_tile(pid // n_tiles_n, offs_ptr, n_experts, BLOCK_M, BLOCK_E)
-    return e, row0, row_end, pid % n_tiles_n
+    n_m = tl.num_programs(0) // n_tiles_n
+    per_group = GROUP_M * n_tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    size = tl.minimum(n_m - first_m, GROUP_M)
+    rem = pid % per_group
+    e, row0, row_end = _expert_tile(first_m + rem % size, offs_ptr, n_experts, BLOCK_M, BLOCK_E)
+    return e, row0, row_end, rem // size
 
 
 @triton.jit
@@ -118,7 +125,7 @@ def _up_swiglu_kernel(
     stride_xt, stride_we, stride_wn, stride_wk, stride_hp, stride_ap,
     SAVE_H: tl.constexpr, SCALE: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    TMA_W: tl.constexpr = False, SAVE_A: tl.constexpr = True,
+    TMA_W: tl.constexpr = False, SAVE_A: tl.constexpr = True, GROUP_M: tl.constexpr = 1,
 ):  # fmt: skip
     """h[q] = x[tok[q]] @ w13[e]^T (gate and up tiles together); a = silu(gate) * up (* p).
     ``SAVE_A=False``: h only (the fc1 recompute of the backward, which needs no a).
@@ -127,7 +134,8 @@ def _up_swiglu_kernel(
     (TMA on sm90; the launcher checks contiguity and 16-byte strides). A gate tile that runs
     past row I reads up rows and an up tile past the last expert reads zeros: those columns are
     masked at the store, as the pointer path's clamped columns are."""
-    e, row0, row_end, pid_n = _row_col_tile(I, offs_ptr, n_experts, BLOCK_M, BLOCK_N, BLOCK_E)
+    e, row0, row_end, pid_n = _row_col_tile(I, offs_ptr, n_experts, BLOCK_M, BLOCK_N, BLOCK_E,
+                                            GROUP_M)  # fmt: skip
     if e >= n_experts:
         return
     rows = row0 + tl.arange(0, BLOCK_M)
@@ -195,10 +203,12 @@ def _rows_gemm_kernel(
     stride_ap, stride_be, stride_bk, stride_bn, stride_cp,
     A_GATHER: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    GROUP_M: tl.constexpr = 1,
 ):  # fmt: skip
     """c[q] = A[q] @ B[e] for the range's pairs (B[e] is (K, N) through strides). A's row is
     ``tok[q]`` when ``A_GATHER`` (a (T, K) operand read through the index), else ``q - offs[0]``."""
-    e, row0, row_end, pid_n = _row_col_tile(N, offs_ptr, n_experts, BLOCK_M, BLOCK_N, BLOCK_E)
+    e, row0, row_end, pid_n = _row_col_tile(N, offs_ptr, n_experts, BLOCK_M, BLOCK_N, BLOCK_E,
+                                            GROUP_M)  # fmt: skip
     if e >= n_experts:
         return
     base = tl.load(offs_ptr)
@@ -493,11 +503,24 @@ _UP_KEY = ("H", "I", "n_experts", "SAVE_H", "SCALE")
 _ROWS_KEY = ("N", "K", "n_experts", "A_GATHER")
 _WGRAD_KEY = ("M", "N", "A_GATHER", "B_GATHER", "ACCUMULATE")
 
+# the gathered-row kernels' tile order: groups of ROW_GROUP_M M tiles (taller for wide experts,
+# ``tile_group_m``)
+ROW_GROUP_M = 8
+
+
+def _row_group_m(ncols: int, block_n: int) -> int:
+    return tile_group_m(triton.cdiv(ncols, block_n), ROW_GROUP_M)
+
+
+def _group_m(ncols):
+    return lambda meta: _row_group_m(meta[ncols], meta["BLOCK_N"])
+
+
 _up_tuned = triton.autotune(_UP_CONFIGS, key=list(_UP_KEY))(
-    triton.heuristics({"EVEN_K": _even_k("H")})(_up_swiglu_kernel)
+    triton.heuristics({"EVEN_K": _even_k("H"), "GROUP_M": _group_m("I")})(_up_swiglu_kernel)
 )
 _rows_tuned = triton.autotune(_ROWS_CONFIGS, key=list(_ROWS_KEY))(
-    triton.heuristics({"EVEN_K": _even_k("K")})(_rows_gemm_kernel)
+    triton.heuristics({"EVEN_K": _even_k("K"), "GROUP_M": _group_m("N")})(_rows_gemm_kernel)
 )
 _wgrad_tuned = triton.autotune(
     _WGRAD_CONFIGS,
@@ -506,11 +529,12 @@ _wgrad_tuned = triton.autotune(
 )(_wgrad_kernel)
 
 
-def _pick(tuned, raw, config, kdim, name: str, key: dict, dtype):
+def _pick(tuned, raw, config, kdim, name: str, key: dict, dtype, ncols: int | None = None):
     """The kernel and its meta-parameters. On GPU: the shipped configuration of (GPU, ``name``,
     bucket of the autotune ``key``) when ``kernels/tuned_configs.json`` has one, else the
     autotuner (``RELAYMOE_AUTOTUNE``, ``tuned.py``). A fixed config (EVEN_K derived) under the
-    interpreter, when a test passes one, or with ``RELAYMOE_AUTOTUNE=0`` (the first candidate)."""
+    interpreter, when a test passes one, or with ``RELAYMOE_AUTOTUNE=0`` (the first candidate).
+    ``ncols``: a gathered-row kernel's output columns, for its GROUP_M (a config's own wins)."""
     if config is None and not interpret_mode():
         mode = autotune_mode()
         if mode == "shipped":
@@ -528,6 +552,8 @@ def _pick(tuned, raw, config, kdim, name: str, key: dict, dtype):
             meta[k] = cfg[k]
     if kdim is not None:
         meta["EVEN_K"] = kdim % meta["BLOCK_K"] == 0
+    if ncols is not None:
+        meta["GROUP_M"] = cfg.get("GROUP_M", _row_group_m(ncols, meta["BLOCK_N"]))
     return raw, meta
 
 
@@ -662,7 +688,7 @@ def up_swiglu(x_TH, w13_E2IH, idx_P, offs, prob_P, h_P2I, a_PI, *, config=None):
     key = dict(zip(_UP_KEY, (hidden, ffn, n_experts, h_P2I is not None, prob_P is not None),
                    strict=True))  # fmt: skip
     kernel, meta = _pick(_up_tuned, _up_swiglu_kernel, config, hidden, "up_swiglu", key,
-                         x_TH.dtype)  # fmt: skip
+                         x_TH.dtype, ncols=ffn)  # fmt: skip
     h = h_P2I if h_P2I is not None else a_PI
     a = a_PI if a_PI is not None else h_P2I  # an unused pointer when a is not stored
     p = prob_P if prob_P is not None else a
@@ -767,7 +793,7 @@ def rows_gemm(a_PK, b_EKN, offs, c_PN, *, a_idx=None, config=None):
         return
     key = dict(zip(_ROWS_KEY, (ncols, kdim, n_experts, a_idx is not None), strict=True))
     kernel, meta = _pick(_rows_tuned, _rows_gemm_kernel, config, kdim, "rows_gemm", key,
-                         a_PK.dtype)  # fmt: skip
+                         a_PK.dtype, ncols=ncols)  # fmt: skip
     kernel[_row_grid(n_pairs, n_experts, ncols)](
         a_PK, b_EKN, a_idx if a_idx is not None else offs, offs, c_PN,
         n_experts, ncols, kdim,
