@@ -63,7 +63,9 @@ def env_switch(name: str, meanings: dict[str, str]) -> str:
 # the Gluon kernels, GROUP_M 16 against 8 (ms, three calls in two sessions: 9321387, 3d73834,
 # bda1082): moeblaze conf4 (64 and 32 N tiles) up-projection 15.33/15.44, 15.18/15.40,
 # 14.89/15.15, down backward 7.43/7.42, 7.19/7.40, 7.23/7.28; qwen3 T32k (6 and 3 N tiles) up
-# 3.05/2.95, 3.03/2.98, down backward 1.53/1.52, 1.51/1.49.
+# 3.05/2.95, 3.03/2.98, down backward 1.53/1.52, 1.51/1.49. The Triton kernels (3429269), N tiles
+# fastest against this rule: conf4 up-projection 20.05 against 16.54, down backward 8.03
+# against 7.52; qwen3 T32k 3.16 against 3.11 and 1.52 against 1.50.
 WIDE_N_TILES = 16
 WIDE_GROUP_M = 16
 
