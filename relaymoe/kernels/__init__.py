@@ -2,7 +2,9 @@
 
 This module itself imports neither (the plain-torch paths and the ring's agreement use it): it
 also holds the int32 limits of the kernels and of the routing index (:func:`check_int32`,
-:func:`check_problem_limits`), checked on sizes alone, before anything is allocated or launched.
+:func:`check_problem_limits`), checked on sizes alone, before anything is allocated or launched,
+and the gathered-row GEMMs' tile order (:func:`tile_group_m`), which the Triton and the Gluon
+kernels share.
 """
 
 from __future__ import annotations

@@ -45,8 +45,8 @@ the epilogue costs 7-10%. Storing only a (32 KB a tile) or only h (64 KB) takes 
 cost the rest. Without an epilogue buffer a 4th slot fits, and it was slower: 2.75-2.77 /
 14.30-14.63. Two producer warps instead of 4 cost 14% / 23% (3.35 / 18.76; the down backward
 at qwen3 T32k and T64k 1-2%, three calls each in f1767c1): the gather's issue bounds the main
-loop, not the slot count. Two slots: 4.48 / 22.7. Triton caps a kernel at 16
-warps (512 threads), so the producer cannot grow without taking the storer's warps.
+loop, not the slot count. Two slots: 4.48 / 22.7. Triton caps a kernel at 16 warps (512
+threads), so the producer cannot grow without taking the storer's warps.
 
 Only this module imports ``triton.experimental.gluon``; ``grouped.up_swiglu`` and
 ``grouped.rows_gemm`` import it lazily on sm90 (``RELAYMOE_GATHER_WS``), so CPU runs never touch
