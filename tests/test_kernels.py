@@ -25,6 +25,9 @@ pytestmark = pytest.mark.skipif(
 F32 = 1e-5
 CFG_A = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}
 CFG_B = {"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 32}  # other tile edges, EVEN_K both ways
+# the tile order in groups of 5 M tiles: with the third case below, a short last group holding
+# real tiles (8 real M tiles of 9 launched, 3 N tiles)
+CFG_G = {**CFG_A, "GROUP_M": 5}
 
 
 def _setup(t, h, i, e, k, kind, e0, e1, seed=0, dtype=torch.float32):
@@ -50,9 +53,14 @@ def _h_ref(s):
     return torch.einsum("nh,njh->nj", s["x"][s["tok"]], s["w13"][s["expert"]])
 
 
-@pytest.mark.parametrize("cfg", [CFG_A, CFG_B])
+@pytest.mark.parametrize("cfg", [CFG_A, CFG_B, CFG_G])
 @pytest.mark.parametrize(
-    "case", [(29, 24, 20, 7, 3, "skewed", 2, 6), (13, 16, 12, 4, 4, "uniform", 0, 4)]
+    "case",
+    [
+        (29, 24, 20, 7, 3, "skewed", 2, 6),
+        (13, 16, 12, 4, 4, "uniform", 0, 4),
+        (50, 16, 36, 2, 2, "uniform", 0, 2),
+    ],
 )
 def test_up_swiglu_and_rows_gemm(case, cfg):
     s = _setup(*case)
