@@ -75,15 +75,50 @@ from dataclasses import dataclass
 from benchmarks.common import ROOT, JsonlWriter
 from benchmarks.e2e import (
     REGIMES,
+    TE_IMPL,
     RunResult,
     loss_parity,
+    merge_flags,
     pretrain_args,
     print_summary,
+    run_impl,
     run_pretrain,
+    te_version,
 )
 from relaymoe.ring.faults import HOST_WAIT_ENV, HOST_WAITS
 
 PROVIDER = {"ring": "relaymoe_ring", "alltoall": "mcore_alltoall"}
+ANCHOR_PROVIDER = "mcore_alltoall_te"  # alltoall with TE and megatron-core's MoE fusions
+
+# megatron-core 0.19.2's MoE path at its best on Hopper with TransformerEngine (issue #31): the
+# experts as TEGroupedMLP (grouped GEMM), TE's fused permute/unpermute and fused router top-k,
+# and the fused cross-entropy. Every run of a TE shape gets them, the ring's too (the router
+# and the loss are the ring's as well; the ring ignores the permute fusion, having no permute).
+ANCHOR_FLAGS = (
+    "--moe-grouped-gemm",
+    "--moe-permute-fusion",
+    "--moe-router-fusion",
+    "--cross-entropy-loss-fusion",
+)
+# Further megatron-core options ``--anchor-sweep`` times one at a time on top of ANCHOR_FLAGS:
+# (flags, scope). Scope "alltoall": MoE options the ring has no use for (CUDA graphs of the
+# router and the MoE preprocessing, whose token counts the ring does not make static, or TE's
+# activation in TEGroupedMLP); "both": options of the layers both run (attention graphs, the
+# loss), which the ring then gets too. A candidate joins ANCHOR_KEPT only from a measured sweep.
+ANCHOR_CANDIDATES: dict[str, tuple[tuple[str, ...], str]] = {
+    "cuda_graph_moe_router": (("--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules",
+                               "moe_router", "moe_preprocess"), "alltoall"),
+    "cuda_graph_attn_moe_router": (("--cuda-graph-impl", "transformer_engine",
+                                    "--cuda-graph-modules", "attn", "moe_router",
+                                    "moe_preprocess"), "alltoall"),
+    "cuda_graph_attn": (("--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules",
+                         "attn"), "both"),
+    "cross_entropy_te": (("--cross-entropy-fusion-impl", "te"), "both"),
+    "te_activation": (("--use-te-activation-func",), "alltoall"),
+}  # fmt: skip
+ANCHOR_KEPT: tuple[str, ...] = ()  # candidates a sweep measured faster (none measured yet)
+FP8_FORMATS = ("hybrid", "e4m3")
+FP8_RECIPES = ("tensorwise", "delayed", "blockwise")  # TE's fp8 recipes on Hopper (mxfp8: sm100)
 DEFAULT_CONFIG = "tiny_qwen3"
 DEFAULT_STEPS = 200  # the default (tiny) mode
 SHAPE_STEPS = 50  # --shapes
@@ -103,6 +138,29 @@ class E2EShape:
     regime: str = "stable"
     fused_loss: bool = False  # the ring run adds --relaymoe-fused-loss (alltoall runs never)
     extra: tuple[str, ...] = ()  # flags of every run of the shape (e.g. pipeline parallelism)
+    transformer_impl: str | None = None  # None: TE where it imports (e2e.resolve_impl)
+    anchor: bool = False  # TE with ANCHOR_FLAGS (and the kept candidates): mcore_alltoall_te
+    fp8: tuple[str, str] | None = None  # (format, recipe) of every run
+    row_shape: str | None = None  # the rows' "shape" (default: the name)
+
+    @property
+    def shape_label(self) -> str:
+        return self.row_shape or self.name
+
+    def run_flags(self, dispatcher: str) -> tuple[str, ...]:
+        """Flags of this shape's ``dispatcher`` runs beyond the config's: ``extra``, the anchor's
+        options (kept candidates by their scope) and the fp8 recipe."""
+        out = list(self.extra)
+        if self.anchor:
+            out += ANCHOR_FLAGS
+            for name in ANCHOR_KEPT:
+                flags, scope = ANCHOR_CANDIDATES[name]
+                if scope == "both" or dispatcher == "alltoall":
+                    out += flags
+        if self.fp8 is not None:
+            fmt, recipe = self.fp8
+            out += ["--fp8-format", fmt, "--fp8-recipe", recipe]
+        return tuple(out)
 
 
 _PP2 = ("--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "1")
@@ -132,8 +190,20 @@ SHAPES = {
             micro_batch_size=1,
             fused_loss=True,
         ),
+        # issue #31: the TE stack, ring against megatron-core at its best (mcore_alltoall_te)
+        E2EShape("qwen3_slice_s4k_te", "qwen3_slice", seq_length=4096, micro_batch_size=1,
+                 transformer_impl=TE_IMPL, anchor=True),
+        E2EShape("qwen3_slice_v152k_s4k_fused_loss_te", "qwen3_slice_v152k", seq_length=4096,
+                 micro_batch_size=1, fused_loss=True, transformer_impl=TE_IMPL, anchor=True),
+        *(
+            E2EShape(f"qwen3_slice_s4k_te_fp8_{fmt}_{recipe}", "qwen3_slice", seq_length=4096,
+                     micro_batch_size=1, transformer_impl=TE_IMPL, anchor=True,
+                     fp8=(fmt, recipe), row_shape="qwen3_slice_s4k_te_fp8")
+            for fmt in FP8_FORMATS
+            for recipe in FP8_RECIPES
+        ),
     )
-}
+}  # fmt: skip
 
 
 def config_shape(config: str, steps: int) -> E2EShape:
@@ -158,8 +228,10 @@ def plan_runs(
     seed: int,
     noise_run: bool,
     regime: str | None = None,
+    check_te: bool = True,
 ) -> list[PlannedRun]:
-    """The runs of one shape in order (ring, alltoall[, alltoall_repeat]) with their flags."""
+    """The runs of one shape in order (ring, alltoall[, alltoall_repeat]) with their flags
+    (``check_te=False``: TE shapes planned without TE here, for a dry run)."""
     regime = regime or shape.regime
 
     def flags(dispatcher: str) -> tuple[str, ...]:
@@ -171,11 +243,13 @@ def plan_runs(
                 steps=steps,
                 dispatcher=dispatcher,
                 seed=seed,
-                extra=[*shape.extra, *(["--relaymoe-fused-loss"] if fused else [])],
+                extra=[*shape.run_flags(dispatcher), *(["--relaymoe-fused-loss"] if fused else [])],
                 seq_length=shape.seq_length,
                 micro_batch_size=shape.micro_batch_size,
                 recompute_modules=shape.recompute_modules or None,
                 regime=regime,
+                transformer_impl=shape.transformer_impl,
+                check_te=check_te,
             )
         )
 
@@ -200,7 +274,7 @@ def shape_rows(
     mbs = int(_flag(plans[0].flags, "--micro-batch-size"))
     common = {
         "bench": "e2e",
-        "shape": shape.name,
+        "shape": shape.shape_label,
         "config": shape.config,
         "ep": int(_flag(plans[0].flags, "--expert-model-parallel-size")),
         "pp": int(_flag(plans[0].flags, "--pipeline-model-parallel-size")),
@@ -223,14 +297,22 @@ def shape_rows(
         "partial_steps": par["partial_steps"],
         "partial_max_abs_loss_diff": par["partial_max_abs_loss_diff"],
         "partial_noise_max_abs_loss_diff": par["partial_noise_max_abs_loss_diff"],
+        "te_version": te_version(),
+        "fp8_format": shape.fp8[0] if shape.fp8 else None,
+        "fp8_recipe": shape.fp8[1] if shape.fp8 else None,
+        "anchor_flags": list(ANCHOR_FLAGS) if shape.anchor else None,
+        "anchor_kept": list(ANCHOR_KEPT) if shape.anchor else None,
     }
     rows = []
+    flags_of = {p.label: p.flags for p in plans}
     for label in ("ring", "alltoall"):
         r = results[label]
         row = {
             **common,
-            "provider": PROVIDER[r.dispatcher],
+            "provider": _provider(r.dispatcher, shape),
             "fused_loss": shape.fused_loss and label == "ring",
+            "transformer_impl": run_impl(flags_of[label]),
+            "flags": list(flags_of[label]),
             **_run_fields(r, steps),
         }
         if label == "alltoall" and "alltoall_repeat" in results:
@@ -238,6 +320,13 @@ def shape_rows(
             row.update({f"repeat_{k}": v for k, v in rep.items() if k != "dispatcher"})
         rows.append(row)
     return rows
+
+
+def _provider(dispatcher: str, shape: E2EShape) -> str:
+    """``mcore_alltoall_te`` for the alltoall runs of an anchor shape, else by dispatcher."""
+    if dispatcher == "alltoall" and shape.anchor:
+        return ANCHOR_PROVIDER
+    return PROVIDER[dispatcher]
 
 
 def _run_fields(r: RunResult, steps: int) -> dict:
@@ -346,6 +435,91 @@ def run_shapes(
     return rows, all_ok
 
 
+def sweep_plans(
+    shape: E2EShape,
+    *,
+    gpus: int,
+    steps: int,
+    seed: int,
+    regime: str | None = None,
+    check_te: bool = True,
+) -> list[tuple[str, tuple[str, ...]]]:
+    """The anchor sweep of one anchor shape: ``(label, flags)`` of its alltoall run as it is
+    (``base``), then with each of ``ANCHOR_CANDIDATES`` added alone, then ``base`` again (the
+    drift of the machine over the sweep)."""
+    if not shape.anchor:
+        raise ValueError(f"--anchor-sweep needs an anchor shape (with '_te'), got {shape.name!r}")
+    base = plan_runs(shape, gpus=gpus, steps=steps, seed=seed, noise_run=False, regime=regime,
+                     check_te=check_te)  # fmt: skip
+    flags = next(p.flags for p in base if p.label == "alltoall")
+    out = [("base", flags)]
+    for name, (extra, _scope) in ANCHOR_CANDIDATES.items():
+        out.append((name, tuple(merge_flags(list(flags), list(extra)))))
+    out.append(("base_repeat", flags))
+    return out
+
+
+def run_anchor_sweep(
+    shape: E2EShape,
+    *,
+    gpus: int,
+    steps: int,
+    seed: int,
+    writer: JsonlWriter,
+    regime: str | None = None,
+    budget_s: float | None = None,
+    run_timeout_s: float = 600,
+    runner=run_pretrain,
+    clock=time.monotonic,
+) -> list[dict]:
+    """Time megatron-core's alltoall with each candidate option alone (``sweep_plans``); one row
+    ``bench: e2e_anchor_sweep`` per run, with ``speedup_vs_base`` (tokens/s over the first base
+    run's). A candidate that fails or is not faster than both base runs is not kept."""
+    t0 = clock()
+    rows: list[dict] = []
+    base_tps = None
+    for label, flags in sweep_plans(shape, gpus=gpus, steps=steps, seed=seed, regime=regime):
+        left = None if budget_s is None else budget_s - (clock() - t0)
+        if left is not None and left < MIN_RUN_S:
+            r = RunResult("alltoall", -1, label=label, note=f"not started: {left:.0f} s left")
+        else:
+            timeout = run_timeout_s if left is None else min(run_timeout_s, left)
+            r = runner(list(flags), gpus=gpus, label=label, timeout_s=timeout)
+        why = r.failure(steps)
+        if why is not None:
+            report_failure(r, why)
+        fields = _run_fields(r, steps)
+        if label == "base":
+            base_tps = fields["tokens_per_s"]
+        extra, scope = ANCHOR_CANDIDATES.get(label, ((), None))
+        tps = fields["tokens_per_s"]
+        row = {
+            "bench": "e2e_anchor_sweep",
+            "shape": shape.shape_label,
+            "provider": ANCHOR_PROVIDER,
+            "candidate": label,
+            "candidate_flags": list(extra),
+            "candidate_scope": scope,
+            "transformer_impl": run_impl(flags),
+            "te_version": te_version(),
+            "gpus": gpus,
+            "steps_requested": steps,
+            "seed": seed,
+            "flags": list(flags),
+            "speedup_vs_base": tps / base_tps if tps and base_tps else None,
+            **fields,
+        }
+        print(
+            f"[anchor sweep] {label}: "
+            + (f"{tps:.0f} tokens/s" if tps else f"FAILED ({why})")
+            + (f", x{row['speedup_vs_base']:.3f} of base" if row["speedup_vs_base"] else ""),
+            flush=True,
+        )
+        writer.write(row)
+        rows.append(row)
+    return rows
+
+
 def _num(x) -> str:
     return "-" if x is None else f"{x:.4g}"
 
@@ -366,6 +540,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--quick", action="store_true", help="accepted for the suite; same steps")
     p.add_argument("--noise-run", action="store_true", help="a second alltoall run per shape")
+    p.add_argument(
+        "--anchor-sweep",
+        action="store_true",
+        help="with anchor shapes (*_te): time megatron-core's alltoall with each of "
+        "ANCHOR_CANDIDATES added alone (rows bench=e2e_anchor_sweep) instead of ring vs alltoall",
+    )
     p.add_argument(
         "--regime", default=None, choices=sorted(REGIMES), help="default: the shape's own"
     )
@@ -398,14 +578,26 @@ def main(argv: list[str] | None = None) -> int:
         gpus = min(2, torch.cuda.device_count())
     else:
         gpus = 2  # --dry-run here: the commands of 2 GPUs
+    check_te = not a.dry_run
     try:  # bad combinations (e.g. fewer steps than the warm-up) before any GPU time is spent
         planned = [
             plan_runs(s, gpus=gpus, steps=steps, seed=a.seed, noise_run=a.noise_run,
-                      regime=a.regime)
+                      regime=a.regime, check_te=check_te)
             for s in shapes
         ]  # fmt: skip
+        sweeps = [
+            sweep_plans(s, gpus=gpus, steps=steps, seed=a.seed, regime=a.regime,
+                        check_te=check_te)
+            for s in shapes
+        ] if a.anchor_sweep else []  # fmt: skip
     except ValueError as e:
         p.error(str(e))
+    if a.dry_run and a.anchor_sweep:
+        for shape, sweep in zip(shapes, sweeps, strict=True):
+            for label, flags in sweep:
+                print(f"# {shape.name} anchor sweep: {label}")
+                print(" ".join(shlex.quote(f) for f in flags))
+        return 0
     if a.dry_run:
         for runs in planned:
             for r in runs:
@@ -417,6 +609,15 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_e2e: needs CUDA GPUs (1 or 2); nothing measured")
         return 3
     t0 = time.perf_counter()
+    if a.anchor_sweep:
+        writer, ok = JsonlWriter(a.out), True
+        for shape in shapes:
+            rows = run_anchor_sweep(shape, gpus=gpus, steps=steps, seed=a.seed, writer=writer,
+                                    regime=a.regime, budget_s=a.budget_s,
+                                    run_timeout_s=a.run_timeout_s)  # fmt: skip
+            ok = ok and all(r["failure"] is None for r in rows if r["candidate"] == "base")
+        print(f"rows appended to {a.out}; {time.perf_counter() - t0:.0f} s in all")
+        return 0 if ok else 1
     _, all_ok = run_shapes(
         shapes,
         gpus=gpus,

@@ -12,8 +12,10 @@ tokens/s over the steps after warm-up, and peak memory (``torch.cuda.max_memory_
 within each step on the reporting rank; the steady peak is the largest after warm-up). Used by
 ``examples/tiny_qwen3/train.sh``, ``benchmarks/bench_e2e.py`` and ``tests/gpu/test_e2e_gpu.py``.
 
-EP = number of GPUs (one data-parallel rank per GPU, experts split over all of them). Without
-TransformerEngine the local (non-TE) layer spec is used (``SequentialMLP`` experts).
+EP = number of GPUs (one data-parallel rank per GPU, experts split over all of them). The layer
+implementation is Megatron's default, TransformerEngine, where TE imports (TE attention and fused
+layers, TEGroupedMLP experts with ``--moe-grouped-gemm``), else the local spec (``SequentialMLP``
+experts); ``transformer_impl`` asks for either.
 
 Training regimes (``REGIMES``: optimizer and schedule flags, recorded in benchmark rows).
 ``launcher`` (the default: lr 3e-4 -> 3e-5 cosine, warm-up max(1, steps // 20) iterations,
@@ -55,6 +57,9 @@ __all__ = [
     "main",
     "merge_flags",
     "pretrain_args",
+    "resolve_impl",
+    "run_impl",
+    "te_version",
     "run_dispatcher",
     "run_pretrain",
 ]
@@ -71,6 +76,7 @@ class RunResult:
     label: str = ""  # which run of several (``alltoall_repeat``); "" -> the dispatcher
     timed_out: bool = False
     note: str = ""  # why it did not run, when it did not
+    workdir: str = ""  # the job's folder: steps.jsonl, stdout.log, stderr.log (whole logs)
 
     @property
     def name(self) -> str:
@@ -121,6 +127,47 @@ def _have_te() -> bool:
         return True
     except Exception:
         return False
+
+
+TE_IMPL, LOCAL_IMPL = "transformer_engine", "local"
+IMPLS = (TE_IMPL, LOCAL_IMPL)
+
+
+def te_version() -> str | None:
+    """TransformerEngine's version where it imports here, else None (rows' ``te_version``)."""
+    if not _have_te():
+        return None
+    import transformer_engine
+
+    return str(getattr(transformer_engine, "__version__", "unknown"))
+
+
+def resolve_impl(transformer_impl: str | None, *, check: bool = True) -> str:
+    """``--transformer-impl`` of a run: None -> Megatron's default (TransformerEngine) where TE
+    imports, else ``local``; ``transformer_engine`` without TE is a ``ValueError`` unless
+    ``check`` is False (a dry run printing commands for another machine)."""
+    if transformer_impl is None:
+        return TE_IMPL if _have_te() else LOCAL_IMPL
+    if transformer_impl not in IMPLS:
+        raise ValueError(f"transformer_impl={transformer_impl!r}; one of {IMPLS} or None")
+    if check and transformer_impl == TE_IMPL and not _have_te():
+        raise ValueError(
+            "transformer_impl='transformer_engine' but TransformerEngine does not import here; "
+            "fix: install it (pip install -e '.[te]') or ask for 'local'"
+        )
+    return transformer_impl
+
+
+def run_impl(flags) -> str:
+    """The ``--transformer-impl`` a flag list runs (Megatron's default when absent)."""
+    return _flag_value(flags, "--transformer-impl") or TE_IMPL
+
+
+# Without TE (or asked for): RoPE fusion is a TE kernel, the persistent LayerNorm (Megatron's
+# default) is apex's, and the fused masked softmax of the local attention is a CUDA extension that
+# the megatron-core wheel does not ship.
+LOCAL_FLAGS = ("--transformer-impl", "local", "--no-rope-fusion", "--no-persist-layer-norm",
+               "--no-masked-softmax-fusion")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -240,13 +287,18 @@ def pretrain_args(
     micro_batch_size: int | None = None,
     recompute_modules: tuple[str, ...] | None = None,
     regime: str | Regime = "launcher",
+    transformer_impl: str | None = None,
+    check_te: bool = True,
 ) -> list[str]:
     """Megatron flags for a mock-data run of ``config`` with EP = ``gpus``.
 
     ``seq_length`` / ``micro_batch_size`` replace the config's; ``recompute_modules`` asks for
     selective recompute of those modules; the global batch is always micro-batch x ``gpus``
     (one micro-batch per data-parallel rank per step). ``regime`` names the optimizer and
-    schedule (``REGIMES``). ``extra`` flags replace the same flags' values (``merge_flags``).
+    schedule (``REGIMES``). ``transformer_impl`` (``resolve_impl``): TransformerEngine (Megatron's
+    default: TE layers, TEGroupedMLP experts with the config's --moe-grouped-gemm) or ``local``
+    (``LOCAL_FLAGS``); None takes TE where it imports; ``check_te=False`` plans TE runs where it
+    does not (dry runs). ``extra`` flags replace the same flags' values (``merge_flags``).
     """
     from relaymoe.config import load_config, to_megatron_args
 
@@ -298,15 +350,15 @@ def pretrain_args(
         "--seed", str(seed),
         "--log-interval", "1",
         "--split", "100,0,0",
+        # every run: Megatron's own output layer (ColumnParallelLinear, TE or not) fuses the
+        # gradient accumulation only through apex's extension, which these machines lack
         "--no-gradient-accumulation-fusion",
         "--distributed-backend", "nccl",
     ]  # fmt: skip
-    if not _have_te():
-        # Without TE: RoPE fusion is a TE kernel, the persistent LayerNorm (Megatron's default)
-        # is apex's, and the fused masked softmax of the local attention is a CUDA extension
-        # that the megatron-core wheel does not ship.
-        out += ["--transformer-impl", "local", "--no-rope-fusion", "--no-persist-layer-norm",
-                "--no-masked-softmax-fusion"]  # fmt: skip
+    if resolve_impl(transformer_impl, check=check_te) == LOCAL_IMPL:
+        out += LOCAL_FLAGS
+    else:
+        out += ["--transformer-impl", TE_IMPL]
     return merge_flags(out, extra)
 
 
@@ -327,9 +379,10 @@ def run_dispatcher(
     extra: list[str] = (),
     timeout_s: float = 600,
     workdir: str | None = None,
+    transformer_impl: str | None = None,
 ) -> RunResult:
     flags = pretrain_args(config, gpus=gpus, steps=steps, dispatcher=dispatcher, seed=seed,
-                          extra=extra)  # fmt: skip
+                          extra=extra, transformer_impl=transformer_impl)  # fmt: skip
     return run_pretrain(flags, gpus=gpus, timeout_s=timeout_s, workdir=workdir)
 
 
@@ -433,6 +486,9 @@ def run_pretrain(
     except BaseException:  # e.g. Ctrl-C: do not leave the workers on the GPUs
         _stop_group(proc)
         raise
+    for name, text in (("stdout.log", out), ("stderr.log", err)):
+        with open(os.path.join(workdir, name), "w") as f:
+            f.write(_text(text))
     res = RunResult(
         dispatcher=dispatcher,
         returncode=proc.returncode,
@@ -441,6 +497,7 @@ def run_pretrain(
         log_tail=(_text(out)[-4000:] + "\n" + _text(err)[-6000:]),
         label=label,
         timed_out=timed_out,
+        workdir=workdir,
     )
     if os.path.exists(report):
         with open(report) as f:

@@ -117,8 +117,14 @@ def git_state(root: Path = ROOT) -> tuple[str, bool | str]:
     return head, not dirty
 
 
+# Optional distributions a manifest names when present, None when absent (the GPU suite runs with
+# TransformerEngine where it is installed and without it elsewhere: which one is in the rows).
+OPTIONAL_VERSION_KEYS = ("transformer-engine",)
+
+
 def versions() -> dict:
-    """Installed versions of ``VERSION_KEYS`` from package metadata (imports nothing)."""
+    """Installed versions of ``VERSION_KEYS`` (``"unknown"`` when missing) and of
+    ``OPTIONAL_VERSION_KEYS`` (None when absent) from package metadata (imports nothing)."""
     import platform
 
     out = {"python": platform.python_version()}
@@ -127,7 +133,18 @@ def versions() -> dict:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             out[dist] = UNKNOWN
+    for dist in OPTIONAL_VERSION_KEYS:
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
     return out
+
+
+def transformer_impl(vers: dict) -> str:
+    """The ``--transformer-impl`` a run's Megatron jobs take by default (``benchmarks.e2e``):
+    TransformerEngine where it is installed, else the local layers."""
+    return "transformer_engine" if vers.get("transformer-engine") else "local"
 
 
 def new_manifest(
@@ -137,6 +154,7 @@ def new_manifest(
     now = (now or _dt.datetime.now(_dt.UTC)).astimezone(_dt.UTC)
     commit, clean = git_state(root)
     date = now.date().isoformat()
+    vers = versions()
     return {
         "name": run_name(date, gpu, gpus, commit) if commit != UNKNOWN else UNKNOWN,
         "date": date,
@@ -147,7 +165,11 @@ def new_manifest(
         "tree_clean": clean,
         "gpu": gpu,
         "gpus": gpus,
-        "versions": versions(),
+        "versions": vers,
+        # optional keys (older manifests lack them): the default layer implementation of the
+        # run's Megatron jobs, and TE's version (None: not installed)
+        "transformer_impl": transformer_impl(vers),
+        "te_version": vers.get("transformer-engine"),
         "steps": [],
     }
 

@@ -111,8 +111,11 @@ class Step:
 
 _NO_TUNE = (("RELAYMOE_AUTOTUNE", "0"),)  # values and bytes, not time: one config per kernel
 _E2E_SLOW = (  # --quick leaves these to the e2e step (the same run, measured) and to --full
+    # (node-id prefixes: every parametrization, TE and local, of each)
     "tests/gpu/test_e2e_gpu.py::test_tiny_qwen3_ring_vs_alltoall_200_steps",
-    "tests/gpu/test_e2e_gpu.py::test_checkpoint_alltoall_resumes_with_ring",
+    "tests/gpu/test_e2e_gpu.py::test_checkpoint_round_trip_alltoall_ring_alltoall",
+    "tests/gpu/test_e2e_gpu.py::test_checkpoint_of_the_local_impl_is_refused_by_name_under_te",
+    "tests/gpu/test_e2e_gpu.py::test_fp8_recipe_trains_with_the_ring_where_alltoall_does",
     "tests/gpu/test_e2e_gpu.py::test_fused_loss_50_steps_matches_megatron",
 )
 # Liger autotunes 32 configurations per GEMM kernel and 16 per weight-gradient kernel: on a cold

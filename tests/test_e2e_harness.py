@@ -96,9 +96,9 @@ def test_pipeline_shapes_run_1f1b_at_ep1(shape):
 def test_shape_flags_per_provider(shape):
     seq = {"qwen3_slice_s4k": 4096, "qwen3_slice_s16k": 16384}.get(shape, 4096)
     vocab = "151936" if "v152k" in shape else "32768"
-    plans = bench_e2e.plan_runs(
-        bench_e2e.SHAPES[shape], gpus=GPUS, steps=50, seed=1234, noise_run=True
-    )
+    spec = bench_e2e.SHAPES[shape]
+    plans = bench_e2e.plan_runs(spec, gpus=GPUS, steps=50, seed=1234, noise_run=True,
+                                check_te=False)  # fmt: skip
     assert [(p.label, p.dispatcher) for p in plans] == [
         ("ring", "ring"),
         ("alltoall", "alltoall"),
@@ -122,8 +122,19 @@ def test_shape_flags_per_provider(shape):
         assert float(_v(g, "--lr")) == 1e-4 and float(_v(g, "--min-lr")) == 1e-5
         assert _v(g, "--lr-warmup-iters") == "10" and float(_v(g, "--clip-grad")) == 1.0
         assert _v(g, "--lr-decay-style") == "cosine" and float(_v(g, "--adam-beta2")) == 0.95
-        fused = shape.endswith("_fused_loss") and label == "ring"
+        fused = "_fused_loss" in shape and label == "ring"
         assert ("--relaymoe-fused-loss" in g) == fused, label
+        if spec.anchor:  # megatron-core at its best, and the ring with the same flags
+            assert _v(g, "--transformer-impl") == "transformer_engine"
+            for flag in bench_e2e.ANCHOR_FLAGS:
+                assert g[flag] == [], (label, flag)
+            assert "--cuda-graph-impl" not in g  # no candidate kept before a measured sweep
+        else:
+            assert "--moe-permute-fusion" not in g and "--cross-entropy-loss-fusion" not in g
+        if spec.fp8:
+            assert (_v(g, "--fp8-format"), _v(g, "--fp8-recipe")) == spec.fp8
+        else:
+            assert "--fp8-format" not in g and "--fp8-recipe" not in g
         if shape == "qwen3_slice_s16k":
             assert _v(g, "--recompute-granularity") == "selective"
             assert g["--recompute-modules"] == ["core_attn"]
@@ -144,7 +155,7 @@ def test_shape_flags_per_provider(shape):
         if ring.get(k) != groups["alltoall"].get(k)
     }
     expected = {"--moe-token-dispatcher-type"}
-    if shape.endswith("_fused_loss"):
+    if "_fused_loss" in shape:
         expected.add("--relaymoe-fused-loss")
     assert diff == expected, diff
 
@@ -506,3 +517,104 @@ def test_megatron_validates_the_pipeline_shape_flags():
         assert a["expert_model_parallel_size"] == 1
         assert a["global_batch_size"] == 2 * a["micro_batch_size"]
         assert a["moe_token_dispatcher_type"] == plan.dispatcher
+
+
+# ------------------------------------------------------------------ issue #31: the TE stack
+def test_transformer_impl_of_a_run(monkeypatch):
+    """None: Megatron's default (TE) where TE imports, else local with the flags local layers
+    need; TE asked for without TE is a clear error unless the plan is a dry run's."""
+    import benchmarks.e2e as e2e
+
+    kw = dict(gpus=1, steps=20, dispatcher="ring", seed=1)
+    for have_te, impl in ((False, "local"), (True, "transformer_engine")):
+        monkeypatch.setattr(e2e, "_have_te", lambda have_te=have_te: have_te)
+        g = _groups(pretrain_args("tiny_qwen3", **kw))
+        assert _v(g, "--transformer-impl") == impl and e2e.run_impl(list(g)) in e2e.IMPLS
+        assert ("--no-rope-fusion" in g) == (impl == "local")
+        assert "--no-gradient-accumulation-fusion" in g  # Megatron's output layer needs apex
+        g = _groups(pretrain_args("tiny_qwen3", **kw, transformer_impl="local"))
+        assert _v(g, "--transformer-impl") == "local" and "--no-masked-softmax-fusion" in g
+    monkeypatch.setattr(e2e, "_have_te", lambda: False)
+    with pytest.raises(ValueError, match="TransformerEngine does not import here"):
+        pretrain_args("tiny_qwen3", **kw, transformer_impl="transformer_engine")
+    g = _groups(pretrain_args("tiny_qwen3", **kw, transformer_impl="transformer_engine",
+                              check_te=False))  # fmt: skip
+    assert _v(g, "--transformer-impl") == "transformer_engine" and "--no-rope-fusion" not in g
+    with pytest.raises(ValueError, match="one of"):
+        e2e.resolve_impl("te")
+    assert e2e.run_impl(["--bf16"]) == "transformer_engine"  # Megatron's default
+
+
+@pytest.mark.parametrize("shape", ["qwen3_slice_s4k_te", "qwen3_slice_s4k_te_fp8_e4m3_delayed"])
+def test_te_shape_rows_name_the_anchor_and_the_stack(shape, monkeypatch):
+    monkeypatch.setattr(bench_e2e, "te_version", lambda: "2.20.2")
+    spec = bench_e2e.SHAPES[shape]
+    plans = bench_e2e.plan_runs(spec, gpus=1, steps=50, seed=1234, noise_run=False,
+                                check_te=False)  # fmt: skip
+    results = {"ring": _run("ring", BASE), "alltoall": _run("alltoall", BASE)}
+    ring, a2a = bench_e2e.shape_rows(plans, results, gpus=1, steps=50, seed=1234)
+    assert (ring["provider"], a2a["provider"]) == ("relaymoe_ring", "mcore_alltoall_te")
+    for row, plan in ((ring, plans[0]), (a2a, plans[1])):
+        assert row["transformer_impl"] == "transformer_engine" and row["te_version"] == "2.20.2"
+        assert row["flags"] == list(plan.flags) and "--moe-router-fusion" in row["flags"]
+        assert row["anchor_flags"] == list(bench_e2e.ANCHOR_FLAGS) and row["anchor_kept"] == []
+    if spec.fp8:
+        assert ring["shape"] == "qwen3_slice_s4k_te_fp8"  # one shape, the recipe in its fields
+        assert (ring["fp8_format"], ring["fp8_recipe"]) == ("e4m3", "delayed")
+    else:
+        assert ring["shape"] == shape and ring["fp8_recipe"] is None
+    old = bench_e2e.plan_runs(bench_e2e.SHAPES["qwen3_slice_s4k"], gpus=1, steps=50, seed=1,
+                              noise_run=False, check_te=False)  # fmt: skip
+    old_rows = bench_e2e.shape_rows(old, results, gpus=1, steps=50, seed=1)
+    assert old_rows[1]["provider"] == "mcore_alltoall" and old_rows[1]["anchor_flags"] is None
+
+
+def test_kept_anchor_candidates_reach_the_runs_by_scope(monkeypatch):
+    """A candidate kept from a measured sweep joins the alltoall runs, and the ring's too when it
+    concerns layers both run (scope "both")."""
+    monkeypatch.setattr(bench_e2e, "ANCHOR_KEPT", ("cuda_graph_moe_router", "cross_entropy_te"))
+    spec = bench_e2e.SHAPES["qwen3_slice_s4k_te"]
+    ring, a2a = (_groups(spec.run_flags(d)) for d in ("ring", "alltoall"))
+    assert a2a["--cuda-graph-modules"] == ["moe_router", "moe_preprocess"]
+    assert "--cuda-graph-impl" not in ring  # the ring refuses CUDA graphs over the MoE
+    assert ring["--cross-entropy-fusion-impl"] == a2a["--cross-entropy-fusion-impl"] == ["te"]
+
+
+def test_anchor_sweep_times_each_candidate_alone(capsys, monkeypatch):
+    import benchmarks.e2e as e2e
+
+    monkeypatch.setattr(e2e, "_have_te", lambda: True)  # the runs are faked; TE is "here"
+    monkeypatch.setattr(bench_e2e, "te_version", lambda: "2.20.2")
+    spec = bench_e2e.SHAPES["qwen3_slice_s4k_te"]
+    plans = bench_e2e.sweep_plans(spec, gpus=1, steps=25, seed=1, check_te=False)
+    labels = [label for label, _ in plans]
+    assert labels == ["base", *bench_e2e.ANCHOR_CANDIDATES, "base_repeat"]
+    base = _groups(plans[0][1])
+    assert _v(base, "--moe-token-dispatcher-type") == "alltoall" and plans[-1][1] == plans[0][1]
+    for label, flags in plans[1:-1]:
+        g = _groups(flags)  # the candidate's flags on top of the base run's, nothing else
+        extra = _groups(bench_e2e.ANCHOR_CANDIDATES[label][0])
+        assert {k: v for k, v in g.items() if k not in extra} == base, label
+        assert all(g[k] == v for k, v in extra.items())
+    tps = {"base": 100.0, "cuda_graph_moe_router": 110.0, "base_repeat": 101.0}
+
+    def runner(flags, *, gpus, label, timeout_s):
+        if label not in tps:
+            return RunResult("alltoall", 1, label=label, command="x", log_tail="no graph")
+        steps = [{"loss": 5.0, "tokens_per_s": tps[label], "peak_MiB": 1.0}] * 25
+        return RunResult("alltoall", 0, steps=steps, label=label, command="x")
+
+    with pytest.raises(ValueError, match="needs an anchor shape"):
+        bench_e2e.sweep_plans(bench_e2e.SHAPES["qwen3_slice_s4k"], gpus=1, steps=25, seed=1)
+    w = _Writer()
+    rows = bench_e2e.run_anchor_sweep(spec, gpus=1, steps=25, seed=1, writer=w, runner=runner)
+    assert [r["candidate"] for r in rows] == labels and w.rows == rows
+    by = {r["candidate"]: r for r in rows}
+    assert by["cuda_graph_moe_router"]["speedup_vs_base"] == pytest.approx(1.1)
+    assert by["base_repeat"]["speedup_vs_base"] == pytest.approx(1.01)
+    assert by["te_activation"]["failure"] == "exit status 1"
+    assert by["te_activation"]["speedup_vs_base"] is None
+    assert by["te_activation"]["candidate_flags"] == ["--use-te-activation-func"]
+    assert all(r["bench"] == "e2e_anchor_sweep" and r["provider"] == "mcore_alltoall_te"
+               for r in rows)  # fmt: skip
+    assert "no graph" in capsys.readouterr().err

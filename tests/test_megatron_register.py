@@ -186,7 +186,7 @@ REFUSALS = [
     (dict(moe_enable_deepep=True), "remove --moe-enable-deepep"),
     (dict(moe_flex_dispatcher_num_sms=20), "remove --moe-flex-dispatcher-num-sms"),
     (dict(moe_hybridep_num_sms=20), "remove --moe-hybridep-num-sms"),
-    (dict(fp8="e4m3"), "fp8='e4m3'"),
+    (dict(fp8="e4m3", fp8_param=True), "--fp8-param-gather"),
     (dict(fp4="e2m1"), "fp4='e2m1'"),
     (dict(cuda_graph_impl="transformer_engine"), "CUDA graphs over the MoE"),
     (dict(cuda_graph_impl="local", cuda_graph_modules=["moe_router"]), "CUDA graphs over the MoE"),
@@ -210,6 +210,43 @@ def test_refused_at_config_time(mcore, kw, message):
     assert "--moe-token-dispatcher-type ring cannot run" in text
     assert message in text, text
     assert "fix" in text
+
+
+@pytest.mark.parametrize("fmt", ["hybrid", "e4m3"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "blockwise", "mxfp8"])
+def test_fp8_recipes_accepted_with_a_notice(mcore, fmt, recipe):
+    """fp8 recipes run: TE computes attention and dense layers in fp8, the ring's experts stay
+    bf16 and say so in one line; only fp8 primary weights are refused (the ring reads bf16)."""
+    from relaymoe.megatron.validate import fp8_expert_notice, ring_config_problems
+
+    cfg = copy.copy(_config())
+    cfg.fp8, cfg.fp8_recipe = fmt, recipe
+    assert ring_config_problems(cfg) == []
+    notice = fp8_expert_notice(cfg)
+    assert fmt in notice and recipe in notice and "experts compute in bf16" in notice
+    cfg.fp8_param = True
+    (problem,) = ring_config_problems(cfg)
+    assert "--fp8-param-gather" in problem and "fix: remove" in problem
+    args = types.SimpleNamespace(moe_token_dispatcher_type="ring", fp8=fmt, fp8_recipe=recipe,
+                                 fp8_param_gather=True, swiglu=True)  # fmt: skip
+    assert any("--fp8-param-gather" in p for p in ring_config_problems(args, args_style=True))
+    cfg.fp8 = None
+    assert fp8_expert_notice(cfg) is None
+    cfg.fp8, cfg.moe_token_dispatcher_type = fmt, "alltoall"
+    assert fp8_expert_notice(cfg) is None  # not the ring's to announce
+
+
+def test_fp8_notice_printed_on_rank_0_only(mcore, capsys):
+    """Megatron's argument validation (patched) prints the fp8 notice once, on rank 0."""
+    from relaymoe.megatron.patches import announce_fp8_experts
+
+    ns = types.SimpleNamespace(moe_token_dispatcher_type="ring", fp8="hybrid",
+                               fp8_recipe="tensorwise", rank=0)  # fmt: skip
+    assert announce_fp8_experts(ns).startswith("[relaymoe] fp8 format hybrid, recipe tensorwise")
+    assert capsys.readouterr().out.count("routed experts compute in bf16") == 1
+    ns.rank = 3
+    announce_fp8_experts(ns)
+    assert capsys.readouterr().out == ""
 
 
 def test_same_options_accepted_by_other_dispatchers(mcore):
@@ -422,3 +459,54 @@ def test_pretrain_refuses_the_ep_overlap_schedule_plan_with_the_fix(mcore):
 
     with pytest.raises(NotImplementedError, match="remove that flag"):
         forward_step(iter(()), torch.nn.Module(), return_schedule_plan=True)
+
+
+# ------------------------------------------------------------------ checkpoint layer specs
+def test_impl_mismatch_named_for_moe_checkpoints():
+    from relaymoe.megatron.checkpoint_compat import impl_mismatch
+
+    ns = types.SimpleNamespace
+    te, local = (
+        ns(num_experts=8, transformer_impl="transformer_engine"),
+        ns(num_experts=8, transformer_impl="local"),
+    )
+    why = impl_mismatch(local, te)
+    assert "saved with --transformer-impl local" in why and "builds --transformer-impl tr" in why
+    assert "pre_mlp_layernorm.weight" in why and "fix: resume with --transformer-impl local" in why
+    assert "fix: resume with --transformer-impl transformer_engine" in impl_mismatch(te, local)
+    assert impl_mismatch(te, te) is None and impl_mismatch(local, local) is None
+    dense = ns(num_experts=None, transformer_impl="local")  # dense models map every key
+    assert impl_mismatch(dense, ns(num_experts=None, transformer_impl="transformer_engine")) is None
+    assert impl_mismatch(ns(num_experts=8), te) is None  # Megatron's default impl is TE
+    assert impl_mismatch(None, te) is None
+
+
+def test_checkpoint_load_refuses_other_impl_before_any_tensor(mcore, monkeypatch):
+    """The patched ``_load_base_checkpoint`` reads the common state (``rank0=True``) and raises a
+    ValueError naming both implementations; other calls pass through unchanged."""
+    from megatron.training import checkpointing
+
+    from relaymoe.megatron import patches
+
+    saved = types.SimpleNamespace(num_experts=4, transformer_impl="local")
+    calls = []
+
+    def fake_load(load_dir, args, rank0=False, sharded_state_dict=None, **kw):
+        calls.append(rank0)
+        return {"args": saved, "iteration": 10}, "name", False, "global"
+
+    monkeypatch.setattr(checkpointing, "_load_base_checkpoint", fake_load)
+    patches.patch_checkpoint_loading()
+    wrapped = checkpointing._load_base_checkpoint
+    assert wrapped is not fake_load and getattr(wrapped, patches.MARK)
+    args = types.SimpleNamespace(num_experts=4, transformer_impl="transformer_engine")
+    with pytest.raises(ValueError, match=r"cannot load the checkpoint in /ck: .*saved with "):
+        wrapped("/ck", args, rank0=True)
+    with pytest.raises(ValueError, match="--transformer-impl local"):
+        wrapped("/ck", args, True)  # rank0 given positionally
+    assert wrapped("/ck", args, rank0=False)[0]["iteration"] == 10  # the full load: not judged
+    args.transformer_impl = "local"
+    assert wrapped("/ck", args, rank0=True)[0]["iteration"] == 10
+    assert calls == [True, True, False, True]
+    patches.patch_checkpoint_loading()  # idempotent
+    assert checkpointing._load_base_checkpoint is wrapped

@@ -65,7 +65,8 @@ def register() -> None:
     patches.patch_gpt_model()
     try:
         patches.patch_arguments()
-    except ImportError:  # megatron.training absent (core-only install): nothing to parse
+        patches.patch_checkpoint_loading()
+    except ImportError:  # megatron.training absent (core-only install): nothing to parse or load
         pass
     setattr(mcore, _REGISTERED_MARK, True)
 

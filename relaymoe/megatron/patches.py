@@ -1,4 +1,4 @@
-"""The five small, idempotent patches ``register()`` applies to megatron-core 0.19.
+"""The six small, idempotent patches ``register()`` applies to megatron-core 0.19.
 
 1. ``megatron.training.arguments.add_megatron_arguments``: adds ``ring`` to the choices of
    ``--moe-token-dispatcher-type`` (built from ``TransformerConfig``'s ``Literal``) and adds the
@@ -20,6 +20,9 @@
    are given outside inference and the caller passed none, so the output layer + loss run
    through ``relaymoe.linear_cross_entropy`` (``relaymoe/megatron/fused_loss.py``). Without
    the flag both are Megatron's own.
+6. ``megatron.training.checkpointing._load_base_checkpoint``: a checkpoint saved with the other
+   ``--transformer-impl`` of an MoE model is refused by name before any tensor is read
+   (``checkpoint_compat.py``: megatron-core keys the pre-MoE norm differently per layer spec).
 
 Each patched callable carries ``__relaymoe_patched__`` so a second ``register()`` is a no-op.
 """
@@ -184,11 +187,23 @@ def patch_arguments() -> None:
             # Ours first: the user reads the ring's refusal and its fix, not a later assertion.
             check_ring_args(args)
             check_fused_loss_args(args)
+            announce_fp8_experts(args)
             if getattr(args, "relaymoe_recompute_planner", False):
                 apply_recompute_plan(args)
             return original_validate(args, {} if defaults is None else defaults)
 
         arguments.validate_args = _mark(validate_args, original_validate)
+
+
+def announce_fp8_experts(args) -> str | None:
+    """Print, on rank 0, the line saying which layers an fp8 ring run computes in fp8; returns
+    it (None when there is nothing to say)."""
+    from relaymoe.megatron.validate import fp8_expert_notice
+
+    notice = fp8_expert_notice(args)
+    if notice and getattr(args, "rank", 0) == 0:
+        print(notice, flush=True)
+    return notice
 
 
 # ------------------------------------------------------------------ recompute planner
@@ -235,6 +250,33 @@ def apply_recompute_plan(args) -> dict:
         summary = plan.summary() if hasattr(plan, "summary") else applied
         print(f"[relaymoe] recompute planner: {summary}; applying {applied}", flush=True)
     return applied
+
+
+# ------------------------------------------------------------------ checkpoint loading
+def patch_checkpoint_loading() -> None:
+    """``_load_base_checkpoint``: when the common state Megatron reads first (``rank0=True``,
+    every rank) carries the saving run's arguments, refuse a layer-spec mismatch by name
+    (``relaymoe/megatron/checkpoint_compat.py``) before any tensor is loaded."""
+    from megatron.training import checkpointing
+
+    original = checkpointing._load_base_checkpoint
+    if getattr(original, MARK, False):
+        return
+
+    @functools.wraps(original)
+    def _load_base_checkpoint(load_dir, args, *a, **kw):
+        result = original(load_dir, args, *a, **kw)
+        rank0 = kw.get("rank0", a[0] if a else False)
+        state = result[0] if isinstance(result, tuple) and result else None
+        if rank0 and isinstance(state, dict) and state.get("args") is not None:
+            from relaymoe.megatron.checkpoint_compat import impl_mismatch
+
+            why = impl_mismatch(state["args"], args)
+            if why is not None:
+                raise ValueError(f"cannot load the checkpoint in {load_dir}: {why}")
+        return result
+
+    checkpointing._load_base_checkpoint = _mark(_load_base_checkpoint, original)
 
 
 # ------------------------------------------------------------------ TransformerConfig
@@ -357,11 +399,11 @@ def _pg_collection_of(layer):
 
 
 def patched_everything() -> bool:
-    """True when all five patches are in place."""
+    """True when all six patches are in place."""
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.transformer_config import TransformerConfig
-    from megatron.training import arguments
+    from megatron.training import arguments, checkpointing
 
     return all(
         getattr(f, MARK, False)
@@ -373,5 +415,6 @@ def patched_everything() -> bool:
             MoELayer.routed_experts_compute,
             GPTModel.__init__,
             GPTModel._postprocess,
+            checkpointing._load_base_checkpoint,
         )
     )

@@ -10,7 +10,8 @@ For users without a Megatron-LM checkout: the same command-line arguments as Meg
 Megatron-LM's own script): SFT, FIM, packed sequences, multi-token prediction, ModelOpt.
 
 Extra output (rank 0, ``--relaymoe-report PATH``): one JSON line per logged iteration with the
-loss, tokens/s and that step's peak memory, for ``examples/`` and ``benchmarks/bench_e2e.py``.
+loss, Megatron's iteration number, the learning rate, tokens/s and that step's peak memory, for
+``examples/`` and ``benchmarks/bench_e2e.py``.
 With ``--relaymoe-weights-digest`` every rank also writes ``PATH.weights.rank<R>.json`` after the
 last iteration: a SHA-256 of its model parameters (names, dtypes, shapes and bytes), so two runs
 can be compared for bitwise identical weights without saving checkpoints.
@@ -270,8 +271,9 @@ def _install_step_report(args) -> None:
         result = original(*a, **kw)
         torch.cuda.synchronize()
         dt = time.perf_counter() - t0
-        if args.relaymoe_weights_digest and _REPORT["step"] + 1 == args.train_iters:
-            _write_digest(path, a[2] if len(a) > 2 else kw["model"], _REPORT["step"] + 1)
+        iteration = getattr(args, "curr_iteration", _REPORT["step"]) + 1
+        if args.relaymoe_weights_digest and iteration == args.train_iters:
+            _write_digest(path, a[2] if len(a) > 2 else kw["model"], iteration)
         loss_dict = result[0] if isinstance(result, tuple) else {}
         loss = loss_dict.get("lm loss") if isinstance(loss_dict, dict) else None
         if isinstance(loss, torch.Tensor):
@@ -292,6 +294,9 @@ def _install_step_report(args) -> None:
                         json.dumps(
                             {
                                 "step": _REPORT["step"],
+                                # Megatron's iteration (a resumed run continues the saved one)
+                                "iteration": iteration,
+                                "lr": _learning_rate(a[3] if len(a) > 3 else kw.get("optimizer")),
                                 "loss": loss,
                                 "step_s": dt,
                                 "tokens_per_s": world_tokens / dt,
@@ -304,6 +309,15 @@ def _install_step_report(args) -> None:
         return result
 
     training.train_step = train_step
+
+
+def _learning_rate(optimizer) -> float | None:
+    """The first parameter group's learning rate after the step (None when unreadable): a
+    resumed run shows its schedule continuing."""
+    try:
+        return float(optimizer.param_groups[0]["lr"])
+    except (AttributeError, IndexError, KeyError, TypeError):
+        return None
 
 
 def _write_digest(report: str, model, step: int) -> None:

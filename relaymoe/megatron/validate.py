@@ -18,7 +18,10 @@ Why each refusal:
   ``overlap_dispatch_backward_with_experts_wgrad``, ``delay_wgrad_compute``: these schedule
   around an all-to-all that the ring does not have; the ring overlaps its own P2P hops.
 * flex / DeepEP / HybridEP / NCCL-EP flags: those are other dispatchers.
-* fp8 / fp4: the ring's expert kernels are bf16/fp16/fp32.
+* fp4, and fp8 primary weights (``--fp8-param-gather``): the ring's expert kernels compute in
+  bf16/fp16/fp32 from the experts' own bf16 parameters. Plain fp8 recipes are accepted: TE runs
+  attention and the dense layers in fp8 and the ring runs the experts in bf16
+  (``fp8_expert_notice`` says so once at start).
 * CUDA graphs over the MoE: the ring's per-hop token counts are data dependent.
 * expert semantics the ring does not compute (the oracle is SwiGLU without bias, probabilities
   applied to the expert output): non-gated or non-SiLU activations, expert biases, clamped or
@@ -46,6 +49,7 @@ __all__ = [
     "fused_loss_problems",
     "check_fused_loss_config",
     "check_fused_loss_args",
+    "fp8_expert_notice",
 ]
 
 _MOE_GRAPH_MODULES = {"moe", "moe_router", "moe_preprocess", "full"}
@@ -134,11 +138,19 @@ def ring_config_problems(c, *, ep_size: int | None = None, args_style: bool = Fa
         refuse_set(field, " is a flex/DeepEP/HybridEP setting")
     for field in ("moe_ncclep_static_shape", "moe_ncclep_zero_copy"):
         refuse_set(field, " is an NCCL-EP (flex) setting", unset=False)
-    for field in ("fp8", "fp4"):
-        if g(field) not in (None, False):
+    if g("fp4") not in (None, False):
+        problems.append(
+            f"fp4={g('fp4')!r}: the ring runs its experts in bf16 and supports fp8 recipes only "
+            f"for the layers TransformerEngine runs; fix: remove --fp4-format (or use "
+            f"--fp8-format with --bf16)"
+        )
+    if g("fp8") not in (None, False):
+        param_gather = g("fp8_param_gather", False) or g("fp8_param", False)
+        if param_gather:
             problems.append(
-                f"{field}={g(field)!r}: the ring's expert kernels run in bf16/fp16/fp32; "
-                f"fix: remove --{field}-format (train in --bf16)"
+                "fp8 primary weights (--fp8-param-gather) would hold the experts' weights as fp8 "
+                "tensors, which the ring's bf16 expert kernels do not read; fix: remove "
+                "--fp8-param-gather (attention and dense layers still compute in fp8)"
             )
     impl = g("cuda_graph_impl", "none") or "none"
     if g("enable_cuda_graph", False) or g("external_cuda_graph", False):
@@ -203,6 +215,21 @@ def ring_config_problems(c, *, ep_size: int | None = None, args_style: bool = Fa
             f"fused_group_mlp from --offload-modules"
         )
     return problems
+
+
+def fp8_expert_notice(c) -> str | None:
+    """The one line a ring run under an fp8 recipe prints at start (None without fp8): which
+    layers compute in fp8 and that the ring's experts do not."""
+    fmt = getattr(c, "fp8", None)
+    if fmt in (None, False) or getattr(c, "moe_token_dispatcher_type", None) != "ring":
+        return None
+    recipe = getattr(c, "fp8_recipe", None)
+    recipe = getattr(recipe, "value", recipe)
+    return (
+        f"[relaymoe] fp8 format {fmt}, recipe {recipe}: attention and dense layers compute in "
+        f"fp8 through TransformerEngine; the ring's routed experts compute in bf16 (relaymoe "
+        f"has no fp8 expert GEMMs)"
+    )
 
 
 def _raise(feature: str, problems: list[str], what: str) -> None:
