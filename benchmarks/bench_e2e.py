@@ -329,6 +329,11 @@ def _provider(dispatcher: str, shape: E2EShape) -> str:
     return PROVIDER[dispatcher]
 
 
+def _max_after_warmup(r: RunResult, key: str, warmup: int = 5) -> int | None:
+    vals = [s[key] for s in r.steps[warmup:] if key in s]
+    return max(vals) if vals else None
+
+
 def _run_fields(r: RunResult, steps: int) -> dict:
     why = r.failure(steps)
     ok = why is None
@@ -342,6 +347,10 @@ def _run_fields(r: RunResult, steps: int) -> dict:
         "first_loss": r.losses[0] if ok else None,
         "final_loss": r.losses[-1] if ok else None,
         "losses": r.losses,  # as reported (a failed run's partial curve; no data)
+        # expert-weight bytes the ring copied per step after the warm-up (max; 0: views only)
+        "ring_weight_copy_bytes_per_step": _max_after_warmup(r, "ring_weight_copy_bytes")
+        if ok
+        else None,
         "wall_s": r.seconds,
         "returncode": r.returncode,
     }

@@ -13,6 +13,9 @@ grad, as in ``../shared/anchors``):
 - ``naive``: gather x into a (T*K, H) buffer, ``torch._grouped_mm`` up, SiLU*up,
   ``torch._grouped_mm`` down, probability weight, ``index_add_`` (sort inside the timed step).
 - ``liger``: ``liger_kernel.ops.fused_moe.LigerFusedMoEFunction`` when importable.
+- ``te_grouped``: megatron-core's own expert path with TransformerEngine, when TE imports
+  (``benchmarks/te_grouped.py``): TE's fused permute, ``TEGroupedMLP`` (grouped GEMMs, fused
+  weighted SwiGLU) and TE's fused unpermute, weights copied from the same inputs.
 
 Before timing a shape, the output and all gradients of every other provider are checked against
 naive's (``err_*`` keys of relaymoe's rows); a relative error above ``AGREE_BOUND`` makes the run
@@ -162,6 +165,17 @@ def liger_fn():
     return lambda x, w13, w2, idx, probs: LigerFusedMoEFunction.apply(x, w13, w2, idx, probs)
 
 
+def te_grouped_provider(inputs, topk: int):
+    """megatron-core's TEGroupedMLP path on this shape's weights, or None (reason printed)."""
+    from benchmarks.te_grouped import TEGroupedExperts, unavailable
+
+    why = unavailable()
+    if why is not None:
+        print(f"[bench_experts] te_grouped unavailable: {why}")
+        return None
+    return TEGroupedExperts(inputs[1].detach(), inputs[2].detach(), topk)
+
+
 # --------------------------------------------------------------------------------------------
 # measurement
 # --------------------------------------------------------------------------------------------
@@ -230,6 +244,9 @@ def check_against_naive(inputs, fns: dict) -> dict:
         ins = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
         out = fn(*ins)
         out.backward(dy)
+        if hasattr(fn, "weight_grads"):  # a provider with weights of its own (te_grouped)
+            dw13, dw2 = fn.weight_grads()
+            return [out.detach(), ins[0].grad, dw13, dw2, ins[4].grad]
         return [out.detach()] + [ins[i].grad for i in (0, 1, 2, 4)]
 
     ref = run(naive_fn)
@@ -319,8 +336,8 @@ def main(argv=None) -> int:
         default=None,
         help="relaymoe_act relaymoe_fc1 relaymoe_act_wgradtriton relaymoe_act_tritongemm "
         "relaymoe_act_tma relaymoe_act_ptr relaymoe_act_rowscopy relaymoe_act_tritonup "
-        "relaymoe_fc1_tritonup naive liger (relaymoe_act: RELAYMOE_TMA's default, tensor "
-        "descriptors on sm90; _tma forces them, _ptr the pointer loads; _rowscopy: "
+        "relaymoe_fc1_tritonup naive liger te_grouped (relaymoe_act: RELAYMOE_TMA's default, "
+        "tensor descriptors on sm90; _tma forces them, _ptr the pointer loads; _rowscopy: "
         "RELAYMOE_ROWS_GATHER=copy; _tritonup: RELAYMOE_GATHER_WS=0, the Triton up-projection)",
     )
     ap.add_argument("--breakdown", action="store_true", help="time each kernel of the first shape")
@@ -372,11 +389,12 @@ def main(argv=None) -> int:
             "relaymoe_tritonup", "fc1", relaymoe_fn("fc1", {"RELAYMOE_GATHER_WS": "0"})),
         "naive": ("naive", None, naive_fn),
         "liger": ("liger", None, liger_fn()),
+        "te_grouped": ("te_grouped", None, None),  # built per shape, from its weights
     }  # fmt: skip
     # the target's comparison (relaymoe act vs naive and liger) first, so a cut-off run keeps it
     wanted = args.providers or [
-        "relaymoe_act", "naive", "liger", "relaymoe_fc1", "relaymoe_act_wgradtriton",
-        "relaymoe_act_ptr"]  # fmt: skip
+        "relaymoe_act", "naive", "liger", "te_grouped", "relaymoe_fc1",
+        "relaymoe_act_wgradtriton", "relaymoe_act_ptr"]  # fmt: skip
     profiled = [] if args.profile is None else args.profile or ["relaymoe_act"]
     unknown = sorted((set(wanted) | set(profiled)) - set(providers))
     if unknown:
@@ -388,6 +406,8 @@ def main(argv=None) -> int:
         dims = SHAPES[shape]
         flops = moe_flops_fwd_bwd(dims[0], dims[2], dims[3], dims[4])
         inputs = make_inputs(*dims)
+        if "te_grouped" in wanted:
+            providers["te_grouped"] = ("te_grouped", None, te_grouped_provider(inputs, dims[2]))
         # every provider's output and gradients against naive first: a competitor whose
         # semantics differed (gate/up order, prob placement) would be timed on another problem
         checks = check_against_naive(
@@ -424,12 +444,14 @@ def main(argv=None) -> int:
             print(f"[bench_experts] {key} {shape} {r}", flush=True)
         for var in _SWITCHES:
             os.environ.pop(var, None)
+        providers["te_grouped"] = ("te_grouped", None, None)  # its weights go with the shape
         del inputs
         gc.collect()
         torch.cuda.empty_cache()
         rows += shape_rows
         print_table(shape_rows, columns)
-        comp = [r["ms_fwd_bwd"] for r in shape_rows if r["provider"] in ("naive", "liger")]
+        comp = [r["ms_fwd_bwd"] for r in shape_rows
+                if r["provider"] in ("naive", "liger", "te_grouped")]  # fmt: skip
         for r in shape_rows:
             if r["provider"].startswith("relaymoe") and comp:
                 print(f"{shape} {r['variant']}: {min(comp) / r['ms_fwd_bwd']:.2f}x the faster "

@@ -10,8 +10,9 @@ For users without a Megatron-LM checkout: the same command-line arguments as Meg
 Megatron-LM's own script): SFT, FIM, packed sequences, multi-token prediction, ModelOpt.
 
 Extra output (rank 0, ``--relaymoe-report PATH``): one JSON line per logged iteration with the
-loss, Megatron's iteration number, the learning rate, tokens/s and that step's peak memory, for
-``examples/`` and ``benchmarks/bench_e2e.py``.
+loss, Megatron's iteration number, the learning rate, tokens/s, that step's peak memory and the
+bytes of expert weights the ring copied in it (``relaymoe.ring.weights.copied_weight_bytes``),
+for ``examples/`` and ``benchmarks/bench_e2e.py``.
 With ``--relaymoe-weights-digest`` every rank also writes ``PATH.weights.rank<R>.json`` after the
 last iteration: a SHA-256 of its model parameters (names, dtypes, shapes and bytes), so two runs
 can be compared for bitwise identical weights without saving checkpoints.
@@ -258,6 +259,8 @@ def _install_step_report(args) -> None:
     from megatron.core import parallel_state as ps
     from megatron.training import training
 
+    from relaymoe.ring.weights import copied_weight_bytes
+
     original = training.train_step
     path = args.relaymoe_report
 
@@ -268,6 +271,7 @@ def _install_step_report(args) -> None:
         # per-step peak: the first steps also hold one-off transients (Triton autotuning's
         # benchmark buffers, NCCL/symmetric-memory setup) that steady training never sees again
         torch.cuda.reset_peak_memory_stats()
+        copied0 = copied_weight_bytes()
         result = original(*a, **kw)
         torch.cuda.synchronize()
         dt = time.perf_counter() - t0
@@ -301,6 +305,8 @@ def _install_step_report(args) -> None:
                                 "step_s": dt,
                                 "tokens_per_s": world_tokens / dt,
                                 "peak_MiB": peak,
+                                # expert-weight bytes the ring copied this step (ring runs)
+                                "ring_weight_copy_bytes": copied_weight_bytes() - copied0,
                                 "dispatcher": args.moe_token_dispatcher_type,
                             }
                         )

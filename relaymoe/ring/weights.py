@@ -30,9 +30,24 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["LocalExperts", "layout_order", "reverse_local_ids", "stacked_view"]
+__all__ = [
+    "LocalExperts",
+    "copied_weight_bytes",
+    "layout_order",
+    "reverse_local_ids",
+    "stacked_view",
+]
 
 FORWARD, REVERSED = "forward", "reversed"
+
+_COPIED = [0]  # bytes of expert weights copied by stacks and slot packs, this process
+
+
+def copied_weight_bytes() -> int:
+    """Bytes of expert weights the ring has copied in this process (transient stacks of list-form
+    weights not back to back, and the packs of a rank's experts into ring slot 0): the step
+    report's per-step difference of it is what a training step copies of its expert weights."""
+    return _COPIED[0]
 
 
 def layout_order(ws: Sequence[Tensor]) -> str | None:
@@ -133,11 +148,13 @@ class LocalExperts:
         if layout_order(ws) == order:
             return stacked_view(ws, order)
         rows = ws if order == FORWARD else ws[::-1]
+        _COPIED[0] += sum(w.numel() * w.element_size() for w in rows)
         return torch.stack([w.detach() for w in rows])  # transient: dropped when the pass ends
 
     def pack(self, name: str, dst: Tensor) -> None:
         """Copy ``w13``/``w2`` (``name``) into ``dst (El, ...)`` in expert order."""
         src = self.w13 if name.endswith("w13") else self.w2
+        _COPIED[0] += dst.numel() * dst.element_size()
         if not self.listed:
             dst.copy_(src)
             return
