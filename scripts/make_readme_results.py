@@ -147,14 +147,34 @@ NEEDS_KEY = {"determinism": "mode", "soak": "ring_mode"}
 # The README's headline: (what, bench, relaymoe row, baseline row, value key). Rows match on
 # every key given; the newest matching row counts.
 _QWEN_T32K = {"shape": "qwen3_30b_a3b_T32k", "ep": 2}
+# The anchor first (issue #31): megatron-core as its users run it, TransformerEngine with
+# TEGroupedMLP and its MoE fusions (``mcore_alltoall_te``, ``te_grouped``); these lines appear
+# once such rows are in the current runs. The rows against megatron-core without TE (its
+# SequentialMLP experts, one expert after another) stay, labelled as such.
+_SEQ_MLP = "megatron-core without TE: SequentialMLP experts"
 HEADLINE = [
-    ("MoE layer fwd+bwd, ms (Qwen3-30B-A3B widths, 32k tokens per GPU, EP=2)", "ring",
+    ("GPT training, tokens/s (Qwen3-width 4-layer slice, sequence 4k, 1 GPU; baseline "
+     "megatron-core with TE: TEGroupedMLP, fused permute and router, fused cross-entropy)", "e2e",
+     {"shape": "qwen3_slice_s4k_te", "provider": "relaymoe_ring"},
+     {"shape": "qwen3_slice_s4k_te", "provider": "mcore_alltoall_te"}, "tokens_per_s"),
+    ("GPT training, tokens/s (the slice with Qwen3's 152k vocabulary, sequence 4k, 1 GPU, ring + "
+     "fused loss; baseline as above)", "e2e",
+     {"shape": "qwen3_slice_v152k_s4k_fused_loss_te", "provider": "relaymoe_ring"},
+     {"shape": "qwen3_slice_v152k_s4k_fused_loss_te", "provider": "mcore_alltoall_te"},
+     "tokens_per_s"),
+    ("MoE experts fwd+bwd, ms (Qwen3-30B-A3B widths, 32k tokens, 1 GPU; baseline megatron-core's "
+     "TE permute + TEGroupedMLP + unpermute)", "experts",
+     {"shape": "qwen3_30b_a3b_T32k", "provider": "relaymoe", "recompute": "act"},
+     {"shape": "qwen3_30b_a3b_T32k", "provider": "te_grouped"}, "ms_fwd_bwd"),
+    (f"MoE layer fwd+bwd, ms (Qwen3-30B-A3B widths, 32k tokens per GPU, EP=2; baseline "
+     f"{_SEQ_MLP})", "ring",
      {**_QWEN_T32K, "provider": "relaymoe_ring_auto"},
      {**_QWEN_T32K, "provider": "mcore_alltoall"}, "ms_fwd_bwd"),
     ("MoE layer peak memory over inputs, MiB (same)", "ring",
      {**_QWEN_T32K, "provider": "relaymoe_ring_auto"},
      {**_QWEN_T32K, "provider": "mcore_alltoall"}, "peak_over_inputs_MiB"),
-    ("GPT training, tokens/s (Qwen3-width 4-layer slice, sequence 4k, EP=2)", "e2e",
+    (f"GPT training, tokens/s (Qwen3-width 4-layer slice, sequence 4k, EP=2; baseline "
+     f"{_SEQ_MLP})", "e2e",
      {"shape": "qwen3_slice_s4k", "provider": "relaymoe_ring"},
      {"shape": "qwen3_slice_s4k", "provider": "mcore_alltoall"}, "tokens_per_s"),
     ("GPT training, tokens/s (same, sequence 16k)", "e2e",
