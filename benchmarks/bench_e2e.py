@@ -206,9 +206,11 @@ SHAPES = {
 }  # fmt: skip
 
 
-def config_shape(config: str, steps: int) -> E2EShape:
-    """The default mode: a config as it is, under the launcher's regime (the committed rows)."""
-    return E2EShape(f"{config}_steps{steps}", config, regime="launcher")
+def config_shape(config: str, steps: int, transformer_impl: str | None = None) -> E2EShape:
+    """The default mode: a config as it is, under the launcher's regime (the committed rows),
+    with ``transformer_impl`` (None: TE where it imports; rows say which ran)."""
+    return E2EShape(f"{config}_steps{steps}", config, regime="launcher",
+                    transformer_impl=transformer_impl)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -558,6 +560,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--regime", default=None, choices=sorted(REGIMES), help="default: the shape's own"
     )
+    p.add_argument(
+        "--transformer-impl",
+        choices=("auto", "transformer_engine", "local"),
+        default="auto",
+        help="layers of the default mode's runs (auto: Megatron's default, TE, where it imports)",
+    )
     p.add_argument("--gpus", type=int, default=None)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument(
@@ -578,7 +586,8 @@ def main(argv: list[str] | None = None) -> int:
         shapes = [SHAPES[n] for n in names]
     else:
         steps = a.steps or DEFAULT_STEPS
-        shapes = [config_shape(a.config or DEFAULT_CONFIG, steps)]
+        impl = None if a.transformer_impl == "auto" else a.transformer_impl
+        shapes = [config_shape(a.config or DEFAULT_CONFIG, steps, impl)]
     import torch
 
     if a.gpus:

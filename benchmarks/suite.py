@@ -150,9 +150,16 @@ STEPS: tuple[Step, ...] = (
          outputs=("memory_model.jsonl",)),
     Step("gpu_tests_dist", "-m pytest", ALL, 1, 160, 400, min_gpus=2,
          args=("-q", "-ra", "-p", "no:cacheprovider", "tests/gpu/test_ring_gpu.py",
-               "tests/gpu/test_e2e_gpu.py", "--junitxml={out}/gpu_tests_dist.xml"),
+               "--junitxml={out}/gpu_tests_dist.xml"),
+         quick=("--timeout", "100"), full=("--timeout", "380"), quick_env=_NO_TUNE,
+         outputs=("gpu_tests_dist.xml",)),
+    # Megatron training on 1 or 2 GPUs (EP = GPUs), with TE (where it imports) and with the local
+    # layers, and the te_grouped provider against the oracle
+    Step("gpu_tests_e2e", "-m pytest", ALL, 1, 160, 540,
+         args=("-q", "-ra", "-p", "no:cacheprovider", "tests/gpu/test_e2e_gpu.py",
+               "tests/gpu/test_te_grouped_gpu.py", "--junitxml={out}/gpu_tests_e2e.xml"),
          quick=("--timeout", "100", *(a for t in _E2E_SLOW for a in ("--deselect", t))),
-         full=("--timeout", "380"), quick_env=_NO_TUNE, outputs=("gpu_tests_dist.xml",)),
+         full=("--timeout", "380"), quick_env=_NO_TUNE, outputs=("gpu_tests_e2e.xml",)),
     Step("memory_timeline", "benchmarks/memory_timeline.py", ALL, 1, 60, 120, ranks=2,
          args=("--out", "{out}/memory_timeline.jsonl"), quick=("--quick",), quick_env=_NO_TUNE,
          outputs=("memory_timeline.jsonl", "memory_timeline*.png")),

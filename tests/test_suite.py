@@ -51,7 +51,8 @@ def test_plan_on_two_gpus_quick(tmp_path):
     assert planned["gpu_tests_kernels"].env == {"CUDA_VISIBLE_DEVICES": "0",
                                                 "RELAYMOE_AUTOTUNE": "0"}  # fmt: skip
     assert planned["gpu_tests_dist"].env == {"RELAYMOE_AUTOTUNE": "0"}
-    assert "--deselect" in planned["gpu_tests_dist"].command
+    assert "--deselect" in planned["gpu_tests_e2e"].command  # the long training tests
+    assert "tests/gpu/test_e2e_gpu.py" not in planned["gpu_tests_dist"].command
     # the timed benchmarks keep autotuning
     for n in ("ring", "e2e", "ablation", "routing", "experts"):
         assert "RELAYMOE_AUTOTUNE" not in planned[n].env, n
@@ -69,6 +70,7 @@ def test_plan_on_one_gpu_and_full(tmp_path):
     planned = {p.step.name: p for p in suite.plan(suite.STEPS, gpus=1, quick=False, out=tmp_path)}
     for n in ("ring", "e2e", "ablation", "gpu_tests_dist"):
         assert planned[n].skip == "needs 2 GPUs, found 1", n
+    assert planned["gpu_tests_e2e"].skip is None  # Megatron training at EP 1, TE and local
     assert planned["experts"].lane == "gpu0" and planned["experts"].env == {
         "CUDA_VISIBLE_DEVICES": "0"
     }
