@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from relaymoe import costmodel  # noqa: E402
+from relaymoe import options  # noqa: E402
 
 STEPS = [
     (0, "ring_sequential_unfused", {"overlap": False, "backend": "torch"}),
@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="8k tokens per GPU (else 32k)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/ablation.jsonl"))
-    ap.add_argument("--mode", default="expert", choices=costmodel.RING_MODES)
+    ap.add_argument("--mode", default="expert", choices=options.RING_MODES)
     args = ap.parse_args(argv)
 
     rank, world, group = init_dist()

@@ -112,7 +112,9 @@ def main(argv=None) -> int:
     from benchmarks._dist import Shape, build_mcore_alltoall, init_dist, make_inputs, qwen3
     from benchmarks._dist import timed_collective as _timed
     from benchmarks.common import JsonlWriter, moe_flops_fwd_bwd, print_table
-    from relaymoe.ring import comm_volume, record_timeline, resolved_problem, ring_moe
+    from relaymoe import cost
+    from relaymoe.options import RING_MODES
+    from relaymoe.ring import record_timeline, resolved_problem, ring_moe
     from relaymoe.ring.faults import host_wait_mode
     from relaymoe.ring.transport import symmetric_workspace_bytes
 
@@ -291,12 +293,16 @@ def main(argv=None) -> int:
                 shape = Shape(f"qwen3_30b_a3b_T{T // 1024}k_I{ffn}", T, 128, 8, 2048, ffn)
                 xs, a, b, ids, ps = make_inputs(shape, rank, world)
                 lay = _Layer(xs, a, b, ids, ps, torch.randn_like(xs))
-                vol = comm_volume(T, shape.H, ffn, shape.E // world, shape.K,
-                                  dtype=torch.bfloat16, prob_dtype=ps.dtype,
-                                  world=world)  # fmt: skip
-                extra = dict(crossover=True, model_preferred=vol.preferred(),
-                             model_expert_MB=round(vol.expert_step / 1e6, 1),
-                             model_token_MB=round(vol.token_step / 1e6, 1))  # fmt: skip
+                sizes = dict(tokens=T, hidden=shape.H, ffn=ffn, num_local_experts=shape.E // world,
+                             topk=shape.K, world=world, act_bytes=torch.bfloat16,
+                             prob_bytes=ps.dtype)  # fmt: skip
+                d = cost.dims(**sizes)
+                extra = dict(
+                    crossover=True,
+                    model_preferred=cost.choose_mode(**sizes, modes=RING_MODES),
+                    model_expert_MB=round(cost.hop_bytes("expert", d).step / 1e6, 1),
+                    model_token_MB=round(cost.hop_bytes("token", d).step / 1e6, 1),
+                )
                 for mode in ("expert", "token"):
                     name = f"relaymoe_ring_{mode}"
                     guarded(name, lambda m=mode, n=name, s=shape, lay=lay, e=extra: ring_row(

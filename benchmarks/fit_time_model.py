@@ -1,4 +1,4 @@
-"""Refit ``relaymoe.costmodel.TimeModel`` (the runtime's ``mode="auto"``) on measured ring rows.
+"""Refit ``relaymoe.cost.TimeModel`` (the runtime's ``mode="auto"``) on measured ring rows.
 
     python benchmarks/fit_time_model.py          # the newest CURRENT run that has ring rows
     python benchmarks/fit_time_model.py --rows 'benchmarks/results/<run>/ring.jsonl'
@@ -13,7 +13,7 @@ minimises the sum of squared log errors over the eight constants by coordinate s
 scale (the share-hidden constants stay in [0, 1]), starting from the package's defaults.
 
 Prints the per-row error of the defaults and of the fit, and the fitted ``TimeModel(...)``: to
-regenerate the runtime's constants, paste those values into ``relaymoe/costmodel.py`` (the
+regenerate the runtime's constants, paste those values into ``relaymoe/cost/time.py`` (the
 package ships them as plain data and reads no result file). Pure Python, seconds on a CPU.
 """
 
@@ -30,7 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from relaymoe import costmodel as cm  # noqa: E402
+from relaymoe import cost as cm  # noqa: E402
+from relaymoe.options import MODES, TRANSPORTS  # noqa: E402
 
 FIELDS = tuple(f.name for f in dataclasses.fields(cm.TimeModel))
 FRACTIONS = ("hide", "nccl_hide")
@@ -54,7 +55,7 @@ def points(rows: list[dict]) -> list[Point]:
     out = []
     for r in latest_rows([r for r in rows if r.get("bench") == "ring"]):
         mode, ms, ep = r.get("mode"), r.get("ms_fwd_bwd"), int(r.get("ep") or 1)
-        if mode not in cm.MODES or ep < 2 or not isinstance(ms, int | float) or ms <= 0:
+        if mode not in MODES or ep < 2 or not isinstance(ms, int | float) or ms <= 0:
             continue
         if r.get("overlap") is False:  # the model describes the overlapped schedule only
             continue
@@ -65,7 +66,7 @@ def points(rows: list[dict]) -> list[Point]:
             continue
         d = cm.Dims(T=s.T, H=s.H, I=s.I, El=s.E // ep, K=s.K, R=ep, b=s.dtype_bytes,
                     pb=s.prob_bytes)  # fmt: skip
-        transport = r.get("transport") if r.get("transport") in cm.TRANSPORTS else "nccl"
+        transport = r.get("transport") if r.get("transport") in TRANSPORTS else "nccl"
         out.append(Point(f"{r.get('provider')} {r.get('shape')}", mode, transport, d, ms / 1e3))
     return out
 

@@ -77,7 +77,7 @@ class Config:
     dtypes: tuple[str, ...] = ("bf16",)
     modes: tuple[str, ...] = MODES
     world_timeout_s: float = 900.0
-    grad_accum: str = "auto"  # ring_moe's weight-gradient accumulators (costmodel.GRAD_ACCUMS)
+    grad_accum: str = "auto"  # ring_moe's weight-gradient accumulators (options.GRAD_ACCUMS)
 
     def shape(self) -> str:
         return f"H{self.hidden}_I{self.ffn}_El{self.experts_per_rank}_K{self.topk}_T{self.tokens}"
@@ -352,7 +352,7 @@ def measure(cfg: Config, worlds: list[int], writer: JsonlWriter | None, log=prin
 
 def resolved_accum(choice: str, world: int, dname: str) -> str:
     """What ``grad_accum=choice`` runs as for this EP and dtype: ``param`` or ``fp32``."""
-    from relaymoe.costmodel import grad_accum_bytes  # after pin_head (the library it measures)
+    from relaymoe.cost import grad_accum_bytes
 
     b = DTYPES[dname].itemsize
     return "fp32" if grad_accum_bytes(choice, world, b) > b else "param"
@@ -422,7 +422,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 def _run(a: argparse.Namespace, pin_dir: str | None) -> list[dict]:
-    from relaymoe.costmodel import GRAD_ACCUM_CHOICES
+    from relaymoe.options import GRAD_ACCUM_CHOICES
 
     if a.grad_accum not in GRAD_ACCUM_CHOICES:
         raise SystemExit(f"--grad-accum {a.grad_accum!r}: choose from {GRAD_ACCUM_CHOICES}")

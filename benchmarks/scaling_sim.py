@@ -11,7 +11,7 @@
    every GPU's NIC at once), and the expert ring's ``node_batched`` rounds (one hop per node over
    the node's experts, ``benchmarks/sim/batched.py``), vs all-to-all with the same expert
    kernels, EP 8..64, 4 or 8 GPUs per
-   node (NVLink inside a node, one 400 Gb/s NIC per GPU between nodes: ``relaymoe.costmodel``'s
+   node (NVLink inside a node, one 400 Gb/s NIC per GPU between nodes: ``relaymoe.cost``'s
    link constants), for Qwen3-style layers like the paper's Table 3 (E128 K8 H2048 I768 and its
    K/E/I variants), 12 x 8192 tokens per GPU as in the paper's EP-scaling study.
 
@@ -60,7 +60,7 @@ def extrapolate(cm, *, variants, eps, gpus_per_node, intra_GBps=None):
         simulate_node_batched,
         simulate_ring,
     )
-    from relaymoe.costmodel import NODE_BATCHED, SCHEDULES
+    from relaymoe.options import NODE_BATCHED, SCHEDULES
 
     rows = []
     for name in variants:
@@ -118,7 +118,7 @@ def _times(r, a2a) -> dict:
 def _links(intra_GBps) -> dict:
     """The link rates the extrapolation ran with, and where each comes from."""
     from benchmarks.sim.model import DEFAULT_INTER_GBPS, DEFAULT_INTRA_GBPS
-    from relaymoe.costmodel import NIC_BYTES_PER_S, NIC_EFFICIENCY
+    from relaymoe.cost import NIC_BYTES_PER_S, NIC_EFFICIENCY
 
     return {
         "intra_GBps": round(intra_GBps or DEFAULT_INTRA_GBPS, 1),

@@ -8,7 +8,7 @@ import json
 import sys
 
 from relaymoe.config import DISPATCHERS
-from relaymoe.costmodel import MODE_CHOICES, TRANSPORT_CHOICES
+from relaymoe.options import MODE_CHOICES, TRANSPORT_CHOICES
 
 DEFAULT_CONFIG = "qwen3_30b_a3b"
 _PAR = {"tp": "tp", "cp": "cp", "pp": "pp", "vpp": "vpp", "ep": "ep", "etp": "etp", "dp": "dp"}

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from relaymoe.costmodel import MODE_CHOICES, TRANSPORT_CHOICES
+from relaymoe.options import MODE_CHOICES, TRANSPORT_CHOICES
 
 # shipped with the package (the checkout's configs/ links here), so bare names resolve in a wheel
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -199,7 +199,7 @@ class ParallelConfig:
     sequence_parallel: bool = True
     use_distributed_optimizer: bool = True
     # GPUs per node of the cluster (None: the job's EP groups lie in one node). The planner
-    # takes the ring's schedule from it (costmodel.choose_schedule).
+    # takes the ring's schedule from it (cost.choose_schedule).
     gpus_per_node: int | None = None
 
     def __post_init__(self):
@@ -350,8 +350,8 @@ class RelayMoEConfig:
     (``--relaymoe-fused-loss``, ``relaymoe.linear_cross_entropy``; any dispatcher)."""
 
     dispatcher: str = "ring"  # ring | alltoall | allgather | flex
-    ring_mode: str = "auto"  # relaymoe.costmodel.MODE_CHOICES
-    transport: str = "auto"  # relaymoe.costmodel.TRANSPORT_CHOICES
+    ring_mode: str = "auto"  # relaymoe.options.MODE_CHOICES
+    transport: str = "auto"  # relaymoe.options.TRANSPORT_CHOICES
     recompute_planner: bool = False
     fused_loss: bool = False  # never holds the (tokens, vocab/TP) logits
 

@@ -126,7 +126,7 @@ def standin_ring_moe(
     gpus_per_node=None,
     grad_accum="auto",
 ):
-    from relaymoe.costmodel import (
+    from relaymoe.options import (
         GRAD_ACCUM_CHOICES,
         MODE_CHOICES,
         SCHEDULE_CHOICES,

@@ -4,7 +4,7 @@ import argparse
 
 import pytest
 
-from relaymoe import costmodel, lossmodel
+from relaymoe import cost, lossmodel, options
 from relaymoe.config import load_config
 from relaymoe.planner import (
     VARIANTS,
@@ -201,16 +201,16 @@ def test_routing_choice_follows_the_cost_model():
     kw = _cost_kw(mm.shapes(short))
     # the plan runs, sizes memory for and pins the cost model's choice (what mode="auto" runs)
     p = plan(short, "h200-141gb")
-    assert p.routing_mode == costmodel.choose_mode(**kw) == ring_mode(short)
+    assert p.routing_mode == cost.choose_mode(**kw) == ring_mode(short)
     assert p.moe_peak_bytes["ring"] == p.moe_peak_bytes[f"ring_{p.routing_mode}"]
     assert f"--relaymoe-ring-mode {p.routing_mode}" in " ".join(p.megatron_flags)
     # between the two ring modes, Table 2: tokens travel at short sequences, experts at long
-    assert costmodel.choose_mode(**kw, modes=costmodel.RING_MODES) == "token"
+    assert cost.choose_mode(**kw, modes=options.RING_MODES) == "token"
     big = cfg.replace(training={"seq_length": 65536, "micro_batch_size": 12})
     sh = mm.shapes(big)
     v = per_hop_bytes(sh)
     assert v["expert"]["total"] < v["token"]["total"]
-    assert costmodel.choose_mode(**_cost_kw(sh), modes=costmodel.RING_MODES) == "expert"
+    assert cost.choose_mode(**_cost_kw(sh), modes=options.RING_MODES) == "expert"
 
 
 def test_plan_fields_and_json():
@@ -455,7 +455,7 @@ def test_fused_loss_from_megatron_args():
 
 
 def test_plan_picks_the_schedule_from_gpus_per_node():
-    """Issue #18: the cluster shape picks the schedule (costmodel.choose_schedule) and the plan
+    """Issue #18: the cluster shape picks the schedule (cost.choose_schedule) and the plan
     reports the hop times of both; across nodes the two-level ring is never slower."""
     from relaymoe.planner import ring_schedule
 
@@ -473,7 +473,7 @@ def test_plan_picks_the_schedule_from_gpus_per_node():
     assert t["two_level"]["nodes"] == 2 and t["two_level"]["gpus_per_node"] == 4
     assert t["two_level"]["step_s"] < t["flat"]["step_s"]
     assert t["two_level"]["inter_hops"] < t["flat"]["inter_hops"]
-    assert t["flat"]["mode"] in costmodel.RING_MODES
+    assert t["flat"]["mode"] in options.RING_MODES
     # one GPU per node: both orders are the same ring, all over NCCL (no copy engine)
     solo = plan(cfg.replace(parallel={"gpus_per_node": 1}), "h100-80gb")
     assert solo.schedule == "flat" and solo.transport == "nccl"

@@ -1,10 +1,10 @@
-"""The ring's weight-gradient accumulators (``ring_moe(grad_accum=...)``, costmodel.GRAD_ACCUMS).
+"""The ring's weight-gradient accumulators (``ring_moe(grad_accum=...)``, options.GRAD_ACCUMS).
 
 Over spawned gloo worlds: with 16-bit weights, ``fp32`` accumulators (the travelling gradients
 of expert mode, the local sums of token mode) bring the ring's weight-gradient error back to the
 all-to-all's, where ``param`` accumulators add one rounding per hop; the gradients come back in
 the weights' dtype; ``auto`` resolves by EP; ranks that ask differently all raise; fp32 weights
-give bitwise the same results either way. The cost model's side is in test_costmodel.py.
+give bitwise the same results either way. The cost model's side is in test_cost.py.
 """
 
 from __future__ import annotations

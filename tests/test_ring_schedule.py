@@ -8,7 +8,9 @@ import math
 import pytest
 import torch
 
-from relaymoe.ring import CommVolume, RingPlan, comm_volume
+from relaymoe import cost
+from relaymoe.options import RING_MODES
+from relaymoe.ring import RingPlan
 from relaymoe.ring.layout import ALIGN, Layout
 
 # (R, G): flat rings (G None) and two-level rings of N = R/G nodes (2x2, 3x2, 2x3, 2x4, 4x2, ...)
@@ -179,26 +181,29 @@ def test_layout_views_are_aligned_and_disjoint():
     assert empty.nbytes == 0 and empty.views(torch.empty(0, dtype=torch.uint8))["x"].shape == (0, 4)
 
 
-def test_comm_volume_table2_and_preference():
+def test_hop_bytes_table2_and_the_ring_mode_choice():
     # qwen3-30b-a3b at EP=2: 64 local experts, H=2048, I=768, bf16; T=32k tokens per rank.
-    v = comm_volume(32768, 2048, 768, 64, 8, dtype=torch.bfloat16, prob_dtype=torch.float32)
-    assert isinstance(v, CommVolume)
-    assert v.expert_fwd == 64 * 3 * 2048 * 768 * 2  # the 604 MB partition of the anchor probe
-    assert v.expert_bwd == 2 * v.expert_fwd
+    sizes = dict(tokens=32768, hidden=2048, ffn=768, num_local_experts=64, topk=8, world=2,
+                 act_bytes=torch.bfloat16, prob_bytes=torch.float32)  # fmt: skip
+    d = cost.dims(**sizes)
+    e, t = cost.hop_bytes("expert", d), cost.hop_bytes("token", d)
+    assert e.fwd == 64 * 3 * 2048 * 768 * 2  # the 604 MB partition of the anchor probe
+    assert e.bwd == 2 * e.fwd
     act = 32768 * 2048 * 2
     meta = 32768 * 8 * (4 + 4)
-    assert v.token_fwd == 2 * act + meta
+    assert t.fwd == 2 * act + meta
     # backward: x, dy and the probabilities lead (the forward kept every partition's routing
     # index, so no ids travel), dx and the fp32 dprobs trail
-    assert v.token_bwd == 3 * act + 2 * 32768 * 8 * 4
-    assert v.preferred() == "token"
+    assert t.bwd == 3 * act + 2 * 32768 * 8 * 4
+    assert cost.choose_mode(**sizes, modes=RING_MODES) == "token"
     # Long sequences with few small experts: expert routing.
-    v2 = comm_volume(131072, 2048, 768, 4, 8)
-    assert v2.preferred() == "expert" and v2.preferred(training=False) == "expert"
+    long = dict(sizes, tokens=131072, num_local_experts=4)
+    assert cost.choose_mode(**long, modes=RING_MODES) == "expert"
+    assert cost.choose_mode(**long, modes=RING_MODES, training=False) == "expert"
     with pytest.raises(dataclasses_frozen_error()):
-        v.expert_fwd = 0
-    with pytest.raises(ValueError, match="hidden"):
-        comm_volume(1, -1, 1, 1, 1)
+        e.fwd_lead = 0
+    with pytest.raises(ValueError, match="H=-1"):
+        cost.dims(**dict(sizes, hidden=-1))
 
 
 def dataclasses_frozen_error():

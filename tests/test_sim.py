@@ -215,7 +215,7 @@ def test_calibrate_and_validate_from_rows(tmp_path):
 
 def test_node_batched_peak_counts_what_a_round_holds():
     from benchmarks.sim.memory import node_batched_peak_bytes, ring_peak_bytes
-    from relaymoe import costmodel
+    from relaymoe import cost
 
     shape = MoEShape("qwen3_30b_a3b_T4k", T=4096, E=128, K=8, H=2048, I=768)
     d = shape.dims(2)
@@ -224,15 +224,15 @@ def test_node_batched_peak_counts_what_a_round_holds():
     # one node of 2 (measured on 2x H200: 3,488.6 MiB): the home accumulator, the gathered
     # experts and their fresh gradients (2W each), the one received share; the intermediates
     # are freed before the reduce-scatter
-    index = costmodel.ROUTING_INDEX_BYTES_PER_PAIR * d.P  # the own tokens' routing index
+    index = cost.ROUTING_INDEX_BYTES_PER_PAIR * d.P  # the own tokens' routing index
     assert node_batched_peak_bytes(shape, 2, 2) == resident + W * (1 + 2 + 2 + 1) + index
     assert round(node_batched_peak_bytes(shape, 2, 2) / 2**20) == 3488
     assert node_batched_peak_bytes(shape, 2, 1) == ring_peak_bytes(shape, 2, "expert", "nccl")
     # over several nodes the column ring's two transfer slots come on top
     d8 = shape.dims(8)
     W8 = d8.W * d8.b
-    slots = 2 * costmodel.slot_capacity("expert", d8)
-    index8 = costmodel.ROUTING_INDEX_BYTES_PER_PAIR * d8.P
+    slots = 2 * cost.slot_capacity("expert", d8)
+    index8 = cost.ROUTING_INDEX_BYTES_PER_PAIR * d8.P
     assert node_batched_peak_bytes(shape, 8, 2) == 2 * d8.T * d8.H * d8.b + slots + W8 * 6 + index8
     r = simulate_node_batched(shape, Cluster(ep=2, gpus_per_node=2), CM)
     assert r.peak_MiB == node_batched_peak_bytes(shape, 2, 2) / 2**20
@@ -307,7 +307,7 @@ def test_time_model_fit_recovers_a_known_model():
     import dataclasses
 
     from benchmarks import fit_time_model as ftm
-    from relaymoe import costmodel as cm
+    from relaymoe import cost as cm
 
     truth = dataclasses.replace(
         cm.DEFAULT_TIME_MODEL, expert_tflops=420e12, hop_fixed_s=1.5e-3, alltoall_fixed_s=5e-3
@@ -375,12 +375,12 @@ def test_two_level_link_bound_pass_by_hand():
         simulate_pass(cl, hop, schedule="ring")
 
 
-def test_sim_links_come_from_the_costmodel():
-    from relaymoe import costmodel
+def test_sim_links_come_from_the_cost_model():
+    from relaymoe import cost
 
     cl = Cluster(ep=16, gpus_per_node=8)
-    assert cl.intra_GBps * 1e9 == costmodel.NVLINK_BYTES_PER_S == 394e9
-    assert cl.inter_GBps * 1e9 == pytest.approx(costmodel.INTER_NODE_BYTES_PER_S) == 45e9
+    assert cl.intra_GBps * 1e9 == cost.NVLINK_BYTES_PER_S == 394e9
+    assert cl.inter_GBps * 1e9 == pytest.approx(cost.INTER_NODE_BYTES_PER_S) == 45e9
     assert cl.is_inter(7, 15) and not cl.is_inter(8, 15)
     # a flat ring across nodes cannot use the copy engine: NCCL's hidden share inside nodes too
     assert cl.link_hide(0, 1, copy_engine=False) == cl.hide_inter
@@ -418,7 +418,7 @@ def test_scaling_sim_rows_carry_the_schedule():
 
 
 def test_a_hops_host_and_device_time_add_in_quadrature():
-    """Neither hides the other fully when they are of one size (relaymoe.costmodel.TimeModel):
+    """Neither hides the other fully when they are of one size (relaymoe.cost.TimeModel):
     3 ms of host and 4 ms of device make a 5 ms hop; either alone is itself."""
     cm = ComputeModel(peak_tflops_fwd=1.0, peak_tflops_bwd=1.0, m_half=0.0, launch_us=3000.0)
     assert cm.seconds(4e9, pairs=10, experts=1, bwd=False) == pytest.approx(5e-3)

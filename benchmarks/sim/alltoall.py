@@ -12,7 +12,7 @@ link rates: an optimistic baseline, so predicted ring speedups are not inflated 
 from __future__ import annotations
 
 from benchmarks.sim.model import GB, Cluster, ComputeModel, MoEShape, SimResult
-from relaymoe.costmodel import mcore_alltoall_send_bytes
+from relaymoe.cost import mcore_alltoall_send_bytes
 
 PEER_MESSAGE_US = 2.0
 

@@ -14,17 +14,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from relaymoe.costmodel import (
-    AUTO,
-    INTER_NODE_BYTES_PER_S,
-    NVLINK_BYTES_PER_S,
-    Dims,
-    grad_accum_bytes,
-)
+from relaymoe.cost import INTER_NODE_BYTES_PER_S, NVLINK_BYTES_PER_S, Dims, grad_accum_bytes
+from relaymoe.options import AUTO
 
 GB = 1e9
 
-# The links (relaymoe.costmodel, where they are stated with their sources): NVLink 394 GB/s one
+# The links (relaymoe.cost, where they are stated with their sources): NVLink 394 GB/s one
 # way as measured on 2x H200; between nodes one 400 Gb/s NIC per GPU at 90% (an assumption).
 # ``calibrate`` replaces the NVLink rate by what the ring's copy-engine hops reached in the
 # measured rows (their transfers run beside the hop's compute).
@@ -71,7 +66,7 @@ class MoEShape:
         return self.T * self.K
 
     def dims(self, ep: int) -> Dims:
-        """The cost model's sizes of one of ``ep`` ranks (``relaymoe.costmodel``)."""
+        """The cost model's sizes of one of ``ep`` ranks (``relaymoe.cost``)."""
         if self.E % ep:
             raise ValueError(f"E={self.E} experts do not split over ep={ep}; pick ep dividing E")
         return Dims(
@@ -180,7 +175,7 @@ class ComputeModel:
     small per-expert GEMMs waste tile rows, so throughput rises with ``m`` and saturates at
     ``peak``. ``host`` (``launch_us``) is the host time to issue one hop's work (launches, index
     slices, Python): the GPU runs behind the host, and neither hides the other fully where they
-    are of one size, which the root-sum-square says (``relaymoe.costmodel.TimeModel`` found the
+    are of one size, which the root-sum-square says (``relaymoe.cost.TimeModel`` found the
     same on the measured steps; with ``max`` the T8k ring rows came out 15-21% short).
     ``peak_*`` come from the measured relaymoe expert rows (``calibrate``); the default is what
     a fused-kernel grouped GEMM reaches on an H200 at qwen3 T32k (about 500 TFLOP/s) corrected

@@ -9,7 +9,7 @@ same path: a rank computes its local part without waiting, then waits for the in
 accumulator, adds into it (an HBM read+write) and sends it at its next hop. After the last hop
 the accumulators make one trail-only hop home to their owners.
 
-Orders (``relaymoe.costmodel.SCHEDULES``, ``schedule_rank``): ``flat`` sends every hop to
+Orders (``relaymoe.options.SCHEDULES``, ``schedule_rank``): ``flat`` sends every hop to
 ``r+1``, so lead and trail share one message; ``two_level`` circulates inside each node for
 ``G-1`` hops, then every GPU hands its partition to the same local rank of the next node, so at
 the hops around a node crossing the lead and the trail go to different peers over different
@@ -31,7 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from benchmarks.sim.model import Cluster, ComputeModel, MoEShape
-from relaymoe.costmodel import RING_MODES, SCHEDULES, hop_bytes, schedule_rank
+from relaymoe.cost import hop_bytes, schedule_rank
+from relaymoe.options import RING_MODES, SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ def hop_payloads(
     shape: MoEShape, ep: int, compute: ComputeModel, mode: str, *, recompute: bool = True
 ) -> tuple[HopPayload, HopPayload]:
     """(forward, backward) payloads of one hop of ``mode``; bytes from
-    ``relaymoe.costmodel.hop_bytes`` (paper Table 2 volumes)."""
+    ``relaymoe.cost.hop_bytes`` (paper Table 2 volumes)."""
     if mode not in RING_MODES:
         raise ValueError(f"mode={mode!r} is not a ring mode; use one of {RING_MODES}")
     d = shape.dims(ep)
@@ -84,7 +85,7 @@ def hop_payloads(
 
 
 def _routes(cluster: Cluster, schedule: str) -> list[list[int]]:
-    """``part[s][r]``: the partition rank ``r`` computes at step ``s`` (``costmodel.schedule_rank``
+    """``part[s][r]``: the partition rank ``r`` computes at step ``s`` (``cost.schedule_rank``
     inverted; the order of ``relaymoe/ring/schedule.py``)."""
     R, G = cluster.ep, cluster.gpus_per_node
     part = [[0] * R for _ in range(R)]
@@ -124,7 +125,7 @@ def simulate_pass(
     cluster: Cluster, hop: HopPayload, *, overlap: bool = True, schedule: str = "flat"
 ) -> RingPass:
     """Event times of one ring pass over ``cluster.ep`` ranks in the ``schedule``'s order
-    (``costmodel.SCHEDULES``); returns the slowest rank's end. Links are ``(src, dst)`` pairs,
+    (``options.SCHEDULES``); returns the slowest rank's end. Links are ``(src, dst)`` pairs,
     each busy with one message at a time."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r}; use one of {SCHEDULES}")

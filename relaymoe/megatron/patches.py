@@ -47,7 +47,6 @@ def _mark(fn, original):
 # --------------------------------------------------------------------------- argparse
 def add_relaymoe_args(parser):
     """The ``relaymoe`` argument group (also usable as an ``extra_args_provider``)."""
-    from relaymoe.costmodel import FP32_GRAD_ACCUM_MIN_EP
     from relaymoe.megatron.settings import (
         RING_GRAD_ACCUMS,
         RING_HOST_WAITS,
@@ -55,6 +54,7 @@ def add_relaymoe_args(parser):
         RING_SCHEDULES,
         RING_TRANSPORTS,
     )
+    from relaymoe.options import FP32_GRAD_ACCUM_MIN_EP
 
     if any(a.dest == "relaymoe_ring_mode" for a in parser._actions):
         return parser
@@ -65,7 +65,7 @@ def add_relaymoe_args(parser):
         default="auto",
         help="execution mode with --moe-token-dispatcher-type ring: experts circulate "
         "(expert), tokens circulate (token), tokens go once to their experts' ranks "
-        "(alltoall), or the fastest by relaymoe.costmodel (auto)",
+        "(alltoall), or the fastest by relaymoe.cost (auto)",
     )
     group.add_argument(
         "--relaymoe-transport",

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
-from relaymoe.costmodel import (
+from relaymoe.options import (
     GRAD_ACCUM_CHOICES,
     HOST_WAIT_CHOICES,
     MODE_CHOICES,
@@ -36,7 +36,7 @@ __all__ = [
     "RING_TRANSPORTS",
 ]
 
-# the --relaymoe-ring-mode / --relaymoe-transport choices (names: relaymoe.costmodel)
+# the --relaymoe-ring-mode / --relaymoe-transport choices (names: relaymoe.options)
 RING_MODES = MODE_CHOICES
 RING_TRANSPORTS = TRANSPORT_CHOICES
 RING_SCHEDULES = SCHEDULE_CHOICES

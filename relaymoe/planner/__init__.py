@@ -1,8 +1,8 @@
 """Memory model, routing-mode choice and selective-recompute planner (pure Python; no torch).
 
 ``plan(cfg, gpu_bytes) -> Plan``; ``plan_from_megatron_args(args) -> Plan`` at training start;
-``ring_mode(cfg)``: the mode the runtime picks for a config (``relaymoe.costmodel.choose_mode``);
-``ring_schedule(cfg)``: its schedule for the cluster shape (``costmodel.choose_schedule``).
+``ring_mode(cfg)``: the mode the runtime picks for a config (``relaymoe.cost.choose_mode``);
+``ring_schedule(cfg)``: its schedule for the cluster shape (``cost.choose_schedule``).
 ``VARIANTS``: what a plan compares (alltoall / ring, each with Megatron's loss or the fused one).
 """
 

@@ -24,7 +24,7 @@ Terms (each a function so that tests can check it against hand-computed values):
   the fp32 normalised tensor, ``TORCH_RMSNORM_EXTRA_BYTES`` more per element; see
   ``norm_extra_bytes``).
 * the MoE-block working set (peak over its inputs while one layer runs fwd+bwd), from
-  ``relaymoe.costmodel``: Megatron's alltoall dispatcher (``mcore_alltoall_memory_bytes``:
+  ``relaymoe.cost``: Megatron's alltoall dispatcher (``mcore_alltoall_memory_bytes``:
   coexisting top-k-expanded (P, H) buffers fit to megatron-core, (P, I) intermediates, the
   local weight gradient) or the relaymoe mode the runtime runs (``memory_bytes``: the engine's
   memory bound, accumulators in the activations' dtype), plus the router and, for relaymoe,
@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from relaymoe import costmodel, lossmodel
+from relaymoe import cost, lossmodel, options
 from relaymoe.config import Config
 
 ROUTER_BYTES_PER_TOKEN_EXPERT = 10  # bf16 logits + fp32 softmax scores + fp32 aux-loss scores
@@ -84,11 +84,11 @@ class Shapes:
     def P(self) -> int:
         return self.T * self.K
 
-    def dims(self) -> costmodel.Dims:
+    def dims(self) -> cost.Dims:
         """The cost model's sizes of one GPU (every rank of the EP group holds ``T`` tokens;
         the weight-gradient accumulators as ``--relaymoe-grad-accum auto`` makes them)."""
-        gb = costmodel.grad_accum_bytes(costmodel.AUTO, self.R, self.e)
-        return costmodel.Dims(
+        gb = cost.grad_accum_bytes(options.AUTO, self.R, self.e)
+        return cost.Dims(
             T=self.T, H=self.h, I=self.I, El=self.El, K=self.K, R=self.R, b=self.e, pb=PROB_BYTES,
             gb=gb,
         )  # fmt: skip
@@ -303,7 +303,7 @@ def mlp_inner_keep_bytes(
         shared = sh.e * sh.T_a * 3 * m.moe_shared_expert_intermediate_size // sh.tp
     if dispatcher == "ring":
         # the mode's saved routing index + the probabilities; h is recomputed
-        moe = costmodel.memory_bytes(ring_mode, sh.dims()).saved + PROB_BYTES * sh.P
+        moe = cost.memory_bytes(ring_mode, sh.dims()).saved + PROB_BYTES * sh.P
     else:
         # dispatched tokens (fc1 input), fc1 output (P, 2I), fc2 input (P, I). megatron-core
         # 0.19 applies the routing probabilities to the activation inside the expert MLP (fused
@@ -350,7 +350,7 @@ def attention_flops(cfg: Config, sh: Shapes, layer: int) -> float:
 def moe_peak_alltoall(sh: Shapes) -> int:
     """Peak over the MoE block's inputs, one layer fwd+bwd, Megatron alltoall dispatcher."""
     router = ROUTER_BYTES_PER_TOKEN_EXPERT * sh.T * sh.E
-    return costmodel.mcore_alltoall_memory_bytes(sh.dims()) + router
+    return cost.mcore_alltoall_memory_bytes(sh.dims()) + router
 
 
 def moe_peak_ring(sh: Shapes, mode: str, transport: str = "copy_engine") -> int:
@@ -359,14 +359,14 @@ def moe_peak_ring(sh: Shapes, mode: str, transport: str = "copy_engine") -> int:
     transient bytes (the copy-engine workspace is ``symmetric_workspace_bytes``)."""
     router = ROUTER_BYTES_PER_TOKEN_EXPERT * sh.T * sh.E
     resident = 2 * sh.T * sh.h * sh.e
-    return router + resident + costmodel.memory_bytes(mode, sh.dims(), transport=transport).peak
+    return router + resident + cost.memory_bytes(mode, sh.dims(), transport=transport).peak
 
 
 def symmetric_workspace_bytes(sh: Shapes, mode: str, transport: str) -> int:
     """The copy-engine workspace of ``mode`` on one GPU (0 with another transport)."""
     if transport != "copy_engine":
         return 0
-    return costmodel.memory_bytes(mode, sh.dims(), transport=transport).workspace
+    return cost.memory_bytes(mode, sh.dims(), transport=transport).workspace
 
 
 def vocab_local(cfg: Config, sh: Shapes) -> int:

@@ -1,18 +1,18 @@
-"""The planner's view of ``relaymoe.costmodel``: the mode, transport and schedule the runtime
+"""The planner's view of ``relaymoe.cost``: the mode, transport and schedule the runtime
 will use.
 
-The runtime resolves ``mode="auto"`` with ``costmodel.choose_mode`` over every rank's tokens;
+The runtime resolves ``mode="auto"`` with ``cost.choose_mode`` over every rank's tokens;
 the planner asks the same function with its per-GPU shapes (``T`` MoE input tokens per GPU,
 ``El = E/EP``, ``I`` already divided by ETP), so ``relaymoe plan`` sizes memory for the mode the
 run will take. The schedule (flat or two-level) follows from the GPUs per node
-(``parallel.gpus_per_node``) by ``costmodel.choose_schedule``.
+(``parallel.gpus_per_node``) by ``cost.choose_schedule``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from relaymoe import costmodel
+from relaymoe import cost, options
 from relaymoe.config import Config, ParallelConfig
 from relaymoe.planner.memory import PROB_BYTES, Shapes, shapes
 
@@ -23,12 +23,12 @@ def resolve_transport(transport: str, world: int, *, across_nodes: bool = False)
     (``across_nodes``), in either schedule: the runtime's symmetric memory needs the whole group
     on one host (a transport that pulls inside each node and sends over NCCL across nodes, which
     the simulator's two-level rows assume, is not built)."""
-    known = (costmodel.AUTO, *costmodel.TRANSPORTS)  # a request, or an already resolved name
+    known = (options.AUTO, *options.TRANSPORTS)  # a request, or an already resolved name
     if transport not in known:
         raise ValueError(f"transport {transport!r}; known: {known}")
     if world == 1:
         return "local"
-    if transport == costmodel.AUTO:
+    if transport == options.AUTO:
         return "nccl" if across_nodes else "copy_engine"
     return transport
 
@@ -48,7 +48,7 @@ def ring_mode(
     ring_only: bool = False,
 ) -> str:
     """The mode the runtime runs for a config (or for planner shapes): ``forced`` (default: the
-    config's ``relaymoe.ring_mode``) unless ``auto``, else ``costmodel.choose_mode`` (over the
+    config's ``relaymoe.ring_mode``) unless ``auto``, else ``cost.choose_mode`` (over the
     ring modes only with ``ring_only``). ``transport`` defaults to the config's (``auto`` with
     bare shapes)."""
     if isinstance(cfg_or_shapes, Config):
@@ -59,12 +59,12 @@ def ring_mode(
         across = across_nodes(cfg)
     else:
         sh, across = cfg_or_shapes, False
-    forced = forced or costmodel.AUTO
-    if forced not in costmodel.MODE_CHOICES:
-        raise ValueError(f"ring mode {forced!r}; known: {costmodel.MODE_CHOICES}")
-    if forced != costmodel.AUTO:
+    forced = forced or options.AUTO
+    if forced not in options.MODE_CHOICES:
+        raise ValueError(f"ring mode {forced!r}; known: {options.MODE_CHOICES}")
+    if forced != options.AUTO:
         return forced
-    return costmodel.choose_mode(
+    return cost.choose_mode(
         tokens=sh.T,
         hidden=sh.h,
         ffn=sh.I,
@@ -73,8 +73,8 @@ def ring_mode(
         world=sh.R,
         act_bytes=sh.e,
         prob_bytes=PROB_BYTES,
-        transport=resolve_transport(transport or costmodel.AUTO, sh.R, across_nodes=across),
-        modes=costmodel.RING_MODES if ring_only else costmodel.MODES,
+        transport=resolve_transport(transport or options.AUTO, sh.R, across_nodes=across),
+        modes=options.RING_MODES if ring_only else options.MODES,
     )
 
 
@@ -87,8 +87,8 @@ def per_hop_bytes(sh: Shapes) -> dict[str, dict[str, int]]:
     """Per-hop bytes of the ring modes: ``{mode: {"forward", "backward", "total"}}``."""
     d = sh.dims()
     out = {}
-    for mode in costmodel.RING_MODES:
-        h = costmodel.hop_bytes(mode, d)
+    for mode in options.RING_MODES:
+        h = cost.hop_bytes(mode, d)
         out[mode] = {"forward": h.fwd, "backward": h.bwd, "total": h.step}
     return out
 
@@ -98,12 +98,12 @@ def step_report(sh: Shapes, transport: str) -> dict[str, dict[str, float]]:
     d = sh.dims()
     tr = resolve_transport(transport, sh.R)
     out = {}
-    for mode in costmodel.MODES:
-        b = costmodel.step_bytes(mode, d)
+    for mode in options.MODES:
+        b = cost.step_bytes(mode, d)
         out[mode] = {
             "bytes_forward": b.fwd,
             "bytes_backward": b.bwd,
-            "seconds": costmodel.step_seconds(mode, d, transport=tr),
+            "seconds": cost.step_seconds(mode, d, transport=tr),
         }
     return out
 
@@ -119,31 +119,29 @@ def ep_ranks_per_node(par: ParallelConfig) -> int | None:
 
 
 def ring_schedule(cfg: Config) -> str:
-    """The schedule the ring runs for ``cfg`` (``costmodel.choose_schedule``)."""
-    return costmodel.choose_schedule(
+    """The schedule the ring runs for ``cfg`` (``cost.choose_schedule``)."""
+    return cost.choose_schedule(
         world=cfg.parallel.ep, gpus_per_node=ep_ranks_per_node(cfg.parallel)
     )
 
 
 def hop_time_report(sh: Shapes, mode: str, transport: str, gpus_per_node: int | None) -> dict:
-    """Per schedule (``costmodel.SCHEDULES``): the hop times of ``mode`` (a ring mode) in one
-    layer step (``costmodel.ring_hop_times``, fields in seconds, ``step_s`` the layer step) and
+    """Per schedule (``options.SCHEDULES``): the hop times of ``mode`` (a ring mode) in one
+    layer step (``cost.ring_hop_times``, fields in seconds, ``step_s`` the layer step) and
     ``layer_peak_bytes``, the layer step's peak over its inputs (``MemoryBytes.peak``: the
     copy engine's shared workspace excluded)."""
     d = sh.dims()
     tr = resolve_transport(transport, sh.R)
-    peak = costmodel.memory_bytes(mode, d, transport=tr).peak  # the same buffers in any order
+    peak = cost.memory_bytes(mode, d, transport=tr).peak  # the same buffers in any order
     out = {}
-    for sched in costmodel.SCHEDULES:
-        t = costmodel.ring_hop_times(
-            mode, d, schedule=sched, gpus_per_node=gpus_per_node, transport=tr
-        )
+    for sched in options.SCHEDULES:
+        t = cost.ring_hop_times(mode, d, schedule=sched, gpus_per_node=gpus_per_node, transport=tr)
         out[sched] = {"mode": mode, **dataclasses.asdict(t), "nodes": t.nodes, "step_s": t.step_s,
                       "layer_peak_bytes": peak}  # fmt: skip
     if mode == "expert":  # asked for by name only: reported, never chosen (not yet measured)
-        t = costmodel.node_batched_hop_times(d, gpus_per_node=gpus_per_node)
-        mem = costmodel.node_batched_memory_bytes(d, gpus_per_node=gpus_per_node or sh.R)
-        out[costmodel.NODE_BATCHED] = {
+        t = cost.node_batched_hop_times(d, gpus_per_node=gpus_per_node)
+        mem = cost.node_batched_memory_bytes(d, gpus_per_node=gpus_per_node or sh.R)
+        out[options.NODE_BATCHED] = {
             "mode": mode, **dataclasses.asdict(t), "nodes": t.nodes, "step_s": t.step_s,
             "layer_peak_bytes": mem.peak,  # NCCL: its exchanges are batch_isend_irecv
         }  # fmt: skip

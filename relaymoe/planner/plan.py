@@ -12,7 +12,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 
 from relaymoe.config import Config, config_from_dict, recompute_args, to_megatron_args
-from relaymoe.costmodel import MODES, RING_MODES
+from relaymoe.options import MODES, RING_MODES
 from relaymoe.planner import memory as mm
 from relaymoe.planner import mode as pm
 from relaymoe.planner.recompute import RecomputePlan, plan_recompute, worst_stage_peak
@@ -79,7 +79,7 @@ class Plan:
     routing_mode: str  # relaymoe mode the runtime runs: expert | token | alltoall
     transport: str  # the ring transport assumed: local | nccl | copy_engine
     per_hop_bytes: dict  # ring modes: {"expert": {...}, "token": {...}}
-    step_model: dict  # per mode: link bytes per layer step and modelled seconds (costmodel)
+    step_model: dict  # per mode: link bytes per layer step and modelled seconds (relaymoe.cost)
     moe_peak_bytes: dict  # {"alltoall", "ring", "ring_expert", "ring_token", "ring_alltoall"}
     # per variant (``VARIANTS``):
     peak_bytes: dict  # under its recompute plan (None: does not fit)
@@ -92,9 +92,9 @@ class Plan:
     megatron_args: dict  # Megatron argument overrides (recompute_*) for ``chosen``
     megatron_flags: tuple[str, ...]  # the whole command line to paste, for ``chosen``
     notes: tuple[str, ...] = ()
-    schedule: str = "flat"  # the ring's order (costmodel.SCHEDULES) for the cluster shape
+    schedule: str = "flat"  # the ring's order (options.SCHEDULES) for the cluster shape
     gpus_per_node: int | None = None  # the cluster's (parallel.gpus_per_node; None: one node)
-    hop_times: dict = field(default_factory=dict)  # per schedule: costmodel.ring_hop_times
+    hop_times: dict = field(default_factory=dict)  # per schedule: cost.ring_hop_times
 
     @property
     def chosen(self) -> str:

@@ -34,23 +34,22 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from relaymoe.costmodel import (
+from relaymoe.cost import choose_mode, grad_accum_bytes
+from relaymoe.kernels import check_problem_limits
+from relaymoe.options import (
     GRAD_ACCUM_CHOICES,
     MODE_CHOICES,
     NODE_BATCHED,
     SCHEDULE_CHOICES,
     TRANSPORT_CHOICES,
-    choose_mode,
-    grad_accum_bytes,
 )
-from relaymoe.kernels import check_problem_limits
 from relaymoe.ring.faults import all_reduce_checked, check_markers
 from relaymoe.ring.transport import copy_engine_available, copy_engine_works
 from relaymoe.routing import validate_topk_idx
 
 __all__ = ["RingProblem", "RingRequest", "agree"]
 
-MODES = MODE_CHOICES  # the names live in relaymoe.costmodel
+MODES = MODE_CHOICES  # the names live in relaymoe.options
 TRANSPORTS = TRANSPORT_CHOICES
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _DEVICE_TYPES = ("cpu", "cuda")
@@ -100,7 +99,7 @@ class RingRequest:
     schedule: str = "auto"
     gpus_per_node: int | None = None  # None: from the ranks' hosts
     needs_grad: bool = True
-    grad_accum: str = "auto"  # the weight-gradient accumulators (costmodel.GRAD_ACCUM_CHOICES)
+    grad_accum: str = "auto"  # the weight-gradient accumulators (options.GRAD_ACCUM_CHOICES)
 
 
 @dataclass(frozen=True)
@@ -128,7 +127,7 @@ class RingProblem:
     schedule: str = "flat"
     gpus_per_node: int | None = None
     # dtype of the weight-gradient accumulators (expert mode's travelling trail, token mode's
-    # local sums): ``dtype`` or fp32 (costmodel.grad_accum_bytes)
+    # local sums): ``dtype`` or fp32 (cost.grad_accum_bytes)
     grad_dtype: torch.dtype | None = None
 
     @property
@@ -392,7 +391,7 @@ def _agree_collective(
     mode_req, tr_req = MODES[r0[F_MODE] - 1], TRANSPORTS[r0[F_TRANSPORT] - 1]
     gacc = GRAD_ACCUM_CHOICES[r0[F_GACC] - 1]
     grad_dtype = torch.float32 if grad_accum_bytes(gacc, world, dtype) > dtype.itemsize else dtype
-    if mode_req == "auto":  # the time model (relaymoe.costmodel), the same floats on every rank
+    if mode_req == "auto":  # the time model (relaymoe.cost), the same floats on every rank
         mode_res = choose_mode(
             tokens=tokens, hidden=hidden, ffn=ffn, num_local_experts=n_local, topk=topk,
             world=world, act_bytes=dtype.itemsize, prob_bytes=prob_dtype.itemsize,

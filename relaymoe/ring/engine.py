@@ -26,7 +26,7 @@ step, so each hop sends and receives exactly the partition's bytes.
 **Memory bound** (besides inputs, outputs and gradients; ``W = El*3*H*I`` elements, ``b`` bytes
 per element, ``gb`` bytes of a weight-gradient accumulator element (``b``, or 4 with fp32
 accumulators: ``grad_accum``), ``Tm`` the largest T of the group, ``m = K*(4+pb)`` metadata
-bytes per token; ``costmodel.memory_bytes`` is this list):
+bytes per token; ``cost.memory_bytes`` is this list):
 
 * expert forward: two weight slots ``2*W*b``, plus one hop's compute intermediates;
 * expert backward: two slots of weights + trailing gradient ``2*W*(b + gb)``, one gradient
@@ -53,7 +53,7 @@ expert bounds above.
 
 **All-to-all mode** (``mode="alltoall"``, ``alltoall.py``): the same hop primitives behind one
 all-to-all of index-dispatched tokens, for the small-T regime where the ring's per-hop host cost
-dominates. ``mode="auto"`` picks among the three with ``relaymoe.costmodel.choose_mode`` (a time
+dominates. ``mode="auto"`` picks among the three with ``relaymoe.cost.choose_mode`` (a time
 model calibrated on H200 rows), identically on every rank.
 
 No ``(T*K, H)`` buffer exists at any time (the hop primitives read tokens through the index).
@@ -69,8 +69,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from relaymoe.costmodel import NODE_BATCHED
 from relaymoe.experts import expert_hop_backward, expert_hop_forward
+from relaymoe.options import NODE_BATCHED
 from relaymoe.ring.agree import RingProblem, RingRequest, agree
 from relaymoe.ring.alltoall import alltoall_backward, alltoall_forward
 from relaymoe.ring.executor import relay
@@ -107,7 +107,7 @@ def _transport(prob: RingProblem, group) -> Transport | None:
 # ---------------------------------------------------------------------------------------------
 def _weights_layout(prob: RingProblem, prefix: str = "") -> Layout:
     """The experts' weights, or with ``prefix="d"`` their gradient accumulators (in
-    ``prob.accum_dtype``: fp32 for a long ring of 16-bit weights, see costmodel.GRAD_ACCUMS)."""
+    ``prob.accum_dtype``: fp32 for a long ring of 16-bit weights, see options.GRAD_ACCUMS)."""
     El, H, I = prob.num_local_experts, prob.hidden, prob.ffn
     dt = prob.accum_dtype if prefix == "d" else prob.dtype
     return Layout.of((prefix + "w13", dt, (El, 2 * I, H)), (prefix + "w2", dt, (El, H, I)))
@@ -553,7 +553,7 @@ def ring_moe(
 
     ``group``: the EP group (default: the default group; without an initialized process group
     a world of one). ``mode``: ``"expert"``, ``"token"``, ``"alltoall"`` or ``"auto"`` (the
-    fastest by :func:`relaymoe.costmodel.choose_mode`, identical on every rank).
+    fastest by :func:`relaymoe.cost.choose_mode`, identical on every rank).
     ``transport``: ``"nccl"`` (``batch_isend_irecv``; gloo on CPU; the all-to-all mode always
     uses the group's collectives), ``"copy_engine"`` (symmetric-memory pulls, CUDA within
     a node) or ``"auto"`` (copy engine when every rank is a CUDA device of one node with
@@ -567,7 +567,7 @@ def ring_moe(
     ``gpus_per_node``: None to read the nodes from the ranks' hosts (exchanged in the agreement),
     else the GPUs per node of the group.
     ``grad_accum``: the dtype of the ring's weight-gradient accumulators: ``"param"`` (the
-    weights'), ``"fp32"``, or ``"auto"`` (fp32 from ``costmodel.FP32_GRAD_ACCUM_MIN_EP`` ranks,
+    weights'), ``"fp32"``, or ``"auto"`` (fp32 from ``options.FP32_GRAD_ACCUM_MIN_EP`` ranks,
     where the per-hop rounding of 16-bit accumulators would take the weight-gradient error past
     twice an all-to-all's; in expert mode the travelling gradients then cost 2x the bytes).
 

@@ -50,8 +50,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from relaymoe.costmodel import HOST_WAIT_CHOICES
 from relaymoe.kernels import env_switch
+from relaymoe.options import HOST_WAIT_CHOICES
 from relaymoe.ring import lagwait
 
 __all__ = [

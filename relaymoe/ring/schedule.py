@@ -1,9 +1,9 @@
 """The ring schedule: pure Python, no torch (RelayMoE §3.1, Fig. 5), flat or two-level. The
-order itself is ``relaymoe.costmodel.order_partition`` / ``order_rank`` (the planner's too).
+order itself is ``relaymoe.cost.order_partition`` / ``order_rank`` (the planner's too).
 
 Every rank computes every partition once, one per step ``s = 0..R-1``, its own at step 0;
 ``partition(s, r)`` says which, and ``who(s, p)`` which rank computes ``p`` at step ``s``. Two
-orders exist (``costmodel.SCHEDULES``):
+orders exist (``options.SCHEDULES``):
 
 * **flat**: one ring over the group: rank ``r`` computes ``(r - s) mod R``, so every hop each rank
   sends to ``r+1``. Across nodes every hop then crosses the slow link at one rank per node.
@@ -41,7 +41,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from relaymoe.costmodel import order_partition, order_rank
+from relaymoe.cost import order_partition, order_rank
 
 __all__ = ["ByteRange", "HopTransfer", "Leg", "RingPlan", "SlotLayout"]
 

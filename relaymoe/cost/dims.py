@@ -1,0 +1,130 @@
+"""``Dims``: one rank's view of an MoE layer, the sizes every cost is a function of."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from relaymoe.cost.links import ALIGN, INDEX_BYTES
+from relaymoe.options import (
+    AUTO,
+    FP32_GRAD_ACCUM_MIN_EP,
+    GRAD_ACCUM_CHOICES,
+    MODES,
+    TRANSPORTS,
+)
+
+
+@dataclass(frozen=True)
+class Dims:
+    """One rank's view of an MoE layer (see the module docstring for the letters)."""
+
+    T: int
+    H: int
+    I: int
+    El: int
+    K: int
+    R: int
+    b: int
+    pb: int
+    gb: int = 0  # bytes of a weight-gradient accumulator element; 0: b (the weights' dtype)
+
+    def __post_init__(self):
+        if self.gb == 0:
+            object.__setattr__(self, "gb", self.b)
+        for name in ("T", "H", "I", "El", "K", "R", "b", "pb", "gb"):
+            v = getattr(self, name)
+            lo = 0 if name == "T" else 1
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+                raise ValueError(f"cost model: {name}={v!r} must be an int >= {lo}")
+        if self.K > self.E:
+            raise ValueError(
+                f"cost model: top-k K={self.K} exceeds E={self.E} experts (El={self.El} x "
+                f"R={self.R}); use K <= E"
+            )
+
+    @property
+    def E(self) -> int:
+        return self.El * self.R
+
+    @property
+    def W(self) -> int:
+        """Elements of the local experts (w13 (El, 2I, H) and w2 (El, H, I))."""
+        return self.El * 3 * self.H * self.I
+
+    @property
+    def m(self) -> int:
+        """Routing metadata bytes of one token: K int32 ids and K probabilities."""
+        return self.K * (INDEX_BYTES + self.pb)
+
+    @property
+    def P(self) -> int:
+        """Token-expert pairs of the partition."""
+        return self.T * self.K
+
+
+def _nbytes(dtype) -> int:
+    """Bytes of an element: an int, or anything with ``itemsize`` (a torch.dtype)."""
+    n = getattr(dtype, "itemsize", dtype)
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"cost model: element size {dtype!r} is not a byte count nor a dtype")
+    return n
+
+
+def grad_accum_bytes(choice: str, world: int, act_bytes) -> int:
+    """Bytes of a weight-gradient accumulator element for ``choice`` (GRAD_ACCUM_CHOICES) in a
+    ring of ``world`` ranks whose weights have ``act_bytes`` (a byte count or a dtype)."""
+    if choice not in GRAD_ACCUM_CHOICES:
+        raise ValueError(
+            f"grad_accum={choice!r} is not one of {GRAD_ACCUM_CHOICES} (fp32: weight-gradient "
+            "accumulators in fp32; param: in the weights' dtype; auto: fp32 from "
+            f"{FP32_GRAD_ACCUM_MIN_EP} ranks)"
+        )
+    b = _nbytes(act_bytes)
+    fp32 = choice == "fp32" or (choice == AUTO and world >= FP32_GRAD_ACCUM_MIN_EP)
+    return max(b, 4) if fp32 else b
+
+
+def dims(
+    *,
+    tokens: int | Sequence[int],
+    hidden: int,
+    ffn: int,
+    num_local_experts: int,
+    topk: int,
+    world: int,
+    act_bytes=2,
+    prob_bytes=4,
+    grad_accum: str = AUTO,
+) -> Dims:
+    """``Dims`` from named sizes; ``tokens`` is one T or every rank's T (the largest counts:
+    it bounds every hop). ``act_bytes``/``prob_bytes``: a byte count or a dtype;
+    ``grad_accum``: the weight-gradient accumulators (GRAD_ACCUM_CHOICES)."""
+    T = max(tokens) if isinstance(tokens, Sequence) else tokens
+    b = _nbytes(act_bytes)
+    return Dims(T, hidden, ffn, num_local_experts, topk, world, b, _nbytes(prob_bytes),
+                grad_accum_bytes(grad_accum, world, b))  # fmt: skip
+
+
+def _check_mode(mode: str, allowed: Sequence[str] = MODES) -> None:
+    if mode not in allowed:
+        raise ValueError(f"cost model: mode {mode!r} is not one of {tuple(allowed)}")
+
+
+def _check_transport(transport: str) -> None:
+    if transport not in TRANSPORTS:
+        raise ValueError(f"cost model: transport {transport!r} is not one of {TRANSPORTS}")
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _packed(*segments: int) -> int:
+    """Bytes of segments packed as ``relaymoe.ring.layout.Layout`` does (each start aligned,
+    the total ends at the last segment's end)."""
+    offset = end = 0
+    for s in segments:
+        end = offset + s
+        offset = _align(end)
+    return end

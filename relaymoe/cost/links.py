@@ -1,0 +1,19 @@
+"""Link speeds and byte-layout constants of the cost model (relaymoe/cost/)."""
+
+from __future__ import annotations
+
+# The links a ring hop runs over (the planner's per-hop times; the simulator's Cluster defaults
+# import them). NVLink: one way between the two GPUs of the lent 2x H200 machine, 1 GiB messages
+# (measured: 394 GB/s one way, 741 both ways). Between nodes: one 400 Gb/s NIC
+# per GPU (8 x 400 Gb/s per 8-GPU node, the H100 reference clusters: an assumption, no
+# multi-node machine was measured) = 50 GB/s nominal, of which RDMA P2P of tens of MB reaches
+# about 90% (assumption).
+NVLINK_BYTES_PER_S = 394e9
+NIC_BYTES_PER_S = 50e9
+NIC_EFFICIENCY = 0.9
+INTER_NODE_BYTES_PER_S = NIC_EFFICIENCY * NIC_BYTES_PER_S
+
+INDEX_BYTES = 4  # expert ids travel as int32
+ROUTING_INDEX_BYTES_PER_PAIR = 12  # expert_token_indices, token_expert_indices, token_index_map
+ALIGN = 256  # every segment of a travelling buffer starts aligned (relaymoe/ring/layout.py)
+SYMM_GRANULE = 2 * 1024 * 1024  # the copy-engine workspace grows in these (ring/transport.py)

@@ -1,0 +1,228 @@
+"""Memory of each mode beside its inputs, outputs and gradients, and the baseline's."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from relaymoe.cost.dims import Dims, _align, _check_mode, _check_transport, _packed
+from relaymoe.cost.links import INDEX_BYTES, ROUTING_INDEX_BYTES_PER_PAIR, SYMM_GRANULE
+from relaymoe.cost.order import _check_nodes
+from relaymoe.cost.traffic import alltoall_rows
+from relaymoe.options import RING_MODES
+
+# Megatron's alltoall dispatcher (the baseline): coexisting top-k-expanded (T*K, H) buffers and
+# (T*K, I) expert intermediates, fit to megatron-core 0.19.2 (qwen3 T32k: 6464 MiB at EP=1,
+# 7486 MiB at EP=2, the anchor measurement).
+MCORE_A2A_BUFFERS_EP1 = 4.0
+MCORE_A2A_BUFFERS_EP = 5.5
+MCORE_A2A_INTERMEDIATES = 3
+
+
+def _slot(lead: int, trail: int) -> int:
+    """Largest slot of a pass: ``[lead | trail]``, the trail at an aligned offset (a hop with
+    both exists once R >= 2; ring/schedule.py ``SlotLayout``)."""
+    return _align(lead) + trail if trail else lead
+
+
+def _pass_slots(mode: str, d: Dims) -> tuple[int, int]:
+    """(forward, backward) slot bytes with the engine's layouts (ring/engine.py)."""
+    T, H, K, b, pb = d.T, d.H, d.K, d.b, d.pb
+    if mode == "expert":
+        w = _packed(d.El * 2 * d.I * H * b, d.El * H * d.I * b)  # w13 | w2
+        dw = _packed(d.El * 2 * d.I * H * d.gb, d.El * H * d.I * d.gb)  # dw13 | dw2
+        return _slot(w, 0), _slot(w, dw)
+    fwd_lead = _packed(T * H * b, T * K * INDEX_BYTES, T * K * pb)  # x | idx | probs
+    bwd_lead = _packed(T * H * b, T * K * pb, T * H * b)  # x | probs | dy
+    fwd_trail = T * H * b  # out
+    bwd_trail = _packed(T * H * b, T * K * pb)  # dx | dprobs
+    return _slot(fwd_lead, fwd_trail), _slot(bwd_lead, bwd_trail)
+
+
+def slot_capacity(mode: str, d: Dims, *, training: bool = True) -> int:
+    """Bytes of one of the two ring slots (``RingPlan.capacity``): the larger of the passes
+    that run, since a forward that a backward follows reserves the backward's size at once.
+    0 for a world of one (nothing travels) and for alltoall mode (no slots)."""
+    _check_mode(mode)
+    if d.R == 1 or mode == "alltoall":
+        return 0
+    fwd, bwd = _pass_slots(mode, d)
+    return max(fwd, bwd) if training else fwd
+
+
+def symmetric_workspace_bytes(mode: str, d: Dims, *, training: bool = True) -> int:
+    """The copy-engine transport's persistent symmetric-memory workspace: two slots of
+    ``capacity`` bytes rounded up to ``SYMM_GRANULE``, per (group, device), shared by all
+    layers (so counted once per GPU, not per layer); at least one granule each, even when the
+    slots are empty. 0 for a world of one and for alltoall mode (no slots)."""
+    _check_mode(mode)
+    if d.R == 1 or mode not in RING_MODES:
+        return 0
+    cap = slot_capacity(mode, d, training=training)
+    return 2 * max(SYMM_GRANULE, -(-cap // SYMM_GRANULE) * SYMM_GRANULE)
+
+
+@dataclass(frozen=True)
+class MemoryBytes:
+    """What one layer's MoE experts allocate besides their inputs, outputs and gradients.
+
+    ``fwd`` / ``bwd``: transient peak of each pass (freed when it ends); ``saved``: kept from
+    the forward to the backward; ``workspace``: persistent symmetric memory of the copy-engine
+    transport, per (group, device) and shared by all layers.
+    """
+
+    fwd: int
+    bwd: int
+    saved: int
+    workspace: int
+
+    @property
+    def transient(self) -> int:
+        return max(self.fwd, self.bwd)
+
+    @property
+    def peak(self) -> int:
+        """Peak of one layer step over its inputs (the workspace excluded: it is per GPU)."""
+        return self.saved + self.transient
+
+
+def _intermediates(pairs: int, d: Dims, backward: bool) -> int:
+    """One compute call's expert intermediates over ``pairs``: the (pairs, 2I) pre-activation,
+    the (pairs, I) activation and the (pairs, H) down-projection rows; the backward also the
+    (pairs, 2I) gradient of the pre-activation (recomputed, never saved)."""
+    return pairs * ((4 if backward else 2) * d.I + d.I + d.H) * d.b
+
+
+def memory_bytes(
+    mode: str,
+    d: Dims,
+    *,
+    training: bool = True,
+    transport: str = "copy_engine",
+    weights_copy: bool = False,
+) -> MemoryBytes:
+    """The engine's memory bound of ``mode`` (ring/engine.py docstring, "Memory bound").
+
+    Ring modes (a hop computes ``T*K/R`` pairs under uniform routing):
+      expert fwd: two slots + one hop's intermediates;
+      expert bwd: two slots (weights + trailing gradient), a gradient scratch ``W*gb``, the
+      returned gradient ``W*gb`` (and its ``W*b`` cast when ``gb != b``) + one hop's
+      intermediates;
+      token fwd: two slots, an output scratch ``T*H*b``, one hop's intermediates;
+      token bwd: two slots, a dx/dprobs scratch ``T*(H*b + K*pb)``, the local weight-gradient
+      accumulator ``W*gb`` (and its cast), one hop's intermediates.
+      The two slots are ``2*slot_capacity``: transient with ``nccl``, the persistent
+      ``workspace`` with ``copy_engine``. ``weights_copy``: list-form weights not back to back
+      in one storage cost ``W*b`` per pass in token mode and in a world of one.
+      Saved: expert mode the own tokens' routing index; token mode the routing index of every
+      visiting partition (built when it visits, reused by the backward: ``R`` of them).
+    Alltoall mode: see ``_alltoall_memory`` (plain allocations, no symmetric memory).
+    A world of one: plain local compute whatever the mode.
+    """
+    _check_mode(mode)
+    _check_transport(transport)
+    Wb = d.W * d.b
+
+    def out(fwd: int, bwd: int, saved: int, workspace: int = 0) -> MemoryBytes:
+        # inference runs no backward and keeps nothing for one
+        return MemoryBytes(fwd, bwd if training else 0, saved if training else 0, workspace)
+
+    own_index = ROUTING_INDEX_BYTES_PER_PAIR * d.P
+    if d.R == 1:
+        copy = Wb if weights_copy else 0
+        fwd = _intermediates(d.P, d, False) + copy
+        return out(fwd, Wb + _intermediates(d.P, d, True) + copy, own_index)
+    if mode == "alltoall":
+        return out(*_alltoall_memory(d, weights_copy))
+    cap = slot_capacity(mode, d, training=training)
+    persistent = transport == "copy_engine"
+    slots = 0 if persistent else 2 * cap
+    workspace = symmetric_workspace_bytes(mode, d, training=training) if persistent else 0
+    hop_pairs = -(-d.P // d.R)
+    Wg = d.W * d.gb + (Wb if d.gb != d.b else 0)  # an accumulator (and its cast to b)
+    if mode == "expert":
+        fwd = slots + _intermediates(hop_pairs, d, False)
+        bwd = slots + d.W * d.gb + Wg + _intermediates(hop_pairs, d, True)
+    else:
+        copy = Wb if weights_copy else 0
+        fwd = slots + d.T * d.H * d.b + _intermediates(hop_pairs, d, False) + copy
+        bwd = slots + d.T * (d.H * d.b + d.K * d.pb) + Wg + copy
+        bwd += _intermediates(hop_pairs, d, True)
+        return out(fwd, bwd, own_index * d.R, workspace)
+    return out(fwd, bwd, own_index, workspace)
+
+
+def node_batched_memory_bytes(d: Dims, *, gpus_per_node: int, training: bool = True) -> MemoryBytes:
+    """``memory_bytes`` of the expert ring's node-batched rounds (``NODE_BATCHED``, NCCL), as
+    ``relaymoe/ring/engine.py`` holds them at once (uniform routing).
+
+    At ``G = 1`` the hop runs on the visiting partition in place: the flat expert ring's. At
+    ``G > 1`` a round holds the all-gathered ``G*El`` experts (``G*W*b``) and, backward, their
+    fresh gradients (``G*W*gb``): first with the hop's intermediates (``G/R`` of the rank's
+    pairs), then, the hop returned, with the ``G - 1`` gradient shares received by the
+    reduce-scatter. Besides: the column's accumulator (``W*gb``; at home in a column of one
+    node), over several nodes the column ring's two transfer slots, and at the end the returned
+    gradient's cast (``W*b`` when ``gb != b``). H200, qwen3 T4k at EP 2 and ``G = 2``: 3,488.6
+    MiB measured over the inputs, 3,488.4 from this count (with the output and dx)."""
+    R = d.R
+    G = _check_nodes(R, gpus_per_node)
+    if G == 1:
+        return memory_bytes("expert", d, training=training, transport="nccl")
+    Wb, Wg = d.W * d.b, d.W * d.gb
+    pairs = G * -(-d.P // R)
+    slots = 2 * slot_capacity("expert", d, training=training) if R > G else 0
+    fwd = slots + G * Wb + _intermediates(pairs, d, False)
+    if not training:
+        return MemoryBytes(fwd, 0, 0, 0)
+    hop = G * Wb + G * Wg + _intermediates(pairs, d, True)
+    exchange = G * Wb + G * Wg + (G - 1) * Wg
+    cast = Wb if d.gb != d.b else 0
+    bwd = slots + Wg + max(hop, exchange, cast)
+    return MemoryBytes(fwd, bwd, ROUTING_INDEX_BYTES_PER_PAIR * d.P, 0)
+
+
+def _alltoall_memory(d: Dims, weights_copy: bool) -> tuple[int, int, int]:
+    """(fwd, bwd, saved) of alltoall mode, phase by phase as ``relaymoe/ring/alltoall.py``
+    allocates and frees; a rank receives as many rows as it sends (``S``, in expectation) and
+    computes its ``T*K`` pairs in one call.
+
+    Forward: dispatch (the sent rows of x and metadata, the received x; then the received
+    metadata), compute (received x and metadata, a copy of the ids, the expert output, one
+    call's intermediates), combine (the expert output and the returned rows).
+    Backward: dispatch (received x, sent and received dy), compute (received x and dy, dx and
+    dprobs rows, the weight gradient ``W*b``, intermediates), return (dx/dprobs rows sent and
+    received, the weight gradient). Saved: the received rows' routing index (over all K ids of
+    a row) and probabilities, the sent rows' token ids (int64), the (T, R) int32 row map.
+    ``weights_copy``: the call stacks list-form weights, ``W*b`` per pass.
+    """
+    S = math.ceil(alltoall_rows(d))
+    Hb, m, Wb = d.H * d.b, d.m, d.W * d.b
+    ids = S * d.K * INDEX_BYTES
+    copy = Wb if weights_copy else 0
+    fwd = copy + max(
+        S * (m + 2 * Hb),
+        S * (2 * m + Hb),
+        S * (Hb + m) + ids + S * Hb + _intermediates(d.P, d, False),
+        2 * S * Hb,
+    )
+    bwd = copy + max(
+        3 * S * Hb,
+        3 * S * Hb + S * d.K * d.pb + Wb + _intermediates(d.P, d, True),
+        2 * S * (Hb + d.K * d.pb) + Wb,
+    )
+    saved = S * d.K * (ROUTING_INDEX_BYTES_PER_PAIR + d.pb) + 8 * S + 4 * d.T * d.R
+    return fwd, bwd, saved
+
+
+def mcore_alltoall_memory_bytes(d: Dims) -> int:
+    """Megatron's alltoall dispatcher (the baseline, not a relaymoe mode): peak of one layer
+    step over its inputs, router excluded: the local weight gradient ``W*b``, ``a`` coexisting
+    top-k-expanded (T*K, H) buffers and three (T*K, I) expert intermediates."""
+    a = MCORE_A2A_BUFFERS_EP1 if d.R == 1 else MCORE_A2A_BUFFERS_EP
+    return int(d.W * d.b + a * d.P * d.H * d.b + MCORE_A2A_INTERMEDIATES * d.P * d.I * d.b)
+
+
+def mcore_alltoall_send_bytes(d: Dims) -> float:
+    """Megatron's alltoall dispatcher: bytes one rank sends in one all-to-all of its
+    top-k-expanded (T*K, H) rows (``(R-1)/R`` of them leave the rank)."""
+    return d.P * (d.R - 1) / d.R * d.H * d.b
