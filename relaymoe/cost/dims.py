@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from relaymoe.cost.links import ALIGN, INDEX_BYTES
+from relaymoe.cost.links import INDEX_BYTES, align_up
 from relaymoe.options import (
     AUTO,
     FP32_GRAD_ACCUM_MIN_EP,
@@ -116,15 +116,11 @@ def _check_transport(transport: str) -> None:
         raise ValueError(f"cost model: transport {transport!r} is not one of {TRANSPORTS}")
 
 
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
 def _packed(*segments: int) -> int:
     """Bytes of segments packed as ``relaymoe.ring.layout.Layout`` does (each start aligned,
     the total ends at the last segment's end)."""
     offset = end = 0
     for s in segments:
         end = offset + s
-        offset = _align(end)
+        offset = align_up(end)
     return end

@@ -17,3 +17,8 @@ INDEX_BYTES = 4  # expert ids travel as int32
 ROUTING_INDEX_BYTES_PER_PAIR = 12  # expert_token_indices, token_expert_indices, token_index_map
 ALIGN = 256  # every segment of a travelling buffer starts aligned (relaymoe/ring/layout.py)
 SYMM_GRANULE = 2 * 1024 * 1024  # the copy-engine workspace grows in these (ring/transport.py)
+
+
+def align_up(nbytes: int, align: int = ALIGN) -> int:
+    """``nbytes`` rounded up to a multiple of ``align`` (a travelling segment's start)."""
+    return (nbytes + align - 1) // align * align

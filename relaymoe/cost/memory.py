@@ -5,8 +5,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from relaymoe.cost.dims import Dims, _align, _check_mode, _check_transport, _packed
-from relaymoe.cost.links import INDEX_BYTES, ROUTING_INDEX_BYTES_PER_PAIR, SYMM_GRANULE
+from relaymoe.cost.dims import Dims, _check_mode, _check_transport, _packed
+from relaymoe.cost.links import (
+    INDEX_BYTES,
+    ROUTING_INDEX_BYTES_PER_PAIR,
+    SYMM_GRANULE,
+    align_up,
+)
 from relaymoe.cost.order import _check_nodes
 from relaymoe.cost.traffic import alltoall_rows
 from relaymoe.options import RING_MODES
@@ -22,7 +27,7 @@ MCORE_A2A_INTERMEDIATES = 3
 def _slot(lead: int, trail: int) -> int:
     """Largest slot of a pass: ``[lead | trail]``, the trail at an aligned offset (a hop with
     both exists once R >= 2; ring/schedule.py ``SlotLayout``)."""
-    return _align(lead) + trail if trail else lead
+    return align_up(lead) + trail if trail else lead
 
 
 def _pass_slots(mode: str, d: Dims) -> tuple[int, int]:

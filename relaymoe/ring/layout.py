@@ -13,13 +13,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["ALIGN", "Layout", "Segment", "align_up"]
+from relaymoe.cost.links import ALIGN, align_up
 
-ALIGN = 256
-
-
-def align_up(nbytes: int, align: int = ALIGN) -> int:
-    return (nbytes + align - 1) // align * align
+__all__ = ["Layout", "Segment"]
 
 
 @dataclass(frozen=True)

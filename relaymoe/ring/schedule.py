@@ -42,14 +42,9 @@ import functools
 from dataclasses import dataclass
 
 from relaymoe.cost import order_partition, order_rank
+from relaymoe.cost.links import align_up
 
 __all__ = ["ByteRange", "HopTransfer", "Leg", "RingPlan", "SlotLayout"]
-
-_ALIGN = 256
-
-
-def _align(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
 @dataclass(frozen=True)
@@ -187,7 +182,7 @@ class RingPlan:
         lead = self.lead_bytes[lead_p] if lead_p is not None else 0
         trail_p = self.partition(step - 1, r) if (step >= 1 and self.has_trail) else None
         trail = self.trail_bytes[trail_p] if trail_p is not None else 0
-        return SlotLayout(lead_p, lead, trail_p, _align(lead) if lead else 0, trail)
+        return SlotLayout(lead_p, lead, trail_p, align_up(lead) if lead else 0, trail)
 
     def _sends(self, hop: int, rank: int) -> list[tuple[str, Leg]]:
         """``rank``'s non-empty sends of ``hop`` as ``(kind, leg)``, kind lead/trail/both."""
