@@ -416,7 +416,7 @@ def convert(
     precision = {"bf16": ["--bf16"], "fp16": ["--fp16"], "fp32": []}[dtype]
     argv = [
         *model_flags,
-        "--seq-length", str(seq), "--micro-batch-size", "1", "--global-batch-size", "1",
+        "--seq-length", str(seq), "--micro-batch-size", "1", "--global-batch-size", str(world // pp),
         "--pipeline-model-parallel-size", str(pp), "--expert-model-parallel-size", str(ep),
         "--moe-token-dispatcher-type", "ring",
         "--transformer-impl", "local", "--no-rope-fusion", "--no-persist-layer-norm",
