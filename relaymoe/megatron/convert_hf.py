@@ -7,6 +7,10 @@ Reads ``config.json`` and the safetensors shards (``model.safetensors.index.json
 copies every Hugging Face tensor into its Megatron parameter, and saves through megatron-core's
 own ``save_checkpoint`` as a ``release`` checkpoint (weights only: no optimizer, no RNG state).
 
+megatron-core 0.19.2 ships no converter that fits (its ``models/huggingface/`` wraps Hugging
+Face Qwen2 modules for multimodal models; Megatron-LM's ``tools/checkpoint/`` is not in the
+wheel), and Megatron-Bridge's PyPI release pins an older megatron-core.
+
 Why through the model rather than writing keys by hand: ``save_checkpoint`` stores the model's
 ``sharded_state_dict``, whose tensors carry their global shape and offsets, and the content
 metadata Megatron reads back on load. Megatron then reshards on load to any TP/PP/EP layout
