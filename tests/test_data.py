@@ -91,6 +91,8 @@ def test_dataset_holds_the_tokenizers_ids_and_eod(corpus):
     for got, text in zip(docs, texts, strict=True):
         assert got == reference.encode(text).ids + [eod], text
     assert r.tokens["text"] == sum(map(len, docs))
+    manifest = json.loads(Path(r.outputs["text"] + ".json").read_text())
+    assert manifest["megatron_flags"] == r.megatron_flags() and manifest["documents"] == 300
     assert r.megatron_flags() == [
         "--data-path", r.outputs["text"], "--tokenizer-type", "HuggingFaceTokenizer",
         "--tokenizer-model", str(tok_dir.resolve()),

@@ -420,7 +420,8 @@ def convert(
     precision = {"bf16": ["--bf16"], "fp16": ["--fp16"], "fp32": []}[dtype]
     argv = [
         *model_flags,
-        "--seq-length", str(seq), "--micro-batch-size", "1", "--global-batch-size", str(world // pp),
+        "--seq-length", str(seq), "--micro-batch-size", "1",
+        "--global-batch-size", str(world // pp),  # one micro-batch per data-parallel rank
         "--pipeline-model-parallel-size", str(pp), "--expert-model-parallel-size", str(ep),
         "--moe-token-dispatcher-type", "ring",
         "--transformer-impl", "local", "--no-rope-fusion", "--no-persist-layer-norm",

@@ -15,7 +15,8 @@ and modification time, the chunk's byte range, the tokenizer files' hash, the se
 rerun keeps every part whose sidecar matches and makes only the missing ones, so an
 interrupted run continues where it stopped; the parts are then merged in input order, which
 makes the output independent of the worker count. A completed output has a manifest
-(``PREFIX_{key}_document.json``); when it matches, nothing is redone.
+(``PREFIX_{key}_document.json``, which also records the Megatron flags to train with); when it
+matches, nothing is redone.
 
 Megatron-core is imported by the functions, never at import time (``relaymoe`` CLI stays cheap).
 """
@@ -573,7 +574,9 @@ def _merge(parts_dir, chunks, outputs, settings, manifest, docs, tokens) -> None
         builder.finalize(f"{tmp}.idx")
         os.replace(f"{tmp}.bin", f"{prefix}.bin")
         os.replace(f"{tmp}.idx", f"{prefix}.idx")
-        record = dict(manifest, documents=docs, tokens=tokens, key=k)
+        flags = ["--data-path", prefix, "--tokenizer-type", "HuggingFaceTokenizer",
+                 "--tokenizer-model", settings.tokenizer_dir]  # fmt: skip
+        record = dict(manifest, documents=docs, tokens=tokens, key=k, megatron_flags=flags)
         Path(f"{prefix}.json.tmp").write_text(json.dumps(record, indent=1))
         os.replace(f"{prefix}.json.tmp", f"{prefix}.json")
 
