@@ -5,7 +5,8 @@
 A harness, not part of the library: it lives beside the benchmarks that use it and drives the
 library's supported entry point, ``python -m relaymoe.megatron.pretrain``.
 
-Each dispatcher is one ``torchrun -m relaymoe.megatron.pretrain`` job on mock data (sequential,
+Each dispatcher is one ``torchrun -m relaymoe.megatron.pretrain`` job on mock data, or on an
+indexed dataset with ``--data-path PREFIX --tokenizer DIR`` (sequential,
 same machine, same seed, same flags but the dispatcher), which writes a JSON line per step
 (``--relaymoe-report``). The result: both loss curves, their max |difference|, median
 tokens/s over the steps after warm-up, and peak memory (``torch.cuda.max_memory_allocated``
@@ -289,8 +290,14 @@ def pretrain_args(
     regime: str | Regime = "launcher",
     transformer_impl: str | None = None,
     check_te: bool = True,
+    data: tuple[str, str] | None = None,
 ) -> list[str]:
     """Megatron flags for a mock-data run of ``config`` with EP = ``gpus``.
+
+    ``data`` = (dataset prefix, tokenizer folder) trains on that indexed dataset (``relaymoe
+    data``'s output) with Megatron's HuggingFaceTokenizer instead; the embedding keeps the
+    config's vocabulary (``--padded-vocab-size``), and 1% of the documents are held out
+    (``--split 99,1,0``) as ``examples/qwen3/train.sh`` does.
 
     ``seq_length`` / ``micro_batch_size`` replace the config's; ``recompute_modules`` asks for
     selective recompute of those modules; the global batch is always micro-batch x ``gpus``
@@ -340,16 +347,21 @@ def pretrain_args(
             continue
         out.append(a)
     out += [*(f for kv in overrides.items() for f in kv)]
+    if data is None:
+        out += ["--mock-data", "--tokenizer-type", "NullTokenizer"]
+    else:
+        prefix, tokenizer = data
+        out += ["--data-path", prefix, "--tokenizer-type", "HuggingFaceTokenizer",
+                "--tokenizer-model", tokenizer,
+                "--padded-vocab-size", str(cfg.model.vocab_size)]  # fmt: skip
     out += [
-        "--mock-data",
-        "--tokenizer-type", "NullTokenizer",
         "--train-iters", str(steps),
         "--eval-iters", "0",
         "--eval-interval", str(10 * steps + 1),
         *reg.flags(steps),
         "--seed", str(seed),
         "--log-interval", "1",
-        "--split", "100,0,0",
+        "--split", "100,0,0" if data is None else "99,1,0",
         # every run: Megatron's own output layer (ColumnParallelLinear, TE or not) fuses the
         # gradient accumulation only through apex's extension, which these machines lack
         "--no-gradient-accumulation-fusion",
@@ -380,9 +392,11 @@ def run_dispatcher(
     timeout_s: float = 600,
     workdir: str | None = None,
     transformer_impl: str | None = None,
+    data: tuple[str, str] | None = None,
 ) -> RunResult:
     flags = pretrain_args(config, gpus=gpus, steps=steps, dispatcher=dispatcher, seed=seed,
-                          extra=extra, transformer_impl=transformer_impl)  # fmt: skip
+                          extra=extra, transformer_impl=transformer_impl,
+                          data=data)  # fmt: skip
     return run_pretrain(flags, gpus=gpus, timeout_s=timeout_s, workdir=workdir)
 
 
@@ -625,6 +639,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--dispatchers", nargs="+", default=["ring", "alltoall"])
     p.add_argument("--json", default=None, help="write the comparison as JSON here")
+    p.add_argument("--data-path", default=None, help="an indexed dataset prefix (default: mock)")
+    p.add_argument("--tokenizer", default=None, help="with --data-path: its tokenizer folder")
     p.add_argument("extra", nargs=argparse.REMAINDER, help="-- then extra Megatron flags")
     a = p.parse_args(argv)
     import torch
@@ -632,10 +648,13 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("relaymoe e2e: no CUDA GPU on this machine; training needs 1 or 2 GPUs.")
         return 3
+    if (a.data_path is None) != (a.tokenizer is None):
+        p.error("--data-path and --tokenizer go together (relaymoe data prints both)")
+    data = None if a.data_path is None else (a.data_path, a.tokenizer)
     gpus = a.gpus or min(2, torch.cuda.device_count())
     extra = [x for x in a.extra if x != "--"]
     results = [
-        run_dispatcher(a.config, d, gpus=gpus, steps=a.steps, seed=a.seed, extra=extra)
+        run_dispatcher(a.config, d, gpus=gpus, steps=a.steps, seed=a.seed, extra=extra, data=data)
         for d in a.dispatchers
     ]
     for r in results:
@@ -652,6 +671,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dumps(
                 {
                     "config": a.config,
+                    "data_path": a.data_path,
                     "gpus": gpus,
                     "steps": a.steps,
                     "seed": a.seed,

@@ -2,12 +2,15 @@
 
 Public API (imported lazily so ``import relaymoe`` stays cheap and never imports Megatron):
 ``build_routing_index``, ``RoutingIndex``, ``moe_experts``, ``ring_moe``,
-``moe_experts_reference``, ``linear_cross_entropy``.
+``moe_experts_reference``, ``linear_cross_entropy``. The submodules (``relaymoe.reference``,
+``relaymoe.config``, ``relaymoe.megatron``, ...) are reachable as attributes after a plain
+``import relaymoe`` too; each is imported on first use.
 """
 
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
@@ -20,11 +23,44 @@ _EXPORTS = {
     "linear_cross_entropy": "relaymoe.loss",
 }
 
+# submodules resolved by attribute access (``relaymoe.reference.moe_experts_reference``)
+_SUBMODULES = frozenset(
+    {
+        "cli",
+        "config",
+        "cost",
+        "experts",
+        "kernels",
+        "loss",
+        "lossmodel",
+        "megatron",
+        "options",
+        "planner",
+        "reference",
+        "ring",
+        "routing",
+    }
+)
+
 __all__ = sorted(_EXPORTS) + ["__version__"]
+
+if TYPE_CHECKING:  # what IDEs and type checkers see; at run time __getattr__ imports lazily
+    from relaymoe import config, megatron, reference  # noqa: F401
+    from relaymoe.experts import moe_experts  # noqa: F401
+    from relaymoe.loss import linear_cross_entropy  # noqa: F401
+    from relaymoe.reference import moe_experts_reference  # noqa: F401
+    from relaymoe.ring import ring_moe  # noqa: F401
+    from relaymoe.routing import RoutingIndex, build_routing_index  # noqa: F401
 
 
 def __getattr__(name: str):
     module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'relaymoe' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+    if module is not None:
+        return getattr(importlib.import_module(module), name)
+    if name in _SUBMODULES:
+        return importlib.import_module(f"relaymoe.{name}")
+    raise AttributeError(f"module 'relaymoe' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS) | _SUBMODULES)

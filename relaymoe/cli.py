@@ -1,5 +1,7 @@
 """``relaymoe plan``: what fits per GPU, alltoall vs ring, each with Megatron's loss or the fused
-one, and the Megatron flags to paste."""
+one, and the Megatron flags to paste; ``relaymoe flags``; ``relaymoe data`` (tokenise a corpus
+into Megatron's indexed dataset) and ``relaymoe convert-hf`` (a Hugging Face Qwen3-MoE checkpoint
+to a Megatron ``torch_dist`` one), whose code is in ``relaymoe/megatron/``."""
 
 from __future__ import annotations
 
@@ -15,7 +17,10 @@ _PAR = {"tp": "tp", "cp": "cp", "pp": "pp", "vpp": "vpp", "ep": "ep", "etp": "et
 
 
 def _parser() -> argparse.ArgumentParser:
+    from relaymoe import __version__
+
     p = argparse.ArgumentParser(prog="relaymoe", description="relaymoe tools")
+    p.add_argument("--version", action="version", version=f"relaymoe {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     q = sub.add_parser(
         "plan",
@@ -94,7 +99,17 @@ def _parser() -> argparse.ArgumentParser:
         help="the GPUs the job will have (NNODES x GPUS_PER_NODE); refused when the config's "
         "tp x cp x pp x dp differs",
     )
+    _add_tool_parsers(sub)
     return p
+
+
+def _add_tool_parsers(sub) -> None:
+    """Subcommands that live beside the code they run (their modules import nothing heavy at
+    import time; megatron-core is imported when the command runs)."""
+    from relaymoe.megatron import convert_hf, data
+
+    data.add_parser(sub)
+    convert_hf.add_parser(sub)
 
 
 def _build(ns):
@@ -322,6 +337,14 @@ def main(argv: list[str] | None = None) -> int:
     ns = _parser().parse_args(argv)
     if ns.command == "flags":
         return _flags(ns)
+    if ns.command == "data":
+        from relaymoe.megatron import data
+
+        return data.main(ns)
+    if ns.command == "convert-hf":
+        from relaymoe.megatron import convert_hf
+
+        return convert_hf.main(ns)
     from relaymoe.planner import plan
 
     try:

@@ -2,7 +2,8 @@
 
 1. ``megatron.training.arguments.add_megatron_arguments``: adds ``ring`` to the choices of
    ``--moe-token-dispatcher-type`` (built from ``TransformerConfig``'s ``Literal``) and adds the
-   ``relaymoe`` argument group.
+   ``relaymoe`` argument group; escapes the stray ``%`` of megatron-core's help strings so
+   that ``--help`` works (``escape_help_percents``).
 2. ``megatron.training.arguments.validate_args``: runs the ring refusals and, with
    ``--relaymoe-fused-loss``, the fused-loss refusals on the parsed arguments and, with
    ``--relaymoe-recompute-planner``, the recompute planner (before Megatron's own validation,
@@ -32,6 +33,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import re
 
 logger = logging.getLogger("relaymoe.megatron")
 
@@ -163,6 +165,28 @@ def _extend_dispatcher_choices(parser) -> None:
     )
 
 
+# argparse's own help placeholders (``%%``, ``%(default)s``) or a bare ``%``
+_HELP_FORMAT = re.compile(r"%%|%\(\w+\)[sdrfgeixc]|%")
+
+
+def escape_help_percents(parser) -> list[str]:
+    """Escape the ``%`` signs of help strings that argparse would take as format characters.
+
+    ``--help`` expands every help string with ``%`` formatting; megatron-core 0.19.2 writes
+    ``10%`` into the help of ``--moe-paged-stash-buffer-size-factor-cuda``, which makes
+    ``--help`` raise ``ValueError: unsupported format character``. A ``%`` that does not start
+    ``%%`` or ``%(name)s`` is doubled. Returns the ``dest`` of each action changed."""
+    changed = []
+    for action in parser._actions:
+        text = action.help
+        if isinstance(text, str) and "%" in text:
+            fixed = _HELP_FORMAT.sub(lambda m: "%%" if m.group() == "%" else m.group(), text)
+            if fixed != text:
+                action.help = fixed
+                changed.append(action.dest)
+    return changed
+
+
 def patch_arguments() -> None:
     from megatron.training import arguments
 
@@ -173,7 +197,9 @@ def patch_arguments() -> None:
         def add_megatron_arguments(parser):
             parser = original(parser)
             _extend_dispatcher_choices(parser)
-            return add_relaymoe_args(parser)
+            parser = add_relaymoe_args(parser)
+            escape_help_percents(parser)
+            return parser
 
         arguments.add_megatron_arguments = _mark(add_megatron_arguments, original)
 
