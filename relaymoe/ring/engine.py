@@ -588,7 +588,7 @@ def ring_moe(
     needs_grad = torch.is_grad_enabled() and any(
         isinstance(t, Tensor) and t.requires_grad for t in (x, topk_probs, *ws)
     )
-    req = RingRequest(mode, transport, schedule, gpus_per_node, needs_grad, grad_accum)
+    req = RingRequest(mode, transport, schedule, gpus_per_node, needs_grad, grad_accum, backend)
     with torch.profiler.record_function("relaymoe.agree"):
         prob = agree(
             x, w13, w2, topk_idx, topk_probs, group=group, rank=rank, world=world, request=req,
@@ -601,5 +601,6 @@ def resolved_problem(*args, **kwargs) -> RingProblem:
     """The agreed :class:`RingProblem` (mode, transport, sizes) ``ring_moe`` would run."""
     group, rank, world = _resolve_group(kwargs.pop("group", None))
     trusted = kwargs.pop("trusted", False)
-    req = RingRequest(**kwargs)  # mode, transport, schedule, gpus_per_node, needs_grad, grad_accum
+    # mode, transport, schedule, gpus_per_node, needs_grad, grad_accum, backend
+    req = RingRequest(**kwargs)
     return agree(*args, group=group, rank=rank, world=world, request=req, trusted=trusted)
