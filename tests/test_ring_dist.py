@@ -531,9 +531,46 @@ def _trusted_steady_state(rank, world, group):
         agree_mod.dist.all_reduce = real
 
 
+def _settings_must_agree(rank, world, group):
+    """Issue #32: the environment settings that decide collectives (RELAYMOE_RING_AGREE,
+    RELAYMOE_PAIR_BUFFER_MIB) set differently on rank 0: every rank raises the same ValueError
+    naming the setting and each rank's value, trusted or not, first call or later (never a
+    hang); a bad value on one rank raises on all; with the settings equal again the ring works
+    and the trusted cache holds no agreement of the broken calls."""
+    import relaymoe.ring.agree as agree_mod
+
+    if world == 1:
+        return  # a world of one has no collective to disagree on
+    kw = dict(seed=61, tokens=[3, 0, 4, 2][:world], El=2, K=2, dtype=torch.float64,
+              mode="expert", route="skew")  # fmt: skip
+    settings = (("RELAYMOE_RING_AGREE", "every_call", "cached", "'every_call'", "'cached'"),
+                ("RELAYMOE_PAIR_BUFFER_MIB", "0", "512", "0", "512"))  # fmt: skip
+    cached = len(agree_mod._AGREED)
+    for var, first, others, shown0, shown1 in settings:
+        os.environ[var] = first if rank == 0 else others
+        try:
+            for trusted in (True, False, True):
+                with pytest.raises(ValueError) as info:
+                    _run_case(rank, world, group, trusted=trusted, **kw)
+                msg = str(info.value)
+                assert f"environment setting {var} differs" in msg, msg
+                assert f"rank 0: {shown0}" in msg and f"rank 1: {shown1}" in msg, msg
+        finally:
+            del os.environ[var]
+    os.environ["RELAYMOE_PAIR_BUFFER_MIB"] = "lots" if rank == world - 1 else "512"
+    try:
+        with pytest.raises(ValueError, match="RELAYMOE_PAIR_BUFFER_MIB|a RELAYMOE_"):
+            _run_case(rank, world, group, trusted=True, **kw)
+    finally:
+        del os.environ["RELAYMOE_PAIR_BUFFER_MIB"]
+    assert len(agree_mod._AGREED) == cached  # no broken call left an agreement behind
+    _run_case(rank, world, group, trusted=True, **kw)
+    _run_case(rank, world, group, trusted=False, **kw)
+
+
 SCENARIOS = [_correctness, _triton_backend, _list_forms, _no_persistent_copy, _determinism,
              _modes_agree_and_auto, _bad_inputs, _backward_disagreement,
-             _microbatches_in_flight, _trusted_steady_state]  # fmt: skip
+             _microbatches_in_flight, _trusted_steady_state, _settings_must_agree]  # fmt: skip
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
