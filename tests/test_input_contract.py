@@ -303,3 +303,10 @@ def test_contiguous_inputs_are_not_copied(monkeypatch):
     for backend in ["torch"] + (["triton"] if _triton_runs() else []):
         _run(x, w13, w2, idx, probs, dy, backend=backend)
     assert not copies, copies
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("H, I", [(0, 3), (4, 0)])  # noqa: E741
+def test_zero_width_hidden_or_ffn(backend, H, I):  # noqa: E741
+    x, w13, w2, idx, probs, dy = _problem(20, T=5, H=H, I=I, E=3)
+    _check(_run(x, w13, w2, idx, probs, dy, backend=backend), _oracle(x, w13, w2, idx, probs, dy))

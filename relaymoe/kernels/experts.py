@@ -352,10 +352,11 @@ def triton_hop_forward(
     _check_sizes(num_tokens, n_pairs, "triton_hop_forward")
     if save_act and not exact:
         raise ValueError("save_act needs the exact pair count (n_pairs), not max_pairs")
-    if n_pairs == 0 or n_local == 0 or num_tokens == 0:
+    if n_pairs == 0 or n_local == 0 or num_tokens == 0 or x_TH.shape[1] == 0:
+        # nothing to compute (with H = 0 every product is an empty sum: h is zeros)
         if not accumulate:
             out_TH.zero_()
-        return out_TH, x_TH.new_empty(n_pairs, two_i) if save_act else None
+        return out_TH, x_TH.new_zeros(n_pairs, two_i) if save_act else None
     prob_P = pairs.pair_probs(probs_TK, index.token_index_map, offs, n_pairs)
     idx_P = index.expert_token_indices
     groups = _HopGroups(idx_P, offs, n_pairs, exact)
@@ -413,7 +414,7 @@ def triton_hop_backward(
     n_pairs, exact = _pair_count(index, e0, e1, n_pairs, max_pairs) if n_local > 0 else (0, True)
     _check_sizes(num_tokens, n_pairs, "triton_hop_backward")
     idx_P = index.expert_token_indices
-    if n_pairs == 0 or num_tokens == 0:
+    if n_pairs == 0 or num_tokens == 0 or x_TH.shape[1] == 0:  # H = 0: every gradient is 0
         if not acc_dx:
             dx_TH.zero_()
         dw13 = torch.zeros_like(w13, dtype=grad_dtype) if dw13 is None else dw13
