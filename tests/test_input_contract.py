@@ -310,3 +310,22 @@ def test_contiguous_inputs_are_not_copied(monkeypatch):
 def test_zero_width_hidden_or_ffn(backend, H, I):  # noqa: E741
     x, w13, w2, idx, probs, dy = _problem(20, T=5, H=H, I=I, E=3)
     _check(_run(x, w13, w2, idx, probs, dy, backend=backend), _oracle(x, w13, w2, idx, probs, dy))
+
+
+def test_ring_moe_refuses_a_hop_backend_that_cannot_run(monkeypatch):
+    """ring_moe checks the hop backend in its agreement (an error code every rank raises):
+    float64 on Triton, Triton on a CPU without the interpreter."""
+    import relaymoe.kernels as kernels
+    from relaymoe.ring import ring_moe
+
+    x, w13, w2, idx, probs, _ = _problem(21, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"invalid input on rank 0: backend='triton'.*float64"):
+        if not _triton_runs():
+            monkeypatch.setattr(kernels, "interpret_mode", lambda: True)
+            monkeypatch.setattr(kernels, "triton_available", lambda: True)
+        ring_moe(x, w13, w2, idx, probs, backend="triton")
+    monkeypatch.setattr(kernels, "interpret_mode", lambda: False)
+    with pytest.raises(ValueError, match=r"rank 0: backend='triton' needs Triton and a CUDA"):
+        ring_moe(x.float(), w13.float(), w2.float(), idx, probs.float(), backend="triton")
+    y = ring_moe(x, w13, w2, idx.to(torch.uint32), probs, backend="auto")  # float64 kept
+    assert y.dtype == torch.float64
