@@ -55,7 +55,6 @@ def _renamed(value: str, old: dict[str, str], what: str) -> str:
 # What the Triton kernels compute in: fp32 accumulation of 16-bit or fp32 operands. float64
 # cannot be honoured there; the torch backend keeps it (the oracle comparisons run on it).
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def resolve_backend(

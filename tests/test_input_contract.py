@@ -90,6 +90,18 @@ def test_every_argument_transposed_or_strided(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_row_blocks_of_wider_tensors_are_read_in_place(backend):
+    """x and dy as blocks of wider buffers (unit column stride, a longer row stride, an odd
+    offset): the kernels read them through their row stride, without a copy."""
+    x, w13, w2, idx, probs, dy = _problem(22, H=12)
+    T, H = x.shape
+    xb = torch.zeros(T, H + 5)[:, 1 : H + 1].copy_(x)
+    dyb = torch.zeros(T, H + 3)[:, 3 : H + 3].copy_(dy)
+    _check(_run(xb, w13, w2, idx, probs, dyb, backend=backend),
+           _oracle(x, w13, w2, idx, probs, dy))  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_expanded_inputs(backend):
     """Stride-0 inputs (every token the same row, every expert the same weights)."""
     x, w13, w2, idx, probs, dy = _problem(3)
