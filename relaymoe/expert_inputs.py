@@ -11,12 +11,14 @@ behind it.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import Tensor
 
 from relaymoe.routing import RoutingIndex
 
-__all__ = ["check_index", "check_moe_inputs", "stack_experts"]
+__all__ = ["check_index", "check_moe_inputs", "expert_range_of", "stack_experts"]
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
@@ -119,16 +121,25 @@ def _check_out(out, x: Tensor, others: dict[str, Tensor]) -> None:
             )
 
 
-def _check_range(expert_range, n_local: int, index) -> None:
-    ok = (
-        isinstance(expert_range, (tuple, list))
-        and len(expert_range) == 2
-        and all(isinstance(e, int) and not isinstance(e, bool) for e in expert_range)
-    )
-    if not ok:
+def expert_range_of(expert_range) -> tuple[int, int] | None:
+    """``expert_range`` as a pair of Python ints (any integer type: numpy's, a 0-d integer
+    tensor), None as None; anything else raises ``ValueError``."""
+    if expert_range is None:
+        return None
+    try:
+        if isinstance(expert_range, (str, bytes)) or len(expert_range) != 2:
+            raise TypeError
+        if any(isinstance(e, bool) for e in expert_range):
+            raise TypeError
+        e0, e1 = (operator.index(e) for e in expert_range)
+    except TypeError:
         raise ValueError(
             f"moe_experts: expert_range must be a pair of ints (e0, e1), got {expert_range!r}"
-        )
+        ) from None
+    return e0, e1
+
+
+def _check_range(expert_range: tuple[int, int], n_local: int, index) -> None:
     e0, e1 = expert_range
     if e1 - e0 != n_local:
         raise ValueError(

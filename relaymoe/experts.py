@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from relaymoe.expert_inputs import check_index, check_moe_inputs, stack_experts
+from relaymoe.expert_inputs import check_index, check_moe_inputs, expert_range_of, stack_experts
 from relaymoe.kernels import unit_cols
 from relaymoe.routing import RoutingIndex, build_routing_index
 
@@ -388,6 +388,7 @@ def moe_experts(
         raise ValueError(f"moe_experts: recompute must be one of {RECOMPUTES}, got {recompute!r}")
     w13 = stack_experts("w13", w13, "(E, 2I, H)")
     w2 = stack_experts("w2", w2, "(E, H, I)")
+    expert_range = expert_range_of(expert_range)
     check_moe_inputs(x, w13, w2, topk_idx, topk_probs, index, expert_range, out)
     resolved = resolve_backend(backend, x.device, x.dtype)
     if index is None:

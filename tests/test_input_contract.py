@@ -298,6 +298,11 @@ def test_other_bad_arguments():
                     expert_range=(0.0, 4.0))  # fmt: skip
     with pytest.raises(ValueError, match="repeats an expert id"):
         moe_experts(x, w13, w2, torch.zeros_like(idx), probs)
+    index = build_routing_index(idx, 4)  # any integer type names a range
+    a = moe_experts(x, w13[1:3], w2[1:3], idx, probs, index=index,
+                    expert_range=(torch.tensor(1), torch.tensor(3)))  # fmt: skip
+    b = moe_experts(x, w13[1:3], w2[1:3], idx, probs, index=index, expert_range=[1, 3])
+    assert torch.equal(a, b)
 
 
 def test_contiguous_inputs_are_not_copied(monkeypatch):
