@@ -24,12 +24,16 @@ the cache off (debugging a caller that breaks the contract).
 
 **Settings that decide collectives.** ``RELAYMOE_RING_AGREE`` decides whether a trusted call
 enters the agreement's all-reduce, and ``RELAYMOE_PAIR_BUFFER_MIB`` whether it enters the pair
-counts' all-reduce. Both are read once per call (:func:`ring_settings`), written into the
-agreement's row, and must be equal on every rank: ranks launched with different values all
-raise the same ``ValueError`` naming the setting and every rank's value, in the agreement they
-all enter on their first call (the cache is empty then). The agreed values are what the call
-then uses (``RingProblem.pair_buffer_mib``), and they are part of the cache's signature: a
-change on every rank at once agrees again, like any other change of signature.
+counts' all-reduce. The ring reads both once per process, at its first call
+(:func:`ring_settings`), writes them into every agreement's row and requires them equal on
+every rank: ranks launched with different values all raise the same ``ValueError`` naming the
+setting and every rank's value, in the agreement they all enter on their first call (no
+agreement is cached then). A later change of the environment in one process cannot make its
+rank enter other collectives than its peers: the values stay those read first, until
+:func:`reload_ring_settings`, which every rank must call at the same point (it also drops the
+cached agreements, so the next call agrees, and compares, again). The call decides from the
+agreed values (``RingProblem.pair_buffer_mib``). The expert kernels' own column chunks follow
+``RELAYMOE_PAIR_BUFFER_MIB`` as it is at each call: a local choice no peer depends on.
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ from relaymoe.ring.faults import all_reduce_checked, check_markers
 from relaymoe.ring.transport import copy_engine_available, copy_engine_works
 from relaymoe.routing import validate_topk_idx
 
-__all__ = ["RingProblem", "RingRequest", "agree"]
+__all__ = ["RingProblem", "RingRequest", "agree", "reload_ring_settings", "ring_settings"]
 
 MODES = MODE_CHOICES  # the names live in relaymoe.costmodel
 TRANSPORTS = TRANSPORT_CHOICES
@@ -130,9 +134,29 @@ class RingSettings:
     pair_buffer_mib: int = 512  # RELAYMOE_PAIR_BUFFER_MIB
 
 
+_SETTINGS: tuple[RingSettings | None, str] | None = None  # this process's, read once
+
+
 def ring_settings() -> tuple[RingSettings | None, str]:
-    """``(settings, "")``, or ``(None, message)`` for a bad value: the caller turns that into an
-    error code of the agreement, so that every rank raises, not just this one."""
+    """This process's ring settings, read from the environment at the first call and kept
+    (see the module doc): ``(settings, "")``, or ``(None, message)`` for a bad value, which
+    the agreement turns into an error code so that every rank raises, not just this one."""
+    global _SETTINGS
+    if _SETTINGS is None:
+        _SETTINGS = _read_ring_settings()
+    return _SETTINGS
+
+
+def reload_ring_settings() -> None:
+    """Read the ring settings from the environment again at the next call, and drop every
+    cached agreement (the next call of each signature agrees, and compares the settings,
+    again). Every rank of every group must call it at the same point of its program."""
+    global _SETTINGS
+    _SETTINGS = None
+    _AGREED.clear()
+
+
+def _read_ring_settings() -> tuple[RingSettings | None, str]:
     value = os.environ.get(AGREE_ENV, AGREE_CHOICES[0])
     if value not in AGREE_CHOICES:
         return None, (
@@ -675,7 +699,7 @@ def agree(
     exact). ``trusted=True``: see the module doc (cached per signature, ids not validated).
     """
     args = (x, w13, w2, topk_idx, topk_probs)
-    settings = ring_settings()  # read once for this call; agreed in the row
+    settings = ring_settings()  # this process's, read once; agreed in the row
     where = dict(group=group, rank=rank, world=world, req=request, settings=settings)
     env = settings[0]
     # a bad setting (env None) goes to the agreement, where every rank raises
