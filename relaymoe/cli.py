@@ -40,6 +40,31 @@ def _parser() -> argparse.ArgumentParser:
         help="h100-80gb | h100-64gb (the paper's) | h200-141gb | a100-80gb | a100-40gb | bytes "
         "(e.g. 85899345920 or 80GiB); default %(default)s",
     )
+    _add_overrides(q, dispatchers=("ring", "alltoall"))
+    q.add_argument("--json", action="store_true", help="print one JSON object")
+    f = sub.add_parser(
+        "flags",
+        help="the Megatron flags of a config, one per line (what examples/qwen3/train.sh passes)",
+        description="Prints a config's model, parallelism, batch and relaymoe flags for "
+        "Megatron, one per line; with --world, first checks that the config's layout fills "
+        "exactly that many GPUs.",
+    )
+    f.add_argument("--config", default=DEFAULT_CONFIG, help="YAML path or a name in configs/")
+    _add_overrides(f, dispatchers=DISPATCHERS)
+    f.add_argument(
+        "--world",
+        type=int,
+        default=None,
+        help="the GPUs the job will have (NNODES x GPUS_PER_NODE); refused when the config's "
+        "tp x cp x pp x dp differs",
+    )
+    _add_tool_parsers(sub)
+    return p
+
+
+def _add_overrides(q: argparse.ArgumentParser, dispatchers: tuple[str, ...]) -> None:
+    """The config overrides ``plan`` and ``flags`` share (one builder, :func:`build_config`,
+    so that both print the same Megatron flags for the same config and overrides)."""
     for k in _PAR:
         q.add_argument(f"--{k}", type=int, default=None, help=f"override parallel.{k}")
     q.add_argument(
@@ -50,13 +75,16 @@ def _parser() -> argparse.ArgumentParser:
         "group in one node): picks the ring's schedule, flat or two-level across nodes",
     )
     q.add_argument("--mbs", type=int, default=None, help="override training.micro_batch_size")
-    q.add_argument("--gbs", type=int, default=None, help="override training.global_batch_size")
+    q.add_argument(
+        "--gbs",
+        type=int,
+        default=None,
+        help="override training.global_batch_size (default: the config's, kept when --dp or "
+        "--mbs change; micro_batch_size * dp when the config sets none)",
+    )
     q.add_argument("--seq", type=int, default=None, help="override training.seq_length")
     q.add_argument(
-        "--dispatcher",
-        choices=("ring", "alltoall"),
-        default=None,
-        help="override relaymoe.dispatcher",
+        "--dispatcher", choices=dispatchers, default=None, help="override relaymoe.dispatcher"
     )
     q.add_argument(
         "--ring-mode",
@@ -77,30 +105,6 @@ def _parser() -> argparse.ArgumentParser:
         help="override relaymoe.fused_loss: the flags and recompute plan are for the chunked "
         "output layer + cross-entropy (the capacities are printed for both anyway)",
     )
-    q.add_argument("--json", action="store_true", help="print one JSON object")
-    f = sub.add_parser(
-        "flags",
-        help="the Megatron flags of a config, one per line (what examples/qwen3/train.sh passes)",
-        description="Prints a config's model, parallelism, batch and relaymoe flags for "
-        "Megatron, one per line; with --world, first checks that the config's layout fills "
-        "exactly that many GPUs.",
-    )
-    f.add_argument("--config", default=DEFAULT_CONFIG, help="YAML path or a name in configs/")
-    f.add_argument(
-        "--dispatcher",
-        choices=DISPATCHERS,
-        default=None,
-        help="override relaymoe.dispatcher (e.g. alltoall for a baseline with the same flags)",
-    )
-    f.add_argument(
-        "--world",
-        type=int,
-        default=None,
-        help="the GPUs the job will have (NNODES x GPUS_PER_NODE); refused when the config's "
-        "tp x cp x pp x dp differs",
-    )
-    _add_tool_parsers(sub)
-    return p
 
 
 def _add_tool_parsers(sub) -> None:
@@ -112,10 +116,14 @@ def _add_tool_parsers(sub) -> None:
     convert_hf.add_parser(sub)
 
 
-def _build(ns):
-    from relaymoe.config import load_config
+def build_config(ns):
+    """``(cfg, notes)``: the config with the command line's overrides, and one line for each
+    value an override changed besides the one it names, or that the flags render differently
+    from the config (``relaymoe.config.megatron_notes``)."""
+    from relaymoe.config import load_config, megatron_notes
 
     cfg = load_config(ns.config)
+    notes: list[str] = []
     par = {k: getattr(ns, k) for k in _PAR if getattr(ns, k) is not None}
     if ns.gpus_per_node is not None:
         par["gpus_per_node"] = ns.gpus_per_node
@@ -127,7 +135,7 @@ def _build(ns):
     if ns.gbs is not None:
         tr["global_batch_size"] = ns.gbs
     elif ns.mbs is not None or "dp" in par:
-        tr["global_batch_size"] = None  # default: mbs * dp
+        tr["global_batch_size"] = _kept_global_batch(cfg, ns.mbs, par.get("dp"), notes)
     rel = {}
     if ns.dispatcher:
         rel["dispatcher"] = ns.dispatcher
@@ -137,7 +145,43 @@ def _build(ns):
         rel["transport"] = ns.transport
     if ns.fused_loss is not None:
         rel["fused_loss"] = ns.fused_loss
-    return cfg.replace(parallel=par, training=tr, relaymoe=rel)
+    cfg = cfg.replace(parallel=par, training=tr, relaymoe=rel)
+    return cfg, notes + megatron_notes(cfg)
+
+
+def _kept_global_batch(cfg, mbs: int | None, dp: int | None, notes: list[str]) -> int | None:
+    """The global batch size under new ``--mbs``/``--dp`` without ``--gbs``.
+
+    Megatron's global batch size is the optimiser's batch, not a product of the layout: a
+    different data-parallel size or micro-batch changes how many micro-batches each rank
+    accumulates per step, not the batch. So the config's value is kept (a note gives the new
+    accumulation), and refused when it is no multiple of ``micro_batch_size * dp``; a config
+    without one gets Megatron's default ``micro_batch_size * dp``, with a note when that moved."""
+    t, p = cfg.training, cfg.parallel
+    new_mbs, new_dp = mbs or t.micro_batch_size, dp or p.dp
+    per_step = new_mbs * new_dp
+    what = " ".join(f for f, v in (("--mbs", mbs), ("--dp", dp)) if v is not None)
+    if t.global_batch_size is None:
+        old = t.micro_batch_size * p.dp
+        if per_step != old:
+            notes.append(
+                f"{what}: the global batch size is micro_batch_size*dp = {per_step} (was {old}; "
+                "the config sets none): pass --gbs to keep another"
+            )
+        return None
+    gbs = t.global_batch_size
+    if gbs % per_step:
+        raise ValueError(
+            f"{what}: training.global_batch_size={gbs} is not a multiple of micro_batch_size*dp "
+            f"= {new_mbs}*{new_dp} = {per_step}; pass --gbs with a multiple of {per_step}"
+        )
+    old_acc, new_acc = gbs // (t.micro_batch_size * p.dp), gbs // per_step
+    if old_acc != new_acc:
+        notes.append(
+            f"{what}: the global batch size stays {gbs} (training.global_batch_size); each "
+            f"data-parallel rank now accumulates {new_acc} micro-batches a step (was {old_acc})"
+        )
+    return gbs
 
 
 def _gib(x) -> str:
@@ -198,8 +242,9 @@ def _print_rich(cfg, p) -> None:
         f"[bold]{cfg.name}[/]: {m.num_layers} layers, E={m.num_experts} K={m.moe_router_topk} "
         f"H={m.hidden_size} I={m.moe_ffn_hidden_size} V={m.vocab_size}; {par.world_size} GPUs "
         f"(TP={par.tp} CP={par.cp} PP={par.pp} EP={par.ep} ETP={par.etp} DP={par.dp}); "
-        f"seq {t.seq_length}, micro-batch {t.micro_batch_size}; GPU {_gib(p.gpu_bytes)} GiB, "
-        f"usable {_gib(p.usable_bytes)} GiB"
+        f"seq {t.seq_length}, micro-batch {t.micro_batch_size}; GPU {_gib(p.gpu_bytes)} GiB "
+        f"(the driver's total), usable {_gib(p.usable_bytes)} GiB (less the CUDA context "
+        "and reserves)"
     )
     tab = Table(title="Peak memory per GPU, worst pipeline stage (GiB)")
     tab.add_column("term", no_wrap=True)
@@ -319,16 +364,18 @@ def check_world(cfg, world: int) -> None:
 
 
 def _flags(ns) -> int:
-    from relaymoe.config import load_config, to_megatron_args
+    from relaymoe.config import to_megatron_args
 
     try:
-        cfg = load_config(ns.config)
+        cfg, notes = build_config(ns)
         if ns.world is not None:
             check_world(cfg, ns.world)
-        args = to_megatron_args(cfg, dispatcher=ns.dispatcher)
+        args = to_megatron_args(cfg)
     except ValueError as e:
         print(f"relaymoe flags: error: {e}", file=sys.stderr)
         return 2
+    for n in notes:  # stderr: stdout stays one flag per line for the launch scripts
+        print(f"relaymoe flags: note: {n}", file=sys.stderr)
     print("\n".join(args))
     return 0
 
@@ -348,8 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     from relaymoe.planner import plan
 
     try:
-        cfg = _build(ns)
-        p = plan(cfg, ns.gpu)
+        cfg, notes = build_config(ns)
+        p = plan(cfg, ns.gpu, notes=notes)
     except ValueError as e:
         print(f"relaymoe plan: error: {e}", file=sys.stderr)
         return 2

@@ -444,6 +444,17 @@ def validate_layout(model: ModelConfig, par: ParallelConfig, tr: TrainingConfig)
             f"training.global_batch_size={tr.global_batch_size} is not a multiple of "
             f"micro_batch_size*dp={tr.micro_batch_size * par.dp}"
         )
+    positions = model.max_position_embeddings
+    if (
+        model.position_embedding_type == "learned_absolute"
+        and positions is not None
+        and tr.seq_length > positions
+    ):
+        raise ValueError(
+            f"training.seq_length={tr.seq_length} exceeds model.max_position_embeddings="
+            f"{positions}, the rows of the learned position table; lower seq_length, or raise "
+            "max_position_embeddings (a larger table: new, untrained positions)"
+        )
     if tr.normalization_impl.startswith("torch") and par.tp > 1:
         raise ValueError(
             f"training.normalization_impl={tr.normalization_impl!r} with parallel.tp={par.tp}: "
@@ -540,6 +551,10 @@ def _coerce(sec: str, raw: dict, cls) -> dict:
         t = str(types[k])
         if isinstance(v, list):
             v = tuple(v)
+        if "tuple" in t and v is not None:
+            _check_sequence(f"{sec}.{k}", v, t)
+            out[k] = v
+            continue
         if v is None:
             if "None" not in t:
                 raise ValueError(f"{sec}.{k} may not be null")
@@ -557,6 +572,27 @@ def _coerce(sec: str, raw: dict, cls) -> dict:
             raise ValueError(f"{sec}.{k}={v!r} must be a string")
         out[k] = v
     return out
+
+
+def _check_sequence(name: str, v: Any, t: str) -> None:
+    """A field typed with a tuple (``moe_layer_freq: int | tuple[int, ...]``,
+    ``recompute_modules: tuple[str, ...] | None``): a YAML list of the element type, or the
+    scalar form the field also takes (an int; one module name)."""
+    elem = "int" if "tuple[int" in t else "str"
+    if isinstance(v, tuple):
+        wrong = [x for x in v if isinstance(x, bool) or type(x).__name__ != elem]
+        if wrong:
+            raise ValueError(
+                f"{name}={list(v)!r} must be a list of {'integers' if elem == 'int' else 'names'}"
+                f", but holds {wrong[0]!r}"
+            )
+        return
+    scalar_ok = (elem == "str" and isinstance(v, str)) or (
+        "int |" in t and isinstance(v, int) and not isinstance(v, bool)
+    )
+    if not scalar_ok:
+        form = "an integer or a list of 0/1 per layer" if elem == "int" else "a list of names"
+        raise ValueError(f"{name}={v!r} must be {form}")
 
 
 def _check_pos_int(name: str, v: Any) -> None:
@@ -624,7 +660,7 @@ def to_megatron_args(cfg: Config, *, dispatcher: str | None = None) -> list[str]
         args += ["--group-query-attention", "--num-query-groups", str(m.query_groups)]
     if m.moe_shared_expert_gate:
         args.append("--moe-shared-expert-gate")
-    args += ["--max-position-embeddings", str(m.max_position_embeddings or t.seq_length)]
+    args += ["--max-position-embeddings", str(max_positions(cfg))]
     # parallel
     args += [
         "--tensor-model-parallel-size", str(p.tp),
@@ -665,6 +701,34 @@ def to_megatron_args(cfg: Config, *, dispatcher: str | None = None) -> list[str]
     return args
 
 
+def max_positions(cfg: Config) -> int:
+    """``--max-position-embeddings``: the model's, or the sequence length when that is longer.
+
+    Megatron asserts ``max_position_embeddings >= seq_length``. Only a learned absolute
+    position table is sized by it (``validate_layout`` refuses a sequence longer than that
+    table); RoPE and the other encodings take any length, so training longer than the model's
+    native context (a planner question, ``relaymoe plan --seq``) raises the flag to the sequence
+    length, and :func:`megatron_notes` says so: refusing would make the user edit the model to
+    ask about memory, and keeping the smaller value would give flags Megatron rejects."""
+    pos = cfg.model.max_position_embeddings or cfg.training.seq_length
+    return max(pos, cfg.training.seq_length)
+
+
+def megatron_notes(cfg: Config) -> list[str]:
+    """One line for each value ``to_megatron_args`` renders differently from the config."""
+    m, t = cfg.model, cfg.training
+    notes = []
+    if m.max_position_embeddings is not None and t.seq_length > m.max_position_embeddings:
+        notes.append(
+            f"training.seq_length={t.seq_length} exceeds model.max_position_embeddings="
+            f"{m.max_position_embeddings}: the flags pass --max-position-embeddings "
+            f"{t.seq_length} (Megatron requires max_position_embeddings >= seq_length; "
+            f"{m.position_embedding_type} positions size no weight by it); a model trained at "
+            f"{m.max_position_embeddings} positions may want RoPE scaling at this length"
+        )
+    return notes
+
+
 def recompute_args(
     granularity: str | None,
     method: str | None = None,
@@ -696,6 +760,8 @@ __all__ = [
     "ceil_div",
     "config_from_dict",
     "load_config",
+    "max_positions",
+    "megatron_notes",
     "recompute_args",
     "resolve_config_path",
     "to_megatron_args",

@@ -17,12 +17,15 @@ reference-speed path, not the memory-lean one). ``"auto"`` picks Triton on CUDA.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from relaymoe.expert_inputs import check_index, check_moe_inputs, expert_range_of, stack_experts
+from relaymoe.kernels import unit_cols
 from relaymoe.routing import RoutingIndex, build_routing_index
 
 __all__ = ["moe_experts", "expert_hop_forward", "expert_hop_backward", "resolve_backend"]
@@ -49,18 +52,45 @@ def _renamed(value: str, old: dict[str, str], what: str) -> str:
     return value
 
 
-def resolve_backend(backend: Backend, device: torch.device) -> str:
-    """``auto`` -> ``triton`` on CUDA when the kernels import, else ``torch``."""
+# What the Triton kernels compute in: fp32 accumulation of 16-bit or fp32 operands. float64
+# cannot be honoured there; the torch backend keeps it (the oracle comparisons run on it).
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def resolve_backend(
+    backend: Backend, device: torch.device, dtype: torch.dtype | None = None
+) -> str:
+    """``"triton"`` or ``"torch"`` for inputs on ``device`` of ``dtype`` (None: not checked).
+
+    ``auto`` -> Triton on CUDA when the kernels import and ``dtype`` is one they compute
+    (``TRITON_DTYPES``), else torch (so float64 stays float64). An explicit ``"triton"`` that
+    cannot run raises ``ValueError`` naming why and the fix: Triton missing, a CPU device
+    without ``TRITON_INTERPRET=1``, or a dtype outside ``TRITON_DTYPES``."""
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
-    if backend != "auto":
+    if backend == "torch":
         return backend
-    if device.type == "cuda":
-        from relaymoe.kernels import triton_available
+    from relaymoe.kernels import interpret_mode, triton_available
 
-        if triton_available():
-            return "triton"
-    return "torch"
+    runs = triton_available() and (device.type == "cuda" or (
+        device.type == "cpu" and interpret_mode()))  # fmt: skip
+    dtype_ok = dtype is None or dtype in TRITON_DTYPES
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and runs and dtype_ok else "torch"
+    if not runs:
+        raise ValueError(
+            f"backend='triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1 on CPU, "
+            f"set before triton is imported); the inputs are on {device}"
+            f"{'' if triton_available() else ' and triton does not import'}; "
+            "use backend='torch' (or 'auto')"
+        )
+    if not dtype_ok:
+        raise ValueError(
+            f"backend='triton' computes in float32 and cannot honour {dtype} inputs; use "
+            f"backend='torch' (it keeps {dtype}) or cast x, w13 and w2 to float32 "
+            "(the Triton kernels take float16, bfloat16 and float32)"
+        )
+    return backend
 
 
 def _range(expert_range: tuple[int, int] | None, index: RoutingIndex) -> tuple[int, int]:
@@ -144,7 +174,11 @@ def _torch_hop_backward(
         dh = torch.cat([da * up * _silu_grad(gate), da * s], dim=1).to(x_TH.dtype)
         dw13[j] += (dh.t().to(acc) @ x_n.to(acc)).to(dw13.dtype)
         dx.index_add_(0, tok, (dh @ w13[j]).to(dx.dtype))
-    dprobs.view(-1).index_add_(0, pair, dprob_P.to(dprobs.dtype))
+    if dprobs.is_contiguous():
+        dprobs.view(-1).index_add_(0, pair, dprob_P.to(dprobs.dtype))
+    else:  # a caller's strided buffer: the flat (t*K + k) sums through a contiguous one
+        flat = dprobs.new_zeros(dprobs.numel())
+        dprobs.add_(flat.index_add_(0, pair, dprob_P.to(dprobs.dtype)).view(dprobs.shape))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,7 +212,7 @@ def expert_hop_forward(
     if save not in SAVES:
         raise ValueError(f"save must be one of {SAVES}, got {save!r}")
     e0, e1 = _range(expert_range, index)
-    if resolve_backend(backend, x_TH.device) == "triton":
+    if resolve_backend(backend, x_TH.device, x_TH.dtype) == "triton":
         from relaymoe.kernels.experts import triton_hop_forward
 
         # out_TH=None: the combine writes every row (no zero fill, no read of zeros)
@@ -222,7 +256,7 @@ def expert_hop_backward(
     the weight gradients allocated here when ``dw13``/``dw2`` are None (default the weights').
     """
     e0, e1 = _range(expert_range, index)
-    if resolve_backend(backend, x_TH.device) == "triton":
+    if resolve_backend(backend, x_TH.device, x_TH.dtype) == "triton":
         from relaymoe.kernels.experts import triton_hop_backward
 
         # buffers passed as None are allocated and written by the kernels (no zero fill)
@@ -232,7 +266,8 @@ def expert_hop_backward(
             n_pairs=n_pairs, max_pairs=max_pairs, grad_dtype=grad_dtype,
         )  # fmt: skip
     dx_TH = torch.zeros_like(x_TH) if dx_TH is None else dx_TH
-    dprobs_TK = torch.zeros_like(probs_TK) if dprobs_TK is None else dprobs_TK
+    if dprobs_TK is None:
+        dprobs_TK = torch.zeros(probs_TK.shape, dtype=probs_TK.dtype, device=probs_TK.device)
     dw13 = torch.zeros_like(w13_El2IH, dtype=grad_dtype) if dw13 is None else dw13
     dw2 = torch.zeros_like(w2_ElHI, dtype=grad_dtype) if dw2 is None else dw2
     _torch_hop_backward(
@@ -246,8 +281,16 @@ def expert_hop_backward(
 # autograd + public API
 # ---------------------------------------------------------------------------------------------
 class _MoEExperts(torch.autograd.Function):
+    """``backend`` arrives resolved (``"triton"`` or ``"torch"``). ``out`` is the first input:
+    when it is a view written in place, autograd routes the gradient of the first input to the
+    view's base (``CopySlices``), so the accumulated buffer must come first."""
+
     @staticmethod
-    def forward(ctx, x, w13, w2, probs, out, index, expert_range, recompute, backend):
+    def forward(ctx, out, x, w13, w2, probs, index, expert_range, recompute, backend):
+        if backend == "triton":
+            # the kernels read x rows at unit column stride: a transposed or column-strided x is
+            # copied here, once, and the copy is what the backward reads (no second copy there)
+            x, probs = unit_cols(x), probs.contiguous()
         save = "none" if recompute == "fc1" else "act"
         with torch.no_grad():
             result, saved_h = expert_hop_forward(
@@ -259,7 +302,7 @@ class _MoEExperts(torch.autograd.Function):
         ctx.index, ctx.expert_range, ctx.backend = index, expert_range, backend
         # recompute="act" on Triton: the backward overwrites h with dh (a (P, 2I) buffer less at
         # the peak), so a second backward through the same graph must refuse.
-        ctx.consume_h = recompute == "act" and resolve_backend(backend, x.device) == "triton"
+        ctx.consume_h = recompute == "act" and backend == "triton"
         ctx.h_consumed = False
         ctx.save_for_backward(x, w13, w2, probs, saved_h)
         return result
@@ -273,78 +316,22 @@ class _MoEExperts(torch.autograd.Function):
                 "recompute='act_retain' (keeps it) to backward twice with retain_graph=True"
             )
         x, w13, w2, probs, saved_h = ctx.saved_tensors
+        if ctx.backend == "triton":
+            dy = unit_cols(dy)  # an expanded or transposed upstream gradient: one copy
         dx, dprobs, dw13, dw2 = expert_hop_backward(
-            dy.contiguous(), x, w13, w2, probs, ctx.index,
+            dy, x, w13, w2, probs, ctx.index,
             expert_range=ctx.expert_range, saved_h=saved_h, backend=ctx.backend,
             consume_saved_h=ctx.consume_h,
         )  # fmt: skip
         ctx.h_consumed = ctx.consume_h and saved_h is not None
-        d_out = dy if ctx.needs_input_grad[4] else None
-        return dx, dw13, dw2, dprobs, d_out, None, None, None, None
-
-
-def _check_inputs(x, w13, w2, topk_idx, topk_probs, index, expert_range, recompute, out):
-    if recompute not in RECOMPUTES:
-        raise ValueError(f"recompute must be one of {RECOMPUTES}, got {recompute!r}")
-    if x.dim() != 2:
-        raise ValueError(f"x must be (T, H), got shape {tuple(x.shape)}")
-    num_tokens, hidden = x.shape
-    if w13.dim() != 3 or w2.dim() != 3:
-        raise ValueError(
-            f"w13 must be (E, 2I, H) and w2 (E, H, I); got {tuple(w13.shape)} and {tuple(w2.shape)}"
-        )
-    n_local, two_i, h13 = w13.shape
-    if h13 != hidden or two_i % 2 or w2.shape != (n_local, hidden, two_i // 2):
-        raise ValueError(
-            f"shapes disagree: x {tuple(x.shape)}, w13 {tuple(w13.shape)} "
-            f"(want (E, 2I, {hidden})), "
-            f"w2 {tuple(w2.shape)} (want ({n_local}, {hidden}, {two_i // 2}))"
-        )
-    if topk_idx.dim() != 2 or topk_idx.shape[0] != num_tokens:
-        raise ValueError(f"topk_idx must be (T={num_tokens}, K), got {tuple(topk_idx.shape)}")
-    if topk_probs.shape != topk_idx.shape:
-        raise ValueError(
-            f"topk_probs shape {tuple(topk_probs.shape)} must equal "
-            f"topk_idx's {tuple(topk_idx.shape)}"
-        )
-    if not (x.dtype == w13.dtype == w2.dtype):
-        raise ValueError(f"x, w13, w2 dtypes differ: {x.dtype}, {w13.dtype}, {w2.dtype}")
-    devices = {t.device for t in (x, w13, w2, topk_idx, topk_probs)}
-    if len(devices) != 1:
-        raise ValueError(f"inputs are on different devices: {sorted(map(str, devices))}")
-    if expert_range is not None:
-        e0, e1 = expert_range
-        if e1 - e0 != n_local:
-            raise ValueError(
-                f"expert_range {expert_range} spans {e1 - e0} experts but w13/w2 hold {n_local}"
-            )
-        if index is None:
-            raise ValueError(
-                "expert_range needs a prebuilt index over all experts: "
-                "pass index=build_routing_index(topk_idx, num_experts)"
-            )
-        if not 0 <= e0 <= e1 <= index.num_experts:
-            raise ValueError(f"expert_range {expert_range} outside [0, {index.num_experts}]")
-    elif index is not None and index.num_experts != n_local:
-        raise ValueError(
-            f"index has {index.num_experts} experts but w13 holds {n_local}; "
-            "pass expert_range=(e0, e1) for a slice of the experts"
-        )
-    if index is not None and (index.num_tokens, index.topk) != tuple(topk_idx.shape):
-        raise ValueError(
-            f"index was built for (T, K)=({index.num_tokens}, {index.topk}), "
-            f"topk_idx is {tuple(topk_idx.shape)}"
-        )
-    if out is not None and (out.shape != x.shape or out.dtype != x.dtype):
-        raise ValueError(
-            f"out must be {tuple(x.shape)} {x.dtype}, got {tuple(out.shape)} {out.dtype}"
-        )
+        d_out = dy if ctx.needs_input_grad[0] else None
+        return d_out, dx, dw13, dw2, dprobs, None, None, None, None
 
 
 def moe_experts(
     x: Tensor,
-    w13: Tensor,
-    w2: Tensor,
+    w13: Tensor | Sequence[Tensor],
+    w2: Tensor | Sequence[Tensor],
     topk_idx: Tensor,
     topk_probs: Tensor,
     *,
@@ -357,6 +344,9 @@ def moe_experts(
     """SwiGLU experts with the oracle's semantics, differentiable in x, w13, w2, topk_probs.
 
     x (T, H); w13 (E, 2I, H); w2 (E, H, I); topk_idx (T, K) global expert ids; topk_probs (T, K).
+    ``w13``/``w2`` may also be lists (or tuples) of E per-expert tensors (2I, H) / (H, I); they
+    are stacked (``torch.stack``, one copy of the weights per call) and each element gets its
+    own gradient.
     ``expert_range=(e0, e1)`` computes only pairs whose expert is in ``[e0, e1)`` with w13/w2
     holding just those experts (needs ``index``). ``out`` (T, H) is accumulated into and returned.
     ``recompute`` (the SiLU is always recomputed from the pre-activation):
@@ -367,9 +357,42 @@ def moe_experts(
     * ``"fc1"`` saves nothing but the inputs and recomputes the up-projection in backward.
 
     ``"none"`` (the old name of ``"act_retain"``) is accepted with a DeprecationWarning.
+
+    Dtypes: x, w13 and w2 share one of float16, bfloat16, float32, float64; topk_probs any of
+    those (computed in fp32 or wider); topk_idx any integer dtype. ``backend="triton"`` takes
+    float16, bfloat16 and float32 (it accumulates in fp32) and refuses float64; ``"auto"``
+    runs float64 on the torch backend, which keeps it. The output has x's dtype; the gradients
+    have their inputs' dtypes.
+
+    Layouts: any strides for every tensor argument (transposed, sliced, expanded), and for the
+    upstream gradient. The Triton backend reads x and dy rows at unit column stride: an x or
+    dy without it is copied once (x in the forward, where the copy is also what the backward
+    reads; dy in the backward), and topk_probs is made contiguous (T*K elements). A row-major
+    x (contiguous, a row slice, a block of a wider tensor) is read in place. An ``out`` whose
+    columns are not at unit stride is written through one row-major (T, chunk) buffer per
+    column chunk; the torch backend reads and writes any strides directly.
+
+    Validated at call time (``ValueError`` naming the value, the limit and the fix): types,
+    shapes, dtypes and devices of every argument; ``out`` (shape, dtype, device, not
+    expanded, not overlapping an input, not a leaf requiring grad); ``expert_range``; the
+    backend (``"triton"`` needs CUDA, or ``TRITON_INTERPRET=1`` on CPU); the routing, when
+    ``index`` is None (ids in ``[0, E)``, distinct per row: one host sync, in
+    ``build_routing_index``). A prebuilt ``index`` must be the routing of ``topk_idx``: free to
+    check when it was built from this ``topk_idx`` tensor, unmodified since; otherwise its ids
+    are compared with ``topk_idx`` on the device (one host sync). Trusted: that a prebuilt
+    index's arrays are the build of its ids and, when it was built with ``validate=False``,
+    that those ids are valid.
     """
     recompute = _renamed(recompute, _OLD_RECOMPUTE, "recompute")
-    _check_inputs(x, w13, w2, topk_idx, topk_probs, index, expert_range, recompute, out)
+    if recompute not in RECOMPUTES:
+        raise ValueError(f"moe_experts: recompute must be one of {RECOMPUTES}, got {recompute!r}")
+    w13 = stack_experts("w13", w13, "(E, 2I, H)")
+    w2 = stack_experts("w2", w2, "(E, H, I)")
+    expert_range = expert_range_of(expert_range)
+    check_moe_inputs(x, w13, w2, topk_idx, topk_probs, index, expert_range, out)
+    resolved = resolve_backend(backend, x.device, x.dtype)
     if index is None:
         index = build_routing_index(topk_idx, w13.shape[0])
-    return _MoEExperts.apply(x, w13, w2, topk_probs, out, index, expert_range, recompute, backend)
+    else:
+        check_index(index, topk_idx)
+    return _MoEExperts.apply(out, x, w13, w2, topk_probs, index, expert_range, recompute, resolved)

@@ -45,6 +45,7 @@ different losses, exactly as Megatron's do. At TP = 1 it equals ``torch.nn.funct
 from __future__ import annotations
 
 import functools
+import struct
 from dataclasses import dataclass
 from typing import Literal
 
@@ -70,6 +71,7 @@ class _Setup:
     chunk: int
     ignore_index: int
     smoothing: float  # Megatron's rescaled smoothing ``a * Vl / (Vl - 1)``, 0 without
+    smoothing_arg: float  # the caller's ``a``
     impl: str  # "torch" | "triton"
     work: torch.dtype  # statistics dtype: fp32, or fp64 for fp64 inputs
 
@@ -92,28 +94,48 @@ def linear_cross_entropy(
     """Per-token cross-entropy of ``hidden_TH @ weight_full.T`` without materialising the logits.
 
     Args:
-        hidden_TH: (T, H) activations, any float dtype (the weight's).
+        hidden_TH: (T, H) activations: float16, bfloat16, float32 or float64 (the weight's).
         weight_VH: (Vl, H) this rank's vocabulary shard, global rows ``[r*Vl, (r+1)*Vl)``.
         labels_T: (T,) integer global token ids in ``[0, Vl * TP)``, or ``ignore_index``.
         tp_group: the tensor-parallel process group over which the vocabulary is split;
             ``None`` is a group of one (the whole vocabulary is ``weight_VH``).
         chunk_tokens: tokens per chunk (default ``lossmodel.default_chunk_tokens(T, Vl)``).
-        ignore_index: label whose tokens get loss 0 and zero gradients.
+        ignore_index: label (an int) whose tokens get loss 0 and zero gradients.
         label_smoothing: Megatron's label smoothing ``a`` in ``[0, 1)`` (see the module doc).
         impl: ``"triton"`` (row kernels, CUDA or ``TRITON_INTERPRET=1``), ``"torch"``, or
             ``"auto"`` (Triton on CUDA when it imports).
-        validate: check that every label is in range or ``ignore_index`` (one host sync).
+        validate: check the labels and, at TP > 1, the tensor-parallel contract (below).
 
     Returns:
         loss_T: (T,) float32 (float64 for float64 inputs). Differentiable into ``hidden_TH``
         (this rank's part, see the module doc) and ``weight_VH``.
+
+    Layouts: any strides for ``hidden_TH``, ``weight_VH``, ``labels_T`` and the upstream
+    gradient (transposed, sliced, expanded); the GEMMs read them in place and the row kernels
+    see only the loss's own contiguous chunk buffer, so nothing is copied. Labels of any integer
+    dtype are widened to int64 (T elements).
+
+    Validated at call time, always (``ValueError`` naming the value, the limit and the fix):
+    types, shapes, dtypes and devices, ``chunk_tokens``, ``label_smoothing``, ``ignore_index``,
+    ``impl``. With ``validate=True`` (the default) also, with one host sync: every label is in
+    ``[0, V)`` or ``ignore_index``; and at TP > 1 the contract the chunks' collectives rely on,
+    on every rank at once in one small all-reduce read by that same host sync: the same T, H,
+    Vl, chunk size, dtype, ignore_index, label_smoothing and labels on every rank of
+    ``tp_group`` (every rank raises the same ``ValueError`` otherwise, instead of a hang or a
+    wrong loss). ``validate=False`` (Megatron's output processor, whose ranks hold the same
+    batch by construction) skips both, with no host sync and no extra collective: labels out of
+    range then count as a target on no rank, and ranks that break the contract hang or fail in
+    the first chunk's all-reduce. ``validate`` itself must be the same on every rank.
+    Trusted always: that every rank passes the same ``hidden_TH`` values.
     """
     setup = _make_setup(
         hidden_TH, weight_VH, labels_T, tp_group, chunk_tokens, ignore_index, label_smoothing,
         impl,
     )  # fmt: skip
     labels_T = labels_T.long()
-    if validate:
+    if validate and setup.world > 1:
+        _agree_tp(hidden_TH, labels_T, setup)
+    elif validate:
         _check_labels(labels_T, setup)
     grad_on = torch.is_grad_enabled()
     need_dh = grad_on and hidden_TH.requires_grad
@@ -142,10 +164,10 @@ def _make_setup(hidden, weight, labels, group, chunk_tokens, ignore_index, smoot
         )
     if vocab_local < 1:
         raise ValueError(f"{name}: weight_VH has {vocab_local} rows; each rank needs >= 1")
-    if not hidden.is_floating_point() or hidden.dtype != weight.dtype:
+    if hidden.dtype not in _FLOATS or hidden.dtype != weight.dtype:
         raise ValueError(
             f"{name}: hidden_TH ({hidden.dtype}) and weight_VH ({weight.dtype}) must share one "
-            "floating dtype; cast one of them"
+            "float dtype of float16, bfloat16, float32, float64; cast one of them"
         )
     if not isinstance(labels, Tensor) or labels.shape != (tokens,):
         raise ValueError(
@@ -168,7 +190,13 @@ def _make_setup(hidden, weight, labels, group, chunk_tokens, ignore_index, smoot
         )
     else:
         chunk = min(chunk_tokens, max(tokens, 1))
-    if not isinstance(smoothing, int | float) or not 0.0 <= smoothing < 1.0:
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise ValueError(
+            f"{name}: ignore_index={ignore_index!r} must be an int (the label of tokens to skip)"
+        )
+    if isinstance(smoothing, bool) or not isinstance(smoothing, int | float):
+        raise ValueError(f"{name}: label_smoothing={smoothing!r} must be a number in [0, 1)")
+    if not 0.0 <= smoothing < 1.0:
         raise ValueError(f"{name}: label_smoothing={smoothing!r} must be in [0, 1); 0 disables it")
     if smoothing > 0 and vocab_local < 2:
         raise ValueError(
@@ -193,9 +221,13 @@ def _make_setup(hidden, weight, labels, group, chunk_tokens, ignore_index, smoot
         chunk=chunk,
         ignore_index=int(ignore_index),
         smoothing=float(smoothing) * vocab_local / (vocab_local - 1) if smoothing > 0 else 0.0,
+        smoothing_arg=float(smoothing),
         impl=_resolve_impl(impl, hidden.device),
         work=torch.float64 if hidden.dtype == torch.float64 else torch.float32,
     )
+
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _desc(x) -> str:
@@ -232,6 +264,92 @@ def _check_labels(labels: Tensor, setup: _Setup) -> None:
             f"{setup.vocab_local} x TP {setup.world}) and is not ignore_index="
             f"{setup.ignore_index}; fix the labels or mark those tokens with ignore_index"
         )
+
+
+# The tensor-parallel contract, one row per rank (see ``_agree_tp``)
+_TP_FIELDS = ("T", "H", "Vl", "chunk", "dtype", "ignore_index", "smoothing", "labels", "bad",
+              "first_bad", "live")  # fmt: skip
+_TP_WHAT = {
+    "T": ("the token count T (hidden_TH.shape[0])", "every rank passes the same hidden_TH and "
+          "labels_T"),
+    "H": ("the hidden size H", "every rank passes the same hidden_TH"),
+    "Vl": ("the vocabulary shard size Vl (weight_VH.shape[0])", "the vocabulary is split "
+           "evenly, rank r holding rows [r*Vl, (r+1)*Vl): pad it to a multiple of the TP size "
+           "(Megatron's make_vocab_size_divisible_by)"),
+    "chunk": ("the chunk size (chunk_tokens)", "pass the same chunk_tokens (or None) on every "
+              "rank"),
+    "dtype": ("the dtype (code 1 float16, 2 bfloat16, 3 float32, 4 float64)", "use one dtype "
+              "on every rank"),
+    "ignore_index": ("ignore_index", "pass the same ignore_index on every rank"),
+    "smoothing": ("label_smoothing", "pass the same label_smoothing on every rank"),
+    "labels": ("labels_T (a checksum of them)", "every rank passes the same labels_T"),
+}  # fmt: skip
+
+
+def _agree_tp(hidden: Tensor, labels: Tensor, setup: _Setup) -> None:
+    """Check, on every rank of ``tp_group`` at once, the contract the chunk loop's collectives
+    rely on: one T, H, Vl, chunk size, dtype, ignore_index, smoothing and labels on every rank,
+    and every label in range. Each rank writes one row of integers (its own values, a checksum
+    of its labels, its first bad label, a validity marker) into a (TP, F) matrix; one all-reduce
+    (sum) of that fixed-size matrix gives every rank every row, and the one host read of it
+    replaces the label check's host sync. So ranks that broke the contract (different T, shards
+    of different sizes) all raise the same ``ValueError`` before any size-dependent collective,
+    instead of a hang, a transport error or a wrong loss. A row whose marker is missing (a peer
+    that failed the collective) is never read as data."""
+    dev, world = hidden.device, setup.world
+    rank = dist.get_rank(setup.group)
+    tokens, hid = hidden.shape
+    vocab = setup.vocab_local * world
+    bad = ((labels < 0) | (labels >= vocab)) & (labels != setup.ignore_index)
+    weights = torch.arange(1, tokens + 1, dtype=torch.int64, device=dev)
+    host = [tokens, hid, setup.vocab_local, setup.chunk, _FLOATS.index(hidden.dtype) + 1,
+            setup.ignore_index, _float_bits(setup.smoothing_arg), 0, 0, 0, 1]  # fmt: skip
+    mat = torch.zeros(world, len(_TP_FIELDS), dtype=torch.int64, device=dev)
+    mat[rank] = torch.tensor(host, dtype=torch.int64).to(dev, non_blocking=True)  # no sync
+    if tokens:
+        first = torch.argmax(bad.to(torch.int8))  # the first bad label's position (device)
+        mat[rank, _TP_FIELDS.index("labels")] = (labels * weights).sum()
+        mat[rank, _TP_FIELDS.index("bad")] = bad.any().to(torch.int64)
+        mat[rank, _TP_FIELDS.index("first_bad")] = labels[first]
+    dist.all_reduce(mat, op=dist.ReduceOp.SUM, group=setup.group)
+    rows = mat.tolist()  # host sync (the one the label check made)
+    live = [r[_TP_FIELDS.index("live")] for r in rows]
+    if live != [1] * world:
+        raise RuntimeError(
+            f"linear_cross_entropy: the tensor-parallel check's all-reduce lacks the validity "
+            f"marker of ranks {[r for r, v in enumerate(live) if v != 1]} (markers {live}); a "
+            "peer failed, its result is not used"
+        )
+    for j, key in enumerate(_TP_FIELDS[:7]):  # the sizes and settings first
+        _same_on_every_rank(key, [r[j] for r in rows])
+    for r, row in enumerate(rows):
+        if row[_TP_FIELDS.index("bad")]:
+            raise ValueError(
+                f"linear_cross_entropy: label {row[_TP_FIELDS.index('first_bad')]} (on rank {r} "
+                f"of tp_group) is outside [0, {vocab}) (V = Vl {setup.vocab_local} x TP "
+                f"{world}) and is not ignore_index={setup.ignore_index}; fix the labels or "
+                "mark those tokens with ignore_index"
+            )
+    _same_on_every_rank("labels", [r[_TP_FIELDS.index("labels")] for r in rows])
+
+
+def _same_on_every_rank(key: str, values: list[int]) -> None:
+    if len(set(values)) != 1:
+        what, fix = _TP_WHAT[key]
+        shown = values if key not in ("smoothing", "labels") else _shown(key, values)
+        raise ValueError(
+            f"linear_cross_entropy: {what} differs across tp_group (by rank): {shown}; {fix}"
+        )
+
+
+def _float_bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def _shown(key: str, values: list[int]) -> list:
+    if key == "smoothing":
+        return [struct.unpack("<d", struct.pack("<q", v))[0] for v in values]
+    return ["same" if v == values[0] else "different" for v in values]
 
 
 # --------------------------------------------------------------------------------------------

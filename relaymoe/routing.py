@@ -9,7 +9,8 @@ The pairs of any contiguous expert range ``[e0, e1)`` are the contiguous positio
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -38,6 +39,16 @@ class RoutingIndex:
     num_tokens: int  # T
     topk: int  # K
     num_experts: int  # E
+    # the topk_idx tensor it was built from and that tensor's version counter then (see
+    # ``built_from``); None for an index built another way
+    source: _Source | None = field(default=None, compare=False, repr=False)
+
+    def built_from(self, topk_idx: Tensor) -> bool:
+        """Whether this index was built from the tensor object ``topk_idx`` and that tensor has
+        not been modified in place since (its version counter is unchanged). Host metadata only:
+        no device work, no host sync. False for a copy, a view or another routing (the caller
+        then compares the ids themselves)."""
+        return self.source is not None and self.source.matches(topk_idx)
 
     @property
     def num_pairs(self) -> int:
@@ -68,11 +79,43 @@ class RoutingIndex:
         return self.expert_token_offsets[1:] - self.expert_token_offsets[:-1]
 
 
+class _Source:
+    """A weak reference to the ``topk_idx`` an index was built from, with its version counter
+    at build time: the same object, unmodified, is the same routing. Weak, so the index keeps
+    no routing alive; a freed tensor never matches (a new tensor at the same address cannot
+    pass for it)."""
+
+    __slots__ = ("ref", "version")
+
+    def __init__(self, topk_idx: Tensor):
+        self.ref = weakref.ref(topk_idx)
+        self.version = topk_idx._version
+
+    @staticmethod
+    def of(topk_idx: Tensor) -> _Source | None:
+        try:
+            return _Source(topk_idx)
+        except (RuntimeError, TypeError):  # inference tensors keep no version counter
+            return None
+
+    def matches(self, topk_idx: Tensor) -> bool:
+        if self.ref() is not topk_idx:
+            return False
+        try:
+            return topk_idx._version == self.version
+        except RuntimeError:
+            return False
+
+
 def _check_range(e0: int, e1: int, num_experts: int) -> None:
     if not (0 <= e0 <= e1 <= num_experts):
         raise ValueError(
             f"expert range [{e0}, {e1}) must satisfy 0 <= e0 <= e1 <= num_experts={num_experts}"
         )
+
+
+# integer dtypes torch compares and reduces natively (others are widened to int64 to validate)
+_COMPARABLE_INTS = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
 def validate_topk_idx(topk_idx: Tensor, num_experts: int) -> None:
@@ -101,6 +144,8 @@ def validate_topk_idx(topk_idx: Tensor, num_experts: int) -> None:
         )
     if num_tokens == 0:
         return
+    if topk_idx.dtype not in _COMPARABLE_INTS:  # uint16/32/64: no min/max kernels in torch
+        topk_idx = topk_idx.long()
     lo, hi = torch.aminmax(topk_idx)
     dup = torch.zeros((), dtype=torch.bool, device=topk_idx.device)
     if topk > 1:
@@ -145,7 +190,9 @@ def build_routing_index(
     ``impl="auto"`` uses the atomic-free Triton build on CUDA and plain torch elsewhere;
     ``"triton"`` forces Triton (on CPU only under ``TRITON_INTERPRET=1``). Both give identical
     arrays. ``validate=False`` skips the input checks (and their host sync) for callers that
-    already validated the routing.
+    already validated the routing. The index keeps a weak reference to ``topk_idx`` and its
+    version counter (:meth:`RoutingIndex.built_from`), so that ``moe_experts(index=...)`` can
+    tell, without device work, that it is handed the routing it was built from.
     """
     if validate:
         validate_topk_idx(topk_idx, num_experts)
@@ -171,4 +218,5 @@ def build_routing_index(
         arrays = build_routing_index_triton(topk_idx, num_experts)
     else:
         arrays = _build_torch(topk_idx, num_experts)
-    return RoutingIndex(*arrays, num_tokens=num_tokens, topk=topk, num_experts=num_experts)
+    return RoutingIndex(*arrays, num_tokens=num_tokens, topk=topk, num_experts=num_experts,
+                        source=_Source.of(topk_idx))  # fmt: skip

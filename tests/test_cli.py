@@ -166,7 +166,8 @@ def test_recompute_table_says_none_needed_and_fits_80_columns(capsys, monkeypatc
     rc, out, err = run(capsys, "plan", "--fused-loss", "--seq", "262144")
     assert rc == 0, err
     table = out.split("Recompute plan")[1].split("Megatron flags")[0]
-    assert "full block 5/stage" in table and "…" not in out and "None" not in table, out
+    # (4 layers recomputed a stage since the presets are the driver's totals; 5 before)
+    assert "full block 4/stage" in table and "…" not in out and "None" not in table, out
 
 
 def test_recompute_summary_cells():
@@ -223,3 +224,70 @@ def test_plan_schedule_with_gpus_per_node(capsys):
     assert rc == 0 and "ring schedule: flat (EP=8 in one node (--gpus-per-node N" in out
     rc, out, err = run(capsys, "plan", "--gpus-per-node", "3")
     assert rc == 2 and "parallel.gpus_per_node=3" in err and "fix:" in err
+
+
+def _flag_lines(capsys, *argv):
+    rc, out, err = run(capsys, "flags", *argv)
+    assert rc == 0, err
+    return out.splitlines(), err
+
+
+def test_plan_and_flags_print_the_same_flags(capsys):
+    """Issue #32: one source of truth (the config with the overrides, ``to_megatron_args``):
+    ``plan`` printed the resolved ring mode and its own recompute, ``flags`` the config's."""
+    overrides = (
+        [], ["--dp", "2"], ["--mbs", "2"], ["--seq", "131072"],
+        ["--fused-loss", "--ring-mode", "token"], ["--dispatcher", "alltoall"],
+    )  # fmt: skip
+    for over in overrides:
+        flags, _ = _flag_lines(capsys, *over)
+        rc, out, err = run(capsys, "plan", "--json", *over)
+        assert rc == 0, err
+        d = json.loads(out)
+        assert d["megatron_args"] == flags, over
+    # qwen3_30b_a3b at 32k: the planner keeps every layer, the config recomputes them all: the
+    # plan says so, with the flags to use, instead of printing other flags than `flags`
+    rc, out, _ = run(capsys, "plan", "--json")
+    d = json.loads(out)
+    assert "--relaymoe-ring-mode auto" in " ".join(d["megatron_args"])
+    assert d["routing_mode"] == "alltoall" and d["planned_recompute_flags"] == []
+    assert any("the recompute planner's plan is no recompute flags" in n for n in d["notes"])
+
+
+def test_overrides_that_change_a_derived_value_say_so(capsys):
+    flags, err = _flag_lines(capsys, "--dp", "2")
+    i = flags.index("--global-batch-size")
+    assert flags[i + 1] == "64"  # kept: the optimiser's batch, not mbs*dp
+    assert "global batch size stays 64" in err and "32 micro-batches a step (was 64)" in err
+    rc, out, _ = run(capsys, "plan", "--json", "--mbs", "2")
+    notes = json.loads(out)["notes"]
+    assert any("global batch size stays 64" in n for n in notes), notes
+    rc, out, err = run(capsys, "flags", "--dp", "3")
+    assert rc == 2 and out == "" and "not a multiple of micro_batch_size*dp = 1*3" in err
+    assert "--gbs" in err and err.count("\n") == 1
+    flags, err = _flag_lines(capsys, "--dp", "3", "--gbs", "63")
+    assert flags[flags.index("--global-batch-size") + 1] == "63" and "note" not in err
+    flags, err = _flag_lines(capsys, "--seq", "131072")
+    assert flags[flags.index("--max-position-embeddings") + 1] == "131072"
+    assert "seq_length=131072 exceeds model.max_position_embeddings=40960" in err
+
+
+def test_a_config_without_a_global_batch(capsys, tmp_path):
+    import yaml
+
+    from tests.helpers import small_config_dict
+
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(small_config_dict()))
+    flags, err = _flag_lines(capsys, "--config", str(path), "--mbs", "4")
+    assert flags[flags.index("--global-batch-size") + 1] == "4"
+    assert "micro_batch_size*dp = 4 (was 2; the config sets none)" in err
+
+
+def test_gpu_too_small_is_one_line(capsys):
+    rc, out, err = run(capsys, "plan", "--gpu", "2GiB")
+    assert rc == 2 and out == "" and err.count("\n") == 1 and "Traceback" not in err
+    assert "--gpu '2GiB' is 2.00 GiB, which leaves nothing usable" in err and "-0.0" not in err
+    rc, out, _ = run(capsys, "plan", "--json", "--gpu", "h100-80gb")
+    d = json.loads(out)
+    assert d["gpu_bytes"] == 81_559 * 2**20 and 0 < d["usable_bytes"] < d["gpu_bytes"]

@@ -300,3 +300,58 @@ def test_configs_ship_in_the_package():
     yamls = set(CONFIG_DIR.rglob("*.yaml"))
     assert len(yamls) > 10 and yamls <= shipped, sorted(map(str, yamls - shipped))
     assert any(d.lower().startswith("pyyaml") for d in meta["project"]["dependencies"])
+
+
+def test_every_field_of_every_yaml_type_loads_or_names_the_value():
+    """A config value of any YAML type (int, float, str, bool, list, mapping, null) either loads
+    or raises ValueError naming the key (issue #32: ``recompute_modules: 5`` was a TypeError)."""
+    from relaymoe.config import _SECTIONS, fields
+
+    values = [0, -1, 3, 2.5, "x", True, [1], ["a"], [], {"a": 1}, None]
+    for sec, cls in _SECTIONS.items():
+        for f in fields(cls):
+            for v in values:
+                try:
+                    config_from_dict(small_config_dict(**{sec: {f.name: v}}))
+                except ValueError as e:
+                    assert "Traceback" not in str(e)
+
+
+def test_recompute_modules_and_layer_patterns_of_the_wrong_type(tmp_path):
+    from relaymoe.cli import main
+
+    d = small_config_dict(training={"recompute_granularity": "selective", "recompute_modules": 5})
+    with pytest.raises(ValueError, match=r"training.recompute_modules=5 must be a list of names"):
+        config_from_dict(d)
+    d["training"]["recompute_modules"] = ["core_attn", 3]
+    with pytest.raises(ValueError, match=r"recompute_modules=\['core_attn', 3\].*holds 3"):
+        config_from_dict(d)
+    d["training"]["recompute_modules"] = "core_attn"  # one name: a list of one
+    assert config_from_dict(d).training.recompute_modules == ("core_attn",)
+    for bad in (2.5, "abc", [1, "x"]):
+        with pytest.raises(ValueError, match=r"model.moe_layer_freq="):
+            config_from_dict(small_config_dict(model={"moe_layer_freq": bad}))
+    import yaml
+
+    path = tmp_path / "bad.yaml"
+    bad = small_config_dict(training={"recompute_granularity": "selective",
+                                      "recompute_modules": 5})  # fmt: skip
+    path.write_text(yaml.safe_dump(bad))
+    assert main(["flags", "--config", str(path)]) == 2  # one line on stderr, no traceback
+
+
+def test_a_sequence_beyond_max_position_embeddings():
+    """RoPE: the flags raise --max-position-embeddings to the sequence (Megatron asserts it is
+    at least seq_length) and a note says so; a learned position table is refused."""
+    from relaymoe.config import megatron_notes
+
+    cfg = load_config("qwen3_30b_a3b")
+    assert "--max-position-embeddings 40960" in " ".join(to_megatron_args(cfg))
+    assert megatron_notes(cfg) == []
+    long = cfg.replace(training={"seq_length": 131072})
+    assert "--max-position-embeddings 131072" in " ".join(to_megatron_args(long))
+    (note,) = megatron_notes(long)
+    assert "seq_length=131072 exceeds model.max_position_embeddings=40960" in note
+    learned = cfg.replace(model={"position_embedding_type": "learned_absolute"})
+    with pytest.raises(ValueError, match="rows of the learned position table"):
+        learned.replace(training={"seq_length": 131072})

@@ -275,6 +275,12 @@ def test_bad_inputs_name_the_value_and_the_fix():
          r"Vl >= 2"),
         (dict(impl="cuda"), r"impl='cuda'"),
         (dict(tp_group=object()), r"not initialised"),
+        (dict(hidden_TH=h.to(torch.float8_e4m3fn), weight_VH=w.to(torch.float8_e4m3fn)),
+         r"float8_e4m3fn.*share one float dtype of float16"),
+        (dict(hidden_TH=h.to(torch.complex128), weight_VH=w.to(torch.complex128)), r"complex"),
+        (dict(labels_T=y > 2), r"integer tensor"),
+        (dict(ignore_index=-100.0), r"ignore_index=-100.0 must be an int"),
+        (dict(label_smoothing="0.1"), r"label_smoothing='0.1' must be a number"),
     ]  # fmt: skip
     for kw, pattern in bad:
         args = dict(hidden_TH=h, weight_VH=w, labels_T=y) | kw
@@ -361,6 +367,49 @@ def _tp_scenarios(rank, world, group):
              kind="nonuniform", impl="torch", megatron=False)  # fmt: skip
 
 
+def _tp_contract(rank, world, group):
+    """Issue #32: ranks that break the tensor-parallel contract (vocabulary shards of different
+    sizes, different T, chunk sizes or labels, a bad label on one rank) all raise the same
+    ValueError naming the value per rank, before any chunk's collective; then a good call still
+    agrees. The check is one all-reduce of a fixed-size matrix; validate=False skips it."""
+    last = rank == world - 1
+    g = torch.Generator().manual_seed(40)
+    h = torch.randn(6, 4, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 19 * world, (6,), generator=g)
+    w = torch.randn(19, 4, generator=g, dtype=torch.float64)
+    breaks = [
+        (dict(weight=torch.cat([w, w[:1]]) if last else w), r"vocabulary shard size Vl.*\[19, "),
+        (dict(hidden=torch.cat([h, h[:1]]) if last else h,
+              labels=torch.cat([y, y[:1]]) if last else y), r"token count T.*\[6, "),
+        (dict(chunk_tokens=2 if last else 3), r"chunk size"),
+        (dict(labels=torch.where(torch.arange(6) == 4, 999, y) if last else y),
+         rf"label 999 \(on rank {world - 1} of tp_group\) is outside \[0, {19 * world}\)"),
+        (dict(labels=(y + 1) % (19 * world) if last else y), r"labels_T \(a checksum"),
+    ]  # fmt: skip
+    for change, match in breaks:
+        args = dict(hidden=h, weight=w, labels=y, chunk_tokens=None) | change
+        with pytest.raises(ValueError, match=match):
+            linear_cross_entropy(args["hidden"], args["weight"], args["labels"], tp_group=group,
+                                 chunk_tokens=args["chunk_tokens"])  # fmt: skip
+    calls = []
+    real = dist.all_reduce
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    dist.all_reduce = counting
+    try:
+        for validate, extra in ((True, 1), (False, 0)):
+            calls.clear()
+            loss = linear_cross_entropy(h, w, y, tp_group=group, chunk_tokens=4,
+                                        validate=validate)  # fmt: skip
+            assert len(calls) == 2 * 2 + extra, (validate, len(calls))  # 2 chunks of 4 and 2
+    finally:
+        dist.all_reduce = real
+    assert torch.isfinite(loss).all()
+
+
 def _tp_worker(rank, world, port, outdir):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
@@ -370,6 +419,7 @@ def _tp_worker(rank, world, port, outdir):
                                 world_size=world, timeout=timedelta(seconds=60))  # fmt: skip
         group = dist.new_group(list(range(world)))  # an explicit group, not the default
         _tp_scenarios(rank, world, group)
+        _tp_contract(rank, world, group)
         dist.destroy_process_group()
     except Exception:
         result = traceback.format_exc()

@@ -5,10 +5,11 @@ import argparse
 import pytest
 
 from relaymoe import cost, lossmodel, options
-from relaymoe.config import load_config
+from relaymoe.config import load_config, to_megatron_args
 from relaymoe.planner import (
     VARIANTS,
     config_from_megatron_args,
+    parse_gpu,
     per_hop_bytes,
     plan,
     plan_from_megatron_args,
@@ -203,7 +204,10 @@ def test_routing_choice_follows_the_cost_model():
     p = plan(short, "h200-141gb")
     assert p.routing_mode == cost.choose_mode(**kw) == ring_mode(short)
     assert p.moe_peak_bytes["ring"] == p.moe_peak_bytes[f"ring_{p.routing_mode}"]
-    assert f"--relaymoe-ring-mode {p.routing_mode}" in " ".join(p.megatron_flags)
+    # the flags are the config's (one source of truth with `relaymoe flags`): its mode "auto",
+    # which the runtime resolves with the same cost model
+    assert "--relaymoe-ring-mode auto" in " ".join(p.megatron_flags)
+    assert list(p.megatron_flags) == to_megatron_args(short)
     # between the two ring modes, Table 2: tokens travel at short sequences, experts at long
     assert cost.choose_mode(**kw, modes=options.RING_MODES) == "token"
     big = cfg.replace(training={"seq_length": 65536, "micro_batch_size": 12})
@@ -425,7 +429,8 @@ def test_qwen3_plan_target_and_what_binds():
 
 def test_fused_loss_config_picks_the_plan_and_flags():
     # near Megatron's loss's longest sequence: its last stage's logits leave no room to keep
-    cfg = load_config("qwen3_30b_a3b").replace(training={"seq_length": 458752})
+    # (491,520 since the presets are the driver's totals: 458,752 left room for 4 ring layers)
+    cfg = load_config("qwen3_30b_a3b").replace(training={"seq_length": 491520})
     off = plan(cfg, "h100-80gb")
     on = plan(cfg.replace(relaymoe={"fused_loss": True}), "h100-80gb")
     assert (off.chosen, on.chosen) == ("ring", "ring_fused_loss")
@@ -439,8 +444,12 @@ def test_fused_loss_config_picks_the_plan_and_flags():
     kept = {v: len(on.recompute_plans[v]["kept_layers"]) for v in VARIANTS}
     assert kept["ring"] == kept["alltoall"] == 0, kept
     assert kept["ring_fused_loss"] > kept["alltoall_fused_loss"] > 0, kept
-    # per stage: 12 layers, 4 kept, the first 8 recomputed
-    assert "--recompute-method block --recompute-num-layers 8" in " ".join(on.megatron_flags)
+    # per stage: 12 layers, 4 kept, the first 8 recomputed: the planner's flags, with a note;
+    # the flags themselves stay the config's (full uniform 1)
+    planned = " ".join(on.planned_recompute_flags)
+    assert "--recompute-method block --recompute-num-layers 8" in planned
+    assert "--recompute-method uniform --recompute-num-layers 1" in " ".join(on.megatron_flags)
+    assert any(planned in n and "--relaymoe-recompute-planner" in n for n in on.notes), on.notes
     assert "fused loss" in on.summary() and on.to_dict()["chosen"] == "ring_fused_loss"
     a2a = plan(cfg.replace(relaymoe={"fused_loss": True, "dispatcher": "alltoall"}), 80 * 10**9)
     assert a2a.chosen == "alltoall_fused_loss" and "--relaymoe-fused-loss" in a2a.megatron_flags
@@ -493,3 +502,36 @@ def test_gpus_per_node_from_megatron_args():
     assert cfg.parallel.gpus_per_node == 2
     assert plan_from_megatron_args(ns, gpu_bytes="80GiB").schedule == "two_level"
     assert config_from_megatron_args(small_megatron_args()).parallel.gpus_per_node is None
+
+
+def test_gpu_presets_are_the_drivers_totals():
+    """Issue #32: a preset is the total nvidia-smi reports (H100 80GB HBM3 81,559 MiB, H200
+    143,771 MiB); the CUDA context is one named reserve taken off it in usable_bytes."""
+    import importlib
+
+    plan_mod = importlib.import_module("relaymoe.planner.plan")  # the module, not plan()
+
+    GPU_TOTAL_MIB, GPUS = plan_mod.GPU_TOTAL_MIB, plan_mod.GPUS
+    context = plan_mod.CUDA_CONTEXT_BYTES
+
+    assert GPU_TOTAL_MIB["h100-80gb"] == 81_559 and GPU_TOTAL_MIB["h200-141gb"] == 143_771
+    for name, mib in GPU_TOTAL_MIB.items():
+        assert GPUS[name] == parse_gpu(name) == mib * 2**20
+    h100 = GPUS["h100-80gb"]
+    assert h100 / GiB > 79.6  # no longer 80e9 bytes (74.5 GiB)
+    want = int((h100 - context) * (1 - plan_mod.RESERVE_FRACTION) - plan_mod.RESERVE_FIXED)
+    assert usable_bytes(h100) == want < h100 - context
+
+
+def test_a_gpu_too_small_for_the_reserves_is_refused():
+    """Issue #32: ``--gpu 2GiB`` printed "usable -0.06 GiB"; now nothing negative is planned."""
+    from relaymoe.planner.plan import min_gpu_bytes
+
+    smallest = min_gpu_bytes()
+    assert usable_bytes(smallest) > 0
+    with pytest.raises(ValueError, match="leaves nothing usable"):
+        usable_bytes(smallest - 1)
+    with pytest.raises(ValueError, match=r"--gpu '2GiB' is 2.00 GiB.*more than 3.1"):
+        parse_gpu("2GiB")
+    with pytest.raises(ValueError, match="--gpu 1000 is"):
+        parse_gpu(1000)

@@ -8,6 +8,7 @@ oracle applied to the whole problem.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -214,14 +215,30 @@ def _triton_backend(rank, world, group):
     # GEMMs over bound-sized buffers
     for var, value in (("RELAYMOE_PAIR_BUFFER_MIB", "512"), ("RELAYMOE_PAIR_BUFFER_MIB", "0"),
                        ("RELAYMOE_ROWS_GATHER", "copy")):  # fmt: skip
-        os.environ[var] = value
-        try:
+        with _ring_env(var, value):
             for mode in ("expert", "token"):
                 _run_case(rank, world, group, mode=mode, seed=12, tokens=tokens, El=2, K=2,
                           dtype=torch.float32, backend="triton", tol=1e-4, trusted=True,
                           route="skew")  # fmt: skip
-        finally:
+
+
+@contextlib.contextmanager
+def _ring_env(var: str, value: str):
+    """``var=value`` for the ring: set, and read again by every rank at this same point
+    (``reload_ring_settings``; the ring reads its settings once), then restored."""
+    from relaymoe.ring.agree import reload_ring_settings
+
+    old = os.environ.get(var)
+    os.environ[var] = value
+    reload_ring_settings()
+    try:
+        yield
+    finally:
+        if old is None:
             del os.environ[var]
+        else:
+            os.environ[var] = old
+        reload_ring_settings()
 
 
 def _list_forms(rank, world, group):
@@ -520,20 +537,55 @@ def _trusted_steady_state(rank, world, group):
             assert not calls, f"{mode}: a cached agreement still ran {len(calls)} all-reduce(s)"
             _run_case(rank, world, group, **{**kw, "tokens": [2, 6, 1, 3][:world]})
             assert len(calls) == (1 if world > 1 else 0), f"{mode}: new signature, {calls}"
-            os.environ["RELAYMOE_RING_AGREE"] = "every_call"
-            try:
-                calls.clear()
-                _run_case(rank, world, group, **kw)
-                assert len(calls) == (1 if world > 1 else 0), f"{mode}: every_call, {calls}"
-            finally:
-                del os.environ["RELAYMOE_RING_AGREE"]
+            with _ring_env("RELAYMOE_RING_AGREE", "every_call"):
+                for _ in range(2):
+                    calls.clear()
+                    _run_case(rank, world, group, **kw)
+                    assert len(calls) == (1 if world > 1 else 0), f"{mode}: every_call, {calls}"
     finally:
         agree_mod.dist.all_reduce = real
 
 
+def _settings_must_agree(rank, world, group):
+    """Issue #32: the environment settings that decide collectives (RELAYMOE_RING_AGREE,
+    RELAYMOE_PAIR_BUFFER_MIB) differ on rank 0: every rank raises the same ValueError naming
+    the setting and each rank's value, trusted or not, first call or later, never a hang; a bad
+    value on one rank raises on all; nothing is agreed under them. The ring reads them once: a
+    later change of one rank's environment (without reload) does not move that rank to other
+    collectives than its peers'."""
+    import relaymoe.ring.agree as agree_mod
+
+    if world == 1:
+        return  # a world of one has no collective to disagree on
+    kw = dict(seed=61, tokens=[3, 0, 4, 2][:world], El=2, K=2, dtype=torch.float64,
+              mode="expert", route="skew")  # fmt: skip
+    settings = (("RELAYMOE_RING_AGREE", "every_call", "cached", "'every_call'", "'cached'"),
+                ("RELAYMOE_PAIR_BUFFER_MIB", "0", "512", "0", "512"))  # fmt: skip
+    for var, first, others, shown0, shown1 in settings:
+        with _ring_env(var, first if rank == 0 else others):
+            for trusted in (True, False, True):
+                with pytest.raises(ValueError) as info:
+                    _run_case(rank, world, group, trusted=trusted, **kw)
+                msg = str(info.value)
+                assert f"environment setting {var} differs" in msg, msg
+                assert f"rank 0: {shown0}" in msg and f"rank 1: {shown1}" in msg, msg
+            assert not agree_mod._AGREED  # no agreement under disagreeing settings
+    with _ring_env("RELAYMOE_PAIR_BUFFER_MIB", "lots" if rank == world - 1 else "512"):
+        with pytest.raises(ValueError, match="RELAYMOE_PAIR_BUFFER_MIB|a RELAYMOE_"):
+            _run_case(rank, world, group, trusted=True, **kw)
+    _run_case(rank, world, group, trusted=True, **kw)  # agreed and cached
+    os.environ["RELAYMOE_RING_AGREE"] = "every_call" if rank == 0 else "cached"
+    os.environ["RELAYMOE_PAIR_BUFFER_MIB"] = "0" if rank == 0 else "512"
+    try:  # not read again: the cached agreement and the same collectives on every rank
+        _run_case(rank, world, group, trusted=True, **kw)
+        _run_case(rank, world, group, trusted=False, **kw)
+    finally:
+        del os.environ["RELAYMOE_RING_AGREE"], os.environ["RELAYMOE_PAIR_BUFFER_MIB"]
+
+
 SCENARIOS = [_correctness, _triton_backend, _list_forms, _no_persistent_copy, _determinism,
              _modes_agree_and_auto, _bad_inputs, _backward_disagreement,
-             _microbatches_in_flight, _trusted_steady_state]  # fmt: skip
+             _microbatches_in_flight, _trusted_steady_state, _settings_must_agree]  # fmt: skip
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])

@@ -18,8 +18,10 @@ __all__ = [
     "check_problem_limits",
     "env_switch",
     "interpret_mode",
+    "pair_buffer_mib",
     "tile_group_m",
     "triton_available",
+    "unit_cols",
 ]
 
 # Values at or above this overflow an int32 offset. What stays int32 (everything else is int64):
@@ -56,6 +58,38 @@ def env_switch(name: str, meanings: dict[str, str]) -> str:
     if value not in meanings:
         choices = ", ".join(f"{k!r} ({what})" for k, what in meanings.items())
         raise ValueError(f"{name}={value!r}: use one of {choices}; the first is the default")
+    return value
+
+
+def unit_cols(t):
+    """A 2-D tensor ``t`` itself when its columns are at unit stride (what the kernels' row loads
+    and stores assume) and its rows do not alias, else a row-major copy. Row strides are free: a
+    contiguous tensor, a row slice or a block of a wider tensor (``big[:, :H]``) pass through
+    without a copy; a transposed, column-strided or expanded one is copied."""
+    rows_apart = t.shape[0] <= 1 or t.stride(0) != 0  # tensor descriptors need a row stride
+    if t.dim() != 2 or (rows_apart and (t.shape[1] <= 1 or t.stride(1) == 1)):
+        return t
+    return t.contiguous()
+
+
+PAIR_BUFFER_MIB_DEFAULT = 512
+
+
+def pair_buffer_mib() -> int:
+    """``RELAYMOE_PAIR_BUFFER_MIB`` (default 512): the budget, in MiB, of any transient (P, chunk)
+    pair buffer of the expert kernels. The ring's agreement also sizes hop buffers from it, so
+    every rank of a ring must run with the same value (``relaymoe.ring.agree`` checks it). A
+    value that is not a non-negative integer raises ``ValueError``."""
+    raw = os.environ.get("RELAYMOE_PAIR_BUFFER_MIB", str(PAIR_BUFFER_MIB_DEFAULT))
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(
+            f"RELAYMOE_PAIR_BUFFER_MIB={raw!r} must be a non-negative integer (MiB; default "
+            f"{PAIR_BUFFER_MIB_DEFAULT}); unset it or give a number"
+        )
     return value
 
 

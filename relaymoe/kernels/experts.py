@@ -30,12 +30,11 @@ dy gathered in such column chunks (``RELAYMOE_WGRAD=auto``, the default, ``LONG_
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 from torch import Tensor
 
-from relaymoe.kernels import check_int32, env_switch, grouped, pairs
+from relaymoe.kernels import check_int32, env_switch, grouped, pair_buffer_mib, pairs, unit_cols
 
 __all__ = ["triton_hop_forward", "triton_hop_backward"]
 
@@ -89,7 +88,7 @@ class _HopGroups:
 
 def _pair_buffer_bytes() -> int:
     """``RELAYMOE_PAIR_BUFFER_MIB`` (default 512): the budget of any transient (P, chunk) buffer."""
-    return int(os.environ.get("RELAYMOE_PAIR_BUFFER_MIB", "512")) * 2**20
+    return pair_buffer_mib() * 2**20
 
 
 def _col_chunks(n_pairs: int, ncols: int, elt: int) -> list[tuple[int, int]]:
@@ -300,11 +299,24 @@ def _combine_pair_products(
 ) -> None:  # fmt: skip
     """Write (add, with ``accumulate``) into ``out_TH[t]`` the sum over token t's pairs q of
     ``a[q] @ b[e]``; the (P, H) products are made and reduced in column chunks (at most
-    ``RELAYMOE_PAIR_BUFFER_MIB`` alive). The forward's down projection and the dgrad."""
+    ``RELAYMOE_PAIR_BUFFER_MIB`` alive). The forward's down projection and the dgrad.
+
+    The combine kernel stores rows at unit column stride. An ``out_TH`` with other column
+    strides (a caller's transposed buffer) is written through one row-major (T, chunk) buffer
+    per chunk, then copied or added into it once; a row-major ``out_TH`` is written directly."""
+    direct = unit_cols(out_TH) is out_TH
     for c0, c1 in _col_chunks(a_PK.shape[0], out_TH.shape[1], a_PK.element_size()):
         y_PH = _pair_rows_times_weight(a_PK, b_EKN[:, :, c0:c1], offs, groups)
-        grouped.combine(y_PH, index.token_index_map, offs, out_TH[:, c0:c1], index.topk,
-                        accumulate=accumulate)  # fmt: skip
+        dst = out_TH[:, c0:c1]
+        if direct:
+            grouped.combine(y_PH, index.token_index_map, offs, dst, index.topk,
+                            accumulate=accumulate)  # fmt: skip
+        else:
+            rows = dst.new_empty(dst.shape)
+            grouped.combine(y_PH, index.token_index_map, offs, rows, index.topk,
+                            accumulate=False)  # fmt: skip
+            dst.add_(rows) if accumulate else dst.copy_(rows)
+            del rows
         del y_PH
 
 
@@ -331,19 +343,20 @@ def triton_hop_forward(
     num_tokens = x_TH.shape[0]
     n_local, two_i, _ = w13.shape
     ffn = two_i // 2
+    x_TH = unit_cols(x_TH)  # no copy for row-major x (moe_experts and the ring pass such)
     accumulate = out_TH is not None
-    if out_TH is None:
-        out_TH = torch.empty_like(x_TH)
+    if out_TH is None:  # row-major whatever x's strides (the combine writes every row)
+        out_TH = x_TH.new_empty(x_TH.shape)
     offs = index.offsets_for(e0, e1)
     n_pairs, exact = _pair_count(index, e0, e1, n_pairs, max_pairs)
     _check_sizes(num_tokens, n_pairs, "triton_hop_forward")
     if save_act and not exact:
         raise ValueError("save_act needs the exact pair count (n_pairs), not max_pairs")
-    if n_pairs == 0 or n_local == 0 or num_tokens == 0:
+    if n_pairs == 0 or n_local == 0 or num_tokens == 0 or x_TH.shape[1] == 0:
+        # nothing to compute (with H = 0 every product is an empty sum: h is zeros)
         if not accumulate:
             out_TH.zero_()
-        return out_TH, x_TH.new_empty(n_pairs, two_i) if save_act else None
-    x_TH = x_TH.contiguous()
+        return out_TH, x_TH.new_zeros(n_pairs, two_i) if save_act else None
     prob_P = pairs.pair_probs(probs_TK, index.token_index_map, offs, n_pairs)
     idx_P = index.expert_token_indices
     groups = _HopGroups(idx_P, offs, n_pairs, exact)
@@ -392,15 +405,16 @@ def triton_hop_backward(
     num_tokens = x_TH.shape[0]
     n_local, two_i, _ = w13.shape
     ffn = two_i // 2
+    x_TH, dy_TH = unit_cols(x_TH), unit_cols(dy_TH)  # no copy for row-major operands
     acc_dx = dx_TH is not None
-    dx_TH = torch.empty_like(x_TH) if dx_TH is None else dx_TH
-    dprobs_TK = torch.zeros_like(probs_TK) if dprobs_TK is None else dprobs_TK
+    dx_TH = x_TH.new_empty(x_TH.shape) if dx_TH is None else dx_TH  # row-major
+    if dprobs_TK is None:  # contiguous: the dprob kernel adds at flat (t*K + k)
+        dprobs_TK = torch.zeros(probs_TK.shape, dtype=probs_TK.dtype, device=probs_TK.device)
     offs = index.offsets_for(e0, e1)
     n_pairs, exact = _pair_count(index, e0, e1, n_pairs, max_pairs) if n_local > 0 else (0, True)
     _check_sizes(num_tokens, n_pairs, "triton_hop_backward")
     idx_P = index.expert_token_indices
-    x_TH, dy_TH = x_TH.contiguous(), dy_TH.contiguous()
-    if n_pairs == 0 or num_tokens == 0:
+    if n_pairs == 0 or num_tokens == 0 or x_TH.shape[1] == 0:  # H = 0: every gradient is 0
         if not acc_dx:
             dx_TH.zero_()
         dw13 = torch.zeros_like(w13, dtype=grad_dtype) if dw13 is None else dw13

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from relaymoe.config import Config, config_from_dict, recompute_args, to_megatron_args
@@ -18,15 +19,28 @@ from relaymoe.planner import mode as pm
 from relaymoe.planner.recompute import RecomputePlan, plan_recompute, worst_stage_peak
 
 GiB = 2**30
-GPUS = {
-    "h100-80gb": 80 * 10**9,  # HBM3, 79.6 GiB usable device memory reported by the driver
-    "h100-64gb": 64 * 10**9,  # the paper's MareNostrum 5 H100 (64 GB HBM2e)
-    "h200-141gb": 141 * 10**9,
-    "a100-80gb": 80 * 10**9,
-    "a100-40gb": 40 * 10**9,
+MiB = 2**20
+# Each preset is the device's total memory as the driver reports it (``nvidia-smi``'s "Total",
+# in MiB), the same figure a ``--gpu`` byte count stands for; ``usable_bytes`` takes the CUDA
+# context and the other reserves off it.
+GPU_TOTAL_MIB = {
+    "h100-80gb": 81_559,  # H100 SXM5 80GB HBM3, nvidia-smi
+    # the paper's MareNostrum 5 H100 (64 GB HBM2e): no driver figure at hand, so 64 GiB scaled
+    # by the 80GB H100's reported share of its 80 GiB of HBM (81,559 / 81,920)
+    "h100-64gb": 65_247,
+    "h200-141gb": 143_771,  # H200 SXM 141GB, nvidia-smi on the machines of our results
+    "a100-80gb": 81_920,  # A100 SXM4 80GB, nvidia-smi
+    "a100-40gb": 40_960,  # A100 SXM4 40GB, nvidia-smi
 }
+GPUS = {name: mib * MiB for name, mib in GPU_TOTAL_MIB.items()}
 DEFAULT_GPU = "h100-80gb"
-RESERVE_FIXED = 2 * GiB  # CUDA context, NCCL buffers, cuBLAS workspaces
+# What a training process cannot allocate out of the driver's total: the driver's own
+# reservation plus the CUDA context. H200 (torch 2.11, CUDA 13.0; the max_seq rows of
+# benchmarks/results/2026-11-30_h200x2_e3bbf85a8ce8): nvidia-smi's total 143,771 MiB, the
+# total torch.cuda.mem_get_info reports 143,156 MiB (615 MiB held by the driver), and a fresh
+# process's free memory 527 MiB below that (its CUDA context): 1,142 MiB in all.
+CUDA_CONTEXT_BYTES = 1_142 * MiB
+RESERVE_FIXED = 2 * GiB  # NCCL buffers, cuBLAS workspaces
 RESERVE_FRACTION = 0.03  # allocator fragmentation
 SEQ_LIMIT = 1 << 22
 MBS_LIMIT = 4096
@@ -42,7 +56,8 @@ VARIANTS = {
 
 
 def parse_gpu(spec: str | int) -> int:
-    """A preset name (``h100-80gb``...) or a byte count (``85899345920``, ``80GiB``, ``64GB``)."""
+    """A preset name (``h100-80gb``...) or a byte count (``85899345920``, ``80GiB``, ``64GB``):
+    the device's total memory as the driver reports it (``GPU_TOTAL_MIB``)."""
     if isinstance(spec, int):
         b = spec
     else:
@@ -59,13 +74,34 @@ def parse_gpu(spec: str | int) -> int:
                 f"--gpu {spec!r}: not a preset ({', '.join(GPUS)}) nor a byte count "
                 "(e.g. 85899345920, 80GiB)"
             )
-    if b < GiB:
-        raise ValueError(f"--gpu {spec!r} is {b} bytes, below 1 GiB; give bytes, e.g. 80GiB")
+    if b < min_gpu_bytes():
+        raise ValueError(
+            f"--gpu {spec!r} is {b / GiB:.2f} GiB, which leaves nothing usable after the CUDA "
+            f"context and the reserves (planner.usable_bytes); give the GPU's total memory as "
+            f"nvidia-smi reports it, more than {min_gpu_bytes() / GiB:.2f} GiB (e.g. 80GiB, or "
+            f"a preset: {', '.join(GPUS)})"
+        )
     return b
 
 
 def usable_bytes(gpu_bytes: int) -> int:
-    return int(gpu_bytes * (1 - RESERVE_FRACTION) - RESERVE_FIXED)
+    """The bytes a plan may fill on a GPU whose driver reports ``gpu_bytes`` in total: less the
+    CUDA context (``CUDA_CONTEXT_BYTES``), then the fragmentation share and the fixed reserve.
+    Raises ``ValueError`` when that leaves nothing (a GPU below :func:`min_gpu_bytes`)."""
+    usable = int((gpu_bytes - CUDA_CONTEXT_BYTES) * (1 - RESERVE_FRACTION) - RESERVE_FIXED)
+    if usable <= 0:
+        raise ValueError(
+            f"a GPU of {gpu_bytes / GiB:.2f} GiB leaves nothing usable after the CUDA context "
+            f"({CUDA_CONTEXT_BYTES / GiB:.2f} GiB), {RESERVE_FRACTION:.0%} for fragmentation "
+            f"and {RESERVE_FIXED / GiB:.0f} GiB for NCCL and cuBLAS; give the GPU's total memory "
+            f"as nvidia-smi reports it (more than {min_gpu_bytes() / GiB:.2f} GiB)"
+        )
+    return usable
+
+
+def min_gpu_bytes() -> int:
+    """The smallest GPU total that leaves any usable bytes (``usable_bytes`` > 0)."""
+    return math.ceil(RESERVE_FIXED / (1 - RESERVE_FRACTION)) + CUDA_CONTEXT_BYTES + 1
 
 
 @dataclass(frozen=True)
@@ -90,11 +126,12 @@ class Plan:
     max_micro_batch_size: dict  # full recompute, this sequence length
     max_seq_breakdown: dict  # {"seq", "stage", "terms"}: the worst stage at max_seq_length
     megatron_args: dict  # Megatron argument overrides (recompute_*) for ``chosen``
-    megatron_flags: tuple[str, ...]  # the whole command line to paste, for ``chosen``
+    megatron_flags: tuple[str, ...]  # the config's command line (``relaymoe flags``')
     notes: tuple[str, ...] = ()
     schedule: str = "flat"  # the ring's order (options.SCHEDULES) for the cluster shape
     gpus_per_node: int | None = None  # the cluster's (parallel.gpus_per_node; None: one node)
     hop_times: dict = field(default_factory=dict)  # per schedule: cost.ring_hop_times
+    planned_recompute_flags: tuple[str, ...] = ()  # the planner's recompute for ``chosen``
 
     @property
     def chosen(self) -> str:
@@ -185,9 +222,16 @@ def _largest(fits, hi: int) -> int:
     return lo
 
 
-def plan(cfg: Config, gpu_bytes: int | str = DEFAULT_GPU) -> Plan:
+def plan(cfg: Config, gpu_bytes: int | str = DEFAULT_GPU, *, notes: Sequence[str] = ()) -> Plan:
     """Plans ``cfg`` on GPUs of ``gpu_bytes`` (bytes or a preset name). Raises ValueError
-    (one clear message) when the config's dispatcher cannot fit even with full recompute."""
+    (one clear message) when the config's dispatcher cannot fit even with full recompute.
+
+    ``Plan.megatron_flags`` are the config's own flags (``to_megatron_args(cfg)``, what
+    ``relaymoe flags`` prints for the same config): the ring mode as configured (``auto`` is
+    resolved by the runtime, with the same cost model that gives ``routing_mode``) and the
+    config's recompute. The planner's recompute is ``planned_recompute_flags``; a note says
+    when it differs from the config's and how to use it. ``notes``: lines to print first (the
+    command line's override notes)."""
     gpu = parse_gpu(gpu_bytes)
     usable = usable_bytes(gpu)
     sh = mm.shapes(cfg)
@@ -212,7 +256,7 @@ def plan(cfg: Config, gpu_bytes: int | str = DEFAULT_GPU) -> Plan:
     max_seq: dict[str, int] = {}
     max_mbs: dict[str, int] = {}
     at_max_seq: dict[str, dict | None] = {}
-    notes = []
+    notes = list(notes)
     rp_chosen: RecomputePlan | None = None
     for name, (disp, fused) in VARIANTS.items():
         kw = {"fused_loss": fused}
@@ -245,16 +289,14 @@ def plan(cfg: Config, gpu_bytes: int | str = DEFAULT_GPU) -> Plan:
             )
     assert rp_chosen is not None
     overrides = rp_chosen.megatron_overrides()
-    planned = cfg.replace(
-        training={
-            "recompute_granularity": overrides["recompute_granularity"],
-            "recompute_method": overrides["recompute_method"],
-            "recompute_num_layers": overrides["recompute_num_layers"],
-            "recompute_modules": None,
-        },
-        relaymoe={"ring_mode": mode} if chosen_disp == "ring" else {},
-    )
-    flags = tuple(to_megatron_args(planned, dispatcher=chosen_disp))
+    planned = recompute_args(
+        overrides["recompute_granularity"], overrides["recompute_method"],
+        overrides["recompute_num_layers"], overrides["recompute_modules"],
+    )  # fmt: skip
+    note = _recompute_note(cfg, chosen, planned)
+    if note:
+        notes.append(note)
+    flags = tuple(to_megatron_args(cfg))
     return Plan(
         config_name=cfg.name,
         world_size=cfg.parallel.world_size,
@@ -279,7 +321,32 @@ def plan(cfg: Config, gpu_bytes: int | str = DEFAULT_GPU) -> Plan:
         max_seq_breakdown=at_max_seq,
         megatron_args=overrides,
         megatron_flags=flags,
+        planned_recompute_flags=tuple(planned),
         notes=tuple(notes),
+    )
+
+
+def _recompute_note(cfg: Config, variant: str, planned: list[str]) -> str | None:
+    """The line saying that the planner's recompute differs from the config's (None when the
+    same), and how to get it: the config's flags stay the flags (one source of truth with
+    ``relaymoe flags``); ``--relaymoe-recompute-planner`` applies the plan at launch."""
+    t = cfg.training
+    configured = recompute_args(
+        t.recompute_granularity, t.recompute_method, t.recompute_num_layers, t.recompute_modules
+    )
+    if planned == configured:
+        return None
+    shown = " ".join(planned) or "no recompute flags (every layer kept)"
+    if cfg.relaymoe.recompute_planner:
+        how = "--relaymoe-recompute-planner (in the flags) applies it at launch"
+    else:
+        how = (
+            "to use it, put these in place of the config's, or launch with "
+            "--relaymoe-recompute-planner (relaymoe.recompute_planner: true), which applies it"
+        )
+    return (
+        f"{variant}: the recompute planner's plan is {shown}; the flags keep the config's "
+        f"({' '.join(configured) or 'no recompute'}); {how}"
     )
 
 

@@ -21,6 +21,19 @@ their pair buffers from an upper bound (``T * min(K, E_local)`` pairs) as long a
 under the pair-buffer budget (``RELAYMOE_PAIR_BUFFER_MIB``); above it, one all-reduce of the pair
 counts per call (a host sync) keeps the buffers exact. ``RELAYMOE_RING_AGREE=every_call`` turns
 the cache off (debugging a caller that breaks the contract).
+
+**Settings that decide collectives.** ``RELAYMOE_RING_AGREE`` decides whether a trusted call
+enters the agreement's all-reduce, and ``RELAYMOE_PAIR_BUFFER_MIB`` whether it enters the pair
+counts' all-reduce. The ring reads both once per process, at its first call
+(:func:`ring_settings`), writes them into every agreement's row and requires them equal on
+every rank: ranks launched with different values all raise the same ``ValueError`` naming the
+setting and every rank's value, in the agreement they all enter on their first call (no
+agreement is cached then). A later change of the environment in one process cannot make its
+rank enter other collectives than its peers: the values stay those read first, until
+:func:`reload_ring_settings`, which every rank must call at the same point (it also drops the
+cached agreements, so the next call agrees, and compares, again). The call decides from the
+agreed values (``RingProblem.pair_buffer_mib``). The expert kernels' own column chunks follow
+``RELAYMOE_PAIR_BUFFER_MIB`` as it is at each call: a local choice no peer depends on.
 """
 
 from __future__ import annotations
@@ -35,7 +48,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from relaymoe.cost import choose_mode, grad_accum_bytes
-from relaymoe.kernels import check_problem_limits
+from relaymoe.experts import resolve_backend
+from relaymoe.kernels import check_problem_limits, pair_buffer_mib
 from relaymoe.options import (
     GRAD_ACCUM_CHOICES,
     MODE_CHOICES,
@@ -47,7 +61,7 @@ from relaymoe.ring.faults import all_reduce_checked, check_markers
 from relaymoe.ring.transport import copy_engine_available, copy_engine_works
 from relaymoe.routing import validate_topk_idx
 
-__all__ = ["RingProblem", "RingRequest", "agree"]
+__all__ = ["RingProblem", "RingRequest", "agree", "reload_ring_settings", "ring_settings"]
 
 MODES = MODE_CHOICES  # the names live in relaymoe.options
 TRANSPORTS = TRANSPORT_CHOICES
@@ -74,8 +88,10 @@ _DEVICE_TYPES = ("cpu", "cuda")
     F_SCHED,
     F_GPN,
     F_GACC,
-) = range(18)
-NUM_FIELDS = 18
+    F_AGREE,
+    F_PAIRBUF,
+) = range(20)
+NUM_FIELDS = 20
 
 _ERRORS = {
     1: "an input is not a tensor (or, for w13/w2, not a list of per-expert tensors)",
@@ -86,7 +102,12 @@ _ERRORS = {
     5: "inputs are on different devices",
     6: "topk_idx is invalid (an expert id outside [0, E), a repeated id in a row, or K > E)",
     7: "the device type is neither cpu nor cuda",
+    8: "the hop backend cannot run these inputs (backend='triton' needs CUDA or "
+    "TRITON_INTERPRET=1, and float16, bfloat16 or float32)",
+    9: "a RELAYMOE_* setting that decides collectives has a bad value",
 }
+
+AGREE_ENV, AGREE_CHOICES = "RELAYMOE_RING_AGREE", ("cached", "every_call")
 
 
 @dataclass(frozen=True)
@@ -100,6 +121,52 @@ class RingRequest:
     gpus_per_node: int | None = None  # None: from the ranks' hosts
     needs_grad: bool = True
     grad_accum: str = "auto"  # the weight-gradient accumulators (options.GRAD_ACCUM_CHOICES)
+    backend: str = "auto"  # the hop primitives' backend on this rank (not compared across ranks)
+
+
+@dataclass(frozen=True)
+class RingSettings:
+    """The environment settings that decide which collectives a call issues, read once per call
+    (:func:`ring_settings`) and agreed across ranks in the agreement's row."""
+
+    agree: str = "cached"  # RELAYMOE_RING_AGREE: AGREE_CHOICES
+    pair_buffer_mib: int = 512  # RELAYMOE_PAIR_BUFFER_MIB
+
+
+_SETTINGS: tuple[RingSettings | None, str] | None = None  # this process's, read once
+
+
+def ring_settings() -> tuple[RingSettings | None, str]:
+    """This process's ring settings, read from the environment at the first call and kept
+    (see the module doc): ``(settings, "")``, or ``(None, message)`` for a bad value, which
+    the agreement turns into an error code so that every rank raises, not just this one."""
+    global _SETTINGS
+    if _SETTINGS is None:
+        _SETTINGS = _read_ring_settings()
+    return _SETTINGS
+
+
+def reload_ring_settings() -> None:
+    """Read the ring settings from the environment again at the next call, and drop every
+    cached agreement (the next call of each signature agrees, and compares the settings,
+    again). Every rank of every group must call it at the same point of its program."""
+    global _SETTINGS
+    _SETTINGS = None
+    _AGREED.clear()
+
+
+def _read_ring_settings() -> tuple[RingSettings | None, str]:
+    value = os.environ.get(AGREE_ENV, AGREE_CHOICES[0])
+    if value not in AGREE_CHOICES:
+        return None, (
+            f"{AGREE_ENV}={value!r}: use one of {AGREE_CHOICES} (the first is the default; "
+            "every_call agrees on every trusted call)"
+        )
+    try:
+        mib = pair_buffer_mib()
+    except ValueError as err:
+        return None, str(err)
+    return RingSettings(value, mib), ""
 
 
 @dataclass(frozen=True)
@@ -129,6 +196,8 @@ class RingProblem:
     # dtype of the weight-gradient accumulators (expert mode's travelling trail, token mode's
     # local sums): ``dtype`` or fp32 (cost.grad_accum_bytes)
     grad_dtype: torch.dtype | None = None
+    # RELAYMOE_PAIR_BUFFER_MIB as agreed by every rank (``_bounded`` decides from it)
+    pair_buffer_mib: int = 512
 
     @property
     def accum_dtype(self) -> torch.dtype:
@@ -264,6 +333,10 @@ def _local_check(
         return 5, f"inputs are on different devices: {sorted(map(str, devices))}; move them to one"
     if x.device.type not in _DEVICE_TYPES:
         return 7, f"ring_moe runs on cpu or cuda tensors, got {x.device}"
+    try:
+        resolve_backend(req.backend, x.device, x.dtype)
+    except ValueError as err:
+        return 8, str(err)
     if not validate_ids:  # a trusted caller (a router): shapes only, no host sync
         if topk_idx.dtype.is_floating_point or topk_idx.dtype == torch.bool:
             return 4, f"topk_idx must hold integer expert ids, got dtype {topk_idx.dtype}"
@@ -301,11 +374,16 @@ def _agree_collective(
     req: RingRequest,
     validate_ids: bool,
     with_pairs: bool,
+    settings: tuple[RingSettings | None, str] | None = None,
 ) -> RingProblem:
     """Validate on every rank at once; raise the same ``ValueError`` everywhere or agree.
-    ``inputs``: ``(x, w13, w2, topk_idx, topk_probs)`` as ``ring_moe`` got them."""
+    ``inputs``: ``(x, w13, w2, topk_idx, topk_probs)`` as ``ring_moe`` got them;
+    ``settings``: this call's :func:`ring_settings` (None: read them here)."""
     x, w13, w2, topk_idx, topk_probs = inputs
     code, msg = _local_check(x, w13, w2, topk_idx, topk_probs, req, world, validate_ids)
+    env, env_msg = ring_settings() if settings is None else settings
+    if code == 0 and env is None:
+        code, msg = 9, env_msg
     row = [0] * NUM_FIELDS
     row[F_ERR] = code
     if code == 0:
@@ -322,6 +400,8 @@ def _agree_collective(
         row[F_SCHED] = SCHEDULE_CHOICES.index(req.schedule) + 1
         row[F_GPN] = req.gpus_per_node or 0
         row[F_GACC] = GRAD_ACCUM_CHOICES.index(req.grad_accum) + 1
+        row[F_AGREE] = AGREE_CHOICES.index(env.agree) + 1
+        row[F_PAIRBUF] = env.pair_buffer_mib
     row[F_HOST] = _host_hash()
     row[F_LIVE] = 1  # the validity marker: a sum missing a rank's row lacks its 1
     counts = _pairs_per_owner(topk_idx, row[F_EL], world) if code == 0 and with_pairs else None
@@ -382,6 +462,8 @@ def _agree_collective(
     same(F_GPN, "gpus_per_node (0: from the hosts)", "pass the same gpus_per_node on every rank")
     same(F_GACC, f"the requested grad_accum ({_codes(GRAD_ACCUM_CHOICES)})",
          "pass the same grad_accum on every rank")  # fmt: skip
+    _same_setting(rows, F_AGREE, AGREE_ENV, lambda c: AGREE_CHOICES[c - 1])
+    _same_setting(rows, F_PAIRBUF, "RELAYMOE_PAIR_BUFFER_MIB", lambda v: v)
 
     r0 = rows[0]
     dtype, prob_dtype = _FLOATS[r0[F_DTYPE] - 1], _FLOATS[r0[F_PDTYPE] - 1]
@@ -463,7 +545,21 @@ def _agree_collective(
         schedule=sched,
         gpus_per_node=gpn,
         grad_dtype=grad_dtype,
+        pair_buffer_mib=r0[F_PAIRBUF],
     )
+
+
+def _same_setting(rows, field: int, name: str, decode) -> None:
+    """Every rank's value of the environment setting ``name`` (a collective-deciding one) must
+    be the same: the error names the setting and each rank's value."""
+    values = [decode(rw[field]) for rw in rows]
+    if len(set(values)) != 1:
+        shown = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
+        raise ValueError(
+            f"ring_moe: the environment setting {name} differs across the ranks of the group "
+            f"({shown}); it decides which collectives a call issues, so every rank must run "
+            f"with the same value: set (or unset) {name} identically on every node"
+        )
 
 
 def _codes(names) -> str:
@@ -546,19 +642,22 @@ def _check_limits(rows, mode: str) -> None:
 _AGREED: dict[tuple, RingProblem] = {}
 
 
-def _signature(x, w13, w2, topk_idx, topk_probs, req: RingRequest) -> tuple:
+def _signature(x, w13, w2, topk_idx, topk_probs, req: RingRequest, env: RingSettings) -> tuple:
     def meta(t):
         if isinstance(t, Tensor):
             return (tuple(t.shape), t.dtype, t.device.type)
-        return (len(t), tuple(t[0].shape), t[0].dtype, t[0].device.type)
+        if isinstance(t, (list, tuple)) and t and isinstance(t[0], Tensor):
+            return (len(t), tuple(t[0].shape), t[0].dtype, t[0].device.type)
+        return (type(t).__name__,)  # not an input the agreement accepts: it raises there
 
-    return (meta(x), meta(w13), meta(w2), meta(topk_idx), meta(topk_probs), req)
+    return (meta(x), meta(w13), meta(w2), meta(topk_idx), meta(topk_probs), req, env)
 
 
 def _bounded(prob: RingProblem) -> bool:
     """Whether every hop's pair buffers fit the budget when sized from the bound (the largest is
-    the backward's pre-activation, ``(P, 2I)`` in the activations' dtype)."""
-    budget = int(os.environ.get("RELAYMOE_PAIR_BUFFER_MIB", "512")) * 2**20
+    the backward's pre-activation, ``(P, 2I)`` in the activations' dtype). The budget is the
+    agreed ``RELAYMOE_PAIR_BUFFER_MIB``, the same on every rank: this decides a collective."""
+    budget = prob.pair_buffer_mib * 2**20
     esize = torch.empty((), dtype=prob.dtype).element_size()
     bound = max(prob.tokens) * min(prob.topk, prob.num_local_experts)
     return bound * 2 * prob.ffn * esize <= budget
@@ -599,10 +698,13 @@ def agree(
     exact). ``trusted=True``: see the module doc (cached per signature, ids not validated).
     """
     args = (x, w13, w2, topk_idx, topk_probs)
-    where = dict(group=group, rank=rank, world=world, req=request)
-    if trusted and os.environ.get("RELAYMOE_RING_AGREE", "cached") != "every_call":
+    settings = ring_settings()  # this process's, read once; agreed in the row
+    where = dict(group=group, rank=rank, world=world, req=request, settings=settings)
+    env = settings[0]
+    # a bad setting (env None) goes to the agreement, where every rank raises
+    if trusted and env is not None and env.agree != "every_call":
         key = (getattr(group, "group_name", None) or id(group), rank, world,
-               _signature(*args, request))  # fmt: skip
+               _signature(*args, request, env))  # fmt: skip
         prob = _AGREED.get(key)
         if prob is None:
             prob = _agree_collective(args, **where, validate_ids=False, with_pairs=False)

@@ -169,7 +169,7 @@ def alltoall_forward(
         )  # fmt: skip
     del x_N, meta_N
     back_S = _exchange(y_N, recv_rows, send_rows, group, R, watch)
-    out = _gather_sum(back_S, pos_TR, torch.empty_like(x), resolve_backend(backend, dev))
+    out = _gather_sum(back_S, pos_TR, torch.empty_like(x), resolve_backend(backend, dev, x.dtype))
     if watch is not None:
         watch.finish(dev)
     return out, Dispatch(tok_S, pos_TR, send_rows, recv_rows, n_pairs, index, probs_NK)
@@ -195,7 +195,7 @@ def alltoall_backward(
         dx_N, dp_NK = x_N.new_empty(0, x.shape[1]), d.probs_NK.new_empty(0, prob.topk)
         dw13, dw2 = torch.zeros_like(w13), torch.zeros_like(w2)
     del x_N, dy_N
-    be = resolve_backend(backend, x.device)
+    be = resolve_backend(backend, x.device, x.dtype)
     back_dx = _exchange(dx_N, d.recv_rows, d.send_rows, group, R, watch)
     back_dp = _exchange(dp_NK.to(probs.dtype), d.recv_rows, d.send_rows, group, R, watch)
     dx = _gather_sum(back_dx, d.pos_TR, torch.empty_like(x), be)

@@ -579,8 +579,25 @@ def ring_moe(
 
     ``trusted=True`` (Megatron's dispatcher): ``topk_idx`` comes from a router and is not
     validated, and every rank changes its input signature (shapes, dtypes, mode, transport,
-    whether a backward follows) in the same call; the ranks' agreement is then reused per
+    whether a backward follows, the collective-deciding settings ``RELAYMOE_RING_AGREE`` and
+    ``RELAYMOE_PAIR_BUFFER_MIB``) in the same call; the ranks' agreement is then reused per
     signature, so a call in steady state has no host synchronisation (``agree.py``).
+
+    Dtypes: x, w13 and w2 share one of float16, bfloat16, float32, float64 (float64 runs on the
+    torch hops: ``backend="triton"`` refuses it, ``"auto"`` keeps it); topk_probs any of those;
+    topk_idx any integer dtype. The output has x's dtype, the gradients their inputs' dtypes.
+    Layouts: any strides for every tensor (and list element) and for the upstream gradient;
+    x, topk_probs, tensor-form weights and dy are made contiguous once per call (a no-op for
+    contiguous ones), topk_idx is converted to contiguous int32 (T*K elements).
+
+    Validated on every rank before any P2P, the same ``ValueError`` raised on every rank
+    (``agree.py``): types, shapes, dtypes and devices of every input on every rank, and their
+    agreement across ranks (E_local, H, I, K, dtypes, device type, mode, transport, schedule,
+    gpus_per_node, grad_accum, whether a backward follows, the settings above); that the hop
+    backend can run the inputs; the int32 limits; the expert ids (in ``[0, E)``, distinct per
+    row: one host sync). ``trusted=True`` skips the id check and, for a signature already
+    agreed, the whole agreement: inputs that change without the signature changing are not
+    checked again.
     """
     group, rank, world = _resolve_group(group)
     listed = isinstance(w13, (list, tuple)) and isinstance(w2, (list, tuple))
@@ -588,7 +605,7 @@ def ring_moe(
     needs_grad = torch.is_grad_enabled() and any(
         isinstance(t, Tensor) and t.requires_grad for t in (x, topk_probs, *ws)
     )
-    req = RingRequest(mode, transport, schedule, gpus_per_node, needs_grad, grad_accum)
+    req = RingRequest(mode, transport, schedule, gpus_per_node, needs_grad, grad_accum, backend)
     with torch.profiler.record_function("relaymoe.agree"):
         prob = agree(
             x, w13, w2, topk_idx, topk_probs, group=group, rank=rank, world=world, request=req,
@@ -601,5 +618,6 @@ def resolved_problem(*args, **kwargs) -> RingProblem:
     """The agreed :class:`RingProblem` (mode, transport, sizes) ``ring_moe`` would run."""
     group, rank, world = _resolve_group(kwargs.pop("group", None))
     trusted = kwargs.pop("trusted", False)
-    req = RingRequest(**kwargs)  # mode, transport, schedule, gpus_per_node, needs_grad, grad_accum
+    # mode, transport, schedule, gpus_per_node, needs_grad, grad_accum, backend
+    req = RingRequest(**kwargs)
     return agree(*args, group=group, rank=rank, world=world, request=req, trusted=trusted)

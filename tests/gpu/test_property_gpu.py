@@ -1,0 +1,65 @@
+"""The GPU twin of ``tests/test_property_inputs.py``: the same random layouts, dtypes and shapes
+on CUDA, bf16 included, through the compiled Triton kernels (``moe_experts``, the loss's row
+kernels), the ring on one GPU and, with two GPUs, over NCCL. Each case matches the float64
+oracle within its dtype's bound or raises a ``ValueError`` from relaymoe.
+
+Skipped without CUDA; run by ``scripts/gpu_suite.sh``. Kernels pinned to their first config
+(``RELAYMOE_AUTOTUNE=0``): correctness does not depend on it, and tuning every shape would
+compile for minutes.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+from tests import property_inputs as P
+from tests.helpers import run_scenarios
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+@pytest.fixture(autouse=True)
+def _first_config(monkeypatch):
+    monkeypatch.setenv("RELAYMOE_AUTOTUNE", "0")
+
+
+def _tally(results) -> collections.Counter:
+    return collections.Counter(results)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_moe_experts_cuda(backend):
+    n = 200
+    tally = _tally(P.run_moe_case(c, "cuda") for c in P.moe_cases(n, seed=21, backends=(backend,)))
+    assert tally["valid"] >= n // 3 and tally["refused"] >= n // 20, tally
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_linear_cross_entropy_cuda(impl):
+    n = 150
+    tally = _tally(P.run_loss_case(c, "cuda") for c in P.loss_cases(n, seed=22, impls=(impl,)))
+    assert tally["valid"] >= n // 2 and tally["refused"] >= n // 20, tally
+
+
+def test_ring_moe_one_gpu():
+    n = 40
+    cases = P.ring_cases(n, seed=23, world=1, backends=("auto", "triton"))
+    tally = _tally(P.run_ring_case(c, 0, 1, None, device="cuda") for c in cases)
+    assert tally["valid"] >= n // 3, tally
+
+
+def _ring_nccl(rank, world, group):
+    cases = P.ring_cases(24, seed=24, world=world, backends=("auto", "triton"))
+    tally = _tally(P.run_ring_case(c, rank, world, group, device=f"cuda:{rank}") for c in cases)
+    assert tally["valid"] >= len(cases) // 3, tally
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_ring_moe_nccl_two_gpus(tmp_path):
+    run_scenarios([_ring_nccl], 2, tmp_path, timeout=600, backend="nccl")
