@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import importlib
 import json
 import os
 import shlex
@@ -541,6 +542,19 @@ def install_wheels(root: Path, log: Path) -> Path | None:
     return site
 
 
+def record_versions(manifest: dict, site: Path) -> None:
+    """The manifest's versions read again with ``site`` searched: the carried wheels (megatron-core
+    above all) are installed after the manifest is made, into a folder this process did not
+    search, so without this their versions read ``unknown``. First on the path, as in the steps'
+    ``PYTHONPATH``: a carried wheel is what the steps import."""
+    if str(site) not in sys.path:
+        sys.path.insert(0, str(site))
+    importlib.invalidate_caches()
+    vers = runs.versions()
+    manifest.update(versions=vers, transformer_impl=runs.transformer_impl(vers),
+                    te_version=vers.get("transformer-engine"))  # fmt: skip
+
+
 def seed_triton_cache(root: Path, cache_dir: Path) -> None:
     src = root / ".triton_cache.tar.gz"
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -675,8 +689,10 @@ def main(argv: Sequence[str] | None = None, steps: Sequence[Step] = STEPS) -> in
     if a.handoff and out.exists():
         shutil.rmtree(out)  # a host reused between calls once kept an older call's rows
     out.mkdir(parents=True, exist_ok=True)
-    print("[suite] versions: " + ", ".join(f"{k} {v}" for k, v in manifest["versions"].items()))
     site = install_wheels(ROOT, out / "pip_install.log")
+    if site is not None:
+        record_versions(manifest, site)
+    print("[suite] versions: " + ", ".join(f"{k} {v}" for k, v in manifest["versions"].items()))
     env = child_env(ROOT, manifest["commit"], site)
     cache = Path(env["TRITON_CACHE_DIR"])
     seed_triton_cache(ROOT, cache)

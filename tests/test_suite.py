@@ -302,3 +302,22 @@ def test_adhoc_steps_replace_the_table(tmp_path, monkeypatch):
             suite.adhoc_steps([bad])
     with pytest.raises(ValueError, match="given twice"):
         suite.adhoc_steps(["a=ok.py", "a=fails.py"])
+
+
+def test_carried_wheels_versions_reach_the_manifest(tmp_path, monkeypatch):
+    """The carried wheels are installed after the manifest is made, into a folder this process
+    does not search: their versions must still be recorded (a device run once wrote
+    ``megatron-core: unknown`` with megatron-core 0.19.2 installed)."""
+    site = tmp_path / "site"
+    info = site / "megatron_core-9.8.7.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: megatron-core\nVersion: 9.8.7\n")
+    monkeypatch.setattr(sys, "path", list(sys.path))  # record_versions puts the site first
+    src, out = _fakes(tmp_path), tmp_path / "run"
+    monkeypatch.setattr(suite, "ROOT", src)
+    monkeypatch.setattr(suite, "install_wheels", lambda root, log: site)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.chdir(src)
+    assert suite.main(["--gpus", "0", "--out", str(out), "--step", "ok=ok.py {out}"]) == 0
+    m = runs.validate_manifest(json.loads((out / runs.MANIFEST).read_text()), "manifest")
+    assert m["versions"]["megatron-core"] == "9.8.7"
