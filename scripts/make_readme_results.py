@@ -60,8 +60,9 @@ TABLES = [
     (
         "e2e",
         "GPT end to end (tiny Qwen3-style; Qwen3-30B-A3B-width slice), ring vs alltoall",
-        ("provider", "shape", "ep", "dispatcher"),
-        ["shape", "ep", "provider", "dispatcher", "steps", "final_loss", "max_abs_loss_diff",
+        ("provider", "shape", "ep", "dispatcher", "fp8_format", "fp8_recipe"),
+        ["shape", "ep", "provider", "dispatcher", "transformer_impl", "fp8_format", "fp8_recipe",
+         "steps", "final_loss", "max_abs_loss_diff",
          "max_abs_loss_diff_vs_other", "noise_max_abs_loss_diff", "tokens_per_s", "peak_MiB"],
     ),
     (
