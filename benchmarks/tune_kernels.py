@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -143,15 +142,15 @@ def main(argv=None) -> int:
     import torch
     import triton
 
+    from relaymoe import options
     from relaymoe.kernels import tuned
 
     if not torch.cuda.is_available():
         print("tune_kernels: needs a CUDA GPU; nothing tuned")
         return 3
-    os.environ["RELAYMOE_AUTOTUNE"] = "1"
-    # the Triton kernels are the ones tuned: on sm90 the gathered GEMMs default to the Gluon
-    # kernels (fixed configurations), and the Triton ones stay their fallback
-    os.environ["RELAYMOE_GATHER_WS"] = "0"
+    # always the full search; the Triton kernels are the ones tuned: on sm90 the gathered GEMMs
+    # default to the Gluon kernels (fixed configurations), and the Triton ones stay their fallback
+    options.install(options.defaults().replace(kernels={"autotune": "search", "gather_ws": "off"}))
     out = Path(a.out) if a.out else tuned.TABLE
     gpu = torch.cuda.get_device_name()
     provenance = {

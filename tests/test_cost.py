@@ -250,7 +250,7 @@ def test_planner_mode_is_choose_mode_on_a_grid():
             )  # fmt: skip
             assert ring_mode(cfg) == want, (name, ep, seq, mbs, tr)
     # a forced mode is kept
-    cfg = load_config("qwen3_30b_a3b").replace(relaymoe={"ring_mode": "token"})
+    cfg = load_config("qwen3_30b_a3b").replace(relaymoe={"mode": "token"})
     assert ring_mode(cfg) == "token"
 
 
@@ -274,7 +274,7 @@ def test_issue_example_planner_sizes_the_runtime_mode():
     # a ring mode over the copy engine counts its workspace once in the stage peak
     from relaymoe.planner import stage_peak
 
-    forced = cfg.replace(relaymoe={"ring_mode": "expert"})
+    forced = cfg.replace(relaymoe={"mode": "expert"})
     a = stage_peak(forced, 0, "ring")
     b = stage_peak(forced.replace(relaymoe={"transport": "nccl"}), 0, "ring")
     assert a.terms["symmetric_workspace"] == cost.symmetric_workspace_bytes("expert", sh.dims()) > 0

@@ -7,7 +7,9 @@ import json
 import pytest
 import torch
 
+from relaymoe import options
 from relaymoe.kernels import grouped, tuned
+from tests.helpers import use_env
 
 
 @pytest.fixture
@@ -60,9 +62,8 @@ def test_bad_tables_and_modes_are_refused_by_name(table, monkeypatch):
     table({"version": 1, "gpus": {"G": {"wgrad": {"b": {"BLOCK_M": 64}}}}})
     with pytest.raises(ValueError, match=r"G / wgrad / b has keys \['BLOCK_M'\]"):
         tuned.load_table()
-    monkeypatch.setenv("RELAYMOE_AUTOTUNE", "sometimes")
     with pytest.raises(ValueError, match="RELAYMOE_AUTOTUNE='sometimes'"):
-        tuned.autotune_mode()
+        use_env(monkeypatch, RELAYMOE_AUTOTUNE="sometimes")
 
 
 def test_the_package_ships_a_valid_table():
@@ -80,7 +81,8 @@ def test_launcher_keys_are_the_autotuners_keys():
 
 def test_pick_uses_the_shipped_config_then_the_autotuner(monkeypatch):
     """On a GPU (interpreter off): a shipped config skips the search; without one the autotuner
-    runs; RELAYMOE_AUTOTUNE=1 always searches, =0 takes the first candidate."""
+    runs; ``autotune="search"`` (RELAYMOE_AUTOTUNE=1) always searches, ``"first"`` (=0) takes the
+    first candidate."""
     monkeypatch.setattr(grouped, "interpret_mode", lambda: False)
     found = {}
     monkeypatch.setattr(grouped, "shipped_config", lambda name, key, dtype: found.get(name))
@@ -88,18 +90,19 @@ def test_pick_uses_the_shipped_config_then_the_autotuner(monkeypatch):
     raw, auto = grouped._rows_gemm_kernel, grouped._rows_tuned
 
     def pick():
-        return grouped._pick(auto, raw, None, 2048, "rows_gemm", key, torch.bfloat16)
+        k = options.defaults().kernels
+        return grouped._pick(auto, raw, None, 2048, "rows_gemm", key, torch.bfloat16, k)
 
-    monkeypatch.delenv("RELAYMOE_AUTOTUNE", raising=False)
+    use_env(monkeypatch, RELAYMOE_AUTOTUNE=None)
     assert pick() == (auto, {})  # nothing shipped: search
     found["rows_gemm"] = dict(CFG)
     kernel, meta = pick()
     assert kernel is raw and meta == {**CFG, "EVEN_K": True}
     found["rows_gemm"] = {**CFG, "BLOCK_K": 96}  # 2048 % 96 != 0
     assert pick()[1]["EVEN_K"] is False
-    monkeypatch.setenv("RELAYMOE_AUTOTUNE", "1")
+    use_env(monkeypatch, RELAYMOE_AUTOTUNE="1")
     assert pick() == (auto, {})
-    monkeypatch.setenv("RELAYMOE_AUTOTUNE", "0")
+    use_env(monkeypatch, RELAYMOE_AUTOTUNE="0")
     first = auto.configs[0]
     kernel, meta = pick()
     assert kernel is raw and meta["BLOCK_M"] == first.kwargs["BLOCK_M"]

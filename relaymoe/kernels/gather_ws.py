@@ -49,7 +49,7 @@ loop, not the slot count. Two slots: 4.48 / 22.7. Triton caps a kernel at 16 war
 threads), so the producer cannot grow without taking the storer's warps.
 
 Only this module imports ``triton.experimental.gluon``; ``grouped.up_swiglu`` and
-``grouped.rows_gemm`` import it lazily on sm90 (``RELAYMOE_GATHER_WS``), so CPU runs never touch
+``grouped.rows_gemm`` import it lazily on sm90 (``KernelOptions.gather_ws``), so CPU runs never touch
 it.
 """
 

@@ -22,15 +22,12 @@ SwiGLU backward and the launch grid. The launchers check those on sizes before l
 
 from __future__ import annotations
 
-import functools
-import warnings
-
 import torch
 import triton
 import triton.language as tl
 
-from relaymoe.kernels import check_int32, env_switch, interpret_mode, tile_group_m
-from relaymoe.kernels.tuned import autotune_mode, shipped_config
+from relaymoe.kernels import check_int32, interpret_mode, select, tile_group_m
+from relaymoe.kernels.tuned import shipped_config
 
 
 # ---------------------------------------------------------------------------------------------
@@ -529,17 +526,16 @@ _wgrad_tuned = triton.autotune(
 )(_wgrad_kernel)
 
 
-def _pick(tuned, raw, config, kdim, name: str, key: dict, dtype, ncols: int | None = None):
+def _pick(tuned, raw, config, kdim, name: str, key: dict, dtype, k, ncols: int | None = None):
     """The kernel and its meta-parameters. On GPU: the shipped configuration of (GPU, ``name``,
     bucket of the autotune ``key``) when ``kernels/tuned_configs.json`` has one, else the
-    autotuner (``RELAYMOE_AUTOTUNE``, ``tuned.py``). A fixed config (EVEN_K derived) under the
-    interpreter, when a test passes one, or with ``RELAYMOE_AUTOTUNE=0`` (the first candidate).
+    autotuner (``k.autotune``, ``tuned.py``). A fixed config (EVEN_K derived) under the
+    interpreter, when a test passes one, or with ``autotune="first"`` (the first candidate).
     ``ncols``: a gathered-row kernel's output columns, for its GROUP_M (a config's own wins)."""
     if config is None and not interpret_mode():
-        mode = autotune_mode()
-        if mode == "shipped":
+        if k.autotune == "shipped":
             config = shipped_config(name, key, dtype)
-        if config is None and mode != "0":
+        if config is None and k.autotune != "first":
             return tuned, {}
         if config is None:
             first = tuned.configs[0]
@@ -555,48 +551,6 @@ def _pick(tuned, raw, config, kdim, name: str, key: dict, dtype, ncols: int | No
     if ncols is not None:
         meta["GROUP_M"] = cfg.get("GROUP_M", _row_group_m(ncols, meta["BLOCK_N"]))
     return raw, meta
-
-
-def _tma_mode(t) -> bool:
-    """``RELAYMOE_TMA``: ``auto`` (the default: on for CUDA tensors of an sm90 GPU, where it was
-    measured faster, when Triton has tensor descriptors), ``1`` (always) or ``0`` (never)."""
-    mode = env_switch("RELAYMOE_TMA", {
-        "auto": "tensor descriptors on sm90 GPUs",
-        "1": "contiguous operands (up_swiglu's weight, the wgrad's pair buffer) through tensor "
-             "descriptors, TMA on sm90",
-        "0": "pointer loads"})  # fmt: skip
-    if mode == "auto":
-        return t.is_cuda and _sm90_with_descriptors(t.device.index)
-    return mode == "1"
-
-
-@functools.cache
-def _sm90_with_descriptors(device_index: int | None) -> bool:
-    # H200, qwen3 T32k bf16 (benchmarks/bench_experts.py, three runs): the forward 0.20-0.31 ms
-    # faster (5.2 of 5.4 ms), fwd+bwd 0.17 ms faster on average; not measured on other GPUs
-    if not hasattr(tl, "make_tensor_descriptor"):
-        return False
-    return torch.cuda.get_device_capability(device_index)[0] == 9
-
-
-def _tma_operand(t) -> bool:
-    """Whether a 2-D operand (rows, cols) can be read through a tensor descriptor: asked for
-    (``RELAYMOE_TMA``), unit column stride, 16-byte aligned base and row stride. Sets Triton's
-    allocator for the descriptors' scratch in this thread."""
-    if not _tma_mode(t):
-        return False
-    elt = t.element_size()
-    if t.stride(1) != 1 or (t.stride(0) * elt) % 16 or t.data_ptr() % 16:
-        return False
-    if t.is_cuda:
-        _set_descriptor_allocator()
-    return True
-
-
-def _tma_weights(w_EMK) -> bool:
-    """Whether ``up_swiglu`` loads ``w13`` through a tensor descriptor over its (El*2I, H) rows:
-    asked for (``RELAYMOE_TMA``), and a contiguous weight whose rows :func:`_tma_operand` takes."""
-    return w_EMK.is_contiguous() and _tma_operand(w_EMK.view(-1, w_EMK.shape[-1]))
 
 
 def _set_descriptor_allocator() -> None:
@@ -665,13 +619,14 @@ def _check_rows(n_rows: int, where: str) -> None:
 # ---------------------------------------------------------------------------------------------
 # launchers (no allocation policy here: callers pass every output)
 # ---------------------------------------------------------------------------------------------
-def up_swiglu(x_TH, w13_E2IH, idx_P, offs, prob_P, h_P2I, a_PI, *, config=None):
+def up_swiglu(x_TH, w13_E2IH, idx_P, offs, prob_P, h_P2I, a_PI, *, config=None, kernels=None):
     """h = x[tok] @ w13[e]^T into ``h_P2I`` (skipped when None); a = silu(gate)*up(*prob_P when
     given) into ``a_PI`` (skipped when None: the fc1 recompute needs h alone). Rows are the
     range's pairs, ``n_pairs`` the rows of ``a_PI`` (else of ``h_P2I``).
 
-    On sm90 the warp-specialised Gluon kernel runs (``RELAYMOE_GATHER_WS``, ``gather_ws.py``)
-    unless a Triton ``config`` is passed; its a comes from h rounded to the output dtype."""
+    On sm90 the warp-specialised Gluon kernel runs (``kernels.gather_ws``, ``gather_ws.py``)
+    unless a Triton ``config`` is passed; its a comes from h rounded to the output dtype.
+    ``kernels``: the ``KernelOptions`` (default: the process's)."""
     if h_P2I is None and a_PI is None:
         raise ValueError("up_swiglu needs an output: h_P2I, a_PI or both")
     n_experts, two_i, hidden = w13_E2IH.shape
@@ -680,19 +635,26 @@ def up_swiglu(x_TH, w13_E2IH, idx_P, offs, prob_P, h_P2I, a_PI, *, config=None):
     if n_pairs == 0 or n_experts == 0:
         return
     _check_expert_span(w13_E2IH, "w13", "up_swiglu")
-    ws = _gather_ws("up_swiglu", x_TH, w13_E2IH, h_P2I, a_PI) if config is None else None
-    if ws is not None and _launch_ws(
+    k = select.kernel_options(kernels)
+    ws = (
+        select.gather_ws_for("up_swiglu", x_TH, w13_E2IH, h_P2I, a_PI, k=k)
+        if config is None
+        else None
+    )
+    if ws is not None and select.launch_ws(
         "up_swiglu", lambda: ws.up_swiglu(x_TH, w13_E2IH, idx_P, offs, prob_P, h_P2I, a_PI)
     ):
         return
     key = dict(zip(_UP_KEY, (hidden, ffn, n_experts, h_P2I is not None, prob_P is not None),
                    strict=True))  # fmt: skip
     kernel, meta = _pick(_up_tuned, _up_swiglu_kernel, config, hidden, "up_swiglu", key,
-                         x_TH.dtype, ncols=ffn)  # fmt: skip
+                         x_TH.dtype, k, ncols=ffn)  # fmt: skip
     h = h_P2I if h_P2I is not None else a_PI
     a = a_PI if a_PI is not None else h_P2I  # an unused pointer when a is not stored
     p = prob_P if prob_P is not None else a
-    tma = _tma_weights(w13_E2IH)
+    tma = select.tma_weights(w13_E2IH, k)
+    if tma and w13_E2IH.is_cuda:
+        _set_descriptor_allocator()
     kernel[_row_grid(n_pairs, n_experts, ffn)](
         x_TH, w13_E2IH, idx_P, offs, p, h, a,
         n_experts, hidden, ffn,
@@ -703,97 +665,27 @@ def up_swiglu(x_TH, w13_E2IH, idx_P, offs, prob_P, h_P2I, a_PI, *, config=None):
     )  # fmt: skip
 
 
-def _gather_ws_mode() -> str:
-    return env_switch("RELAYMOE_GATHER_WS", {
-        "auto": "the warp-specialised Gluon kernels (kernels/gather_ws.py) for the up-projection "
-                "and the gathered-row GEMM on sm90 where Triton's Gluon imports and the shapes "
-                "allow it, the Triton kernels elsewhere",
-        "0": "always the Triton kernels"})  # fmt: skip
-
-
-@functools.cache
-def _gather_ws_module():
-    """``(module, None)`` or ``(None, reason)``: Gluon is experimental, and a Triton without it,
-    or with another API, keeps the Triton kernel."""
-    try:
-        from relaymoe.kernels import gather_ws
-    except Exception as exc:  # ImportError, or a Gluon whose names moved
-        return None, f"relaymoe.kernels.gather_ws does not import: {exc!r}"
-    return gather_ws, None
-
-
-# kinds whose Gluon kernel failed to build on this Triton -> the reason (the Triton kernels run)
-_GATHER_WS_UNBUILT: dict[str, str] = {}
-
-
-def _build_failure(exc: BaseException) -> bool:
-    """A failure to build a kernel (raised at launch, before any work is queued): Triton's own
-    errors (compilation, ptxas, resources) and an MLIR pass failure. Anything else propagates."""
-    from triton.errors import TritonError
-
-    return isinstance(exc, TritonError) or (
-        isinstance(exc, RuntimeError) and "PassManager" in str(exc)
-    )
-
-
-def _launch_ws(kind: str, launch) -> bool:
-    """Run the Gluon ``launch`` of ``kind``. If this Triton cannot build it (Gluon's API moves
-    between releases), remember why, warn once, and return False: the caller runs the Triton
-    kernel, now and for every later call of that kind."""
-    try:
-        launch()
-    except Exception as exc:
-        if not _build_failure(exc):
-            raise
-        _GATHER_WS_UNBUILT[kind] = f"{type(exc).__name__}: {str(exc)[:300]}"
-        warnings.warn(
-            f"relaymoe: the Gluon {kind} kernel does not build on Triton {triton.__version__} "
-            f"({_GATHER_WS_UNBUILT[kind]}); the Triton kernel runs instead "
-            "(RELAYMOE_GATHER_WS=0 skips the attempt)",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return False
-    return True
-
-
-def _gather_ws(kind: str, x_TK, *operands):
-    """The Gluon module when it takes this gathered GEMM (``kind``: ``up_swiglu`` or
-    ``rows_gemm``, whose ``supports_<kind>`` gets ``x_TK`` and ``operands``: the weight, then the
-    outputs; ``RELAYMOE_GATHER_WS``), else None."""
-    if _gather_ws_mode() == "0" or not x_TK.is_cuda or interpret_mode():
-        return None
-    if torch.cuda.get_device_capability(x_TK.device)[0] != 9:
-        return None
-    module, _ = _gather_ws_module()
-    if module is None or kind in _GATHER_WS_UNBUILT:
-        return None
-    if not getattr(module, f"supports_{kind}")(x_TK, *operands):
-        return None
-    return module
-
-
-def rows_gemm(a_PK, b_EKN, offs, c_PN, *, a_idx=None, config=None):
+def rows_gemm(a_PK, b_EKN, offs, c_PN, *, a_idx=None, config=None, kernels=None):
     """c[q] = a[q] @ b[e] for the range's pairs; ``b_EKN`` may be any strided (E, K, N) view.
 
     With ``a_idx`` (the full ``expert_token_indices``) ``a`` is a (T, K) operand read at row
     ``a_idx[q]`` (gather on load); then ``n_pairs = c_PN.shape[0]``, and on sm90 the Gluon
-    kernel runs unless a Triton ``config`` is passed (``RELAYMOE_GATHER_WS``)."""
+    kernel runs unless a Triton ``config`` is passed (``kernels.gather_ws``)."""
     n_experts, kdim, ncols = b_EKN.shape
     n_pairs = c_PN.shape[0]
     if n_pairs == 0 or n_experts == 0:
         return
     _check_expert_span(b_EKN, "the weight operand", "rows_gemm")
-    ws = (
-        _gather_ws("rows_gemm", a_PK, b_EKN, c_PN) if a_idx is not None and config is None else None
-    )
-    if ws is not None and _launch_ws(
+    k = select.kernel_options(kernels)
+    gathered = a_idx is not None and config is None
+    ws = select.gather_ws_for("rows_gemm", a_PK, b_EKN, c_PN, k=k) if gathered else None
+    if ws is not None and select.launch_ws(
         "rows_gemm", lambda: ws.rows_gemm(a_PK, b_EKN, a_idx, offs, c_PN)
     ):
         return
     key = dict(zip(_ROWS_KEY, (ncols, kdim, n_experts, a_idx is not None), strict=True))
     kernel, meta = _pick(_rows_tuned, _rows_gemm_kernel, config, kdim, "rows_gemm", key,
-                         a_PK.dtype, ncols=ncols)  # fmt: skip
+                         a_PK.dtype, k, ncols=ncols)  # fmt: skip
     kernel[_row_grid(n_pairs, n_experts, ncols)](
         a_PK, b_EKN, a_idx if a_idx is not None else offs, offs, c_PN,
         n_experts, ncols, kdim,
@@ -844,18 +736,21 @@ def swiglu_forward(h_P2I, prob_P, a_PI):
 
 
 def wgrad(a, b, idx_P, offs, c_EMN, *, a_gather: bool, b_gather: bool, accumulate: bool,
-          config=None):  # fmt: skip
+          config=None, kernels=None):  # fmt: skip
     """c[e] (+)= sum over expert e's pairs of a[row]^T b[row] (gathered operands read tok[q]).
     A contiguous operand (in pair order) comes through a tensor descriptor where
-    ``RELAYMOE_TMA`` asks for it and its strides allow (:func:`_tma_operand`)."""
+    ``kernels.tma`` asks for it and its strides allow (``select.tma_operand``)."""
     n_experts, m, n = c_EMN.shape
     if n_experts == 0 or m == 0 or n == 0:
         return
     _check_expert_span(c_EMN, "the weight gradient", "wgrad")
     key = dict(zip(_WGRAD_KEY, (m, n, a_gather, b_gather, accumulate), strict=True))
-    kernel, meta = _pick(_wgrad_tuned, _wgrad_kernel, config, None, "wgrad", key, a.dtype)
-    tma_a = not a_gather and _tma_operand(a)
-    tma_b = not b_gather and _tma_operand(b)
+    k = select.kernel_options(kernels)
+    kernel, meta = _pick(_wgrad_tuned, _wgrad_kernel, config, None, "wgrad", key, a.dtype, k)
+    tma_a = not a_gather and select.tma_operand(a, k)
+    tma_b = not b_gather and select.tma_operand(b, k)
+    if (tma_a or tma_b) and a.is_cuda:
+        _set_descriptor_allocator()
     n_rows = b.shape[0] if a_gather else a.shape[0]
 
     def grid(meta_):

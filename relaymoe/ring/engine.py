@@ -64,13 +64,15 @@ With ``transport="copy_engine"`` the two slots are a persistent symmetric-memory
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from relaymoe.experts import expert_hop_backward, expert_hop_forward
-from relaymoe.options import NODE_BATCHED
+from relaymoe.kernels.select import kernel_options
+from relaymoe.options import NODE_BATCHED, KernelOptions
 from relaymoe.ring.agree import RingProblem, RingRequest, agree
 from relaymoe.ring.alltoall import alltoall_backward, alltoall_forward
 from relaymoe.ring.executor import relay
@@ -84,6 +86,13 @@ from relaymoe.routing import build_routing_index
 __all__ = ["ring_moe"]
 
 _IDX = torch.int32  # expert ids travel as int32
+
+
+class Hop(NamedTuple):
+    """How a hop's compute runs: the hop primitives' backend and their kernel options."""
+
+    backend: str
+    kernels: KernelOptions
 
 
 def _resolve_group(group):
@@ -203,7 +212,7 @@ def _pair_rows(prob: RingProblem, tokens_rank: int, experts_rank: int) -> dict[s
     return {"max_pairs": prob.hop_pairs(tokens_rank, experts_rank)}
 
 
-def _expert_forward(prob, group, backend, overlap, x, experts, probs, index, order):
+def _expert_forward(prob, group, how, overlap, x, experts, probs, index, order):
     El = prob.num_local_experts
     out = torch.zeros_like(x)
     T = x.shape[0]
@@ -215,8 +224,8 @@ def _expert_forward(prob, group, backend, overlap, x, experts, probs, index, ord
         a, b = local[:2] if lead is None else (lead["w13"], lead["w2"])
         expert_hop_forward(
             x, a, b, probs, index,
-            expert_range=(part * El, (part + 1) * El), out_TH=out, save="none", backend=backend,
-            **_pair_rows(prob, prob.rank, part),
+            expert_range=(part * El, (part + 1) * El), out_TH=out, save="none",
+            backend=how.backend, kernels=how.kernels, **_pair_rows(prob, prob.rank, part),
         )  # fmt: skip
 
     fwd, bwd = _expert_plans(prob)
@@ -228,7 +237,7 @@ def _expert_forward(prob, group, backend, overlap, x, experts, probs, index, ord
     return out
 
 
-def _expert_backward(prob, group, backend, overlap, dy, x, experts, probs, index, order):
+def _expert_backward(prob, group, how, overlap, dy, x, experts, probs, index, order):
     """Returns ``(dx, dprobs, dw13, dw2)``; the weight gradients' rows are in the row order the
     compute used: expert order for ``R > 1`` (slot 0 is packed in expert order), ``order`` in a
     world of one."""
@@ -245,8 +254,8 @@ def _expert_backward(prob, group, backend, overlap, dy, x, experts, probs, index
         expert_hop_backward(
             dy, x, a, b, probs, index,
             expert_range=(part * El, (part + 1) * El), saved_h=None,
-            dx_TH=dx, dprobs_TK=dprobs, dw13=trail["dw13"], dw2=trail["dw2"], backend=backend,
-            **_pair_rows(prob, prob.rank, part),
+            dx_TH=dx, dprobs_TK=dprobs, dw13=trail["dw13"], dw2=trail["dw2"],
+            backend=how.backend, kernels=how.kernels, **_pair_rows(prob, prob.rank, part),
         )  # fmt: skip
 
     _, bwd = _expert_plans(prob)
@@ -313,7 +322,7 @@ def _batched_pass(prob, group, overlap, device, phase, compute, experts, backwar
     )  # fmt: skip
 
 
-def _batched_expert_forward(prob, group, backend, overlap, x, experts, probs, index, order):
+def _batched_expert_forward(prob, group, how, overlap, x, experts, probs, index, order):
     G, El = prob.gpus_per_node, prob.num_local_experts
     out = torch.zeros_like(x)
 
@@ -322,32 +331,33 @@ def _batched_expert_forward(prob, group, backend, overlap, x, experts, probs, in
             return
         expert_hop_forward(
             x, w13, w2, probs, index, expert_range=(node * G * El, (node + 1) * G * El),
-            out_TH=out, save="none", backend=backend, **_node_pairs(prob, node),
+            out_TH=out, save="none", backend=how.backend, kernels=how.kernels,
+            **_node_pairs(prob, node),
         )  # fmt: skip
 
     _batched_pass(prob, group, overlap, x.device, "fwd", compute, experts, False)
     return out
 
 
-def _batched_expert_backward(prob, group, backend, overlap, dy, x, experts, probs, index, order):
+def _batched_expert_backward(prob, group, how, overlap, dy, x, experts, probs, index, order):
     """As ``_expert_backward``; the weight gradients' rows in expert order."""
     G, El, g = prob.gpus_per_node, prob.num_local_experts, prob.rank % prob.gpus_per_node
     dx, dprobs = torch.zeros_like(x), torch.zeros_like(probs)
 
     def compute(node, w13, w2, trail):
-        def hop(d13, d2):
+        def grads(d13, d2):
             return expert_hop_backward(
                 dy, x, w13, w2, probs, index, expert_range=(node * G * El, (node + 1) * G * El),
-                saved_h=None, dx_TH=dx, dprobs_TK=dprobs, dw13=d13, dw2=d2, backend=backend,
-                grad_dtype=prob.accum_dtype, **_node_pairs(prob, node),
+                saved_h=None, dx_TH=dx, dprobs_TK=dprobs, dw13=d13, dw2=d2, backend=how.backend,
+                kernels=how.kernels, grad_dtype=prob.accum_dtype, **_node_pairs(prob, node),
             )  # fmt: skip
 
         if G == 1:  # no row: the gradients go straight into the trail, as in the flat ring
             if x.shape[0] > 0:
-                hop(trail["dw13"], trail["dw2"])
+                grads(trail["dw13"], trail["dw2"])
             return
         if x.shape[0] > 0:  # written, not added: no zero fill of the G*El gradients
-            _, _, d13, d2 = hop(None, None)
+            _, _, d13, d2 = grads(None, None)
         else:  # the peers still wait for this rank's (zero) shares
             d13 = torch.zeros_like(w13, dtype=prob.accum_dtype)
             d2 = torch.zeros_like(w2, dtype=prob.accum_dtype)
@@ -382,7 +392,7 @@ def _token_ids(ids: Tensor, prob: RingProblem, order: str) -> Tensor:
     return reverse_local_ids(ids, prob.num_local_experts) if order == REVERSED else ids
 
 
-def _token_forward(prob, group, backend, overlap, x, experts, probs, idx32, order):
+def _token_forward(prob, group, how, overlap, x, experts, probs, idx32, order):
     """Returns ``(out, indices)``: ``indices[p]`` is the routing index of partition ``p``'s
     tokens (built once, when it visits; the backward reuses it)."""
     E, Ts, own = prob.num_experts, prob.tokens, prob.expert_range
@@ -399,8 +409,8 @@ def _token_forward(prob, group, backend, overlap, x, experts, probs, idx32, orde
         indices[part] = index
         expert_hop_forward(
             xs, w13, w2, ps, index,
-            expert_range=own, out_TH=trail["out"], save="none", backend=backend,
-            **_pair_rows(prob, part, prob.rank),
+            expert_range=own, out_TH=trail["out"], save="none", backend=how.backend,
+            kernels=how.kernels, **_pair_rows(prob, part, prob.rank),
         )  # fmt: skip
 
     fwd, bwd = _token_plans(prob)
@@ -411,7 +421,7 @@ def _token_forward(prob, group, backend, overlap, x, experts, probs, idx32, orde
     return result["out"], indices
 
 
-def _token_backward(prob, group, backend, overlap, dy, x, experts, probs, indices, order):
+def _token_backward(prob, group, how, overlap, dy, x, experts, probs, indices, order):
     """Returns ``(dx, dprobs, dw13, dw2)``, the weight gradients' rows in ``order``.
     ``indices``: the forward's routing index of every visiting partition."""
     Ts, own = prob.tokens, prob.expert_range
@@ -433,7 +443,8 @@ def _token_backward(prob, group, backend, overlap, dy, x, experts, probs, indice
         _, _, dw["dw13"], dw["dw2"] = expert_hop_backward(
             dys, xs, w13, w2, ps, indices[part],
             expert_range=own, saved_h=None, dx_TH=trail["dx"], dprobs_TK=trail["dprobs"],
-            dw13=dw["dw13"], dw2=dw["dw2"], backend=backend, **_pair_rows(prob, part, prob.rank),
+            dw13=dw["dw13"], dw2=dw["dw2"], backend=how.backend, kernels=how.kernels,
+            **_pair_rows(prob, part, prob.rank),
         )  # fmt: skip
 
     _, bwd = _token_plans(prob)
@@ -450,18 +461,19 @@ def _token_backward(prob, group, backend, overlap, dy, x, experts, probs, indice
 # autograd
 # ---------------------------------------------------------------------------------------------
 class _RingMoE(torch.autograd.Function):
-    """Inputs ``(x, probs, topk_idx, prob, group, backend, overlap, listed, *ws)`` with ``ws``
+    """Inputs ``(x, probs, topk_idx, prob, group, how, overlap, listed, *ws)`` (``how``: the hop
+    primitives' backend and kernel options, a :class:`Hop`) with ``ws``
     ``(w13, w2)`` (tensor form) or ``(*w13_list, *w2_list)`` (list form). Saves x, probs, the
     int32 ids and ``ws`` themselves (list form: the caller's tensors, no copy)."""
 
     @staticmethod
-    def forward(ctx, x, probs, topk_idx, prob, group, backend, overlap, listed, *ws):
+    def forward(ctx, x, probs, topk_idx, prob, group, how, overlap, listed, *ws):
         x, probs = x.contiguous(), probs.contiguous()
         if not listed:
             ws = tuple(w.contiguous() for w in ws)
         experts = LocalExperts.from_inputs(listed, ws)
         idx32 = topk_idx.to(_IDX).contiguous()
-        ctx.prob, ctx.group, ctx.backend, ctx.overlap = prob, group, backend, overlap
+        ctx.prob, ctx.group, ctx.how, ctx.overlap = prob, group, how, overlap
         ctx.listed = listed
         # the row order of the local experts' stacked form where a pass uses it (token mode, a
         # world of one); expert mode with R > 1 packs slot 0 in expert order and needs none
@@ -473,14 +485,14 @@ class _RingMoE(torch.autograd.Function):
                 ids = reverse_local_ids(idx32, prob.num_local_experts)
             index = build_routing_index(ids, prob.num_experts, validate=False)
             fwd = _batched_expert_forward if prob.schedule == NODE_BATCHED else _expert_forward
-            out = fwd(prob, group, backend, overlap, x, experts, probs, index, order)
+            out = fwd(prob, group, how, overlap, x, experts, probs, index, order)
             ctx.index = index
         elif prob.mode == "token":
             out, ctx.index = _token_forward(
-                prob, group, backend, overlap, x, experts, probs, idx32, order
+                prob, group, how, overlap, x, experts, probs, idx32, order
             )
         else:
-            out, ctx.index = alltoall_forward(prob, group, backend, x, experts, probs, idx32, order)
+            out, ctx.index = alltoall_forward(prob, group, how, x, experts, probs, idx32, order)
         ctx.save_for_backward(x, probs, idx32, *ws)
         return out
 
@@ -491,7 +503,7 @@ class _RingMoE(torch.autograd.Function):
         prob, order = ctx.prob, ctx.order
         experts = LocalExperts.from_inputs(ctx.listed, ws)
         dy = dy.to(prob.dtype).contiguous()
-        args = (prob, ctx.group, ctx.backend, ctx.overlap, dy, x, experts, probs)
+        args = (prob, ctx.group, ctx.how, ctx.overlap, dy, x, experts, probs)
         if prob.mode == "expert":
             bwd = _batched_expert_backward if prob.schedule == NODE_BATCHED else _expert_backward
             dx, dprobs, dw13, dw2 = bwd(*args, ctx.index, order)
@@ -501,7 +513,7 @@ class _RingMoE(torch.autograd.Function):
             rows = order
         else:
             dx, dprobs, dw13, dw2 = alltoall_backward(
-                prob, ctx.group, ctx.backend, dy, x, experts, probs, ctx.index, order
+                prob, ctx.group, ctx.how, dy, x, experts, probs, ctx.index, order
             )
             rows = order
         need = ctx.needs_input_grad
@@ -536,6 +548,7 @@ def ring_moe(
     schedule: str = "auto",
     gpus_per_node: int | None = None,
     grad_accum: str = "auto",
+    kernels: KernelOptions | None = None,
 ) -> Tensor:
     """MoE experts over the expert-parallel ``group`` by ring execution (RelayMoE §3.1-3.3).
 
@@ -558,7 +571,10 @@ def ring_moe(
     uses the group's collectives), ``"copy_engine"`` (symmetric-memory pulls, CUDA within
     a node) or ``"auto"`` (copy engine when every rank is a CUDA device of one node with
     symmetric memory, else nccl). ``overlap=False`` serialises transfer and compute (ablation).
-    ``backend``: the hop primitives' backend (``"auto"``, ``"triton"``, ``"torch"``).
+    ``backend``: the hop primitives' backend (``"auto"``, ``"triton"``, ``"torch"``);
+    ``kernels``: how their kernels run (``relaymoe.options.KernelOptions``; default: this
+    process's). The host wait, the timeout and how often the ranks agree are this process's
+    ``relaymoe.options.RingOptions`` (``relaymoe.options.defaults()``).
     ``schedule``: the hop order (``schedule.py``): ``"flat"`` (one ring), ``"two_level"`` (rings
     inside each node of ``gpus_per_node`` consecutive ranks, joined by hops that every GPU of a
     node makes to the same local rank of the next node at once) or ``"auto"`` (two-level when the
@@ -579,8 +595,8 @@ def ring_moe(
 
     ``trusted=True`` (Megatron's dispatcher): ``topk_idx`` comes from a router and is not
     validated, and every rank changes its input signature (shapes, dtypes, mode, transport,
-    whether a backward follows, the collective-deciding settings ``RELAYMOE_RING_AGREE`` and
-    ``RELAYMOE_PAIR_BUFFER_MIB``) in the same call; the ranks' agreement is then reused per
+    whether a backward follows, the collective-deciding options ``agree`` and
+    ``pair_buffer_mib``) in the same call; the ranks' agreement is then reused per
     signature, so a call in steady state has no host synchronisation (``agree.py``).
 
     Dtypes: x, w13 and w2 share one of float16, bfloat16, float32, float64 (float64 runs on the
@@ -611,7 +627,8 @@ def ring_moe(
             x, w13, w2, topk_idx, topk_probs, group=group, rank=rank, world=world, request=req,
             trusted=trusted,
         )  # fmt: skip
-    return _RingMoE.apply(x, topk_probs, topk_idx, prob, group, backend, overlap, listed, *ws)
+    how = Hop(backend, kernel_options(kernels))
+    return _RingMoE.apply(x, topk_probs, topk_idx, prob, group, how, overlap, listed, *ws)
 
 
 def resolved_problem(*args, **kwargs) -> RingProblem:

@@ -10,7 +10,7 @@ import torch
 
 from relaymoe.kernels import pairs
 from relaymoe.routing import build_routing_index
-from tests.helpers import random_routing, rel_err
+from tests.helpers import random_routing, rel_err, use_env
 
 pytestmark = [
     pytest.mark.gpu,
@@ -100,7 +100,7 @@ def test_grouped_dispatch_and_triton_agree(monkeypatch):
 
     t, i, k = QWEN[0], QWEN[2], QWEN[4]
     x, w13, index, offs = _qwen_up_problem(seed=6)
-    monkeypatch.delenv("RELAYMOE_GATHER_WS", raising=False)
+    use_env(monkeypatch, RELAYMOE_GATHER_WS=None)
     assert grouped._gather_ws("up_swiglu", x, w13) is gather_ws
     h32 = torch.empty(t * k, 2 * i, device="cuda")  # an fp32 output: the Triton kernel's
     assert grouped._gather_ws("up_swiglu", x, w13, h32, None) is None
@@ -109,7 +109,7 @@ def test_grouped_dispatch_and_triton_agree(monkeypatch):
     monkeypatch.setattr(grouped, "_GATHER_WS_UNBUILT", {})
     outs = {}
     for mode in ("auto", "0"):
-        monkeypatch.setenv("RELAYMOE_GATHER_WS", mode)
+        use_env(monkeypatch, RELAYMOE_GATHER_WS=mode)
         out = torch.full((t * k, 2 * i), float("nan"), device="cuda", dtype=torch.bfloat16)
         grouped.up_swiglu(x, w13, index.expert_token_indices, offs, None, out, None)
         outs[mode] = out
