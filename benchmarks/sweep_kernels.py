@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_experts import SHAPES  # noqa: E402
 from benchmarks.common import bench_ms, gpu_writer, print_table  # noqa: E402
+from relaymoe.kernels import select  # noqa: E402
 from relaymoe.options import KernelOptions  # noqa: E402
 from relaymoe.routing import build_routing_index  # noqa: E402
 
@@ -258,7 +259,7 @@ def sweep_rows(shape: str, configs: dict, *, dims=None, device="cuda", dtype=tor
     w2 = randn(num_experts, hidden, ffn, scale=ffn**-0.5)
     h, a = x.new_empty(n_pairs, 2 * ffn), x.new_empty(n_pairs, ffn)
     pf = 2.0 * n_pairs * hidden * ffn
-    ws, why = grouped._gather_ws_module() if ws_configs else (None, None)
+    ws, why = select._gather_ws_module() if ws_configs else (None, None)
     if why:
         print(why)
     rows = []

@@ -94,9 +94,7 @@ def winners() -> dict:
     from relaymoe.kernels.tuned import bucket
 
     out: dict = {}
-    for name, tuner, names in (("up_swiglu", grouped._up_tuned, grouped._UP_KEY),
-                               ("rows_gemm", grouped._rows_tuned, grouped._ROWS_KEY),
-                               ("wgrad", grouped._wgrad_tuned, grouped._WGRAD_KEY)):  # fmt: skip
+    for name, (tuner, names) in grouped.TUNED_KERNELS.items():
         for key, cfg in tuner.cache.items():
             values, rest = key[: len(names)], key[len(names) :]
             dtype = next((str(v) for v in rest if "float" in str(v)), "unknown")

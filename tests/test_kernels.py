@@ -170,9 +170,9 @@ def test_descriptor_allocator_is_set_in_every_thread():
         def body():
             if preset is not None:
                 triton.set_allocator(preset)
-            seen[name, "before"] = grouped._triton_allocator()
-            grouped._set_descriptor_allocator()
-            seen[name, "after"] = grouped._triton_allocator()
+            seen[name, "before"] = grouped.configs._triton_allocator()
+            grouped.configs._set_descriptor_allocator()
+            seen[name, "after"] = grouped.configs._triton_allocator()
 
         t = threading.Thread(target=body)
         t.start()
@@ -185,8 +185,8 @@ def test_descriptor_allocator_is_set_in_every_thread():
     in_thread("backward")
     in_thread("user", preset=mine)
     for name in ("forward", "backward"):
-        assert isinstance(seen[name, "before"], grouped._NullAllocator), name
-        assert seen[name, "after"] is grouped._torch_scratch, name
+        assert isinstance(seen[name, "before"], grouped.configs._NullAllocator), name
+        assert seen[name, "after"] is grouped.configs._torch_scratch, name
     assert seen["user", "after"] is mine
 
 

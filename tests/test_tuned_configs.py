@@ -73,9 +73,7 @@ def test_the_package_ships_a_valid_table():
 
 
 def test_launcher_keys_are_the_autotuners_keys():
-    for kernel, names in ((grouped._up_tuned, grouped._UP_KEY),
-                          (grouped._rows_tuned, grouped._ROWS_KEY),
-                          (grouped._wgrad_tuned, grouped._WGRAD_KEY)):  # fmt: skip
+    for kernel, names in grouped.TUNED_KERNELS.values():
         assert list(kernel.keys) == list(names)
 
 
@@ -83,15 +81,15 @@ def test_pick_uses_the_shipped_config_then_the_autotuner(monkeypatch):
     """On a GPU (interpreter off): a shipped config skips the search; without one the autotuner
     runs; ``autotune="search"`` (RELAYMOE_AUTOTUNE=1) always searches, ``"first"`` (=0) takes the
     first candidate."""
-    monkeypatch.setattr(grouped, "interpret_mode", lambda: False)
+    monkeypatch.setattr(grouped.configs, "interpret_mode", lambda: False)
     found = {}
-    monkeypatch.setattr(grouped, "shipped_config", lambda name, key, dtype: found.get(name))
+    monkeypatch.setattr(grouped.configs, "shipped_config", lambda name, key, dtype: found.get(name))
     key = {"N": 768, "K": 2048, "n_experts": 64, "A_GATHER": True}
-    raw, auto = grouped._rows_gemm_kernel, grouped._rows_tuned
+    raw, auto = grouped.rows._rows_gemm_kernel, grouped.rows._rows_tuned
 
     def pick():
         k = options.defaults().kernels
-        return grouped._pick(auto, raw, None, 2048, "rows_gemm", key, torch.bfloat16, k)
+        return grouped.configs._pick(auto, raw, None, 2048, "rows_gemm", key, torch.bfloat16, k)
 
     use_env(monkeypatch, RELAYMOE_AUTOTUNE=None)
     assert pick() == (auto, {})  # nothing shipped: search
@@ -125,9 +123,9 @@ def test_tune_harness_shapes_winners_and_merge(monkeypatch, tmp_path):
         tk.parse_extra("H2048,I2048,E64")
     # the autotuners' caches: key values, then the tensor dtypes Triton appends
     cfg = triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4, num_stages=4)
-    for tuner in (grouped._up_tuned, grouped._wgrad_tuned):
+    for tuner in (grouped.up._up_tuned, grouped.weight_grads._wgrad_tuned):
         monkeypatch.setattr(tuner, "cache", {})
-    monkeypatch.setattr(grouped._rows_tuned, "cache", {
+    monkeypatch.setattr(grouped.rows._rows_tuned, "cache", {
         (768, 2048, 64, True, "torch.bfloat16", "torch.bfloat16", "torch.int32"): cfg})  # fmt: skip
     found = tk.winners()
     b = tuned.bucket({"N": 768, "K": 2048, "n_experts": 64, "A_GATHER": True}, torch.bfloat16)
