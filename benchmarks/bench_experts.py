@@ -4,11 +4,11 @@ Providers (one process, same inputs; routing ``softmax(randn) -> top-k``, probab
 grad, as in ``../shared/anchors``):
 - ``relaymoe`` (``recompute="act"`` and ``"fc1"``; the row's ``recompute`` key says which):
   ``moe_experts`` with the Triton backend and the default dispatch; the routing-index build is
-  inside the timed step. Variants: ``relaymoe_rowscopy`` (``RELAYMOE_ROWS_GATHER=copy``: one
+  inside the timed step. Variants: ``relaymoe_rowscopy`` (``KernelOptions(rows_gather="copy")``: one
   gathered (P, H) copy and ``torch._grouped_mm`` for the up-projection and the down backward),
-  ``relaymoe_wgradtriton`` (``RELAYMOE_WGRAD=triton``: weight gradients always by the
+  ``relaymoe_wgradtriton`` (``wgrad="triton"``: weight gradients always by the
   gathered-operand Triton kernel, not ``torch._grouped_mm`` over gathered column chunks for long
-  expert groups) and ``relaymoe_tritongemm`` (``RELAYMOE_DENSE_GEMM=triton``: no
+  expert groups) and ``relaymoe_tritongemm`` (``dense_gemm="triton"``: no
   ``torch._grouped_mm``).
 - ``naive``: gather x into a (T*K, H) buffer, ``torch._grouped_mm`` up, SiLU*up,
   ``torch._grouped_mm`` down, probability weight, ``index_add_`` (sort inside the timed step).
@@ -38,6 +38,7 @@ full search: minutes on a cold cache).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -59,6 +60,7 @@ from benchmarks.common import (  # noqa: E402
     moe_flops_fwd_bwd,
     print_table,
 )
+from relaymoe import options  # noqa: E402
 from relaymoe.experts import moe_experts  # noqa: E402
 from relaymoe.routing import build_routing_index  # noqa: E402
 
@@ -90,27 +92,21 @@ def make_inputs(num_tokens, num_experts, topk, hidden, ffn, seed=0):
 # --------------------------------------------------------------------------------------------
 # providers: fn(x, w13, w2, idx, probs) -> out (T, H)
 # --------------------------------------------------------------------------------------------
-_SWITCHES = ("RELAYMOE_DENSE_GEMM", "RELAYMOE_WGRAD", "RELAYMOE_TMA", "RELAYMOE_ROWS_GATHER",
-             "RELAYMOE_GATHER_WS")  # fmt: skip
 # Two bf16 implementations of the same layer differ by ~6e-3 relative (each ~4e-3 from float64,
 # tests/gpu); beyond this something is wrong, and the run exits non-zero after writing its rows.
 AGREE_BOUND = 2e-2
 
 
-def relaymoe_fn(recompute: str, switches: dict | None = None):
-    """moe_experts with the dispatch switches set for this call and the backward that follows
-    (the defaults when ``switches`` is empty: torch._grouped_mm on sm90)."""
-    switches = switches or {}
+def relaymoe_fn(recompute: str, kernels: dict | None = None):
+    """moe_experts with these ``KernelOptions`` fields for this call and the backward that
+    follows (the process's options when ``kernels`` is empty: torch._grouped_mm on sm90)."""
+    k = options.defaults().kernels
+    k = dataclasses.replace(k, **kernels) if kernels else k
 
     def fn(x, w13, w2, idx, probs):
-        for var in _SWITCHES:
-            if var in switches:
-                os.environ[var] = switches[var]
-            else:
-                os.environ.pop(var, None)
         index = build_routing_index(idx, w13.shape[0], validate=False)
         return moe_experts(x, w13, w2, idx, probs, index=index, recompute=recompute,
-                           backend="triton")  # fmt: skip
+                           backend="triton", kernels=k)  # fmt: skip
 
     return fn
 
@@ -336,9 +332,9 @@ def main(argv=None) -> int:
         default=None,
         help="relaymoe_act relaymoe_fc1 relaymoe_act_wgradtriton relaymoe_act_tritongemm "
         "relaymoe_act_tma relaymoe_act_ptr relaymoe_act_rowscopy relaymoe_act_tritonup "
-        "relaymoe_fc1_tritonup naive liger te_grouped (relaymoe_act: RELAYMOE_TMA's default, "
+        "relaymoe_fc1_tritonup naive liger te_grouped (relaymoe_act: the default tma, "
         "tensor descriptors on sm90; _tma forces them, _ptr the pointer loads; _rowscopy: "
-        "RELAYMOE_ROWS_GATHER=copy; _tritonup: RELAYMOE_GATHER_WS=0, the Triton up-projection)",
+        "rows_gather='copy'; _tritonup: gather_ws='off', the Triton up-projection)",
     )
     ap.add_argument("--breakdown", action="store_true", help="time each kernel of the first shape")
     ap.add_argument(
@@ -376,17 +372,17 @@ def main(argv=None) -> int:
         "relaymoe_act": ("relaymoe", "act", relaymoe_fn("act")),
         "relaymoe_fc1": ("relaymoe", "fc1", relaymoe_fn("fc1")),
         "relaymoe_act_wgradtriton": (
-            "relaymoe_wgradtriton", "act", relaymoe_fn("act", {"RELAYMOE_WGRAD": "triton"})),
+            "relaymoe_wgradtriton", "act", relaymoe_fn("act", {"wgrad": "triton"})),
         "relaymoe_act_tritongemm": (
-            "relaymoe_tritongemm", "act", relaymoe_fn("act", {"RELAYMOE_DENSE_GEMM": "triton"})),
-        "relaymoe_act_tma": ("relaymoe_tma", "act", relaymoe_fn("act", {"RELAYMOE_TMA": "1"})),
-        "relaymoe_act_ptr": ("relaymoe_ptr", "act", relaymoe_fn("act", {"RELAYMOE_TMA": "0"})),
+            "relaymoe_tritongemm", "act", relaymoe_fn("act", {"dense_gemm": "triton"})),
+        "relaymoe_act_tma": ("relaymoe_tma", "act", relaymoe_fn("act", {"tma": "on"})),
+        "relaymoe_act_ptr": ("relaymoe_ptr", "act", relaymoe_fn("act", {"tma": "off"})),
         "relaymoe_act_rowscopy": (
-            "relaymoe_rowscopy", "act", relaymoe_fn("act", {"RELAYMOE_ROWS_GATHER": "copy"})),
+            "relaymoe_rowscopy", "act", relaymoe_fn("act", {"rows_gather": "copy"})),
         "relaymoe_act_tritonup": (
-            "relaymoe_tritonup", "act", relaymoe_fn("act", {"RELAYMOE_GATHER_WS": "0"})),
+            "relaymoe_tritonup", "act", relaymoe_fn("act", {"gather_ws": "off"})),
         "relaymoe_fc1_tritonup": (
-            "relaymoe_tritonup", "fc1", relaymoe_fn("fc1", {"RELAYMOE_GATHER_WS": "0"})),
+            "relaymoe_tritonup", "fc1", relaymoe_fn("fc1", {"gather_ws": "off"})),
         "naive": ("naive", None, naive_fn),
         "liger": ("liger", None, liger_fn()),
         "te_grouped": ("te_grouped", None, None),  # built per shape, from its weights
@@ -442,8 +438,6 @@ def main(argv=None) -> int:
                 row["shipped_configs"] = torch.cuda.get_device_name() in load_table()["gpus"]
             shape_rows.append(writer.write(row))
             print(f"[bench_experts] {key} {shape} {r}", flush=True)
-        for var in _SWITCHES:
-            os.environ.pop(var, None)
         providers["te_grouped"] = ("te_grouped", None, None)  # its weights go with the shape
         del inputs
         gc.collect()

@@ -20,7 +20,6 @@ configuration is visible. Rows ``bench: kernel_sweep`` (``kernel``, ``variant``,
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -30,6 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_experts import SHAPES  # noqa: E402
 from benchmarks.common import bench_ms, gpu_writer, print_table  # noqa: E402
+from relaymoe.kernels import select  # noqa: E402
+from relaymoe.options import KernelOptions  # noqa: E402
 from relaymoe.routing import build_routing_index  # noqa: E402
 
 
@@ -134,29 +135,28 @@ def sweep(
         add(name, "gmm_copies", {"chunks": len(chunks)}, copies, 0.0, out, None)
         del bufs, res
         for tma in ("0", "1"):
-            os.environ["RELAYMOE_TMA"] = tma
+            k = KernelOptions(tma="on" if tma == "1" else "off")
             for cfg in configs:
                 out.fill_(float("nan"))
 
-                def run(o=out, aa=op_a, bb=op_b, ag=a_gather, c=cfg):
+                def run(o=out, aa=op_a, bb=op_b, ag=a_gather, c=cfg, k=k):
                     grouped.wgrad(aa, bb, idx_P, offs, o, a_gather=ag, b_gather=not ag,
-                                  accumulate=False, config=c)  # fmt: skip
+                                  accumulate=False, config=c, kernels=k)  # fmt: skip
 
                 add(name, f"triton_tma{tma}", cfg, run, flops, out, ref)
         # the ceiling without the gather: both operands contiguous (the gathered one copied in
         # pair order beforehand, not timed), both through descriptors
-        os.environ["RELAYMOE_TMA"] = "1"
+        k_on = KernelOptions(tma="on")
         full = gathered.index_select(0, groups.tok)
         ca, cb = (full, op_b) if a_gather else (op_a, full)
         for cfg in configs[:2]:
 
-            def run_c(o=out, c=cfg, x_a=ca, x_b=cb):
+            def run_c(o=out, c=cfg, x_a=ca, x_b=cb, k_on=k_on):
                 grouped.wgrad(x_a, x_b, idx_P, offs, o, a_gather=False, b_gather=False,
-                              accumulate=False, config=c)  # fmt: skip
+                              accumulate=False, config=c, kernels=k_on)  # fmt: skip
 
             add(name, "triton_contiguous_tma1", cfg, run_c, flops, out, ref)
         del full, ca, cb
-        os.environ.pop("RELAYMOE_TMA", None)
         del out, ref
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -259,7 +259,7 @@ def sweep_rows(shape: str, configs: dict, *, dims=None, device="cuda", dtype=tor
     w2 = randn(num_experts, hidden, ffn, scale=ffn**-0.5)
     h, a = x.new_empty(n_pairs, 2 * ffn), x.new_empty(n_pairs, ffn)
     pf = 2.0 * n_pairs * hidden * ffn
-    ws, why = grouped._gather_ws_module() if ws_configs else (None, None)
+    ws, why = select._gather_ws_module() if ws_configs else (None, None)
     if why:
         print(why)
     rows = []

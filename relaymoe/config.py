@@ -329,7 +329,7 @@ DISPATCHERS = ("ring", "alltoall", "allgather", "flex")
 # every RelayMoEConfig switch with what it accepts: one of a tuple of choices, or a bool (flags)
 _SWITCHES = {
     "dispatcher": DISPATCHERS,
-    "ring_mode": MODE_CHOICES,
+    "mode": MODE_CHOICES,
     "transport": TRANSPORT_CHOICES,
     "recompute_planner": bool,
     "fused_loss": bool,
@@ -345,12 +345,12 @@ def _check_switch(name: str, value, known) -> None:
 @dataclass(frozen=True)
 class RelayMoEConfig:
     """relaymoe's switches: the dispatcher (``--moe-token-dispatcher-type``), the ring's mode
-    (``--relaymoe-ring-mode``) and transport (``--relaymoe-transport``), recompute planner
+    (``mode``, ``--relaymoe-mode``) and transport (``--relaymoe-transport``), recompute planner
     (``--relaymoe-recompute-planner``), and the chunked output layer + cross-entropy
     (``--relaymoe-fused-loss``, ``relaymoe.linear_cross_entropy``; any dispatcher)."""
 
     dispatcher: str = "ring"  # ring | alltoall | allgather | flex
-    ring_mode: str = "auto"  # relaymoe.options.MODE_CHOICES
+    mode: str = "auto"  # relaymoe.options.MODE_CHOICES
     transport: str = "auto"  # relaymoe.options.TRANSPORT_CHOICES
     recompute_planner: bool = False
     fused_loss: bool = False  # never holds the (tokens, vocab/TP) logits
@@ -628,7 +628,7 @@ def to_megatron_args(cfg: Config, *, dispatcher: str | None = None) -> list[str]
     """Megatron-LM command-line flags for the model, parallelism, training and relaymoe sections.
 
     ``dispatcher`` overrides ``cfg.relaymoe.dispatcher``; ``ring`` renders
-    ``--moe-token-dispatcher-type ring --relaymoe-ring-mode <mode>`` (flags that exist once
+    ``--moe-token-dispatcher-type ring --relaymoe-mode <mode>`` (flags that exist once
     ``relaymoe.megatron`` is registered). Data, tokenizer, optimizer and schedule flags are the
     launcher's business.
     """
@@ -684,7 +684,7 @@ def to_megatron_args(cfg: Config, *, dispatcher: str | None = None) -> list[str]
         "--moe-token-dispatcher-type", dispatcher,
     ]  # fmt: skip
     if dispatcher == "ring":
-        args += ["--relaymoe-ring-mode", cfg.relaymoe.ring_mode]
+        args += ["--relaymoe-mode", cfg.relaymoe.mode]
         if cfg.relaymoe.transport != "auto":
             args += ["--relaymoe-transport", cfg.relaymoe.transport]
         if p.gpus_per_node is not None:

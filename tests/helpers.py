@@ -85,8 +85,23 @@ def assert_close(name: str, got: torch.Tensor, ref: torch.Tensor, tol: float) ->
     assert err < tol, f"{name}: relative error {err:.3g} > {tol}"
 
 
+def use_env(monkeypatch, **env) -> None:
+    """Set (a value) or unset (None) ``RELAYMOE_*`` variables for this test and install the
+    options they give, as an entry point would (the conftest restores the session's after the
+    test). A bad value raises ``from_env``'s ``ValueError`` here."""
+    from relaymoe import options
+
+    for name, value in env.items():
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    options.install(options.from_env())
+
+
 def _scenario_worker(rank, world, port, outdir, scenarios, timeout_s, backend):
-    """One rank of ``run_scenarios``: every scenario on an explicit group of all ranks."""
+    """One rank of ``run_scenarios``: every scenario on an explicit group of all ranks (the
+    worker took the options of its environment when it imported ``tests``)."""
     import json
     import os
     import traceback

@@ -98,7 +98,7 @@ def test_rich_capacity_lines(capsys):
     assert "binds: logits_loss" in lines["alltoall"]
     # the alltoall mode runs on the group's collectives, a ring mode on its transport
     assert d["routing_mode"] == "alltoall" and "alltoall over NCCL collectives" in out
-    rc, out, _ = run(capsys, "plan", "--ring-mode", "token")
+    rc, out, _ = run(capsys, "plan", "--mode", "token")
     assert rc == 0 and "token over copy_engine" in out
 
 
@@ -212,10 +212,10 @@ def test_plan_schedule_with_gpus_per_node(capsys):
     expert = d["hop_times"]["flat"]["mode"] == "expert"  # node_batched: expert mode only
     assert set(d["hop_times"]) == {"flat", "two_level"} | ({"node_batched"} if expert else set())
     assert d["hop_times"]["two_level"]["step_s"] < d["hop_times"]["flat"]["step_s"]
-    rc, out, err = run(capsys, "plan", "--gpus-per-node", "4", "--ring-mode", "expert")
+    rc, out, err = run(capsys, "plan", "--gpus-per-node", "4", "--mode", "expert")
     assert rc == 0 and "  node_batched inside nodes " in out and "*two_level" in out  # never picked
     assert " GiB" in out.split("  node_batched inside nodes ")[1].splitlines()[0]
-    rc, out, err = run(capsys, "plan", "--gpus-per-node", "4", "--ring-mode", "expert", "--json")
+    rc, out, err = run(capsys, "plan", "--gpus-per-node", "4", "--mode", "expert", "--json")
     h = json.loads(out)["hop_times"]
     # the node's 4 partitions gathered (and their gradients): more than the flat ring holds
     assert h["node_batched"]["layer_peak_bytes"] > h["flat"]["layer_peak_bytes"]
@@ -237,7 +237,7 @@ def test_plan_and_flags_print_the_same_flags(capsys):
     ``plan`` printed the resolved ring mode and its own recompute, ``flags`` the config's."""
     overrides = (
         [], ["--dp", "2"], ["--mbs", "2"], ["--seq", "131072"],
-        ["--fused-loss", "--ring-mode", "token"], ["--dispatcher", "alltoall"],
+        ["--fused-loss", "--mode", "token"], ["--dispatcher", "alltoall"],
     )  # fmt: skip
     for over in overrides:
         flags, _ = _flag_lines(capsys, *over)
@@ -249,7 +249,7 @@ def test_plan_and_flags_print_the_same_flags(capsys):
     # plan says so, with the flags to use, instead of printing other flags than `flags`
     rc, out, _ = run(capsys, "plan", "--json")
     d = json.loads(out)
-    assert "--relaymoe-ring-mode auto" in " ".join(d["megatron_args"])
+    assert "--relaymoe-mode auto" in " ".join(d["megatron_args"])
     assert d["routing_mode"] == "alltoall" and d["planned_recompute_flags"] == []
     assert any("the recompute planner's plan is no recompute flags" in n for n in d["notes"])
 

@@ -187,7 +187,7 @@ def test_recompute_fields_validated():
 def test_dispatcher_flags():
     cfg = load_config("qwen3_30b_a3b")
     s = " ".join(to_megatron_args(cfg))
-    assert "--moe-token-dispatcher-type ring --relaymoe-ring-mode auto" in s
+    assert "--moe-token-dispatcher-type ring --relaymoe-mode auto" in s
     s = " ".join(to_megatron_args(cfg, dispatcher="alltoall"))
     assert "--moe-token-dispatcher-type alltoall" in s and "relaymoe" not in s
     assert "--attention-dropout 0.0 --hidden-dropout 0.0" in s

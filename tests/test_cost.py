@@ -205,7 +205,7 @@ def test_alltoall_rows_match_random_routing(E, K, R):
 
 def test_slots_match_the_engine_layouts():
     """slot_capacity / symmetric_workspace_bytes against the engine's own RingPlans."""
-    from relaymoe.ring import engine, layout, transport
+    from relaymoe.ring import layout, passes, transport
     from relaymoe.ring.agree import RingProblem
 
     assert cost.ALIGN == layout.ALIGN and cost.SYMM_GRANULE == transport._SYMM_GRANULE
@@ -221,8 +221,8 @@ def test_slots_match_the_engine_layouts():
             needs_grad=grad, pairs=None,
         )  # fmt: skip
         d = cost.Dims(T=T, H=H, I=I, El=El, K=K, R=R, b=dt.itemsize, pb=pdt.itemsize)
-        for mode, plans in (("expert", engine._expert_plans), ("token", engine._token_plans)):
-            cap = engine._capacity(*plans(prob), prob)
+        for mode, plans in (("expert", passes.expert_plans), ("token", passes.token_plans)):
+            cap = passes.capacity(*plans(prob), prob)
             assert cost.slot_capacity(mode, d, training=grad) == cap, (mode, d, grad)
             granule = cost.SYMM_GRANULE
             want = 2 * max(granule, -(-cap // granule) * granule)
@@ -250,7 +250,7 @@ def test_planner_mode_is_choose_mode_on_a_grid():
             )  # fmt: skip
             assert ring_mode(cfg) == want, (name, ep, seq, mbs, tr)
     # a forced mode is kept
-    cfg = load_config("qwen3_30b_a3b").replace(relaymoe={"ring_mode": "token"})
+    cfg = load_config("qwen3_30b_a3b").replace(relaymoe={"mode": "token"})
     assert ring_mode(cfg) == "token"
 
 
@@ -274,7 +274,7 @@ def test_issue_example_planner_sizes_the_runtime_mode():
     # a ring mode over the copy engine counts its workspace once in the stage peak
     from relaymoe.planner import stage_peak
 
-    forced = cfg.replace(relaymoe={"ring_mode": "expert"})
+    forced = cfg.replace(relaymoe={"mode": "expert"})
     a = stage_peak(forced, 0, "ring")
     b = stage_peak(forced.replace(relaymoe={"transport": "nccl"}), 0, "ring")
     assert a.terms["symmetric_workspace"] == cost.symmetric_workspace_bytes("expert", sh.dims()) > 0

@@ -86,7 +86,7 @@ def test_pipeline_shapes_run_1f1b_at_ep1(shape):
         assert gbs == 2 * mbs  # DP = 1: two micro-batches through the pipeline
         vpp = g.get("--num-layers-per-virtual-pipeline-stage")
         assert (vpp == ["1"]) == shape.endswith("_vpp2"), vpp
-    ring = {k: v for k, v in groups["ring"].items() if k != "--relaymoe-ring-mode"}
+    ring = {k: v for k, v in groups["ring"].items() if k != "--relaymoe-mode"}
     diff = {k for k in ring.keys() | groups["alltoall"].keys()
             if ring.get(k) != groups["alltoall"].get(k)}  # fmt: skip
     assert diff == {"--moe-token-dispatcher-type"}, diff
@@ -144,11 +144,11 @@ def test_shape_flags_per_provider(shape):
             assert "--recompute-granularity" not in g and "--recompute-modules" not in g
         want = "ring" if label == "ring" else "alltoall"
         assert _v(g, "--moe-token-dispatcher-type") == want
-        assert ("--relaymoe-ring-mode" in g) == (label == "ring")
-    assert _v(groups["ring"], "--relaymoe-ring-mode") == "auto"
+        assert ("--relaymoe-mode" in g) == (label == "ring")
+    assert _v(groups["ring"], "--relaymoe-mode") == "auto"
     # identical flags otherwise; the noise run is the first alltoall run's exact command
     assert plans[1].flags == plans[2].flags
-    ring = {k: v for k, v in groups["ring"].items() if k != "--relaymoe-ring-mode"}
+    ring = {k: v for k, v in groups["ring"].items() if k != "--relaymoe-mode"}
     diff = {
         k
         for k in ring.keys() | groups["alltoall"].keys()

@@ -90,4 +90,4 @@ def test_pretrain_help_works():
     parser = _extra_args(arguments.add_megatron_arguments(argparse.ArgumentParser()))
     text = parser.format_help()
     assert "--moe-paged-stash-buffer-size-factor-cuda" in text and "= 10%)" in text
-    assert "--relaymoe-ring-mode" in text and "--relaymoe-report" in text
+    assert "--relaymoe-mode" in text and "--relaymoe-report" in text

@@ -120,28 +120,19 @@ def test_hop_backward_allocates_gradients_in_grad_dtype(backend):
     assert torch.equal(got[2][-1], torch.zeros_like(got[2][-1]))  # "empty": the last expert
 
 
-def test_old_names_warn_and_mean_the_new_ones():
-    """recompute="none" was the name of "act_retain" (it saves the pre-activation); save="fc1"
-    saved nothing, as "none" does."""
+def test_save_and_recompute_names_are_checked():
+    """Only the current names are taken (``recompute="none"`` and ``save="fc1"``, old spellings,
+    are refused by name)."""
     gen = torch.Generator().manual_seed(6)
     x, w13, w2, idx, probs = random_problem(17, 8, 6, 4, 2, gen=gen)
-    g = torch.randn(17, 8, generator=gen, dtype=torch.float64)
-    new = _grads(lambda *a: moe_experts(*a, recompute="act_retain", backend="torch"),
-                 x, w13, w2, idx, probs, g)  # fmt: skip
-    with pytest.warns(DeprecationWarning, match="recompute='act_retain'"):
-        old = _grads(lambda *a: moe_experts(*a, recompute="none", backend="torch"),
-                     x, w13, w2, idx, probs, g)  # fmt: skip
-    assert torch.equal(new[0], old[0])
-    for a, b in zip(new[1], old[1], strict=True):
-        assert torch.equal(a, b)
     index = build_routing_index(idx, 4)
-    with pytest.warns(DeprecationWarning, match="save='none'"):
-        _, saved = expert_hop_forward(x, w13, w2, probs, index, save="fc1", backend="torch")
-    assert saved is None
     _, saved = expert_hop_forward(x, w13, w2, probs, index, save="none", backend="torch")
     assert saved is None
-    with pytest.raises(ValueError, match="save must be one of .* got 'all'"):
-        expert_hop_forward(x, w13, w2, probs, index, save="all", backend="torch")
+    for bad in ("all", "fc1"):
+        with pytest.raises(ValueError, match=f"save must be one of .* got '{bad}'"):
+            expert_hop_forward(x, w13, w2, probs, index, save=bad, backend="torch")
+    with pytest.raises(ValueError, match="recompute must be one of .* got 'none'"):
+        moe_experts(x, w13, w2, idx, probs, recompute="none", backend="torch")
 
 
 def test_zero_tokens():

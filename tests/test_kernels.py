@@ -13,13 +13,14 @@ import torch.nn.functional as F
 import triton
 
 from relaymoe.experts import expert_hop_backward, expert_hop_forward, moe_experts
-from relaymoe.kernels import grouped, pairs
+from relaymoe.kernels import grouped, interpret_mode, pairs, select
+from relaymoe.options import KernelOptions
 from relaymoe.reference import moe_experts_reference
 from relaymoe.routing import build_routing_index
-from tests.helpers import random_problem, rel_err
+from tests.helpers import random_problem, rel_err, use_env
 
 pytestmark = pytest.mark.skipif(
-    not grouped.interpret_mode(), reason="CPU tests run the kernels under TRITON_INTERPRET=1"
+    not interpret_mode(), reason="CPU tests run the kernels under TRITON_INTERPRET=1"
 )
 
 F32 = 1e-5
@@ -105,32 +106,33 @@ def test_up_swiglu_weight_tiles_through_a_tensor_descriptor(case, cfg, monkeypat
     idx_P = s["index"].expert_token_indices
     got = {}
     for tma in ("0", "1"):
-        monkeypatch.setenv("RELAYMOE_TMA", tma)
+        use_env(monkeypatch, RELAYMOE_TMA=tma)
         h = torch.full((n, 2 * ffn), float("nan"))
         a = torch.full((n, ffn), float("nan"))
         w13 = s["w13"].float().contiguous()
         grouped.up_swiglu(s["x"].float(), w13, idx_P, s["offs"], prob_P, h, a, config=cfg)
         got[tma] = (h, a)
-    assert grouped._tma_weights(s["w13"].float().contiguous()) == (case[1] != 30)
+    assert select.tma_weights(s["w13"].float().contiguous(), KernelOptions(tma="on")) == (
+        case[1] != 30
+    )
     h_ref = _h_ref(s)
     for tma, (h, a) in got.items():
         assert rel_err(h, h_ref) < F32, tma
         assert rel_err(a, got["0"][1]) < 1e-6, tma
-    monkeypatch.delenv("RELAYMOE_TMA")  # auto: descriptors for sm90 GPUs only, never on CPU
-    assert not grouped._tma_weights(s["w13"].float().contiguous())
-    monkeypatch.setenv("RELAYMOE_TMA", "yes")
+    # auto: descriptors for sm90 GPUs only, never on CPU
+    assert not select.tma_weights(s["w13"].float().contiguous(), KernelOptions())
     with pytest.raises(ValueError, match="RELAYMOE_TMA='yes'"):
-        grouped._tma_weights(s["w13"])
+        use_env(monkeypatch, RELAYMOE_TMA="yes")
 
 
 def test_gather_ws_switch(monkeypatch):
-    """RELAYMOE_GATHER_WS: never the Gluon kernel on CPU; a bad value names the choices."""
+    """``gather_ws``: never the Gluon kernel on CPU; a bad environment value names the choices."""
     x, w13 = torch.zeros(4, 64), torch.zeros(2, 32, 64)
-    monkeypatch.delenv("RELAYMOE_GATHER_WS", raising=False)
-    assert grouped._gather_ws("up_swiglu", x, w13) is None
-    monkeypatch.setenv("RELAYMOE_GATHER_WS", "yes")
+    assert select.gather_ws_for("up_swiglu", x, w13, k=KernelOptions()) is None
     with pytest.raises(ValueError, match="RELAYMOE_GATHER_WS='yes'.*'auto'.*'0'"):
-        grouped._gather_ws("up_swiglu", x, w13)
+        use_env(monkeypatch, RELAYMOE_GATHER_WS="yes")
+    with pytest.raises(ValueError, match="gather_ws='yes' is not one of"):
+        KernelOptions(gather_ws="yes")
 
 
 def test_gluon_build_failure_falls_back(monkeypatch):
@@ -138,7 +140,7 @@ def test_gluon_build_failure_falls_back(monkeypatch):
     leaves that kind to the Triton kernels; any other error propagates."""
     from triton.runtime.errors import OutOfResources
 
-    monkeypatch.setattr(grouped, "_GATHER_WS_UNBUILT", {})
+    monkeypatch.setattr(select, "GATHER_WS_UNBUILT", {})
 
     def raising(exc):
         def launch():
@@ -147,14 +149,14 @@ def test_gluon_build_failure_falls_back(monkeypatch):
         return launch
 
     with pytest.warns(RuntimeWarning, match="Gluon up_swiglu kernel does not build"):
-        assert not grouped._launch_ws("up_swiglu", raising(OutOfResources(300000, 232448, "x")))
+        assert not select.launch_ws("up_swiglu", raising(OutOfResources(300000, 232448, "x")))
     with pytest.warns(RuntimeWarning, match="PassManager"):
-        assert not grouped._launch_ws("rows_gemm", raising(RuntimeError("PassManager::run failed")))
-    assert set(grouped._GATHER_WS_UNBUILT) == {"up_swiglu", "rows_gemm"}
+        assert not select.launch_ws("rows_gemm", raising(RuntimeError("PassManager::run failed")))
+    assert set(select.GATHER_WS_UNBUILT) == {"up_swiglu", "rows_gemm"}
     for exc in (ValueError("a bad argument"), RuntimeError("CUDA error: an illegal access")):
         with pytest.raises(type(exc)):
-            grouped._launch_ws("up_swiglu", raising(exc))
-    assert grouped._launch_ws("up_swiglu", lambda: None)
+            select.launch_ws("up_swiglu", raising(exc))
+    assert select.launch_ws("up_swiglu", lambda: None)
 
 
 def test_descriptor_allocator_is_set_in_every_thread():
@@ -168,9 +170,9 @@ def test_descriptor_allocator_is_set_in_every_thread():
         def body():
             if preset is not None:
                 triton.set_allocator(preset)
-            seen[name, "before"] = grouped._triton_allocator()
-            grouped._set_descriptor_allocator()
-            seen[name, "after"] = grouped._triton_allocator()
+            seen[name, "before"] = grouped.configs._triton_allocator()
+            grouped.configs._set_descriptor_allocator()
+            seen[name, "after"] = grouped.configs._triton_allocator()
 
         t = threading.Thread(target=body)
         t.start()
@@ -183,8 +185,8 @@ def test_descriptor_allocator_is_set_in_every_thread():
     in_thread("backward")
     in_thread("user", preset=mine)
     for name in ("forward", "backward"):
-        assert isinstance(seen[name, "before"], grouped._NullAllocator), name
-        assert seen[name, "after"] is grouped._torch_scratch, name
+        assert isinstance(seen[name, "before"], grouped.configs._NullAllocator), name
+        assert seen[name, "after"] is grouped.configs._torch_scratch, name
     assert seen["user", "after"] is mine
 
 
@@ -193,7 +195,7 @@ def test_descriptor_allocator_is_set_in_every_thread():
 def test_wgrads(cfg, tma, monkeypatch):
     """Both weight gradients, write and accumulate modes, an empty expert; with ``tma=1`` the
     contiguous operand's full blocks come through a tensor descriptor."""
-    monkeypatch.setenv("RELAYMOE_TMA", tma)
+    use_env(monkeypatch, RELAYMOE_TMA=tma)
     s = _setup(31, 20, 24, 6, 2, "empty", 1, 6, seed=1)  # last expert (local 4) gets no pair
     c = s["cast"]
     ffn = s["w2"].shape[2]
@@ -233,7 +235,7 @@ def test_wgrad_never_reads_the_next_experts_rows(tma, monkeypatch):
     """An expert's last, partial block of pairs must not read the next expert's rows of the
     contiguous operand (a masked load, not a full tile): a non-finite row of expert 1 leaves
     expert 0's gradient finite and exact (inf * 0 would be NaN)."""
-    monkeypatch.setenv("RELAYMOE_TMA", tma)
+    use_env(monkeypatch, RELAYMOE_TMA=tma)
     s = _setup(40, 16, 16, 3, 1, "uniform", 0, 3, seed=2)
     offs = s["offs"]
     lo1 = int(offs[1])
@@ -395,8 +397,8 @@ def test_wgrad_gmm_path_matches_oracle(case, chunk_mib, monkeypatch):
     """RELAYMOE_WGRAD=gmm: weight gradients by torch._grouped_mm over the pairs (torch's CPU
     implementation here) equal the oracle's, empty experts get exact zeros, and the Triton wgrad
     is never called. (Several column chunks: the next test.)"""
-    monkeypatch.setenv("RELAYMOE_WGRAD", "gmm")
-    monkeypatch.setenv("RELAYMOE_PAIR_BUFFER_MIB", chunk_mib)
+    use_env(monkeypatch, RELAYMOE_WGRAD="gmm")
+    use_env(monkeypatch, RELAYMOE_PAIR_BUFFER_MIB=chunk_mib)
 
     def no_triton_wgrad(*a, **k):
         raise AssertionError("the Triton wgrad ran")
@@ -415,7 +417,7 @@ def test_rows_gather_copy_matches_oracle(case, recompute, monkeypatch):
     backward by one gathered copy and torch._grouped_mm (torch's CPU implementation here) plus
     the separate SwiGLU pass: the oracle's output and gradients, and neither gather-on-load
     kernel runs. With a budget the copy cannot fit, the index kernels run instead."""
-    monkeypatch.setenv("RELAYMOE_ROWS_GATHER", "copy")
+    use_env(monkeypatch, RELAYMOE_ROWS_GATHER="copy")
     calls = []
 
     def refuse(name):
@@ -438,7 +440,7 @@ def test_rows_gather_copy_matches_oracle(case, recompute, monkeypatch):
     assert not calls
     monkeypatch.setattr(grouped, "up_swiglu", up)
     monkeypatch.setattr(grouped, "rows_gemm", rows)
-    monkeypatch.setenv("RELAYMOE_PAIR_BUFFER_MIB", "0")
+    use_env(monkeypatch, RELAYMOE_PAIR_BUFFER_MIB="0")
     used = []
     monkeypatch.setattr(grouped, "up_swiglu", lambda *a, **k: (used.append(1), up(*a, **k)))
     check_triton_vs_oracle(case, sum(case[:5]) + 6, recompute)
@@ -461,8 +463,8 @@ def test_wgrad_gmm_ranges_accumulate_and_wide_rows_chunk(monkeypatch):
     """Ring-style use: expert ranges accumulate into shared dx/dprobs and write their own dw
     slices; H = 512 with a 0 MiB budget gathers x and dy in two 256-column chunks. Odd widths
     (H not a multiple of 16 bytes) fall back to the Triton kernel, still exact."""
-    monkeypatch.setenv("RELAYMOE_WGRAD", "gmm")
-    monkeypatch.setenv("RELAYMOE_PAIR_BUFFER_MIB", "0")
+    use_env(monkeypatch, RELAYMOE_WGRAD="gmm")
+    use_env(monkeypatch, RELAYMOE_PAIR_BUFFER_MIB="0")
     real, calls = torch._grouped_mm, []
 
     def counted(*a, **k):
@@ -499,16 +501,13 @@ def test_wgrad_gmm_ranges_accumulate_and_wide_rows_chunk(monkeypatch):
 
 @pytest.mark.parametrize("var", ["RELAYMOE_DENSE_GEMM", "RELAYMOE_WGRAD", "RELAYMOE_ROWS_GATHER"])
 def test_bad_switch_values_are_refused(var, monkeypatch):
-    monkeypatch.setenv(var, "fastest")
-    gen = torch.Generator().manual_seed(6)
-    x, w13, w2, idx, probs = (
-        v.float() if v.is_floating_point() else v for v in random_problem(9, 8, 6, 3, 2, gen=gen)
-    )
-    index = build_routing_index(idx, 3)
-    with pytest.raises(ValueError, match=var):
-        _, h = expert_hop_forward(x, w13, w2, probs, index, backend="triton")
-        expert_hop_backward(torch.ones_like(x), x, w13, w2, probs, index, saved_h=h,
-                            backend="triton")  # fmt: skip
+    """A bad value is refused where the environment is read (an entry point), naming the
+    variable; the options object refuses it by field name."""
+    with pytest.raises(ValueError, match=f"{var}='fastest'"):
+        use_env(monkeypatch, **{var: "fastest"})
+    field = var.removeprefix("RELAYMOE_").lower()
+    with pytest.raises(ValueError, match=f"{field}='fastest' is not one of"):
+        KernelOptions(**{field: "fastest"})
 
 
 def test_fp16_within_bound():
@@ -527,7 +526,7 @@ def test_fp16_ranges_accumulate_weight_gradients_in_fp32(wgrad, monkeypatch):
     """The ring's fp32 accumulators (``grad_accum``): fp16 operands, fp32 dw buffers that
     several expert ranges add into, with either weight-gradient path, equal the float64 oracle
     within fp16 rounding of the inputs; the buffers stay fp32."""
-    monkeypatch.setenv("RELAYMOE_WGRAD", wgrad)
+    use_env(monkeypatch, RELAYMOE_WGRAD=wgrad)
     gen = torch.Generator().manual_seed(13)
     x, w13, w2, idx, probs = random_problem(37, 32, 16, 6, 2, gen=gen, kind="skewed")
     dy = torch.randn(37, 32, generator=gen, dtype=torch.float64)
@@ -602,7 +601,7 @@ def test_ranges_with_bound_sized_buffers_match_exact_counts(wgrad, monkeypatch):
     """The ring's form (``max_pairs``: buffers sized from a bound, the count read on the device)
     gives the exact-count results, with either weight-gradient path; the bound past the index's
     last pair (the gmm gathers clamp their rows there) included."""
-    monkeypatch.setenv("RELAYMOE_WGRAD", wgrad)
+    use_env(monkeypatch, RELAYMOE_WGRAD=wgrad)
     x, w13, w2, idx, probs, index, dy = _f32_problem(8, 31, 16, 8, 6, 3)
     for e0, e1 in [(0, 2), (2, 5), (5, 6)]:
         start, stop = index.pair_range(e0, e1)

@@ -473,7 +473,7 @@ def test_flags_parse_and_settings_precedence(rm, monkeypatch):
     assert settings.current_settings().fused_loss is False
     s = rm.configure(fused_loss=True, loss_chunk_tokens=64)
     assert (s.fused_loss, s.loss_chunk_tokens, s.mode) == (True, 64, "auto")
-    assert settings.current_settings() is s
+    assert settings.current_settings() == s
     # field by field: configure() beats the parsed arguments, which beat the defaults
     from_args = settings.Settings(mode="token", fused_loss=False, loss_chunk_tokens=8)
     monkeypatch.setattr(settings, "_from_megatron_args", lambda: from_args)

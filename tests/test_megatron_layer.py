@@ -125,17 +125,20 @@ def standin_ring_moe(
     schedule="auto",
     gpus_per_node=None,
     grad_accum="auto",
+    kernels=None,
 ):
     from relaymoe.options import (
         GRAD_ACCUM_CHOICES,
         MODE_CHOICES,
         SCHEDULE_CHOICES,
         TRANSPORT_CHOICES,
+        KernelOptions,
     )
 
     assert mode in MODE_CHOICES and transport in TRANSPORT_CHOICES, (mode, transport)
     assert schedule in SCHEDULE_CHOICES and gpus_per_node is None, (schedule, gpus_per_node)
     assert grad_accum in GRAD_ACCUM_CHOICES, grad_accum
+    assert isinstance(kernels, KernelOptions), kernels  # the dispatcher passes the settings'
     STANDIN_CALLS[0] += 1
     if isinstance(w13, (list, tuple)):  # ring_moe's list form: per-expert parameters
         w13, w2 = torch.stack(list(w13)), torch.stack(list(w2))

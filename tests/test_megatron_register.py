@@ -57,7 +57,7 @@ def test_register_twice_is_harmless(mcore):
     parser = arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
     (action,) = [a for a in parser._actions if a.dest == "moe_token_dispatcher_type"]
     assert list(action.choices).count("ring") == 1
-    assert sum(a.dest == "relaymoe_ring_mode" for a in parser._actions) == 1
+    assert sum(a.dest == "relaymoe_mode" for a in parser._actions) == 1
 
 
 def test_parser_accepts_ring_and_relaymoe_flags(mcore):
@@ -65,30 +65,30 @@ def test_parser_accepts_ring_and_relaymoe_flags(mcore):
 
     parser = arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
     ns = parser.parse_args(
-        "--moe-token-dispatcher-type ring --relaymoe-ring-mode token "
+        "--moe-token-dispatcher-type ring --relaymoe-mode token "
         "--relaymoe-transport nccl --relaymoe-no-overlap".split()
     )
     assert ns.moe_token_dispatcher_type == "ring"
-    assert (ns.relaymoe_ring_mode, ns.relaymoe_transport, ns.relaymoe_no_overlap) == (
+    assert (ns.relaymoe_mode, ns.relaymoe_transport, ns.relaymoe_no_overlap) == (
         "token",
         "nccl",
         True,
     )
-    assert parser.parse_args([]).relaymoe_ring_mode == "auto"
+    assert parser.parse_args([]).relaymoe_mode == "auto"
     with pytest.raises(SystemExit):
-        parser.parse_args(["--relaymoe-ring-mode", "sideways"])
-    ns = parser.parse_args("--relaymoe-ring-schedule two_level --relaymoe-gpus-per-node 8".split())
-    assert (ns.relaymoe_ring_schedule, ns.relaymoe_gpus_per_node) == ("two_level", 8)
+        parser.parse_args(["--relaymoe-mode", "sideways"])
+    ns = parser.parse_args("--relaymoe-schedule two_level --relaymoe-gpus-per-node 8".split())
+    assert (ns.relaymoe_schedule, ns.relaymoe_gpus_per_node) == ("two_level", 8)
     defaults = parser.parse_args([])
-    assert (defaults.relaymoe_ring_schedule, defaults.relaymoe_gpus_per_node) == ("auto", None)
+    assert (defaults.relaymoe_schedule, defaults.relaymoe_gpus_per_node) == ("auto", None)
     assert defaults.relaymoe_grad_accum == "auto"
     assert parser.parse_args(["--relaymoe-grad-accum", "fp32"]).relaymoe_grad_accum == "fp32"
-    assert defaults.relaymoe_ring_host_wait is None  # the environment's, else lag
-    wait = parser.parse_args(["--relaymoe-ring-host-wait", "pass"]).relaymoe_ring_host_wait
+    assert defaults.relaymoe_host_wait is None  # the environment's, else lag
+    wait = parser.parse_args(["--relaymoe-host-wait", "pass"]).relaymoe_host_wait
     assert wait == "pass"
-    for bad in (["--relaymoe-ring-schedule", "tree"], ["--relaymoe-gpus-per-node", "0"],
+    for bad in (["--relaymoe-schedule", "tree"], ["--relaymoe-gpus-per-node", "0"],
                 ["--relaymoe-grad-accum", "fp16"],
-                ["--relaymoe-ring-host-wait", "hop"]):  # fmt: skip
+                ["--relaymoe-host-wait", "hop"]):  # fmt: skip
         with pytest.raises(SystemExit):
             parser.parse_args(bad)
     # megatron's own parser (the unpatched function) rejects ring: the patch is what adds it
@@ -123,29 +123,59 @@ def test_ep_ranks_per_node_from_global_ranks():
 
 
 def test_settings_from_args_and_configure(mcore):
+    """Settings are the ring's options (one schema, ``relaymoe.options.RingOptions``) plus the
+    fused loss; ``configure`` overrides field by field and refuses bad values and names."""
+    from relaymoe import options
     from relaymoe.megatron import settings
 
     settings.reset()
-    assert settings.current_settings() == settings.RingSettings()
+    assert settings.current_settings() == settings.Settings()
+    assert settings.current_settings().ring == options.RingOptions()
     s = mcore.configure(mode="expert", overlap=False)
-    assert s == settings.RingSettings(mode="expert", transport="auto", overlap=False)
-    assert settings.current_settings() is s
+    assert s == settings.Settings(mode="expert", transport="auto", overlap=False)
+    assert settings.current_settings() == s and s.ring.mode == "expert"
     s = mcore.configure(schedule="two_level", gpus_per_node=4)
     assert (s.schedule, s.gpus_per_node, s.mode) == ("two_level", 4, "expert")
     assert mcore.configure(grad_accum="fp32").grad_accum == "fp32"
     settings.reset()
-    with pytest.raises(ValueError, match="ring mode"):
-        settings.RingSettings(mode="diagonal")
-    with pytest.raises(ValueError, match="ring schedule 'tree'"):
-        settings.RingSettings(schedule="tree")
-    with pytest.raises(ValueError, match="gpus_per_node=0 must be a positive int"):
-        settings.RingSettings(gpus_per_node=0)
-    with pytest.raises(ValueError, match="ring grad_accum 'fp16'"):
-        settings.RingSettings(grad_accum="fp16")
+    for bad, match in ((dict(mode="diagonal"), "mode='diagonal' is not one of"),
+                       (dict(schedule="tree"), "schedule='tree' is not one of"),
+                       (dict(gpus_per_node=0), "gpus_per_node=0 must be an int >= 1"),
+                       (dict(grad_accum="fp16"), "grad_accum='fp16' is not one of"),
+                       (dict(host_wait="always"), "host_wait='always' is not one of"),
+                       (dict(loss_chunk_tokens=0), "loss_chunk_tokens=0 must be")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            settings.Settings(**bad)
+        with pytest.raises(ValueError, match=match):
+            mcore.configure(**bad)
+    assert settings.current_settings() == settings.Settings()  # a refused configure keeps none
+    with pytest.raises(ValueError, match="unknown settings"):
+        mcore.configure(ring_mode="expert")
     assert mcore.configure(host_wait="pass").host_wait == "pass"
     settings.reset()
-    with pytest.raises(ValueError, match="ring host_wait 'always'"):
-        settings.RingSettings(host_wait="always")
+
+
+def test_settings_from_parsed_megatron_args(mcore):
+    """Each ``--relaymoe-<field>`` flag becomes that field; an unset environment-backed flag
+    (the host wait) keeps the process's option."""
+    from megatron.training import arguments
+
+    from relaymoe import options
+    from relaymoe.megatron import settings
+
+    parser = arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    ns = parser.parse_args("--relaymoe-mode token --relaymoe-no-overlap --relaymoe-fused-loss "
+                           "--relaymoe-loss-chunk-tokens 64".split())  # fmt: skip
+    s = settings.args_settings(ns)
+    assert (s.mode, s.overlap, s.fused_loss, s.loss_chunk_tokens) == ("token", False, True, 64)
+    assert s.host_wait == options.defaults().host_wait
+    previous = options.install(options.defaults().replace(host_wait="pass"))
+    try:
+        assert settings.args_settings(parser.parse_args([])).host_wait == "pass"
+        ns = parser.parse_args(["--relaymoe-host-wait", "off"])
+        assert settings.args_settings(ns).host_wait == "off"
+    finally:
+        options.install(previous)
 
 
 def test_supported_config_passes(mcore):
@@ -292,7 +322,7 @@ def test_recompute_plan_applied_once(mcore, monkeypatch, capsys):
         def summary(self):
             return "fake plan"
 
-    monkeypatch.setattr(planner, "plan_from_megatron_args", lambda args: FakePlan())
+    monkeypatch.setattr(planner, "plan_from_megatron_args", lambda args, gpu_bytes=None: FakePlan())
     monkeypatch.setattr(patches, "_PLAN_LOGGED", False)
     ns = types.SimpleNamespace(
         rank=0, recompute_granularity=None, recompute_modules=None, recompute_method="block", lr=3.0

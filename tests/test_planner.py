@@ -206,7 +206,7 @@ def test_routing_choice_follows_the_cost_model():
     assert p.moe_peak_bytes["ring"] == p.moe_peak_bytes[f"ring_{p.routing_mode}"]
     # the flags are the config's (one source of truth with `relaymoe flags`): its mode "auto",
     # which the runtime resolves with the same cost model
-    assert "--relaymoe-ring-mode auto" in " ".join(p.megatron_flags)
+    assert "--relaymoe-mode auto" in " ".join(p.megatron_flags)
     assert list(p.megatron_flags) == to_megatron_args(short)
     # between the two ring modes, Table 2: tokens travel at short sequences, experts at long
     assert cost.choose_mode(**kw, modes=options.RING_MODES) == "token"
@@ -284,7 +284,7 @@ def test_plan_from_megatron_args_matches_config():
         global_batch_size=64,
         bf16=True,
         moe_token_dispatcher_type="ring",
-        relaymoe_ring_mode="auto",
+        relaymoe_mode="auto",
         rank=0,
     )
     c2 = config_from_megatron_args(args)

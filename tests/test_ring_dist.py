@@ -224,13 +224,14 @@ def _triton_backend(rank, world, group):
 
 @contextlib.contextmanager
 def _ring_env(var: str, value: str):
-    """``var=value`` for the ring: set, and read again by every rank at this same point
-    (``reload_ring_settings``; the ring reads its settings once), then restored."""
-    from relaymoe.ring.agree import reload_ring_settings
+    """``var=value`` for the ring: set, and installed as this process's options by every rank
+    at this same point (an entry point reads the environment once: ``relaymoe.options``), then
+    the previous options back."""
+    from relaymoe import options
 
     old = os.environ.get(var)
     os.environ[var] = value
-    reload_ring_settings()
+    previous = options.install(options.from_env())
     try:
         yield
     finally:
@@ -238,7 +239,7 @@ def _ring_env(var: str, value: str):
             del os.environ[var]
         else:
             os.environ[var] = old
-        reload_ring_settings()
+        options.install(previous)
 
 
 def _list_forms(rank, world, group):
@@ -515,8 +516,8 @@ def _one_f_one_b(rank, world, group, mode, form, El=2, K=2):
 
 def _trusted_steady_state(rank, world, group):
     """A trusted caller's second call with the same signature agrees without communicating
-    (the cache), a new signature agrees again, and RELAYMOE_RING_AGREE=every_call turns the
-    cache off; the results stay oracle-exact throughout."""
+    (the cache), a new signature agrees again, and ``agree="every_call"`` (RELAYMOE_RING_AGREE)
+    turns the cache off; the results stay oracle-exact throughout."""
     import relaymoe.ring.agree as agree_mod
 
     calls = []
@@ -547,32 +548,31 @@ def _trusted_steady_state(rank, world, group):
 
 
 def _settings_must_agree(rank, world, group):
-    """Issue #32: the environment settings that decide collectives (RELAYMOE_RING_AGREE,
-    RELAYMOE_PAIR_BUFFER_MIB) differ on rank 0: every rank raises the same ValueError naming
-    the setting and each rank's value, trusted or not, first call or later, never a hang; a bad
-    value on one rank raises on all; nothing is agreed under them. The ring reads them once: a
-    later change of one rank's environment (without reload) does not move that rank to other
-    collectives than its peers'."""
+    """Issue #32: the options that decide collectives (``RingOptions.agree``,
+    ``KernelOptions.pair_buffer_mib``; RELAYMOE_RING_AGREE, RELAYMOE_PAIR_BUFFER_MIB at the
+    entry point) differ on rank 0: every rank raises the same ValueError naming the option and
+    each rank's value, trusted or not, first call or later, never a hang; nothing is agreed
+    under them. The options are installed once: a later change of one rank's environment
+    (without an install) does not move that rank to other collectives than its peers'."""
     import relaymoe.ring.agree as agree_mod
 
     if world == 1:
         return  # a world of one has no collective to disagree on
     kw = dict(seed=61, tokens=[3, 0, 4, 2][:world], El=2, K=2, dtype=torch.float64,
               mode="expert", route="skew")  # fmt: skip
-    settings = (("RELAYMOE_RING_AGREE", "every_call", "cached", "'every_call'", "'cached'"),
-                ("RELAYMOE_PAIR_BUFFER_MIB", "0", "512", "0", "512"))  # fmt: skip
-    for var, first, others, shown0, shown1 in settings:
+    settings = (("RELAYMOE_RING_AGREE", "RingOptions.agree", "every_call", "cached",
+                 "'every_call'", "'cached'"),
+                ("RELAYMOE_PAIR_BUFFER_MIB", "KernelOptions.pair_buffer_mib", "0", "512", "0",
+                 "512"))  # fmt: skip
+    for var, name, first, others, shown0, shown1 in settings:
         with _ring_env(var, first if rank == 0 else others):
             for trusted in (True, False, True):
                 with pytest.raises(ValueError) as info:
                     _run_case(rank, world, group, trusted=trusted, **kw)
                 msg = str(info.value)
-                assert f"environment setting {var} differs" in msg, msg
+                assert f"the option {name} ({var}) differs" in msg, msg
                 assert f"rank 0: {shown0}" in msg and f"rank 1: {shown1}" in msg, msg
             assert not agree_mod._AGREED  # no agreement under disagreeing settings
-    with _ring_env("RELAYMOE_PAIR_BUFFER_MIB", "lots" if rank == world - 1 else "512"):
-        with pytest.raises(ValueError, match="RELAYMOE_PAIR_BUFFER_MIB|a RELAYMOE_"):
-            _run_case(rank, world, group, trusted=True, **kw)
     _run_case(rank, world, group, trusted=True, **kw)  # agreed and cached
     os.environ["RELAYMOE_RING_AGREE"] = "every_call" if rank == 0 else "cached"
     os.environ["RELAYMOE_PAIR_BUFFER_MIB"] = "0" if rank == 0 else "512"

@@ -20,6 +20,7 @@ from relaymoe.ring import agree as agree_mod
 from relaymoe.ring import faults, lagwait
 from relaymoe.ring import transport as transport_mod
 from relaymoe.ring.faults import PeerWatch, RingPeerError
+from tests.helpers import use_env
 
 TIMEOUT_S = 5.0
 
@@ -195,9 +196,9 @@ def test_device_side_waits_are_bounded_on_the_host():
 
 def test_finish_waits_for_deferred_works_and_events(monkeypatch):
     cuda = torch.device("cuda", 0)  # the device object only: nothing runs on it
-    monkeypatch.delenv("RELAYMOE_RING_HOST_WAIT", raising=False)
+    use_env(monkeypatch, RELAYMOE_RING_HOST_WAIT=None)
     assert faults.host_wait_mode(cuda) == "lag"  # default: a pass waits for the one before
-    monkeypatch.setenv("RELAYMOE_RING_HOST_WAIT", "pass")
+    use_env(monkeypatch, RELAYMOE_RING_HOST_WAIT="pass")
     watch = _watch(timeout_s=0.1)
     works = [_Work(), _Work(exc=RuntimeError("NCCL communicator was aborted"))]
     watch.defer([(works[0], (1,))], op="p2p", hop=0)
@@ -206,14 +207,13 @@ def test_finish_waits_for_deferred_works_and_events(monkeypatch):
         watch.finish(cuda)
     assert info.value.hop == 1 and all(len(w.timeouts) == 1 for w in works)
     # RELAYMOE_RING_HOST_WAIT=off: no host wait at all on CUDA (NCCL's watchdog bounds a hang)
-    monkeypatch.setenv("RELAYMOE_RING_HOST_WAIT", "off")
+    use_env(monkeypatch, RELAYMOE_RING_HOST_WAIT="off")
     quiet = _Work(exc=RuntimeError("never waited for"))
     watch.defer([quiet], op="p2p")
     watch.finish(cuda)
     assert quiet.timeouts == []
-    monkeypatch.setenv("RELAYMOE_RING_HOST_WAIT", "sometimes")
     with pytest.raises(ValueError, match="RELAYMOE_RING_HOST_WAIT='sometimes'"):
-        faults.host_wait_enabled(cuda)
+        use_env(monkeypatch, RELAYMOE_RING_HOST_WAIT="sometimes")
     assert faults.host_wait_enabled(torch.device("cpu"))  # CPU: every hop waits, always
 
 
@@ -221,7 +221,7 @@ def test_lag_waits_at_each_pass_end_for_the_pass_before(monkeypatch):
     """RELAYMOE_RING_HOST_WAIT=lag: a pass's end waits (bounded) for the previous pass's
     transfers on the same device, never its own, and names the previous pass when they failed."""
     cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
-    monkeypatch.setenv("RELAYMOE_RING_HOST_WAIT", "lag")
+    use_env(monkeypatch, RELAYMOE_RING_HOST_WAIT="lag")
     monkeypatch.setattr(lagwait, "_PENDING", {})
 
     def pass_(phase, work, device=cuda0):
@@ -246,7 +246,7 @@ def test_lag_waits_for_a_backwards_last_pass_when_the_backward_ends(monkeypatch)
     (an autograd callback), so its RingPeerError reaches the caller of backward() rather than a
     later sync reading aborted buffers. One wait per backward call; a pass that finished passes."""
     cuda = torch.device("cuda", 0)
-    monkeypatch.setenv("RELAYMOE_RING_HOST_WAIT", "lag")
+    use_env(monkeypatch, RELAYMOE_RING_HOST_WAIT="lag")
     monkeypatch.setattr(lagwait, "_PENDING", {})
     monkeypatch.setattr(lagwait, "POLL_S", 60.0)  # the watchdog thread stays out of this test
 
@@ -280,7 +280,7 @@ def test_lag_waits_for_a_backwards_last_pass_when_the_backward_ends(monkeypatch)
 def test_lag_watchdog_logs_a_last_pass_that_never_finished(monkeypatch, caplog):
     """The last pass before a sync outside the ring has no later pass to wait for it: past the
     timeout the watchdog thread logs its error once; a finished pass is never reported."""
-    monkeypatch.setenv("RELAYMOE_RING_HOST_WAIT", "lag")
+    use_env(monkeypatch, RELAYMOE_RING_HOST_WAIT="lag")
     monkeypatch.setattr(lagwait, "_PENDING", {})
     monkeypatch.setattr(lagwait, "POLL_S", 0.01)
     caplog.set_level("ERROR", logger="relaymoe.ring")
@@ -318,7 +318,7 @@ def test_timeout_is_the_group_s_own_or_the_environment_s(monkeypatch):
     backend = ["gloo"]
     monkeypatch.setattr(faults.dist, "get_backend", lambda group: backend[0])
     monkeypatch.setattr(faults.torch.cuda, "is_available", lambda: False)
-    monkeypatch.delenv("RELAYMOE_RING_TIMEOUT_S", raising=False)
+    use_env(monkeypatch, RELAYMOE_RING_TIMEOUT_S=None)
     assert faults.ring_timeout_s(_Group()) == 7.0
     backend[0] = "nccl"  # gives up before NCCL's watchdog: 25% (at most 5 s) earlier
     assert faults.ring_timeout_s(_Group()) == pytest.approx(5.25)
@@ -327,12 +327,15 @@ def test_timeout_is_the_group_s_own_or_the_environment_s(monkeypatch):
         assert faults.ring_timeout_s(_Group()) == pytest.approx(595.0)
     finally:
         _Options._timeout = timedelta(seconds=7)
-    monkeypatch.setenv("RELAYMOE_RING_TIMEOUT_S", "2.5")
+    use_env(monkeypatch, RELAYMOE_RING_TIMEOUT_S="2.5")
     assert faults.ring_timeout_s(_Group()) == 2.5
     for bad in ("0", "-1", "soon"):
-        monkeypatch.setenv("RELAYMOE_RING_TIMEOUT_S", bad)
-        with pytest.raises(ValueError, match="positive number of seconds"):
-            faults.ring_timeout_s(_Group())
+        with pytest.raises(
+            ValueError,
+            match="timeout_s=.* must be a positive number|"
+            "RELAYMOE_RING_TIMEOUT_S='soon' must be a number",
+        ):
+            use_env(monkeypatch, RELAYMOE_RING_TIMEOUT_S=bad)
 
 
 def test_copy_engine_barrier_gets_the_timeout(monkeypatch):

@@ -8,17 +8,18 @@ import pytest
 import torch
 
 from benchmarks import sweep_kernels
-from relaymoe.kernels import grouped
+from relaymoe.kernels import interpret_mode
+from tests.helpers import use_env
 
 pytestmark = pytest.mark.skipif(
-    not grouped.interpret_mode() or not hasattr(torch, "_grouped_mm"),
+    not interpret_mode() or not hasattr(torch, "_grouped_mm"),
     reason="runs the kernels under TRITON_INTERPRET=1 with torch's CPU grouped GEMM",
 )
 
 
 def test_sweep_rows_cover_every_variant_and_agree(monkeypatch):
     monkeypatch.setattr(sweep_kernels, "bench_ms", lambda fn, **_: (fn(), 1.0)[1])
-    monkeypatch.setenv("RELAYMOE_PAIR_BUFFER_MIB", "0")  # 256-column chunks: two for H=384
+    use_env(monkeypatch, RELAYMOE_PAIR_BUFFER_MIB="0")  # 256-column chunks: two for H=384
     cfgs = [
         {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 2},
         {"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2},

@@ -7,7 +7,9 @@ import json
 import pytest
 import torch
 
+from relaymoe import options
 from relaymoe.kernels import grouped, tuned
+from tests.helpers import use_env
 
 
 @pytest.fixture
@@ -60,9 +62,8 @@ def test_bad_tables_and_modes_are_refused_by_name(table, monkeypatch):
     table({"version": 1, "gpus": {"G": {"wgrad": {"b": {"BLOCK_M": 64}}}}})
     with pytest.raises(ValueError, match=r"G / wgrad / b has keys \['BLOCK_M'\]"):
         tuned.load_table()
-    monkeypatch.setenv("RELAYMOE_AUTOTUNE", "sometimes")
     with pytest.raises(ValueError, match="RELAYMOE_AUTOTUNE='sometimes'"):
-        tuned.autotune_mode()
+        use_env(monkeypatch, RELAYMOE_AUTOTUNE="sometimes")
 
 
 def test_the_package_ships_a_valid_table():
@@ -72,34 +73,34 @@ def test_the_package_ships_a_valid_table():
 
 
 def test_launcher_keys_are_the_autotuners_keys():
-    for kernel, names in ((grouped._up_tuned, grouped._UP_KEY),
-                          (grouped._rows_tuned, grouped._ROWS_KEY),
-                          (grouped._wgrad_tuned, grouped._WGRAD_KEY)):  # fmt: skip
+    for kernel, names in grouped.TUNED_KERNELS.values():
         assert list(kernel.keys) == list(names)
 
 
 def test_pick_uses_the_shipped_config_then_the_autotuner(monkeypatch):
     """On a GPU (interpreter off): a shipped config skips the search; without one the autotuner
-    runs; RELAYMOE_AUTOTUNE=1 always searches, =0 takes the first candidate."""
-    monkeypatch.setattr(grouped, "interpret_mode", lambda: False)
+    runs; ``autotune="search"`` (RELAYMOE_AUTOTUNE=1) always searches, ``"first"`` (=0) takes the
+    first candidate."""
+    monkeypatch.setattr(grouped.configs, "interpret_mode", lambda: False)
     found = {}
-    monkeypatch.setattr(grouped, "shipped_config", lambda name, key, dtype: found.get(name))
+    monkeypatch.setattr(grouped.configs, "shipped_config", lambda name, key, dtype: found.get(name))
     key = {"N": 768, "K": 2048, "n_experts": 64, "A_GATHER": True}
-    raw, auto = grouped._rows_gemm_kernel, grouped._rows_tuned
+    raw, auto = grouped.rows._rows_gemm_kernel, grouped.rows._rows_tuned
 
     def pick():
-        return grouped._pick(auto, raw, None, 2048, "rows_gemm", key, torch.bfloat16)
+        k = options.defaults().kernels
+        return grouped.configs._pick(auto, raw, None, 2048, "rows_gemm", key, torch.bfloat16, k)
 
-    monkeypatch.delenv("RELAYMOE_AUTOTUNE", raising=False)
+    use_env(monkeypatch, RELAYMOE_AUTOTUNE=None)
     assert pick() == (auto, {})  # nothing shipped: search
     found["rows_gemm"] = dict(CFG)
     kernel, meta = pick()
     assert kernel is raw and meta == {**CFG, "EVEN_K": True}
     found["rows_gemm"] = {**CFG, "BLOCK_K": 96}  # 2048 % 96 != 0
     assert pick()[1]["EVEN_K"] is False
-    monkeypatch.setenv("RELAYMOE_AUTOTUNE", "1")
+    use_env(monkeypatch, RELAYMOE_AUTOTUNE="1")
     assert pick() == (auto, {})
-    monkeypatch.setenv("RELAYMOE_AUTOTUNE", "0")
+    use_env(monkeypatch, RELAYMOE_AUTOTUNE="0")
     first = auto.configs[0]
     kernel, meta = pick()
     assert kernel is raw and meta["BLOCK_M"] == first.kwargs["BLOCK_M"]
@@ -122,9 +123,9 @@ def test_tune_harness_shapes_winners_and_merge(monkeypatch, tmp_path):
         tk.parse_extra("H2048,I2048,E64")
     # the autotuners' caches: key values, then the tensor dtypes Triton appends
     cfg = triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4, num_stages=4)
-    for tuner in (grouped._up_tuned, grouped._wgrad_tuned):
+    for tuner in (grouped.up._up_tuned, grouped.weight_grads._wgrad_tuned):
         monkeypatch.setattr(tuner, "cache", {})
-    monkeypatch.setattr(grouped._rows_tuned, "cache", {
+    monkeypatch.setattr(grouped.rows._rows_tuned, "cache", {
         (768, 2048, 64, True, "torch.bfloat16", "torch.bfloat16", "torch.int32"): cfg})  # fmt: skip
     found = tk.winners()
     b = tuned.bucket({"N": 768, "K": 2048, "n_experts": 64, "A_GATHER": True}, torch.bfloat16)

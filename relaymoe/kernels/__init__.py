@@ -10,15 +10,12 @@ kernels share.
 from __future__ import annotations
 
 import functools
-import os
 
 __all__ = [
     "INT32_LIMIT",
     "check_int32",
     "check_problem_limits",
-    "env_switch",
     "interpret_mode",
-    "pair_buffer_mib",
     "tile_group_m",
     "triton_available",
     "unit_cols",
@@ -42,23 +39,18 @@ def _import_triton() -> bool:
 
 
 def interpret_mode() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when Triton runs kernels in its CPU interpreter (Triton's own ``interpret`` knob,
+    which ``TRITON_INTERPRET=1`` sets); False without Triton."""
+    if not _import_triton():
+        return False
+    import triton.knobs
+
+    return bool(triton.knobs.runtime.interpret)
 
 
 def triton_available() -> bool:
     """Triton is importable (kernels run on CUDA, or on CPU under the interpreter)."""
     return _import_triton()
-
-
-def env_switch(name: str, meanings: dict[str, str]) -> str:
-    """The value of the environment switch ``name``: one of ``meanings``' keys, the first being
-    the default; anything else raises ``ValueError`` naming the value and what each choice does."""
-    value = os.environ.get(name, next(iter(meanings)))
-    if value not in meanings:
-        choices = ", ".join(f"{k!r} ({what})" for k, what in meanings.items())
-        raise ValueError(f"{name}={value!r}: use one of {choices}; the first is the default")
-    return value
 
 
 def unit_cols(t):
@@ -70,27 +62,6 @@ def unit_cols(t):
     if t.dim() != 2 or (rows_apart and (t.shape[1] <= 1 or t.stride(1) == 1)):
         return t
     return t.contiguous()
-
-
-PAIR_BUFFER_MIB_DEFAULT = 512
-
-
-def pair_buffer_mib() -> int:
-    """``RELAYMOE_PAIR_BUFFER_MIB`` (default 512): the budget, in MiB, of any transient (P, chunk)
-    pair buffer of the expert kernels. The ring's agreement also sizes hop buffers from it, so
-    every rank of a ring must run with the same value (``relaymoe.ring.agree`` checks it). A
-    value that is not a non-negative integer raises ``ValueError``."""
-    raw = os.environ.get("RELAYMOE_PAIR_BUFFER_MIB", str(PAIR_BUFFER_MIB_DEFAULT))
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(
-            f"RELAYMOE_PAIR_BUFFER_MIB={raw!r} must be a non-negative integer (MiB; default "
-            f"{PAIR_BUFFER_MIB_DEFAULT}); unset it or give a number"
-        )
-    return value
 
 
 # The gathered-row GEMMs (Triton and Gluon) walk their tiles in groups of GROUP_M M tiles, M

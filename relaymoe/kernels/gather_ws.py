@@ -49,7 +49,7 @@ loop, not the slot count. Two slots: 4.48 / 22.7. Triton caps a kernel at 16 war
 threads), so the producer cannot grow without taking the storer's warps.
 
 Only this module imports ``triton.experimental.gluon``; ``grouped.up_swiglu`` and
-``grouped.rows_gemm`` import it lazily on sm90 (``RELAYMOE_GATHER_WS``), so CPU runs never touch
+``grouped.rows_gemm`` import it lazily on sm90 (``KernelOptions.gather_ws``), so CPU runs never touch
 it.
 """
 
@@ -109,7 +109,7 @@ def _add(a, b):
 def _expert_tile(pid_m, offs_ptr, n_experts, BLOCK_M: gl.constexpr, BLOCK_E: gl.constexpr,
                  num_warps: gl.constexpr):  # fmt: skip
     """(local expert, first global row, end global row) of M tile ``pid_m`` (as in
-    ``grouped._expert_tile``); expert == n_experts when the program has no tile. Every warp holds
+    ``grouped.tiles._expert_tile``); expert == n_experts when the program has no tile. Every warp holds
     all ``BLOCK_E`` offsets, so the scan and sums stay inside a warp (no shared-memory round)."""
     lay: gl.constexpr = gl.BlockedLayout([BLOCK_E // 32], [32], [num_warps], [0])
     j = gl.arange(0, BLOCK_E, layout=lay)

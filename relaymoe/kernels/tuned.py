@@ -19,9 +19,9 @@ a factor of two share a configuration) and the activations' dtype, e.g.
 ``python benchmarks/tune_kernels.py`` (it autotunes representative shapes and merges the winners
 into the table under that GPU's name).
 
-``RELAYMOE_AUTOTUNE`` chooses: ``shipped`` (default: the shipped configuration when the table has
-one for this GPU and bucket, else the autotuner), ``1`` (always the autotuner), ``0`` (the
-kernel's first candidate, no search).
+``KernelOptions.autotune`` chooses: ``shipped`` (default: the shipped configuration when the
+table has one for this GPU and bucket, else the autotuner), ``search`` (always the autotuner),
+``first`` (the kernel's first candidate, no search).
 """
 
 from __future__ import annotations
@@ -30,20 +30,11 @@ import functools
 import json
 from pathlib import Path
 
-from relaymoe.kernels import env_switch
-
-__all__ = ["TABLE", "autotune_mode", "bucket", "shipped_config", "load_table"]
+__all__ = ["TABLE", "bucket", "shipped_config", "load_table"]
 
 TABLE = Path(__file__).with_name("tuned_configs.json")
 VERSION = 1
-AUTOTUNE_MODES = ("shipped", "1", "0")
 _CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
-
-
-def autotune_mode() -> str:
-    return env_switch("RELAYMOE_AUTOTUNE", dict(zip(AUTOTUNE_MODES, (
-        "the package's tuned configurations where they exist", "always autotune",
-        "no search: each kernel's first configuration"), strict=True)))  # fmt: skip
 
 
 def _pow2(n: int) -> int:

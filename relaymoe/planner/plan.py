@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -441,7 +440,7 @@ def config_from_megatron_args(args) -> Config:
     disp = g("moe_token_dispatcher_type", "alltoall")
     relay = {
         "dispatcher": "ring" if disp == "ring" else "alltoall",
-        "ring_mode": g("relaymoe_ring_mode", "auto"),
+        "mode": g("relaymoe_mode", None) or "auto",
         "transport": g("relaymoe_transport", "auto"),
         "fused_loss": bool(g("relaymoe_fused_loss", False)),
     }
@@ -467,18 +466,16 @@ def normalization_impl_of(args) -> str:
 
 
 def plan_from_megatron_args(args, gpu_bytes: int | str | None = None) -> Plan:
-    """The plan for a Megatron run (called once at training start). GPU memory: ``gpu_bytes``,
-    else ``$RELAYMOE_GPU_BYTES``, else the current CUDA device's total memory. Deterministic:
-    every rank computes the same plan from the same arguments."""
-    if gpu_bytes is None:
-        gpu_bytes = os.environ.get("RELAYMOE_GPU_BYTES")
+    """The plan for a Megatron run (called once at training start). GPU memory: ``gpu_bytes``
+    (the Megatron patch passes ``$RELAYMOE_GPU_BYTES``), else the current CUDA device's total
+    memory. Deterministic: every rank computes the same plan from the same arguments."""
     if gpu_bytes is None:
         import torch  # only here: the planner itself is pure Python
 
         if not torch.cuda.is_available():
             raise ValueError(
-                "the recompute planner needs the GPU memory size: no CUDA device; "
-                "set RELAYMOE_GPU_BYTES"
+                "the recompute planner needs the GPU memory size: no CUDA device; pass "
+                "gpu_bytes (for --relaymoe-recompute-planner: set RELAYMOE_GPU_BYTES)"
             )
         gpu_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     return plan(

@@ -18,28 +18,25 @@ changes its input signature in the same call) skip the id validation and reuse t
 the same signature (shapes, dtypes, device, mode, transport, whether a backward follows): a call
 in steady state neither communicates nor synchronizes with the host here. The hops then size
 their pair buffers from an upper bound (``T * min(K, E_local)`` pairs) as long as that stays
-under the pair-buffer budget (``RELAYMOE_PAIR_BUFFER_MIB``); above it, one all-reduce of the pair
-counts per call (a host sync) keeps the buffers exact. ``RELAYMOE_RING_AGREE=every_call`` turns
-the cache off (debugging a caller that breaks the contract).
+under the pair-buffer budget (``pair_buffer_mib``); above it, one all-reduce of the pair counts
+per call (a host sync) keeps the buffers exact. ``RingOptions(agree="every_call")`` turns the
+cache off (debugging a caller that breaks the contract).
 
-**Settings that decide collectives.** ``RELAYMOE_RING_AGREE`` decides whether a trusted call
-enters the agreement's all-reduce, and ``RELAYMOE_PAIR_BUFFER_MIB`` whether it enters the pair
-counts' all-reduce. The ring reads both once per process, at its first call
-(:func:`ring_settings`), writes them into every agreement's row and requires them equal on
-every rank: ranks launched with different values all raise the same ``ValueError`` naming the
-setting and every rank's value, in the agreement they all enter on their first call (no
-agreement is cached then). A later change of the environment in one process cannot make its
-rank enter other collectives than its peers: the values stay those read first, until
-:func:`reload_ring_settings`, which every rank must call at the same point (it also drops the
-cached agreements, so the next call agrees, and compares, again). The call decides from the
-agreed values (``RingProblem.pair_buffer_mib``). The expert kernels' own column chunks follow
-``RELAYMOE_PAIR_BUFFER_MIB`` as it is at each call: a local choice no peer depends on.
+**Options that decide collectives.** ``RingOptions.agree`` decides whether a trusted call enters
+the agreement's all-reduce, and ``KernelOptions.pair_buffer_mib`` whether it enters the pair
+counts' all-reduce. Both are this process's options (``relaymoe.options.defaults()``, installed
+once by an entry point from the ``RELAYMOE_*`` environment), written into every agreement's row
+and required equal on every rank: ranks launched with different values all raise the same
+``ValueError`` naming the option and every rank's value, in the agreement they all enter on
+their first call (no agreement is cached then). ``relaymoe.options.install`` drops the cached
+agreements, so every rank must install the same options at the same point of its program. The
+call decides from the agreed values (``RingProblem.pair_buffer_mib``); the expert kernels' own
+column chunks follow the call's ``KernelOptions``: a local choice no peer depends on.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 import socket
 from dataclasses import dataclass, replace
 
@@ -47,10 +44,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from relaymoe import options
 from relaymoe.cost import choose_mode, grad_accum_bytes
 from relaymoe.experts import resolve_backend
-from relaymoe.kernels import check_problem_limits, pair_buffer_mib
+from relaymoe.kernels import check_problem_limits
 from relaymoe.options import (
+    AGREE_CHOICES,
     GRAD_ACCUM_CHOICES,
     MODE_CHOICES,
     NODE_BATCHED,
@@ -61,7 +60,7 @@ from relaymoe.ring.faults import all_reduce_checked, check_markers
 from relaymoe.ring.transport import copy_engine_available, copy_engine_works
 from relaymoe.routing import validate_topk_idx
 
-__all__ = ["RingProblem", "RingRequest", "agree", "reload_ring_settings", "ring_settings"]
+__all__ = ["RingProblem", "RingRequest", "agree", "ring_settings"]
 
 MODES = MODE_CHOICES  # the names live in relaymoe.options
 TRANSPORTS = TRANSPORT_CHOICES
@@ -104,10 +103,7 @@ _ERRORS = {
     7: "the device type is neither cpu nor cuda",
     8: "the hop backend cannot run these inputs (backend='triton' needs CUDA or "
     "TRITON_INTERPRET=1, and float16, bfloat16 or float32)",
-    9: "a RELAYMOE_* setting that decides collectives has a bad value",
 }
-
-AGREE_ENV, AGREE_CHOICES = "RELAYMOE_RING_AGREE", ("cached", "every_call")
 
 
 @dataclass(frozen=True)
@@ -126,47 +122,22 @@ class RingRequest:
 
 @dataclass(frozen=True)
 class RingSettings:
-    """The environment settings that decide which collectives a call issues, read once per call
-    (:func:`ring_settings`) and agreed across ranks in the agreement's row."""
+    """The options that decide which collectives a call issues (see the module doc), taken from
+    this process's installed options and agreed across ranks in the agreement's row."""
 
-    agree: str = "cached"  # RELAYMOE_RING_AGREE: AGREE_CHOICES
-    pair_buffer_mib: int = 512  # RELAYMOE_PAIR_BUFFER_MIB
-
-
-_SETTINGS: tuple[RingSettings | None, str] | None = None  # this process's, read once
+    agree: str = "cached"  # RingOptions.agree (relaymoe.options.AGREE_CHOICES)
+    pair_buffer_mib: int = 512  # KernelOptions.pair_buffer_mib
 
 
-def ring_settings() -> tuple[RingSettings | None, str]:
-    """This process's ring settings, read from the environment at the first call and kept
-    (see the module doc): ``(settings, "")``, or ``(None, message)`` for a bad value, which
-    the agreement turns into an error code so that every rank raises, not just this one."""
-    global _SETTINGS
-    if _SETTINGS is None:
-        _SETTINGS = _read_ring_settings()
-    return _SETTINGS
+def ring_settings() -> RingSettings:
+    """This process's collective-deciding options (``relaymoe.options.defaults()``)."""
+    opts = options.defaults()
+    return RingSettings(opts.agree, opts.kernels.pair_buffer_mib)
 
 
-def reload_ring_settings() -> None:
-    """Read the ring settings from the environment again at the next call, and drop every
-    cached agreement (the next call of each signature agrees, and compares the settings,
-    again). Every rank of every group must call it at the same point of its program."""
-    global _SETTINGS
-    _SETTINGS = None
+def _forget_agreements() -> None:
+    """Drop every cached agreement (``relaymoe.options.install`` calls this on every rank)."""
     _AGREED.clear()
-
-
-def _read_ring_settings() -> tuple[RingSettings | None, str]:
-    value = os.environ.get(AGREE_ENV, AGREE_CHOICES[0])
-    if value not in AGREE_CHOICES:
-        return None, (
-            f"{AGREE_ENV}={value!r}: use one of {AGREE_CHOICES} (the first is the default; "
-            "every_call agrees on every trusted call)"
-        )
-    try:
-        mib = pair_buffer_mib()
-    except ValueError as err:
-        return None, str(err)
-    return RingSettings(value, mib), ""
 
 
 @dataclass(frozen=True)
@@ -196,7 +167,7 @@ class RingProblem:
     # dtype of the weight-gradient accumulators (expert mode's travelling trail, token mode's
     # local sums): ``dtype`` or fp32 (cost.grad_accum_bytes)
     grad_dtype: torch.dtype | None = None
-    # RELAYMOE_PAIR_BUFFER_MIB as agreed by every rank (``_bounded`` decides from it)
+    # KernelOptions.pair_buffer_mib as agreed by every rank (``_bounded`` decides from it)
     pair_buffer_mib: int = 512
 
     @property
@@ -374,16 +345,14 @@ def _agree_collective(
     req: RingRequest,
     validate_ids: bool,
     with_pairs: bool,
-    settings: tuple[RingSettings | None, str] | None = None,
+    settings: RingSettings | None = None,
 ) -> RingProblem:
     """Validate on every rank at once; raise the same ``ValueError`` everywhere or agree.
     ``inputs``: ``(x, w13, w2, topk_idx, topk_probs)`` as ``ring_moe`` got them;
-    ``settings``: this call's :func:`ring_settings` (None: read them here)."""
+    ``settings``: this call's :func:`ring_settings` (None: this process's)."""
     x, w13, w2, topk_idx, topk_probs = inputs
     code, msg = _local_check(x, w13, w2, topk_idx, topk_probs, req, world, validate_ids)
-    env, env_msg = ring_settings() if settings is None else settings
-    if code == 0 and env is None:
-        code, msg = 9, env_msg
+    env = ring_settings() if settings is None else settings
     row = [0] * NUM_FIELDS
     row[F_ERR] = code
     if code == 0:
@@ -462,8 +431,10 @@ def _agree_collective(
     same(F_GPN, "gpus_per_node (0: from the hosts)", "pass the same gpus_per_node on every rank")
     same(F_GACC, f"the requested grad_accum ({_codes(GRAD_ACCUM_CHOICES)})",
          "pass the same grad_accum on every rank")  # fmt: skip
-    _same_setting(rows, F_AGREE, AGREE_ENV, lambda c: AGREE_CHOICES[c - 1])
-    _same_setting(rows, F_PAIRBUF, "RELAYMOE_PAIR_BUFFER_MIB", lambda v: v)
+    _same_setting(rows, F_AGREE, "RingOptions.agree (RELAYMOE_RING_AGREE)",
+                  lambda c: AGREE_CHOICES[c - 1])  # fmt: skip
+    _same_setting(rows, F_PAIRBUF, "KernelOptions.pair_buffer_mib (RELAYMOE_PAIR_BUFFER_MIB)",
+                  lambda v: v)  # fmt: skip
 
     r0 = rows[0]
     dtype, prob_dtype = _FLOATS[r0[F_DTYPE] - 1], _FLOATS[r0[F_PDTYPE] - 1]
@@ -550,15 +521,15 @@ def _agree_collective(
 
 
 def _same_setting(rows, field: int, name: str, decode) -> None:
-    """Every rank's value of the environment setting ``name`` (a collective-deciding one) must
-    be the same: the error names the setting and each rank's value."""
+    """Every rank's value of the collective-deciding option ``name`` must be the same: the
+    error names the option and each rank's value."""
     values = [decode(rw[field]) for rw in rows]
     if len(set(values)) != 1:
         shown = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
         raise ValueError(
-            f"ring_moe: the environment setting {name} differs across the ranks of the group "
-            f"({shown}); it decides which collectives a call issues, so every rank must run "
-            f"with the same value: set (or unset) {name} identically on every node"
+            f"ring_moe: the option {name} differs across the ranks of the group ({shown}); it "
+            f"decides which collectives a call issues, so every rank must run with the same "
+            f"value: set (or unset) it identically on every node"
         )
 
 
@@ -656,7 +627,7 @@ def _signature(x, w13, w2, topk_idx, topk_probs, req: RingRequest, env: RingSett
 def _bounded(prob: RingProblem) -> bool:
     """Whether every hop's pair buffers fit the budget when sized from the bound (the largest is
     the backward's pre-activation, ``(P, 2I)`` in the activations' dtype). The budget is the
-    agreed ``RELAYMOE_PAIR_BUFFER_MIB``, the same on every rank: this decides a collective."""
+    agreed ``pair_buffer_mib``, the same on every rank: this decides a collective."""
     budget = prob.pair_buffer_mib * 2**20
     esize = torch.empty((), dtype=prob.dtype).element_size()
     bound = max(prob.tokens) * min(prob.topk, prob.num_local_experts)
@@ -698,11 +669,9 @@ def agree(
     exact). ``trusted=True``: see the module doc (cached per signature, ids not validated).
     """
     args = (x, w13, w2, topk_idx, topk_probs)
-    settings = ring_settings()  # this process's, read once; agreed in the row
-    where = dict(group=group, rank=rank, world=world, req=request, settings=settings)
-    env = settings[0]
-    # a bad setting (env None) goes to the agreement, where every rank raises
-    if trusted and env is not None and env.agree != "every_call":
+    env = ring_settings()  # this process's options; agreed in the row
+    where = dict(group=group, rank=rank, world=world, req=request, settings=env)
+    if trusted and env.agree != "every_call":
         key = (getattr(group, "group_name", None) or id(group), rank, world,
                _signature(*args, request, env))  # fmt: skip
         prob = _AGREED.get(key)
@@ -713,3 +682,6 @@ def agree(
             return prob
         return replace(prob, pairs=pair_counts(topk_idx, prob, group))
     return _agree_collective(args, **where, validate_ids=True, with_pairs=True)
+
+
+options.on_install(_forget_agreements)

@@ -1,4 +1,4 @@
-"""The ``lag`` host wait (``RELAYMOE_RING_HOST_WAIT=lag``, see ``faults.py``): one pending pass a
+"""The ``lag`` host wait (``RingOptions(host_wait="lag")``, see ``faults.py``): one pending pass a
 device.
 
 At the end of each ring pass the host waits, bounded, for the pass before it on the same device,

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests import property_inputs as P
-from tests.helpers import run_scenarios
+from tests.helpers import run_scenarios, use_env
 
 pytestmark = [
     pytest.mark.gpu,
@@ -26,7 +26,7 @@ pytestmark = [
 
 @pytest.fixture(autouse=True)
 def _first_config(monkeypatch):
-    monkeypatch.setenv("RELAYMOE_AUTOTUNE", "0")
+    use_env(monkeypatch, RELAYMOE_AUTOTUNE="0")
 
 
 def _tally(results) -> collections.Counter:
