@@ -153,15 +153,27 @@ class KernelOptions:
     ``pair_buffer_mib``: the budget of any transient (P, chunk) pair buffer, MiB.
     """
 
-    dense_gemm: str = _opt("auto", DENSE_GEMM_CHOICES, env="RELAYMOE_DENSE_GEMM")
-    wgrad: str = _opt("auto", WGRAD_CHOICES, env="RELAYMOE_WGRAD")
-    rows_gather: str = _opt("index", ROWS_GATHER_CHOICES, env="RELAYMOE_ROWS_GATHER")
-    tma: str = _opt("auto", TMA_CHOICES, env="RELAYMOE_TMA", env_values={"1": "on", "0": "off"})
+    dense_gemm: str = _opt("auto", DENSE_GEMM_CHOICES, env="RELAYMOE_DENSE_GEMM",
+                           why="contiguous-operand GEMMs: torch._grouped_mm for bf16 on sm90, "
+                           "or always Triton")  # fmt: skip
+    wgrad: str = _opt("auto", WGRAD_CHOICES, env="RELAYMOE_WGRAD",
+                      why="weight gradients: torch._grouped_mm for long expert groups on CUDA, "
+                      "always Triton, or always torch._grouped_mm")  # fmt: skip
+    rows_gather: str = _opt("index", ROWS_GATHER_CHOICES, env="RELAYMOE_ROWS_GATHER",
+                            why="gathered-row GEMMs read rows through the routing index, or "
+                            "from one gathered copy")  # fmt: skip
+    tma: str = _opt("auto", TMA_CHOICES, env="RELAYMOE_TMA", env_values={"1": "on", "0": "off"},
+                    why="tensor descriptors for contiguous operands; auto: on sm90")  # fmt: skip
     gather_ws: str = _opt("auto", GATHER_WS_CHOICES, env="RELAYMOE_GATHER_WS",
-                          env_values={"0": "off"})  # fmt: skip
+                          env_values={"0": "off"},
+                          why="the warp-specialised Gluon kernels on sm90, or never")  # fmt: skip
     autotune: str = _opt("shipped", AUTOTUNE_CHOICES, env="RELAYMOE_AUTOTUNE",
-                         env_values={"1": "search", "0": "first"})  # fmt: skip
-    pair_buffer_mib: int = _opt(512, env="RELAYMOE_PAIR_BUFFER_MIB", least=0)
+                         env_values={"1": "search", "0": "first"},
+                         why="the shipped tile configurations, a full search, or each "
+                         "kernel's first")  # fmt: skip
+    pair_buffer_mib: int = _opt(512, env="RELAYMOE_PAIR_BUFFER_MIB", least=0,
+                                why="MiB budget of any transient (P, chunk) pair buffer; the "
+                                "ring sizes its hop buffers from it")  # fmt: skip
 
     def __post_init__(self):
         _check_all(self)
