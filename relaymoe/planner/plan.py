@@ -349,16 +349,6 @@ def _recompute_note(cfg: Config, variant: str, planned: list[str]) -> str | None
     )
 
 
-def recompute_flags(p: Plan) -> list[str]:
-    o = p.megatron_args
-    return recompute_args(
-        o["recompute_granularity"],
-        o["recompute_method"],
-        o["recompute_num_layers"],
-        o["recompute_modules"],
-    )
-
-
 # -- Megatron integration ----------------------------------------------------------------------
 
 

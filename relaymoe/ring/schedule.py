@@ -159,10 +159,6 @@ class RingPlan:
     def has_trail(self) -> bool:
         return self.trail_bytes is not None
 
-    @property
-    def num_hops(self) -> int:
-        return self.world_size
-
     def partition(self, step: int, rank: int | None = None) -> int:
         """Partition computed at ``step`` by ``rank`` (default: this rank)."""
         r = self.rank if rank is None else rank
