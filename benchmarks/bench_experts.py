@@ -59,6 +59,7 @@ from benchmarks.common import (  # noqa: E402
     gpu_writer,
     moe_flops_fwd_bwd,
     print_table,
+    rel_err,
 )
 from relaymoe import options  # noqa: E402
 from relaymoe.experts import moe_experts  # noqa: E402
@@ -225,11 +226,6 @@ def measure(fn, inputs, flops, quick: bool, accumulate_grads: bool = False) -> d
         "saved_for_bwd_MiB": round(saved / MiB, 1),
         "peak_over_inputs_MiB": round(peak / MiB, 1),
     }
-
-
-def rel_err(a, b) -> float:
-    a, b = a.float(), b.float()
-    return ((a - b).norm() / b.norm()).item()
 
 
 def check_against_naive(inputs, fns: dict) -> dict:
