@@ -18,8 +18,9 @@ nothing deeper reads the environment.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "defaults",
     "from_env",
     "install",
+    "installed",
 ]
 
 AUTO = "auto"  # a request resolved by the runtime: choose_mode / the copy engine when it works
@@ -209,6 +211,9 @@ class RingOptions:
         f"fp32 from {FP32_GRAD_ACCUM_MIN_EP} EP ranks (auto), where bf16 sums rounded once a hop "
         "would take the error past twice an all-to-all's",
     )  # fmt: skip
+    # False only for the ablation (benchmarks/ablation.py, bench_ring.py's sequential rows):
+    # ring_moe takes no keyword for it and Megatron no flag, it is read from this process's
+    # options at each call
     overlap: bool = _opt(True, why="each hop's transfer overlaps its compute (False: after it)")
     host_wait: str = _opt(
         "lag", HOST_WAIT_CHOICES, env="RELAYMOE_RING_HOST_WAIT", flag="--relaymoe-host-wait",
@@ -310,6 +315,17 @@ def install(options: RingOptions) -> RingOptions:
     for hook in _ON_INSTALL:
         hook()
     return previous
+
+
+@contextlib.contextmanager
+def installed(options: RingOptions) -> Iterator[RingOptions]:
+    """``with installed(o):`` runs the block with ``o`` installed (:func:`install`), then puts
+    the previous options back; every rank of a group enters and leaves at the same point."""
+    previous = install(options)
+    try:
+        yield options
+    finally:
+        install(previous)
 
 
 _ON_INSTALL: list = []  # callbacks of layers that cache what the defaults decided (the ring)
