@@ -124,6 +124,7 @@ def standin_ring_moe(
     schedule="auto",
     gpus_per_node=None,
     grad_accum="auto",
+    kernels=None,
 ):
     from relaymoe.options import (
         GRAD_ACCUM_CHOICES,
