@@ -14,6 +14,8 @@ defaults (:func:`defaults`): ``RingOptions()`` unless an entry point installed o
 ``RELAYMOE_*`` environment is read only by :func:`from_env`, which the entry points call once
 (``relaymoe.megatron.register()``, the CLI, the benchmarks' package, the test suite's conftest):
 nothing deeper reads the environment.
+
+History: docs/lab-notes/library_history.md#options
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ SCHEDULE_CHOICES = (AUTO, *SCHEDULES, NODE_BATCHED)
 # with their weights; token mode: the local ones every hop adds to): "param" (the weights' own,
 # bf16), "fp32", or "auto": fp32 from FP32_GRAD_ACCUM_MIN_EP ranks. Each hop adds one rounding
 # in a 16-bit accumulator, so the ring's weight-gradient error grows with EP while an all-to-all's
-# single GEMM does not (docs/lab-notes/numerics_2026-11-30.md).
+# single GEMM does not (benchmarks/numerics.py measures it).
 GRAD_ACCUMS = ("param", "fp32")
 GRAD_ACCUM_CHOICES = (AUTO, *GRAD_ACCUMS)
 FP32_GRAD_ACCUM_MIN_EP = 16

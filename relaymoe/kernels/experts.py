@@ -16,6 +16,8 @@ Which GEMM runs where (``torch._grouped_mm`` for contiguous operands on sm90, th
 row copy or gather-on-load, the weight gradients' grouped GEMM or Triton kernel, the Gluon
 kernels) is ``select.py``'s choice from the call's ``KernelOptions``; (P, H) outputs of the down
 projection and of the dgrad are produced in column chunks of at most ``pair_buffer_mib`` MiB.
+
+History: docs/lab-notes/library_history.md#kernels-experts
 """
 
 from __future__ import annotations
@@ -87,8 +89,7 @@ def _wgrad_gmm(a, b, c_EMN, groups: _HopGroups, *, a_gather: bool, accumulate: b
     Returns the gradient: ``c_EMN`` written (added into with ``accumulate``), or with ``c_EMN``
     None a new one shaped and typed like ``out_like`` (a meta tensor will do). That new one is
     torch's result itself when one chunk covers it in the gradient's dtype: no copy, and no
-    second (El, M, N) buffer at the peak (H200, moeblaze conf4, one 512 MiB chunk: peak over the
-    inputs 8,964 -> 7,428 MiB; b4157ca)."""
+    second (El, M, N) buffer at the peak."""
     ref = c_EMN if c_EMN is not None else out_like
     _, m, n = ref.shape
     gathered = a if a_gather else b

@@ -2,11 +2,10 @@
 the up-projection ``x[tok] @ w13[e]^T`` with its SwiGLU, and the down projection's backward
 ``dy[tok] @ w2[e]``.
 
-What it fixes (issue #15, H200, qwen3 T32k, ``benchmarks/probe_gather.py``): the gather itself
-costs nothing (the Triton kernel ran 3.19 ms over gathered rows, 3.26 over a sorted copy), but
-each program's epilogue does: storing h (64 KB a 128-row tile) took 0.38 ms of 3.38, with the
-tensor cores idle while a program stores. Here each program walks many tiles, and three warp
-partitions overlap:
+Why (issue #15, ``benchmarks/probe_gather.py``): gathering the rows on load costs about nothing
+against a sorted copy, but a one-tile-a-program kernel leaves the tensor cores idle while each
+program stores its epilogue. Here each program walks many tiles, and three warp partitions
+overlap:
 - producer (``producer_warps``, 4): gathers each step's x rows with ``cp.async`` (the stage's
   mbarrier counts every producer thread's copies: ``cp.async.mbarrier.arrive.noinc``) and brings
   the gate and up weight tiles by TMA onto the same barrier; it runs ahead across tiles;
@@ -26,31 +25,17 @@ Barriers: ``ready[s]`` / ``empty[s]`` per slot (step ``c`` of the program uses s
 the TMA's ``expect``); ``epi_ready`` / ``epi_empty`` for the one epilogue buffer. An arrive is one
 thread's, so a partition of two warp groups meets at a partition barrier first.
 
-Tried and removed: the weight gradients in the same form (both operands by masked ``cp.async``,
-A read transposed, two 128-column accumulators, storer partition) ran dw2 in 3.8 ms and dw13 in
-3.6 against the Triton kernel's 1.66 and 3.45 (H200, qwen3 T32k, sweep_kernels.py --kernels
-wgrad, d276ef7). The Triton kernel keeps them.
-Also tried and removed: the SwiGLU backward in the down backward's storer warps (g never stored;
-h read, dh, p * a and per-tile dprob partials written), against the GEMM and the Triton pass
-(2.03-2.08 ms; H200, qwen3 T32k): 3.39 ms with h loaded into registers one 8-row slice ahead,
-3.72-3.84 with h by TMA through 2-4 slots, 4.33-4.37 with TMA stores as well (b229c62 to
-9ec3195). The storer then moves 320 KB a tile beside the GEMM's operands, not 64; no slot depth
-or register split changed the time.
-
-Where the time goes (H200, ``sweep_kernels.py --gluon-only``, 1ec46fe and 244f9a2; ms, the
-up-projection at qwen3 T32k / moeblaze conf4): the main loop alone (nothing stored,
-``outputs="none"``) runs in 2.58-2.73 / 13.75-14.22, the kernel in 2.94 / 15.26 (244f9a2), so
-the epilogue costs 7-10%. Storing only a (32 KB a tile) or only h (64 KB) takes 2.89-2.93 /
-14.53-14.89: at qwen3 the bytes stored hardly matter, and the hand-off and the storer's presence
-cost the rest. Without an epilogue buffer a 4th slot fits, and it was slower: 2.75-2.77 /
-14.30-14.63. Two producer warps instead of 4 cost 14% / 23% (3.35 / 18.76; the down backward
-at qwen3 T32k and T64k 1-2%, three calls each in f1767c1): the gather's issue bounds the main
-loop, not the slot count. Two slots: 4.48 / 22.7. Triton caps a kernel at 16 warps (512
-threads), so the producer cannot grow without taking the storer's warps.
+Only the up-projection and the down projection's backward run here: the weight gradients and a
+SwiGLU backward fused into the storer were slower in this form than the Triton kernels, which
+keep them. The main loop is bound by the producer's gather issue, not by the slot count; Triton
+caps a kernel at 16 warps (512 threads), so the producer cannot grow without taking the storer's
+warps.
 
 Only this module imports ``triton.experimental.gluon``; ``grouped.up_swiglu`` and
 ``grouped.rows_gemm`` import it lazily on sm90 (``KernelOptions.gather_ws``), so CPU runs never touch
 it.
+
+History: docs/lab-notes/library_history.md#kernels-gather-ws
 """
 
 from __future__ import annotations
@@ -80,18 +65,13 @@ __all__ = ["ROWS_CONFIG", "UP_CONFIG", "rows_gemm", "supports_rows_gemm", "suppo
            "up_swiglu"]  # fmt: skip
 
 # tiles, slots, consumer warps, the storer's row slice, the tile order's M group, the workers'
-# registers and the cap. H200 (benchmarks/sweep_kernels.py --kernels up_swiglu): qwen3 T32k
-# (c91189d) 2.91 ms against 3.18 for the Triton kernel's best; 2 slots 4.54 ms, a 32-column K step
-# with 6 slots 3.11, producer/storer registers 56/80 3.03 (the cap 128 is 16 warps' share of the
-# register file). 16-row storer slices: 2.95 against 3.01 (qwen3 T32k, d6a2854) and 15.10
-# against 15.44 (moeblaze conf4, 9321387). GROUP_M at conf4: 1 (N tiles fastest) 17.21, 4 15.70,
-# 8 15.44, 16 15.33.
+# registers and the cap (128: 16 warps' share of the register file); the fastest of
+# benchmarks/sweep_kernels.py's WS_VARIANTS (``--kernels up_swiglu``).
 UP_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "STAGES": 3, "EPI_ROWS": 16,
              "GROUP_M": 8, "num_warps": 8, "producer_warps": 4, "storer_warps": 4,
              "producer_regs": 72, "storer_regs": 72, "maxnreg": 128}  # fmt: skip
 # the plain gathered GEMM (down projection's backward, dy[tok] @ w2[e]): a tile is two adjacent
-# 128-column blocks. 32-row slices: 1.41-1.47 ms against 1.47-1.52 with 16 (qwen3 T32k), 7.42
-# against 7.54 (conf4); GROUP_M 1 7.95 and 16 7.43 (conf4)
+# 128-column blocks, drained in 32-row slices (faster than 16 here)
 ROWS_CONFIG = dict(UP_CONFIG, EPI_ROWS=32)
 
 

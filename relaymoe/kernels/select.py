@@ -2,8 +2,10 @@
 
 Every choice reads a :class:`relaymoe.options.KernelOptions` (``k``) and the operands' device,
 dtype and strides; the kernels and launchers (``grouped/``, ``gather_ws.py``) hold no policy.
-Each choice gives the same result up to rounding; which one is fastest was measured on H200
-(``docs/lab-notes/``), which is why the defaults are what they are.
+Each choice gives the same result up to rounding; the defaults are the ones measured fastest
+(``docs/lab-notes/``).
+
+History: docs/lab-notes/library_history.md#kernels-select
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ expert bounds above.
 **All-to-all mode** (``mode="alltoall"``, ``alltoall.py``): the same hop primitives behind one
 all-to-all of index-dispatched tokens, for the small-T regime where the ring's per-hop host cost
 dominates. ``mode="auto"`` picks among the three with ``relaymoe.cost.choose_mode`` (a time
-model calibrated on H200 rows), identically on every rank.
+model calibrated on measured rows), identically on every rank.
 
 No ``(T*K, H)`` buffer exists at any time (the hop primitives read tokens through the index).
 With ``transport="copy_engine"`` the two slots are a persistent symmetric-memory workspace per
