@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from benchmarks import sweep_kernels
-from relaymoe.kernels import grouped
+from relaymoe.kernels import interpret_mode
 from tests.helpers import use_env
 
 pytestmark = pytest.mark.skipif(
-    not grouped.interpret_mode() or not hasattr(torch, "_grouped_mm"),
+    not interpret_mode() or not hasattr(torch, "_grouped_mm"),
     reason="runs the kernels under TRITON_INTERPRET=1 with torch's CPU grouped GEMM",
 )
 

@@ -304,7 +304,7 @@ def _gathered_gemm_ws_kernel(
       h = [gate, up] stored when ``SAVE_H``, a = silu(gate) * up (* p) when ``SAVE_A``.
     - ``W_KN`` True (plain): w as (El*K, N) rows, ``n_cols`` = N; h = x[tok] @ w[e].
     Neither ``SAVE_H`` nor ``SAVE_A``: nothing is stored and no epilogue buffer is allocated,
-    which times the main loop alone (``benchmarks/sweep_kernels.py``'s ``outputs="none"``)."""
+    which times the main loop alone (``store_nothing`` of :func:`up_swiglu` / :func:`rows_gemm`)."""
     x_bufs = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, BLOCK_M, BLOCK_K],
                                        x_layout)  # fmt: skip
     lo_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape,
@@ -427,10 +427,16 @@ def _launch(x_TK, w_rows, idx_P, offs, prob_P, h, a, *, n_experts, n_cols, n_til
     )  # fmt: skip
 
 
-def up_swiglu(x_TH, w13_E2IH, idx_P, offs, prob_P, h_P2I, a_PI, *, config=None) -> None:
+def up_swiglu(x_TH, w13_E2IH, idx_P, offs, prob_P, h_P2I, a_PI, *, config=None,
+              store_nothing=False) -> None:  # fmt: skip
     """``grouped.up_swiglu``'s contract (outputs passed in, ``h_P2I`` or ``a_PI`` may be None);
     call only where :func:`supports_up_swiglu` holds. ``a`` is computed from h rounded to the
-    output dtype (the storer's input), not from the fp32 accumulators."""
+    output dtype (the storer's input), not from the fp32 accumulators.
+
+    ``config``: an explicit tile configuration (``UP_CONFIG``'s keys; a sweep's), else
+    ``UP_CONFIG`` with the GROUP_M of the shape. ``store_nothing`` (a diagnostic, which no library
+    path sets): the outputs stay as they are (the kernel is built without its epilogue and its
+    buffer), so the main loop is timed alone (``benchmarks/sweep_kernels.py``)."""
     n_experts, two_i, hidden = w13_E2IH.shape
     ffn = two_i // 2
     cfg = config or _default_config(UP_CONFIG, triton.cdiv(ffn, UP_CONFIG["BLOCK_N"]))
@@ -440,17 +446,19 @@ def up_swiglu(x_TH, w13_E2IH, idx_P, offs, prob_P, h_P2I, a_PI, *, config=None) 
         return
     _launch(x_TH, w13_E2IH.view(n_experts * two_i, hidden), idx_P, offs, prob_P, h, a,
             n_experts=n_experts, n_cols=ffn, n_tiles_n=triton.cdiv(ffn, cfg["BLOCK_N"]),
-            w_kn=False, save_h=h_P2I is not None, save_a=a_PI is not None, cfg=cfg)  # fmt: skip
+            w_kn=False, save_h=h_P2I is not None and not store_nothing,
+            save_a=a_PI is not None and not store_nothing, cfg=cfg)  # fmt: skip
 
 
-def rows_gemm(x_TK, w_EKN, idx_P, offs, c_PN, *, config=None) -> None:
+def rows_gemm(x_TK, w_EKN, idx_P, offs, c_PN, *, config=None, store_nothing=False) -> None:
     """c[q] = x[idx_P[q]] @ w[e] for the range's pairs (``grouped.rows_gemm`` with ``a_idx``);
-    call only where :func:`supports_rows_gemm` holds."""
+    call only where :func:`supports_rows_gemm` holds. ``config`` (``ROWS_CONFIG``'s keys) and
+    ``store_nothing`` (a diagnostic: ``c_PN`` left as it is) as in :func:`up_swiglu`."""
     n_experts, kdim, ncols = w_EKN.shape
     cfg = config or _default_config(ROWS_CONFIG, triton.cdiv(ncols, 2 * ROWS_CONFIG["BLOCK_N"]))
     if c_PN.shape[0] == 0 or n_experts == 0:
         return
     _launch(x_TK, w_EKN.view(n_experts * kdim, ncols), idx_P, offs, None, c_PN, c_PN,
             n_experts=n_experts, n_cols=ncols,
-            n_tiles_n=triton.cdiv(ncols, 2 * cfg["BLOCK_N"]), w_kn=True, save_h=True,
-            save_a=False, cfg=cfg)  # fmt: skip
+            n_tiles_n=triton.cdiv(ncols, 2 * cfg["BLOCK_N"]), w_kn=True,
+            save_h=not store_nothing, save_a=False, cfg=cfg)  # fmt: skip

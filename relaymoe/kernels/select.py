@@ -24,6 +24,7 @@ __all__ = [
     "col_chunks",
     "gather_then_gmm",
     "gather_ws_for",
+    "gather_ws_module",
     "kernel_options",
     "launch_ws",
     "pair_buffer_bytes",
@@ -185,7 +186,7 @@ def tma_weights(w_EMK: Tensor, k: KernelOptions) -> bool:
 
 # ------------------------------------------------------------------------------- Gluon kernels
 @functools.cache
-def _gather_ws_module():
+def gather_ws_module():
     """``(module, None)`` or ``(None, reason)``: Gluon is experimental, and a Triton without it,
     or with another API, keeps the Triton kernel."""
     try:
@@ -207,7 +208,7 @@ def gather_ws_for(kind: str, x_TK: Tensor, *operands, k: KernelOptions):
         return None
     if not _sm90(x_TK):
         return None
-    module, _ = _gather_ws_module()
+    module, _ = gather_ws_module()
     if module is None or kind in GATHER_WS_UNBUILT:
         return None
     if not getattr(module, f"supports_{kind}")(x_TK, *operands):
