@@ -13,14 +13,14 @@ import torch.nn.functional as F
 import triton
 
 from relaymoe.experts import expert_hop_backward, expert_hop_forward, moe_experts
-from relaymoe.kernels import grouped, pairs, select
+from relaymoe.kernels import grouped, interpret_mode, pairs, select
 from relaymoe.options import KernelOptions
 from relaymoe.reference import moe_experts_reference
 from relaymoe.routing import build_routing_index
 from tests.helpers import random_problem, rel_err, use_env
 
 pytestmark = pytest.mark.skipif(
-    not grouped.interpret_mode(), reason="CPU tests run the kernels under TRITON_INTERPRET=1"
+    not interpret_mode(), reason="CPU tests run the kernels under TRITON_INTERPRET=1"
 )
 
 F32 = 1e-5
