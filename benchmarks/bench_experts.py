@@ -59,6 +59,7 @@ from benchmarks.common import (  # noqa: E402
     gpu_writer,
     moe_flops_fwd_bwd,
     print_table,
+    rel_err,
 )
 from relaymoe import options  # noqa: E402
 from relaymoe.experts import moe_experts  # noqa: E402
@@ -227,11 +228,6 @@ def measure(fn, inputs, flops, quick: bool, accumulate_grads: bool = False) -> d
     }
 
 
-def rel_err(a, b) -> float:
-    a, b = a.float(), b.float()
-    return ((a - b).norm() / b.norm()).item()
-
-
 def check_against_naive(inputs, fns: dict) -> dict:
     """Output and all gradients of each provider vs naive on the full shape (bf16)."""
     dy = torch.randn_like(inputs[0])
@@ -260,7 +256,7 @@ def check_against_naive(inputs, fns: dict) -> dict:
 def breakdown(shape: str) -> list[dict]:
     """Each relaymoe kernel of one layer timed alone (same buffers the hop functions use)."""
     from relaymoe.kernels import grouped, pairs
-    from relaymoe.kernels.experts import _gathered_rows_times_weight, _HopGroups, _wgrad_gmm
+    from relaymoe.kernels.experts import HopGroups, gathered_rows_times_weight, wgrad_gmm
 
     num_tokens, num_experts, topk, hidden, ffn = SHAPES[shape]
     x, w13, w2, idx, probs = (t.detach() for t in make_inputs(*SHAPES[shape]))
@@ -269,7 +265,7 @@ def breakdown(shape: str) -> list[dict]:
     n_pairs = num_tokens * topk
     idx_P, tim = index.expert_token_indices, index.token_index_map
     prob_P = pairs.pair_probs(probs, tim, offs, n_pairs)
-    groups = _HopGroups(idx_P, offs, n_pairs, True)
+    groups = HopGroups(idx_P, offs, n_pairs, True)
     dprobs = torch.zeros_like(probs)
     h = x.new_empty(n_pairs, 2 * ffn)
     dh = torch.empty_like(h)
@@ -292,17 +288,17 @@ def breakdown(shape: str) -> list[dict]:
         ("combine", lambda: grouped.combine(y, tim, offs, out, topk, accumulate=False), 0),
         ("down_bwd_gemm", lambda: grouped.rows_gemm(x, w2, offs, a, a_idx=idx_P), pf),
         ("up_copy_" + gmm, lambda: grouped.swiglu_forward(
-            _gathered_rows_times_weight(x, w13.transpose(1, 2), groups), prob_P, a), 2 * pf),
-        ("down_bwd_copy_" + gmm, lambda: _gathered_rows_times_weight(x, w2, groups), pf),
+            gathered_rows_times_weight(x, w13.transpose(1, 2), groups), prob_P, a), 2 * pf),
+        ("down_bwd_copy_" + gmm, lambda: gathered_rows_times_weight(x, w2, groups), pf),
         ("swiglu_bwd", lambda: grouped.swiglu_backward(h, a, prob_P, dh, dprob), 0),
         ("wgrad_dw2", lambda: grouped.wgrad(x, a, idx_P, offs, dw2, a_gather=True,
                                             b_gather=False, accumulate=False), pf),
         ("wgrad_dw13", lambda: grouped.wgrad(dh, x, idx_P, offs, dw13, a_gather=False,
                                              b_gather=True, accumulate=False), 2 * pf),
         # as the hop runs them: a new gradient (torch's result itself when one chunk holds it)
-        ("wgrad_dw2_gmm", lambda: _wgrad_gmm(x, a, None, groups, a_gather=True,
+        ("wgrad_dw2_gmm", lambda: wgrad_gmm(x, a, None, groups, a_gather=True,
                                              accumulate=False, out_like=dw2), pf),
-        ("wgrad_dw13_gmm", lambda: _wgrad_gmm(dh, x, None, groups, a_gather=False,
+        ("wgrad_dw13_gmm", lambda: wgrad_gmm(dh, x, None, groups, a_gather=False,
                                               accumulate=False, out_like=dw13), 2 * pf),
         ("dgrad_rows", lambda: grouped.rows_gemm(dh, w13, offs, y), 2 * pf),
         ("dgrad_" + gmm, lambda: torch._grouped_mm(dh, w13, offs=ends), 2 * pf),

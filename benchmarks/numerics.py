@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import JsonlWriter, environment, print_table  # noqa: E402
+from benchmarks.common import JsonlWriter, environment, print_table, rel_err  # noqa: E402
 
 RING_MODES = ("expert", "token")
 MODES = (*RING_MODES, "alltoall")
@@ -147,14 +147,6 @@ def oracle(pb: dict) -> dict[str, torch.Tensor]:
     from relaymoe.reference import moe_experts_reference
 
     return _whole(moe_experts_reference, pb, torch.float64)
-
-
-def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    """``||got - ref|| / ||ref||`` (Frobenius, float64); inf for a non-finite ``got``."""
-    got, ref = got.double(), ref.double()
-    if not torch.isfinite(got).all():
-        return math.inf
-    return ((got - ref).norm() / ref.norm().clamp_min(1e-300)).item()
 
 
 def errors(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict[str, float]:

@@ -14,12 +14,15 @@ defaults (:func:`defaults`): ``RingOptions()`` unless an entry point installed o
 ``RELAYMOE_*`` environment is read only by :func:`from_env`, which the entry points call once
 (``relaymoe.megatron.register()``, the CLI, the benchmarks' package, the test suite's conftest):
 nothing deeper reads the environment.
+
+History: docs/lab-notes/library_history.md#options
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 __all__ = [
@@ -49,6 +52,7 @@ __all__ = [
     "defaults",
     "from_env",
     "install",
+    "installed",
 ]
 
 AUTO = "auto"  # a request resolved by the runtime: choose_mode / the copy engine when it works
@@ -71,7 +75,7 @@ SCHEDULE_CHOICES = (AUTO, *SCHEDULES, NODE_BATCHED)
 # with their weights; token mode: the local ones every hop adds to): "param" (the weights' own,
 # bf16), "fp32", or "auto": fp32 from FP32_GRAD_ACCUM_MIN_EP ranks. Each hop adds one rounding
 # in a 16-bit accumulator, so the ring's weight-gradient error grows with EP while an all-to-all's
-# single GEMM does not (docs/lab-notes/numerics_2026-11-30.md).
+# single GEMM does not (benchmarks/numerics.py measures it).
 GRAD_ACCUMS = ("param", "fp32")
 GRAD_ACCUM_CHOICES = (AUTO, *GRAD_ACCUMS)
 FP32_GRAD_ACCUM_MIN_EP = 16
@@ -221,6 +225,9 @@ class RingOptions:
         f"fp32 from {FP32_GRAD_ACCUM_MIN_EP} EP ranks (auto), where bf16 sums rounded once a hop "
         "would take the error past twice an all-to-all's",
     )  # fmt: skip
+    # False only for the ablation (benchmarks/ablation.py, bench_ring.py's sequential rows):
+    # ring_moe takes no keyword for it and Megatron no flag, it is read from this process's
+    # options at each call
     overlap: bool = _opt(True, why="each hop's transfer overlaps its compute (False: after it)")
     host_wait: str = _opt(
         "lag", HOST_WAIT_CHOICES, env="RELAYMOE_RING_HOST_WAIT", flag="--relaymoe-host-wait",
@@ -322,6 +329,17 @@ def install(options: RingOptions) -> RingOptions:
     for hook in _ON_INSTALL:
         hook()
     return previous
+
+
+@contextlib.contextmanager
+def installed(options: RingOptions) -> Iterator[RingOptions]:
+    """``with installed(o):`` runs the block with ``o`` installed (:func:`install`), then puts
+    the previous options back; every rank of a group enters and leaves at the same point."""
+    previous = install(options)
+    try:
+        yield options
+    finally:
+        install(previous)
 
 
 _ON_INSTALL: list = []  # callbacks of layers that cache what the defaults decided (the ring)

@@ -120,7 +120,6 @@ def standin_ring_moe(
     group=None,
     mode="auto",
     transport="auto",
-    overlap=True,
     trusted=False,
     schedule="auto",
     gpus_per_node=None,

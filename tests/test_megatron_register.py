@@ -65,15 +65,10 @@ def test_parser_accepts_ring_and_relaymoe_flags(mcore):
 
     parser = arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
     ns = parser.parse_args(
-        "--moe-token-dispatcher-type ring --relaymoe-mode token "
-        "--relaymoe-transport nccl --relaymoe-no-overlap".split()
+        "--moe-token-dispatcher-type ring --relaymoe-mode token --relaymoe-transport nccl".split()
     )
     assert ns.moe_token_dispatcher_type == "ring"
-    assert (ns.relaymoe_mode, ns.relaymoe_transport, ns.relaymoe_no_overlap) == (
-        "token",
-        "nccl",
-        True,
-    )
+    assert (ns.relaymoe_mode, ns.relaymoe_transport) == ("token", "nccl")
     assert parser.parse_args([]).relaymoe_mode == "auto"
     with pytest.raises(SystemExit):
         parser.parse_args(["--relaymoe-mode", "sideways"])
@@ -164,10 +159,10 @@ def test_settings_from_parsed_megatron_args(mcore):
     from relaymoe.megatron import settings
 
     parser = arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
-    ns = parser.parse_args("--relaymoe-mode token --relaymoe-no-overlap --relaymoe-fused-loss "
+    ns = parser.parse_args("--relaymoe-mode token --relaymoe-fused-loss "
                            "--relaymoe-loss-chunk-tokens 64".split())  # fmt: skip
     s = settings.args_settings(ns)
-    assert (s.mode, s.overlap, s.fused_loss, s.loss_chunk_tokens) == ("token", False, True, 64)
+    assert (s.mode, s.fused_loss, s.loss_chunk_tokens) == ("token", True, 64)
     assert s.host_wait == options.defaults().host_wait
     previous = options.install(options.defaults().replace(host_wait="pass"))
     try:

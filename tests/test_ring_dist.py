@@ -97,6 +97,7 @@ def _run_case(rank, world, group, *, seed, tokens, El, K, dtype, prob_dtype=None
               tol=None, backend="auto", trusted=False, schedule="auto",
               gpus_per_node=None):  # fmt: skip
     """ring_moe on this rank's slice vs the oracle; returns the ring's (out, grads)."""
+    from relaymoe import options
     from relaymoe.ring import ring_moe
 
     pb = _problem(seed, tokens, El, K, world, route)
@@ -108,21 +109,23 @@ def _run_case(rank, world, group, *, seed, tokens, El, K, dtype, prob_dtype=None
     w13, w2, leaves = _weights(pb["w13"][e0:e1].to(dtype), pb["w2"][e0:e1].to(dtype), form)
     probs = pb["probs"][lo:hi].to(pdt).requires_grad_()
     idx = pb["idx"][lo:hi]
-    out = ring_moe(
-        x,
-        w13,
-        w2,
-        idx,
-        probs,
-        group=group,
-        mode=mode,
-        transport=transport,
-        overlap=overlap,
-        backend=backend,
-        trusted=trusted,
-        schedule=schedule,
-        gpus_per_node=gpus_per_node,
-    )
+    # overlap is the process's option (RingOptions.overlap), not a ring_moe keyword
+    sequential = options.installed(options.defaults().replace(overlap=False))
+    with contextlib.nullcontext() if overlap else sequential:
+        out = ring_moe(
+            x,
+            w13,
+            w2,
+            idx,
+            probs,
+            group=group,
+            mode=mode,
+            transport=transport,
+            backend=backend,
+            trusted=trusted,
+            schedule=schedule,
+            gpus_per_node=gpus_per_node,
+        )
     if tol is None:
         tol = 1e-11 if dtype == pdt == torch.float64 else 3e-5
     what = (f"mode={mode} dtype={dtype} tokens={tokens} El={El} K={K} route={route} form={form} "

@@ -1,4 +1,7 @@
-"""Time of a layer step per mode (``TimeModel``, ``step_seconds``) and the auto choice."""
+"""Time of a layer step per mode (``TimeModel``, ``step_seconds``) and the auto choice.
+
+History: docs/lab-notes/library_history.md#cost-time
+"""
 
 from __future__ import annotations
 
@@ -13,22 +16,20 @@ from relaymoe.options import AUTO, MODES
 
 @dataclass(frozen=True)
 class TimeModel:
-    """Calibration constants of ``step_seconds``, fitted on 2x H200 (EP=2, qwen3-30b-a3b widths,
-    T 4k-64k per GPU, every mode in one
-    process). A step is host-bound at small T (the host needs longer to issue the hops' kernels
-    than the GPU to run them) and device-bound at large T, and neither hides the other fully:
-    ``step = sqrt(host**2 + device**2)`` fits those rows within 8%. The host constants vary by
-    up to 1.5x between lent machines of one kind (megatron-core's Python-bound layer took 33 and
-    62 ms at T4k on two of them); the ratio ring/all-to-all host time stayed about 1.4."""
+    """Calibration constants of ``step_seconds``, fitted on measured layer rows (EP=2,
+    qwen3-30b-a3b widths, T 4k-64k per GPU, every mode in one process). A step is host-bound at
+    small T (the host needs longer to issue the hops' kernels than the GPU to run them) and
+    device-bound at large T, and neither hides the other fully, so
+    ``step = sqrt(host**2 + device**2)``. The host constants depend on the machine; the ratio of
+    ring to all-to-all host time is what the auto choice relies on."""
 
     # FLOP/s of the experts' fwd+bwd (18*T*K*H*I FLOPs, the backward's recompute included):
     # the T64k ring rows, host time removed.
     expert_tflops: float = 335e12
-    # Ring link bandwidth (copy-engine pulls over NVLink): the T32k token-mode hop transfers
-    # (136 MB in 0.40 ms forward, 269 MB in 0.56 ms backward).
+    # Ring link bandwidth (copy-engine pulls over NVLink): the T32k token-mode hop transfers.
     link_bytes_per_s: float = 340e9
     # Host time of one ring hop of one pass (launches and their Python, ~35 ops): the small-T
-    # floor of the ring rows (11.4 ms at R=2, fwd+bwd = 4 hops, with ``call_fixed_s``).
+    # floor of the ring rows (fwd+bwd at R=2 is 4 hops, with ``call_fixed_s``).
     hop_fixed_s: float = 2.75e-3
     # Host time per ring_moe call besides the hops (cached agreement, routing index, autograd).
     call_fixed_s: float = 0.4e-3
@@ -38,8 +39,8 @@ class TimeModel:
     # Effective per-rank all-to-all bandwidth of the alltoall mode's link bytes (NCCL): the
     # T64k rows.
     alltoall_bytes_per_s: float = 216e9
-    # Share of a ring transfer hidden under its hop's compute with the copy engine (an overlap
-    # probe on 2x H200: 93%) and with NCCL, whose kernels take SMs (51%).
+    # Share of a ring transfer hidden under its hop's compute with the copy engine and with
+    # NCCL, whose kernels take SMs (both from an overlap probe).
     hide: float = 0.9
     nccl_hide: float = 0.5
 

@@ -5,6 +5,8 @@ also holds the int32 limits of the kernels and of the routing index (:func:`chec
 :func:`check_problem_limits`), checked on sizes alone, before anything is allocated or launched,
 and the gathered-row GEMMs' tile order (:func:`tile_group_m`), which the Triton and the Gluon
 kernels share.
+
+History: docs/lab-notes/library_history.md#kernels
 """
 
 from __future__ import annotations
@@ -66,13 +68,8 @@ def unit_cols(t):
 
 # The gathered-row GEMMs (Triton and Gluon) walk their tiles in groups of GROUP_M M tiles, M
 # fastest inside a group, so the tiles in flight share a few row blocks and weight column blocks
-# in L2. Wide experts (at least WIDE_N_TILES N tiles a row of tiles) take taller groups. H200,
-# the Gluon kernels, GROUP_M 16 against 8 (ms, three calls in two sessions: 9321387, 3d73834,
-# bda1082): moeblaze conf4 (64 and 32 N tiles) up-projection 15.33/15.44, 15.18/15.40,
-# 14.89/15.15, down backward 7.43/7.42, 7.19/7.40, 7.23/7.28; qwen3 T32k (6 and 3 N tiles) up
-# 3.05/2.95, 3.03/2.98, down backward 1.53/1.52, 1.51/1.49. The Triton kernels (3429269), N tiles
-# fastest against this rule: conf4 up-projection 20.05 against 16.54, down backward 8.03
-# against 7.52; qwen3 T32k 3.16 against 3.11 and 1.52 against 1.50.
+# in L2. Wide experts (at least WIDE_N_TILES N tiles a row of tiles) take taller groups: 16
+# was faster than 8 there and no slower for narrow experts, and both beat N tiles fastest.
 WIDE_N_TILES = 16
 WIDE_GROUP_M = 16
 

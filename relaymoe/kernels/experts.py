@@ -16,6 +16,8 @@ Which GEMM runs where (``torch._grouped_mm`` for contiguous operands on sm90, th
 row copy or gather-on-load, the weight gradients' grouped GEMM or Triton kernel, the Gluon
 kernels) is ``select.py``'s choice from the call's ``KernelOptions``; (P, H) outputs of the down
 projection and of the dgrad are produced in column chunks of at most ``pair_buffer_mib`` MiB.
+
+History: docs/lab-notes/library_history.md#kernels-experts
 """
 
 from __future__ import annotations
@@ -26,8 +28,15 @@ import torch
 from torch import Tensor
 
 from relaymoe.kernels import check_int32, grouped, pairs, select, unit_cols
+from relaymoe.options import KernelOptions
 
-__all__ = ["triton_hop_forward", "triton_hop_backward"]
+__all__ = [
+    "HopGroups",
+    "gathered_rows_times_weight",
+    "triton_hop_backward",
+    "triton_hop_forward",
+    "wgrad_gmm",
+]
 
 
 def _pair_count(
@@ -56,7 +65,7 @@ def _check_sizes(num_tokens: int, n_pairs: int, where: str) -> None:
                 fix="use fewer tokens per call, or fewer experts per rank")  # fmt: skip
 
 
-class _HopGroups:
+class HopGroups:
     """Device values that several GEMMs of one hop share, each built on its first use: the
     group ends of ``torch._grouped_mm`` and the token of every pair row (the weight gradients'
     gathers). Built once per hop instead of once per GEMM and column chunk: the hop is
@@ -77,8 +86,8 @@ class _HopGroups:
         return self.idx_P.index_select(0, rows).to(torch.int64)
 
 
-def _wgrad_gmm(a, b, c_EMN, groups: _HopGroups, *, a_gather: bool, accumulate: bool,
-               k, out_like: Tensor | None = None) -> Tensor:  # fmt: skip
+def wgrad_gmm(a, b, c_EMN, groups: HopGroups, *, a_gather: bool, accumulate: bool,
+              k: KernelOptions | None = None, out_like: Tensor | None = None) -> Tensor:  # fmt: skip
     """``c[e] (+)= sum_q a[row]^T b[row]`` as one K-grouped ``torch._grouped_mm`` per column
     chunk of the gathered operand: the chunk (P, <= k.pair_buffer_mib) is gathered through
     the pair indices, never the whole (P, H), and the (El, M, chunk) result is added into ``c``.
@@ -87,8 +96,8 @@ def _wgrad_gmm(a, b, c_EMN, groups: _HopGroups, *, a_gather: bool, accumulate: b
     Returns the gradient: ``c_EMN`` written (added into with ``accumulate``), or with ``c_EMN``
     None a new one shaped and typed like ``out_like`` (a meta tensor will do). That new one is
     torch's result itself when one chunk covers it in the gradient's dtype: no copy, and no
-    second (El, M, N) buffer at the peak (H200, moeblaze conf4, one 512 MiB chunk: peak over the
-    inputs 8,964 -> 7,428 MiB; b4157ca)."""
+    second (El, M, N) buffer at the peak. ``k``: the ``KernelOptions`` (default: the process's)."""
+    k = select.kernel_options(k)
     ref = c_EMN if c_EMN is not None else out_like
     _, m, n = ref.shape
     gathered = a if a_gather else b
@@ -113,7 +122,7 @@ def _wgrad_gmm(a, b, c_EMN, groups: _HopGroups, *, a_gather: bool, accumulate: b
     return c_EMN
 
 
-def _wgrad(a, b, idx_P, offs, c_EMN, groups: _HopGroups, *, a_gather, b_gather, like: Tensor,
+def _wgrad(a, b, idx_P, offs, c_EMN, groups: HopGroups, *, a_gather, b_gather, like: Tensor,
            grad_dtype: torch.dtype | None, k) -> Tensor:  # fmt: skip
     """Weight gradient of the range: torch's grouped GEMM over gathered chunks where
     ``select.wgrad_by_gmm`` takes it, else the Triton kernel. Added into ``c_EMN``; with None,
@@ -125,7 +134,7 @@ def _wgrad(a, b, idx_P, offs, c_EMN, groups: _HopGroups, *, a_gather, b_gather, 
         c_ref = c_EMN
     if select.wgrad_by_gmm(a, b, c_ref, groups.n_pairs, a_gather=a_gather, b_gather=b_gather,
                            k=k):  # fmt: skip
-        return _wgrad_gmm(a, b, c_EMN, groups, a_gather=a_gather, accumulate=accumulate, k=k,
+        return wgrad_gmm(a, b, c_EMN, groups, a_gather=a_gather, accumulate=accumulate, k=k,
                           out_like=c_ref)  # fmt: skip
     if c_EMN is None:
         c_EMN = torch.empty(c_ref.shape, dtype=c_ref.dtype, device=a.device)
@@ -134,7 +143,7 @@ def _wgrad(a, b, idx_P, offs, c_EMN, groups: _HopGroups, *, a_gather, b_gather, 
     return c_EMN
 
 
-def _gathered_rows_times_weight(x_TK: Tensor, w_EKN: Tensor, groups: _HopGroups) -> Tensor:
+def gathered_rows_times_weight(x_TK: Tensor, w_EKN: Tensor, groups: HopGroups) -> Tensor:
     """(P, N) = x[tok[q]] @ w[e] over the range's pairs: the rows gathered into one (P, K) copy
     (freed on return), then one grouped GEMM. Rows past the pair count (buffers sized from a
     bound) are not written and never read."""
@@ -142,7 +151,7 @@ def _gathered_rows_times_weight(x_TK: Tensor, w_EKN: Tensor, groups: _HopGroups)
     return torch._grouped_mm(x_PK, w_EKN, offs=groups.ends)
 
 
-def _pair_rows_times_weight(a_PK: Tensor, b_EKN: Tensor, offs: Tensor, groups: _HopGroups, k):
+def _pair_rows_times_weight(a_PK: Tensor, b_EKN: Tensor, offs: Tensor, groups: HopGroups, k):
     """(P, N) = a[q] @ b[e] over the range's pairs (a contiguous in expert order)."""
     n_pairs, ncols = a_PK.shape[0], b_EKN.shape[2]
     if select.use_torch_grouped_mm(a_PK, b_EKN, k):
@@ -154,7 +163,7 @@ def _pair_rows_times_weight(a_PK: Tensor, b_EKN: Tensor, offs: Tensor, groups: _
 
 def _combine_pair_products(
     a_PK: Tensor, b_EKN: Tensor, index, offs: Tensor, out_TH: Tensor, accumulate: bool,
-    groups: _HopGroups, k,
+    groups: HopGroups, k,
 ) -> None:  # fmt: skip
     """Write (add, with ``accumulate``) into ``out_TH[t]`` the sum over token t's pairs q of
     ``a[q] @ b[e]``; the (P, H) products are made and reduced in column chunks (at most
@@ -221,11 +230,11 @@ def triton_hop_forward(
         return out_TH, x_TH.new_zeros(n_pairs, two_i) if save_act else None
     prob_P = pairs.pair_probs(probs_TK, index.token_index_map, offs, n_pairs)
     idx_P = index.expert_token_indices
-    groups = _HopGroups(idx_P, offs, n_pairs, exact)
+    groups = HopGroups(idx_P, offs, n_pairs, exact)
     a_PI = x_TH.new_empty(n_pairs, ffn)
     w13_EHJ = w13.transpose(1, 2)
     if select.gather_then_gmm(x_TH, w13_EHJ, n_pairs, k):  # h from the GEMM, a from h (bf16 h)
-        h = _gathered_rows_times_weight(x_TH, w13_EHJ, groups)
+        h = gathered_rows_times_weight(x_TH, w13_EHJ, groups)
         grouped.swiglu_forward(h, prob_P, a_PI)
         h_P2I = h if save_act else None
         del h
@@ -286,13 +295,13 @@ def triton_hop_backward(
         dw2 = torch.zeros_like(w2, dtype=grad_dtype) if dw2 is None else dw2
         return dx_TH, dprobs_TK, dw13, dw2
     prob_P = pairs.pair_probs(probs_TK, index.token_index_map, offs, n_pairs)
-    groups = _HopGroups(idx_P, offs, n_pairs, exact)
+    groups = HopGroups(idx_P, offs, n_pairs, exact)
     if saved_h is not None and not exact:
         raise ValueError("saved_h needs the exact pair count (n_pairs), not max_pairs")
     if saved_h is None:  # recompute="fc1": rebuild h alone (a comes from it below)
         w13_EHJ = w13.transpose(1, 2)
         if select.gather_then_gmm(x_TH, w13_EHJ, n_pairs, k):
-            h_P2I = _gathered_rows_times_weight(x_TH, w13_EHJ, groups)
+            h_P2I = gathered_rows_times_weight(x_TH, w13_EHJ, groups)
         else:
             h_P2I = x_TH.new_empty(n_pairs, two_i)
             grouped.up_swiglu(x_TH, w13, idx_P, offs, None, h_P2I, None, kernels=k)
@@ -307,7 +316,7 @@ def triton_hop_backward(
         dh_P2I = saved_h if consume_saved_h else torch.empty_like(saved_h)
     # g = dy[tok] @ w2[e] into a_PI, then one memory pass turns it into p*a (dh, dprob out)
     if select.gather_then_gmm(dy_TH, w2, n_pairs, k):
-        a_PI = _gathered_rows_times_weight(dy_TH, w2, groups)
+        a_PI = gathered_rows_times_weight(dy_TH, w2, groups)
     else:
         a_PI = x_TH.new_empty(n_pairs, ffn)
         grouped.rows_gemm(dy_TH, w2, offs, a_PI, a_idx=idx_P, kernels=k)

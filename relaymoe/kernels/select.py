@@ -2,8 +2,10 @@
 
 Every choice reads a :class:`relaymoe.options.KernelOptions` (``k``) and the operands' device,
 dtype and strides; the kernels and launchers (``grouped/``, ``gather_ws.py``) hold no policy.
-Each choice gives the same result up to rounding; which one is fastest was measured on H200
-(``docs/lab-notes/``), which is why the defaults are what they are.
+Each choice gives the same result up to rounding; the defaults are the ones measured fastest
+(``docs/lab-notes/``).
+
+History: docs/lab-notes/library_history.md#kernels-select
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ __all__ = [
     "col_chunks",
     "gather_then_gmm",
     "gather_ws_for",
+    "gather_ws_module",
     "kernel_options",
     "launch_ws",
     "pair_buffer_bytes",
@@ -183,7 +186,7 @@ def tma_weights(w_EMK: Tensor, k: KernelOptions) -> bool:
 
 # ------------------------------------------------------------------------------- Gluon kernels
 @functools.cache
-def _gather_ws_module():
+def gather_ws_module():
     """``(module, None)`` or ``(None, reason)``: Gluon is experimental, and a Triton without it,
     or with another API, keeps the Triton kernel."""
     try:
@@ -205,7 +208,7 @@ def gather_ws_for(kind: str, x_TK: Tensor, *operands, k: KernelOptions):
         return None
     if not _sm90(x_TK):
         return None
-    module, _ = _gather_ws_module()
+    module, _ = gather_ws_module()
     if module is None or kind in GATHER_WS_UNBUILT:
         return None
     if not getattr(module, f"supports_{kind}")(x_TK, *operands):

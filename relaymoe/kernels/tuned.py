@@ -1,10 +1,9 @@
 """Shipped kernel configurations: the autotuner's pick per GPU, kernel and shape bucket.
 
 A process autotunes each grouped-GEMM kernel once per autotune key, compiling and timing every
-candidate (4 to 9 per kernel). On a fresh machine with an empty Triton cache that search alone
-kept the experts benchmark's first call past 170 s (H200, issue #15). With a shipped
-configuration for (GPU name, kernel, bucket) a launcher compiles that one configuration and
-skips the search.
+candidate (4 to 9 per kernel), which on a fresh machine with an empty Triton cache makes the
+first call take minutes. With a shipped configuration for (GPU name, kernel, bucket) a launcher
+compiles that one configuration and skips the search.
 
 The table is package data (``tuned_configs.json`` beside this file)::
 
@@ -22,6 +21,8 @@ into the table under that GPU's name).
 ``KernelOptions.autotune`` chooses: ``shipped`` (default: the shipped configuration when the
 table has one for this GPU and bucket, else the autotuner), ``search`` (always the autotuner),
 ``first`` (the kernel's first candidate, no search).
+
+History: docs/lab-notes/library_history.md#kernels-tuned
 """
 
 from __future__ import annotations

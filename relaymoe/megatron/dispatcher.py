@@ -107,9 +107,11 @@ class RingDispatcher(MoETokenDispatcher):
         self.num_experts = config.num_moe_experts
         self.topk = config.moe_router_topk
         self.settings = settings if settings is not None else current_settings()
-        if self.settings.host_wait != options.defaults().host_wait:
-            # the ring's host wait is process-wide: every rank builds its layers at one point
-            options.install(options.defaults().replace(host_wait=self.settings.host_wait))
+        # ring_moe reads the host wait and overlap from the process's options: every rank
+        # builds its layers at one point, so each installs the same ones here
+        process = {n: getattr(self.settings, n) for n in ("host_wait", "overlap")}
+        if any(v != getattr(options.defaults(), n) for n, v in process.items()):
+            options.install(options.defaults().replace(**process))
         ranks = dist.get_process_group_ranks(self.ep_group) if dist.is_initialized() else [0]
         self.ep_per_node = ep_ranks_per_node(ranks, self.settings.gpus_per_node)
         self.hidden_shape = None
@@ -158,7 +160,6 @@ class RingDispatcher(MoETokenDispatcher):
             group=self.ep_group,
             mode=s.mode,
             transport=s.transport,
-            overlap=s.overlap,
             schedule=s.schedule,
             gpus_per_node=self.ep_per_node,
             grad_accum=s.grad_accum,

@@ -51,8 +51,8 @@ def add_relaymoe_args(parser):
     """The ``relaymoe`` argument group (also usable as an ``extra_args_provider``): a
     ``--relaymoe-<name>`` flag for each flagged field of ``relaymoe.options.RingOptions`` (the
     one schema of the ring's options; the field's default, or None for a field the process's
-    environment may set: the process's value then), then the ring's ablation switch and the
-    fused loss and recompute planner, which are Megatron's only."""
+    environment may set: the process's value then), then the fused loss and recompute planner,
+    which are Megatron's only."""
     from relaymoe import options
 
     if any(a.dest == "relaymoe_mode" for a in parser._actions):
@@ -63,11 +63,6 @@ def add_relaymoe_args(parser):
         kind = {"type": _positive_int} if choices is None else {"choices": choices}
         default = None if f.metadata.get("env") else f.default
         group.add_argument(flag, default=default, help=f.metadata["help"], **kind)
-    group.add_argument(
-        "--relaymoe-no-overlap",
-        action="store_true",
-        help="run each ring hop's transfer after its compute (ablation)",
-    )
     group.add_argument(
         "--relaymoe-fused-loss",
         action="store_true",

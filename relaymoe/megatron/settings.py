@@ -77,15 +77,13 @@ def reset() -> None:
 
 def args_settings(args) -> Settings:
     """The settings Megatron's parsed ``args`` give (on top of the process's options): each
-    ``--relaymoe-<field>`` flag, ``--relaymoe-no-overlap``, the fused loss."""
+    ``--relaymoe-<field>`` flag, the fused loss."""
     base = _base()
     given = {}
     for flag, f in options.megatron_flags():
         value = getattr(args, flag[2:].replace("-", "_"), None)
         if value is not None:
             given[f.name] = value
-    if getattr(args, "relaymoe_no_overlap", False):
-        given["overlap"] = False
     given["fused_loss"] = bool(getattr(args, "relaymoe_fused_loss", False))
     given["loss_chunk_tokens"] = getattr(args, "relaymoe_loss_chunk_tokens", None)
     return replace(base, **given)

@@ -1,6 +1,9 @@
 """``plan(cfg, gpu_bytes) -> Plan``: routing mode, memory breakdown, recompute plan and capacity
 limits (largest sequence / micro-batch) for the ring and the alltoall dispatcher, each with
-Megatron's loss and with relaymoe's fused loss (``VARIANTS``)."""
+Megatron's loss and with relaymoe's fused loss (``VARIANTS``).
+
+History: docs/lab-notes/library_history.md#planner-plan
+"""
 
 from __future__ import annotations
 
@@ -34,10 +37,8 @@ GPU_TOTAL_MIB = {
 GPUS = {name: mib * MiB for name, mib in GPU_TOTAL_MIB.items()}
 DEFAULT_GPU = "h100-80gb"
 # What a training process cannot allocate out of the driver's total: the driver's own
-# reservation plus the CUDA context. H200 (torch 2.11, CUDA 13.0; the max_seq rows of
-# benchmarks/results/2026-11-30_h200x2_e3bbf85a8ce8): nvidia-smi's total 143,771 MiB, the
-# total torch.cuda.mem_get_info reports 143,156 MiB (615 MiB held by the driver), and a fresh
-# process's free memory 527 MiB below that (its CUDA context): 1,142 MiB in all.
+# reservation (nvidia-smi's total less torch.cuda.mem_get_info's) plus a fresh process's CUDA
+# context (its free memory below that total), measured with benchmarks/max_seq.py.
 CUDA_CONTEXT_BYTES = 1_142 * MiB
 RESERVE_FIXED = 2 * GiB  # NCCL buffers, cuBLAS workspaces
 RESERVE_FRACTION = 0.03  # allocator fragmentation
@@ -346,16 +347,6 @@ def _recompute_note(cfg: Config, variant: str, planned: list[str]) -> str | None
     return (
         f"{variant}: the recompute planner's plan is {shown}; the flags keep the config's "
         f"({' '.join(configured) or 'no recompute'}); {how}"
-    )
-
-
-def recompute_flags(p: Plan) -> list[str]:
-    o = p.megatron_args
-    return recompute_args(
-        o["recompute_granularity"],
-        o["recompute_method"],
-        o["recompute_num_layers"],
-        o["recompute_modules"],
     )
 
 

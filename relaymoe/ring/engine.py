@@ -54,7 +54,7 @@ expert bounds above.
 **All-to-all mode** (``mode="alltoall"``, ``alltoall.py``): the same hop primitives behind one
 all-to-all of index-dispatched tokens, for the small-T regime where the ring's per-hop host cost
 dominates. ``mode="auto"`` picks among the three with ``relaymoe.cost.choose_mode`` (a time
-model calibrated on H200 rows), identically on every rank.
+model calibrated on measured rows), identically on every rank.
 
 No ``(T*K, H)`` buffer exists at any time (the hop primitives read tokens through the index).
 With ``transport="copy_engine"`` the two slots are a persistent symmetric-memory workspace per
@@ -70,7 +70,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from relaymoe.kernels.select import kernel_options
-from relaymoe.options import NODE_BATCHED, KernelOptions
+from relaymoe.options import NODE_BATCHED, KernelOptions, defaults
 from relaymoe.ring.agree import RingProblem, RingRequest, agree
 from relaymoe.ring.alltoall import alltoall_backward, alltoall_forward
 from relaymoe.ring.expert_mode import expert_backward, expert_forward
@@ -185,7 +185,6 @@ def ring_moe(
     group: dist.ProcessGroup | None = None,
     mode: str = "auto",
     transport: str = "auto",
-    overlap: bool = True,
     backend: str = "auto",
     trusted: bool = False,
     schedule: str = "auto",
@@ -213,11 +212,12 @@ def ring_moe(
     ``transport``: ``"nccl"`` (``batch_isend_irecv``; gloo on CPU; the all-to-all mode always
     uses the group's collectives), ``"copy_engine"`` (symmetric-memory pulls, CUDA within
     a node) or ``"auto"`` (copy engine when every rank is a CUDA device of one node with
-    symmetric memory, else nccl). ``overlap=False`` serialises transfer and compute (ablation).
+    symmetric memory, else nccl).
     ``backend``: the hop primitives' backend (``"auto"``, ``"triton"``, ``"torch"``);
     ``kernels``: how their kernels run (``relaymoe.options.KernelOptions``; default: this
-    process's). The host wait, the timeout and how often the ranks agree are this process's
-    ``relaymoe.options.RingOptions`` (``relaymoe.options.defaults()``).
+    process's). The host wait, the timeout, how often the ranks agree and ``overlap`` (False
+    runs each hop's transfer after its compute: the ablation's sequential ring) are this
+    process's ``relaymoe.options.RingOptions`` (``relaymoe.options.defaults()``).
     ``schedule``: the hop order (``schedule.py``): ``"flat"`` (one ring), ``"two_level"`` (rings
     inside each node of ``gpus_per_node`` consecutive ranks, joined by hops that every GPU of a
     node makes to the same local rank of the next node at once) or ``"auto"`` (two-level when the
@@ -271,6 +271,7 @@ def ring_moe(
             trusted=trusted,
         )  # fmt: skip
     how = Hop(backend, kernel_options(kernels))
+    overlap = defaults().overlap
     return _RingMoE.apply(x, topk_probs, topk_idx, prob, group, how, overlap, listed, *ws)
 
 

@@ -28,17 +28,18 @@ Where the host waits (``RingOptions.host_wait``):
   watched by a thread that logs its error past the timeout (``lagwait.py``). ``lag`` is the
   default. With ``off`` there is no host sync (a ring call in steady state has none, issue #13),
   and a hang is bounded by NCCL's watchdog and the copy engines' device-side barrier timeout,
-  without the ring's diagnosis (5 of 25 NCCL fault cases named the peer; the others read
-  aborted buffers or faulted). Measured on 2x H200 (Megatron, the qwen3 slice at 4k tokens a
-  GPU, EP 2, off/lag/pass interleaved twice): ``lag`` trains as many tokens a second as ``off``
-  (-0.04%), ``pass`` 10% fewer (the host no longer runs ahead of the GPU); with ``lag`` and with
-  ``pass`` every NCCL fault case raised RingPeerError within the timeout.
+  without the ring's diagnosis (most NCCL fault cases then read aborted buffers or fault).
+  ``lag`` costs no throughput against ``off``; ``pass`` costs some (the host no longer runs ahead
+  of the GPU); with ``lag`` and with ``pass`` every NCCL fault case of ``benchmarks/fault.py``
+  raises RingPeerError within the timeout.
 
 The timeout is the group's own (``timeout=`` of ``init_process_group``/``new_group``), on NCCL
 less ``min(5 s, 25%)`` so the ring's error comes before the watchdog acts (:func:`ring_timeout_s`),
 or ``RingOptions.timeout_s`` seconds when set. The host wait is ``RingOptions.host_wait``; both
 are this process's options (``relaymoe.options.defaults()``, which entry points install from
 ``RELAYMOE_RING_TIMEOUT_S`` / ``RELAYMOE_RING_HOST_WAIT`` or Megatron's flags).
+
+History: docs/lab-notes/library_history.md#ring-faults
 """
 
 from __future__ import annotations

@@ -1,9 +1,16 @@
-"""Node-batched rounds of the expert ring (``schedule="node_batched"``, issue #18).
+"""Node-batched rounds of the expert ring (``schedule="node_batched"``, issue #18): experimental.
+
+Experimental: ``schedule="auto"`` never picks it (``auto`` resolves to ``flat`` or
+``two_level``, ``agree.resolve_schedule``), so it runs only when asked for by name, in expert
+mode: ``ring_moe(..., schedule="node_batched", gpus_per_node=G)``,
+``RingOptions(schedule="node_batched")`` or Megatron's ``--relaymoe-schedule node_batched``.
+It is tested over gloo on CPU and has run on GPUs only inside one node (two GPUs, ``G = 1``
+and ``2``); it has never run across nodes, where its gain is simulated only
+(``benchmarks/scaling_sim.py``).
 
 The flat and two-level orders make ``R - 1`` hops a pass, and every hop pays the ring's fixed
-host cost once (launches, index slices, Python: about 2 ms fitted on H200 at EP 2). Across
-nodes this schedule pays it once per node instead. With ``G`` GPUs a node and ``N = R/G`` nodes,
-rank ``r = n*G + g``:
+host cost once (launches, index slices, Python). Across nodes this schedule pays it once per
+node instead. With ``G`` GPUs a node and ``N = R/G`` nodes, rank ``r = n*G + g``:
 
 * **column**: the ranks ``(0, g), (1, g), ..., (N-1, g)`` of one local index form a ring of
   ``N`` (the two-level ring's inter-node step, every GPU on its own NIC). ``relay`` runs over it
@@ -28,6 +35,8 @@ token partitions batched ``G`` at a time would multiply the token slots by ``G``
 Waits: on CPU each exchange is waited for, bounded by the group's timeout (``RingPeerError``
 names the peers); on CUDA the works are stream-ordered and handed to the pass's host wait
 (``faults.PeerWatch.finish``).
+
+History: docs/lab-notes/library_history.md#ring-nodebatch
 """
 
 from __future__ import annotations

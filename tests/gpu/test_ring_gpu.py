@@ -66,6 +66,7 @@ def _weights(w13, w2, form):
 
 def _case(rank, *, transport, mode, tokens, overlap=True, route="uniform", seed=0,
           form="tensor", check_memory=False, **topology):  # fmt: skip
+    from relaymoe import options
     from relaymoe.ring import ring_moe
 
     dev = torch.device("cuda", rank)
@@ -82,8 +83,9 @@ def _case(rank, *, transport, mode, tokens, overlap=True, route="uniform", seed=
             f"rank={rank}")  # fmt: skip
     torch.cuda.synchronize(dev)
     before = torch.cuda.memory_allocated(dev)
-    out = ring_moe(x, w13, w2, pb["idx"][lo:hi], probs, mode=mode, transport=transport,
-                   overlap=overlap, **topology)  # fmt: skip
+    with options.installed(options.defaults().replace(overlap=overlap)):  # not a keyword
+        out = ring_moe(x, w13, w2, pb["idx"][lo:hi], probs, mode=mode, transport=transport,
+                       **topology)  # fmt: skip
     if check_memory:  # list form: what forward leaves alive holds no copy of the expert weights
         grown = torch.cuda.memory_allocated(dev) - before
         weights = EL * 3 * H * I * 2

@@ -1,6 +1,9 @@
 """Tile configurations of the grouped kernels: the autotune candidates and keys, the pick of a
 launch's meta-parameters (a shipped configuration, the autotuner, or a fixed one) and the scratch
-allocator of tensor descriptors."""
+allocator of tensor descriptors.
+
+History: docs/lab-notes/library_history.md#kernels-grouped-configs
+"""
 
 from __future__ import annotations
 
@@ -31,9 +34,8 @@ _ROWS_CONFIGS = [
     _cfg(64, 128, 64, 4, 4),
 ]
 _WGRAD_CONFIGS = [
-    # H200, qwen3 T32k (benchmarks/sweep_kernels.py, each alone, session 11): 128x128x64 with 8
-    # warps ran at 450-461 TFLOP/s with 5 stages, 416-437 with 3-4; 128x256 and 256x128 tiles
-    # at 340-420, a 128-pair step at 300-340, a 32-pair step at 270-420 (left out)
+    # the fastest of benchmarks/sweep_kernels.py's wgrad sweep first (128x128x64, 8 warps, 5
+    # stages); larger tiles and 128- or 32-pair steps were slower and are left out
     _cfg(128, 128, 64, 8, 5),
     _cfg(128, 128, 64, 8, 4),
     _cfg(128, 128, 64, 8, 3),

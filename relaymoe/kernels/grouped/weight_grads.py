@@ -1,5 +1,8 @@
 """Weight gradients ``c[e] (+)= sum over expert e's pairs of a[row]^T b[row]``, either operand
-gathered through the routing index."""
+gathered through the routing index.
+
+History: docs/lab-notes/library_history.md#kernels-grouped-weight-grads
+"""
 
 from __future__ import annotations
 
@@ -65,14 +68,9 @@ def _wgrad_kernel(
     after them with one. ``TMA_A`` / ``TMA_B``: that operand is contiguous (``n_rows`` rows in
     pair order) and its full blocks come through a tensor descriptor (TMA on sm90); the partial
     block stays a masked pointer load, so no row of the next expert is ever read. One program an
-    output tile (expert, M tile, N tile), N tiles fastest. Measured slower on H200, qwen3 T32k
-    (benchmarks/sweep_kernels.py): a persistent grid walking the tiles (session 11: equal with
-    two programs an SM, 1.5-1.8x slower with one); the same with its tile loop flattened into
-    the pair loop (``tl.range(flatten=True)``, session 12: with the gathered operand 1.07-1.13x
-    slower at 5 stages, 1.00-1.05x at two programs an SM, up to 1.9x in other configurations;
-    though 1.11-1.12x faster when both operands are contiguous and come through TMA);
-    and Triton's warp specialisation of the pair loop (``warp_specialize=True``, Triton 3.6:
-    equal with 8 warps, slower with 4)."""
+    output tile (expert, M tile, N tile), N tiles fastest: a persistent grid, a flattened tile
+    loop and Triton's warp specialisation were no faster with a gathered operand (module
+    docstring's history)."""
     pid = tl.program_id(0)
     n_tiles_m = tl.cdiv(M, BLOCK_M)
     n_tiles_n = tl.cdiv(N, BLOCK_N)
