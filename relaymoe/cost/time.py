@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from relaymoe.cost.dims import Dims, _check_mode, _check_transport, dims
 from relaymoe.cost.traffic import hop_bytes, step_bytes
-from relaymoe.options import AUTO, MODES
+from relaymoe.options import MODES
 
 
 @dataclass(frozen=True)
@@ -118,35 +118,18 @@ def step_seconds(
 
 def choose_mode(
     *,
-    tokens: int | Sequence[int],
-    hidden: int,
-    ffn: int,
-    num_local_experts: int,
-    topk: int,
-    world: int,
-    act_bytes=2,
-    prob_bytes=4,
     training: bool = True,
     transport: str = "copy_engine",
     model: TimeModel = DEFAULT_TIME_MODEL,
     modes: Sequence[str] = MODES,
-    grad_accum: str = AUTO,
+    **sizes,
 ) -> str:
     """The fastest of ``modes`` by ``step_seconds`` (the runtime's ``mode="auto"`` and the
-    planner's choice). Deterministic: the same floats on every rank; ties go to the earlier of
-    expert, token, alltoall. A world of one is local compute whatever the mode: ``"expert"``.
-    ``grad_accum``: the weight-gradient accumulators (expert mode's backward trail bytes)."""
-    d = dims(
-        tokens=tokens,
-        hidden=hidden,
-        ffn=ffn,
-        num_local_experts=num_local_experts,
-        topk=topk,
-        world=world,
-        act_bytes=act_bytes,
-        prob_bytes=prob_bytes,
-        grad_accum=grad_accum,
-    )
+    planner's choice). ``sizes``: the keywords of :func:`dims` (tokens, hidden, ffn,
+    num_local_experts, topk, world, act_bytes, prob_bytes, grad_accum). Deterministic: the same
+    floats on every rank; ties go to the earlier of expert, token, alltoall. A world of one is
+    local compute whatever the mode: ``"expert"``."""
+    d = dims(**sizes)
     _check_transport(transport)
     wanted = tuple(modes)
     if not wanted:
