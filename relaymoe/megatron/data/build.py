@@ -1,7 +1,8 @@
 """``prepare``: the inputs tokenised into their parts, then merged in input order into the output.
 
 A completed output has a manifest (``PREFIX_{key}_document.json``, which also records the
-Megatron flags to train with); when it matches, nothing is redone.
+Megatron flags to train with); when it matches, nothing is redone. How the merge and the
+workers came to be as they are: ``docs/lab-notes/library_history.md``.
 """
 
 from __future__ import annotations
@@ -162,10 +163,11 @@ def _run_parts(parts_dir, todo, chunks, settings, workers, progress) -> None:
             return
         import multiprocessing as mp
 
-        # fork where there is one: the workers inherit the loaded tokenizer and megatron-core
-        # (seconds of imports each otherwise); TOKENIZERS_PARALLELISM=false was set before the
-        # tokenizer loaded, so no Rust thread pool is forked
-        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+        # spawned, not forked: loading the tokenizer here may have started the tokenizers
+        # library's Rust thread pool, which a fork would copy without its threads (a deadlock, or
+        # the library's fork warning); each spawned worker imports megatron-core and loads the
+        # tokenizer once, and this process's environment is left as the caller set it
+        ctx = mp.get_context("spawn")
         counter = ctx.Value("q", 0)
         with ctx.Pool(
             min(workers, len(todo)), _worker_init, (settings.tokenizer_dir, counter)
@@ -195,7 +197,7 @@ def _merge(parts_dir, chunks, outputs, settings, manifest, docs, tokens) -> None
         tmp = f"{prefix}.tmp{os.getpid()}"
         builder = IndexedDatasetBuilder(f"{tmp}.bin", dtype=dtype)
         # add_index runs gc.collect() per part: with torch and megatron loaded that walks
-        # every object of the process (~1 s a part here); frozen, it walks only the new ones
+        # every object of the process, the merge's main cost; frozen, it walks only the new ones
         gc.freeze()
         try:
             for c in chunks:

@@ -63,7 +63,7 @@ _WORKER: dict = {}
 
 
 def _worker_init(tokenizer_dir: str, counter) -> None:
-    if _WORKER.get("tokenizer_dir") != tokenizer_dir:  # a forked worker has it already
+    if _WORKER.get("tokenizer_dir") != tokenizer_dir:  # loaded once per process
         _WORKER["tokenizer"] = build_megatron_tokenizer(tokenizer_dir)
         _WORKER["tokenizer_dir"] = tokenizer_dir
     _WORKER["counter"] = counter

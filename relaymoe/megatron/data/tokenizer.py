@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -48,7 +47,6 @@ def build_megatron_tokenizer(tokenizer_dir: str):
     library, with ``build_tokenizer``'s defaults."""
     import warnings
 
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # workers are forked from here
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
