@@ -14,7 +14,7 @@ The modules: ``schema`` (the sections), ``checks`` (the type checks of their val
 Megatron flags).
 """
 
-from relaymoe.config.layout import ceil_div, validate_layout
+from relaymoe.config.layout import validate_layout
 from relaymoe.config.load import CONFIG_DIR, config_from_dict, load_config, resolve_config_path
 from relaymoe.config.megatron_args import (
     max_positions,
@@ -43,7 +43,6 @@ __all__ = [
     "ParallelConfig",
     "RelayMoEConfig",
     "TrainingConfig",
-    "ceil_div",
     "config_from_dict",
     "load_config",
     "max_positions",

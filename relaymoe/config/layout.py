@@ -81,7 +81,3 @@ def validate_layout(model: ModelConfig, par: ParallelConfig, tr: TrainingConfig)
                 f"training.recompute_num_layers={tr.recompute_num_layers} exceeds the "
                 f"{per_stage} layers of a (virtual) pipeline stage"
             )
-
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
