@@ -235,7 +235,7 @@ def main(argv=None) -> int:
                        "tflops_fwd_bwd": round(6.0 * tokens * vocab * hidden / r["ms_fwd_bwd"]
                                                / 1e9, 1)}  # fmt: skip
                 if key in impls:
-                    from relaymoe.loss import _resolve_impl
+                    from relaymoe.loss.inputs import _resolve_impl
 
                     row["impl"] = _resolve_impl(impls[key], h.device)
                     row["chunk_tokens"] = chunk

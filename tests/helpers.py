@@ -158,9 +158,6 @@ def run_scenarios(scenarios, world: int, outdir, *, timeout: float, pg_timeout_s
     assert not failures, "\n".join(failures)
 
 
-run_gloo_scenarios = run_scenarios  # the name the gloo ring suites call it by
-
-
 # ---------------------------------------------------------------------------------------------
 # Tiny model configs: the one copy every test builds its small models from
 # ---------------------------------------------------------------------------------------------

@@ -305,7 +305,9 @@ def test_configs_ship_in_the_package():
 def test_every_field_of_every_yaml_type_loads_or_names_the_value():
     """A config value of any YAML type (int, float, str, bool, list, mapping, null) either loads
     or raises ValueError naming the key (issue #32: ``recompute_modules: 5`` was a TypeError)."""
-    from relaymoe.config import _SECTIONS, fields
+    from dataclasses import fields
+
+    from relaymoe.config.schema import _SECTIONS
 
     values = [0, -1, 3, 2.5, "x", True, [1], ["a"], [], {"a": 1}, None]
     for sec, cls in _SECTIONS.items():

@@ -206,7 +206,7 @@ def test_alltoall_rows_match_random_routing(E, K, R):
 def test_slots_match_the_engine_layouts():
     """slot_capacity / symmetric_workspace_bytes against the engine's own RingPlans."""
     from relaymoe.ring import layout, passes, transport
-    from relaymoe.ring.agree import RingProblem
+    from relaymoe.ring.problem import RingProblem
 
     assert cost.ALIGN == layout.ALIGN and cost.SYMM_GRANULE == transport._SYMM_GRANULE
     for (T, H, I, El, K, R), dt, pdt, grad in itertools.product(

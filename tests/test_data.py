@@ -132,11 +132,11 @@ def test_interrupted_run_continues_and_matches(corpus, monkeypatch):
         made.append(chunk.index)
         return real(parts_dir, chunk, settings)
 
-    monkeypatch.setattr(data, "make_part", dies_after_two)
+    monkeypatch.setattr(data.build, "make_part", dies_after_two)
     with pytest.raises(KeyboardInterrupt):
         _prepare(root, tok_dir, "out/resumed", chunk_mib=0.004)
     assert not Path(root / "out/resumed_text_document.bin").exists()
-    monkeypatch.setattr(data, "make_part", real)
+    monkeypatch.setattr(data.build, "make_part", real)
     r = _prepare(root, tok_dir, "out/resumed", chunk_mib=0.004)
     assert (r.parts_kept, r.parts_made) == (2, n_parts - 2), r
     a, b = whole.outputs["text"], r.outputs["text"]

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 import relaymoe
-import relaymoe.loss as loss_mod
+import relaymoe.loss.autograd as loss_mod
 from relaymoe.loss import linear_cross_entropy
 from relaymoe.lossmodel import default_chunk_tokens
 from tests.helpers import free_port, rel_err, run_spawned

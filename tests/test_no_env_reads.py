@@ -18,12 +18,8 @@ PACKAGE = ROOT / "relaymoe"
 READERS = {
     "relaymoe/options.py": "from_env: the RELAYMOE_* variables, called by the entry points",
     "relaymoe/megatron/patches.py": "Megatron's entry point: RELAYMOE_GPU_BYTES for the planner",
-    "relaymoe/megatron/convert_hf.py": "torchrun detection (WORLD_SIZE, MASTER_ADDR)",
-    "relaymoe/megatron/data.py": "known exception, see WRITERS",
+    "relaymoe/megatron/convert_hf/run.py": "torchrun detection (WORLD_SIZE, MASTER_ADDR)",
 }
-# Known exception to remove: data.py sets TOKENIZERS_PARALLELISM before it forks its workers
-# (fixed on another branch of issue #33; drop this entry when that lands).
-WRITERS = {"relaymoe/megatron/data.py"}
 
 _MUTATORS = {"setdefault", "update", "pop", "popitem", "clear", "__setitem__", "__delitem__"}
 
@@ -83,7 +79,7 @@ def test_only_entry_points_read_the_environment():
         f"os.environ/os.getenv outside the entry points {sorted(READERS)}: {outside}; read "
         "options through relaymoe.options (from_env at an entry point, defaults() below it)"
     )
-    assert set(READERS) - set(found) <= {"relaymoe/megatron/data.py"}, (
+    assert set(READERS) <= set(found), (
         f"entry points that no longer read the environment: {sorted(set(READERS) - set(found))}"
         "; drop them from READERS"
     )
@@ -91,7 +87,7 @@ def test_only_entry_points_read_the_environment():
 
 def test_no_module_writes_the_environment():
     found = _scan()
-    writes = {rel: w for rel, (_, w) in found.items() if w and rel not in WRITERS}
+    writes = {rel: w for rel, (_, w) in found.items() if w}
     assert not writes, f"relaymoe/ writes os.environ: {writes}"
 
 

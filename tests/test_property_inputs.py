@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests import property_inputs as P
-from tests.helpers import run_gloo_scenarios
+from tests.helpers import run_scenarios
 
 CPU_TRITON_DTYPES = (torch.float16, torch.float32, torch.float64)  # no bf16 in the interpreter
 
@@ -90,4 +90,4 @@ def _loss_world(rank, world, group):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_ring_moe_and_tensor_parallel_loss_gloo(world, tmp_path):
-    run_gloo_scenarios([_ring_world, _loss_world], world, tmp_path, timeout=240)
+    run_scenarios([_ring_world, _loss_world], world, tmp_path, timeout=240)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from relaymoe.reference import moe_experts_reference
-from tests.helpers import ring_problem, run_gloo_scenarios
+from tests.helpers import ring_problem, run_scenarios
 
 pytestmark = pytest.mark.slow
 
@@ -593,7 +593,7 @@ SCENARIOS = [_correctness, _triton_backend, _list_forms, _no_persistent_copy, _d
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_ring_moe_gloo(world, tmp_path):  # world 4 on 2 cores: about 3 minutes
-    run_gloo_scenarios(SCENARIOS, world, tmp_path, timeout=300)
+    run_scenarios(SCENARIOS, world, tmp_path, timeout=300)
 
 
 def test_ring_moe_without_process_group_is_a_world_of_one():

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from benchmarks.numerics import oracle, rel_err
-from tests.helpers import ring_problem, run_gloo_scenarios
+from tests.helpers import ring_problem, run_scenarios
 
 pytestmark = pytest.mark.slow
 
@@ -89,7 +89,7 @@ def _resolution_and_refusals(rank, world, group):
 
 @pytest.mark.parametrize("world", [4])
 def test_ring_grad_accum_gloo(world, tmp_path):
-    run_gloo_scenarios(
+    run_scenarios(
         [_fp32_accumulators_remove_the_per_hop_rounding, _resolution_and_refusals], world,
         tmp_path, timeout=400,
     )  # fmt: skip

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from relaymoe.kernels import triton_available
-from tests.helpers import run_gloo_scenarios
+from tests.helpers import run_scenarios
 from tests.test_ring_dist import _run_case
 from tests.test_ring_two_level import _resolved
 
@@ -115,4 +115,4 @@ SCENARIOS = (_node_batched, _errors_name_the_column, _same_as_the_flat_ring, _re
 
 @pytest.mark.parametrize("world", [4, 6])
 def test_node_batched_gloo(world, tmp_path):
-    run_gloo_scenarios(SCENARIOS, world, tmp_path, timeout=420)
+    run_scenarios(SCENARIOS, world, tmp_path, timeout=420)

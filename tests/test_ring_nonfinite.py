@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from benchmarks.numerics import oracle
-from tests.helpers import ring_problem, run_gloo_scenarios
+from tests.helpers import ring_problem, run_scenarios
 
 pytestmark = pytest.mark.slow
 
@@ -97,5 +97,5 @@ def poisoned_calls_then_a_clean_one(rank, world, group):
 
 def test_nonfinite_inputs_propagate_like_the_oracle_and_never_hang(tmp_path):
     # a hang or a dead rank here: a non-finite input desynchronised the group
-    run_gloo_scenarios([poisoned_calls_then_a_clean_one], WORLD, tmp_path, timeout=240,
+    run_scenarios([poisoned_calls_then_a_clean_one], WORLD, tmp_path, timeout=240,
                        pg_timeout_s=60)  # fmt: skip

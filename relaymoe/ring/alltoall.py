@@ -41,8 +41,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from relaymoe.experts import expert_hop_backward, expert_hop_forward, resolve_backend
-from relaymoe.ring.agree import RingProblem
 from relaymoe.ring.faults import PeerWatch, check_markers
+from relaymoe.ring.problem import RingProblem
 from relaymoe.ring.weights import REVERSED, LocalExperts, reverse_local_ids
 from relaymoe.routing import RoutingIndex, build_routing_index
 

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from relaymoe.loss import _mixed_wgrad_mode, linear_cross_entropy
+from relaymoe.loss import linear_cross_entropy
+from relaymoe.loss.chunk import _mixed_wgrad_mode
 from relaymoe.lossmodel import CHUNK_BYTES_PER_LOGIT, fused_loss_bytes
 from tests.helpers import rel_err
 
