@@ -321,3 +321,41 @@ def test_carried_wheels_versions_reach_the_manifest(tmp_path, monkeypatch):
     assert suite.main(["--gpus", "0", "--out", str(out), "--step", "ok=ok.py {out}"]) == 0
     m = runs.validate_manifest(json.loads((out / runs.MANIFEST).read_text()), "manifest")
     assert m["versions"]["megatron-core"] == "9.8.7"
+
+
+def test_two_calls_at_one_commit_unpack_to_two_runs(tmp_path):
+    """Device calls at the same commit and date return run folders of the same name; ``unpack``
+    keeps both (the second as ``<name>-2``, its manifest renamed) and each reads back as a run."""
+    import tarfile
+
+    name = "2026-12-02_h200x1_b3040c6e8818"
+    results = tmp_path / "results"
+    results.mkdir()
+    archives = []
+    for call in (1, 2):
+        src = tmp_path / f"call{call}" / name
+        src.mkdir(parents=True)
+        m = runs.new_manifest(command=f"call {call}", gpu="NVIDIA H200", gpus=1, root=tmp_path)
+        m.update(name=name, commit="b3040c6e8818", tree_clean=True, date="2026-12-02")
+        runs.write_manifest(src, m)
+        (src / "rows.jsonl").write_text(json.dumps({"bench": "x", "call": call}) + "\n")
+        archive = tmp_path / f"suite{call}.tar.gz"
+        with tarfile.open(archive, "w:gz") as t:
+            t.add(src, arcname=name)
+        archives.append(archive)
+    first = runs.unpack(archives[0], results)
+    second = runs.unpack(archives[1], results)
+    assert [p.name for p in first + second] == [name, f"{name}-2"]
+    again = runs.read_run(results / f"{name}-2")
+    assert again.manifest["command"] == "call 2" and again.name == f"{name}-2"
+    assert json.loads((results / name / "rows.jsonl").read_text())["call"] == 1
+    with pytest.raises(runs.ResultsError):
+        runs.read_run(_renamed(results / name, results / f"{name}-1"))
+
+
+def _renamed(src: Path, dest: Path) -> Path:
+    """A copy of a run folder under another name (its manifest still says the old one)."""
+    import shutil
+
+    shutil.copytree(src, dest)
+    return dest
