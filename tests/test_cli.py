@@ -275,7 +275,7 @@ def test_overrides_that_change_a_derived_value_say_so(capsys):
 def test_a_config_without_a_global_batch(capsys, tmp_path):
     import yaml
 
-    from tests.helpers import small_config_dict
+    from tests.fixtures import small_config_dict
 
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(small_config_dict()))

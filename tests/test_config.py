@@ -14,7 +14,7 @@ from relaymoe.config import (
     resolve_config_path,
     to_megatron_args,
 )
-from tests.helpers import small_config_dict
+from tests.fixtures import small_config_dict
 
 ALL_CONFIGS = sorted(str(p.relative_to(CONFIG_DIR))[:-5] for p in CONFIG_DIR.rglob("*.yaml"))
 

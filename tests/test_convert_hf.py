@@ -44,7 +44,7 @@ pytest.importorskip("megatron.training")
 
 import torch  # noqa: E402
 
-from tests.helpers import free_port  # noqa: E402
+from tests.fixtures import free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]

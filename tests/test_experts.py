@@ -8,7 +8,7 @@ import torch
 from relaymoe.experts import expert_hop_backward, expert_hop_forward, moe_experts
 from relaymoe.reference import moe_experts_reference
 from relaymoe.routing import build_routing_index
-from tests.helpers import random_problem, rel_err
+from tests.fixtures import random_problem, rel_err
 
 CASES = [
     # (T, H, I, E, K, kind)

@@ -11,7 +11,7 @@ import relaymoe.expert_inputs as inputs_mod
 from relaymoe.experts import moe_experts
 from relaymoe.reference import moe_experts_reference
 from relaymoe.routing import build_routing_index
-from tests.helpers import assert_close, random_problem
+from tests.fixtures import assert_close, random_problem
 
 F32 = torch.float32
 

@@ -16,7 +16,7 @@ from relaymoe.experts import expert_hop_backward, expert_hop_forward, moe_expert
 from relaymoe.kernels import grouped, pairs
 from relaymoe.reference import moe_experts_reference
 from relaymoe.routing import build_routing_index
-from tests.helpers import random_problem, rel_err
+from tests.fixtures import random_problem, rel_err
 
 pytestmark = pytest.mark.skipif(
     not grouped.interpret_mode(), reason="CPU tests run the kernels under TRITON_INTERPRET=1"

@@ -28,7 +28,7 @@ import relaymoe
 import relaymoe.loss as loss_mod
 from relaymoe.loss import linear_cross_entropy
 from relaymoe.lossmodel import default_chunk_tokens
-from tests.helpers import free_port, rel_err, run_spawned
+from tests.fixtures import free_port, rel_err, run_spawned
 
 IGNORE = -100
 BOUND = {torch.float64: 1e-12, torch.float32: 2e-5, torch.float16: 2e-3}

@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.helpers import assert_close as close
-from tests.helpers import free_port, run_spawned, tiny_transformer_config
+from tests.fixtures import assert_close as close
+from tests.fixtures import free_port, run_spawned, tiny_transformer_config
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("megatron.core")

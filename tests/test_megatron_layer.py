@@ -44,7 +44,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from tests.helpers import assert_close, free_port, tiny_transformer_config
+from tests.fixtures import assert_close, free_port, tiny_transformer_config
 
 pytestmark = pytest.mark.slow
 

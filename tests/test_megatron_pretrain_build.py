@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from tests.helpers import MEGATRON_CPU_PRELUDE  # noqa: E402
+from tests.fixtures import MEGATRON_CPU_PRELUDE  # noqa: E402
 
 _SCRIPT = MEGATRON_CPU_PRELUDE + textwrap.dedent(
     """

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import tiny_transformer_config
+from tests.fixtures import tiny_transformer_config
 
 warnings.filterwarnings("ignore")
 

@@ -20,7 +20,7 @@ from relaymoe.planner import (
 )
 from relaymoe.planner import memory as mm
 from relaymoe.planner.plan import seq_quantum
-from tests.helpers import small_config, small_megatron_args
+from tests.fixtures import small_config, small_megatron_args
 
 GiB = 2**30
 

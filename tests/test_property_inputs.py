@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests import property_inputs as P
-from tests.helpers import run_gloo_scenarios
+from tests.fixtures import run_gloo_scenarios
 
 CPU_TRITON_DTYPES = (torch.float16, torch.float32, torch.float64)  # no bf16 in the interpreter
 

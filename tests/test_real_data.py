@@ -25,7 +25,7 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("transformers")
 pytest.importorskip("megatron.training")
 
-from tests.helpers import MEGATRON_CPU_PRELUDE  # noqa: E402
+from tests.fixtures import MEGATRON_CPU_PRELUDE  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

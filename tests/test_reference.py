@@ -2,7 +2,7 @@ import torch
 import torch.nn.functional as F
 
 from relaymoe.reference import moe_experts_reference
-from tests.helpers import random_problem
+from tests.fixtures import random_problem
 
 
 def _per_token_loop(x, w13, w2, idx, probs):

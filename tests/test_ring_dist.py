@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from relaymoe.reference import moe_experts_reference
-from tests.helpers import ring_problem, run_gloo_scenarios
+from tests.fixtures import ring_problem, run_gloo_scenarios
 
 pytestmark = pytest.mark.slow
 

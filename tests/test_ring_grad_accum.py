@@ -12,8 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.numerics import oracle, rel_err
-from tests.helpers import ring_problem, run_gloo_scenarios
+from tests.fixtures import oracle, rel_err, ring_problem, run_gloo_scenarios
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from relaymoe.kernels import triton_available
-from tests.helpers import run_gloo_scenarios
+from tests.fixtures import run_gloo_scenarios
 from tests.test_ring_dist import _run_case
 from tests.test_ring_two_level import _resolved
 

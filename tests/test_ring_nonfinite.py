@@ -13,8 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.numerics import oracle
-from tests.helpers import ring_problem, run_gloo_scenarios
+from tests.fixtures import oracle, ring_problem, run_gloo_scenarios
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.helpers import run_gloo_scenarios
+from tests.fixtures import run_gloo_scenarios
 from tests.test_ring_dist import _problem, _rel, _run_case
 
 pytestmark = pytest.mark.slow

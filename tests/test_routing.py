@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from relaymoe.routing import RoutingIndex, build_routing_index, validate_topk_idx
-from tests.helpers import random_routing
+from tests.fixtures import random_routing
 
 
 def check_invariants(index: RoutingIndex, topk_idx: torch.Tensor) -> None:

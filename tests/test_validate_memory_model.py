@@ -16,7 +16,7 @@ import torch
 from benchmarks import validate_memory_model as vmm
 from relaymoe.planner import memory as mm
 from relaymoe.planner.recompute import stage_peak
-from tests.helpers import SMALL_MODEL
+from tests.fixtures import SMALL_MODEL
 
 MiB = 2**20
 

@@ -10,7 +10,7 @@ import torch
 
 from relaymoe.kernels import pairs
 from relaymoe.routing import build_routing_index
-from tests.helpers import random_routing, rel_err
+from tests.fixtures import random_routing, rel_err
 
 pytestmark = [
     pytest.mark.gpu,

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests import property_inputs as P
-from tests.helpers import run_scenarios
+from tests.fixtures import run_scenarios
 
 pytestmark = [
     pytest.mark.gpu,
@@ -61,5 +61,5 @@ def _ring_nccl(rank, world, group):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_ring_moe_nccl_two_gpus(tmp_path):
-    run_scenarios([_ring_nccl], 2, tmp_path, timeout=600, backend="nccl")
+def test_ring_moe_nccl_two_gpus():
+    run_scenarios([_ring_nccl], 2, timeout=600, backend="nccl")

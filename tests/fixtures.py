@@ -1,12 +1,27 @@
-"""Shared test inputs: routings of every kind and random MoE problems."""
+"""The tests' one fixture module: shared inputs (routings of every kind, random MoE problems,
+the ring tests' global problems and their float64 oracle), tiny model configs, and the spawn
+helpers (ports, spawned worlds, the persistent worlds the ring scenarios run in: defined in
+``tests/worlds.py``, re-exported here).
+
+Library tests (``tests/lib``) import nothing from ``benchmarks``, and neither does this module:
+the benchmarks keep their own spawn helpers (``benchmarks/numerics.py``), which import nothing
+from the tests."""
 
 from __future__ import annotations
 
 import torch
 
-# One copy of the spawn helpers, in the benchmark that spawns worlds too (benchmarks may not
-# import tests); re-exported here for the tests.
-from benchmarks.numerics import free_port, run_spawned  # noqa: F401
+# The spawn helpers live in tests/worlds.py (they need only torch: spawned ranks import them);
+# re-exported here, the one module tests take their fixtures from.
+from tests.worlds import (  # noqa: F401
+    World,
+    Worlds,
+    free_port,
+    run_gloo_scenarios,
+    run_scenarios,
+    run_spawned,
+    scenario_params,
+)
 
 
 def random_routing(num_tokens: int, num_experts: int, topk: int, *, gen=None, kind="uniform"):
@@ -46,8 +61,8 @@ def ring_problem(seed, tokens, num_experts, topk, hidden, ffn, *, route="uniform
     """The float64 global problem every rank of a ring test builds from one ``seed``
     (``tokens``: each rank's token count): ``x``, ``w13``, ``w2``, ``idx``, ``probs`` (in
     [0.1, 1.1)), ``dy``. ``route``: ``uniform``; ``skew`` (experts 0..K only, the others
-    empty); ``one`` (every token picks the last expert first, plus K-1 others). The oracle of
-    it: ``benchmarks.numerics.oracle``."""
+    empty); ``one`` (every token picks the last expert first, plus K-1 others). Its oracle:
+    ``oracle``."""
     g = torch.Generator().manual_seed(seed)
     E, K, total = num_experts, topk, sum(tokens)
     f64 = torch.float64
@@ -67,6 +82,20 @@ def ring_problem(seed, tokens, num_experts, topk, hidden, ffn, *, route="uniform
     return dict(x=x, w13=w13, w2=w2, idx=idx, probs=probs, dy=dy)
 
 
+def oracle(pb: dict) -> dict[str, torch.Tensor]:
+    """Output and gradients of a whole problem (``ring_problem``'s keys) in float64:
+    ``moe_experts_reference`` on ``x``, ``w13``, ``w2``, ``idx``, ``probs`` (as float64 copies),
+    backward with ``dy``. Keys ``out``, ``dx``, ``dprobs``, ``dw13``, ``dw2``."""
+    from relaymoe.reference import moe_experts_reference
+
+    x, w13, w2, probs = (
+        pb[k].double().clone().requires_grad_() for k in ("x", "w13", "w2", "probs")
+    )
+    out = moe_experts_reference(x, w13, w2, pb["idx"], probs)
+    out.backward(pb["dy"].double())
+    return dict(out=out.detach(), dx=x.grad, dprobs=probs.grad, dw13=w13.grad, dw2=w2.grad)
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     assert torch.isfinite(a).all(), "non-finite values"
@@ -83,67 +112,6 @@ def assert_close(name: str, got: torch.Tensor, ref: torch.Tensor, tol: float) ->
         return
     err = rel_err(got, ref)
     assert err < tol, f"{name}: relative error {err:.3g} > {tol}"
-
-
-def _scenario_worker(rank, world, port, outdir, scenarios, timeout_s, backend):
-    """One rank of ``run_scenarios``: every scenario on an explicit group of all ranks."""
-    import json
-    import os
-    import traceback
-    from datetime import timedelta
-    from pathlib import Path
-
-    import torch.distributed as dist
-
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    results = {}
-    try:
-        device_id = None
-        if backend == "nccl":  # rank r on GPU r
-            torch.cuda.set_device(rank)
-            device_id = torch.device("cuda", rank)
-        dist.init_process_group(
-            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-            timeout=timedelta(seconds=timeout_s), device_id=device_id,
-        )  # fmt: skip
-        group = dist.new_group(list(range(world)))  # an explicit group, not the default
-        for fn in scenarios:
-            try:
-                fn(rank, world, group)
-                results[fn.__name__] = "ok"
-            except Exception:
-                results[fn.__name__] = traceback.format_exc()
-        dist.destroy_process_group()
-    except Exception:
-        results["setup"] = traceback.format_exc()
-    Path(outdir, f"rank{rank}.json").write_text(json.dumps(results))
-
-
-def run_scenarios(scenarios, world: int, outdir, *, timeout: float, pg_timeout_s: int = 30,
-                  backend: str = "gloo"):  # fmt: skip
-    """Run every ``fn(rank, world, group)`` of ``scenarios`` (module-level functions) on each rank
-    of a spawned world of ``world`` ranks (``backend`` ``gloo``, or ``nccl``: rank r on GPU r);
-    fails the calling test when a rank hung, died or a scenario raised on any rank (the message
-    holds every rank's traceback)."""
-    import json
-    from pathlib import Path
-
-    port = free_port()
-    args = (world, port, str(outdir), tuple(scenarios), pg_timeout_s, backend)
-    hung, codes = run_spawned(_scenario_worker, lambda r: (r, *args), world, timeout)
-    assert not hung, f"ranks {hung} hung (world {world})"
-    failures = []
-    for r in range(world):
-        f = Path(outdir, f"rank{r}.json")
-        assert f.exists(), f"rank {r} died (exit code {codes[r]})"
-        res = json.loads(f.read_text())
-        assert set(res) == {fn.__name__ for fn in scenarios} or "setup" in res, res.keys()
-        failures += [f"rank {r} {name}:\n{msg}" for name, msg in res.items() if msg != "ok"]
-    assert not failures, "\n".join(failures)
-
-
-run_gloo_scenarios = run_scenarios  # the name the gloo ring suites call it by
 
 
 # ---------------------------------------------------------------------------------------------
