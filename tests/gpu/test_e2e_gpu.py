@@ -241,7 +241,7 @@ def test_fused_loss_gpt_bf16_parity():
     TP = 1 (MoE layers with alltoall, allgather and ring too) and, with two GPUs, TP = 2 with
     and without sequence parallelism."""
     from tests.fixtures import free_port, run_spawned
-    from tests.test_megatron_fused_loss import worker
+    from tests.lib.test_megatron_fused_loss import worker
 
     for world in range(1, GPUS + 1):
         port = free_port()

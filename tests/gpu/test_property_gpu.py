@@ -1,4 +1,4 @@
-"""The GPU twin of ``tests/test_property_inputs.py``: the same random layouts, dtypes and shapes
+"""The GPU twin of ``tests/lib/test_property_inputs.py``: the same random layouts, dtypes and shapes
 on CUDA, bf16 included, through the compiled Triton kernels (``moe_experts``, the loss's row
 kernels), the ring on one GPU and, with two GPUs, over NCCL. Each case matches the float64
 oracle within its dtype's bound or raises a ``ValueError`` from relaymoe.
@@ -15,8 +15,8 @@ import collections
 import pytest
 import torch
 
-from tests import property_inputs as P
 from tests.fixtures import run_scenarios
+from tests.lib import property_inputs as P
 
 pytestmark = [
     pytest.mark.gpu,

@@ -177,7 +177,7 @@ def nonfinite(rank, world, group):
     """Issue #17 item 4 on the GPU: NaN/Inf in x, probabilities or weights reaches exactly what
     the float64 oracle's reaches (bf16, both transports, all three modes), then a clean call."""
     from relaymoe.ring import ring_moe
-    from tests import test_ring_nonfinite as nf
+    from tests.lib import test_ring_nonfinite as nf
 
     dev = torch.device("cuda", rank)
     rows, experts = nf._slices(rank)

@@ -14,8 +14,8 @@ import torch
 
 from relaymoe.kernels import triton_available
 from tests.fixtures import run_gloo_scenarios
-from tests.test_ring_dist import _run_case
-from tests.test_ring_two_level import _resolved
+from tests.lib.test_ring_dist import _run_case
+from tests.lib.test_ring_two_level import _resolved
 
 pytestmark = pytest.mark.slow
 
@@ -81,7 +81,7 @@ def _same_as_the_flat_ring(rank, world, group):
 
 def _refusals(rank, world, group):
     from relaymoe.ring import resolved_problem
-    from tests.test_ring_dist import _problem
+    from tests.lib.test_ring_dist import _problem
 
     with pytest.raises(ValueError, match=r"node_batched.*\(expert mode only\)"):
         resolved_problem(

@@ -20,7 +20,7 @@ import pytest
 
 from benchmarks import runs, suite
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ------------------------------------------------------------------------------ the real table

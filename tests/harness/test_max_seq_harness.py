@@ -27,7 +27,7 @@ from benchmarks import max_seq as ms  # noqa: E402
 from benchmarks import sdpa_attention as sa  # noqa: E402
 from tests.fixtures import MEGATRON_CPU_PRELUDE  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STEP = ms.SEQ_STEP
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from benchmarks import runs as rs
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "make_readme_results.py"
 sys.path.insert(0, str(ROOT / "scripts"))
 import make_readme_results as mrr  # noqa: E402

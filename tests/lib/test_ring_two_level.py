@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from tests.fixtures import run_gloo_scenarios
-from tests.test_ring_dist import _problem, _rel, _run_case
+from tests.lib.test_ring_dist import _problem, _rel, _run_case
 
 pytestmark = pytest.mark.slow
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "scripts" / "cpu_demo.py"
 TRAIN = ROOT / "examples" / "qwen3" / "train.sh"
 LAUNCH = "torch.distributed.run"
@@ -233,7 +233,7 @@ def test_dry_run_with_real_data_and_resume_on_the_fallback(tmp_path):
     --no-load-optim (megatron-core 0.19.2 cannot load the distributed optimizer's state there)."""
     pytest.importorskip("transformers")
     from relaymoe.megatron import data
-    from tests.test_data import _corpus, _train_tokenizer
+    from tests.lib.test_data import _corpus, _train_tokenizer
 
     texts = _corpus(50, seed=3)
     tok = _train_tokenizer(tmp_path / "tok", texts)

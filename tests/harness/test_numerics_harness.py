@@ -18,7 +18,7 @@ import torch
 
 from benchmarks import numerics as nm
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ROW_KEYS = {"bench", "ep", "mode", "dtype", "routing", "shape", "seed", "commit", "command",
             "date", "relaymoe_tree", *(f"rel_err_{m}" for m in nm.METRICS)}  # fmt: skip
 

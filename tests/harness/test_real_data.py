@@ -27,7 +27,7 @@ pytest.importorskip("megatron.training")
 
 from tests.fixtures import MEGATRON_CPU_PRELUDE  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 _SCRIPT = MEGATRON_CPU_PRELUDE + textwrap.dedent(
     """

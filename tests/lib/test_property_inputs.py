@@ -3,7 +3,7 @@ transposed, sliced, expanded), dtypes (every float dtype, integer ones, bool, co
 (T in {0, 1, odd}, odd H and I, K in {1, E}, empty experts), ``out=`` present or absent, weights
 as tensors or per-expert lists. Each case matches the float64 oracle within its dtype's bound,
 gradients included, or raises a ``ValueError`` from relaymoe; which one is decided from the
-case before the call (``tests/property_inputs.py``), so a refusal of a valid case fails too.
+case before the call (``tests/lib/property_inputs.py``), so a refusal of a valid case fails too.
 
 Seeded and deterministic. The ring and the tensor-parallel loss run many cases inside one
 spawned gloo world per world size (a spawn costs seconds; a case milliseconds); the ring's
@@ -20,8 +20,8 @@ import collections
 import pytest
 import torch
 
-from tests import property_inputs as P
 from tests.fixtures import run_gloo_scenarios
+from tests.lib import property_inputs as P
 
 CPU_TRITON_DTYPES = (torch.float16, torch.float32, torch.float64)  # no bf16 in the interpreter
 

@@ -12,7 +12,7 @@ batch forward:
 
 * one process, TP = EP = 1: ring, then megatron-core's own allgather dispatcher (alltoall
   creates a CUDA stream when built, so it cannot be built on the host; dispatchers own no
-  parameters, and ``tests/test_megatron_layer.py`` checks that ring's and alltoall's
+  parameters, and ``tests/lib/test_megatron_layer.py`` checks that ring's and alltoall's
   checkpoint keys are the same; ``tests/gpu/test_e2e_gpu.py`` loads a converted checkpoint with
   alltoall and ring on a GPU);
 * two processes, ring at EP = 2 (each rank loads its half of the experts: torch_dist reshards
@@ -23,7 +23,7 @@ batch forward:
 Each must give transformers' logits on the same tokens within fp32 noise (relative 1e-5; a
 wrong head order, a swapped gate/up or a transposed router gives errors of order 1). The
 router's ``gating`` is replaced by the same linear on the host (megatron moves the router
-weight to CUDA there), as in ``tests/test_megatron_layer.py``, and so is ``load_checkpoint``'s
+weight to CUDA there), as in ``tests/lib/test_megatron_layer.py``, and so is ``load_checkpoint``'s
 reading of the tracker file (it all-reduces the iteration in a CUDA tensor).
 """
 
@@ -47,7 +47,7 @@ import torch  # noqa: E402
 from tests.fixtures import free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SEQ, BATCH = 16, 2
 
 HF_CONFIG = dict(

@@ -73,7 +73,7 @@ def _child(kind: str) -> None:
 @pytest.mark.parametrize("kind", ["up_swiglu", "rows_gemm"])
 def test_compiles_for_sm90(kind):
     pytest.importorskip("triton.experimental.gluon")
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(root))
     r = subprocess.run([sys.executable, __file__, kind], env=env, capture_output=True, text=True,
                        timeout=600, cwd=root)  # fmt: skip

@@ -15,7 +15,7 @@ from relaymoe.kernels import triton_available
 from relaymoe.kernels.routing import build_routing_index_triton, routing_config
 from relaymoe.routing import _build_torch, build_routing_index
 from tests.fixtures import random_routing
-from tests.test_routing import check_invariants
+from tests.lib.test_routing import check_invariants
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not importable")
 

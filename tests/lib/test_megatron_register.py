@@ -444,16 +444,6 @@ def test_launch_runs_the_script_registered(tmp_path):
     assert p.returncode == 3 and "RAN 7 True" in p.stdout, p.stdout + p.stderr[-3000:]
 
 
-def test_e2e_run_result_peaks_split_warmup_from_steady():
-    from benchmarks.e2e import RunResult  # the e2e harness (lives beside the benchmarks)
-
-    peaks = [500.0, 480.0, 300.0, 300.0, 301.0, 310.0, 305.0]
-    r = RunResult("ring", 0, steps=[{"loss": 1.0, "peak_MiB": p} for p in peaks])
-    assert r.peak_mib() == 310.0 and r.warmup_peak_mib() == 500.0
-    short = RunResult("ring", 0, steps=[{"loss": 1.0, "peak_MiB": 42.0}])
-    assert short.peak_mib() == 42.0  # fewer steps than the warm-up: all of them
-
-
 def test_pretrain_refuses_the_ep_overlap_schedule_plan_with_the_fix(mcore):
     from relaymoe.megatron.pretrain import forward_step
 

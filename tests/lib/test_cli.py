@@ -121,7 +121,7 @@ def test_fused_loss_switch(capsys):
 def test_bad_inputs(capsys, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(
-        open(os.path.join(os.path.dirname(__file__), "..", "configs", "tiny_qwen3.yaml"))
+        open(os.path.join(os.path.dirname(__file__), "..", "..", "configs", "tiny_qwen3.yaml"))
         .read()
         .replace("num_layers: 4", "num_layers: 4\n  num_layerz: 4")
     )

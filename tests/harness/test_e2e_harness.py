@@ -618,3 +618,13 @@ def test_anchor_sweep_times_each_candidate_alone(capsys, monkeypatch):
     assert all(r["bench"] == "e2e_anchor_sweep" and r["provider"] == "mcore_alltoall_te"
                for r in rows)  # fmt: skip
     assert "no graph" in capsys.readouterr().err
+
+
+def test_e2e_run_result_peaks_split_warmup_from_steady():
+    from benchmarks.e2e import RunResult  # the e2e harness (lives beside the benchmarks)
+
+    peaks = [500.0, 480.0, 300.0, 300.0, 301.0, 310.0, 305.0]
+    r = RunResult("ring", 0, steps=[{"loss": 1.0, "peak_MiB": p} for p in peaks])
+    assert r.peak_mib() == 310.0 and r.warmup_peak_mib() == 500.0
+    short = RunResult("ring", 0, steps=[{"loss": 1.0, "peak_MiB": 42.0}])
+    assert short.peak_mib() == 42.0  # fewer steps than the warm-up: all of them

@@ -2,7 +2,7 @@
 either matches the float64 oracle within its dtype's bound (gradients included) or raises a
 ``ValueError`` from relaymoe, and which of the two is decided up front from the case.
 
-Shared by the CPU property tests (``tests/test_property_inputs.py``) and their GPU twin
+Shared by the CPU property tests (``tests/lib/test_property_inputs.py``) and their GPU twin
 (``tests/gpu/test_property_gpu.py``, bf16 and the compiled kernels).
 
 Layouts (``LAYOUTS``): ``contiguous``; ``transposed`` (the last two dims in reverse memory
