@@ -17,7 +17,6 @@ from tests.worlds import (  # noqa: F401
     World,
     Worlds,
     free_port,
-    run_gloo_scenarios,
     run_scenarios,
     run_spawned,
     scenario_params,

@@ -292,7 +292,3 @@ def run_scenarios(scenarios, world: int, *, timeout: float, pg_timeout_s: int = 
     finally:
         worlds.close()
     assert not failures, "\n".join(failures)
-
-
-def run_gloo_scenarios(scenarios, world: int, _outdir, **kw) -> None:  # until the suites move
-    run_scenarios(scenarios, world, **kw)

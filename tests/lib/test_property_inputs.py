@@ -20,7 +20,7 @@ import collections
 import pytest
 import torch
 
-from tests.fixtures import run_gloo_scenarios
+from tests.fixtures import scenario_params
 from tests.lib import property_inputs as P
 
 CPU_TRITON_DTYPES = (torch.float16, torch.float32, torch.float64)  # no bf16 in the interpreter
@@ -88,6 +88,6 @@ def _loss_world(rank, world, group):
     assert tally["valid"] >= 1 and tally["refused"] >= 1, tally
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_ring_moe_and_tensor_parallel_loss_gloo(world, tmp_path):
-    run_gloo_scenarios([_ring_world, _loss_world], world, tmp_path, timeout=240)
+@pytest.mark.parametrize(("world", "scenario"), scenario_params([_ring_world, _loss_world], [2, 3]))
+def test_ring_moe_and_tensor_parallel_loss_gloo(world, scenario, gloo_worlds):
+    gloo_worlds.run(scenario, world, timeout=240)

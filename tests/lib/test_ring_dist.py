@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from relaymoe.reference import moe_experts_reference
-from tests.fixtures import ring_problem, run_gloo_scenarios
+from tests.fixtures import ring_problem, scenario_params
 
 pytestmark = pytest.mark.slow
 
@@ -588,9 +588,9 @@ SCENARIOS = [_correctness, _triton_backend, _list_forms, _no_persistent_copy, _d
              _microbatches_in_flight, _trusted_steady_state, _settings_must_agree]  # fmt: skip
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_ring_moe_gloo(world, tmp_path):  # world 4 on 2 cores: about 3 minutes
-    run_gloo_scenarios(SCENARIOS, world, tmp_path, timeout=300)
+@pytest.mark.parametrize(("world", "scenario"), scenario_params(SCENARIOS, [1, 2, 3, 4]))
+def test_ring_moe_gloo(world, scenario, gloo_worlds):  # one spawned world per size for them all
+    gloo_worlds.run(scenario, world, timeout=300)
 
 
 def test_ring_moe_without_process_group_is_a_world_of_one():

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.fixtures import oracle, rel_err, ring_problem, run_gloo_scenarios
+from tests.fixtures import oracle, rel_err, ring_problem, scenario_params
 
 pytestmark = pytest.mark.slow
 
@@ -86,12 +86,12 @@ def _resolution_and_refusals(rank, world, group):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("world", [4])
-def test_ring_grad_accum_gloo(world, tmp_path):
-    run_gloo_scenarios(
-        [_fp32_accumulators_remove_the_per_hop_rounding, _resolution_and_refusals], world,
-        tmp_path, timeout=400,
-    )  # fmt: skip
+SCENARIOS = (_fp32_accumulators_remove_the_per_hop_rounding, _resolution_and_refusals)
+
+
+@pytest.mark.parametrize(("world", "scenario"), scenario_params(SCENARIOS, [4]))
+def test_ring_grad_accum_gloo(world, scenario, gloo_worlds):
+    gloo_worlds.run(scenario, world, timeout=400)
 
 
 @pytest.mark.parametrize("mode", ["expert", "token"])

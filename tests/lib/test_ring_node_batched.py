@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from relaymoe.kernels import triton_available
-from tests.fixtures import run_gloo_scenarios
+from tests.fixtures import scenario_params
 from tests.lib.test_ring_dist import _run_case
 from tests.lib.test_ring_two_level import _resolved
 
@@ -113,6 +113,6 @@ def _slice(pb, rank):
 SCENARIOS = (_node_batched, _errors_name_the_column, _same_as_the_flat_ring, _refusals)
 
 
-@pytest.mark.parametrize("world", [4, 6])
-def test_node_batched_gloo(world, tmp_path):
-    run_gloo_scenarios(SCENARIOS, world, tmp_path, timeout=420)
+@pytest.mark.parametrize(("world", "scenario"), scenario_params(SCENARIOS, [4, 6]))
+def test_node_batched_gloo(world, scenario, gloo_worlds):
+    gloo_worlds.run(scenario, world, timeout=420)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.fixtures import oracle, ring_problem, run_gloo_scenarios
+from tests.fixtures import oracle, ring_problem
 
 pytestmark = pytest.mark.slow
 
@@ -94,7 +94,6 @@ def poisoned_calls_then_a_clean_one(rank, world, group):
     assert reached == 2 * len(MODES) * len(POISONS)
 
 
-def test_nonfinite_inputs_propagate_like_the_oracle_and_never_hang(tmp_path):
+def test_nonfinite_inputs_propagate_like_the_oracle_and_never_hang(gloo_worlds):
     # a hang or a dead rank here: a non-finite input desynchronised the group
-    run_gloo_scenarios([poisoned_calls_then_a_clean_one], WORLD, tmp_path, timeout=240,
-                       pg_timeout_s=60)  # fmt: skip
+    gloo_worlds.run(poisoned_calls_then_a_clean_one, WORLD, timeout=240, pg_timeout_s=60)

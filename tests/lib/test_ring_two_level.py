@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.fixtures import run_gloo_scenarios
+from tests.fixtures import scenario_params
 from tests.lib.test_ring_dist import _problem, _rel, _run_case
 
 pytestmark = pytest.mark.slow
@@ -124,9 +124,9 @@ def _bad_topologies(rank, world, group):
 SCENARIOS = (_two_level, _one_gpu_per_node_is_the_flat_ring, _nodes_from_hosts, _bad_topologies)
 
 
-@pytest.mark.parametrize("world", [4, 6])
-def test_two_level_ring_gloo(world, tmp_path):
-    run_gloo_scenarios(SCENARIOS, world, tmp_path, timeout=420)
+@pytest.mark.parametrize(("world", "scenario"), scenario_params(SCENARIOS, [4, 6]))
+def test_two_level_ring_gloo(world, scenario, gloo_worlds):
+    gloo_worlds.run(scenario, world, timeout=420)
 
 
 def test_rel_helper_is_strict():  # the comparisons above would pass anything if this did
