@@ -21,3 +21,22 @@ def gloo_worlds():
     worlds = Worlds()
     yield worlds
     worlds.close()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """For pytest-xdist (``-n 2 --dist loadgroup``, as scripts/test.sh runs the suite): the tests
+    of a file that share a module-scoped fixture of that file run on one worker (the fixture is
+    built once, as in a serial run); and the slow tests come first, each file's in their order,
+    so that no long test starts last while the other worker idles. Serial runs keep the order
+    too: only the position of whole slow files changes."""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        defs = info.name2fixturedefs.values() if info else ()
+        module = item.nodeid.split("::")[0]
+        shared = any(
+            d.scope == "module" and d.baseid == module for fixturedefs in defs for d in fixturedefs
+        )
+        if shared and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(module))
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

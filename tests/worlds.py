@@ -237,6 +237,7 @@ class Worlds:
             backend: str = "gloo") -> None:  # fmt: skip
         """``fn(rank, size, group)`` on every rank of the world; AssertionError with every
         failing rank's traceback when it fails on any rank, dies or runs past ``timeout``."""
+        __tracebackhide__ = True
         key = (fn.__module__, size, backend, pg_timeout_s)
         world = self._worlds.pop(key, None)
         if world is None or not world.alive:
