@@ -18,7 +18,9 @@ def gloo_worlds():
     the world of ``size`` ranks its module uses, spawned on first use; fails the test with each
     failing rank's traceback, or the ranks that hung (that world is killed, a fresh one serves
     the next scenario). Every world is shut down at the end of the session."""
-    worlds = Worlds()
+    # three worlds kept: a file's sizes 1, 2 and 4 (tests/lib/test_megatron_layer.py) interleave
+    # in a serial run
+    worlds = Worlds(live=3)
     yield worlds
     worlds.close()
 

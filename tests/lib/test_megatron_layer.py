@@ -1,7 +1,8 @@
 """MoELayer with ``--moe-token-dispatcher-type ring`` vs Megatron's own allgather dispatcher.
 
-Each world size (EP = 1, 2, 4) is one spawned gloo job, plus one job at TP = 2 with sequence
-parallelism and EP = 2 (world 4). In every rank:
+Each world size (EP = 1, 2, 4) is one spawned gloo world (``gloo_worlds``), which also runs the
+jobs at TP = 2 with sequence parallelism and EP = 2 (world 4) and at CP = 2 (worlds 2 and 4).
+In every rank:
 
 * a ring ``MoELayer`` at EP = world (its own slice of the experts, its own tokens; uneven token
   counts across ranks), built through ``register()``'s patched ``MoELayer``;
@@ -34,17 +35,15 @@ the ring engine.
 from __future__ import annotations
 
 import dataclasses
-import os
 import warnings
 from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from tests.fixtures import assert_close, free_port, tiny_transformer_config
+from tests.fixtures import assert_close, tiny_transformer_config
 
 pytestmark = pytest.mark.slow
 
@@ -197,12 +196,11 @@ def single_rank_pgs(rank: int, world: int):
     return pgs
 
 
-def _init(rank: int, world: int, port: int, tp: int = 1, cp: int = 1) -> None:
+def _init(rank: int, world: int, tp: int = 1, cp: int = 1) -> None:
+    """Megatron's parallel state over the world's default process group (set up by the world,
+    ``tests/worlds.py``); ``_done`` tears it down, so the next scenario of the world starts
+    afresh."""
     warnings.filterwarnings("ignore")
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
-    )
-    torch.set_num_threads(1)
     # Megatron's router registers its expert-bias and global-aux-loss buffers on
     # torch.cuda.current_device(): on this CPU-only worker, "the current device" is the CPU.
     torch.cuda.current_device = lambda: "cpu"
@@ -212,9 +210,10 @@ def _init(rank: int, world: int, port: int, tp: int = 1, cp: int = 1) -> None:
 
     tp_random._get_cuda_rng_state = lambda *a, **k: None
     tp_random._set_cuda_rng_state = lambda *a, **k: None
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     from megatron.core import parallel_state as ps
 
+    assert dist.get_world_size() == world and dist.get_rank() == rank
+    ps.destroy_model_parallel()
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         context_parallel_size=cp,
@@ -225,6 +224,13 @@ def _init(rank: int, world: int, port: int, tp: int = 1, cp: int = 1) -> None:
     import relaymoe.megatron as rm
 
     rm.register()
+
+
+def _done() -> None:
+    from megatron.core import parallel_state as ps
+
+    dist.barrier()
+    ps.destroy_model_parallel()
 
 
 def ring_impl(impl: str):
@@ -583,54 +589,77 @@ CASES_EP1 = [
 ]
 
 
-def _worker(rank, world, port, impl):
-    _init(rank, world, port)
+def _worker(rank, world, impl):
+    _init(rank, world)
     with ring_impl(impl):
         for case in CASES + (CASES_EP1 if world == 1 else []):
             run_equivalence(rank, world, case, real=impl == "ring")
         if impl == "standin":  # the checkpoint layout does not depend on the ring
             assert STANDIN_CALLS[0] > 0, "the dispatcher never called the patched stand-in"
             run_checkpoint_interchange(rank, world)
-    dist.barrier()
-    dist.destroy_process_group()
+    _done()
 
 
-def _worker_tp(rank, world, port, tp):
-    _init(rank, world, port, tp=tp)
+def _worker_tp(rank, world, tp):
+    _init(rank, world, tp=tp)
     for case in CASES[1:4]:  # no shared experts: theirs are TP-sharded, the reference's not
         run_equivalence(rank, world, case, tp=tp)
-    dist.barrier()
-    dist.destroy_process_group()
+    _done()
 
 
-def _worker_cp(rank, world, port, cp):
-    _init(rank, world, port, cp=cp)
+def _worker_cp(rank, world, cp):
+    _init(rank, world, cp=cp)
     for case in CASES[:4]:
         run_equivalence(rank, world, case, cp=cp)
-    dist.barrier()
-    dist.destroy_process_group()
+    _done()
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
-def test_integration_with_standin_ring_and_checkpoint_interchange(world):
+# The scenarios (``fn(rank, world, group)``) run in one spawned world per size for the file
+# (``gloo_worlds``): each rank imports Megatron once, not once per test.
+def standin(rank, world, group):
+    _worker(rank, world, "standin")
+
+
+def ring(rank, world, group):
+    _worker(rank, world, "ring")
+
+
+def tp2_sequence_parallel(rank, world, group):
+    _worker_tp(rank, world, 2)
+
+
+def cp2(rank, world, group):
+    _worker_cp(rank, world, 2)
+
+
+def _params(sizes):
+    """Each test's items: one per world size, grouped with the other tests' items of that size
+    (one worker, one world, under pytest-xdist ``--dist loadgroup``)."""
+    return [pytest.param(size, id=str(size), marks=pytest.mark.xdist_group(f"{__name__}-w{size}"))
+            for size in sizes]  # fmt: skip
+
+
+@pytest.mark.parametrize("world", _params([1, 2, 4]))
+def test_integration_with_standin_ring_and_checkpoint_interchange(world, gloo_worlds):
     """The Megatron integration itself, isolated from the ring engine by the stand-in."""
-    mp.spawn(_worker, args=(world, free_port(), "standin"), nprocs=world, join=True)
+    gloo_worlds.run(standin, world, timeout=420)
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
-def test_ring_moelayer_matches_allgather(world):
+@pytest.mark.parametrize("world", _params([1, 2, 4]))
+def test_ring_moelayer_matches_allgather(world, gloo_worlds):
     """End to end: the MoELayer with relaymoe.ring.ring_moe (mode auto) vs allgather."""
-    mp.spawn(_worker, args=(world, free_port(), "ring"), nprocs=world, join=True)
+    gloo_worlds.run(ring, world, timeout=420)
 
 
-def test_ring_moelayer_with_tensor_and_sequence_parallel():
+@pytest.mark.parametrize("world", _params([4]))
+def test_ring_moelayer_with_tensor_and_sequence_parallel(world, gloo_worlds):
     """TP = 2 with sequence parallelism and EP = 2 (world 4, expert data parallel 2): each rank
     routes its own sequence shard through the ring; the same expert on two ranks gets the sum."""
-    mp.spawn(_worker_tp, args=(4, free_port(), 2), nprocs=4, join=True)
+    gloo_worlds.run(tp2_sequence_parallel, world, timeout=420)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_ring_moelayer_with_context_parallel(world):
+@pytest.mark.parametrize("world", _params([2, 4]))
+def test_ring_moelayer_with_context_parallel(world, gloo_worlds):
     """CP = 2 (world 2: EP = 2 over the two CP ranks; world 4: DP 2 x CP 2, EP = 4): each rank
     holds its own chunk of the sequence, and the ring serves every chunk as allgather does."""
-    mp.spawn(_worker_cp, args=(world, free_port(), 2), nprocs=world, join=True)
+    gloo_worlds.run(cp2, world, timeout=420)
