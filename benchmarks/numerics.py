@@ -239,8 +239,7 @@ def free_port() -> int:
 
 def run_spawned(target, args_of_rank, world: int, timeout: float) -> tuple[list[int], list]:
     """Start ``target(*args_of_rank(r))`` for every rank in spawned processes under one deadline
-    for the whole world; kill what is still alive then. Returns (ranks that hung, exit codes).
-    (The tests spawn their worlds with it too: ``tests.helpers`` imports it.)"""
+    for the whole world; kill what is still alive then. Returns (ranks that hung, exit codes)."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")

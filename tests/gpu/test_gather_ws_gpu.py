@@ -11,7 +11,7 @@ import torch
 from relaymoe.kernels import pairs, select
 from relaymoe.options import KernelOptions
 from relaymoe.routing import build_routing_index
-from tests.helpers import random_routing, rel_err, use_env
+from tests.fixtures import random_routing, rel_err, use_env
 
 pytestmark = [
     pytest.mark.gpu,

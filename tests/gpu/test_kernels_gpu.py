@@ -19,7 +19,7 @@ import torch
 from relaymoe.experts import expert_hop_backward, expert_hop_forward, moe_experts
 from relaymoe.reference import moe_experts_reference
 from relaymoe.routing import build_routing_index
-from tests.helpers import random_routing, rel_err, use_env
+from tests.fixtures import random_routing, rel_err, use_env
 
 pytestmark = [
     pytest.mark.gpu,
