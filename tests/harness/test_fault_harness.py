@@ -60,6 +60,7 @@ def _specs():
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # survivors must raise within the timeout: no other test's worlds beside it
 def test_dead_or_stalled_peer_raises_ring_peer_error_within_the_timeout(tmp_path):
     from benchmarks.fault import SLACK_S, run_isolated
 
