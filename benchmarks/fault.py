@@ -149,9 +149,9 @@ def _arm_victim(spec: Spec, store, state: dict) -> None:
 
     a2a_mod._exchange = exchange
     if spec.schedule == "node_batched":  # the row's all-gather (forward) / reduce-scatter (bwd)
-        from relaymoe.ring import engine
+        from relaymoe.ring import nodebatch
 
-        real_row = engine.row_exchange
+        real_row = nodebatch.row_exchange
         phase = "bwd" if spec.case == "mid_bwd" else "fwd"
 
         def row_exchange(*args, **kwargs):
@@ -159,7 +159,7 @@ def _arm_victim(spec: Spec, store, state: dict) -> None:
                 fail()
             return real_row(*args, **kwargs)
 
-        engine.row_exchange = row_exchange
+        nodebatch.row_exchange = row_exchange
 
 
 def _inputs(spec: Spec, group_rank: int, device, step: int):
