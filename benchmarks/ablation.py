@@ -6,16 +6,15 @@ One ``torchrun`` job (EP = world size), qwen3 shape, expert routing, bf16, fwd+b
   step 1  ``ring_overlap_unfused``     overlap=True,  plain-torch hop kernels
   step 2  ``ring_overlap_fused``       overlap=True,  fused Triton kernels (the default)
 
-The unfused steps need ``relaymoe.ring_moe`` to accept ``backend=`` (forwarded to the hop
-primitives); without it they are skipped with a message. Rows: ``bench: ablation`` with ``step``
-and ``variant``.
+``overlap`` is ``relaymoe.options.RingOptions.overlap``, installed for the step (``ring_moe``
+reads it from the process's options; it is no keyword of it); the unfused steps pass
+``backend="torch"`` to ``ring_moe``. Rows: ``bench: ablation`` with ``step`` and ``variant``.
 Usage: ``torchrun --nproc-per-node 2 benchmarks/ablation.py [--quick] [--out PATH]``
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
 import sys
 from pathlib import Path
 
@@ -25,10 +24,11 @@ if str(ROOT) not in sys.path:
 
 from relaymoe import options  # noqa: E402
 
+# (step, variant, RingOptions.overlap, ring_moe's keywords)
 STEPS = [
-    (0, "ring_sequential_unfused", {"overlap": False, "backend": "torch"}),
-    (1, "ring_overlap_unfused", {"overlap": True, "backend": "torch"}),
-    (2, "ring_overlap_fused", {"overlap": True}),
+    (0, "ring_sequential_unfused", False, {"backend": "torch"}),
+    (1, "ring_overlap_unfused", True, {"backend": "torch"}),
+    (2, "ring_overlap_fused", True, {}),
 ]
 
 
@@ -50,17 +50,9 @@ def main(argv=None) -> int:
     shape = qwen3(8192 if args.quick else 32768)
     x, w13, w2, idx, probs = make_inputs(shape, rank, world)
     dy = torch.randn_like(x)
-    params = inspect.signature(ring_moe).parameters
-    has_backend = "backend" in params or any(
-        p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()
-    )
     writer = JsonlWriter(args.out) if rank == 0 else None
     rows = []
-    for step, variant, kw in STEPS:
-        if "backend" in kw and not has_backend:
-            if rank == 0:
-                print(f"[ablation] skip {variant}: relaymoe.ring_moe has no backend= keyword")
-            continue
+    for step, variant, overlap, kw in STEPS:
         xs = x.detach().requires_grad_()
         w13p, w2p = w13.detach().requires_grad_(), w2.detach().requires_grad_()
         pr = probs.detach().requires_grad_()
@@ -71,15 +63,16 @@ def main(argv=None) -> int:
             xs.grad = w13p.grad = w2p.grad = pr.grad = None
 
         try:
-            fwd_bwd()
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            fwd_bwd()
-            torch.cuda.synchronize()
-            peak = torch.cuda.max_memory_allocated() - base
-            # fixed count on every rank; the slowest rank is the layer's time
-            ms = timed_collective(fwd_bwd, 2, 5 if args.quick else 15)
+            with options.installed(options.defaults().replace(overlap=overlap)):
+                fwd_bwd()
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                fwd_bwd()
+                torch.cuda.synchronize()
+                peak = torch.cuda.max_memory_allocated() - base
+                # fixed count on every rank; the slowest rank is the layer's time
+                ms = timed_collective(fwd_bwd, 2, 5 if args.quick else 15)
         except Exception as e:
             if rank == 0:
                 print(f"[ablation] {variant} failed: {type(e).__name__}: {e}"[:600])

@@ -85,7 +85,10 @@ from benchmarks.e2e import (
     run_pretrain,
     te_version,
 )
-from relaymoe.ring.faults import HOST_WAIT_ENV, HOST_WAITS
+from relaymoe.options import env_var
+from relaymoe.ring.faults import HOST_WAITS
+
+HOST_WAIT_ENV = env_var("host_wait")
 
 PROVIDER = {"ring": "relaymoe_ring", "alltoall": "mcore_alltoall"}
 ANCHOR_PROVIDER = "mcore_alltoall_te"  # alltoall with TE and megatron-core's MoE fusions

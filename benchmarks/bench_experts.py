@@ -4,11 +4,11 @@ Providers (one process, same inputs; routing ``softmax(randn) -> top-k``, probab
 grad, as in ``../shared/anchors``):
 - ``relaymoe`` (``recompute="act"`` and ``"fc1"``; the row's ``recompute`` key says which):
   ``moe_experts`` with the Triton backend and the default dispatch; the routing-index build is
-  inside the timed step. Variants: ``relaymoe_rowscopy`` (``RELAYMOE_ROWS_GATHER=copy``: one
+  inside the timed step. Variants: ``relaymoe_rowscopy`` (``KernelOptions(rows_gather="copy")``: one
   gathered (P, H) copy and ``torch._grouped_mm`` for the up-projection and the down backward),
-  ``relaymoe_wgradtriton`` (``RELAYMOE_WGRAD=triton``: weight gradients always by the
+  ``relaymoe_wgradtriton`` (``wgrad="triton"``: weight gradients always by the
   gathered-operand Triton kernel, not ``torch._grouped_mm`` over gathered column chunks for long
-  expert groups) and ``relaymoe_tritongemm`` (``RELAYMOE_DENSE_GEMM=triton``: no
+  expert groups) and ``relaymoe_tritongemm`` (``dense_gemm="triton"``: no
   ``torch._grouped_mm``).
 - ``naive``: gather x into a (T*K, H) buffer, ``torch._grouped_mm`` up, SiLU*up,
   ``torch._grouped_mm`` down, probability weight, ``index_add_`` (sort inside the timed step).
@@ -38,6 +38,7 @@ full search: minutes on a cold cache).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -58,7 +59,9 @@ from benchmarks.common import (  # noqa: E402
     gpu_writer,
     moe_flops_fwd_bwd,
     print_table,
+    rel_err,
 )
+from relaymoe import options  # noqa: E402
 from relaymoe.experts import moe_experts  # noqa: E402
 from relaymoe.routing import build_routing_index  # noqa: E402
 
@@ -90,27 +93,21 @@ def make_inputs(num_tokens, num_experts, topk, hidden, ffn, seed=0):
 # --------------------------------------------------------------------------------------------
 # providers: fn(x, w13, w2, idx, probs) -> out (T, H)
 # --------------------------------------------------------------------------------------------
-_SWITCHES = ("RELAYMOE_DENSE_GEMM", "RELAYMOE_WGRAD", "RELAYMOE_TMA", "RELAYMOE_ROWS_GATHER",
-             "RELAYMOE_GATHER_WS")  # fmt: skip
 # Two bf16 implementations of the same layer differ by ~6e-3 relative (each ~4e-3 from float64,
 # tests/gpu); beyond this something is wrong, and the run exits non-zero after writing its rows.
 AGREE_BOUND = 2e-2
 
 
-def relaymoe_fn(recompute: str, switches: dict | None = None):
-    """moe_experts with the dispatch switches set for this call and the backward that follows
-    (the defaults when ``switches`` is empty: torch._grouped_mm on sm90)."""
-    switches = switches or {}
+def relaymoe_fn(recompute: str, kernels: dict | None = None):
+    """moe_experts with these ``KernelOptions`` fields for this call and the backward that
+    follows (the process's options when ``kernels`` is empty: torch._grouped_mm on sm90)."""
+    k = options.defaults().kernels
+    k = dataclasses.replace(k, **kernels) if kernels else k
 
     def fn(x, w13, w2, idx, probs):
-        for var in _SWITCHES:
-            if var in switches:
-                os.environ[var] = switches[var]
-            else:
-                os.environ.pop(var, None)
         index = build_routing_index(idx, w13.shape[0], validate=False)
         return moe_experts(x, w13, w2, idx, probs, index=index, recompute=recompute,
-                           backend="triton")  # fmt: skip
+                           backend="triton", kernels=k)  # fmt: skip
 
     return fn
 
@@ -231,11 +228,6 @@ def measure(fn, inputs, flops, quick: bool, accumulate_grads: bool = False) -> d
     }
 
 
-def rel_err(a, b) -> float:
-    a, b = a.float(), b.float()
-    return ((a - b).norm() / b.norm()).item()
-
-
 def check_against_naive(inputs, fns: dict) -> dict:
     """Output and all gradients of each provider vs naive on the full shape (bf16)."""
     dy = torch.randn_like(inputs[0])
@@ -264,7 +256,7 @@ def check_against_naive(inputs, fns: dict) -> dict:
 def breakdown(shape: str) -> list[dict]:
     """Each relaymoe kernel of one layer timed alone (same buffers the hop functions use)."""
     from relaymoe.kernels import grouped, pairs
-    from relaymoe.kernels.experts import _gathered_rows_times_weight, _HopGroups, _wgrad_gmm
+    from relaymoe.kernels.experts import HopGroups, gathered_rows_times_weight, wgrad_gmm
 
     num_tokens, num_experts, topk, hidden, ffn = SHAPES[shape]
     x, w13, w2, idx, probs = (t.detach() for t in make_inputs(*SHAPES[shape]))
@@ -273,7 +265,7 @@ def breakdown(shape: str) -> list[dict]:
     n_pairs = num_tokens * topk
     idx_P, tim = index.expert_token_indices, index.token_index_map
     prob_P = pairs.pair_probs(probs, tim, offs, n_pairs)
-    groups = _HopGroups(idx_P, offs, n_pairs, True)
+    groups = HopGroups(idx_P, offs, n_pairs, True)
     dprobs = torch.zeros_like(probs)
     h = x.new_empty(n_pairs, 2 * ffn)
     dh = torch.empty_like(h)
@@ -296,17 +288,17 @@ def breakdown(shape: str) -> list[dict]:
         ("combine", lambda: grouped.combine(y, tim, offs, out, topk, accumulate=False), 0),
         ("down_bwd_gemm", lambda: grouped.rows_gemm(x, w2, offs, a, a_idx=idx_P), pf),
         ("up_copy_" + gmm, lambda: grouped.swiglu_forward(
-            _gathered_rows_times_weight(x, w13.transpose(1, 2), groups), prob_P, a), 2 * pf),
-        ("down_bwd_copy_" + gmm, lambda: _gathered_rows_times_weight(x, w2, groups), pf),
+            gathered_rows_times_weight(x, w13.transpose(1, 2), groups), prob_P, a), 2 * pf),
+        ("down_bwd_copy_" + gmm, lambda: gathered_rows_times_weight(x, w2, groups), pf),
         ("swiglu_bwd", lambda: grouped.swiglu_backward(h, a, prob_P, dh, dprob), 0),
         ("wgrad_dw2", lambda: grouped.wgrad(x, a, idx_P, offs, dw2, a_gather=True,
                                             b_gather=False, accumulate=False), pf),
         ("wgrad_dw13", lambda: grouped.wgrad(dh, x, idx_P, offs, dw13, a_gather=False,
                                              b_gather=True, accumulate=False), 2 * pf),
         # as the hop runs them: a new gradient (torch's result itself when one chunk holds it)
-        ("wgrad_dw2_gmm", lambda: _wgrad_gmm(x, a, None, groups, a_gather=True,
+        ("wgrad_dw2_gmm", lambda: wgrad_gmm(x, a, None, groups, a_gather=True,
                                              accumulate=False, out_like=dw2), pf),
-        ("wgrad_dw13_gmm", lambda: _wgrad_gmm(dh, x, None, groups, a_gather=False,
+        ("wgrad_dw13_gmm", lambda: wgrad_gmm(dh, x, None, groups, a_gather=False,
                                               accumulate=False, out_like=dw13), 2 * pf),
         ("dgrad_rows", lambda: grouped.rows_gemm(dh, w13, offs, y), 2 * pf),
         ("dgrad_" + gmm, lambda: torch._grouped_mm(dh, w13, offs=ends), 2 * pf),
@@ -336,9 +328,9 @@ def main(argv=None) -> int:
         default=None,
         help="relaymoe_act relaymoe_fc1 relaymoe_act_wgradtriton relaymoe_act_tritongemm "
         "relaymoe_act_tma relaymoe_act_ptr relaymoe_act_rowscopy relaymoe_act_tritonup "
-        "relaymoe_fc1_tritonup naive liger te_grouped (relaymoe_act: RELAYMOE_TMA's default, "
+        "relaymoe_fc1_tritonup naive liger te_grouped (relaymoe_act: the default tma, "
         "tensor descriptors on sm90; _tma forces them, _ptr the pointer loads; _rowscopy: "
-        "RELAYMOE_ROWS_GATHER=copy; _tritonup: RELAYMOE_GATHER_WS=0, the Triton up-projection)",
+        "rows_gather='copy'; _tritonup: gather_ws='off', the Triton up-projection)",
     )
     ap.add_argument("--breakdown", action="store_true", help="time each kernel of the first shape")
     ap.add_argument(
@@ -376,17 +368,17 @@ def main(argv=None) -> int:
         "relaymoe_act": ("relaymoe", "act", relaymoe_fn("act")),
         "relaymoe_fc1": ("relaymoe", "fc1", relaymoe_fn("fc1")),
         "relaymoe_act_wgradtriton": (
-            "relaymoe_wgradtriton", "act", relaymoe_fn("act", {"RELAYMOE_WGRAD": "triton"})),
+            "relaymoe_wgradtriton", "act", relaymoe_fn("act", {"wgrad": "triton"})),
         "relaymoe_act_tritongemm": (
-            "relaymoe_tritongemm", "act", relaymoe_fn("act", {"RELAYMOE_DENSE_GEMM": "triton"})),
-        "relaymoe_act_tma": ("relaymoe_tma", "act", relaymoe_fn("act", {"RELAYMOE_TMA": "1"})),
-        "relaymoe_act_ptr": ("relaymoe_ptr", "act", relaymoe_fn("act", {"RELAYMOE_TMA": "0"})),
+            "relaymoe_tritongemm", "act", relaymoe_fn("act", {"dense_gemm": "triton"})),
+        "relaymoe_act_tma": ("relaymoe_tma", "act", relaymoe_fn("act", {"tma": "on"})),
+        "relaymoe_act_ptr": ("relaymoe_ptr", "act", relaymoe_fn("act", {"tma": "off"})),
         "relaymoe_act_rowscopy": (
-            "relaymoe_rowscopy", "act", relaymoe_fn("act", {"RELAYMOE_ROWS_GATHER": "copy"})),
+            "relaymoe_rowscopy", "act", relaymoe_fn("act", {"rows_gather": "copy"})),
         "relaymoe_act_tritonup": (
-            "relaymoe_tritonup", "act", relaymoe_fn("act", {"RELAYMOE_GATHER_WS": "0"})),
+            "relaymoe_tritonup", "act", relaymoe_fn("act", {"gather_ws": "off"})),
         "relaymoe_fc1_tritonup": (
-            "relaymoe_tritonup", "fc1", relaymoe_fn("fc1", {"RELAYMOE_GATHER_WS": "0"})),
+            "relaymoe_tritonup", "fc1", relaymoe_fn("fc1", {"gather_ws": "off"})),
         "naive": ("naive", None, naive_fn),
         "liger": ("liger", None, liger_fn()),
         "te_grouped": ("te_grouped", None, None),  # built per shape, from its weights
@@ -442,8 +434,6 @@ def main(argv=None) -> int:
                 row["shipped_configs"] = torch.cuda.get_device_name() in load_table()["gpus"]
             shape_rows.append(writer.write(row))
             print(f"[bench_experts] {key} {shape} {r}", flush=True)
-        for var in _SWITCHES:
-            os.environ.pop(var, None)
         providers["te_grouped"] = ("te_grouped", None, None)  # its weights go with the shape
         del inputs
         gc.collect()

@@ -36,7 +36,14 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import JsonlWriter, MiB, bench_ms, environment, print_table  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    JsonlWriter,
+    MiB,
+    bench_ms,
+    environment,
+    print_table,
+    rel_err,
+)
 from relaymoe.loss import linear_cross_entropy  # noqa: E402
 from relaymoe.lossmodel import default_chunk_tokens, fused_loss_bytes  # noqa: E402
 
@@ -132,11 +139,6 @@ def measure(fn, h, w, upstream, rep_ms) -> dict:
     }
 
 
-def _rel(a, b) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
 def check_against_megatron(fns: dict, ref_fn, h, w, mask, upstream) -> dict:
     def run(fn):
         hh, ww = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
@@ -150,7 +152,7 @@ def check_against_megatron(fns: dict, ref_fn, h, w, mask, upstream) -> dict:
         got = run(fn)
         names = ("loss", "dhidden", "dweight")
         checks[key] = {
-            f"err_{n}": round(_rel(a, b), 6) for n, a, b in zip(names, got, ref, strict=True)
+            f"err_{n}": round(rel_err(a, b), 6) for n, a, b in zip(names, got, ref, strict=True)
         }
         del got
     return checks
@@ -233,7 +235,7 @@ def main(argv=None) -> int:
                        "tflops_fwd_bwd": round(6.0 * tokens * vocab * hidden / r["ms_fwd_bwd"]
                                                / 1e9, 1)}  # fmt: skip
                 if key in impls:
-                    from relaymoe.loss import _resolve_impl
+                    from relaymoe.loss.inputs import _resolve_impl
 
                     row["impl"] = _resolve_impl(impls[key], h.device)
                     row["chunk_tokens"] = chunk

@@ -112,7 +112,7 @@ def main(argv=None) -> int:
     from benchmarks._dist import Shape, build_mcore_alltoall, init_dist, make_inputs, qwen3
     from benchmarks._dist import timed_collective as _timed
     from benchmarks.common import JsonlWriter, moe_flops_fwd_bwd, print_table
-    from relaymoe import cost
+    from relaymoe import cost, options
     from relaymoe.options import RING_MODES
     from relaymoe.ring import record_timeline, resolved_problem, ring_moe
     from relaymoe.ring.faults import host_wait_mode
@@ -163,13 +163,21 @@ def main(argv=None) -> int:
             print({k: v for k, v in row.items() if k != "timeline"}, flush=True)
         rows.append(row)
 
+    def overlapping(on: bool):
+        """The block with ``RingOptions.overlap=on`` installed: ``ring_moe`` reads it from the
+        process's options (False: the sequential ring, each transfer after its compute)."""
+        return options.installed(options.defaults().replace(overlap=on))
+
     def ring_row(shape, layer, provider, mode, transport, overlap, extra=None, topo=None):
+        with overlapping(overlap):
+            _ring_row(shape, layer, provider, mode, transport, overlap, extra, topo)
+
+    def _ring_row(shape, layer, provider, mode, transport, overlap, extra, topo):
         topo = topo or {}
 
         def fwd():
             return ring_moe(layer.x, layer.w13, layer.w2, layer.idx, layer.probs, group=group,
-                            mode=mode, transport=transport, overlap=overlap,
-                            trusted=True, **topo)  # fmt: skip
+                            mode=mode, transport=transport, trusted=True, **topo)  # fmt: skip
 
         def bwd(out):
             out.backward(layer.dy)
@@ -201,10 +209,10 @@ def main(argv=None) -> int:
         if overlap and world > 1 and prob.mode != "alltoall":
             with record_timeline() as tl_o:
                 step()
-            with record_timeline() as tl_s:
+            with overlapping(False), record_timeline() as tl_s:
                 bwd(ring_moe(layer.x, layer.w13, layer.w2, layer.idx, layer.probs, group=group,
-                             mode=prob.mode, transport=prob.transport, overlap=False,
-                             trusted=True, **topo))  # fmt: skip
+                             mode=prob.mode, transport=prob.transport, trusted=True,
+                             **topo))  # fmt: skip
             row.update(_summarize_timeline(tl_o, tl_s))
         row.update(extra or {})
         emit(row)

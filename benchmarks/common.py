@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 import os
 import shlex
 import subprocess
@@ -26,6 +27,14 @@ ROOT = Path(__file__).resolve().parents[1]
 def moe_flops_fwd_bwd(tokens: int, topk: int, hidden: int, ffn: int) -> float:
     """FLOPs of one SwiGLU MoE layer forward+backward: 3 x (6*T*K*H*I)."""
     return 18.0 * tokens * topk * hidden * ffn
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||got - ref|| / ||ref||`` (Frobenius, in float64); inf for a non-finite ``got``."""
+    got, ref = got.double(), ref.double()
+    if not torch.isfinite(got).all():
+        return math.inf
+    return ((got - ref).norm() / ref.norm().clamp_min(1e-300)).item()
 
 
 def torch_norm_impl() -> str:

@@ -5,7 +5,7 @@
         [--out benchmarks/results/determinism.jsonl] [--dry-run]
 
 Per ring mode and transport, two ``torchrun -m relaymoe.megatron.pretrain`` jobs at EP = 2 (two
-GPUs) with identical flags and seed: ``--moe-token-dispatcher-type ring --relaymoe-ring-mode M
+GPUs) with identical flags and seed: ``--moe-token-dispatcher-type ring --relaymoe-mode M
 --relaymoe-transport T`` on mock data (the mode forced: "auto" may pick the all-to-all mode, where
 the transport does nothing). ``--parallel N``: N jobs at once on the same GPUs (a bitwise check,
 not a timing). Each reports its loss per step and, after the last step, every rank's SHA-256 of
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     # the mode is forced: at tiny_qwen3's tokens per rank "auto" is the all-to-all mode, whose
     # one all-to-all no transport flag reaches (session 9 measured that by mistake)
     plans = {(m, t): pretrain_args(a.config, gpus=gpus, steps=a.steps, dispatcher="ring",
-                                   seed=a.seed, extra=["--relaymoe-ring-mode", m,
+                                   seed=a.seed, extra=["--relaymoe-mode", m,
                                                        "--relaymoe-transport", t,
                                                        "--relaymoe-weights-digest"])
              for m in modes for t in transports}  # fmt: skip

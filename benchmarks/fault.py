@@ -49,7 +49,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from relaymoe.ring.faults import HOST_WAIT_ENV, HOST_WAITS, nccl_margin_s  # noqa: E402
+from relaymoe import options  # noqa: E402
+from relaymoe.options import env_var  # noqa: E402
+from relaymoe.ring.faults import HOST_WAITS, nccl_margin_s  # noqa: E402
+
+HOST_WAIT_ENV = env_var("host_wait")
 
 CASES = ("before", "before_cached", "mid_fwd", "mid_bwd", "stall")
 MODES = ("expert", "token", "alltoall")
@@ -145,9 +149,9 @@ def _arm_victim(spec: Spec, store, state: dict) -> None:
 
     a2a_mod._exchange = exchange
     if spec.schedule == "node_batched":  # the row's all-gather (forward) / reduce-scatter (bwd)
-        from relaymoe.ring import engine
+        from relaymoe.ring import nodebatch
 
-        real_row = engine.row_exchange
+        real_row = nodebatch.row_exchange
         phase = "bwd" if spec.case == "mid_bwd" else "fwd"
 
         def row_exchange(*args, **kwargs):
@@ -155,7 +159,7 @@ def _arm_victim(spec: Spec, store, state: dict) -> None:
                 fail()
             return real_row(*args, **kwargs)
 
-        engine.row_exchange = row_exchange
+        nodebatch.row_exchange = row_exchange
 
 
 def _inputs(spec: Spec, group_rank: int, device, step: int):
@@ -298,6 +302,7 @@ def _fork_child(spec: Spec, rank: int, host: str, port: int, prefix: str, outdir
         if spec.pg_timeout_s:
             os.environ["RELAYMOE_RING_TIMEOUT_S"] = str(spec.timeout_s)
         os.environ.update(dict(spec.env))
+        options.install(options.from_env())  # this rank's entry point: its case's environment
         dist.init_process_group("gloo", store=dist.PrefixStore("pg/", store), rank=rank,
                                 world_size=spec.world, timeout=timeout)  # fmt: skip
         group = dist.new_group(list(spec.group_ranks), timeout=timeout)
@@ -541,6 +546,7 @@ def _torchrun_one(args) -> int:
 
     # no autotuner search: on a cold Triton cache it alone outlasted the case's cap (H200)
     os.environ.setdefault("RELAYMOE_AUTOTUNE", "0")
+    options.install(options.from_env())
     local = int(os.environ.get("LOCAL_RANK", 0))
     timeout = timedelta(seconds=args.timeout)
     Path(args.outdir).mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_e2e import SHAPE_STEPS, SHAPES, plan_runs  # noqa: E402
 from benchmarks.common import ROOT, JsonlWriter  # noqa: E402
 from benchmarks.e2e import plans_or_no_gpus, run_pretrain  # noqa: E402
-from relaymoe.ring.faults import HOST_WAIT_ENV  # noqa: E402
+from relaymoe.options import env_var  # noqa: E402
+
+HOST_WAIT_ENV = env_var("host_wait")
 
 
 def main(argv=None) -> int:

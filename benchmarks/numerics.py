@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import JsonlWriter, environment, print_table  # noqa: E402
+from benchmarks.common import JsonlWriter, environment, print_table, rel_err  # noqa: E402
 
 RING_MODES = ("expert", "token")
 MODES = (*RING_MODES, "alltoall")
@@ -149,14 +149,6 @@ def oracle(pb: dict) -> dict[str, torch.Tensor]:
     return _whole(moe_experts_reference, pb, torch.float64)
 
 
-def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    """``||got - ref|| / ||ref||`` (Frobenius, float64); inf for a non-finite ``got``."""
-    got, ref = got.double(), ref.double()
-    if not torch.isfinite(got).all():
-        return math.inf
-    return ((got - ref).norm() / ref.norm().clamp_min(1e-300)).item()
-
-
 def errors(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict[str, float]:
     """``rel_err_<metric>`` of every metric; ``dw`` is w13's and w2's gradients as one vector."""
     res = {f"rel_err_{k}": rel_err(got[k], ref[k]) for k in ("out", "dx", "dw13", "dw2")}
@@ -247,8 +239,7 @@ def free_port() -> int:
 
 def run_spawned(target, args_of_rank, world: int, timeout: float) -> tuple[list[int], list]:
     """Start ``target(*args_of_rank(r))`` for every rank in spawned processes under one deadline
-    for the whole world; kill what is still alive then. Returns (ranks that hung, exit codes).
-    (The tests spawn their worlds with it too: ``tests.helpers`` imports it.)"""
+    for the whole world; kill what is still alive then. Returns (ranks that hung, exit codes)."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")

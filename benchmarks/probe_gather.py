@@ -14,7 +14,6 @@ Rows ``bench: gather_probe`` (``kernel``, ``rows``, ``out``, ``config``, ``ms``,
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -27,19 +26,12 @@ from benchmarks.common import bench_ms, gpu_writer, print_table  # noqa: E402
 
 
 def _triton_up(*args) -> None:
-    """grouped.up_swiglu on its Triton kernel (``RELAYMOE_GATHER_WS=0``): with the default the
+    """grouped.up_swiglu on its Triton kernel (``gather_ws="off"``): with the default the
     launcher takes the Gluon kernel on sm90."""
     from relaymoe.kernels import grouped
+    from relaymoe.options import KernelOptions
 
-    before = os.environ.get("RELAYMOE_GATHER_WS")
-    os.environ["RELAYMOE_GATHER_WS"] = "0"
-    try:
-        grouped.up_swiglu(*args)
-    finally:
-        if before is None:
-            os.environ.pop("RELAYMOE_GATHER_WS")
-        else:
-            os.environ["RELAYMOE_GATHER_WS"] = before
+    grouped.up_swiglu(*args, kernels=KernelOptions(gather_ws="off"))
 
 
 def probe(shape: str, ws_configs: list[dict], dtype=torch.bfloat16) -> list[dict]:

@@ -3,6 +3,7 @@
 Layout under ``benchmarks/results/``::
 
     <date>_<gpu>x<n>_<commit12>/   one suite run (or one hand-run device call), e.g.
+                                   (a later run of the same commit and date: ``-2``, ``-3``)
         manifest.json              2026-11-30_h200x2_618066115fe2/
         *.jsonl                    benchmark rows (format: benchmarks/README.md)
         *.log, *.xml, *.png        whatever else the run left
@@ -54,7 +55,10 @@ MANIFEST_KEYS = (
     "versions",
     "steps",
 )
-_NAME_RE = re.compile(r"^(\d{4}-\d{2}-\d{2})_([a-z0-9]+)x(\d+)_([0-9a-f]{12})$")
+# a second run of one commit on one date (several device calls) gets "-2", "-3", ... (unpack)
+_NAME_RE = re.compile(
+    r"^(\d{4}-\d{2}-\d{2})_([a-z0-9]+)x(\d+)_([0-9a-f]{12})(?:-[2-9]|-[1-9]\d+)?$"
+)
 _CLEAN_COMMIT_RE = re.compile(r"^[0-9a-f]{7,40}$")
 
 
@@ -351,3 +355,50 @@ def current_rows(results: Path = RESULTS, *, strict: bool = True) -> list[Row]:
     """The rows of the ``CURRENT.json`` runs, oldest run first: a later row with the same
     identity is the newer measurement."""
     return [row for run in current_runs(results) for row in run_rows(run, strict=strict)]
+
+
+def unpack(archive: Path, results: Path = RESULTS) -> list[Path]:
+    """The run folders of a returned ``suite.tar.gz`` put under ``results``; a folder whose name
+    is taken (a second device call at the same commit and date) becomes ``<name>-2`` (``-3``,
+    ...), its manifest's ``name`` with it. Each folder must read back as a run."""
+    import shutil
+    import tarfile
+    import tempfile
+
+    results = Path(results)
+    out = []
+    with tempfile.TemporaryDirectory(dir=results) as tmp, tarfile.open(archive) as t:
+        t.extractall(tmp, filter="data")
+        for src in sorted(p for p in Path(tmp).iterdir() if p.is_dir()):
+            run = read_run(src)
+            name, n = run.name, 1
+            while (results / name).exists():
+                n += 1
+                name = f"{run.name}-{n}"
+            if name != run.name:
+                m = dict(run.manifest, name=name)
+                (src / MANIFEST).write_text(json.dumps(m, indent=1) + "\n")
+            dest = results / name
+            shutil.move(str(src), dest)
+            out.append(read_run(dest).path)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.runs",
+                                 description="result run folders")  # fmt: skip
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    u = sub.add_parser("unpack", help="put a returned suite.tar.gz's run folders in results/")
+    u.add_argument("archives", nargs="+", type=Path)
+    u.add_argument("--results", type=Path, default=RESULTS)
+    a = ap.parse_args(argv)
+    for archive in a.archives:
+        for path in unpack(archive, a.results):
+            print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

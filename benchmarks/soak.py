@@ -120,7 +120,7 @@ def main(argv=None) -> int:
                 "ring_transport": a.ring_transport}  # fmt: skip
     # the ring's mode and transport forced: at tiny_qwen3's tokens per rank "auto" is the
     # all-to-all mode, which never touches the copy-engine workspace this soak watches
-    ring = ["--relaymoe-ring-mode", a.ring_mode, "--relaymoe-transport", a.ring_transport]
+    ring = ["--relaymoe-mode", a.ring_mode, "--relaymoe-transport", a.ring_transport]
     plans = {label: pretrain_args(a.config, gpus=gpus, steps=a.steps, dispatcher=d, seed=a.seed,
                                   regime="stable", extra=ring if d == "ring" else ())
              for label, d in RUNS}  # fmt: skip

@@ -45,7 +45,8 @@ manifest. The files named ``NAME*`` in the run folder are that step's. On the le
         --step sweep='benchmarks/sweep_kernels.py --kernels rows --out {out}/sweep.jsonl' \
         --step gpu_tests='-m pytest -q tests/gpu/test_gather_ws_gpu.py'
 
-then unpack the returned ``suite.tar.gz`` under ``benchmarks/results/``: the run folder with its
+then ``python -m benchmarks.runs unpack suite.tar.gz`` puts the run folder under
+``benchmarks/results/`` (a second call at one commit and date becomes ``<name>-2``), with its
 manifest (name, order, versions, each step's command, time and files).
 """
 

@@ -20,7 +20,6 @@ configuration is visible. Rows ``bench: kernel_sweep`` (``kernel``, ``variant``,
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -30,6 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_experts import SHAPES  # noqa: E402
 from benchmarks.common import bench_ms, gpu_writer, print_table  # noqa: E402
+from relaymoe.kernels import select  # noqa: E402
+from relaymoe.options import KernelOptions  # noqa: E402
 from relaymoe.routing import build_routing_index  # noqa: E402
 
 
@@ -58,7 +59,7 @@ def sweep(
     """Rows for ``shape`` (``dims`` = (T, E, K, H, I) overrides it: the CPU check of this
     harness runs a tiny problem under the Triton interpreter)."""
     from relaymoe.kernels import grouped
-    from relaymoe.kernels.experts import _col_chunks, _HopGroups, _wgrad_gmm
+    from relaymoe.kernels.experts import HopGroups, wgrad_gmm
 
     num_tokens, num_experts, topk, hidden, ffn = dims or SHAPES[shape]
     gen = torch.Generator(device=device).manual_seed(0)
@@ -72,7 +73,7 @@ def sweep(
     offs = index.offsets_for(0, num_experts)
     n_pairs = num_tokens * topk
     idx_P = index.expert_token_indices
-    groups = _HopGroups(idx_P, offs, n_pairs, True)
+    groups = HopGroups(idx_P, offs, n_pairs, True)
     _ = groups.tok, groups.ends  # built once per hop, outside the timed stages
     x, dy = randn(num_tokens, hidden), randn(num_tokens, hidden)
     a, dh = randn(n_pairs, ffn, scale=0.1), randn(n_pairs, 2 * ffn, scale=0.1)
@@ -100,15 +101,16 @@ def sweep(
     for name, op_a, op_b, a_gather, out_shape, flops in kernels:
         out = torch.empty(out_shape, device=device, dtype=dtype)
         ref = torch.empty(out_shape, device=device, dtype=torch.float32)
-        _wgrad_gmm(op_a, op_b, ref, groups, a_gather=a_gather, accumulate=False)
+        wgrad_gmm(op_a, op_b, ref, groups, a_gather=a_gather, accumulate=False)
         got = {}
 
         def gmm(o=out, aa=op_a, bb=op_b, ag=a_gather, g=got):  # its result, uncopied when whole
-            g["out"] = _wgrad_gmm(aa, bb, None, groups, a_gather=ag, accumulate=False, out_like=o)
+            g["out"] = wgrad_gmm(aa, bb, None, groups, a_gather=ag, accumulate=False, out_like=o)
 
         add(name, "gmm", None, gmm, flops, lambda g=got: g["out"], ref)
         gathered = op_a if a_gather else op_b
-        chunks = _col_chunks(n_pairs, gathered.shape[1], gathered.element_size())
+        chunks = select.col_chunks(n_pairs, gathered.shape[1], gathered.element_size(),
+                                   select.kernel_options(None))  # fmt: skip
         bufs = [gathered[:, c0:c1].index_select(0, groups.tok) for c0, c1 in chunks]
 
         def gathers(g=gathered, ch=chunks):
@@ -134,29 +136,28 @@ def sweep(
         add(name, "gmm_copies", {"chunks": len(chunks)}, copies, 0.0, out, None)
         del bufs, res
         for tma in ("0", "1"):
-            os.environ["RELAYMOE_TMA"] = tma
+            k = KernelOptions(tma="on" if tma == "1" else "off")
             for cfg in configs:
                 out.fill_(float("nan"))
 
-                def run(o=out, aa=op_a, bb=op_b, ag=a_gather, c=cfg):
+                def run(o=out, aa=op_a, bb=op_b, ag=a_gather, c=cfg, k=k):
                     grouped.wgrad(aa, bb, idx_P, offs, o, a_gather=ag, b_gather=not ag,
-                                  accumulate=False, config=c)  # fmt: skip
+                                  accumulate=False, config=c, kernels=k)  # fmt: skip
 
                 add(name, f"triton_tma{tma}", cfg, run, flops, out, ref)
         # the ceiling without the gather: both operands contiguous (the gathered one copied in
         # pair order beforehand, not timed), both through descriptors
-        os.environ["RELAYMOE_TMA"] = "1"
+        k_on = KernelOptions(tma="on")
         full = gathered.index_select(0, groups.tok)
         ca, cb = (full, op_b) if a_gather else (op_a, full)
         for cfg in configs[:2]:
 
-            def run_c(o=out, c=cfg, x_a=ca, x_b=cb):
+            def run_c(o=out, c=cfg, x_a=ca, x_b=cb, k_on=k_on):
                 grouped.wgrad(x_a, x_b, idx_P, offs, o, a_gather=False, b_gather=False,
-                              accumulate=False, config=c)  # fmt: skip
+                              accumulate=False, config=c, kernels=k_on)  # fmt: skip
 
             add(name, "triton_contiguous_tma1", cfg, run_c, flops, out, ref)
         del full, ca, cb
-        os.environ.pop("RELAYMOE_TMA", None)
         del out, ref
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -259,7 +260,7 @@ def sweep_rows(shape: str, configs: dict, *, dims=None, device="cuda", dtype=tor
     w2 = randn(num_experts, hidden, ffn, scale=ffn**-0.5)
     h, a = x.new_empty(n_pairs, 2 * ffn), x.new_empty(n_pairs, ffn)
     pf = 2.0 * n_pairs * hidden * ffn
-    ws, why = grouped._gather_ws_module() if ws_configs else (None, None)
+    ws, why = select.gather_ws_module() if ws_configs else (None, None)
     if why:
         print(why)
     rows = []
@@ -308,8 +309,6 @@ def sweep_rows(shape: str, configs: dict, *, dims=None, device="cuda", dtype=tor
 
 def _ws_outputs_run(ws, kernel, outputs, cfg, x, dy, w13, w2, idx_P, offs, prob_P, h, a):
     """``(fn, out)``: the Gluon kernel with only ``outputs`` stored (see ``WS_VARIANTS``)."""
-    import triton
-
     if kernel == "up_swiglu" and outputs in ("a", "h"):
         h_out, a_out = (None, a) if outputs == "a" else (h, None)
 
@@ -320,18 +319,16 @@ def _ws_outputs_run(ws, kernel, outputs, cfg, x, dy, w13, w2, idx_P, offs, prob_
         return fn, a if outputs == "a" else h
     if outputs != "none":
         raise ValueError(f"outputs={outputs!r} for {kernel}: 'a', 'h' (up_swiglu) or 'none'")
-    n_exp = w13.shape[0]
+    # nothing stored: the public launchers' diagnostic ``store_nothing`` (outputs untouched)
     if kernel == "up_swiglu":
-        ffn = w13.shape[1] // 2
-        args = (x, w13.view(n_exp * 2 * ffn, -1), idx_P, offs, None, h, a)
-        kw = {"n_cols": ffn, "n_tiles_n": triton.cdiv(ffn, cfg["BLOCK_N"]), "w_kn": False}
-    else:
-        ncols = w2.shape[2]
-        args = (dy, w2.reshape(n_exp * w2.shape[1], ncols), idx_P, offs, None, a, a)
-        kw = {"n_cols": ncols, "n_tiles_n": triton.cdiv(ncols, 2 * cfg["BLOCK_N"]), "w_kn": True}
 
-    def fn():
-        ws._launch(*args, n_experts=n_exp, save_h=False, save_a=False, cfg=cfg, **kw)
+        def fn():
+            ws.up_swiglu(x, w13, idx_P, offs, None, h, a, config=cfg, store_nothing=True)
+
+    else:
+
+        def fn():
+            ws.rows_gemm(dy, w2, idx_P, offs, a, config=cfg, store_nothing=True)
 
     return fn, a
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -95,9 +94,7 @@ def winners() -> dict:
     from relaymoe.kernels.tuned import bucket
 
     out: dict = {}
-    for name, tuner, names in (("up_swiglu", grouped._up_tuned, grouped._UP_KEY),
-                               ("rows_gemm", grouped._rows_tuned, grouped._ROWS_KEY),
-                               ("wgrad", grouped._wgrad_tuned, grouped._WGRAD_KEY)):  # fmt: skip
+    for name, (tuner, names) in grouped.TUNED_KERNELS.items():
         for key, cfg in tuner.cache.items():
             values, rest = key[: len(names)], key[len(names) :]
             dtype = next((str(v) for v in rest if "float" in str(v)), "unknown")
@@ -143,15 +140,15 @@ def main(argv=None) -> int:
     import torch
     import triton
 
+    from relaymoe import options
     from relaymoe.kernels import tuned
 
     if not torch.cuda.is_available():
         print("tune_kernels: needs a CUDA GPU; nothing tuned")
         return 3
-    os.environ["RELAYMOE_AUTOTUNE"] = "1"
-    # the Triton kernels are the ones tuned: on sm90 the gathered GEMMs default to the Gluon
-    # kernels (fixed configurations), and the Triton ones stay their fallback
-    os.environ["RELAYMOE_GATHER_WS"] = "0"
+    # always the full search; the Triton kernels are the ones tuned: on sm90 the gathered GEMMs
+    # default to the Gluon kernels (fixed configurations), and the Triton ones stay their fallback
+    options.install(options.defaults().replace(kernels={"autotune": "search", "gather_ws": "off"}))
     out = Path(a.out) if a.out else tuned.TABLE
     gpu = torch.cuda.get_device_name()
     provenance = {

@@ -1,3 +1,5 @@
+"""``python -m relaymoe``: the ``relaymoe`` command line (``relaymoe.cli.main``)."""
+
 import sys
 
 from relaymoe.cli import main

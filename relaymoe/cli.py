@@ -87,7 +87,7 @@ def _add_overrides(q: argparse.ArgumentParser, dispatchers: tuple[str, ...]) -> 
         "--dispatcher", choices=dispatchers, default=None, help="override relaymoe.dispatcher"
     )
     q.add_argument(
-        "--ring-mode",
+        "--mode",
         choices=MODE_CHOICES,
         default=None,
         help="force relaymoe's mode (default: the config's; auto: the cost model's choice)",
@@ -139,8 +139,8 @@ def build_config(ns):
     rel = {}
     if ns.dispatcher:
         rel["dispatcher"] = ns.dispatcher
-    if ns.ring_mode:
-        rel["ring_mode"] = ns.ring_mode
+    if ns.mode:
+        rel["mode"] = ns.mode
     if ns.transport:
         rel["transport"] = ns.transport
     if ns.fused_loss is not None:

@@ -16,7 +16,6 @@ reference-speed path, not the memory-lean one). ``"auto"`` picks Triton on CUDA.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from typing import Literal
 
@@ -26,6 +25,8 @@ from torch import Tensor
 
 from relaymoe.expert_inputs import check_index, check_moe_inputs, expert_range_of, stack_experts
 from relaymoe.kernels import unit_cols
+from relaymoe.kernels.select import kernel_options
+from relaymoe.options import KernelOptions
 from relaymoe.routing import RoutingIndex, build_routing_index
 
 __all__ = ["moe_experts", "expert_hop_forward", "expert_hop_backward", "resolve_backend"]
@@ -35,23 +36,6 @@ Recompute = Literal["act", "act_retain", "fc1"]
 Save = Literal["act", "none"]
 RECOMPUTES = ("act", "act_retain", "fc1")
 SAVES = ("act", "none")
-# Old spellings, still accepted with a DeprecationWarning: ``recompute="none"`` saved the
-# pre-activation (it recomputed the SiLU like "act"), ``save="fc1"`` saved nothing like "none".
-_OLD_RECOMPUTE = {"none": "act_retain"}
-_OLD_SAVE = {"fc1": "none"}
-
-
-def _renamed(value: str, old: dict[str, str], what: str) -> str:
-    if value in old:
-        warnings.warn(
-            f"{what}={value!r} is deprecated: it means {what}={old[value]!r}; pass that",
-            DeprecationWarning,
-            stacklevel=3,  # the caller of moe_experts / expert_hop_forward
-        )
-        return old[value]
-    return value
-
-
 # What the Triton kernels compute in: fp32 accumulation of 16-bit or fp32 operands. float64
 # cannot be honoured there; the torch backend keeps it (the oracle comparisons run on it).
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -197,6 +181,7 @@ def expert_hop_forward(
     backend: Backend = "auto",
     n_pairs: int | None = None,
     max_pairs: int | None = None,
+    kernels: KernelOptions | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Add the pairs of experts ``expert_range=(e0, e1)`` (default: all) into ``out_TH``.
 
@@ -206,9 +191,9 @@ def expert_hop_forward(
     ``n_pairs``: the range's pair count when the caller knows it (``offsets[e1] - offsets[e0]``);
     it spares the Triton backend the host sync that sizes a partial range's buffers. Else
     ``max_pairs``: an upper bound on it, which does the same (buffers sized from the bound;
-    ``save="act"`` needs the exact count).
+    ``save="act"`` needs the exact count). ``kernels``: how the Triton backend's kernels run
+    (``relaymoe.options.KernelOptions``; default: this process's).
     """
-    save = _renamed(save, _OLD_SAVE, "save")
     if save not in SAVES:
         raise ValueError(f"save must be one of {SAVES}, got {save!r}")
     e0, e1 = _range(expert_range, index)
@@ -218,7 +203,7 @@ def expert_hop_forward(
         # out_TH=None: the combine writes every row (no zero fill, no read of zeros)
         return triton_hop_forward(
             x_TH, w13_El2IH, w2_ElHI, probs_TK, index, e0, e1, out_TH, save == "act",
-            n_pairs=n_pairs, max_pairs=max_pairs,
+            n_pairs=n_pairs, max_pairs=max_pairs, kernels=kernels,
         )  # fmt: skip
     if out_TH is None:
         out_TH = torch.zeros_like(x_TH)
@@ -245,6 +230,7 @@ def expert_hop_backward(
     n_pairs: int | None = None,
     max_pairs: int | None = None,
     grad_dtype: torch.dtype | None = None,
+    kernels: KernelOptions | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients of the pairs of ``expert_range``; ADDS into the given buffers (zeros otherwise).
 
@@ -252,8 +238,9 @@ def expert_hop_backward(
     recomputed from the pre-activation). Returns ``(dx_TH, dprobs_TK, dw13, dw2)``.
     ``consume_saved_h=True`` lets the Triton backend overwrite ``saved_h`` with its gradient
     (one (P, 2I) buffer less at the backward's peak); ``saved_h`` is garbage afterwards.
-    ``n_pairs``, ``max_pairs``: as in :func:`expert_hop_forward`. ``grad_dtype``: the dtype of
-    the weight gradients allocated here when ``dw13``/``dw2`` are None (default the weights').
+    ``n_pairs``, ``max_pairs``, ``kernels``: as in :func:`expert_hop_forward`. ``grad_dtype``:
+    the dtype of the weight gradients allocated here when ``dw13``/``dw2`` are None (default the
+    weights').
     """
     e0, e1 = _range(expert_range, index)
     if resolve_backend(backend, x_TH.device, x_TH.dtype) == "triton":
@@ -263,7 +250,7 @@ def expert_hop_backward(
         return triton_hop_backward(
             dy_TH, x_TH, w13_El2IH, w2_ElHI, probs_TK, index, e0, e1,
             saved_h, dx_TH, dprobs_TK, dw13, dw2, consume_saved_h=consume_saved_h,
-            n_pairs=n_pairs, max_pairs=max_pairs, grad_dtype=grad_dtype,
+            n_pairs=n_pairs, max_pairs=max_pairs, grad_dtype=grad_dtype, kernels=kernels,
         )  # fmt: skip
     dx_TH = torch.zeros_like(x_TH) if dx_TH is None else dx_TH
     if dprobs_TK is None:
@@ -286,7 +273,7 @@ class _MoEExperts(torch.autograd.Function):
     view's base (``CopySlices``), so the accumulated buffer must come first."""
 
     @staticmethod
-    def forward(ctx, out, x, w13, w2, probs, index, expert_range, recompute, backend):
+    def forward(ctx, out, x, w13, w2, probs, index, expert_range, recompute, backend, kernels):
         if backend == "triton":
             # the kernels read x rows at unit column stride: a transposed or column-strided x is
             # copied here, once, and the copy is what the backward reads (no second copy there)
@@ -296,10 +283,12 @@ class _MoEExperts(torch.autograd.Function):
             result, saved_h = expert_hop_forward(
                 x, w13, w2, probs, index,
                 expert_range=expert_range, out_TH=out, save=save, backend=backend,
+                kernels=kernels,
             )  # fmt: skip
         if out is not None:
             ctx.mark_dirty(out)
         ctx.index, ctx.expert_range, ctx.backend = index, expert_range, backend
+        ctx.kernels = kernels
         # recompute="act" on Triton: the backward overwrites h with dh (a (P, 2I) buffer less at
         # the peak), so a second backward through the same graph must refuse.
         ctx.consume_h = recompute == "act" and backend == "triton"
@@ -321,11 +310,11 @@ class _MoEExperts(torch.autograd.Function):
         dx, dprobs, dw13, dw2 = expert_hop_backward(
             dy, x, w13, w2, probs, ctx.index,
             expert_range=ctx.expert_range, saved_h=saved_h, backend=ctx.backend,
-            consume_saved_h=ctx.consume_h,
+            consume_saved_h=ctx.consume_h, kernels=ctx.kernels,
         )  # fmt: skip
         ctx.h_consumed = ctx.consume_h and saved_h is not None
         d_out = dy if ctx.needs_input_grad[0] else None
-        return d_out, dx, dw13, dw2, dprobs, None, None, None, None
+        return d_out, dx, dw13, dw2, dprobs, None, None, None, None, None
 
 
 def moe_experts(
@@ -340,6 +329,7 @@ def moe_experts(
     recompute: Recompute = "act",
     out: Tensor | None = None,
     backend: Backend = "auto",
+    kernels: KernelOptions | None = None,
 ) -> Tensor:
     """SwiGLU experts with the oracle's semantics, differentiable in x, w13, w2, topk_probs.
 
@@ -356,7 +346,10 @@ def moe_experts(
     * ``"act_retain"`` saves it and leaves it intact (``retain_graph=True`` backward twice);
     * ``"fc1"`` saves nothing but the inputs and recomputes the up-projection in backward.
 
-    ``"none"`` (the old name of ``"act_retain"``) is accepted with a DeprecationWarning.
+    ``kernels``: how the Triton backend's kernels run (``relaymoe.options.KernelOptions``:
+    GEMM backends, tile configurations, buffer budget; every choice computes the same layer up
+    to rounding); default: this process's (``relaymoe.options.defaults().kernels``), fixed for
+    the forward and its backward.
 
     Dtypes: x, w13 and w2 share one of float16, bfloat16, float32, float64; topk_probs any of
     those (computed in fp32 or wider); topk_idx any integer dtype. ``backend="triton"`` takes
@@ -383,7 +376,6 @@ def moe_experts(
     index's arrays are the build of its ids and, when it was built with ``validate=False``,
     that those ids are valid.
     """
-    recompute = _renamed(recompute, _OLD_RECOMPUTE, "recompute")
     if recompute not in RECOMPUTES:
         raise ValueError(f"moe_experts: recompute must be one of {RECOMPUTES}, got {recompute!r}")
     w13 = stack_experts("w13", w13, "(E, 2I, H)")
@@ -391,8 +383,10 @@ def moe_experts(
     expert_range = expert_range_of(expert_range)
     check_moe_inputs(x, w13, w2, topk_idx, topk_probs, index, expert_range, out)
     resolved = resolve_backend(backend, x.device, x.dtype)
+    kernels = kernel_options(kernels)
     if index is None:
         index = build_routing_index(topk_idx, w13.shape[0])
     else:
         check_index(index, topk_idx)
-    return _MoEExperts.apply(out, x, w13, w2, topk_probs, index, expert_range, recompute, resolved)
+    return _MoEExperts.apply(out, x, w13, w2, topk_probs, index, expert_range, recompute, resolved,
+                             kernels)  # fmt: skip

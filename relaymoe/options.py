@@ -1,26 +1,58 @@
-"""The names of relaymoe's options and their choices, in one place; torch-free.
+"""relaymoe's options: their names, choices and defaults, in one place; torch-free.
 
-The runtime (``ring_moe``), the Megatron flags, the YAML configs, the planner and the simulator
-all import these spellings from here, so an option cannot be spelled two ways.
+Two frozen objects hold every knob, and every layer reads them from here:
+
+* :class:`KernelOptions`: how the expert kernels compute (never what): the GEMM backends, the
+  row gathers, tensor descriptors, the Gluon kernels, autotuning, the pair-buffer budget;
+* :class:`RingOptions`: how ``ring_moe`` runs (mode, transport, schedule, gradient accumulators,
+  overlap, host waits, timeout, how often the ranks agree), with its ``kernels``.
+
+Each field's name is the option's one name: the ``ring_moe`` / ``moe_experts`` keyword, the key
+of a config's ``relaymoe:`` section and, for the fields with ``flag`` metadata, Megatron's
+``--relaymoe-<name>`` flag. Where no call passes options, the library uses this process's
+defaults (:func:`defaults`): ``RingOptions()`` unless an entry point installed others. The
+``RELAYMOE_*`` environment is read only by :func:`from_env`, which the entry points call once
+(``relaymoe.megatron.register()``, the CLI, the benchmarks' package, the test suite's conftest):
+nothing deeper reads the environment.
+
+History: docs/lab-notes/library_history.md#options
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
 __all__ = [
+    "AGREE_CHOICES",
     "AUTO",
+    "AUTOTUNE_CHOICES",
+    "DENSE_GEMM_CHOICES",
     "FP32_GRAD_ACCUM_MIN_EP",
+    "GATHER_WS_CHOICES",
     "GRAD_ACCUMS",
     "GRAD_ACCUM_CHOICES",
     "HOST_WAIT_CHOICES",
+    "KernelOptions",
     "LINK_TRANSPORTS",
     "MODES",
     "MODE_CHOICES",
     "NODE_BATCHED",
     "RING_MODES",
+    "ROWS_GATHER_CHOICES",
+    "RingOptions",
     "SCHEDULES",
     "SCHEDULE_CHOICES",
+    "TMA_CHOICES",
     "TRANSPORTS",
     "TRANSPORT_CHOICES",
+    "WGRAD_CHOICES",
+    "defaults",
+    "from_env",
+    "install",
+    "installed",
 ]
 
 AUTO = "auto"  # a request resolved by the runtime: choose_mode / the copy engine when it works
@@ -43,14 +75,294 @@ SCHEDULE_CHOICES = (AUTO, *SCHEDULES, NODE_BATCHED)
 # with their weights; token mode: the local ones every hop adds to): "param" (the weights' own,
 # bf16), "fp32", or "auto": fp32 from FP32_GRAD_ACCUM_MIN_EP ranks. Each hop adds one rounding
 # in a 16-bit accumulator, so the ring's weight-gradient error grows with EP while an all-to-all's
-# single GEMM does not: measured over gloo (docs/lab-notes/numerics_2026-11-30.md) the ring's
-# dw2 error was 1.55x the all-to-all's at EP 8 and 1.90x at EP 16, extrapolated 2.5x at EP 32.
+# single GEMM does not (benchmarks/numerics.py measures it).
 GRAD_ACCUMS = ("param", "fp32")
 GRAD_ACCUM_CHOICES = (AUTO, *GRAD_ACCUMS)
 FP32_GRAD_ACCUM_MIN_EP = 16
-
-# whether the host waits for a ring pass's transfers on CUDA (RELAYMOE_RING_HOST_WAIT): at the
-# end of each pass for the one before it, and at a backward's end for its last (the default,
-# first: a dead peer named a pass later, measured free), never, or at the end of each pass for
-# the pass itself (a dead peer named at once, at a measured cost; ring/faults.py)
+# How the host waits for a ring pass's transfers on CUDA (ring/faults.py): at the end of each
+# pass for the one before it and at a backward's end for its last ("lag", the default), never
+# ("off"), or at the end of each pass for the pass itself ("pass").
 HOST_WAIT_CHOICES = ("lag", "off", "pass")
+# How often a trusted ring call agrees with its peers: once per call signature ("cached"), or
+# at every call ("every_call"). It decides whether a collective runs, so the ranks agree on it.
+AGREE_CHOICES = ("cached", "every_call")
+# The expert kernels' choices (relaymoe/kernels/select.py applies them): the first is the
+# default.
+DENSE_GEMM_CHOICES = ("auto", "torch", "triton")  # contiguous-operand GEMMs
+WGRAD_CHOICES = ("auto", "triton", "gmm")  # weight gradients
+ROWS_GATHER_CHOICES = ("index", "copy")  # gathered-row GEMMs: through the index, or a copy
+TMA_CHOICES = ("auto", "on", "off")  # tensor descriptors for contiguous operands
+GATHER_WS_CHOICES = ("auto", "off")  # the persistent Gluon kernels on sm90
+AUTOTUNE_CHOICES = ("shipped", "search", "first")  # shipped configs, a full search, the first
+
+
+def _opt(default, choices=None, *, env: str | None = None, env_values=None, flag=None, why="",
+         least: int = 1, help: str = ""):  # fmt: skip
+    """A field with its metadata: ``choices`` (None: any value the type check allows, an int
+    at least ``least``), the ``env`` variable :func:`from_env` reads (``env_values``: spellings
+    of the environment that mean a choice, e.g. ``{"1": "search"}``), the Megatron ``flag``,
+    what the option is (``why``, in errors) and the flag's ``help``."""
+    meta = {"choices": choices, "env": env, "env_values": env_values or {}, "flag": flag,
+            "why": why, "least": least, "help": help or why}  # fmt: skip
+    return field(default=default, metadata=meta)
+
+
+def _check_field(owner: str, f: dataclasses.Field, value) -> None:
+    choices = f.metadata.get("choices")
+    if choices is not None:
+        if value not in choices:
+            raise ValueError(
+                f"{owner}.{f.name}={value!r} is not one of {tuple(choices)}"
+                + (f" ({f.metadata['why']})" if f.metadata.get("why") else "")
+                + f"; the default is {f.default!r}"
+            )
+        return
+    if f.type in ("int", "int | None"):
+        least = f.metadata.get("least", 1)
+        ok = (value is None and f.type == "int | None") or (
+            isinstance(value, int) and not isinstance(value, bool) and value >= least
+        )
+        if not ok:
+            raise ValueError(f"{owner}.{f.name}={value!r} must be an int >= {least}")
+    elif f.type == "float | None":
+        ok = value is None or (
+            isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+        )
+        if not ok:
+            raise ValueError(f"{owner}.{f.name}={value!r} must be a positive number or None")
+    elif f.type == "bool" and not isinstance(value, bool):
+        raise ValueError(f"{owner}.{f.name}={value!r} must be True or False")
+
+
+def _check_all(obj) -> None:
+    for f in dataclasses.fields(obj):
+        if f.name != "kernels":
+            _check_field(type(obj).__name__, f, getattr(obj, f.name))
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """How the expert kernels compute; every choice gives the same result up to rounding.
+
+    ``dense_gemm``: contiguous-operand GEMMs (``a @ w2[e]^T``, ``dh @ w13[e]``) on
+    ``torch._grouped_mm`` for bf16 on sm90 (``auto``/``torch``) or always Triton (``triton``).
+    ``wgrad``: weight gradients by ``torch._grouped_mm`` over gathered column chunks on CUDA for
+    long expert groups (``auto``), always the gathered-operand Triton kernel (``triton``), or
+    torch's grouped GEMM wherever it runs, CPU included (``gmm``). ``rows_gather``: the
+    up-projection and the down backward read token rows through the routing index (``index``)
+    or gather one (P, H) copy for ``torch._grouped_mm`` (``copy``). ``tma``: tensor descriptors
+    for contiguous operands (``auto``: on sm90). ``gather_ws``: the warp-specialised Gluon
+    kernels on sm90 (``auto``) or never (``off``). ``autotune``: the shipped configurations
+    (``shipped``), a full search (``search``) or each kernel's first configuration (``first``).
+    ``pair_buffer_mib``: the budget of any transient (P, chunk) pair buffer, MiB.
+    """
+
+    dense_gemm: str = _opt("auto", DENSE_GEMM_CHOICES, env="RELAYMOE_DENSE_GEMM",
+                           why="contiguous-operand GEMMs: torch._grouped_mm for bf16 on sm90, "
+                           "or always Triton")  # fmt: skip
+    wgrad: str = _opt("auto", WGRAD_CHOICES, env="RELAYMOE_WGRAD",
+                      why="weight gradients: torch._grouped_mm for long expert groups on CUDA, "
+                      "always Triton, or always torch._grouped_mm")  # fmt: skip
+    rows_gather: str = _opt("index", ROWS_GATHER_CHOICES, env="RELAYMOE_ROWS_GATHER",
+                            why="gathered-row GEMMs read rows through the routing index, or "
+                            "from one gathered copy")  # fmt: skip
+    tma: str = _opt("auto", TMA_CHOICES, env="RELAYMOE_TMA", env_values={"1": "on", "0": "off"},
+                    why="tensor descriptors for contiguous operands; auto: on sm90")  # fmt: skip
+    gather_ws: str = _opt("auto", GATHER_WS_CHOICES, env="RELAYMOE_GATHER_WS",
+                          env_values={"0": "off"},
+                          why="the warp-specialised Gluon kernels on sm90, or never")  # fmt: skip
+    autotune: str = _opt("shipped", AUTOTUNE_CHOICES, env="RELAYMOE_AUTOTUNE",
+                         env_values={"1": "search", "0": "first"},
+                         why="the shipped tile configurations, a full search, or each "
+                         "kernel's first")  # fmt: skip
+    pair_buffer_mib: int = _opt(512, env="RELAYMOE_PAIR_BUFFER_MIB", least=0,
+                                why="MiB budget of any transient (P, chunk) pair buffer; the "
+                                "ring sizes its hop buffers from it")  # fmt: skip
+
+    def __post_init__(self):
+        _check_all(self)
+
+
+@dataclass(frozen=True)
+class RingOptions:
+    """How a ``ring_moe`` call runs. ``mode``, ``transport``, ``schedule``, ``gpus_per_node``,
+    ``grad_accum`` and ``agree`` are agreed by every rank of the group before any transfer (a
+    mismatch raises on every rank); ``kernels.pair_buffer_mib`` too, since it sizes the hops'
+    pair buffers. ``overlap``, ``host_wait`` and ``timeout_s`` are this rank's."""
+
+    mode: str = _opt(
+        AUTO, MODE_CHOICES, flag="--relaymoe-mode",
+        why="experts travel, tokens travel, one all-to-all, or the cost model's pick",
+        help="execution mode with --moe-token-dispatcher-type ring: experts circulate (expert), "
+        "tokens circulate (token), tokens go once to their experts' ranks (alltoall), or the "
+        "fastest by relaymoe.cost (auto)",
+    )  # fmt: skip
+    transport: str = _opt(
+        AUTO, TRANSPORT_CHOICES, flag="--relaymoe-transport",
+        why="the ring's P2P transport; copy_engine inside one node",
+        help="P2P transport of the ring hops (auto: copy engine within a node when available)",
+    )  # fmt: skip
+    schedule: str = _opt(
+        AUTO, SCHEDULE_CHOICES, flag="--relaymoe-schedule",
+        why="one ring, or rings inside nodes joined by all-GPU node crossings",
+        help="hop order of the ring: one ring over the EP group (flat), rings inside each node "
+        "joined by hops every GPU of a node makes at once to the next node (two_level), "
+        "two_level when the EP group spans nodes (auto), or, expert mode only and asked for by "
+        "name, one hop per node over a node's experts all-gathered inside it (node_batched; "
+        "experimental: simulated, not yet measured across nodes)",
+    )  # fmt: skip
+    gpus_per_node: int | None = _opt(
+        None, flag="--relaymoe-gpus-per-node",
+        why="GPUs per node of the cluster; None: read from the ranks' hosts",
+        help="GPUs per node of the cluster, for the two-level ring: the EP ranks' nodes are "
+        "global rank // N (default: read from the EP ranks' hosts)",
+    )  # fmt: skip
+    grad_accum: str = _opt(
+        AUTO, GRAD_ACCUM_CHOICES, flag="--relaymoe-grad-accum",
+        why="dtype of the weight-gradient accumulators",
+        help="dtype of the ring's expert weight-gradient accumulators (the gradients that travel "
+        "with their weights, or token mode's local sums): the weights' own (param), fp32, or "
+        f"fp32 from {FP32_GRAD_ACCUM_MIN_EP} EP ranks (auto), where bf16 sums rounded once a hop "
+        "would take the error past twice an all-to-all's",
+    )  # fmt: skip
+    # False only for the ablation (benchmarks/ablation.py, bench_ring.py's sequential rows):
+    # ring_moe takes no keyword for it and Megatron no flag, it is read from this process's
+    # options at each call
+    overlap: bool = _opt(True, why="each hop's transfer overlaps its compute (False: after it)")
+    host_wait: str = _opt(
+        "lag", HOST_WAIT_CHOICES, env="RELAYMOE_RING_HOST_WAIT", flag="--relaymoe-host-wait",
+        why="how the host waits, bounded, so that a dead peer is named",
+        help="how the host waits, bounded by the process group's timeout, for the ring's "
+        "transfers so that a dead or stalled EP peer raises RingPeerError naming it: lag (the "
+        "default: at each pass's end for the pass before, at a backward's end for its last; "
+        "measured free), pass (at each pass's end for the pass itself: about 10%% of "
+        "throughput) or off (no host sync: a hang is left to NCCL's watchdog); default: "
+        "RELAYMOE_RING_HOST_WAIT, else lag",
+    )  # fmt: skip
+    timeout_s: float | None = _opt(
+        None,
+        env="RELAYMOE_RING_TIMEOUT_S",
+        why="seconds to wait for a peer; None: the group's timeout",
+    )
+    agree: str = _opt(
+        "cached",
+        AGREE_CHOICES,
+        env="RELAYMOE_RING_AGREE",
+        why="agree once per call signature, or at every call",
+    )
+    kernels: KernelOptions = field(default_factory=KernelOptions)
+
+    def __post_init__(self):
+        _check_all(self)
+        if not isinstance(self.kernels, KernelOptions):
+            raise ValueError(f"RingOptions.kernels={self.kernels!r} must be a KernelOptions")
+
+    def replace(self, **changes) -> RingOptions:
+        """A copy with ``changes`` (``kernels=`` a ``KernelOptions`` or a dict of its fields)."""
+        k = changes.get("kernels")
+        if isinstance(k, Mapping):
+            changes["kernels"] = dataclasses.replace(self.kernels, **k)
+        return dataclasses.replace(self, **changes)
+
+
+def _env_value(f: dataclasses.Field, raw: str):
+    """A field's value from its environment spelling (``ValueError`` naming the variable)."""
+    name = f.metadata["env"]
+    value = f.metadata["env_values"].get(raw, raw)
+    try:
+        if f.type in ("int", "int | None"):
+            return int(value)
+        if f.type == "float | None":
+            return float(value)
+    except ValueError:
+        raise ValueError(
+            f"{name}={raw!r} must be a number; unset it for the default ({f.default!r})"
+        ) from None
+    choices = f.metadata.get("choices")
+    if choices is not None and value not in choices:
+        spell = {v: k for k, v in f.metadata["env_values"].items()}
+        shown = tuple(spell.get(c, c) for c in choices)
+        raise ValueError(
+            f"{name}={raw!r}: use one of {shown} (the first is the default); unset it for the "
+            f"default"
+        )
+    return value
+
+
+def from_env(environ: Mapping[str, str] | None = None, *, base: RingOptions | None = None):
+    """``base`` (default ``RingOptions()``) with every ``RELAYMOE_*`` variable of ``environ``
+    (default ``os.environ``) that names one of its fields applied. A bad value raises
+    ``ValueError`` naming the variable, its value and the choices."""
+    if environ is None:
+        import os
+
+        environ = os.environ
+    base = base or RingOptions()
+
+    def changes(obj) -> dict:
+        out = {}
+        for f in dataclasses.fields(obj):
+            env = f.metadata.get("env")
+            if env and environ.get(env, "") != "":
+                out[f.name] = _env_value(f, environ[env])
+        return out
+
+    kernels = dataclasses.replace(base.kernels, **changes(base.kernels))
+    return dataclasses.replace(base, kernels=kernels, **changes(base))
+
+
+_DEFAULTS = [RingOptions()]
+
+
+def defaults() -> RingOptions:
+    """This process's options where a call passes none (``RingOptions()`` unless installed)."""
+    return _DEFAULTS[0]
+
+
+def install(options: RingOptions) -> RingOptions:
+    """Make ``options`` this process's defaults; returns the previous ones. The ring's
+    agreements cached so far are dropped (``relaymoe.ring.agree``), so every rank of a group
+    must install the same options at the same point of its program."""
+    if not isinstance(options, RingOptions):
+        raise ValueError(f"install() takes a RingOptions, got {type(options).__name__}")
+    previous, _DEFAULTS[0] = _DEFAULTS[0], options
+    for hook in _ON_INSTALL:
+        hook()
+    return previous
+
+
+@contextlib.contextmanager
+def installed(options: RingOptions) -> Iterator[RingOptions]:
+    """``with installed(o):`` runs the block with ``o`` installed (:func:`install`), then puts
+    the previous options back; every rank of a group enters and leaves at the same point."""
+    previous = install(options)
+    try:
+        yield options
+    finally:
+        install(previous)
+
+
+_ON_INSTALL: list = []  # callbacks of layers that cache what the defaults decided (the ring)
+
+
+def on_install(hook) -> None:
+    """Call ``hook()`` whenever :func:`install` changes the defaults (the ring's agreement cache
+    registers here; this module imports nothing of relaymoe)."""
+    if hook not in _ON_INSTALL:
+        _ON_INSTALL.append(hook)
+
+
+def megatron_flags() -> list[tuple[str, dataclasses.Field]]:
+    """``(flag, field)`` of every ``RingOptions`` field that Megatron's parser takes."""
+    return [(f.metadata["flag"], f) for f in dataclasses.fields(RingOptions)
+            if f.metadata.get("flag")]  # fmt: skip
+
+
+def env_var(name: str) -> str:
+    """The ``RELAYMOE_*`` variable :func:`from_env` reads for the field ``name`` of
+    ``RingOptions`` or ``KernelOptions`` (for harnesses that set it for a child process)."""
+    for cls in (RingOptions, KernelOptions):
+        for f in dataclasses.fields(cls):
+            if f.name == name and f.metadata.get("env"):
+                return f.metadata["env"]
+    raise ValueError(f"no RELAYMOE_* variable sets the option {name!r}")

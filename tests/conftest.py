@@ -1,8 +1,57 @@
 import os
 
+import pytest
 import torch
 
 # Without a GPU, Triton kernels run in its CPU interpreter; must be set before triton.jit decorates.
 # On a GPU machine (scripts/gpu_suite.sh) they compile for the device.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from relaymoe import options  # noqa: E402
+from tests.fixtures import Worlds  # noqa: E402
+
+# tests/__init__.py installed the options of the environment the session started with (the GPU
+# suite's RELAYMOE_AUTOTUNE=0, say): each test starts from those.
+SESSION_OPTIONS = options.defaults()
+
+
+@pytest.fixture(autouse=True)
+def _session_options_after_each_test():
+    """A test that installs other options (``tests.fixtures.use_env``) gets the session's back."""
+    yield
+    if options.defaults() is not SESSION_OPTIONS:
+        options.install(SESSION_OPTIONS)
+
+
+@pytest.fixture(scope="session")
+def gloo_worlds():
+    """The spawned worlds the ring scenarios run in, kept for the session (``tests.worlds``):
+    ``gloo_worlds.run(fn, size, timeout=...)`` runs ``fn(rank, size, group)`` on every rank of
+    the world of ``size`` ranks its module uses, spawned on first use; fails the test with each
+    failing rank's traceback, or the ranks that hung (that world is killed, a fresh one serves
+    the next scenario). Every world is shut down at the end of the session."""
+    # three worlds kept: a file's sizes 1, 2 and 4 (tests/lib/test_megatron_layer.py) interleave
+    # in a serial run
+    worlds = Worlds(live=3)
+    yield worlds
+    worlds.close()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """For pytest-xdist (``-n 2 --dist loadgroup``, as scripts/test.sh runs the suite): the tests
+    of a file that share a module-scoped fixture of that file run on one worker (the fixture is
+    built once, as in a serial run); and the slow tests come first, each file's in their order,
+    so that no long test starts last while the other worker idles. Serial runs keep the order
+    too: only the position of whole slow files changes."""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        defs = info.name2fixturedefs.values() if info else ()
+        module = item.nodeid.split("::")[0]
+        shared = any(
+            d.scope == "module" and d.baseid == module for fixturedefs in defs for d in fixturedefs
+        )
+        if shared and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(module))
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

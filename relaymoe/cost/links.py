@@ -1,13 +1,14 @@
-"""Link speeds and byte-layout constants of the cost model (relaymoe/cost/)."""
+"""Link speeds and byte-layout constants of the cost model (relaymoe/cost/).
+
+History: docs/lab-notes/library_history.md#cost-links
+"""
 
 from __future__ import annotations
 
 # The links a ring hop runs over (the planner's per-hop times; the simulator's Cluster defaults
-# import them). NVLink: one way between the two GPUs of the lent 2x H200 machine, 1 GiB messages
-# (measured: 394 GB/s one way, 741 both ways). Between nodes: one 400 Gb/s NIC
-# per GPU (8 x 400 Gb/s per 8-GPU node, the H100 reference clusters: an assumption, no
-# multi-node machine was measured) = 50 GB/s nominal, of which RDMA P2P of tens of MB reaches
-# about 90% (assumption).
+# import them). NVLink: one way between two GPUs of a node, measured with 1 GiB messages. Between
+# nodes: one 400 Gb/s NIC per GPU = 50 GB/s nominal, of which RDMA P2P of tens of MB reaches
+# about 90% (both assumptions: no multi-node machine was measured).
 NVLINK_BYTES_PER_S = 394e9
 NIC_BYTES_PER_S = 50e9
 NIC_EFFICIENCY = 0.9

@@ -1,4 +1,7 @@
-"""Memory of each mode beside its inputs, outputs and gradients, and the baseline's."""
+"""Memory of each mode beside its inputs, outputs and gradients, and the baseline's.
+
+History: docs/lab-notes/library_history.md#cost-memory
+"""
 
 from __future__ import annotations
 
@@ -167,8 +170,8 @@ def node_batched_memory_bytes(d: Dims, *, gpus_per_node: int, training: bool = T
     pairs), then, the hop returned, with the ``G - 1`` gradient shares received by the
     reduce-scatter. Besides: the column's accumulator (``W*gb``; at home in a column of one
     node), over several nodes the column ring's two transfer slots, and at the end the returned
-    gradient's cast (``W*b`` when ``gb != b``). H200, qwen3 T4k at EP 2 and ``G = 2``: 3,488.6
-    MiB measured over the inputs, 3,488.4 from this count (with the output and dx)."""
+    gradient's cast (``W*b`` when ``gb != b``). Checked against a measured peak at ``G = 2``
+    (history in the module docstring)."""
     R = d.R
     G = _check_nodes(R, gpus_per_node)
     if G == 1:

@@ -1,4 +1,7 @@
-"""Time of a layer step per mode (``TimeModel``, ``step_seconds``) and the auto choice."""
+"""Time of a layer step per mode (``TimeModel``, ``step_seconds``) and the auto choice.
+
+History: docs/lab-notes/library_history.md#cost-time
+"""
 
 from __future__ import annotations
 
@@ -8,27 +11,25 @@ from dataclasses import dataclass
 
 from relaymoe.cost.dims import Dims, _check_mode, _check_transport, dims
 from relaymoe.cost.traffic import hop_bytes, step_bytes
-from relaymoe.options import AUTO, MODES
+from relaymoe.options import MODES
 
 
 @dataclass(frozen=True)
 class TimeModel:
-    """Calibration constants of ``step_seconds``, fitted on 2x H200 (EP=2, qwen3-30b-a3b widths,
-    T 4k-64k per GPU, every mode in one
-    process). A step is host-bound at small T (the host needs longer to issue the hops' kernels
-    than the GPU to run them) and device-bound at large T, and neither hides the other fully:
-    ``step = sqrt(host**2 + device**2)`` fits those rows within 8%. The host constants vary by
-    up to 1.5x between lent machines of one kind (megatron-core's Python-bound layer took 33 and
-    62 ms at T4k on two of them); the ratio ring/all-to-all host time stayed about 1.4."""
+    """Calibration constants of ``step_seconds``, fitted on measured layer rows (EP=2,
+    qwen3-30b-a3b widths, T 4k-64k per GPU, every mode in one process). A step is host-bound at
+    small T (the host needs longer to issue the hops' kernels than the GPU to run them) and
+    device-bound at large T, and neither hides the other fully, so
+    ``step = sqrt(host**2 + device**2)``. The host constants depend on the machine; the ratio of
+    ring to all-to-all host time is what the auto choice relies on."""
 
     # FLOP/s of the experts' fwd+bwd (18*T*K*H*I FLOPs, the backward's recompute included):
     # the T64k ring rows, host time removed.
     expert_tflops: float = 335e12
-    # Ring link bandwidth (copy-engine pulls over NVLink): the T32k token-mode hop transfers
-    # (136 MB in 0.40 ms forward, 269 MB in 0.56 ms backward).
+    # Ring link bandwidth (copy-engine pulls over NVLink): the T32k token-mode hop transfers.
     link_bytes_per_s: float = 340e9
     # Host time of one ring hop of one pass (launches and their Python, ~35 ops): the small-T
-    # floor of the ring rows (11.4 ms at R=2, fwd+bwd = 4 hops, with ``call_fixed_s``).
+    # floor of the ring rows (fwd+bwd at R=2 is 4 hops, with ``call_fixed_s``).
     hop_fixed_s: float = 2.75e-3
     # Host time per ring_moe call besides the hops (cached agreement, routing index, autograd).
     call_fixed_s: float = 0.4e-3
@@ -38,8 +39,8 @@ class TimeModel:
     # Effective per-rank all-to-all bandwidth of the alltoall mode's link bytes (NCCL): the
     # T64k rows.
     alltoall_bytes_per_s: float = 216e9
-    # Share of a ring transfer hidden under its hop's compute with the copy engine (an overlap
-    # probe on 2x H200: 93%) and with NCCL, whose kernels take SMs (51%).
+    # Share of a ring transfer hidden under its hop's compute with the copy engine and with
+    # NCCL, whose kernels take SMs (both from an overlap probe).
     hide: float = 0.9
     nccl_hide: float = 0.5
 
@@ -117,35 +118,18 @@ def step_seconds(
 
 def choose_mode(
     *,
-    tokens: int | Sequence[int],
-    hidden: int,
-    ffn: int,
-    num_local_experts: int,
-    topk: int,
-    world: int,
-    act_bytes=2,
-    prob_bytes=4,
     training: bool = True,
     transport: str = "copy_engine",
     model: TimeModel = DEFAULT_TIME_MODEL,
     modes: Sequence[str] = MODES,
-    grad_accum: str = AUTO,
+    **sizes,
 ) -> str:
     """The fastest of ``modes`` by ``step_seconds`` (the runtime's ``mode="auto"`` and the
-    planner's choice). Deterministic: the same floats on every rank; ties go to the earlier of
-    expert, token, alltoall. A world of one is local compute whatever the mode: ``"expert"``.
-    ``grad_accum``: the weight-gradient accumulators (expert mode's backward trail bytes)."""
-    d = dims(
-        tokens=tokens,
-        hidden=hidden,
-        ffn=ffn,
-        num_local_experts=num_local_experts,
-        topk=topk,
-        world=world,
-        act_bytes=act_bytes,
-        prob_bytes=prob_bytes,
-        grad_accum=grad_accum,
-    )
+    planner's choice). ``sizes``: the keywords of :func:`dims` (tokens, hidden, ffn,
+    num_local_experts, topk, world, act_bytes, prob_bytes, grad_accum). Deterministic: the same
+    floats on every rank; ties go to the earlier of expert, token, alltoall. A world of one is
+    local compute whatever the mode: ``"expert"``."""
+    d = dims(**sizes)
     _check_transport(transport)
     wanted = tuple(modes)
     if not wanted:

@@ -5,20 +5,19 @@ also holds the int32 limits of the kernels and of the routing index (:func:`chec
 :func:`check_problem_limits`), checked on sizes alone, before anything is allocated or launched,
 and the gathered-row GEMMs' tile order (:func:`tile_group_m`), which the Triton and the Gluon
 kernels share.
+
+History: docs/lab-notes/library_history.md#kernels
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 __all__ = [
     "INT32_LIMIT",
     "check_int32",
     "check_problem_limits",
-    "env_switch",
     "interpret_mode",
-    "pair_buffer_mib",
     "tile_group_m",
     "triton_available",
     "unit_cols",
@@ -42,23 +41,18 @@ def _import_triton() -> bool:
 
 
 def interpret_mode() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when Triton runs kernels in its CPU interpreter (Triton's own ``interpret`` knob,
+    which ``TRITON_INTERPRET=1`` sets); False without Triton."""
+    if not _import_triton():
+        return False
+    import triton.knobs
+
+    return bool(triton.knobs.runtime.interpret)
 
 
 def triton_available() -> bool:
     """Triton is importable (kernels run on CUDA, or on CPU under the interpreter)."""
     return _import_triton()
-
-
-def env_switch(name: str, meanings: dict[str, str]) -> str:
-    """The value of the environment switch ``name``: one of ``meanings``' keys, the first being
-    the default; anything else raises ``ValueError`` naming the value and what each choice does."""
-    value = os.environ.get(name, next(iter(meanings)))
-    if value not in meanings:
-        choices = ", ".join(f"{k!r} ({what})" for k, what in meanings.items())
-        raise ValueError(f"{name}={value!r}: use one of {choices}; the first is the default")
-    return value
 
 
 def unit_cols(t):
@@ -72,36 +66,10 @@ def unit_cols(t):
     return t.contiguous()
 
 
-PAIR_BUFFER_MIB_DEFAULT = 512
-
-
-def pair_buffer_mib() -> int:
-    """``RELAYMOE_PAIR_BUFFER_MIB`` (default 512): the budget, in MiB, of any transient (P, chunk)
-    pair buffer of the expert kernels. The ring's agreement also sizes hop buffers from it, so
-    every rank of a ring must run with the same value (``relaymoe.ring.agree`` checks it). A
-    value that is not a non-negative integer raises ``ValueError``."""
-    raw = os.environ.get("RELAYMOE_PAIR_BUFFER_MIB", str(PAIR_BUFFER_MIB_DEFAULT))
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(
-            f"RELAYMOE_PAIR_BUFFER_MIB={raw!r} must be a non-negative integer (MiB; default "
-            f"{PAIR_BUFFER_MIB_DEFAULT}); unset it or give a number"
-        )
-    return value
-
-
 # The gathered-row GEMMs (Triton and Gluon) walk their tiles in groups of GROUP_M M tiles, M
 # fastest inside a group, so the tiles in flight share a few row blocks and weight column blocks
-# in L2. Wide experts (at least WIDE_N_TILES N tiles a row of tiles) take taller groups. H200,
-# the Gluon kernels, GROUP_M 16 against 8 (ms, three calls in two sessions: 9321387, 3d73834,
-# bda1082): moeblaze conf4 (64 and 32 N tiles) up-projection 15.33/15.44, 15.18/15.40,
-# 14.89/15.15, down backward 7.43/7.42, 7.19/7.40, 7.23/7.28; qwen3 T32k (6 and 3 N tiles) up
-# 3.05/2.95, 3.03/2.98, down backward 1.53/1.52, 1.51/1.49. The Triton kernels (3429269), N tiles
-# fastest against this rule: conf4 up-projection 20.05 against 16.54, down backward 8.03
-# against 7.52; qwen3 T32k 3.16 against 3.11 and 1.52 against 1.50.
+# in L2. Wide experts (at least WIDE_N_TILES N tiles a row of tiles) take taller groups: 16
+# was faster than 8 there and no slower for narrow experts, and both beat N tiles fastest.
 WIDE_N_TILES = 16
 WIDE_GROUP_M = 16
 

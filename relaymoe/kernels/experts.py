@@ -11,20 +11,13 @@ Backward: rows_gemm ``g = dy[tok] @ w2[e]`` (dy rows gathered on load, plain epi
           into the (P, I) buffer that later holds ``p*a``) -> swiglu_backward (memory-bound:
           SiLU recomputed from h, dprob as the row-wise dot of g with a, dh written over h in
           act mode, ``p*a`` over g) -> wgrad dw2 (dy gathered) -> wgrad dw13 (x gathered) ->
-          ``dh @ w13[e]`` -> combine into dx. (A single kernel with the SwiGLU backward in the
-          GEMM epilogue ran at 189 TFLOP/s, its registers spilling, and stalled the H200
-          compiler at some configs: removed on 2026-11-30.)
-Contiguous-operand GEMMs (``a @ w2[e]^T``, ``dh @ w13[e]``) use ``torch._grouped_mm`` for bf16 on
-sm90 when strides allow (``RELAYMOE_DENSE_GEMM=auto``, the default), the Triton ``rows_gemm``
-elsewhere or with ``RELAYMOE_DENSE_GEMM=triton``.
-By default no (P, H) copy of x or dy is made (``RELAYMOE_ROWS_GATHER=index``; ``copy`` gathers
-one within the budget below for the up-projection and the down backward and runs
-``torch._grouped_mm``); (P, H) outputs of the down projection and of the dgrad are produced in
-column chunks of at most ``RELAYMOE_PAIR_BUFFER_MIB`` (default 512) MiB.
-Weight gradients: the gathered-operand Triton kernel, or, for long expert groups on CUDA where
-torch's grouped GEMM runs (bf16, sm90), a K-grouped ``torch._grouped_mm`` over the pairs with x or
-dy gathered in such column chunks (``RELAYMOE_WGRAD=auto``, the default, ``LONG_GROUP_PAIRS``);
-``triton`` always the kernel; ``gmm`` torch's grouped GEMM wherever it runs, CPU included (tests).
+          ``dh @ w13[e]`` -> combine into dx.
+Which GEMM runs where (``torch._grouped_mm`` for contiguous operands on sm90, the gathered
+row copy or gather-on-load, the weight gradients' grouped GEMM or Triton kernel, the Gluon
+kernels) is ``select.py``'s choice from the call's ``KernelOptions``; (P, H) outputs of the down
+projection and of the dgrad are produced in column chunks of at most ``pair_buffer_mib`` MiB.
+
+History: docs/lab-notes/library_history.md#kernels-experts
 """
 
 from __future__ import annotations
@@ -34,9 +27,16 @@ import functools
 import torch
 from torch import Tensor
 
-from relaymoe.kernels import check_int32, env_switch, grouped, pair_buffer_mib, pairs, unit_cols
+from relaymoe.kernels import check_int32, grouped, pairs, select, unit_cols
+from relaymoe.options import KernelOptions
 
-__all__ = ["triton_hop_forward", "triton_hop_backward"]
+__all__ = [
+    "HopGroups",
+    "gathered_rows_times_weight",
+    "triton_hop_backward",
+    "triton_hop_forward",
+    "wgrad_gmm",
+]
 
 
 def _pair_count(
@@ -65,7 +65,7 @@ def _check_sizes(num_tokens: int, n_pairs: int, where: str) -> None:
                 fix="use fewer tokens per call, or fewer experts per rank")  # fmt: skip
 
 
-class _HopGroups:
+class HopGroups:
     """Device values that several GEMMs of one hop share, each built on its first use: the
     group ends of ``torch._grouped_mm`` and the token of every pair row (the weight gradients'
     gathers). Built once per hop instead of once per GEMM and column chunk: the hop is
@@ -86,118 +86,22 @@ class _HopGroups:
         return self.idx_P.index_select(0, rows).to(torch.int64)
 
 
-def _pair_buffer_bytes() -> int:
-    """``RELAYMOE_PAIR_BUFFER_MIB`` (default 512): the budget of any transient (P, chunk) buffer."""
-    return pair_buffer_mib() * 2**20
-
-
-def _col_chunks(n_pairs: int, ncols: int, elt: int) -> list[tuple[int, int]]:
-    """Column chunks of a (P, ncols) buffer under the pair-buffer budget, multiples of 256."""
-    budget = _pair_buffer_bytes()
-    width = max(256, budget // max(1, n_pairs * elt) // 256 * 256)
-    return [(c, min(c + width, ncols)) for c in range(0, ncols, width)]
-
-
-def _dense_gemm_mode() -> str:
-    return env_switch("RELAYMOE_DENSE_GEMM", {
-        "auto": "torch._grouped_mm for bf16 on sm90, Triton elsewhere",
-        "torch": "the same", "triton": "always the Triton kernel"})  # fmt: skip
-
-
-def _gmm_strides_ok(t: Tensor) -> bool:
-    """torch._grouped_mm's operand rules: 16-byte aligned base, unit stride in one of the last two
-    dims and a 16-byte multiple in the other."""
-    align = 16 // t.element_size()
-    s_row, s_col = t.stride(-2), t.stride(-1)
-    if t.data_ptr() % 16:
-        return False
-    if s_col == 1:
-        return s_row % align == 0
-    return s_row == 1 and s_col % align == 0
-
-
-def _use_torch_grouped_mm(a_PK: Tensor, b_EKN: Tensor) -> bool:
-    """``torch._grouped_mm`` for a contiguous-operand GEMM: bf16 on sm90 (its CUTLASS path), with
-    strides it accepts and K, N multiples of 8; Triton otherwise or with RELAYMOE_DENSE_GEMM=triton."""
-    if _dense_gemm_mode() == "triton":
-        return False
-    return (
-        a_PK.is_cuda
-        and a_PK.dtype == torch.bfloat16
-        and b_EKN.dtype == torch.bfloat16
-        and hasattr(torch, "_grouped_mm")
-        and torch.cuda.get_device_capability(a_PK.device)[0] == 9
-        and b_EKN.shape[0] > 0
-        and a_PK.shape[1] % 8 == 0
-        and b_EKN.shape[2] % 8 == 0
-        and _gmm_strides_ok(a_PK)
-        and _gmm_strides_ok(b_EKN)
-    )
-
-
-def _wgrad_mode() -> str:
-    return env_switch("RELAYMOE_WGRAD", {
-        "auto": "torch._grouped_mm over gathered column chunks on CUDA for long expert groups "
-                "(LONG_GROUP_PAIRS), the Triton kernel otherwise",
-        "triton": "always the gathered-operand Triton kernel",
-        "gmm": "torch._grouped_mm wherever it runs, CPU included"})  # fmt: skip
-
-
-# Mean pairs per expert from which ``RELAYMOE_WGRAD=auto`` takes torch._grouped_mm over gathered
-# column chunks for the weight gradients.
-# H200, benchmarks/sweep_kernels.py (session 11): the grouped GEMMs themselves run at 570-650
-# TFLOP/s, but the chunk gathers (0.51 ms a gradient at qwen3 T32k) and the copies into the
-# gradient (0.47 and 0.93 ms) put the whole at dw13 3.98 + dw2 2.22 ms against 3.58 + 1.82 for
-# the Triton kernel (2,048 pairs an expert); at T64k (4,096) 7.23 + 4.20 against 7.33 + 3.66
-# with 4 stages. At moeblaze conf4 (16 experts of 8,192 pairs) the gmm weight gradients ran at
-# 565-636 TFLOP/s against 471-498 for the Triton kernel.
-LONG_GROUP_PAIRS = 8192
-
-
-def _gmm_wgrad_ok(a: Tensor, b: Tensor, c_EMN: Tensor) -> bool:
-    """Where the grouped-GEMM weight gradient can run: torch's grouped GEMM exists for the device and
-    dtype (CUTLASS on sm90 for bf16; torch's CPU implementation) and every operand, chunk and
-    transpose keeps its 16-byte stride rule (M and N multiples of 16 bytes). ``c`` may be fp32
-    (the ring's fp32 accumulators): each result is added into it in fp32."""
-    if not hasattr(torch, "_grouped_mm") or a.dtype != b.dtype:
-        return False
-    if c_EMN.dtype not in (a.dtype, torch.float32):  # fp32: accumulators of 16-bit weights
-        return False
-    if a.is_cuda:
-        ok_dev = a.dtype == torch.bfloat16 and torch.cuda.get_device_capability(a.device)[0] == 9
-    else:
-        ok_dev = a.device.type == "cpu"
-    align = 16 // a.element_size()
-    _, m, n = c_EMN.shape
-    # the contiguous operand goes to torch as is (transposed when it is ``a``): its own strides
-    # and base must pass; the gathered one is copied into fresh, aligned chunks
-    return (
-        ok_dev
-        and m % align == 0
-        and n % align == 0
-        and a.stride(1) == 1
-        and b.stride(1) == 1
-        and _gmm_strides_ok(a)
-        and _gmm_strides_ok(b)
-    )
-
-
-def _wgrad_gmm(a, b, c_EMN, groups: _HopGroups, *, a_gather: bool, accumulate: bool,
-               out_like: Tensor | None = None) -> Tensor:  # fmt: skip
+def wgrad_gmm(a, b, c_EMN, groups: HopGroups, *, a_gather: bool, accumulate: bool,
+              k: KernelOptions | None = None, out_like: Tensor | None = None) -> Tensor:  # fmt: skip
     """``c[e] (+)= sum_q a[row]^T b[row]`` as one K-grouped ``torch._grouped_mm`` per column
-    chunk of the gathered operand: the chunk (P, <= RELAYMOE_PAIR_BUFFER_MIB) is gathered through
+    chunk of the gathered operand: the chunk (P, <= k.pair_buffer_mib) is gathered through
     the pair indices, never the whole (P, H), and the (El, M, chunk) result is added into ``c``.
     Groups of zero pairs give exact zeros. No host sync (the range's rows are indexed on device).
 
     Returns the gradient: ``c_EMN`` written (added into with ``accumulate``), or with ``c_EMN``
     None a new one shaped and typed like ``out_like`` (a meta tensor will do). That new one is
     torch's result itself when one chunk covers it in the gradient's dtype: no copy, and no
-    second (El, M, N) buffer at the peak (H200, moeblaze conf4, one 512 MiB chunk: peak over the
-    inputs 8,964 -> 7,428 MiB; b4157ca)."""
+    second (El, M, N) buffer at the peak. ``k``: the ``KernelOptions`` (default: the process's)."""
+    k = select.kernel_options(k)
     ref = c_EMN if c_EMN is not None else out_like
     _, m, n = ref.shape
     gathered = a if a_gather else b
-    chunks = _col_chunks(groups.n_pairs, m if a_gather else n, a.element_size())
+    chunks = select.col_chunks(groups.n_pairs, m if a_gather else n, a.element_size(), k)
     for c0, c1 in chunks:
         g_PC = gathered[:, c0:c1].index_select(0, groups.tok)  # (P, chunk): this chunk only
         if a_gather:
@@ -218,64 +122,28 @@ def _wgrad_gmm(a, b, c_EMN, groups: _HopGroups, *, a_gather: bool, accumulate: b
     return c_EMN
 
 
-def _wgrad(a, b, idx_P, offs, c_EMN, groups: _HopGroups, *, a_gather, b_gather, like: Tensor,
-           grad_dtype: torch.dtype | None) -> Tensor:  # fmt: skip
-    """Weight gradient of the range: torch's grouped GEMM over gathered chunks where it runs
-    (``auto``: on CUDA, for long expert groups only), else the Triton kernel. Added into
-    ``c_EMN``; with None, a new gradient shaped like ``like`` in ``grad_dtype`` (default
-    ``like``'s). Returns the gradient."""
-    mode = _wgrad_mode()
+def _wgrad(a, b, idx_P, offs, c_EMN, groups: HopGroups, *, a_gather, b_gather, like: Tensor,
+           grad_dtype: torch.dtype | None, k) -> Tensor:  # fmt: skip
+    """Weight gradient of the range: torch's grouped GEMM over gathered chunks where
+    ``select.wgrad_by_gmm`` takes it, else the Triton kernel. Added into ``c_EMN``; with None,
+    a new gradient shaped like ``like`` in ``grad_dtype`` (default ``like``'s). Returns it."""
     accumulate = c_EMN is not None
     if c_EMN is None:  # a shape and dtype to check and allocate from
         c_ref = torch.empty(like.shape, dtype=grad_dtype or like.dtype, device="meta")
     else:
         c_ref = c_EMN
-    long_groups = _long_groups(groups, c_ref.shape[0])
-    if (
-        (mode == "gmm" or (mode == "auto" and a.is_cuda and long_groups))
-        and a_gather != b_gather
-        and groups.n_pairs > 0
-        and c_ref.shape[0] > 0
-        and _gmm_wgrad_ok(a, b, c_ref)
-    ):
-        return _wgrad_gmm(a, b, c_EMN, groups, a_gather=a_gather, accumulate=accumulate,
+    if select.wgrad_by_gmm(a, b, c_ref, groups.n_pairs, a_gather=a_gather, b_gather=b_gather,
+                           k=k):  # fmt: skip
+        return wgrad_gmm(a, b, c_EMN, groups, a_gather=a_gather, accumulate=accumulate, k=k,
                           out_like=c_ref)  # fmt: skip
     if c_EMN is None:
         c_EMN = torch.empty(c_ref.shape, dtype=c_ref.dtype, device=a.device)
     grouped.wgrad(a, b, idx_P, offs, c_EMN, a_gather=a_gather, b_gather=b_gather,
-                  accumulate=accumulate)  # fmt: skip
+                  accumulate=accumulate, kernels=k)  # fmt: skip
     return c_EMN
 
 
-def _long_groups(groups: _HopGroups, n_experts: int) -> bool:
-    return groups.n_pairs >= LONG_GROUP_PAIRS * max(1, n_experts)
-
-
-def _rows_gather_mode() -> str:
-    return env_switch("RELAYMOE_ROWS_GATHER", {
-        "index": "the up-projection and the down backward read x and dy rows through the routing "
-                 "index (Triton gather-on-load kernels): no (P, H) copy",
-        "copy": "one gathered (P, H) copy within RELAYMOE_PAIR_BUFFER_MIB, then torch._grouped_mm "
-                "(wherever torch's grouped GEMM takes the operands, CPU included)"})  # fmt: skip
-
-
-def _gather_then_gmm(x_TK: Tensor, w_EKN: Tensor, groups: _HopGroups) -> bool:
-    """Whether the gathered-row GEMM ``x[tok[q]] @ w[e]`` runs as one gathered (P, K) copy and
-    ``torch._grouped_mm`` (``RELAYMOE_ROWS_GATHER=copy``) instead of a Triton gather-on-load
-    kernel (``index``, the default: issue #15 keeps gathered-token operands index-based). The
-    copy must fit the pair-buffer budget in one piece (no host sync to split it by experts).
-    H200, moeblaze conf4 (16 experts of 8,192 pairs): torch._grouped_mm on contiguous rows ran
-    at 665 TFLOP/s against the gather-on-load up-projection's 466 (bench_experts --breakdown)."""
-    if _rows_gather_mode() != "copy" or groups.n_pairs == 0 or not hasattr(torch, "_grouped_mm"):
-        return False
-    if groups.n_pairs * x_TK.shape[1] * x_TK.element_size() > _pair_buffer_bytes():
-        return False
-    if x_TK.device.type == "cpu":
-        return x_TK.dtype == w_EKN.dtype
-    return _use_torch_grouped_mm(x_TK, w_EKN)
-
-
-def _gathered_rows_times_weight(x_TK: Tensor, w_EKN: Tensor, groups: _HopGroups) -> Tensor:
+def gathered_rows_times_weight(x_TK: Tensor, w_EKN: Tensor, groups: HopGroups) -> Tensor:
     """(P, N) = x[tok[q]] @ w[e] over the range's pairs: the rows gathered into one (P, K) copy
     (freed on return), then one grouped GEMM. Rows past the pair count (buffers sized from a
     bound) are not written and never read."""
@@ -283,30 +151,30 @@ def _gathered_rows_times_weight(x_TK: Tensor, w_EKN: Tensor, groups: _HopGroups)
     return torch._grouped_mm(x_PK, w_EKN, offs=groups.ends)
 
 
-def _pair_rows_times_weight(a_PK: Tensor, b_EKN: Tensor, offs: Tensor, groups: _HopGroups):
+def _pair_rows_times_weight(a_PK: Tensor, b_EKN: Tensor, offs: Tensor, groups: HopGroups, k):
     """(P, N) = a[q] @ b[e] over the range's pairs (a contiguous in expert order)."""
     n_pairs, ncols = a_PK.shape[0], b_EKN.shape[2]
-    if _use_torch_grouped_mm(a_PK, b_EKN):
+    if select.use_torch_grouped_mm(a_PK, b_EKN, k):
         return torch._grouped_mm(a_PK, b_EKN, offs=groups.ends)
     out_PN = a_PK.new_empty(n_pairs, ncols)
-    grouped.rows_gemm(a_PK, b_EKN, offs, out_PN)
+    grouped.rows_gemm(a_PK, b_EKN, offs, out_PN, kernels=k)
     return out_PN
 
 
 def _combine_pair_products(
     a_PK: Tensor, b_EKN: Tensor, index, offs: Tensor, out_TH: Tensor, accumulate: bool,
-    groups: _HopGroups,
+    groups: HopGroups, k,
 ) -> None:  # fmt: skip
     """Write (add, with ``accumulate``) into ``out_TH[t]`` the sum over token t's pairs q of
     ``a[q] @ b[e]``; the (P, H) products are made and reduced in column chunks (at most
-    ``RELAYMOE_PAIR_BUFFER_MIB`` alive). The forward's down projection and the dgrad.
+    ``k.pair_buffer_mib`` alive). The forward's down projection and the dgrad.
 
     The combine kernel stores rows at unit column stride. An ``out_TH`` with other column
     strides (a caller's transposed buffer) is written through one row-major (T, chunk) buffer
     per chunk, then copied or added into it once; a row-major ``out_TH`` is written directly."""
     direct = unit_cols(out_TH) is out_TH
-    for c0, c1 in _col_chunks(a_PK.shape[0], out_TH.shape[1], a_PK.element_size()):
-        y_PH = _pair_rows_times_weight(a_PK, b_EKN[:, :, c0:c1], offs, groups)
+    for c0, c1 in select.col_chunks(a_PK.shape[0], out_TH.shape[1], a_PK.element_size(), k):
+        y_PH = _pair_rows_times_weight(a_PK, b_EKN[:, :, c0:c1], offs, groups, k)
         dst = out_TH[:, c0:c1]
         if direct:
             grouped.combine(y_PH, index.token_index_map, offs, dst, index.topk,
@@ -333,13 +201,16 @@ def triton_hop_forward(
     *,
     n_pairs: int | None = None,
     max_pairs: int | None = None,
+    kernels=None,
 ) -> tuple[Tensor, Tensor | None]:
     """Add experts ``[e0, e1)``'s pairs into ``out_TH`` (written, not added, when None).
 
     Returns ``(out_TH, h_P2I)``; ``h_P2I`` is the range's pre-activation when ``save_act``.
     ``n_pairs``: the range's pair count; else ``max_pairs``: an upper bound on it (buffers sized
     from it, no host sync); else read from the index (a host sync for a partial range).
+    ``kernels``: the ``KernelOptions`` (default: the process's).
     """
+    k = select.kernel_options(kernels)
     num_tokens = x_TH.shape[0]
     n_local, two_i, _ = w13.shape
     ffn = two_i // 2
@@ -359,18 +230,18 @@ def triton_hop_forward(
         return out_TH, x_TH.new_zeros(n_pairs, two_i) if save_act else None
     prob_P = pairs.pair_probs(probs_TK, index.token_index_map, offs, n_pairs)
     idx_P = index.expert_token_indices
-    groups = _HopGroups(idx_P, offs, n_pairs, exact)
+    groups = HopGroups(idx_P, offs, n_pairs, exact)
     a_PI = x_TH.new_empty(n_pairs, ffn)
     w13_EHJ = w13.transpose(1, 2)
-    if _gather_then_gmm(x_TH, w13_EHJ, groups):  # h from the GEMM, then a from h (bf16 h)
-        h = _gathered_rows_times_weight(x_TH, w13_EHJ, groups)
+    if select.gather_then_gmm(x_TH, w13_EHJ, n_pairs, k):  # h from the GEMM, a from h (bf16 h)
+        h = gathered_rows_times_weight(x_TH, w13_EHJ, groups)
         grouped.swiglu_forward(h, prob_P, a_PI)
         h_P2I = h if save_act else None
         del h
     else:  # one kernel: h stored when saved, a from its epilogue (from h rounded on sm90)
         h_P2I = x_TH.new_empty(n_pairs, two_i) if save_act else None
-        grouped.up_swiglu(x_TH, w13, idx_P, offs, prob_P, h_P2I, a_PI)
-    _combine_pair_products(a_PI, w2.transpose(1, 2), index, offs, out_TH, accumulate, groups)
+        grouped.up_swiglu(x_TH, w13, idx_P, offs, prob_P, h_P2I, a_PI, kernels=k)
+    _combine_pair_products(a_PI, w2.transpose(1, 2), index, offs, out_TH, accumulate, groups, k)
     return out_TH, h_P2I
 
 
@@ -393,6 +264,7 @@ def triton_hop_backward(
     n_pairs: int | None = None,
     max_pairs: int | None = None,
     grad_dtype: torch.dtype | None = None,
+    kernels=None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients of experts ``[e0, e1)``'s pairs, ADDED into the given buffers; a buffer passed
     as None is allocated and written (no zero fill). Returns ``(dx, dprobs, dw13, dw2)``.
@@ -401,7 +273,9 @@ def triton_hop_backward(
     ``consume_saved_h=True`` lets the kernel overwrite ``saved_h`` with its gradient (saves a
     (P, 2I) buffer); the caller must not use ``saved_h`` afterwards. ``grad_dtype``: the dtype of
     weight-gradient buffers allocated here (default the weights'; e.g. fp32 accumulators).
+    ``kernels``: the ``KernelOptions`` (default: the process's).
     """
+    k = select.kernel_options(kernels)
     num_tokens = x_TH.shape[0]
     n_local, two_i, _ = w13.shape
     ffn = two_i // 2
@@ -421,16 +295,16 @@ def triton_hop_backward(
         dw2 = torch.zeros_like(w2, dtype=grad_dtype) if dw2 is None else dw2
         return dx_TH, dprobs_TK, dw13, dw2
     prob_P = pairs.pair_probs(probs_TK, index.token_index_map, offs, n_pairs)
-    groups = _HopGroups(idx_P, offs, n_pairs, exact)
+    groups = HopGroups(idx_P, offs, n_pairs, exact)
     if saved_h is not None and not exact:
         raise ValueError("saved_h needs the exact pair count (n_pairs), not max_pairs")
     if saved_h is None:  # recompute="fc1": rebuild h alone (a comes from it below)
         w13_EHJ = w13.transpose(1, 2)
-        if _gather_then_gmm(x_TH, w13_EHJ, groups):
-            h_P2I = _gathered_rows_times_weight(x_TH, w13_EHJ, groups)
+        if select.gather_then_gmm(x_TH, w13_EHJ, n_pairs, k):
+            h_P2I = gathered_rows_times_weight(x_TH, w13_EHJ, groups)
         else:
             h_P2I = x_TH.new_empty(n_pairs, two_i)
-            grouped.up_swiglu(x_TH, w13, idx_P, offs, None, h_P2I, None)
+            grouped.up_swiglu(x_TH, w13, idx_P, offs, None, h_P2I, None, kernels=k)
         dh_P2I = h_P2I
     else:
         if saved_h.shape != (n_pairs, two_i):
@@ -441,20 +315,20 @@ def triton_hop_backward(
         h_P2I = saved_h
         dh_P2I = saved_h if consume_saved_h else torch.empty_like(saved_h)
     # g = dy[tok] @ w2[e] into a_PI, then one memory pass turns it into p*a (dh, dprob out)
-    if _gather_then_gmm(dy_TH, w2, groups):
-        a_PI = _gathered_rows_times_weight(dy_TH, w2, groups)
+    if select.gather_then_gmm(dy_TH, w2, n_pairs, k):
+        a_PI = gathered_rows_times_weight(dy_TH, w2, groups)
     else:
         a_PI = x_TH.new_empty(n_pairs, ffn)
-        grouped.rows_gemm(dy_TH, w2, offs, a_PI, a_idx=idx_P)
+        grouped.rows_gemm(dy_TH, w2, offs, a_PI, a_idx=idx_P, kernels=k)
     dprob_P = torch.empty(n_pairs, dtype=torch.float32, device=x_TH.device)
     grouped.swiglu_backward(h_P2I, a_PI, prob_P, dh_P2I, dprob_P)
     pairs.add_pair_dprobs(dprob_P, index.token_index_map, offs, dprobs_TK)
     # dw2[e] (H, I) = sum_q dy[tok]^T (p*a)[q]
     dw2 = _wgrad(dy_TH, a_PI, idx_P, offs, dw2, groups, a_gather=True, b_gather=False, like=w2,
-                 grad_dtype=grad_dtype)  # fmt: skip
+                 grad_dtype=grad_dtype, k=k)  # fmt: skip
     del a_PI
     # dw13[e] (2I, H) = sum_q dh[q]^T x[tok]
     dw13 = _wgrad(dh_P2I, x_TH, idx_P, offs, dw13, groups, a_gather=False, b_gather=True,
-                  like=w13, grad_dtype=grad_dtype)  # fmt: skip
-    _combine_pair_products(dh_P2I, w13, index, offs, dx_TH, acc_dx, groups)
+                  like=w13, grad_dtype=grad_dtype, k=k)  # fmt: skip
+    _combine_pair_products(dh_P2I, w13, index, offs, dx_TH, acc_dx, groups, k)
     return dx_TH, dprobs_TK, dw13, dw2

@@ -2,11 +2,10 @@
 the up-projection ``x[tok] @ w13[e]^T`` with its SwiGLU, and the down projection's backward
 ``dy[tok] @ w2[e]``.
 
-What it fixes (issue #15, H200, qwen3 T32k, ``benchmarks/probe_gather.py``): the gather itself
-costs nothing (the Triton kernel ran 3.19 ms over gathered rows, 3.26 over a sorted copy), but
-each program's epilogue does: storing h (64 KB a 128-row tile) took 0.38 ms of 3.38, with the
-tensor cores idle while a program stores. Here each program walks many tiles, and three warp
-partitions overlap:
+Why (issue #15, ``benchmarks/probe_gather.py``): gathering the rows on load costs about nothing
+against a sorted copy, but a one-tile-a-program kernel leaves the tensor cores idle while each
+program stores its epilogue. Here each program walks many tiles, and three warp partitions
+overlap:
 - producer (``producer_warps``, 4): gathers each step's x rows with ``cp.async`` (the stage's
   mbarrier counts every producer thread's copies: ``cp.async.mbarrier.arrive.noinc``) and brings
   the gate and up weight tiles by TMA onto the same barrier; it runs ahead across tiles;
@@ -26,31 +25,17 @@ Barriers: ``ready[s]`` / ``empty[s]`` per slot (step ``c`` of the program uses s
 the TMA's ``expect``); ``epi_ready`` / ``epi_empty`` for the one epilogue buffer. An arrive is one
 thread's, so a partition of two warp groups meets at a partition barrier first.
 
-Tried and removed: the weight gradients in the same form (both operands by masked ``cp.async``,
-A read transposed, two 128-column accumulators, storer partition) ran dw2 in 3.8 ms and dw13 in
-3.6 against the Triton kernel's 1.66 and 3.45 (H200, qwen3 T32k, sweep_kernels.py --kernels
-wgrad, d276ef7). The Triton kernel keeps them.
-Also tried and removed: the SwiGLU backward in the down backward's storer warps (g never stored;
-h read, dh, p * a and per-tile dprob partials written), against the GEMM and the Triton pass
-(2.03-2.08 ms; H200, qwen3 T32k): 3.39 ms with h loaded into registers one 8-row slice ahead,
-3.72-3.84 with h by TMA through 2-4 slots, 4.33-4.37 with TMA stores as well (b229c62 to
-9ec3195). The storer then moves 320 KB a tile beside the GEMM's operands, not 64; no slot depth
-or register split changed the time.
-
-Where the time goes (H200, ``sweep_kernels.py --gluon-only``, 1ec46fe and 244f9a2; ms, the
-up-projection at qwen3 T32k / moeblaze conf4): the main loop alone (nothing stored,
-``outputs="none"``) runs in 2.58-2.73 / 13.75-14.22, the kernel in 2.94 / 15.26 (244f9a2), so
-the epilogue costs 7-10%. Storing only a (32 KB a tile) or only h (64 KB) takes 2.89-2.93 /
-14.53-14.89: at qwen3 the bytes stored hardly matter, and the hand-off and the storer's presence
-cost the rest. Without an epilogue buffer a 4th slot fits, and it was slower: 2.75-2.77 /
-14.30-14.63. Two producer warps instead of 4 cost 14% / 23% (3.35 / 18.76; the down backward
-at qwen3 T32k and T64k 1-2%, three calls each in f1767c1): the gather's issue bounds the main
-loop, not the slot count. Two slots: 4.48 / 22.7. Triton caps a kernel at 16 warps (512
-threads), so the producer cannot grow without taking the storer's warps.
+Only the up-projection and the down projection's backward run here: the weight gradients and a
+SwiGLU backward fused into the storer were slower in this form than the Triton kernels, which
+keep them. The main loop is bound by the producer's gather issue, not by the slot count; Triton
+caps a kernel at 16 warps (512 threads), so the producer cannot grow without taking the storer's
+warps.
 
 Only this module imports ``triton.experimental.gluon``; ``grouped.up_swiglu`` and
-``grouped.rows_gemm`` import it lazily on sm90 (``RELAYMOE_GATHER_WS``), so CPU runs never touch
+``grouped.rows_gemm`` import it lazily on sm90 (``KernelOptions.gather_ws``), so CPU runs never touch
 it.
+
+History: docs/lab-notes/library_history.md#kernels-gather-ws
 """
 
 from __future__ import annotations
@@ -80,18 +65,13 @@ __all__ = ["ROWS_CONFIG", "UP_CONFIG", "rows_gemm", "supports_rows_gemm", "suppo
            "up_swiglu"]  # fmt: skip
 
 # tiles, slots, consumer warps, the storer's row slice, the tile order's M group, the workers'
-# registers and the cap. H200 (benchmarks/sweep_kernels.py --kernels up_swiglu): qwen3 T32k
-# (c91189d) 2.91 ms against 3.18 for the Triton kernel's best; 2 slots 4.54 ms, a 32-column K step
-# with 6 slots 3.11, producer/storer registers 56/80 3.03 (the cap 128 is 16 warps' share of the
-# register file). 16-row storer slices: 2.95 against 3.01 (qwen3 T32k, d6a2854) and 15.10
-# against 15.44 (moeblaze conf4, 9321387). GROUP_M at conf4: 1 (N tiles fastest) 17.21, 4 15.70,
-# 8 15.44, 16 15.33.
+# registers and the cap (128: 16 warps' share of the register file); the fastest of
+# benchmarks/sweep_kernels.py's WS_VARIANTS (``--kernels up_swiglu``).
 UP_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "STAGES": 3, "EPI_ROWS": 16,
              "GROUP_M": 8, "num_warps": 8, "producer_warps": 4, "storer_warps": 4,
              "producer_regs": 72, "storer_regs": 72, "maxnreg": 128}  # fmt: skip
 # the plain gathered GEMM (down projection's backward, dy[tok] @ w2[e]): a tile is two adjacent
-# 128-column blocks. 32-row slices: 1.41-1.47 ms against 1.47-1.52 with 16 (qwen3 T32k), 7.42
-# against 7.54 (conf4); GROUP_M 1 7.95 and 16 7.43 (conf4)
+# 128-column blocks, drained in 32-row slices (faster than 16 here)
 ROWS_CONFIG = dict(UP_CONFIG, EPI_ROWS=32)
 
 
@@ -109,7 +89,7 @@ def _add(a, b):
 def _expert_tile(pid_m, offs_ptr, n_experts, BLOCK_M: gl.constexpr, BLOCK_E: gl.constexpr,
                  num_warps: gl.constexpr):  # fmt: skip
     """(local expert, first global row, end global row) of M tile ``pid_m`` (as in
-    ``grouped._expert_tile``); expert == n_experts when the program has no tile. Every warp holds
+    ``grouped.tiles._expert_tile``); expert == n_experts when the program has no tile. Every warp holds
     all ``BLOCK_E`` offsets, so the scan and sums stay inside a warp (no shared-memory round)."""
     lay: gl.constexpr = gl.BlockedLayout([BLOCK_E // 32], [32], [num_warps], [0])
     j = gl.arange(0, BLOCK_E, layout=lay)
@@ -324,7 +304,7 @@ def _gathered_gemm_ws_kernel(
       h = [gate, up] stored when ``SAVE_H``, a = silu(gate) * up (* p) when ``SAVE_A``.
     - ``W_KN`` True (plain): w as (El*K, N) rows, ``n_cols`` = N; h = x[tok] @ w[e].
     Neither ``SAVE_H`` nor ``SAVE_A``: nothing is stored and no epilogue buffer is allocated,
-    which times the main loop alone (``benchmarks/sweep_kernels.py``'s ``outputs="none"``)."""
+    which times the main loop alone (``store_nothing`` of :func:`up_swiglu` / :func:`rows_gemm`)."""
     x_bufs = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, BLOCK_M, BLOCK_K],
                                        x_layout)  # fmt: skip
     lo_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape,
@@ -447,10 +427,16 @@ def _launch(x_TK, w_rows, idx_P, offs, prob_P, h, a, *, n_experts, n_cols, n_til
     )  # fmt: skip
 
 
-def up_swiglu(x_TH, w13_E2IH, idx_P, offs, prob_P, h_P2I, a_PI, *, config=None) -> None:
+def up_swiglu(x_TH, w13_E2IH, idx_P, offs, prob_P, h_P2I, a_PI, *, config=None,
+              store_nothing=False) -> None:  # fmt: skip
     """``grouped.up_swiglu``'s contract (outputs passed in, ``h_P2I`` or ``a_PI`` may be None);
     call only where :func:`supports_up_swiglu` holds. ``a`` is computed from h rounded to the
-    output dtype (the storer's input), not from the fp32 accumulators."""
+    output dtype (the storer's input), not from the fp32 accumulators.
+
+    ``config``: an explicit tile configuration (``UP_CONFIG``'s keys; a sweep's), else
+    ``UP_CONFIG`` with the GROUP_M of the shape. ``store_nothing`` (a diagnostic, which no library
+    path sets): the outputs stay as they are (the kernel is built without its epilogue and its
+    buffer), so the main loop is timed alone (``benchmarks/sweep_kernels.py``)."""
     n_experts, two_i, hidden = w13_E2IH.shape
     ffn = two_i // 2
     cfg = config or _default_config(UP_CONFIG, triton.cdiv(ffn, UP_CONFIG["BLOCK_N"]))
@@ -460,17 +446,19 @@ def up_swiglu(x_TH, w13_E2IH, idx_P, offs, prob_P, h_P2I, a_PI, *, config=None) 
         return
     _launch(x_TH, w13_E2IH.view(n_experts * two_i, hidden), idx_P, offs, prob_P, h, a,
             n_experts=n_experts, n_cols=ffn, n_tiles_n=triton.cdiv(ffn, cfg["BLOCK_N"]),
-            w_kn=False, save_h=h_P2I is not None, save_a=a_PI is not None, cfg=cfg)  # fmt: skip
+            w_kn=False, save_h=h_P2I is not None and not store_nothing,
+            save_a=a_PI is not None and not store_nothing, cfg=cfg)  # fmt: skip
 
 
-def rows_gemm(x_TK, w_EKN, idx_P, offs, c_PN, *, config=None) -> None:
+def rows_gemm(x_TK, w_EKN, idx_P, offs, c_PN, *, config=None, store_nothing=False) -> None:
     """c[q] = x[idx_P[q]] @ w[e] for the range's pairs (``grouped.rows_gemm`` with ``a_idx``);
-    call only where :func:`supports_rows_gemm` holds."""
+    call only where :func:`supports_rows_gemm` holds. ``config`` (``ROWS_CONFIG``'s keys) and
+    ``store_nothing`` (a diagnostic: ``c_PN`` left as it is) as in :func:`up_swiglu`."""
     n_experts, kdim, ncols = w_EKN.shape
     cfg = config or _default_config(ROWS_CONFIG, triton.cdiv(ncols, 2 * ROWS_CONFIG["BLOCK_N"]))
     if c_PN.shape[0] == 0 or n_experts == 0:
         return
     _launch(x_TK, w_EKN.view(n_experts * kdim, ncols), idx_P, offs, None, c_PN, c_PN,
             n_experts=n_experts, n_cols=ncols,
-            n_tiles_n=triton.cdiv(ncols, 2 * cfg["BLOCK_N"]), w_kn=True, save_h=True,
-            save_a=False, cfg=cfg)  # fmt: skip
+            n_tiles_n=triton.cdiv(ncols, 2 * cfg["BLOCK_N"]), w_kn=True,
+            save_h=not store_nothing, save_a=False, cfg=cfg)  # fmt: skip

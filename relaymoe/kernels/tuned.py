@@ -1,10 +1,9 @@
 """Shipped kernel configurations: the autotuner's pick per GPU, kernel and shape bucket.
 
 A process autotunes each grouped-GEMM kernel once per autotune key, compiling and timing every
-candidate (4 to 9 per kernel). On a fresh machine with an empty Triton cache that search alone
-kept the experts benchmark's first call past 170 s (H200, issue #15). With a shipped
-configuration for (GPU name, kernel, bucket) a launcher compiles that one configuration and
-skips the search.
+candidate (4 to 9 per kernel), which on a fresh machine with an empty Triton cache makes the
+first call take minutes. With a shipped configuration for (GPU name, kernel, bucket) a launcher
+compiles that one configuration and skips the search.
 
 The table is package data (``tuned_configs.json`` beside this file)::
 
@@ -19,9 +18,11 @@ a factor of two share a configuration) and the activations' dtype, e.g.
 ``python benchmarks/tune_kernels.py`` (it autotunes representative shapes and merges the winners
 into the table under that GPU's name).
 
-``RELAYMOE_AUTOTUNE`` chooses: ``shipped`` (default: the shipped configuration when the table has
-one for this GPU and bucket, else the autotuner), ``1`` (always the autotuner), ``0`` (the
-kernel's first candidate, no search).
+``KernelOptions.autotune`` chooses: ``shipped`` (default: the shipped configuration when the
+table has one for this GPU and bucket, else the autotuner), ``search`` (always the autotuner),
+``first`` (the kernel's first candidate, no search).
+
+History: docs/lab-notes/library_history.md#kernels-tuned
 """
 
 from __future__ import annotations
@@ -30,20 +31,11 @@ import functools
 import json
 from pathlib import Path
 
-from relaymoe.kernels import env_switch
-
-__all__ = ["TABLE", "autotune_mode", "bucket", "shipped_config", "load_table"]
+__all__ = ["TABLE", "bucket", "shipped_config", "load_table"]
 
 TABLE = Path(__file__).with_name("tuned_configs.json")
 VERSION = 1
-AUTOTUNE_MODES = ("shipped", "1", "0")
 _CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
-
-
-def autotune_mode() -> str:
-    return env_switch("RELAYMOE_AUTOTUNE", dict(zip(AUTOTUNE_MODES, (
-        "the package's tuned configurations where they exist", "always autotune",
-        "no search: each kernel's first configuration"), strict=True)))  # fmt: skip
 
 
 def _pow2(n: int) -> int:

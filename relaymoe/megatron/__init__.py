@@ -58,8 +58,12 @@ def register() -> None:
             f"relaymoe.megatron needs megatron-core >= 0.19, found {version}; "
             f"fix: pip install 'megatron-core>=0.19'"
         )
+    from relaymoe import options
     from relaymoe.megatron import patches
 
+    # the entry point of a Megatron job: the RELAYMOE_* environment becomes the process's
+    # options, once (relaymoe.options.from_env)
+    options.install(options.from_env())
     patches.patch_transformer_config()
     patches.patch_moe_layer()
     patches.patch_gpt_model()

@@ -20,18 +20,16 @@ routed_experts_compute -> combine -> postprocess):
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from torch import Tensor
 
+from relaymoe import options
 from relaymoe.megatron.expert_weights import expert_param_lists
-from relaymoe.megatron.settings import RingSettings, current_settings
+from relaymoe.megatron.settings import Settings, current_settings
 from relaymoe.megatron.validate import check_ring_config
 from relaymoe.ring import ring_moe
-from relaymoe.ring.faults import HOST_WAIT_ENV
 
 __all__ = ["RingDispatcher", "ep_ranks_per_node", "routing_map_to_topk"]
 
@@ -42,7 +40,7 @@ def ep_ranks_per_node(global_ranks: list[int], gpus_per_node: int | None) -> int
     torchrun's node-major numbering). None when not given: the ring reads the ranks' hosts."""
     if gpus_per_node is None:
         return None
-    from relaymoe.ring.agree import nodes_from_hosts
+    from relaymoe.ring.topology import nodes_from_hosts
 
     per_node = nodes_from_hosts([r // gpus_per_node for r in global_ranks])
     if per_node is None:
@@ -87,7 +85,7 @@ class RingDispatcher(MoETokenDispatcher):
         local_expert_indices: list[int],
         config,
         pg_collection=None,
-        settings: RingSettings | None = None,
+        settings: Settings | None = None,
     ) -> None:
         super().__init__(config=config, pg_collection=pg_collection)
         check_ring_config(config, ep_size=self.ep_size)
@@ -109,8 +107,11 @@ class RingDispatcher(MoETokenDispatcher):
         self.num_experts = config.num_moe_experts
         self.topk = config.moe_router_topk
         self.settings = settings if settings is not None else current_settings()
-        if self.settings.host_wait is not None:  # the ring reads it per pass, process-wide
-            os.environ[HOST_WAIT_ENV] = self.settings.host_wait
+        # ring_moe reads the host wait and overlap from the process's options: every rank
+        # builds its layers at one point, so each installs the same ones here
+        process = {n: getattr(self.settings, n) for n in ("host_wait", "overlap")}
+        if any(v != getattr(options.defaults(), n) for n, v in process.items()):
+            options.install(options.defaults().replace(**process))
         ranks = dist.get_process_group_ranks(self.ep_group) if dist.is_initialized() else [0]
         self.ep_per_node = ep_ranks_per_node(ranks, self.settings.gpus_per_node)
         self.hidden_shape = None
@@ -159,10 +160,10 @@ class RingDispatcher(MoETokenDispatcher):
             group=self.ep_group,
             mode=s.mode,
             transport=s.transport,
-            overlap=s.overlap,
             schedule=s.schedule,
             gpus_per_node=self.ep_per_node,
             grad_accum=s.grad_accum,
+            kernels=s.kernels,
             trusted=True,  # ids from Megatron's router; every EP rank runs the same shapes
         )
 

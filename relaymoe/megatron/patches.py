@@ -48,75 +48,21 @@ def _mark(fn, original):
 
 # --------------------------------------------------------------------------- argparse
 def add_relaymoe_args(parser):
-    """The ``relaymoe`` argument group (also usable as an ``extra_args_provider``)."""
-    from relaymoe.megatron.settings import (
-        RING_GRAD_ACCUMS,
-        RING_HOST_WAITS,
-        RING_MODES,
-        RING_SCHEDULES,
-        RING_TRANSPORTS,
-    )
-    from relaymoe.options import FP32_GRAD_ACCUM_MIN_EP
+    """The ``relaymoe`` argument group (also usable as an ``extra_args_provider``): a
+    ``--relaymoe-<name>`` flag for each flagged field of ``relaymoe.options.RingOptions`` (the
+    one schema of the ring's options; the field's default, or None for a field the process's
+    environment may set: the process's value then), then the fused loss and recompute planner,
+    which are Megatron's only."""
+    from relaymoe import options
 
-    if any(a.dest == "relaymoe_ring_mode" for a in parser._actions):
+    if any(a.dest == "relaymoe_mode" for a in parser._actions):
         return parser
     group = parser.add_argument_group(title="relaymoe")
-    group.add_argument(
-        "--relaymoe-ring-mode",
-        choices=RING_MODES,
-        default="auto",
-        help="execution mode with --moe-token-dispatcher-type ring: experts circulate "
-        "(expert), tokens circulate (token), tokens go once to their experts' ranks "
-        "(alltoall), or the fastest by relaymoe.cost (auto)",
-    )
-    group.add_argument(
-        "--relaymoe-transport",
-        choices=RING_TRANSPORTS,
-        default="auto",
-        help="P2P transport of the ring hops (auto: copy engine within a node when available)",
-    )
-    group.add_argument(
-        "--relaymoe-ring-schedule",
-        choices=RING_SCHEDULES,
-        default="auto",
-        help="hop order of the ring: one ring over the EP group (flat), rings inside each node "
-        "joined by hops every GPU of a node makes at once to the next node (two_level), "
-        "two_level when the EP group spans nodes (auto), or, expert mode only and asked for by "
-        "name, one hop per node over a node's experts all-gathered inside it (node_batched; "
-        "simulated, not yet measured across nodes)",
-    )
-    group.add_argument(
-        "--relaymoe-gpus-per-node",
-        type=_positive_int,
-        default=None,
-        help="GPUs per node of the cluster, for the two-level ring: the EP ranks' nodes are "
-        "global rank // N (default: read from the EP ranks' hosts)",
-    )
-    group.add_argument(
-        "--relaymoe-grad-accum",
-        choices=RING_GRAD_ACCUMS,
-        default="auto",
-        help="dtype of the ring's expert weight-gradient accumulators (the gradients that travel "
-        "with their weights, or token mode's local sums): the weights' own (param), fp32, or "
-        f"fp32 from {FP32_GRAD_ACCUM_MIN_EP} EP ranks (auto), where bf16 sums rounded once a "
-        "hop would take the error past twice an all-to-all's",
-    )
-    group.add_argument(
-        "--relaymoe-ring-host-wait",
-        choices=RING_HOST_WAITS,
-        default=None,
-        help="how the host waits, bounded by the process group's timeout, for the ring's "
-        "transfers so that a dead or stalled EP peer raises RingPeerError naming it: lag (the "
-        "default: at each pass's end for the pass before, at a backward's end for its last; "
-        "measured free), pass (at each pass's end for the pass itself: about 10%% of "
-        "throughput) or off (no host sync: a hang is left to NCCL's watchdog); sets "
-        "RELAYMOE_RING_HOST_WAIT (default: the environment's)",
-    )
-    group.add_argument(
-        "--relaymoe-no-overlap",
-        action="store_true",
-        help="run each ring hop's transfer after its compute (ablation)",
-    )
+    for flag, f in options.megatron_flags():
+        choices = f.metadata.get("choices")
+        kind = {"type": _positive_int} if choices is None else {"choices": choices}
+        default = None if f.metadata.get("env") else f.default
+        group.add_argument(flag, default=default, help=f.metadata["help"], **kind)
     group.add_argument(
         "--relaymoe-fused-loss",
         action="store_true",
@@ -214,11 +160,23 @@ def patch_arguments() -> None:
             check_ring_args(args)
             check_fused_loss_args(args)
             announce_fp8_experts(args)
+            install_process_options(args)
             if getattr(args, "relaymoe_recompute_planner", False):
                 apply_recompute_plan(args)
             return original_validate(args, {} if defaults is None else defaults)
 
         arguments.validate_args = _mark(validate_args, original_validate)
+
+
+def install_process_options(args) -> None:
+    """The ring's process-wide options from Megatron's flags (every rank parses the same
+    arguments at the same point): the host wait, when ``--relaymoe-host-wait`` is given; the
+    rest of the process's options stay those of the environment (``register()``)."""
+    from relaymoe import options
+
+    host_wait = getattr(args, "relaymoe_host_wait", None)
+    if host_wait is not None and host_wait != options.defaults().host_wait:
+        options.install(options.defaults().replace(host_wait=host_wait))
 
 
 def announce_fp8_experts(args) -> str | None:
@@ -257,7 +215,9 @@ def apply_recompute_plan(args) -> dict:
             "--relaymoe-recompute-planner needs relaymoe.planner.plan_from_megatron_args, "
             "which this installation lacks"
         ) from e
-    plan = plan_from_megatron_args(args)
+    import os
+
+    plan = plan_from_megatron_args(args, gpu_bytes=os.environ.get("RELAYMOE_GPU_BYTES"))
     overrides = plan if isinstance(plan, dict) else getattr(plan, "megatron_args", None)
     if not isinstance(overrides, dict):
         raise TypeError(

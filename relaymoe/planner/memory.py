@@ -33,6 +33,8 @@ Terms (each a function so that tests can check it against hand-computed values):
 * the last pipeline stage's final norm and its loss: Megatron's logits and fp32 cross-entropy
   buffers, or with ``relaymoe.fused_loss`` (``--relaymoe-fused-loss``) the chunked output
   layer + cross-entropy, whose bytes come from ``relaymoe.lossmodel`` (the op's own model).
+
+History: docs/lab-notes/library_history.md#planner-memory
 """
 
 from __future__ import annotations
@@ -48,17 +50,15 @@ PROB_BYTES = 4
 # Megatron's vocab-parallel cross entropy works in place on one fp32 copy of the logits (max
 # subtraction, exp, normalisation, then the gradient), so per logit element: forward, the bf16
 # logits + that fp32 copy; backward, the fp32 copy (now the gradient) + its bf16 cast.
-# Checked on an H200 (benchmarks/validate_memory_model.py): 6, not 10.
+# Checked with benchmarks/validate_memory_model.py: 6, not 10.
 LOGIT_BYTES_PER_ELEMENT = 2 + 4
 # torch.nn.RMSNorm (megatron-core's WrappedTorchNorm without TE/apex) where torch has no fused
 # kernel for it (CPU tensors, older builds) runs as a composite in fp32: autograd saves the fp32
 # upcast of the input (pow, mul) and the fp32 normalised tensor (the weight multiply), 8 bytes
-# per element beyond the bf16 input (saved-tensor hooks, torch 2.14 on CPU). On CUDA, torch
-# 2.11 (H200) runs it as ``aten::_fused_rms_norm``, which saves the bf16 input, the weight and
-# an fp32 rstd per row (FusedRmsNormBackward0, saved-tensor hooks): nothing extra, and the
-# ring + fused-loss max_seq peaks at 163,840 / 245,760 tokens measured 4% / 2% below the
-# planner without the extra (27% / 31% below with it). torch.nn.LayerNorm is one native kernel
-# (input, mean, rstd): no extra.
+# per element beyond the bf16 input (saved-tensor hooks on CPU). On CUDA, torch runs it as
+# ``aten::_fused_rms_norm``, which saves the bf16 input, the weight and an fp32 rstd per row
+# (FusedRmsNormBackward0, saved-tensor hooks): nothing extra. torch.nn.LayerNorm is one native
+# kernel (input, mean, rstd): no extra.
 TORCH_RMSNORM_EXTRA_BYTES = 8
 
 

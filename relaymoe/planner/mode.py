@@ -48,13 +48,13 @@ def ring_mode(
     ring_only: bool = False,
 ) -> str:
     """The mode the runtime runs for a config (or for planner shapes): ``forced`` (default: the
-    config's ``relaymoe.ring_mode``) unless ``auto``, else ``cost.choose_mode`` (over the
+    config's ``relaymoe.mode``) unless ``auto``, else ``cost.choose_mode`` (over the
     ring modes only with ``ring_only``). ``transport`` defaults to the config's (``auto`` with
     bare shapes)."""
     if isinstance(cfg_or_shapes, Config):
         cfg = cfg_or_shapes
         sh = shapes(cfg, seq, mbs)
-        forced = cfg.relaymoe.ring_mode if forced is None else forced
+        forced = cfg.relaymoe.mode if forced is None else forced
         transport = cfg.relaymoe.transport if transport is None else transport
         across = across_nodes(cfg)
     else:
@@ -80,7 +80,7 @@ def ring_mode(
 
 def ring_mode_of(cfg: Config, sh: Shapes, requested: str | None, transport: str) -> str:
     """``requested`` (default: the config's mode) resolved for the shapes ``sh`` of ``cfg``."""
-    return ring_mode(sh, requested or cfg.relaymoe.ring_mode, transport=transport)
+    return ring_mode(sh, requested or cfg.relaymoe.mode, transport=transport)
 
 
 def per_hop_bytes(sh: Shapes) -> dict[str, dict[str, int]]:

@@ -1,13 +1,15 @@
 """``plan(cfg, gpu_bytes) -> Plan``: routing mode, memory breakdown, recompute plan and capacity
 limits (largest sequence / micro-batch) for the ring and the alltoall dispatcher, each with
-Megatron's loss and with relaymoe's fused loss (``VARIANTS``)."""
+Megatron's loss and with relaymoe's fused loss (``VARIANTS``).
+
+History: docs/lab-notes/library_history.md#planner-plan
+"""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import math
-import os
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -35,10 +37,8 @@ GPU_TOTAL_MIB = {
 GPUS = {name: mib * MiB for name, mib in GPU_TOTAL_MIB.items()}
 DEFAULT_GPU = "h100-80gb"
 # What a training process cannot allocate out of the driver's total: the driver's own
-# reservation plus the CUDA context. H200 (torch 2.11, CUDA 13.0; the max_seq rows of
-# benchmarks/results/2026-11-30_h200x2_e3bbf85a8ce8): nvidia-smi's total 143,771 MiB, the
-# total torch.cuda.mem_get_info reports 143,156 MiB (615 MiB held by the driver), and a fresh
-# process's free memory 527 MiB below that (its CUDA context): 1,142 MiB in all.
+# reservation (nvidia-smi's total less torch.cuda.mem_get_info's) plus a fresh process's CUDA
+# context (its free memory below that total), measured with benchmarks/max_seq.py.
 CUDA_CONTEXT_BYTES = 1_142 * MiB
 RESERVE_FIXED = 2 * GiB  # NCCL buffers, cuBLAS workspaces
 RESERVE_FRACTION = 0.03  # allocator fragmentation
@@ -350,16 +350,6 @@ def _recompute_note(cfg: Config, variant: str, planned: list[str]) -> str | None
     )
 
 
-def recompute_flags(p: Plan) -> list[str]:
-    o = p.megatron_args
-    return recompute_args(
-        o["recompute_granularity"],
-        o["recompute_method"],
-        o["recompute_num_layers"],
-        o["recompute_modules"],
-    )
-
-
 # -- Megatron integration ----------------------------------------------------------------------
 
 
@@ -441,7 +431,7 @@ def config_from_megatron_args(args) -> Config:
     disp = g("moe_token_dispatcher_type", "alltoall")
     relay = {
         "dispatcher": "ring" if disp == "ring" else "alltoall",
-        "ring_mode": g("relaymoe_ring_mode", "auto"),
+        "mode": g("relaymoe_mode", None) or "auto",
         "transport": g("relaymoe_transport", "auto"),
         "fused_loss": bool(g("relaymoe_fused_loss", False)),
     }
@@ -467,18 +457,16 @@ def normalization_impl_of(args) -> str:
 
 
 def plan_from_megatron_args(args, gpu_bytes: int | str | None = None) -> Plan:
-    """The plan for a Megatron run (called once at training start). GPU memory: ``gpu_bytes``,
-    else ``$RELAYMOE_GPU_BYTES``, else the current CUDA device's total memory. Deterministic:
-    every rank computes the same plan from the same arguments."""
-    if gpu_bytes is None:
-        gpu_bytes = os.environ.get("RELAYMOE_GPU_BYTES")
+    """The plan for a Megatron run (called once at training start). GPU memory: ``gpu_bytes``
+    (the Megatron patch passes ``$RELAYMOE_GPU_BYTES``), else the current CUDA device's total
+    memory. Deterministic: every rank computes the same plan from the same arguments."""
     if gpu_bytes is None:
         import torch  # only here: the planner itself is pure Python
 
         if not torch.cuda.is_available():
             raise ValueError(
-                "the recompute planner needs the GPU memory size: no CUDA device; "
-                "set RELAYMOE_GPU_BYTES"
+                "the recompute planner needs the GPU memory size: no CUDA device; pass "
+                "gpu_bytes (for --relaymoe-recompute-planner: set RELAYMOE_GPU_BYTES)"
             )
         gpu_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     return plan(

@@ -15,6 +15,8 @@ rematerialised activations and MoE working set; for a kept layer only what its b
 beyond its retained activations) or, on the last stage, the loss's forward: the final norm
 and Megatron's logits + cross-entropy buffers, or the fused loss's chunk and kept gradients
 (``relaymoe.lossmodel``), whose backward only consumes what its forward made.
+
+History: docs/lab-notes/library_history.md#planner-recompute
 """
 
 from __future__ import annotations
@@ -110,10 +112,8 @@ def stage_peak(
     # activations in r already (the alltoall's dispatched tokens and expert intermediates are
     # part of both moe_peak and its inner keep), so its backward adds only the rest of the MoE
     # peak, or the attention gradients. Adding a full rematerialised layer on top of kept
-    # layers counted them twice: at base_s4k_b2 (H200 run 1, no recompute, two layers) that
-    # was 92.5 + 401.2 = 493.8 MiB on top of 2 x 285.7 MiB retained, where the MoE backward
-    # adds 401.2 - 161.2 = 240 MiB and the measured peak (activations 1608 MiB, 144 MiB above
-    # the forward's 1464) is the loss phase: retained + final norm + logits.
+    # layers would count them twice (a measured two-layer peak is the loss phase: retained +
+    # final norm + logits).
     r, x = [], []
     for i in layers:
         attn = mm.attention_keep_bytes(cfg, sh, i)

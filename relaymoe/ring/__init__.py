@@ -10,10 +10,10 @@ per-expert tensors, ``weights.py``; its per-hop bytes, memory and the time model
 See ``engine.py`` for the modes and the memory bound of each.
 """
 
-from relaymoe.ring.agree import RingProblem
 from relaymoe.ring.engine import resolved_problem, ring_moe
 from relaymoe.ring.executor import HopTiming, record_timeline
 from relaymoe.ring.faults import RingPeerError
+from relaymoe.ring.problem import RingProblem
 from relaymoe.ring.schedule import RingPlan
 from relaymoe.ring.transport import (
     CopyEngineTransport,

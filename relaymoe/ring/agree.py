@@ -18,55 +18,61 @@ changes its input signature in the same call) skip the id validation and reuse t
 the same signature (shapes, dtypes, device, mode, transport, whether a backward follows): a call
 in steady state neither communicates nor synchronizes with the host here. The hops then size
 their pair buffers from an upper bound (``T * min(K, E_local)`` pairs) as long as that stays
-under the pair-buffer budget (``RELAYMOE_PAIR_BUFFER_MIB``); above it, one all-reduce of the pair
-counts per call (a host sync) keeps the buffers exact. ``RELAYMOE_RING_AGREE=every_call`` turns
-the cache off (debugging a caller that breaks the contract).
+under the pair-buffer budget (``pair_buffer_mib``); above it, one all-reduce of the pair counts
+per call (a host sync) keeps the buffers exact. ``RingOptions(agree="every_call")`` turns the
+cache off (debugging a caller that breaks the contract).
 
-**Settings that decide collectives.** ``RELAYMOE_RING_AGREE`` decides whether a trusted call
-enters the agreement's all-reduce, and ``RELAYMOE_PAIR_BUFFER_MIB`` whether it enters the pair
-counts' all-reduce. The ring reads both once per process, at its first call
-(:func:`ring_settings`), writes them into every agreement's row and requires them equal on
-every rank: ranks launched with different values all raise the same ``ValueError`` naming the
-setting and every rank's value, in the agreement they all enter on their first call (no
-agreement is cached then). A later change of the environment in one process cannot make its
-rank enter other collectives than its peers: the values stay those read first, until
-:func:`reload_ring_settings`, which every rank must call at the same point (it also drops the
-cached agreements, so the next call agrees, and compares, again). The call decides from the
-agreed values (``RingProblem.pair_buffer_mib``). The expert kernels' own column chunks follow
-``RELAYMOE_PAIR_BUFFER_MIB`` as it is at each call: a local choice no peer depends on.
+**Options that decide collectives.** ``RingOptions.agree`` decides whether a trusted call enters
+the agreement's all-reduce, and ``KernelOptions.pair_buffer_mib`` whether it enters the pair
+counts' all-reduce. Both are this process's options (``relaymoe.options.defaults()``, installed
+once by an entry point from the ``RELAYMOE_*`` environment), written into every agreement's row
+and required equal on every rank: ranks launched with different values all raise the same
+``ValueError`` naming the option and every rank's value, in the agreement they all enter on
+their first call (no agreement is cached then). ``relaymoe.options.install`` drops the cached
+agreements, so every rank must install the same options at the same point of its program. The
+call decides from the agreed values (``RingProblem.pair_buffer_mib``); the expert kernels' own
+column chunks follow the call's ``KernelOptions``: a local choice no peer depends on.
+
+The pieces it agrees on live beside it: the request and the agreed problem (``problem.py``),
+each rank's own input checks (``checks.py``) and the hosts' topology (``topology.py``).
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
-import socket
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from relaymoe import options
 from relaymoe.cost import choose_mode, grad_accum_bytes
-from relaymoe.experts import resolve_backend
-from relaymoe.kernels import check_problem_limits, pair_buffer_mib
-from relaymoe.options import (
-    GRAD_ACCUM_CHOICES,
-    MODE_CHOICES,
-    NODE_BATCHED,
-    SCHEDULE_CHOICES,
-    TRANSPORT_CHOICES,
+from relaymoe.kernels import check_problem_limits
+from relaymoe.options import AGREE_CHOICES, GRAD_ACCUM_CHOICES, NODE_BATCHED, SCHEDULE_CHOICES
+from relaymoe.ring.checks import (
+    _DEVICE_TYPES,
+    _FLOATS,
+    MODES,
+    TRANSPORTS,
+    _local_check,
+    _weight_meta,
 )
 from relaymoe.ring.faults import all_reduce_checked, check_markers
+from relaymoe.ring.problem import RingProblem, RingRequest, RingSettings, ring_settings
+from relaymoe.ring.topology import _host_hash, nodes_from_hosts, resolve_schedule
 from relaymoe.ring.transport import copy_engine_available, copy_engine_works
-from relaymoe.routing import validate_topk_idx
 
-__all__ = ["RingProblem", "RingRequest", "agree", "reload_ring_settings", "ring_settings"]
-
-MODES = MODE_CHOICES  # the names live in relaymoe.options
-TRANSPORTS = TRANSPORT_CHOICES
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_DEVICE_TYPES = ("cpu", "cuda")
+# RingProblem, RingRequest, ring_settings (problem.py) and nodes_from_hosts, resolve_schedule
+# (topology.py) are importable from here too, where they were defined before the split
+__all__ = [
+    "RingProblem",
+    "RingRequest",
+    "agree",
+    "nodes_from_hosts",
+    "pair_counts",
+    "resolve_schedule",
+    "ring_settings",
+]
 
 # Row fields
 (
@@ -104,250 +110,7 @@ _ERRORS = {
     7: "the device type is neither cpu nor cuda",
     8: "the hop backend cannot run these inputs (backend='triton' needs CUDA or "
     "TRITON_INTERPRET=1, and float16, bfloat16 or float32)",
-    9: "a RELAYMOE_* setting that decides collectives has a bad value",
 }
-
-AGREE_ENV, AGREE_CHOICES = "RELAYMOE_RING_AGREE", ("cached", "every_call")
-
-
-@dataclass(frozen=True)
-class RingRequest:
-    """What the caller of one ``ring_moe`` call asks for; every rank must ask the same (the
-    agreement checks it). ``needs_grad``: a backward follows."""
-
-    mode: str = "auto"
-    transport: str = "auto"
-    schedule: str = "auto"
-    gpus_per_node: int | None = None  # None: from the ranks' hosts
-    needs_grad: bool = True
-    grad_accum: str = "auto"  # the weight-gradient accumulators (options.GRAD_ACCUM_CHOICES)
-    backend: str = "auto"  # the hop primitives' backend on this rank (not compared across ranks)
-
-
-@dataclass(frozen=True)
-class RingSettings:
-    """The environment settings that decide which collectives a call issues, read once per call
-    (:func:`ring_settings`) and agreed across ranks in the agreement's row."""
-
-    agree: str = "cached"  # RELAYMOE_RING_AGREE: AGREE_CHOICES
-    pair_buffer_mib: int = 512  # RELAYMOE_PAIR_BUFFER_MIB
-
-
-_SETTINGS: tuple[RingSettings | None, str] | None = None  # this process's, read once
-
-
-def ring_settings() -> tuple[RingSettings | None, str]:
-    """This process's ring settings, read from the environment at the first call and kept
-    (see the module doc): ``(settings, "")``, or ``(None, message)`` for a bad value, which
-    the agreement turns into an error code so that every rank raises, not just this one."""
-    global _SETTINGS
-    if _SETTINGS is None:
-        _SETTINGS = _read_ring_settings()
-    return _SETTINGS
-
-
-def reload_ring_settings() -> None:
-    """Read the ring settings from the environment again at the next call, and drop every
-    cached agreement (the next call of each signature agrees, and compares the settings,
-    again). Every rank of every group must call it at the same point of its program."""
-    global _SETTINGS
-    _SETTINGS = None
-    _AGREED.clear()
-
-
-def _read_ring_settings() -> tuple[RingSettings | None, str]:
-    value = os.environ.get(AGREE_ENV, AGREE_CHOICES[0])
-    if value not in AGREE_CHOICES:
-        return None, (
-            f"{AGREE_ENV}={value!r}: use one of {AGREE_CHOICES} (the first is the default; "
-            "every_call agrees on every trusted call)"
-        )
-    try:
-        mib = pair_buffer_mib()
-    except ValueError as err:
-        return None, str(err)
-    return RingSettings(value, mib), ""
-
-
-@dataclass(frozen=True)
-class RingProblem:
-    """What every rank agreed on: sizes of every partition and the resolved execution."""
-
-    rank: int
-    world_size: int
-    num_local_experts: int
-    hidden: int
-    ffn: int
-    topk: int
-    dtype: torch.dtype
-    prob_dtype: torch.dtype
-    tokens: tuple[int, ...]  # T of every rank's token partition
-    mode: str  # "expert" | "token"
-    transport: str  # "nccl" | "copy_engine" | "local"
-    needs_grad: bool
-    # pairs[r][q]: pairs of rank r's tokens whose expert rank q owns, read in the same all-reduce
-    # as the sizes, so a hop knows its pair count without a host sync of its own. None: the hops
-    # size their buffers from the bound ``pair_bound`` (trusted callers, small T).
-    pairs: tuple[tuple[int, ...], ...] | None
-    # the hop order (schedule.RingPlan): "flat", or "two_level" over nodes of gpus_per_node
-    # consecutive ranks (None for flat); or "node_batched" (expert mode, nodebatch.py)
-    schedule: str = "flat"
-    gpus_per_node: int | None = None
-    # dtype of the weight-gradient accumulators (expert mode's travelling trail, token mode's
-    # local sums): ``dtype`` or fp32 (cost.grad_accum_bytes)
-    grad_dtype: torch.dtype | None = None
-    # RELAYMOE_PAIR_BUFFER_MIB as agreed by every rank (``_bounded`` decides from it)
-    pair_buffer_mib: int = 512
-
-    @property
-    def accum_dtype(self) -> torch.dtype:
-        return self.grad_dtype or self.dtype
-
-    @property
-    def num_experts(self) -> int:
-        return self.num_local_experts * self.world_size
-
-    def hop_pairs(self, tokens_rank: int, experts_rank: int) -> int:
-        """Rows of the pair buffers of one hop: rank ``tokens_rank``'s tokens against rank
-        ``experts_rank``'s experts; exact when the counts were agreed, else the upper bound."""
-        if self.pairs is not None:
-            return self.pairs[tokens_rank][experts_rank]
-        return self.tokens[tokens_rank] * min(self.topk, self.num_local_experts)
-
-    @property
-    def expert_range(self) -> tuple[int, int]:
-        """This rank's experts ``[rank*E_local, (rank+1)*E_local)``."""
-        return self.rank * self.num_local_experts, (self.rank + 1) * self.num_local_experts
-
-
-def _host_hash() -> int:
-    digest = hashlib.blake2b(socket.gethostname().encode(), digest_size=7).digest()
-    return int.from_bytes(digest, "little")
-
-
-class _Meta:
-    """Shape/dtype/device of an expert-weight input in either form (tensor, or a list of
-    per-expert tensors read as ``(len, *element_shape)``)."""
-
-    def __init__(self, shape, dtype, device):
-        self.shape, self.dtype, self.device = tuple(shape), dtype, device
-
-    def dim(self) -> int:
-        return len(self.shape)
-
-
-def _weight_meta(name: str, w, want: str) -> tuple[_Meta | None, str]:
-    """(meta, "") of a weight input, or (None, error message)."""
-    if isinstance(w, Tensor):
-        return _Meta(w.shape, w.dtype, w.device), ""
-    if not isinstance(w, (list, tuple)):
-        return None, (
-            f"{name} must be a torch.Tensor {want.replace('El', 'E_local')} or a list of E_local "
-            f"per-expert tensors, got {type(w).__name__}"
-        )
-    if len(w) == 0:
-        return None, f"{name} is an empty list; pass E_local >= 1 per-expert tensors"
-    for j, t in enumerate(w):
-        if not isinstance(t, Tensor):
-            return None, f"{name}[{j}] must be a torch.Tensor, got {type(t).__name__}"
-    w0 = w[0]
-    for j, t in enumerate(w):
-        if t.dim() != 2 or t.shape != w0.shape or t.dtype != w0.dtype or t.device != w0.device:
-            return None, (
-                f"{name} list elements must all be 2-D with one shape, dtype and device; element "
-                f"0 is {tuple(w0.shape)} {w0.dtype} {w0.device}, element {j} is "
-                f"{tuple(t.shape)} {t.dtype} {t.device}"
-            )
-    return _Meta((len(w), *w0.shape), w0.dtype, w0.device), ""
-
-
-def _local_check(
-    x,
-    w13,
-    w2,
-    topk_idx,
-    topk_probs,
-    req: RingRequest,
-    world: int,
-    validate_ids: bool = True,
-) -> tuple[int, str]:
-    """(error code, message) of this rank's inputs; (0, "") when they are fine."""
-    tensors = dict(x=x, topk_idx=topk_idx, topk_probs=topk_probs)
-    for name, t in tensors.items():
-        if not isinstance(t, Tensor):
-            return 1, f"{name} must be a torch.Tensor, got {type(t).__name__}"
-    m13, msg = _weight_meta("w13", w13, "(El, 2I, H)")
-    if m13 is None:
-        return 1, msg
-    m2, msg = _weight_meta("w2", w2, "(El, H, I)")
-    if m2 is None:
-        return 1, msg
-    if isinstance(w13, Tensor) != isinstance(w2, Tensor):
-        return 1, "w13 and w2 must both be tensors or both be lists of per-expert tensors"
-    mode, transport, schedule, gpus_per_node = (
-        req.mode, req.transport, req.schedule, req.gpus_per_node
-    )  # fmt: skip
-    if mode not in MODES:
-        return 2, f"mode must be one of {MODES}, got {mode!r}"
-    if transport not in TRANSPORTS:
-        return 2, f"transport must be one of {TRANSPORTS}, got {transport!r}"
-    if schedule not in SCHEDULE_CHOICES:
-        return 2, f"schedule must be one of {SCHEDULE_CHOICES}, got {schedule!r}"
-    if req.grad_accum not in GRAD_ACCUM_CHOICES:
-        return 2, f"grad_accum must be one of {GRAD_ACCUM_CHOICES}, got {req.grad_accum!r}"
-    if gpus_per_node is not None and (
-        isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node < 1
-    ):
-        return 2, (
-            f"gpus_per_node must be a positive int (the GPUs of one node in the EP group) or "
-            f"None (from the ranks' hosts), got {gpus_per_node!r}"
-        )
-    if x.dim() != 2 or m13.dim() != 3 or m2.dim() != 3:
-        return 3, (
-            f"x must be (T, H), w13 (E_local, 2I, H), w2 (E_local, H, I); got x "
-            f"{tuple(x.shape)}, w13 {m13.shape}, w2 {m2.shape}"
-        )
-    num_tokens, hidden = x.shape
-    n_local, two_i, h13 = m13.shape
-    if n_local < 1 or two_i % 2 or h13 != hidden or m2.shape != (n_local, hidden, two_i // 2):
-        return 3, (
-            f"shapes disagree: x {tuple(x.shape)}, w13 {m13.shape} (want (E_local >= 1, "
-            f"2I, {hidden})), w2 {m2.shape} (want ({n_local}, {hidden}, {two_i // 2}))"
-        )
-    if topk_idx.dim() != 2 or topk_idx.shape[0] != num_tokens:
-        return 3, f"topk_idx must be (T={num_tokens}, K), got {tuple(topk_idx.shape)}"
-    if topk_probs.shape != topk_idx.shape:
-        return 3, (
-            f"topk_probs shape {tuple(topk_probs.shape)} must equal topk_idx's "
-            f"{tuple(topk_idx.shape)}"
-        )
-    if x.dtype not in _FLOATS or not (x.dtype == m13.dtype == m2.dtype):
-        return 4, (
-            f"x, w13, w2 must share one float dtype of {_FLOATS}; got {x.dtype}, {m13.dtype}, "
-            f"{m2.dtype}"
-        )
-    if topk_probs.dtype not in _FLOATS:
-        return 4, f"topk_probs must be a float tensor, got {topk_probs.dtype}"
-    devices = {t.device for t in tensors.values()} | {m13.device, m2.device}
-    if len(devices) != 1:
-        return 5, f"inputs are on different devices: {sorted(map(str, devices))}; move them to one"
-    if x.device.type not in _DEVICE_TYPES:
-        return 7, f"ring_moe runs on cpu or cuda tensors, got {x.device}"
-    try:
-        resolve_backend(req.backend, x.device, x.dtype)
-    except ValueError as err:
-        return 8, str(err)
-    if not validate_ids:  # a trusted caller (a router): shapes only, no host sync
-        if topk_idx.dtype.is_floating_point or topk_idx.dtype == torch.bool:
-            return 4, f"topk_idx must hold integer expert ids, got dtype {topk_idx.dtype}"
-        if not 1 <= topk_idx.shape[1] <= n_local * world:
-            return 6, f"top-k K={topk_idx.shape[1]} must be in [1, E={n_local * world}]"
-        return 0, ""
-    try:
-        validate_topk_idx(topk_idx, n_local * world)  # host sync
-    except ValueError as err:
-        return 6, f"{err} (E = E_local * world_size = {n_local} * {world})"
-    return 0, ""
 
 
 def _pairs_per_owner(topk_idx: Tensor, num_local_experts: int, world: int) -> Tensor:
@@ -374,16 +137,14 @@ def _agree_collective(
     req: RingRequest,
     validate_ids: bool,
     with_pairs: bool,
-    settings: tuple[RingSettings | None, str] | None = None,
+    settings: RingSettings | None = None,
 ) -> RingProblem:
     """Validate on every rank at once; raise the same ``ValueError`` everywhere or agree.
     ``inputs``: ``(x, w13, w2, topk_idx, topk_probs)`` as ``ring_moe`` got them;
-    ``settings``: this call's :func:`ring_settings` (None: read them here)."""
+    ``settings``: this call's :func:`ring_settings` (None: this process's)."""
     x, w13, w2, topk_idx, topk_probs = inputs
     code, msg = _local_check(x, w13, w2, topk_idx, topk_probs, req, world, validate_ids)
-    env, env_msg = ring_settings() if settings is None else settings
-    if code == 0 and env is None:
-        code, msg = 9, env_msg
+    env = ring_settings() if settings is None else settings
     row = [0] * NUM_FIELDS
     row[F_ERR] = code
     if code == 0:
@@ -462,8 +223,10 @@ def _agree_collective(
     same(F_GPN, "gpus_per_node (0: from the hosts)", "pass the same gpus_per_node on every rank")
     same(F_GACC, f"the requested grad_accum ({_codes(GRAD_ACCUM_CHOICES)})",
          "pass the same grad_accum on every rank")  # fmt: skip
-    _same_setting(rows, F_AGREE, AGREE_ENV, lambda c: AGREE_CHOICES[c - 1])
-    _same_setting(rows, F_PAIRBUF, "RELAYMOE_PAIR_BUFFER_MIB", lambda v: v)
+    _same_setting(rows, F_AGREE, "RingOptions.agree (RELAYMOE_RING_AGREE)",
+                  lambda c: AGREE_CHOICES[c - 1])  # fmt: skip
+    _same_setting(rows, F_PAIRBUF, "KernelOptions.pair_buffer_mib (RELAYMOE_PAIR_BUFFER_MIB)",
+                  lambda v: v)  # fmt: skip
 
     r0 = rows[0]
     dtype, prob_dtype = _FLOATS[r0[F_DTYPE] - 1], _FLOATS[r0[F_PDTYPE] - 1]
@@ -550,76 +313,20 @@ def _agree_collective(
 
 
 def _same_setting(rows, field: int, name: str, decode) -> None:
-    """Every rank's value of the environment setting ``name`` (a collective-deciding one) must
-    be the same: the error names the setting and each rank's value."""
+    """Every rank's value of the collective-deciding option ``name`` must be the same: the
+    error names the option and each rank's value."""
     values = [decode(rw[field]) for rw in rows]
     if len(set(values)) != 1:
         shown = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
         raise ValueError(
-            f"ring_moe: the environment setting {name} differs across the ranks of the group "
-            f"({shown}); it decides which collectives a call issues, so every rank must run "
-            f"with the same value: set (or unset) {name} identically on every node"
+            f"ring_moe: the option {name} differs across the ranks of the group ({shown}); it "
+            f"decides which collectives a call issues, so every rank must run with the same "
+            f"value: set (or unset) it identically on every node"
         )
 
 
 def _codes(names) -> str:
     return ", ".join(f"{i + 1} {n}" for i, n in enumerate(names))
-
-
-def nodes_from_hosts(hosts: list) -> int | None:
-    """GPUs per node when the ranks form equal blocks of consecutive ranks, one host per block
-    and a different host for each block (rank ``n*G + g`` on node ``n``); None otherwise."""
-    blocks = [1]
-    for a, b in zip(hosts, hosts[1:], strict=False):
-        if a == b:
-            blocks[-1] += 1
-        else:
-            blocks.append(1)
-    starts = [0]
-    for n in blocks[:-1]:
-        starts.append(starts[-1] + n)
-    block_hosts = [hosts[s] for s in starts]
-    if len(set(blocks)) != 1 or len(set(block_hosts)) != len(block_hosts):
-        return None
-    return blocks[0]
-
-
-def resolve_schedule(
-    requested: str, gpus_per_node: int | None, hosts: list
-) -> tuple[str, int | None]:
-    """``(schedule, gpus_per_node)`` a ring of ``len(hosts)`` ranks runs (the same on every rank:
-    the inputs are agreed). ``gpus_per_node`` None: from the ranks' hosts. ``auto`` and
-    ``two_level`` run two levels when there are several nodes of several GPUs; one node, or one
-    GPU per node, is the flat order anyway."""
-    R = len(hosts)
-    G = gpus_per_node if gpus_per_node is not None else nodes_from_hosts(hosts)
-    if gpus_per_node is not None and gpus_per_node < R and R % gpus_per_node:
-        raise ValueError(
-            f"ring_moe: gpus_per_node={gpus_per_node} does not divide the EP group's {R} ranks; "
-            "the two-level ring needs nodes of equally many consecutive ranks: pass the GPUs "
-            "per node of the group (a divisor of its size), or schedule='flat'"
-        )
-    if requested == "flat":
-        return "flat", None
-    if G is None:
-        if requested in ("two_level", NODE_BATCHED):
-            raise ValueError(
-                f"ring_moe: schedule={requested!r} needs nodes of equally many consecutive ranks, "
-                f"but the EP group's hosts by rank are {_host_runs(hosts)}; pass gpus_per_node "
-                "(and order the ranks node by node), or use schedule='flat'"
-            )
-        return "flat", None  # auto: an irregular placement runs the flat ring
-    if requested == NODE_BATCHED:  # any node size: G = 1 is the flat ring, G = R one round
-        return NODE_BATCHED, min(G, R)
-    if 1 < G < R:
-        return "two_level", G
-    return "flat", None
-
-
-def _host_runs(hosts: list) -> str:
-    names = {}
-    labels = [names.setdefault(h, f"host{len(names)}") for h in hosts]
-    return "[" + ", ".join(labels) + "]"
 
 
 def _mode_name(mode) -> str:
@@ -642,6 +349,11 @@ def _check_limits(rows, mode: str) -> None:
 _AGREED: dict[tuple, RingProblem] = {}
 
 
+def _forget_agreements() -> None:
+    """Drop every cached agreement (``relaymoe.options.install`` calls this on every rank)."""
+    _AGREED.clear()
+
+
 def _signature(x, w13, w2, topk_idx, topk_probs, req: RingRequest, env: RingSettings) -> tuple:
     def meta(t):
         if isinstance(t, Tensor):
@@ -656,7 +368,7 @@ def _signature(x, w13, w2, topk_idx, topk_probs, req: RingRequest, env: RingSett
 def _bounded(prob: RingProblem) -> bool:
     """Whether every hop's pair buffers fit the budget when sized from the bound (the largest is
     the backward's pre-activation, ``(P, 2I)`` in the activations' dtype). The budget is the
-    agreed ``RELAYMOE_PAIR_BUFFER_MIB``, the same on every rank: this decides a collective."""
+    agreed ``pair_buffer_mib``, the same on every rank: this decides a collective."""
     budget = prob.pair_buffer_mib * 2**20
     esize = torch.empty((), dtype=prob.dtype).element_size()
     bound = max(prob.tokens) * min(prob.topk, prob.num_local_experts)
@@ -698,11 +410,9 @@ def agree(
     exact). ``trusted=True``: see the module doc (cached per signature, ids not validated).
     """
     args = (x, w13, w2, topk_idx, topk_probs)
-    settings = ring_settings()  # this process's, read once; agreed in the row
-    where = dict(group=group, rank=rank, world=world, req=request, settings=settings)
-    env = settings[0]
-    # a bad setting (env None) goes to the agreement, where every rank raises
-    if trusted and env is not None and env.agree != "every_call":
+    env = ring_settings()  # this process's options; agreed in the row
+    where = dict(group=group, rank=rank, world=world, req=request, settings=env)
+    if trusted and env.agree != "every_call":
         key = (getattr(group, "group_name", None) or id(group), rank, world,
                _signature(*args, request, env))  # fmt: skip
         prob = _AGREED.get(key)
@@ -713,3 +423,6 @@ def agree(
             return prob
         return replace(prob, pairs=pair_counts(topk_idx, prob, group))
     return _agree_collective(args, **where, validate_ids=True, with_pairs=True)
+
+
+options.on_install(_forget_agreements)

@@ -41,8 +41,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from relaymoe.experts import expert_hop_backward, expert_hop_forward, resolve_backend
-from relaymoe.ring.agree import RingProblem
 from relaymoe.ring.faults import PeerWatch, check_markers
+from relaymoe.ring.problem import RingProblem
 from relaymoe.ring.weights import REVERSED, LocalExperts, reverse_local_ids
 from relaymoe.routing import RoutingIndex, build_routing_index
 
@@ -122,7 +122,7 @@ def _ids(ids: Tensor, prob: RingProblem, order: str) -> Tensor:
 
 
 def alltoall_forward(
-    prob: RingProblem, group, backend: str, x: Tensor, experts: LocalExperts, probs: Tensor,
+    prob: RingProblem, group, how, x: Tensor, experts: LocalExperts, probs: Tensor,
     idx32: Tensor, order: str,
 ) -> tuple[Tensor, Dispatch]:  # fmt: skip
     """``(out (T, H), dispatch)`` of this rank's tokens; see the module doc."""
@@ -165,18 +165,19 @@ def alltoall_forward(
         index = build_routing_index(_ids(ids_NK, prob, order), prob.num_experts, validate=False)
         y_N, _ = expert_hop_forward(
             x_N, w13, w2, probs_NK, index, expert_range=prob.expert_range, out_TH=None,
-            save="none", backend=backend, n_pairs=n_pairs,
+            save="none", backend=how.backend, kernels=how.kernels, n_pairs=n_pairs,
         )  # fmt: skip
     del x_N, meta_N
     back_S = _exchange(y_N, recv_rows, send_rows, group, R, watch)
-    out = _gather_sum(back_S, pos_TR, torch.empty_like(x), resolve_backend(backend, dev, x.dtype))
+    be = resolve_backend(how.backend, dev, x.dtype)
+    out = _gather_sum(back_S, pos_TR, torch.empty_like(x), be)
     if watch is not None:
         watch.finish(dev)
     return out, Dispatch(tok_S, pos_TR, send_rows, recv_rows, n_pairs, index, probs_NK)
 
 
 def alltoall_backward(
-    prob: RingProblem, group, backend: str, dy: Tensor, x: Tensor, experts: LocalExperts,
+    prob: RingProblem, group, how, dy: Tensor, x: Tensor, experts: LocalExperts,
     probs: Tensor, d: Dispatch, order: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """``(dx, dprobs, dw13, dw2)``, the weight gradients' rows in ``order``."""
@@ -189,13 +190,13 @@ def alltoall_backward(
     if N > 0:
         dx_N, dp_NK, dw13, dw2 = expert_hop_backward(
             dy_N, x_N, w13, w2, d.probs_NK, d.index, expert_range=prob.expert_range,
-            saved_h=None, backend=backend, n_pairs=d.n_pairs,
+            saved_h=None, backend=how.backend, kernels=how.kernels, n_pairs=d.n_pairs,
         )  # fmt: skip
     else:
         dx_N, dp_NK = x_N.new_empty(0, x.shape[1]), d.probs_NK.new_empty(0, prob.topk)
         dw13, dw2 = torch.zeros_like(w13), torch.zeros_like(w2)
     del x_N, dy_N
-    be = resolve_backend(backend, x.device, x.dtype)
+    be = resolve_backend(how.backend, x.device, x.dtype)
     back_dx = _exchange(dx_N, d.recv_rows, d.send_rows, group, R, watch)
     back_dp = _exchange(dp_NK.to(probs.dtype), d.recv_rows, d.send_rows, group, R, watch)
     dx = _gather_sum(back_dx, d.pos_TR, torch.empty_like(x), be)

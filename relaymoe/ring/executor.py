@@ -17,7 +17,7 @@ CPU the transfers run in gloo's background threads; there are no streams.
 Faults (``faults.py``): on CPU step 3 waits for the hop's works with the group's timeout and a
 failure raises ``RingPeerError`` naming the neighbour before anything reads the slot. On CUDA the
 host does not wait per hop; ``finish`` hands the pass's works, and events recorded after each
-copy-engine hop, to the host wait of ``RELAYMOE_RING_HOST_WAIT`` (``faults.PeerWatch.finish``:
+copy-engine hop, to the host wait of ``RingOptions.host_wait`` (``faults.PeerWatch.finish``:
 the default ``lag`` waits for them at the end of the next pass or of the backward; ``pass`` before
 this pass returns; ``off`` never).
 

@@ -11,10 +11,10 @@ ends the process, per ``TORCH_NCCL_ASYNC_ERROR_HANDLING``) and an aborted all-re
 can then be read as data, which is how the agreement once reported "E_local differs across
 ranks: [4, 0]" 82 s after a peer died. ``Work.wait(timeout)`` blocks the host until the work
 completes or the timeout passes, then aborts and raises, on both backends; so every wait here
-passes the timeout explicitly (``RELAYMOE_RING_TIMEOUT_S`` may then be shorter than the group's),
+passes the timeout explicitly (``RingOptions.timeout_s`` may then be shorter than the group's),
 and every sum-all-reduce the ring reads carries a validity marker per rank.
 
-Where the host waits (``RELAYMOE_RING_HOST_WAIT``):
+Where the host waits (``RingOptions.host_wait``):
 
 * on CPU every hop's transfer is waited for before its data is read (as before), each wait
   bounded by the timeout;
@@ -28,20 +28,22 @@ Where the host waits (``RELAYMOE_RING_HOST_WAIT``):
   watched by a thread that logs its error past the timeout (``lagwait.py``). ``lag`` is the
   default. With ``off`` there is no host sync (a ring call in steady state has none, issue #13),
   and a hang is bounded by NCCL's watchdog and the copy engines' device-side barrier timeout,
-  without the ring's diagnosis (5 of 25 NCCL fault cases named the peer; the others read
-  aborted buffers or faulted). Measured on 2x H200 (Megatron, the qwen3 slice at 4k tokens a
-  GPU, EP 2, off/lag/pass interleaved twice): ``lag`` trains as many tokens a second as ``off``
-  (-0.04%), ``pass`` 10% fewer (the host no longer runs ahead of the GPU); with ``lag`` and with
-  ``pass`` every NCCL fault case raised RingPeerError within the timeout.
+  without the ring's diagnosis (most NCCL fault cases then read aborted buffers or fault).
+  ``lag`` costs no throughput against ``off``; ``pass`` costs some (the host no longer runs ahead
+  of the GPU); with ``lag`` and with ``pass`` every NCCL fault case of ``benchmarks/fault.py``
+  raises RingPeerError within the timeout.
 
 The timeout is the group's own (``timeout=`` of ``init_process_group``/``new_group``), on NCCL
 less ``min(5 s, 25%)`` so the ring's error comes before the watchdog acts (:func:`ring_timeout_s`),
-or ``RELAYMOE_RING_TIMEOUT_S`` seconds when set.
+or ``RingOptions.timeout_s`` seconds when set. The host wait is ``RingOptions.host_wait``; both
+are this process's options (``relaymoe.options.defaults()``, which entry points install from
+``RELAYMOE_RING_TIMEOUT_S`` / ``RELAYMOE_RING_HOST_WAIT`` or Megatron's flags).
+
+History: docs/lab-notes/library_history.md#ring-faults
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -50,7 +52,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from relaymoe.kernels import env_switch
+from relaymoe import options
 from relaymoe.options import HOST_WAIT_CHOICES
 from relaymoe.ring import lagwait
 
@@ -67,9 +69,7 @@ __all__ = [
     "ring_timeout_s",
 ]
 
-TIMEOUT_ENV = "RELAYMOE_RING_TIMEOUT_S"
-HOST_WAIT_ENV = "RELAYMOE_RING_HOST_WAIT"
-HOST_WAITS = HOST_WAIT_CHOICES  # RELAYMOE_RING_HOST_WAIT on CUDA; the first is the default
+HOST_WAITS = HOST_WAIT_CHOICES  # RingOptions.host_wait on CUDA; the first is the default
 _FALLBACK_TIMEOUT_S = 1800.0  # torch's default for non-NCCL groups
 # the ring gives up this much before NCCL's watchdog: 5 s, at most a quarter of the timeout (with
 # a tenth, 1 s of a 10 s group, a loaded host's survivor lost the race to its own watchdog)
@@ -129,7 +129,8 @@ class RingPeerError(RuntimeError):
             f"{who} (waited {waited_s:.1f} s of the timeout of {self.timeout_s:g} s{ring}; "
             f"backend: {cause.strip() or 'no detail'}). The peer died or stalled: {check}. If "
             f"it was only slow (a long step, a checkpoint write, a straggler), raise the process "
-            f"group's timeout (timeout= of init_process_group/new_group) or {TIMEOUT_ENV}. The "
+            f"group's timeout (timeout= of init_process_group/new_group) or RingOptions.timeout_s "
+            f"(RELAYMOE_RING_TIMEOUT_S). The "
             f"group is unusable now: end this process and restart the job."
         )
 
@@ -147,22 +148,13 @@ def nccl_margin_s(pg_timeout_s: float) -> float:
 
 
 def ring_timeout_s(group: dist.ProcessGroup) -> float:
-    """Seconds the ring waits for a peer: ``RELAYMOE_RING_TIMEOUT_S`` if set, else ``group``'s
-    own timeout (:func:`group_timeout_s`); on NCCL that less :func:`nccl_margin_s`, so that the
-    ring's wait gives up, and names the peer, before NCCL's watchdog (which may end the process
-    at the group's timeout) acts on the same work."""
-    env = os.environ.get(TIMEOUT_ENV)
-    if env:
-        try:
-            value = float(env)
-        except ValueError:
-            value = -1.0
-        if not value > 0:
-            raise ValueError(
-                f"{TIMEOUT_ENV}={env!r} must be a positive number of seconds; unset it to use the "
-                "process group's timeout"
-            )
-        return value
+    """Seconds the ring waits for a peer: this process's ``RingOptions.timeout_s`` if set, else
+    ``group``'s own timeout (:func:`group_timeout_s`); on NCCL that less :func:`nccl_margin_s`,
+    so that the ring's wait gives up, and names the peer, before NCCL's watchdog (which may end
+    the process at the group's timeout) acts on the same work."""
+    set_s = options.defaults().timeout_s
+    if set_s is not None:
+        return float(set_s)
     pg = group_timeout_s(group)
     if _is_nccl(group):
         return pg - nccl_margin_s(pg)
@@ -206,18 +198,12 @@ def host_wait_enabled(device: torch.device) -> bool:
 
 
 def host_wait_mode(device: torch.device) -> str:
-    """``"hop"`` (CPU: every hop's transfer is waited for before it is read), else the CUDA
-    setting of ``RELAYMOE_RING_HOST_WAIT``: ``"lag"`` (the default), ``"off"`` or ``"pass"``."""
+    """``"hop"`` (CPU: every hop's transfer is waited for before it is read), else this
+    process's ``RingOptions.host_wait`` on CUDA: ``"lag"`` (the default), ``"off"`` or
+    ``"pass"`` (see the module doc)."""
     if device.type != "cuda":
         return "hop"
-    meanings = {
-        "lag": "the host waits, bounded by the timeout, for the previous pass's transfers at the "
-        "end of each pass and for a backward's last pass when the backward ends: a dead peer "
-        "raises RingPeerError",
-        "off": "no host sync; a hang is bounded only by NCCL's watchdog",
-        "pass": "the host waits, bounded by the timeout, for each pass's own transfers at its end",
-    }
-    return env_switch(HOST_WAIT_ENV, {k: meanings[k] for k in HOST_WAITS})
+    return options.defaults().host_wait
 
 
 class PeerWatch:

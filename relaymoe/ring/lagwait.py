@@ -1,20 +1,22 @@
-"""The ``lag`` host wait (``RELAYMOE_RING_HOST_WAIT=lag``, see ``faults.py``): one pending pass a
+"""The ``lag`` host wait (``RingOptions(host_wait="lag")``, see ``faults.py``): one pending pass a
 device.
 
 At the end of each ring pass the host waits, bounded, for the pass before it on the same device,
-never for its own, so it stays one pass ahead of the GPU instead of draining it. The last pass
-of a backward has no later pass to wait for it, and the step's own syncs (the loss, the gradient
-norm) would block on its dead transfer until NCCL's watchdog aborts the communicator (measured on
-2x H200: 73 s with a 10 s timeout, the watchdog's debug dump included), then read the aborted
-buffers. So a backward pass also queues, once per backward call, an autograd callback that runs
-when the backward ends and waits for the device's pending pass: the error reaches the caller of
-``backward()``. A pass outside any backward (evaluation, a forward whose backward never comes) is
-watched by a daemon thread that logs its ``RingPeerError`` past the ring's timeout (logger
-``relaymoe.ring``), so the log names the dead peer before NCCL's watchdog ends the process.
+never for its own, so it stays one pass ahead of the GPU instead of draining it. The last pass of a
+backward has no later pass to wait for it, and the step's own syncs (the loss, the gradient norm)
+would block on its dead transfer until NCCL's watchdog aborts the communicator (long past the ring's
+timeout), then read the aborted buffers. So a backward pass also queues, once per backward call, an
+autograd callback that runs when the backward ends and waits for the device's pending pass: the
+error reaches the caller of ``backward()``. A pass outside any backward (evaluation, a forward whose
+backward never comes) is watched by a daemon thread that logs its ``RingPeerError`` past the ring's
+timeout (logger ``relaymoe.ring``), so the log names the dead peer before NCCL's watchdog ends the
+process.
 
 Entries hold the pass's ``PeerWatch`` (its ``error`` and ``timeout_s``), the works it deferred
 (``(work, peers, op, hop)``, c10d works: ``is_completed``) and its events (``(event, op, hop)``,
 CUDA events: ``query``). Nothing here calls a CUDA API that blocks.
+
+History: docs/lab-notes/library_history.md#ring-lagwait
 """
 
 from __future__ import annotations

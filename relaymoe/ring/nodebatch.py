@@ -1,9 +1,16 @@
-"""Node-batched rounds of the expert ring (``schedule="node_batched"``, issue #18).
+"""Node-batched rounds of the expert ring (``schedule="node_batched"``, issue #18): experimental.
+
+Experimental: ``schedule="auto"`` never picks it (``auto`` resolves to ``flat`` or
+``two_level``, ``agree.resolve_schedule``), so it runs only when asked for by name, in expert
+mode: ``ring_moe(..., schedule="node_batched", gpus_per_node=G)``,
+``RingOptions(schedule="node_batched")`` or Megatron's ``--relaymoe-schedule node_batched``.
+It is tested over gloo on CPU and has run on GPUs only inside one node (two GPUs, ``G = 1``
+and ``2``); it has never run across nodes, where its gain is simulated only
+(``benchmarks/scaling_sim.py``).
 
 The flat and two-level orders make ``R - 1`` hops a pass, and every hop pays the ring's fixed
-host cost once (launches, index slices, Python: about 2 ms fitted on H200 at EP 2). Across
-nodes this schedule pays it once per node instead. With ``G`` GPUs a node and ``N = R/G`` nodes,
-rank ``r = n*G + g``:
+host cost once (launches, index slices, Python). Across nodes this schedule pays it once per
+node instead. With ``G`` GPUs a node and ``N = R/G`` nodes, rank ``r = n*G + g``:
 
 * **column**: the ranks ``(0, g), (1, g), ..., (N-1, g)`` of one local index form a ring of
   ``N`` (the two-level ring's inter-node step, every GPU on its own NIC). ``relay`` runs over it
@@ -28,6 +35,8 @@ token partitions batched ``G`` at a time would multiply the token slots by ``G``
 Waits: on CPU each exchange is waited for, bounded by the group's timeout (``RingPeerError``
 names the peers); on CUDA the works are stream-ordered and handed to the pass's host wait
 (``faults.PeerWatch.finish``).
+
+History: docs/lab-notes/library_history.md#ring-nodebatch
 """
 
 from __future__ import annotations
@@ -38,11 +47,23 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from relaymoe.experts import expert_hop_backward, expert_hop_forward
+from relaymoe.ring.agree import RingProblem
+from relaymoe.ring.executor import relay
 from relaymoe.ring.faults import PeerWatch
+from relaymoe.ring.passes import pack_own, weights_layout
 from relaymoe.ring.schedule import HopTransfer, Leg, RingPlan
 from relaymoe.ring.transport import P2PTransport
+from relaymoe.ring.weights import FORWARD
 
-__all__ = ["ColumnTransport", "column_plan", "row_exchange", "row_ranks"]
+__all__ = [
+    "ColumnTransport",
+    "batched_expert_backward",
+    "batched_expert_forward",
+    "column_plan",
+    "row_exchange",
+    "row_ranks",
+]
 
 
 def row_ranks(rank: int, gpus_per_node: int) -> list[int]:
@@ -130,3 +151,114 @@ def row_exchange(
         watch.wait([(w, (p,)) for w, p in zip(works, peers, strict=True)], op="row exchange")
     else:
         watch.wait([(w, tuple(sorted(set(peers)))) for w in works], op="row exchange")
+
+
+# ---------------------------------------------------------------------------------------------
+# the expert passes in node-batched rounds
+# ---------------------------------------------------------------------------------------------
+def _node_pairs(prob: RingProblem, node: int) -> dict[str, int]:
+    """The pair-count keyword of one round: this rank's tokens against node ``node``'s experts."""
+    G, T = prob.gpus_per_node, prob.tokens[prob.rank]
+    if prob.pairs is not None:
+        return {"n_pairs": sum(prob.pairs[prob.rank][node * G : (node + 1) * G])}
+    return {"max_pairs": T * min(prob.topk, G * prob.num_local_experts)}
+
+
+def _node_experts(prob: RingProblem, group, lead, local, device, phase):
+    """The round's ``G*El`` experts ``(w13, w2)``: this rank's visiting partition (``lead``, or
+    ``local`` in a column of one) and its node peers', all-gathered over the row."""
+    G, El, g = prob.gpus_per_node, prob.num_local_experts, prob.rank % prob.gpus_per_node
+    mine = (lead["w13"], lead["w2"]) if lead is not None else tuple(local[:2])
+    if G == 1:  # the node is this rank: its partition as it is, no copy
+        return mine
+    w13 = mine[0].new_empty((G * El, *mine[0].shape[1:]))
+    w2 = mine[1].new_empty((G * El, *mine[1].shape[1:]))
+    w13[g * El : (g + 1) * El].copy_(mine[0])
+    w2[g * El : (g + 1) * El].copy_(mine[1])
+    row_exchange(
+        group, prob.rank, G, lambda q: list(mine),
+        lambda q: [w13[q * El : (q + 1) * El], w2[q * El : (q + 1) * El]],
+        mode=prob.mode, phase=phase, device=device,
+    )  # fmt: skip
+    return w13, w2
+
+
+def _batched_pass(prob, group, overlap, device, phase, compute, experts, backward):
+    """One column pass; the hop's experts are all-gathered over the row before the hop's column
+    transfer is issued (``relay``'s ``prepare``) and handed to ``compute(node, w13, w2,
+    trail)``."""
+    G = prob.gpus_per_node
+    w, dw = weights_layout(prob), weights_layout(prob, "d")
+    plan = column_plan(prob.rank, prob.world_size, G, w.nbytes, dw.nbytes if backward else None)
+    local = experts.stacked(FORWARD) if plan.world_size == 1 else None  # a column of one node
+    gathered = {}
+
+    def prepare(hop, node, lead):
+        gathered["w"] = _node_experts(prob, group, lead, local, device, phase)
+
+    def run(hop, node, lead, trail):
+        w13, w2 = gathered.pop("w")
+        compute(node, w13, w2, trail)
+
+    return relay(
+        plan, lead_layout=lambda p: w, own_lead=lambda views: pack_own(experts, views),
+        trail_layout=(lambda p: dw) if backward else None, compute=run, prepare=prepare,
+        transport=ColumnTransport(group, prob.rank, G), device=device, overlap=overlap,
+        mode=prob.mode, phase=phase,
+    )  # fmt: skip
+
+
+def batched_expert_forward(prob, group, how, overlap, x, experts, probs, index, order):
+    G, El = prob.gpus_per_node, prob.num_local_experts
+    out = torch.zeros_like(x)
+
+    def compute(node, w13, w2, trail):
+        if x.shape[0] == 0:
+            return
+        expert_hop_forward(
+            x, w13, w2, probs, index, expert_range=(node * G * El, (node + 1) * G * El),
+            out_TH=out, save="none", backend=how.backend, kernels=how.kernels,
+            **_node_pairs(prob, node),
+        )  # fmt: skip
+
+    _batched_pass(prob, group, overlap, x.device, "fwd", compute, experts, False)
+    return out
+
+
+def batched_expert_backward(prob, group, how, overlap, dy, x, experts, probs, index, order):
+    """As ``expert_backward``; the weight gradients' rows in expert order."""
+    G, El, g = prob.gpus_per_node, prob.num_local_experts, prob.rank % prob.gpus_per_node
+    dx, dprobs = torch.zeros_like(x), torch.zeros_like(probs)
+
+    def compute(node, w13, w2, trail):
+        def grads(d13, d2):
+            return expert_hop_backward(
+                dy, x, w13, w2, probs, index, expert_range=(node * G * El, (node + 1) * G * El),
+                saved_h=None, dx_TH=dx, dprobs_TK=dprobs, dw13=d13, dw2=d2, backend=how.backend,
+                kernels=how.kernels, grad_dtype=prob.accum_dtype, **_node_pairs(prob, node),
+            )  # fmt: skip
+
+        if G == 1:  # no row: the gradients go straight into the trail, as in the flat ring
+            if x.shape[0] > 0:
+                grads(trail["dw13"], trail["dw2"])
+            return
+        if x.shape[0] > 0:  # written, not added: no zero fill of the G*El gradients
+            _, _, d13, d2 = grads(None, None)
+        else:  # the peers still wait for this rank's (zero) shares
+            d13 = torch.zeros_like(w13, dtype=prob.accum_dtype)
+            d2 = torch.zeros_like(w2, dtype=prob.accum_dtype)
+        # reduce-scatter over the row: partition (node, q)'s share to local rank q
+        mine = (d13[g * El : (g + 1) * El], d2[g * El : (g + 1) * El])
+        got = {q: (torch.empty_like(mine[0]), torch.empty_like(mine[1]))
+               for q in range(G) if q != g}  # fmt: skip
+        row_exchange(
+            group, prob.rank, G,
+            lambda q: [d13[q * El : (q + 1) * El], d2[q * El : (q + 1) * El]],
+            lambda q: list(got[q]), mode=prob.mode, phase="bwd", device=x.device,
+        )  # fmt: skip
+        for a, b in (mine, *got.values()):
+            trail["dw13"].add_(a)
+            trail["dw2"].add_(b)
+
+    grads = _batched_pass(prob, group, overlap, x.device, "bwd", compute, experts, True)
+    return dx, dprobs, grads["dw13"].to(prob.dtype), grads["dw2"].to(prob.dtype)

@@ -34,6 +34,8 @@ neighbour, or the reverse), so a hop has up to two sends and two receives (``Leg
 comes from the per-partition byte counts known to all ranks, so every rank can compute every
 other rank's layout: a receiver knows exactly how many bytes arrive and where a pulling transport
 finds them on the sender.
+
+History: docs/lab-notes/library_history.md#ring-schedule
 """
 
 from __future__ import annotations
@@ -159,10 +161,6 @@ class RingPlan:
     def has_trail(self) -> bool:
         return self.trail_bytes is not None
 
-    @property
-    def num_hops(self) -> int:
-        return self.world_size
-
     def partition(self, step: int, rank: int | None = None) -> int:
         """Partition computed at ``step`` by ``rank`` (default: this rank)."""
         r = self.rank if rank is None else rank
@@ -241,8 +239,8 @@ class RingPlan:
 
     def capacity(self) -> int:
         """Bytes one slot needs on any rank at any step (identical on every rank). Every ring
-        call asks for it: cached by sizes and order (``O(R^2)`` slot layouts otherwise, ~5 ms of
-        host time at R = 64)."""
+        call asks for it: cached by sizes and order (``O(R^2)`` slot layouts otherwise, host time
+        that grows with R)."""
         return _capacity(self.world_size, self.gpus_per_node, self.lead_bytes, self.trail_bytes)
 
 

@@ -7,14 +7,14 @@ sends and two receives, each with its own peer; one of each in a flat ring).
 * ``copy_engine`` (:class:`CopyEngineTransport`, CUDA within one node): both slots live in one
   persistent ``torch.distributed._symmetric_memory`` allocation per (group, device); each rank
   *pulls* the visiting range straight from its neighbour's slot with a device-to-device copy of
-  peer-mapped memory, which the GPU's copy engines execute without SMs (measured on 2x H200:
-  95% of a 604 MB transfer hidden under a grouped GEMM, against about 50% for NCCL, whose
-  kernels compete for SMs). A group-wide barrier on the signal pads precedes every pull, on the
-  communication stream. After barrier ``h`` every rank has (a) finished writing the slot it
-  sends at hop ``h`` (the executor orders that before the barrier) and (b) finished its pull of
-  hop ``h-1``, i.e. stopped reading the slot its sender overwrites at hop ``h``. So nothing is
-  read before it is written nor overwritten while read. One more barrier at the start of every
-  pass keeps a pass from overwriting slots a peer still reads from the previous pass.
+  peer-mapped memory, which the GPU's copy engines execute without SMs, so more of a transfer hides
+  under a grouped GEMM than with NCCL, whose kernels compete for SMs. A group-wide barrier on the
+  signal pads precedes every pull, on the communication stream. After barrier ``h`` every rank has
+  (a) finished writing the slot it sends at hop ``h`` (the executor orders that before the barrier)
+  and (b) finished its pull of hop ``h-1``, i.e. stopped reading the slot its sender overwrites at
+  hop ``h``. So nothing is read before it is written nor overwritten while read. One more barrier at
+  the start of every pass keeps a pass from overwriting slots a peer still reads from the previous
+  pass.
 
 Both are issued on the current stream (the executor's communication stream on CUDA).
 
@@ -26,6 +26,8 @@ which torch's barrier kernel gives up and traps (a CUDA error the executor's bou
 pass's events turns into ``RingPeerError``); a torch whose barrier takes no timeout spins on, and
 then only the host side is bounded (the poll raises, the GPU keeps spinning until the process
 ends). Neither is exercised on CPU.
+
+History: docs/lab-notes/library_history.md#ring-transport
 """
 
 from __future__ import annotations

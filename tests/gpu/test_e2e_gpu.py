@@ -240,8 +240,8 @@ def test_fused_loss_gpt_bf16_parity():
     ``vocab_parallel_cross_entropy``, within bf16 noise (the CPU test's workers, on the GPU), at
     TP = 1 (MoE layers with alltoall, allgather and ring too) and, with two GPUs, TP = 2 with
     and without sequence parallelism."""
-    from tests.helpers import free_port, run_spawned
-    from tests.test_megatron_fused_loss import worker
+    from tests.fixtures import free_port, run_spawned
+    from tests.lib.test_megatron_fused_loss import worker
 
     for world in range(1, GPUS + 1):
         port = free_port()

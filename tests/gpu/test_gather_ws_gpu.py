@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from relaymoe.kernels import pairs
+from relaymoe.kernels import pairs, select
+from relaymoe.options import KernelOptions
 from relaymoe.routing import build_routing_index
-from tests.helpers import random_routing, rel_err
+from tests.fixtures import random_routing, rel_err, use_env
 
 pytestmark = [
     pytest.mark.gpu,
@@ -100,20 +101,22 @@ def test_grouped_dispatch_and_triton_agree(monkeypatch):
 
     t, i, k = QWEN[0], QWEN[2], QWEN[4]
     x, w13, index, offs = _qwen_up_problem(seed=6)
-    monkeypatch.delenv("RELAYMOE_GATHER_WS", raising=False)
-    assert grouped._gather_ws("up_swiglu", x, w13) is gather_ws
+    use_env(monkeypatch, RELAYMOE_GATHER_WS=None)
+    assert select.gather_ws_for("up_swiglu", x, w13, k=KernelOptions()) is gather_ws
     h32 = torch.empty(t * k, 2 * i, device="cuda")  # an fp32 output: the Triton kernel's
-    assert grouped._gather_ws("up_swiglu", x, w13, h32, None) is None
-    monkeypatch.setattr(grouped, "_GATHER_WS_UNBUILT", {"up_swiglu": "a build failure"})
-    assert grouped._gather_ws("up_swiglu", x, w13) is None  # remembered: Triton from then on
-    monkeypatch.setattr(grouped, "_GATHER_WS_UNBUILT", {})
+    assert select.gather_ws_for("up_swiglu", x, w13, h32, None, k=KernelOptions()) is None
+    monkeypatch.setattr(select, "GATHER_WS_UNBUILT", {"up_swiglu": "a build failure"})
+    assert (
+        select.gather_ws_for("up_swiglu", x, w13, k=KernelOptions()) is None
+    )  # remembered: Triton from then on
+    monkeypatch.setattr(select, "GATHER_WS_UNBUILT", {})
     outs = {}
     for mode in ("auto", "0"):
-        monkeypatch.setenv("RELAYMOE_GATHER_WS", mode)
+        use_env(monkeypatch, RELAYMOE_GATHER_WS=mode)
         out = torch.full((t * k, 2 * i), float("nan"), device="cuda", dtype=torch.bfloat16)
         grouped.up_swiglu(x, w13, index.expert_token_indices, offs, None, out, None)
         outs[mode] = out
-    assert grouped._gather_ws("up_swiglu", x, w13) is None
+    assert select.gather_ws_for("up_swiglu", x, w13, k=KernelOptions()) is None
     assert torch.equal(outs["auto"], outs["0"])
 
 
@@ -134,7 +137,9 @@ def test_rows_gemm_matches_float64(case, dtype):
     offs = index.offsets_for(e0, e1)
     n_pairs = int(offs[-1] - offs[0])
     aligned = (i * dy.element_size()) % 16 == 0  # TMA's row stride rule on w2's (El*H, I) rows
-    assert grouped._gather_ws("rows_gemm", dy, w2[e0:e1]) is (gather_ws if aligned else None)
+    assert select.gather_ws_for("rows_gemm", dy, w2[e0:e1], k=KernelOptions()) is (
+        gather_ws if aligned else None
+    )
     c = torch.full((n_pairs, i), float("nan"), device="cuda", dtype=dtype)
     grouped.rows_gemm(dy, w2[e0:e1], offs, c, a_idx=index.expert_token_indices)
     tok = index.expert_token_indices[int(offs[0]) :].long()

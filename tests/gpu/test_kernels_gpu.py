@@ -19,7 +19,7 @@ import torch
 from relaymoe.experts import expert_hop_backward, expert_hop_forward, moe_experts
 from relaymoe.reference import moe_experts_reference
 from relaymoe.routing import build_routing_index
-from tests.helpers import random_routing, rel_err
+from tests.fixtures import random_routing, rel_err, use_env
 
 pytestmark = [
     pytest.mark.gpu,
@@ -73,7 +73,7 @@ def _assert_bf16_matches_oracle(x, w13, w2, idx, probs, recompute):
 @pytest.mark.parametrize("recompute", ["act", "fc1"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_bf16_matches_float64_oracle(case, recompute, monkeypatch):
-    monkeypatch.setenv("RELAYMOE_AUTOTUNE", "0")
+    use_env(monkeypatch, RELAYMOE_AUTOTUNE="0")
     got = _assert_bf16_matches_oracle(*_problem(*case, seed=sum(case[:5])), recompute)
     if case[-1] == "empty":
         assert torch.equal(got[2][-1], torch.zeros_like(got[2][-1]))
@@ -81,7 +81,7 @@ def test_bf16_matches_float64_oracle(case, recompute, monkeypatch):
 
 
 def test_ranges_sum_to_full_and_are_deterministic(monkeypatch):
-    monkeypatch.setenv("RELAYMOE_AUTOTUNE", "0")
+    use_env(monkeypatch, RELAYMOE_AUTOTUNE="0")
     t, h, i, e, k = 2048, 1024, 512, 32, 4
     x, w13, w2, idx, probs = _problem(t, h, i, e, k, "skewed", seed=7)
     x, w13, w2, probs = (v.to(torch.bfloat16) for v in (x, w13, w2, probs))
@@ -122,11 +122,11 @@ def test_backend_switches_match_oracle(dense, chunk_mib, wgrad, tma, monkeypatch
     by torch._grouped_mm over gathered column chunks, up_swiglu's weight tiles by TMA) against
     float64 at the qwen3 widths, with pinned configs: each variant autotuned would tune new shape
     keys."""
-    monkeypatch.setenv("RELAYMOE_AUTOTUNE", "0")
-    monkeypatch.setenv("RELAYMOE_TMA", tma)
-    monkeypatch.setenv("RELAYMOE_WGRAD", wgrad)
-    monkeypatch.setenv("RELAYMOE_DENSE_GEMM", dense)
-    monkeypatch.setenv("RELAYMOE_PAIR_BUFFER_MIB", chunk_mib)
+    use_env(monkeypatch, RELAYMOE_AUTOTUNE="0")
+    use_env(monkeypatch, RELAYMOE_TMA=tma)
+    use_env(monkeypatch, RELAYMOE_WGRAD=wgrad)
+    use_env(monkeypatch, RELAYMOE_DENSE_GEMM=dense)
+    use_env(monkeypatch, RELAYMOE_PAIR_BUFFER_MIB=chunk_mib)
     case = (4096, 2048, 768, 128, 8, "skewed")
     _assert_bf16_matches_oracle(*_problem(*case, seed=99), recompute="act")
 
@@ -135,8 +135,8 @@ def test_backend_switches_match_oracle(dense, chunk_mib, wgrad, tma, monkeypatch
 def test_rows_gather_copy_matches_oracle(recompute, monkeypatch):
     """RELAYMOE_ROWS_GATHER=copy (x and dy gathered into one copy, torch._grouped_mm, the
     separate SwiGLU pass) against float64 at the qwen3 widths, bf16."""
-    monkeypatch.setenv("RELAYMOE_AUTOTUNE", "0")
-    monkeypatch.setenv("RELAYMOE_ROWS_GATHER", "copy")
+    use_env(monkeypatch, RELAYMOE_AUTOTUNE="0")
+    use_env(monkeypatch, RELAYMOE_ROWS_GATHER="copy")
     case = (4096, 2048, 768, 128, 8, "skewed")
     _assert_bf16_matches_oracle(*_problem(*case, seed=98), recompute=recompute)
 

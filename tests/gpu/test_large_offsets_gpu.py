@@ -19,7 +19,7 @@ import torch
 
 from relaymoe.experts import moe_experts
 from relaymoe.reference import moe_experts_reference
-from tests.helpers import rel_err
+from tests.fixtures import rel_err
 
 pytestmark = [
     pytest.mark.gpu,

@@ -8,16 +8,15 @@ logits of the bf16 inputs (Megatron's smoothing ``a`` is PyTorch's ``a * V / (V 
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from relaymoe.loss import _mixed_wgrad_mode, linear_cross_entropy
+from relaymoe.loss import linear_cross_entropy
+from relaymoe.loss.chunk import _mixed_wgrad_mode
 from relaymoe.lossmodel import CHUNK_BYTES_PER_LOGIT, fused_loss_bytes
-from tests.helpers import rel_err
+from tests.fixtures import free_port, rel_err
 
 pytestmark = [
     pytest.mark.gpu,
@@ -84,17 +83,11 @@ def test_bf16_matches_float64_oracle(case, impl):
         torch.cuda.empty_cache()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def one_rank_group():
     created = not dist.is_initialized()
     if created:
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                                 world_size=1)  # fmt: skip
     yield dist.new_group([dist.get_rank()])
     if created:

@@ -1,4 +1,4 @@
-"""The GPU twin of ``tests/test_property_inputs.py``: the same random layouts, dtypes and shapes
+"""The GPU twin of ``tests/lib/test_property_inputs.py``: the same random layouts, dtypes and shapes
 on CUDA, bf16 included, through the compiled Triton kernels (``moe_experts``, the loss's row
 kernels), the ring on one GPU and, with two GPUs, over NCCL. Each case matches the float64
 oracle within its dtype's bound or raises a ``ValueError`` from relaymoe.
@@ -15,8 +15,8 @@ import collections
 import pytest
 import torch
 
-from tests import property_inputs as P
-from tests.helpers import run_scenarios
+from tests.fixtures import run_scenarios, use_env
+from tests.lib import property_inputs as P
 
 pytestmark = [
     pytest.mark.gpu,
@@ -26,7 +26,7 @@ pytestmark = [
 
 @pytest.fixture(autouse=True)
 def _first_config(monkeypatch):
-    monkeypatch.setenv("RELAYMOE_AUTOTUNE", "0")
+    use_env(monkeypatch, RELAYMOE_AUTOTUNE="0")
 
 
 def _tally(results) -> collections.Counter:
@@ -61,5 +61,5 @@ def _ring_nccl(rank, world, group):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_ring_moe_nccl_two_gpus(tmp_path):
-    run_scenarios([_ring_nccl], 2, tmp_path, timeout=600, backend="nccl")
+def test_ring_moe_nccl_two_gpus():
+    run_scenarios([_ring_nccl], 2, timeout=600, backend="nccl")

@@ -17,8 +17,7 @@ import os
 import pytest
 import torch
 
-from benchmarks.numerics import oracle
-from tests.helpers import rel_err, ring_problem, run_scenarios
+from tests.fixtures import oracle, rel_err, ring_problem, run_scenarios
 
 pytestmark = [
     pytest.mark.gpu,
@@ -66,6 +65,7 @@ def _weights(w13, w2, form):
 
 def _case(rank, *, transport, mode, tokens, overlap=True, route="uniform", seed=0,
           form="tensor", check_memory=False, **topology):  # fmt: skip
+    from relaymoe import options
     from relaymoe.ring import ring_moe
 
     dev = torch.device("cuda", rank)
@@ -82,8 +82,9 @@ def _case(rank, *, transport, mode, tokens, overlap=True, route="uniform", seed=
             f"rank={rank}")  # fmt: skip
     torch.cuda.synchronize(dev)
     before = torch.cuda.memory_allocated(dev)
-    out = ring_moe(x, w13, w2, pb["idx"][lo:hi], probs, mode=mode, transport=transport,
-                   overlap=overlap, **topology)  # fmt: skip
+    with options.installed(options.defaults().replace(overlap=overlap)):  # not a keyword
+        out = ring_moe(x, w13, w2, pb["idx"][lo:hi], probs, mode=mode, transport=transport,
+                       **topology)  # fmt: skip
     if check_memory:  # list form: what forward leaves alive holds no copy of the expert weights
         grown = torch.cuda.memory_allocated(dev) - before
         weights = EL * 3 * H * I * 2
@@ -178,7 +179,7 @@ def nonfinite(rank, world, group):
     """Issue #17 item 4 on the GPU: NaN/Inf in x, probabilities or weights reaches exactly what
     the float64 oracle's reaches (bf16, both transports, all three modes), then a clean call."""
     from relaymoe.ring import ring_moe
-    from tests import test_ring_nonfinite as nf
+    from tests.lib import test_ring_nonfinite as nf
 
     dev = torch.device("cuda", rank)
     rows, experts = nf._slices(rank)
@@ -237,6 +238,6 @@ SCENARIOS = [uneven_tokens, zero_tokens_no_overlap, list_forms, timeline, determ
              bad_input]  # fmt: skip
 
 
-def test_ring_moe_two_gpus(tmp_path):
+def test_ring_moe_two_gpus():
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-    run_scenarios(SCENARIOS, 2, tmp_path, timeout=240, pg_timeout_s=60, backend="nccl")
+    run_scenarios(SCENARIOS, 2, timeout=240, pg_timeout_s=60, backend="nccl")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from relaymoe.reference import moe_experts_reference
-from tests.helpers import random_routing, rel_err
+from tests.fixtures import random_routing, rel_err
 
 pytestmark = [
     pytest.mark.gpu,

@@ -1,0 +1,108 @@
+"""Tile configurations of the grouped kernels: the autotune candidates and keys, the pick of a
+launch's meta-parameters (a shipped configuration, the autotuner, or a fixed one) and the scratch
+allocator of tensor descriptors.
+
+History: docs/lab-notes/library_history.md#kernels-grouped-configs
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from relaymoe.kernels import interpret_mode
+from relaymoe.kernels.grouped.tiles import _row_group_m
+from relaymoe.kernels.tuned import shipped_config
+
+
+def _cfg(bm, bn, bk, warps, stages):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=warps,
+                         num_stages=stages)  # fmt: skip
+
+
+# Short lists that fit H100/H200 shared memory (228 KB); autotune time counts on the device.
+_UP_CONFIGS = [
+    _cfg(128, 128, 64, 8, 3),
+    _cfg(128, 64, 64, 4, 4),
+    _cfg(64, 128, 64, 4, 4),
+    _cfg(128, 128, 64, 8, 4),
+]
+_ROWS_CONFIGS = [
+    _cfg(128, 128, 64, 4, 4),
+    _cfg(128, 256, 64, 8, 3),
+    _cfg(128, 128, 64, 8, 4),
+    _cfg(64, 128, 64, 4, 4),
+]
+_WGRAD_CONFIGS = [
+    # the fastest of benchmarks/sweep_kernels.py's wgrad sweep first (128x128x64, 8 warps, 5
+    # stages); larger tiles and 128- or 32-pair steps were slower and are left out
+    _cfg(128, 128, 64, 8, 5),
+    _cfg(128, 128, 64, 8, 4),
+    _cfg(128, 128, 64, 8, 3),
+    _cfg(128, 256, 64, 8, 3),
+    _cfg(64, 128, 64, 4, 4),  # small M (narrow experts)
+]
+# Interpreter (CPU tests): small tiles so odd shapes cross tile edges.
+_INTERP_CFG = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}
+
+
+# autotune keys: the shipped configurations (tuned.py) are looked up by the same names
+_UP_KEY = ("H", "I", "n_experts", "SAVE_H", "SCALE")
+_ROWS_KEY = ("N", "K", "n_experts", "A_GATHER")
+_WGRAD_KEY = ("M", "N", "A_GATHER", "B_GATHER", "ACCUMULATE")
+
+
+def _pick(tuned, raw, config, kdim, name: str, key: dict, dtype, k, ncols: int | None = None):
+    """The kernel and its meta-parameters. On GPU: the shipped configuration of (GPU, ``name``,
+    bucket of the autotune ``key``) when ``kernels/tuned_configs.json`` has one, else the
+    autotuner (``k.autotune``, ``tuned.py``). A fixed config (EVEN_K derived) under the
+    interpreter, when a test passes one, or with ``autotune="first"`` (the first candidate).
+    ``ncols``: a gathered-row kernel's output columns, for its GROUP_M (a config's own wins)."""
+    if config is None and not interpret_mode():
+        if k.autotune == "shipped":
+            config = shipped_config(name, key, dtype)
+        if config is None and k.autotune != "first":
+            return tuned, {}
+        if config is None:
+            first = tuned.configs[0]
+            config = {**first.kwargs, "num_warps": first.num_warps,
+                      "num_stages": first.num_stages}  # fmt: skip
+    cfg = dict(_INTERP_CFG if config is None else config)
+    meta = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
+    for k in ("num_warps", "num_stages"):
+        if k in cfg:
+            meta[k] = cfg[k]
+    if kdim is not None:
+        meta["EVEN_K"] = kdim % meta["BLOCK_K"] == 0
+    if ncols is not None:
+        meta["GROUP_M"] = cfg.get("GROUP_M", _row_group_m(ncols, meta["BLOCK_N"]))
+    return raw, meta
+
+
+def _set_descriptor_allocator() -> None:
+    """Give Triton an allocator for the descriptors' scratch in this thread, unless one is set.
+
+    Triton keeps its allocator in a ``ContextVar``: one set in the forward's thread is not seen by
+    autograd's backward thread, where the ring's per-hop recompute launches ``up_swiglu`` again.
+    So this runs before every descriptor launch, not once per process. A user's own allocator is
+    kept."""
+    current = _triton_allocator()
+    if current is not None and not isinstance(current, _NullAllocator):
+        return
+    triton.set_allocator(_torch_scratch)
+
+
+def _torch_scratch(size: int, alignment: int, stream):
+    # the caching allocator's blocks are 512-byte aligned, more than any descriptor asks
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+try:  # where Triton keeps the allocator (3.4-3.8); without it every call sets ours
+    from triton.runtime._allocation import NullAllocator as _NullAllocator
+    from triton.runtime._allocation import _allocator as _TRITON_ALLOCATOR
+except ImportError:  # pragma: no cover - a Triton that moved it
+    _NullAllocator, _TRITON_ALLOCATOR = type(None), None
+
+
+def _triton_allocator():
+    return None if _TRITON_ALLOCATOR is None else _TRITON_ALLOCATOR.get()

@@ -1,0 +1,68 @@
+"""The deterministic gather-reduce combine: ``out[t] (+)= sum_k y[pair of (t, k)]``, no atomics.
+
+History: docs/lab-notes/library_history.md#kernels-grouped-gather-reduce
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from relaymoe.kernels import interpret_mode
+
+
+@triton.jit
+def _combine_kernel(
+    y_ptr, map_ptr, offs_ptr, out_ptr,
+    T, N, K, n_experts,
+    stride_yp, stride_ot,
+    ACCUMULATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Deterministic gather-reduce: each output element sums its K rows in k order in fp32."""
+    pid_t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < T
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    start = tl.load(offs_ptr)
+    stop = tl.load(offs_ptr + n_experts)
+    t64 = t.to(tl.int64)
+    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    for k in range(K):
+        q = tl.load(map_ptr + t64 * K + k, mask=t_ok, other=-1).to(tl.int64)
+        live = t_ok & (q >= start) & (q < stop)
+        lq = tl.where(live, q - start, 0)
+        v = tl.load(
+            y_ptr + lq[:, None] * stride_yp + n[None, :],
+            mask=live[:, None] & n_ok[None, :],
+            other=0.0,
+        )
+        acc += v.to(tl.float32)
+    op = out_ptr + t64[:, None] * stride_ot + n[None, :]
+    mask = t_ok[:, None] & n_ok[None, :]
+    if ACCUMULATE:
+        acc += tl.load(op, mask=mask, other=0.0).to(tl.float32)
+    tl.store(op, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def combine(y_PN, token_index_map, offs, out_TN, topk: int, *, accumulate: bool, config=None):
+    """out[t] (+)= sum_k y[map[t*K+k] - offs[0]] over pairs inside the range; deterministic.
+    ``config``: (BLOCK_T, BLOCK_N, num_warps), for sweeps."""
+    num_tokens, ncols = out_TN.shape
+    if num_tokens == 0 or ncols == 0:
+        return
+    n_experts = offs.shape[0] - 1
+    if config is not None:
+        bt, bn, warps = config
+    elif interpret_mode():
+        bt, bn, warps = 16, 16, 4
+    else:  # benchmarks/sweep_kernels.py --kernels combine: the fastest of COMBINE_CONFIGS
+        bt, bn, warps = 32, min(256, triton.next_power_of_2(ncols)), 8
+    grid = (triton.cdiv(num_tokens, bt), triton.cdiv(ncols, bn))
+    _combine_kernel[grid](
+        y_PN, token_index_map, offs, out_TN,
+        num_tokens, ncols, topk, n_experts,
+        y_PN.stride(0), out_TN.stride(0),
+        ACCUMULATE=accumulate, BLOCK_T=bt, BLOCK_N=bn, num_warps=warps,
+    )  # fmt: skip

@@ -1,0 +1,146 @@
+"""What every grouped kernel shares: the device-side tile schedule over the routing index (an
+M tile found from the expert offsets, no host sync), the K loop of a gathered-row tile, the launch
+grid and the int32 checks of the launchers."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from relaymoe.kernels import check_int32, tile_group_m
+
+
+@triton.jit
+def _expert_tile(pid_m, offs_ptr, n_experts, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """(local expert, first global row, end global row) of M tile ``pid_m``; expert == n_experts
+    when the program has no tile."""
+    j = tl.arange(0, BLOCK_E)
+    live = j < n_experts
+    lo = tl.load(offs_ptr + j, mask=live, other=0)
+    hi = tl.load(offs_ptr + j + 1, mask=live, other=0)
+    tiles = (hi - lo + BLOCK_M - 1) // BLOCK_M
+    last = tl.cumsum(tiles, 0)  # inclusive: tiles of experts <= j
+    e = tl.sum((last <= pid_m).to(tl.int32), 0)
+    pick = j == e
+    first_tile = tl.sum(tl.where(pick, last - tiles, 0), 0)
+    row0 = tl.sum(tl.where(pick, lo, 0), 0) + (pid_m - first_tile) * BLOCK_M
+    row_end = tl.sum(tl.where(pick, hi, 0), 0)
+    return e, row0, row_end
+
+
+@triton.jit
+def _row_col_tile(
+    n_cols, offs_ptr, n_experts, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """``_expert_tile`` of this program plus its N tile, on a grid of (M tiles) x
+    ``cdiv(n_cols, BLOCK_N)`` programs (``_row_grid``) taken in groups of ``GROUP_M`` M tiles,
+    M fastest inside a group (``relaymoe.kernels.tile_group_m``; 1: N tiles fastest)."""
+    pid = tl.program_id(0)
+    n_tiles_n = tl.cdiv(n_cols, BLOCK_N)
+    n_m = tl.num_programs(0) // n_tiles_n
+    per_group = GROUP_M * n_tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    size = tl.minimum(n_m - first_m, GROUP_M)
+    rem = pid % per_group
+    e, row0, row_end = _expert_tile(first_m + rem % size, offs_ptr, n_experts, BLOCK_M, BLOCK_E)
+    return e, row0, row_end, rem // size
+
+
+@triton.jit
+def _mma(a, b, acc, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _row_gemm_loop(
+    a_rows,  # (BLOCK_M,) int64 row ids into a_ptr (already valid addresses)
+    a_ptr,
+    stride_a,
+    b_ptr,  # base of this expert's (K, N) operand
+    stride_bk,
+    stride_bn,
+    cols,  # (BLOCK_N,) column ids, unclamped: a clamp hides contiguity (scalar loads)
+    col_ok,
+    K,
+    IEEE: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_a + ks[None, :]
+    b_ptrs = b_ptr + cols[None, :] * stride_bn + ks[:, None] * stride_bk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
+        else:
+            k_ok = ks < K - k0
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = _mma(a, b, acc, IEEE)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_bk
+    return acc
+
+
+def _even_k(kdim):
+    return lambda meta: meta[kdim] % meta["BLOCK_K"] == 0
+
+
+# the gathered-row kernels' tile order: groups of ROW_GROUP_M M tiles (taller for wide experts,
+# ``tile_group_m``)
+ROW_GROUP_M = 8
+
+
+def _row_group_m(ncols: int, block_n: int) -> int:
+    return tile_group_m(triton.cdiv(ncols, block_n), ROW_GROUP_M)
+
+
+def _group_m(ncols):
+    return lambda meta: _row_group_m(meta[ncols], meta["BLOCK_N"])
+
+
+def _block_e(n_experts: int) -> int:
+    return max(16, triton.next_power_of_2(n_experts))
+
+
+def _row_grid(n_pairs: int, n_experts: int, ncols: int):
+    def grid(meta):
+        tiles_m = triton.cdiv(n_pairs, meta["BLOCK_M"]) + n_experts
+        n = tiles_m * triton.cdiv(ncols, meta["BLOCK_N"])
+        check_int32(
+            f"the launch grid ({n_pairs} pairs x {ncols} columns in "
+            f"{meta['BLOCK_M']}x{meta['BLOCK_N']} tiles)", n, where="relaymoe row kernels",
+            fix="use fewer tokens per call",
+        )  # fmt: skip
+        return (n,)
+
+    return grid
+
+
+_FIX_WEIGHT = "shard the expert FFN (tensor parallelism on the experts) to shrink each expert"
+
+
+def _check_expert_span(t: torch.Tensor, name: str, where: str) -> None:
+    """The largest element offset inside one expert of an (E, M, N) operand is computed in
+    int32 by the kernels (index times stride)."""
+    span = sum((d - 1) * abs(st) for d, st in zip(t.shape[1:], t.stride()[1:], strict=True))
+    check_int32(f"the largest offset inside one expert of {name} {tuple(t.shape)}", span + 1,
+                where=where, fix=_FIX_WEIGHT)  # fmt: skip
+
+
+def _check_rows(n_rows: int, where: str) -> None:
+    check_int32(f"the pair rows of the expert range ({n_rows})", n_rows, where=where,
+                fix="use fewer tokens per call, or fewer experts per rank")  # fmt: skip
+
+
+def _ieee(t: torch.Tensor) -> bool:
+    """fp32 inputs use exact fp32 products (no TF32), so fp32 results meet fp32 bounds."""
+    return t.dtype == torch.float32

@@ -1,0 +1,174 @@
+"""``linear_cross_entropy``: the autograd op, its loop over the chunks and the backward's recompute.
+
+The forward applies each chunk's gradient at once (``dh_unit``, ``dW_unit``); the backward
+scales them by the upstream gradient, or recomputes the weight gradient when that gradient is
+not uniform over the counted tokens (see the package doc, ``relaymoe.loss``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from relaymoe.loss.chunk import _accumulate_wgrad, _combine, _grad, _stats
+from relaymoe.loss.inputs import _check_labels, _make_setup, _Setup
+from relaymoe.loss.tp import _agree_tp
+
+Impl = Literal["auto", "torch", "triton"]
+
+
+def linear_cross_entropy(
+    hidden_TH: Tensor,
+    weight_VH: Tensor,
+    labels_T: Tensor,
+    *,
+    tp_group=None,
+    chunk_tokens: int | None = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    impl: Impl = "auto",
+    validate: bool = True,
+) -> Tensor:
+    """Per-token cross-entropy of ``hidden_TH @ weight_full.T`` without materialising the logits.
+
+    Args:
+        hidden_TH: (T, H) activations: float16, bfloat16, float32 or float64 (the weight's).
+        weight_VH: (Vl, H) this rank's vocabulary shard, global rows ``[r*Vl, (r+1)*Vl)``.
+        labels_T: (T,) integer global token ids in ``[0, Vl * TP)``, or ``ignore_index``.
+        tp_group: the tensor-parallel process group over which the vocabulary is split;
+            ``None`` is a group of one (the whole vocabulary is ``weight_VH``).
+        chunk_tokens: tokens per chunk (default ``lossmodel.default_chunk_tokens(T, Vl)``).
+        ignore_index: label (an int) whose tokens get loss 0 and zero gradients.
+        label_smoothing: Megatron's label smoothing ``a`` in ``[0, 1)`` (see the module doc).
+        impl: ``"triton"`` (row kernels, CUDA or ``TRITON_INTERPRET=1``), ``"torch"``, or
+            ``"auto"`` (Triton on CUDA when it imports).
+        validate: check the labels and, at TP > 1, the tensor-parallel contract (below).
+
+    Returns:
+        loss_T: (T,) float32 (float64 for float64 inputs). Differentiable into ``hidden_TH``
+        (this rank's part, see the module doc) and ``weight_VH``.
+
+    Layouts: any strides for ``hidden_TH``, ``weight_VH``, ``labels_T`` and the upstream
+    gradient (transposed, sliced, expanded); the GEMMs read them in place and the row kernels
+    see only the loss's own contiguous chunk buffer, so nothing is copied. Labels of any integer
+    dtype are widened to int64 (T elements).
+
+    Validated at call time, always (``ValueError`` naming the value, the limit and the fix):
+    types, shapes, dtypes and devices, ``chunk_tokens``, ``label_smoothing``, ``ignore_index``,
+    ``impl``. With ``validate=True`` (the default) also, with one host sync: every label is in
+    ``[0, V)`` or ``ignore_index``; and at TP > 1 the contract the chunks' collectives rely on,
+    on every rank at once in one small all-reduce read by that same host sync: the same T, H,
+    Vl, chunk size, dtype, ignore_index, label_smoothing and labels on every rank of
+    ``tp_group`` (every rank raises the same ``ValueError`` otherwise, instead of a hang or a
+    wrong loss). ``validate=False`` (Megatron's output processor, whose ranks hold the same
+    batch by construction) skips both, with no host sync and no extra collective: labels out of
+    range then count as a target on no rank, and ranks that break the contract hang or fail in
+    the first chunk's all-reduce. ``validate`` itself must be the same on every rank.
+    Trusted always: that every rank passes the same ``hidden_TH`` values.
+    """
+    setup = _make_setup(
+        hidden_TH, weight_VH, labels_T, tp_group, chunk_tokens, ignore_index, label_smoothing,
+        impl,
+    )  # fmt: skip
+    labels_T = labels_T.long()
+    if validate and setup.world > 1:
+        _agree_tp(hidden_TH, labels_T, setup)
+    elif validate:
+        _check_labels(labels_T, setup)
+    grad_on = torch.is_grad_enabled()
+    need_dh = grad_on and hidden_TH.requires_grad
+    need_dw = grad_on and weight_VH.requires_grad
+    if not (need_dh or need_dw):  # eval: statistics only, no gradient pass, nothing kept
+        with torch.no_grad():
+            return _forward(hidden_TH, weight_VH, labels_T, setup, False, False)[0]
+    return _LinearCrossEntropy.apply(hidden_TH, weight_VH, labels_T, setup, need_dh, need_dw)
+
+
+def _targets(labels_T: Tensor, setup: _Setup) -> tuple[Tensor, Tensor]:
+    """``(tgt_T, valid_T)``: the label's local column (-1 when ignored or on another rank) and
+    whether the token counts."""
+    valid = labels_T != setup.ignore_index
+    local = labels_T - setup.vocab_start
+    here = valid & (local >= 0) & (local < setup.vocab_local)
+    return torch.where(here, local, -1), valid
+
+
+def _forward(hidden, weight, labels, setup: _Setup, need_dh: bool, need_dw: bool):
+    tokens, hid = hidden.shape
+    dev = hidden.device
+    loss = torch.zeros(tokens, dtype=setup.work, device=dev)
+    lse = torch.empty(tokens, dtype=setup.work, device=dev)
+    tgt, valid = _targets(labels, setup)
+    dh_unit = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_dh else None
+    dw_unit = torch.zeros(setup.vocab_local, hid, dtype=setup.work, device=dev) if need_dw else None
+    if tokens:
+        buf = torch.empty(min(setup.chunk, tokens), setup.vocab_local, dtype=hidden.dtype,
+                          device=dev)  # fmt: skip
+        w_t = weight.t()
+        for s in range(0, tokens, setup.chunk):
+            e = min(s + setup.chunk, tokens)
+            h = hidden[s:e]
+            logits = torch.mm(h, w_t, out=buf[: e - s])
+            stats = _stats(logits, tgt[s:e], setup)
+            loss_c, lse[s:e] = _combine(*stats, tgt[s:e] >= 0, setup)
+            loss[s:e] = torch.where(valid[s:e], loss_c, 0.0)
+            if need_dh or need_dw:
+                scale = valid[s:e].to(setup.work)
+                dlogits = _grad(logits, tgt[s:e], lse[s:e], scale, setup)
+                if need_dh:
+                    torch.mm(dlogits, weight, out=dh_unit[s:e])
+                if need_dw:
+                    _accumulate_wgrad(dw_unit, dlogits, h)
+        del buf
+    return loss, lse, tgt, valid, dh_unit, dw_unit
+
+
+def _recompute_wgrad(hidden, weight, tgt, lse, scale, setup: _Setup) -> Tensor:
+    """``sum_t scale[t] * dlogits[t].T @ h[t]`` by chunks again (the backward's exact path)."""
+    tokens, hid = hidden.shape
+    acc = torch.zeros(setup.vocab_local, hid, dtype=setup.work, device=hidden.device)
+    buf = torch.empty(min(setup.chunk, tokens), setup.vocab_local, dtype=hidden.dtype,
+                      device=hidden.device)  # fmt: skip
+    w_t = weight.t()
+    for s in range(0, tokens, setup.chunk):
+        e = min(s + setup.chunk, tokens)
+        logits = torch.mm(hidden[s:e], w_t, out=buf[: e - s])
+        dlogits = _grad(logits, tgt[s:e], lse[s:e], scale[s:e].contiguous(), setup)
+        _accumulate_wgrad(acc, dlogits, hidden[s:e])
+    return acc
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, setup, need_dh, need_dw):
+        loss, lse, tgt, valid, dh_unit, dw_unit = _forward(
+            hidden, weight, labels, setup, need_dh, need_dw
+        )
+        ctx.setup, ctx.need_dh, ctx.need_dw = setup, need_dh, need_dw
+        keep = (hidden, weight) if need_dw else (None, None)  # inputs: the recompute's operands
+        ctx.save_for_backward(*keep, lse, tgt, valid, dh_unit, dw_unit)
+        return loss
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_T):
+        hidden, weight, lse, tgt, valid, dh_unit, dw_unit = ctx.saved_tensors
+        setup = ctx.setup
+        g = torch.where(valid, g_T.to(setup.work), 0.0)  # ignored tokens: zero, even if g is NaN
+        dh = dw = None
+        if ctx.need_dh:
+            dh = torch.mul(dh_unit, g[:, None], out=torch.empty_like(dh_unit))
+        if ctx.need_dw:
+            dw = torch.empty_like(weight)
+            g_max = torch.where(valid, g, -torch.inf).amax() if g.numel() else g.new_zeros(())
+            g_min = torch.where(valid, g, torch.inf).amin() if g.numel() else g.new_zeros(())
+            any_valid = valid.any()
+            # uniform over the counted tokens (or none counted): dW = c * dW_unit
+            if bool((g_max == g_min) | ~any_valid):  # host sync
+                c = torch.where(any_valid, g_max, 0.0)
+                torch.mul(dw_unit, c, out=dw)
+            else:
+                dw.copy_(_recompute_wgrad(hidden, weight, tgt, lse, g, setup))
+        return dh, dw, None, None, None, None

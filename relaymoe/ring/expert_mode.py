@@ -1,0 +1,70 @@
+"""Expert mode: the weights travel, the tokens stay; a forward and a backward pass of the ring."""
+
+from __future__ import annotations
+
+import torch
+
+from relaymoe.experts import expert_hop_backward, expert_hop_forward
+from relaymoe.ring.passes import (
+    capacity,
+    expert_plans,
+    pack_own,
+    pair_rows,
+    ring_pass,
+    weights_layout,
+)
+
+
+def expert_forward(prob, group, how, overlap, x, experts, probs, index, order):
+    El = prob.num_local_experts
+    out = torch.zeros_like(x)
+    T = x.shape[0]
+    local = experts.stacked(order) if prob.world_size == 1 else None
+
+    def compute(hop, part, lead, trail):
+        if T == 0:
+            return
+        a, b = local[:2] if lead is None else (lead["w13"], lead["w2"])
+        expert_hop_forward(
+            x, a, b, probs, index,
+            expert_range=(part * El, (part + 1) * El), out_TH=out, save="none",
+            backend=how.backend, kernels=how.kernels, **pair_rows(prob, prob.rank, part),
+        )  # fmt: skip
+
+    fwd, bwd = expert_plans(prob)
+    ring_pass(
+        prob, group, overlap, x.device, "fwd", fwd,
+        lead_layout=lambda p: weights_layout(prob), own_lead=lambda views: pack_own(experts, views),
+        trail_layout=None, compute=compute, capacity=capacity(fwd, bwd, prob),
+    )  # fmt: skip
+    return out
+
+
+def expert_backward(prob, group, how, overlap, dy, x, experts, probs, index, order):
+    """Returns ``(dx, dprobs, dw13, dw2)``; the weight gradients' rows are in the row order the
+    compute used: expert order for ``R > 1`` (slot 0 is packed in expert order), ``order`` in a
+    world of one."""
+    El = prob.num_local_experts
+    dx = torch.zeros_like(x)
+    dprobs = torch.zeros_like(probs)
+    T = x.shape[0]
+    local = experts.stacked(order) if prob.world_size == 1 else None
+
+    def compute(hop, part, lead, trail):
+        if T == 0:
+            return  # no pairs: this rank's share of the weight gradient is exactly zero
+        a, b = local[:2] if lead is None else (lead["w13"], lead["w2"])
+        expert_hop_backward(
+            dy, x, a, b, probs, index,
+            expert_range=(part * El, (part + 1) * El), saved_h=None,
+            dx_TH=dx, dprobs_TK=dprobs, dw13=trail["dw13"], dw2=trail["dw2"],
+            backend=how.backend, kernels=how.kernels, **pair_rows(prob, prob.rank, part),
+        )  # fmt: skip
+
+    _, bwd = expert_plans(prob)
+    grads = ring_pass(
+        prob, group, overlap, x.device, "bwd", bwd,
+        lead_layout=lambda p: weights_layout(prob), own_lead=lambda views: pack_own(experts, views),
+        trail_layout=lambda p: weights_layout(prob, "d"), compute=compute,
+    )  # fmt: skip
+    return dx, dprobs, grads["dw13"].to(prob.dtype), grads["dw2"].to(prob.dtype)

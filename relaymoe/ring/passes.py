@@ -1,0 +1,136 @@
+"""What every pass of a ring call shares: the layouts of what travels, the pass plans and their
+slot capacity, the transport, and how a hop's compute runs (:class:`Hop`).
+
+Shape legend as in ``engine.py``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from relaymoe.options import KernelOptions
+from relaymoe.ring.agree import RingProblem
+from relaymoe.ring.executor import relay
+from relaymoe.ring.layout import Layout
+from relaymoe.ring.schedule import RingPlan
+from relaymoe.ring.transport import CopyEngineTransport, P2PTransport, Transport
+from relaymoe.ring.weights import LocalExperts
+
+IDX = torch.int32  # expert ids travel as int32
+
+
+class Hop(NamedTuple):
+    """How a hop's compute runs: the hop primitives' backend and their kernel options."""
+
+    backend: str
+    kernels: KernelOptions
+
+
+def transport_of(prob: RingProblem, group) -> Transport | None:
+    if prob.transport == "copy_engine":
+        return CopyEngineTransport(group)
+    if prob.transport == "nccl":
+        return P2PTransport(group)
+    return None
+
+
+def weights_layout(prob: RingProblem, prefix: str = "") -> Layout:
+    """The experts' weights, or with ``prefix="d"`` their gradient accumulators (in
+    ``prob.accum_dtype``: fp32 for a long ring of 16-bit weights, see options.GRAD_ACCUMS)."""
+    El, H, I = prob.num_local_experts, prob.hidden, prob.ffn
+    dt = prob.accum_dtype if prefix == "d" else prob.dtype
+    return Layout.of((prefix + "w13", dt, (El, 2 * I, H)), (prefix + "w2", dt, (El, H, I)))
+
+
+def token_lead(prob: RingProblem, T: int, backward: bool) -> Layout:
+    """A visiting token partition: x, ids and probabilities forward; x, probabilities and dy
+    backward (the forward kept each partition's routing index, so no ids travel)."""
+    H, K = prob.hidden, prob.topk
+    if backward:
+        return Layout.of(
+            ("x", prob.dtype, (T, H)),
+            ("probs", prob.prob_dtype, (T, K)),
+            ("dy", prob.dtype, (T, H)),
+        )
+    return Layout.of(
+        ("x", prob.dtype, (T, H)), ("idx", IDX, (T, K)), ("probs", prob.prob_dtype, (T, K))
+    )
+
+
+def token_trail(prob: RingProblem, T: int, backward: bool) -> Layout:
+    H, K = prob.hidden, prob.topk
+    if backward:
+        return Layout.of(("dx", prob.dtype, (T, H)), ("dprobs", prob.prob_dtype, (T, K)))
+    return Layout.of(("out", prob.dtype, (T, H)))
+
+
+def ring_plan(prob: RingProblem, lead: list[int], trail: list[int] | None) -> RingPlan:
+    return RingPlan(prob.rank, prob.world_size, lead, trail, gpus_per_node=prob.gpus_per_node)
+
+
+def expert_plans(prob: RingProblem) -> tuple[RingPlan, RingPlan]:
+    R = prob.world_size
+    w, dw = weights_layout(prob).nbytes, weights_layout(prob, "d").nbytes
+    return ring_plan(prob, [w] * R, None), ring_plan(prob, [w] * R, [dw] * R)
+
+
+def token_layouts(prob: RingProblem, backward: bool) -> dict:
+    """A token-mode pass's ``lead_layout``/``trail_layout`` roles (partition ``p`` holds
+    ``prob.tokens[p]`` tokens)."""
+    Ts = prob.tokens
+    return {
+        "lead_layout": lambda p: token_lead(prob, Ts[p], backward),
+        "trail_layout": lambda p: token_trail(prob, Ts[p], backward),
+    }
+
+
+def token_plans(prob: RingProblem) -> tuple[RingPlan, RingPlan]:
+    Ts = prob.tokens
+    fwd = ring_plan(
+        prob,
+        [token_lead(prob, t, False).nbytes for t in Ts],
+        [token_trail(prob, t, False).nbytes for t in Ts],
+    )
+    bwd = ring_plan(
+        prob,
+        [token_lead(prob, t, True).nbytes for t in Ts],
+        [token_trail(prob, t, True).nbytes for t in Ts],
+    )
+    return fwd, bwd
+
+
+def capacity(fwd: RingPlan, bwd: RingPlan, prob: RingProblem) -> int:
+    """Reserve the backward's slot size at forward when a backward follows (one allocation
+    of the persistent copy-engine workspace instead of two)."""
+    return max(fwd.capacity(), bwd.capacity()) if prob.needs_grad else fwd.capacity()
+
+
+def ring_pass(prob: RingProblem, group, overlap: bool, device, phase: str, plan: RingPlan, **roles):
+    """One ``relay`` pass of this call: the transport, device, overlap and labels every pass
+    shares; ``roles``: the pass's own ``lead_layout``/``own_lead``/``trail_layout``/``compute``
+    (and ``capacity``)."""
+    return relay(
+        plan,
+        transport=transport_of(prob, group),
+        device=device,
+        overlap=overlap,
+        mode=prob.mode,
+        phase=phase,
+        **roles,
+    )
+
+
+def pair_rows(prob: RingProblem, tokens_rank: int, experts_rank: int) -> dict[str, int]:
+    """The hop primitives' pair-count keyword for one hop: the agreed count, else its bound."""
+    if prob.pairs is not None:
+        return {"n_pairs": prob.pairs[tokens_rank][experts_rank]}
+    return {"max_pairs": prob.hop_pairs(tokens_rank, experts_rank)}
+
+
+def pack_own(experts: LocalExperts, views: dict[str, Tensor]) -> None:
+    """The rank's own experts into slot 0, in expert order (per element in list form)."""
+    for name, view in views.items():
+        experts.pack(name, view)

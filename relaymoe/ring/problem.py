@@ -1,0 +1,95 @@
+"""The frozen problem: what a ``ring_moe`` call asks for and what every rank agreed on.
+
+Also the collective-deciding options of this process (``RingSettings``, ``ring_settings``),
+written into every agreement's row (``agree.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from relaymoe import options
+
+__all__ = ["RingProblem", "RingRequest", "RingSettings", "ring_settings"]
+
+
+@dataclass(frozen=True)
+class RingRequest:
+    """What the caller of one ``ring_moe`` call asks for; every rank must ask the same (the
+    agreement checks it). ``needs_grad``: a backward follows."""
+
+    mode: str = "auto"
+    transport: str = "auto"
+    schedule: str = "auto"
+    gpus_per_node: int | None = None  # None: from the ranks' hosts
+    needs_grad: bool = True
+    grad_accum: str = "auto"  # the weight-gradient accumulators (options.GRAD_ACCUM_CHOICES)
+    backend: str = "auto"  # the hop primitives' backend on this rank (not compared across ranks)
+
+
+@dataclass(frozen=True)
+class RingSettings:
+    """The options that decide which collectives a call issues (see ``agree.py``), taken from
+    this process's installed options and agreed across ranks in the agreement's row."""
+
+    agree: str = "cached"  # RingOptions.agree (relaymoe.options.AGREE_CHOICES)
+    pair_buffer_mib: int = 512  # KernelOptions.pair_buffer_mib
+
+
+def ring_settings() -> RingSettings:
+    """This process's collective-deciding options (``relaymoe.options.defaults()``)."""
+    opts = options.defaults()
+    return RingSettings(opts.agree, opts.kernels.pair_buffer_mib)
+
+
+@dataclass(frozen=True)
+class RingProblem:
+    """What every rank agreed on: sizes of every partition and the resolved execution."""
+
+    rank: int
+    world_size: int
+    num_local_experts: int
+    hidden: int
+    ffn: int
+    topk: int
+    dtype: torch.dtype
+    prob_dtype: torch.dtype
+    tokens: tuple[int, ...]  # T of every rank's token partition
+    mode: str  # "expert" | "token"
+    transport: str  # "nccl" | "copy_engine" | "local"
+    needs_grad: bool
+    # pairs[r][q]: pairs of rank r's tokens whose expert rank q owns, read in the same all-reduce
+    # as the sizes, so a hop knows its pair count without a host sync of its own. None: the hops
+    # size their buffers from the bound ``pair_bound`` (trusted callers, small T).
+    pairs: tuple[tuple[int, ...], ...] | None
+    # the hop order (schedule.RingPlan): "flat", or "two_level" over nodes of gpus_per_node
+    # consecutive ranks (None for flat); or "node_batched" (expert mode, nodebatch.py)
+    schedule: str = "flat"
+    gpus_per_node: int | None = None
+    # dtype of the weight-gradient accumulators (expert mode's travelling trail, token mode's
+    # local sums): ``dtype`` or fp32 (cost.grad_accum_bytes)
+    grad_dtype: torch.dtype | None = None
+    # KernelOptions.pair_buffer_mib as agreed by every rank (``_bounded`` decides from it)
+    pair_buffer_mib: int = 512
+
+    @property
+    def accum_dtype(self) -> torch.dtype:
+        return self.grad_dtype or self.dtype
+
+    @property
+    def num_experts(self) -> int:
+        return self.num_local_experts * self.world_size
+
+    def hop_pairs(self, tokens_rank: int, experts_rank: int) -> int:
+        """Rows of the pair buffers of one hop: rank ``tokens_rank``'s tokens against rank
+        ``experts_rank``'s experts; exact when the counts were agreed, else the upper bound."""
+        if self.pairs is not None:
+            return self.pairs[tokens_rank][experts_rank]
+        return self.tokens[tokens_rank] * min(self.topk, self.num_local_experts)
+
+    @property
+    def expert_range(self) -> tuple[int, int]:
+        """This rank's experts ``[rank*E_local, (rank+1)*E_local)``."""
+        return self.rank * self.num_local_experts, (self.rank + 1) * self.num_local_experts

@@ -1,0 +1,83 @@
+"""Token mode: the tokens travel with their routing metadata, the experts stay; a forward and a
+backward pass of the ring."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from relaymoe.experts import expert_hop_backward, expert_hop_forward
+from relaymoe.ring.agree import RingProblem
+from relaymoe.ring.passes import capacity, pair_rows, ring_pass, token_layouts, token_plans
+from relaymoe.ring.weights import REVERSED, reverse_local_ids
+from relaymoe.routing import build_routing_index
+
+
+def token_ids(ids: Tensor, prob: RingProblem, order: str) -> Tensor:
+    """A visiting partition's expert ids in the row order of the local stacked experts."""
+    return reverse_local_ids(ids, prob.num_local_experts) if order == REVERSED else ids
+
+
+def token_forward(prob, group, how, overlap, x, experts, probs, idx32, order):
+    """Returns ``(out, indices)``: ``indices[p]`` is the routing index of partition ``p``'s
+    tokens (built once, when it visits; the backward reuses it)."""
+    E, Ts, own = prob.num_experts, prob.tokens, prob.expert_range
+    # local experts compute every hop: their (El, ...) form for this pass only (a zero-copy view
+    # when the list form is back to back, else a transient stack dropped when the pass ends)
+    w13, w2, order = experts.stacked(order)
+    indices: dict[int, object] = {}
+
+    def compute(hop, part, lead, trail):
+        if Ts[part] == 0:
+            return
+        xs, ids, ps = (x, idx32, probs) if lead is None else (lead["x"], lead["idx"], lead["probs"])
+        index = build_routing_index(token_ids(ids, prob, order), E, validate=False)
+        indices[part] = index
+        expert_hop_forward(
+            xs, w13, w2, ps, index,
+            expert_range=own, out_TH=trail["out"], save="none", backend=how.backend,
+            kernels=how.kernels, **pair_rows(prob, part, prob.rank),
+        )  # fmt: skip
+
+    fwd, bwd = token_plans(prob)
+    result = ring_pass(
+        prob, group, overlap, x.device, "fwd", fwd, own_lead={"x": x, "idx": idx32, "probs": probs},
+        compute=compute, capacity=capacity(fwd, bwd, prob), **token_layouts(prob, False),
+    )  # fmt: skip
+    return result["out"], indices
+
+
+def token_backward(prob, group, how, overlap, dy, x, experts, probs, indices, order):
+    """Returns ``(dx, dprobs, dw13, dw2)``, the weight gradients' rows in ``order``.
+    ``indices``: the forward's routing index of every visiting partition."""
+    Ts, own = prob.tokens, prob.expert_range
+    w13, w2, order = experts.stacked(order)  # again for this pass only
+    # the first hop with pairs writes the local weight gradients, later hops add (no zero fill);
+    # accumulators wider than the weights start as zeros that every hop adds to
+    dw: dict[str, Tensor | None] = {"dw13": None, "dw2": None}
+    if prob.accum_dtype != prob.dtype:
+        dw = {"dw13": torch.zeros_like(w13, dtype=prob.accum_dtype),
+              "dw2": torch.zeros_like(w2, dtype=prob.accum_dtype)}  # fmt: skip
+
+    def compute(hop, part, lead, trail):
+        if Ts[part] == 0:
+            return
+        if lead is None:
+            xs, ps, dys = x, probs, dy
+        else:
+            xs, ps, dys = lead["x"], lead["probs"], lead["dy"]
+        _, _, dw["dw13"], dw["dw2"] = expert_hop_backward(
+            dys, xs, w13, w2, ps, indices[part],
+            expert_range=own, saved_h=None, dx_TH=trail["dx"], dprobs_TK=trail["dprobs"],
+            dw13=dw["dw13"], dw2=dw["dw2"], backend=how.backend, kernels=how.kernels,
+            **pair_rows(prob, part, prob.rank),
+        )  # fmt: skip
+
+    _, bwd = token_plans(prob)
+    result = ring_pass(
+        prob, group, overlap, x.device, "bwd", bwd, own_lead={"x": x, "probs": probs, "dy": dy},
+        compute=compute, **token_layouts(prob, True),
+    )  # fmt: skip
+    dw13 = dw["dw13"].to(prob.dtype) if dw["dw13"] is not None else torch.zeros_like(w13)
+    dw2 = dw["dw2"].to(prob.dtype) if dw["dw2"] is not None else torch.zeros_like(w2)
+    return result["dx"], result["dprobs"], dw13, dw2

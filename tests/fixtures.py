@@ -1,0 +1,222 @@
+"""The tests' one fixture module: shared inputs (routings of every kind, random MoE problems,
+the ring tests' global problems and their float64 oracle), tiny model configs, and the spawn
+helpers (ports, spawned worlds, the persistent worlds the ring scenarios run in: defined in
+``tests/worlds.py``, re-exported here).
+
+Library tests (``tests/lib``) import nothing from ``benchmarks``, and neither does this module:
+the benchmarks keep their own spawn helpers (``benchmarks/numerics.py``), which import nothing
+from the tests."""
+
+from __future__ import annotations
+
+import torch
+
+# The spawn helpers live in tests/worlds.py (they need only torch: spawned ranks import them);
+# re-exported here, the one module tests take their fixtures from.
+from tests.worlds import (  # noqa: F401
+    World,
+    Worlds,
+    free_port,
+    run_scenarios,
+    run_spawned,
+    scenario_params,
+)
+
+
+def random_routing(num_tokens: int, num_experts: int, topk: int, *, gen=None, kind="uniform"):
+    """(T, K) int64 distinct expert ids per row.
+
+    kind: ``uniform``; ``skewed`` (about 80% of picks among 20% of experts); ``one`` (every row
+    starts with expert 0); ``empty`` (the last expert never picked, needs K < E).
+    """
+    if kind == "uniform":
+        scores = torch.rand(num_tokens, num_experts, generator=gen)
+    elif kind == "skewed":
+        hot = max(1, num_experts // 5)
+        scores = torch.rand(num_tokens, num_experts, generator=gen)
+        scores[:, :hot] += 4.0 * (torch.rand(num_tokens, 1, generator=gen) < 0.8)
+    elif kind == "one":
+        scores = torch.rand(num_tokens, num_experts, generator=gen)
+        scores[:, 0] = 10.0
+    elif kind == "empty":
+        scores = torch.rand(num_tokens, num_experts, generator=gen)
+        scores[:, -1] = -1.0
+    else:
+        raise ValueError(kind)
+    return torch.topk(scores, topk, dim=1).indices
+
+
+def random_problem(num_tokens, hidden, ffn, num_experts, topk, *, dtype=torch.float64, gen=None,
+                   kind="uniform"):  # fmt: skip
+    x = torch.randn(num_tokens, hidden, generator=gen, dtype=dtype)
+    w13 = torch.randn(num_experts, 2 * ffn, hidden, generator=gen, dtype=dtype) / hidden**0.5
+    w2 = torch.randn(num_experts, hidden, ffn, generator=gen, dtype=dtype) / ffn**0.5
+    idx = random_routing(num_tokens, num_experts, topk, gen=gen, kind=kind)
+    probs = torch.rand(num_tokens, topk, generator=gen, dtype=dtype)
+    return x, w13, w2, idx, probs
+
+
+def ring_problem(seed, tokens, num_experts, topk, hidden, ffn, *, route="uniform") -> dict:
+    """The float64 global problem every rank of a ring test builds from one ``seed``
+    (``tokens``: each rank's token count): ``x``, ``w13``, ``w2``, ``idx``, ``probs`` (in
+    [0.1, 1.1)), ``dy``. ``route``: ``uniform``; ``skew`` (experts 0..K only, the others
+    empty); ``one`` (every token picks the last expert first, plus K-1 others). Its oracle:
+    ``oracle``."""
+    g = torch.Generator().manual_seed(seed)
+    E, K, total = num_experts, topk, sum(tokens)
+    f64 = torch.float64
+    x = torch.randn(total, hidden, generator=g, dtype=f64)
+    w13 = torch.randn(E, 2 * ffn, hidden, generator=g, dtype=f64) / hidden**0.5
+    w2 = torch.randn(E, hidden, ffn, generator=g, dtype=f64) / ffn**0.5
+    idx = torch.rand(total, E, generator=g).argsort(1)[:, :K]
+    if route == "one" and total:
+        others = torch.rand(total, E - 1, generator=g).argsort(1)[:, : K - 1]
+        idx = torch.cat([torch.full((total, 1), E - 1), others], 1)
+    elif route == "skew" and total:
+        idx = torch.stack([torch.randperm(min(E, K + 1), generator=g)[:K] for _ in range(total)])
+    elif route not in ("uniform", "one", "skew"):
+        raise ValueError(route)
+    probs = torch.rand(total, K, generator=g, dtype=f64) + 0.1
+    dy = torch.randn(total, hidden, generator=g, dtype=f64)
+    return dict(x=x, w13=w13, w2=w2, idx=idx, probs=probs, dy=dy)
+
+
+def oracle(pb: dict) -> dict[str, torch.Tensor]:
+    """Output and gradients of a whole problem (``ring_problem``'s keys) in float64:
+    ``moe_experts_reference`` on ``x``, ``w13``, ``w2``, ``idx``, ``probs`` (as float64 copies),
+    backward with ``dy``. Keys ``out``, ``dx``, ``dprobs``, ``dw13``, ``dw2``."""
+    from relaymoe.reference import moe_experts_reference
+
+    x, w13, w2, probs = (
+        pb[k].double().clone().requires_grad_() for k in ("x", "w13", "w2", "probs")
+    )
+    out = moe_experts_reference(x, w13, w2, pb["idx"], probs)
+    out.backward(pb["dy"].double())
+    return dict(out=out.detach(), dx=x.grad, dprobs=probs.grad, dw13=w13.grad, dw2=w2.grad)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    assert torch.isfinite(a).all(), "non-finite values"
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def assert_close(name: str, got: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
+    """``got`` has ``ref``'s shape, is finite and within relative error ``tol`` of it (exactly
+    zero where ``ref`` is); the message names ``name`` and the error."""
+    assert got.shape == ref.shape, f"{name}: shape {tuple(got.shape)} vs {tuple(ref.shape)}"
+    assert torch.isfinite(got).all(), f"{name}: non-finite values"
+    if ref.norm() == 0:
+        assert got.norm() == 0, f"{name}: expected exactly zero, got norm {got.norm()}"
+        return
+    err = rel_err(got, ref)
+    assert err < tol, f"{name}: relative error {err:.3g} > {tol}"
+
+
+def use_env(monkeypatch, **env) -> None:
+    """Set (a value) or unset (None) ``RELAYMOE_*`` variables for this test and install the
+    options they give, as an entry point would (the conftest restores the session's after the
+    test). A bad value raises ``from_env``'s ``ValueError`` here."""
+    from relaymoe import options
+
+    for name, value in env.items():
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    options.install(options.from_env())
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiny model configs: the one copy every test builds its small models from
+# ---------------------------------------------------------------------------------------------
+SMALL_MODEL = {
+    "num_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_query_groups": 2,
+    "kv_channels": 16,
+    "num_experts": 4,
+    "moe_router_topk": 2,
+    "moe_ffn_hidden_size": 32,
+    "vocab_size": 128,
+}
+
+
+def small_config_dict(**sections) -> dict:
+    """A relaymoe config dict (``relaymoe.config.config_from_dict``) of a small MoE GPT: 2 layers,
+    hidden 64, 4 experts top-2, vocabulary 128, sequence 128, micro-batch 2, one GPU. Each
+    keyword names a section (``model``, ``parallel``, ``training``, ``relaymoe``) whose keys it
+    updates. A fresh dict each call: tests may edit it."""
+    d = {
+        "model": dict(SMALL_MODEL),
+        "parallel": {"tp": 1, "ep": 1, "sequence_parallel": False},
+        "training": {"seq_length": 128, "micro_batch_size": 2},
+    }
+    for section, changes in sections.items():
+        d.setdefault(section, {}).update(changes)
+    return d
+
+
+def small_config(name: str = "small", **sections):
+    """``small_config_dict(**sections)`` as a validated ``relaymoe.config.Config``."""
+    from relaymoe.config import config_from_dict
+
+    return config_from_dict(small_config_dict(**sections), name=name)
+
+
+def small_megatron_args(**over):
+    """The small model as the argparse Namespace Megatron's ``parse_args`` would give (only the
+    attributes the planner reads)."""
+    import argparse
+
+    # the config keys that are also Megatron argument names (GQA and kv_channels left unset)
+    same = ("num_layers", "hidden_size", "num_attention_heads", "num_experts", "moe_router_topk",
+            "moe_ffn_hidden_size", "vocab_size")  # fmt: skip
+    kw = {k: SMALL_MODEL[k] for k in same}
+    kw.update(seq_length=128, micro_batch_size=2, bf16=True)
+    kw.update(over)
+    return argparse.Namespace(**kw)
+
+
+def tiny_transformer_config(*, moe: bool = True, **kw):
+    """A megatron-core ``TransformerConfig`` of one tiny SwiGLU layer that builds on the CPU
+    (hidden 16, 4 heads; with ``moe``: 8 experts top-2 of width 8, no load-balancing loss).
+    Keywords override any field."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    base = dict(
+        num_layers=1,
+        hidden_size=16,
+        num_attention_heads=4,
+        ffn_hidden_size=8,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        bias_activation_fusion=False,
+        use_cpu_initialization=True,
+    )
+    if moe:
+        base.update(
+            num_moe_experts=8,
+            moe_router_topk=2,
+            moe_ffn_hidden_size=8,
+            moe_router_load_balancing_type="none",
+        )
+    base.update(kw)
+    return TransformerConfig(**base)
+
+
+# The start of a one-process Megatron script on a CPU (``python -c``): gloo world of one,
+# the CUDA queries Megatron makes answered for the CPU, relaymoe registered.
+MEGATRON_CPU_PRELUDE = """\
+import os, sys, warnings
+warnings.filterwarnings("ignore")
+import torch, torch.distributed as dist
+torch.cuda.get_device_capability = lambda *a: (9, 0)  # validate_args asks for it
+torch.cuda.current_device = lambda: "cpu"  # RoPE moves its frequencies there
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+from relaymoe.megatron import register
+register()
+"""

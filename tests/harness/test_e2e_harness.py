@@ -1,0 +1,630 @@
+"""The end-to-end benchmark's plumbing on CPU: the Megatron flags of each shape and provider, the
+parity/noise computation and the rows of failed runs (``benchmarks/bench_e2e.py``,
+``benchmarks/e2e.py``). The training itself runs on GPUs only (``tests/gpu``)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from benchmarks import bench_e2e
+from benchmarks.e2e import (
+    REGIMES,
+    RunResult,
+    loss_parity,
+    merge_flags,
+    pretrain_args,
+    run_pretrain,
+)
+from relaymoe.config import load_config
+
+GPUS = 2
+
+
+def _groups(flags) -> dict[str, list[str]]:
+    """flag -> its values; asserts that no flag appears twice."""
+    out: dict[str, list[str]] = {}
+    cur = None
+    for t in flags:
+        if t.startswith("--"):
+            assert t not in out, f"{t} given twice"
+            out[t] = []
+            cur = t
+        else:
+            out[cur].append(t)
+    return out
+
+
+def _v(g, flag) -> str:
+    assert flag in g, f"{flag} missing"
+    (val,) = g[flag]
+    return val
+
+
+def test_qwen3_slice_config():
+    cfg = load_config("qwen3_slice")
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    assert (m.num_layers, m.hidden_size, m.num_experts, m.moe_router_topk) == (4, 2048, 128, 8)
+    assert (m.moe_ffn_hidden_size, m.num_attention_heads, m.query_groups, m.head_dim) == (
+        768,
+        32,
+        4,
+        128,
+    )
+    assert m.vocab_size == 32768 and m.padded_vocab_size(1) == 32768
+    assert m.qk_layernorm and m.moe_layer_pattern == (1, 1, 1, 1) and t.precision == "bf16"
+    assert load_config("tiny_qwen3").model.qk_layernorm  # as the tiny config, qk-layernorm on
+    assert (p.ep, p.dp, p.world_size) == (2, 2, 2)
+
+
+QWEN_SHAPES = [n for n in bench_e2e.SHAPES if n.startswith("qwen3_slice")]
+PP_SHAPES = [n for n in bench_e2e.SHAPES if "_pp2" in n]
+
+
+def test_every_shape_is_checked_below():
+    assert set(QWEN_SHAPES) | set(PP_SHAPES) == set(bench_e2e.SHAPES) and PP_SHAPES
+
+
+@pytest.mark.parametrize("shape", PP_SHAPES)
+def test_pipeline_shapes_run_1f1b_at_ep1(shape):
+    """Issue #17: PP=2 on 2 GPUs, EP=1, two micro-batches a step (1F1B needs >= PP of them),
+    the interleaved variant with two virtual stages; ring and alltoall differ in the dispatcher."""
+    plans = bench_e2e.plan_runs(bench_e2e.SHAPES[shape], gpus=GPUS, steps=50, seed=1234,
+                                noise_run=True)  # fmt: skip
+    groups = {p.label: _groups(p.flags) for p in plans}
+    for g in groups.values():
+        assert _v(g, "--pipeline-model-parallel-size") == "2"
+        assert _v(g, "--expert-model-parallel-size") == "1"
+        mbs, gbs = int(_v(g, "--micro-batch-size")), int(_v(g, "--global-batch-size"))
+        assert gbs == 2 * mbs  # DP = 1: two micro-batches through the pipeline
+        vpp = g.get("--num-layers-per-virtual-pipeline-stage")
+        assert (vpp == ["1"]) == shape.endswith("_vpp2"), vpp
+    ring = {k: v for k, v in groups["ring"].items() if k != "--relaymoe-mode"}
+    diff = {k for k in ring.keys() | groups["alltoall"].keys()
+            if ring.get(k) != groups["alltoall"].get(k)}  # fmt: skip
+    assert diff == {"--moe-token-dispatcher-type"}, diff
+
+
+@pytest.mark.parametrize("shape", QWEN_SHAPES)
+def test_shape_flags_per_provider(shape):
+    seq = {"qwen3_slice_s4k": 4096, "qwen3_slice_s16k": 16384}.get(shape, 4096)
+    vocab = "151936" if "v152k" in shape else "32768"
+    spec = bench_e2e.SHAPES[shape]
+    plans = bench_e2e.plan_runs(spec, gpus=GPUS, steps=50, seed=1234, noise_run=True,
+                                check_te=False)  # fmt: skip
+    assert [(p.label, p.dispatcher) for p in plans] == [
+        ("ring", "ring"),
+        ("alltoall", "alltoall"),
+        ("alltoall_repeat", "alltoall"),
+    ]
+    groups = {p.label: _groups(p.flags) for p in plans}
+    for label, g in groups.items():
+        assert _v(g, "--seq-length") == str(seq) and _v(g, "--max-position-embeddings") == str(seq)
+        assert _v(g, "--micro-batch-size") == "1" and _v(g, "--global-batch-size") == str(GPUS)
+        assert _v(g, "--expert-model-parallel-size") == "2"
+        assert _v(g, "--tensor-model-parallel-size") == "1"
+        assert _v(g, "--num-layers") == "4" and _v(g, "--hidden-size") == "2048"
+        assert _v(g, "--num-experts") == "128" and _v(g, "--moe-router-topk") == "8"
+        assert _v(g, "--moe-ffn-hidden-size") == "768" and _v(g, "--vocab-size") == vocab
+        assert _v(g, "--num-attention-heads") == "32" and _v(g, "--num-query-groups") == "4"
+        assert _v(g, "--kv-channels") == "128" and g["--qk-layernorm"] == []
+        assert g["--bf16"] == [] and "--moe-layer-freq" not in g  # every layer MoE
+        assert _v(g, "--tokenizer-type") == "NullTokenizer" and g["--mock-data"] == []
+        assert _v(g, "--train-iters") == "50" and _v(g, "--seed") == "1234"
+        # the stable regime
+        assert float(_v(g, "--lr")) == 1e-4 and float(_v(g, "--min-lr")) == 1e-5
+        assert _v(g, "--lr-warmup-iters") == "10" and float(_v(g, "--clip-grad")) == 1.0
+        assert _v(g, "--lr-decay-style") == "cosine" and float(_v(g, "--adam-beta2")) == 0.95
+        fused = "_fused_loss" in shape and label == "ring"
+        assert ("--relaymoe-fused-loss" in g) == fused, label
+        if spec.anchor:  # megatron-core at its best, and the ring with the same flags
+            assert _v(g, "--transformer-impl") == "transformer_engine"
+            for flag in bench_e2e.ANCHOR_FLAGS:
+                assert g[flag] == [], (label, flag)
+            assert "--cuda-graph-impl" not in g  # no candidate kept before a measured sweep
+        else:
+            assert "--moe-permute-fusion" not in g and "--cross-entropy-loss-fusion" not in g
+        if spec.fp8:
+            assert (_v(g, "--fp8-format"), _v(g, "--fp8-recipe")) == spec.fp8
+        else:
+            assert "--fp8-format" not in g and "--fp8-recipe" not in g
+        if shape == "qwen3_slice_s16k":
+            assert _v(g, "--recompute-granularity") == "selective"
+            assert g["--recompute-modules"] == ["core_attn"]
+        elif "v152k" in shape:
+            assert _v(g, "--recompute-granularity") == "full"
+        else:
+            assert "--recompute-granularity" not in g and "--recompute-modules" not in g
+        want = "ring" if label == "ring" else "alltoall"
+        assert _v(g, "--moe-token-dispatcher-type") == want
+        assert ("--relaymoe-mode" in g) == (label == "ring")
+    assert _v(groups["ring"], "--relaymoe-mode") == "auto"
+    # identical flags otherwise; the noise run is the first alltoall run's exact command
+    assert plans[1].flags == plans[2].flags
+    ring = {k: v for k, v in groups["ring"].items() if k != "--relaymoe-mode"}
+    diff = {
+        k
+        for k in ring.keys() | groups["alltoall"].keys()
+        if ring.get(k) != groups["alltoall"].get(k)
+    }
+    expected = {"--moe-token-dispatcher-type"}
+    if "_fused_loss" in shape:
+        expected.add("--relaymoe-fused-loss")
+    assert diff == expected, diff
+
+
+def test_cli_dry_run_and_early_errors(capsys):
+    argv = ["--shapes", "qwen3_slice_s4k,qwen3_slice_s16k", "--noise-run", "--dry-run"]
+    assert bench_e2e.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    heads = [ln for ln in lines if ln.startswith("# ")]
+    assert len(heads) == 6 and heads[2] == "# qwen3_slice_s4k alltoall_repeat (regime stable, EP=2)"
+    assert lines[lines.index(heads[2]) + 1] == lines[lines.index(heads[1]) + 1]
+    with pytest.raises(SystemExit):  # 5 steps: fewer than the stable regime's warm-up
+        bench_e2e.main(["--shapes", "qwen3_slice_s4k", "--steps", "5", "--dry-run"])
+    assert "do not exceed its 10 warm-up" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_e2e.main(["--shapes", "qwen3_slice_s8k", "--dry-run"])
+    assert "unknown shape" in capsys.readouterr().err
+
+
+def test_noise_run_only_when_asked():
+    shape = bench_e2e.SHAPES["qwen3_slice_s4k"]
+    plans = bench_e2e.plan_runs(shape, gpus=GPUS, steps=50, seed=1, noise_run=False)
+    assert [p.label for p in plans] == ["ring", "alltoall"]
+
+
+_MEGATRON_ARGS = textwrap.dedent(
+    """
+    import json, sys, warnings
+    warnings.filterwarnings("ignore")
+    import torch
+    torch.cuda.get_device_capability = lambda *a: (9, 0)  # validate_args asks for it
+    from relaymoe.megatron import register
+    register()
+    from megatron.training.arguments import parse_and_validate_args
+    flags, keys = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+    sys.argv = ["pretrain", *flags]
+    a = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
+    print("ARGS " + json.dumps({k: getattr(a, k) for k in keys}))
+    """
+)
+
+
+def megatron_args(flags, keys, world: int = 2) -> dict:
+    """``keys`` of the arguments Megatron's own parser and validation make of ``flags`` at world
+    size ``world`` (a subprocess, no GPU)."""
+    env = dict(os.environ, WORLD_SIZE=str(world), RANK="0", LOCAL_RANK="0",
+               CUDA_VISIBLE_DEVICES="")  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, "-c", _MEGATRON_ARGS, json.dumps(list(flags)), json.dumps(list(keys))],
+        capture_output=True, text=True, timeout=240, env=env,
+    )  # fmt: skip
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("ARGS ")]
+    assert p.returncode == 0 and line, p.stdout[-2000:] + p.stderr[-4000:]
+    return json.loads(line[0][5:])
+
+
+def test_megatron_parses_the_shape_flags():
+    """Megatron's own parser and validation accept the flags (world size 2: EP=2, DP=2)."""
+    keys = ("seq_length", "micro_batch_size", "global_batch_size", "data_parallel_size",
+            "expert_model_parallel_size", "padded_vocab_size", "num_experts",
+            "moe_token_dispatcher_type", "lr", "lr_warmup_iters", "clip_grad", "adam_beta2",
+            "recompute_granularity", "bf16", "train_iters")  # fmt: skip
+    shape = bench_e2e.SHAPES["qwen3_slice_s16k"]
+    for plan in bench_e2e.plan_runs(shape, gpus=GPUS, steps=50, seed=1234, noise_run=False):
+        a = megatron_args(plan.flags, keys)
+        assert a == {
+            "seq_length": 16384,
+            "micro_batch_size": 1,
+            "global_batch_size": 2,
+            "data_parallel_size": 2,
+            "expert_model_parallel_size": 2,
+            "padded_vocab_size": 32768,
+            "num_experts": 128,
+            "moe_token_dispatcher_type": plan.dispatcher,
+            "lr": 1e-4,
+            "lr_warmup_iters": 10,
+            "clip_grad": 1.0,
+            "adam_beta2": 0.95,
+            "recompute_granularity": "selective",
+            "bf16": True,
+            "train_iters": 50,
+        }, a
+
+
+def test_default_mode_keeps_the_tiny_runs():
+    """No --shapes: tiny_qwen3 at 200 steps, ring + alltoall, the launcher's regime as before."""
+    (shape,) = [bench_e2e.config_shape("tiny_qwen3", 200)]
+    plans = bench_e2e.plan_runs(shape, gpus=2, steps=200, seed=1234, noise_run=False)
+    assert shape.name == "tiny_qwen3_steps200" and [p.label for p in plans] == ["ring", "alltoall"]
+    g = _groups(plans[0].flags)
+    assert (float(_v(g, "--lr")), float(_v(g, "--min-lr"))) == (3e-4, 3e-5)
+    assert _v(g, "--lr-warmup-iters") == "10" and float(_v(g, "--clip-grad")) == 1.0
+    assert "--adam-beta2" not in g and "--adam-beta1" not in g
+    assert (_v(g, "--seq-length"), _v(g, "--micro-batch-size"), _v(g, "--global-batch-size")) == (
+        "512",
+        "4",
+        "8",
+    )
+    assert list(plans[0].flags) == pretrain_args(
+        "tiny_qwen3", gpus=2, steps=200, dispatcher="ring", seed=1234
+    )
+
+
+def test_extra_flags_replace_instead_of_repeating():
+    base = pretrain_args("tiny_qwen3", gpus=2, steps=20, dispatcher="ring", seed=1)
+    out = pretrain_args(
+        "tiny_qwen3",
+        gpus=2,
+        steps=20,
+        dispatcher="ring",
+        seed=1,
+        extra=["--lr", "5e-5", "--save", "/ck", "--save-interval", "10"],
+    )
+    g = _groups(out)  # asserts no duplicate
+    assert _v(g, "--lr") == "5e-5" and _v(g, "--save") == "/ck"
+    assert out.index("--lr") == base.index("--lr")  # replaced in place
+    assert out[-4:] == ["--save", "/ck", "--save-interval", "10"]
+    assert merge_flags(["--a", "1", "--b"], ["--b", "--c", "-1", "--a", "2"]) == [
+        "--a",
+        "2",
+        "--b",
+        "--c",
+        "-1",
+    ]
+    with pytest.raises(ValueError, match="starts with the value"):
+        merge_flags(["1", "--a"], [])
+
+
+def test_regime_and_sequence_guards():
+    with pytest.raises(ValueError, match="do not exceed its 10 warm-up"):
+        pretrain_args("qwen3_slice", gpus=2, steps=10, dispatcher="ring", seed=1, regime="stable")
+    with pytest.raises(ValueError, match="max_position_embeddings=512"):
+        pretrain_args("tiny_qwen3", gpus=2, steps=20, dispatcher="ring", seed=1, seq_length=1024)
+    with pytest.raises(ValueError, match="known"):
+        pretrain_args("tiny_qwen3", gpus=2, steps=20, dispatcher="ring", seed=1, regime="fast")
+    f = REGIMES["stable"].row_fields(50)
+    assert (f["lr"], f["lr_warmup_iters"], f["clip_grad"], f["adam_beta2"]) == (1e-4, 10, 1.0, 0.95)
+    assert REGIMES["launcher"].row_fields(50)["lr_warmup_iters"] == 2  # max(1, steps // 20)
+
+
+# -- parity / noise on synthetic loss curves ------------------------------------------------------
+
+
+def _run(label, losses, rc=0, dispatcher=None, **kw):
+    steps = [
+        {"loss": x, "tokens_per_s": 1000.0 + i, "peak_MiB": 10.0} for i, x in enumerate(losses)
+    ]
+    d = dispatcher or ("ring" if label == "ring" else "alltoall")
+    return RunResult(d, rc, steps=steps, label=label, seconds=12.5, command="torchrun x", **kw)
+
+
+BASE = [5.0 - 0.05 * i for i in range(50)]
+
+
+def _shift(curve, at, by):
+    return [x + (by if i == at else 0.0) for i, x in enumerate(curve)]
+
+
+def test_parity_within_twice_the_noise():
+    ring = _run("ring", _shift(BASE, 30, 0.0499))
+    a2a = _run("alltoall", BASE)
+    rep = _run("alltoall_repeat", _shift(BASE, 7, -0.02))
+    par = loss_parity(ring, a2a, rep, steps=50)
+    assert par["max_abs_loss_diff"] == pytest.approx(0.0499)
+    assert par["noise_max_abs_loss_diff"] == pytest.approx(0.02)
+    assert par["parity_bound"] == pytest.approx(0.05) and par["parity_ok"] is True
+    assert par["steps_compared"] == 50 and par["failures"] == {}
+    par = loss_parity(_run("ring", _shift(BASE, 30, 0.0501)), a2a, rep, steps=50)
+    assert par["parity_ok"] is False
+    # identical curves: no noise, the 0.01 slack alone
+    par = loss_parity(_run("ring", _shift(BASE, 3, 0.009)), a2a, _run("alltoall_repeat", BASE),
+                      steps=50)  # fmt: skip
+    assert par["noise_max_abs_loss_diff"] == 0.0 and par["parity_ok"] is True
+    # no repeat run: the difference is measured, parity is not judged
+    par = loss_parity(ring, a2a, None, steps=50)
+    assert par["max_abs_loss_diff"] == pytest.approx(0.0499) and par["parity_ok"] is None
+
+
+def test_a_repeat_cut_short_gives_partial_noise_but_no_verdict():
+    ring = _run("ring", _shift(BASE, 5, 0.03))
+    a2a = _run("alltoall", BASE)
+    rep = _run("alltoall_repeat", _shift(BASE[:31], 4, 0.2), rc=-9, timed_out=True)
+    par = loss_parity(ring, a2a, rep, steps=50)
+    assert par["parity_ok"] is False and par["noise_max_abs_loss_diff"] is None
+    assert par["partial_steps"] == 31
+    assert par["partial_noise_max_abs_loss_diff"] == pytest.approx(0.2)
+    assert par["partial_max_abs_loss_diff"] == pytest.approx(0.03)
+    # a ring difference after the repeat's last step is not in the partial comparison
+    par = loss_parity(_run("ring", _shift(BASE, 40, 0.5)), a2a, rep, steps=50)
+    assert par["partial_max_abs_loss_diff"] == pytest.approx(0.0)
+    # every run complete: no partial fields
+    assert loss_parity(ring, a2a, _run("alltoall_repeat", BASE), steps=50)["partial_steps"] is None
+
+
+@pytest.mark.parametrize(
+    "broken",
+    [
+        dict(losses=[], rc=1),  # crashed before the first step
+        dict(losses=[], rc=0),  # exited 0 without reporting a step
+        dict(losses=BASE[:49], rc=0),  # one step short
+        dict(losses=BASE, rc=1),  # all steps, then failed at exit
+        dict(losses=_shift(BASE, 20, math.nan), rc=0),  # diverged
+        dict(losses=BASE[:10], rc=-9, timed_out=True),
+    ],
+)
+@pytest.mark.parametrize("who", ["ring", "alltoall", "alltoall_repeat"])
+def test_a_failed_run_never_passes_parity(broken, who):
+    runs = {k: _run(k, BASE) for k in ("ring", "alltoall", "alltoall_repeat")}
+    runs[who] = _run(
+        who, broken["losses"], rc=broken["rc"], timed_out=broken.get("timed_out", False)
+    )
+    par = loss_parity(runs["ring"], runs["alltoall"], runs["alltoall_repeat"], steps=50)
+    assert par["parity_ok"] is False and list(par["failures"]) == [who]
+    if who != "alltoall_repeat":
+        assert par["max_abs_loss_diff"] is None  # a failed run is no data
+    if who != "ring":
+        assert par["noise_max_abs_loss_diff"] is None
+
+
+@pytest.mark.parametrize("reported", [0, 20])  # crashed before any step / at step 21
+def test_rows_of_a_shape_with_a_failed_ring_run(reported):
+    shape = bench_e2e.SHAPES["qwen3_slice_s4k"]
+    plans = bench_e2e.plan_runs(shape, gpus=2, steps=50, seed=1234, noise_run=True)
+    results = {
+        "ring": _run("ring", BASE[:reported], rc=1),
+        "alltoall": _run("alltoall", BASE),
+        "alltoall_repeat": _run("alltoall_repeat", _shift(BASE, 4, 0.03)),
+    }
+    ring, a2a = bench_e2e.shape_rows(plans, results, gpus=2, steps=50, seed=1234)
+    assert (ring["provider"], a2a["provider"]) == ("relaymoe_ring", "mcore_alltoall")
+    for row in (ring, a2a):
+        assert row["bench"] == "e2e" and row["shape"] == "qwen3_slice_s4k"
+        assert row["parity_ok"] is False and row["max_abs_loss_diff_vs_other"] is None
+        assert row["noise_max_abs_loss_diff"] == pytest.approx(0.03)
+        assert (row["lr"], row["lr_warmup_iters"], row["clip_grad"]) == (1e-4, 10, 1.0)
+        assert (row["regime"], row["seq_length"], row["global_batch_size"]) == ("stable", 4096, 2)
+        assert row["ep"] == 2 and row["steps_requested"] == 50
+    assert ring["failure"] == "exit status 1" and ring["returncode"] == 1
+    assert ring["steps"] == reported and ring["losses"] == BASE[:reported]  # the record only
+    assert ring["tokens_per_s"] is None and ring["peak_MiB"] is None and ring["final_loss"] is None
+    assert a2a["failure"] is None and a2a["steps"] == 50 and a2a["tokens_per_s"] is not None
+    assert a2a["losses"] == BASE and a2a["repeat_steps"] == 50 and a2a["repeat_failure"] is None
+    assert a2a["wall_s"] == 12.5 and a2a["returncode"] == 0
+
+
+class _Writer:
+    def __init__(self):
+        self.rows = []
+
+    def write(self, row):
+        self.rows.append(row)
+
+
+def test_run_shapes_reports_failures_and_respects_the_budget(capsys):
+    calls = []
+
+    def runner(flags, *, gpus, label, timeout_s):
+        calls.append((label, timeout_s))
+        if label == "ring":
+            return RunResult("ring", 1, label=label, command="torchrun RING", log_tail="OOM here")
+        return _run(label, BASE)
+
+    now = [0.0]
+
+    def clock():
+        now[0] += 100.0  # every call to the clock: 100 s later
+        return now[0]
+
+    w = _Writer()
+    shapes = [bench_e2e.SHAPES["qwen3_slice_s4k"], bench_e2e.SHAPES["qwen3_slice_s16k"]]
+    rows, ok = bench_e2e.run_shapes(shapes, gpus=2, steps=50, seed=1, noise_run=True, writer=w,
+                                    budget_s=450, runner=runner, clock=clock)  # fmt: skip
+    assert not ok and len(rows) == 4 and w.rows == rows
+    err = capsys.readouterr().err
+    assert "run ring failed: exit status 1 (rc=1)" in err and "torchrun RING" in err
+    assert "OOM here" in err and "--- run alltoall not started: 0 s of --budget-s 450" in err
+    # left per run: 350, 250, 150 (s4k), 50 (< MIN_RUN_S: s16k ring and the rest not started)
+    assert calls == [("ring", 350.0), ("alltoall", 250.0), ("alltoall_repeat", 150.0)]
+    s16k = [r for r in rows if r["shape"] == "qwen3_slice_s16k"]
+    assert all(r["parity_ok"] is False for r in rows)
+    assert all(r["failure"].startswith("not started") for r in s16k)
+    assert s16k[1]["repeat_failure"].startswith("not started")
+
+
+def test_run_pretrain_stops_the_job_at_its_timeout(monkeypatch, tmp_path):
+    """A job past its timeout is stopped with its whole process group and reported, no raise."""
+    import benchmarks.e2e as e2e
+
+    started = []
+    real_popen = subprocess.Popen
+
+    def popen(cmd, **kw):
+        # a stand-in job: a parent that starts a child, both sleeping (like torchrun + workers)
+        code = (
+            "import subprocess, sys, time\n"
+            "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+            "print('started worker', c.pid, flush=True)\n"
+            "time.sleep(60)\n"
+        )
+        p = real_popen([sys.executable, "-c", code], **kw)
+        started.append(p)
+        return p
+
+    monkeypatch.setattr(e2e.subprocess, "Popen", popen)
+    r = run_pretrain(["--moe-token-dispatcher-type", "alltoall"], gpus=2, label="alltoall_repeat",
+                     timeout_s=10, workdir=str(tmp_path / "w"))  # fmt: skip
+    assert r.timed_out and r.failure(50).startswith("timed out after")
+    assert r.dispatcher == "alltoall" and r.name == "alltoall_repeat" and not r.steps
+    assert "--relaymoe-report" in r.command and r.seconds < 30, r.seconds
+    workers = [int(ln.split()[-1]) for ln in r.log_tail.splitlines() if "started worker" in ln]
+    assert len(workers) == 1, r.log_tail  # the stand-in got as far as starting its worker
+    # the job and its worker (its own child, as torchrun's) are both stopped
+    deadline = time.monotonic() + 10  # a killed process may take a moment to disappear
+    while (_alive(started[0].pid) or _alive(workers[0])) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(started[0].pid) and not _alive(workers[0])
+
+
+def _alive(pid: int) -> bool:
+    """A running process (a zombie waiting to be reaped is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_run_pretrain_runs_another_entry_module_with_extra_environment(monkeypatch, tmp_path):
+    """``module``/``env`` (the soak's drifting-router entry point): the command and environment
+    the job gets, with the checkout importable."""
+    import benchmarks.e2e as e2e
+
+    seen = {}
+    real_popen = subprocess.Popen
+
+    def popen(cmd, **kw):
+        seen["cmd"], seen["env"] = cmd, kw["env"]
+        return real_popen([sys.executable, "-c", "pass"], **kw)
+
+    monkeypatch.setattr(e2e.subprocess, "Popen", popen)
+    run_pretrain(["--moe-token-dispatcher-type", "ring"], gpus=2, workdir=str(tmp_path / "w"),
+                 module="benchmarks.soak_pretrain", env={"RELAYMOE_SOAK_EP": "2"})  # fmt: skip
+    assert seen["cmd"][seen["cmd"].index("-m", 2) + 1] == "benchmarks.soak_pretrain"
+    assert seen["env"]["RELAYMOE_SOAK_EP"] == "2"
+    assert seen["env"]["PYTHONPATH"].split(os.pathsep)[0] == e2e._CHECKOUT
+
+
+def test_megatron_validates_the_pipeline_shape_flags():
+    """Megatron's parser and validation accept the PP=2 shapes at world 2 (DP = 1) with the
+    interleaved schedule's two virtual stages."""
+    keys = ("pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+            "data_parallel_size", "expert_model_parallel_size", "global_batch_size",
+            "micro_batch_size", "moe_token_dispatcher_type")  # fmt: skip
+    shape = bench_e2e.SHAPES["tiny_qwen3_pp2_vpp2"]
+    for plan in bench_e2e.plan_runs(shape, gpus=GPUS, steps=50, seed=1234, noise_run=False):
+        a = megatron_args(plan.flags, keys)
+        assert a["pipeline_model_parallel_size"] == 2 and a["data_parallel_size"] == 1
+        assert a["virtual_pipeline_model_parallel_size"] == 2
+        assert a["expert_model_parallel_size"] == 1
+        assert a["global_batch_size"] == 2 * a["micro_batch_size"]
+        assert a["moe_token_dispatcher_type"] == plan.dispatcher
+
+
+# ------------------------------------------------------------------ issue #31: the TE stack
+def test_transformer_impl_of_a_run(monkeypatch):
+    """None: Megatron's default (TE) where TE imports, else local with the flags local layers
+    need; TE asked for without TE is a clear error unless the plan is a dry run's."""
+    import benchmarks.e2e as e2e
+
+    kw = dict(gpus=1, steps=20, dispatcher="ring", seed=1)
+    for have_te, impl in ((False, "local"), (True, "transformer_engine")):
+        monkeypatch.setattr(e2e, "_have_te", lambda have_te=have_te: have_te)
+        g = _groups(pretrain_args("tiny_qwen3", **kw))
+        assert _v(g, "--transformer-impl") == impl and e2e.run_impl(list(g)) in e2e.IMPLS
+        assert ("--no-rope-fusion" in g) == (impl == "local")
+        assert "--no-gradient-accumulation-fusion" in g  # Megatron's output layer needs apex
+        g = _groups(pretrain_args("tiny_qwen3", **kw, transformer_impl="local"))
+        assert _v(g, "--transformer-impl") == "local" and "--no-masked-softmax-fusion" in g
+    monkeypatch.setattr(e2e, "_have_te", lambda: False)
+    with pytest.raises(ValueError, match="TransformerEngine does not import here"):
+        pretrain_args("tiny_qwen3", **kw, transformer_impl="transformer_engine")
+    g = _groups(pretrain_args("tiny_qwen3", **kw, transformer_impl="transformer_engine",
+                              check_te=False))  # fmt: skip
+    assert _v(g, "--transformer-impl") == "transformer_engine" and "--no-rope-fusion" not in g
+    with pytest.raises(ValueError, match="one of"):
+        e2e.resolve_impl("te")
+    assert e2e.run_impl(["--bf16"]) == "transformer_engine"  # Megatron's default
+
+
+@pytest.mark.parametrize("shape", ["qwen3_slice_s4k_te", "qwen3_slice_s4k_te_fp8_e4m3_delayed"])
+def test_te_shape_rows_name_the_anchor_and_the_stack(shape, monkeypatch):
+    monkeypatch.setattr(bench_e2e, "te_version", lambda: "2.20.2")
+    spec = bench_e2e.SHAPES[shape]
+    plans = bench_e2e.plan_runs(spec, gpus=1, steps=50, seed=1234, noise_run=False,
+                                check_te=False)  # fmt: skip
+    results = {"ring": _run("ring", BASE), "alltoall": _run("alltoall", BASE)}
+    ring, a2a = bench_e2e.shape_rows(plans, results, gpus=1, steps=50, seed=1234)
+    assert (ring["provider"], a2a["provider"]) == ("relaymoe_ring", "mcore_alltoall_te")
+    for row, plan in ((ring, plans[0]), (a2a, plans[1])):
+        assert row["transformer_impl"] == "transformer_engine" and row["te_version"] == "2.20.2"
+        assert row["flags"] == list(plan.flags) and "--moe-router-fusion" in row["flags"]
+        assert row["anchor_flags"] == list(bench_e2e.ANCHOR_FLAGS) and row["anchor_kept"] == []
+    if spec.fp8:
+        assert ring["shape"] == "qwen3_slice_s4k_te_fp8"  # one shape, the recipe in its fields
+        assert (ring["fp8_format"], ring["fp8_recipe"]) == ("e4m3", "delayed")
+    else:
+        assert ring["shape"] == shape and ring["fp8_recipe"] is None
+    old = bench_e2e.plan_runs(bench_e2e.SHAPES["qwen3_slice_s4k"], gpus=1, steps=50, seed=1,
+                              noise_run=False, check_te=False)  # fmt: skip
+    old_rows = bench_e2e.shape_rows(old, results, gpus=1, steps=50, seed=1)
+    assert old_rows[1]["provider"] == "mcore_alltoall" and old_rows[1]["anchor_flags"] is None
+
+
+def test_kept_anchor_candidates_reach_the_runs_by_scope(monkeypatch):
+    """A candidate kept from a measured sweep joins the alltoall runs, and the ring's too when it
+    concerns layers both run (scope "both")."""
+    monkeypatch.setattr(bench_e2e, "ANCHOR_KEPT", ("cuda_graph_moe_router", "cross_entropy_te"))
+    spec = bench_e2e.SHAPES["qwen3_slice_s4k_te"]
+    ring, a2a = (_groups(spec.run_flags(d)) for d in ("ring", "alltoall"))
+    assert a2a["--cuda-graph-modules"] == ["moe_router", "moe_preprocess"]
+    assert "--cuda-graph-impl" not in ring  # the ring refuses CUDA graphs over the MoE
+    assert ring["--cross-entropy-fusion-impl"] == a2a["--cross-entropy-fusion-impl"] == ["te"]
+
+
+def test_anchor_sweep_times_each_candidate_alone(capsys, monkeypatch):
+    import benchmarks.e2e as e2e
+
+    monkeypatch.setattr(e2e, "_have_te", lambda: True)  # the runs are faked; TE is "here"
+    monkeypatch.setattr(bench_e2e, "te_version", lambda: "2.20.2")
+    spec = bench_e2e.SHAPES["qwen3_slice_s4k_te"]
+    plans = bench_e2e.sweep_plans(spec, gpus=1, steps=25, seed=1, check_te=False)
+    labels = [label for label, _ in plans]
+    assert labels == ["base", *bench_e2e.ANCHOR_CANDIDATES, "base_repeat"]
+    base = _groups(plans[0][1])
+    assert _v(base, "--moe-token-dispatcher-type") == "alltoall" and plans[-1][1] == plans[0][1]
+    for label, flags in plans[1:-1]:
+        g = _groups(flags)  # the candidate's flags on top of the base run's, nothing else
+        extra = _groups(bench_e2e.ANCHOR_CANDIDATES[label][0])
+        assert {k: v for k, v in g.items() if k not in extra} == base, label
+        assert all(g[k] == v for k, v in extra.items())
+    tps = {"base": 100.0, "cuda_graph_moe_router": 110.0, "base_repeat": 101.0}
+
+    def runner(flags, *, gpus, label, timeout_s):
+        if label not in tps:
+            return RunResult("alltoall", 1, label=label, command="x", log_tail="no graph")
+        steps = [{"loss": 5.0, "tokens_per_s": tps[label], "peak_MiB": 1.0}] * 25
+        return RunResult("alltoall", 0, steps=steps, label=label, command="x")
+
+    with pytest.raises(ValueError, match="needs an anchor shape"):
+        bench_e2e.sweep_plans(bench_e2e.SHAPES["qwen3_slice_s4k"], gpus=1, steps=25, seed=1)
+    w = _Writer()
+    rows = bench_e2e.run_anchor_sweep(spec, gpus=1, steps=25, seed=1, writer=w, runner=runner)
+    assert [r["candidate"] for r in rows] == labels and w.rows == rows
+    by = {r["candidate"]: r for r in rows}
+    assert by["cuda_graph_moe_router"]["speedup_vs_base"] == pytest.approx(1.1)
+    assert by["base_repeat"]["speedup_vs_base"] == pytest.approx(1.01)
+    assert by["te_activation"]["failure"] == "exit status 1"
+    assert by["te_activation"]["speedup_vs_base"] is None
+    assert by["te_activation"]["candidate_flags"] == ["--use-te-activation-func"]
+    assert all(r["bench"] == "e2e_anchor_sweep" and r["provider"] == "mcore_alltoall_te"
+               for r in rows)  # fmt: skip
+    assert "no graph" in capsys.readouterr().err
+
+
+def test_e2e_run_result_peaks_split_warmup_from_steady():
+    from benchmarks.e2e import RunResult  # the e2e harness (lives beside the benchmarks)
+
+    peaks = [500.0, 480.0, 300.0, 300.0, 301.0, 310.0, 305.0]
+    r = RunResult("ring", 0, steps=[{"loss": 1.0, "peak_MiB": p} for p in peaks])
+    assert r.peak_mib() == 310.0 and r.warmup_peak_mib() == 500.0
+    short = RunResult("ring", 0, steps=[{"loss": 1.0, "peak_MiB": 42.0}])
+    assert short.peak_mib() == 42.0  # fewer steps than the warm-up: all of them

@@ -1,0 +1,95 @@
+"""Dependencies in relaymoe/ point one way: kernels <- ops <- ring <- megatron, with the
+torch-free modules (options, cost, planner, config, lossmodel) and the oracle beside the stack.
+
+Every import in every module is read from its source (function-level lazy imports included), so
+an upward import fails here even when no test happens to execute it.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[2] / "relaymoe"
+
+# level of each top-level part of relaymoe; a module may import only parts of its level or below
+LEVELS = {
+    "options": 0, "cost": 0, "lossmodel": 0, "config": 0, "planner": 0, "reference": 0,
+    "kernels": 1,
+    "routing": 2, "experts": 2, "expert_inputs": 2, "loss": 2,
+    "ring": 3,
+    "megatron": 4,
+    "cli": 5, "__main__": 5, "__init__": 5,
+}  # fmt: skip
+TORCH_FREE = ("options", "cost", "lossmodel", "config", "planner")
+
+
+def _part(rel: Path) -> str:
+    first = rel.parts[0]
+    return first[:-3] if first.endswith(".py") else first
+
+
+def _module_level(tree: ast.AST):
+    """The nodes that run when the module is imported (function bodies left out)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if not isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+                todo.append(child)
+
+
+def _imports(path: Path, *, lazy: bool = True) -> list[tuple[int, str]]:
+    """(line, dotted module) of every import in ``path`` (``lazy=False``: only those that run at
+    import time), relative imports resolved."""
+    tree = ast.parse(path.read_text())
+    here = list(path.relative_to(PKG.parent).with_suffix("").parts[:-1])
+    out = []
+    for node in ast.walk(tree) if lazy else _module_level(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here[: len(here) - (node.level - 1)] if node.level > 1 else here
+                mod = ".".join([*base, node.module] if node.module else base)
+            else:
+                mod = node.module or ""
+            out.append((node.lineno, mod))
+            if node.module is None or node.level:
+                out += [(node.lineno, f"{mod}.{a.name}") for a in node.names]
+    return out
+
+
+MODULES = sorted(p for p in PKG.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PKG)))
+def test_no_upward_import(path):
+    rel = path.relative_to(PKG)
+    part = _part(rel)
+    assert part in LEVELS, f"relaymoe/{rel}: add its part {part!r} to LEVELS"
+    bad = []
+    for line, mod in _imports(path):
+        names = mod.split(".")
+        if names[0] != "relaymoe" or len(names) < 2:
+            continue
+        target = names[1]
+        if target not in LEVELS:
+            continue  # a name imported from the package root's namespace
+        if LEVELS[target] > LEVELS[part]:
+            bad.append(f"line {line}: {mod} (level {LEVELS[target]} > {part}'s {LEVELS[part]})")
+    assert not bad, f"relaymoe/{rel} imports upward:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("part", TORCH_FREE)
+def test_pure_python_parts_import_no_torch(part):
+    """Importable without torch: a function may import it lazily where it needs a device."""
+    paths = [PKG / f"{part}.py"] if (PKG / f"{part}.py").is_file() else sorted(
+        (PKG / part).rglob("*.py"))  # fmt: skip
+    found = [(p, line, mod) for p in paths for line, mod in _imports(p, lazy=False)]
+    bad = [f"{p.relative_to(PKG)}:{line} {mod}" for p, line, mod in found
+           if mod.split(".")[0] in ("torch", "triton")]  # fmt: skip
+    assert not bad, f"{part} must stay torch-free: " + ", ".join(bad)

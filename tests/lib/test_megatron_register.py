@@ -1,0 +1,527 @@
+"""register(), the parser, the refusals and the small pieces of relaymoe.megatron (in-process)."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import types
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.fixtures import tiny_transformer_config
+
+warnings.filterwarnings("ignore")
+
+
+@pytest.fixture(scope="module")
+def mcore():
+    import relaymoe.megatron as rm
+
+    rm.register()
+    return rm
+
+
+def _config(**kw):
+    return tiny_transformer_config(
+        **{"expert_model_parallel_size": 2, "moe_token_dispatcher_type": "ring", **kw}
+    )
+
+
+def test_import_relaymoe_megatron_does_not_import_megatron():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, relaymoe, relaymoe.megatron; "
+        "assert 'megatron.core' not in sys.modules, 'imported megatron eagerly'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_register_twice_is_harmless(mcore):
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.training import arguments
+
+    from relaymoe.megatron.patches import patched_everything
+
+    before = (MoELayer.__init__, MoELayer.routed_experts_compute, arguments.add_megatron_arguments)
+    mcore.register()
+    mcore.register()
+    after = (MoELayer.__init__, MoELayer.routed_experts_compute, arguments.add_megatron_arguments)
+    assert before == after, "a second register() re-wrapped something"
+    assert mcore.is_registered() and patched_everything()
+    # the parser still has exactly one 'ring' choice and one relaymoe group
+    parser = arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    (action,) = [a for a in parser._actions if a.dest == "moe_token_dispatcher_type"]
+    assert list(action.choices).count("ring") == 1
+    assert sum(a.dest == "relaymoe_mode" for a in parser._actions) == 1
+
+
+def test_parser_accepts_ring_and_relaymoe_flags(mcore):
+    from megatron.training import arguments
+
+    parser = arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    ns = parser.parse_args(
+        "--moe-token-dispatcher-type ring --relaymoe-mode token --relaymoe-transport nccl".split()
+    )
+    assert ns.moe_token_dispatcher_type == "ring"
+    assert (ns.relaymoe_mode, ns.relaymoe_transport) == ("token", "nccl")
+    assert parser.parse_args([]).relaymoe_mode == "auto"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--relaymoe-mode", "sideways"])
+    ns = parser.parse_args("--relaymoe-schedule two_level --relaymoe-gpus-per-node 8".split())
+    assert (ns.relaymoe_schedule, ns.relaymoe_gpus_per_node) == ("two_level", 8)
+    defaults = parser.parse_args([])
+    assert (defaults.relaymoe_schedule, defaults.relaymoe_gpus_per_node) == ("auto", None)
+    assert defaults.relaymoe_grad_accum == "auto"
+    assert parser.parse_args(["--relaymoe-grad-accum", "fp32"]).relaymoe_grad_accum == "fp32"
+    assert defaults.relaymoe_host_wait is None  # the environment's, else lag
+    wait = parser.parse_args(["--relaymoe-host-wait", "pass"]).relaymoe_host_wait
+    assert wait == "pass"
+    for bad in (["--relaymoe-schedule", "tree"], ["--relaymoe-gpus-per-node", "0"],
+                ["--relaymoe-grad-accum", "fp16"],
+                ["--relaymoe-host-wait", "hop"]):  # fmt: skip
+        with pytest.raises(SystemExit):
+            parser.parse_args(bad)
+    # megatron's own parser (the unpatched function) rejects ring: the patch is what adds it
+    original = arguments.add_megatron_arguments.__relaymoe_original__
+    plain = original(argparse.ArgumentParser(allow_abbrev=False))
+    with pytest.raises(SystemExit):
+        plain.parse_args(["--moe-token-dispatcher-type", "ring"])
+
+
+def test_ring_flags_of_a_config_parse(mcore):
+    from megatron.training import arguments
+
+    from relaymoe.config import load_config, to_megatron_args
+
+    parser = arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    cfg = load_config("qwen3_30b_a3b").replace(parallel={"gpus_per_node": 4})
+    ns = parser.parse_args(to_megatron_args(cfg, dispatcher="ring"))
+    assert (ns.moe_token_dispatcher_type, ns.relaymoe_gpus_per_node) == ("ring", 4)
+
+
+def test_ep_ranks_per_node_from_global_ranks():
+    from relaymoe.megatron.dispatcher import ep_ranks_per_node
+
+    assert ep_ranks_per_node(list(range(16)), None) is None  # the hosts decide
+    assert ep_ranks_per_node(list(range(16)), 8) == 8  # two nodes of 8
+    assert ep_ranks_per_node(list(range(8, 16)), 8) == 8  # inside one node: flat later
+    assert ep_ranks_per_node([0, 2, 4, 6, 8, 10, 12, 14], 8) == 4  # every other GPU (tp 2)
+    assert ep_ranks_per_node([0, 8, 16, 24], 8) == 1  # one EP rank per node
+    with pytest.raises(ValueError, match=r"--relaymoe-gpus-per-node 8: the EP group's global "
+                                         r"ranks \[4, 5, 6, 7, 8, 9\]"):  # fmt: skip
+        ep_ranks_per_node([4, 5, 6, 7, 8, 9], 8)  # 4 on node 0, 2 on node 1
+
+
+def test_settings_from_args_and_configure(mcore):
+    """Settings are the ring's options (one schema, ``relaymoe.options.RingOptions``) plus the
+    fused loss; ``configure`` overrides field by field and refuses bad values and names."""
+    from relaymoe import options
+    from relaymoe.megatron import settings
+
+    settings.reset()
+    assert settings.current_settings() == settings.Settings()
+    assert settings.current_settings().ring == options.RingOptions()
+    s = mcore.configure(mode="expert", overlap=False)
+    assert s == settings.Settings(mode="expert", transport="auto", overlap=False)
+    assert settings.current_settings() == s and s.ring.mode == "expert"
+    s = mcore.configure(schedule="two_level", gpus_per_node=4)
+    assert (s.schedule, s.gpus_per_node, s.mode) == ("two_level", 4, "expert")
+    assert mcore.configure(grad_accum="fp32").grad_accum == "fp32"
+    settings.reset()
+    for bad, match in ((dict(mode="diagonal"), "mode='diagonal' is not one of"),
+                       (dict(schedule="tree"), "schedule='tree' is not one of"),
+                       (dict(gpus_per_node=0), "gpus_per_node=0 must be an int >= 1"),
+                       (dict(grad_accum="fp16"), "grad_accum='fp16' is not one of"),
+                       (dict(host_wait="always"), "host_wait='always' is not one of"),
+                       (dict(loss_chunk_tokens=0), "loss_chunk_tokens=0 must be")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            settings.Settings(**bad)
+        with pytest.raises(ValueError, match=match):
+            mcore.configure(**bad)
+    assert settings.current_settings() == settings.Settings()  # a refused configure keeps none
+    with pytest.raises(ValueError, match="unknown settings"):
+        mcore.configure(ring_mode="expert")
+    assert mcore.configure(host_wait="pass").host_wait == "pass"
+    settings.reset()
+
+
+def test_settings_from_parsed_megatron_args(mcore):
+    """Each ``--relaymoe-<field>`` flag becomes that field; an unset environment-backed flag
+    (the host wait) keeps the process's option."""
+    from megatron.training import arguments
+
+    from relaymoe import options
+    from relaymoe.megatron import settings
+
+    parser = arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    ns = parser.parse_args("--relaymoe-mode token --relaymoe-fused-loss "
+                           "--relaymoe-loss-chunk-tokens 64".split())  # fmt: skip
+    s = settings.args_settings(ns)
+    assert (s.mode, s.fused_loss, s.loss_chunk_tokens) == ("token", True, 64)
+    assert s.host_wait == options.defaults().host_wait
+    previous = options.install(options.defaults().replace(host_wait="pass"))
+    try:
+        assert settings.args_settings(parser.parse_args([])).host_wait == "pass"
+        ns = parser.parse_args(["--relaymoe-host-wait", "off"])
+        assert settings.args_settings(ns).host_wait == "off"
+    finally:
+        options.install(previous)
+
+
+def test_supported_config_passes(mcore):
+    cfg = _config(
+        moe_shared_expert_intermediate_size=16,
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=1e-2,
+        moe_z_loss_coeff=1e-3,
+    )
+    assert cfg.moe_token_dispatcher_type == "ring"
+    from relaymoe.megatron.validate import ring_config_problems
+
+    assert ring_config_problems(cfg) == []
+    # TP with sequence parallelism and expert-TP 1 is fine; CUDA graphs over attention only too
+    ok = copy.copy(cfg)
+    ok.tensor_model_parallel_size, ok.sequence_parallel, ok.expert_tensor_parallel_size = 2, True, 1
+    ok.cuda_graph_impl, ok.cuda_graph_modules = "transformer_engine", ["attn"]
+    assert ring_config_problems(ok) == []
+
+
+REFUSALS = [
+    (
+        dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_tensor_parallel_size=2),
+        "--expert-tensor-parallel-size 1",
+    ),
+    (dict(tensor_model_parallel_size=2, sequence_parallel=True), "inherited from TP"),
+    (
+        dict(tensor_model_parallel_size=2, expert_tensor_parallel_size=1),
+        "fix: add --sequence-parallel",
+    ),
+    (dict(moe_expert_capacity_factor=1.0), "remove --moe-expert-capacity-factor"),
+    (dict(moe_pad_expert_input_to_capacity=True), "remove --moe-pad-expert-input-to-capacity"),
+    (
+        dict(moe_shared_expert_intermediate_size=16, moe_shared_expert_overlap=True),
+        "remove --moe-shared-expert-overlap",
+    ),
+    (dict(overlap_moe_expert_parallel_comm=True), "remove --overlap-moe-expert-parallel-comm"),
+    (dict(moe_enable_deepep=True), "remove --moe-enable-deepep"),
+    (dict(moe_flex_dispatcher_num_sms=20), "remove --moe-flex-dispatcher-num-sms"),
+    (dict(moe_hybridep_num_sms=20), "remove --moe-hybridep-num-sms"),
+    (dict(fp8="e4m3", fp8_param=True), "--fp8-param-gather"),
+    (dict(fp4="e2m1"), "fp4='e2m1'"),
+    (dict(cuda_graph_impl="transformer_engine"), "CUDA graphs over the MoE"),
+    (dict(cuda_graph_impl="local", cuda_graph_modules=["moe_router"]), "CUDA graphs over the MoE"),
+    (dict(cuda_graph_impl="full_iteration", cuda_graph_modules=[]), "CUDA graphs over the MoE"),
+    (dict(num_moe_experts=6, expert_model_parallel_size=4), "not divisible by the expert-parallel"),
+    (dict(gated_linear_unit=False), "SwiGLU"),
+    (dict(activation_func=F.gelu), "SwiGLU"),
+    (dict(add_bias_linear=True), "--disable-bias-linear"),
+    (dict(moe_apply_probs_on_input=True, moe_router_topk=1), "moe_apply_probs_on_input"),
+    (dict(moe_latent_size=8), "latent MoE"),
+    (dict(activation_func_clamp_value=7.0), "activation_func_clamp_value"),
+    (dict(moe_mlp_glu_interleave_size=4), "moe_mlp_glu_interleave_size"),
+]
+
+
+@pytest.mark.parametrize("kw,message", REFUSALS, ids=[m for _, m in REFUSALS])
+def test_refused_at_config_time(mcore, kw, message):
+    with pytest.raises(ValueError) as info:
+        _config(**kw)
+    text = str(info.value)
+    assert "--moe-token-dispatcher-type ring cannot run" in text
+    assert message in text, text
+    assert "fix" in text
+
+
+@pytest.mark.parametrize("fmt", ["hybrid", "e4m3"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "blockwise", "mxfp8"])
+def test_fp8_recipes_accepted_with_a_notice(mcore, fmt, recipe):
+    """fp8 recipes run: TE computes attention and dense layers in fp8, the ring's experts stay
+    bf16 and say so in one line; only fp8 primary weights are refused (the ring reads bf16)."""
+    from relaymoe.megatron.validate import fp8_expert_notice, ring_config_problems
+
+    cfg = copy.copy(_config())
+    cfg.fp8, cfg.fp8_recipe = fmt, recipe
+    assert ring_config_problems(cfg) == []
+    notice = fp8_expert_notice(cfg)
+    assert fmt in notice and recipe in notice and "experts compute in bf16" in notice
+    cfg.fp8_param = True
+    (problem,) = ring_config_problems(cfg)
+    assert "--fp8-param-gather" in problem and "fix: remove" in problem
+    args = types.SimpleNamespace(moe_token_dispatcher_type="ring", fp8=fmt, fp8_recipe=recipe,
+                                 fp8_param_gather=True, swiglu=True)  # fmt: skip
+    assert any("--fp8-param-gather" in p for p in ring_config_problems(args, args_style=True))
+    cfg.fp8 = None
+    assert fp8_expert_notice(cfg) is None
+    cfg.fp8, cfg.moe_token_dispatcher_type = fmt, "alltoall"
+    assert fp8_expert_notice(cfg) is None  # not the ring's to announce
+
+
+def test_fp8_notice_printed_on_rank_0_only(mcore, capsys):
+    """Megatron's argument validation (patched) prints the fp8 notice once, on rank 0."""
+    from relaymoe.megatron.patches import announce_fp8_experts
+
+    ns = types.SimpleNamespace(moe_token_dispatcher_type="ring", fp8="hybrid",
+                               fp8_recipe="tensorwise", rank=0)  # fmt: skip
+    assert announce_fp8_experts(ns).startswith("[relaymoe] fp8 format hybrid, recipe tensorwise")
+    assert capsys.readouterr().out.count("routed experts compute in bf16") == 1
+    ns.rank = 3
+    announce_fp8_experts(ns)
+    assert capsys.readouterr().out == ""
+
+
+def test_same_options_accepted_by_other_dispatchers(mcore):
+    # the patch only judges ring configs
+    _config(moe_token_dispatcher_type="alltoall", moe_expert_capacity_factor=1.0)
+
+
+def test_refused_on_megatron_args(mcore):
+    from relaymoe.megatron.validate import check_ring_args
+
+    ns = types.SimpleNamespace(
+        moe_token_dispatcher_type="ring",
+        num_experts=8,
+        expert_model_parallel_size=4,
+        tensor_model_parallel_size=1,
+        swiglu=True,
+        add_bias_linear=False,
+        moe_expert_capacity_factor=None,
+    )
+    check_ring_args(ns)
+    ns.moe_expert_capacity_factor = 1.25
+    ns.swiglu = False
+    with pytest.raises(ValueError) as info:
+        check_ring_args(ns)
+    assert "moe_expert_capacity_factor=1.25" in str(info.value)
+    assert "add --swiglu" in str(info.value)
+    ns.moe_token_dispatcher_type = "alltoall"
+    check_ring_args(ns)  # not ours to judge
+
+
+def test_recompute_plan_applied_once(mcore, monkeypatch, capsys):
+    import relaymoe.planner as planner
+    from relaymoe.megatron import patches
+
+    class FakePlan:
+        megatron_args = {
+            "recompute_granularity": "selective",
+            "recompute_modules": ["moe"],
+            "recompute_method": None,
+            "lr": 1.0,
+        }
+
+        def summary(self):
+            return "fake plan"
+
+    monkeypatch.setattr(planner, "plan_from_megatron_args", lambda args, gpu_bytes=None: FakePlan())
+    monkeypatch.setattr(patches, "_PLAN_LOGGED", False)
+    ns = types.SimpleNamespace(
+        rank=0, recompute_granularity=None, recompute_modules=None, recompute_method="block", lr=3.0
+    )
+    applied = patches.apply_recompute_plan(ns)
+    patches.apply_recompute_plan(ns)
+    assert applied == {
+        "recompute_granularity": "selective",
+        "recompute_modules": ["moe"],
+        "recompute_method": None,
+    }
+    assert (ns.recompute_granularity, ns.recompute_modules, ns.recompute_method, ns.lr) == (
+        "selective",
+        ["moe"],
+        None,
+        3.0,
+    )
+    assert capsys.readouterr().out.count("recompute planner: fake plan") == 1
+
+
+# ------------------------------------------------------------------ small pieces
+def test_routing_map_to_topk():
+    pytest.importorskip("megatron.core")
+    from relaymoe.megatron.dispatcher import routing_map_to_topk
+
+    g = torch.Generator().manual_seed(0)
+    T, E, K = 9, 6, 3
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    rmap = torch.zeros(T, E, dtype=torch.bool).scatter_(1, idx, True)
+    probs = (torch.rand(T, E, generator=g) * rmap).requires_grad_(True)
+    rmap[4] = False  # a row with no selection (masked token): its pairs carry probability 0
+    rmap[5, idx[5, 0]] = False  # a row with fewer than K
+    got_idx, got_p = routing_map_to_topk(rmap, probs, K)
+    for t in range(T):
+        chosen = {int(e) for e, p in zip(got_idx[t], got_p[t], strict=True) if p != 0}
+        assert chosen == {int(e) for e in rmap[t].nonzero().flatten()}
+        assert len(set(got_idx[t].tolist())) == K  # distinct ids
+    got_p.sum().backward()
+    assert torch.equal(probs.grad, rmap.to(probs.dtype))  # gradient only on selected entries
+    with pytest.raises(ValueError, match="moe_router_topk"):
+        routing_map_to_topk(rmap, probs, E + 1)
+
+
+class _Lin(torch.nn.Module):
+    def __init__(self, w):
+        super().__init__()
+        self.weight = torch.nn.Parameter(w)
+        self.bias = None
+
+
+class _Expert(torch.nn.Module):
+    def __init__(self, w1, w2):
+        super().__init__()
+        self.linear_fc1, self.linear_fc2 = _Lin(w1), _Lin(w2)
+
+
+class _Seq(torch.nn.Module):  # SequentialMLP's layout
+    def __init__(self, w13, w2):
+        super().__init__()
+        self.local_experts = torch.nn.ModuleList(
+            _Expert(a.clone(), b.clone()) for a, b in zip(w13, w2, strict=True)
+        )
+
+
+@pytest.mark.parametrize("layout", ["separate", "contiguous", "ddp-reversed"])
+def test_expert_weights_layout_and_rehoming(layout):
+    """The adapter hands the parameters themselves to the ring; the layout tells whether a ring
+    pass views them in place. Re-homing keeps values, objects and names."""
+    from relaymoe.megatron import expert_weights as ew
+
+    g = torch.Generator().manual_seed(1)
+    w13, w2 = torch.randn(3, 8, 5, generator=g), torch.randn(3, 5, 4, generator=g)
+    m = _Seq(w13, w2)  # separate tensors per expert, as Megatron allocates them
+    names = [n for n, _ in m.named_parameters()]
+    params = list(m.parameters())
+    fc1, fc2 = ew.expert_param_lists(m)
+    assert ew.expert_weights_layout(m) == (None, None)
+    if layout == "contiguous":
+        ew.make_expert_weights_contiguous(m)
+        assert ew.expert_weights_layout(m) == ("forward", "forward")
+    elif layout == "ddp-reversed":  # DDP's buffer: reverse registration order, fc1s then fc2s
+        ordered = (fc1 + fc2)[::-1]
+        buf = torch.empty(sum(p.numel() for p in ordered))
+        at = 0
+        with torch.no_grad():
+            for p in ordered:
+                view = buf[at : at + p.numel()].view(p.shape)
+                view.copy_(p.data)
+                p.data = view
+                at += p.numel()
+        assert ew.expert_weights_layout(m) == ("reversed", "reversed")
+        ew.make_expert_weights_contiguous(m)  # already back to back: left where DDP put it
+        assert fc1[0].untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+    assert [n for n, _ in m.named_parameters()] == names
+    assert all(a is b for a, b in zip(m.parameters(), params, strict=True))
+    for j in range(3):
+        assert torch.equal(fc1[j], w13[j]) and torch.equal(fc2[j], w2[j])
+
+
+def test_unknown_experts_module_refused():
+    from relaymoe.megatron.expert_weights import expert_param_lists
+
+    with pytest.raises(NotImplementedError, match="SequentialMLP"):
+        expert_param_lists(torch.nn.Linear(2, 2))
+
+
+def test_pretrain_uses_the_wheels_prebuilt_dataset_helpers(mcore, monkeypatch):
+    """The wheel has helpers_cpp but no Makefile: Megatron's `make` would fail and exit."""
+    import subprocess
+
+    from megatron.core.datasets import utils as ds_utils
+
+    from relaymoe.megatron.pretrain import use_prebuilt_dataset_helpers
+
+    monkeypatch.setattr(ds_utils, "compile_helpers", ds_utils.compile_helpers)
+
+    def no_make(*args, **kwargs):
+        raise AssertionError(f"make was run: {args}")
+
+    monkeypatch.setattr(subprocess, "run", no_make)
+    assert use_prebuilt_dataset_helpers() is True
+    ds_utils.compile_helpers()  # what megatron.training.initialize calls on rank 0
+    assert use_prebuilt_dataset_helpers() is True  # idempotent
+
+
+def test_launch_runs_the_script_registered(tmp_path):
+    """``python -m relaymoe.megatron.launch SCRIPT ARGS``: the script runs as ``__main__`` with its
+    own argv, its folder importable, relaymoe registered and (wheel install) no ``make`` step."""
+    import subprocess
+    import sys
+
+    (tmp_path / "sibling.py").write_text("VALUE = 7\n")
+    (tmp_path / "train.py").write_text(
+        "import sys, sibling\n"
+        "from megatron.core.datasets import utils as ds_utils\n"
+        "import relaymoe.megatron as rm\n"
+        "assert __name__ == '__main__'\n"
+        "assert sys.argv[1:] == ['--moe-token-dispatcher-type', 'ring'], sys.argv\n"
+        "assert rm.is_registered(), 'not registered'\n"
+        "helpers_ok = getattr(ds_utils.compile_helpers, '__relaymoe_patched__', False)\n"
+        "print('RAN', sibling.VALUE, helpers_ok)\n"
+        "sys.exit(3)\n"
+    )
+    p = subprocess.run(
+        [sys.executable, "-m", "relaymoe.megatron.launch", str(tmp_path / "train.py"),
+         "--moe-token-dispatcher-type", "ring"],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert p.returncode == 3 and "RAN 7 True" in p.stdout, p.stdout + p.stderr[-3000:]
+
+
+def test_pretrain_refuses_the_ep_overlap_schedule_plan_with_the_fix(mcore):
+    from relaymoe.megatron.pretrain import forward_step
+
+    with pytest.raises(NotImplementedError, match="remove that flag"):
+        forward_step(iter(()), torch.nn.Module(), return_schedule_plan=True)
+
+
+# ------------------------------------------------------------------ checkpoint layer specs
+def test_impl_mismatch_named_for_moe_checkpoints():
+    from relaymoe.megatron.checkpoint_compat import impl_mismatch
+
+    ns = types.SimpleNamespace
+    te, local = (
+        ns(num_experts=8, transformer_impl="transformer_engine"),
+        ns(num_experts=8, transformer_impl="local"),
+    )
+    why = impl_mismatch(local, te)
+    assert "saved with --transformer-impl local" in why and "builds --transformer-impl tr" in why
+    assert "pre_mlp_layernorm.weight" in why and "fix: resume with --transformer-impl local" in why
+    assert "fix: resume with --transformer-impl transformer_engine" in impl_mismatch(te, local)
+    assert impl_mismatch(te, te) is None and impl_mismatch(local, local) is None
+    dense = ns(num_experts=None, transformer_impl="local")  # dense models map every key
+    assert impl_mismatch(dense, ns(num_experts=None, transformer_impl="transformer_engine")) is None
+    assert impl_mismatch(ns(num_experts=8), te) is None  # Megatron's default impl is TE
+    assert impl_mismatch(None, te) is None
+
+
+def test_checkpoint_load_refuses_other_impl_before_any_tensor(mcore, monkeypatch):
+    """The patched ``_load_base_checkpoint`` reads the common state (``rank0=True``) and raises a
+    ValueError naming both implementations; other calls pass through unchanged."""
+    from megatron.training import checkpointing
+
+    from relaymoe.megatron import patches
+
+    saved = types.SimpleNamespace(num_experts=4, transformer_impl="local")
+    calls = []
+
+    def fake_load(load_dir, args, rank0=False, sharded_state_dict=None, **kw):
+        calls.append(rank0)
+        return {"args": saved, "iteration": 10}, "name", False, "global"
+
+    monkeypatch.setattr(checkpointing, "_load_base_checkpoint", fake_load)
+    patches.patch_checkpoint_loading()
+    wrapped = checkpointing._load_base_checkpoint
+    assert wrapped is not fake_load and getattr(wrapped, patches.MARK)
+    args = types.SimpleNamespace(num_experts=4, transformer_impl="transformer_engine")
+    with pytest.raises(ValueError, match=r"cannot load the checkpoint in /ck: .*saved with "):
+        wrapped("/ck", args, rank0=True)
+    with pytest.raises(ValueError, match="--transformer-impl local"):
+        wrapped("/ck", args, True)  # rank0 given positionally
+    assert wrapped("/ck", args, rank0=False)[0]["iteration"] == 10  # the full load: not judged
+    args.transformer_impl = "local"
+    assert wrapped("/ck", args, rank0=True)[0]["iteration"] == 10
+    assert calls == [True, True, False, True]
+    patches.patch_checkpoint_loading()  # idempotent
+    assert checkpointing._load_base_checkpoint is wrapped

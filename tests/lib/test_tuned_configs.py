@@ -1,0 +1,107 @@
+"""The shipped kernel configurations (relaymoe/kernels/tuned.py) and how the launchers use them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from relaymoe import options
+from relaymoe.kernels import grouped, tuned
+from tests.fixtures import use_env
+
+
+@pytest.fixture
+def table(tmp_path, monkeypatch):
+    """A tuned-configuration table in a temp file, installed as the shipped one."""
+
+    def install(content) -> None:
+        path = tmp_path / "tuned_configs.json"
+        path.write_text(json.dumps(content))
+        monkeypatch.setattr(tuned, "TABLE", path)
+        tuned.load_table.cache_clear()
+        tuned._lookup.cache_clear()
+
+    yield install
+    tuned.load_table.cache_clear()
+    tuned._lookup.cache_clear()
+
+
+CFG = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 32, "num_warps": 4, "num_stages": 5}
+
+
+def test_buckets_round_sizes_up_to_powers_of_two_and_name_the_dtype():
+    key = {"H": 2048, "I": 768, "n_experts": 64, "SAVE_H": True, "SCALE": False}
+    assert (
+        tuned.bucket(key, torch.bfloat16) == "H=2048,I=1024,n_experts=64,SAVE_H=1,SCALE=0,bfloat16"
+    )
+    assert tuned.bucket({"M": 1, "N": 1025}, "float32") == "M=1,N=2048,float32"
+    # sizes within a factor of two share a bucket; the dtype separates
+    assert tuned.bucket({"N": 700}, torch.float16) == tuned.bucket({"N": 1024}, torch.float16)
+    assert tuned.bucket({"N": 1024}, torch.float16) != tuned.bucket({"N": 1024}, torch.bfloat16)
+
+
+def test_shipped_config_by_gpu_kernel_and_bucket(table):
+    key = {"N": 768, "K": 2048, "n_experts": 64, "A_GATHER": False}
+    b = tuned.bucket(key, torch.bfloat16)
+    table({"version": 1, "gpus": {"NVIDIA H200": {"rows_gemm": {b: CFG}}}})
+    assert tuned.shipped_config("rows_gemm", key, torch.bfloat16, gpu="NVIDIA H200") == CFG
+    assert tuned.shipped_config("rows_gemm", key, torch.float16, gpu="NVIDIA H200") is None
+    assert tuned.shipped_config("wgrad", key, torch.bfloat16, gpu="NVIDIA H200") is None
+    assert tuned.shipped_config("rows_gemm", key, torch.bfloat16, gpu="NVIDIA H100") is None
+    got = tuned.shipped_config("rows_gemm", key, torch.bfloat16, gpu="NVIDIA H200")
+    got["BLOCK_M"] = 1  # a copy: the table itself is never changed by a caller
+    assert tuned.shipped_config("rows_gemm", key, torch.bfloat16, gpu="NVIDIA H200") == CFG
+
+
+def test_bad_tables_and_modes_are_refused_by_name(table, monkeypatch):
+    table({"version": 7, "gpus": {}})
+    with pytest.raises(ValueError, match="not a version-1 tuned-configuration table"):
+        tuned.load_table()
+    table({"version": 1, "gpus": {"G": {"wgrad": {"b": {"BLOCK_M": 64}}}}})
+    with pytest.raises(ValueError, match=r"G / wgrad / b has keys \['BLOCK_M'\]"):
+        tuned.load_table()
+    with pytest.raises(ValueError, match="RELAYMOE_AUTOTUNE='sometimes'"):
+        use_env(monkeypatch, RELAYMOE_AUTOTUNE="sometimes")
+
+
+def test_the_package_ships_a_valid_table():
+    tuned.load_table.cache_clear()
+    t = tuned.load_table()
+    assert t["version"] == tuned.VERSION and isinstance(t["gpus"], dict)
+
+
+def test_launcher_keys_are_the_autotuners_keys():
+    for kernel, names in grouped.TUNED_KERNELS.values():
+        assert list(kernel.keys) == list(names)
+
+
+def test_pick_uses_the_shipped_config_then_the_autotuner(monkeypatch):
+    """On a GPU (interpreter off): a shipped config skips the search; without one the autotuner
+    runs; ``autotune="search"`` (RELAYMOE_AUTOTUNE=1) always searches, ``"first"`` (=0) takes the
+    first candidate."""
+    monkeypatch.setattr(grouped.configs, "interpret_mode", lambda: False)
+    found = {}
+    monkeypatch.setattr(grouped.configs, "shipped_config", lambda name, key, dtype: found.get(name))
+    key = {"N": 768, "K": 2048, "n_experts": 64, "A_GATHER": True}
+    raw, auto = grouped.rows._rows_gemm_kernel, grouped.rows._rows_tuned
+
+    def pick():
+        k = options.defaults().kernels
+        return grouped.configs._pick(auto, raw, None, 2048, "rows_gemm", key, torch.bfloat16, k)
+
+    use_env(monkeypatch, RELAYMOE_AUTOTUNE=None)
+    assert pick() == (auto, {})  # nothing shipped: search
+    found["rows_gemm"] = dict(CFG)
+    kernel, meta = pick()
+    assert kernel is raw and meta == {**CFG, "EVEN_K": True}
+    found["rows_gemm"] = {**CFG, "BLOCK_K": 96}  # 2048 % 96 != 0
+    assert pick()[1]["EVEN_K"] is False
+    use_env(monkeypatch, RELAYMOE_AUTOTUNE="1")
+    assert pick() == (auto, {})
+    use_env(monkeypatch, RELAYMOE_AUTOTUNE="0")
+    first = auto.configs[0]
+    kernel, meta = pick()
+    assert kernel is raw and meta["BLOCK_M"] == first.kwargs["BLOCK_M"]
+    assert meta["num_warps"] == first.num_warps and meta["num_stages"] == first.num_stages
