@@ -66,6 +66,19 @@ class Layout:
             for name, start, stop, dtype, shape in self._spans
         }
 
+    def __hash__(self) -> int:
+        """The dataclass's hash of the fields, computed once (the executor keys its views by
+        layout, every hop)."""
+        return self._hash
+
+    @cached_property
+    def _hash(self) -> int:
+        return hash((self.segments, self.nbytes))
+
+    def __getstate__(self) -> dict:
+        """Pickled without the cached hash: it is this process's (string hashes are salted)."""
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     @cached_property
     def _spans(self) -> tuple[tuple[str, int, int, torch.dtype, tuple[int, ...]], ...]:
         """``(name, start, stop, dtype, shape)`` of each segment relative to the base, for
