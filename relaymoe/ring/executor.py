@@ -37,13 +37,17 @@ from torch import Tensor
 
 from relaymoe.ring.faults import PeerWatch, host_wait_enabled
 from relaymoe.ring.layout import Layout
-from relaymoe.ring.schedule import RingPlan
+from relaymoe.ring.schedule import ByteRange, HopTransfer, RingPlan
 from relaymoe.ring.transport import Transport
 
 __all__ = ["HopTiming", "RingExecutor", "record_timeline", "relay"]
 
 _COMM_STREAMS: dict[int, torch.cuda.Stream] = {}
 _RECORDERS: list[list] = []
+# The per-hop profiler range: torch's C++ range (the one torch.compile's generated code opens)
+# records the same user range as torch.profiler.record_function for every observer (the
+# profiler, NVTX), without going through the dispatcher; record_function where a torch lacks it.
+_hop_range = getattr(torch._C._profiler, "_RecordFunctionFast", torch.profiler.record_function)
 
 
 def comm_stream(device: torch.device) -> torch.cuda.Stream:
@@ -165,6 +169,8 @@ class RingExecutor:
         )
         self._marks: dict[int, dict] = {}
         self._recording = bool(_RECORDERS)
+        self._transfers = plan.transfers()  # every hop's, planned once (cached by the plan)
+        self._ranges: dict[tuple[int, int, int], Tensor] = {}  # slot byte ranges, this pass's
         cap = plan.capacity() if capacity is None else max(capacity, plan.capacity())
         self.slots = transport.slots(max(cap, 1), device)
         if transport.needs_entry_sync:
@@ -199,30 +205,13 @@ class RingExecutor:
 
         ``recv_into``: destination of the final return (hop ``R``); slots otherwise.
         """
-        xfer = self.plan.transfer(hop)
-
-        def view(rng):
-            if rng.slot < 0:
-                return recv_into[rng.start : rng.stop]
-            return self.slots[rng.slot][rng.start : rng.stop]
-
-        sends = [view(leg.range) for leg in xfer.sends]
-        recvs = [view(leg.range) for leg in xfer.recvs]
-
-        def issue():
-            self.mark(hop, "t0", on_comm=True)
-            peers = self.transport.group_peers(xfer.peers)
-            with self.watch.issuing(op="p2p", hop=hop, peers=peers):
-                works = self.transport.issue(xfer, sends, recvs)
-            self.mark(hop, "t1", on_comm=True)
-            if self._mark_events:
-                self.watch.mark(self.stream, op="copy-engine barrier and pull", hop=hop)
-            return works
-
-        nbytes = xfer.send_bytes
+        xfers = self._transfers
+        xfer = xfers[hop] if 0 <= hop < len(xfers) else self.plan.transfer(hop)  # (that raises)
+        sends = [self._view(leg.range, recv_into) for leg in xfer.sends]
+        recvs = [self._view(leg.range, recv_into) for leg in xfer.recvs]
         if self._recording:
-            self._marks.setdefault(hop, {})["_bytes"] = nbytes
-        works = self._on_comm(issue)
+            self._marks.setdefault(hop, {})["_bytes"] = xfer.send_bytes
+        works = self._on_comm(lambda: self._issue(hop, xfer, sends, recvs))
         done = None
         if self.cuda:
             done = torch.cuda.Event()
@@ -231,6 +220,29 @@ class RingExecutor:
                 self.watch.defer(works, op="p2p", hop=hop)
                 works = []
         return _Pending(done, works)
+
+    def _view(self, rng: ByteRange, recv_into: Tensor | None) -> Tensor:
+        """The bytes of ``rng``: in a slot (the same view every time it recurs in the pass), or
+        in ``recv_into`` for the final return (slot -1)."""
+        if rng.slot < 0:
+            return recv_into[rng.start : rng.stop]
+        key = (rng.slot, rng.start, rng.stop)
+        view = self._ranges.get(key)
+        if view is None:
+            view = self._ranges[key] = self.slots[rng.slot][rng.start : rng.stop]
+        return view
+
+    def _issue(self, hop: int, xfer: HopTransfer, sends: list[Tensor], recvs: list[Tensor]):
+        """Issue the hop on the current stream (the communication stream on CUDA); a failure
+        to issue becomes RingPeerError."""
+        self.mark(hop, "t0", on_comm=True)
+        peers = self.transport.group_peers(xfer.peers)
+        with self.watch.issuing(op="p2p", hop=hop, peers=peers):
+            works = self.transport.issue(xfer, sends, recvs)
+        self.mark(hop, "t1", on_comm=True)
+        if self._mark_events:
+            self.watch.mark(self.stream, op="copy-engine barrier and pull", hop=hop)
+        return works
 
     def wait(self, pending: _Pending, hop: int | None = None) -> None:
         if pending.waited:
@@ -309,7 +321,19 @@ def relay(
         transport, plan, device, overlap=overlap, mode=mode, phase=phase, capacity=capacity
     )
     slots = ex.slots
-    own_views = lead_layout(rank).views(slots[0])
+    bufs = [slots[0], slots[1]]  # and the trail scratch (buffer 2), below
+    # Typed views by (layout, buffer, base), made once per pass: a view is the same at every hop
+    # that asks for it again (equal layouts of the partitions, the same slot and offset).
+    views: dict[tuple[Layout, int, int], dict[str, Tensor]] = {}
+
+    def views_of(layout: Layout, buf: int, base: int = 0) -> dict[str, Tensor]:
+        key = (layout, buf, base)
+        out = views.get(key)
+        if out is None:
+            out = views[key] = layout.views(bufs[buf], base)
+        return out
+
+    own_views = views_of(lead_layout(rank), 0)
     if callable(own_lead):
         own_lead(own_views)
     else:
@@ -320,20 +344,22 @@ def relay(
         scratch_buf = torch.empty(
             max(trail_layout(p).nbytes for p in range(R)) or 1, dtype=torch.uint8, device=device
         )
+        bufs.append(scratch_buf)
+    trail_offsets = plan.trail_offsets()
+    hop_name = f"relaymoe.{mode}.{phase}.hop"
     for h in range(R):
         p = plan.partition(h)
-        with torch.profiler.record_function(f"relaymoe.{mode}.{phase}.hop"):  # host time per hop
+        with _hop_range(hop_name):  # host time per hop
             ex.mark(h, "h0")
-            lead = own_views if h == 0 else lead_layout(p).views(slots[h % 2])
+            lead = own_views if h == 0 else views_of(lead_layout(p), h % 2)
             if prepare is not None:
                 prepare(h, p, lead)
             pending = ex.start(h)
             if not overlap:
                 ex.wait(pending, h)
             if has_trail:
-                dst = trail_layout(p).views(
-                    slots[(h + 1) % 2], plan.slot_layout(h + 1).trail_offset
-                )
+                trail_p = trail_layout(p)
+                dst = views_of(trail_p, (h + 1) % 2, trail_offsets[h + 1])
                 if h == 0:  # nothing arrives into the trail region at hop 0
                     for v in dst.values():
                         v.zero_()
@@ -342,7 +368,9 @@ def relay(
                     ex.mark(h, "c1")
                     ex.wait(pending, h)
                 else:
-                    part = _zero_views(trail_layout(p), scratch_buf)
+                    part = views_of(trail_p, 2)
+                    for v in part.values():
+                        v.zero_()
                     ex.mark(h, "c0")
                     compute(h, p, lead, part)
                     ex.mark(h, "c1")

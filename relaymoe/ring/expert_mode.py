@@ -32,9 +32,10 @@ def expert_forward(prob, group, how, overlap, x, experts, probs, index, order):
         )  # fmt: skip
 
     fwd, bwd = expert_plans(prob)
+    w = weights_layout(prob)  # every partition's, built once: the executor's views recur
     ring_pass(
         prob, group, overlap, x.device, "fwd", fwd,
-        lead_layout=lambda p: weights_layout(prob), own_lead=lambda views: pack_own(experts, views),
+        lead_layout=lambda p: w, own_lead=lambda views: pack_own(experts, views),
         trail_layout=None, compute=compute, capacity=capacity(fwd, bwd, prob),
     )  # fmt: skip
     return out
@@ -62,9 +63,10 @@ def expert_backward(prob, group, how, overlap, dy, x, experts, probs, index, ord
         )  # fmt: skip
 
     _, bwd = expert_plans(prob)
+    w, dw = weights_layout(prob), weights_layout(prob, "d")  # built once, as forward
     grads = ring_pass(
         prob, group, overlap, x.device, "bwd", bwd,
-        lead_layout=lambda p: weights_layout(prob), own_lead=lambda views: pack_own(experts, views),
-        trail_layout=lambda p: weights_layout(prob, "d"), compute=compute,
+        lead_layout=lambda p: w, own_lead=lambda views: pack_own(experts, views),
+        trail_layout=lambda p: dw, compute=compute,
     )  # fmt: skip
     return dx, dprobs, grads["dw13"].to(prob.dtype), grads["dw2"].to(prob.dtype)

@@ -45,8 +45,7 @@ History: docs/lab-notes/library_history.md#ring-faults
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from datetime import timedelta
 
 import torch
@@ -270,20 +269,13 @@ class PeerWatch:
             neighbours=neighbours,
         )
 
-    @contextmanager
     def issuing(
         self, *, op: str, hop: int | None = None, peers: Sequence[int] | None = None
-    ) -> Iterator[None]:
-        """Issuing a transfer can fail at once (gloo sends to a peer whose connection closed):
-        such a ``RuntimeError`` (c10d's errors derive from it) becomes RingPeerError."""
-        start = time.monotonic()
-        try:
-            yield
-        except RingPeerError:
-            raise
-        except RuntimeError as exc:
-            waited = time.monotonic() - start
-            raise self.error(exc, op=op, hop=hop, peers=peers, waited_s=waited) from exc
+    ) -> _Issuing:
+        """A context for issuing a transfer, which can fail at once (gloo sends to a peer whose
+        connection closed): such a ``RuntimeError`` (c10d's errors derive from it) becomes
+        RingPeerError."""
+        return _Issuing(self, op, hop, peers)
 
     # -- waits ----------------------------------------------------------------------------------
     def wait(self, works: Sequence, *, op: str, hop: int | None = None) -> None:
@@ -364,6 +356,27 @@ class PeerWatch:
                 )  # fmt: skip
             time.sleep(nap)
             nap = min(nap * 2, 1e-3)
+
+
+class _Issuing:
+    """:meth:`PeerWatch.issuing`'s context manager (a class, not a generator: the ring enters
+    one every hop)."""
+
+    __slots__ = ("watch", "op", "hop", "peers", "start")
+
+    def __init__(self, watch: PeerWatch, op: str, hop: int | None, peers: Sequence[int] | None):
+        self.watch, self.op, self.hop, self.peers = watch, op, hop, peers
+
+    def __enter__(self) -> None:
+        self.start = time.monotonic()
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if isinstance(exc, RuntimeError) and not isinstance(exc, RingPeerError):
+            waited = time.monotonic() - self.start
+            raise self.watch.error(
+                exc, op=self.op, hop=self.hop, peers=self.peers, waited_s=waited
+            ) from exc
+        return False  # no error, RingPeerError already, or not the backend's: propagates as is
 
 
 _QUEUED_TASKS: set[tuple[int, tuple[str, int | None]]] = set()

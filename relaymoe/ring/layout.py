@@ -9,6 +9,7 @@ boundary so that its typed view is aligned for vector loads, and moved as one co
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -25,12 +26,13 @@ class Segment:
     shape: tuple[int, ...]
     offset: int  # bytes from the layout's base
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
+        """Bytes of the segment (computed once: ``views`` asks for every segment per hop)."""
         n = 1
         for s in self.shape:
             n *= s
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return n * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -59,8 +61,29 @@ class Layout:
                 f"layout of {self.nbytes} bytes at base {base} overflows a {buf_u8.numel()}-byte "
                 "buffer"
             )
-        out = {}
-        for seg in self.segments:
-            start = base + seg.offset
-            out[seg.name] = buf_u8[start : start + seg.nbytes].view(seg.dtype).view(seg.shape)
-        return out
+        return {
+            name: buf_u8[base + start : base + stop].view(dtype).view(shape)
+            for name, start, stop, dtype, shape in self._spans
+        }
+
+    def __hash__(self) -> int:
+        """The dataclass's hash of the fields, computed once (the executor keys its views by
+        layout, every hop)."""
+        return self._hash
+
+    @cached_property
+    def _hash(self) -> int:
+        return hash((self.segments, self.nbytes))
+
+    def __getstate__(self) -> dict:
+        """Pickled without the cached hash: it is this process's (string hashes are salted)."""
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
+    @cached_property
+    def _spans(self) -> tuple[tuple[str, int, int, torch.dtype, tuple[int, ...]], ...]:
+        """``(name, start, stop, dtype, shape)`` of each segment relative to the base, for
+        ``views`` (the ring asks for views every hop; the segments never change)."""
+        return tuple(
+            (seg.name, seg.offset, seg.offset + seg.nbytes, seg.dtype, seg.shape)
+            for seg in self.segments
+        )

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from functools import cached_property
 
 from relaymoe.cost import order_partition, order_rank
 from relaymoe.cost.links import align_up
@@ -104,7 +105,7 @@ class HopTransfer:
     sends_lead: bool
     sends_trail: bool
 
-    @property
+    @cached_property
     def peers(self) -> frozenset[int]:
         return frozenset(leg.peer for leg in (*self.sends, *self.recvs))
 
@@ -237,6 +238,22 @@ class RingPlan:
                 recvs.append(Leg(src, rng, leg.range))
         return HopTransfer(hop, sends, tuple(recvs), sends_lead=lead, sends_trail=trail)
 
+    def transfers(self) -> tuple[HopTransfer, ...]:
+        """This rank's transfers of every hop, ``transfers()[h] == transfer(h)`` for ``h`` in
+        ``0..R``. The executor asks once per pass instead of planning each hop on the host: cached
+        by sizes, order and rank (a steady-state training step repeats them)."""
+        return self._pass()[0]
+
+    def trail_offsets(self) -> tuple[int, ...]:
+        """``trail_offsets()[s] == slot_layout(s).trail_offset`` for ``s`` in ``0..R`` (where
+        the trail sits in this rank's slot at step ``s``); cached with :meth:`transfers`."""
+        return self._pass()[1]
+
+    def _pass(self) -> tuple[tuple[HopTransfer, ...], tuple[int, ...]]:
+        return _pass_hops(
+            self.world_size, self.gpus_per_node, self.lead_bytes, self.trail_bytes, self.rank
+        )
+
     def capacity(self) -> int:
         """Bytes one slot needs on any rank at any step (identical on every rank). Every ring
         call asks for it: cached by sizes and order (``O(R^2)`` slot layouts otherwise, host time
@@ -248,3 +265,17 @@ class RingPlan:
 def _capacity(R: int, G: int, lead: tuple, trail: tuple | None) -> int:
     plan = RingPlan(0, R, list(lead), None if trail is None else list(trail), gpus_per_node=G)
     return max(plan.slot_layout(s, q).end for q in range(R) for s in range(R + 1))
+
+
+@functools.lru_cache(maxsize=256)
+def _pass_hops(
+    R: int, G: int, lead: tuple, trail: tuple | None, rank: int
+) -> tuple[tuple[HopTransfer, ...], tuple[int, ...]]:
+    """One rank's ``(transfers, trail offsets)`` of a pass, hops/steps ``0..R`` (immutable, so
+    shared by every plan of the same sizes)."""
+    plan = RingPlan(rank, R, list(lead), None if trail is None else list(trail), gpus_per_node=G)
+    steps = range(R + 1)
+    return (
+        tuple(plan.transfer(h) for h in steps),
+        tuple(plan.slot_layout(s).trail_offset for s in steps),
+    )

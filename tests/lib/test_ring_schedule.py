@@ -58,6 +58,22 @@ def test_plan_every_send_matches_its_receive(R, G, lead, trail):
 
 
 @pytest.mark.parametrize("R,G,lead,trail", _PLAN_CASES, ids=_PLAN_IDS)
+def test_plan_pass_cache_is_the_per_hop_plan(R, G, lead, trail):
+    """``transfers()``/``trail_offsets()`` (planned once per sizes, cached; what the executor
+    reads) are exactly ``transfer(h)``/``slot_layout(h).trail_offset`` hop by hop."""
+    for r in range(R):
+        plan = RingPlan(r, R, lead, trail, gpus_per_node=G)
+        again = RingPlan(r, R, list(lead), None if trail is None else list(trail),
+                         gpus_per_node=G)  # fmt: skip
+        assert plan.transfers() == tuple(plan.transfer(h) for h in range(R + 1))
+        assert plan.trail_offsets() == tuple(plan.slot_layout(s).trail_offset
+                                             for s in range(R + 1))  # fmt: skip
+        assert again.transfers() is plan.transfers()  # shared by plans of the same sizes
+        for x in plan.transfers():
+            assert x.peers == {leg.peer for leg in (*x.sends, *x.recvs)}
+
+
+@pytest.mark.parametrize("R,G,lead,trail", _PLAN_CASES, ids=_PLAN_IDS)
 def test_plan_data_lands_where_it_is_read(R, G, lead, trail):
     """Simulate the bytes: each rank's slots hold tags; after every hop the receiver's next slot
     must hold the lead of the partition it computes next and the trail of the partition it just
