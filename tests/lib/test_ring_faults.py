@@ -207,25 +207,39 @@ def test_lag_waits_for_a_backwards_last_pass_when_the_backward_ends(monkeypatch)
     assert faults._QUEUED_TASKS == set()
 
 
-def test_lag_watchdog_logs_a_last_pass_that_never_finished(monkeypatch, caplog):
+def test_lag_watchdog_logs_a_last_pass_that_never_finished(monkeypatch):
     """The last pass before a sync outside the ring has no later pass to wait for it: past the
-    timeout the watchdog thread logs its error once; a finished pass is never reported."""
+    timeout the watchdog thread logs its error once; a finished pass is never reported. The
+    records are caught by a handler on the ring's own logger, so what other tests did to the
+    logging tree (a disabled logger, a root handler taken away) cannot hide them."""
+    import logging
+
     use_env(monkeypatch, RELAYMOE_RING_HOST_WAIT="lag")
     monkeypatch.setattr(lagwait, "_PENDING", {})
     monkeypatch.setattr(lagwait, "POLL_S", 0.01)
-    caplog.set_level("ERROR", logger="relaymoe.ring")
-    for device, phase, work in (
-        (torch.device("cuda", 2), "fwd", _Work()),
-        (torch.device("cuda", 3), "bwd", _Work(completed=False)),
-    ):
-        watch = PeerWatch(None, mode="token", phase=phase, timeout_s=0.05, rank=1, ranks=(2, 5))
-        watch.defer([(work, (0,))], op="p2p", hop=1)
-        watch.finish(device)
-    t0 = time.monotonic()
-    while not caplog.records and time.monotonic() - t0 < 10:
-        time.sleep(0.01)
-    time.sleep(0.1)  # a few more rounds of the watchdog: still one report
-    msgs = [r.getMessage() for r in caplog.records]
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(level=logging.ERROR)
+    handler.emit = records.append
+    logger = logging.getLogger("relaymoe.ring")
+    monkeypatch.setattr(logger, "disabled", False)
+    monkeypatch.setattr(logger, "level", logging.ERROR)
+    logger.addHandler(handler)
+    try:
+        for device, phase, work in (
+            (torch.device("cuda", 2), "fwd", _Work()),
+            (torch.device("cuda", 3), "bwd", _Work(completed=False)),
+        ):
+            watch = PeerWatch(None, mode="token", phase=phase, timeout_s=0.05, rank=1,
+                              ranks=(2, 5))  # fmt: skip
+            watch.defer([(work, (0,))], op="p2p", hop=1)
+            watch.finish(device)
+        t0 = time.monotonic()
+        while not records and time.monotonic() - t0 < 10:
+            time.sleep(0.01)
+        time.sleep(0.1)  # a few more rounds of the watchdog: still one report
+    finally:
+        logger.removeHandler(handler)
+    msgs = [r.getMessage() for r in records]
     assert len(msgs) == 1, msgs
     assert "token bwd hop 1 (p2p) on rank 5" in msgs[0] and "rank 2 did not answer" in msgs[0]
     assert "lag watchdog" in msgs[0]
