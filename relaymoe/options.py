@@ -311,6 +311,18 @@ def from_env(environ: Mapping[str, str] | None = None, *, base: RingOptions | No
     return dataclasses.replace(base, kernels=kernels, **changes(base))
 
 
+def planner_gpu_bytes(environ: Mapping[str, str] | None = None) -> str | None:
+    """``RELAYMOE_GPU_BYTES`` of ``environ`` (default ``os.environ``): the GPU memory that
+    ``--relaymoe-recompute-planner`` plans for (bytes, or a preset name the planner knows), or
+    None for the device's own. Read here, with the other ``RELAYMOE_*`` variables, by the
+    Megatron entry point."""
+    if environ is None:
+        import os
+
+        environ = os.environ
+    return environ.get("RELAYMOE_GPU_BYTES") or None
+
+
 _DEFAULTS = [RingOptions()]
 
 

@@ -215,9 +215,9 @@ def apply_recompute_plan(args) -> dict:
             "--relaymoe-recompute-planner needs relaymoe.planner.plan_from_megatron_args, "
             "which this installation lacks"
         ) from e
-    import os
+    from relaymoe.options import planner_gpu_bytes
 
-    plan = plan_from_megatron_args(args, gpu_bytes=os.environ.get("RELAYMOE_GPU_BYTES"))
+    plan = plan_from_megatron_args(args, gpu_bytes=planner_gpu_bytes())
     overrides = plan if isinstance(plan, dict) else getattr(plan, "megatron_args", None)
     if not isinstance(overrides, dict):
         raise TypeError(

@@ -17,7 +17,6 @@ PACKAGE = ROOT / "relaymoe"
 # the entry points that may read the environment, and why
 READERS = {
     "relaymoe/options.py": "from_env: the RELAYMOE_* variables, called by the entry points",
-    "relaymoe/megatron/patches.py": "Megatron's entry point: RELAYMOE_GPU_BYTES for the planner",
     "relaymoe/megatron/convert_hf/run.py": "torchrun detection (WORLD_SIZE, MASTER_ADDR)",
 }
 
