@@ -69,6 +69,7 @@ import argparse
 import os
 import shlex
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -391,12 +392,16 @@ def run_shapes(
     run_timeout_s: float = 600,
     runner=run_pretrain,
     clock=time.monotonic,
+    profile_steps: tuple[int, int] | None = None,
 ) -> tuple[list[dict], bool]:
     """Run every shape's jobs in order, write its rows when its runs are done.
 
     Returns the rows and whether every run was complete. ``budget_s`` bounds the whole
     invocation: each run's timeout is at most what is left of it, and a run with less than
-    ``MIN_RUN_S`` left is not started (reported as failed).
+    ``MIN_RUN_S`` left is not started (reported as failed). ``profile_steps=(start, end)``:
+    the ring and alltoall runs (not the noise run, whose tokens/s then stays unprofiled) run
+    Megatron's torch profiler over those steps, and a ``bench: e2e_profile`` row per run
+    summarises its trace (``trace_summary.py``).
     """
     t0 = clock()
     rows: list[dict] = []
@@ -419,7 +424,13 @@ def run_shapes(
             else:
                 timeout = run_timeout_s if left is None else min(run_timeout_s, left)
                 print(f"[bench_e2e] {shape.name} {p.label}: starting", flush=True)
-                r = runner(list(p.flags), gpus=gpus, label=p.label, timeout_s=timeout)
+                if profile_steps is not None and p.label in PROFILED_LABELS:
+                    workdir = tempfile.mkdtemp(prefix=f"relaymoe_e2e_prof_{p.label}_")
+                    r = runner([*p.flags, *profile_flags(profile_steps, workdir)], gpus=gpus,
+                               label=p.label, timeout_s=timeout, workdir=workdir)  # fmt: skip
+                    writer.write(profile_row(shape, p, workdir, profile_steps))
+                else:
+                    r = runner(list(p.flags), gpus=gpus, label=p.label, timeout_s=timeout)
             why = r.failure(steps)
             tps = r.tokens_per_s() if why is None else None
             print(
@@ -447,6 +458,36 @@ def run_shapes(
             writer.write(row)
         rows += new
     return rows, all_ok
+
+
+PROFILED_LABELS = ("ring", "alltoall")
+
+
+def profile_flags(steps: tuple[int, int], workdir: str) -> list[str]:
+    """Megatron's torch-profiler flags over ``steps`` on rank 0; the trace lands in
+    ``workdir/torch_profile/rank-0.json.gz`` (Megatron writes it beside ``--tensorboard-dir``)."""
+    start, end = steps
+    if not 0 < start < end:
+        raise ValueError(f"--profile-steps needs 0 < START < END, got {start} {end}")
+    return ["--profile", "--use-pytorch-profiler", "--profile-step-start", str(start),
+            "--profile-step-end", str(end), "--profile-ranks", "0",
+            "--tensorboard-dir", os.path.join(workdir, "tb")]  # fmt: skip
+
+
+def profile_row(shape: E2EShape, plan, workdir: str, steps: tuple[int, int]) -> dict:
+    """``bench: e2e_profile``: the trace of one profiled run summarised, or why there is none."""
+    from benchmarks.trace_summary import summarise_file
+
+    trace = os.path.join(workdir, "torch_profile", "rank-0.json.gz")
+    row = {"bench": "e2e_profile", "shape": shape.shape_label, "label": plan.label,
+           "provider": _provider(plan.dispatcher, shape), "profile_steps": list(steps),
+           "flags": list(plan.flags)}  # fmt: skip
+    if not os.path.exists(trace):
+        return {**row, "failure": f"no trace at {trace}"}
+    try:
+        return {**row, "failure": None, **summarise_file(trace)}
+    except (OSError, ValueError, KeyError) as e:
+        return {**row, "failure": f"trace unreadable: {e!r}"}
 
 
 def sweep_plans(
@@ -575,6 +616,15 @@ def main(argv: list[str] | None = None) -> int:
         "--budget-s", type=float, default=None, help="wall-time bound of all runs together"
     )
     p.add_argument("--run-timeout-s", type=float, default=600, help="bound of each run")
+    p.add_argument(
+        "--profile-steps",
+        type=int,
+        nargs=2,
+        metavar=("START", "END"),
+        default=None,
+        help="torch-profile steps [START, END) of the ring and alltoall runs (rows "
+        "bench=e2e_profile: GPU time by kernel category, idle fraction)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the planned commands; no GPU")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "e2e.jsonl"))
     a = p.parse_args(argv)
@@ -611,6 +661,12 @@ def main(argv: list[str] | None = None) -> int:
                         check_te=check_te)
             for s in shapes
         ] if a.anchor_sweep else []  # fmt: skip
+        if a.profile_steps:
+            profile_flags(tuple(a.profile_steps), "-")
+            if a.profile_steps[1] > steps:
+                raise ValueError(
+                    f"--profile-steps end {a.profile_steps[1]} is past --steps {steps}"
+                )
     except ValueError as e:
         p.error(str(e))
     if a.dry_run and a.anchor_sweep:
@@ -649,6 +705,7 @@ def main(argv: list[str] | None = None) -> int:
         regime=a.regime,
         budget_s=a.budget_s,
         run_timeout_s=a.run_timeout_s,
+        profile_steps=tuple(a.profile_steps) if a.profile_steps else None,
     )
     print(f"rows appended to {a.out}; {time.perf_counter() - t0:.0f} s in all")
     return 0 if all_ok else 1

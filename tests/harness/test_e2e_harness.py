@@ -628,3 +628,65 @@ def test_e2e_run_result_peaks_split_warmup_from_steady():
     assert r.peak_mib() == 310.0 and r.warmup_peak_mib() == 500.0
     short = RunResult("ring", 0, steps=[{"loss": 1.0, "peak_MiB": 42.0}])
     assert short.peak_mib() == 42.0  # fewer steps than the warm-up: all of them
+
+
+def _trace(tmp_dir, kernels, steps=((0, 1000), (1000, 2000))):
+    import gzip
+    import json
+
+    ev = [{"ph": "X", "name": f"ProfilerStep#{j}", "cat": "cpu_op", "ts": a, "dur": b - a}
+          for j, (a, b) in enumerate(steps)]  # fmt: skip
+    ev += [{"ph": "X", "name": n, "cat": "kernel", "ts": ts, "dur": d} for n, ts, d in kernels]
+    path = os.path.join(tmp_dir, "torch_profile", "rank-0.json.gz")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": ev}, f)
+    return path
+
+
+def test_trace_summary_counts_overlap_once_and_categorises(tmp_path):
+    from benchmarks.trace_summary import category_of, summarise_file
+
+    path = _trace(str(tmp_path), [
+        ("_up_swiglu_kernel", 0, 300), ("nvjet_tst_128x256", 200, 200),  # overlap 100 us
+        ("flash_fwd_kernel", 1000, 100), ("ncclDevKernel_AllReduce", 1500, 100),
+        ("vectorized_elementwise_kernel", 5000, 999),  # outside every step: left out
+    ])  # fmt: skip
+    s = summarise_file(path)
+    assert s["steps"] == 2 and s["step_ms"] == pytest.approx(1.0)
+    assert s["gpu_busy_ms"] == pytest.approx((400 + 100 + 100) / 2 / 1e3)
+    assert s["gpu_idle_frac"] == pytest.approx(1 - 600 / 2000)
+    assert s["kernel_ms"] == pytest.approx(700 / 2 / 1e3)
+    assert s["by_category"] == pytest.approx({"relaymoe_experts": 0.15, "gemm": 0.1,
+                                              "attention": 0.05, "nccl": 0.05})  # fmt: skip
+    assert s["top_kernels"][0]["name"] == "_up_swiglu_kernel"
+    assert category_of("fused_moe_permute_kernel") == "moe_permute_router"
+    assert category_of("whatever") == "elementwise_other"
+
+
+def test_run_shapes_profiles_ring_and_alltoall_not_the_noise_run(tmp_path, monkeypatch):
+    seen = {}
+
+    def runner(flags, *, gpus, label, timeout_s, workdir=None):
+        seen[label] = (list(flags), workdir)
+        if workdir is not None and label == "ring":  # alltoall's trace is missing: a failure row
+            _trace(workdir, [("_up_swiglu_kernel", 0, 500)], steps=((0, 1000),))
+        return _run(label, BASE)
+
+    w = _Writer()
+    rows, ok = bench_e2e.run_shapes([bench_e2e.SHAPES["qwen3_slice_s4k"]], gpus=1, steps=50,
+                                    seed=1, noise_run=True, writer=w, runner=runner,
+                                    profile_steps=(10, 12))  # fmt: skip
+    assert ok
+    assert seen["alltoall_repeat"][1] is None and "--profile" not in seen["alltoall_repeat"][0]
+    for label in ("ring", "alltoall"):
+        flags, workdir = seen[label]
+        i = flags.index("--profile-step-start")
+        assert flags[i + 1 : i + 4] == ["10", "--profile-step-end", "12"]
+        assert flags[flags.index("--tensorboard-dir") + 1] == os.path.join(workdir, "tb")
+    prof = {r["label"]: r for r in w.rows if r["bench"] == "e2e_profile"}
+    assert prof["ring"]["failure"] is None and prof["ring"]["gpu_idle_frac"] == pytest.approx(0.5)
+    assert prof["alltoall"]["failure"].startswith("no trace at")
+    assert [r["bench"] for r in rows] == ["e2e", "e2e"]  # the profile rows are written, not rows
+    with pytest.raises(ValueError, match="0 < START < END"):
+        bench_e2e.profile_flags((12, 10), "x")
