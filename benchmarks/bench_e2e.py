@@ -105,22 +105,28 @@ ANCHOR_FLAGS = (
     "--cross-entropy-loss-fusion",
 )
 # Further megatron-core options ``--anchor-sweep`` times one at a time on top of ANCHOR_FLAGS:
-# (flags, scope). Scope "alltoall": MoE options the ring has no use for (CUDA graphs of the
-# router and the MoE preprocessing, whose token counts the ring does not make static, or TE's
-# activation in TEGroupedMLP); "both": options of the layers both run (attention graphs, the
-# loss), which the ring then gets too. A candidate joins ANCHOR_KEPT only from a measured sweep.
-ANCHOR_CANDIDATES: dict[str, tuple[tuple[str, ...], str]] = {
-    "cuda_graph_moe_router": (("--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules",
-                               "moe_router", "moe_preprocess"), "alltoall"),
-    "cuda_graph_attn_moe_router": (("--cuda-graph-impl", "transformer_engine",
-                                    "--cuda-graph-modules", "attn", "moe_router",
-                                    "moe_preprocess"), "alltoall"),
-    "cuda_graph_attn": (("--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules",
-                         "attn"), "both"),
-    "cross_entropy_te": (("--cross-entropy-fusion-impl", "te"), "both"),
-    "te_activation": (("--use-te-activation-func",), "alltoall"),
+# name -> (flags of the alltoall runs, flags the ring's runs get when the candidate is kept).
+# The ring's share is the part concerning layers both run (attention graphs, the loss): it has
+# no use for CUDA graphs of the router and the MoE preprocessing (its token counts are not made
+# static) or for TE's activation in TEGroupedMLP. A candidate joins ANCHOR_KEPT only from a
+# measured sweep.
+_GRAPHS = ("--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules")
+ANCHOR_CANDIDATES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "cuda_graph_moe_router": ((*_GRAPHS, "moe_router", "moe_preprocess"), ()),
+    "cuda_graph_attn_moe_router": ((*_GRAPHS, "attn", "moe_router", "moe_preprocess"),
+                                   (*_GRAPHS, "attn")),
+    "cuda_graph_attn": ((*_GRAPHS, "attn"), (*_GRAPHS, "attn")),
+    "cross_entropy_te": (("--cross-entropy-fusion-impl", "te"),
+                         ("--cross-entropy-fusion-impl", "te")),
+    "te_activation": (("--use-te-activation-func",), ()),
 }  # fmt: skip
-ANCHOR_KEPT: tuple[str, ...] = ()  # candidates a sweep measured faster (none measured yet)
+# Kept from the sweep at 54c58a750d7f on 1x H200 (run 2026-12-02_h200x1_06a6893c75f0, the
+# device's git named the session's first commit): base 13,378 and base_repeat 17,228 tokens/s,
+# attn + router + preprocess graphs 20,438 (faster than both); router graphs alone 16,692 and
+# attention graphs alone 17,760 (not faster than both by more than the bases' drift);
+# megatron-core refuses TE's cross-entropy ("disabled due to stability issues") and TE's
+# activation with the bias-SwiGLU fusion on.
+ANCHOR_KEPT: tuple[str, ...] = ("cuda_graph_attn_moe_router",)
 FP8_FORMATS = ("hybrid", "e4m3")
 FP8_RECIPES = ("tensorwise", "delayed", "blockwise")  # TE's fp8 recipes on Hopper (mxfp8: sm100)
 DEFAULT_CONFIG = "tiny_qwen3"
@@ -153,14 +159,12 @@ class E2EShape:
 
     def run_flags(self, dispatcher: str) -> tuple[str, ...]:
         """Flags of this shape's ``dispatcher`` runs beyond the config's: ``extra``, the anchor's
-        options (kept candidates by their scope) and the fp8 recipe."""
+        options (a kept candidate's alltoall or ring flags) and the fp8 recipe."""
         out = list(self.extra)
         if self.anchor:
             out += ANCHOR_FLAGS
             for name in ANCHOR_KEPT:
-                flags, scope = ANCHOR_CANDIDATES[name]
-                if scope == "both" or dispatcher == "alltoall":
-                    out += flags
+                out += ANCHOR_CANDIDATES[name][0 if dispatcher == "alltoall" else 1]
         if self.fp8 is not None:
             fmt, recipe = self.fp8
             out += ["--fp8-format", fmt, "--fp8-recipe", recipe]
@@ -270,7 +274,13 @@ def _flag(flags, name: str) -> str:
 
 
 def shape_rows(
-    plans: list[PlannedRun], results: dict[str, RunResult], *, gpus: int, steps: int, seed: int
+    plans: list[PlannedRun],
+    results: dict[str, RunResult],
+    *,
+    gpus: int,
+    steps: int,
+    seed: int,
+    warm_up_steps: int = 0,
 ) -> list[dict]:
     """Two rows (ring, alltoall) of one shape from its runs' results (keyed by label)."""
     shape = plans[0].shape
@@ -308,6 +318,7 @@ def shape_rows(
         "fp8_recipe": shape.fp8[1] if shape.fp8 else None,
         "anchor_flags": list(ANCHOR_FLAGS) if shape.anchor else None,
         "anchor_kept": list(ANCHOR_KEPT) if shape.anchor else None,
+        "warm_up_steps": warm_up_steps,
     }
     rows = []
     flags_of = {p.label: p.flags for p in plans}
@@ -393,6 +404,7 @@ def run_shapes(
     runner=run_pretrain,
     clock=time.monotonic,
     profile_steps: tuple[int, int] | None = None,
+    warm_up_steps: int = 0,
 ) -> tuple[list[dict], bool]:
     """Run every shape's jobs in order, write its rows when its runs are done.
 
@@ -401,7 +413,11 @@ def run_shapes(
     ``MIN_RUN_S`` left is not started (reported as failed). ``profile_steps=(start, end)``:
     the ring and alltoall runs (not the noise run, whose tokens/s then stays unprofiled) run
     Megatron's torch profiler over those steps, and a ``bench: e2e_profile`` row per run
-    summarises its trace (``trace_summary.py``).
+    summarises its trace (``trace_summary.py``). ``warm_up_steps``: before a shape's runs, its
+    ring and alltoall configurations each train that many steps, unrecorded, so that the
+    measured runs find the compile caches (torch.compile's of Megatron's fused functions,
+    Triton's, TE's) as a training run finds them after its first minutes: a first run on a
+    fresh machine measured 13,378 tokens/s where the same run repeated measured 17,228.
     """
     t0 = clock()
     rows: list[dict] = []
@@ -411,6 +427,19 @@ def run_shapes(
             shape, gpus=gpus, steps=steps, seed=seed, noise_run=noise_run, regime=regime
         )
         results: dict[str, RunResult] = {}
+        warm = plan_runs(shape, gpus=gpus, steps=warm_up_steps, seed=seed, noise_run=False,
+                         regime=regime) if warm_up_steps else []  # fmt: skip
+        for p in warm:
+            left = None if budget_s is None else budget_s - (clock() - t0)
+            if left is not None and left < MIN_RUN_S:
+                print(f"[bench_e2e] {shape.name} warm-up {p.label}: not started", flush=True)
+                continue
+            timeout = run_timeout_s if left is None else min(run_timeout_s, left)
+            r = runner(list(p.flags), gpus=gpus, label=f"warm_up_{p.label}", timeout_s=timeout)
+            why = r.failure(warm_up_steps)
+            print(f"[bench_e2e] {shape.name} warm-up {p.label}: "
+                  + ("ok" if why is None else f"FAILED ({why})") + f", {r.seconds:.1f} s",
+                  flush=True)  # fmt: skip
         for p in plans:
             left = None if budget_s is None else budget_s - (clock() - t0)
             if left is not None and left < MIN_RUN_S:
@@ -446,7 +475,8 @@ def run_shapes(
             results[p.label] = r
         print(f"== {shape.name}")
         print_summary(list(results.values()), None)
-        new = shape_rows(plans, results, gpus=gpus, steps=steps, seed=seed)
+        new = shape_rows(plans, results, gpus=gpus, steps=steps, seed=seed,
+                         warm_up_steps=warm_up_steps)  # fmt: skip
         c = new[0]
         print(
             f"max |ring - alltoall| = {_num(c['max_abs_loss_diff_vs_other'])}, "
@@ -508,7 +538,7 @@ def sweep_plans(
                      check_te=check_te)  # fmt: skip
     flags = next(p.flags for p in base if p.label == "alltoall")
     out = [("base", flags)]
-    for name, (extra, _scope) in ANCHOR_CANDIDATES.items():
+    for name, (extra, _ring) in ANCHOR_CANDIDATES.items():
         out.append((name, tuple(merge_flags(list(flags), list(extra)))))
     out.append(("base_repeat", flags))
     return out
@@ -546,7 +576,7 @@ def run_anchor_sweep(
         fields = _run_fields(r, steps)
         if label == "base":
             base_tps = fields["tokens_per_s"]
-        extra, scope = ANCHOR_CANDIDATES.get(label, ((), None))
+        extra, ring_flags = ANCHOR_CANDIDATES.get(label, ((), None))
         tps = fields["tokens_per_s"]
         row = {
             "bench": "e2e_anchor_sweep",
@@ -554,7 +584,7 @@ def run_anchor_sweep(
             "provider": ANCHOR_PROVIDER,
             "candidate": label,
             "candidate_flags": list(extra),
-            "candidate_scope": scope,
+            "candidate_ring_flags": None if ring_flags is None else list(ring_flags),
             "transformer_impl": run_impl(flags),
             "te_version": te_version(),
             "gpus": gpus,
@@ -617,6 +647,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--run-timeout-s", type=float, default=600, help="bound of each run")
     p.add_argument(
+        "--warm-up-steps",
+        type=int,
+        default=0,
+        help="before each shape's runs, its ring and alltoall configurations train this many "
+        "steps unrecorded (warm compile caches; 0: none)",
+    )
+    p.add_argument(
         "--profile-steps",
         type=int,
         nargs=2,
@@ -661,6 +698,10 @@ def main(argv: list[str] | None = None) -> int:
                         check_te=check_te)
             for s in shapes
         ] if a.anchor_sweep else []  # fmt: skip
+        if a.warm_up_steps:
+            for s in shapes:
+                plan_runs(s, gpus=gpus, steps=a.warm_up_steps, seed=a.seed, noise_run=False,
+                          regime=a.regime, check_te=check_te)  # fmt: skip
         if a.profile_steps:
             profile_flags(tuple(a.profile_steps), "-")
             if a.profile_steps[1] > steps:
@@ -706,6 +747,7 @@ def main(argv: list[str] | None = None) -> int:
         budget_s=a.budget_s,
         run_timeout_s=a.run_timeout_s,
         profile_steps=tuple(a.profile_steps) if a.profile_steps else None,
+        warm_up_steps=a.warm_up_steps,
     )
     print(f"rows appended to {a.out}; {time.perf_counter() - t0:.0f} s in all")
     return 0 if all_ok else 1

@@ -473,18 +473,28 @@ def detect_gpus() -> tuple[int, str]:
 
 def tree_state(root: Path = ROOT) -> tuple[str, bool | str, str]:
     """(commit, tree_clean, where they came from): git, else ``RELAYMOE_COMMIT`` /
-    ``.relaymoe_commit`` with ``RELAYMOE_TREE_CLEAN=1`` as the caller's statement."""
+    ``.relaymoe_commit`` with ``RELAYMOE_TREE_CLEAN=1`` as the caller's statement.
+
+    A ``RELAYMOE_COMMIT`` that git's commit does not start with wins over git, with
+    ``RELAYMOE_TREE_CLEAN=1`` as above: the device machine holds a git checkout of the
+    session's first commit under the tree it was sent, so its git names that commit and
+    calls the sent tree dirty."""
     commit, clean = runs.git_state(root)
-    if commit != runs.UNKNOWN:
-        return commit, clean, "git"
     env = os.environ.get("RELAYMOE_COMMIT", "").strip()
+    if commit != runs.UNKNOWN and not (env and not commit.startswith(env[: len(commit)])):
+        return commit, clean, "git"
+    stale = f"; git there named {commit} (clean: {clean})" if commit != runs.UNKNOWN else ""
     marker = root / ".relaymoe_commit"
     commit = env or (marker.read_text().strip() if marker.is_file() else "")
     if not commit:
         return runs.UNKNOWN, runs.UNKNOWN, "no git checkout and no RELAYMOE_COMMIT"
     if os.environ.get("RELAYMOE_TREE_CLEAN") == "1":
-        return commit, True, "RELAYMOE_COMMIT; RELAYMOE_TREE_CLEAN=1 (the tree is that commit)"
-    return commit, runs.UNKNOWN, "RELAYMOE_COMMIT (no git checkout to check the tree)"
+        return (
+            commit,
+            True,
+            (f"RELAYMOE_COMMIT; RELAYMOE_TREE_CLEAN=1 (the tree is that commit){stale}"),
+        )
+    return commit, runs.UNKNOWN, f"RELAYMOE_COMMIT (no git checkout to check the tree){stale}"
 
 
 def make_manifest(command: str, gpu: str, gpus: int, root: Path = ROOT) -> dict:

@@ -128,7 +128,9 @@ def test_shape_flags_per_provider(shape):
             assert _v(g, "--transformer-impl") == "transformer_engine"
             for flag in bench_e2e.ANCHOR_FLAGS:
                 assert g[flag] == [], (label, flag)
-            assert "--cuda-graph-impl" not in g  # no candidate kept before a measured sweep
+            # the kept candidates: the router/preprocess graphs on the alltoall runs only
+            modules = ["attn", "moe_router", "moe_preprocess"] if label != "ring" else ["attn"]
+            assert g["--cuda-graph-modules"] == modules, label
         else:
             assert "--moe-permute-fusion" not in g and "--cross-entropy-loss-fusion" not in g
         if spec.fp8:
@@ -155,6 +157,8 @@ def test_shape_flags_per_provider(shape):
         if ring.get(k) != groups["alltoall"].get(k)
     }
     expected = {"--moe-token-dispatcher-type"}
+    if spec.anchor:  # the kept router/preprocess graphs are the alltoall runs' alone
+        expected.add("--cuda-graph-modules")
     if "_fused_loss" in shape:
         expected.add("--relaymoe-fused-loss")
     assert diff == expected, diff
@@ -557,7 +561,9 @@ def test_te_shape_rows_name_the_anchor_and_the_stack(shape, monkeypatch):
     for row, plan in ((ring, plans[0]), (a2a, plans[1])):
         assert row["transformer_impl"] == "transformer_engine" and row["te_version"] == "2.20.2"
         assert row["flags"] == list(plan.flags) and "--moe-router-fusion" in row["flags"]
-        assert row["anchor_flags"] == list(bench_e2e.ANCHOR_FLAGS) and row["anchor_kept"] == []
+        assert row["anchor_flags"] == list(bench_e2e.ANCHOR_FLAGS) and row["anchor_kept"] == list(
+            bench_e2e.ANCHOR_KEPT
+        )
     if spec.fp8:
         assert ring["shape"] == "qwen3_slice_s4k_te_fp8"  # one shape, the recipe in its fields
         assert (ring["fp8_format"], ring["fp8_recipe"]) == ("e4m3", "delayed")
@@ -570,14 +576,49 @@ def test_te_shape_rows_name_the_anchor_and_the_stack(shape, monkeypatch):
 
 
 def test_kept_anchor_candidates_reach_the_runs_by_scope(monkeypatch):
-    """A candidate kept from a measured sweep joins the alltoall runs, and the ring's too when it
-    concerns layers both run (scope "both")."""
-    monkeypatch.setattr(bench_e2e, "ANCHOR_KEPT", ("cuda_graph_moe_router", "cross_entropy_te"))
+    """A candidate kept from a measured sweep joins the alltoall runs with its alltoall flags, and
+    the ring's runs with its ring flags: the part concerning layers both run."""
+    kept = ("cuda_graph_attn_moe_router", "cross_entropy_te")
+    monkeypatch.setattr(bench_e2e, "ANCHOR_KEPT", kept)
     spec = bench_e2e.SHAPES["qwen3_slice_s4k_te"]
     ring, a2a = (_groups(spec.run_flags(d)) for d in ("ring", "alltoall"))
-    assert a2a["--cuda-graph-modules"] == ["moe_router", "moe_preprocess"]
-    assert "--cuda-graph-impl" not in ring  # the ring refuses CUDA graphs over the MoE
+    assert a2a["--cuda-graph-modules"] == ["attn", "moe_router", "moe_preprocess"]
+    assert ring["--cuda-graph-modules"] == ["attn"]  # the ring refuses CUDA graphs over the MoE
+    assert ring["--cuda-graph-impl"] == a2a["--cuda-graph-impl"] == ["transformer_engine"]
     assert ring["--cross-entropy-fusion-impl"] == a2a["--cross-entropy-fusion-impl"] == ["te"]
+    monkeypatch.setattr(bench_e2e, "ANCHOR_KEPT", ("cuda_graph_moe_router",))
+    assert "--cuda-graph-impl" not in _groups(spec.run_flags("ring"))
+
+
+def test_every_anchor_candidates_ring_flags_pass_the_ring_validation():
+    """What a kept candidate gives the ring's runs is accepted by the ring's config check."""
+    from types import SimpleNamespace
+
+    from relaymoe.megatron.validate import ring_config_problems
+
+    for name, (_a2a, ring_flags) in bench_e2e.ANCHOR_CANDIDATES.items():
+        g = _groups(ring_flags)
+        ns = SimpleNamespace(moe_token_dispatcher_type="ring", swiglu=True,
+                             cuda_graph_impl=(g.get("--cuda-graph-impl") or ["none"])[0],
+                             cuda_graph_modules=g.get("--cuda-graph-modules"))  # fmt: skip
+        assert not [p for p in ring_config_problems(ns, args_style=True) if "CUDA graph" in p], name
+
+
+def test_run_shapes_warms_each_configuration_before_the_measured_runs():
+    calls = []
+
+    def runner(flags, *, gpus, label, timeout_s):
+        calls.append((label, flags[flags.index("--train-iters") + 1]))
+        return _run(label, BASE if not label.startswith("warm_up") else BASE[:12])
+
+    w = _Writer()
+    rows, ok = bench_e2e.run_shapes([bench_e2e.SHAPES["qwen3_slice_s4k"]], gpus=1, steps=50,
+                                    seed=1, noise_run=True, writer=w, runner=runner,
+                                    warm_up_steps=12)  # fmt: skip
+    assert ok and [c[0] for c in calls] == ["warm_up_ring", "warm_up_alltoall", "ring",
+                                            "alltoall", "alltoall_repeat"]  # fmt: skip
+    assert [c[1] for c in calls] == ["12", "12", "50", "50", "50"]
+    assert len(rows) == 2 and all(r["warm_up_steps"] == 12 for r in rows)
 
 
 def test_anchor_sweep_times_each_candidate_alone(capsys, monkeypatch):
@@ -594,7 +635,9 @@ def test_anchor_sweep_times_each_candidate_alone(capsys, monkeypatch):
     for label, flags in plans[1:-1]:
         g = _groups(flags)  # the candidate's flags on top of the base run's, nothing else
         extra = _groups(bench_e2e.ANCHOR_CANDIDATES[label][0])
-        assert {k: v for k, v in g.items() if k not in extra} == base, label
+        assert {k: v for k, v in g.items() if k not in extra} == {
+            k: v for k, v in base.items() if k not in extra
+        }, label
         assert all(g[k] == v for k, v in extra.items())
     tps = {"base": 100.0, "cuda_graph_moe_router": 110.0, "base_repeat": 101.0}
 

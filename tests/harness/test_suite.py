@@ -359,3 +359,16 @@ def _renamed(src: Path, dest: Path) -> Path:
 
     shutil.copytree(src, dest)
     return dest
+
+
+def test_tree_state_prefers_the_stated_commit_over_a_stale_git(tmp_path, monkeypatch):
+    """The device machine's git names the session's first commit under the tree it was sent."""
+    monkeypatch.setattr(runs, "git_state", lambda root: ("06a6893c75f0", False))
+    monkeypatch.setenv("RELAYMOE_COMMIT", "54c58a750d7f")
+    monkeypatch.setenv("RELAYMOE_TREE_CLEAN", "1")
+    commit, clean, source = suite.tree_state(tmp_path)
+    assert (commit, clean) == ("54c58a750d7f", True) and "git there named 06a6893c75f0" in source
+    monkeypatch.setenv("RELAYMOE_COMMIT", "06a6893c75f0")  # git agrees: git's word on the tree
+    assert suite.tree_state(tmp_path)[:3] == ("06a6893c75f0", False, "git")
+    monkeypatch.delenv("RELAYMOE_COMMIT")
+    assert suite.tree_state(tmp_path)[:2] == ("06a6893c75f0", False)
