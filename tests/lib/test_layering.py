@@ -18,8 +18,8 @@ PKG = Path(__file__).resolve().parents[2] / "relaymoe"
 LEVELS = {
     "options": 0, "activation": 0, "cost": 0, "lossmodel": 0, "config": 0, "planner": 0,
     "reference": 0,
-    "kernels": 1,
-    "routing": 2, "activation_torch": 2, "experts": 2, "expert_inputs": 2, "loss": 2,
+    "kernels": 1, "activation_torch": 1,
+    "routing": 2, "experts": 2, "expert_inputs": 2, "loss": 2,
     "ring": 3,
     "megatron": 4,
     "cli": 5, "__main__": 5, "__init__": 5,
