@@ -2,9 +2,9 @@
 
 Public API (imported lazily so ``import relaymoe`` stays cheap and never imports Megatron):
 ``build_routing_index``, ``RoutingIndex``, ``moe_experts``, ``ring_moe``,
-``moe_experts_reference``, ``linear_cross_entropy``. The submodules (``relaymoe.reference``,
-``relaymoe.config``, ``relaymoe.megatron``, ...) are reachable as attributes after a plain
-``import relaymoe`` too; each is imported on first use.
+``moe_experts_reference``, ``linear_cross_entropy``, ``ExpertActivation``. The submodules
+(``relaymoe.reference``, ``relaymoe.config``, ``relaymoe.megatron``, ...) are reachable as
+attributes after a plain ``import relaymoe`` too; each is imported on first use.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "ExpertActivation": "relaymoe.activation",
     "RoutingIndex": "relaymoe.routing",
     "build_routing_index": "relaymoe.routing",
     "moe_experts_reference": "relaymoe.reference",
@@ -26,6 +27,7 @@ _EXPORTS = {
 # submodules resolved by attribute access (``relaymoe.reference.moe_experts_reference``)
 _SUBMODULES = frozenset(
     {
+        "activation",
         "cli",
         "config",
         "cost",
@@ -45,7 +47,8 @@ _SUBMODULES = frozenset(
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
 if TYPE_CHECKING:  # what IDEs and type checkers see; at run time __getattr__ imports lazily
-    from relaymoe import config, megatron, reference  # noqa: F401
+    from relaymoe import activation, config, megatron, reference  # noqa: F401
+    from relaymoe.activation import ExpertActivation  # noqa: F401
     from relaymoe.experts import moe_experts  # noqa: F401
     from relaymoe.loss import linear_cross_entropy  # noqa: F401
     from relaymoe.reference import moe_experts_reference  # noqa: F401

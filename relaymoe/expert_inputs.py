@@ -16,6 +16,7 @@ import operator
 import torch
 from torch import Tensor
 
+from relaymoe.activation import SWIGLU
 from relaymoe.routing import RoutingIndex
 
 __all__ = ["check_index", "check_moe_inputs", "expert_range_of", "stack_experts"]
@@ -36,10 +37,10 @@ def _is_int_dtype(dtype: torch.dtype) -> bool:
     return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
 
-def stack_experts(name: str, w, want: str) -> Tensor:
-    """``w`` itself when a tensor; a list (or tuple) of per-expert tensors stacked into one
-    (E, ...) tensor (``torch.stack``: one copy of the weights, differentiable into each
-    element). Anything else raises ``ValueError``."""
+def stack_experts(name: str, w, want: str, ndim: int = 2) -> Tensor:
+    """``w`` itself when a tensor; a list (or tuple) of per-expert ``ndim``-D tensors (weights
+    2-D, biases 1-D) stacked into one (E, ...) tensor (``torch.stack``: one copy, differentiable
+    into each element). Anything else raises ``ValueError``."""
     if isinstance(w, Tensor):
         return w
     if not isinstance(w, (list, tuple)):
@@ -56,9 +57,9 @@ def stack_experts(name: str, w, want: str) -> Tensor:
     for j, t in enumerate(w):
         if not isinstance(t, Tensor):
             raise ValueError(f"moe_experts: {name}[{j}] must be a tensor, got {_desc(t)}")
-        if t.dim() != 2 or t.shape != w0.shape or t.dtype != w0.dtype or t.device != w0.device:
+        if t.dim() != ndim or t.shape != w0.shape or t.dtype != w0.dtype or t.device != w0.device:
             raise ValueError(
-                f"moe_experts: the elements of {name} must be 2-D with one shape, dtype and "
+                f"moe_experts: the elements of {name} must be {ndim}-D with one shape, dtype and "
                 f"device; element 0 is {tuple(w0.shape)} {w0.dtype} {w0.device}, element {j} "
                 f"is {tuple(t.shape)} {t.dtype} {t.device}"
             )
@@ -158,9 +159,30 @@ def _check_range(expert_range: tuple[int, int], n_local: int, index) -> None:
         )
 
 
-def check_moe_inputs(x, w13, w2, topk_idx, topk_probs, index, expert_range, out) -> None:
-    """Every check of ``moe_experts``' tensors and their agreement (``w13``/``w2`` already
-    stacked). Metadata only: no device work, no host sync."""
+def _check_bias(name: str, b, want: tuple[int, int], like: Tensor, of: str) -> None:
+    """``b`` must be a ``want`` tensor of ``like``'s dtype and device (the weight it biases)."""
+    if not isinstance(b, Tensor):
+        raise ValueError(
+            f"moe_experts: {name} must be a tensor {want}, a list of E 1-D tensors, or None; "
+            f"got {_desc(b)}"
+        )
+    if tuple(b.shape) != want:
+        raise ValueError(
+            f"moe_experts: {name} has shape {tuple(b.shape)}, want {want} (one bias row per "
+            f"expert of {of}, {of}'s rows); pass a bias of that shape"
+        )
+    if b.dtype != like.dtype or b.device != like.device:
+        raise ValueError(
+            f"moe_experts: {name} is {b.dtype} on {b.device} but {of} is {like.dtype} on "
+            f"{like.device}; cast and move {name} to {of}'s (e.g. {name}.to({of}))"
+        )
+
+
+def check_moe_inputs(x, w13, w2, topk_idx, topk_probs, index, expert_range, out,
+                     activation=SWIGLU, b13=None, b2=None) -> None:  # fmt: skip
+    """Every check of ``moe_experts``' tensors and their agreement (``w13``/``w2`` and the
+    biases already stacked; ``activation`` an ``ExpertActivation``: it sets w13's rows).
+    Metadata only: no device work, no host sync."""
     for name, t in (("x", x), ("topk_idx", topk_idx), ("topk_probs", topk_probs)):
         if not isinstance(t, Tensor):
             raise ValueError(f"moe_experts: {name} must be a torch.Tensor, got {_desc(t)}")
@@ -169,15 +191,25 @@ def check_moe_inputs(x, w13, w2, topk_idx, topk_probs, index, expert_range, out)
     num_tokens, hidden = x.shape
     if w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(
-            f"moe_experts: w13 must be (E, 2I, H) and w2 (E, H, I); got {tuple(w13.shape)} and "
+            f"moe_experts: w13 must be (E, J, H) (J = 2I gated, I not) and w2 (E, H, I); got "
+            f"{tuple(w13.shape)} and "
             f"{tuple(w2.shape)}"
         )
-    n_local, two_i, h13 = w13.shape
-    if h13 != hidden or two_i % 2 or w2.shape != (n_local, hidden, two_i // 2):
+    n_local, rows, h13 = w13.shape
+    ffn = w2.shape[2]
+    if h13 != hidden or w2.shape[:2] != (n_local, hidden):
         raise ValueError(
             f"moe_experts: shapes disagree: x {tuple(x.shape)}, w13 {tuple(w13.shape)} "
-            f"(want (E, 2I, {hidden})), w2 {tuple(w2.shape)} (want ({n_local}, {hidden}, "
-            f"{two_i // 2}))"
+            f"(want (E, J, {hidden})), w2 {tuple(w2.shape)} (want ({n_local}, {hidden}, I))"
+        )
+    if rows != activation.fc1_rows(ffn):
+        kind = "gated: [gate; linear] rows" if activation.gated else "not gated"
+        raise ValueError(
+            f"moe_experts: shapes disagree: w13 {tuple(w13.shape)} has {rows} rows per expert "
+            f"but activation "
+            f"{activation.name} ({kind}) with w2 {tuple(w2.shape)} (I={ffn}) needs "
+            f"{activation.fc1_rows(ffn)}; pass w13 ({n_local}, {activation.fc1_rows(ffn)}, "
+            f"{hidden}), or the activation your fc1 was built for (gated=True for 2I rows)"
         )
     if topk_idx.dim() != 2 or topk_idx.shape[0] != num_tokens:
         raise ValueError(
@@ -206,6 +238,10 @@ def check_moe_inputs(x, w13, w2, topk_idx, topk_probs, index, expert_range, out)
             f"moe_experts: inputs are on different devices: {sorted(map(str, devices))}; move "
             "x, w13, w2, topk_idx and topk_probs to one device"
         )
+    if b13 is not None:
+        _check_bias("b13", b13, (n_local, rows), w13, "w13")
+    if b2 is not None:
+        _check_bias("b2", b2, (n_local, hidden), w2, "w2")
     if expert_range is not None:
         _check_range(expert_range, n_local, index)
     elif index is not None and isinstance(index, RoutingIndex) and index.num_experts != n_local:
@@ -214,8 +250,9 @@ def check_moe_inputs(x, w13, w2, topk_idx, topk_probs, index, expert_range, out)
             "pass expert_range=(e0, e1) for a slice of the experts"
         )
     if out is not None:
-        _check_out(out, x, {"x": x, "w13": w13, "w2": w2, "topk_probs": topk_probs,
-                            "topk_idx": topk_idx})  # fmt: skip
+        others = {"x": x, "w13": w13, "w2": w2, "topk_probs": topk_probs, "topk_idx": topk_idx}
+        others.update({n: b for n, b in (("b13", b13), ("b2", b2)) if b is not None})
+        _check_out(out, x, others)
 
 
 def check_index(index, topk_idx: Tensor) -> None:

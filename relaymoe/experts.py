@@ -1,7 +1,11 @@
 """Expert computation through the routing index: hop primitives and the public ``moe_experts``.
 
 Shape legend: T tokens, H hidden, I expert FFN width, E experts, K top-k, P pairs in the computed
-expert range (expert-grouped order, the order of ``RoutingIndex.expert_token_indices``).
+expert range (expert-grouped order, the order of ``RoutingIndex.expert_token_indices``), J fc1
+rows per expert (``ExpertActivation.fc1_rows(I)``: 2I gated, I not).
+
+The expert MLP is any ``relaymoe.activation.ExpertActivation`` (SwiGLU by default; GeGLU, GELU,
+squared ReLU, GPT-OSS's clamped SwiGLU, ...) with optional fc1/fc2 biases, as Megatron builds it.
 
 Two layers:
 - hop primitives ``expert_hop_forward`` / ``expert_hop_backward`` (no autograd): compute the
@@ -11,7 +15,8 @@ Two layers:
 Backends: ``"triton"`` (``relaymoe.kernels.experts``: gather-on-load grouped GEMMs, fused SwiGLU,
 deterministic gather-reduce combine; on CPU only under ``TRITON_INTERPRET=1``) and ``"torch"``
 (index-based plain torch for users without Triton; it gathers each expert's rows, so it is the
-reference-speed path, not the memory-lean one). ``"auto"`` picks Triton on CUDA.
+reference-speed path, not the memory-lean one; its activation backward is
+``relaymoe.activation_torch``). ``"auto"`` picks Triton on CUDA.
 """
 
 from __future__ import annotations
@@ -20,9 +25,10 @@ from collections.abc import Sequence
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from relaymoe.activation import ExpertActivation, as_activation
+from relaymoe.activation_torch import activation_backward, activation_forward
 from relaymoe.expert_inputs import check_index, check_moe_inputs, expert_range_of, stack_experts
 from relaymoe.kernels import unit_cols
 from relaymoe.kernels.select import kernel_options
@@ -95,41 +101,49 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _silu_grad(gate: Tensor) -> Tensor:
-    sig = torch.sigmoid(gate)
-    return sig * (1 + gate * (1 - sig))
+def _fc1(x_nH: Tensor, w13_JH: Tensor, b13_E, j: int) -> Tensor:
+    """``h (n, J) = x @ w13[j]^T (+ b13[j])``, in x's dtype (the bias inside the GEMM)."""
+    if b13_E is None:
+        return x_nH @ w13_JH.t()
+    return torch.addmm(b13_E[j], x_nH, w13_JH.t())
 
 
 # ---------------------------------------------------------------------------------------------
 # plain-torch backend
 # ---------------------------------------------------------------------------------------------
-def _torch_hop_forward(x_TH, w13, w2, probs_TK, index, e0, e1, out_TH, save):
+def _torch_hop_forward(x_TH, w13, w2, probs_TK, index, e0, e1, out_TH, save, act, b13, b2):
     offs = index.expert_token_offsets[e0 : e1 + 1].tolist()  # host sync (torch path only)
     start, stop = offs[0], offs[-1]
+    rows = w13.shape[1]
     if stop == start:
-        return None if save != "act" else x_TH.new_empty(0, w13.shape[1])
+        return None if save != "act" else x_TH.new_empty(0, rows)
     acc = _acc_dtype(x_TH.dtype)
     pair = _pair_of_position(index, start, stop)
     p_P = probs_TK.reshape(-1)[pair].to(acc)
-    ffn = w2.shape[2]
-    saved = x_TH.new_empty(stop - start, 2 * ffn) if save == "act" else None
+    saved = x_TH.new_empty(stop - start, rows) if save == "act" else None
     for j in range(e1 - e0):
         lo, hi = offs[j] - start, offs[j + 1] - start
         if hi == lo:
             continue
         tok = index.expert_token_indices[start + lo : start + hi].long()
-        h = x_TH[tok] @ w13[j].t()
+        h = _fc1(x_TH[tok], w13[j], b13, j)
         if saved is not None:
             saved[lo:hi] = h
-        a = F.silu(h[:, :ffn].to(acc)) * h[:, ffn:].to(acc)
-        y = (a.to(x_TH.dtype) @ w2[j].t()).to(acc) * p_P[lo:hi, None]
+        a = activation_forward(act, h.to(acc))
+        y = a.to(x_TH.dtype) @ w2[j].t()
+        if b2 is not None:
+            y = y + b2[j]
+        y = y.to(acc) * p_P[lo:hi, None]
         out_TH.index_add_(0, tok, y.to(out_TH.dtype))  # deterministic on CPU
     return saved
 
 
 def _torch_hop_backward(
-    dy_TH, x_TH, w13, w2, probs_TK, index, e0, e1, saved_h, dx, dprobs, dw13, dw2
-):
+    dy_TH, x_TH, w13, w2, probs_TK, index, e0, e1, saved_h, dx, dprobs, dw13, dw2,
+    act, b13, b2, db13, db2,
+):  # fmt: skip
+    """Per-expert loop; every sum is a GEMM or a reduction of one expert's rows, in a fixed
+    order (no atomics): ``db2[e] = sum p * dy[tok]``, ``db13[e] = sum dh``."""
     offs = index.expert_token_offsets[e0 : e1 + 1].tolist()  # host sync (torch path only)
     start, stop = offs[0], offs[-1]
     if stop == start:
@@ -138,24 +152,27 @@ def _torch_hop_backward(
     pair = _pair_of_position(index, start, stop)
     p_P = probs_TK.reshape(-1)[pair].to(acc)
     dprob_P = torch.empty(stop - start, dtype=acc, device=x_TH.device)
-    ffn = w2.shape[2]
     for j in range(e1 - e0):
         lo, hi = offs[j] - start, offs[j + 1] - start
         if hi == lo:
             continue
         tok = index.expert_token_indices[start + lo : start + hi].long()
         x_n = x_TH[tok]
-        h = saved_h[lo:hi] if saved_h is not None else x_n @ w13[j].t()
-        gate, up = h[:, :ffn].to(acc), h[:, ffn:].to(acc)
-        s = F.silu(gate)
-        a = s * up
+        h = saved_h[lo:hi] if saved_h is not None else _fc1(x_n, w13[j], b13, j)
         dy_n = dy_TH[tok]
         da_raw = (dy_n @ w2[j]).to(acc)  # (n, I): dy @ w2[e], before the probability
-        dprob_P[lo:hi] = (da_raw * a).sum(1)
         p = p_P[lo:hi, None]
-        dw2[j] += ((dy_n.to(acc) * p).t() @ a).to(dw2.dtype)
-        da = da_raw * p
-        dh = torch.cat([da * up * _silu_grad(gate), da * s], dim=1).to(x_TH.dtype)
+        dh_acc, a = activation_backward(act, h.to(acc), da_raw * p)
+        dprob = (da_raw * a).sum(1)
+        dy_p = dy_n.to(acc) * p
+        if b2 is not None:  # y = a @ w2^T + b2, so dprob gains dy . b2[e]
+            dprob = dprob + dy_n.to(acc) @ b2[j].to(acc)
+            db2[j] += dy_p.sum(0).to(db2.dtype)
+        dprob_P[lo:hi] = dprob
+        dw2[j] += (dy_p.t() @ a).to(dw2.dtype)
+        if b13 is not None:
+            db13[j] += dh_acc.sum(0).to(db13.dtype)
+        dh = dh_acc.to(x_TH.dtype)
         dw13[j] += (dh.t().to(acc) @ x_n.to(acc)).to(dw13.dtype)
         dx.index_add_(0, tok, (dh @ w13[j]).to(dx.dtype))
     if dprobs.is_contiguous():
@@ -165,12 +182,28 @@ def _torch_hop_backward(
         dprobs.add_(flat.index_add_(0, pair, dprob_P.to(dprobs.dtype)).view(dprobs.shape))
 
 
+def _check_bias_grads(b13, b2, db13, db2) -> None:
+    """A bias's gradient is added into a caller-owned buffer: one must come with the bias."""
+    for name, b, db in (("b13", b13, db13), ("b2", b2, db2)):
+        if b is not None and db is None:
+            raise ValueError(
+                f"expert_hop_backward: {name} is given but d{name} is None; pass a buffer "
+                f"shaped like {name} {tuple(b.shape)} (any float dtype, e.g. an fp32 "
+                f"torch.zeros) that the gradient is added into"
+            )
+        if b is not None and db.shape != b.shape:
+            raise ValueError(
+                f"expert_hop_backward: d{name} has shape {tuple(db.shape)}, want {name}'s "
+                f"{tuple(b.shape)}"
+            )
+
+
 # ---------------------------------------------------------------------------------------------
 # hop primitives
 # ---------------------------------------------------------------------------------------------
 def expert_hop_forward(
     x_TH: Tensor,
-    w13_El2IH: Tensor,
+    w13_ElJH: Tensor,
     w2_ElHI: Tensor,
     probs_TK: Tensor,
     index: RoutingIndex,
@@ -182,39 +215,51 @@ def expert_hop_forward(
     n_pairs: int | None = None,
     max_pairs: int | None = None,
     kernels: KernelOptions | None = None,
+    activation: ExpertActivation | str | None = None,
+    b13: Tensor | None = None,
+    b2: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Add the pairs of experts ``expert_range=(e0, e1)`` (default: all) into ``out_TH``.
 
-    ``w13_El2IH``/``w2_ElHI`` hold exactly experts ``[e0, e1)``. Returns ``(out_TH, saved)``: the
-    range's pre-activation ``h (P, 2I)`` in expert-grouped order when ``save="act"``; None
-    when ``save="none"`` (the backward then recomputes it from ``x`` and ``w13``).
+    ``w13_ElJH`` (El, J, H) / ``w2_ElHI`` (El, H, I) hold exactly experts ``[e0, e1)``; J is
+    ``activation.fc1_rows(I)`` (2I gated, I not). Returns ``(out_TH, saved)``: the range's
+    pre-activation ``h (P, J)`` (fc1 bias included) in expert-grouped order when
+    ``save="act"``; None when ``save="none"`` (the backward then recomputes it from ``x``,
+    ``w13`` and ``b13``).
     ``n_pairs``: the range's pair count when the caller knows it (``offsets[e1] - offsets[e0]``);
     it spares the Triton backend the host sync that sizes a partial range's buffers. Else
     ``max_pairs``: an upper bound on it, which does the same (buffers sized from the bound;
     ``save="act"`` needs the exact count). ``kernels``: how the Triton backend's kernels run
     (``relaymoe.options.KernelOptions``; default: this process's).
+    ``activation``: an ``ExpertActivation`` or a name (``relaymoe.activation.as_activation``;
+    None: SwiGLU). ``b13 (El, J)``, ``b2 (El, H)``: the range's fc1/fc2 biases, w13's dtype
+    (None: none); ``out[t] += p * (a @ w2[e]^T + b2[e])``.
     """
     if save not in SAVES:
         raise ValueError(f"save must be one of {SAVES}, got {save!r}")
+    act = as_activation(activation)
     e0, e1 = _range(expert_range, index)
     if resolve_backend(backend, x_TH.device, x_TH.dtype) == "triton":
         from relaymoe.kernels.experts import triton_hop_forward
 
         # out_TH=None: the combine writes every row (no zero fill, no read of zeros)
         return triton_hop_forward(
-            x_TH, w13_El2IH, w2_ElHI, probs_TK, index, e0, e1, out_TH, save == "act",
+            x_TH, w13_ElJH, w2_ElHI, probs_TK, index, e0, e1, out_TH, save == "act",
             n_pairs=n_pairs, max_pairs=max_pairs, kernels=kernels,
+            activation=act, b13=b13, b2=b2,
         )  # fmt: skip
     if out_TH is None:
         out_TH = torch.zeros_like(x_TH)
-    saved = _torch_hop_forward(x_TH, w13_El2IH, w2_ElHI, probs_TK, index, e0, e1, out_TH, save)
+    saved = _torch_hop_forward(
+        x_TH, w13_ElJH, w2_ElHI, probs_TK, index, e0, e1, out_TH, save, act, b13, b2
+    )
     return out_TH, saved
 
 
 def expert_hop_backward(
     dy_TH: Tensor,
     x_TH: Tensor,
-    w13_El2IH: Tensor,
+    w13_ElJH: Tensor,
     w2_ElHI: Tensor,
     probs_TK: Tensor,
     index: RoutingIndex,
@@ -231,35 +276,49 @@ def expert_hop_backward(
     max_pairs: int | None = None,
     grad_dtype: torch.dtype | None = None,
     kernels: KernelOptions | None = None,
+    activation: ExpertActivation | str | None = None,
+    b13: Tensor | None = None,
+    b2: Tensor | None = None,
+    db13: Tensor | None = None,
+    db2: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients of the pairs of ``expert_range``; ADDS into the given buffers (zeros otherwise).
 
-    Recomputes the pre-activation from ``x`` and ``w13`` when ``saved_h`` is None (SiLU is always
-    recomputed from the pre-activation). Returns ``(dx_TH, dprobs_TK, dw13, dw2)``.
+    Recomputes the pre-activation from ``x``, ``w13`` and ``b13`` when ``saved_h`` is None (the
+    activation is always recomputed from the pre-activation). Returns
+    ``(dx_TH, dprobs_TK, dw13, dw2)``.
     ``consume_saved_h=True`` lets the Triton backend overwrite ``saved_h`` with its gradient
-    (one (P, 2I) buffer less at the backward's peak); ``saved_h`` is garbage afterwards.
-    ``n_pairs``, ``max_pairs``, ``kernels``: as in :func:`expert_hop_forward`. ``grad_dtype``:
-    the dtype of the weight gradients allocated here when ``dw13``/``dw2`` are None (default the
-    weights').
+    (one (P, J) buffer less at the backward's peak); ``saved_h`` is garbage afterwards.
+    ``n_pairs``, ``max_pairs``, ``kernels``, ``activation``, ``b13``, ``b2``: as in
+    :func:`expert_hop_forward` (the same as its forward's). ``grad_dtype``: the dtype of the
+    weight gradients allocated here when ``dw13``/``dw2`` are None (default the weights').
+    ``db13 (El, J)`` / ``db2 (El, H)``: the bias gradients are ADDED into these caller-owned
+    buffers (any float dtype, e.g. fp32 accumulators); each is required when its bias is given
+    (``ValueError`` otherwise). ``db2[e] = sum over e's pairs of p * dy[tok]``, ``db13[e] =
+    sum of the pre-activation gradients dh`` (the probability included), and each pair's router
+    gradient gains ``dy[tok] . b2[e]``.
     """
+    act = as_activation(activation)
+    _check_bias_grads(b13, b2, db13, db2)
     e0, e1 = _range(expert_range, index)
     if resolve_backend(backend, x_TH.device, x_TH.dtype) == "triton":
         from relaymoe.kernels.experts import triton_hop_backward
 
         # buffers passed as None are allocated and written by the kernels (no zero fill)
         return triton_hop_backward(
-            dy_TH, x_TH, w13_El2IH, w2_ElHI, probs_TK, index, e0, e1,
+            dy_TH, x_TH, w13_ElJH, w2_ElHI, probs_TK, index, e0, e1,
             saved_h, dx_TH, dprobs_TK, dw13, dw2, consume_saved_h=consume_saved_h,
             n_pairs=n_pairs, max_pairs=max_pairs, grad_dtype=grad_dtype, kernels=kernels,
+            activation=act, b13=b13, b2=b2, db13=db13, db2=db2,
         )  # fmt: skip
     dx_TH = torch.zeros_like(x_TH) if dx_TH is None else dx_TH
     if dprobs_TK is None:
         dprobs_TK = torch.zeros(probs_TK.shape, dtype=probs_TK.dtype, device=probs_TK.device)
-    dw13 = torch.zeros_like(w13_El2IH, dtype=grad_dtype) if dw13 is None else dw13
+    dw13 = torch.zeros_like(w13_ElJH, dtype=grad_dtype) if dw13 is None else dw13
     dw2 = torch.zeros_like(w2_ElHI, dtype=grad_dtype) if dw2 is None else dw2
     _torch_hop_backward(
-        dy_TH, x_TH, w13_El2IH, w2_ElHI, probs_TK, index, e0, e1,
-        saved_h, dx_TH, dprobs_TK, dw13, dw2,
+        dy_TH, x_TH, w13_ElJH, w2_ElHI, probs_TK, index, e0, e1,
+        saved_h, dx_TH, dprobs_TK, dw13, dw2, act, b13, b2, db13, db2,
     )  # fmt: skip
     return dx_TH, dprobs_TK, dw13, dw2
 
@@ -273,7 +332,8 @@ class _MoEExperts(torch.autograd.Function):
     view's base (``CopySlices``), so the accumulated buffer must come first."""
 
     @staticmethod
-    def forward(ctx, out, x, w13, w2, probs, index, expert_range, recompute, backend, kernels):
+    def forward(ctx, out, x, w13, w2, probs, b13, b2, index, expert_range, recompute, backend,
+                kernels, act):  # fmt: skip
         if backend == "triton":
             # the kernels read x rows at unit column stride: a transposed or column-strided x is
             # copied here, once, and the copy is what the backward reads (no second copy there)
@@ -283,17 +343,17 @@ class _MoEExperts(torch.autograd.Function):
             result, saved_h = expert_hop_forward(
                 x, w13, w2, probs, index,
                 expert_range=expert_range, out_TH=out, save=save, backend=backend,
-                kernels=kernels,
+                kernels=kernels, activation=act, b13=b13, b2=b2,
             )  # fmt: skip
         if out is not None:
             ctx.mark_dirty(out)
         ctx.index, ctx.expert_range, ctx.backend = index, expert_range, backend
-        ctx.kernels = kernels
-        # recompute="act" on Triton: the backward overwrites h with dh (a (P, 2I) buffer less at
+        ctx.kernels, ctx.act = kernels, act
+        # recompute="act" on Triton: the backward overwrites h with dh (a (P, J) buffer less at
         # the peak), so a second backward through the same graph must refuse.
         ctx.consume_h = recompute == "act" and backend == "triton"
         ctx.h_consumed = False
-        ctx.save_for_backward(x, w13, w2, probs, saved_h)
+        ctx.save_for_backward(x, w13, w2, probs, saved_h, b13, b2)
         return result
 
     @staticmethod
@@ -304,17 +364,23 @@ class _MoEExperts(torch.autograd.Function):
                 "pre-activation was overwritten by the first backward. Use "
                 "recompute='act_retain' (keeps it) to backward twice with retain_graph=True"
             )
-        x, w13, w2, probs, saved_h = ctx.saved_tensors
+        x, w13, w2, probs, saved_h, b13, b2 = ctx.saved_tensors
         if ctx.backend == "triton":
             dy = unit_cols(dy)  # an expanded or transposed upstream gradient: one copy
+        # bias gradients summed in fp32 or wider, returned in the biases' dtype
+        db13 = None if b13 is None else torch.zeros_like(b13, dtype=_acc_dtype(b13.dtype))
+        db2 = None if b2 is None else torch.zeros_like(b2, dtype=_acc_dtype(b2.dtype))
         dx, dprobs, dw13, dw2 = expert_hop_backward(
             dy, x, w13, w2, probs, ctx.index,
             expert_range=ctx.expert_range, saved_h=saved_h, backend=ctx.backend,
             consume_saved_h=ctx.consume_h, kernels=ctx.kernels,
+            activation=ctx.act, b13=b13, b2=b2, db13=db13, db2=db2,
         )  # fmt: skip
         ctx.h_consumed = ctx.consume_h and saved_h is not None
         d_out = dy if ctx.needs_input_grad[0] else None
-        return d_out, dx, dw13, dw2, dprobs, None, None, None, None, None
+        db13 = None if db13 is None else db13.to(b13.dtype)
+        db2 = None if db2 is None else db2.to(b2.dtype)
+        return d_out, dx, dw13, dw2, dprobs, db13, db2, None, None, None, None, None, None
 
 
 def moe_experts(
@@ -330,19 +396,29 @@ def moe_experts(
     out: Tensor | None = None,
     backend: Backend = "auto",
     kernels: KernelOptions | None = None,
+    activation: ExpertActivation | str | None = None,
+    b13: Tensor | Sequence[Tensor] | None = None,
+    b2: Tensor | Sequence[Tensor] | None = None,
 ) -> Tensor:
-    """SwiGLU experts with the oracle's semantics, differentiable in x, w13, w2, topk_probs.
+    """Expert MLPs with the oracle's semantics, differentiable in x, w13, w2, topk_probs, b13, b2.
 
-    x (T, H); w13 (E, 2I, H); w2 (E, H, I); topk_idx (T, K) global expert ids; topk_probs (T, K).
-    ``w13``/``w2`` may also be lists (or tuples) of E per-expert tensors (2I, H) / (H, I); they
-    are stacked (``torch.stack``, one copy of the weights per call) and each element gets its
-    own gradient.
+    x (T, H); w13 (E, J, H) with J = 2I for a gated activation (rows ``[gate; linear]``, the
+    default SwiGLU) and J = I otherwise; w2 (E, H, I); topk_idx (T, K) global expert ids;
+    topk_probs (T, K). ``activation``: an ``relaymoe.activation.ExpertActivation`` or a name
+    (``"swiglu"``, ``"geglu"``, ``"gelu"``, ``"squared_relu"``, ...: ``as_activation``); None is
+    SwiGLU. ``b13`` (E, J) / ``b2`` (E, H): optional fc1 / fc2 biases (Megatron's
+    ``add_bias_linear``): ``out[t] = sum_k p * (act(x @ w13[e]^T + b13[e]) @ w2[e]^T + b2[e])``.
+    ``w13``/``w2`` may also be lists (or tuples) of E per-expert tensors (J, H) / (H, I), and
+    ``b13``/``b2`` lists of E 1-D tensors; they are stacked (``torch.stack``, one copy per call)
+    and each element gets its own gradient.
     ``expert_range=(e0, e1)`` computes only pairs whose expert is in ``[e0, e1)`` with w13/w2
-    holding just those experts (needs ``index``). ``out`` (T, H) is accumulated into and returned.
-    ``recompute`` (the SiLU is always recomputed from the pre-activation):
+    (and the biases) holding just those experts (needs ``index``). ``out`` (T, H) is
+    accumulated into and returned.
+    ``recompute`` (the activation is always recomputed from the pre-activation):
 
-    * ``"act"`` saves the (P, 2I) pre-activation; on Triton the backward overwrites it with its
-      gradient (one (P, 2I) buffer less at the peak), so the graph can be backwarded once;
+    * ``"act"`` saves the (P, J) pre-activation (fc1 bias included); on Triton the backward
+      overwrites it with its gradient (one (P, J) buffer less at the peak), so the graph can be
+      backwarded once;
     * ``"act_retain"`` saves it and leaves it intact (``retain_graph=True`` backward twice);
     * ``"fc1"`` saves nothing but the inputs and recomputes the up-projection in backward.
 
@@ -351,11 +427,11 @@ def moe_experts(
     to rounding); default: this process's (``relaymoe.options.defaults().kernels``), fixed for
     the forward and its backward.
 
-    Dtypes: x, w13 and w2 share one of float16, bfloat16, float32, float64; topk_probs any of
-    those (computed in fp32 or wider); topk_idx any integer dtype. ``backend="triton"`` takes
-    float16, bfloat16 and float32 (it accumulates in fp32) and refuses float64; ``"auto"``
-    runs float64 on the torch backend, which keeps it. The output has x's dtype; the gradients
-    have their inputs' dtypes.
+    Dtypes: x, w13, w2 (and the biases) share one of float16, bfloat16, float32, float64;
+    topk_probs any of those (computed in fp32 or wider); topk_idx any integer dtype.
+    ``backend="triton"`` takes float16, bfloat16 and float32 (it accumulates in fp32) and
+    refuses float64; ``"auto"`` runs float64 on the torch backend, which keeps it. The output
+    has x's dtype; the gradients have their inputs' dtypes.
 
     Layouts: any strides for every tensor argument (transposed, sliced, expanded), and for the
     upstream gradient. The Triton backend reads x and dy rows at unit column stride: an x or
@@ -366,7 +442,8 @@ def moe_experts(
     column chunk; the torch backend reads and writes any strides directly.
 
     Validated at call time (``ValueError`` naming the value, the limit and the fix): types,
-    shapes, dtypes and devices of every argument; ``out`` (shape, dtype, device, not
+    shapes, dtypes and devices of every argument (w13's rows against the activation, the
+    biases against the weights); the activation; ``out`` (shape, dtype, device, not
     expanded, not overlapping an input, not a leaf requiring grad); ``expert_range``; the
     backend (``"triton"`` needs CUDA, or ``TRITON_INTERPRET=1`` on CPU); the routing, when
     ``index`` is None (ids in ``[0, E)``, distinct per row: one host sync, in
@@ -378,15 +455,18 @@ def moe_experts(
     """
     if recompute not in RECOMPUTES:
         raise ValueError(f"moe_experts: recompute must be one of {RECOMPUTES}, got {recompute!r}")
-    w13 = stack_experts("w13", w13, "(E, 2I, H)")
+    act = as_activation(activation)
+    w13 = stack_experts("w13", w13, "(E, J, H)")
     w2 = stack_experts("w2", w2, "(E, H, I)")
+    b13 = None if b13 is None else stack_experts("b13", b13, "(E, J)", ndim=1)
+    b2 = None if b2 is None else stack_experts("b2", b2, "(E, H)", ndim=1)
     expert_range = expert_range_of(expert_range)
-    check_moe_inputs(x, w13, w2, topk_idx, topk_probs, index, expert_range, out)
+    check_moe_inputs(x, w13, w2, topk_idx, topk_probs, index, expert_range, out, act, b13, b2)
     resolved = resolve_backend(backend, x.device, x.dtype)
     kernels = kernel_options(kernels)
     if index is None:
         index = build_routing_index(topk_idx, w13.shape[0])
     else:
         check_index(index, topk_idx)
-    return _MoEExperts.apply(out, x, w13, w2, topk_probs, index, expert_range, recompute, resolved,
-                             kernels)  # fmt: skip
+    return _MoEExperts.apply(out, x, w13, w2, topk_probs, b13, b2, index, expert_range,
+                             recompute, resolved, kernels, act)  # fmt: skip

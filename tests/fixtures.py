@@ -56,6 +56,48 @@ def random_problem(num_tokens, hidden, ffn, num_experts, topk, *, dtype=torch.fl
     return x, w13, w2, idx, probs
 
 
+# Every expert MLP kind the tests cover: each activation name of relaymoe.activation.NAMES that
+# Megatron builds, plus GPT-OSS's clamped SwiGLU (quick_gelu gate, clamp, offset)
+EXPERT_ACTIVATIONS = {
+    **{name: name for name in ("swiglu", "geglu", "geglu_tanh", "reglu", "gelu", "gelu_tanh",
+                                "relu", "squared_relu", "silu")},
+    "clamped_swiglu": dict(fn="silu", alpha=1.702, limit=7.0, linear_offset=1.0),
+}  # fmt: skip
+BIASES = ("none", "b13", "b2", "both")
+
+
+def expert_activation(name: str):
+    """The ``ExpertActivation`` of an ``EXPERT_ACTIVATIONS`` key."""
+    from relaymoe.activation import ExpertActivation, as_activation
+
+    spec = EXPERT_ACTIVATIONS[name]
+    return ExpertActivation(**spec) if isinstance(spec, dict) else as_activation(spec)
+
+
+def activation_problem(num_tokens, hidden, ffn, num_experts, topk, activation, *, bias="both",
+                       dtype=torch.float64, gen=None, kind="uniform") -> dict:  # fmt: skip
+    """A random MoE problem for ``activation`` (an ``EXPERT_ACTIVATIONS`` key or an
+    ``ExpertActivation``): ``x``, ``w13`` (E, J, H) with J its fc1 rows, ``w2``, ``idx``,
+    ``probs``, ``b13`` (E, J) / ``b2`` (E, H) as ``bias`` says (``BIASES``; None otherwise),
+    ``dy``, ``act``. With a clamp ``limit`` the pre-activations are scaled to a standard
+    deviation of about ``limit`` so that a good share of them is clamped on both sides."""
+    act = expert_activation(activation) if isinstance(activation, str) else activation
+    if bias not in BIASES:
+        raise ValueError(bias)
+    x, w13, w2, idx, probs = random_problem(num_tokens, hidden, ffn, num_experts, topk,
+                                            dtype=dtype, gen=gen, kind=kind)  # fmt: skip
+    w13 = w13[:, : act.fc1_rows(ffn)].contiguous()
+    if act.limit is not None:
+        w13 = w13 * act.limit
+    rows = act.fc1_rows(ffn)
+    b13 = 0.5 * torch.randn(num_experts, rows, generator=gen, dtype=dtype)
+    b2 = 0.5 * torch.randn(num_experts, hidden, generator=gen, dtype=dtype)
+    dy = torch.randn(num_tokens, hidden, generator=gen, dtype=dtype)
+    return dict(x=x, w13=w13, w2=w2, idx=idx, probs=probs, dy=dy, act=act,
+                b13=b13 if bias in ("b13", "both") else None,
+                b2=b2 if bias in ("b2", "both") else None)  # fmt: skip
+
+
 def ring_problem(seed, tokens, num_experts, topk, hidden, ffn, *, route="uniform") -> dict:
     """The float64 global problem every rank of a ring test builds from one ``seed``
     (``tokens``: each rank's token count): ``x``, ``w13``, ``w2``, ``idx``, ``probs`` (in

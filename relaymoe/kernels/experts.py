@@ -27,6 +27,7 @@ import functools
 import torch
 from torch import Tensor
 
+from relaymoe.activation import SWIGLU, ExpertActivation
 from relaymoe.kernels import check_int32, grouped, pairs, select, unit_cols
 from relaymoe.options import KernelOptions
 
@@ -54,6 +55,20 @@ def _pair_count(
         return min(bound, index.num_pairs), False
     start, stop = index.pair_range(e0, e1)  # host sync (buffer sizes of a partial range)
     return stop - start, True
+
+
+def _refuse_pending(where: str, activation: ExpertActivation | None, b13, b2) -> None:
+    """Placeholder until the kernels compute every ``ExpertActivation`` and the fc1/fc2 biases:
+    SwiGLU without bias runs, anything else is refused here, before any work."""
+    act = SWIGLU if activation is None else activation
+    biases = [name for name, b in (("b13", b13), ("b2", b2)) if b is not None]
+    if act != SWIGLU or biases:
+        what = f"activation {act.name}" + (f" with {' and '.join(biases)}" if biases else "")
+        raise NotImplementedError(
+            f"{where}: {what} is not computed by the Triton kernels yet (Triton "
+            "activation/bias support pending); use backend='torch', or SwiGLU without biases "
+            "on Triton"
+        )
 
 
 def _check_sizes(num_tokens: int, n_pairs: int, where: str) -> None:
@@ -202,14 +217,19 @@ def triton_hop_forward(
     n_pairs: int | None = None,
     max_pairs: int | None = None,
     kernels=None,
+    activation: ExpertActivation | None = None,
+    b13: Tensor | None = None,
+    b2: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Add experts ``[e0, e1)``'s pairs into ``out_TH`` (written, not added, when None).
 
     Returns ``(out_TH, h_P2I)``; ``h_P2I`` is the range's pre-activation when ``save_act``.
     ``n_pairs``: the range's pair count; else ``max_pairs``: an upper bound on it (buffers sized
     from it, no host sync); else read from the index (a host sync for a partial range).
-    ``kernels``: the ``KernelOptions`` (default: the process's).
+    ``kernels``: the ``KernelOptions`` (default: the process's). ``activation``, ``b13 (El, J)``,
+    ``b2 (El, H)``: as ``relaymoe.experts.expert_hop_forward``'s (None: SwiGLU, no bias).
     """
+    _refuse_pending("triton_hop_forward", activation, b13, b2)
     k = select.kernel_options(kernels)
     num_tokens = x_TH.shape[0]
     n_local, two_i, _ = w13.shape
@@ -265,6 +285,11 @@ def triton_hop_backward(
     max_pairs: int | None = None,
     grad_dtype: torch.dtype | None = None,
     kernels=None,
+    activation: ExpertActivation | None = None,
+    b13: Tensor | None = None,
+    b2: Tensor | None = None,
+    db13: Tensor | None = None,
+    db2: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients of experts ``[e0, e1)``'s pairs, ADDED into the given buffers; a buffer passed
     as None is allocated and written (no zero fill). Returns ``(dx, dprobs, dw13, dw2)``.
@@ -273,8 +298,11 @@ def triton_hop_backward(
     ``consume_saved_h=True`` lets the kernel overwrite ``saved_h`` with its gradient (saves a
     (P, 2I) buffer); the caller must not use ``saved_h`` afterwards. ``grad_dtype``: the dtype of
     weight-gradient buffers allocated here (default the weights'; e.g. fp32 accumulators).
-    ``kernels``: the ``KernelOptions`` (default: the process's).
+    ``kernels``: the ``KernelOptions`` (default: the process's). ``activation``, ``b13``, ``b2``,
+    ``db13``, ``db2``: as ``relaymoe.experts.expert_hop_backward``'s (bias gradients ADDED into
+    ``db13``/``db2``).
     """
+    _refuse_pending("triton_hop_backward", activation, b13, b2)
     k = select.kernel_options(kernels)
     num_tokens = x_TH.shape[0]
     n_local, two_i, _ = w13.shape

@@ -16,14 +16,15 @@ PKG = Path(__file__).resolve().parents[2] / "relaymoe"
 
 # level of each top-level part of relaymoe; a module may import only parts of its level or below
 LEVELS = {
-    "options": 0, "cost": 0, "lossmodel": 0, "config": 0, "planner": 0, "reference": 0,
-    "kernels": 1,
+    "options": 0, "activation": 0, "cost": 0, "lossmodel": 0, "config": 0, "planner": 0,
+    "reference": 0,
+    "kernels": 1, "activation_torch": 1,
     "routing": 2, "experts": 2, "expert_inputs": 2, "loss": 2,
     "ring": 3,
     "megatron": 4,
     "cli": 5, "__main__": 5, "__init__": 5,
 }  # fmt: skip
-TORCH_FREE = ("options", "cost", "lossmodel", "config", "planner")
+TORCH_FREE = ("options", "activation", "cost", "lossmodel", "config", "planner")
 
 
 def _part(rel: Path) -> str:
