@@ -78,6 +78,7 @@ from benchmarks.e2e import (
     REGIMES,
     TE_IMPL,
     RunResult,
+    _flag_groups,
     loss_parity,
     merge_flags,
     pretrain_args,
@@ -127,6 +128,29 @@ ANCHOR_CANDIDATES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 # megatron-core refuses TE's cross-entropy ("disabled due to stability issues") and TE's
 # activation with the bias-SwiGLU fusion on.
 ANCHOR_KEPT: tuple[str, ...] = ("cuda_graph_attn_moe_router",)
+# megatron-core 0.19.2 refuses partial CUDA graphs under full recompute ("full recompute is only
+# supported with full iteration CUDA graph"): a shape that recomputes fully runs without them.
+_GRAPH_FLAGS = ("--cuda-graph-impl", "--cuda-graph-modules")
+
+
+def drop_refused_graphs(flags) -> list[str]:
+    """``flags`` without the CUDA-graph options when they recompute fully (Megatron's refusal)."""
+    groups = _flag_groups(list(flags))
+    full = any(g[0] == "--recompute-granularity" and g[1:] == ["full"] for g in groups)
+    return [t for g in groups if not (full and g[0] in _GRAPH_FLAGS) for t in g]
+
+
+def kept_in(flags, dispatcher: str) -> list[str]:
+    """The ANCHOR_KEPT candidates whose flags (for ``dispatcher``'s runs) ``flags`` carry."""
+    have = {g[0]: g[1:] for g in _flag_groups(list(flags))}
+    out = []
+    for name in ANCHOR_KEPT:
+        want = _flag_groups(list(ANCHOR_CANDIDATES[name][0 if dispatcher == "alltoall" else 1]))
+        if all(have.get(g[0]) == g[1:] for g in want):
+            out.append(name)
+    return out
+
+
 FP8_FORMATS = ("hybrid", "e4m3")
 FP8_RECIPES = ("tensorwise", "delayed", "blockwise")  # TE's fp8 recipes on Hopper (mxfp8: sm100)
 DEFAULT_CONFIG = "tiny_qwen3"
@@ -246,7 +270,7 @@ def plan_runs(
 
     def flags(dispatcher: str) -> tuple[str, ...]:
         fused = shape.fused_loss and dispatcher == "ring"
-        return tuple(
+        return tuple(drop_refused_graphs(
             pretrain_args(
                 shape.config,
                 gpus=gpus,
@@ -261,7 +285,7 @@ def plan_runs(
                 transformer_impl=shape.transformer_impl,
                 check_te=check_te,
             )
-        )
+        ))  # fmt: skip
 
     labels = [("ring", "ring"), ("alltoall", "alltoall")]
     if noise_run:
@@ -288,6 +312,7 @@ def shape_rows(
         results["ring"], results["alltoall"], results.get("alltoall_repeat"), steps=steps
     )
     mbs = int(_flag(plans[0].flags, "--micro-batch-size"))
+    flags_of = {p.label: p.flags for p in plans}
     common = {
         "bench": "e2e",
         "shape": shape.shape_label,
@@ -317,11 +342,10 @@ def shape_rows(
         "fp8_format": shape.fp8[0] if shape.fp8 else None,
         "fp8_recipe": shape.fp8[1] if shape.fp8 else None,
         "anchor_flags": list(ANCHOR_FLAGS) if shape.anchor else None,
-        "anchor_kept": list(ANCHOR_KEPT) if shape.anchor else None,
+        "anchor_kept": kept_in(flags_of["alltoall"], "alltoall") if shape.anchor else None,
         "warm_up_steps": warm_up_steps,
     }
     rows = []
-    flags_of = {p.label: p.flags for p in plans}
     for label in ("ring", "alltoall"):
         r = results[label]
         row = {

@@ -66,20 +66,30 @@ def _union_us(spans: list[tuple[float, float]]) -> float:
 def summarise(trace: dict, *, top: int = 25) -> dict:
     """The summary of one trace (times in ms per profiled step): ``steps``, ``step_ms``,
     ``gpu_busy_ms``, ``gpu_idle_frac``, ``by_category`` ``{cat: ms}``, ``top_kernels``
-    ``[{name, category, ms, calls}]`` (per step). GPU events outside the steps' spans are left
-    out; without ``ProfilerStep`` spans the whole trace is one step."""
+    ``[{name, category, ms, calls}]``, ``cuda_graph_launches`` (per step, over the
+    ``ProfilerStep`` spans holding GPU events). GPU events outside those spans are left out;
+    without ``ProfilerStep`` spans the whole trace is one step."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
     steps = [(e["ts"], e["ts"] + e["dur"]) for e in events
              if str(e.get("name", "")).startswith("ProfilerStep#")]  # fmt: skip
     gpu = [e for e in events if e.get("cat") in _GPU_CATS]
     if not steps and gpu:
         steps = [(min(e["ts"] for e in gpu), max(e["ts"] + e["dur"] for e in gpu))]
+
+    def step_of(e) -> int | None:
+        return next((j for j, (a, b) in enumerate(steps) if a <= e["ts"] < b), None)
+
+    # steps whose GPU work the trace holds (a schedule's wait and warm-up steps can leave
+    # ProfilerStep spans without device events)
+    busy_steps = {step_of(e) for e in gpu} - {None}
+    steps = [s for j, s in enumerate(steps) if j in busy_steps]
     n = max(len(steps), 1)
 
     def inside(e) -> bool:
         return any(a <= e["ts"] < b for a, b in steps)
 
     gpu = [e for e in gpu if inside(e)]
+    graph_launches = sum(1 for e in events if e.get("name") == "cudaGraphLaunch" and inside(e))
     by_name: dict[str, list[float]] = {}
     for e in gpu:
         by_name.setdefault(str(e.get("name", "?")), []).append(float(e["dur"]))
@@ -96,6 +106,8 @@ def summarise(trace: dict, *, top: int = 25) -> dict:
         "gpu_busy_ms": busy_us / n / 1e3,
         "gpu_idle_frac": (1 - busy_us / step_us) if step_us > 0 else None,
         "kernel_ms": sum(sum(d) for d in by_name.values()) / n / 1e3,
+        # kernels replayed from CUDA graphs may be missing from the trace: their launches
+        "cuda_graph_launches": graph_launches / n,
         "by_category": {k: v / n / 1e3 for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])},
         "top_kernels": [
             {

@@ -128,9 +128,13 @@ def test_shape_flags_per_provider(shape):
             assert _v(g, "--transformer-impl") == "transformer_engine"
             for flag in bench_e2e.ANCHOR_FLAGS:
                 assert g[flag] == [], (label, flag)
-            # the kept candidates: the router/preprocess graphs on the alltoall runs only
+            # the kept candidates: the router/preprocess graphs on the alltoall runs only; none
+            # under full recompute (megatron-core refuses partial graphs there)
             modules = ["attn", "moe_router", "moe_preprocess"] if label != "ring" else ["attn"]
-            assert g["--cuda-graph-modules"] == modules, label
+            if g.get("--recompute-granularity") == ["full"]:
+                assert "--cuda-graph-impl" not in g and "--cuda-graph-modules" not in g, label
+            else:
+                assert g["--cuda-graph-modules"] == modules, label
         else:
             assert "--moe-permute-fusion" not in g and "--cross-entropy-loss-fusion" not in g
         if spec.fp8:
@@ -157,8 +161,8 @@ def test_shape_flags_per_provider(shape):
         if ring.get(k) != groups["alltoall"].get(k)
     }
     expected = {"--moe-token-dispatcher-type"}
-    if spec.anchor:  # the kept router/preprocess graphs are the alltoall runs' alone
-        expected.add("--cuda-graph-modules")
+    if spec.anchor and "--cuda-graph-modules" in groups["alltoall"]:
+        expected.add("--cuda-graph-modules")  # the router/preprocess graphs: alltoall's alone
     if "_fused_loss" in shape:
         expected.add("--relaymoe-fused-loss")
     assert diff == expected, diff
@@ -590,6 +594,18 @@ def test_kept_anchor_candidates_reach_the_runs_by_scope(monkeypatch):
     assert "--cuda-graph-impl" not in _groups(spec.run_flags("ring"))
 
 
+def test_full_recompute_shapes_run_without_the_refused_graphs():
+    flags = ["--recompute-granularity", "full", "--cuda-graph-impl", "transformer_engine",
+             "--cuda-graph-modules", "attn", "moe_router", "--seed", "1"]  # fmt: skip
+    kept = bench_e2e.drop_refused_graphs(flags)
+    assert kept == ["--recompute-granularity", "full", "--seed", "1"]
+    flags[1] = "selective"
+    assert bench_e2e.drop_refused_graphs(flags) == flags
+    assert bench_e2e.kept_in(flags[2:], "ring") == []
+    assert bench_e2e.kept_in(bench_e2e.ANCHOR_CANDIDATES["cuda_graph_attn_moe_router"][0],
+                             "alltoall") == ["cuda_graph_attn_moe_router"]  # fmt: skip
+
+
 def test_every_anchor_candidates_ring_flags_pass_the_ring_validation():
     """What a kept candidate gives the ring's runs is accepted by the ring's config check."""
     from types import SimpleNamespace
@@ -733,3 +749,13 @@ def test_run_shapes_profiles_ring_and_alltoall_not_the_noise_run(tmp_path, monke
     assert [r["bench"] for r in rows] == ["e2e", "e2e"]  # the profile rows are written, not rows
     with pytest.raises(ValueError, match="0 < START < END"):
         bench_e2e.profile_flags((12, 10), "x")
+
+
+def test_trace_summary_counts_only_steps_holding_gpu_work(tmp_path):
+    from benchmarks.trace_summary import summarise_file
+
+    steps = ((0, 1000), (1000, 2000), (2000, 3000))  # the first: a schedule's wait step
+    path = _trace(str(tmp_path), [("nvjet_a", 1000, 500), ("nvjet_a", 2000, 500)], steps=steps)
+    s = summarise_file(path)
+    assert s["steps"] == 2 and s["top_kernels"][0]["calls"] == 1.0
+    assert s["gpu_idle_frac"] == pytest.approx(0.5) and s["cuda_graph_launches"] == 0
