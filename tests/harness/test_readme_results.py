@@ -321,3 +321,16 @@ def test_repository_runs_have_valid_manifests():
     for n in names:
         rs.read_run(rs.RESULTS / n)
     assert {r.name for r in rs.current_runs()} <= set(names)
+
+
+def test_e2e_headline_takes_the_anchors_faster_run():
+    """The anchor at its best: the faster of its run and its same-seed repeat."""
+    shape = "qwen3_slice_s4k_te"
+    ring = {"bench": "e2e", "shape": shape, "provider": "relaymoe_ring", "tokens_per_s": 300.0}
+    a2a = {"bench": "e2e", "shape": shape, "provider": "mcore_alltoall_te", "tokens_per_s": 100.0,
+           "repeat_tokens_per_s": 150.0}  # fmt: skip
+    out = mrr.headline([("r/e2e.jsonl", ring, "run"), ("r/e2e.jsonl", a2a, "run")])
+    assert "| 300.0 | 150.0 | 2.00x |" in out
+    a2a["repeat_tokens_per_s"] = None
+    out = mrr.headline([("r/e2e.jsonl", ring, "run"), ("r/e2e.jsonl", a2a, "run")])
+    assert "| 300.0 | 100.0 | 3.00x |" in out
