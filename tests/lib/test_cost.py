@@ -52,6 +52,28 @@ def test_hop_and_step_bytes_by_hand():
         cost.hop_bytes("alltoall", TINY)
 
 
+def test_expert_mlp_by_hand():
+    """A non-gated activation has J = I fc1 rows; biases add El*(J + H) elements to what
+    travels, to the slots and to the accumulators; compute follows 2*H*(J + I) per pair."""
+    plain = dataclasses.replace(TINY, gated=False)
+    assert (plain.J, plain.W) == (6, 2 * (6 * 8 + 8 * 6))  # 192 elements
+    biased = dataclasses.replace(TINY, b13=True, b2=True)
+    assert (biased.J, biased.W) == (12, 288 + 2 * (12 + 8))  # 328 elements
+    e = cost.hop_bytes("expert", biased)
+    assert (e.fwd_lead, e.fwd_trail, e.bwd_lead, e.bwd_trail) == (656, 0, 656, 656)
+    # slots: w13 384 -> 512, w2 192 -> 768 (aligned), b13 2*12*2 = 48 -> 1024, b2 32: 1056
+    assert cost.slot_capacity("expert", biased, training=False) == 1056
+    assert cost.slot_capacity("expert", plain, training=False) == 256 + 192
+    model = cost.DEFAULT_TIME_MODEL
+    from relaymoe.cost.time import _compute_seconds
+
+    assert _compute_seconds(plain, model, False) == pytest.approx(
+        _compute_seconds(TINY, model, False) * 2 / 3
+    )
+    with pytest.raises(ValueError, match="gated=1 must be a bool"):
+        dataclasses.replace(TINY, gated=1)
+
+
 def test_memory_by_hand():
     # slots as the engine's layouts pack them (segments 256-aligned): expert w13 384 -> 512,
     # + w2 192 = 704; backward [weights | gradients] = 768 + 704 = 1472 (reserved at forward
