@@ -369,16 +369,17 @@ def test_hop_backward_needs_bias_grad_buffers():
                             db2=a["b2"][:, 1:].clone(), **kw)  # fmt: skip
 
 
-def test_triton_refuses_what_it_does_not_compute_yet():
-    """The placeholder of the Triton kernels (``kernels/experts._refuse_pending``): SwiGLU
-    without bias only, refused before any work. Replace this test when the kernels land."""
+def test_triton_hop_backward_needs_bias_grad_buffers():
+    """The Triton hop primitive called directly (as the ring does) checks its bias-gradient
+    buffers too, before any work; what it computes is tests/lib/test_triton_activations.py's."""
+    from relaymoe.kernels.experts import triton_hop_backward
+
     a = _args("geglu")
-    x, w13, w2, probs = (a[n].float() for n in ("x", "w13", "w2", "topk_probs"))
+    x, w13, w2, probs, b2 = (a[n].float() for n in ("x", "w13", "w2", "topk_probs", "b2"))
     index = build_routing_index(a["topk_idx"], 4)
-    with pytest.raises(NotImplementedError, match="activation geglu is not computed .*pending"):
-        expert_hop_forward(x, w13, w2, probs, index, backend="triton", activation="geglu")
-    s = _args("swiglu")
-    w13s, b2 = s["w13"].float(), s["b2"].float()
-    with pytest.raises(NotImplementedError, match="activation swiglu with b2 is not computed"):
-        expert_hop_backward(x, x, w13s, w2, probs, index, backend="triton", b2=b2,
-                            db2=torch.zeros_like(b2))  # fmt: skip
+    with pytest.raises(ValueError, match=r"b2 is given, so db2 must be a buffer shaped \(4, 8\)"):
+        triton_hop_backward(x, x, w13, w2, probs, index, 0, 4, None, None, None, None, None,
+                            activation=expert_activation("geglu"), b2=b2)  # fmt: skip
+    with pytest.raises(ValueError, match=r"b13 has shape \(4, 5\), want \(4, 12\)"):
+        triton_hop_backward(x, x, w13, w2, probs, index, 0, 4, None, None, None, None, None,
+                            b13=b2[:, :5], db13=b2[:, :5])  # fmt: skip
