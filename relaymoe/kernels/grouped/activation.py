@@ -4,8 +4,9 @@ helper, specialised at compile time by the constexprs :func:`act_meta` builds.
 Every kernel that computes an activation (the up-projection's epilogue, the memory-bound forward
 and backward passes) calls these two helpers with the same ``**act_meta(activation)`` keywords,
 so one ``ExpertActivation`` (``relaymoe.activation``) is one compiled specialisation everywhere,
-and the default SwiGLU compiles to exactly the expressions the kernels had before any other
-activation existed (``gate * sigmoid(gate) * up`` forward; the same products in the backward).
+and the default SwiGLU compiles to the plain SwiGLU expressions (``gate * sigmoid(gate) * up``
+forward, ``da * up * s * (1 + gate * (1 - s))`` and ``da * silu(gate)`` backward): no branch,
+clamp or offset of the other kinds is left in its code.
 
 The constexprs: ``ACT_FN`` (one of ``relaymoe.activation.FNS``), ``GATED``, ``ALPHA`` (silu's
 slope), ``HAS_LIMIT`` / ``LIMIT`` (the gated clamp), ``OFFSET`` (the gated linear offset).
