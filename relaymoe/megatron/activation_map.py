@@ -34,7 +34,8 @@ Options that choose Megatron's implementation, and how each is mapped:
   ``--moe-grouped-gemm``) the fused quick-GeGLU clamps fc1's output *before* adding its bias
   (``weighted_bias_quick_geglu_impl`` gets the bias separately), where ``TEGroupedMLP``, the
   unfused path and the ring clamp after. Megatron's experts have no fused kernel for other
-  activations and raise at their first forward; the ring computes the named function.
+  activations (nor SequentialMLP's for a SwiGLU with biases) and raise at their first
+  forward; the ring computes the named function.
 * ``use_te_activation_func`` (TransformerEngine spec only; the local spec has no TE module):
   TE's GELU and GEGLU are the tanh approximation, so ``F.gelu`` maps to ``gelu_tanh``. TE's
   operations take no clamp and no offset (refused when set), and megatron-core's
