@@ -383,3 +383,14 @@ def test_triton_hop_backward_needs_bias_grad_buffers():
     with pytest.raises(ValueError, match=r"b13 has shape \(4, 5\), want \(4, 12\)"):
         triton_hop_backward(x, x, w13, w2, probs, index, 0, 4, None, None, None, None, None,
                             b13=b2[:, :5], db13=b2[:, :5])  # fmt: skip
+
+
+def test_hop_primitives_refuse_w13_rows_that_are_not_the_activations():
+    """A w13 built for another activation is a ValueError at the hop, not a read past it."""
+    pb = activation_problem(9, 8, 6, 3, 2, "squared_relu", bias="none")  # w13 (3, 6, 8)
+    index = build_routing_index(pb["idx"], 3)
+    with pytest.raises(ValueError, match="w13 has 6 rows per expert but activation swiglu"):
+        expert_hop_forward(pb["x"], pb["w13"], pb["w2"], pb["probs"], index, backend="torch")
+    with pytest.raises(ValueError, match="needs 12"):
+        expert_hop_backward(pb["dy"], pb["x"], pb["w13"], pb["w2"], pb["probs"], index,
+                            backend="torch")  # fmt: skip
