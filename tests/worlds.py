@@ -1,6 +1,7 @@
 """Spawned processes for the tests: ports, one-shot worlds, and the persistent worlds the ring
 scenarios run in (``World``, ``Worlds``: the ``gloo_worlds`` fixture of ``tests/conftest.py``).
-Tests import these through ``tests.fixtures``; this module needs only torch.
+Tests import these through ``tests.fixtures``; this module needs only torch. On the CPU the
+processes fork from a forkserver that has imported torch and Megatron (``_context``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import random
 import signal
 import socket
+import sys
 import time
 import traceback
 from multiprocessing import connection as mp_connection
@@ -54,15 +56,78 @@ def _die_with_parent() -> None:
         pass
 
 
-def _child(target, args) -> None:
+# How processes start. Without CUDA (the CPU suite) they fork from a forkserver (one per test
+# process, started on first use) that has imported torch and Megatron: each of the dozens of ranks
+# the suite starts saves those imports (seconds of CPU each). Nothing else is imported there:
+# relaymoe, the tests' modules and what the scenarios import come afresh in every process.
+# With CUDA (the GPU suites) processes are spawned.
+_FORKSERVER_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    # Megatron's ranks (tests/lib/test_megatron_layer.py and the like); where it is missing the
+    # forkserver goes without (an ImportError in a preload is skipped)
+    "megatron.core.models.gpt.gpt_model",
+    "megatron.core.models.gpt.gpt_layer_specs",
+    "megatron.core.models.gpt.moe_module_specs",
+]
+# The environment the forkserver starts with: the session's, whatever test starts the first
+# process (each process then gets its starter's environment: ``_child``).
+_SESSION_ENV = dict(os.environ)
+
+
+def _context():
+    if torch.cuda.is_available():
+        return mp.get_context("spawn")
+    from multiprocessing import forkserver
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)
+    with _environment(_SESSION_ENV):
+        forkserver.ensure_running()  # at once when it runs
+    return ctx
+
+
+@contextlib.contextmanager
+def _environment(env: dict):
+    before = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(before)
+
+
+def _child(target, args, env, leave_at_once: bool) -> None:
     _die_with_parent()
-    target(*args)
+    # The environment of the process that started this one, at the start, as a spawned process
+    # has it (a forked one has the forkserver's). The test suite's package, imported before this
+    # runs, installed the options of the forkserver's environment: installed again from this one,
+    # as a spawned process's import of it does.
+    os.environ.clear()
+    os.environ.update(env)
+    if "relaymoe.options" in sys.modules:
+        from relaymoe import options
+
+        options.install(options.from_env())
+    target(*args)  # raises: multiprocessing reports it, exit code 1
+    if not leave_at_once:
+        return
+    # Done (a forked process): leave at once. The interpreter's own shutdown with torch, triton
+    # and Megatron loaded takes a second or more of each process's CPU for nothing, and
+    # World.close waits for it.
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0)
 
 
 def _start(target, args_per_process, *, daemon=False) -> list:
-    """Start ``target(*args)`` in one spawned process per entry of ``args_per_process``."""
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_child, args=(target, a), daemon=daemon)
+    """Start ``target(*args)`` in a new process per entry of ``args_per_process``."""
+    ctx, env = _context(), dict(os.environ)
+    forked = ctx.get_start_method() == "forkserver"
+    procs = [ctx.Process(target=_child, args=(target, a, env, forked), daemon=daemon)
              for a in args_per_process]  # fmt: skip
     for p in procs:
         p.start()
@@ -152,8 +217,7 @@ class World:
 
     def __init__(self, size: int, *, backend: str = "gloo", pg_timeout_s: float = 30):
         self.size, self.backend, self.pg_timeout_s = size, backend, pg_timeout_s
-        ctx = mp.get_context("spawn")
-        pipes = [ctx.Pipe() for _ in range(size)]
+        pipes = [mp_connection.Pipe() for _ in range(size)]
         port = free_port()
         args = [(r, size, port, child, pg_timeout_s, backend) for r, (_, child) in enumerate(pipes)]
         self.procs = _start(_world_rank, args, daemon=True)

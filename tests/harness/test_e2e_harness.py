@@ -241,44 +241,95 @@ def test_noise_run_only_when_asked():
 
 _MEGATRON_ARGS = textwrap.dedent(
     """
-    import json, sys, warnings
+    import contextlib, io, json, os, sys, traceback, warnings
     warnings.filterwarnings("ignore")
     import torch
     torch.cuda.get_device_capability = lambda *a: (9, 0)  # validate_args asks for it
     from relaymoe.megatron import register
     register()
     from megatron.training.arguments import parse_and_validate_args
-    flags, keys = json.loads(sys.argv[1]), json.loads(sys.argv[2])
-    sys.argv = ["pretrain", *flags]
-    a = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
-    print("ARGS " + json.dumps({k: getattr(a, k) for k in keys}))
+    from megatron.training.global_vars import unset_global_variables
+    env = dict(os.environ)
+    for i, (flags, keys) in enumerate(json.loads(sys.stdin.read())):
+        sys.argv, err = ["pretrain", *flags], io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err):  # where argparse says what it refuses
+                a = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
+            print("ARGS " + json.dumps([i, {k: getattr(a, k) for k in keys}]), flush=True)
+        except BaseException:  # argparse exits: the next flags still get parsed
+            print("ERROR " + json.dumps([i, err.getvalue() + traceback.format_exc()]), flush=True)
+        finally:  # each flag set from a clean slate, as in a process of its own
+            unset_global_variables()
+            os.environ.clear()
+            os.environ.update(env)
     """
 )
 
 
-def megatron_args(flags, keys, world: int = 2) -> dict:
-    """``keys`` of the arguments Megatron's own parser and validation make of ``flags`` at world
-    size ``world`` (a subprocess, no GPU)."""
+def megatron_args(jobs, world: int = 2) -> list:
+    """For each ``(flags, keys)`` of ``jobs``: the ``keys`` of the arguments Megatron's own parser
+    and validation make of ``flags`` at world size ``world``, or the traceback of its refusal.
+    One subprocess (no GPU) parses them all in turn, Megatron's global state unset between
+    them: importing Megatron is most of its time."""
     env = dict(os.environ, WORLD_SIZE=str(world), RANK="0", LOCAL_RANK="0",
                CUDA_VISIBLE_DEVICES="")  # fmt: skip
     p = subprocess.run(
-        [sys.executable, "-c", _MEGATRON_ARGS, json.dumps(list(flags)), json.dumps(list(keys))],
+        [sys.executable, "-c", _MEGATRON_ARGS],
+        input=json.dumps([[list(flags), list(keys)] for flags, keys in jobs]),
         capture_output=True, text=True, timeout=240, env=env,
     )  # fmt: skip
-    line = [ln for ln in p.stdout.splitlines() if ln.startswith("ARGS ")]
-    assert p.returncode == 0 and line, p.stdout[-2000:] + p.stderr[-4000:]
-    return json.loads(line[0][5:])
+    got = {}
+    for ln in p.stdout.splitlines():
+        if ln.startswith(("ARGS ", "ERROR ")):
+            i, value = json.loads(ln.split(" ", 1)[1])
+            got[i] = value if ln.startswith("ARGS ") else "refused:\n" + value
+    assert p.returncode == 0 and len(got) == len(jobs), p.stdout[-2000:] + p.stderr[-4000:]
+    return [got[i] for i in range(len(jobs))]
 
 
-def test_megatron_parses_the_shape_flags():
+# The shapes whose runs' flags go through Megatron's parser, with the arguments each test reads.
+PARSED_SHAPES = {
+    "qwen3_slice_s16k": (
+        "seq_length", "micro_batch_size", "global_batch_size", "data_parallel_size",
+        "expert_model_parallel_size", "padded_vocab_size", "num_experts",
+        "moe_token_dispatcher_type", "lr", "lr_warmup_iters", "clip_grad", "adam_beta2",
+        "recompute_granularity", "bf16", "train_iters",
+    ),
+    "tiny_qwen3_pp2_vpp2": (
+        "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+        "data_parallel_size", "expert_model_parallel_size", "global_batch_size",
+        "micro_batch_size", "moe_token_dispatcher_type",
+    ),
+}  # fmt: skip
+
+
+UNKNOWN_FLAG = "--no-such-flag"
+
+
+@pytest.fixture(scope="module")
+def parsed_plans() -> dict:
+    """shape -> [(plan, its ``PARSED_SHAPES`` arguments as Megatron makes them at world size 2
+    (EP=2, DP=2), or its refusal)] for every run ``plan_runs`` gives the shape, all in one
+    Megatron subprocess; ``"unknown flag"``: what the subprocess made of the first of them with
+    ``UNKNOWN_FLAG`` added, parsed before all the others."""
+    plans = [(name, plan) for name in PARSED_SHAPES
+             for plan in bench_e2e.plan_runs(bench_e2e.SHAPES[name], gpus=GPUS, steps=50,
+                                             seed=1234, noise_run=False)]  # fmt: skip
+    first, plan = plans[0]
+    bad = ((*plan.flags, UNKNOWN_FLAG), PARSED_SHAPES[first])
+    refused, *parsed = megatron_args([bad] + [(p.flags, PARSED_SHAPES[n]) for n, p in plans])
+    out: dict = {name: [] for name in PARSED_SHAPES}
+    for (name, plan), args in zip(plans, parsed, strict=True):
+        out[name].append((plan, args))
+    out["unknown flag"] = refused
+    return out
+
+
+def test_megatron_parses_the_shape_flags(parsed_plans):
     """Megatron's own parser and validation accept the flags (world size 2: EP=2, DP=2)."""
-    keys = ("seq_length", "micro_batch_size", "global_batch_size", "data_parallel_size",
-            "expert_model_parallel_size", "padded_vocab_size", "num_experts",
-            "moe_token_dispatcher_type", "lr", "lr_warmup_iters", "clip_grad", "adam_beta2",
-            "recompute_granularity", "bf16", "train_iters")  # fmt: skip
-    shape = bench_e2e.SHAPES["qwen3_slice_s16k"]
-    for plan in bench_e2e.plan_runs(shape, gpus=GPUS, steps=50, seed=1234, noise_run=False):
-        a = megatron_args(plan.flags, keys)
+    runs = parsed_plans["qwen3_slice_s16k"]
+    assert runs
+    for plan, a in runs:
         assert a == {
             "seq_length": 16384,
             "micro_batch_size": 1,
@@ -296,6 +347,14 @@ def test_megatron_parses_the_shape_flags():
             "bf16": True,
             "train_iters": 50,
         }, a
+
+
+def test_megatron_refuses_flags_it_does_not_know(parsed_plans):
+    """The shared subprocess reports a refused flag set as refused (the checks above can fail),
+    and parses the flag sets after it as if alone (they pass above)."""
+    refused = parsed_plans["unknown flag"]
+    assert isinstance(refused, str), refused
+    assert f"unrecognized arguments: {UNKNOWN_FLAG}" in refused, refused
 
 
 def test_default_mode_keeps_the_tiny_runs():
@@ -561,15 +620,13 @@ def test_run_pretrain_runs_another_entry_module_with_extra_environment(monkeypat
     assert seen["env"]["PYTHONPATH"].split(os.pathsep)[0] == e2e._CHECKOUT
 
 
-def test_megatron_validates_the_pipeline_shape_flags():
+def test_megatron_validates_the_pipeline_shape_flags(parsed_plans):
     """Megatron's parser and validation accept the PP=2 shapes at world 2 (DP = 1) with the
     interleaved schedule's two virtual stages."""
-    keys = ("pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-            "data_parallel_size", "expert_model_parallel_size", "global_batch_size",
-            "micro_batch_size", "moe_token_dispatcher_type")  # fmt: skip
-    shape = bench_e2e.SHAPES["tiny_qwen3_pp2_vpp2"]
-    for plan in bench_e2e.plan_runs(shape, gpus=GPUS, steps=50, seed=1234, noise_run=False):
-        a = megatron_args(plan.flags, keys)
+    runs = parsed_plans["tiny_qwen3_pp2_vpp2"]
+    assert runs
+    for plan, a in runs:
+        assert isinstance(a, dict), a
         assert a["pipeline_model_parallel_size"] == 2 and a["data_parallel_size"] == 1
         assert a["virtual_pipeline_model_parallel_size"] == 2
         assert a["expert_model_parallel_size"] == 1

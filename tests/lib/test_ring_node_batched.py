@@ -15,7 +15,7 @@ import torch
 
 from relaymoe.kernels import triton_available
 from tests.fixtures import scenario_params
-from tests.lib.test_ring_dist import _run_case
+from tests.lib.test_ring_dist import TRITON_H, TRITON_I, _run_case
 from tests.lib.test_ring_two_level import _resolved
 
 pytestmark = pytest.mark.slow
@@ -53,7 +53,7 @@ def _node_batched(rank, world, group):
         for G in (2, 1):  # experts written into fresh gradients (G=2) or into the trail (G=1)
             _run_case(rank, world, group, mode="expert", seed=13, tokens=[5, 0, 7, 3], El=2,
                       K=2, dtype=F32, backend="triton", tol=1e-4, gpus_per_node=G,
-                      schedule="node_batched")  # fmt: skip
+                      schedule="node_batched", hidden=TRITON_H, ffn=TRITON_I)  # fmt: skip
 
 
 def _errors_name_the_column(rank, world, group):

@@ -3,9 +3,11 @@ weights reaches exactly the outputs and gradients the float64 oracle says it rea
 rank, in both ring modes and the all-to-all mode; nothing hangs and the group stays in step
 (a clean call afterwards is oracle-exact).
 
-World 2 over gloo, both hop backends (torch in float64, the Triton kernels under the interpreter
-in float32). A poisoned entry sits on one rank's tokens or experts; the other rank's results are
-affected only through the tokens routed to a poisoned expert, as the oracle's are.
+World 2 over gloo, both hop backends (torch in float64 with every poison in every mode, the
+Triton kernels under the interpreter in float32 with a poison of x, of the probabilities and of
+a weight in each mode: ``PLAN``). A poisoned entry sits on one rank's tokens or experts; the
+other rank's results are affected only through the tokens routed to a poisoned expert, as the
+oracle's are.
 """
 
 from __future__ import annotations
@@ -28,6 +30,17 @@ POISONS = [
     ("w2", (0, 4, 1), float("-inf")),  # expert 0, owned by rank 0
 ]
 MODES = ("expert", "token", "alltoall")
+# The poisons each mode gets per backend (indices into POISONS). The torch hops (float64, cheap)
+# get every poison in every mode. The Triton kernels (the interpreter: seconds a call) get, in
+# each mode, one poison of x, one of the router probabilities and one of an expert weight, every
+# poison in at least one mode: each (kernel, kind of input poisoned) pair and each mode's
+# buffers (travelling weights, travelling tokens and trailing outputs, the all-to-all's
+# dispatch) still meets a NaN or an Inf.
+ALL = tuple(range(len(POISONS)))
+PLAN = {
+    "torch": {mode: ALL for mode in MODES},
+    "triton": {"expert": (0, 3, 4), "token": (1, 2, 5), "alltoall": (1, 3, 5)},
+}
 
 
 def _problem(seed: int):
@@ -75,10 +88,12 @@ def _check(rank, group, pb, mode, backend, dtype, tol, what):
 
 
 def poisoned_calls_then_a_clean_one(rank, world, group):
-    failures, reached = [], 0
+    failures, reached, cases = [], 0, 0
     for backend, dtype, tol in (("torch", torch.float64, 1e-11), ("triton", torch.float32, 1e-4)):
         for mode in MODES:
-            for p, (name, at, value) in enumerate(POISONS):
+            for p in PLAN[backend][mode]:
+                name, at, value = POISONS[p]
+                cases += 1
                 pb = _problem(100 + p)
                 pb[name][at] = value
                 ref_out = oracle(pb)["out"]
@@ -91,9 +106,15 @@ def poisoned_calls_then_a_clean_one(rank, world, group):
             what = f"{backend} {mode} clean call after the poisoned ones"
             failures += _check(rank, group, _problem(7), mode, backend, dtype, tol, what)
     assert not failures, "\n".join(failures)
-    assert reached == 2 * len(MODES) * len(POISONS)
+    assert reached == cases == len(MODES) * len(POISONS) + 3 * len(MODES)
 
 
 def test_nonfinite_inputs_propagate_like_the_oracle_and_never_hang(gloo_worlds):
+    # the Triton plan: every poison somewhere, every mode a poison of each kind of input
+    triton = PLAN["triton"]
+    assert sorted({p for ps in triton.values() for p in ps}) == list(ALL), triton
+    for mode in MODES:
+        kinds = sorted(POISONS[p][0].rstrip("132") for p in triton[mode])
+        assert kinds == ["probs", "w", "x"], (mode, kinds)
     # a hang or a dead rank here: a non-finite input desynchronised the group
     gloo_worlds.run(poisoned_calls_then_a_clean_one, WORLD, timeout=240, pg_timeout_s=60)
