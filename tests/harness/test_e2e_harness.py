@@ -112,10 +112,15 @@ def test_megatron_builds_the_expert_mlp_shapes_activations():
     keys = ("swiglu", "squared_relu", "quick_geglu", "add_bias_linear", "bias_gelu_fusion",
             "bias_swiglu_fusion", "transformer_impl", "moe_grouped_gemm",
             "moe_token_dispatcher_type")  # fmt: skip
-    for shape, fn in EXPERT_MLP_SHAPES.items():
-        ring = bench_e2e.plan_runs(bench_e2e.SHAPES[shape], gpus=GPUS, steps=50, seed=1,
-                                   noise_run=False, check_te=False)[0]  # fmt: skip
-        a = megatron_args(ring.flags, keys)
+    rings = {
+        shape: bench_e2e.plan_runs(bench_e2e.SHAPES[shape], gpus=GPUS, steps=50, seed=1,
+                                   noise_run=False, check_te=False)[0]
+        for shape in EXPERT_MLP_SHAPES
+    }  # fmt: skip
+    parsed = megatron_args([(ring.flags, keys) for ring in rings.values()])  # one subprocess
+    for (shape, fn), a in zip(EXPERT_MLP_SHAPES.items(), parsed, strict=True):
+        ring = rings[shape]
+        assert isinstance(a, dict), a  # a refusal's traceback otherwise
         assert a["moe_token_dispatcher_type"] == ring.dispatcher == "ring"
         assert not a["swiglu"] and not a["add_bias_linear"] and not a["bias_gelu_fusion"]
         act, problems = expert_activation_problems(SimpleNamespace(**a), args_style=True)
