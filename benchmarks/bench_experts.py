@@ -54,6 +54,7 @@ import sys
 import tempfile
 import time
 from functools import partial
+from itertools import product
 from pathlib import Path
 
 import torch
@@ -511,17 +512,19 @@ def main(argv=None) -> int:
                                                   wanted)  # fmt: skip
             rows += shape_rows
             wrong += bad
-        # profiles and the breakdown: SwiGLU's layer (profile_experts builds its own inputs)
-        for name in profiled if n_shape == 0 else ():
+        # profiles (each activation's layer; profile_experts builds its own inputs) and the
+        # breakdown (SwiGLU's)
+        for name, act in product(profiled if n_shape == 0 else (), activations):
             from benchmarks.profile_experts import profile_step
 
-            prof_rows, summary = profile_step(shape, providers[name][2])
-            tag = {"shape": shape, "profiled": name}
+            prof_rows, summary = profile_step(shape, providers_of(act)[name][2], activation=act)
+            tag = {"shape": shape, "profiled": name, "activation": act.name}
             for r in prof_rows:
                 writer.write({"bench": "experts_profile", **tag, **r})
             writer.write({"bench": "experts_profile_step", **tag, **summary})
             print_table(prof_rows[:40], ["kernel", "calls_per_step", "us_per_step"])
-            print(f"[bench_experts] {shape} profile of {name}: {summary}", flush=True)
+            print(f"[bench_experts] {shape} profile of {name} ({tag['activation']}): {summary}",
+                  flush=True)  # fmt: skip
         if args.breakdown and n_shape == 0:
             bd = breakdown(shape)
             for r in bd:
