@@ -64,6 +64,7 @@ __all__ = [
 # runs one configuration explicitly (the sweeps).
 TUNED_KERNELS = {
     "up_swiglu": (_up._up_tuned, configs._UP_KEY),
+    "up_single": (_up._up_single_tuned, configs._UP_KEY),
     "rows_gemm": (_rows._rows_tuned, configs._ROWS_KEY),
     "wgrad": (_weight_grads._wgrad_tuned, configs._WGRAD_KEY),
 }

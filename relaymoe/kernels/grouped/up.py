@@ -7,9 +7,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from relaymoe.kernels import select
+from relaymoe.kernels import interpret_mode, select
 from relaymoe.kernels.grouped.activation import act_fwd, act_meta
-from relaymoe.kernels.grouped.configs import _UP_CONFIGS, _UP_KEY, _pick, _set_descriptor_allocator
+from relaymoe.kernels.grouped.configs import (
+    _UP_CONFIGS,
+    _UP_KEY,
+    _UP_SINGLE_CONFIGS,
+    _pick,
+    _set_descriptor_allocator,
+    single_tile_config,
+)
 from relaymoe.kernels.grouped.tiles import (
     _block_e,
     _check_expert_span,
@@ -20,6 +27,7 @@ from relaymoe.kernels.grouped.tiles import (
     _row_col_tile,
     _row_grid,
 )
+from relaymoe.kernels.tuned import shipped_config
 
 
 @triton.jit
@@ -120,6 +128,20 @@ def _up_swiglu_kernel(
 _up_tuned = triton.autotune(_UP_CONFIGS, key=list(_UP_KEY))(
     triton.heuristics({"EVEN_K": _even_k("H"), "GROUP_M": _group_m("I")})(_up_swiglu_kernel)
 )
+# not gated: its own candidates and cache (shipped under the name ``up_single``)
+_up_single_tuned = triton.autotune(_UP_SINGLE_CONFIGS, key=list(_UP_KEY))(
+    triton.heuristics({"EVEN_K": _even_k("H"), "GROUP_M": _group_m("I")})(_up_swiglu_kernel)
+)
+
+
+def _single_config(config, key: dict, dtype, k) -> dict | None:
+    """The configuration of a launch without a gate: ``config`` when given; else, with shipped
+    configurations, the shipped ``up_single`` one, or the gated kernel's shipped one for the
+    same key with BLOCK_N doubled (``configs.single_tile_config``); else None (the autotuner)."""
+    if config is not None or k.autotune != "shipped" or interpret_mode():
+        return config
+    own = shipped_config("up_single", key, dtype)
+    return own if own is not None else single_tile_config(shipped_config("up_swiglu", key, dtype))
 
 
 def up_swiglu(x_TH, w13_EJH, idx_P, offs, prob_P, h_PJ, a_PI, *, config=None, kernels=None,
@@ -154,8 +176,13 @@ def up_swiglu(x_TH, w13_EJH, idx_P, offs, prob_P, h_PJ, a_PI, *, config=None, ke
         return
     key = dict(zip(_UP_KEY, (hidden, ffn, n_experts, h_PJ is not None, prob_P is not None),
                    strict=True))  # fmt: skip
-    kernel, meta = _pick(_up_tuned, _up_swiglu_kernel, config, hidden, "up_swiglu", key,
-                         x_TH.dtype, k, ncols=ffn)  # fmt: skip
+    if meta_act["GATED"]:
+        kernel, meta = _pick(_up_tuned, _up_swiglu_kernel, config, hidden, "up_swiglu", key,
+                             x_TH.dtype, k, ncols=ffn)  # fmt: skip
+    else:
+        config = _single_config(config, key, x_TH.dtype, k)
+        kernel, meta = _pick(_up_single_tuned, _up_swiglu_kernel, config, hidden, "up_single",
+                             key, x_TH.dtype, k, ncols=ffn)  # fmt: skip
     h = h_PJ if h_PJ is not None else a_PI
     a = a_PI if a_PI is not None else h_PJ  # an unused pointer when a is not stored
     p = prob_P if prob_P is not None else a
