@@ -35,8 +35,9 @@ _GATED_NAMES = {"silu": "swiglu", "gelu": "geglu", "gelu_tanh": "geglu_tanh", "r
 
 def fc1_rows(ffn: int, *, gated: bool) -> int:
     """Rows of one expert's fc1 weight for FFN width ``ffn``: gate and linear halves (2*ffn)
-    when ``gated``, else ``ffn``. The one rule the ops, the cost model and the planner size
-    fc1 by."""
+    when ``gated``, else ``ffn``. What ``ExpertActivation.fc1_rows`` and the planner size fc1
+    by (the cost model, which imports only itself and ``options``, states it again in
+    ``Dims.J``)."""
     return 2 * ffn if gated else ffn
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from relaymoe.activation import fc1_rows
 from relaymoe.cost.links import INDEX_BYTES, align_up
 from relaymoe.options import (
     AUTO,
@@ -59,7 +58,7 @@ class Dims:
     @property
     def J(self) -> int:
         """Rows of one expert's fc1 weight: 2I gated, I not (``ExpertActivation.fc1_rows``)."""
-        return fc1_rows(self.I, gated=self.gated)
+        return 2 * self.I if self.gated else self.I
 
     @property
     def W(self) -> int:
