@@ -426,6 +426,23 @@ def report_failure(r: RunResult, why: str, file=None) -> None:
     )
 
 
+class _Budget:
+    """What is left of ``--budget-s`` (None: unbounded) for the next run, on ``clock`` from the
+    start of the invocation, and the timeout that run gets (at most what is left)."""
+
+    def __init__(self, budget_s: float | None, run_timeout_s: float, clock):
+        self.budget_s, self.run_timeout_s, self.clock = budget_s, run_timeout_s, clock
+        self.t0 = clock()
+
+    def next_run(self) -> tuple[float | None, float | None]:
+        """``(left, timeout)``: the seconds left (None: no budget) and the next run's timeout,
+        None when fewer than ``MIN_RUN_S`` are left (the run is not started)."""
+        left = None if self.budget_s is None else self.budget_s - (self.clock() - self.t0)
+        if left is not None and left < MIN_RUN_S:
+            return left, None
+        return left, self.run_timeout_s if left is None else min(self.run_timeout_s, left)
+
+
 def run_shapes(
     shapes: list[E2EShape],
     *,
@@ -455,7 +472,7 @@ def run_shapes(
     Triton's, TE's) as a training run finds them after its first minutes: a first run on a
     fresh machine measured 13,378 tokens/s where the same run repeated measured 17,228.
     """
-    t0 = clock()
+    budget = _Budget(budget_s, run_timeout_s, clock)
     rows: list[dict] = []
     all_ok = True
     for shape in shapes:
@@ -466,19 +483,18 @@ def run_shapes(
         warm = plan_runs(shape, gpus=gpus, steps=warm_up_steps, seed=seed, noise_run=False,
                          regime=regime) if warm_up_steps else []  # fmt: skip
         for p in warm:
-            left = None if budget_s is None else budget_s - (clock() - t0)
-            if left is not None and left < MIN_RUN_S:
+            _, timeout = budget.next_run()
+            if timeout is None:
                 print(f"[bench_e2e] {shape.name} warm-up {p.label}: not started", flush=True)
                 continue
-            timeout = run_timeout_s if left is None else min(run_timeout_s, left)
             r = runner(list(p.flags), gpus=gpus, label=f"warm_up_{p.label}", timeout_s=timeout)
             why = r.failure(warm_up_steps)
             print(f"[bench_e2e] {shape.name} warm-up {p.label}: "
                   + ("ok" if why is None else f"FAILED ({why})") + f", {r.seconds:.1f} s",
                   flush=True)  # fmt: skip
         for p in plans:
-            left = None if budget_s is None else budget_s - (clock() - t0)
-            if left is not None and left < MIN_RUN_S:
+            left, timeout = budget.next_run()
+            if timeout is None:
                 r = RunResult(
                     p.dispatcher,
                     -1,
@@ -487,7 +503,6 @@ def run_shapes(
                     note=f"not started: {max(left, 0):.0f} s of --budget-s {budget_s:.0f} left",
                 )
             else:
-                timeout = run_timeout_s if left is None else min(run_timeout_s, left)
                 print(f"[bench_e2e] {shape.name} {p.label}: starting", flush=True)
                 if profile_steps is not None and p.label in PROFILED_LABELS:
                     workdir = tempfile.mkdtemp(prefix=f"relaymoe_e2e_prof_{p.label}_")
@@ -596,15 +611,14 @@ def run_anchor_sweep(
     """Time megatron-core's alltoall with each candidate option alone (``sweep_plans``); one row
     ``bench: e2e_anchor_sweep`` per run, with ``speedup_vs_base`` (tokens/s over the first base
     run's). A candidate that fails or is not faster than both base runs is not kept."""
-    t0 = clock()
+    budget = _Budget(budget_s, run_timeout_s, clock)
     rows: list[dict] = []
     base_tps = None
     for label, flags in sweep_plans(shape, gpus=gpus, steps=steps, seed=seed, regime=regime):
-        left = None if budget_s is None else budget_s - (clock() - t0)
-        if left is not None and left < MIN_RUN_S:
+        left, timeout = budget.next_run()
+        if timeout is None:
             r = RunResult("alltoall", -1, label=label, note=f"not started: {left:.0f} s left")
         else:
-            timeout = run_timeout_s if left is None else min(run_timeout_s, left)
             r = runner(list(flags), gpus=gpus, label=label, timeout_s=timeout)
         why = r.failure(steps)
         if why is not None:

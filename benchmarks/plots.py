@@ -50,6 +50,22 @@ def _num(v) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool)
 
 
+def _save(plt, fig, path: Path) -> str:
+    """Lay ``fig`` out, write it to ``path`` (the README's resolution) and close it; its path."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+def _tokens_axes(ax, ylabel: str) -> None:
+    """A panel over tokens per GPU: log2 x axis, light grid."""
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens per GPU")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+
+
 def fig_seq_scaling(rows, out: Path) -> str | None:
     rows = [r for r in rows if r.get("bench") == "ring" and _num(r.get("ms_fwd_bwd"))]
     series = defaultdict(dict)  # (base shape, provider, EP) -> {T: row}
@@ -69,18 +85,11 @@ def fig_seq_scaling(rows, out: Path) -> str | None:
         peaks = [pts[t].get("peak_over_inputs_MiB") for t in Ts]
         if all(_num(p) for p in peaks):
             a2.plot(Ts, peaks, "o-", label=label)
-    for a, yl in ((a1, "fwd+bwd ms"), (a2, "peak over inputs MiB")):
-        a.set_xscale("log", base=2)
-        a.set_xlabel("tokens per GPU")
-        a.set_ylabel(yl)
-        a.grid(alpha=0.3)
+    _tokens_axes(a1, "fwd+bwd ms")
+    _tokens_axes(a2, "peak over inputs MiB")
     a1.legend(fontsize=7)
     fig.suptitle("MoE layer vs sequence length (paper Fig. 9 analog)")
-    fig.tight_layout()
-    path = out / "fig9_seq_scaling.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return str(path)
+    return _save(plt, fig, out / "fig9_seq_scaling.png")
 
 
 def fig_routing_crossover(rows, out: Path) -> str | None:
@@ -109,18 +118,11 @@ def fig_routing_crossover(rows, out: Path) -> str | None:
         for prov, pts in sorted(provs.items()):
             Ts = sorted(pts)
             ax.plot(Ts, [pts[t] for t in Ts], "o-", label=prov.replace("relaymoe_ring_", ""))
-        ax.set_xscale("log", base=2)
+        _tokens_axes(ax, "fwd+bwd ms")
         ax.set_title(f"I = {I}, EP = {ep}")
-        ax.set_xlabel("tokens per GPU")
-        ax.set_ylabel("fwd+bwd ms")
-        ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle("Ring routing mode crossover (paper Fig. 16 analog)")
-    fig.tight_layout()
-    path = out / "fig16_routing_crossover.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return str(path)
+    return _save(plt, fig, out / "fig16_routing_crossover.png")
 
 
 def fig_ablation(rows, out: Path) -> str | None:
@@ -141,11 +143,7 @@ def fig_ablation(rows, out: Path) -> str | None:
     ax.set_ylabel("fwd+bwd ms")
     shape = bars[0].get("shape", "")
     ax.set_title(f"Ring ablation, {shape} EP={bars[0].get('ep', 1)} (paper Fig. 17 analog)")
-    fig.tight_layout()
-    path = out / "fig17_ablation.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return str(path)
+    return _save(plt, fig, out / "fig17_ablation.png")
 
 
 def _loss_series(rows):
@@ -196,11 +194,7 @@ def fig_loss(rows, out: Path) -> str | None:
                  and isinstance(r.get("losses"), list) and r["losses"]), None)  # fmt: skip
     where = f", {last}" if last and len(shapes) > 1 else (f", {shapes[0]}" if shapes else "")
     fig.suptitle(f"Loss parity, ring vs alltoall (paper Fig. 18 analog{where})")
-    fig.tight_layout()
-    path = out / "fig18_loss.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return str(path)
+    return _save(plt, fig, out / "fig18_loss.png")
 
 
 def fig_scaling_sim(rows, out: Path) -> str | None:
@@ -263,11 +257,7 @@ def fig_scaling_sim(rows, out: Path) -> str | None:
         "(dotted) schedule, vs all-to-all (paper Fig. 10 analog)",
         fontsize=10,
     )
-    fig.tight_layout()
-    path = out / "fig10_scaling_sim.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return str(path)
+    return _save(plt, fig, out / "fig10_scaling_sim.png")
 
 
 def fig_memory_model(rows, out: Path) -> str | None:
@@ -291,11 +281,7 @@ def fig_memory_model(rows, out: Path) -> str | None:
     ax.set_ylabel("predicted peak MiB")
     ax.legend()
     ax.set_title("Memory model vs measurement")
-    fig.tight_layout()
-    path = out / "memory_model.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return str(path)
+    return _save(plt, fig, out / "memory_model.png")
 
 
 FIGURES = {

@@ -26,11 +26,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["FNS", "NAMES", "SWIGLU", "ExpertActivation", "as_activation"]
+__all__ = ["FNS", "NAMES", "SWIGLU", "ExpertActivation", "as_activation", "fc1_rows"]
 
 FNS = ("silu", "gelu", "gelu_tanh", "relu", "squared_relu")
 _GATED_NAMES = {"silu": "swiglu", "gelu": "geglu", "gelu_tanh": "geglu_tanh", "relu": "reglu",
                 "squared_relu": "squared_reglu"}  # fmt: skip
+
+
+def fc1_rows(ffn: int, *, gated: bool) -> int:
+    """Rows of one expert's fc1 weight for FFN width ``ffn``: gate and linear halves (2*ffn)
+    when ``gated``, else ``ffn``. What ``ExpertActivation.fc1_rows`` and the planner size fc1
+    by (the cost model, which imports only itself and ``options``, states it again in
+    ``Dims.J``)."""
+    return 2 * ffn if gated else ffn
 
 
 def _real(value) -> bool:
@@ -90,7 +98,7 @@ class ExpertActivation:
 
     def fc1_rows(self, ffn: int) -> int:
         """Rows of one expert's fc1 weight (``w13[e]``) for FFN width ``ffn``: 2*ffn gated."""
-        return 2 * ffn if self.gated else ffn
+        return fc1_rows(ffn, gated=self.gated)
 
     @property
     def name(self) -> str:

@@ -70,7 +70,13 @@ from relaymoe.cost.order import (
     ring_hop_times,
     schedule_rank,
 )
-from relaymoe.cost.time import DEFAULT_TIME_MODEL, TimeModel, choose_mode, step_seconds
+from relaymoe.cost.time import (
+    DEFAULT_TIME_MODEL,
+    TimeModel,
+    choose_mode,
+    choose_mode_for,
+    step_seconds,
+)
 from relaymoe.cost.traffic import HopBytes, StepBytes, alltoall_rows, hop_bytes, step_bytes
 
 __all__ = [
@@ -91,6 +97,7 @@ __all__ = [
     "TimeModel",
     "alltoall_rows",
     "choose_mode",
+    "choose_mode_for",
     "choose_schedule",
     "dims",
     "grad_accum_bytes",

@@ -131,6 +131,18 @@ def choose_mode(
     floats on every rank; ties go to the earlier of expert, token, alltoall. A world of one is
     local compute whatever the mode: ``"expert"``."""
     d = dims(**sizes)
+    return choose_mode_for(d, training=training, transport=transport, model=model, modes=modes)
+
+
+def choose_mode_for(
+    d: Dims,
+    *,
+    training: bool = True,
+    transport: str = "copy_engine",
+    model: TimeModel = DEFAULT_TIME_MODEL,
+    modes: Sequence[str] = MODES,
+) -> str:
+    """:func:`choose_mode` for sizes already held as ``Dims`` (the planner's shapes)."""
     _check_transport(transport)
     wanted = tuple(modes)
     if not wanted:

@@ -198,15 +198,21 @@ def _resolve(v: _View) -> tuple[ExpertActivation | None, list[str]]:
     clamp_set, offset_set = v.clamp is not None, v.offset != 0.0
     clamp_txt = f"activation_func_clamp_value={v.clamp}"
     offset_txt = f"glu_linear_offset={v.offset}"
-    if not v.gated:
+    # (text, field) of the clamp and of the offset where given: what Megatron may ignore
+    given = [
+        (txt, field)
         for on, txt, field in ((clamp_set, clamp_txt, "activation_func_clamp_value"),
-                               (offset_set, offset_txt, "glu_linear_offset")):  # fmt: skip
-            if on:
-                problems.append(
-                    f"{txt} on a non-gated {v.fn} unit: Megatron applies it to gated units "
-                    f"only and ignores it here; fix: remove {v.flag(field)}"
-                )
-        clamp_set = offset_set = False
+                               (offset_set, offset_txt, "glu_linear_offset"))
+        if on
+    ]  # fmt: skip
+    if not v.gated:
+        problems += [
+            f"{txt} on a non-gated {v.fn} unit: Megatron applies it to gated units "
+            f"only and ignores it here; fix: remove {v.flag(field)}"
+            for txt, field in given
+        ]
+        clamp_set = False
+        given = []
     if v.te_act:
         if v.fn == "gelu":
             kw = {"fn": "gelu_tanh"}  # TE's GELU/GEGLU: the tanh approximation
@@ -217,14 +223,12 @@ def _resolve(v: _View) -> tuple[ExpertActivation | None, list[str]]:
                 "compute relu; fix: remove --use-te-activation-func (both then compute silu), "
                 "or ask for relu"
             )
-        for on, txt, field in ((clamp_set, clamp_txt, "activation_func_clamp_value"),
-                               (offset_set, offset_txt, "glu_linear_offset")):  # fmt: skip
-            if on:
-                problems.append(
-                    f"{txt} with use_te_activation_func=True: TransformerEngine's activation "
-                    f"takes no clamp or offset, so Megatron's experts ignore it; fix: remove "
-                    f"--use-te-activation-func or {v.flag(field)}"
-                )
+        problems += [
+            f"{txt} with use_te_activation_func=True: TransformerEngine's activation "
+            f"takes no clamp or offset, so Megatron's experts ignore it; fix: remove "
+            f"--use-te-activation-func or {v.flag(field)}"
+            for txt, field in given
+        ]
     elif v.fusion and v.gated and clamp_set:
         if v.fn == "silu":
             problems.append(

@@ -42,6 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from relaymoe import cost, lossmodel, options
+from relaymoe.activation import fc1_rows
 from relaymoe.config import Config
 
 ROUTER_BYTES_PER_TOKEN_EXPERT = 10  # bf16 logits + fp32 softmax scores + fp32 aux-loss scores
@@ -89,7 +90,7 @@ class Shapes:
     @property
     def J(self) -> int:
         """Rows of one local expert's fc1 weight: 2I gated, I not."""
-        return 2 * self.I if self.gated else self.I
+        return fc1_rows(self.I, gated=self.gated)
 
     def dims(self) -> cost.Dims:
         """The cost model's sizes of one GPU (every rank of the EP group holds ``T`` tokens;

@@ -14,7 +14,7 @@ import dataclasses
 
 from relaymoe import cost, options
 from relaymoe.config import Config, ParallelConfig
-from relaymoe.planner.memory import PROB_BYTES, Shapes, shapes
+from relaymoe.planner.memory import Shapes, shapes
 
 
 def resolve_transport(transport: str, world: int, *, across_nodes: bool = False) -> str:
@@ -64,18 +64,8 @@ def ring_mode(
         raise ValueError(f"ring mode {forced!r}; known: {options.MODE_CHOICES}")
     if forced != options.AUTO:
         return forced
-    return cost.choose_mode(
-        tokens=sh.T,
-        hidden=sh.h,
-        ffn=sh.I,
-        num_local_experts=sh.El,
-        topk=sh.K,
-        world=sh.R,
-        act_bytes=sh.e,
-        prob_bytes=PROB_BYTES,
-        gated=sh.gated,
-        b13=sh.bias,
-        b2=sh.bias,
+    return cost.choose_mode_for(
+        sh.dims(),
         transport=resolve_transport(transport or options.AUTO, sh.R, across_nodes=across),
         modes=options.RING_MODES if ring_only else options.MODES,
     )

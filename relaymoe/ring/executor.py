@@ -357,31 +357,22 @@ def relay(
             pending = ex.start(h)
             if not overlap:
                 ex.wait(pending, h)
+            dst = part = None
             if has_trail:
                 trail_p = trail_layout(p)
                 dst = views_of(trail_p, (h + 1) % 2, trail_offsets[h + 1])
-                if h == 0:  # nothing arrives into the trail region at hop 0
-                    for v in dst.values():
-                        v.zero_()
-                    ex.mark(h, "c0")
-                    compute(h, p, lead, dst)
-                    ex.mark(h, "c1")
-                    ex.wait(pending, h)
-                else:
-                    part = views_of(trail_p, 2)
-                    for v in part.values():
-                        v.zero_()
-                    ex.mark(h, "c0")
-                    compute(h, p, lead, part)
-                    ex.mark(h, "c1")
-                    ex.wait(pending, h)
-                    for name, v in dst.items():
-                        v.add_(part[name])
-            else:
-                ex.mark(h, "c0")
-                compute(h, p, lead, None)
-                ex.mark(h, "c1")
-                ex.wait(pending, h)
+                # hop 0: nothing arrives into the trail region, so the compute writes it itself;
+                # later hops compute into the scratch, added to what arrived once it is in
+                part = dst if h == 0 else views_of(trail_p, 2)
+                for v in part.values():
+                    v.zero_()
+            ex.mark(h, "c0")
+            compute(h, p, lead, part)
+            ex.mark(h, "c1")
+            ex.wait(pending, h)
+            if part is not dst:
+                for name, v in dst.items():
+                    v.add_(part[name])
             ex.mark(h, "h1")
     result = None
     if has_trail:

@@ -37,6 +37,19 @@ def _load_h(hp, mask, cols, col_ok, e_R, b_ptr, stride_be, n_experts, I,
 
 
 @triton.jit
+def _pair_rows(n_pairs, offs_ptr, n_experts, BLOCK_R: tl.constexpr, HAS_BIAS: tl.constexpr,
+               BLOCK_E: tl.constexpr):  # fmt: skip
+    """This program's ``BLOCK_R`` pair rows: (rows, which are below ``n_pairs``, the rows as
+    int64 offsets, each row's expert with ``HAS_BIAS``: where its b13 is; else unused)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r64 = rows.to(tl.int64)
+    e_R = rows
+    if HAS_BIAS:
+        e_R = _row_expert(r64 + tl.load(offs_ptr), offs_ptr, n_experts, BLOCK_E)
+    return rows, rows < n_pairs, r64, e_R
+
+
+@triton.jit
 def _swiglu_bwd_kernel(
     h_ptr, g_ptr, prob_ptr, dh_ptr, dprob_ptr, b_ptr, offs_ptr,
     n_pairs, I, n_experts,
@@ -54,13 +67,7 @@ def _swiglu_bwd_kernel(
 
     ``dh_ptr`` may equal ``h_ptr``: each element is read, then written, by the same program.
     """
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < n_pairs
-    r64 = rows.to(tl.int64)
-    e_R = rows
-    if HAS_BIAS:
-        e_R = _row_expert(r64 + tl.load(offs_ptr), offs_ptr, n_experts, BLOCK_E)
+    rows, row_ok, r64, e_R = _pair_rows(n_pairs, offs_ptr, n_experts, BLOCK_R, HAS_BIAS, BLOCK_E)
     p = tl.load(prob_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     dprob = tl.zeros((BLOCK_R,), dtype=tl.float32)
     for c0 in range(0, I, BLOCK_C):
@@ -96,13 +103,7 @@ def _swiglu_fwd_kernel(
     """Memory-bound pass over BLOCK_R pair rows of h (``[gate, up]`` gated), I in BLOCK_C column
     steps: a = act(h + b13[e]) (* p). ``STORE_H``: h + b13[e] written back over h (the saved
     pre-activation holds the bias: the backward recomputes the activation from it)."""
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < n_pairs
-    r64 = rows.to(tl.int64)
-    e_R = rows
-    if HAS_BIAS:
-        e_R = _row_expert(r64 + tl.load(offs_ptr), offs_ptr, n_experts, BLOCK_E)
+    rows, row_ok, r64, e_R = _pair_rows(n_pairs, offs_ptr, n_experts, BLOCK_R, HAS_BIAS, BLOCK_E)
     if SCALE:
         p = tl.load(prob_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     for c0 in range(0, I, BLOCK_C):
