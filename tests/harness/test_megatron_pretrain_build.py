@@ -15,11 +15,9 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
+from tests.fixtures import MEGATRON_CPU_PRELUDE, needs
 
-pytest.importorskip("megatron.core")
-
-from tests.fixtures import MEGATRON_CPU_PRELUDE  # noqa: E402
+pytestmark = needs("megatron.core")
 
 _SCRIPT = MEGATRON_CPU_PRELUDE + textwrap.dedent(
     """

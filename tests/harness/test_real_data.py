@@ -19,13 +19,9 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
+from tests.fixtures import MEGATRON_CPU_PRELUDE, needs
 
-pytest.importorskip("tokenizers")
-pytest.importorskip("transformers")
-pytest.importorskip("megatron.training")
-
-from tests.fixtures import MEGATRON_CPU_PRELUDE  # noqa: E402
+pytestmark = needs("tokenizers", "transformers", "megatron.training")
 
 ROOT = Path(__file__).resolve().parents[2]
 

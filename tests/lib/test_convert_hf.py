@@ -37,16 +37,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
-pytest.importorskip("transformers")
-pytest.importorskip("safetensors")
-pytest.importorskip("megatron.training")
+from tests.fixtures import free_port, needs
 
-import torch  # noqa: E402
-
-from tests.fixtures import free_port  # noqa: E402
-
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, needs("transformers", "safetensors", "megatron.training")]
 ROOT = Path(__file__).resolve().parents[2]
 SEQ, BATCH = 16, 2
 
