@@ -17,9 +17,11 @@ from tests.worlds import (  # noqa: F401
     World,
     Worlds,
     free_port,
+    run_python,
     run_scenarios,
     run_spawned,
     scenario_params,
+    start_python,
 )
 
 

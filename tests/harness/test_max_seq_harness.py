@@ -12,7 +12,6 @@ import json
 import math
 import os
 import signal
-import subprocess
 import sys
 import textwrap
 import time
@@ -22,7 +21,7 @@ import pytest
 import torch
 
 from benchmarks import max_seq as ms
-from tests.fixtures import MEGATRON_CPU_PRELUDE, needs
+from tests.fixtures import MEGATRON_CPU_PRELUDE, needs, run_python
 
 pytestmark = needs("megatron.core")
 
@@ -703,7 +702,6 @@ def test_harness_flags_build_a_gpt_with_sdpa_attention_matching_megatrons_local_
 
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", CUDA_VISIBLE_DEVICES="",
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))  # fmt: skip
-    p = subprocess.run([sys.executable, "-c", _BUILD], capture_output=True, text=True, timeout=240,
-                       env=env, cwd=ROOT)  # fmt: skip
+    p = run_python(["-c", _BUILD], timeout=240, env=env, cwd=ROOT)
     assert p.returncode == 0 and "MATCH" in p.stdout, p.stdout[-3000:] + p.stderr[-5000:]
     assert sa.MARKER in p.stdout and ms.SDPA_MARKER == sa.MARKER

@@ -11,11 +11,9 @@ and draw a sample from the mock dataset the way ``pretrain`` builds it.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 
-from tests.fixtures import MEGATRON_CPU_PRELUDE, needs
+from tests.fixtures import MEGATRON_CPU_PRELUDE, needs, run_python
 
 pytestmark = needs("megatron.core")
 
@@ -72,12 +70,6 @@ def test_pretrain_flags_build_a_ring_gpt_on_cpu():
     env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": ""}
     import os
 
-    p = subprocess.run(
-        [sys.executable, "-c", _SCRIPT],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=dict(os.environ, **env),
-    )
+    p = run_python(["-c", _SCRIPT], timeout=240, env=dict(os.environ, **env))
     done = all(mark in p.stdout for mark in ("BUILT 4", "FWD_BWD", "DATA"))
     assert p.returncode == 0 and done, p.stdout[-2000:] + p.stderr[-4000:]
