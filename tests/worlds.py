@@ -111,6 +111,10 @@ def _child(target, args, env, leave_at_once: bool) -> None:
         from relaymoe import options
 
         options.install(options.from_env())
+    if target is not _python_main and os.environ.get("TRITON_INTERPRET") == "1":
+        from tests import triton_interpreter  # the interpreter's bookkeeping cached, as in pytest
+
+        triton_interpreter.install()
     target(*args)  # raises: multiprocessing reports it, exit code 1
     if not leave_at_once:
         return
