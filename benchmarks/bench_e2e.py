@@ -26,6 +26,10 @@ vocabulary 32768, every layer MoE, bf16) at EP = GPUs:
                        micro-batches through Megatron's 1F1B schedule; issue #17)
     tiny_qwen3_pp2_vpp2
                        the same with two virtual stages per rank (interleaved 1F1B)
+    tiny_qwen3_gelu    configs/tiny_qwen3_gelu.yaml: tiny_qwen3 with GELU experts (megatron-core's
+                       default MLP, not gated; issue #36), its sequence 512 and micro-batch 4
+    tiny_qwen3_squared_relu
+                       the same with squared-ReLU experts (--squared-relu)
     qwen3_slice_v152k_s4k_fused_loss
                        configs/qwen3_slice_v152k.yaml (the slice with Qwen3's 151,936-token
                        vocabulary, full recompute), sequence 4096, micro-batch 1; the ring run
@@ -215,6 +219,10 @@ SHAPES = {
             "tiny_qwen3",
             extra=(*_PP2, "--num-layers-per-virtual-pipeline-stage", "1"),
         ),
+        # issue #36: expert MLPs other than SwiGLU, ring against alltoall (the tiny model at
+        # its own sequence and micro-batch, EP = GPUs)
+        E2EShape("tiny_qwen3_gelu", "tiny_qwen3_gelu"),
+        E2EShape("tiny_qwen3_squared_relu", "tiny_qwen3_squared_relu"),
         E2EShape(
             "qwen3_slice_v152k_s4k_fused_loss",
             "qwen3_slice_v152k",
@@ -227,6 +235,10 @@ SHAPES = {
                  transformer_impl=TE_IMPL, anchor=True),
         E2EShape("qwen3_slice_v152k_s4k_fused_loss_te", "qwen3_slice_v152k", seq_length=4096,
                  micro_batch_size=1, fused_loss=True, transformer_impl=TE_IMPL, anchor=True),
+        # the same without the fused loss: tells the loss from the MoE where ring and alltoall
+        # train apart on the v152k shape (session 18: final loss 5.3 against 7.7, noise 0.48)
+        E2EShape("qwen3_slice_v152k_s4k_te", "qwen3_slice_v152k", seq_length=4096,
+                 micro_batch_size=1, transformer_impl=TE_IMPL, anchor=True),
         *(
             E2EShape(f"qwen3_slice_s4k_te_fp8_{fmt}_{recipe}", "qwen3_slice", seq_length=4096,
                      micro_batch_size=1, transformer_impl=TE_IMPL, anchor=True,

@@ -24,6 +24,13 @@ shapes. ``--breakdown`` also times each relaymoe kernel of the first shape's lay
 ``bench: experts_breakdown``), right after that shape's table. Rows:
 ``bench: experts`` in the format of ``benchmarks/README.md``.
 
+``--activation NAME`` (repeatable, or a comma list; default ``swiglu``): the expert MLP the
+relaymoe providers and naive compute (``relaymoe.activation.as_activation``'s names, plus
+``clamped_swiglu``: GPT-OSS's ``ExpertActivation(alpha=1.702, limit=7.0, linear_offset=1.0)``),
+with w13 of that activation's rows; liger and te_grouped compute SwiGLU only and are skipped for
+any other. Every row carries ``activation`` (its name) and ``flops`` (one fwd+bwd: a non-gated
+activation has half the fc1 FLOPs, so ``tflops_fwd_bwd`` compares time per FLOP).
+
 ``--first-call`` (issue #15, cold start) adds to each ``relaymoe`` act row ``first_call_s``: the
 wall time of the first fwd+bwd (routing index included, synchronized) in a fresh process whose
 Triton cache is an empty folder, with the default ``RELAYMOE_AUTOTUNE=shipped``, and
@@ -32,7 +39,7 @@ Triton cache is an empty folder, with the default ``RELAYMOE_AUTOTUNE=shipped``,
 full search: minutes on a cold cache).
 
     PYTHONPATH=. python3 benchmarks/bench_experts.py [--quick] [--out PATH.jsonl] [--breakdown]
-        [--first-call [shipped|both]] [--profile]
+        [--first-call [shipped|both]] [--profile] [--activation NAME[,NAME...]]
 """
 
 from __future__ import annotations
@@ -46,6 +53,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
+from itertools import product
 from pathlib import Path
 
 import torch
@@ -62,6 +71,8 @@ from benchmarks.common import (  # noqa: E402
     rel_err,
 )
 from relaymoe import options  # noqa: E402
+from relaymoe.activation import SWIGLU, ExpertActivation, as_activation  # noqa: E402
+from relaymoe.activation_torch import activation_forward  # noqa: E402
 from relaymoe.experts import moe_experts  # noqa: E402
 from relaymoe.routing import build_routing_index  # noqa: E402
 
@@ -75,7 +86,19 @@ SHAPES = {
 DTYPE = torch.bfloat16
 
 
-def make_inputs(num_tokens, num_experts, topk, hidden, ffn, seed=0):
+# --activation's names beyond as_activation's: GPT-OSS's clamped SwiGLU
+NAMED = {"clamped_swiglu": ExpertActivation(alpha=1.702, limit=7.0, linear_offset=1.0)}
+
+
+def parse_activations(values: list[str] | None) -> list[ExpertActivation]:
+    """The activations of ``--activation`` values (each a name or a comma list; none: SwiGLU);
+    ``ValueError`` naming a bad one and the accepted names."""
+    names = [n.strip() for v in values or ["swiglu"] for n in v.split(",") if n.strip()]
+    return [NAMED[n] if n in NAMED else as_activation(n) for n in names or ["swiglu"]]
+
+
+def make_inputs(num_tokens, num_experts, topk, hidden, ffn, seed=0, activation=SWIGLU):
+    """x, w13 (E, J, H) with J ``activation``'s fc1 rows, w2, top-k ids and probabilities."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
 
     def rand(*shape, scale=1.0):
@@ -83,7 +106,7 @@ def make_inputs(num_tokens, num_experts, topk, hidden, ffn, seed=0):
         return t.to(DTYPE).requires_grad_()
 
     x = rand(num_tokens, hidden)
-    w13 = rand(num_experts, 2 * ffn, hidden, scale=hidden**-0.5)
+    w13 = rand(num_experts, activation.fc1_rows(ffn), hidden, scale=hidden**-0.5)
     w2 = rand(num_experts, hidden, ffn, scale=ffn**-0.5)
     logits = torch.randn(num_tokens, num_experts, device="cuda", generator=gen)
     probs, idx = torch.topk(torch.softmax(logits, -1), topk, dim=-1)
@@ -98,16 +121,17 @@ def make_inputs(num_tokens, num_experts, topk, hidden, ffn, seed=0):
 AGREE_BOUND = 2e-2
 
 
-def relaymoe_fn(recompute: str, kernels: dict | None = None):
-    """moe_experts with these ``KernelOptions`` fields for this call and the backward that
-    follows (the process's options when ``kernels`` is empty: torch._grouped_mm on sm90)."""
+def relaymoe_fn(recompute: str, kernels: dict | None = None, activation=SWIGLU):
+    """moe_experts of ``activation`` with these ``KernelOptions`` fields for this call and the
+    backward that follows (the process's options when ``kernels`` is empty: torch._grouped_mm
+    on sm90)."""
     k = options.defaults().kernels
     k = dataclasses.replace(k, **kernels) if kernels else k
 
     def fn(x, w13, w2, idx, probs):
         index = build_routing_index(idx, w13.shape[0], validate=False)
         return moe_experts(x, w13, w2, idx, probs, index=index, recompute=recompute,
-                           backend="triton", kernels=k)  # fmt: skip
+                           backend="triton", kernels=k, activation=activation)  # fmt: skip
 
     return fn
 
@@ -138,8 +162,9 @@ def _first_call_child(shape: str) -> int:
     return 0
 
 
-def naive_fn(x, w13, w2, idx, probs):
-    """Token-copy baseline: sort pairs by expert, copy rows, two grouped GEMMs, scatter-add."""
+def naive_fn(x, w13, w2, idx, probs, activation=SWIGLU):
+    """Token-copy baseline: sort pairs by expert, copy rows, two grouped GEMMs, scatter-add.
+    ``activation`` other than SwiGLU: ``relaymoe.activation_torch``'s forward (autograd)."""
     num_experts, topk = w13.shape[0], idx.shape[1]
     flat = idx.reshape(-1).long()
     perm = torch.sort(flat, stable=True).indices
@@ -147,8 +172,12 @@ def naive_fn(x, w13, w2, idx, probs):
     tok = perm // topk
     x_rows = x.index_select(0, tok)  # the (T*K, H) copy this baseline pays for
     h = torch._grouped_mm(x_rows, w13.transpose(1, 2), offs=ends)
-    gate, up = h.chunk(2, dim=-1)
-    y = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=ends)
+    if activation == SWIGLU:
+        gate, up = h.chunk(2, dim=-1)
+        a = F.silu(gate) * up
+    else:
+        a = activation_forward(activation, h)
+    y = torch._grouped_mm(a, w2.transpose(1, 2), offs=ends)
     y = y * probs.reshape(-1)[perm].unsqueeze(-1)
     return torch.zeros_like(x).index_add_(0, tok, y)
 
@@ -228,8 +257,8 @@ def measure(fn, inputs, flops, quick: bool, accumulate_grads: bool = False) -> d
     }
 
 
-def check_against_naive(inputs, fns: dict) -> dict:
-    """Output and all gradients of each provider vs naive on the full shape (bf16)."""
+def check_against_naive(inputs, fns: dict, naive=naive_fn) -> dict:
+    """Output and all gradients of each provider vs ``naive`` on the full shape (bf16)."""
     dy = torch.randn_like(inputs[0])
 
     def run(fn):
@@ -241,7 +270,7 @@ def check_against_naive(inputs, fns: dict) -> dict:
             return [out.detach(), ins[0].grad, dw13, dw2, ins[4].grad]
         return [out.detach()] + [ins[i].grad for i in (0, 1, 2, 4)]
 
-    ref = run(naive_fn)
+    ref = run(naive)
     names = ("out", "dx", "dw13", "dw2", "dprobs")
     checks = {}
     for key, fn in fns.items():
@@ -317,6 +346,68 @@ def breakdown(shape: str) -> list[dict]:
     return rows
 
 
+def _measure_activation(args, writer, shape: str, act, providers: dict, wanted: list):
+    """One shape's rows for one activation: every wanted provider that computes it checked
+    against naive, then timed; returns (rows, disagreements beyond AGREE_BOUND)."""
+    dims = SHAPES[shape]
+    flops = moe_flops_fwd_bwd(dims[0], dims[2], dims[3], dims[4], act.fc1_rows(dims[4]))
+    inputs = make_inputs(*dims, activation=act)
+    if "te_grouped" in wanted and act == SWIGLU:
+        providers["te_grouped"] = ("te_grouped", None, te_grouped_provider(inputs, dims[2]))
+    skipped = [k for k in wanted if providers[k][2] is None and k in ("liger", "te_grouped")]
+    if skipped and act != SWIGLU:
+        print(f"[bench_experts] {skipped} compute SwiGLU only: skipped for {act.name}")
+    # every provider's output and gradients against naive first: a competitor whose
+    # semantics differed (gate/up order, prob placement) would be timed on another problem
+    checks = check_against_naive(
+        inputs, {k: providers[k][2] for k in wanted if k != "naive" and providers[k][2]},
+        naive=providers["naive"][2],
+    )  # fmt: skip
+    print(f"[bench_experts] {shape} {act.name} vs naive: {checks}", flush=True)
+    wrong = [f"{shape} {act.name} {k} {n}={v}" for k, c in checks.items() for n, v in c.items()
+             if not v <= AGREE_BOUND]  # fmt: skip
+    shape_rows = []
+    for key in wanted:
+        provider, recompute, fn = providers[key]
+        if fn is None:
+            continue
+        try:
+            r = measure(fn, inputs, flops, args.quick, args.accumulate_grads)
+        except Exception as exc:  # keep the other providers' rows
+            print(f"[bench_experts] {key} {shape} {act.name} failed: {exc!r}", flush=True)
+            torch.cuda.empty_cache()
+            continue
+        row = {"bench": "experts", "provider": provider, "shape": shape, "ep": 1, **r,
+               "activation": act.name, "flops": flops}  # fmt: skip
+        if recompute is not None:
+            row["recompute"] = recompute
+        if provider.startswith("relaymoe"):
+            row["variant"] = key
+            row.update(checks[key])
+        if args.first_call and key == "relaymoe_act" and act == SWIGLU:
+            from relaymoe.kernels.tuned import load_table
+
+            row["first_call_s"] = first_call_seconds(shape, "shipped")
+            if args.first_call == "both":
+                row["first_call_autotune_s"] = first_call_seconds(shape, "1")
+            row["shipped_configs"] = torch.cuda.get_device_name() in load_table()["gpus"]
+        shape_rows.append(writer.write(row))
+        print(f"[bench_experts] {key} {shape} {act.name} {r}", flush=True)
+    del inputs
+    gc.collect()
+    torch.cuda.empty_cache()
+    columns = ["provider", "recompute", "activation", "shape", "ms_fwd_bwd", "ms_fwd",
+               "tflops_fwd_bwd", "saved_for_bwd_MiB", "peak_over_inputs_MiB"]  # fmt: skip
+    print_table(shape_rows, columns)
+    comp = [r["ms_fwd_bwd"] for r in shape_rows
+            if r["provider"] in ("naive", "liger", "te_grouped")]  # fmt: skip
+    for r in shape_rows:
+        if r["provider"].startswith("relaymoe") and comp:
+            print(f"{shape} {act.name} {r['variant']}: {min(comp) / r['ms_fwd_bwd']:.2f}x the "
+                  f"faster competitor ({min(comp):.2f} ms)", flush=True)  # fmt: skip
+    return shape_rows, wrong
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="qwen3 T32k only, shorter timing")
@@ -356,33 +447,54 @@ def main(argv=None) -> int:
         help="cold-start fields: first fwd+bwd in a fresh process, empty Triton cache "
         "(both: also with the full autotuner search)",
     )
+    ap.add_argument(
+        "--activation",
+        action="append",
+        default=None,
+        help="expert activation(s) of the relaymoe providers and naive, repeatable or a comma "
+        "list: relaymoe.activation.as_activation's names (swiglu, geglu, gelu, squared_relu, ...) "
+        "or clamped_swiglu (GPT-OSS's); default swiglu. liger and te_grouped: SwiGLU only",
+    )
     ap.add_argument("--first-call-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.first_call_child:
         return _first_call_child(args.first_call_child)
+    try:
+        activations = parse_activations(args.activation)
+    except ValueError as exc:
+        ap.error(str(exc))
     writer = gpu_writer("bench_experts", "experts", args.out)
     if writer is None:
         return 1
     shapes = args.shapes or (["qwen3_30b_a3b_T32k"] if args.quick else list(SHAPES))
-    providers = {
-        "relaymoe_act": ("relaymoe", "act", relaymoe_fn("act")),
-        "relaymoe_fc1": ("relaymoe", "fc1", relaymoe_fn("fc1")),
-        "relaymoe_act_wgradtriton": (
-            "relaymoe_wgradtriton", "act", relaymoe_fn("act", {"wgrad": "triton"})),
-        "relaymoe_act_tritongemm": (
-            "relaymoe_tritongemm", "act", relaymoe_fn("act", {"dense_gemm": "triton"})),
-        "relaymoe_act_tma": ("relaymoe_tma", "act", relaymoe_fn("act", {"tma": "on"})),
-        "relaymoe_act_ptr": ("relaymoe_ptr", "act", relaymoe_fn("act", {"tma": "off"})),
-        "relaymoe_act_rowscopy": (
-            "relaymoe_rowscopy", "act", relaymoe_fn("act", {"rows_gather": "copy"})),
-        "relaymoe_act_tritonup": (
-            "relaymoe_tritonup", "act", relaymoe_fn("act", {"gather_ws": "off"})),
-        "relaymoe_fc1_tritonup": (
-            "relaymoe_tritonup", "fc1", relaymoe_fn("fc1", {"gather_ws": "off"})),
-        "naive": ("naive", None, naive_fn),
-        "liger": ("liger", None, liger_fn()),
-        "te_grouped": ("te_grouped", None, None),  # built per shape, from its weights
-    }  # fmt: skip
+
+    def providers_of(act: ExpertActivation) -> dict:
+        """key -> (provider, recompute, fn) computing ``act`` (None: the provider cannot)."""
+        swiglu = act == SWIGLU
+
+        def rm(recompute, kernels=None):
+            return relaymoe_fn(recompute, kernels, activation=act)
+
+        return {
+            "relaymoe_act": ("relaymoe", "act", rm("act")),
+            "relaymoe_fc1": ("relaymoe", "fc1", rm("fc1")),
+            "relaymoe_act_wgradtriton": (
+                "relaymoe_wgradtriton", "act", rm("act", {"wgrad": "triton"})),
+            "relaymoe_act_tritongemm": (
+                "relaymoe_tritongemm", "act", rm("act", {"dense_gemm": "triton"})),
+            "relaymoe_act_tma": ("relaymoe_tma", "act", rm("act", {"tma": "on"})),
+            "relaymoe_act_ptr": ("relaymoe_ptr", "act", rm("act", {"tma": "off"})),
+            "relaymoe_act_rowscopy": (
+                "relaymoe_rowscopy", "act", rm("act", {"rows_gather": "copy"})),
+            "relaymoe_act_tritonup": ("relaymoe_tritonup", "act", rm("act", {"gather_ws": "off"})),
+            "relaymoe_fc1_tritonup": ("relaymoe_tritonup", "fc1", rm("fc1", {"gather_ws": "off"})),
+            "naive": ("naive", None, naive_fn if swiglu else partial(naive_fn, activation=act)),
+            "liger": ("liger", None, liger if swiglu else None),
+            "te_grouped": ("te_grouped", None, None),  # built per shape, from its weights
+        }  # fmt: skip
+
+    liger = liger_fn()
+    providers = providers_of(SWIGLU)
     # the target's comparison (relaymoe act vs naive and liger) first, so a cut-off run keeps it
     wanted = args.providers or [
         "relaymoe_act", "naive", "liger", "te_grouped", "relaymoe_fc1",
@@ -391,71 +503,28 @@ def main(argv=None) -> int:
     unknown = sorted((set(wanted) | set(profiled)) - set(providers))
     if unknown:
         ap.error(f"unknown providers {unknown}; choose from {sorted(providers)}")
-    columns = ["provider", "recompute", "shape", "ms_fwd_bwd", "ms_fwd", "tflops_fwd_bwd",
-               "saved_for_bwd_MiB", "peak_over_inputs_MiB"]  # fmt: skip
+    columns = ["provider", "recompute", "activation", "shape", "ms_fwd_bwd", "ms_fwd",
+               "tflops_fwd_bwd", "saved_for_bwd_MiB", "peak_over_inputs_MiB"]  # fmt: skip
     rows, wrong = [], []
     for n_shape, shape in enumerate(shapes):
-        dims = SHAPES[shape]
-        flops = moe_flops_fwd_bwd(dims[0], dims[2], dims[3], dims[4])
-        inputs = make_inputs(*dims)
-        if "te_grouped" in wanted:
-            providers["te_grouped"] = ("te_grouped", None, te_grouped_provider(inputs, dims[2]))
-        # every provider's output and gradients against naive first: a competitor whose
-        # semantics differed (gate/up order, prob placement) would be timed on another problem
-        checks = check_against_naive(
-            inputs, {k: providers[k][2] for k in wanted if k != "naive" and providers[k][2]}
-        )
-        print(f"[bench_experts] {shape} vs naive: {checks}", flush=True)
-        wrong += [f"{shape} {k} {n}={v}" for k, c in checks.items() for n, v in c.items()
-                  if not v <= AGREE_BOUND]  # fmt: skip
-        shape_rows = []
-        for key in wanted:
-            provider, recompute, fn = providers[key]
-            if fn is None:
-                continue
-            try:
-                r = measure(fn, inputs, flops, args.quick, args.accumulate_grads)
-            except Exception as exc:  # keep the other providers' rows
-                print(f"[bench_experts] {key} {shape} failed: {exc!r}", flush=True)
-                torch.cuda.empty_cache()
-                continue
-            row = {"bench": "experts", "provider": provider, "shape": shape, "ep": 1, **r}
-            if recompute is not None:
-                row["recompute"] = recompute
-            if provider.startswith("relaymoe"):
-                row["variant"] = key
-                row.update(checks[key])
-            if args.first_call and key == "relaymoe_act":
-                from relaymoe.kernels.tuned import load_table
-
-                row["first_call_s"] = first_call_seconds(shape, "shipped")
-                if args.first_call == "both":
-                    row["first_call_autotune_s"] = first_call_seconds(shape, "1")
-                row["shipped_configs"] = torch.cuda.get_device_name() in load_table()["gpus"]
-            shape_rows.append(writer.write(row))
-            print(f"[bench_experts] {key} {shape} {r}", flush=True)
-        providers["te_grouped"] = ("te_grouped", None, None)  # its weights go with the shape
-        del inputs
-        gc.collect()
-        torch.cuda.empty_cache()
-        rows += shape_rows
-        print_table(shape_rows, columns)
-        comp = [r["ms_fwd_bwd"] for r in shape_rows
-                if r["provider"] in ("naive", "liger", "te_grouped")]  # fmt: skip
-        for r in shape_rows:
-            if r["provider"].startswith("relaymoe") and comp:
-                print(f"{shape} {r['variant']}: {min(comp) / r['ms_fwd_bwd']:.2f}x the faster "
-                      f"competitor ({min(comp):.2f} ms)", flush=True)  # fmt: skip
-        for name in profiled if n_shape == 0 else ():
+        for act in activations:
+            shape_rows, bad = _measure_activation(args, writer, shape, act, providers_of(act),
+                                                  wanted)  # fmt: skip
+            rows += shape_rows
+            wrong += bad
+        # profiles (each activation's layer; profile_experts builds its own inputs) and the
+        # breakdown (SwiGLU's)
+        for name, act in product(profiled if n_shape == 0 else (), activations):
             from benchmarks.profile_experts import profile_step
 
-            prof_rows, summary = profile_step(shape, providers[name][2])
-            tag = {"shape": shape, "profiled": name}
+            prof_rows, summary = profile_step(shape, providers_of(act)[name][2], activation=act)
+            tag = {"shape": shape, "profiled": name, "activation": act.name}
             for r in prof_rows:
                 writer.write({"bench": "experts_profile", **tag, **r})
             writer.write({"bench": "experts_profile_step", **tag, **summary})
             print_table(prof_rows[:40], ["kernel", "calls_per_step", "us_per_step"])
-            print(f"[bench_experts] {shape} profile of {name}: {summary}", flush=True)
+            print(f"[bench_experts] {shape} profile of {name} ({tag['activation']}): {summary}",
+                  flush=True)  # fmt: skip
         if args.breakdown and n_shape == 0:
             bd = breakdown(shape)
             for r in bd:

@@ -24,9 +24,13 @@ MiB = 1024 * 1024
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def moe_flops_fwd_bwd(tokens: int, topk: int, hidden: int, ffn: int) -> float:
-    """FLOPs of one SwiGLU MoE layer forward+backward: 3 x (6*T*K*H*I)."""
-    return 18.0 * tokens * topk * hidden * ffn
+def moe_flops_fwd_bwd(tokens: int, topk: int, hidden: int, ffn: int,
+                      fc1_rows: int | None = None) -> float:  # fmt: skip
+    """FLOPs of one MoE layer forward+backward: 3 x the forward's 2*T*K*H*(J + I), J the fc1
+    rows of one expert (``fc1_rows``; default 2*I, a gated activation such as SwiGLU: 18*T*K*H*I;
+    I for a non-gated one: 12*T*K*H*I)."""
+    rows = 2 * ffn if fc1_rows is None else fc1_rows
+    return 6.0 * tokens * topk * hidden * (rows + ffn)
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:

@@ -13,16 +13,18 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.bench_experts import SHAPES, _clear_grads, make_inputs
 from benchmarks.profile_ring import host_syncs
+from relaymoe.activation import SWIGLU
 
 
-def profile_step(shape: str, fn, steps: int = 5) -> tuple[list, dict]:
+def profile_step(shape: str, fn, steps: int = 5, activation=None) -> tuple[list, dict]:
     """torch.profiler over ``steps`` fwd+bwd steps of ``fn`` (a bench_experts provider) at
     ``shape``, gradients cleared each step: GPU time per step by kernel name (rows), and the
     step's wall time against the sum of its kernels' times (the rest is launch gaps and host
     waits), the host's time to issue a step, one step's host syncs by where they happen, and
     the GPU's idle time between kernels by the kernels around it. Prints the host's time by
-    function (cProfile)."""
-    inputs = make_inputs(*SHAPES[shape])
+    function (cProfile). ``activation`` (an ``ExpertActivation``; None: SwiGLU) sizes the
+    inputs (``w13`` has ``I`` rows per expert when not gated); it is the one ``fn`` computes."""
+    inputs = make_inputs(*SHAPES[shape], activation=activation or SWIGLU)
     dy = torch.randn_like(inputs[0])
 
     def step():

@@ -35,7 +35,7 @@ from benchmarks.common import commit  # noqa: E402
 
 DEFAULT_CONFIGS = ("qwen3_30b_a3b", "qwen2_57b_a14b", "qwen3_5_35b_a3b")
 DEFAULT_EP = (1, 2, 4, 8, 16)
-KERNELS = ("up_swiglu", "rows_gemm", "wgrad")
+KERNELS = ("up_swiglu", "up_single", "rows_gemm", "wgrad")
 
 
 def shapes(configs, eps) -> list[dict]:

@@ -5,19 +5,20 @@ formulas are ``relaymoe.activation``'s; the oracle (``relaymoe.reference``) writ
 activation with autograd-differentiated ``torch.nn.functional`` ops, so the two are checked
 against each other rather than sharing code.
 
-Gradients match torch's own, so the hand-written backward equals autograd of the oracle even at
-the kinks: ``relu`` passes the gradient where ``x > 0`` (zero at 0, ``F.relu``'s backward); the
-clamp passes it strictly inside ``(lo, hi)`` and, at ``x == lo`` or ``x == hi``, as this torch's
-``torch.clamp`` does: passed up to torch 2.13 (closed interval), zero from torch 2.14 (open).
-:func:`clamp_passes_at_bound` asks torch once (Megatron's ``clamp`` gets the same gradient on
-the same install). Values exactly at the limit are rare but do occur in bf16 (7.0 is one).
+Gradients match torch's own away from the kinks, so the hand-written backward equals autograd
+of the oracle there; at the kinks it follows fixed rules that the Triton kernels share
+(``relaymoe.kernels.grouped.activation``), whatever torch is installed: ``relu`` passes the
+gradient where ``x > 0`` (zero at 0, ``F.relu``'s backward); the clamp passes it where
+``lo <= x <= hi``, the closed interval (torch's ``torch.clamp`` up to 2.13; from 2.14 torch's own
+is zero at ``x == lo`` or ``x == hi``, so autograd of the oracle differs from this at exactly the
+bound there). Values exactly at the limit are rare but do occur in bf16 (7.0 is one); one rule
+for both backends keeps them agreeing on every torch.
 Compute in the dtype you pass (the backend passes fp32 or wider). Level 1 (torch only): the
 kernels may import it.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -26,26 +27,12 @@ from torch import Tensor
 
 from relaymoe.activation import ExpertActivation
 
-__all__ = ["activation_backward", "activation_forward", "clamp_passes_at_bound"]
+__all__ = ["activation_backward", "activation_forward"]
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _INV_SQRT_2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 _GELU_TANH_C = 0.044715
-
-
-@functools.cache
-def clamp_passes_at_bound() -> bool:
-    """Whether this torch's ``torch.clamp`` (scalar bounds) passes the gradient at ``x == bound``
-    (True up to torch 2.13, False from 2.14); asked once, on two CPU elements."""
-    with torch.inference_mode(False), torch.enable_grad():
-        x = torch.tensor([-1.0, 1.0], dtype=torch.float64, requires_grad=True)
-        (both,) = torch.autograd.grad(torch.clamp(x, min=-1.0, max=1.0).sum(), x)
-        (upper,) = torch.autograd.grad(torch.clamp(x[1:], max=1.0).sum(), x)
-    seen = {*both.tolist(), upper[1].item()}
-    if seen not in ({0.0}, {1.0}):
-        raise RuntimeError(f"torch.clamp's gradient at its bounds is {seen}, neither 0 nor 1")
-    return seen == {1.0}
 
 
 def _fn(act: ExpertActivation, x: Tensor) -> Tensor:
@@ -107,15 +94,12 @@ def activation_backward(
     gate, linear = _split(act, h_PJ)
     if act.limit is not None:
         lim = act.limit
-        if clamp_passes_at_bound():
-            gate_in, linear_in = gate <= lim, (linear >= -lim) & (linear <= lim)
-        else:
-            gate_in, linear_in = gate < lim, (linear > -lim) & (linear < lim)
+        gate_in, linear_in = gate <= lim, (linear >= -lim) & (linear <= lim)
         gate, linear = gate.clamp(max=lim), linear.clamp(-lim, lim)
     f, grad = _fn_and_grad(act, gate)
     lin = linear + act.linear_offset
     d_gate, d_linear = da_PI * lin * grad, da_PI * f
-    if act.limit is not None:  # zero where clamped, as torch.clamp's backward
+    if act.limit is not None:  # zero where clamped, passed at the bounds
         d_gate = torch.where(gate_in, d_gate, 0.0)
         d_linear = torch.where(linear_in, d_linear, 0.0)
     return torch.cat([d_gate, d_linear], dim=1), f * lin

@@ -198,6 +198,17 @@ def _check_bias_grads(b13, b2, db13, db2) -> None:
             )
 
 
+def _check_fc1_rows(where: str, w13, w2, act) -> None:
+    """w13's rows must be the activation's fc1 rows for w2's width (a host-side shape check: a
+    mismatch would otherwise read past the weights in the kernels)."""
+    if w13.shape[1] != act.fc1_rows(w2.shape[2]):
+        raise ValueError(
+            f"{where}: w13 has {w13.shape[1]} rows per expert but activation {act.name} with "
+            f"I={w2.shape[2]} (w2's last dim) needs {act.fc1_rows(w2.shape[2])}; pass the "
+            "activation the weights were built for"
+        )
+
+
 # ---------------------------------------------------------------------------------------------
 # hop primitives
 # ---------------------------------------------------------------------------------------------
@@ -238,6 +249,7 @@ def expert_hop_forward(
     if save not in SAVES:
         raise ValueError(f"save must be one of {SAVES}, got {save!r}")
     act = as_activation(activation)
+    _check_fc1_rows("expert_hop_forward", w13_ElJH, w2_ElHI, act)
     e0, e1 = _range(expert_range, index)
     if resolve_backend(backend, x_TH.device, x_TH.dtype) == "triton":
         from relaymoe.kernels.experts import triton_hop_forward
@@ -300,6 +312,7 @@ def expert_hop_backward(
     """
     act = as_activation(activation)
     _check_bias_grads(b13, b2, db13, db2)
+    _check_fc1_rows("expert_hop_backward", w13_ElJH, w2_ElHI, act)
     e0, e1 = _range(expert_range, index)
     if resolve_backend(backend, x_TH.device, x_TH.dtype) == "triton":
         from relaymoe.kernels.experts import triton_hop_backward

@@ -383,7 +383,9 @@ def full_tables(items: list[tuple[str, dict, str]]) -> str:
         sel = [(s, r) for s, r, _ in items if r.get("bench") == bench]
         if bench == "experts":
             # rows before session 12 carry no ``grads``: their steps added into the previous
-            # step's .grad (benchmarks/README.md)
+            # step's .grad (benchmarks/README.md); the table compares SwiGLU layers (rows of
+            # another ``--activation`` have no competitor rows and are left out)
+            sel = [(s, r) for s, r in sel if r.get("activation", "swiglu") == "swiglu"]
             sel = _with_speedups([(s, r if "grads" in r else {**r, "grads": "accumulated"})
                                   for s, r in sel])  # fmt: skip
         if sel:
@@ -396,9 +398,13 @@ def full_tables(items: list[tuple[str, dict, str]]) -> str:
 
 
 def _newest(items, bench: str, match: dict):
-    """The newest (source, row) of ``bench`` whose keys equal ``match``'s, or None."""
+    """The newest (source, row) of ``bench`` whose keys equal ``match``'s, or None. Rows of an
+    expert activation other than SwiGLU (``bench_experts.py --activation``) have no competitor
+    rows: they never stand for a headline's row."""
     hit = None
     for s, r, _ in items:
+        if r.get("activation", "swiglu") != "swiglu":
+            continue
         if r.get("bench") == bench and all(r.get(k) == v for k, v in match.items()):
             hit = (s, r)
     return hit

@@ -164,6 +164,8 @@ def calibrate(rows: list[dict], base: ComputeModel | None = None) -> tuple[Compu
     for r in rows:
         if r.get("bench") != "experts" or r.get("provider") != "relaymoe" or _ep(r) != 1:
             continue
+        if r.get("activation", "swiglu") != "swiglu":  # the simulator models SwiGLU layers
+            continue
         s = shape_of(r)
         ms, msf = r.get("ms_fwd_bwd"), r.get("ms_fwd")
         if s is None or not isinstance(ms, int | float) or ms <= 0:

@@ -40,7 +40,9 @@ class ModelConfig:
     attention_output_gate: bool = False
     normalization: str = "RMSNorm"
     norm_epsilon: float = 1e-6
+    # the MLPs' activation (Megatron's flags): SwiGLU, squared ReLU, or neither (GELU, not gated)
     swiglu: bool = True
+    squared_relu: bool = False
     disable_bias_linear: bool = True
     position_embedding_type: str = "rope"
     rotary_base: int = 10000
@@ -101,6 +103,11 @@ class ModelConfig:
             raise ValueError(
                 f"model.hidden_size={self.hidden_size} is not divisible by num_attention_heads="
                 f"{self.num_attention_heads}; set model.kv_channels (the head dim) explicitly"
+            )
+        if self.swiglu and self.squared_relu:
+            raise ValueError(
+                "model.swiglu and model.squared_relu are both true; Megatron builds one MLP "
+                "activation: set swiglu: false for squared ReLU"
             )
         if self.normalization not in ("RMSNorm", "LayerNorm"):
             raise ValueError(

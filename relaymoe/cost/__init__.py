@@ -9,8 +9,10 @@ Shape legend (one rank of the expert-parallel group): ``T`` tokens of the larges
 top-k, ``R`` ranks, ``b`` bytes of an activation/weight element, ``pb`` bytes of a router
 probability, ``gb`` bytes of a weight-gradient accumulator element (``b``, or 4 with fp32
 accumulators: ``relaymoe.options.GRAD_ACCUMS``); expert ids travel as int32, so a token's
-routing metadata is ``m = K*(4 + pb)`` bytes; ``W = El*3*H*I`` elements of the local experts
-(SwiGLU: gate, up, down).
+routing metadata is ``m = K*(4 + pb)`` bytes; ``J`` fc1 rows per expert (2I for a gated
+activation such as SwiGLU: gate and up; I otherwise); ``W = El*(J*H + H*I)`` elements of the
+local experts, plus ``El*J`` / ``El*H`` when they carry fc1 / fc2 biases (``Dims.gated``,
+``Dims.b13``, ``Dims.b2``: the biases travel and accumulate with their weights).
 
 Modes (``relaymoe.options.MODES``):
 

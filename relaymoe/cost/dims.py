@@ -28,6 +28,11 @@ class Dims:
     b: int
     pb: int
     gb: int = 0  # bytes of a weight-gradient accumulator element; 0: b (the weights' dtype)
+    # the expert MLP: a gated activation (fc1 of 2I rows, SwiGLU's) or not (I rows), and which
+    # biases the experts carry (fc1's (J,), fc2's (H,) per expert: they travel with the weights)
+    gated: bool = True
+    b13: bool = False
+    b2: bool = False
 
     def __post_init__(self):
         if self.gb == 0:
@@ -37,6 +42,9 @@ class Dims:
             lo = 0 if name == "T" else 1
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
                 raise ValueError(f"cost model: {name}={v!r} must be an int >= {lo}")
+        for name in ("gated", "b13", "b2"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"cost model: {name}={getattr(self, name)!r} must be a bool")
         if self.K > self.E:
             raise ValueError(
                 f"cost model: top-k K={self.K} exceeds E={self.E} experts (El={self.El} x "
@@ -48,9 +56,28 @@ class Dims:
         return self.El * self.R
 
     @property
+    def J(self) -> int:
+        """Rows of one expert's fc1 weight: 2I gated, I not (``ExpertActivation.fc1_rows``)."""
+        return 2 * self.I if self.gated else self.I
+
+    @property
     def W(self) -> int:
-        """Elements of the local experts (w13 (El, 2I, H) and w2 (El, H, I))."""
-        return self.El * 3 * self.H * self.I
+        """Elements of the local experts: w13 (El, J, H), w2 (El, H, I) and the biases they
+        carry, b13 (El, J) and b2 (El, H) (what travels in expert mode, and what a gradient
+        accumulator holds)."""
+        per_expert = self.J * self.H + self.H * self.I
+        per_expert += (self.J if self.b13 else 0) + (self.H if self.b2 else 0)
+        return self.El * per_expert
+
+    def weight_segments(self, elt: int) -> tuple[int, ...]:
+        """Bytes of the local experts' segments at ``elt`` bytes an element, in the ring's
+        layout order (``relaymoe.ring.passes.weights_layout``): w13, w2, then b13, b2 as
+        carried."""
+        El, H, I, J = self.El, self.H, self.I, self.J
+        segs = [El * J * H * elt, El * H * I * elt]
+        segs += [El * J * elt] if self.b13 else []
+        segs += [El * H * elt] if self.b2 else []
+        return tuple(segs)
 
     @property
     def m(self) -> int:
@@ -96,14 +123,19 @@ def dims(
     act_bytes=2,
     prob_bytes=4,
     grad_accum: str = AUTO,
+    gated: bool = True,
+    b13: bool = False,
+    b2: bool = False,
 ) -> Dims:
     """``Dims`` from named sizes; ``tokens`` is one T or every rank's T (the largest counts:
     it bounds every hop). ``act_bytes``/``prob_bytes``: a byte count or a dtype;
-    ``grad_accum``: the weight-gradient accumulators (GRAD_ACCUM_CHOICES)."""
+    ``grad_accum``: the weight-gradient accumulators (GRAD_ACCUM_CHOICES); ``gated``: the
+    activation is gated (``ExpertActivation.gated``); ``b13``/``b2``: the experts carry those
+    biases."""
     T = max(tokens) if isinstance(tokens, Sequence) else tokens
     b = _nbytes(act_bytes)
     return Dims(T, hidden, ffn, num_local_experts, topk, world, b, _nbytes(prob_bytes),
-                grad_accum_bytes(grad_accum, world, b))  # fmt: skip
+                grad_accum_bytes(grad_accum, world, b), gated, b13, b2)  # fmt: skip
 
 
 def _check_mode(mode: str, allowed: Sequence[str] = MODES) -> None:

@@ -20,11 +20,11 @@ from relaymoe.cost.traffic import alltoall_rows
 from relaymoe.options import RING_MODES
 
 # Megatron's alltoall dispatcher (the baseline): coexisting top-k-expanded (T*K, H) buffers and
-# (T*K, I) expert intermediates, fit to megatron-core 0.19.2 (qwen3 T32k: 6464 MiB at EP=1,
-# 7486 MiB at EP=2, the anchor measurement).
+# the expert intermediates (fc1's (T*K, J) output and the (T*K, I) activation: 3 (T*K, I) with
+# SwiGLU), fit to megatron-core 0.19.2 (qwen3 T32k: 6464 MiB at EP=1, 7486 MiB at EP=2, the
+# anchor measurement).
 MCORE_A2A_BUFFERS_EP1 = 4.0
 MCORE_A2A_BUFFERS_EP = 5.5
-MCORE_A2A_INTERMEDIATES = 3
 
 
 def _slot(lead: int, trail: int) -> int:
@@ -37,8 +37,8 @@ def _pass_slots(mode: str, d: Dims) -> tuple[int, int]:
     """(forward, backward) slot bytes with the engine's layouts (ring/engine.py)."""
     T, H, K, b, pb = d.T, d.H, d.K, d.b, d.pb
     if mode == "expert":
-        w = _packed(d.El * 2 * d.I * H * b, d.El * H * d.I * b)  # w13 | w2
-        dw = _packed(d.El * 2 * d.I * H * d.gb, d.El * H * d.I * d.gb)  # dw13 | dw2
+        w = _packed(*d.weight_segments(b))  # w13 | w2 [| b13] [| b2]
+        dw = _packed(*d.weight_segments(d.gb))  # their gradients, in the accumulators' dtype
         return _slot(w, 0), _slot(w, dw)
     fwd_lead = _packed(T * H * b, T * K * INDEX_BYTES, T * K * pb)  # x | idx | probs
     bwd_lead = _packed(T * H * b, T * K * pb, T * H * b)  # x | probs | dy
@@ -95,10 +95,10 @@ class MemoryBytes:
 
 
 def _intermediates(pairs: int, d: Dims, backward: bool) -> int:
-    """One compute call's expert intermediates over ``pairs``: the (pairs, 2I) pre-activation,
+    """One compute call's expert intermediates over ``pairs``: the (pairs, J) pre-activation,
     the (pairs, I) activation and the (pairs, H) down-projection rows; the backward also the
-    (pairs, 2I) gradient of the pre-activation (recomputed, never saved)."""
-    return pairs * ((4 if backward else 2) * d.I + d.I + d.H) * d.b
+    (pairs, J) gradient of the pre-activation (recomputed, never saved)."""
+    return pairs * ((2 if backward else 1) * d.J + d.I + d.H) * d.b
 
 
 def memory_bytes(
@@ -225,9 +225,10 @@ def _alltoall_memory(d: Dims, weights_copy: bool) -> tuple[int, int, int]:
 def mcore_alltoall_memory_bytes(d: Dims) -> int:
     """Megatron's alltoall dispatcher (the baseline, not a relaymoe mode): peak of one layer
     step over its inputs, router excluded: the local weight gradient ``W*b``, ``a`` coexisting
-    top-k-expanded (T*K, H) buffers and three (T*K, I) expert intermediates."""
+    top-k-expanded (T*K, H) buffers and the expert intermediates (T*K, J + I) (three (T*K, I)
+    with SwiGLU)."""
     a = MCORE_A2A_BUFFERS_EP1 if d.R == 1 else MCORE_A2A_BUFFERS_EP
-    return int(d.W * d.b + a * d.P * d.H * d.b + MCORE_A2A_INTERMEDIATES * d.P * d.I * d.b)
+    return int(d.W * d.b + a * d.P * d.H * d.b + d.P * (d.J + d.I) * d.b)
 
 
 def mcore_alltoall_send_bytes(d: Dims) -> float:

@@ -60,8 +60,9 @@ DEFAULT_TIME_MODEL = TimeModel()
 
 
 def _compute_seconds(d: Dims, model: TimeModel, backward: bool) -> float:
-    """One pass over all of the rank's pairs: 6*T*K*H*I FLOPs forward, twice that backward."""
-    return (12.0 if backward else 6.0) * d.P * d.H * d.I / model.expert_tflops
+    """One pass over all of the rank's pairs: ``2*T*K*H*(J + I)`` FLOPs forward (fc1 and fc2;
+    6*T*K*H*I with SwiGLU), twice that backward."""
+    return (4.0 if backward else 2.0) * d.P * d.H * (d.J + d.I) / model.expert_tflops
 
 
 def _exposed(transfer_s: float, compute_s: float, hide: float) -> float:

@@ -32,25 +32,18 @@ class HopBytes:
         return self.fwd + self.bwd
 
 
-def _ring_hop_bytes(
-    mode: str, T: int, H: int, I: int, El: int, K: int, b: int, pb: int, gb: int | None = None
-):
-    """Per-hop bytes from plain sizes. ``gb``: bytes of a weight-gradient accumulator element
-    (default ``b``)."""
+def hop_bytes(mode: str, d: Dims) -> HopBytes:
+    """Per-hop bytes of a ring mode (RelayMoE Table 2). Expert mode: the local experts' ``W``
+    elements (weights and the biases they carry) lead, and their gradients trail in ``d.gb``
+    bytes an element."""
+    _check_mode(mode, RING_MODES)
     if mode == "expert":
-        w = El * 3 * H * I
-        return HopBytes(fwd_lead=w * b, fwd_trail=0, bwd_lead=w * b, bwd_trail=w * (gb or b))
-    x, ids, probs = T * H * b, T * K * INDEX_BYTES, T * K * pb
+        w = d.W
+        return HopBytes(fwd_lead=w * d.b, fwd_trail=0, bwd_lead=w * d.b, bwd_trail=w * d.gb)
+    x, ids, probs = d.T * d.H * d.b, d.T * d.K * INDEX_BYTES, d.T * d.K * d.pb
     return HopBytes(
         fwd_lead=x + ids + probs, fwd_trail=x, bwd_lead=2 * x + probs, bwd_trail=x + probs
     )
-
-
-def hop_bytes(mode: str, d: Dims) -> HopBytes:
-    """Per-hop bytes of a ring mode (RelayMoE Table 2; expert mode's travelling weight
-    gradients in ``d.gb`` bytes an element)."""
-    _check_mode(mode, RING_MODES)
-    return _ring_hop_bytes(mode, d.T, d.H, d.I, d.El, d.K, d.b, d.pb, d.gb)
 
 
 def alltoall_rows(d: Dims) -> float:

@@ -1,17 +1,22 @@
 """Triton hop primitives: the fused expert forward and backward of one expert range.
 
-Shape legend: T tokens, H hidden, I expert FFN width, El local experts (``e1 - e0``), K top-k,
-P pairs of the range in expert-grouped order (``index.offsets_for(e0, e1)``).
+Shape legend: T tokens, H hidden, I expert FFN width, J fc1 rows (2I gated, I not), El local
+experts (``e1 - e0``), K top-k, P pairs of the range in expert-grouped order
+(``index.offsets_for(e0, e1)``).
 
-Forward:  up_swiglu (x rows gathered on load, gate+up tiles together, SwiGLU epilogue, router
-          probability folded into ``a``) -> rows_gemm ``y = a @ w2[e]^T`` -> combine (gather-reduce
-          into out through ``token_index_map``, deterministic, no atomics). On sm90 up_swiglu and
-          the backward's gathered rows_gemm run as the persistent Gluon kernel of ``gather_ws``.
+Forward:  up_swiglu (x rows gathered on load, gate+up tiles together, b13 and the activation in
+          the epilogue, router probability folded into ``a``) -> rows_gemm ``y = a @ w2[e]^T`` ->
+          combine (gather-reduce into out through ``token_index_map``, plus ``p * b2[e]``,
+          deterministic, no atomics). On sm90 up_swiglu (SwiGLU without bias) and the backward's
+          gathered rows_gemm run as the persistent Gluon kernel of ``gather_ws``.
 Backward: rows_gemm ``g = dy[tok] @ w2[e]`` (dy rows gathered on load, plain epilogue, g written
-          into the (P, I) buffer that later holds ``p*a``) -> swiglu_backward (memory-bound:
-          SiLU recomputed from h, dprob as the row-wise dot of g with a, dh written over h in
-          act mode, ``p*a`` over g) -> wgrad dw2 (dy gathered) -> wgrad dw13 (x gathered) ->
-          ``dh @ w13[e]`` -> combine into dx.
+          into the (P, I) buffer that later holds ``p*a``) -> swiglu_backward (memory-bound: the
+          activation recomputed from h, dprob as the row-wise dot of g with a, dh written over h
+          in act mode, ``p*a`` over g) -> the b2 terms (``dprob += dy[tok] . b2[e]``,
+          ``db2[e] += sum p * dy[tok]``) -> wgrad dw2 (dy gathered) -> ``db13[e] += sum dh`` ->
+          wgrad dw13 (x gathered) -> ``dh @ w13[e]`` -> combine into dx.
+The activation is any ``ExpertActivation`` (``grouped.activation``: one set of compile-time
+constants for every kernel); the bias sums are segment sums in a fixed order (``grouped.bias``).
 Which GEMM runs where (``torch._grouped_mm`` for contiguous operands on sm90, the gathered
 row copy or gather-on-load, the weight gradients' grouped GEMM or Triton kernel, the Gluon
 kernels) is ``select.py``'s choice from the call's ``KernelOptions``; (P, H) outputs of the down
@@ -57,18 +62,13 @@ def _pair_count(
     return stop - start, True
 
 
-def _refuse_pending(where: str, activation: ExpertActivation | None, b13, b2) -> None:
-    """Placeholder until the kernels compute every ``ExpertActivation`` and the fc1/fc2 biases:
-    SwiGLU without bias runs, anything else is refused here, before any work."""
-    act = SWIGLU if activation is None else activation
-    biases = [name for name, b in (("b13", b13), ("b2", b2)) if b is not None]
-    if act != SWIGLU or biases:
-        what = f"activation {act.name}" + (f" with {' and '.join(biases)}" if biases else "")
-        raise NotImplementedError(
-            f"{where}: {what} is not computed by the Triton kernels yet (Triton "
-            "activation/bias support pending); use backend='torch', or SwiGLU without biases "
-            "on Triton"
-        )
+def _check_biases(where: str, w13, w2, b13, b2) -> tuple:
+    """``(b13, b2)`` at unit column stride (a copy only for other strides), shapes checked
+    against the range's weights: ``b13 (El, J)``, ``b2 (El, H)``."""
+    for name, b, want in (("b13", b13, w13.shape[:2]), ("b2", b2, w2.shape[:2])):
+        if b is not None and tuple(b.shape) != tuple(want):
+            raise ValueError(f"{where}: {name} has shape {tuple(b.shape)}, want {tuple(want)}")
+    return (None if b13 is None else unit_cols(b13)), (None if b2 is None else unit_cols(b2))
 
 
 def _check_sizes(num_tokens: int, n_pairs: int, where: str) -> None:
@@ -178,11 +178,12 @@ def _pair_rows_times_weight(a_PK: Tensor, b_EKN: Tensor, offs: Tensor, groups: H
 
 def _combine_pair_products(
     a_PK: Tensor, b_EKN: Tensor, index, offs: Tensor, out_TH: Tensor, accumulate: bool,
-    groups: HopGroups, k,
+    groups: HopGroups, k, bias=None,
 ) -> None:  # fmt: skip
     """Write (add, with ``accumulate``) into ``out_TH[t]`` the sum over token t's pairs q of
     ``a[q] @ b[e]``; the (P, H) products are made and reduced in column chunks (at most
-    ``k.pair_buffer_mib`` alive). The forward's down projection and the dgrad.
+    ``k.pair_buffer_mib`` alive). The forward's down projection and the dgrad. ``bias``: None
+    or ``(b2_EH, probs_TK, e0)``: the combine also adds ``p * b2[e]`` for every pair.
 
     The combine kernel stores rows at unit column stride. An ``out_TH`` with other column
     strides (a caller's transposed buffer) is written through one row-major (T, chunk) buffer
@@ -191,13 +192,17 @@ def _combine_pair_products(
     for c0, c1 in select.col_chunks(a_PK.shape[0], out_TH.shape[1], a_PK.element_size(), k):
         y_PH = _pair_rows_times_weight(a_PK, b_EKN[:, :, c0:c1], offs, groups, k)
         dst = out_TH[:, c0:c1]
+        chunk_bias = None
+        if bias is not None:
+            b2, probs, e0 = bias
+            chunk_bias = (b2[:, c0:c1], probs, index.token_expert_indices, e0)
         if direct:
             grouped.combine(y_PH, index.token_index_map, offs, dst, index.topk,
-                            accumulate=accumulate)  # fmt: skip
+                            accumulate=accumulate, bias=chunk_bias)  # fmt: skip
         else:
             rows = dst.new_empty(dst.shape)
             grouped.combine(y_PH, index.token_index_map, offs, rows, index.topk,
-                            accumulate=False)  # fmt: skip
+                            accumulate=False, bias=chunk_bias)  # fmt: skip
             dst.add_(rows) if accumulate else dst.copy_(rows)
             del rows
         del y_PH
@@ -223,17 +228,19 @@ def triton_hop_forward(
 ) -> tuple[Tensor, Tensor | None]:
     """Add experts ``[e0, e1)``'s pairs into ``out_TH`` (written, not added, when None).
 
-    Returns ``(out_TH, h_P2I)``; ``h_P2I`` is the range's pre-activation when ``save_act``.
-    ``n_pairs``: the range's pair count; else ``max_pairs``: an upper bound on it (buffers sized
-    from it, no host sync); else read from the index (a host sync for a partial range).
-    ``kernels``: the ``KernelOptions`` (default: the process's). ``activation``, ``b13 (El, J)``,
-    ``b2 (El, H)``: as ``relaymoe.experts.expert_hop_forward``'s (None: SwiGLU, no bias).
+    Returns ``(out_TH, h_PJ)``; ``h_PJ`` is the range's pre-activation (fc1 bias included) when
+    ``save_act``. ``n_pairs``: the range's pair count; else ``max_pairs``: an upper bound on it
+    (buffers sized from it, no host sync); else read from the index (a host sync for a partial
+    range). ``kernels``: the ``KernelOptions`` (default: the process's). ``activation``,
+    ``b13 (El, J)``, ``b2 (El, H)``: as ``relaymoe.experts.expert_hop_forward``'s (None:
+    SwiGLU, no bias).
     """
-    _refuse_pending("triton_hop_forward", activation, b13, b2)
+    act = SWIGLU if activation is None else activation
     k = select.kernel_options(kernels)
     num_tokens = x_TH.shape[0]
-    n_local, two_i, _ = w13.shape
-    ffn = two_i // 2
+    n_local, rows_e, _ = w13.shape
+    ffn = w2.shape[2]
+    b13, b2 = _check_biases("triton_hop_forward", w13, w2, b13, b2)
     x_TH = unit_cols(x_TH)  # no copy for row-major x (moe_experts and the ring pass such)
     accumulate = out_TH is not None
     if out_TH is None:  # row-major whatever x's strides (the combine writes every row)
@@ -244,10 +251,15 @@ def triton_hop_forward(
     if save_act and not exact:
         raise ValueError("save_act needs the exact pair count (n_pairs), not max_pairs")
     if n_pairs == 0 or n_local == 0 or num_tokens == 0 or x_TH.shape[1] == 0:
-        # nothing to compute (with H = 0 every product is an empty sum: h is zeros)
+        # nothing to compute (with H = 0 every product is an empty sum: h is the bias, or 0)
         if not accumulate:
             out_TH.zero_()
-        return out_TH, x_TH.new_zeros(n_pairs, two_i) if save_act else None
+        if not save_act:
+            return out_TH, None
+        h = x_TH.new_zeros(n_pairs, rows_e)
+        if b13 is not None and n_pairs:  # H = 0: h = b13[e] of each pair's expert
+            h.copy_(b13.repeat_interleave(index.tokens_per_expert()[e0:e1], 0))
+        return out_TH, h
     prob_P = pairs.pair_probs(probs_TK, index.token_index_map, offs, n_pairs)
     idx_P = index.expert_token_indices
     groups = HopGroups(idx_P, offs, n_pairs, exact)
@@ -255,14 +267,18 @@ def triton_hop_forward(
     w13_EHJ = w13.transpose(1, 2)
     if select.gather_then_gmm(x_TH, w13_EHJ, n_pairs, k):  # h from the GEMM, a from h (bf16 h)
         h = gathered_rows_times_weight(x_TH, w13_EHJ, groups)
-        grouped.swiglu_forward(h, prob_P, a_PI)
-        h_P2I = h if save_act else None
+        grouped.swiglu_forward(h, prob_P, a_PI, activation=act, b13_EJ=b13, offs=offs,
+                               store_h=save_act)  # fmt: skip
+        h_PJ = h if save_act else None
         del h
     else:  # one kernel: h stored when saved, a from its epilogue (from h rounded on sm90)
-        h_P2I = x_TH.new_empty(n_pairs, two_i) if save_act else None
-        grouped.up_swiglu(x_TH, w13, idx_P, offs, prob_P, h_P2I, a_PI, kernels=k)
-    _combine_pair_products(a_PI, w2.transpose(1, 2), index, offs, out_TH, accumulate, groups, k)
-    return out_TH, h_P2I
+        h_PJ = x_TH.new_empty(n_pairs, rows_e) if save_act else None
+        grouped.up_swiglu(x_TH, w13, idx_P, offs, prob_P, h_PJ, a_PI, kernels=k,
+                          activation=act, b13_EJ=b13)  # fmt: skip
+    bias = None if b2 is None else (b2, probs_TK.contiguous(), e0)
+    _combine_pair_products(a_PI, w2.transpose(1, 2), index, offs, out_TH, accumulate, groups, k,
+                           bias)  # fmt: skip
+    return out_TH, h_PJ
 
 
 def triton_hop_backward(
@@ -296,17 +312,23 @@ def triton_hop_backward(
     ``n_pairs`` / ``max_pairs``: as in :func:`triton_hop_forward`.
 
     ``consume_saved_h=True`` lets the kernel overwrite ``saved_h`` with its gradient (saves a
-    (P, 2I) buffer); the caller must not use ``saved_h`` afterwards. ``grad_dtype``: the dtype of
+    (P, J) buffer); the caller must not use ``saved_h`` afterwards. ``grad_dtype``: the dtype of
     weight-gradient buffers allocated here (default the weights'; e.g. fp32 accumulators).
     ``kernels``: the ``KernelOptions`` (default: the process's). ``activation``, ``b13``, ``b2``,
     ``db13``, ``db2``: as ``relaymoe.experts.expert_hop_backward``'s (bias gradients ADDED into
-    ``db13``/``db2``).
+    ``db13``/``db2``, each required with its bias).
     """
-    _refuse_pending("triton_hop_backward", activation, b13, b2)
+    act = SWIGLU if activation is None else activation
     k = select.kernel_options(kernels)
     num_tokens = x_TH.shape[0]
-    n_local, two_i, _ = w13.shape
-    ffn = two_i // 2
+    n_local, rows_e, _ = w13.shape
+    ffn = w2.shape[2]
+    b13, b2 = _check_biases("triton_hop_backward", w13, w2, b13, b2)
+    for name, b, db in (("b13", b13, db13), ("b2", b2, db2)):
+        if b is not None and (db is None or db.shape != b.shape):
+            got = None if db is None else tuple(db.shape)
+            raise ValueError(f"triton_hop_backward: {name} is given, so d{name} must be a "
+                             f"buffer shaped {tuple(b.shape)} (got {got})")  # fmt: skip
     x_TH, dy_TH = unit_cols(x_TH), unit_cols(dy_TH)  # no copy for row-major operands
     acc_dx = dx_TH is not None
     dx_TH = x_TH.new_empty(x_TH.shape) if dx_TH is None else dx_TH  # row-major
@@ -326,22 +348,25 @@ def triton_hop_backward(
     groups = HopGroups(idx_P, offs, n_pairs, exact)
     if saved_h is not None and not exact:
         raise ValueError("saved_h needs the exact pair count (n_pairs), not max_pairs")
+    h_bias = None  # b13 when h is made below without it (added on load by the memory pass)
     if saved_h is None:  # recompute="fc1": rebuild h alone (a comes from it below)
         w13_EHJ = w13.transpose(1, 2)
         if select.gather_then_gmm(x_TH, w13_EHJ, n_pairs, k):
-            h_P2I = gathered_rows_times_weight(x_TH, w13_EHJ, groups)
+            h_PJ = gathered_rows_times_weight(x_TH, w13_EHJ, groups)
+            h_bias = b13
         else:
-            h_P2I = x_TH.new_empty(n_pairs, two_i)
-            grouped.up_swiglu(x_TH, w13, idx_P, offs, None, h_P2I, None, kernels=k)
-        dh_P2I = h_P2I
+            h_PJ = x_TH.new_empty(n_pairs, rows_e)
+            grouped.up_swiglu(x_TH, w13, idx_P, offs, None, h_PJ, None, kernels=k,
+                              activation=act, b13_EJ=b13)  # fmt: skip
+        dh_PJ = h_PJ
     else:
-        if saved_h.shape != (n_pairs, two_i):
+        if saved_h.shape != (n_pairs, rows_e):
             raise ValueError(
-                f"saved_h has shape {tuple(saved_h.shape)}, expected ({n_pairs}, {two_i}) for "
+                f"saved_h has shape {tuple(saved_h.shape)}, expected ({n_pairs}, {rows_e}) for "
                 f"experts [{e0}, {e1}); pass the h returned by the forward of the same range"
             )
-        h_P2I = saved_h
-        dh_P2I = saved_h if consume_saved_h else torch.empty_like(saved_h)
+        h_PJ = saved_h
+        dh_PJ = saved_h if consume_saved_h else torch.empty_like(saved_h)
     # g = dy[tok] @ w2[e] into a_PI, then one memory pass turns it into p*a (dh, dprob out)
     if select.gather_then_gmm(dy_TH, w2, n_pairs, k):
         a_PI = gathered_rows_times_weight(dy_TH, w2, groups)
@@ -349,14 +374,43 @@ def triton_hop_backward(
         a_PI = x_TH.new_empty(n_pairs, ffn)
         grouped.rows_gemm(dy_TH, w2, offs, a_PI, a_idx=idx_P, kernels=k)
     dprob_P = torch.empty(n_pairs, dtype=torch.float32, device=x_TH.device)
-    grouped.swiglu_backward(h_P2I, a_PI, prob_P, dh_P2I, dprob_P)
+    grouped.swiglu_backward(h_PJ, a_PI, prob_P, dh_PJ, dprob_P, activation=act, b13_EJ=h_bias,
+                            offs=offs)  # fmt: skip
     pairs.add_pair_dprobs(dprob_P, index.token_index_map, offs, dprobs_TK)
+    if b2 is not None:  # y = a @ w2^T + b2: dprob += dy[tok] . b2[e], db2[e] += sum p * dy[tok]
+        _add_bias_dprobs(dy_TH, b2, index, offs, e0, dprobs_TK)
+        _segment_sum(dy_TH, offs, db2, idx_P=idx_P, scale_P=prob_P)
     # dw2[e] (H, I) = sum_q dy[tok]^T (p*a)[q]
     dw2 = _wgrad(dy_TH, a_PI, idx_P, offs, dw2, groups, a_gather=True, b_gather=False, like=w2,
                  grad_dtype=grad_dtype, k=k)  # fmt: skip
     del a_PI
-    # dw13[e] (2I, H) = sum_q dh[q]^T x[tok]
-    dw13 = _wgrad(dh_P2I, x_TH, idx_P, offs, dw13, groups, a_gather=False, b_gather=True,
+    if b13 is not None:  # db13[e] += sum of e's dh rows
+        _segment_sum(dh_PJ, offs, db13)
+    # dw13[e] (J, H) = sum_q dh[q]^T x[tok]
+    dw13 = _wgrad(dh_PJ, x_TH, idx_P, offs, dw13, groups, a_gather=False, b_gather=True,
                   like=w13, grad_dtype=grad_dtype, k=k)  # fmt: skip
-    _combine_pair_products(dh_P2I, w13, index, offs, dx_TH, acc_dx, groups, k)
+    _combine_pair_products(dh_PJ, w13, index, offs, dx_TH, acc_dx, groups, k)
     return dx_TH, dprobs_TK, dw13, dw2
+
+
+def _add_bias_dprobs(dy_TH, b2_EH, index, offs, e0: int, dprobs_TK) -> None:
+    """``dprobs_TK[t, k] += dy[t] . b2[e]`` for the range's pairs (through a contiguous fp32
+    buffer when ``dprobs_TK`` is a strided view)."""
+    if dprobs_TK.is_contiguous():
+        grouped.add_bias_dprobs(dy_TH, b2_EH, index.token_expert_indices, index.token_index_map,
+                                offs, e0, dprobs_TK)  # fmt: skip
+        return
+    flat = torch.zeros(dprobs_TK.shape, dtype=torch.float32, device=dprobs_TK.device)
+    _add_bias_dprobs(dy_TH, b2_EH, index, offs, e0, flat)
+    dprobs_TK.add_(flat.to(dprobs_TK.dtype))
+
+
+def _segment_sum(src, offs, out_EN, **kw) -> None:
+    """``grouped.segment_sum`` into a caller's bias-gradient buffer of any strides (through a
+    row-major fp32 one when its columns are not at unit stride)."""
+    if unit_cols(out_EN) is out_EN:
+        grouped.segment_sum(src, offs, out_EN, **kw)
+        return
+    rows = torch.zeros(out_EN.shape, dtype=torch.float32, device=out_EN.device)
+    grouped.segment_sum(src, offs, rows, **kw)
+    out_EN.add_(rows.to(out_EN.dtype))

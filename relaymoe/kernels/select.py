@@ -16,6 +16,7 @@ import warnings
 import torch
 from torch import Tensor
 
+from relaymoe.activation import SWIGLU
 from relaymoe.kernels import interpret_mode
 from relaymoe.options import KernelOptions, defaults
 
@@ -25,6 +26,7 @@ __all__ = [
     "gather_then_gmm",
     "gather_ws_for",
     "gather_ws_module",
+    "gluon_up_computes",
     "kernel_options",
     "launch_ws",
     "pair_buffer_bytes",
@@ -200,11 +202,26 @@ def gather_ws_module():
 GATHER_WS_UNBUILT: dict[str, str] = {}
 
 
-def gather_ws_for(kind: str, x_TK: Tensor, *operands, k: KernelOptions):
+def gluon_up_computes(activation, bias, a_out) -> bool:
+    """Whether the Gluon up-projection computes this call: its storer adds no fc1 bias and
+    computes SwiGLU's ``silu(gate) * up`` only (``gather_ws._tile_storer``), so it takes a gated
+    fc1 without bias, and of the activations SwiGLU's, unless ``a`` is not stored (``a_out`` None:
+    the fc1 recompute stores h alone, the same for every gated activation). Everything else
+    runs the Triton kernel, whose epilogue computes every activation and the bias."""
+    act = SWIGLU if activation is None else activation
+    return bias is None and act.gated and (a_out is None or act == SWIGLU)
+
+
+def gather_ws_for(kind: str, x_TK: Tensor, *operands, k: KernelOptions, activation=None,
+                  bias=None):  # fmt: skip
     """The Gluon module when it takes this gathered GEMM (``kind``: ``up_swiglu`` or
     ``rows_gemm``, whose ``supports_<kind>`` gets ``x_TK`` and ``operands``: the weight, then the
-    outputs; ``k.gather_ws``), else None."""
+    outputs; ``k.gather_ws``), else None. ``up_swiglu``: also ``activation`` (None: SwiGLU)
+    and ``bias`` (the fc1 bias or None), which :func:`gluon_up_computes` must take."""
     if k.gather_ws == "off" or not x_TK.is_cuda or interpret_mode():
+        return None
+    a_out = operands[2] if len(operands) > 2 else None  # (w13, h, a) of the up-projection
+    if kind == "up_swiglu" and not gluon_up_computes(activation, bias, a_out):
         return None
     if not _sm90(x_TK):
         return None

@@ -13,7 +13,10 @@ routed_experts_compute -> combine -> postprocess):
 * ``MoELayer.routed_experts_compute`` (wrapped by ``register()``) calls
   ``compute_experts(experts, x, topk_probs)``: the ring over ``pg_collection.ep`` with the
   experts module's own parameters passed as per-expert lists (``ring_moe``'s list form: no
-  stacked copy of the experts is kept from forward to backward; ``expert_weights.py``);
+  stacked copy of the experts is kept from forward to backward; ``expert_weights.py``), their
+  biases likewise, and the activation the config names (``activation_map.py``, read once at
+  build). The ring's output holds the fc2 bias scaled by the probabilities, as Megatron's
+  experts' output does, and the wrapper returns no separate bias: Megatron adds none again;
 * ``combine_postprocess`` restores ``[S/TP, B, H]``; ``MoELayer.postprocess`` then adds the
   shared experts' output, computed outside the ring as usual.
 """
@@ -26,7 +29,9 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from torch import Tensor
 
 from relaymoe import options
-from relaymoe.megatron.expert_weights import expert_param_lists
+from relaymoe.activation import SWIGLU
+from relaymoe.megatron.activation_map import expert_activation_of
+from relaymoe.megatron.expert_weights import expert_bias_lists, expert_param_lists
 from relaymoe.megatron.settings import Settings, current_settings
 from relaymoe.megatron.validate import check_ring_config
 from relaymoe.ring import ring_moe
@@ -106,6 +111,7 @@ class RingDispatcher(MoETokenDispatcher):
             )
         self.num_experts = config.num_moe_experts
         self.topk = config.moe_router_topk
+        self.activation = expert_activation_of(config)  # what Megatron's experts would compute
         self.settings = settings if settings is not None else current_settings()
         # ring_moe reads the host wait and overlap from the process's options: every rank
         # builds its layers at one point, so each installs the same ones here
@@ -145,6 +151,7 @@ class RingDispatcher(MoETokenDispatcher):
             raise RuntimeError("compute_experts called before dispatch_preprocess")
         idx_TK, self.topk_idx = self.topk_idx, None
         fc1, fc2 = expert_param_lists(experts)  # the parameters themselves, no copy
+        b13, b2 = expert_bias_lists(experts)
         if fc1[0].dtype != x_TH.dtype:
             raise ValueError(
                 f"expert weights are {fc1[0].dtype} but the MoE input is {x_TH.dtype}; the ring "
@@ -165,7 +172,18 @@ class RingDispatcher(MoETokenDispatcher):
             grad_accum=s.grad_accum,
             kernels=s.kernels,
             trusted=True,  # ids from Megatron's router; every EP rank runs the same shapes
+            **self._expert_mlp(b13, b2),
         )
+
+    def _expert_mlp(self, b13, b2) -> dict:
+        """``ring_moe``'s ``activation``/``b13``/``b2`` keywords, each only where it differs from
+        ``ring_moe``'s default (bias-free SwiGLU)."""
+        kw = {} if self.activation == SWIGLU else {"activation": self.activation}
+        if b13 is not None:
+            kw["b13"] = b13
+        if b2 is not None:
+            kw["b2"] = b2
+        return kw
 
     # ---- combine: nothing to move back ----------------------------------------------------
     def combine_preprocess(self, hidden_states: Tensor):

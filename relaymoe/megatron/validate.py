@@ -8,7 +8,7 @@ attributes, so it also works on an ``argparse.Namespace`` of Megatron arguments
 
 Why each refusal:
 
-* expert tensor parallelism: the ring moves whole experts (``w13 (El, 2I, H)``); a TP-sharded
+* expert tensor parallelism: the ring moves whole experts (``w13 (El, J, H)``); a TP-sharded
   expert would need a TP all-reduce inside every hop.
 * TP > 1 without sequence parallelism: every TP rank would hold the same tokens and the ring
   would compute them TP times (Megatron itself refuses this in training).
@@ -23,9 +23,20 @@ Why each refusal:
   attention and the dense layers in fp8 and the ring runs the experts in bf16
   (``fp8_expert_notice`` says so once at start).
 * CUDA graphs over the MoE: the ring's per-hop token counts are data dependent.
-* expert semantics the ring does not compute (the oracle is SwiGLU without bias, probabilities
-  applied to the expert output): non-gated or non-SiLU activations, expert biases, clamped or
-  offset GLU, interleaved GLU weights, latent MoE, ``moe_apply_probs_on_input``.
+* expert MLPs whose function the ring cannot name (``activation_map.py`` maps Megatron's
+  ``activation_func``, ``gated_linear_unit``, clamp and offset to one ``ExpertActivation``:
+  silu/gelu/gelu_tanh/relu/squared_relu/quick_gelu, gated or not, with or without biases):
+  an unknown ``activation_func``, a clamp or offset Megatron's configured implementation
+  ignores or applies in another order (the fused SwiGLU's clamp, SequentialMLP's fused
+  quick-GeGLU clamping before the bias, TransformerEngine's activation), TEActivationOp's
+  ReLU for a non-gated silu. Each message says which option and how to make it unambiguous.
+* interleaved GLU weights (``moe_mlp_glu_interleave_size``): the ring reads fc1 as
+  ``[gate; linear]`` halves. Latent MoE (``moe_latent_size``): the experts project to and
+  from another width, which the ring's ``(E, J, H)`` / ``(E, H, I)`` experts do not.
+  ``moe_apply_probs_on_input``: the ring applies the probabilities to the expert output (and
+  its bias), not to the input.
+* ``moe_single_grouped_weight`` / ``moe_single_grouped_bias``: one TransformerEngine
+  ``GroupedTensor`` for all experts; the ring takes one parameter per expert.
 
 ``fused_loss_problems`` / ``check_fused_loss_config`` / ``check_fused_loss_args`` do the same for
 ``--relaymoe-fused-loss`` (output layer + cross-entropy without logits), whatever the dispatcher:
@@ -41,6 +52,8 @@ Why each refusal:
 from __future__ import annotations
 
 from collections.abc import Iterable
+
+from relaymoe.megatron.activation_map import expert_activation_problems
 
 __all__ = [
     "check_ring_config",
@@ -66,16 +79,12 @@ def _names(value) -> list[str]:
     return [getattr(v, "name", str(v)) for v in value]
 
 
-def _silu_like(fn) -> bool:
-    import torch.nn.functional as F
-
-    return fn is F.silu or getattr(fn, "__name__", "") == "silu"
-
-
 def ring_config_problems(c, *, ep_size: int | None = None, args_style: bool = False) -> list[str]:
     """All reasons the ring cannot run config ``c`` (empty when it can).
 
-    ``args_style`` words the fixes as command-line flags (always given) rather than fields.
+    ``args_style``: ``c`` is Megatron's parsed arguments (the experts' activation then comes
+    from ``--swiglu``/``--squared-relu``/``--quick-geglu`` as Megatron translates them); the
+    fixes are command-line flags either way.
     """
     g = lambda name, default=None: getattr(c, name, default)  # noqa: E731
     problems: list[str] = []
@@ -178,29 +187,19 @@ def ring_config_problems(c, *, ep_size: int | None = None, args_style: bool = Fa
             f"num_moe_experts={num_experts} is not divisible by the expert-parallel size {ep}; "
             f"fix: choose --expert-model-parallel-size dividing {num_experts}"
         )
-    # Expert semantics the ring computes: SwiGLU, no bias, probs applied on the output.
-    if not args_style:
-        if not g("gated_linear_unit", False) or not _silu_like(g("activation_func")):
-            problems.append(
-                f"the ring computes SwiGLU experts (gated_linear_unit=True, activation_func="
-                f"silu); got gated_linear_unit={g('gated_linear_unit')}, activation_func="
-                f"{getattr(g('activation_func'), '__name__', g('activation_func'))}; fix: --swiglu"
-            )
-    else:
-        if not g("swiglu", False):
-            problems.append("the ring computes SwiGLU experts; fix: add --swiglu")
-    if g("add_bias_linear", False):
-        problems.append(
-            "add_bias_linear=True gives the experts biases the ring does not compute; "
-            "fix: add --disable-bias-linear"
+    # The experts' function: read from the options (activation_map.py), refused by name where
+    # it cannot be mapped. Biases are the experts' own parameters (expert_weights.py).
+    problems += expert_activation_problems(c, args_style=args_style)[1]
+    refuse_set(
+        "moe_mlp_glu_interleave_size", ": the ring reads a gated fc1 as [gate; linear] halves"
+    )
+    for field in ("moe_single_grouped_weight", "moe_single_grouped_bias"):
+        refuse_set(
+            field,
+            " holds the experts as one TransformerEngine GroupedTensor; the ring reads one "
+            "parameter per expert (TEGroupedMLP's weight{j}/bias{j}, SequentialMLP's experts)",
+            unset=False,
         )
-    refuse_set("activation_func_clamp_value", ": the ring's SwiGLU is unclamped")
-    if (g("glu_linear_offset", 0.0) or 0.0) != 0.0:
-        problems.append(
-            f"glu_linear_offset={g('glu_linear_offset')}: the ring's SwiGLU has no offset; "
-            f"fix: remove --glu-linear-offset"
-        )
-    refuse_set("moe_mlp_glu_interleave_size", ": the ring reads fc1 as [gate; up] halves")
     refuse_set("moe_latent_size", " (latent MoE) is not supported by the ring")
     refuse_set(
         "moe_apply_probs_on_input",

@@ -79,10 +79,17 @@ class Shapes:
     I: int
     R: int  # ranks in the EP group (ring length)
     e: int  # element bytes
+    gated: bool = True  # the expert MLP is gated (model.swiglu): fc1 has 2I rows, else I
+    bias: bool = False  # the experts' fc1/fc2 carry biases (not model.disable_bias_linear)
 
     @property
     def P(self) -> int:
         return self.T * self.K
+
+    @property
+    def J(self) -> int:
+        """Rows of one local expert's fc1 weight: 2I gated, I not."""
+        return 2 * self.I if self.gated else self.I
 
     def dims(self) -> cost.Dims:
         """The cost model's sizes of one GPU (every rank of the EP group holds ``T`` tokens;
@@ -90,7 +97,7 @@ class Shapes:
         gb = cost.grad_accum_bytes(options.AUTO, self.R, self.e)
         return cost.Dims(
             T=self.T, H=self.h, I=self.I, El=self.El, K=self.K, R=self.R, b=self.e, pb=PROB_BYTES,
-            gb=gb,
+            gb=gb, gated=self.gated, b13=self.bias, b2=self.bias,
         )  # fmt: skip
 
 
@@ -114,6 +121,8 @@ def shapes(cfg: Config, seq: int | None = None, mbs: int | None = None) -> Shape
         I=m.moe_ffn_hidden_size // p.etp,
         R=p.ep,
         e=t.bytes_per_param,
+        gated=m.swiglu,
+        bias=not m.disable_bias_linear,
     )
 
 
@@ -148,7 +157,10 @@ def attention_params(cfg: Config, layer: int) -> int:
 
 
 def moe_params(cfg: Config, layer: int) -> tuple[int, int]:
-    """(non-expert, routed-expert) parameters of one MLP block (full size, before sharding)."""
+    """(non-expert, routed-expert) parameters of one MLP block (full size, before sharding).
+    A routed expert: fc1 (J, h) with J = 2*ffn gated (``model.swiglu``) or ffn, fc2 (h, ffn),
+    and their biases (J + h) unless ``model.disable_bias_linear``. The dense MLP and the shared
+    experts are counted as SwiGLU without biases."""
     m = cfg.model
     h = m.hidden_size
     if not m.moe_layer_pattern[layer]:
@@ -157,7 +169,10 @@ def moe_params(cfg: Config, layer: int) -> tuple[int, int]:
     if m.moe_shared_expert_intermediate_size:
         dense += 3 * h * m.moe_shared_expert_intermediate_size
         dense += h if m.moe_shared_expert_gate else 0
-    return dense, m.num_experts * 3 * h * m.moe_ffn_hidden_size
+    ffn = m.moe_ffn_hidden_size
+    rows = 2 * ffn if m.swiglu else ffn  # fc1 of a gated (SwiGLU) expert: 2*ffn rows
+    biases = 0 if m.disable_bias_linear else rows + h
+    return dense, m.num_experts * ((rows + ffn) * h + biases)
 
 
 def total_params(cfg: Config) -> int:
@@ -305,11 +320,11 @@ def mlp_inner_keep_bytes(
         # the mode's saved routing index + the probabilities; h is recomputed
         moe = cost.memory_bytes(ring_mode, sh.dims()).saved + PROB_BYTES * sh.P
     else:
-        # dispatched tokens (fc1 input), fc1 output (P, 2I), fc2 input (P, I). megatron-core
+        # dispatched tokens (fc1 input), fc1 output (P, J), fc2 input (P, I). megatron-core
         # 0.19 applies the routing probabilities to the activation inside the expert MLP (fused
         # weighted SwiGLU, --bias-swiglu-fusion, the default), so the expert output is not kept
         # and the combine keeps only indices.
-        moe = sh.e * sh.P * (sh.h + 3 * sh.I)
+        moe = sh.e * sh.P * (sh.h + sh.J + sh.I)
     return router + shared + moe
 
 

@@ -73,6 +73,9 @@ def ring_mode(
         world=sh.R,
         act_bytes=sh.e,
         prob_bytes=PROB_BYTES,
+        gated=sh.gated,
+        b13=sh.bias,
+        b2=sh.bias,
         transport=resolve_transport(transport or options.AUTO, sh.R, across_nodes=across),
         modes=options.RING_MODES if ring_only else options.MODES,
     )

@@ -395,6 +395,10 @@ def config_from_megatron_args(args) -> Config:
         "moe_layer_freq": g("moe_layer_freq", 1),
         "experimental_attention_variant": g("experimental_attention_variant"),
         "linear_attention_freq": la,
+        # the expert MLP (gated: fc1 of 2*ffn rows; biases): SwiGLU without biases when the
+        # namespace does not say
+        "swiglu": bool(g("swiglu", True)),
+        "disable_bias_linear": not g("add_bias_linear", False),
     }
     if g("experimental_attention_variant") == "gated_delta_net":
         for k in (

@@ -181,7 +181,7 @@ def layer_options(cfg: Config, dispatcher: str, stage: int, **kw) -> list[LayerO
         m = int(inflight * (keep - mm.layer_input_bytes(sh)))
         c = mm.attention_flops(cfg, sh, i)
         if dispatcher != "ring" and cfg.model.moe_layer_pattern[i]:
-            c += 2 * sh.P * sh.h * 3 * sh.I  # experts' forward no longer replayed
+            c += 2 * sh.P * sh.h * (sh.J + sh.I)  # experts' forward no longer replayed
         full = cfg.model.attention_layer_pattern[i]
         out.append(LayerOption(i, "keep_attention" if full else "keep_linear_attention", m, c))
     return out

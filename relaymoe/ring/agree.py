@@ -1,9 +1,10 @@
 """Input validation that every rank agrees on before any P2P (so nothing hangs).
 
 Each rank checks its own inputs without raising, writes a row of integers (error code, sizes,
-dtypes, device, requested mode/transport, host, a validity marker, then its pair count per expert
-owner) into an ``(R, F + R)`` matrix and one all-reduce (sum) gives every rank every row. Every
-rank then applies the same checks to the same matrix and raises the same ``ValueError``, or
+dtypes, device, requested mode/transport, host, a validity marker, the expert MLP (every field of
+the activation, which biases the experts carry: ``expert_mlp.py``), then its pair count per
+expert owner) into an ``(R, F + R)`` matrix and one all-reduce (sum) gives every rank every row.
+Every rank then applies the same checks to the same matrix and raises the same ``ValueError``, or
 returns the same :class:`RingProblem`: the sizes of all partitions, the resolved mode and
 transport, and (where a hop's buffers are sized exactly) the pair counts.
 
@@ -57,6 +58,7 @@ from relaymoe.ring.checks import (
     _local_check,
     _weight_meta,
 )
+from relaymoe.ring.expert_mlp import activation_fields, bias_code, same_expert_mlp
 from relaymoe.ring.faults import all_reduce_checked, check_markers
 from relaymoe.ring.problem import RingProblem, RingRequest, RingSettings, ring_settings
 from relaymoe.ring.topology import _host_hash, nodes_from_hosts, resolve_schedule
@@ -96,20 +98,29 @@ __all__ = [
     F_GACC,
     F_AGREE,
     F_PAIRBUF,
-) = range(20)
-NUM_FIELDS = 20
+    F_ACT_FN,
+    F_ACT_GATED,
+    F_ACT_ALPHA,
+    F_ACT_LIMIT,
+    F_ACT_OFFSET,
+    F_BIAS,
+) = range(26)
+NUM_FIELDS = 26
 
 _ERRORS = {
-    1: "an input is not a tensor (or, for w13/w2, not a list of per-expert tensors)",
+    1: "an input is not a tensor (or, for w13/w2/b13/b2, not a list of per-expert tensors; a bias "
+    "in another form than the weights')",
     2: "mode, transport, schedule, gpus_per_node or grad_accum is not one of the accepted values",
-    3: "input shapes are inconsistent (x (T, H), w13 (E_local, 2I, H), w2 (E_local, H, I), "
-    "topk_idx/topk_probs (T, K))",
-    4: "dtypes are wrong (x, w13, w2 one float dtype; topk_probs float; topk_idx integer)",
+    3: "input shapes are inconsistent (x (T, H), w13 (E_local, J, H) with J the activation's "
+    "fc1 rows, w2 (E_local, H, I), b13 (E_local, J), b2 (E_local, H), topk_idx/topk_probs (T, K))",
+    4: "dtypes are wrong (x, w13, w2 and the biases one float dtype; topk_probs float; "
+    "topk_idx integer)",
     5: "inputs are on different devices",
     6: "topk_idx is invalid (an expert id outside [0, E), a repeated id in a row, or K > E)",
     7: "the device type is neither cpu nor cuda",
     8: "the hop backend cannot run these inputs (backend='triton' needs CUDA or "
     "TRITON_INTERPRET=1, and float16, bfloat16 or float32)",
+    9: "the activation is not an ExpertActivation nor one of its names",
 }
 
 
@@ -140,16 +151,18 @@ def _agree_collective(
     settings: RingSettings | None = None,
 ) -> RingProblem:
     """Validate on every rank at once; raise the same ``ValueError`` everywhere or agree.
-    ``inputs``: ``(x, w13, w2, topk_idx, topk_probs)`` as ``ring_moe`` got them;
-    ``settings``: this call's :func:`ring_settings` (None: this process's)."""
-    x, w13, w2, topk_idx, topk_probs = inputs
-    code, msg = _local_check(x, w13, w2, topk_idx, topk_probs, req, world, validate_ids)
+    ``inputs``: ``(x, w13, w2, topk_idx, topk_probs)`` as ``ring_moe`` got them, optionally
+    followed by ``(b13, b2)`` (None: no bias); ``settings``: this call's :func:`ring_settings`
+    (None: this process's)."""
+    x, w13, w2, topk_idx, topk_probs, *biases = inputs
+    b13, b2 = biases or (None, None)
+    code, msg = _local_check(x, w13, w2, topk_idx, topk_probs, req, world, validate_ids, b13, b2)
     env = ring_settings() if settings is None else settings
     row = [0] * NUM_FIELDS
     row[F_ERR] = code
     if code == 0:
-        m13 = _weight_meta("w13", w13, "")[0]
-        row[F_EL], row[F_I], row[F_H] = m13.shape[0], m13.shape[1] // 2, x.shape[1]
+        m2 = _weight_meta("w2", w2, "")[0]
+        row[F_EL], row[F_I], row[F_H] = m2.shape[0], m2.shape[2], x.shape[1]
         row[F_K], row[F_T] = topk_idx.shape[1], x.shape[0]
         row[F_DTYPE] = _FLOATS.index(x.dtype) + 1
         row[F_PDTYPE] = _FLOATS.index(topk_probs.dtype) + 1
@@ -163,6 +176,8 @@ def _agree_collective(
         row[F_GACC] = GRAD_ACCUM_CHOICES.index(req.grad_accum) + 1
         row[F_AGREE] = AGREE_CHOICES.index(env.agree) + 1
         row[F_PAIRBUF] = env.pair_buffer_mib
+        row[F_ACT_FN : F_ACT_OFFSET + 1] = activation_fields(req.activation)
+        row[F_BIAS] = bias_code(b13 is not None, b2 is not None)
     row[F_HOST] = _host_hash()
     row[F_LIVE] = 1  # the validity marker: a sum missing a rank's row lacks its 1
     counts = _pairs_per_owner(topk_idx, row[F_EL], world) if code == 0 and with_pairs else None
@@ -227,6 +242,9 @@ def _agree_collective(
                   lambda c: AGREE_CHOICES[c - 1])  # fmt: skip
     _same_setting(rows, F_PAIRBUF, "KernelOptions.pair_buffer_mib (RELAYMOE_PAIR_BUFFER_MIB)",
                   lambda v: v)  # fmt: skip
+    act, has_b13, has_b2 = same_expert_mlp(
+        [rw[F_ACT_FN : F_ACT_OFFSET + 1] for rw in rows], [rw[F_BIAS] for rw in rows]
+    )
 
     r0 = rows[0]
     dtype, prob_dtype = _FLOATS[r0[F_DTYPE] - 1], _FLOATS[r0[F_PDTYPE] - 1]
@@ -241,7 +259,7 @@ def _agree_collective(
             tokens=tokens, hidden=hidden, ffn=ffn, num_local_experts=n_local, topk=topk,
             world=world, act_bytes=dtype.itemsize, prob_bytes=prob_dtype.itemsize,
             training=needs, transport="nccl" if tr_req == "nccl" else "copy_engine",
-            grad_accum=gacc,
+            grad_accum=gacc, gated=act.gated, b13=has_b13, b2=has_b2,
         )  # fmt: skip
     else:
         mode_res = mode_req
@@ -309,6 +327,9 @@ def _agree_collective(
         gpus_per_node=gpn,
         grad_dtype=grad_dtype,
         pair_buffer_mib=r0[F_PAIRBUF],
+        activation=act,
+        has_b13=has_b13,
+        has_b2=has_b2,
     )
 
 
@@ -354,7 +375,8 @@ def _forget_agreements() -> None:
     _AGREED.clear()
 
 
-def _signature(x, w13, w2, topk_idx, topk_probs, req: RingRequest, env: RingSettings) -> tuple:
+def _signature(x, w13, w2, topk_idx, topk_probs, req: RingRequest, env: RingSettings,
+               b13=None, b2=None) -> tuple:  # fmt: skip
     def meta(t):
         if isinstance(t, Tensor):
             return (tuple(t.shape), t.dtype, t.device.type)
@@ -362,17 +384,18 @@ def _signature(x, w13, w2, topk_idx, topk_probs, req: RingRequest, env: RingSett
             return (len(t), tuple(t[0].shape), t[0].dtype, t[0].device.type)
         return (type(t).__name__,)  # not an input the agreement accepts: it raises there
 
-    return (meta(x), meta(w13), meta(w2), meta(topk_idx), meta(topk_probs), req, env)
+    return (meta(x), meta(w13), meta(w2), meta(topk_idx), meta(topk_probs), req, env,
+            meta(b13), meta(b2))  # fmt: skip
 
 
 def _bounded(prob: RingProblem) -> bool:
     """Whether every hop's pair buffers fit the budget when sized from the bound (the largest is
-    the backward's pre-activation, ``(P, 2I)`` in the activations' dtype). The budget is the
+    the backward's pre-activation, ``(P, J)`` in the activations' dtype). The budget is the
     agreed ``pair_buffer_mib``, the same on every rank: this decides a collective."""
     budget = prob.pair_buffer_mib * 2**20
     esize = torch.empty((), dtype=prob.dtype).element_size()
     bound = max(prob.tokens) * min(prob.topk, prob.num_local_experts)
-    return bound * 2 * prob.ffn * esize <= budget
+    return bound * prob.fc1_rows * esize <= budget
 
 
 def pair_counts(topk_idx: Tensor, prob: RingProblem, group) -> tuple[tuple[int, ...], ...]:
@@ -403,18 +426,22 @@ def agree(
     world: int,
     request: RingRequest,
     trusted: bool = False,
+    b13=None,
+    b2=None,
 ) -> RingProblem:
     """The :class:`RingProblem` every rank agrees on, or the same ``ValueError`` on every rank.
 
     ``trusted=False``: one all-reduce and a host sync per call (ids validated, pair counts
     exact). ``trusted=True``: see the module doc (cached per signature, ids not validated).
+    ``b13``/``b2``: the experts' optional biases (their presence is agreed, their shapes
+    checked); the activation is the request's.
     """
-    args = (x, w13, w2, topk_idx, topk_probs)
+    args = (x, w13, w2, topk_idx, topk_probs, b13, b2)
     env = ring_settings()  # this process's options; agreed in the row
     where = dict(group=group, rank=rank, world=world, req=request, settings=env)
     if trusted and env.agree != "every_call":
         key = (getattr(group, "group_name", None) or id(group), rank, world,
-               _signature(*args, request, env))  # fmt: skip
+               _signature(*args[:5], request, env, b13, b2))  # fmt: skip
         prob = _AGREED.get(key)
         if prob is None:
             prob = _agree_collective(args, **where, validate_ids=False, with_pairs=False)

@@ -16,6 +16,9 @@ Forward on rank ``r``:
 4. ``out[t]`` sums the returned rows of ``t`` through ``pos_TR`` (row of ``t`` from ``q``, or -1):
    a deterministic gather-reduce, no atomics.
 
+The experts' biases stay with their experts (as in token mode): the hop primitive adds them,
+and their gradients are this rank's, like the weight gradients.
+
 Backward: x and dy rows go out again (nothing ``(S, H)`` is kept from the forward), the forward's
 routing index and probabilities of the received rows are reused (no ids travel), the hop
 primitive gives dx/dprobs rows and this rank's weight gradients, and dx/dprobs rows return and
@@ -42,6 +45,7 @@ from torch import Tensor
 
 from relaymoe.experts import expert_hop_backward, expert_hop_forward, resolve_backend
 from relaymoe.ring.faults import PeerWatch, check_markers
+from relaymoe.ring.passes import bias_grads, home_grads, local_parts, mlp
 from relaymoe.ring.problem import RingProblem
 from relaymoe.ring.weights import REVERSED, LocalExperts, reverse_local_ids
 from relaymoe.routing import RoutingIndex, build_routing_index
@@ -128,7 +132,7 @@ def alltoall_forward(
     """``(out (T, H), dispatch)`` of this rank's tokens; see the module doc."""
     R, El, K = prob.world_size, prob.num_local_experts, prob.topk
     T, dev = x.shape[0], x.device
-    w13, w2, order = experts.stacked(order)
+    local = local_parts(experts, order)
     watch = _watch(group, R, "fwd")
     owner_TK = idx32.to(torch.int64) // El
     hit_TR = torch.zeros(T, R, dtype=torch.bool, device=dev)
@@ -164,8 +168,9 @@ def alltoall_forward(
     if N > 0:  # every received row has a pair here: the output writes every row
         index = build_routing_index(_ids(ids_NK, prob, order), prob.num_experts, validate=False)
         y_N, _ = expert_hop_forward(
-            x_N, w13, w2, probs_NK, index, expert_range=prob.expert_range, out_TH=None,
-            save="none", backend=how.backend, kernels=how.kernels, n_pairs=n_pairs,
+            x_N, local["w13"], local["w2"], probs_NK, index, expert_range=prob.expert_range,
+            out_TH=None, save="none", backend=how.backend, kernels=how.kernels, n_pairs=n_pairs,
+            **mlp(prob, local),
         )  # fmt: skip
     del x_N, meta_N
     back_S = _exchange(y_N, recv_rows, send_rows, group, R, watch)
@@ -180,21 +185,26 @@ def alltoall_backward(
     prob: RingProblem, group, how, dy: Tensor, x: Tensor, experts: LocalExperts,
     probs: Tensor, d: Dispatch, order: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    """``(dx, dprobs, dw13, dw2)``, the weight gradients' rows in ``order``."""
+    """``(dx, dprobs, grads)``, ``grads`` this rank's experts' gradients by part name (rows in
+    ``order``; the biases' summed in ``prob.accum_dtype``)."""
     R = prob.world_size
-    w13, w2, order = experts.stacked(order)
+    local = local_parts(experts, order)
+    w13, w2 = local["w13"], local["w2"]
+    dw = {"d" + n: torch.zeros_like(local[n], dtype=prob.accum_dtype)
+          for n in ("b13", "b2") if local[n] is not None}  # fmt: skip
     watch = _watch(group, R, "bwd")
     x_N = _exchange(x.index_select(0, d.tok_S), d.send_rows, d.recv_rows, group, R, watch)
     dy_N = _exchange(dy.index_select(0, d.tok_S), d.send_rows, d.recv_rows, group, R, watch)
     N = x_N.shape[0]
     if N > 0:
-        dx_N, dp_NK, dw13, dw2 = expert_hop_backward(
+        dx_N, dp_NK, dw["dw13"], dw["dw2"] = expert_hop_backward(
             dy_N, x_N, w13, w2, d.probs_NK, d.index, expert_range=prob.expert_range,
             saved_h=None, backend=how.backend, kernels=how.kernels, n_pairs=d.n_pairs,
+            **mlp(prob, local), **bias_grads(dw),
         )  # fmt: skip
     else:
         dx_N, dp_NK = x_N.new_empty(0, x.shape[1]), d.probs_NK.new_empty(0, prob.topk)
-        dw13, dw2 = torch.zeros_like(w13), torch.zeros_like(w2)
+        dw["dw13"], dw["dw2"] = torch.zeros_like(w13), torch.zeros_like(w2)
     del x_N, dy_N
     be = resolve_backend(how.backend, x.device, x.dtype)
     back_dx = _exchange(dx_N, d.recv_rows, d.send_rows, group, R, watch)
@@ -203,4 +213,4 @@ def alltoall_backward(
     dprobs = _gather_sum(back_dp, d.pos_TR, torch.empty_like(probs), be)
     if watch is not None:
         watch.finish(x.device)
-    return dx, dprobs, dw13, dw2
+    return dx, dprobs, home_grads(prob, dw)

@@ -1,5 +1,8 @@
 """Each rank's own checks of its ``ring_moe`` inputs: an error code and message, never a raise.
 
+Shape legend as in ``engine.py``; J the fc1 rows of one expert (``activation.fc1_rows(I)``: 2I
+for a gated activation, I otherwise), checked against the request's activation.
+
 The agreement (``agree.py``) writes the code into this rank's row, so that every rank raises the
 same ``ValueError`` for the first rank whose inputs fail.
 """
@@ -31,8 +34,9 @@ class _Meta:
         return len(self.shape)
 
 
-def _weight_meta(name: str, w, want: str) -> tuple[_Meta | None, str]:
-    """(meta, "") of a weight input, or (None, error message)."""
+def _weight_meta(name: str, w, want: str, ndim: int = 2) -> tuple[_Meta | None, str]:
+    """(meta, "") of a weight (``ndim=2`` per expert) or bias (``ndim=1``) input, or (None,
+    error message)."""
     if isinstance(w, Tensor):
         return _Meta(w.shape, w.dtype, w.device), ""
     if not isinstance(w, (list, tuple)):
@@ -47,10 +51,10 @@ def _weight_meta(name: str, w, want: str) -> tuple[_Meta | None, str]:
             return None, f"{name}[{j}] must be a torch.Tensor, got {type(t).__name__}"
     w0 = w[0]
     for j, t in enumerate(w):
-        if t.dim() != 2 or t.shape != w0.shape or t.dtype != w0.dtype or t.device != w0.device:
+        if t.dim() != ndim or t.shape != w0.shape or t.dtype != w0.dtype or t.device != w0.device:
             return None, (
-                f"{name} list elements must all be 2-D with one shape, dtype and device; element "
-                f"0 is {tuple(w0.shape)} {w0.dtype} {w0.device}, element {j} is "
+                f"{name} list elements must all be {ndim}-D with one shape, dtype and device; "
+                f"element 0 is {tuple(w0.shape)} {w0.dtype} {w0.device}, element {j} is "
                 f"{tuple(t.shape)} {t.dtype} {t.device}"
             )
     return _Meta((len(w), *w0.shape), w0.dtype, w0.device), ""
@@ -65,13 +69,17 @@ def _local_check(
     req: RingRequest,
     world: int,
     validate_ids: bool = True,
+    b13=None,
+    b2=None,
 ) -> tuple[int, str]:
-    """(error code, message) of this rank's inputs; (0, "") when they are fine."""
+    """(error code, message) of this rank's inputs; (0, "") when they are fine. ``b13``/``b2``:
+    the optional expert biases, in the weights' form (tensors, or lists of per-expert 1-D
+    tensors)."""
     tensors = dict(x=x, topk_idx=topk_idx, topk_probs=topk_probs)
     for name, t in tensors.items():
         if not isinstance(t, Tensor):
             return 1, f"{name} must be a torch.Tensor, got {type(t).__name__}"
-    m13, msg = _weight_meta("w13", w13, "(El, 2I, H)")
+    m13, msg = _weight_meta("w13", w13, "(El, J, H)")
     if m13 is None:
         return 1, msg
     m2, msg = _weight_meta("w2", w2, "(El, H, I)")
@@ -79,6 +87,20 @@ def _local_check(
         return 1, msg
     if isinstance(w13, Tensor) != isinstance(w2, Tensor):
         return 1, "w13 and w2 must both be tensors or both be lists of per-expert tensors"
+    biases = {}
+    for name, b, want in (("b13", b13, "(El, J)"), ("b2", b2, "(El, H)")):
+        if b is None:
+            continue
+        meta, msg = _weight_meta(name, b, want, ndim=1)
+        if meta is None:
+            return 1, msg
+        if isinstance(b, Tensor) != isinstance(w13, Tensor):
+            form, fix = ("tensors", f"a tensor {want}") if isinstance(w13, Tensor) else (
+                "lists of per-expert tensors", "a list of E_local 1-D tensors")  # fmt: skip
+            return 1, f"{name} must come in the weights' form: w13/w2 are {form}, pass {fix}"
+        biases[name] = meta
+    if isinstance(req.activation, str):  # request_activation's message of a bad activation
+        return 9, req.activation
     mode, transport, schedule, gpus_per_node = (
         req.mode, req.transport, req.schedule, req.gpus_per_node
     )  # fmt: skip
@@ -99,16 +121,27 @@ def _local_check(
         )
     if x.dim() != 2 or m13.dim() != 3 or m2.dim() != 3:
         return 3, (
-            f"x must be (T, H), w13 (E_local, 2I, H), w2 (E_local, H, I); got x "
+            f"x must be (T, H), w13 (E_local, J, H), w2 (E_local, H, I); got x "
             f"{tuple(x.shape)}, w13 {m13.shape}, w2 {m2.shape}"
         )
     num_tokens, hidden = x.shape
-    n_local, two_i, h13 = m13.shape
-    if n_local < 1 or two_i % 2 or h13 != hidden or m2.shape != (n_local, hidden, two_i // 2):
+    act = req.activation
+    n_local, rows, h13 = m13.shape
+    ffn = m2.shape[2]
+    J = act.fc1_rows(ffn)
+    if n_local < 1 or m2.shape[:2] != (n_local, hidden) or (rows, h13) != (J, hidden):
+        how = "2I: gated" if act.gated else "I: not gated"
         return 3, (
-            f"shapes disagree: x {tuple(x.shape)}, w13 {m13.shape} (want (E_local >= 1, "
-            f"2I, {hidden})), w2 {m2.shape} (want ({n_local}, {hidden}, {two_i // 2}))"
+            f"shapes disagree: x {tuple(x.shape)}, w2 {m2.shape} (want (E_local >= 1, "
+            f"{hidden}, I)), w13 {m13.shape} (want ({n_local}, J={J}, {hidden}): J is "
+            f"{how}, activation {act})"
         )
+    for name, want in (("b13", (n_local, J)), ("b2", (n_local, hidden))):
+        if name in biases and biases[name].shape != want:
+            return 3, (
+                f"{name} has shape {biases[name].shape}, want {want} (E_local, "
+                f"{'J' if name == 'b13' else 'H'}) for w13 {m13.shape} and w2 {m2.shape}"
+            )
     if topk_idx.dim() != 2 or topk_idx.shape[0] != num_tokens:
         return 3, f"topk_idx must be (T={num_tokens}, K), got {tuple(topk_idx.shape)}"
     if topk_probs.shape != topk_idx.shape:
@@ -121,9 +154,13 @@ def _local_check(
             f"x, w13, w2 must share one float dtype of {_FLOATS}; got {x.dtype}, {m13.dtype}, "
             f"{m2.dtype}"
         )
+    for name, meta in biases.items():
+        if meta.dtype != x.dtype:
+            return 4, f"{name} must have the weights' dtype {x.dtype}, got {meta.dtype}"
     if topk_probs.dtype not in _FLOATS:
         return 4, f"topk_probs must be a float tensor, got {topk_probs.dtype}"
     devices = {t.device for t in tensors.values()} | {m13.device, m2.device}
+    devices |= {meta.device for meta in biases.values()}
     if len(devices) != 1:
         return 5, f"inputs are on different devices: {sorted(map(str, devices))}; move them to one"
     if x.device.type not in _DEVICE_TYPES:

@@ -1,7 +1,8 @@
 """``ring_moe``: MoE experts over an expert-parallel group by circulating experts or tokens.
 
-Shape legend: T tokens of this rank, H hidden, I expert FFN width, El experts per rank,
-E = El*R all experts, K top-k, R ranks of the group.
+Shape legend: T tokens of this rank, H hidden, I expert FFN width, J fc1 rows per expert
+(``activation.fc1_rows(I)``: 2I gated, I not), El experts per rank, E = El*R all experts, K
+top-k, R ranks of the group.
 
 **Expert mode** (tokens stay, expert weights travel). Forward hop ``h``: rank ``r`` adds its
 tokens' pairs with the visiting experts of rank ``o = (r-h) mod R`` (the contiguous range
@@ -23,10 +24,11 @@ circulates x, dy and the metadata, with dx/dprobs accumulators trailing; weight 
 local. Ranks may hold different T (including 0): every rank knows every T from the agreement
 step, so each hop sends and receives exactly the partition's bytes.
 
-**Memory bound** (besides inputs, outputs and gradients; ``W = El*3*H*I`` elements, ``b`` bytes
-per element, ``gb`` bytes of a weight-gradient accumulator element (``b``, or 4 with fp32
-accumulators: ``grad_accum``), ``Tm`` the largest T of the group, ``m = K*(4+pb)`` metadata
-bytes per token; ``cost.memory_bytes`` is this list):
+**Memory bound** (besides inputs, outputs and gradients; ``W = El*(J*H + H*I)`` elements, plus
+``El*J`` with fc1 biases and ``El*H`` with fc2 biases: they travel and accumulate with their
+weights; ``b`` bytes per element, ``gb`` bytes of a weight-gradient accumulator element (``b``,
+or 4 with fp32 accumulators: ``grad_accum``), ``Tm`` the largest T of the group,
+``m = K*(4+pb)`` metadata bytes per token; ``cost.memory_bytes`` is this list):
 
 * expert forward: two weight slots ``2*W*b``, plus one hop's compute intermediates;
 * expert backward: two slots of weights + trailing gradient ``2*W*(b + gb)``, one gradient
@@ -69,6 +71,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from relaymoe.activation import ExpertActivation
 from relaymoe.kernels.select import kernel_options
 from relaymoe.options import NODE_BATCHED, KernelOptions, defaults
 from relaymoe.ring.agree import RingProblem, RingRequest, agree
@@ -76,6 +79,7 @@ from relaymoe.ring.alltoall import alltoall_backward, alltoall_forward
 from relaymoe.ring.expert_mode import expert_backward, expert_forward
 from relaymoe.ring.nodebatch import batched_expert_backward, batched_expert_forward
 from relaymoe.ring.passes import IDX, Hop
+from relaymoe.ring.problem import request_activation
 from relaymoe.ring.token_mode import token_backward, token_forward
 from relaymoe.ring.weights import FORWARD, REVERSED, LocalExperts, reverse_local_ids
 from relaymoe.routing import build_routing_index
@@ -110,7 +114,8 @@ def _resolve_group(group):
 class _RingMoE(torch.autograd.Function):
     """Inputs ``(x, probs, topk_idx, prob, group, how, overlap, listed, *ws)`` (``how``: the hop
     primitives' backend and kernel options, a :class:`Hop`) with ``ws``
-    ``(w13, w2)`` (tensor form) or ``(*w13_list, *w2_list)`` (list form). Saves x, probs, the
+    ``(w13, w2[, b13][, b2])`` (tensor form) or ``(*w13_list, *w2_list[, *b13_list][,
+    *b2_list])`` (list form; which biases: ``prob.has_b13``/``has_b2``). Saves x, probs, the
     int32 ids and ``ws`` themselves (list form: the caller's tensors, no copy)."""
 
     @staticmethod
@@ -118,7 +123,7 @@ class _RingMoE(torch.autograd.Function):
         x, probs = x.contiguous(), probs.contiguous()
         if not listed:
             ws = tuple(w.contiguous() for w in ws)
-        experts = LocalExperts.from_inputs(listed, ws)
+        experts = LocalExperts.from_inputs(listed, ws, prob.has_b13, prob.has_b2)
         idx32 = topk_idx.to(IDX).contiguous()
         ctx.prob, ctx.group, ctx.how, ctx.overlap = prob, group, how, overlap
         ctx.listed = listed
@@ -146,21 +151,22 @@ class _RingMoE(torch.autograd.Function):
     def backward(ctx, dy):
         x, probs, idx32, *ws = ctx.saved_tensors
         prob, order = ctx.prob, ctx.order
-        experts = LocalExperts.from_inputs(ctx.listed, ws)
+        experts = LocalExperts.from_inputs(ctx.listed, ws, prob.has_b13, prob.has_b2)
         dy = dy.to(prob.dtype).contiguous()
         if prob.mode == "alltoall":
-            dx, dprobs, dw13, dw2 = alltoall_backward(
+            dx, dprobs, g = alltoall_backward(
                 prob, ctx.group, ctx.how, dy, x, experts, probs, ctx.index, order
             )
         else:
-            dx, dprobs, dw13, dw2 = _passes(prob)[1](
+            dx, dprobs, g = _passes(prob)[1](
                 prob, ctx.group, ctx.how, ctx.overlap, dy, x, experts, probs, ctx.index, order
             )
         # the weight gradients' rows: expert mode over several ranks packs slot 0 in expert
         # order; token mode and a world of one use the stacked form's order
         rows = FORWARD if prob.mode == "expert" and prob.world_size > 1 else order
         need = ctx.needs_input_grad
-        wgrads = experts.split(dw13, dw2, rows)  # views of the returned gradient, no copy
+        # views of the returned gradients, no copy
+        wgrads = experts.split(g["w13"], g["w2"], rows, g.get("b13"), g.get("b2"))
         wgrads = tuple(g if need[8 + j] else None for j, g in enumerate(wgrads))
         return (
             dx if need[0] else None,
@@ -191,16 +197,31 @@ def ring_moe(
     gpus_per_node: int | None = None,
     grad_accum: str = "auto",
     kernels: KernelOptions | None = None,
+    activation: ExpertActivation | str | None = None,
+    b13: Tensor | Sequence[Tensor] | None = None,
+    b2: Tensor | Sequence[Tensor] | None = None,
 ) -> Tensor:
     """MoE experts over the expert-parallel ``group`` by ring execution (RelayMoE §3.1-3.3).
 
-    ``x (T, H)`` this rank's tokens; ``w13 (E_local, 2I, H)`` / ``w2 (E_local, H, I)`` this rank's
-    experts, global experts ``[rank*E_local, (rank+1)*E_local)``; ``topk_idx (T, K)`` global
+    ``x (T, H)`` this rank's tokens; ``w13 (E_local, J, H)`` / ``w2 (E_local, H, I)`` this rank's
+    experts, global experts ``[rank*E_local, (rank+1)*E_local)``, J the fc1 rows of the
+    activation (``activation.fc1_rows(I)``: 2I gated, I not); ``topk_idx (T, K)`` global
     expert ids, ``topk_probs (T, K)``. Returns ``(T, H)`` equal to the oracle over all experts,
-    differentiable in x, w13, w2, topk_probs. Ranks may hold different T (including 0).
+    differentiable in x, w13, w2, topk_probs (and the biases). Ranks may hold different T
+    (including 0).
 
-    ``w13``/``w2`` may instead be lists (or tuples) of ``E_local`` per-expert tensors ``(2I, H)``
-    / ``(H, I)`` (e.g. a Megatron experts module's parameters), each differentiable on its own.
+    ``activation``: the expert MLP (a ``relaymoe.activation.ExpertActivation`` or a name,
+    ``as_activation``; None: SwiGLU). ``b13 (E_local, J)`` / ``b2 (E_local, H)``: this rank's
+    experts' optional fc1 / fc2 biases (Megatron's ``add_bias_linear``), in the weights' form:
+    ``out[t] = sum_k p * (act(x @ w13[e]^T + b13[e]) @ w2[e]^T + b2[e])``. Every rank must pass
+    the same activation and the same biases (the agreement refuses otherwise, naming each
+    rank's). Expert mode: the biases travel in their weights' partition (one transfer per hop)
+    and their gradients trail home with the weight gradients (``grad_accum``'s dtype); token and
+    all-to-all modes: they stay with their experts and their gradients accumulate there.
+
+    ``w13``/``w2`` may instead be lists (or tuples) of ``E_local`` per-expert tensors ``(J, H)``
+    / ``(H, I)`` (e.g. a Megatron experts module's parameters), each differentiable on its own,
+    and then ``b13``/``b2`` lists of ``E_local`` 1-D tensors ``(J,)`` / ``(H,)``.
     Then no stacked copy of the experts is kept from forward to backward: the ring saves the
     elements themselves, packs them into its send slot per pass (expert mode) or uses a
     zero-copy view (elements back to back in one storage, in list order or in reverse list
@@ -252,7 +273,8 @@ def ring_moe(
     Validated on every rank before any P2P, the same ``ValueError`` raised on every rank
     (``agree.py``): types, shapes, dtypes and devices of every input on every rank, and their
     agreement across ranks (E_local, H, I, K, dtypes, device type, mode, transport, schedule,
-    gpus_per_node, grad_accum, whether a backward follows, the settings above); that the hop
+    gpus_per_node, grad_accum, whether a backward follows, the settings above, every field of
+    the activation, which biases are given; w13's rows against the activation); that the hop
     backend can run the inputs; the int32 limits; the expert ids (in ``[0, E)``, distinct per
     row: one host sync). ``trusted=True`` skips the id check and, for a signature already
     agreed, the whole agreement: inputs that change without the signature changing are not
@@ -260,15 +282,19 @@ def ring_moe(
     """
     group, rank, world = _resolve_group(group)
     listed = isinstance(w13, (list, tuple)) and isinstance(w2, (list, tuple))
-    ws = (*w13, *w2) if listed else (w13, w2)
+    # the autograd inputs of the experts, weights then biases (LocalExperts.inputs' order);
+    # a bias in the wrong form is refused by the agreement before they are used
+    parts = [p for p in (w13, w2, b13, b2) if p is not None]
+    ws = tuple(t for p in parts for t in (p if isinstance(p, (list, tuple)) else (p,)))
     needs_grad = torch.is_grad_enabled() and any(
         isinstance(t, Tensor) and t.requires_grad for t in (x, topk_probs, *ws)
     )
-    req = RingRequest(mode, transport, schedule, gpus_per_node, needs_grad, grad_accum, backend)
+    req = RingRequest(mode, transport, schedule, gpus_per_node, needs_grad, grad_accum, backend,
+                      request_activation(activation))  # fmt: skip
     with torch.profiler.record_function("relaymoe.agree"):
         prob = agree(
             x, w13, w2, topk_idx, topk_probs, group=group, rank=rank, world=world, request=req,
-            trusted=trusted,
+            trusted=trusted, b13=b13, b2=b2,
         )  # fmt: skip
     how = Hop(backend, kernel_options(kernels))
     overlap = defaults().overlap
@@ -276,9 +302,13 @@ def ring_moe(
 
 
 def resolved_problem(*args, **kwargs) -> RingProblem:
-    """The agreed :class:`RingProblem` (mode, transport, sizes) ``ring_moe`` would run."""
+    """The agreed :class:`RingProblem` (mode, transport, sizes, expert MLP) ``ring_moe`` would
+    run; keywords as ``ring_moe``'s (``needs_grad`` instead of the inputs' requires_grad)."""
     group, rank, world = _resolve_group(kwargs.pop("group", None))
     trusted = kwargs.pop("trusted", False)
+    b13, b2 = kwargs.pop("b13", None), kwargs.pop("b2", None)
+    activation = request_activation(kwargs.pop("activation", None))
     # mode, transport, schedule, gpus_per_node, needs_grad, grad_accum, backend
-    req = RingRequest(**kwargs)
-    return agree(*args, group=group, rank=rank, world=world, request=req, trusted=trusted)
+    req = RingRequest(**kwargs, activation=activation)
+    return agree(*args, group=group, rank=rank, world=world, request=req, trusted=trusted,
+                 b13=b13, b2=b2)  # fmt: skip

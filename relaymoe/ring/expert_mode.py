@@ -1,4 +1,8 @@
-"""Expert mode: the weights travel, the tokens stay; a forward and a backward pass of the ring."""
+"""Expert mode: the weights travel, the tokens stay; a forward and a backward pass of the ring.
+
+The experts' biases travel in their weights' partition (``passes.weights_layout``) and their
+gradients trail home with the weight gradients, in the same accumulators' dtype.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +10,12 @@ import torch
 
 from relaymoe.experts import expert_hop_backward, expert_hop_forward
 from relaymoe.ring.passes import (
+    bias_grads,
     capacity,
     expert_plans,
+    home_grads,
+    local_parts,
+    mlp,
     pack_own,
     pair_rows,
     ring_pass,
@@ -19,16 +27,17 @@ def expert_forward(prob, group, how, overlap, x, experts, probs, index, order):
     El = prob.num_local_experts
     out = torch.zeros_like(x)
     T = x.shape[0]
-    local = experts.stacked(order) if prob.world_size == 1 else None
+    local = local_parts(experts, order) if prob.world_size == 1 else None
 
     def compute(hop, part, lead, trail):
         if T == 0:
             return
-        a, b = local[:2] if lead is None else (lead["w13"], lead["w2"])
+        w = local if lead is None else lead
         expert_hop_forward(
-            x, a, b, probs, index,
+            x, w["w13"], w["w2"], probs, index,
             expert_range=(part * El, (part + 1) * El), out_TH=out, save="none",
             backend=how.backend, kernels=how.kernels, **pair_rows(prob, prob.rank, part),
+            **mlp(prob, w),
         )  # fmt: skip
 
     fwd, bwd = expert_plans(prob)
@@ -42,24 +51,26 @@ def expert_forward(prob, group, how, overlap, x, experts, probs, index, order):
 
 
 def expert_backward(prob, group, how, overlap, dy, x, experts, probs, index, order):
-    """Returns ``(dx, dprobs, dw13, dw2)``; the weight gradients' rows are in the row order the
-    compute used: expert order for ``R > 1`` (slot 0 is packed in expert order), ``order`` in a
-    world of one."""
+    """Returns ``(dx, dprobs, grads)``, ``grads`` this rank's experts' gradients by part name
+    (``w13``, ``w2``, and the biases'); their rows are in the row order the compute used:
+    expert order for ``R > 1`` (slot 0 is packed in expert order), ``order`` in a world of
+    one."""
     El = prob.num_local_experts
     dx = torch.zeros_like(x)
     dprobs = torch.zeros_like(probs)
     T = x.shape[0]
-    local = experts.stacked(order) if prob.world_size == 1 else None
+    local = local_parts(experts, order) if prob.world_size == 1 else None
 
     def compute(hop, part, lead, trail):
         if T == 0:
             return  # no pairs: this rank's share of the weight gradient is exactly zero
-        a, b = local[:2] if lead is None else (lead["w13"], lead["w2"])
+        w = local if lead is None else lead
         expert_hop_backward(
-            dy, x, a, b, probs, index,
+            dy, x, w["w13"], w["w2"], probs, index,
             expert_range=(part * El, (part + 1) * El), saved_h=None,
             dx_TH=dx, dprobs_TK=dprobs, dw13=trail["dw13"], dw2=trail["dw2"],
             backend=how.backend, kernels=how.kernels, **pair_rows(prob, prob.rank, part),
+            **mlp(prob, w), **bias_grads(trail),
         )  # fmt: skip
 
     _, bwd = expert_plans(prob)
@@ -69,4 +80,4 @@ def expert_backward(prob, group, how, overlap, dy, x, experts, probs, index, ord
         lead_layout=lambda p: w, own_lead=lambda views: pack_own(experts, views),
         trail_layout=lambda p: dw, compute=compute,
     )  # fmt: skip
-    return dx, dprobs, grads["dw13"].to(prob.dtype), grads["dw2"].to(prob.dtype)
+    return dx, dprobs, home_grads(prob, grads)

@@ -52,6 +52,11 @@ class Layout:
             offset = align_up(end)
         return Layout(tuple(segments), end)
 
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The segments' names, in layout order."""
+        return tuple(seg.name for seg in self.segments)
+
     def views(self, buf_u8: Tensor, base: int = 0) -> dict[str, Tensor]:
         """Typed views of the segments inside ``buf_u8[base:]`` (no copy)."""
         if base % ALIGN:

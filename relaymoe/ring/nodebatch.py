@@ -32,6 +32,10 @@ gradients as the flat ring does. No token buffer grows. A rank with no tokens
 still exchanges (its peers wait for its partition and its zero gradient share). Expert mode only:
 token partitions batched ``G`` at a time would multiply the token slots by ``G``.
 
+Every activation and the experts' biases: the biases travel in their weights' partition, are
+all-gathered with them and their gradients reduce-scattered with the weights' (the bias
+gradients added into zeros, as the hop primitives add them).
+
 Waits: on CPU each exchange is waited for, bounded by the group's timeout (``RingPeerError``
 names the peers); on CUDA the works are stream-ordered and handed to the pass's host wait
 (``faults.PeerWatch.finish``).
@@ -51,7 +55,14 @@ from relaymoe.experts import expert_hop_backward, expert_hop_forward
 from relaymoe.ring.agree import RingProblem
 from relaymoe.ring.executor import relay
 from relaymoe.ring.faults import PeerWatch
-from relaymoe.ring.passes import pack_own, weights_layout
+from relaymoe.ring.passes import (
+    bias_grads,
+    home_grads,
+    local_parts,
+    mlp,
+    pack_own,
+    weights_layout,
+)
 from relaymoe.ring.schedule import HopTransfer, Leg, RingPlan
 from relaymoe.ring.transport import P2PTransport
 from relaymoe.ring.weights import FORWARD
@@ -164,41 +175,41 @@ def _node_pairs(prob: RingProblem, node: int) -> dict[str, int]:
     return {"max_pairs": T * min(prob.topk, G * prob.num_local_experts)}
 
 
-def _node_experts(prob: RingProblem, group, lead, local, device, phase):
-    """The round's ``G*El`` experts ``(w13, w2)``: this rank's visiting partition (``lead``, or
-    ``local`` in a column of one) and its node peers', all-gathered over the row."""
+def _node_experts(prob: RingProblem, group, lead, local, device, phase) -> dict[str, Tensor]:
+    """The round's ``G*El`` experts by part name (``w13``, ``w2`` and the biases): this rank's
+    visiting partition (``lead``, or ``local`` in a column of one) and its node peers',
+    all-gathered over the row (the biases in the same exchange as their weights)."""
     G, El, g = prob.gpus_per_node, prob.num_local_experts, prob.rank % prob.gpus_per_node
-    mine = (lead["w13"], lead["w2"]) if lead is not None else tuple(local[:2])
+    src = local if lead is None else lead
+    mine = {n: src[n] for n in weights_layout(prob).names}
     if G == 1:  # the node is this rank: its partition as it is, no copy
         return mine
-    w13 = mine[0].new_empty((G * El, *mine[0].shape[1:]))
-    w2 = mine[1].new_empty((G * El, *mine[1].shape[1:]))
-    w13[g * El : (g + 1) * El].copy_(mine[0])
-    w2[g * El : (g + 1) * El].copy_(mine[1])
+    node = {n: t.new_empty((G * El, *t.shape[1:])) for n, t in mine.items()}
+    for n, t in mine.items():
+        node[n][g * El : (g + 1) * El].copy_(t)
     row_exchange(
-        group, prob.rank, G, lambda q: list(mine),
-        lambda q: [w13[q * El : (q + 1) * El], w2[q * El : (q + 1) * El]],
+        group, prob.rank, G, lambda q: list(mine.values()),
+        lambda q: [t[q * El : (q + 1) * El] for t in node.values()],
         mode=prob.mode, phase=phase, device=device,
     )  # fmt: skip
-    return w13, w2
+    return node
 
 
 def _batched_pass(prob, group, overlap, device, phase, compute, experts, backward):
     """One column pass; the hop's experts are all-gathered over the row before the hop's column
-    transfer is issued (``relay``'s ``prepare``) and handed to ``compute(node, w13, w2,
-    trail)``."""
+    transfer is issued (``relay``'s ``prepare``) and handed to ``compute(node, parts,
+    trail)`` (``parts``: the round's experts by part name)."""
     G = prob.gpus_per_node
     w, dw = weights_layout(prob), weights_layout(prob, "d")
     plan = column_plan(prob.rank, prob.world_size, G, w.nbytes, dw.nbytes if backward else None)
-    local = experts.stacked(FORWARD) if plan.world_size == 1 else None  # a column of one node
+    local = local_parts(experts, FORWARD) if plan.world_size == 1 else None  # a column of one
     gathered = {}
 
     def prepare(hop, node, lead):
         gathered["w"] = _node_experts(prob, group, lead, local, device, phase)
 
     def run(hop, node, lead, trail):
-        w13, w2 = gathered.pop("w")
-        compute(node, w13, w2, trail)
+        compute(node, gathered.pop("w"), trail)
 
     return relay(
         plan, lead_layout=lambda p: w, own_lead=lambda views: pack_own(experts, views),
@@ -212,13 +223,14 @@ def batched_expert_forward(prob, group, how, overlap, x, experts, probs, index, 
     G, El = prob.gpus_per_node, prob.num_local_experts
     out = torch.zeros_like(x)
 
-    def compute(node, w13, w2, trail):
+    def compute(node, parts, trail):
         if x.shape[0] == 0:
             return
         expert_hop_forward(
-            x, w13, w2, probs, index, expert_range=(node * G * El, (node + 1) * G * El),
-            out_TH=out, save="none", backend=how.backend, kernels=how.kernels,
-            **_node_pairs(prob, node),
+            x, parts["w13"], parts["w2"], probs, index,
+            expert_range=(node * G * El, (node + 1) * G * El), out_TH=out, save="none",
+            backend=how.backend, kernels=how.kernels, **_node_pairs(prob, node),
+            **mlp(prob, parts),
         )  # fmt: skip
 
     _batched_pass(prob, group, overlap, x.device, "fwd", compute, experts, False)
@@ -226,39 +238,46 @@ def batched_expert_forward(prob, group, how, overlap, x, experts, probs, index, 
 
 
 def batched_expert_backward(prob, group, how, overlap, dy, x, experts, probs, index, order):
-    """As ``expert_backward``; the weight gradients' rows in expert order."""
+    """As ``expert_backward``; the gradients' rows in expert order."""
     G, El, g = prob.gpus_per_node, prob.num_local_experts, prob.rank % prob.gpus_per_node
     dx, dprobs = torch.zeros_like(x), torch.zeros_like(probs)
 
-    def compute(node, w13, w2, trail):
-        def grads(d13, d2):
+    def compute(node, parts, trail):
+        def grads(d: dict):
             return expert_hop_backward(
-                dy, x, w13, w2, probs, index, expert_range=(node * G * El, (node + 1) * G * El),
-                saved_h=None, dx_TH=dx, dprobs_TK=dprobs, dw13=d13, dw2=d2, backend=how.backend,
+                dy, x, parts["w13"], parts["w2"], probs, index,
+                expert_range=(node * G * El, (node + 1) * G * El), saved_h=None, dx_TH=dx,
+                dprobs_TK=dprobs, dw13=d["dw13"], dw2=d["dw2"], backend=how.backend,
                 kernels=how.kernels, grad_dtype=prob.accum_dtype, **_node_pairs(prob, node),
+                **mlp(prob, parts), **bias_grads(d),
             )  # fmt: skip
 
         if G == 1:  # no row: the gradients go straight into the trail, as in the flat ring
             if x.shape[0] > 0:
-                grads(trail["dw13"], trail["dw2"])
+                grads(trail)
             return
-        if x.shape[0] > 0:  # written, not added: no zero fill of the G*El gradients
-            _, _, d13, d2 = grads(None, None)
-        else:  # the peers still wait for this rank's (zero) shares
-            d13 = torch.zeros_like(w13, dtype=prob.accum_dtype)
-            d2 = torch.zeros_like(w2, dtype=prob.accum_dtype)
+        # the weight gradients written, not added (no zero fill of the G*El gradients); the
+        # bias gradients are added into zeros (the hop primitives' contract), and a rank with
+        # no tokens sends zero shares (its peers wait for them)
+        d = {"dw13": None, "dw2": None}
+        d |= {"d" + n: torch.zeros_like(t, dtype=prob.accum_dtype)
+              for n, t in parts.items() if n.startswith("b")}  # fmt: skip
+        if x.shape[0] > 0:
+            _, _, d["dw13"], d["dw2"] = grads(d)
+        else:
+            d["dw13"] = torch.zeros_like(parts["w13"], dtype=prob.accum_dtype)
+            d["dw2"] = torch.zeros_like(parts["w2"], dtype=prob.accum_dtype)
+        names = list(trail)  # the trail's order: dw13, dw2, then the biases'
         # reduce-scatter over the row: partition (node, q)'s share to local rank q
-        mine = (d13[g * El : (g + 1) * El], d2[g * El : (g + 1) * El])
-        got = {q: (torch.empty_like(mine[0]), torch.empty_like(mine[1]))
+        got = {q: [torch.empty_like(d[n][g * El : (g + 1) * El]) for n in names]
                for q in range(G) if q != g}  # fmt: skip
         row_exchange(
-            group, prob.rank, G,
-            lambda q: [d13[q * El : (q + 1) * El], d2[q * El : (q + 1) * El]],
-            lambda q: list(got[q]), mode=prob.mode, phase="bwd", device=x.device,
+            group, prob.rank, G, lambda q: [d[n][q * El : (q + 1) * El] for n in names],
+            lambda q: got[q], mode=prob.mode, phase="bwd", device=x.device,
         )  # fmt: skip
-        for a, b in (mine, *got.values()):
-            trail["dw13"].add_(a)
-            trail["dw2"].add_(b)
+        for shares in ([d[n][g * El : (g + 1) * El] for n in names], *got.values()):
+            for n, share in zip(names, shares, strict=True):
+                trail[n].add_(share)
 
     grads = _batched_pass(prob, group, overlap, x.device, "bwd", compute, experts, True)
-    return dx, dprobs, grads["dw13"].to(prob.dtype), grads["dw2"].to(prob.dtype)
+    return dx, dprobs, home_grads(prob, grads)

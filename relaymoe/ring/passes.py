@@ -38,11 +38,16 @@ def transport_of(prob: RingProblem, group) -> Transport | None:
 
 
 def weights_layout(prob: RingProblem, prefix: str = "") -> Layout:
-    """The experts' weights, or with ``prefix="d"`` their gradient accumulators (in
-    ``prob.accum_dtype``: fp32 for a long ring of 16-bit weights, see options.GRAD_ACCUMS)."""
-    El, H, I = prob.num_local_experts, prob.hidden, prob.ffn
+    """The experts' weights and biases, or with ``prefix="d"`` their gradient accumulators (in
+    ``prob.accum_dtype``: fp32 for a long ring of 16-bit weights, see options.GRAD_ACCUMS):
+    ``w13 (El, J, H) | w2 (El, H, I) [| b13 (El, J)] [| b2 (El, H)]``. The biases sit in the
+    weights' partition, so the one transfer of a hop carries them (and their gradients trail
+    with the weights' gradients); absent biases have no segment."""
+    El, H, I, J = prob.num_local_experts, prob.hidden, prob.ffn, prob.fc1_rows
     dt = prob.accum_dtype if prefix == "d" else prob.dtype
-    return Layout.of((prefix + "w13", dt, (El, 2 * I, H)), (prefix + "w2", dt, (El, H, I)))
+    shapes = {"w13": (El, J, H), "w2": (El, H, I), "b13": (El, J), "b2": (El, H)}
+    present = ("w13", "w2") + ("b13",) * prob.has_b13 + ("b2",) * prob.has_b2
+    return Layout.of(*((prefix + n, dt, shapes[n]) for n in present))
 
 
 def token_lead(prob: RingProblem, T: int, backward: bool) -> Layout:
@@ -130,7 +135,35 @@ def pair_rows(prob: RingProblem, tokens_rank: int, experts_rank: int) -> dict[st
     return {"max_pairs": prob.hop_pairs(tokens_rank, experts_rank)}
 
 
+def local_parts(experts: LocalExperts, order: str) -> dict[str, Tensor | None]:
+    """The local experts' ``(El, ...)`` forms by part name (``w13``, ``w2``, ``b13``, ``b2``;
+    None for an absent bias) in ``order``'s rows, for a pass that computes with them directly
+    (token mode, all-to-all mode, a world of one): views, or stacks for this pass only."""
+    w13, w2, _ = experts.stacked(order)
+    b13, b2 = experts.biases(order)
+    return {"w13": w13, "w2": w2, "b13": b13, "b2": b2}
+
+
+def mlp(prob: RingProblem, parts: dict[str, Tensor | None]) -> dict:
+    """The hop primitives' expert-MLP keywords: the agreed activation and the biases of
+    ``parts`` (a partition's views by name, or :func:`local_parts`; None when absent)."""
+    return {"activation": prob.activation, "b13": parts.get("b13"), "b2": parts.get("b2")}
+
+
+def bias_grads(grads: dict[str, Tensor | None]) -> dict:
+    """The hop backward's bias-gradient buffers among ``grads`` (a trail's views, or local
+    accumulators keyed ``db13``/``db2``): the present biases' only."""
+    return {"db13": grads.get("db13"), "db2": grads.get("db2")}
+
+
+def home_grads(prob: RingProblem, grads: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The weight and bias gradients of this rank's experts by part name (``w13``, ...), from
+    accumulators keyed ``dw13``, ... (any dtype), in the weights' dtype."""
+    return {name[1:]: g.to(prob.dtype) for name, g in grads.items()}
+
+
 def pack_own(experts: LocalExperts, views: dict[str, Tensor]) -> None:
-    """The rank's own experts into slot 0, in expert order (per element in list form)."""
+    """The rank's own experts (weights and biases) into slot 0, in expert order (per element
+    in list form)."""
     for name, view in views.items():
         experts.pack(name, view)

@@ -11,8 +11,20 @@ from dataclasses import dataclass
 import torch
 
 from relaymoe import options
+from relaymoe.activation import SWIGLU, ExpertActivation, as_activation
 
-__all__ = ["RingProblem", "RingRequest", "RingSettings", "ring_settings"]
+__all__ = ["RingProblem", "RingRequest", "RingSettings", "request_activation", "ring_settings"]
+
+
+def request_activation(value) -> ExpertActivation | str:
+    """``value`` (``ring_moe``'s ``activation=``) as the request holds it: the
+    ``ExpertActivation``, or the message of ``as_activation``'s ``ValueError`` when it is not
+    one. Not raised here: the agreement reports it (``checks.py``, code 9) on every rank at
+    once, so a rank with a bad activation fails its peers instead of leaving them waiting."""
+    try:
+        return as_activation(value)
+    except ValueError as err:
+        return str(err)
 
 
 @dataclass(frozen=True)
@@ -27,6 +39,8 @@ class RingRequest:
     needs_grad: bool = True
     grad_accum: str = "auto"  # the weight-gradient accumulators (options.GRAD_ACCUM_CHOICES)
     backend: str = "auto"  # the hop primitives' backend on this rank (not compared across ranks)
+    # the expert MLP (request_activation: an ExpertActivation, or the message of a bad one)
+    activation: ExpertActivation | str = SWIGLU
 
 
 @dataclass(frozen=True)
@@ -73,10 +87,20 @@ class RingProblem:
     grad_dtype: torch.dtype | None = None
     # KernelOptions.pair_buffer_mib as agreed by every rank (``_bounded`` decides from it)
     pair_buffer_mib: int = 512
+    # the expert MLP every rank computes, and which biases every rank's experts carry (they
+    # travel with their weights in expert mode: ``passes.weights_layout``)
+    activation: ExpertActivation = SWIGLU
+    has_b13: bool = False
+    has_b2: bool = False
 
     @property
     def accum_dtype(self) -> torch.dtype:
         return self.grad_dtype or self.dtype
+
+    @property
+    def fc1_rows(self) -> int:
+        """J: rows of one expert's fc1 weight (``w13[e]``), ``activation.fc1_rows(ffn)``."""
+        return self.activation.fc1_rows(self.ffn)
 
     @property
     def num_experts(self) -> int:

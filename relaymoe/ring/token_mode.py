@@ -1,5 +1,9 @@
 """Token mode: the tokens travel with their routing metadata, the experts stay; a forward and a
-backward pass of the ring."""
+backward pass of the ring.
+
+The experts' biases stay with them and their gradients accumulate here, beside the weights'
+(in ``prob.accum_dtype``).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,17 @@ from torch import Tensor
 
 from relaymoe.experts import expert_hop_backward, expert_hop_forward
 from relaymoe.ring.agree import RingProblem
-from relaymoe.ring.passes import capacity, pair_rows, ring_pass, token_layouts, token_plans
+from relaymoe.ring.passes import (
+    bias_grads,
+    capacity,
+    home_grads,
+    local_parts,
+    mlp,
+    pair_rows,
+    ring_pass,
+    token_layouts,
+    token_plans,
+)
 from relaymoe.ring.weights import REVERSED, reverse_local_ids
 from relaymoe.routing import build_routing_index
 
@@ -24,7 +38,7 @@ def token_forward(prob, group, how, overlap, x, experts, probs, idx32, order):
     E, Ts, own = prob.num_experts, prob.tokens, prob.expert_range
     # local experts compute every hop: their (El, ...) form for this pass only (a zero-copy view
     # when the list form is back to back, else a transient stack dropped when the pass ends)
-    w13, w2, order = experts.stacked(order)
+    local = local_parts(experts, order)
     indices: dict[int, object] = {}
 
     def compute(hop, part, lead, trail):
@@ -34,9 +48,9 @@ def token_forward(prob, group, how, overlap, x, experts, probs, idx32, order):
         index = build_routing_index(token_ids(ids, prob, order), E, validate=False)
         indices[part] = index
         expert_hop_forward(
-            xs, w13, w2, ps, index,
+            xs, local["w13"], local["w2"], ps, index,
             expert_range=own, out_TH=trail["out"], save="none", backend=how.backend,
-            kernels=how.kernels, **pair_rows(prob, part, prob.rank),
+            kernels=how.kernels, **pair_rows(prob, part, prob.rank), **mlp(prob, local),
         )  # fmt: skip
 
     fwd, bwd = token_plans(prob)
@@ -48,16 +62,21 @@ def token_forward(prob, group, how, overlap, x, experts, probs, idx32, order):
 
 
 def token_backward(prob, group, how, overlap, dy, x, experts, probs, indices, order):
-    """Returns ``(dx, dprobs, dw13, dw2)``, the weight gradients' rows in ``order``.
-    ``indices``: the forward's routing index of every visiting partition."""
+    """Returns ``(dx, dprobs, grads)``, ``grads`` this rank's experts' gradients by part name
+    (rows in ``order``). ``indices``: the forward's routing index of every visiting partition."""
     Ts, own = prob.tokens, prob.expert_range
-    w13, w2, order = experts.stacked(order)  # again for this pass only
+    local = local_parts(experts, order)  # again for this pass only
+    w13, w2 = local["w13"], local["w2"]
     # the first hop with pairs writes the local weight gradients, later hops add (no zero fill);
-    # accumulators wider than the weights start as zeros that every hop adds to
+    # accumulators wider than the weights start as zeros that every hop adds to. The bias
+    # gradients are added into (the hop primitives' contract): zeros from the start.
     dw: dict[str, Tensor | None] = {"dw13": None, "dw2": None}
     if prob.accum_dtype != prob.dtype:
         dw = {"dw13": torch.zeros_like(w13, dtype=prob.accum_dtype),
               "dw2": torch.zeros_like(w2, dtype=prob.accum_dtype)}  # fmt: skip
+    for name in ("b13", "b2"):
+        if local[name] is not None:
+            dw["d" + name] = torch.zeros_like(local[name], dtype=prob.accum_dtype)
 
     def compute(hop, part, lead, trail):
         if Ts[part] == 0:
@@ -70,7 +89,7 @@ def token_backward(prob, group, how, overlap, dy, x, experts, probs, indices, or
             dys, xs, w13, w2, ps, indices[part],
             expert_range=own, saved_h=None, dx_TH=trail["dx"], dprobs_TK=trail["dprobs"],
             dw13=dw["dw13"], dw2=dw["dw2"], backend=how.backend, kernels=how.kernels,
-            **pair_rows(prob, part, prob.rank),
+            **pair_rows(prob, part, prob.rank), **mlp(prob, local), **bias_grads(dw),
         )  # fmt: skip
 
     _, bwd = token_plans(prob)
@@ -78,6 +97,6 @@ def token_backward(prob, group, how, overlap, dy, x, experts, probs, indices, or
         prob, group, overlap, x.device, "bwd", bwd, own_lead={"x": x, "probs": probs, "dy": dy},
         compute=compute, **token_layouts(prob, True),
     )  # fmt: skip
-    dw13 = dw["dw13"].to(prob.dtype) if dw["dw13"] is not None else torch.zeros_like(w13)
-    dw2 = dw["dw2"].to(prob.dtype) if dw["dw2"] is not None else torch.zeros_like(w2)
-    return result["dx"], result["dprobs"], dw13, dw2
+    if dw["dw13"] is None:  # no hop had pairs
+        dw["dw13"], dw["dw2"] = torch.zeros_like(w13), torch.zeros_like(w2)
+    return result["dx"], result["dprobs"], home_grads(prob, dw)

@@ -1,11 +1,17 @@
 """This rank's experts as ``ring_moe`` receives them: stacked tensors or per-expert lists.
 
-Two input forms (shape legend in ``engine.py``):
+Two input forms (shape legend in ``engine.py``; J the fc1 rows, 2I gated, I not):
 
-* **tensor form**: ``w13 (El, 2I, H)``, ``w2 (El, H, I)``;
-* **list form**: ``El`` tensors ``(2I, H)`` and ``El`` tensors ``(H, I)``, e.g. a Megatron experts
-  module's parameters. Each element is an autograd input of its own (its gradient lands in its
-  ``.grad``) and is what the ring saves for backward: no stacked copy outlives a pass.
+* **tensor form**: ``w13 (El, J, H)``, ``w2 (El, H, I)``, optional biases ``b13 (El, J)``,
+  ``b2 (El, H)``;
+* **list form**: ``El`` tensors ``(J, H)`` and ``El`` tensors ``(H, I)``, e.g. a Megatron experts
+  module's parameters, and the biases as ``El`` 1-D tensors ``(J,)`` / ``(H,)``. Each element is
+  an autograd input of its own (its gradient lands in its ``.grad``) and is what the ring saves
+  for backward: no stacked copy outlives a pass.
+
+The biases come in the weights' form and are handled as the weights are (views, stacks, packs,
+gradient splits), each list on its own: a bias list back to back in the weights' order is
+viewed, else stacked (``El*(J + H)`` elements, small beside the weights).
 
 Where a pass needs the ``(El, ...)`` form of the local experts (token mode, where the local
 experts compute at every hop; a world of one), :meth:`LocalExperts.stacked` returns
@@ -100,32 +106,46 @@ def reverse_local_ids(ids: Tensor, num_local: int) -> Tensor:
     return ids + (num_local - 1) - 2 * torch.remainder(ids, num_local)
 
 
-class LocalExperts:
-    """This rank's ``El`` experts in either input form (see the module docstring)."""
+PARTS = ("w13", "w2", "b13", "b2")  # the order of the autograd inputs and of the gradients
 
-    def __init__(self, w13, w2):
+
+class LocalExperts:
+    """This rank's ``El`` experts in either input form (see the module docstring); ``b13`` /
+    ``b2`` None when the experts carry no such bias."""
+
+    def __init__(self, w13, w2, b13=None, b2=None):
         self.listed = not isinstance(w13, Tensor)
-        if self.listed:
-            self.w13, self.w2 = list(w13), list(w2)
-        else:
-            self.w13, self.w2 = w13, w2
+        form = list if self.listed else (lambda t: t)
+        self.w13, self.w2 = form(w13), form(w2)
+        self.b13 = None if b13 is None else form(b13)
+        self.b2 = None if b2 is None else form(b2)
 
     @property
     def num_local(self) -> int:
         return len(self.w13) if self.listed else self.w13.shape[0]
 
+    @property
+    def parts(self) -> tuple[str, ...]:
+        """The names of what this rank's experts hold, in ``PARTS`` order (weights, biases)."""
+        return tuple(n for n in PARTS if getattr(self, n) is not None)
+
     def inputs(self) -> tuple[Tensor, ...]:
-        """The autograd inputs: ``(w13, w2)`` or ``(*w13_list, *w2_list)``."""
+        """The autograd inputs: ``(w13, w2[, b13][, b2])`` or the lists' elements, list after
+        list in the same order."""
         if self.listed:
-            return (*self.w13, *self.w2)
-        return (self.w13, self.w2)
+            return tuple(t for n in self.parts for t in getattr(self, n))
+        return tuple(getattr(self, n) for n in self.parts)
 
     @staticmethod
-    def from_inputs(listed: bool, ws: Sequence[Tensor]) -> LocalExperts:
+    def from_inputs(
+        listed: bool, ws: Sequence[Tensor], has_b13: bool = False, has_b2: bool = False
+    ) -> LocalExperts:
+        """The inverse of :meth:`inputs` (which biases are there: ``has_b13``, ``has_b2``)."""
+        names = [n for n, has in zip(PARTS, (True, True, has_b13, has_b2), strict=True) if has]
         if not listed:
-            return LocalExperts(ws[0], ws[1])
-        n = len(ws) // 2
-        return LocalExperts(list(ws[:n]), list(ws[n:]))
+            return LocalExperts(**dict(zip(names, ws, strict=True)))
+        n = len(ws) // len(names)
+        return LocalExperts(**{m: list(ws[j * n : (j + 1) * n]) for j, m in enumerate(names)})
 
     def preferred_order(self) -> str:
         """The row order :meth:`stacked` uses: the order of whichever list is back to back
@@ -134,8 +154,16 @@ class LocalExperts:
             return FORWARD
         return layout_order(self.w13) or layout_order(self.w2) or FORWARD
 
+    def biases(self, order: str | None = None) -> tuple[Tensor | None, Tensor | None]:
+        """``(b13 (El, J), b2 (El, H))`` in :meth:`stacked`'s row order ``order`` (default
+        :meth:`preferred_order`), each None when absent: views or transient stacks as there."""
+        if not self.listed:
+            return self.b13, self.b2
+        order = self.preferred_order() if order is None else order
+        return tuple(None if b is None else self._one(b, order) for b in (self.b13, self.b2))
+
     def stacked(self, order: str | None = None) -> tuple[Tensor, Tensor, str]:
-        """``(w13 (El, 2I, H), w2 (El, H, I), order)``: zero-copy views where the elements are
+        """``(w13 (El, J, H), w2 (El, H, I), order)``: zero-copy views where the elements are
         back to back in ``order`` (default :meth:`preferred_order`), else a transient stack in
         that order. Tensor form: the tensors themselves, ``"forward"``."""
         if not self.listed:
@@ -152,8 +180,9 @@ class LocalExperts:
         return torch.stack([w.detach() for w in rows])  # transient: dropped when the pass ends
 
     def pack(self, name: str, dst: Tensor) -> None:
-        """Copy ``w13``/``w2`` (``name``) into ``dst (El, ...)`` in expert order."""
-        src = self.w13 if name.endswith("w13") else self.w2
+        """Copy ``w13``/``w2``/``b13``/``b2`` (``name``, one of :attr:`parts`) into
+        ``dst (El, ...)`` in expert order."""
+        src = getattr(self, name)
         _COPIED[0] += dst.numel() * dst.element_size()
         if not self.listed:
             dst.copy_(src)
@@ -161,11 +190,17 @@ class LocalExperts:
         for j, w in enumerate(src):
             dst[j].copy_(w)
 
-    def split(self, dw13: Tensor, dw2: Tensor, order: str) -> tuple[Tensor, ...]:
-        """Gradients ``(El, ...)`` in ``order``'s row order -> one per autograd input (views)."""
+    def split(
+        self, dw13: Tensor, dw2: Tensor, order: str, db13: Tensor | None = None,
+        db2: Tensor | None = None,
+    ) -> tuple[Tensor, ...]:  # fmt: skip
+        """Gradients ``(El, ...)`` in ``order``'s row order -> one per autograd input (views),
+        in :meth:`inputs`' order; ``db13``/``db2`` those of the biases the experts carry."""
+        grads = dict(w13=dw13, w2=dw2, b13=db13, b2=db2)
         if not self.listed:
-            return (dw13, dw2)
-        rows13, rows2 = list(dw13.unbind(0)), list(dw2.unbind(0))
-        if order == REVERSED:
-            rows13, rows2 = rows13[::-1], rows2[::-1]
-        return (*rows13, *rows2)
+            return tuple(grads[n] for n in self.parts)
+        out = []
+        for n in self.parts:
+            rows = list(grads[n].unbind(0))
+            out += rows[::-1] if order == REVERSED else rows
+        return tuple(out)

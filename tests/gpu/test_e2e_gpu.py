@@ -28,6 +28,8 @@ import tempfile
 import pytest
 import torch
 
+from benchmarks.bench_e2e import FP8_FORMATS, FP8_RECIPES
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(
@@ -178,8 +180,8 @@ def test_checkpoint_of_the_local_impl_is_refused_by_name_under_te():
 
 
 @pytest.mark.skipif(not _have_te(), reason="fp8 recipes run through TE")
-@pytest.mark.parametrize("recipe", [("hybrid", "tensorwise"), ("hybrid", "delayed"),
-                                    ("e4m3", "tensorwise"), ("e4m3", "blockwise")])  # fmt: skip
+@pytest.mark.parametrize("recipe", [(f, r) for f in FP8_FORMATS for r in FP8_RECIPES],
+                         ids="-".join)  # fmt: skip
 def test_fp8_recipe_trains_with_the_ring_where_alltoall_does(recipe):
     """Under an fp8 recipe TE runs attention and the dense layers in fp8 and the ring its
     experts in bf16 (one line at start says so): wherever megatron-core's alltoall trains with

@@ -67,10 +67,65 @@ def test_qwen3_slice_config():
 
 QWEN_SHAPES = [n for n in bench_e2e.SHAPES if n.startswith("qwen3_slice")]
 PP_SHAPES = [n for n in bench_e2e.SHAPES if "_pp2" in n]
+EXPERT_MLP_SHAPES = {"tiny_qwen3_gelu": "gelu", "tiny_qwen3_squared_relu": "squared_relu"}
 
 
 def test_every_shape_is_checked_below():
-    assert set(QWEN_SHAPES) | set(PP_SHAPES) == set(bench_e2e.SHAPES) and PP_SHAPES
+    assert set(QWEN_SHAPES) | set(PP_SHAPES) | set(EXPERT_MLP_SHAPES) == set(bench_e2e.SHAPES)
+    assert PP_SHAPES
+
+
+@pytest.mark.parametrize("shape", sorted(EXPERT_MLP_SHAPES))
+def test_expert_mlp_shapes_differ_from_tiny_qwen3_only_in_the_activation(shape):
+    """Issue #36: tiny_qwen3 with GELU (megatron-core's default MLP) or squared-ReLU experts,
+    50 steps under the stable regime at EP = GPUs; ring and alltoall differ in the dispatcher."""
+    spec = bench_e2e.SHAPES[shape]
+    plans = bench_e2e.plan_runs(spec, gpus=GPUS, steps=50, seed=1234, noise_run=True,
+                                check_te=False)  # fmt: skip
+    groups = {p.label: _groups(p.flags) for p in plans}
+    tiny = bench_e2e.E2EShape("tiny_qwen3_swiglu", "tiny_qwen3")  # the same but SwiGLU
+    bases = {p.dispatcher: _groups(p.flags) for p in bench_e2e.plan_runs(
+        tiny, gpus=GPUS, steps=50, seed=1234, noise_run=False, check_te=False)}  # fmt: skip
+    for plan in plans:
+        g, base = groups[plan.label], bases[plan.dispatcher]
+        assert "--swiglu" not in g and g["--disable-bias-linear"] == []
+        assert ("--squared-relu" in g) == (EXPERT_MLP_SHAPES[shape] == "squared_relu")
+        assert _v(g, "--expert-model-parallel-size") == str(GPUS) and _v(g, "--train-iters") == "50"
+        assert float(_v(g, "--lr")) == 1e-4 and _v(g, "--seq-length") == "512"
+        same = g.keys() & base.keys()
+        assert {k: g[k] for k in same} == {k: base[k] for k in same}  # the rest is tiny_qwen3's
+        assert set(g) - set(base) <= {"--squared-relu"} and set(base) - set(g) <= {"--swiglu"}
+    ring = {k: v for k, v in groups["ring"].items() if k != "--relaymoe-mode"}
+    diff = {k for k in ring.keys() | groups["alltoall"].keys()
+            if ring.get(k) != groups["alltoall"].get(k)}  # fmt: skip
+    assert diff == {"--moe-token-dispatcher-type"}, diff
+
+
+def test_megatron_builds_the_expert_mlp_shapes_activations():
+    """Megatron's parser and validation take the ring runs' flags (the ring's refusals among
+    them, via register()); the parsed flags map to the activation the shape names (the
+    alltoall runs' flags differ in the dispatcher only, checked above)."""
+    from types import SimpleNamespace
+
+    from relaymoe.activation import ExpertActivation
+    from relaymoe.megatron.activation_map import expert_activation_problems
+
+    keys = ("swiglu", "squared_relu", "quick_geglu", "add_bias_linear", "bias_gelu_fusion",
+            "bias_swiglu_fusion", "transformer_impl", "moe_grouped_gemm",
+            "moe_token_dispatcher_type")  # fmt: skip
+    rings = {
+        shape: bench_e2e.plan_runs(bench_e2e.SHAPES[shape], gpus=GPUS, steps=50, seed=1,
+                                   noise_run=False, check_te=False)[0]
+        for shape in EXPERT_MLP_SHAPES
+    }  # fmt: skip
+    parsed = megatron_args([(ring.flags, keys) for ring in rings.values()])  # one subprocess
+    for (shape, fn), a in zip(EXPERT_MLP_SHAPES.items(), parsed, strict=True):
+        ring = rings[shape]
+        assert isinstance(a, dict), a  # a refusal's traceback otherwise
+        assert a["moe_token_dispatcher_type"] == ring.dispatcher == "ring"
+        assert not a["swiglu"] and not a["add_bias_linear"] and not a["bias_gelu_fusion"]
+        act, problems = expert_activation_problems(SimpleNamespace(**a), args_style=True)
+        assert problems == [] and act == ExpertActivation(fn=fn, gated=False), (act, problems)
 
 
 @pytest.mark.parametrize("shape", PP_SHAPES)

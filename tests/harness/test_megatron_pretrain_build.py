@@ -5,13 +5,16 @@ Megatron's layer build (e.g. apex's persistent LayerNorm requested without apex)
 call to find. This replays the part before training on CPU: parse + validate the flags that
 ``benchmarks.e2e.pretrain_args`` produces, turn them into Megatron's model config, and
 build the GPT model with the ring dispatcher (alltoall's dispatcher allocates CUDA tensors when
-built, so only ring builds here), run everything around the experts forward and backward in bf16,
-and draw a sample from the mock dataset the way ``pretrain`` builds it.
+built, so only ring builds here; tiny_qwen3 and its GELU-experts variant, whose dispatchers must
+name the activation Megatron's flags built), run everything around the experts forward and
+backward in bf16, and draw a sample from the mock dataset the way ``pretrain`` builds it.
 """
 
 from __future__ import annotations
 
 import textwrap
+
+import pytest
 
 from tests.fixtures import MEGATRON_CPU_PRELUDE, needs, run_python
 
@@ -28,7 +31,8 @@ _SCRIPT = MEGATRON_CPU_PRELUDE + textwrap.dedent(
     from megatron.training.global_vars import set_args
     from megatron.training.models.gpt import GPTModelBuilder
     from relaymoe.megatron.dispatcher import RingDispatcher
-    flags = pretrain_args("tiny_qwen3", gpus=1, steps=2, dispatcher="ring", seed=1)
+    config, activation = sys.argv[1], sys.argv[2]
+    flags = pretrain_args(config, gpus=1, steps=2, dispatcher="ring", seed=1)
     sys.argv = ["pretrain", *flags, "--use-cpu-initialization"]
     args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
     set_args(args)
@@ -37,6 +41,8 @@ _SCRIPT = MEGATRON_CPU_PRELUDE + textwrap.dedent(
         ProcessGroupCollection.use_mpu_process_groups())
     moe = [m for m in model.modules() if isinstance(m, MoELayer)]
     assert moe and all(isinstance(m.token_dispatcher, RingDispatcher) for m in moe), moe
+    # the experts' activation as Megatron's flags built it (relaymoe/megatron/activation_map.py)
+    assert {m.token_dispatcher.activation.name for m in moe} == {activation}, activation
     print("BUILT", len(moe), type(moe[0].experts).__name__)
     # One bf16 forward + backward of everything around the experts on CPU (the MoE layers, whose
     # router needs CUDA, pass their input through): catches the fused kernels that only exist as
@@ -66,10 +72,13 @@ _SCRIPT = MEGATRON_CPU_PRELUDE + textwrap.dedent(
 )
 
 
-def test_pretrain_flags_build_a_ring_gpt_on_cpu():
+@pytest.mark.parametrize(
+    "config,activation", [("tiny_qwen3", "swiglu"), ("tiny_qwen3_gelu", "gelu")]
+)
+def test_pretrain_flags_build_a_ring_gpt_on_cpu(config, activation):
     env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": ""}
     import os
 
-    p = run_python(["-c", _SCRIPT], timeout=240, env=dict(os.environ, **env))
+    p = run_python(["-c", _SCRIPT, config, activation], timeout=240, env=dict(os.environ, **env))
     done = all(mark in p.stdout for mark in ("BUILT 4", "FWD_BWD", "DATA"))
     assert p.returncode == 0 and done, p.stdout[-2000:] + p.stderr[-4000:]

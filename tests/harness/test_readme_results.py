@@ -334,3 +334,13 @@ def test_e2e_headline_takes_the_anchors_faster_run():
     a2a["repeat_tokens_per_s"] = None
     out = mrr.headline([("r/e2e.jsonl", ring, "run"), ("r/e2e.jsonl", a2a, "run")])
     assert "| 300.0 | 100.0 | 3.00x |" in out
+
+
+def test_headline_rows_are_swiglu_rows():
+    """A newer row of another expert activation (no competitor measured it) is not the headline."""
+    base = {"bench": "experts", "shape": "qwen3_30b_a3b_T32k", "recompute": "act"}
+    mine = {**base, "provider": "relaymoe", "ms_fwd_bwd": 15.0, "activation": "swiglu"}
+    other = {**base, "provider": "relaymoe", "ms_fwd_bwd": 11.0, "activation": "gelu"}
+    te = {**base, "provider": "te_grouped", "ms_fwd_bwd": 30.0}
+    items = [("r/x.jsonl", r, "run") for r in (te, mine, other)]
+    assert "| 15.00 | 30.00 | 0.50x |" in mrr.headline(items)

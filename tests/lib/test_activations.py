@@ -7,11 +7,7 @@ import pytest
 import torch
 
 from relaymoe.activation import NAMES, SWIGLU, ExpertActivation, as_activation
-from relaymoe.activation_torch import (
-    activation_backward,
-    activation_forward,
-    clamp_passes_at_bound,
-)
+from relaymoe.activation_torch import activation_backward, activation_forward
 from relaymoe.experts import RECOMPUTES, expert_hop_backward, expert_hop_forward, moe_experts
 from relaymoe.reference import moe_experts_reference, reference_activation
 from relaymoe.routing import build_routing_index
@@ -170,11 +166,24 @@ def test_oracle_matches_token_loop():
         torch.testing.assert_close(ref, loop, rtol=1e-12, atol=1e-12, msg=name)
 
 
+def _closed_clamp_activation(act: ExpertActivation, h: torch.Tensor) -> torch.Tensor:
+    """The oracle's activation with its clamps written as ``torch.where``: autograd then passes
+    the gradient at ``x == bound`` (the closed interval, the backends' fixed rule) on any torch."""
+    ffn = h.shape[1] // 2
+    gate, linear = h[:, :ffn], h[:, ffn:]
+    lim = act.limit
+    gate = torch.where(gate > lim, lim, gate)
+    linear = torch.where(linear > lim, lim, torch.where(linear < -lim, -lim, linear))
+    plain = ExpertActivation(fn=act.fn, alpha=act.alpha, linear_offset=act.linear_offset)
+    return reference_activation(plain, torch.cat([gate, linear], 1))
+
+
 @pytest.mark.parametrize("name", list(EXPERT_ACTIVATIONS))
 def test_hand_written_activation_matches_autograd(name):
     """Forward and backward of ``activation_torch`` against autograd of the oracle's activation,
-    at random points and at the kinks: 0 (relu), exactly +-limit and beyond (the clamp passes
-    the gradient where lo <= x <= hi, as torch.clamp)."""
+    at random points and at the kinks: 0 (relu), exactly +-limit and beyond. At exactly the
+    bound the clamp passes the gradient (the fixed closed-interval rule, whatever this torch's
+    ``torch.clamp`` does there): checked against a clamp written with ``torch.where``."""
     act = expert_activation(name)
     gen = torch.Generator().manual_seed(12)
     lim = act.limit or 1.0
@@ -189,14 +198,19 @@ def test_hand_written_activation_matches_autograd(name):
     dh, a = activation_backward(act, h, da)
     torch.testing.assert_close(activation_forward(act, h), a_ref, rtol=1e-13, atol=1e-13)
     torch.testing.assert_close(a, a_ref.detach(), rtol=1e-13, atol=1e-13)
-    torch.testing.assert_close(dh, dh_ref, rtol=1e-12, atol=1e-12)
-    if act.limit is not None:  # the clamp bites: zero gradient where it clamped
-        gate, linear = dh[:2, :ffn], dh[2:4, -ffn:]
-        assert (gate[:, 3] == 0).all() and (gate[:, 4] != 0).all()  # gate: clamped above only
-        assert (linear[:, 3:5] == 0).all()
-        # exactly at +-limit: as this torch's clamp (passed up to torch 2.13, zero from 2.14)
-        at_bound = torch.stack([gate[:, 1], linear[:, 1], linear[:, 2]])
-        assert (at_bound != 0).all() if clamp_passes_at_bound() else (at_bound == 0).all()
+    if act.limit is None:
+        torch.testing.assert_close(dh, dh_ref, rtol=1e-12, atol=1e-12)
+        return
+    off_bound = h.abs() != act.limit  # torch's own clamp decides these alike on every version
+    torch.testing.assert_close(dh[off_bound], dh_ref[off_bound], rtol=1e-12, atol=1e-12)
+    (dh_closed,) = torch.autograd.grad(_closed_clamp_activation(act, leaf), leaf, da)
+    torch.testing.assert_close(dh, dh_closed, rtol=1e-12, atol=1e-12)
+    # the clamp bites: zero gradient where it clamped
+    gate, linear = dh[:2, :ffn], dh[2:4, -ffn:]
+    assert (gate[:, 3] == 0).all() and (gate[:, 4] != 0).all()  # gate: clamped above only
+    assert (linear[:, 3:5] == 0).all()
+    # exactly at +-limit: passed (gate at +limit, linear at both bounds)
+    assert (torch.stack([gate[:, 1], linear[:, 1], linear[:, 2]]) != 0).all()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -355,16 +369,28 @@ def test_hop_backward_needs_bias_grad_buffers():
                             db2=a["b2"][:, 1:].clone(), **kw)  # fmt: skip
 
 
-def test_triton_refuses_what_it_does_not_compute_yet():
-    """The placeholder of the Triton kernels (``kernels/experts._refuse_pending``): SwiGLU
-    without bias only, refused before any work. Replace this test when the kernels land."""
+def test_triton_hop_backward_needs_bias_grad_buffers():
+    """The Triton hop primitive called directly (as the ring does) checks its bias-gradient
+    buffers too, before any work; what it computes is tests/lib/test_triton_activations.py's."""
+    from relaymoe.kernels.experts import triton_hop_backward
+
     a = _args("geglu")
-    x, w13, w2, probs = (a[n].float() for n in ("x", "w13", "w2", "topk_probs"))
+    x, w13, w2, probs, b2 = (a[n].float() for n in ("x", "w13", "w2", "topk_probs", "b2"))
     index = build_routing_index(a["topk_idx"], 4)
-    with pytest.raises(NotImplementedError, match="activation geglu is not computed .*pending"):
-        expert_hop_forward(x, w13, w2, probs, index, backend="triton", activation="geglu")
-    s = _args("swiglu")
-    w13s, b2 = s["w13"].float(), s["b2"].float()
-    with pytest.raises(NotImplementedError, match="activation swiglu with b2 is not computed"):
-        expert_hop_backward(x, x, w13s, w2, probs, index, backend="triton", b2=b2,
-                            db2=torch.zeros_like(b2))  # fmt: skip
+    with pytest.raises(ValueError, match=r"b2 is given, so db2 must be a buffer shaped \(4, 8\)"):
+        triton_hop_backward(x, x, w13, w2, probs, index, 0, 4, None, None, None, None, None,
+                            activation=expert_activation("geglu"), b2=b2)  # fmt: skip
+    with pytest.raises(ValueError, match=r"b13 has shape \(4, 5\), want \(4, 12\)"):
+        triton_hop_backward(x, x, w13, w2, probs, index, 0, 4, None, None, None, None, None,
+                            b13=b2[:, :5], db13=b2[:, :5])  # fmt: skip
+
+
+def test_hop_primitives_refuse_w13_rows_that_are_not_the_activations():
+    """A w13 built for another activation is a ValueError at the hop, not a read past it."""
+    pb = activation_problem(9, 8, 6, 3, 2, "squared_relu", bias="none")  # w13 (3, 6, 8)
+    index = build_routing_index(pb["idx"], 3)
+    with pytest.raises(ValueError, match="w13 has 6 rows per expert but activation swiglu"):
+        expert_hop_forward(pb["x"], pb["w13"], pb["w2"], pb["probs"], index, backend="torch")
+    with pytest.raises(ValueError, match="needs 12"):
+        expert_hop_backward(pb["dy"], pb["x"], pb["w13"], pb["w2"], pb["probs"], index,
+                            backend="torch")  # fmt: skip

@@ -94,6 +94,23 @@ def test_unknown_key_names_it_and_known_ones():
         config_from_dict(d)
 
 
+def test_mlp_activation_fields_render_megatron_flags():
+    """swiglu (the default), squared_relu, or neither (GELU, not gated); not both."""
+    gelu, squared = load_config("tiny_qwen3_gelu"), load_config("tiny_qwen3_squared_relu")
+    tiny = load_config("tiny_qwen3")
+    for cfg, has in ((tiny, {"--swiglu"}), (gelu, set()), (squared, {"--squared-relu"})):
+        args = set(to_megatron_args(cfg))
+        assert args & {"--swiglu", "--squared-relu"} == has, cfg.name
+        assert "--disable-bias-linear" in args
+    assert gelu.replace(model={"swiglu": True}).to_dict() == tiny.to_dict()  # all but that
+    d = small_config_dict()
+    d["model"]["squared_relu"] = True
+    with pytest.raises(ValueError, match="model.swiglu and model.squared_relu are both true"):
+        config_from_dict(d)
+    d["model"]["swiglu"] = False
+    assert "--squared-relu" in to_megatron_args(config_from_dict(d))
+
+
 def test_alias_num_moe_experts():
     d = small_config_dict()
     d["model"]["num_moe_experts"] = d["model"].pop("num_experts")

@@ -52,6 +52,28 @@ def test_hop_and_step_bytes_by_hand():
         cost.hop_bytes("alltoall", TINY)
 
 
+def test_expert_mlp_by_hand():
+    """A non-gated activation has J = I fc1 rows; biases add El*(J + H) elements to what
+    travels, to the slots and to the accumulators; compute follows 2*H*(J + I) per pair."""
+    plain = dataclasses.replace(TINY, gated=False)
+    assert (plain.J, plain.W) == (6, 2 * (6 * 8 + 8 * 6))  # 192 elements
+    biased = dataclasses.replace(TINY, b13=True, b2=True)
+    assert (biased.J, biased.W) == (12, 288 + 2 * (12 + 8))  # 328 elements
+    e = cost.hop_bytes("expert", biased)
+    assert (e.fwd_lead, e.fwd_trail, e.bwd_lead, e.bwd_trail) == (656, 0, 656, 656)
+    # slots: w13 384 -> 512, w2 192 -> 768 (aligned), b13 2*12*2 = 48 -> 1024, b2 32: 1056
+    assert cost.slot_capacity("expert", biased, training=False) == 1056
+    assert cost.slot_capacity("expert", plain, training=False) == 256 + 192
+    model = cost.DEFAULT_TIME_MODEL
+    from relaymoe.cost.time import _compute_seconds
+
+    assert _compute_seconds(plain, model, False) == pytest.approx(
+        _compute_seconds(TINY, model, False) * 2 / 3
+    )
+    with pytest.raises(ValueError, match="gated=1 must be a bool"):
+        dataclasses.replace(TINY, gated=1)
+
+
 def test_memory_by_hand():
     # slots as the engine's layouts pack them (segments 256-aligned): expert w13 384 -> 512,
     # + w2 192 = 704; backward [weights | gradients] = 768 + 704 = 1472 (reserved at forward
@@ -205,22 +227,32 @@ def test_alltoall_rows_match_random_routing(E, K, R):
 
 def test_slots_match_the_engine_layouts():
     """slot_capacity / symmetric_workspace_bytes against the engine's own RingPlans."""
+    from relaymoe.activation import ExpertActivation
     from relaymoe.ring import layout, passes, transport
     from relaymoe.ring.problem import RingProblem
 
     assert cost.ALIGN == layout.ALIGN and cost.SYMM_GRANULE == transport._SYMM_GRANULE
-    for (T, H, I, El, K, R), dt, pdt, grad in itertools.product(
+    mlps = [(True, False, False), (False, True, True), (True, True, False), (False, False, True)]
+    for (T, H, I, El, K, R), dt, pdt, grad, (gated, b13, b2) in itertools.product(
         [(4, 8, 6, 2, 2, 2), (37, 64, 24, 3, 2, 4), (1000, 96, 40, 1, 1, 3), (0, 16, 8, 2, 2, 2)],
         (torch.bfloat16, torch.float32),
         (torch.float32, torch.bfloat16),
         (True, False),
+        mlps,
     ):  # fmt: skip
         prob = RingProblem(
             rank=0, world_size=R, num_local_experts=El, hidden=H, ffn=I, topk=K, dtype=dt,
             prob_dtype=pdt, tokens=(T,) * R, mode="expert", transport="copy_engine",
-            needs_grad=grad, pairs=None,
+            needs_grad=grad, pairs=None, activation=ExpertActivation(fn="gelu", gated=gated),
+            has_b13=b13, has_b2=b2,
         )  # fmt: skip
-        d = cost.Dims(T=T, H=H, I=I, El=El, K=K, R=R, b=dt.itemsize, pb=pdt.itemsize)
+        d = cost.Dims(T=T, H=H, I=I, El=El, K=K, R=R, b=dt.itemsize, pb=pdt.itemsize,
+                      gated=gated, b13=b13, b2=b2)  # fmt: skip
+        # what travels in expert mode is exactly the layout's payload
+        w, dw = passes.weights_layout(prob), passes.weights_layout(prob, "d")
+        payload = sum(seg.nbytes for seg in w.segments)
+        assert cost.hop_bytes("expert", d).fwd_lead == payload
+        assert cost.hop_bytes("expert", d).bwd_trail == sum(seg.nbytes for seg in dw.segments)
         for mode, plans in (("expert", passes.expert_plans), ("token", passes.token_plans)):
             cap = passes.capacity(*plans(prob), prob)
             assert cost.slot_capacity(mode, d, training=grad) == cap, (mode, d, grad)

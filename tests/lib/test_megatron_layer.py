@@ -52,10 +52,11 @@ H, I_FFN, B = 16, 8, 2
 
 # ------------------------------------------------------------------------------ stand-in ring
 class _AllgatherRing(torch.autograd.Function):
-    """ring_moe's contract, the slow way: gather tokens, local experts, all-reduce outputs."""
+    """ring_moe's contract, the slow way: gather tokens, local experts, all-reduce outputs
+    (any ``ExpertActivation``, optional ``b13 (El, J)`` / ``b2 (El, H)`` biases)."""
 
     @staticmethod
-    def forward(ctx, x, w13, w2, idx, probs, group):
+    def forward(ctx, x, w13, w2, idx, probs, group, activation, b13, b2):
         from relaymoe.reference import moe_experts_reference
 
         world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -72,6 +73,9 @@ class _AllgatherRing(torch.autograd.Function):
             dist.all_gather(bufs, pad.contiguous(), group=group)
             return torch.cat([b[:n] for b, n in zip(bufs, sizes, strict=True)])
 
+        def leaf(t):
+            return None if t is None else t.detach().requires_grad_(True)
+
         with torch.enable_grad():
             xa = gather(x.detach()).requires_grad_(True)
             pa = gather(probs.detach()).requires_grad_(True)
@@ -79,18 +83,18 @@ class _AllgatherRing(torch.autograd.Function):
             mine = (ia >= rank * el) & (ia < (rank + 1) * el)
             il = torch.where(mine, ia - rank * el, torch.zeros_like(ia))
             pl = torch.where(mine, pa, torch.zeros_like(pa))
-            w13l = w13.detach().requires_grad_(True)
-            w2l = w2.detach().requires_grad_(True)
-            y = moe_experts_reference(xa, w13l, w2l, il, pl)
+            w13l, w2l, b13l, b2l = leaf(w13), leaf(w2), leaf(b13), leaf(b2)
+            y = moe_experts_reference(xa, w13l, w2l, il, pl, activation=activation, b13=b13l,
+                                      b2=b2l)  # fmt: skip
         full = y.detach().clone()
         dist.all_reduce(full, group=group)
         start = sum(sizes[:rank])
-        ctx.state = (xa, pa, w13l, w2l, y, sizes, start, group)
+        ctx.state = (xa, pa, w13l, w2l, b13l, b2l, y, sizes, start, group)
         return full[start : start + x.shape[0]].clone()
 
     @staticmethod
     def backward(ctx, g):
-        xa, pa, w13l, w2l, y, sizes, start, group = ctx.state
+        xa, pa, w13l, w2l, b13l, b2l, y, sizes, start, group = ctx.state
         world = len(sizes)
         tmax = max(sizes)
         pad = g.new_zeros((tmax, g.shape[1]))
@@ -98,15 +102,20 @@ class _AllgatherRing(torch.autograd.Function):
         bufs = [torch.empty_like(pad) for _ in range(world)]
         dist.all_gather(bufs, pad.contiguous(), group=group)
         ga = torch.cat([b[:n] for b, n in zip(bufs, sizes, strict=True)])
-        dx, dp, dw13, dw2 = torch.autograd.grad(y, [xa, pa, w13l, w2l], ga, allow_unused=True)
+        inputs = [t for t in (xa, pa, w13l, w2l, b13l, b2l) if t is not None]
+        grads = iter(torch.autograd.grad(y, inputs, ga, allow_unused=True))
+        dx, dp, dw13, dw2 = (next(grads) for _ in range(4))
+        db13 = None if b13l is None else next(grads)
+        db2 = None if b2l is None else next(grads)
         dist.all_reduce(dx, group=group)
         dist.all_reduce(dp, group=group)
         n = g.shape[0]
         ctx.state = None
-        return dx[start : start + n], dw13, dw2, None, dp[start : start + n], None
+        return dx[start : start + n], dw13, dw2, None, dp[start : start + n], None, None, db13, db2
 
 
 STANDIN_CALLS = [0]  # per process: proves the patched dispatcher called the stand-in
+STANDIN_SEEN: list = []  # per process: (activation, has b13, has b2) of each call
 
 
 def standin_ring_moe(
@@ -124,7 +133,11 @@ def standin_ring_moe(
     gpus_per_node=None,
     grad_accum="auto",
     kernels=None,
+    activation=None,
+    b13=None,
+    b2=None,
 ):
+    from relaymoe.activation import ExpertActivation
     from relaymoe.options import (
         GRAD_ACCUM_CHOICES,
         MODE_CHOICES,
@@ -137,10 +150,15 @@ def standin_ring_moe(
     assert schedule in SCHEDULE_CHOICES and gpus_per_node is None, (schedule, gpus_per_node)
     assert grad_accum in GRAD_ACCUM_CHOICES, grad_accum
     assert isinstance(kernels, KernelOptions), kernels  # the dispatcher passes the settings'
+    assert activation is None or isinstance(activation, ExpertActivation), activation
     STANDIN_CALLS[0] += 1
-    if isinstance(w13, (list, tuple)):  # ring_moe's list form: per-expert parameters
-        w13, w2 = torch.stack(list(w13)), torch.stack(list(w2))
-    return _AllgatherRing.apply(x, w13, w2, topk_idx, topk_probs, group)
+    STANDIN_SEEN.append((activation, b13 is not None, b2 is not None))
+
+    def stacked(t):  # ring_moe's list form: per-expert parameters
+        return torch.stack(list(t)) if isinstance(t, (list, tuple)) else t
+
+    w13, w2, b13, b2 = stacked(w13), stacked(w2), stacked(b13), stacked(b2)
+    return _AllgatherRing.apply(x, w13, w2, topk_idx, topk_probs, group, activation, b13, b2)
 
 
 # ------------------------------------------------------------------------------ megatron setup
@@ -252,11 +270,16 @@ def ring_impl(impl: str):
 def global_weights(cfg, seed: int, *, skew: bool = False):
     g = torch.Generator().manual_seed(seed)
     e, i, h = cfg.num_moe_experts, cfg.moe_ffn_hidden_size, cfg.hidden_size
+    gate = 2 if cfg.gated_linear_unit else 1  # fc1 rows per FFN column
     w = {
         "router": torch.randn(e, h, generator=g) * 0.5,
-        "fc1": torch.randn(e, 2 * i, h, generator=g) / h**0.5,
+        "fc1": torch.randn(e, gate * i, h, generator=g) / h**0.5,
         "fc2": torch.randn(e, h, i, generator=g) / i**0.5,
     }
+    if cfg.add_bias_linear:  # the experts' (and the router's) biases, non-zero: they count
+        w["b1"] = torch.randn(e, gate * i, generator=g) * 0.5
+        w["b2"] = torch.randn(e, h, generator=g) * 0.5
+        w["router_bias"] = torch.randn(e, generator=g) * 0.1
     if skew:  # every token prefers experts 0..K-1: the other experts (and ranks) get nothing
         w["router"][: cfg.moe_router_topk] += 50.0
         w["router"][: cfg.moe_router_topk] = w["router"][: cfg.moe_router_topk].abs()
@@ -264,7 +287,7 @@ def global_weights(cfg, seed: int, *, skew: bool = False):
         w["expert_bias"] = torch.randn(e, generator=g)
     if cfg.moe_shared_expert_intermediate_size:
         s = cfg.moe_shared_expert_intermediate_size
-        w["sh1"] = torch.randn(2 * s, h, generator=g) / h**0.5
+        w["sh1"] = torch.randn(gate * s, h, generator=g) / h**0.5
         w["sh2"] = torch.randn(h, s, generator=g) / s**0.5
     return w
 
@@ -272,12 +295,17 @@ def global_weights(cfg, seed: int, *, skew: bool = False):
 @torch.no_grad()
 def load_weights(layer, w, first: int, count: int) -> None:
     layer.router.weight.copy_(w["router"])
+    if "router_bias" in w:
+        layer.router.bias.copy_(w["router_bias"])
     if "expert_bias" in w:
         layer.router.expert_bias.copy_(w["expert_bias"])
     for j, ex in enumerate(layer.experts.local_experts):
         assert j < count
         ex.linear_fc1.weight.copy_(w["fc1"][first + j])
         ex.linear_fc2.weight.copy_(w["fc2"][first + j])
+        if "b1" in w:
+            ex.linear_fc1.bias.copy_(w["b1"][first + j])
+            ex.linear_fc2.bias.copy_(w["b2"][first + j])
     if "sh1" in w:
         layer.shared_experts.linear_fc1.weight.copy_(w["sh1"])
         layer.shared_experts.linear_fc2.weight.copy_(w["sh2"])
@@ -366,6 +394,12 @@ def run_equivalence(rank, world, case: dict, tp: int = 1, cp: int = 1, real: boo
     cfg_ref = make_config("allgather", 1, **{**ref_kw, "expert_model_parallel_size": 1})
     ring = build_layer(cfg_ring, ProcessGroupCollection.use_mpu_process_groups())
     ref = build_layer(cfg_ref, single_rank_pgs(rank, world))
+    if cfg_ref.add_bias_linear:
+        # megatron-core's SequentialMLP adds fc2's bias in place into fc2's output, which at
+        # TP = EP = 1 is the TP all-reduce's input returned as-is (autograd refuses); at EP > 1
+        # the experts skip that all-reduce ("explicit expert comm"), the identity at TP = 1
+        for ex in ref.experts.local_experts:
+            ex.linear_fc2.explicit_expert_comm = True
     from relaymoe.megatron.dispatcher import RingDispatcher
 
     assert isinstance(ring.token_dispatcher, RingDispatcher)
@@ -411,6 +445,15 @@ def run_equivalence(rank, world, case: dict, tp: int = 1, cp: int = 1, real: boo
             dist.all_reduce(d2, group=edp)
         check_close(f"{tag} d fc1[{j}]", d1, rex.linear_fc1.weight.grad)
         check_close(f"{tag} d fc2[{j}]", d2, rex.linear_fc2.weight.grad)
+        for k, (lin, rlin) in enumerate(((ex.linear_fc1, rex.linear_fc1),
+                                         (ex.linear_fc2, rex.linear_fc2))):  # fmt: skip
+            if rlin.bias is None:
+                assert lin.bias is None
+                continue
+            db = lin.bias.grad.clone()
+            if edp is not None:
+                dist.all_reduce(db, group=edp)
+            check_close(f"{tag} d fc{k + 1} bias[{j}]", db, rlin.bias.grad)
     summed = [ring.router.weight.grad.clone()]
     ref_summed = [ref.router.weight.grad]
     if ring.shared_experts is not None:
@@ -440,14 +483,16 @@ def _sd_meta(sd):
     return out
 
 
-def run_checkpoint_interchange(rank, world) -> None:
+def run_checkpoint_interchange(rank, world, **config) -> None:
+    """``config``: fields of both layers beyond the tiny SwiGLU layer's (e.g. another expert
+    activation, biases)."""
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
     # The alltoall dispatcher creates a CUDA stream at construction; we never run it here.
     MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = "unused on CPU"
     pgs = ProcessGroupCollection.use_mpu_process_groups()
-    kw = dict(moe_shared_expert_intermediate_size=12)
+    kw = {"moe_shared_expert_intermediate_size": 12, **config}
     a2a = build_layer(make_config("alltoall", world, **kw), pgs)
     ring = build_layer(make_config("ring", world, **kw), pgs)
     assert type(a2a.token_dispatcher).__name__ == "MoEAlltoAllTokenDispatcher"
@@ -458,6 +503,8 @@ def run_checkpoint_interchange(rank, world) -> None:
     # plain state_dict: same keys, and values carried over exactly, both ways
     sd_a = a2a.state_dict()
     assert sorted(sd_a) == sorted(ring.state_dict()), "state_dict keys differ alltoall vs ring"
+    biases = [k for k in sd_a if ".local_experts." in k and k.endswith(".bias")]
+    assert bool(biases) == bool(config.get("add_bias_linear")), biases  # the experts' own
     ring.load_state_dict(sd_a)
     for k, v in ring.state_dict().items():
         if isinstance(v, torch.Tensor):

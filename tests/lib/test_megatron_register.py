@@ -217,14 +217,17 @@ REFUSALS = [
     (dict(cuda_graph_impl="local", cuda_graph_modules=["moe_router"]), "CUDA graphs over the MoE"),
     (dict(cuda_graph_impl="full_iteration", cuda_graph_modules=[]), "CUDA graphs over the MoE"),
     (dict(num_moe_experts=6, expert_model_parallel_size=4), "not divisible by the expert-parallel"),
-    (dict(gated_linear_unit=False), "SwiGLU"),
-    (dict(activation_func=F.gelu), "SwiGLU"),
-    (dict(add_bias_linear=True), "--disable-bias-linear"),
+    (dict(activation_func=torch.tanh), "activation_func=torch.tanh is not one"),
+    (dict(gated_linear_unit=False, activation_func=F.gelu, activation_func_clamp_value=7.0),
+     "applies it to gated units only"),
+    (dict(activation_func_clamp_value=7.0, bias_activation_fusion=True),
+     "fused SwiGLU ignores the clamp"),
     (dict(moe_apply_probs_on_input=True, moe_router_topk=1), "moe_apply_probs_on_input"),
     (dict(moe_latent_size=8), "latent MoE"),
-    (dict(activation_func_clamp_value=7.0), "activation_func_clamp_value"),
     (dict(moe_mlp_glu_interleave_size=4), "moe_mlp_glu_interleave_size"),
-]
+    (dict(moe_grouped_gemm=True, moe_single_grouped_weight=True),
+     "remove --moe-single-grouped-weight"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("kw,message", REFUSALS, ids=[m for _, m in REFUSALS])
@@ -292,12 +295,17 @@ def test_refused_on_megatron_args(mcore):
         moe_expert_capacity_factor=None,
     )
     check_ring_args(ns)
+    ns.swiglu, ns.add_bias_linear = False, True  # Megatron's default experts: GELU with biases
+    check_ring_args(ns)
     ns.moe_expert_capacity_factor = 1.25
-    ns.swiglu = False
+    ns.swiglu, ns.activation_func_clamp_value = True, 7.0  # --bias-swiglu-fusion: Megatron's
     with pytest.raises(ValueError) as info:
         check_ring_args(ns)
     assert "moe_expert_capacity_factor=1.25" in str(info.value)
-    assert "add --swiglu" in str(info.value)
+    assert "fused SwiGLU ignores the clamp; fix: --no-bias-swiglu-fusion" in str(info.value)
+    ns.bias_swiglu_fusion = False
+    ns.moe_expert_capacity_factor = None
+    check_ring_args(ns)
     ns.moe_token_dispatcher_type = "alltoall"
     check_ring_args(ns)  # not ours to judge
 

@@ -80,6 +80,27 @@ def test_terms_hand_computed():
     assert pk.terms["layer_working_set"] == max(245760, 32768 + ws - retained)
 
 
+def test_expert_mlp_terms_hand_computed():
+    """A non-gated expert MLP with biases (``model.swiglu=False``, ``disable_bias_linear=False``,
+    as Megatron's ``--swiglu`` / ``--add-bias-linear`` give them): fc1 has I rows, the biases
+    travel with the weights, the time model and the mode choice see both."""
+    cfg = small_config(model={"swiglu": False, "disable_bias_linear": False})
+    sh = mm.shapes(cfg)
+    assert (sh.gated, sh.bias, sh.J) == (False, True, 32)
+    # experts: 4 * (fc1 32*64 + fc2 64*32 + biases 32 + 64)
+    assert mm.moe_params(cfg, 0)[1] == 4 * (2 * 32 * 64 + 96)
+    assert per_hop_bytes(sh)["expert"]["forward"] == 4 * (2 * 32 * 64 + 96) * 2
+    # dispatched in + fc1 out (P, I) + fc2 in: 2*512*(64+32+32)
+    assert mm.moe_keep_bytes(cfg, sh, 0, "alltoall") == 65536 + 10240 + 2 * 512 * 128
+    d = sh.dims()
+    assert (d.gated, d.b13, d.b2) == (False, True, True)
+    args = small_megatron_args(swiglu=False, add_bias_linear=True)
+    m = config_from_megatron_args(args).model
+    assert (m.swiglu, m.disable_bias_linear) == (False, False)
+    m = config_from_megatron_args(small_megatron_args()).model
+    assert (m.swiglu, m.disable_bias_linear) == (True, True)
+
+
 def test_torch_norm_terms_hand_computed():
     fused = small_config()
     torch_ = small_config(training={"normalization_impl": "torch_composite"})

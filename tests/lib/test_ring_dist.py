@@ -15,8 +15,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from relaymoe.activation import SWIGLU, ExpertActivation
 from relaymoe.reference import moe_experts_reference
-from tests.fixtures import ring_problem, scenario_params
+from tests.fixtures import expert_activation, ring_problem, scenario_params
 
 pytestmark = pytest.mark.slow
 
@@ -32,15 +33,29 @@ TRITON_H, TRITON_I = 12, 4
 # ---------------------------------------------------------------------------------------------
 # the global problem and the oracle
 # ---------------------------------------------------------------------------------------------
-def _problem(seed, tokens, El, K, world, route="uniform", hidden=H, ffn=I):
-    return ring_problem(seed, tokens, El * world, K, hidden, ffn, route=route)
+def _problem(seed, tokens, El, K, world, route="uniform", act=None, bias="none", hidden=H, ffn=I):
+    """The global problem; ``act`` (an ``EXPERT_ACTIVATIONS`` key, None: SwiGLU) keeps w13's
+    first J rows (scaled by a clamp limit, so that many pre-activations are clamped), ``bias``
+    (``tests.fixtures.BIASES``) adds ``b13 (E, J)`` / ``b2 (E, H)``."""
+    pb = ring_problem(seed, tokens, El * world, K, hidden, ffn, route=route)
+    act = SWIGLU if act is None else expert_activation(act)
+    pb["act"], J, E = act, act.fc1_rows(ffn), El * world
+    pb["w13"] = pb["w13"][:, :J].contiguous() * (act.limit or 1.0)
+    g = torch.Generator().manual_seed(seed + 7919)
+    b13 = 0.5 * torch.randn(E, J, generator=g, dtype=torch.float64)
+    b2 = 0.5 * torch.randn(E, hidden, generator=g, dtype=torch.float64)
+    pb["b13"] = b13 if bias in ("b13", "both") else None
+    pb["b2"] = b2 if bias in ("b2", "both") else None
+    return pb
 
 
 def _oracle(pb):
-    leaves = {k: pb[k].clone().requires_grad_() for k in ("x", "w13", "w2", "probs")}
+    names = ("x", "w13", "w2", "probs", "b13", "b2")
+    leaves = {k: pb[k].clone().requires_grad_() for k in names if pb.get(k) is not None}
     out = moe_experts_reference(
-        leaves["x"], leaves["w13"], leaves["w2"], pb["idx"], leaves["probs"]
-    )
+        leaves["x"], leaves["w13"], leaves["w2"], pb["idx"], leaves["probs"],
+        activation=pb.get("act"), b13=leaves.get("b13"), b2=leaves.get("b2"),
+    )  # fmt: skip
     if not out.requires_grad:  # no tokens at all: the oracle built no graph
         return out.detach(), {k: torch.zeros_like(v) for k, v in leaves.items()}
     out.backward(pb["dy"])
@@ -89,6 +104,32 @@ def _weights(w13, w2, form):
     return fc1, fc2, list(zip(fc1, fc2, strict=True))
 
 
+def _biases(b, form):
+    """``(argument, leaves)`` of this rank's bias ``b (El, n)`` (None: ``(None, [])``) in the
+    weights' ``form``: a leaf tensor, or per-expert parameters (``reversed``: views of one
+    buffer in reverse expert order, as Megatron's DDP buffer holds TE's bias0..bias{El-1};
+    otherwise separate storages)."""
+    if b is None:
+        return None, []
+    if form == "tensor":
+        leaf = b.clone().requires_grad_()
+        return leaf, [leaf]
+    ps = [torch.nn.Parameter(b[j].clone()) for j in range(b.shape[0])]
+    if form == "reversed":
+        buf = b.flip(0).reshape(-1).clone()
+        for j, q in enumerate(ps):
+            at = (b.shape[0] - 1 - j) * b.shape[1]
+            q.data = buf[at : at + b.shape[1]]
+    return ps, ps
+
+
+def _bias_grad(leaves):
+    if len(leaves) == 1 and leaves[0].dim() == 2:
+        return leaves[0].grad
+    assert all(q.grad is not None for q in leaves), "a bias element got no gradient"
+    return torch.stack([q.grad for q in leaves])
+
+
 def _stacked_grads(leaves):
     if len(leaves) == 1 and leaves[0][0].dim() == 3:
         return leaves[0][0].grad, leaves[0][1].grad
@@ -101,12 +142,13 @@ def _stacked_grads(leaves):
 def _run_case(rank, world, group, *, seed, tokens, El, K, dtype, prob_dtype=None, mode="expert",
               transport="auto", overlap=True, route="uniform", check_grads=True, form="tensor",
               tol=None, backend="auto", trusted=False, schedule="auto",
-              gpus_per_node=None, hidden=H, ffn=I):  # fmt: skip
-    """ring_moe on this rank's slice vs the oracle; returns the ring's (out, grads)."""
+              gpus_per_node=None, act=None, bias="none", hidden=H, ffn=I):  # fmt: skip
+    """ring_moe on this rank's slice vs the oracle; returns the ring's (out, grads). ``act``
+    and ``bias``: the expert MLP (``_problem``; the biases' gradients are checked too)."""
     from relaymoe import options
     from relaymoe.ring import ring_moe
 
-    pb = _problem(seed, tokens, El, K, world, route, hidden, ffn)
+    pb = _problem(seed, tokens, El, K, world, route, act, bias, hidden, ffn)
     ref_out, ref_g = _oracle(pb)
     lo, hi = sum(tokens[:rank]), sum(tokens[: rank + 1])
     e0, e1 = rank * El, (rank + 1) * El
@@ -115,6 +157,10 @@ def _run_case(rank, world, group, *, seed, tokens, El, K, dtype, prob_dtype=None
     w13, w2, leaves = _weights(pb["w13"][e0:e1].to(dtype), pb["w2"][e0:e1].to(dtype), form)
     probs = pb["probs"][lo:hi].to(pdt).requires_grad_()
     idx = pb["idx"][lo:hi]
+    biases = {n: _biases(None if pb[n] is None else pb[n][e0:e1].to(dtype), form)
+              for n in ("b13", "b2")}  # fmt: skip
+    mlp = {} if act is None and bias == "none" else {
+        "activation": pb["act"], "b13": biases["b13"][0], "b2": biases["b2"][0]}  # fmt: skip
     # overlap is the process's option (RingOptions.overlap), not a ring_moe keyword
     sequential = options.installed(options.defaults().replace(overlap=False))
     with contextlib.nullcontext() if overlap else sequential:
@@ -131,11 +177,13 @@ def _run_case(rank, world, group, *, seed, tokens, El, K, dtype, prob_dtype=None
             trusted=trusted,
             schedule=schedule,
             gpus_per_node=gpus_per_node,
+            **mlp,
         )
     if tol is None:
         tol = 1e-11 if dtype == pdt == torch.float64 else 3e-5
     what = (f"mode={mode} dtype={dtype} tokens={tokens} El={El} K={K} route={route} form={form} "
-            f"schedule={schedule} gpus_per_node={gpus_per_node} rank={rank}")  # fmt: skip
+            f"schedule={schedule} gpus_per_node={gpus_per_node} act={act} bias={bias} "
+            f"rank={rank}")  # fmt: skip
     assert out.shape == (hi - lo, hidden) and out.dtype == dtype, what
     assert _rel(out, ref_out[lo:hi]) < tol, f"out {_rel(out, ref_out[lo:hi])} {what}"
     if not check_grads:
@@ -148,6 +196,8 @@ def _run_case(rank, world, group, *, seed, tokens, El, K, dtype, prob_dtype=None
         ("dw13", w13_grad, ref_g["w13"][e0:e1]),
         ("dw2", w2_grad, ref_g["w2"][e0:e1]),
     ]
+    pairs += [(f"d{n}", _bias_grad(biases[n][1]), ref_g[n][e0:e1])
+              for n in ("b13", "b2") if pb[n] is not None]  # fmt: skip
     for name, got, ref in pairs:
         assert got is not None and got.shape == ref.shape, f"{name} missing {what}"
         assert _rel(got, ref) < tol, f"{name} {_rel(got, ref)} {what}"
@@ -157,6 +207,8 @@ def _run_case(rank, world, group, *, seed, tokens, El, K, dtype, prob_dtype=None
     for j in range(El):
         if not used[e0 + j]:
             assert torch.all(w13_grad[j] == 0) and torch.all(w2_grad[j] == 0), what
+            for _, got, _ in pairs[4:]:  # the biases'
+                assert torch.all(got[j] == 0), what
     return out.detach(), (x.grad, probs.grad, w13_grad, w2_grad)
 
 
@@ -206,6 +258,47 @@ def _correctness(rank, world, group):
                               dtype=torch.float64))  # fmt: skip
     for c in cases:
         _run_case(rank, world, group, **c)
+
+
+# The expert MLPs the ring scenarios cover: GeGLU (gated), squared ReLU (not gated: J = I),
+# GPT-OSS's clamped SwiGLU (alpha, clamp, offset); each without biases, with both, with b13 only
+RING_ACTIVATIONS = ("geglu", "squared_relu", "clamped_swiglu")
+RING_BIASES = ("none", "both", "b13")
+
+
+def _activations(rank, world, group):
+    """Activations x biases in every mode (the torch hops, float64) against the oracle:
+    forward and the gradients of x, w13, w2, probs, b13, b2 (expert mode: the biases travel
+    with their weights and their gradients come home with the weight gradients; token and
+    all-to-all modes: they stay). Uneven T with a zero-token rank; list form (biases as
+    per-expert parameters) in every mode; a trusted call; the agreed problem."""
+    from relaymoe.ring import resolved_problem
+
+    R = world
+    uneven = [5, 0, 9, 3][:R] if R > 1 else [7]
+    base = dict(tokens=uneven, El=2, K=2, dtype=torch.float64, backend="torch")
+    # a Latin square: every mode meets every activation and every bias set, and every
+    # (activation, biases) pair runs in one mode
+    for m, mode in enumerate(("expert", "token", "alltoall")):
+        for n, act in enumerate(RING_ACTIVATIONS):
+            bias = RING_BIASES[(m + n) % len(RING_BIASES)]
+            _run_case(rank, world, group, seed=70 + 3 * m + n, mode=mode, act=act, bias=bias,
+                      **base)  # fmt: skip
+    for mode in ("expert", "token", "alltoall"):  # list form: separate, and DDP-reversed views
+        for form, act in (("separate", "squared_relu"), ("reversed", "clamped_swiglu")):
+            _run_case(rank, world, group, seed=80, mode=mode, act=act, bias="both", form=form,
+                      route="skew", **base)  # fmt: skip
+    _run_case(rank, world, group, seed=81, mode="expert", act="geglu", bias="both",
+              trusted=True, overlap=False, **{**base, "dtype": torch.float32})  # fmt: skip
+    pb = _problem(82, [3] * R, 2, 2, R, act="squared_relu", bias="b13")
+    lo, e0 = 3 * rank, 2 * rank
+    prob = resolved_problem(
+        pb["x"][lo : lo + 3], pb["w13"][e0 : e0 + 2], pb["w2"][e0 : e0 + 2],
+        pb["idx"][lo : lo + 3], pb["probs"][lo : lo + 3], group=group,
+        activation="squared_relu", b13=pb["b13"][e0 : e0 + 2],
+    )  # fmt: skip
+    assert (prob.activation, prob.fc1_rows, prob.has_b13, prob.has_b2) == (pb["act"], I, True,
+                                                                            False)  # fmt: skip
 
 
 def _triton_backend(rank, world, group):
@@ -431,7 +524,47 @@ def _bad_inputs(rank, world, group):
         ),
         "one form per call": (lambda: [good[0], list(good[1].unbind(0)), *good[2:]], {}, "both"),
     }
+    # the expert MLP: bad values on one rank, the activation's rows, the biases' form and shape
+    J, g2 = 2 * I, torch.zeros(2, H)
+    cases["bad activation name"] = (inputs, {"activation": "swigl" if rank == last else None},
+                                    "activation")  # fmt: skip
+    cases["w13 rows against the activation"] = (
+        inputs, {"activation": "gelu" if rank == last else None}, r"J=12|shapes")  # fmt: skip
+    cases["b13 shape"] = (inputs, {"b13": torch.zeros(2, J + (rank == last))}, r"b13|shapes")
+    cases["bias in another form"] = (
+        inputs, {"b2": list(g2) if rank == last else g2}, "b2 must come in the weights' form|"
+        "not a tensor")  # fmt: skip
+    cases["bias dtype"] = (inputs, {"b2": g2.double() if rank == last else g2}, "dtype")
     if world > 1:
+        # shapes consistent on every rank; the expert MLP differs: refused by name and value
+        def gelu_rows(r):  # rank r computes non-gated GELU (fc1 of I rows), the others GeGLU
+            a = inputs()
+            if rank == r:
+                a[1] = a[1][:, :I].contiguous()
+            return a
+
+        cases["activation differs"] = (
+            inputs,
+            {"activation": "geglu" if rank == last else "swiglu"},
+            rf"expert activation differs across ranks \(rank 0: swiglu .*rank {last}: geglu",
+        )
+        cases["gated differs"] = (
+            lambda: gelu_rows(last),
+            {"activation": "gelu" if rank == last else "geglu"},
+            rf"rank {last}: gelu = ExpertActivation\(fn='gelu', gated=False",
+        )
+        clamped = ExpertActivation(fn="silu", alpha=1.702, limit=7.0 + (rank == last),
+                                   linear_offset=1.0)  # fmt: skip
+        cases["clamp limit differs"] = (
+            inputs,
+            {"activation": clamped},
+            rf"rank {last}: clamped_swiglu\(.*limit=8\.0",
+        )
+        cases["bias presence differs"] = (
+            inputs,
+            {"b2": g2 if rank == last else None},
+            rf"expert biases differ across ranks \(rank 0: none, .*rank {last}: b2\)",
+        )
         cases["E_local differs"] = (
             lambda: inputs(El=3 if rank == last else 2),
             {},
@@ -595,8 +728,8 @@ def _settings_must_agree(rank, world, group):
         del os.environ["RELAYMOE_RING_AGREE"], os.environ["RELAYMOE_PAIR_BUFFER_MIB"]
 
 
-SCENARIOS = [_correctness, _triton_backend, _list_forms, _no_persistent_copy, _determinism,
-             _modes_agree_and_auto, _bad_inputs, _backward_disagreement,
+SCENARIOS = [_correctness, _activations, _triton_backend, _list_forms, _no_persistent_copy,
+             _determinism, _modes_agree_and_auto, _bad_inputs, _backward_disagreement,
              _microbatches_in_flight, _trusted_steady_state, _settings_must_agree]  # fmt: skip
 
 

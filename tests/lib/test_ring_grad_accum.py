@@ -84,6 +84,45 @@ def _resolution_and_refusals(rank, world, group):
     a = _grads(rank, world, group, pb, "expert", "param", torch.float32)
     b = _grads(rank, world, group, pb, "expert", "fp32", torch.float32)
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # the biases' gradients trail home in the same accumulators as the weights': fp32 sums
+    # of bf16 biases, returned in bf16, within bf16 rounding of the oracle
+    _biased_bf16(rank, world, group, "expert")
+
+
+def _biased_problem(seed, world):
+    """A ``ring_problem`` with fc1/fc2 biases (GeGLU, float64) and its oracle on the bf16
+    rounding of what the ranks hold."""
+    from relaymoe.reference import moe_experts_reference
+
+    pb = ring_problem(seed, [T] * world, EL * world, K, H, I)
+    g = torch.Generator().manual_seed(seed)
+    pb["b13"] = 0.5 * torch.randn(EL * world, 2 * I, generator=g, dtype=torch.float64)
+    pb["b2"] = 0.5 * torch.randn(EL * world, H, generator=g, dtype=torch.float64)
+    leaves = {k: pb[k].to(torch.bfloat16).double().requires_grad_()
+              for k in ("x", "w13", "w2", "b13", "b2")}  # fmt: skip
+    out = moe_experts_reference(leaves["x"], leaves["w13"], leaves["w2"], pb["idx"],
+                                pb["probs"], activation="geglu", b13=leaves["b13"],
+                                b2=leaves["b2"])  # fmt: skip
+    out.backward(pb["dy"].to(torch.bfloat16).double())
+    return pb, {k: v.grad for k, v in leaves.items()}
+
+
+def _biased_bf16(rank, world, group, mode, listed=False):
+    from relaymoe.ring import ring_moe
+
+    pb, ref = _biased_problem(5, world)
+    rows, experts = slice(rank * T, (rank + 1) * T), slice(rank * EL, (rank + 1) * EL)
+    ws = {k: pb[k][experts].bfloat16().requires_grad_() for k in ("w13", "w2", "b13", "b2")}
+    if listed:
+        ws = {k: [w.detach().requires_grad_() for w in v] for k, v in ws.items()}
+    out = ring_moe(pb["x"][rows].bfloat16(), ws["w13"], ws["w2"], pb["idx"][rows],
+                   pb["probs"][rows].float(), group=group, mode=mode, backend="torch",
+                   grad_accum="fp32", activation="geglu", b13=ws["b13"], b2=ws["b2"])  # fmt: skip
+    out.backward(pb["dy"][rows].bfloat16())
+    for k, w in ws.items():
+        grad = torch.stack([e.grad for e in w]) if listed else w.grad
+        assert grad.dtype == torch.bfloat16, (k, grad.dtype)
+        assert rel_err(grad, ref[k][experts]) < 1e-2, (mode, k, rel_err(grad, ref[k][experts]))
 
 
 SCENARIOS = (_fp32_accumulators_remove_the_per_hop_rounding, _resolution_and_refusals)
@@ -112,3 +151,4 @@ def test_world_of_one_and_list_form_with_fp32_accumulators(mode):
     assert all(w.grad.dtype == torch.bfloat16 for w in (*w13, *w2))
     assert rel_err(torch.stack([w.grad for w in w13]), ref["dw13"]) < 1e-2
     assert rel_err(torch.stack([w.grad for w in w2]), ref["dw2"]) < 1e-2
+    _biased_bf16(0, 1, None, mode, listed=True)  # with biases: theirs too

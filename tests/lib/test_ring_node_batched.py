@@ -4,7 +4,8 @@ gloo worlds arranged as nodes x GPUs per node.
 Worlds 4 (2 nodes x 2 GPUs, and 4 x 1, 1 x 4) and 6 (3x2, 2x3) against the float64 oracle:
 outputs, input gradients and the expert-weight gradients (reduce-scattered inside the node, then
 home over the column ring), with uneven T, a zero-token rank, skewed routing, top-1 and
-top-k = E, list-form weights, fp32 accumulators, with and without overlap. Then what it refuses.
+top-k = E, list-form weights, fp32 accumulators, with and without overlap, other activations with
+biases. Then what it refuses.
 """
 
 from __future__ import annotations
@@ -32,6 +33,12 @@ def _cases(R: int, G: int) -> list[dict]:
         dict(seed=5, tokens=[4, 0, 2, 0, 3, 1][:R], El=2, K=1, dtype=F64, route="one",
              form="list", **kw),
         dict(seed=6, tokens=[3] * R, El=2, K=2, dtype=F64, trusted=True, **kw),
+        # the expert MLP: the biases gathered with their weights over the row, their gradients
+        # reduce-scattered with the weights' (list form: per-expert bias parameters)
+        dict(seed=7, tokens=[4, 0, 3, 5, 2, 1][:R], El=2, K=2, dtype=F64, act="clamped_swiglu",
+             bias="both", form="list", backend="torch", **kw),
+        dict(seed=8, tokens=[0, 2, 3, 0, 1, 4][:R], El=1, K=2, dtype=F64, act="squared_relu",
+             bias="b13", backend="torch", **kw),
     ]  # fmt: skip
 
 

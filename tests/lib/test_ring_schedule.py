@@ -316,3 +316,64 @@ def test_reverse_local_ids():
     assert torch.equal(got, ids.flip(1))  # q*El + l -> q*El + (El-1-l): owner q unchanged
     assert torch.equal(reverse_local_ids(got, El), ids)
     assert torch.equal(reverse_local_ids(ids, 1), ids)
+
+
+def test_local_experts_with_biases_round_trip():
+    """Biases ride with the weights: the autograd inputs list after list (w13, w2, b13, b2),
+    rebuilt from them, stacked in the weights' row order (a view where back to back, else a
+    stack), packed per element and their gradients split back per element."""
+    from relaymoe.ring.weights import LocalExperts
+
+    _, ws = _buffer_views(3, (6, 4), "reversed")
+    _, w2s = _buffer_views(3, (4, 3), "reversed")
+    _, b13s = _buffer_views(3, (6,), "reversed")  # back to back: a view
+    b2s = [torch.randn(4) for _ in range(3)]  # separate storages: a stack
+    ex = LocalExperts(ws, w2s, b13s, b2s)
+    assert ex.parts == ("w13", "w2", "b13", "b2") and len(ex.inputs()) == 12
+    again = LocalExperts.from_inputs(True, ex.inputs(), True, True)
+    assert all(a is b for a, b in zip(again.inputs(), ex.inputs(), strict=True))
+    only_b2 = LocalExperts.from_inputs(True, [*ws, *w2s, *b2s], False, True)
+    assert only_b2.parts == ("w13", "w2", "b2") and only_b2.b2 == b2s
+    w13, _, order = ex.stacked()
+    b13, b2 = ex.biases(order)
+    same = b13.untyped_storage().data_ptr() == b13s[0].untyped_storage().data_ptr()
+    assert order == "reversed" and same  # a view of the bias buffer, no copy
+    assert all(
+        torch.equal(b13[j], b13s[2 - j]) and torch.equal(b2[j], b2s[2 - j]) for j in range(3)
+    )
+    dst = torch.empty(3, 4)
+    ex.pack("b2", dst)
+    assert all(torch.equal(dst[j], b2s[j]) for j in range(3))  # expert order
+    g = ex.split(torch.zeros(3, 6, 4), torch.zeros(3, 4, 3), "reversed", b13, b2)
+    assert all(torch.equal(g[9 + j], b2s[j]) for j in range(3))  # per element, expert order
+    t = LocalExperts(torch.zeros(3, 6, 4), torch.zeros(3, 4, 3), None, torch.zeros(3, 4))
+    assert t.parts == ("w13", "w2", "b2") and len(t.inputs()) == 3
+    assert t.split(1, 2, "forward", None, 3) == (1, 2, 3)
+
+
+def test_expert_mlp_row_fields_round_trip_and_refusals():
+    """The agreement row carries every field of the activation exactly (float bits), and the
+    group refuses a rank whose activation or biases differ, naming each rank's value."""
+    from relaymoe.activation import NAMES, ExpertActivation
+    from relaymoe.ring.expert_mlp import (
+        activation_fields,
+        activation_of,
+        bias_code,
+        same_expert_mlp,
+    )
+
+    acts = [*NAMES.values(), ExpertActivation(fn="silu", alpha=1.702, limit=7.0,
+                                              linear_offset=1.0)]  # fmt: skip
+    for act in acts:
+        fields = activation_fields(act)
+        assert all(isinstance(f, int) for f in fields) and activation_of(fields) == act
+    clamped = acts[-1]
+    other = ExpertActivation(fn="silu", alpha=1.702, limit=7.0 + 2**-40, linear_offset=1.0)
+    assert activation_of(activation_fields(other)) == other != clamped
+    got = same_expert_mlp([activation_fields(clamped)] * 2, [bias_code(True, False)] * 2)
+    assert got == (clamped, True, False)
+    with pytest.raises(ValueError, match=r"rank 1: geglu = ExpertActivation\(fn='gelu'"):
+        same_expert_mlp([activation_fields(NAMES["swiglu"]), activation_fields(NAMES["geglu"])],
+                        [1, 1])  # fmt: skip
+    with pytest.raises(ValueError, match=r"rank 0: b13 and b2, rank 1: none"):
+        same_expert_mlp([activation_fields(clamped)] * 2, [bias_code(True, True), 1])

@@ -105,3 +105,42 @@ def test_pick_uses_the_shipped_config_then_the_autotuner(monkeypatch):
     kernel, meta = pick()
     assert kernel is raw and meta["BLOCK_M"] == first.kwargs["BLOCK_M"]
     assert meta["num_warps"] == first.num_warps and meta["num_stages"] == first.num_stages
+
+
+def test_the_ungated_up_projection_takes_its_own_config_or_the_gated_one_twice_as_wide(
+    monkeypatch,
+):
+    """Without a gate the up-projection has one accumulator a tile: its candidates are the gated
+    ones with BLOCK_N doubled, and with shipped configurations it takes a shipped ``up_single``
+    entry, else the gated kernel's entry for the same key with BLOCK_N doubled (one tile then
+    holds as many outputs, registers and x reuse as the gated tile's two halves). A passed config,
+    the search and the interpreter are left alone."""
+    up = grouped.up
+    assert [c.kwargs["BLOCK_N"] for c in up._UP_SINGLE_CONFIGS] == [
+        2 * c.kwargs["BLOCK_N"] for c in grouped.configs._UP_CONFIGS]  # fmt: skip
+
+    def rest(configs):
+        return [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages)
+                for c in configs]  # fmt: skip
+
+    assert rest(up._UP_SINGLE_CONFIGS) == rest(grouped.configs._UP_CONFIGS)
+    assert grouped.TUNED_KERNELS["up_single"][0] is up._up_single_tuned
+    found = {}
+    monkeypatch.setattr(up, "shipped_config", lambda name, key, dtype: found.get(name))
+    monkeypatch.setattr(up, "interpret_mode", lambda: False)
+    key = {"H": 2048, "I": 768, "n_experts": 128, "SAVE_H": False, "SCALE": True}
+    k = options.defaults().kernels
+
+    def cfg(config=None, kern=k):
+        return up._single_config(config, key, torch.bfloat16, kern)
+
+    assert cfg() is None  # nothing shipped: the single-tile autotuner
+    found["up_swiglu"] = dict(CFG)
+    assert cfg() == {**CFG, "BLOCK_N": 2 * CFG["BLOCK_N"]}
+    found["up_single"] = {**CFG, "BLOCK_M": 256}
+    assert cfg() == {**CFG, "BLOCK_M": 256}
+    assert cfg({"BLOCK_M": 16}) == {"BLOCK_M": 16}
+    search = options.KernelOptions(autotune="search")
+    assert cfg(kern=search) is None
+    monkeypatch.setattr(up, "interpret_mode", lambda: True)
+    assert cfg() is None

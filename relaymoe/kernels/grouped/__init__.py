@@ -1,7 +1,7 @@
 """Grouped GEMM kernels over the routing index (MoEBlaze §3-5), and their launchers.
 
-Imports only torch, triton and ``relaymoe.kernels`` (limits, the choices, the shipped tuned
-configurations).
+Imports only torch, triton, ``relaymoe.kernels`` (limits, the choices, the shipped tuned
+configurations) and ``relaymoe.activation`` (the activation the kernels are specialised for).
 
 Shape legend: T tokens, H hidden, I expert FFN width, El local experts, P pairs of the computed
 expert range in expert-grouped order (positions ``offs[0]:offs[El]`` of the routing index).
@@ -21,9 +21,16 @@ offset inside one expert's weight (a row or column index times a stride), the pa
 SwiGLU backward and the launch grid. The launchers check those on sizes before launching
 (``ValueError`` naming the value, the 2^31 limit and the fix; ``relaymoe.kernels.check_int32``).
 
+Activations and biases: every kernel that computes the activation specialises on the constexprs
+of ``activation.act_meta`` (one ``@triton.jit`` forward and backward for every
+``ExpertActivation``); the fc1 bias is added where h is made (the up-projection's epilogue, or the
+memory pass after a GEMM that made h), the fc2 bias in the combine, and the bias gradients are
+deterministic segment sums (``bias``).
+
 Files: ``tiles`` (the shared tile schedule, grid and checks), ``configs`` (autotune candidates and
-the pick of a launch's configuration), one file per kernel and its launcher (``up``, ``rows``,
-``swiglu``, ``weight_grads``, ``gather_reduce``). The launchers hold no policy: which kernel a
+the pick of a launch's configuration), ``activation`` (the activation helpers), one file per
+kernel and its launcher (``up``, ``rows``, ``swiglu``, ``weight_grads``, ``gather_reduce``,
+``bias``). The launchers hold no policy: which kernel a
 GEMM takes is ``relaymoe.kernels.select``'s choice, from the ``KernelOptions`` it is given.
 """
 
@@ -33,6 +40,7 @@ from relaymoe.kernels.grouped import configs
 from relaymoe.kernels.grouped import rows as _rows
 from relaymoe.kernels.grouped import up as _up
 from relaymoe.kernels.grouped import weight_grads as _weight_grads
+from relaymoe.kernels.grouped.bias import add_bias_dprobs, segment_sum
 from relaymoe.kernels.grouped.gather_reduce import combine
 from relaymoe.kernels.grouped.rows import rows_gemm
 from relaymoe.kernels.grouped.swiglu import swiglu_backward, swiglu_forward
@@ -41,8 +49,10 @@ from relaymoe.kernels.grouped.weight_grads import wgrad
 
 __all__ = [
     "TUNED_KERNELS",
+    "add_bias_dprobs",
     "combine",
     "rows_gemm",
+    "segment_sum",
     "swiglu_backward",
     "swiglu_forward",
     "up_swiglu",
@@ -54,6 +64,7 @@ __all__ = [
 # runs one configuration explicitly (the sweeps).
 TUNED_KERNELS = {
     "up_swiglu": (_up._up_tuned, configs._UP_KEY),
+    "up_single": (_up._up_single_tuned, configs._UP_KEY),
     "rows_gemm": (_rows._rows_tuned, configs._ROWS_KEY),
     "wgrad": (_weight_grads._wgrad_tuned, configs._WGRAD_KEY),
 }

@@ -27,6 +27,15 @@ _UP_CONFIGS = [
     _cfg(64, 128, 64, 4, 4),
     _cfg(128, 128, 64, 8, 4),
 ]
+# The up-projection without a gate (one accumulator a tile): the gated candidates with BLOCK_N
+# doubled, so a tile holds as many outputs and registers and reuses each gathered x tile for as
+# many MMA columns as the gated tile's two halves do (the gated tiles on the one-accumulator
+# kernel leave each x tile half as reused, and the gather is what this kernel pays for)
+_UP_SINGLE_CONFIGS = [
+    _cfg(c.kwargs["BLOCK_M"], 2 * c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps,
+         c.num_stages)
+    for c in _UP_CONFIGS
+]  # fmt: skip
 _ROWS_CONFIGS = [
     _cfg(128, 128, 64, 4, 4),
     _cfg(128, 256, 64, 8, 3),
@@ -50,6 +59,14 @@ _INTERP_CFG = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}
 _UP_KEY = ("H", "I", "n_experts", "SAVE_H", "SCALE")
 _ROWS_KEY = ("N", "K", "n_experts", "A_GATHER")
 _WGRAD_KEY = ("M", "N", "A_GATHER", "B_GATHER", "ACCUMULATE")
+
+
+def single_tile_config(gated_config: dict | None) -> dict | None:
+    """The up-projection's configuration without a gate, from the gated kernel's for the same
+    key: BLOCK_N doubled (``_UP_SINGLE_CONFIGS``' rule), the rest kept; None stays None."""
+    if gated_config is None:
+        return None
+    return {**gated_config, "BLOCK_N": 2 * gated_config["BLOCK_N"]}
 
 
 def _pick(tuned, raw, config, kdim, name: str, key: dict, dtype, k, ncols: int | None = None):

@@ -1,5 +1,10 @@
-"""The memory-bound SwiGLU passes: the backward (SiLU recomputed from h, dprob, dh, p*a) and the
-forward of an h a GEMM made."""
+"""The memory-bound activation passes over pair rows: the backward (the activation recomputed from
+h, dprob, dh, p*a) and the forward of an h a GEMM made (the fc1 bias added there).
+
+Any ``ExpertActivation`` (``activation.act_meta``'s constexprs; None: SwiGLU, whose compiled
+code is the plain SwiGLU pass). Shape legend: P pair rows, I expert FFN width, J fc1 rows
+(2I gated, I not).
+"""
 
 from __future__ import annotations
 
@@ -7,19 +12,45 @@ import triton
 import triton.language as tl
 
 from relaymoe.kernels import interpret_mode
-from relaymoe.kernels.grouped.tiles import _check_rows
+from relaymoe.kernels.grouped.activation import act_bwd, act_fwd, act_meta
+from relaymoe.kernels.grouped.tiles import _block_e, _check_rows, _row_expert
+
+
+@triton.jit
+def _load_h(hp, mask, cols, col_ok, e_R, b_ptr, stride_be, n_experts, I,
+            GATED: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
+    """(gate, lin) fp32 tiles of h at ``hp`` (lin: the columns ``I`` on, gated; gate again
+    otherwise), plus b13 of each row's expert ``e_R`` with ``HAS_BIAS`` (none past the range)."""
+    gate = tl.load(hp, mask=mask, other=0.0).to(tl.float32)
+    if GATED:
+        lin = tl.load(hp + I, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        e_ok = e_R < n_experts
+        bp = b_ptr + tl.where(e_ok, e_R, 0).to(tl.int64)[:, None] * stride_be + cols[None, :]
+        b_mask = e_ok[:, None] & col_ok[None, :]
+        gate += tl.load(bp, mask=b_mask, other=0.0).to(tl.float32)
+        if GATED:
+            lin += tl.load(bp + I, mask=b_mask, other=0.0).to(tl.float32)
+    if not GATED:
+        lin = gate
+    return gate, lin
 
 
 @triton.jit
 def _swiglu_bwd_kernel(
-    h_ptr, g_ptr, prob_ptr, dh_ptr, dprob_ptr,
-    n_pairs, I,
-    stride_hp, stride_gp, stride_dhp,
+    h_ptr, g_ptr, prob_ptr, dh_ptr, dprob_ptr, b_ptr, offs_ptr,
+    n_pairs, I, n_experts,
+    stride_hp, stride_gp, stride_dhp, stride_be,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    HAS_BIAS: tl.constexpr = False, BLOCK_E: tl.constexpr = 16, ACT_FN: tl.constexpr = "silu",
+    GATED: tl.constexpr = True, ALPHA: tl.constexpr = 1.0, HAS_LIMIT: tl.constexpr = False,
+    LIMIT: tl.constexpr = 0.0, OFFSET: tl.constexpr = 0.0,
 ):  # fmt: skip
-    """Memory-bound pass over BLOCK_R pair rows, I in BLOCK_C column steps (SiLU recomputed from
-    h): dprob = rowsum(g * a) with a = silu(gate) * up, exact per row (no partials); da = p * g;
-    dh = [da * up * silu'(gate), da * silu(gate)]; g is overwritten with p * a (for dw2).
+    """Memory-bound pass over BLOCK_R pair rows, I in BLOCK_C column steps (the activation
+    recomputed from h, plus b13 of the row's expert with ``HAS_BIAS``: an h made without it):
+    dprob = rowsum(g * a), exact per row (no partials); da = p * g; dh = da * act'(h) (both
+    halves when gated: SwiGLU's ``[da * up * silu'(gate), da * silu(gate)]``); g is overwritten
+    with p * a (for dw2).
 
     ``dh_ptr`` may equal ``h_ptr``: each element is read, then written, by the same program.
     """
@@ -27,59 +58,88 @@ def _swiglu_bwd_kernel(
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < n_pairs
     r64 = rows.to(tl.int64)
+    e_R = rows
+    if HAS_BIAS:
+        e_R = _row_expert(r64 + tl.load(offs_ptr), offs_ptr, n_experts, BLOCK_E)
     p = tl.load(prob_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     dprob = tl.zeros((BLOCK_R,), dtype=tl.float32)
     for c0 in range(0, I, BLOCK_C):
         cols = c0 + tl.arange(0, BLOCK_C)
-        mask = row_ok[:, None] & (cols < I)[None, :]
+        col_ok = cols < I
+        mask = row_ok[:, None] & col_ok[None, :]
         hp = h_ptr + r64[:, None] * stride_hp + cols[None, :]
         gp = g_ptr + r64[:, None] * stride_gp + cols[None, :]
-        gate = tl.load(hp, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(hp + I, mask=mask, other=0.0).to(tl.float32)
+        gate, up = _load_h(hp, mask, cols, col_ok, e_R, b_ptr, stride_be, n_experts, I, GATED,
+                           HAS_BIAS)  # fmt: skip
         g = tl.load(gp, mask=mask, other=0.0).to(tl.float32)
-        sig = tl.sigmoid(gate)
-        silu = gate * sig
-        act = silu * up
-        dprob += tl.sum(g * act, axis=1)
         da = g * p
+        act, d_gate, d_up = act_bwd(gate, up, da, ACT_FN, GATED, ALPHA, HAS_LIMIT, LIMIT, OFFSET)
+        dprob += tl.sum(g * act, axis=1)
         dhp = dh_ptr + r64[:, None] * stride_dhp + cols[None, :]
-        tl.store(dhp, (da * up * sig * (1.0 + gate * (1.0 - sig))).to(dh_ptr.dtype.element_ty),
-                 mask=mask)  # fmt: skip
-        tl.store(dhp + I, (da * silu).to(dh_ptr.dtype.element_ty), mask=mask)
+        tl.store(dhp, d_gate.to(dh_ptr.dtype.element_ty), mask=mask)
+        if GATED:
+            tl.store(dhp + I, d_up.to(dh_ptr.dtype.element_ty), mask=mask)
         tl.store(gp, (act * p).to(g_ptr.dtype.element_ty), mask=mask)
     tl.store(dprob_ptr + rows, dprob, mask=row_ok)
 
 
 @triton.jit
 def _swiglu_fwd_kernel(
-    h_ptr, prob_ptr, a_ptr,
-    n_pairs, I,
-    stride_hp, stride_ap,
+    h_ptr, prob_ptr, a_ptr, b_ptr, offs_ptr,
+    n_pairs, I, n_experts,
+    stride_hp, stride_ap, stride_be,
     SCALE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    HAS_BIAS: tl.constexpr = False, STORE_H: tl.constexpr = False, BLOCK_E: tl.constexpr = 16,
+    ACT_FN: tl.constexpr = "silu", GATED: tl.constexpr = True, ALPHA: tl.constexpr = 1.0,
+    HAS_LIMIT: tl.constexpr = False, LIMIT: tl.constexpr = 0.0, OFFSET: tl.constexpr = 0.0,
 ):  # fmt: skip
-    """Memory-bound pass over BLOCK_R pair rows of h = [gate, up], I in BLOCK_C column steps."""
+    """Memory-bound pass over BLOCK_R pair rows of h (``[gate, up]`` gated), I in BLOCK_C column
+    steps: a = act(h + b13[e]) (* p). ``STORE_H``: h + b13[e] written back over h (the saved
+    pre-activation holds the bias: the backward recomputes the activation from it)."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < n_pairs
     r64 = rows.to(tl.int64)
+    e_R = rows
+    if HAS_BIAS:
+        e_R = _row_expert(r64 + tl.load(offs_ptr), offs_ptr, n_experts, BLOCK_E)
     if SCALE:
         p = tl.load(prob_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     for c0 in range(0, I, BLOCK_C):
         cols = c0 + tl.arange(0, BLOCK_C)
-        mask = row_ok[:, None] & (cols < I)[None, :]
+        col_ok = cols < I
+        mask = row_ok[:, None] & col_ok[None, :]
         hp = h_ptr + r64[:, None] * stride_hp + cols[None, :]
-        gate = tl.load(hp, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(hp + I, mask=mask, other=0.0).to(tl.float32)
-        act = gate * tl.sigmoid(gate) * up
+        gate, up = _load_h(hp, mask, cols, col_ok, e_R, b_ptr, stride_be, n_experts, I, GATED,
+                           HAS_BIAS)  # fmt: skip
+        if STORE_H:
+            tl.store(hp, gate.to(h_ptr.dtype.element_ty), mask=mask)
+            if GATED:
+                tl.store(hp + I, up.to(h_ptr.dtype.element_ty), mask=mask)
+        act = act_fwd(gate, up, ACT_FN, GATED, ALPHA, HAS_LIMIT, LIMIT, OFFSET)
         if SCALE:
             act = act * p
         tl.store(a_ptr + r64[:, None] * stride_ap + cols[None, :], act.to(a_ptr.dtype.element_ty),
                  mask=mask)  # fmt: skip
 
 
-def swiglu_backward(h_P2I, g_PI, prob_P, dh_P2I, dprob_P, *, block_rows=None, block_cols=None):
+def _bias_args(b13_EJ, offs, where: str, unused) -> tuple:
+    """(b pointer, offs pointer, El, its row stride, HAS_BIAS, BLOCK_E) of an optional b13;
+    without one, ``unused`` stands in for both pointers (never read)."""
+    if b13_EJ is None:
+        return unused, unused, 0, 0, False, 16
+    if offs is None:
+        raise ValueError(f"{where}: b13 needs the range's offs (each row's expert)")
+    n_experts = offs.shape[0] - 1
+    return b13_EJ, offs, n_experts, b13_EJ.stride(0), True, _block_e(n_experts)
+
+
+def swiglu_backward(h_PJ, g_PI, prob_P, dh_PJ, dprob_P, *, block_rows=None, block_cols=None,
+                    activation=None, b13_EJ=None, offs=None):  # fmt: skip
     """See ``_swiglu_bwd_kernel``: reads h and g = dy[tok] @ w2[e] (unscaled), writes dh (may be
-    ``h_P2I`` itself), dprob_P (fp32, every row) and overwrites g with p * a."""
+    ``h_PJ`` itself), dprob_P (fp32, every row) and overwrites g with p * a. ``activation``: an
+    ``ExpertActivation`` (None: SwiGLU). ``b13_EJ`` (with the range's ``offs``): added to h on
+    load, for an h made without the bias (the fc1 recompute through ``torch._grouped_mm``)."""
     n_pairs, ffn = g_PI.shape
     if n_pairs == 0:
         return
@@ -87,32 +147,41 @@ def swiglu_backward(h_P2I, g_PI, prob_P, dh_P2I, dprob_P, *, block_rows=None, bl
     if ffn == 0:
         dprob_P.zero_()
         return
+    b, o, n_experts, stride_be, has_bias, block_e = _bias_args(
+        b13_EJ, offs, "swiglu_backward", h_PJ
+    )
     if interpret_mode():
         br, bc, warps = block_rows or 16, block_cols or 16, 4
     else:  # 16 x 256: 32 elements per thread per tile at 4 warps, I=768 in 3 steps
         br, bc, warps = block_rows or 16, block_cols or min(256, triton.next_power_of_2(ffn)), 4
     _swiglu_bwd_kernel[(triton.cdiv(n_pairs, br),)](
-        h_P2I, g_PI, prob_P, dh_P2I, dprob_P,
-        n_pairs, ffn,
-        h_P2I.stride(0), g_PI.stride(0), dh_P2I.stride(0),
-        BLOCK_R=br, BLOCK_C=bc, num_warps=warps,
+        h_PJ, g_PI, prob_P, dh_PJ, dprob_P, b, o,
+        n_pairs, ffn, n_experts,
+        h_PJ.stride(0), g_PI.stride(0), dh_PJ.stride(0), stride_be,
+        BLOCK_R=br, BLOCK_C=bc, HAS_BIAS=has_bias, BLOCK_E=block_e, **act_meta(activation),
+        num_warps=warps,
     )  # fmt: skip
 
 
-def swiglu_forward(h_P2I, prob_P, a_PI):
-    """a = silu(gate) * up (* prob_P when given) over the rows of ``h_P2I`` = [gate, up] (the
-    forward when a GEMM made h; ``up_swiglu`` fuses this into its epilogue instead)."""
+def swiglu_forward(h_PJ, prob_P, a_PI, *, activation=None, b13_EJ=None, offs=None,
+                   store_h=False):  # fmt: skip
+    """a = act(h) (* prob_P when given) over the rows of ``h_PJ`` (``[gate, up]`` gated: the
+    forward when a GEMM made h; ``up_swiglu`` fuses this into its epilogue instead).
+    ``activation``: an ``ExpertActivation`` (None: SwiGLU). ``b13_EJ`` (with the range's
+    ``offs``): added to each row's h first; ``store_h``: h + b13 written back into ``h_PJ``."""
     n_pairs, ffn = a_PI.shape
     if n_pairs == 0 or ffn == 0:
         return
     _check_rows(n_pairs, "swiglu_forward")
+    b, o, n_experts, stride_be, has_bias, block_e = _bias_args(b13_EJ, offs, "swiglu_forward", h_PJ)
     if interpret_mode():
         br, bc, warps = 16, 16, 4
     else:  # as swiglu_backward: 16 x 256 a tile at 4 warps
         br, bc, warps = 16, min(256, triton.next_power_of_2(ffn)), 4
     _swiglu_fwd_kernel[(triton.cdiv(n_pairs, br),)](
-        h_P2I, prob_P if prob_P is not None else a_PI, a_PI,
-        n_pairs, ffn,
-        h_P2I.stride(0), a_PI.stride(0),
-        SCALE=prob_P is not None, BLOCK_R=br, BLOCK_C=bc, num_warps=warps,
+        h_PJ, prob_P if prob_P is not None else a_PI, a_PI, b, o,
+        n_pairs, ffn, n_experts,
+        h_PJ.stride(0), a_PI.stride(0), stride_be,
+        SCALE=prob_P is not None, BLOCK_R=br, BLOCK_C=bc, HAS_BIAS=has_bias,
+        STORE_H=store_h and has_bias, BLOCK_E=block_e, **act_meta(activation), num_warps=warps,
     )  # fmt: skip

@@ -30,6 +30,16 @@ def _expert_tile(pid_m, offs_ptr, n_experts, BLOCK_M: tl.constexpr, BLOCK_E: tl.
 
 
 @triton.jit
+def _row_expert(grows, offs_ptr, n_experts, BLOCK_E: tl.constexpr):
+    """Local expert of each global pair row ``grows`` (the number of expert ends ``offs[j+1]``
+    not above it): ``n_experts`` for a row past the range (a bound-sized buffer's tail)."""
+    j = tl.arange(0, BLOCK_E)
+    ends = tl.load(offs_ptr + 1 + j, mask=j < n_experts, other=0)
+    live = (j < n_experts)[None, :]
+    return tl.sum((live & (ends[None, :] <= grows[:, None])).to(tl.int32), 1)
+
+
+@triton.jit
 def _row_col_tile(
     n_cols, offs_ptr, n_experts, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr,
