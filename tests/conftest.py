@@ -7,6 +7,10 @@ import torch
 # On a GPU machine (scripts/gpu_suite.sh) they compile for the device.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter's bookkeeping cached
+    from tests import triton_interpreter
+
+    triton_interpreter.install()
 
 from relaymoe import options  # noqa: E402
 from tests.fixtures import Worlds  # noqa: E402

@@ -17,10 +17,31 @@ from tests.worlds import (  # noqa: F401
     World,
     Worlds,
     free_port,
+    run_python,
     run_scenarios,
     run_spawned,
     scenario_params,
+    start_python,
 )
+
+
+def needs(*modules: str):
+    """A mark that skips a test (or, as ``pytestmark``, a module) where one of ``modules`` is
+    not installed. It finds them without importing them: a test session imports every test
+    module to collect it, and importing Megatron or transformers costs seconds of CPU in each
+    process that collects, including those that run no test needing them."""
+    import importlib.util
+
+    import pytest
+
+    def found(name: str) -> bool:
+        try:
+            return importlib.util.find_spec(name) is not None
+        except ImportError:  # a parent package missing
+            return False
+
+    missing = [m for m in modules if not found(m)]
+    return pytest.mark.skipif(bool(missing), reason=f"needs {', '.join(missing)}")
 
 
 def random_routing(num_tokens: int, num_experts: int, topk: int, *, gen=None, kind="uniform"):

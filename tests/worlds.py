@@ -111,6 +111,10 @@ def _child(target, args, env, leave_at_once: bool) -> None:
         from relaymoe import options
 
         options.install(options.from_env())
+    if target is not _python_main and os.environ.get("TRITON_INTERPRET") == "1":
+        from tests import triton_interpreter  # the interpreter's bookkeeping cached, as in pytest
+
+        triton_interpreter.install()
     target(*args)  # raises: multiprocessing reports it, exit code 1
     if not leave_at_once:
         return
@@ -152,6 +156,115 @@ def run_spawned(target, args_of_rank, world: int, timeout: float) -> tuple[list[
     procs = _start(target, [args_of_rank(r) for r in range(world)])
     hung = _kill_after(procs, time.monotonic() + timeout)
     return hung, [p.exitcode for p in procs]
+
+
+# ---------------------------------------------------------------------------------------------
+# ``python ARGS`` in a process started like the worlds' ranks
+# ---------------------------------------------------------------------------------------------
+def _python_main(args, cwd, stdin_path, stdout_path, stderr_path) -> None:
+    """What ``python ARGS`` does (``-c CODE [ARG...]``, ``-m MODULE [ARG...]`` or ``SCRIPT
+    [ARG...]``) in ``cwd``, its standard streams on the given files; leaves with its exit
+    status."""
+    import runpy
+    import types
+
+    for fd, path, flags in ((0, stdin_path, os.O_RDONLY), (1, stdout_path, os.O_WRONLY),
+                            (2, stderr_path, os.O_WRONLY)):  # fmt: skip
+        f = os.open(path, flags)
+        os.dup2(f, fd)
+        os.close(f)
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115 (multiprocessing gave it /dev/null)
+    os.chdir(cwd)
+    # sys.path as the interpreter starts it: the script's directory ("" for -c, the working
+    # directory for -m), then PYTHONPATH, before what this process had
+    first = {"-c": "", "-m": cwd}.get(args[0], os.path.dirname(os.path.abspath(args[0])))
+    extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:0] = [first, *extra]
+    code = 0
+    try:
+        if args[0] == "-c":
+            sys.argv = ["-c", *args[2:]]
+            main = types.ModuleType("__main__")
+            sys.modules["__main__"] = main
+            exec(compile(args[1], "<string>", "exec"), main.__dict__)
+        elif args[0] == "-m":
+            sys.argv = [args[1], *args[2:]]
+            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(args)
+            runpy.run_path(args[0], run_name="__main__")
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
+class PythonProcess:
+    """``python ARGS`` started by ``start_python``: ``communicate(timeout)``, ``returncode``,
+    ``kill()``, as a ``subprocess.Popen`` with text pipes has them."""
+
+    def __init__(self, args, *, env=None, cwd=None, input: str | None = None):
+        import tempfile
+
+        self.args = [sys.executable, *args]
+        self._dir = tempfile.TemporaryDirectory(prefix="python-")
+        self._paths = [os.path.join(self._dir.name, n) for n in ("stdin", "stdout", "stderr")]
+        with open(self._paths[0], "w") as f:
+            f.write(input or "")
+        for path in self._paths[1:]:
+            open(path, "w").close()
+        cwd = os.path.abspath(cwd or os.getcwd())
+        with _environment(dict(os.environ) if env is None else dict(env)):
+            (self._proc,) = _start(_python_main, [(list(args), cwd, *self._paths)])
+        self.returncode = None
+
+    def kill(self) -> None:
+        self._proc.kill()
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        import subprocess
+
+        self._proc.join(timeout)
+        out, err = (open(p, errors="replace").read() for p in self._paths[1:])
+        if self._proc.is_alive():
+            raise subprocess.TimeoutExpired(self.args, timeout, out, err)
+        self.returncode = self._proc.exitcode
+        self._dir.cleanup()
+        return out, err
+
+
+def start_python(args, *, env=None, cwd=None, input: str | None = None) -> PythonProcess:
+    """``python ARGS`` (``args`` without the interpreter) in a new process with environment
+    ``env`` (default: this one's) and working directory ``cwd``. Without CUDA it forks from the
+    forkserver that has imported torch and Megatron (``_context``): a script that imports them
+    starts seconds sooner, which is all it changes; a test of what a fresh interpreter imports,
+    or of a command line, runs ``sys.executable`` itself."""
+    return PythonProcess(args, env=env, cwd=cwd, input=input)
+
+
+def run_python(args, *, timeout: float, env=None, cwd=None, input: str | None = None):
+    """``start_python`` and wait, as ``subprocess.run(..., capture_output=True, text=True)``
+    does: a ``CompletedProcess``; past ``timeout`` the process is killed and
+    ``subprocess.TimeoutExpired`` raised."""
+    import subprocess
+
+    p = start_python(args, env=env, cwd=cwd, input=input)
+    try:
+        out, err = p.communicate(timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.communicate()
+        raise
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
 def _init_world(rank: int, world: int, port: int, pg_timeout_s: float, backend: str):

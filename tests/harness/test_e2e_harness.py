@@ -24,6 +24,7 @@ from benchmarks.e2e import (
     run_pretrain,
 )
 from relaymoe.config import load_config
+from tests.fixtures import run_python
 
 GPUS = 2
 
@@ -274,15 +275,12 @@ _MEGATRON_ARGS = textwrap.dedent(
 def megatron_args(jobs, world: int = 2) -> list:
     """For each ``(flags, keys)`` of ``jobs``: the ``keys`` of the arguments Megatron's own parser
     and validation make of ``flags`` at world size ``world``, or the traceback of its refusal.
-    One subprocess (no GPU) parses them all in turn, Megatron's global state unset between
-    them: importing Megatron is most of its time."""
+    One process (no GPU; ``run_python``) parses them all in turn, Megatron's global state unset
+    between them: importing Megatron is most of its time."""
     env = dict(os.environ, WORLD_SIZE=str(world), RANK="0", LOCAL_RANK="0",
                CUDA_VISIBLE_DEVICES="")  # fmt: skip
-    p = subprocess.run(
-        [sys.executable, "-c", _MEGATRON_ARGS],
-        input=json.dumps([[list(flags), list(keys)] for flags, keys in jobs]),
-        capture_output=True, text=True, timeout=240, env=env,
-    )  # fmt: skip
+    payload = json.dumps([[list(flags), list(keys)] for flags, keys in jobs])
+    p = run_python(["-c", _MEGATRON_ARGS], timeout=240, env=env, input=payload)
     got = {}
     for ln in p.stdout.splitlines():
         if ln.startswith(("ARGS ", "ERROR ")):

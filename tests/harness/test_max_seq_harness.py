@@ -12,7 +12,6 @@ import json
 import math
 import os
 import signal
-import subprocess
 import sys
 import textwrap
 import time
@@ -21,11 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("megatron.core")
+from benchmarks import max_seq as ms
+from tests.fixtures import MEGATRON_CPU_PRELUDE, needs, run_python
 
-from benchmarks import max_seq as ms  # noqa: E402
-from benchmarks import sdpa_attention as sa  # noqa: E402
-from tests.fixtures import MEGATRON_CPU_PRELUDE  # noqa: E402
+pytestmark = needs("megatron.core")
 
 ROOT = Path(__file__).resolve().parents[2]
 STEP = ms.SEQ_STEP
@@ -529,6 +527,8 @@ def _attention(heads, groups, d, *, softmax_scale=None, **cfg_kw):
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from benchmarks import sdpa_attention as sa  # Megatron's attention: imported when used
+
     mask_type = cfg_kw.pop("mask_type", AttnMaskType.causal)
     cfg_kw.setdefault("attention_dropout", 0.0)
     cfg = TransformerConfig(num_layers=1, hidden_size=heads * d, num_attention_heads=heads,
@@ -609,6 +609,8 @@ def test_substitute_core_attention():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from benchmarks import sdpa_attention as sa
 
     layer = get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False, qk_layernorm=True)
     block = TransformerBlockSubmodules(layer_specs=[layer, layer, layer])
@@ -696,9 +698,10 @@ _BUILD = MEGATRON_CPU_PRELUDE + textwrap.dedent(
 
 
 def test_harness_flags_build_a_gpt_with_sdpa_attention_matching_megatrons_local_one():
+    from benchmarks import sdpa_attention as sa
+
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", CUDA_VISIBLE_DEVICES="",
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))  # fmt: skip
-    p = subprocess.run([sys.executable, "-c", _BUILD], capture_output=True, text=True, timeout=240,
-                       env=env, cwd=ROOT)  # fmt: skip
+    p = run_python(["-c", _BUILD], timeout=240, env=env, cwd=ROOT)
     assert p.returncode == 0 and "MATCH" in p.stdout, p.stdout[-3000:] + p.stderr[-5000:]
     assert sa.MARKER in p.stdout and ms.SDPA_MARKER == sa.MARKER

@@ -12,15 +12,13 @@ backward in bf16, and draw a sample from the mock dataset the way ``pretrain`` b
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
-pytest.importorskip("megatron.core")
+from tests.fixtures import MEGATRON_CPU_PRELUDE, needs, run_python
 
-from tests.fixtures import MEGATRON_CPU_PRELUDE  # noqa: E402
+pytestmark = needs("megatron.core")
 
 _SCRIPT = MEGATRON_CPU_PRELUDE + textwrap.dedent(
     """
@@ -81,12 +79,6 @@ def test_pretrain_flags_build_a_ring_gpt_on_cpu(config, activation):
     env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": ""}
     import os
 
-    p = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, config, activation],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=dict(os.environ, **env),
-    )
+    p = run_python(["-c", _SCRIPT, config, activation], timeout=240, env=dict(os.environ, **env))
     done = all(mark in p.stdout for mark in ("BUILT 4", "FWD_BWD", "DATA"))
     assert p.returncode == 0 and done, p.stdout[-2000:] + p.stderr[-4000:]

@@ -19,13 +19,9 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
+from tests.fixtures import MEGATRON_CPU_PRELUDE, needs, run_python
 
-pytest.importorskip("tokenizers")
-pytest.importorskip("transformers")
-pytest.importorskip("megatron.training")
-
-from tests.fixtures import MEGATRON_CPU_PRELUDE  # noqa: E402
+pytestmark = needs("tokenizers", "transformers", "megatron.training")
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -92,11 +88,9 @@ def test_real_data_flags_reach_megatrons_dataset(tmp_path):
     r = data.prepare([str(work / "corpus.jsonl")], str(work / "stdlib"), str(work / "tokenizer"),
                      progress=False)  # fmt: skip
     assert r.documents > 50 and r.tokens["text"] > 50_000, r
-    p = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, r.outputs["text"], r.tokenizer_dir],
-        capture_output=True, text=True, timeout=240,
-        env=dict(env, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"), cwd=tmp_path,
-    )  # fmt: skip
+    env = dict(env, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    p = run_python(["-c", _SCRIPT, r.outputs["text"], r.tokenizer_dir], timeout=240, env=env,
+                   cwd=tmp_path)  # fmt: skip
     line = [ln for ln in p.stdout.splitlines() if ln.startswith("REAL ")]
     assert p.returncode == 0 and line, p.stdout[-2000:] + p.stderr[-4000:]
     got = json.loads(line[0][5:])

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from tests.fixtures import World, Worlds, free_port
+from tests.fixtures import World, Worlds, free_port, run_python
 
 
 def _all_reduce(rank, world, group):
@@ -101,3 +101,33 @@ def test_ports_are_handed_out_once_below_the_ephemeral_range(monkeypatch):
     monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
     mine = {free_port() for _ in range(50)}
     assert max(mine) < min(other)  # each xdist worker in a block of its own
+
+
+def test_run_python_is_python_with_its_arguments_environment_streams_and_status(tmp_path):
+    """``run_python`` (a forked interpreter that has imported torch) behaves as ``python ARGS``
+    for what the tests' scripts use: argv, the working directory, the given environment (and no
+    other), stdin, stdout, stderr, the exit status of SystemExit or an exception, a timeout."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, sys\n"
+        "print('ARGV', sys.argv[1:], os.getcwd(), os.environ.get('RUN_PY'), 'HOME' in os.environ)\n"
+        "print('IN', sys.stdin.read())\n"
+        "print('ERR', file=sys.stderr)\n"
+        "assert sys.path[0] == ''\n"
+        "raise SystemExit(int(sys.argv[2]))\n"
+    )
+    r = run_python(["-c", code, "a b", "3"], timeout=120, cwd=tmp_path, input="piped",
+                   env={"RUN_PY": "1", "PATH": os.environ["PATH"]})  # fmt: skip
+    assert r.returncode == 3, (r.stdout, r.stderr)
+    assert f"ARGV ['a b', '3'] {tmp_path} 1 False" in r.stdout and "IN piped" in r.stdout
+    assert r.stderr.strip() == "ERR" and r.args[0] == sys.executable
+    script = tmp_path / "s.py"
+    script.write_text("import sys\nassert sys.path[0] == sys.argv[1]\nraise ValueError('bad')\n")
+    r = run_python([str(script), str(tmp_path)], timeout=120)
+    assert r.returncode == 1 and "ValueError: bad" in r.stderr, r.stderr
+    start = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_python(["-c", "import time; time.sleep(60)"], timeout=2)
+    assert time.monotonic() - start < 30

@@ -1,8 +1,6 @@
 """Config schema, YAML loading, validation and Megatron flag rendering."""
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -14,7 +12,7 @@ from relaymoe.config import (
     resolve_config_path,
     to_megatron_args,
 )
-from tests.fixtures import small_config_dict
+from tests.fixtures import run_python, small_config_dict
 
 ALL_CONFIGS = sorted(str(p.relative_to(CONFIG_DIR))[:-5] for p in CONFIG_DIR.rglob("*.yaml"))
 
@@ -182,9 +180,7 @@ def test_flags_parse_with_megatron(tmp_path):
     )
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     names = ["qwen3_30b_a3b", "qwen3_5_35b_a3b", "qwen2_57b_a14b", "tiny_qwen3", "table3/e64"]
-    r = subprocess.run(
-        [sys.executable, "-c", code, *names], capture_output=True, text=True, env=env, timeout=120
-    )
+    r = run_python(["-c", code, *names], env=env, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     assert '"qwen3_30b_a3b": "full"' in r.stdout
 

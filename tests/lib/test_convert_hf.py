@@ -37,16 +37,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
-pytest.importorskip("transformers")
-pytest.importorskip("safetensors")
-pytest.importorskip("megatron.training")
+from tests.fixtures import free_port, needs, start_python
 
-import torch  # noqa: E402
-
-from tests.fixtures import free_port  # noqa: E402
-
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, needs("transformers", "safetensors", "megatron.training")]
 ROOT = Path(__file__).resolve().parents[2]
 SEQ, BATCH = 16, 2
 
@@ -189,10 +184,9 @@ def _load(root: Path, ckpt: Path, flags, dispatchers: str, tp: int, ep: int) -> 
     for rank in range(world):
         env = dict(_env(), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
-        procs.append(subprocess.Popen(
-            [sys.executable, str(script), str(ckpt), json.dumps(flags), str(out), dispatchers,
-             str(tp), str(ep)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=root,
+        procs.append(start_python(
+            [str(script), str(ckpt), json.dumps(flags), str(out), dispatchers, str(tp), str(ep)],
+            env=env, cwd=root,
         ))  # fmt: skip
     logs = []
     for p in procs:

@@ -21,11 +21,10 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("tokenizers")
-pytest.importorskip("transformers")
-pytest.importorskip("megatron.core")
+from relaymoe.megatron import data
+from tests.fixtures import needs
 
-from relaymoe.megatron import data  # noqa: E402
+pytestmark = needs("tokenizers", "transformers", "megatron.core")
 
 WORDS = "the a cat dog sat ran on under mat hat big small red blue über naïve 東京 42 7".split()
 

@@ -33,10 +33,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.fixtures import assert_close as close
-from tests.fixtures import free_port, run_spawned, tiny_transformer_config
+from tests.fixtures import free_port, needs, run_spawned, tiny_transformer_config
 
-pytestmark = pytest.mark.slow
-pytest.importorskip("megatron.core")
+pytestmark = [pytest.mark.slow, needs("megatron.core")]
 
 B, S, H, HEADS = 2, 6, 20, 2
 
