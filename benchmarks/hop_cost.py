@@ -69,6 +69,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import JsonlWriter, environment, print_table  # noqa: E402
+from benchmarks.profile_ring import busy_us  # noqa: E402
 from relaymoe.activation import SWIGLU  # noqa: E402
 from relaymoe.cost import grad_accum_bytes  # noqa: E402
 from relaymoe.experts import expert_hop_backward, expert_hop_forward  # noqa: E402
@@ -418,19 +419,6 @@ def time_host(run, R: int, cuda: bool, n: int) -> dict:
     }
 
 
-def busy_us(spans) -> float:
-    """Length of the union of ``(start, end)`` intervals."""
-    total, cur_a, cur_b = 0.0, None, None
-    for a, b in sorted(spans):
-        if cur_b is None or a > cur_b:
-            if cur_b is not None:
-                total += cur_b - cur_a
-            cur_a, cur_b = a, b
-        else:
-            cur_b = max(cur_b, b)
-    return total + (cur_b - cur_a if cur_b is not None else 0.0)
-
-
 class Ranges:
     """Disjoint host intervals (a pass's hop ranges), for ``t in ranges``."""
 
@@ -462,7 +450,7 @@ def profile_passes(run, n: int, hop_name: str, hops: int) -> dict:
     dev = [e for e in events if e.device_type == DeviceType.CUDA]
     hop_ranges = Ranges((e.time_range.start, e.time_range.end) for e in cpu if e.name == hop_name)
     dev_us = sum(e.time_range.end - e.time_range.start for e in dev)
-    busy = busy_us([(e.time_range.start, e.time_range.end) for e in dev])
+    busy = busy_us([("", e.time_range.start, e.time_range.end) for e in dev])
     # device work linked to the CPU op that launched it (the profiler's correlation), that op
     # inside a hop's range
     hop_dev = sum(k.duration for e in cpu for k in getattr(e, "kernels", ())
