@@ -649,10 +649,10 @@ def measure_captured(ring: Ring, direction: str, a) -> dict:
             graph.replay()
             torch.cuda.synchronize()
     events = list(prof.events())
-    dev = [(e.time_range.start, e.time_range.end) for e in events
+    dev = [("", e.time_range.start, e.time_range.end) for e in events
            if e.device_type == DeviceType.CUDA]  # fmt: skip
     gl = sum(1 for e in events if e.device_type == DeviceType.CPU and "GraphLaunch" in e.name)
-    gpu = sum(b - a_ for a_, b in dev) / k if dev else span
+    gpu = sum(b - a_ for _, a_, b in dev) / k if dev else span
     busy = busy_us(dev) / k if dev else span
     del graph
     return {
