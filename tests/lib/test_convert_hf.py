@@ -158,20 +158,27 @@ def _hf_model(folder: Path):
     return model
 
 
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hf")
-    hf = _hf_model(root / "hf")
-    ckpt = root / "ckpt"
+def _convert(root: Path, ckpt: Path, *extra: str) -> list[str]:
     p = subprocess.run(
         [sys.executable, "-m", "relaymoe", "convert-hf", "--hf", str(root / "hf"), "--out",
-         str(ckpt), "--dtype", "fp32"],
+         str(ckpt), "--dtype", "fp32", *extra],
         capture_output=True, text=True, timeout=300, env=_env(), cwd=root,
     )  # fmt: skip
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "release"
     flags = (ckpt / "megatron_model_flags.txt").read_text().split("\n")
-    return root, hf, ckpt, [f for f in flags if f]
+    return [f for f in flags if f]
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """The checkpoint in the local spec's keys: the host builds the model with local layers."""
+    root = tmp_path_factory.mktemp("hf")
+    hf = _hf_model(root / "hf")
+    ckpt = root / "ckpt"
+    flags = _convert(root, ckpt, "--transformer-impl", "local")
+    assert flags[-2:] == ["--transformer-impl", "local"], flags
+    return root, hf, ckpt, flags
 
 
 def _load(root: Path, ckpt: Path, flags, dispatchers: str, tp: int, ep: int) -> dict:
@@ -263,6 +270,39 @@ def test_refusals_name_the_problem(tmp_path):
         c.SafetensorsCheckpoint(str(tmp_path))
     with pytest.raises(c.ConvertError, match=r"not this checkpoint's architecture.*num_layers"):
         c.check_against_config(c.read_hf_config(str(tmp_path)), "tiny_qwen3")
+
+
+def _tensors(ckpt: Path) -> dict:
+    """Every tensor of a torch_dist release checkpoint, by key."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = ckpt.parent / f"{ckpt.name}.pt"
+    dcp_to_torch_save(str(ckpt / "release"), str(out))
+    return {k: v for k, v in torch.load(out, weights_only=False).items()
+            if isinstance(v, torch.Tensor)}  # fmt: skip
+
+
+def test_default_writes_the_transformer_engine_keys(converted):
+    """By default (Megatron's --transformer-impl transformer_engine) each MoE layer's pre-MLP
+    norm is saved under the TE spec's ``pre_mlp_layernorm.weight``, not the local spec's
+    ``mlp.linear_fc1.layer_norm_weight``; every other key and every value is the local
+    conversion's, and the saved arguments name the implementation (what a resume checks)."""
+    root, _, local_ckpt, local_flags = converted
+    te_ckpt = root / "ckpt_te"
+    flags = _convert(root, te_ckpt)
+    assert flags == [*local_flags[:-1], "transformer_engine"], flags
+    local, te = _tensors(local_ckpt), _tensors(te_ckpt)
+    # torch_dist stacks the layers: one key for every layer's tensor
+    renamed = {"decoder.layers.mlp.linear_fc1.layer_norm_weight":
+               "decoder.layers.pre_mlp_layernorm.weight"}  # fmt: skip
+    assert set(renamed) <= set(local), sorted(local)
+    assert set(te) == {renamed.get(k, k) for k in local}, sorted(set(te) ^ set(local))
+    for k, v in local.items():
+        assert torch.equal(te[renamed.get(k, k)], v), k
+    from megatron.core.dist_checkpointing.serialization import load_common_state_dict
+
+    for ckpt, impl in ((te_ckpt, "transformer_engine"), (local_ckpt, "local")):
+        assert load_common_state_dict(ckpt / "release")["args"].transformer_impl == impl
 
 
 def test_qwen3_30b_config_matches_the_shipped_config():

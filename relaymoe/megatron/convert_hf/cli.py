@@ -6,7 +6,7 @@ import os
 import sys
 
 from relaymoe.megatron.convert_hf.errors import ConvertError
-from relaymoe.megatron.convert_hf.run import DTYPES, FLAGS_FILE, convert
+from relaymoe.megatron.convert_hf.run import DTYPES, FLAGS_FILE, TRANSFORMER_IMPLS, convert
 
 
 def add_parser(sub) -> None:
@@ -33,6 +33,14 @@ def add_parser(sub) -> None:
         help="a relaymoe config to check the checkpoint's architecture against (e.g. "
         "qwen3_30b_a3b)",
     )
+    c.add_argument(
+        "--transformer-impl",
+        choices=TRANSFORMER_IMPLS,
+        default=TRANSFORMER_IMPLS[0],
+        help="the layer implementation the training run uses (default transformer_engine, "
+        "Megatron's default): the checkpoint is written in its spec's keys, which differ in "
+        "the norm before each MoE layer; a run with the other one refuses it by name",
+    )
     c.add_argument("--pp", type=int, default=1, help="pipeline stages (one process each)")
     c.add_argument(
         "--ep",
@@ -45,7 +53,8 @@ def add_parser(sub) -> None:
 
 def main(ns) -> int:
     try:
-        flags = convert(ns.hf, ns.out, dtype=ns.dtype, pp=ns.pp, ep=ns.ep, config=ns.config)
+        flags = convert(ns.hf, ns.out, dtype=ns.dtype, pp=ns.pp, ep=ns.ep, config=ns.config,
+                        transformer_impl=ns.transformer_impl)  # fmt: skip
     except ConvertError as e:
         print(f"relaymoe convert-hf: error: {e}", file=sys.stderr)
         return 2
@@ -53,7 +62,8 @@ def main(ns) -> int:
 
     if dist.get_rank() == 0:
         out = os.path.abspath(ns.out)
-        print(f"[relaymoe convert-hf] wrote {out} (torch_dist, release, weights only)",
+        print(f"[relaymoe convert-hf] wrote {out} (torch_dist, release, weights only, keys of "
+              f"--transformer-impl {ns.transformer_impl})",
               file=sys.stderr)  # fmt: skip
         print(f"[relaymoe convert-hf] train from it with --pretrained-checkpoint {out} (or "
               f"--load {out}) --ckpt-format torch_dist and its model flags, one per line in "

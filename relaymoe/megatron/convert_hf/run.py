@@ -21,6 +21,8 @@ from relaymoe.megatron.convert_hf.shards import SafetensorsCheckpoint
 
 FLAGS_FILE = "megatron_model_flags.txt"  # the model flags to train with, one per line
 DTYPES = ("bf16", "fp32", "fp16")
+# the layer spec the checkpoint's keys follow: Megatron's default first
+TRANSFORMER_IMPLS = ("transformer_engine", "local")
 
 
 def _init_distributed() -> None:
@@ -56,15 +58,25 @@ def convert(
     ep: int = 1,
     config: str | None = None,
     extra: list[str] = (),
+    transformer_impl: str = TRANSFORMER_IMPLS[0],
 ) -> list[str]:
-    """Convert; returns the model flags to train with. Run in a fresh process (it initialises
-    torch.distributed and megatron's global state)."""
+    """Convert; returns the model flags to train with, ``--transformer-impl`` included. Run in a
+    fresh process (it initialises torch.distributed and megatron's global state).
+
+    The model is always built with the local layers (the host has no TransformerEngine), and
+    ``transformer_impl`` picks the key layout the checkpoint is written in: the specs differ in
+    one key per MoE layer (``checkpoint_compat``), which ``_write_as`` renames."""
     if dtype not in DTYPES:
         raise ConvertError(f"--dtype {dtype!r}; known: {DTYPES}")
+    if transformer_impl not in TRANSFORMER_IMPLS:
+        raise ConvertError(
+            f"--transformer-impl {transformer_impl!r}; known: {TRANSFORMER_IMPLS} (the one the "
+            "training run will use: Megatron's default is transformer_engine)"
+        )
     cfg = read_hf_config(hf_dir)
     if config is not None:
         check_against_config(cfg, config)
-    model_flags = megatron_model_flags(cfg)
+    model_flags = [*megatron_model_flags(cfg), "--transformer-impl", transformer_impl]
     hf = SafetensorsCheckpoint(hf_dir)
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
@@ -122,6 +134,7 @@ def convert(
     )
     _load_hf_weights(model, hf, cfg)
     hf.close()
+    _write_as(model, args, transformer_impl)
     try:
         save_checkpoint(0, [model], None, None, 0, release=True)
         if torch.distributed.get_rank() == 0:  # beside the checkpoint, which Megatron ignores
@@ -134,6 +147,30 @@ def convert(
             shutil.rmtree(out, ignore_errors=True)
         raise
     return model_flags
+
+
+def _write_as(model, args, transformer_impl: str) -> None:
+    """Make the local-layer model save the keys of ``transformer_impl``'s spec.
+
+    The local spec maps each layer's ``pre_mlp_layernorm.`` to ``mlp.linear_fc1.layer_norm_``
+    (where a dense TE layer fuses that norm into its first linear); the TE spec keeps it as
+    ``pre_mlp_layernorm.`` in MoE layers, whose grouped experts cannot fuse it. Dropping that
+    one entry of an MoE layer's key map writes the TE spec's key. The saved arguments name the
+    implementation, so that a resume with the other one is refused by name
+    (``checkpoint_compat.impl_mismatch``)."""
+    import dataclasses
+
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    args.transformer_impl = transformer_impl
+    if transformer_impl == "local":
+        return
+    for layer in model.decoder.layers:
+        if isinstance(layer.mlp, MoELayer):
+            sub = layer.submodules_config
+            keys = {k: v for k, v in sub.sharded_state_dict_keys_map.items()
+                    if k != "pre_mlp_layernorm."}  # fmt: skip
+            layer.submodules_config = dataclasses.replace(sub, sharded_state_dict_keys_map=keys)
 
 
 def _load_hf_weights(model, hf: SafetensorsCheckpoint, cfg: dict) -> None:
