@@ -257,3 +257,30 @@ def test_up_projection_epilogue(name):
         grouped.up_swiglu(x, w13, idx_P, offs, p, None, a1, kernels=k, activation=act,
                           b13_EJ=b13)  # fmt: skip
         assert rel_err(h1, h_ref) < F32 and rel_err(a1, a_ref) < F32, tma
+
+
+@pytest.mark.parametrize("ffn", [20, 80, 150])
+@pytest.mark.parametrize("name", ["gelu", "gelu_tanh", "squared_relu"])
+def test_non_gated_epilogue_in_column_halves(name, ffn):
+    """A 128-column tile of a non-gated activation computes and stores a in two halves
+    (``EPI_HALVES``, for erf and tanh; not for the max-only activations): against float64 with
+    the upper half wholly masked (I = 20), partly (80) and over two tiles (150)."""
+    from relaymoe.kernels.grouped import up
+
+    act = expert_activation(name)
+    assert up._epilogue_halves(act.fn, act.gated, 128) == (name != "squared_relu")
+    assert not up._epilogue_halves(act.fn, act.gated, 64)
+    index, offs, n, expert, gen = _pairs(seed=11, t=19, e=3, k=2, kind="skewed", e0=0, e1=3)
+    hid = 24
+    x = torch.randn(19, hid, generator=gen)
+    w13 = torch.randn(3, ffn, hid, generator=gen) / hid**0.5
+    start, _ = index.pair_range(0, 3)
+    tok = index.expert_token_indices[start : start + n].long()
+    p = torch.rand(n, generator=gen)
+    h_ref = torch.einsum("nh,njh->nj", x[tok].double(), w13[expert].double())
+    a_ref = activation_forward(act, h_ref) * p.double()[:, None]
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 16}
+    a = torch.full((n, ffn), float("nan"))
+    grouped.up_swiglu(x, w13, index.expert_token_indices, offs, p, None, a, config=cfg,
+                      kernels=KernelOptions(gather_ws="off"), activation=act)  # fmt: skip
+    assert rel_err(a, a_ref) < F32

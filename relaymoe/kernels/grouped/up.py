@@ -40,12 +40,14 @@ def _up_swiglu_kernel(
     TMA_W: tl.constexpr = False, SAVE_A: tl.constexpr = True, GROUP_M: tl.constexpr = 1,
     HAS_BIAS: tl.constexpr = False, ACT_FN: tl.constexpr = "silu", GATED: tl.constexpr = True,
     ALPHA: tl.constexpr = 1.0, HAS_LIMIT: tl.constexpr = False, LIMIT: tl.constexpr = 0.0,
-    OFFSET: tl.constexpr = 0.0,
+    OFFSET: tl.constexpr = 0.0, EPI_HALVES: tl.constexpr = False,
 ):  # fmt: skip
     """h[q] = x[tok[q]] @ w13[e]^T (+ b13[e] with ``HAS_BIAS``; gate and up tiles together when
     ``GATED``, w13 (El, 2I, H), else one tile of w13 (El, I, H)); a = act(h) (* p), the
     activation of the ``ACT_FN`` ... ``OFFSET`` constexprs (``activation.act_fwd``).
     ``SAVE_A=False``: h only (the fc1 recompute of the backward, which needs no a).
+    ``EPI_HALVES`` (not gated): a is computed and stored one half of the tile's columns at a
+    time, so that a wide tile's activation temporaries (erf, tanh) fit in registers.
 
     ``TMA_W``: the weight tiles come through a tensor descriptor over w13 as (El*J, H) rows
     (TMA on sm90; the launcher checks contiguity and 16-byte strides). A gate tile that runs
@@ -117,12 +119,35 @@ def _up_swiglu_kernel(
         if GATED:
             tl.store(hp + I, acc_u.to(h_ptr.dtype.element_ty), mask=mask)
     if SAVE_A:
-        act = act_fwd(acc_g, acc_u, ACT_FN, GATED, ALPHA, HAS_LIMIT, LIMIT, OFFSET)
         if SCALE:
             p = tl.load(prob_ptr + lrows, mask=row_ok, other=0.0)
-            act = act * p[:, None]
-        ap = a_ptr + lrows[:, None] * stride_ap + cols[None, :]
-        tl.store(ap, act.to(a_ptr.dtype.element_ty), mask=mask)
+        if EPI_HALVES:  # columns [0, BLOCK_N/2) and [BLOCK_N/2, BLOCK_N) of the tile
+            lo, hi = tl.split(tl.permute(tl.reshape(acc_g, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+            for j in tl.static_range(2):
+                half = lo if j == 0 else hi
+                act = act_fwd(half, half, ACT_FN, GATED, ALPHA, HAS_LIMIT, LIMIT, OFFSET)
+                if SCALE:
+                    act = act * p[:, None]
+                hcols = pid_n * BLOCK_N + j * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+                ap = a_ptr + lrows[:, None] * stride_ap + hcols[None, :]
+                hmask = row_ok[:, None] & (hcols < I)[None, :]
+                tl.store(ap, act.to(a_ptr.dtype.element_ty), mask=hmask)
+        else:
+            act = act_fwd(acc_g, acc_u, ACT_FN, GATED, ALPHA, HAS_LIMIT, LIMIT, OFFSET)
+            if SCALE:
+                act = act * p[:, None]
+            ap = a_ptr + lrows[:, None] * stride_ap + cols[None, :]
+            tl.store(ap, act.to(a_ptr.dtype.element_ty), mask=mask)
+
+
+EPI_HALVES_MIN_N = 128  # the narrowest tile whose non-gated epilogue goes in halves
+
+
+def _epilogue_halves(act_fn: str, gated: bool, block_n: int) -> bool:
+    """Whether a launch computes its activation in two column halves (``EPI_HALVES``): not
+    gated, an activation beyond a max (erf, tanh and SiLU hold temporaries per element), and a
+    tile of at least ``EPI_HALVES_MIN_N`` columns."""
+    return not gated and act_fn not in ("relu", "squared_relu") and block_n >= EPI_HALVES_MIN_N
 
 
 _up_tuned = triton.autotune(_UP_CONFIGS, key=list(_UP_KEY))(
@@ -130,8 +155,11 @@ _up_tuned = triton.autotune(_UP_CONFIGS, key=list(_UP_KEY))(
 )
 # not gated: its own candidates and cache (shipped under the name ``up_single``)
 _up_single_tuned = triton.autotune(_UP_SINGLE_CONFIGS, key=list(_UP_KEY))(
-    triton.heuristics({"EVEN_K": _even_k("H"), "GROUP_M": _group_m("I")})(_up_swiglu_kernel)
-)
+    triton.heuristics({
+        "EVEN_K": _even_k("H"), "GROUP_M": _group_m("I"),
+        "EPI_HALVES": lambda a: _epilogue_halves(a["ACT_FN"], a["GATED"], a["BLOCK_N"]),
+    })(_up_swiglu_kernel)
+)  # fmt: skip
 
 
 def _single_config(config, key: dict, dtype, k) -> dict | None:
@@ -183,6 +211,8 @@ def up_swiglu(x_TH, w13_EJH, idx_P, offs, prob_P, h_PJ, a_PI, *, config=None, ke
         config = _single_config(config, key, x_TH.dtype, k)
         kernel, meta = _pick(_up_single_tuned, _up_swiglu_kernel, config, hidden, "up_single",
                              key, x_TH.dtype, k, ncols=ffn)  # fmt: skip
+        if meta:  # a fixed configuration (the autotuned kernel's heuristic decides otherwise)
+            meta["EPI_HALVES"] = _epilogue_halves(meta_act["ACT_FN"], False, meta["BLOCK_N"])
     h = h_PJ if h_PJ is not None else a_PI
     a = a_PI if a_PI is not None else h_PJ  # an unused pointer when a is not stored
     p = prob_P if prob_P is not None else a
