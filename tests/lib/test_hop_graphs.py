@@ -97,20 +97,35 @@ def _refused_runs_eagerly(rank, world, group):
 
 
 def _triton_plumbing(rank, world, group):
-    """The Triton hop kernels (interpreter) through the same plumbing, expert mode."""
+    """The Triton hop kernels (interpreter) through the same plumbing."""
     from relaymoe.kernels import triton_available
 
     if not triton_available():
         return
-    kw = dict(seed=8, tokens=[4] * world, El=1, K=1, mode="expert", backend="triton")
-    plain = _ring_step(rank, world, group, **kw)
-    with _capture_on():
-        got = _ring_step(rank, world, group, **kw)
-    _same(got, plain, "triton")
+    for mode in ("expert", "token"):
+        kw = dict(seed=8, tokens=[4] * world, El=1, K=1, mode=mode, backend="triton")
+        plain = _ring_step(rank, world, group, **kw)
+        with _capture_on():
+            got = _ring_step(rank, world, group, **kw)
+        _same(got, plain, f"triton {mode}")
+
+
+def _cache_bytes_match_cost_model(rank, world, group):
+    """``cost.captured_hop_bytes`` is the bytes of the static buffers a training step leaves in
+    the cache (expert mode; token mode from two ranks on: a world of one's single hop returns
+    its weight gradients, it does not add into static ones)."""
+    from relaymoe import cost
+
+    T, El, K = 6, 2, 2
+    d = cost.Dims(T=T, H=H, I=I, El=El, K=K, R=world, b=4, pb=4)
+    for mode in ("expert", "token") if world > 1 else ("expert",):
+        with _capture_on():
+            _ring_step(rank, world, group, seed=21, tokens=[T] * world, El=El, K=K, mode=mode)
+            assert _cache().static_bytes() == cost.captured_hop_bytes(mode, d), mode
 
 
 SCENARIOS = [_captured_equals_eager, _entries_keyed_by_shape, _refused_runs_eagerly,
-             _triton_plumbing]  # fmt: skip
+             _triton_plumbing, _cache_bytes_match_cost_model]  # fmt: skip
 
 
 @pytest.mark.parametrize(("world", "scenario"), scenario_params(SCENARIOS, [1, 2]))
@@ -162,3 +177,34 @@ def test_refusal_names_exact_pair_counts_and_the_torch_backend():
     counted = RingProblem(**{**prob.__dict__, "pairs": ((3, 5), (4, 4))})
     why = refusal(counted, "triton", torch.device("cuda"))
     assert "exact host integers" in why and "trusted=True" in why
+
+
+# ---------------------------------------------------------------------------------------------
+# memory
+# ---------------------------------------------------------------------------------------------
+def test_captured_hop_bytes_by_hand():
+    from relaymoe import cost
+
+    d = cost.Dims(T=10, H=8, I=4, El=2, K=2, R=4, b=2, pb=4, gb=4)  # E = 8, P = 20
+    W = 2 * (8 * 8 + 8 * 4)  # El * (J*H + H*I), J = 2I
+    index = 12 * 20 + 8 * 9
+    fwd = 2 * 10 * 8 * 2 + 10 * 2 * 4 + index + W * 2  # x, out, probs, index, weights
+    bwd = 2 * 10 * 8 * 2 + 10 * 2 * 4 + W * 4  # dy, dx, dprobs, weight gradients
+    assert cost.captured_hop_bytes("expert", d) == fwd + bwd
+    assert cost.captured_hop_bytes("expert", d, training=False) == fwd
+    assert cost.captured_hop_bytes("token", d) == fwd + bwd + 10 * 2 * 4  # the visiting ids
+    assert cost.captured_hop_bytes("alltoall", d) == 0
+
+
+def test_stage_peak_counts_captured_hop_buffers_once_per_gpu():
+    from relaymoe import cost
+    from relaymoe.planner import memory as mm
+    from relaymoe.planner import stage_peak
+    from tests.fixtures import small_config
+
+    cfg = small_config().replace(relaymoe={"mode": "expert", "transport": "nccl"})
+    off, on = stage_peak(cfg, 0, "ring"), stage_peak(cfg, 0, "ring", capture_hops=True)
+    want = cost.captured_hop_bytes("expert", mm.shapes(cfg).dims())
+    assert off.terms["captured_hop_buffers"] == 0
+    assert on.terms["captured_hop_buffers"] == want > 0
+    assert on.total - off.total == want
