@@ -208,3 +208,18 @@ def test_stage_peak_counts_captured_hop_buffers_once_per_gpu():
     assert off.terms["captured_hop_buffers"] == 0
     assert on.terms["captured_hop_buffers"] == want > 0
     assert on.total - off.total == want
+
+
+def test_capture_hops_flag_is_a_switch_of_the_process_options():
+    import argparse
+
+    from relaymoe.megatron import settings
+    from relaymoe.megatron.patches import add_relaymoe_args
+    from relaymoe.options import RingOptions
+
+    assert RingOptions().capture_hops is False  # off by default
+    parser = add_relaymoe_args(argparse.ArgumentParser())
+    assert parser.parse_args([]).relaymoe_capture_hops is None  # the process's value
+    on = parser.parse_args(["--relaymoe-capture-hops"])
+    assert settings.args_settings(on).capture_hops is True
+    assert settings.args_settings(parser.parse_args([])).capture_hops is False
