@@ -188,7 +188,8 @@ class RingOptions:
     """How a ``ring_moe`` call runs. ``mode``, ``transport``, ``schedule``, ``gpus_per_node``,
     ``grad_accum`` and ``agree`` are agreed by every rank of the group before any transfer (a
     mismatch raises on every rank); ``kernels.pair_buffer_mib`` too, since it sizes the hops'
-    pair buffers. ``overlap``, ``host_wait`` and ``timeout_s`` are this rank's."""
+    pair buffers. ``overlap``, ``capture_hops``, ``host_wait`` and ``timeout_s`` are this
+    rank's."""
 
     mode: str = _opt(
         AUTO, MODE_CHOICES, flag="--relaymoe-mode",
@@ -229,6 +230,16 @@ class RingOptions:
     # ring_moe takes no keyword for it and Megatron no flag, it is read from this process's
     # options at each call
     overlap: bool = _opt(True, why="each hop's transfer overlaps its compute (False: after it)")
+    capture_hops: bool = _opt(
+        False, flag="--relaymoe-capture-hops",
+        why="record each ring hop's compute once per shape in a CUDA graph and replay it "
+        "(this rank's: it changes how a hop is issued, not which collectives run)",
+        help="record each ring hop's expert compute once per hop shape in a CUDA graph and "
+        "replay it with the step's tokens, weights and routing copied into static buffers "
+        "(less host time per hop at small token counts; needs trusted ring calls with pair "
+        "buffers sized from the bound and the Triton backend, else the hops run eagerly, "
+        "logged once)",
+    )  # fmt: skip
     host_wait: str = _opt(
         "lag", HOST_WAIT_CHOICES, env="RELAYMOE_RING_HOST_WAIT", flag="--relaymoe-host-wait",
         why="how the host waits, bounded, so that a dead peer is named",

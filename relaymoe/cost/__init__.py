@@ -54,6 +54,7 @@ from relaymoe.cost.links import (
 )
 from relaymoe.cost.memory import (
     MemoryBytes,
+    captured_hop_bytes,
     mcore_alltoall_memory_bytes,
     mcore_alltoall_send_bytes,
     memory_bytes,
@@ -96,6 +97,7 @@ __all__ = [
     "StepBytes",
     "TimeModel",
     "alltoall_rows",
+    "captured_hop_bytes",
     "choose_mode",
     "choose_mode_for",
     "choose_schedule",

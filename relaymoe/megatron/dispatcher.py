@@ -113,9 +113,9 @@ class RingDispatcher(MoETokenDispatcher):
         self.topk = config.moe_router_topk
         self.activation = expert_activation_of(config)  # what Megatron's experts would compute
         self.settings = settings if settings is not None else current_settings()
-        # ring_moe reads the host wait and overlap from the process's options: every rank
-        # builds its layers at one point, so each installs the same ones here
-        process = {n: getattr(self.settings, n) for n in ("host_wait", "overlap")}
+        # ring_moe reads the host wait, overlap and hop capture from the process's options:
+        # every rank builds its layers at one point, so each installs the same ones here
+        process = {n: getattr(self.settings, n) for n in ("host_wait", "overlap", "capture_hops")}
         if any(v != getattr(options.defaults(), n) for n, v in process.items()):
             options.install(options.defaults().replace(**process))
         ranks = dist.get_process_group_ranks(self.ep_group) if dist.is_initialized() else [0]

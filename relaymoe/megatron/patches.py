@@ -59,6 +59,9 @@ def add_relaymoe_args(parser):
         return parser
     group = parser.add_argument_group(title="relaymoe")
     for flag, f in options.megatron_flags():
+        if f.type == "bool":  # a switch: given, True; absent, None (the process's value)
+            group.add_argument(flag, action="store_true", default=None, help=f.metadata["help"])
+            continue
         choices = f.metadata.get("choices")
         kind = {"type": _positive_int} if choices is None else {"choices": choices}
         default = None if f.metadata.get("env") else f.default

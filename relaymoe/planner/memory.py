@@ -385,6 +385,13 @@ def symmetric_workspace_bytes(sh: Shapes, mode: str, transport: str) -> int:
     return cost.memory_bytes(mode, sh.dims(), transport=transport).workspace
 
 
+def captured_hop_bytes(sh: Shapes, mode: str) -> int:
+    """The static buffers of the recorded hop bodies (``--relaymoe-capture-hops``) on one GPU:
+    shared by all layers, once per GPU (``cost.captured_hop_bytes``: the graphs' pool is not
+    counted)."""
+    return cost.captured_hop_bytes(mode, sh.dims())
+
+
 def vocab_local(cfg: Config, sh: Shapes) -> int:
     """Output-layer rows on one GPU: the padded vocabulary split over TP (vocab parallel)."""
     return cfg.model.padded_vocab_size(sh.tp) // sh.tp

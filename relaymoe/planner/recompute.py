@@ -84,17 +84,20 @@ def stage_peak(
     transport: str | None = None,
     logits: bool = True,
     fused_loss: bool | None = None,
+    capture_hops: bool = False,
 ) -> StagePeak:
     """Peak bytes of one pipeline stage's GPU; ``kept`` layers are not recomputed.
     ``ring_mode`` / ``transport``: default the config's; ``auto`` is what the runtime picks
     at this sequence length and micro-batch (``relaymoe.planner.ring_mode``). ``fused_loss``:
     the last stage runs ``relaymoe.linear_cross_entropy`` (default the config's
-    ``relaymoe.fused_loss``); ``logits=False`` leaves the loss phase out altogether."""
+    ``relaymoe.fused_loss``); ``logits=False`` leaves the loss phase out altogether.
+    ``capture_hops``: the ring's recorded hop bodies hold their static buffers (once per GPU,
+    ``captured_hop_bytes``)."""
     sh = mm.shapes(cfg, seq, mbs)
     states = mm.model_state_bytes(cfg, stage)
     layers = mm.stage_layers(cfg, stage)
     inflight = mm.inflight_microbatches(cfg, stage)
-    workspace = 0
+    workspace = captured = 0
     if dispatcher == "ring":
         tr = resolve_transport(
             transport or cfg.relaymoe.transport, sh.R, across_nodes=across_nodes(cfg)
@@ -103,6 +106,8 @@ def stage_peak(
         moe_peak = mm.moe_peak_ring(sh, ring_mode, tr)
         # persistent and shared by all layers: once per GPU, beside the layers' peaks
         workspace = mm.symmetric_workspace_bytes(sh, ring_mode, tr)
+        if capture_hops:  # 0 for alltoall mode (no hops)
+            captured = mm.captured_hop_bytes(sh, ring_mode)
     else:
         moe_peak = mm.moe_peak_alltoall(sh)
     # Per layer: r = what it retains through the forward (all its activations when kept, its
@@ -150,9 +155,10 @@ def stage_peak(
         "layer_working_set": ws,
         "moe_block_peak": moe_peak,
         "symmetric_workspace": workspace,
+        "captured_hop_buffers": captured,
         "logits_loss": loss,
     }
-    total = sum(states.values()) + workspace + retained + transient
+    total = sum(states.values()) + workspace + captured + retained + transient
     return StagePeak(stage=stage, total=total, terms=terms)
 
 
@@ -164,6 +170,7 @@ def worst_stage_peak(cfg: Config, dispatcher: str, kept=frozenset(), **kw) -> St
 def layer_options(cfg: Config, dispatcher: str, stage: int, **kw) -> list[LayerOption]:
     kw.pop("logits", None)
     kw.pop("fused_loss", None)
+    kw.pop("capture_hops", None)
     sh = mm.shapes(cfg, kw.get("seq"), kw.get("mbs"))
     mode = "expert"
     if dispatcher == "ring":

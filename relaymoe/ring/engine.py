@@ -238,7 +238,8 @@ def ring_moe(
     ``kernels``: how their kernels run (``relaymoe.options.KernelOptions``; default: this
     process's). The host wait, the timeout, how often the ranks agree and ``overlap`` (False
     runs each hop's transfer after its compute: the ablation's sequential ring) are this
-    process's ``relaymoe.options.RingOptions`` (``relaymoe.options.defaults()``).
+    process's ``relaymoe.options.RingOptions`` (``relaymoe.options.defaults()``), and so is
+    ``capture_hops`` (each hop's compute recorded once per shape and replayed: ``hop_graphs.py``).
     ``schedule``: the hop order (``schedule.py``): ``"flat"`` (one ring), ``"two_level"`` (rings
     inside each node of ``gpus_per_node`` consecutive ranks, joined by hops that every GPU of a
     node makes to the same local rank of the next node at once) or ``"auto"`` (two-level when the
@@ -296,8 +297,9 @@ def ring_moe(
             x, w13, w2, topk_idx, topk_probs, group=group, rank=rank, world=world, request=req,
             trusted=trusted, b13=b13, b2=b2,
         )  # fmt: skip
-    how = Hop(backend, kernel_options(kernels))
-    overlap = defaults().overlap
+    process = defaults()
+    how = Hop(backend, kernel_options(kernels), process.capture_hops)
+    overlap = process.overlap
     return _RingMoE.apply(x, topk_probs, topk_idx, prob, group, how, overlap, listed, *ws)
 
 

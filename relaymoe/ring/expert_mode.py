@@ -1,7 +1,9 @@
 """Expert mode: the weights travel, the tokens stay; a forward and a backward pass of the ring.
 
 The experts' biases travel in their weights' partition (``passes.weights_layout``) and their
-gradients trail home with the weight gradients, in the same accumulators' dtype.
+gradients trail home with the weight gradients, in the same accumulators' dtype. A hop's compute
+is a body over named tensors (``run_hop``): called on the live ones, or replayed from
+``hop_graphs.py``'s cache with ``RingOptions.capture_hops``.
 """
 
 from __future__ import annotations
@@ -9,15 +11,19 @@ from __future__ import annotations
 import torch
 
 from relaymoe.experts import expert_hop_backward, expert_hop_forward
+from relaymoe.ring.hop_graphs import index_from, index_inputs, index_sizes, run_hop
 from relaymoe.ring.passes import (
     bias_grads,
     capacity,
     expert_plans,
     home_grads,
+    hop_graphs_of,
+    hop_key,
     local_parts,
     mlp,
     pack_own,
     pair_rows,
+    present,
     ring_pass,
     weights_layout,
 )
@@ -29,16 +35,24 @@ def expert_forward(prob, group, how, overlap, x, experts, probs, index, order):
     T = x.shape[0]
     local = local_parts(experts, order) if prob.world_size == 1 else None
 
+    graphs = hop_graphs_of(prob, how, x.device)
+    own, sizes = {"x": x, "probs": probs, **index_inputs(index)}, index_sizes(index)
+
     def compute(hop, part, lead, trail):
         if T == 0:
             return
         w = local if lead is None else lead
-        expert_hop_forward(
-            x, w["w13"], w["w2"], probs, index,
-            expert_range=(part * El, (part + 1) * El), out_TH=out, save="none",
-            backend=how.backend, kernels=how.kernels, **pair_rows(prob, prob.rank, part),
-            **mlp(prob, w),
-        )  # fmt: skip
+        rng, rows = (part * El, (part + 1) * El), pair_rows(prob, prob.rank, part)
+
+        def body(t):
+            expert_hop_forward(
+                t["x"], t["w13"], t["w2"], t["probs"], index_from(t, sizes),
+                expert_range=rng, out_TH=t["out"], save="none", backend=how.backend,
+                kernels=how.kernels, **rows, **mlp(prob, t),
+            )  # fmt: skip
+
+        key = hop_key(prob, how, "fwd", rng, rows)
+        run_hop(graphs, key, body, {**own, **present(w)}, {"out": out})
 
     fwd, bwd = expert_plans(prob)
     w = weights_layout(prob)  # every partition's, built once: the executor's views recur
@@ -61,17 +75,25 @@ def expert_backward(prob, group, how, overlap, dy, x, experts, probs, index, ord
     T = x.shape[0]
     local = local_parts(experts, order) if prob.world_size == 1 else None
 
+    graphs = hop_graphs_of(prob, how, x.device)
+    own, sizes = {"dy": dy, "x": x, "probs": probs, **index_inputs(index)}, index_sizes(index)
+
     def compute(hop, part, lead, trail):
         if T == 0:
             return  # no pairs: this rank's share of the weight gradient is exactly zero
         w = local if lead is None else lead
-        expert_hop_backward(
-            dy, x, w["w13"], w["w2"], probs, index,
-            expert_range=(part * El, (part + 1) * El), saved_h=None,
-            dx_TH=dx, dprobs_TK=dprobs, dw13=trail["dw13"], dw2=trail["dw2"],
-            backend=how.backend, kernels=how.kernels, **pair_rows(prob, prob.rank, part),
-            **mlp(prob, w), **bias_grads(trail),
-        )  # fmt: skip
+        rng, rows = (part * El, (part + 1) * El), pair_rows(prob, prob.rank, part)
+
+        def body(t):
+            expert_hop_backward(
+                t["dy"], t["x"], t["w13"], t["w2"], t["probs"], index_from(t, sizes),
+                expert_range=rng, saved_h=None, dx_TH=t["dx"], dprobs_TK=t["dprobs"],
+                dw13=t["dw13"], dw2=t["dw2"], backend=how.backend, kernels=how.kernels,
+                **rows, **mlp(prob, t), **bias_grads(t),
+            )  # fmt: skip
+
+        key = hop_key(prob, how, "bwd", rng, rows)
+        run_hop(graphs, key, body, {**own, **present(w)}, {"dx": dx, "dprobs": dprobs, **trail})
 
     _, bwd = expert_plans(prob)
     w, dw = weights_layout(prob), weights_layout(prob, "d")  # built once, as forward

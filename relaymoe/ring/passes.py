@@ -14,6 +14,7 @@ from torch import Tensor
 from relaymoe.options import KernelOptions
 from relaymoe.ring.agree import RingProblem
 from relaymoe.ring.executor import relay
+from relaymoe.ring.hop_graphs import HopGraphs, graphs_for
 from relaymoe.ring.layout import Layout
 from relaymoe.ring.schedule import RingPlan
 from relaymoe.ring.transport import CopyEngineTransport, P2PTransport, Transport
@@ -23,10 +24,28 @@ IDX = torch.int32  # expert ids travel as int32
 
 
 class Hop(NamedTuple):
-    """How a hop's compute runs: the hop primitives' backend and their kernel options."""
+    """How a hop's compute runs: the hop primitives' backend and their kernel options, and
+    whether it is recorded and replayed (``RingOptions.capture_hops``, ``hop_graphs.py``)."""
 
     backend: str
     kernels: KernelOptions
+    capture: bool = False
+
+
+def hop_graphs_of(prob: RingProblem, how: Hop, device) -> HopGraphs | None:
+    """The cache of recorded hop bodies a pass runs its hops through, or None (eager)."""
+    return graphs_for(prob, how.backend, device) if how.capture else None
+
+
+def hop_key(prob: RingProblem, how: Hop, phase: str, expert_range, rows: dict) -> tuple:
+    """The host values a recorded hop keeps (its tensors' shapes are added by the cache)."""
+    return (prob.mode, phase, tuple(expert_range), tuple(sorted(rows.items())), how.backend,
+            how.kernels, prob.activation)  # fmt: skip
+
+
+def present(parts: dict[str, Tensor | None]) -> dict[str, Tensor]:
+    """``parts`` without the absent (None) ones."""
+    return {k: v for k, v in parts.items() if v is not None}
 
 
 def transport_of(prob: RingProblem, group) -> Transport | None:

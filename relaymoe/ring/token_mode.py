@@ -2,7 +2,8 @@
 backward pass of the ring.
 
 The experts' biases stay with them and their gradients accumulate here, beside the weights'
-(in ``prob.accum_dtype``).
+(in ``prob.accum_dtype``). A hop's compute is a body over named tensors (``run_hop``), called on
+the live ones or replayed from ``hop_graphs.py``'s cache with ``RingOptions.capture_hops``.
 """
 
 from __future__ import annotations
@@ -12,13 +13,17 @@ from torch import Tensor
 
 from relaymoe.experts import expert_hop_backward, expert_hop_forward
 from relaymoe.ring.agree import RingProblem
+from relaymoe.ring.hop_graphs import index_from, index_inputs, index_sizes, run_hop
 from relaymoe.ring.passes import (
     bias_grads,
     capacity,
     home_grads,
+    hop_graphs_of,
+    hop_key,
     local_parts,
     mlp,
     pair_rows,
+    present,
     ring_pass,
     token_layouts,
     token_plans,
@@ -40,18 +45,28 @@ def token_forward(prob, group, how, overlap, x, experts, probs, idx32, order):
     # when the list form is back to back, else a transient stack dropped when the pass ends)
     local = local_parts(experts, order)
     indices: dict[int, object] = {}
+    graphs = hop_graphs_of(prob, how, x.device)
+    weights = present(local)
 
     def compute(hop, part, lead, trail):
         if Ts[part] == 0:
             return
         xs, ids, ps = (x, idx32, probs) if lead is None else (lead["x"], lead["idx"], lead["probs"])
-        index = build_routing_index(token_ids(ids, prob, order), E, validate=False)
-        indices[part] = index
-        expert_hop_forward(
-            xs, local["w13"], local["w2"], ps, index,
-            expert_range=own, out_TH=trail["out"], save="none", backend=how.backend,
-            kernels=how.kernels, **pair_rows(prob, part, prob.rank), **mlp(prob, local),
-        )  # fmt: skip
+        rows = pair_rows(prob, part, prob.rank)
+
+        def body(t):  # the index is built in the hop: it is among what the body returns
+            index = build_routing_index(token_ids(t["idx"], prob, order), E, validate=False)
+            expert_hop_forward(
+                t["x"], t["w13"], t["w2"], t["probs"], index,
+                expert_range=own, out_TH=t["out"], save="none", backend=how.backend,
+                kernels=how.kernels, **rows, **mlp(prob, t),
+            )  # fmt: skip
+            return index_inputs(index)
+
+        key = hop_key(prob, how, "fwd", own, rows) + (order,)
+        made = run_hop(graphs, key, body, {"x": xs, "idx": ids, "probs": ps, **weights},
+                       {"out": trail["out"]})  # fmt: skip
+        indices[part] = index_from(made, (Ts[part], prob.topk, E))
 
     fwd, bwd = token_plans(prob)
     result = ring_pass(
@@ -78,6 +93,9 @@ def token_backward(prob, group, how, overlap, dy, x, experts, probs, indices, or
         if local[name] is not None:
             dw["d" + name] = torch.zeros_like(local[name], dtype=prob.accum_dtype)
 
+    graphs = hop_graphs_of(prob, how, x.device)
+    weights = present(local)
+
     def compute(hop, part, lead, trail):
         if Ts[part] == 0:
             return
@@ -85,12 +103,22 @@ def token_backward(prob, group, how, overlap, dy, x, experts, probs, indices, or
             xs, ps, dys = x, probs, dy
         else:
             xs, ps, dys = lead["x"], lead["probs"], lead["dy"]
-        _, _, dw["dw13"], dw["dw2"] = expert_hop_backward(
-            dys, xs, w13, w2, ps, indices[part],
-            expert_range=own, saved_h=None, dx_TH=trail["dx"], dprobs_TK=trail["dprobs"],
-            dw13=dw["dw13"], dw2=dw["dw2"], backend=how.backend, kernels=how.kernels,
-            **pair_rows(prob, part, prob.rank), **mlp(prob, local), **bias_grads(dw),
-        )  # fmt: skip
+        rows, first = pair_rows(prob, part, prob.rank), dw["dw13"] is None
+        sizes = index_sizes(indices[part])
+
+        def body(t):  # the first hop's weight gradients are written, not added: returned
+            _, _, dw13, dw2 = expert_hop_backward(
+                t["dy"], t["x"], t["w13"], t["w2"], t["probs"], index_from(t, sizes),
+                expert_range=own, saved_h=None, dx_TH=t["dx"], dprobs_TK=t["dprobs"],
+                dw13=t.get("dw13"), dw2=t.get("dw2"), backend=how.backend, kernels=how.kernels,
+                **rows, **mlp(prob, t), **bias_grads(t),
+            )  # fmt: skip
+            return {"dw13": dw13, "dw2": dw2} if first else None
+
+        key = hop_key(prob, how, "bwd", own, rows)
+        inputs = {"dy": dys, "x": xs, "probs": ps, **index_inputs(indices[part]), **weights}
+        made = run_hop(graphs, key, body, inputs, {**trail, **present(dw)})
+        dw.update(made)
 
     _, bwd = token_plans(prob)
     result = ring_pass(
