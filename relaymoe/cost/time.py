@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from relaymoe.cost.dims import Dims, _check_mode, _check_transport, dims
 from relaymoe.cost.traffic import hop_bytes, step_bytes
@@ -31,6 +31,11 @@ class TimeModel:
     # Host time of one ring hop of one pass (launches and their Python, ~35 ops): the small-T
     # floor of the ring rows (fwd+bwd at R=2 is 4 hops, with ``call_fixed_s``).
     hop_fixed_s: float = 2.75e-3
+    # The same with the hop's compute replayed from a CUDA graph (RingOptions.capture_hops): the
+    # replay (10-20 us a hop, hop_cost.py --captured), the executor's per-hop Python (~90 us,
+    # relay_host_cost.py) and the static buffers' input copies, rounded up. An estimate until
+    # the library's captured ring is measured on two GPUs; ``captured_hops()`` applies it.
+    captured_hop_fixed_s: float = 0.25e-3
     # Host time per ring_moe call besides the hops (cached agreement, routing index, autograd).
     call_fixed_s: float = 0.4e-3
     # Host time of one alltoall-mode step (fwd+bwd; half for a forward alone): the small-T
@@ -48,12 +53,19 @@ class TimeModel:
         for name in ("expert_tflops", "link_bytes_per_s", "alltoall_bytes_per_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"TimeModel.{name}={getattr(self, name)!r} must be > 0")
-        for name in ("hop_fixed_s", "call_fixed_s", "alltoall_fixed_s"):
+        for name in ("hop_fixed_s", "captured_hop_fixed_s", "call_fixed_s", "alltoall_fixed_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"TimeModel.{name}={getattr(self, name)!r} must be >= 0")
         for name in ("hide", "nccl_hide"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"TimeModel.{name}={getattr(self, name)!r} must lie in [0, 1]")
+
+    def captured_hops(self) -> TimeModel:
+        """This model with each ring hop's host time that of a replayed hop
+        (``captured_hop_fixed_s``): what every consumer of ``hop_fixed_s`` (``step_seconds``,
+        the hop orders, the simulator) then predicts for ``capture_hops``. The runtime's
+        ``auto`` does not use it: capture is each rank's own choice, not agreed."""
+        return replace(self, hop_fixed_s=self.captured_hop_fixed_s)
 
 
 DEFAULT_TIME_MODEL = TimeModel()

@@ -87,9 +87,12 @@ def per_hop_bytes(sh: Shapes) -> dict[str, dict[str, int]]:
 
 
 def step_report(sh: Shapes, transport: str) -> dict[str, dict[str, float]]:
-    """Per mode: link bytes one GPU sends in one layer step and the modelled seconds."""
+    """Per mode: link bytes one GPU sends in one layer step and the modelled seconds; for the
+    ring modes also ``seconds_captured_hops``, the same with each hop's compute replayed from a
+    CUDA graph (``TimeModel.captured_hops``)."""
     d = sh.dims()
     tr = resolve_transport(transport, sh.R)
+    captured = cost.DEFAULT_TIME_MODEL.captured_hops()
     out = {}
     for mode in options.MODES:
         b = cost.step_bytes(mode, d)
@@ -98,6 +101,10 @@ def step_report(sh: Shapes, transport: str) -> dict[str, dict[str, float]]:
             "bytes_backward": b.bwd,
             "seconds": cost.step_seconds(mode, d, transport=tr),
         }
+        if mode in options.RING_MODES:
+            out[mode]["seconds_captured_hops"] = cost.step_seconds(
+                mode, d, transport=tr, model=captured
+            )
     return out
 
 

@@ -492,3 +492,21 @@ def test_grad_accumulators_widen_expert_mode_backward_bytes_and_memory():
     assert tw.bwd - tn.bwd == 4 * W and tw.fwd == tn.fwd  # the local sums in fp32 and the cast
     # Dims refuses a zero-byte accumulator only through its default (0 means b)
     assert cost.Dims(1, 1, 1, 1, 1, 1, 2, 4).gb == 2
+
+
+def test_captured_hops_model_swaps_the_hop_host_cost_only():
+    """``TimeModel.captured_hops()`` is the model with each ring hop's host time that of a
+    replayed hop, nothing else: at qwen3 widths, EP 2 and 4k tokens a GPU the eager ring is
+    host-bound and loses to the all-to-all, the captured estimate makes a ring mode the
+    fastest; the all-to-all's own time does not move."""
+    m = cost.DEFAULT_TIME_MODEL
+    c = m.captured_hops()
+    assert c.hop_fixed_s == m.captured_hop_fixed_s < m.hop_fixed_s
+    assert dataclasses.replace(c, hop_fixed_s=m.hop_fixed_s) == m
+    kw = dict(tokens=4096, hidden=2048, ffn=768, num_local_experts=64, topk=8, world=2)
+    d = cost.dims(**kw)
+    assert cost.step_seconds("alltoall", d, model=c) == cost.step_seconds("alltoall", d)
+    assert cost.choose_mode(**kw) == "alltoall"
+    assert cost.choose_mode(**kw, model=c) in options.RING_MODES
+    with pytest.raises(ValueError, match="captured_hop_fixed_s"):
+        cost.TimeModel(captured_hop_fixed_s=-1.0)
