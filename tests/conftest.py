@@ -59,3 +59,26 @@ def pytest_collection_modifyitems(config, items):
         if shared and item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(module))
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+class _GroupSuffix:
+    """pytest-xdist's ``--dist loadgroup`` sends the tests whose node ids end in ``@group`` to one
+    worker; xdist (3.8) writes that suffix into ``item._nodeid``, which pytest 9 no longer reads
+    (the id lives in ``item._id``), so no test was grouped. After xdist's hook, this one writes
+    the suffix where pytest 9 keeps the id, for items that still lack it."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config, items):
+        if not config.getvalue("loadgroup"):
+            return
+        from _pytest.nodeid import coerce_node_id
+
+        for item in items:
+            names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                            for m in item.iter_markers("xdist_group")})  # fmt: skip
+            if names and "@" not in item.nodeid.rsplit("]", 1)[-1] and hasattr(item, "_id"):
+                item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(names)}")
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(_GroupSuffix(), "relaymoe-xdist-group-suffix")

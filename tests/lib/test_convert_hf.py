@@ -41,7 +41,10 @@ import torch
 
 from tests.fixtures import free_port, needs, start_python
 
-pytestmark = [pytest.mark.slow, needs("transformers", "safetensors", "megatron.training")]
+# one worker (xdist_group) and a session-scoped conversion: built once although pytest-xdist
+# runs other files' tests between these (a module-scoped one is torn down and built again then)
+pytestmark = [pytest.mark.slow, needs("transformers", "safetensors", "megatron.training"),
+              pytest.mark.xdist_group("convert_hf")]  # fmt: skip
 ROOT = Path(__file__).resolve().parents[2]
 SEQ, BATCH = 16, 2
 
@@ -170,7 +173,7 @@ def _convert(root: Path, ckpt: Path, *extra: str) -> list[str]:
     return [f for f in flags if f]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def converted(tmp_path_factory):
     """The checkpoint in the local spec's keys: the host builds the model with local layers."""
     root = tmp_path_factory.mktemp("hf")
