@@ -69,7 +69,7 @@ class _GroupSuffix:
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, config, items):
-        if not config.getvalue("loadgroup"):
+        if not getattr(config.option, "loadgroup", False):
             return
         from _pytest.nodeid import coerce_node_id
 
