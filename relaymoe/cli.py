@@ -14,6 +14,21 @@ from relaymoe.options import MODE_CHOICES, TRANSPORT_CHOICES
 
 DEFAULT_CONFIG = "qwen3_30b_a3b"
 _PAR = {"tp": "tp", "cp": "cp", "pp": "pp", "vpp": "vpp", "ep": "ep", "etp": "etp", "dp": "dp"}
+# The other whole-number overrides of ``plan`` and ``flags``: (flag, help), in --help order.
+_INT_OVERRIDES = (
+    (
+        "gpus-per-node",
+        "GPUs per node of the cluster (override parallel.gpus_per_node; default: the EP group "
+        "in one node): picks the ring's schedule, flat or two-level across nodes",
+    ),
+    ("mbs", "override training.micro_batch_size"),
+    (
+        "gbs",
+        "override training.global_batch_size (default: the config's, kept when --dp or --mbs "
+        "change; micro_batch_size * dp when the config sets none)",
+    ),
+    ("seq", "override training.seq_length"),
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -67,22 +82,8 @@ def _add_overrides(q: argparse.ArgumentParser, dispatchers: tuple[str, ...]) -> 
     so that both print the same Megatron flags for the same config and overrides)."""
     for k in _PAR:
         q.add_argument(f"--{k}", type=int, default=None, help=f"override parallel.{k}")
-    q.add_argument(
-        "--gpus-per-node",
-        type=int,
-        default=None,
-        help="GPUs per node of the cluster (override parallel.gpus_per_node; default: the EP "
-        "group in one node): picks the ring's schedule, flat or two-level across nodes",
-    )
-    q.add_argument("--mbs", type=int, default=None, help="override training.micro_batch_size")
-    q.add_argument(
-        "--gbs",
-        type=int,
-        default=None,
-        help="override training.global_batch_size (default: the config's, kept when --dp or "
-        "--mbs change; micro_batch_size * dp when the config sets none)",
-    )
-    q.add_argument("--seq", type=int, default=None, help="override training.seq_length")
+    for flag, help_ in _INT_OVERRIDES:
+        q.add_argument(f"--{flag}", type=int, default=None, help=help_)
     q.add_argument(
         "--dispatcher", choices=dispatchers, default=None, help="override relaymoe.dispatcher"
     )

@@ -62,13 +62,18 @@ def _pair_count(
     return stop - start, True
 
 
-def _check_biases(where: str, w13, w2, b13, b2) -> tuple:
-    """``(b13, b2)`` at unit column stride (a copy only for other strides), shapes checked
-    against the range's weights: ``b13 (El, J)``, ``b2 (El, H)``."""
+def _hop_inputs(where: str, w13, w2, activation, kernels, b13, b2) -> tuple:
+    """``(act, k, b13, b2)`` of a hop call: the activation (None: SwiGLU), the
+    ``KernelOptions`` (None: the process's), and the biases at unit column stride (a copy only
+    for other strides), shapes checked against the range's weights: ``b13 (El, J)``,
+    ``b2 (El, H)``."""
+    act = SWIGLU if activation is None else activation
+    k = select.kernel_options(kernels)
     for name, b, want in (("b13", b13, w13.shape[:2]), ("b2", b2, w2.shape[:2])):
         if b is not None and tuple(b.shape) != tuple(want):
             raise ValueError(f"{where}: {name} has shape {tuple(b.shape)}, want {tuple(want)}")
-    return (None if b13 is None else unit_cols(b13)), (None if b2 is None else unit_cols(b2))
+    b13 = None if b13 is None else unit_cols(b13)
+    return act, k, b13, (None if b2 is None else unit_cols(b2))
 
 
 def _check_sizes(num_tokens: int, n_pairs: int, where: str) -> None:
@@ -235,12 +240,10 @@ def triton_hop_forward(
     ``b13 (El, J)``, ``b2 (El, H)``: as ``relaymoe.experts.expert_hop_forward``'s (None:
     SwiGLU, no bias).
     """
-    act = SWIGLU if activation is None else activation
-    k = select.kernel_options(kernels)
+    act, k, b13, b2 = _hop_inputs("triton_hop_forward", w13, w2, activation, kernels, b13, b2)
     num_tokens = x_TH.shape[0]
     n_local, rows_e, _ = w13.shape
     ffn = w2.shape[2]
-    b13, b2 = _check_biases("triton_hop_forward", w13, w2, b13, b2)
     x_TH = unit_cols(x_TH)  # no copy for row-major x (moe_experts and the ring pass such)
     accumulate = out_TH is not None
     if out_TH is None:  # row-major whatever x's strides (the combine writes every row)
@@ -318,12 +321,10 @@ def triton_hop_backward(
     ``db13``, ``db2``: as ``relaymoe.experts.expert_hop_backward``'s (bias gradients ADDED into
     ``db13``/``db2``, each required with its bias).
     """
-    act = SWIGLU if activation is None else activation
-    k = select.kernel_options(kernels)
+    act, k, b13, b2 = _hop_inputs("triton_hop_backward", w13, w2, activation, kernels, b13, b2)
     num_tokens = x_TH.shape[0]
     n_local, rows_e, _ = w13.shape
     ffn = w2.shape[2]
-    b13, b2 = _check_biases("triton_hop_backward", w13, w2, b13, b2)
     for name, b, db in (("b13", b13, db13), ("b2", b2, db2)):
         if b is not None and (db is None or db.shape != b.shape):
             got = None if db is None else tuple(db.shape)

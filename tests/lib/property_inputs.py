@@ -96,6 +96,22 @@ def from_relaymoe(err: BaseException) -> bool:
     return bool(frames) and "/relaymoe/" in frames[-1].filename.replace("\\", "/")
 
 
+def attempt(who: str, valid: bool, call):
+    """``call()``'s result, or None when relaymoe refused the case with a ValueError; asserts
+    that a refusal comes exactly for an invalid case, from inside relaymoe, and that nothing
+    else escapes (``who`` names the case in the messages)."""
+    try:
+        result = call()
+    except ValueError as err:
+        assert not valid, f"{who}: a valid case raised {err!r}"
+        assert from_relaymoe(err), f"{who}: a ValueError from outside relaymoe: {err!r}"
+        return None
+    except Exception as err:
+        raise AssertionError(f"{who}: {type(err).__name__} from inside: {err!r}") from err
+    assert valid, f"{who}: an invalid case returned a result"
+    return result
+
+
 def routing(T: int, E: int, K: int, route: str, gen: torch.Generator) -> torch.Tensor:
     """(T, K) int64 distinct expert ids; ``empty``: the last expert never picked (K < E)."""
     scores = torch.rand(T, E, generator=gen)
@@ -215,7 +231,8 @@ def run_moe_case(c: MoECase, device="cpu") -> str:
     out = t["out"] if (c.with_out and c.dtype in FLOATS) else None
     out0 = out.detach().double().clone() if out is not None else None
     kw = dict(recompute=c.recompute, backend=c.backend, out=out)
-    try:
+
+    def call():
         if c.index == "same":
             kw["index"] = build_routing_index(idx, c.E)
         elif c.index == "copy":
@@ -224,13 +241,11 @@ def run_moe_case(c: MoECase, device="cpu") -> str:
             kw["index"] = build_routing_index(other, c.E)
         y = moe_experts(x, ws13, ws2, idx, probs, **kw)
         y.backward(t["dy"].to(y.dtype))
-    except ValueError as err:
-        assert not valid, f"{c}: a valid case raised {err!r}"
-        assert from_relaymoe(err), f"{c}: a ValueError from outside relaymoe: {err!r}"
+        return y
+
+    y = attempt(f"{c}", valid, call)
+    if y is None:
         return "refused"
-    except Exception as err:
-        raise AssertionError(f"{c}: {type(err).__name__} from inside: {err!r}") from err
-    assert valid, f"{c}: an invalid case returned a result"
     _check_moe(c, x, ws13, ws2, idx, probs, t["dy"], y, out, out0)
     return "valid"
 
@@ -386,17 +401,16 @@ def run_loss_case(c: LossCase, device="cpu") -> str:
     t = _loss_inputs(c, device)
     valid = loss_expect_valid(c, t)
     h, w = leaf(t["hidden"]), leaf(t["weight"])
-    try:
+
+    def call():
         loss = linear_cross_entropy(h, w, t["labels"], chunk_tokens=c.chunk,
                                     label_smoothing=c.smoothing, impl=c.impl)  # fmt: skip
         loss.backward(t["dy"].to(loss.dtype))
-    except ValueError as err:
-        assert not valid, f"{c}: a valid case raised {err!r}"
-        assert from_relaymoe(err), f"{c}: a ValueError from outside relaymoe: {err!r}"
+        return loss
+
+    loss = attempt(f"{c}", valid, call)
+    if loss is None:
         return "refused"
-    except Exception as err:
-        raise AssertionError(f"{c}: {type(err).__name__} from inside: {err!r}") from err
-    assert valid, f"{c}: an invalid case returned a result"
     want = torch.float64 if c.dtype == torch.float64 else torch.float32
     assert loss.dtype == want and loss.shape == (c.T,), f"{c}: loss {loss.dtype} {loss.shape}"
     ref, scales = loss_oracle(h, w, t["labels"].long(), t["dy"], c.smoothing)
@@ -507,17 +521,16 @@ def run_ring_case(c: RingCase, rank: int, world: int, group, device="cpu") -> st
     xl, w13l, w2l, pl = (leaf(mine[k]) for k in ("x", "w13", "w2", "probs"))
     ws13 = [leaf(w) for w in w13l.detach().unbind(0)] if c.listed else w13l
     ws2 = [leaf(w) for w in w2l.detach().unbind(0)] if c.listed else w2l
-    try:
+
+    def call():
         y = ring_moe(xl, ws13, ws2, mine["idx"], pl, group=group, mode=c.mode,
                      backend=c.backend)  # fmt: skip
         y.backward(mine["dy"].to(y.dtype))
-    except ValueError as err:
-        assert not valid, f"{c} rank {rank}: a valid case raised {err!r}"
-        assert from_relaymoe(err), f"{c} rank {rank}: a ValueError from outside: {err!r}"
+        return y
+
+    y = attempt(f"{c} rank {rank}", valid, call)
+    if y is None:
         return "refused"
-    except Exception as err:
-        raise AssertionError(f"{c} rank {rank}: {type(err).__name__}: {err!r}") from err
-    assert valid, f"{c} rank {rank}: an invalid case returned a result"
     ref, grads = moe_oracle(x, w13, w2, idx, probs, dy)
     scale, scales = moe_oracle(x, w13, w2, idx, probs, dy, absolute=True)
     lo, hi = sum(c.tokens[:rank]), sum(c.tokens[: rank + 1])
@@ -592,17 +605,16 @@ def run_tp_loss_case(c: LossCase, broken: str, rank: int, world: int, group) -> 
     hl, wl = leaf(h), leaf(w)
     kept = broken == "none" or (broken == "labels" and c.T == 0)  # the contract
     valid = kept and loss_expect_valid(replace(c, V=V), full)
-    try:
+
+    def call():
         loss = linear_cross_entropy(hl, wl, labels, tp_group=group, chunk_tokens=c.chunk,
                                     impl=c.impl)  # fmt: skip
         loss.backward(dy.to(loss.dtype))
-    except ValueError as err:
-        assert not valid, f"{c} {broken} rank {rank}: a valid case raised {err!r}"
-        assert from_relaymoe(err), f"{c} rank {rank}: a ValueError from outside: {err!r}"
+        return loss
+
+    loss = attempt(f"{c} {broken} rank {rank}", valid, call)
+    if loss is None:
         return "refused"
-    except Exception as err:
-        raise AssertionError(f"{c} {broken} rank {rank}: {type(err).__name__}: {err!r}") from err
-    assert valid, f"{c} {broken} rank {rank}: an invalid case returned a result"
     (ref, ref_dh, ref_dw), (s_loss, s_dh, s_dw) = loss_oracle(
         full["hidden"], full["weight"], full["labels"].long(), full["dy"], 0.0
     )
