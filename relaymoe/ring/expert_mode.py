@@ -51,7 +51,7 @@ def expert_forward(prob, group, how, overlap, x, experts, probs, index, order):
                 kernels=how.kernels, **rows, **mlp(prob, t),
             )  # fmt: skip
 
-        key = hop_key(prob, how, "fwd", rng, rows)
+        key = graphs and hop_key(prob, how, "fwd", rng, rows)  # only a cache reads it
         run_hop(graphs, key, body, {**own, **present(w)}, {"out": out})
 
     fwd, bwd = expert_plans(prob)
@@ -92,7 +92,7 @@ def expert_backward(prob, group, how, overlap, dy, x, experts, probs, index, ord
                 **rows, **mlp(prob, t), **bias_grads(t),
             )  # fmt: skip
 
-        key = hop_key(prob, how, "bwd", rng, rows)
+        key = graphs and hop_key(prob, how, "bwd", rng, rows)
         run_hop(graphs, key, body, {**own, **present(w)}, {"dx": dx, "dprobs": dprobs, **trail})
 
     _, bwd = expert_plans(prob)

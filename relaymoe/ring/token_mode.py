@@ -63,7 +63,7 @@ def token_forward(prob, group, how, overlap, x, experts, probs, idx32, order):
             )  # fmt: skip
             return index_inputs(index)
 
-        key = hop_key(prob, how, "fwd", own, rows) + (order,)
+        key = graphs and hop_key(prob, how, "fwd", own, rows) + (order,)  # only a cache reads it
         made = run_hop(graphs, key, body, {"x": xs, "idx": ids, "probs": ps, **weights},
                        {"out": trail["out"]})  # fmt: skip
         indices[part] = index_from(made, (Ts[part], prob.topk, E))
@@ -115,7 +115,7 @@ def token_backward(prob, group, how, overlap, dy, x, experts, probs, indices, or
             )  # fmt: skip
             return {"dw13": dw13, "dw2": dw2} if first else None
 
-        key = hop_key(prob, how, "bwd", own, rows)
+        key = graphs and hop_key(prob, how, "bwd", own, rows)
         inputs = {"dy": dys, "x": xs, "probs": ps, **index_inputs(indices[part]), **weights}
         made = run_hop(graphs, key, body, inputs, {**trail, **present(dw)})
         dw.update(made)
