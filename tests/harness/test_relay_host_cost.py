@@ -21,3 +21,4 @@ def test_relay_host_cost_harness_runs():
     row = json.loads(p.stdout.strip().splitlines()[-1])
     assert row["bench"] == "relay_host" and row["hops"] == 5 and row["us_per_hop"] > 0
     assert 0 < row["us_per_hop_min"] <= row["us_per_hop"] and row["repeats"] == 2
+    assert row["us_per_hop_cpu"] > 0
