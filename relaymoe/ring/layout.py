@@ -91,10 +91,9 @@ class Layout:
     def _check(self, buf_u8: Tensor, base: int) -> None:
         if base % ALIGN:
             raise ValueError(f"layout base {base} must be a multiple of {ALIGN} bytes")
-        if base + self.nbytes > buf_u8.numel():
+        if base + self.nbytes > (size := buf_u8.numel()):
             raise ValueError(
-                f"layout of {self.nbytes} bytes at base {base} overflows a {buf_u8.numel()}-byte "
-                "buffer"
+                f"layout of {self.nbytes} bytes at base {base} overflows a {size}-byte buffer"
             )
 
     def __hash__(self) -> int:
@@ -149,8 +148,8 @@ def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 def _flat(flats: dict, buf_u8: Tensor, dtype: torch.dtype) -> tuple[Tensor, int]:
     """``buf_u8`` viewed as ``dtype`` (its whole elements) and that view's storage offset in
     elements, stored in ``flats``: what the segments' views are cut from."""
-    size = dtype.itemsize
-    whole = buf_u8.numel() - buf_u8.numel() % size
-    flat = (buf_u8 if whole == buf_u8.numel() else buf_u8[:whole]).view(dtype)
+    numel = buf_u8.numel()
+    whole = numel - numel % dtype.itemsize
+    flat = (buf_u8 if whole == numel else buf_u8[:whole]).view(dtype)
     flats[dtype] = entry = (flat, flat.storage_offset())
     return entry

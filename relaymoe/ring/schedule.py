@@ -251,11 +251,15 @@ class RingPlan:
         return self.pass_table().trail_offsets
 
     def pass_table(self) -> PassTable:
-        """Everything this rank's pass asks of the plan per hop, computed once for the plan's
-        sizes, order and rank (cached: :class:`PassTable`)."""
-        return _pass_hops(
-            self.world_size, self.gpus_per_node, self.lead_bytes, self.trail_bytes, self.rank
-        )
+        """Everything this rank's pass asks of the plan per hop (:class:`PassTable`), computed
+        once for the plan's sizes, order and rank, and kept by the plan (a pass asks more than
+        once; looking it up by the sizes hashes them)."""
+        table = self.__dict__.get("_table")
+        if table is None:
+            table = self.__dict__["_table"] = _pass_hops(
+                self.world_size, self.gpus_per_node, self.lead_bytes, self.trail_bytes, self.rank
+            )
+        return table
 
     def capacity(self) -> int:
         """Bytes one slot needs on any rank at any step (identical on every rank). Every ring
