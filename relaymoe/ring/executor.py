@@ -345,15 +345,15 @@ def relay(
             out = views[key] = layout.views(bufs[buf], base, flats[buf])
         return out
 
-    # A trail's views with its runs (``Layout.runs``), which the zeroing and the adds go over
-    trails: dict[tuple[Layout, int, int], tuple[dict[str, Tensor], list[Tensor]]] = {}
+    # A trail's runs (``Layout.runs``), which its zeroing and the adds go over; the compute
+    # gets its named views (views_of) only where it writes: the scratch, and hop 0's region
+    runs: dict[tuple[Layout, int, int], list[Tensor]] = {}
 
-    def trail_of(layout: Layout, buf: int, base: int = 0) -> tuple[dict, list[Tensor]]:
+    def runs_of(layout: Layout, buf: int, base: int = 0) -> list[Tensor]:
         key = (layout, buf, base)
-        out = trails.get(key)
+        out = runs.get(key)
         if out is None:
-            runs = layout.runs(bufs[buf], base, flats[buf])
-            out = trails[key] = (views_of(layout, buf, base), runs)
+            out = runs[key] = layout.runs(bufs[buf], base, flats[buf])
         return out
 
     own_views = views_of(lead_layout(rank), 0)
@@ -385,10 +385,14 @@ def relay(
                 wait(pending, h)
             if has_trail:
                 trail_p = trail_layout(p)
-                dst, dst_runs = trail_of(trail_p, (h + 1) & 1, trail_offsets[h + 1])
                 # hop 0: nothing arrives into the trail region, so the compute writes it itself;
                 # later hops compute into the scratch, added to what arrived once it is in
-                part, part_runs = (dst, dst_runs) if h == 0 else trail_of(trail_p, 2)
+                dst = (trail_p, (h + 1) & 1, trail_offsets[h + 1])
+                dst_runs = runs_of(*dst)
+                if h == 0:
+                    part, part_runs = views_of(*dst), dst_runs
+                else:
+                    part, part_runs = views_of(trail_p, 2), runs_of(trail_p, 2)
                 for v in part_runs:
                     v.zero_()
             if recording:
