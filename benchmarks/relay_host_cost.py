@@ -1,11 +1,14 @@
 """Host time of the ring's own machinery per hop, with the hop's compute and transfer removed.
 
-    python benchmarks/relay_host_cost.py [--world 8] [--passes 300] [--profile]
+    python benchmarks/relay_host_cost.py [--world 8] [--passes 300] [--repeats 5] [--profile]
 
 Runs ``relaymoe.ring.executor.relay`` (an expert-mode backward pass: lead and trail) on CPU
 tensors in one process, with a transport that moves nothing and a compute that does nothing, so
 what is timed is the schedule, the slot views, the trail scratch adds and the executor's
 bookkeeping: the share of the ring's per-hop host cost that is not the hop's kernel launches.
+The ``passes`` are timed ``repeats`` times: ``us_per_pass``/``us_per_hop`` are the median of the
+repeats, ``us_per_hop_min`` the fastest, ``us_per_hop_cpu`` the median of the process's CPU time
+(what the host spent, without the time other load on the host took the core away).
 ``--profile`` prints the top functions by own time. Prints one JSON row (``bench: relay_host``).
 """
 
@@ -15,6 +18,7 @@ import argparse
 import cProfile
 import json
 import pstats
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -51,6 +55,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world", type=int, default=8, help="ring size R of the plan")
     ap.add_argument("--passes", type=int, default=300)
+    ap.add_argument("--repeats", type=int, default=5, help="timed runs of --passes passes")
     ap.add_argument("--profile", action="store_true")
     a = ap.parse_args(argv)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
@@ -71,21 +76,28 @@ def main(argv=None) -> int:
 
     for _ in range(20):
         one_pass()
-    t0 = time.perf_counter()
-    for _ in range(a.passes):
-        one_pass()
-    per_pass = (time.perf_counter() - t0) / a.passes
+    runs, cpu = [], []
+    for _ in range(max(a.repeats, 1)):
+        t0, c0 = time.perf_counter(), time.process_time()
+        for _ in range(a.passes):
+            one_pass()
+        runs.append((time.perf_counter() - t0) / a.passes)
+        cpu.append((time.process_time() - c0) / a.passes)
+    per_pass, fastest, per_pass_cpu = statistics.median(runs), min(runs), statistics.median(cpu)
     if a.profile:
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(100):
             one_pass()
         prof.disable()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(16)
     env = environment()
     print(json.dumps({"bench": "relay_host", "world": R, "hops": R + 1,
                       "us_per_pass": round(per_pass * 1e6, 1),
                       "us_per_hop": round(per_pass / (R + 1) * 1e6, 1),
+                      "us_per_hop_min": round(fastest / (R + 1) * 1e6, 1),
+                      "us_per_hop_cpu": round(per_pass_cpu / (R + 1) * 1e6, 1),
+                      "repeats": len(runs),
                       **{k: env[k] for k in ("commit", "torch", "date")}}))  # fmt: skip
     dist.destroy_process_group()
     return 0

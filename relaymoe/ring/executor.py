@@ -35,9 +35,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from relaymoe.ring.faults import PeerWatch, host_wait_enabled
+from relaymoe.ring.faults import PeerWatch, RingPeerError, host_wait_enabled
 from relaymoe.ring.layout import Layout
-from relaymoe.ring.schedule import ByteRange, HopTransfer, RingPlan
+from relaymoe.ring.schedule import HopTransfer, RingPlan
 from relaymoe.ring.transport import Transport
 
 __all__ = ["HopTiming", "RingExecutor", "record_timeline", "relay"]
@@ -169,8 +169,9 @@ class RingExecutor:
         )
         self._marks: dict[int, dict] = {}
         self._recording = bool(_RECORDERS)
-        self._transfers = plan.transfers()  # every hop's, planned once (cached by the plan)
-        self._ranges: dict[tuple[int, int, int], Tensor] = {}  # slot byte ranges, this pass's
+        table = plan.pass_table()  # every hop's transfers, planned once (cached by the plan)
+        self._transfers, self._legs, self._byte_ranges = table.transfers, table.legs, table.ranges
+        self._range_views: list[Tensor | None] = [None] * len(table.ranges)  # this pass's slots'
         cap = plan.capacity() if capacity is None else max(capacity, plan.capacity())
         self.slots = transport.slots(max(cap, 1), device)
         if transport.needs_entry_sync:
@@ -207,39 +208,49 @@ class RingExecutor:
         """
         xfers = self._transfers
         xfer = xfers[hop] if 0 <= hop < len(xfers) else self.plan.transfer(hop)  # (that raises)
-        sends = [self._view(leg.range, recv_into) for leg in xfer.sends]
-        recvs = [self._view(leg.range, recv_into) for leg in xfer.recvs]
+        send_at, recv_at = self._legs[hop]
+        cut, views = self._cut, self._range_views
+        sends = [views[i] if views[i] is not None else cut(i, recv_into) for i in send_at]
+        recvs = [views[i] if views[i] is not None else cut(i, recv_into) for i in recv_at]
         if self._recording:
             self._marks.setdefault(hop, {})["_bytes"] = xfer.send_bytes
+        if not self.cuda:  # no streams: issued from the host right away
+            return _Pending(None, self._issue(hop, xfer, sends, recvs))
         works = self._on_comm(lambda: self._issue(hop, xfer, sends, recvs))
-        done = None
-        if self.cuda:
-            done = torch.cuda.Event()
-            done.record(self.stream)
-            if works:  # stream-ordered already; the host waits for them in finish()
-                self.watch.defer(works, op="p2p", hop=hop)
-                works = []
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        if works:  # stream-ordered already; the host waits for them in finish()
+            self.watch.defer(works, op="p2p", hop=hop)
+            works = []
         return _Pending(done, works)
 
-    def _view(self, rng: ByteRange, recv_into: Tensor | None) -> Tensor:
-        """The bytes of ``rng``: in a slot (the same view every time it recurs in the pass), or
-        in ``recv_into`` for the final return (slot -1)."""
+    def _cut(self, i: int, recv_into: Tensor | None) -> Tensor:
+        """The bytes of the plan's byte range ``i``: in a slot (cut once per pass, the same view
+        every time the range recurs), or in ``recv_into`` for the final return (slot -1)."""
+        rng = self._byte_ranges[i]
         if rng.slot < 0:
             return recv_into[rng.start : rng.stop]
-        key = (rng.slot, rng.start, rng.stop)
-        view = self._ranges.get(key)
-        if view is None:
-            view = self._ranges[key] = self.slots[rng.slot][rng.start : rng.stop]
+        view = self._range_views[i] = self.slots[rng.slot][rng.start : rng.stop]
         return view
 
     def _issue(self, hop: int, xfer: HopTransfer, sends: list[Tensor], recvs: list[Tensor]):
         """Issue the hop on the current stream (the communication stream on CUDA); a failure
-        to issue becomes RingPeerError."""
-        self.mark(hop, "t0", on_comm=True)
-        peers = self.transport.group_peers(xfer.peers)
-        with self.watch.issuing(op="p2p", hop=hop, peers=peers):
+        to issue (a ``RuntimeError``: c10d's errors derive from it) becomes RingPeerError
+        naming the hop's peers, as :meth:`PeerWatch.issuing` does (inlined: once per hop)."""
+        recording = self._recording
+        if recording:
+            self.mark(hop, "t0", on_comm=True)
+        start = time.monotonic()
+        try:
             works = self.transport.issue(xfer, sends, recvs)
-        self.mark(hop, "t1", on_comm=True)
+        except RingPeerError:
+            raise
+        except RuntimeError as exc:
+            peers = self.transport.group_peers(xfer.peers)
+            waited = time.monotonic() - start
+            raise self.watch.error(exc, op="p2p", hop=hop, peers=peers, waited_s=waited) from exc
+        if recording:
+            self.mark(hop, "t1", on_comm=True)
         if self._mark_events:
             self.watch.mark(self.stream, op="copy-engine barrier and pull", hop=hop)
         return works
@@ -322,6 +333,7 @@ def relay(
     )
     slots = ex.slots
     bufs = [slots[0], slots[1]]  # and the trail scratch (buffer 2), below
+    flats: list[dict] = [{}, {}, {}]  # each buffer's typed flat views, shared by its layouts
     # Typed views by (layout, buffer, base), made once per pass: a view is the same at every hop
     # that asks for it again (equal layouts of the partitions, the same slot and offset).
     views: dict[tuple[Layout, int, int], dict[str, Tensor]] = {}
@@ -330,7 +342,18 @@ def relay(
         key = (layout, buf, base)
         out = views.get(key)
         if out is None:
-            out = views[key] = layout.views(bufs[buf], base)
+            out = views[key] = layout.views(bufs[buf], base, flats[buf])
+        return out
+
+    # A trail's runs (``Layout.runs``), which its zeroing and the adds go over; the compute
+    # gets its named views (views_of) only where it writes: the scratch, and hop 0's region
+    runs: dict[tuple[Layout, int, int], list[Tensor]] = {}
+
+    def runs_of(layout: Layout, buf: int, base: int = 0) -> list[Tensor]:
+        key = (layout, buf, base)
+        out = runs.get(key)
+        if out is None:
+            out = runs[key] = layout.runs(bufs[buf], base, flats[buf])
         return out
 
     own_views = views_of(lead_layout(rank), 0)
@@ -339,41 +362,50 @@ def relay(
     else:
         for name, view in own_views.items():
             view.copy_(own_lead[name])
-    scratch_buf = None
     if has_trail:
         scratch_buf = torch.empty(
             max(trail_layout(p).nbytes for p in range(R)) or 1, dtype=torch.uint8, device=device
         )
         bufs.append(scratch_buf)
-    trail_offsets = plan.trail_offsets()
+    table = plan.pass_table()
+    partitions, trail_offsets = table.partitions, table.trail_offsets
+    recording, mark, start, wait = ex._recording, ex.mark, ex.start, ex.wait
     hop_name = f"relaymoe.{mode}.{phase}.hop"
+    part = dst_runs = part_runs = None
     for h in range(R):
-        p = plan.partition(h)
+        p = partitions[h]
         with _hop_range(hop_name):  # host time per hop
-            ex.mark(h, "h0")
-            lead = own_views if h == 0 else views_of(lead_layout(p), h % 2)
+            if recording:
+                mark(h, "h0")
+            lead = own_views if h == 0 else views_of(lead_layout(p), h & 1)
             if prepare is not None:
                 prepare(h, p, lead)
-            pending = ex.start(h)
+            pending = start(h)
             if not overlap:
-                ex.wait(pending, h)
-            dst = part = None
+                wait(pending, h)
             if has_trail:
                 trail_p = trail_layout(p)
-                dst = views_of(trail_p, (h + 1) % 2, trail_offsets[h + 1])
                 # hop 0: nothing arrives into the trail region, so the compute writes it itself;
                 # later hops compute into the scratch, added to what arrived once it is in
-                part = dst if h == 0 else views_of(trail_p, 2)
-                for v in part.values():
+                dst = (trail_p, (h + 1) & 1, trail_offsets[h + 1])
+                dst_runs = runs_of(*dst)
+                if h == 0:
+                    part, part_runs = views_of(*dst), dst_runs
+                else:
+                    part, part_runs = views_of(trail_p, 2), runs_of(trail_p, 2)
+                for v in part_runs:
                     v.zero_()
-            ex.mark(h, "c0")
+            if recording:
+                mark(h, "c0")
             compute(h, p, lead, part)
-            ex.mark(h, "c1")
-            ex.wait(pending, h)
-            if part is not dst:
-                for name, v in dst.items():
-                    v.add_(part[name])
-            ex.mark(h, "h1")
+            if recording:
+                mark(h, "c1")
+            wait(pending, h)
+            if h and has_trail:
+                for d, v in zip(dst_runs, part_runs, strict=True):
+                    d.add_(v)
+            if recording:
+                mark(h, "h1")
     result = None
     if has_trail:
         lay = trail_layout(rank)

@@ -103,12 +103,25 @@ def expert_plans(prob: RingProblem) -> tuple[RingPlan, RingPlan]:
 
 def token_layouts(prob: RingProblem, backward: bool) -> dict:
     """A token-mode pass's ``lead_layout``/``trail_layout`` roles (partition ``p`` holds
-    ``prob.tokens[p]`` tokens)."""
+    ``prob.tokens[p]`` tokens). Each layout is built once per token count and returned again
+    after: the pass asks for them every hop, and the executor keys its views by them."""
     Ts = prob.tokens
-    return {
-        "lead_layout": lambda p: token_lead(prob, Ts[p], backward),
-        "trail_layout": lambda p: token_trail(prob, Ts[p], backward),
-    }
+    leads: dict[int, Layout] = {}
+    trails: dict[int, Layout] = {}
+
+    def lead(p: int) -> Layout:
+        lay = leads.get(Ts[p])
+        if lay is None:
+            lay = leads[Ts[p]] = token_lead(prob, Ts[p], backward)
+        return lay
+
+    def trail(p: int) -> Layout:
+        lay = trails.get(Ts[p])
+        if lay is None:
+            lay = trails[Ts[p]] = token_trail(prob, Ts[p], backward)
+        return lay
+
+    return {"lead_layout": lead, "trail_layout": trail}
 
 
 def token_plans(prob: RingProblem) -> tuple[RingPlan, RingPlan]:

@@ -43,11 +43,12 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from functools import cached_property
+from typing import NamedTuple
 
 from relaymoe.cost import order_partition, order_rank
 from relaymoe.cost.links import align_up
 
-__all__ = ["ByteRange", "HopTransfer", "Leg", "RingPlan", "SlotLayout"]
+__all__ = ["ByteRange", "HopTransfer", "Leg", "PassTable", "RingPlan", "SlotLayout"]
 
 
 @dataclass(frozen=True)
@@ -242,17 +243,23 @@ class RingPlan:
         """This rank's transfers of every hop, ``transfers()[h] == transfer(h)`` for ``h`` in
         ``0..R``. The executor asks once per pass instead of planning each hop on the host: cached
         by sizes, order and rank (a steady-state training step repeats them)."""
-        return self._pass()[0]
+        return self.pass_table().transfers
 
     def trail_offsets(self) -> tuple[int, ...]:
         """``trail_offsets()[s] == slot_layout(s).trail_offset`` for ``s`` in ``0..R`` (where
         the trail sits in this rank's slot at step ``s``); cached with :meth:`transfers`."""
-        return self._pass()[1]
+        return self.pass_table().trail_offsets
 
-    def _pass(self) -> tuple[tuple[HopTransfer, ...], tuple[int, ...]]:
-        return _pass_hops(
-            self.world_size, self.gpus_per_node, self.lead_bytes, self.trail_bytes, self.rank
-        )
+    def pass_table(self) -> PassTable:
+        """Everything this rank's pass asks of the plan per hop (:class:`PassTable`), computed
+        once for the plan's sizes, order and rank, and kept by the plan (a pass asks more than
+        once; looking it up by the sizes hashes them)."""
+        table = self.__dict__.get("_table")
+        if table is None:
+            table = self.__dict__["_table"] = _pass_hops(
+                self.world_size, self.gpus_per_node, self.lead_bytes, self.trail_bytes, self.rank
+            )
+        return table
 
     def capacity(self) -> int:
         """Bytes one slot needs on any rank at any step (identical on every rank). Every ring
@@ -267,15 +274,39 @@ def _capacity(R: int, G: int, lead: tuple, trail: tuple | None) -> int:
     return max(plan.slot_layout(s, q).end for q in range(R) for s in range(R + 1))
 
 
+class PassTable(NamedTuple):
+    """One rank's per-hop answers of a pass, as plain tuples for the executor's hop loop.
+
+    ``transfers[h]`` / ``trail_offsets[s]``: as :meth:`RingPlan.transfers` /
+    :meth:`RingPlan.trail_offsets`; ``partitions[s]``: ``partition(s)`` for ``s`` in
+    ``0..R-1``; ``ranges``: the distinct byte ranges of every hop's legs; ``legs[h]``: hop
+    ``h``'s ``(sends, recvs)`` as indices into ``ranges``, in ``transfers[h]``'s order (a range
+    that recurs in a pass has one index, so its view is cut once per pass).
+    """
+
+    transfers: tuple[HopTransfer, ...]
+    trail_offsets: tuple[int, ...]
+    partitions: tuple[int, ...]
+    ranges: tuple[ByteRange, ...]
+    legs: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
+
+
 @functools.lru_cache(maxsize=256)
-def _pass_hops(
-    R: int, G: int, lead: tuple, trail: tuple | None, rank: int
-) -> tuple[tuple[HopTransfer, ...], tuple[int, ...]]:
-    """One rank's ``(transfers, trail offsets)`` of a pass, hops/steps ``0..R`` (immutable, so
-    shared by every plan of the same sizes)."""
+def _pass_hops(R: int, G: int, lead: tuple, trail: tuple | None, rank: int) -> PassTable:
+    """One rank's :class:`PassTable` (immutable, so shared by every plan of the same sizes)."""
     plan = RingPlan(rank, R, list(lead), None if trail is None else list(trail), gpus_per_node=G)
     steps = range(R + 1)
-    return (
-        tuple(plan.transfer(h) for h in steps),
-        tuple(plan.slot_layout(s).trail_offset for s in steps),
+    transfers = tuple(plan.transfer(h) for h in steps)
+    index: dict[ByteRange, int] = {}
+
+    def at(legs: tuple[Leg, ...]) -> tuple[int, ...]:
+        return tuple(index.setdefault(leg.range, len(index)) for leg in legs)
+
+    legs = tuple((at(x.sends), at(x.recvs)) for x in transfers)
+    return PassTable(
+        transfers=transfers,
+        trail_offsets=tuple(plan.slot_layout(s).trail_offset for s in steps),
+        partitions=tuple(plan.partition(s) for s in range(R)),
+        ranges=tuple(index),
+        legs=legs,
     )

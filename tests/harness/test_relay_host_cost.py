@@ -13,10 +13,12 @@ def test_relay_host_cost_harness_runs():
     root = Path(__file__).resolve().parents[2]
     p = subprocess.run(
         [sys.executable, str(root / "benchmarks" / "relay_host_cost.py"), "--world", "4",
-         "--passes", "3"],
+         "--passes", "3", "--repeats", "2"],
         capture_output=True, text=True, timeout=120,
         env=dict(os.environ, PYTHONPATH=str(root), CUDA_VISIBLE_DEVICES=""),
     )  # fmt: skip
     assert p.returncode == 0, p.stderr[-2000:]
     row = json.loads(p.stdout.strip().splitlines()[-1])
     assert row["bench"] == "relay_host" and row["hops"] == 5 and row["us_per_hop"] > 0
+    assert 0 < row["us_per_hop_min"] <= row["us_per_hop"] and row["repeats"] == 2
+    assert row["us_per_hop_cpu"] > 0

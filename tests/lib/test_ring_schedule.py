@@ -71,6 +71,12 @@ def test_plan_pass_cache_is_the_per_hop_plan(R, G, lead, trail):
         assert again.transfers() is plan.transfers()  # shared by plans of the same sizes
         for x in plan.transfers():
             assert x.peers == {leg.peer for leg in (*x.sends, *x.recvs)}
+        table = plan.pass_table()  # the executor's per-hop reads: the same answers, as indices
+        assert table.partitions == tuple(plan.partition(s) for s in range(R))
+        assert len(set(table.ranges)) == len(table.ranges)
+        for x, (sends, recvs) in zip(table.transfers, table.legs, strict=True):
+            assert [table.ranges[i] for i in sends] == [leg.range for leg in x.sends]
+            assert [table.ranges[i] for i in recvs] == [leg.range for leg in x.recvs]
 
 
 @pytest.mark.parametrize("R,G,lead,trail", _PLAN_CASES, ids=_PLAN_IDS)
@@ -195,6 +201,39 @@ def test_layout_views_are_aligned_and_disjoint():
         lay.views(buf, 4)
     empty = Layout.of(("x", torch.float32, (0, 4)), ("y", torch.int32, (0, 2)))
     assert empty.nbytes == 0 and empty.views(torch.empty(0, dtype=torch.uint8))["x"].shape == (0, 4)
+
+
+def test_layout_views_share_flat_views_and_runs_cover_the_segments():
+    """``views`` with a buffer's shared flat views are the plain views (same bytes, shapes,
+    strides); ``runs`` cover exactly the segments' bytes, adjacent segments of one dtype in one
+    run, and never the alignment gaps."""
+
+    def plain(lay, buf, base):
+        return {s.name: buf[base + s.offset : base + s.offset + s.nbytes].view(s.dtype)
+                .view(s.shape) for s in lay.segments}  # fmt: skip
+
+    mixed = Layout.of(("x", torch.bfloat16, (3, 5)), ("idx", torch.int32, (3, 2)),
+                      ("p", torch.float64, (3, 2)), ("q", torch.float64, (0, 2)))  # fmt: skip
+    packed = Layout.of(("a", torch.float32, (4, 64)), ("b", torch.float32, (2, 3, 64)),
+                       ("c", torch.float32, (5,)))  # fmt: skip
+    for lay in (mixed, packed):
+        for extra, off in itertools.product((0, 1, 3, ALIGN + 5), (0, ALIGN)):
+            store = torch.zeros(off + ALIGN + lay.nbytes + extra, dtype=torch.uint8)
+            buf, flats = store[off:], {}
+            for base in (0, ALIGN):
+                want, got = plain(lay, buf, base), lay.views(buf, base, flats)
+                for name, w in want.items():
+                    g = got[name]
+                    assert (g.dtype, g.shape, g.stride()) == (w.dtype, w.shape, w.stride())
+                    assert g.data_ptr() == w.data_ptr() and g.is_contiguous()
+                covered = set()
+                for run in lay.runs(buf, base, flats):
+                    at = run.data_ptr() - buf.data_ptr()
+                    covered |= set(range(at, at + run.numel() * run.element_size()))
+                assert covered == {base + s.offset + i for s in lay.segments
+                                   for i in range(s.nbytes)}  # fmt: skip
+    assert len(packed.runs(torch.empty(packed.nbytes, dtype=torch.uint8))) == 1
+    assert len(mixed.runs(torch.empty(mixed.nbytes, dtype=torch.uint8))) == 3
 
 
 def test_hop_bytes_table2_and_the_ring_mode_choice():
