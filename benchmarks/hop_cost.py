@@ -594,7 +594,6 @@ def _where(exc: BaseException) -> str | None:
 
 def measure_captured(ring: Ring, direction: str, a) -> dict:
     """Capture hop 1's compute in a CUDA graph and replay it; ``capture_error`` if it cannot."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     if ring.case.device != "cuda":
@@ -648,15 +647,28 @@ def measure_captured(ring: Ring, direction: str, a) -> dict:
         for _ in range(k):
             graph.replay()
             torch.cuda.synchronize()
-    events = list(prof.events())
+    del graph
+    return {
+        "host_us_per_hop": round(host, 1),
+        **replay_fields(list(prof.events()), k, span),
+        "capture_error": None,
+        "capture_max_abs_diff": diff,
+    }
+
+
+def replay_fields(events, k: int, span: float) -> dict:
+    """The row fields of ``k`` profiled graph replays from the profiler's ``events`` (each with
+    ``device_type``, ``name`` and ``time_range.start/end`` in us) and one replay's ``span`` (us,
+    CUDA events): device time (the kernels' sum), launches, kernels and the idle share of the
+    span (the kernels' union against it). No device event: the span stands for the GPU time."""
+    from torch.autograd import DeviceType
+
     dev = [("", e.time_range.start, e.time_range.end) for e in events
            if e.device_type == DeviceType.CUDA]  # fmt: skip
     gl = sum(1 for e in events if e.device_type == DeviceType.CPU and "GraphLaunch" in e.name)
     gpu = sum(b - a_ for _, a_, b in dev) / k if dev else span
     busy = busy_us(dev) / k if dev else span
-    del graph
     return {
-        "host_us_per_hop": round(host, 1),
         "gpu_us_per_hop": round(gpu, 1),
         "gpu_attrib": "graph" if dev else "events",
         "span_us_per_pass": None,
@@ -664,8 +676,6 @@ def measure_captured(ring: Ring, direction: str, a) -> dict:
         "launches_per_hop": round(gl / k, 1),
         "kernels_per_hop": round(len(dev) / k, 1),
         "idle_frac": round(max(0.0, 1.0 - busy / span), 3) if span else None,
-        "capture_error": None,
-        "capture_max_abs_diff": diff,
     }
 
 

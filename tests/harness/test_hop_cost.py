@@ -150,3 +150,29 @@ def _body_once(ring, direction):
     body, outs = hc.hop_body(ring, direction)
     body()
     return outs
+
+
+def test_replay_fields_from_profiler_events():
+    """The captured row's fields from profiled replays (the code the CPU run never reaches,
+    since CPU has no CUDA graph): two replays of two kernels each, one overlap inside a
+    replay, graph launches counted from the host events."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def ev(kind, name, a, b):
+        return SimpleNamespace(device_type=kind, name=name,
+                               time_range=SimpleNamespace(start=a, end=b))  # fmt: skip
+
+    cuda, cpu = DeviceType.CUDA, DeviceType.CPU
+    events = [ev(cpu, "cudaGraphLaunch", 0, 2), ev(cuda, "k1", 10, 40), ev(cuda, "k2", 30, 60),
+              ev(cpu, "cudaGraphLaunch", 100, 102), ev(cuda, "k1", 110, 140),
+              ev(cuda, "k2", 140, 170), ev(cpu, "aten::zero_", 0, 1)]  # fmt: skip
+    f = hc.replay_fields(events, k=2, span=80.0)
+    assert f["gpu_us_per_hop"] == 60.0  # (30 + 30 + 30 + 30) / 2
+    assert f["kernels_per_hop"] == 2.0 and f["launches_per_hop"] == 1.0
+    assert f["idle_frac"] == round(1 - 55.0 / 80.0, 3)  # busy (50 + 60) / 2 over the span
+    assert f["gpu_attrib"] == "graph"
+    none = hc.replay_fields([ev(cpu, "cudaGraphLaunch", 0, 1)], k=1, span=80.0)
+    assert none["gpu_us_per_hop"] == 80.0 and none["gpu_attrib"] == "events"
+    assert none["idle_frac"] == 0.0
