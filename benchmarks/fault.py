@@ -93,6 +93,9 @@ class Spec:
     topk: int = 2
     schedule: str = "auto"  # ring_moe's schedule; "node_batched" also arms its row exchanges
     gpus_per_node: int | None = None
+    # RingOptions.capture_hops on every rank: the hops replay recorded bodies (trusted calls only,
+    # so every case of a capturing spec calls trusted, as Megatron does)
+    capture_hops: bool = False
 
     @property
     def group_ranks(self) -> tuple[int, ...]:
@@ -103,9 +106,10 @@ class Spec:
         hw = dict(self.env).get(HOST_WAIT_ENV)
         wait = f"-wait{hw}" if hw else ""
         sched = "" if self.schedule == "auto" else f"-{self.schedule}-g{self.gpus_per_node}"
+        cap = "-captured" if self.capture_hops else ""
         return (
             f"{self.case}-{self.mode}-{self.transport}-w{self.world}-ep{len(self.group_ranks)}"
-            f"{pg}{wait}{sched}"
+            f"{pg}{wait}{sched}{cap}"
         )
 
 
@@ -229,7 +233,7 @@ def rank_main(spec: Spec, rank: int, group, store, device, outdir: str) -> None:
         out_path.write_text(json.dumps(res))
         return
     me = spec.group_ranks.index(rank)
-    trusted = spec.case == "before_cached"
+    trusted = spec.case == "before_cached" or spec.capture_hops
     state = {"armed": False, "passes": 0, "calls": 0}
     try:
         for step in range(2):
@@ -302,7 +306,8 @@ def _fork_child(spec: Spec, rank: int, host: str, port: int, prefix: str, outdir
         if spec.pg_timeout_s:
             os.environ["RELAYMOE_RING_TIMEOUT_S"] = str(spec.timeout_s)
         os.environ.update(dict(spec.env))
-        options.install(options.from_env())  # this rank's entry point: its case's environment
+        # this rank's entry point: its case's environment (and the spec's capture_hops)
+        options.install(options.from_env().replace(capture_hops=spec.capture_hops))
         dist.init_process_group("gloo", store=dist.PrefixStore("pg/", store), rank=rank,
                                 world_size=spec.world, timeout=timeout)  # fmt: skip
         group = dist.new_group(list(spec.group_ranks), timeout=timeout)
@@ -380,6 +385,7 @@ def row_of(spec: Spec, outdir: str, *, hung: list[int] | None = None, note: str 
             if spec.schedule != "auto"
             else {}
         ),
+        **({"capture_hops": True} if spec.capture_hops else {}),
         **extra,
     }
 

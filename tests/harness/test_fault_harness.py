@@ -47,6 +47,13 @@ def _specs():
         # an EP group of global ranks [0, 2] (rank 1 a bystander): the error names global ranks
         Spec(case="mid_fwd", mode="token", world=3, ep=(0, 2), victim=2, timeout_s=TIMEOUT_S),
     ]
+    # the hops replayed from recorded bodies (capture_hops; on CPU the eager plumbing): a dead
+    # peer is named as without them, at a pass's first hop and inside one
+    specs += [
+        Spec(case="before_cached", mode="expert", world=2, timeout_s=TIMEOUT_S, capture_hops=True),
+        Spec(case="mid_fwd", mode="token", world=2, timeout_s=TIMEOUT_S, capture_hops=True),
+        Spec(case="mid_bwd", mode="expert", world=2, timeout_s=TIMEOUT_S, capture_hops=True),
+    ]
     # node-batched rounds: the victim dies in a row exchange (the node's all-gather forward, its
     # reduce-scatter backward) or in the column ring (one GPU a node), or stalls
     nb = dict(mode="expert", schedule="node_batched", timeout_s=TIMEOUT_S)
