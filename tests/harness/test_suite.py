@@ -58,9 +58,10 @@ def test_plan_on_two_gpus_quick(tmp_path):
         assert "RELAYMOE_AUTOTUNE" not in planned[n].env, n
     phases = [p.step.phase for p in planned.values()]
     assert phases == sorted(phases)
-    # the issue-#17 GPU steps fill a call each: --full only
+    # the issue-#17 GPU steps fill a call each, and the longer GPU tests: --full only
     full_only = {s.name for s in suite.STEPS if s.full_only}
-    assert full_only == {"fault_nccl", "host_wait", "determinism", "soak", "e2e_pp"}
+    assert full_only == {"fault_nccl", "host_wait", "determinism", "soak", "e2e_pp",
+                         "gpu_tests_more"}  # fmt: skip
     assert not full_only & set(planned)
     text = suite.describe(list(planned.values()), deadline_s=540)
     assert "deadline 540 s" in text and "SKIP (needs 3 GPUs, found 2)" in text
@@ -372,3 +373,12 @@ def test_tree_state_prefers_the_stated_commit_over_a_stale_git(tmp_path, monkeyp
     assert suite.tree_state(tmp_path)[:3] == ("06a6893c75f0", False, "git")
     monkeypatch.delenv("RELAYMOE_COMMIT")
     assert suite.tree_state(tmp_path)[:2] == ("06a6893c75f0", False)
+
+
+def test_every_gpu_test_file_runs_in_some_step():
+    """No GPU test file is left to ad hoc commands: each is an argument of a suite step."""
+    args = {a for s in suite.STEPS for a in s.args}
+    files = sorted(
+        p.relative_to(ROOT).as_posix() for p in (ROOT / "tests" / "gpu").glob("test_*.py")
+    )
+    assert files and [f for f in files if f not in args] == []
