@@ -6,6 +6,7 @@ Shape legend as in ``engine.py``.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -106,22 +107,9 @@ def token_layouts(prob: RingProblem, backward: bool) -> dict:
     ``prob.tokens[p]`` tokens). Each layout is built once per token count and returned again
     after: the pass asks for them every hop, and the executor keys its views by them."""
     Ts = prob.tokens
-    leads: dict[int, Layout] = {}
-    trails: dict[int, Layout] = {}
-
-    def lead(p: int) -> Layout:
-        lay = leads.get(Ts[p])
-        if lay is None:
-            lay = leads[Ts[p]] = token_lead(prob, Ts[p], backward)
-        return lay
-
-    def trail(p: int) -> Layout:
-        lay = trails.get(Ts[p])
-        if lay is None:
-            lay = trails[Ts[p]] = token_trail(prob, Ts[p], backward)
-        return lay
-
-    return {"lead_layout": lead, "trail_layout": trail}
+    lead = functools.cache(lambda T: token_lead(prob, T, backward))
+    trail = functools.cache(lambda T: token_trail(prob, T, backward))
+    return {"lead_layout": lambda p: lead(Ts[p]), "trail_layout": lambda p: trail(Ts[p])}
 
 
 def token_plans(prob: RingProblem) -> tuple[RingPlan, RingPlan]:
