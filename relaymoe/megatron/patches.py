@@ -245,24 +245,44 @@ def apply_recompute_plan(args) -> dict:
 def patch_checkpoint_loading() -> None:
     """``_load_base_checkpoint``: when the common state Megatron reads first (``rank0=True``,
     every rank) carries the saving run's arguments, refuse a layer-spec mismatch by name
-    (``relaymoe/megatron/checkpoint_compat.py``) before any tensor is loaded."""
+    (``relaymoe/megatron/checkpoint_compat.py``) before any tensor is loaded; and when those
+    arguments mark a ``relaymoe convert-hf`` checkpoint, leave the TE ``_extra_state`` objects
+    it lacks out of the load that follows from the same folder (every rank decides alike, from
+    the checkpoint's own metadata)."""
+    import os
+
     from megatron.training import checkpointing
 
     original = checkpointing._load_base_checkpoint
     if getattr(original, MARK, False):
         return
+    converted: set[str] = set()  # folders whose saved arguments mark a convert-hf checkpoint
 
     @functools.wraps(original)
     def _load_base_checkpoint(load_dir, args, *a, **kw):
-        result = original(load_dir, args, *a, **kw)
+        from relaymoe.megatron import checkpoint_compat as cc
+
         rank0 = kw.get("rank0", a[0] if a else False)
+        where = os.path.realpath(load_dir) if load_dir is not None else None
+        sharded = kw.get("sharded_state_dict")
+        release = os.path.join(load_dir, "release") if where in converted else None
+        if not rank0 and release and os.path.isdir(release) and isinstance(sharded, dict):
+            from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+
+            saved = load_sharded_metadata(release)  # convert-hf writes a release checkpoint
+            dropped = cc.drop_absent_extra_state(sharded, saved)
+            if dropped and getattr(args, "rank", 0) == 0:
+                print(f"[relaymoe] {load_dir} was written by relaymoe convert-hf, which writes "
+                      f"no TransformerEngine fp8 state: {len(dropped)} _extra_state object(s) "
+                      "keep their fresh values", flush=True)  # fmt: skip
+        result = original(load_dir, args, *a, **kw)
         state = result[0] if isinstance(result, tuple) and result else None
         if rank0 and isinstance(state, dict) and state.get("args") is not None:
-            from relaymoe.megatron.checkpoint_compat import impl_mismatch
-
-            why = impl_mismatch(state["args"], args)
+            why = cc.impl_mismatch(state["args"], args)
             if why is not None:
                 raise ValueError(f"cannot load the checkpoint in {load_dir}: {why}")
+            if cc.converted_by_relaymoe(state["args"]) and where is not None:
+                converted.add(where)
         return result
 
     checkpointing._load_base_checkpoint = _mark(_load_base_checkpoint, original)

@@ -304,8 +304,12 @@ def test_default_writes_the_transformer_engine_keys(converted):
         assert torch.equal(te[renamed.get(k, k)], v), k
     from megatron.core.dist_checkpointing.serialization import load_common_state_dict
 
+    from relaymoe.megatron.checkpoint_compat import converted_by_relaymoe
+
     for ckpt, impl in ((te_ckpt, "transformer_engine"), (local_ckpt, "local")):
-        assert load_common_state_dict(ckpt / "release")["args"].transformer_impl == impl
+        saved = load_common_state_dict(ckpt / "release")["args"]
+        assert saved.transformer_impl == impl
+        assert converted_by_relaymoe(saved)  # what lets a TE load leave its _extra_state fresh
 
 
 def test_qwen3_30b_config_matches_the_shipped_config():

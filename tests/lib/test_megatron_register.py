@@ -533,3 +533,82 @@ def test_checkpoint_load_refuses_other_impl_before_any_tensor(mcore, monkeypatch
     assert calls == [True, True, False, True]
     patches.patch_checkpoint_loading()  # idempotent
     assert checkpointing._load_base_checkpoint is wrapped
+
+
+def _te_like_state(prefix: str = "decoder."):
+    """A model's sharded state as a TE model builds it: tensors and ``_extra_state`` objects."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    w = ShardedTensor.from_rank_offsets(prefix + "final_layernorm.weight", torch.ones(4))
+    qkv = ShardedTensor.from_rank_offsets(prefix + "layers.linear_qkv.weight", torch.ones(2, 4))
+    return {
+        "model": {
+            "decoder.final_layernorm.weight": w,
+            "decoder.final_layernorm._extra_state": ShardedObject(
+                prefix + "final_layernorm._extra_state", torch.empty(0), (1,), (0,)),
+            "decoder.layers.0.linear_qkv.weight": qkv,
+            "decoder.layers.0.linear_qkv._extra_state": ShardedObject(
+                prefix + "layers.linear_qkv._extra_state", torch.empty(0), (2,), (0,)),
+            "decoder.layers.0.core_attention": {"_extra_state": ShardedObject(
+                prefix + "layers.core_attention._extra_state", None, (2,), (0,))},
+        },
+        "optimizer": {"_extra_state": "not a model entry"},
+    }  # fmt: skip
+
+
+def test_absent_extra_state_is_left_out_and_nothing_else(mcore):
+    """Of a TE model's sharded state, exactly the ``_extra_state`` objects the checkpoint lacks
+    leave the load; tensors (present or not), extra state the checkpoint has, and the other
+    top-level parts stay."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    from relaymoe.megatron.checkpoint_compat import drop_absent_extra_state
+
+    sd = _te_like_state()
+    saved = {"decoder.final_layernorm.weight", "decoder.layers.core_attention._extra_state"}
+    dropped = drop_absent_extra_state(sd, saved)
+    assert dropped == ["decoder.final_layernorm._extra_state",
+                       "decoder.layers.linear_qkv._extra_state"]  # fmt: skip
+    left = sorted(x.key for x in nested_values(sd["model"]))
+    assert left == ["decoder.final_layernorm.weight", "decoder.layers.core_attention._extra_state",
+                    "decoder.layers.linear_qkv.weight"]  # fmt: skip
+    assert sd["optimizer"] == {"_extra_state": "not a model entry"}
+    assert drop_absent_extra_state(sd, saved) == []  # nothing left to drop
+
+
+def test_converted_checkpoint_loads_without_its_absent_extra_state(mcore, monkeypatch, tmp_path):
+    """After the common state of a convert-hf checkpoint (its saved arguments marked) is read,
+    the full load from that folder gets the model's sharded state without the TE extra state
+    the checkpoint lacks; a checkpoint not marked, or a load from another folder, is untouched."""
+    from megatron.core.dist_checkpointing import serialization
+    from megatron.training import checkpointing
+
+    from relaymoe.megatron import patches
+    from relaymoe.megatron.checkpoint_compat import CONVERTED_MARK
+
+    ck, other = tmp_path / "ck", tmp_path / "other"
+    for d in (ck, other):
+        (d / "release").mkdir(parents=True)
+    marked = types.SimpleNamespace(num_experts=4, transformer_impl="transformer_engine",
+                                   **{CONVERTED_MARK: True})  # fmt: skip
+    plain = types.SimpleNamespace(num_experts=4, transformer_impl="transformer_engine")
+    seen = {}
+
+    def fake_load(load_dir, args, rank0=False, sharded_state_dict=None, **kw):
+        if not rank0:
+            seen[load_dir] = sorted(sharded_state_dict["model"])
+        return {"args": marked if load_dir == str(ck) else plain}, "name", True, "global"
+
+    monkeypatch.setattr(checkpointing, "_load_base_checkpoint", fake_load)
+    monkeypatch.setattr(serialization, "load_sharded_metadata",
+                        lambda d: {"decoder.final_layernorm.weight": None})  # fmt: skip
+    patches.patch_checkpoint_loading()
+    wrapped = checkpointing._load_base_checkpoint
+    args = types.SimpleNamespace(num_experts=4, transformer_impl="transformer_engine", rank=0)
+    full = sorted(_te_like_state()["model"])
+    for d in (ck, other):
+        wrapped(str(d), args, rank0=True)
+        wrapped(str(d), args, rank0=False, sharded_state_dict=_te_like_state())
+    assert seen[str(other)] == full  # not marked: the load is Megatron's own
+    assert seen[str(ck)] == ["decoder.final_layernorm.weight",
+                             "decoder.layers.0.linear_qkv.weight"], seen  # fmt: skip

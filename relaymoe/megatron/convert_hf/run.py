@@ -157,12 +157,17 @@ def _write_as(model, args, transformer_impl: str) -> None:
     ``pre_mlp_layernorm.`` in MoE layers, whose grouped experts cannot fuse it. Dropping that
     one entry of an MoE layer's key map writes the TE spec's key. The saved arguments name the
     implementation, so that a resume with the other one is refused by name
-    (``checkpoint_compat.impl_mismatch``)."""
+    (``checkpoint_compat.impl_mismatch``), and mark the conversion: the local layers write no TE
+    ``_extra_state``, which a TE model's load then leaves at its fresh values
+    (``checkpoint_compat.drop_absent_extra_state``)."""
     import dataclasses
 
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
+    from relaymoe.megatron.checkpoint_compat import CONVERTED_MARK
+
     args.transformer_impl = transformer_impl
+    setattr(args, CONVERTED_MARK, True)  # no TE _extra_state here: a TE load leaves it fresh
     if transformer_impl == "local":
         return
     for layer in model.decoder.layers:
