@@ -236,10 +236,10 @@ class RingOptions:
         "replay it (this rank's: it changes how a hop is issued, not which collectives run)",
         help="experimental, not yet measured through the library: record each ring hop's "
         "expert compute once per hop shape in a CUDA graph and replay it with the step's "
-        "tokens, weights and routing copied into static buffers (less host time per hop at "
-        "small token counts, but one copy of the visiting weights per hop on the GPU; needs "
-        "trusted ring calls with pair buffers sized from the bound and the Triton backend, "
-        "else the hops run eagerly, logged once)",
+        "tokens and routing copied into static buffers and the weights and their gradients "
+        "read in place at their addresses (less host time per hop at small token counts; "
+        "needs trusted ring calls with pair buffers sized from the bound and the Triton "
+        "backend, else the hops run eagerly, logged once)",
     )  # fmt: skip
     host_wait: str = _opt(
         "lag", HOST_WAIT_CHOICES, env="RELAYMOE_RING_HOST_WAIT", flag="--relaymoe-host-wait",

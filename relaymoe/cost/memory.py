@@ -76,22 +76,27 @@ def captured_hop_bytes(mode: str, d: Dims, *, training: bool = True) -> int:
     buffer per name, shape and dtype, whatever the hop's expert range, forward and backward
     alike), so counted once per GPU, beside the layers' peaks. 0 for alltoall mode (no hops).
 
-    Forward: the tokens ``x`` and ``out`` (``T*H*b`` each), the probabilities ``T*K*pb``, the
-    routing index (``ROUTING_INDEX_BYTES_PER_PAIR`` a pair and the ``E+1`` int64 offsets), a
-    partition's experts ``W*b``; token mode also the visiting ids ``T*K*INDEX_BYTES``. Backward
-    adds ``dy`` and ``dx``, ``dprobs`` and the weight-gradient accumulators ``W*gb``.
-    Not counted: the graphs' shared memory pool (at least one hop's intermediates, its pair
-    buffers sized from the bound ``T*min(K, El)``, held while the cache lives instead of freed
-    after each hop) and what a body returns from it (token mode's routing index of a visiting
-    partition, the first hop's weight gradients), whose size the allocator decides."""
+    Only the copied tensors have one: forward the tokens ``x`` and ``out`` (``T*H*b`` each) and
+    the probabilities ``T*K*pb``; backward adds ``dy`` and ``dx`` and ``dprobs``. The routing
+    index (``ROUTING_INDEX_BYTES_PER_PAIR`` a pair and the ``E+1`` int64 offsets) is an input of
+    expert mode's forward and backward and of token mode's backward (its forward builds it in the
+    hop); token mode's forward also copies the visiting ids ``T*K*INDEX_BYTES``.
+    Not counted: the experts' weights and biases and their gradient accumulators, which are
+    bound by address (no buffer, unless a hop's addresses exceed the cache's variant cap and it
+    falls back to copies); the graphs' shared memory pool (at least one hop's intermediates, its
+    pair buffers sized from the bound ``T*min(K, El)``, held while the cache lives instead of
+    freed after each hop) and what a body returns from it (token mode's routing index of a
+    visiting partition), whose size the allocator decides."""
     _check_mode(mode)
     if mode not in RING_MODES:
         return 0
     THb, TKp = d.T * d.H * d.b, d.T * d.K * d.pb
     index = ROUTING_INDEX_BYTES_PER_PAIR * d.P + 8 * (d.E + 1)
-    ids = d.T * d.K * INDEX_BYTES if mode == "token" else 0
-    fwd = 2 * THb + TKp + index + d.W * d.b + ids
-    return fwd + (2 * THb + TKp + d.W * d.gb if training else 0)
+    if mode == "expert":
+        fwd, bwd = 2 * THb + TKp + index, 2 * THb + TKp
+    else:
+        fwd, bwd = 2 * THb + TKp + d.T * d.K * INDEX_BYTES, 2 * THb + TKp + index
+    return fwd + (bwd if training else 0)
 
 
 @dataclass(frozen=True)

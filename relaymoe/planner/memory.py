@@ -387,8 +387,9 @@ def symmetric_workspace_bytes(sh: Shapes, mode: str, transport: str) -> int:
 
 def captured_hop_bytes(sh: Shapes, mode: str) -> int:
     """The static buffers of the recorded hop bodies (``--relaymoe-capture-hops``) on one GPU:
-    shared by all layers, once per GPU (``cost.captured_hop_bytes``: the graphs' pool is not
-    counted)."""
+    shared by all layers, once per GPU (``cost.captured_hop_bytes``: the tokens, probabilities
+    and routing arrays a hop copies; not the weights or their gradients, bound by address, nor
+    the graphs' pool)."""
     return cost.captured_hop_bytes(mode, sh.dims())
 
 

@@ -1,22 +1,41 @@
-"""A cache of captured hop bodies: one recorded hop compute per key, replayed on static buffers.
+"""A cache of captured hop bodies: one recorded hop compute per key, replayed on fixed addresses.
 
 At small T the ring is host-bound: issuing a hop's kernels takes the host about as long as the
 GPU takes to run them. With ``RingOptions.capture_hops`` a hop's compute (the hop primitive call
 of ``expert_mode``/``token_mode``, token forward's routing-index build included) is recorded
-once per key into a ``torch.cuda.CUDAGraph`` and replayed, so a hop costs the host a few copies
-and one graph launch.
+once per key into a ``torch.cuda.CUDAGraph`` and replayed, so a hop costs the host a few small
+copies and one graph launch.
 
-What a replay reads and writes (:meth:`HopGraphs.run`):
+A graph keeps the addresses its kernels read and write. Each tensor of a hop reaches them one
+of two ways (:meth:`HopGraphs.run`):
 
-* ``inputs``: copied into the cache's static buffers before every replay (the hop's tokens,
-  weights, probabilities and the routing index's arrays). Routing changes every step: its
-  arrays are inputs like any other, never baked into the graph.
-* ``inouts``: the accumulators a hop adds into (``out``, ``dx``, ``dprobs``, the weight
-  gradients): copied in before the replay and back after it, so the kernels add into the same
-  values as the eager call does (bitwise the same sums).
-* what the body returns (``produced``): tensors it allocates (token forward's routing index,
-  the first weight gradients of token backward); they live in the graph's memory pool and are
-  cloned out after every replay.
+* **copied**: the small per-step tensors (the tokens ``x``/``dy``, the probabilities, the
+  routing index's arrays, token mode's visiting ids, the accumulators ``out``/``dx``/
+  ``dprobs``). Inputs are copied into cache-owned static buffers before every replay, in-outs
+  in before and back after it, so the kernels add into the same values as the eager call does
+  (bitwise the same sums). Routing changes every step: its arrays are inputs like any other,
+  never baked into the graph.
+* **bound** (:data:`BOUND`): the large, address-stable ones: the experts' weights and biases
+  (expert mode the visiting slot's views or the local experts, token mode the local experts) and
+  the weight-gradient accumulators (expert mode's trail, token mode's local ones). The body gets
+  the live tensor itself: no static buffer, no copy (at qwen3 widths, EP 2, the copies were about
+  600 MB a hop). The entry's key holds each bound tensor's address and layout
+  ``(data_ptr, shape, stride, dtype, device)``, so a replay runs only where the call's tensors sit
+  where the recorded ones sat, and then reads and writes them there: correct by construction (a
+  weight updated in place between steps is read as it is now). The cache keeps no bound tensor
+  alive (a graph holds addresses, not tensors; :class:`EagerReplay` keeps its record-time dict,
+  which is the CPU's stand-in for addresses baked in at record time).
+
+Bound addresses (slot buffers, transient stacks, fresh accumulators) usually recur step to step
+(the caching allocator), but nothing guarantees it: at most ``max_variants`` entries of one key
+differ only in their bound addresses. A call past that copies its bound tensors into static
+buffers like the rest (one copied entry per key, correct but paying the copies; logged once per
+mode, direction and names). Entries are never evicted or re-recorded.
+
+What the body returns (``produced``): tensors it allocates (token forward's routing index); they
+live in the graph's memory pool and are cloned out after every replay. Token backward's
+weight-gradient accumulators under capture start as zeros that every hop adds into (bound
+in-outs), so nothing of that size is returned or cloned.
 
 Static buffers are owned by the cache, one per (name, shape, dtype, device), and shared by every
 entry that names one alike (expert mode's hops of different expert ranges, forward and
@@ -25,15 +44,21 @@ Every graph of a device shares one memory pool: nothing a replay leaves in the p
 clone that follows it.
 
 A key is the caller's (mode, direction, expert range, pair bound, backend, kernel options,
-activation, ...) plus the name, shape and dtype of every input and in-out: a hop of another
-shape (a token partition of another T) builds its own entry, one of the same shape reuses it.
+activation, ...) plus the name, shape and dtype of every copied tensor and the address and
+layout of every bound one: a hop of another shape (a token partition of another T) builds its
+own entry, one of the same shape at the same addresses reuses it.
+
+Recording: the body runs ``warmup`` times before the capture (kernels compiled and tuned, the
+allocator primed). Those runs add into the in-outs: the copied ones are copied in again after
+the recording, the bound ones are snapshot before it and restored after, so the replay that
+follows adds exactly once.
 
 What refuses capture (:func:`refusal`; the call then runs eagerly, named in one log line): exact
 pair counts (``RingProblem.pairs``, an untrusted call or pair buffers above the budget: host
 integers from this step's routing, which a graph would keep) and, on CUDA, the torch backend
 (it reads each expert's offsets on the host). Without CUDA the cache runs the same plumbing
-with :class:`EagerReplay` (the body called on the static buffers, no graph), which is what the
-CPU tests exercise.
+with :class:`EagerReplay` (the body called on the record-time tensors, no graph), which is what
+the CPU tests exercise.
 """
 
 from __future__ import annotations
@@ -49,6 +74,7 @@ from relaymoe.experts import resolve_backend
 from relaymoe.routing import RoutingIndex
 
 __all__ = [
+    "BOUND",
     "CudaGraphReplay",
     "EagerReplay",
     "HopGraphs",
@@ -66,21 +92,33 @@ Body = Callable[[dict[str, Tensor]], dict[str, Tensor] | None]
 Replay = Callable[[], dict[str, Tensor]]
 INDEX_FIELDS = ("expert_token_indices", "expert_token_offsets", "token_expert_indices",
                 "token_index_map")  # fmt: skip
+# The names a ring hop binds by address (see the module doc): the experts' weights and biases,
+# and their gradient accumulators. Every other tensor of a hop is copied.
+BOUND = frozenset({"w13", "w2", "b13", "b2", "dw13", "dw2", "db13", "db2"})
 
 
 class EagerReplay:
-    """Records nothing: a replay calls the body on the static buffers (CPU, no CUDA)."""
+    """Records nothing: the body runs ``warmup`` times at record (as :class:`CudaGraphReplay`'s
+    warm-up does, so the CPU exercises what the cache does about it) and a replay calls it again
+    on the record-time dict: its static buffers and the bound tensors it was recorded with,
+    which it keeps (on CPU, the stand-in for addresses baked into a graph)."""
 
     name = "eager"
 
+    def __init__(self, warmup: int = 1):
+        self.warmup = warmup
+
     def record(self, body: Body, static: dict[str, Tensor], device: torch.device) -> Replay:
+        for _ in range(self.warmup):
+            body(static)
         return lambda: body(static) or {}
 
 
 class CudaGraphReplay:
     """Records the body into a ``torch.cuda.CUDAGraph`` after ``warmup`` eager runs on a side
     stream (kernels compiled and tuned, the allocator primed); a replay launches the graph on
-    the current stream. One memory pool per device for all its graphs."""
+    the current stream. One memory pool per device for all its graphs. The replay holds the
+    graph and what the body returned, not ``static`` (a bound tensor stays the caller's)."""
 
     name = "cuda_graph"
 
@@ -110,16 +148,29 @@ class CudaGraphReplay:
         return replay
 
 
-class HopGraphs:
-    """The recorded hop bodies of one device and their static buffers (see the module doc)."""
+def _layout(t: Tensor) -> tuple:
+    return tuple(t.shape), t.stride(), t.dtype, t.device
 
-    def __init__(self, backend: EagerReplay | CudaGraphReplay):
+
+class HopGraphs:
+    """The recorded hop bodies of one device and their static buffers (see the module doc).
+
+    ``entries``: the replays by full key; ``variants``: how many entries of bound addresses each
+    key (the caller's, with every tensor's name and layout) has recorded, at most
+    ``max_variants``."""
+
+    def __init__(self, backend: EagerReplay | CudaGraphReplay, max_variants: int = 4):
+        if max_variants < 0:
+            raise ValueError(f"HopGraphs: max_variants must be >= 0, got {max_variants}")
         self.backend = backend
+        self.max_variants = max_variants
         self.entries: dict[tuple, Replay] = {}
+        self.variants: dict[tuple, int] = {}
         self.buffers: dict[tuple, Tensor] = {}
 
     def static_bytes(self) -> int:
-        """Bytes of the static buffers held (the graphs' pool not included)."""
+        """Bytes of the static buffers held: the copied tensors' (a bound tensor has one only
+        once a call past ``max_variants`` copied it); the graphs' pool not included."""
         return sum(t.numel() * t.element_size() for t in self.buffers.values())
 
     def _buffer(self, name: str, like: Tensor) -> Tensor:
@@ -130,10 +181,13 @@ class HopGraphs:
         return buf
 
     def run(self, key: tuple, body: Body, inputs: dict[str, Tensor],
-            inouts: dict[str, Tensor] | None = None) -> dict[str, Tensor]:  # fmt: skip
+            inouts: dict[str, Tensor] | None = None,
+            bound: frozenset[str] | tuple[str, ...] = ()) -> dict[str, Tensor]:  # fmt: skip
         """Run ``body`` (reads ``inputs``, adds into ``inouts``, by name, from the dict it is
         given; returns what it allocates) for this call's tensors through the entry of ``key``
-        (recorded on first use). Returns clones of what the body returned."""
+        (recorded on first use). The names in ``bound`` (those present) reach the body as the
+        live tensors, keyed by address; the others through static buffers (module doc).
+        Returns clones of what the body returned."""
         inouts = inouts or {}
         live = {**inputs, **inouts}
         if len(live) != len(inputs) + len(inouts):
@@ -141,20 +195,51 @@ class HopGraphs:
                 f"HopGraphs.run: {sorted(set(inputs) & set(inouts))} are both inputs and "
                 "inouts; name each tensor once"
             )
-        full = (key, tuple((n, tuple(t.shape), t.dtype, t.device) for n, t in live.items()))
-        static = {n: self._buffer(n, t) for n, t in live.items()}
-        for n, t in live.items():
-            static[n].copy_(t)
+        tied = [n for n in live if n in bound]
+        copied = [n for n in live if n not in bound]
+        shapes = tuple((n, tuple(live[n].shape), live[n].dtype, live[n].device) for n in copied)
+        base = (key, shapes, tuple((n, *_layout(live[n])) for n in tied))
+        full = (base, tuple(live[n].data_ptr() for n in tied))
         replay = self.entries.get(full)
+        if replay is None and tied and self.variants.get(base, 0) >= self.max_variants:
+            _log_once(
+                f"relaymoe capture_hops: the {' '.join(map(str, key[:2]))} hop's {sorted(tied)} "
+                f"came at more than max_variants={self.max_variants} sets of addresses; a call "
+                "at unrecorded ones copies them into static buffers (a copied entry: correct, "
+                "but it pays their copies)"
+            )
+            copied, tied = list(live), []
+            shapes = tuple((n, tuple(t.shape), t.dtype, t.device) for n, t in live.items())
+            full = ((key, shapes, ()), ())  # the entry of a call that binds nothing
+            replay = self.entries.get(full)
+        static = {n: live[n] for n in tied}
+        static.update((n, self._buffer(n, live[n])) for n in copied)
+        for n in copied:
+            static[n].copy_(live[n])
         if replay is None:
-            device = next(iter(live.values())).device
-            replay = self.entries[full] = self.backend.record(body, static, device)
-            for n, t in inouts.items():  # the warm-up runs added into them
-                static[n].copy_(t)
+            replay = self._record(full, body, static, {n: inouts[n] for n in tied if n in inouts})
+            for n in copied:  # the warm-up runs added into the copied in-outs
+                if n in inouts:
+                    static[n].copy_(inouts[n])
+            if tied:
+                self.variants[base] = self.variants.get(base, 0) + 1
         produced = replay()
-        for n, t in inouts.items():
-            t.copy_(static[n])
+        for n in copied:
+            if n in inouts:
+                inouts[n].copy_(static[n])
         return {n: t.clone() for n, t in produced.items()}
+
+    def _record(self, full: tuple, body: Body, static: dict[str, Tensor],
+                bound_inouts: dict[str, Tensor]) -> Replay:  # fmt: skip
+        """Record the entry ``full``. The warm-up runs add into the bound in-outs, the caller's
+        live accumulators: they are restored from a snapshot after the recording."""
+        warm = getattr(self.backend, "warmup", 1)
+        snapshot = {n: t.clone() for n, t in bound_inouts.items()} if warm else {}
+        device = next(iter(static.values())).device
+        replay = self.entries[full] = self.backend.record(body, static, device)
+        for n, t in snapshot.items():
+            bound_inouts[n].copy_(t)
+        return replay
 
 
 def index_inputs(index: RoutingIndex, prefix: str = "index.") -> dict[str, Tensor]:
@@ -198,10 +283,11 @@ def refusal(prob, backend: str, device: torch.device) -> str | None:
 def run_hop(graphs: HopGraphs | None, key: tuple, body: Body, inputs: dict[str, Tensor],
             inouts: dict[str, Tensor] | None = None) -> dict[str, Tensor]:  # fmt: skip
     """``body`` on the live tensors (``graphs`` None: capture off or refused), else through the
-    cache (:meth:`HopGraphs.run`); returns what the body returned."""
+    cache (:meth:`HopGraphs.run`, the names of :data:`BOUND` bound by address); returns what the
+    body returned."""
     if graphs is None:
         return body({**inputs, **(inouts or {})}) or {}
-    return graphs.run(key, body, inputs, inouts)
+    return graphs.run(key, body, inputs, inouts, BOUND)
 
 
 _CACHES: dict[tuple[str, torch.device], HopGraphs] = {}
@@ -223,7 +309,7 @@ def graphs_for(prob, backend: str, device: torch.device) -> HopGraphs | None:
         return None
     kind = CudaGraphReplay
     if device.type != "cuda" or not torch.cuda.is_available():
-        _log_once("relaymoe capture_hops: no CUDA device; hops replay eagerly on static buffers")
+        _log_once("relaymoe capture_hops: no CUDA device; hops replay eagerly through the cache")
         kind = EagerReplay
     key = (kind.name, device)
     cache = _CACHES.get(key)

@@ -82,18 +82,20 @@ def token_backward(prob, group, how, overlap, dy, x, experts, probs, indices, or
     Ts, own = prob.tokens, prob.expert_range
     local = local_parts(experts, order)  # again for this pass only
     w13, w2 = local["w13"], local["w2"]
-    # the first hop with pairs writes the local weight gradients, later hops add (no zero fill);
-    # accumulators wider than the weights start as zeros that every hop adds to. The bias
-    # gradients are added into (the hop primitives' contract): zeros from the start.
+    graphs = hop_graphs_of(prob, how, x.device)
+    # Eager, the first hop with pairs writes the local weight gradients and later hops add (no
+    # zero fill). Accumulators wider than the weights start as zeros that every hop adds to, and
+    # so do recorded hops' (bound in-outs, added into at their address: nothing of their size is
+    # returned from the graphs' pool and cloned; 0 + a == a, so the sums are the eager ones).
+    # The bias gradients are added into (the hop primitives' contract): zeros from the start.
     dw: dict[str, Tensor | None] = {"dw13": None, "dw2": None}
-    if prob.accum_dtype != prob.dtype:
+    if prob.accum_dtype != prob.dtype or graphs is not None:
         dw = {"dw13": torch.zeros_like(w13, dtype=prob.accum_dtype),
               "dw2": torch.zeros_like(w2, dtype=prob.accum_dtype)}  # fmt: skip
     for name in ("b13", "b2"):
         if local[name] is not None:
             dw["d" + name] = torch.zeros_like(local[name], dtype=prob.accum_dtype)
 
-    graphs = hop_graphs_of(prob, how, x.device)
     weights = present(local)
 
     def compute(hop, part, lead, trail):
@@ -106,7 +108,7 @@ def token_backward(prob, group, how, overlap, dy, x, experts, probs, indices, or
         rows, first = pair_rows(prob, part, prob.rank), dw["dw13"] is None
         sizes = index_sizes(indices[part])
 
-        def body(t):  # the first hop's weight gradients are written, not added: returned
+        def body(t):  # eager, the first hop's weight gradients are written, not added: returned
             _, _, dw13, dw2 = expert_hop_backward(
                 t["dy"], t["x"], t["w13"], t["w2"], t["probs"], index_from(t, sizes),
                 expert_range=own, saved_h=None, dx_TH=t["dx"], dprobs_TK=t["dprobs"],

@@ -1,6 +1,8 @@
 """Recorded hop bodies on one GPU (relaymoe/ring/hop_graphs.py, ``RingOptions.capture_hops``):
 the replayed ring equals the eager one bitwise, forward and backward, expert and token mode, for
-two steps of different routing through the same graphs, and a replayed step adds no host sync.
+two steps of different routing through the same hops; weights updated in place between two
+replayed steps are read at their address (bitwise eager again); the cache's static buffers hold
+no weights or weight gradients (bound by address); and a replayed step adds no host sync.
 
 World of one (no process group), qwen3-like widths (H 2048, I 768, K 8, SwiGLU, bf16) at small
 T, the Triton backend, trusted calls (pair buffers from the bound).
@@ -15,6 +17,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a G
 
 H, I, K, E = 2048, 768, 8, 16
 T = 256
+NAMES = ("out", "dx", "dprobs", "dw13", "dw2")
 
 
 def _inputs(seed: int, routing_seed: int):
@@ -30,12 +33,22 @@ def _inputs(seed: int, routing_seed: int):
     return x, w13, w2, idx, probs, dy
 
 
-def _step(mode, inputs, *, sync_check=False):
-    """One trusted forward + backward; returns (out, dx, dprobs, dw13, dw2)."""
+def _leaves(inputs):
+    """Fresh (x, w13, w2, probs) leaves of ``inputs``: a model's parameters when kept."""
+    x, w13, w2, _, probs, _ = inputs
+    return [t.detach().clone().requires_grad_() for t in (x, w13, w2, probs)]
+
+
+def _step(mode, inputs, *, leaves=None, sync_check=False):
+    """One trusted forward + backward; returns host copies of (out, dx, dprobs, dw13, dw2).
+    ``leaves``: the (x, w13, w2, probs) to compute with, kept by the caller (their gradients
+    are taken and reset, as an optimizer's ``zero_grad(set_to_none=True)``); default fresh
+    ones. Nothing of the step stays on the GPU, so the next step of the same shapes meets the
+    same caching-allocator state."""
     from relaymoe.ring import ring_moe
 
-    x, w13, w2, idx, probs, dy = inputs
-    leaves = [t.detach().clone().requires_grad_() for t in (x, w13, w2, probs)]
+    _, _, _, idx, _, dy = inputs
+    leaves = _leaves(inputs) if leaves is None else leaves
     if sync_check:
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
@@ -48,7 +61,9 @@ def _step(mode, inputs, *, sync_check=False):
             torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     xg, w13g, w2g, pg = (t.grad for t in leaves)
-    return out.detach(), xg, pg, w13g, w2g
+    for t in leaves:
+        t.grad = None
+    return tuple(t.detach().cpu() for t in (out, xg, pg, w13g, w2g))
 
 
 def _capture_on():
@@ -57,10 +72,35 @@ def _capture_on():
     return options.installed(options.defaults().replace(capture_hops=True))
 
 
-@pytest.mark.parametrize("mode", ["expert", "token"])
-def test_replayed_hops_equal_eager_bitwise_for_two_routings(mode):
+def _cache():
     from relaymoe.ring import hop_graphs
 
+    return hop_graphs.caches()[("cuda_graph", torch.device("cuda", 0))]
+
+
+def _steady(mode, inputs, leaves):
+    """Captured steps of ``leaves`` (results dropped) until one records no entry: every bound
+    tensor then sits where it sat the step before, so steps of the same shapes replay. Bounded:
+    each hop records at most ``max_variants`` entries of bound addresses and one copied entry.
+    Returns the cache."""
+    _step(mode, inputs, leaves=leaves)
+    cache = _cache()
+    n = len(cache.entries)
+    for _ in range(len(cache.variants) * cache.max_variants + 2):
+        _step(mode, inputs, leaves=leaves)
+        if len(cache.entries) == n:
+            return cache
+        n = len(cache.entries)
+    pytest.fail(f"{mode}: the recorded hops still grow ({n} entries)")
+
+
+def _same(want, have, what):
+    for name, a, b in zip(NAMES, want, have, strict=True):
+        assert torch.equal(a, b), f"{what}: {name} differs from eager"
+
+
+@pytest.mark.parametrize("mode", ["expert", "token"])
+def test_replayed_hops_equal_eager_bitwise_for_two_routings(mode):
     steps = [_inputs(0, 1), _inputs(0, 2)]  # same tokens and weights, another routing
     eager = [_step(mode, s) for s in steps]
     eager.append(_step(mode, steps[0]))
@@ -69,21 +109,72 @@ def test_replayed_hops_equal_eager_bitwise_for_two_routings(mode):
     assert not torch.equal(eager[0][0], eager[1][0])
     with _capture_on():
         got = [_step(mode, s) for s in steps]
-        cache = hop_graphs.caches()[("cuda_graph", torch.device("cuda", 0))]
-        n = len(cache.entries)
-        assert n >= 2  # a forward and a backward graph at least
+        cache = _cache()
+        hops = len(cache.variants)
+        assert hops == 2  # a forward and a backward hop (world of one)
         got.append(_step(mode, steps[0]))  # replayed again: the first routing once more
-        assert len(cache.entries) == n
-    names = ("out", "dx", "dprobs", "dw13", "dw2")
+        assert len(cache.variants) == hops  # no new hop (an entry per set of bound addresses)
     for step, (want, have) in enumerate(zip([eager[0], eager[1], eager[0]], got, strict=True)):
-        for name, a, b in zip(names, want, have, strict=True):
-            assert torch.equal(a, b), f"{mode} step {step}: {name} differs from eager"
+        _same(want, have, f"{mode} step {step}")
+
+
+@pytest.mark.parametrize("mode", ["expert", "token"])
+def test_weights_updated_in_place_between_replays_equal_eager(mode):
+    """An optimizer's step between two steps changes the weights in place (their address
+    unchanged): both steps replay recorded graphs, the second reads the new weights."""
+    first, second = _inputs(0, 5), _inputs(0, 6)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    deltas = [torch.randn(w.shape, generator=g, device="cuda").to(w.dtype) * 1e-2
+              for w in first[1:3]]  # fmt: skip
+
+    def update(leaves):
+        with torch.no_grad():
+            leaves[1].add_(deltas[0])
+            leaves[2].add_(deltas[1])
+
+    kept = _leaves(first)
+    want1 = _step(mode, first, leaves=kept)
+    update(kept)
+    want2 = _step(mode, second, leaves=kept)
+    assert not torch.equal(want1[0], want2[0])
+    with _capture_on():
+        kept = _leaves(first)
+        cache = _steady(mode, first, kept)
+        n = len(cache.entries)
+        ptrs = [t.data_ptr() for t in kept]
+        got1 = _step(mode, first, leaves=kept)
+        update(kept)
+        got2 = _step(mode, second, leaves=kept)
+        assert [t.data_ptr() for t in kept] == ptrs
+        assert len(cache.entries) == n  # both steps replayed: nothing recorded after the update
+    _same(want1, got1, f"{mode} before the update")
+    _same(want2, got2, f"{mode} after the in-place update")
+
+
+@pytest.mark.parametrize("mode", ["expert", "token"])
+def test_static_buffers_exclude_the_weights(mode):
+    """The cache copies the tokens, probabilities and routing arrays only: the weights and
+    their gradients are bound (no buffer), and its bytes are ``cost.captured_hop_bytes``."""
+    from relaymoe import cost
+    from relaymoe.ring.hop_graphs import BOUND
+
+    inputs = _inputs(0, 8)
+    with _capture_on():
+        cache = _steady(mode, inputs, _leaves(inputs))
+        names = {k[0] for k in cache.buffers}
+        assert not names & BOUND, sorted(names)
+        d = cost.Dims(T=T, H=H, I=I, El=E, K=K, R=1, b=2, pb=4)
+        assert cache.static_bytes() == cost.captured_hop_bytes(mode, d)
+        weights = inputs[1].nbytes + inputs[2].nbytes
+        assert cache.static_bytes() < weights // 10, (cache.static_bytes(), weights)
 
 
 @pytest.mark.parametrize("mode", ["expert", "token"])
 def test_replayed_step_adds_no_host_sync(mode):
     """``set_sync_debug_mode("error")`` around a step whose hops replay recorded graphs: the
-    eager step must pass it first (else the check says nothing about capture; skip then)."""
+    eager step must pass it first (else the check says nothing about capture; skip then). The
+    weights are kept across steps (a model's) and the recorded hops steady first, so the
+    checked step replays: a recording synchronises."""
     first, second = _inputs(0, 3), _inputs(0, 4)
     _step(mode, first)  # the trusted agreement of this signature (one host sync), cached
     try:
@@ -91,5 +182,6 @@ def test_replayed_step_adds_no_host_sync(mode):
     except RuntimeError as err:
         pytest.skip(f"the eager trusted step already syncs the host: {err}")
     with _capture_on():
-        _step(mode, first)  # records the graphs (recording itself synchronises)
-        _step(mode, second, sync_check=True)
+        kept = _leaves(first)
+        _steady(mode, first, kept)  # records the graphs (recording itself synchronises)
+        _step(mode, second, leaves=kept, sync_check=True)
