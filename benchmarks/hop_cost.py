@@ -2,9 +2,9 @@
 the GPU, so the gain of cheaper hops (CUDA graphs, fused prologues) is known before two GPUs are
 lent (issue #34 item 5).
 
-    python benchmarks/hop_cost.py [--quick] [--captured] [--out PATH.jsonl] [--dry-run]
-        [--ep 2 8 64] [--tokens 4096 8192 32768] [--modes expert token] [--passes 5]
-    python benchmarks/hop_cost.py --tiny [--backend torch]   # CPU, tiny widths (the tests)
+    python benchmarks/hop_cost.py [--quick] [--captured] [--library] [--out PATH.jsonl]
+        [--dry-run] [--ep 2 8 64] [--tokens 4096 8192 32768] [--modes expert token] [--passes 5]
+    python benchmarks/hop_cost.py --tiny [--library] [--backend torch]   # CPU (the tests)
 
 Rank 0 of an EP-rank ring, emulated in one process: the library's own passes
 (``expert_mode.expert_forward``/``expert_backward``, ``token_mode.token_forward``/
@@ -23,28 +23,43 @@ those values, which costs the same), in token mode the tokens of rank 0 (every r
 same tokens here, so every hop computes exactly its hop of that world). Routing: uniform random
 top-k over E, fixed seed. qwen3-30b-a3b widths (H 2048, I 768, E 128, K 8, SwiGLU, bf16).
 
-Rows (``bench: hop_cost``), one per (mode, direction, ep, tokens, captured):
+Rows (``bench: hop_cost``), one per (mode, direction, ep, tokens, capture_path);
+``capture_path`` tells the three kinds apart: ``"eager"`` (``captured: False``, the library's
+pass as it runs by default), ``"hop_graph"`` (``--captured``: one hop's compute in hop_cost's
+own CUDA graph) and ``"library"`` (``--library``: the library's pass with its own capture on,
+``RingOptions.capture_hops``). The eager row:
 
 * ``host_us_per_hop``: host time of one hop of the pass's loop (``executor.relay``'s per-hop
   range, timed with ``time.perf_counter``; the GPU never stalls the host here: no host sync
   inside a pass); ``host_us_per_pass``: the whole pass (set-up, plans, own-partition pack,
   trail return included).
 * ``gpu_us_per_hop``: GPU time (kernels, memcpy, memset) launched inside a hop's range, from
-  torch.profiler: device work linked (the profiler's correlation) to a host op that started
-  inside a hop's range (``gpu_attrib: "hop"``; ``"pass"`` when under half the device time is
-  linked to any op, ``gpu_linked_frac``: then the pass's total over its hops);
-  ``gpu_us_per_pass``: all of the pass's (the own-partition pack and the return included).
-* ``launches_per_hop``: kernel launches (runtime or driver API calls) inside a hop's range
-  (``memcpy_per_hop``/``memset_per_hop`` beside it); ``*_per_pass`` the pass's.
+  torch.profiler (``pass_fields``): device work linked (the profiler's correlation) to a host
+  op that started inside a hop's range (``gpu_attrib: "hop"``, ``gpu_linked_frac`` the share of
+  the device time linked; ``"pass"`` when under half is: then the pass's total over its hops;
+  ``pass_fields`` names the other links it tries first, for replayed graphs' kernels);
+  ``gpu_us_per_pass``: all of the pass's (the own-partition pack and the return included);
+  ``kernels_per_hop``: the device ops given to a hop.
+* ``launches_per_hop``: launches (kernel launch and graph launch runtime or driver calls)
+  inside a hop's range (``graph_launches_per_hop``, ``memcpy_per_hop``, ``memset_per_hop``
+  beside it); ``*_per_pass`` the pass's.
 * ``idle_frac``: ``1 - busy / span``: busy the union of the pass's device intervals (profiler),
   span the pass on the GPU from CUDA events recorded before it is issued and after (no profiler).
-* ``captured``: False for the pass above; True for one hop's compute (hop 1's, the hop
-  primitive call of the pass's compute, token forward's index build included) captured in a
-  ``torch.cuda.CUDAGraph`` with static inputs, outputs and pair buffers sized from the bound, and
-  replayed: ``host_us_per_hop`` the host time of one replay, ``gpu_us_per_hop`` its kernels,
-  ``launches_per_hop`` graph launches (``kernels_per_hop`` the kernels inside), ``idle_frac`` of
-  one replay; ``capture_error`` (and ``capture_error_at``, the innermost relaymoe frame) when the
-  hop cannot be captured, ``capture_max_abs_diff`` between replay and eager otherwise.
+
+The hop_graph row (``captured: True``): hop 1's compute (the hop primitive call of the pass's
+compute, token forward's index build included) captured in a ``torch.cuda.CUDAGraph`` with static
+inputs, outputs and pair buffers sized from the bound, and replayed: ``host_us_per_hop`` the host
+time of one replay, ``gpu_us_per_hop`` its kernels, ``launches_per_hop`` graph launches
+(``kernels_per_hop`` the kernels inside), ``idle_frac`` of one replay; ``capture_error`` (and
+``capture_error_at``, the innermost relaymoe frame) when the hop cannot be captured,
+``capture_max_abs_diff`` between replay and eager otherwise.
+
+The library row (``captured: True``): the whole pass as the eager row runs it, each hop's
+compute recorded and replayed by ``hop_graphs.py``'s cache, measured exactly as the eager row
+after a recording pass, with its outputs against the eager pass's (bitwise expected), what the
+cache holds, or ``capture_error`` where ``hop_graphs.refusal`` refuses (exact pair counts at
+T 32k, EP 2 and 8, under the default budget: ``--dry-run`` says what it would take); its fields
+are described in ``benchmarks/hop_library.py``.
 
 Not measured: the transfer and its issue (``batch_isend_irecv`` or the copy engines' pull and
 barrier), the slots' per-pass allocation (persistent here), the call-level work (agreement,
@@ -68,6 +83,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import hop_library  # noqa: E402
 from benchmarks.common import JsonlWriter, environment, print_table  # noqa: E402
 from benchmarks.profile_ring import busy_us  # noqa: E402
 from relaymoe.activation import SWIGLU  # noqa: E402
@@ -75,7 +91,7 @@ from relaymoe.cost import grad_accum_bytes  # noqa: E402
 from relaymoe.experts import expert_hop_backward, expert_hop_forward  # noqa: E402
 from relaymoe.kernels.select import kernel_options  # noqa: E402
 from relaymoe.options import defaults  # noqa: E402
-from relaymoe.ring import executor, passes  # noqa: E402
+from relaymoe.ring import executor, hop_graphs, passes  # noqa: E402
 from relaymoe.ring.agree import _bounded, _pairs_per_owner  # noqa: E402
 from relaymoe.ring.expert_mode import expert_backward, expert_forward  # noqa: E402
 from relaymoe.ring.passes import (  # noqa: E402
@@ -102,7 +118,10 @@ QUICK = dict(ep=[2, 64], tokens=[4096])
 TINY_GRID = dict(ep=[2, 4], tokens=[16])
 MODES = ("expert", "token")
 DIRECTIONS = ("fwd", "bwd")
+NOT_MEASURED = dict.fromkeys(("host_us_per_hop", "gpu_us_per_hop", "launches_per_hop", "idle_frac"))
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+GRAPH_LAUNCHES = ("cudaGraphLaunch", "cuGraphLaunch")
+RUNTIME_CALLS = LAUNCHES + GRAPH_LAUNCHES + ("cudaMemcpy", "cudaMemset", "cuMemcpy", "cuMemset")
 
 
 @dataclass(frozen=True)
@@ -164,9 +183,10 @@ def expert_slice(data: dict, case: Case, p: int) -> dict:
     return {"w13": data["w13"][s], "w2": data["w2"][s]}
 
 
-def problem(case: Case, data: dict) -> RingProblem:
+def problem(case: Case, data: dict | None) -> RingProblem:
     """Rank 0's agreed problem of an EP-rank ring (``agree.py``'s result for a trusted call):
-    pair buffers from the bound under ``pair_buffer_mib``, else the exact counts."""
+    pair buffers from the bound under ``pair_buffer_mib``, else the exact counts (``data``
+    None: the problem before that choice, pairs None, for the plan)."""
     R, dt = case.ep, case.dtype
     grad = torch.float32 if grad_accum_bytes("auto", R, dt) > dt.itemsize else dt
     prob = RingProblem(
@@ -175,7 +195,7 @@ def problem(case: Case, data: dict) -> RingProblem:
         transport="nccl", needs_grad=True, pairs=None, grad_dtype=grad,
         pair_buffer_mib=defaults().kernels.pair_buffer_mib, activation=SWIGLU,
     )  # fmt: skip
-    if _bounded(prob):
+    if data is None or _bounded(prob):
         return prob
     return replace(prob, pairs=pair_matrix(case, data))
 
@@ -207,14 +227,17 @@ class Emulated(Transport):
     deliver if the peers computed nothing themselves: the lead of the next partition (``leads[p]``,
     its bytes) and zeros for every arriving trail, and keeps each trail this rank sends
     (``trails[p]``: its own share of partition p's accumulator, i.e. that hop's output); the
-    final return brings back this rank's share of its own partition. ``prefill(slot)`` writes a
-    valid lead into slot 1 once (nothing arrives there when nothing moves). Slots persist."""
+    final return brings back this rank's share of its own partition. ``keep`` (no ``leads``):
+    the same for the trails alone, the slots' leads left as they are (what
+    ``hop_library.outputs`` compares). ``prefill(slot)`` writes a valid lead into slot 1 once
+    (nothing arrives there when nothing moves). Slots persist."""
 
     name = "emulated"
 
     def __init__(self, group, plan, *, prefill=None, leads: dict | None = None):
         self.group = group if group is not None else "emulated"
         self.plan, self.prefill, self.leads = plan, prefill, leads
+        self.keep = False  # (no leads) keep the trails as the check does: hop_library
         self.trails: dict[int, torch.Tensor] = {}
         self._slots: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -233,9 +256,9 @@ class Emulated(Transport):
         return self._slots
 
     def issue(self, xfer, sends, recvs):
-        if self.leads is None:
+        if self.leads is None and not self.keep:
             return []
-        h, plan = xfer.hop, self.plan
+        h, plan, R = xfer.hop, self.plan, self.plan.world_size
         lay = plan.slot_layout(h)
         if lay.trail_partition is not None and lay.trail_bytes:
             t0, t1 = lay.trail_offset, lay.trail_offset + lay.trail_bytes
@@ -243,13 +266,23 @@ class Emulated(Transport):
                 a, b = leg.range.start, leg.range.stop
                 if a <= t0 and t1 <= b:
                     self.trails[lay.trail_partition] = buf[t0 - a : t1 - a].clone()
+        nxt = plan.slot_layout(h + 1) if h < R else None  # where the arriving trail lands
         for leg, buf in zip(xfer.recvs, recvs, strict=True):
-            buf.zero_()
-            if h == plan.world_size:  # the trail's return home
+            if h == R:  # the trail's return home
+                buf.zero_()
                 buf.copy_(self.trails[plan.rank][: buf.numel()])
-            elif h <= plan.world_size - 2 and leg.range.start == 0:  # the next lead
-                lead = self.leads[plan.partition(h + 1)]
-                buf[: lead.numel()].copy_(lead)
+            elif self.leads is None:  # keep: the arriving trail is zeros, the prefilled lead stays
+                a, b = leg.range.start, leg.range.stop
+                if nxt.trail_partition is not None:
+                    lo = max(a, nxt.trail_offset)
+                    hi = min(b, nxt.trail_offset + nxt.trail_bytes)
+                    if lo < hi:
+                        buf[lo - a : hi - a].zero_()
+            else:
+                buf.zero_()
+                if h <= R - 2 and leg.range.start == 0:  # the next lead
+                    lead = self.leads[plan.partition(h + 1)]
+                    buf[: lead.numel()].copy_(lead)
         return []
 
 
@@ -435,45 +468,85 @@ class Ranges:
 
 
 def profile_passes(run, n: int, hop_name: str, hops: int) -> dict:
-    """torch.profiler over ``n`` passes (a sync after each): the pass's device time and busy
-    time, and per hop (inside ``hop_name``'s ranges) the device time, launches, memcpy and
-    memset calls."""
-    from torch.autograd import DeviceType
+    """torch.profiler over ``n`` passes (a sync after each): :func:`pass_fields` of them."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(n):
             run()
             torch.cuda.synchronize()
-    events = list(prof.events())
+    return pass_fields(list(prof.events()), n, hop_name, hops)
+
+
+def pass_fields(events, n: int, hop_name: str, hops: int) -> dict:
+    """The pass row's profiler fields of ``n`` passes of ``hops`` hops from the profiler's
+    ``events`` (``device_type``, ``name``, ``time_range``; host ops' ``kernels``, the device work
+    the profiler links to them; ``id``, the runtime call's and its device work's correlation):
+    the pass's device and busy time, and per hop (inside ``hop_name``'s ranges) the device time,
+    device ops, launches (kernel and graph launches), graph launches, memcpy and memset calls.
+
+    Device work is given to the hop whose range holds its launch (``gpu_attrib``): ``"hop"``,
+    through the host op the profiler links it to, when that link covers 95% of the device time;
+    else ``"launch"``, through the launching runtime call of the same correlation id (a graph's
+    kernels carry their ``cudaGraphLaunch``'s), when that covers 95%; else ``"hop+graphs"``
+    where every graph launch is inside a hop: the linked work by its op's hop and the unlinked
+    rest (then the graphs' kernels) to the hops; else ``"hop"`` by the link when it covers half
+    (an eager pass: nothing is replayed); else ``"pass"``: the passes' device time over their
+    hops. ``gpu_linked_frac``: the share of the device time the chosen link covers."""
+    from torch.autograd import DeviceType
+
     cpu = [e for e in events if e.device_type == DeviceType.CPU]
     dev = [e for e in events if e.device_type == DeviceType.CUDA]
     hop_ranges = Ranges((e.time_range.start, e.time_range.end) for e in cpu if e.name == hop_name)
-    dev_us = sum(e.time_range.end - e.time_range.start for e in dev)
+
+    def dur(e) -> float:
+        return e.time_range.end - e.time_range.start
+
+    dev_us = sum(dur(e) for e in dev)
     busy = busy_us([("", e.time_range.start, e.time_range.end) for e in dev])
-    # device work linked to the CPU op that launched it (the profiler's correlation), that op
-    # inside a hop's range
-    hop_dev = sum(k.duration for e in cpu for k in getattr(e, "kernels", ())
-                  if e.time_range.start in hop_ranges)  # fmt: skip
-    linked = sum(k.duration for e in cpu for k in getattr(e, "kernels", ()))
-    # most device time linked to its launching op: attribute it by hop; else the pass's / R
-    by_hop = dev_us > 0 and linked >= 0.5 * dev_us
 
     def calls(names) -> tuple[int, int]:
         got = [e for e in cpu if e.name.startswith(names)]
         return sum(e.time_range.start in hop_ranges for e in got), len(got)
 
-    launches = calls(LAUNCHES)
+    graphs = calls(GRAPH_LAUNCHES)
+
+    def share(got) -> float:
+        return sum(d for d, _ in got) / dev_us if dev_us else 0.0
+
+    # (duration, launched inside a hop) of the device work linked to the host op that launched
+    # it (the profiler's correlation); rest: device time and ops given to the hops unlinked
+    linked = [(k.duration, e.time_range.start in hop_ranges) for e in cpu
+              for k in getattr(e, "kernels", ())]  # fmt: skip
+    attrib, rest = "pass", (0.0, 0)
+    if share(linked) >= 0.95:
+        attrib = "hop"
+    else:
+        at = {e.id: e.time_range.start for e in cpu if e.name.startswith(RUNTIME_CALLS)}
+        by_call = [(dur(d), at[d.id] in hop_ranges) for d in dev if getattr(d, "id", None) in at]
+        if share(by_call) >= 0.95:
+            attrib, linked = "launch", by_call
+        elif graphs[1] and graphs[0] == graphs[1]:  # every graph launched inside a hop
+            attrib = "hop+graphs"
+            rest = (max(dev_us * (1 - share(linked)), 0.0), max(len(dev) - len(linked), 0))
+        elif share(linked) >= 0.5:
+            attrib = "hop"
+    by_hop = attrib != "pass"
+    hop_dev = sum(d for d, inside in linked if inside) + rest[0]
+    hop_ops = sum(inside for _, inside in linked) + rest[1]
+    kernels = calls(LAUNCHES)
     memcpy, memset = calls(("cudaMemcpy",)), calls(("cudaMemset",))
     nh = max(len(hop_ranges), 1)
     return {
         "gpu_us_per_hop": round(hop_dev / nh if by_hop else dev_us / (n * hops), 1),
-        "gpu_attrib": "hop" if by_hop else "pass",
-        "gpu_linked_frac": round(linked / dev_us, 3) if dev_us else None,
+        "gpu_attrib": attrib,
+        "gpu_linked_frac": round(share(linked), 3) if dev_us else None,
         "gpu_us_per_pass": round(dev_us / n, 1),
         "busy_us_per_pass": round(busy / n, 1),
-        "launches_per_hop": round(launches[0] / nh, 1),
-        "launches_per_pass": round(launches[1] / n, 1),
+        "kernels_per_hop": round(hop_ops / nh if by_hop else len(dev) / (n * hops), 1),
+        "launches_per_hop": round((kernels[0] + graphs[0]) / nh, 1),
+        "launches_per_pass": round((kernels[1] + graphs[1]) / n, 1),
+        "graph_launches_per_hop": round(graphs[0] / nh, 1),
         "memcpy_per_hop": round(memcpy[0] / nh, 1),
         "memset_per_hop": round(memset[0] / nh, 1),
         "hops_profiled": len(hop_ranges),
@@ -700,18 +773,39 @@ def cases(a) -> list[Case]:
     return out
 
 
+def passes_of(a, cuda: bool) -> tuple[int, int]:
+    """Passes of one (case, direction): the eager row's (warm-up, timed, profiled on CUDA) and
+    the library row's (the eager compare pass, the recording pass, the replayed compare pass,
+    then the eager row's again; 0 without ``--library``)."""
+    eager = a.warmup + a.passes + (a.profile_passes if cuda else 0)
+    return eager, (3 + eager if a.library else 0)
+
+
 def print_plan(plan: list[Case], a) -> None:
+    extra = [w for w, on in (("hop_graph", a.captured), ("library", a.library)) if on]
     print(f"[hop_cost] {len(plan)} cases x {len(DIRECTIONS)} directions"
-          f"{' (+ captured)' if a.captured else ''}; {a.warmup} warm-up, {a.passes} timed, "
-          f"{a.profile_passes} profiled passes each")  # fmt: skip
+          f"{' (+ ' + ', '.join(extra) + ')' if extra else ''}; {a.warmup} warm-up, "
+          f"{a.passes} timed, {a.profile_passes} profiled passes each")  # fmt: skip
     mib = defaults().kernels.pair_buffer_mib
+    bounded = {c: _bounded(problem(c, None)) for c in plan}  # the library's own test
+    refused = {c: hop_library.plan_note(c, bounded[c]) for c in plan}
     for c in plan:
-        J = SWIGLU.fc1_rows(c.I)
-        bounded = c.pair_bound * J * c.dtype.itemsize <= mib * 2**20
         print(f"  {c.mode:6s} EP {c.ep:3d} T {c.tokens:6d}: {c.ep} hops of {c.El} experts, "
               f"~{c.tokens * c.K // c.ep} pairs a hop, pair buffers "
-              f"{'bound ' + str(c.pair_bound) if bounded else 'exact (bound over budget)'}, "
-              f"{c.device}/{c.backend}")  # fmt: skip
+              f"{'bound ' + str(c.pair_bound) if bounded[c] else 'exact (bound over budget)'}, "
+              f"{c.device}/{c.backend}"
+              f"{'; library: ' + (refused[c] or 'captured') if a.library else ''}")  # fmt: skip
+    eager, lib = passes_of(a, bool(plan) and plan[0].device == "cuda")
+    runs = [(c, eager + (0 if refused[c] else lib)) for c in plan]
+    print(f"  pair_buffer_mib {mib}; {len(DIRECTIONS) * sum(k for _, k in runs)} passes "
+          f"({len(DIRECTIONS) * sum(c.ep * k for c, k in runs)} hops) in all: {eager} eager a "
+          f"case and direction{f', {lib} library where captured' if lib else ''}")  # fmt: skip
+    need = max((hop_library.needed_mib(c) for c in plan if not bounded[c]), default=0)
+    if a.library and need:
+        print(
+            f"  exact pair counts above the budget refuse capture: RELAYMOE_PAIR_BUFFER_MIB="
+            f"{need} sizes every case's pair buffers from the bound (the eager rows' too)"
+        )
 
 
 def _init_group():
@@ -730,6 +824,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="EP {2, 64} x T {4096}")
     ap.add_argument("--captured", action="store_true", help="also one hop in a CUDA graph")
+    ap.add_argument(
+        "--library",
+        action="store_true",
+        help="also the pass with the library's capture (RingOptions.capture_hops)",
+    )
     ap.add_argument("--dry-run", action="store_true", help="print the plan; no GPU")
     ap.add_argument("--tiny", action="store_true", help="CPU, tiny widths (the tests)")
     ap.add_argument("--ep", type=int, nargs="+")
@@ -756,6 +855,7 @@ def main(argv=None) -> int:
     group = _init_group()
     rows = []
     for case in plan:
+        hop_graphs.forget()  # no case's recorded hops or static buffers count in another's
         ring = Ring(case, group=group)
         pairs = hop_pairs(case, ring.data)
         tag = {"bench": "hop_cost", "shape": "tiny" if a.tiny else "qwen3_30b_a3b",
@@ -765,22 +865,31 @@ def main(argv=None) -> int:
                "pair_buffers": "bound" if ring.prob.pairs is None else "exact",
                "hops": case.ep, "H": case.H, "I": case.I, "E": case.E, "K": case.K,
                "dtype": str(case.dtype).removeprefix("torch."), "backend": case.backend,
-               "grad_dtype": str(ring.prob.accum_dtype).removeprefix("torch.")}  # fmt: skip
+               "grad_dtype": str(ring.prob.accum_dtype).removeprefix("torch."),
+               "pair_buffer_mib": ring.prob.pair_buffer_mib}  # fmt: skip
         for direction in DIRECTIONS:
+            head = {**tag, "direction": direction}
             r = measure_pass(ring, direction, a)
-            rows.append(writer.write({**tag, "direction": direction, "captured": False, **r}))
+            rows.append(writer.write({**head, "captured": False, "capture_path": "eager", **r}))
             if a.captured:
                 r = measure_captured(ring, direction, a)
-                r.setdefault("host_us_per_hop", None)
-                r.setdefault("gpu_us_per_hop", None)
-                r.setdefault("launches_per_hop", None)
-                r.setdefault("idle_frac", None)
-                rows.append(writer.write({**tag, "direction": direction, "captured": True, **r}))
+                rows.append(writer.write({**head, "captured": True, "capture_path": "hop_graph",
+                                          **NOT_MEASURED, **r}))  # fmt: skip
+            if a.library:
+                try:
+                    r = hop_library.library_row(ring, direction, a, measure_pass, trail_views)
+                except Exception as exc:  # what blocks the library's capture, named in the row
+                    with contextlib.suppress(Exception):
+                        _sync(case.device == "cuda")
+                    r = capture_failure(exc)
+                rows.append(writer.write({**head, "captured": True, "capture_path": "library",
+                                          **NOT_MEASURED, **r}))  # fmt: skip
         del ring
+        hop_graphs.forget()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    cols = ["mode", "direction", "ep", "tokens", "captured", "host_us_per_hop", "gpu_us_per_hop",
-            "launches_per_hop", "idle_frac", "capture_error"]  # fmt: skip
+    cols = ["mode", "direction", "ep", "tokens", "capture_path", "host_us_per_hop",
+            "gpu_us_per_hop", "launches_per_hop", "idle_frac", "capture_error"]  # fmt: skip
     print_table(rows, cols)
     print(f"[hop_cost] {len(rows)} rows -> {writer.path}")
     import torch.distributed as dist

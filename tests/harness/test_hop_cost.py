@@ -1,8 +1,11 @@
-"""benchmarks/hop_cost.py on CPU: the script writes its rows end to end, and each hop of the
-emulated rank computes its own slice (the float64 oracle of the full layer, per hop)."""
+"""benchmarks/hop_cost.py on CPU: the script writes its rows end to end (eager, hop_graph and
+library rows: the library's recorded hops, its CPU stand-in, bitwise the eager pass), each hop of
+the emulated rank computes its own slice (the float64 oracle of the full layer, per hop), and
+the profiler fields give a replayed graph's kernels to the hop that launched it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -13,6 +16,7 @@ import pytest
 import torch
 
 from benchmarks import hop_cost as hc
+from benchmarks import hop_library
 from benchmarks.common import rel_err
 from relaymoe.kernels import interpret_mode
 from relaymoe.reference import moe_experts_reference
@@ -27,14 +31,14 @@ def test_hop_cost_script_writes_its_rows(tmp_path):
     out = tmp_path / "rows.jsonl"
     p = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "hop_cost.py"), "--tiny", "--captured",
-         "--backend", "torch", "--out", str(out)],
+         "--library", "--backend", "torch", "--out", str(out)],
         capture_output=True, text=True, timeout=300,
         env=dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES=""),
     )  # fmt: skip
     assert p.returncode == 0, p.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    # EP {2, 4} x T {16} x {expert, token} x {fwd, bwd} x {eager, captured}
-    assert len(rows) == 16
+    # EP {2, 4} x T {16} x {expert, token} x {fwd, bwd} x {eager, hop_graph, library}
+    assert len(rows) == 24
     seen = set()
     for r in rows:
         assert all(f in r for f in FIELDS), sorted(set(FIELDS) - set(r))
@@ -48,14 +52,32 @@ def test_hop_cost_script_writes_its_rows(tmp_path):
             <= r["pair_bound"]
             == r["tokens"] * min(r["K"], r["E"] // r["ep"])
         )
-        if r["captured"]:  # no CUDA graph on CPU: said so, not measured
+        path = r["capture_path"]
+        assert r["captured"] == (path != "eager")
+        if path == "library":  # measured, not refused: the CPU stand-in takes every call
+            assert r["capture_error"] is None, r["capture_error"]
+        if path == "hop_graph":  # no CUDA graph on CPU: said so, not measured
             assert r["capture_error"] == "CUDA graphs need a CUDA device"
             assert r["host_us_per_hop"] is None
         else:
             assert r["host_us_per_hop"] > 0 and r["host_us_per_pass"] >= r["host_us_per_hop"]
             assert r["gpu_us_per_hop"] is None and r["launches_per_hop"] is None  # no GPU
-        seen.add((r["mode"], r["direction"], r["ep"], r["captured"]))
-    assert len(seen) == 16
+        if path == "library":  # the library's pass through its cache (the CPU stand-in)
+            assert r["capture_backend"] == "eager" and r["graphs_recorded_timed"] == 0
+            # recorded before timing: expert mode one entry per expert range, token mode one
+            # forward, two backward (the first hop writes the fp32 weight gradients)
+            want = r["ep"] if r["mode"] == "expert" else (1 if r["direction"] == "fwd" else 2)
+            assert r["graphs"] == want and r["static_MiB"] > 0
+            # a replayed pass's outputs against the eager pass's: results, and every trail
+            assert r["capture_bitwise"] is True and r["capture_max_abs_diff"] == 0.0
+            assert r["capture_diff_at"] is None
+            R = r["ep"]  # out | dx, dprobs, two grads and each hop's trail (two tensors) | out,
+            # each partition's routing index (four arrays) and trail | the same as expert bwd
+            compared = {"expert": {"fwd": 1, "bwd": 4 + 2 * R},
+                        "token": {"fwd": 1 + 5 * R, "bwd": 4 + 2 * R}}  # fmt: skip
+            assert r["capture_compared"] == compared[r["mode"]][r["direction"]]
+        seen.add((r["mode"], r["direction"], r["ep"], path))
+    assert len(seen) == 24
 
 
 def _oracle(x, w13, w2, idx, probs, dy):
@@ -176,3 +198,131 @@ def test_replay_fields_from_profiler_events():
     none = hc.replay_fields([ev(cpu, "cudaGraphLaunch", 0, 1)], k=1, span=80.0)
     assert none["gpu_us_per_hop"] == 80.0 and none["gpu_attrib"] == "events"
     assert none["idle_frac"] == 0.0
+
+
+def _ev(kind, name, a, b, *, id=0, kernels=()):  # noqa: A002 (the profiler's name)
+    """A profiler event as ``hop_cost.pass_fields`` reads it."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(device_type=kind, name=name, id=id, kernels=list(kernels),
+                           time_range=SimpleNamespace(start=a, end=b))  # fmt: skip
+
+
+def _k(us):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(duration=us)
+
+
+HOP = "relaymoe.expert.fwd.hop"
+
+
+def _pass_events(link: str):
+    """One pass of two hops, each a copy (an eager kernel, 10 us) and a graph replay (two
+    kernels, 30 us each) launched inside the hop, and a pack kernel (5 us) before the hops.
+    ``link``: how the profiler linked device work to its launch: ``"op"`` (a host op's
+    ``kernels``, the graphs' included), ``"op-eager"`` (the eager kernels only), ``"id"`` (the
+    runtime call's correlation id only), ``"none"``."""
+    from torch.autograd import DeviceType
+
+    cpu, cuda = DeviceType.CPU, DeviceType.CUDA
+    eager = link.startswith("op")
+    ev = [_ev(cpu, "aten::copy_", 0, 2, kernels=[_k(5)] if eager else []),
+          _ev(cpu, "cudaLaunchKernel", 1, 2, id=1), _ev(cuda, "pack", 100, 105, id=1)]  # fmt: skip
+    for h, t in enumerate((10, 50)):
+        c = 10 + 10 * h  # correlation ids: the copy's launch c, the graph launch c + 1
+        ev += [
+            _ev(cpu, HOP, t, t + 30),
+            _ev(cpu, "aten::copy_", t + 1, t + 5, kernels=[_k(10)] if eager else []),
+            _ev(cpu, "cudaLaunchKernel", t + 2, t + 4, id=c),
+            _ev(cpu, "cudaGraphLaunch", t + 10, t + 20, id=c + 1),
+            _ev(cpu, "replay", t + 9, t + 21, kernels=[_k(30), _k(30)] if link == "op" else []),
+            _ev(cuda, "copy", 200 + 100 * h, 210 + 100 * h, id=c),
+            _ev(cuda, "g1", 210 + 100 * h, 240 + 100 * h, id=c + 1),
+            _ev(cuda, "g2", 240 + 100 * h, 270 + 100 * h, id=c + 1),
+        ]  # fmt: skip
+    if link in ("op", "op-eager", "none"):  # the correlation ids are not the runtime calls'
+        for e in ev:
+            if e.device_type == cuda:
+                e.id = 1000 + e.id
+    return ev
+
+
+@pytest.mark.parametrize("link,attrib", [("op", "hop"), ("id", "launch"),
+                                         ("op-eager", "hop+graphs")])  # fmt: skip
+def test_pass_fields_give_graph_kernels_to_their_hops(link, attrib):
+    """The library row's profiler fields: a replay's kernels belong to the hop that launched
+    the graph, however the profiler links them (the host op, the runtime call's correlation id,
+    or not at all while every graph launch is inside a hop); the pack before the hops is not a
+    hop's."""
+    f = hc.pass_fields(_pass_events(link), n=1, hop_name=HOP, hops=2)
+    assert f["gpu_attrib"] == attrib
+    assert f["gpu_us_per_hop"] == 70.0  # the copy (10) and the graph's two kernels (30 + 30)
+    assert f["kernels_per_hop"] == 3.0 and f["gpu_us_per_pass"] == 145.0
+    assert f["launches_per_hop"] == 2.0 and f["graph_launches_per_hop"] == 1.0
+    assert f["launches_per_pass"] == 5.0 and f["hops_profiled"] == 2
+
+
+def test_pass_fields_without_a_link_fall_back_to_the_pass():
+    """A graph launched outside every hop and nothing linked: the pass's device time over its
+    hops, said so."""
+    from torch.autograd import DeviceType
+
+    ev = _pass_events("none") + [_ev(DeviceType.CPU, "cudaGraphLaunch", 90, 91, id=99)]
+    f = hc.pass_fields(ev, n=1, hop_name=HOP, hops=2)
+    assert f["gpu_attrib"] == "pass" and f["gpu_us_per_hop"] == 72.5  # 145 / 2
+
+
+def test_library_compare_is_bitwise():
+    """The library row's comparison: one ulp apart is not bitwise (the diff says where), a
+    missing output is a difference, equal outputs are bitwise."""
+    a = {"out": torch.ones(4), "idx": torch.arange(3, dtype=torch.int32)}
+    same = hop_library.compare(a, {k: v.clone() for k, v in a.items()})
+    assert same == {"capture_max_abs_diff": 0.0, "capture_bitwise": True,
+                    "capture_diff_at": None, "capture_compared": 2}  # fmt: skip
+    b = dict(a, out=torch.nextafter(a["out"], torch.full((4,), 2.0)))
+    d = hop_library.compare(a, b)
+    assert d["capture_bitwise"] is False and d["capture_diff_at"] == "out"
+    assert 0 < d["capture_max_abs_diff"] < 1e-6
+    assert hop_library.compare(a, {"out": a["out"]})["capture_bitwise"] is False
+
+
+@pytest.mark.parametrize("mode", ["expert", "token"])
+def test_library_outputs_are_each_hops_own(mode):
+    """What the library row compares (``hop_library.outputs``: every arriving trail zeros) is
+    the same for two eager passes with a pass between them that leaves its trails in the
+    slots, and holds each hop's trail."""
+    case = hc.Case(mode, 4, 16, **hc.TINY, dtype=torch.float32, device="cpu", backend="torch")
+    ring = hc.Ring(case)
+    for direction in hc.DIRECTIONS:
+        ring.run(direction)
+        first = hop_library.outputs(ring, direction, hc.trail_views)
+        ring.run(direction)
+        again = hop_library.outputs(ring, direction, hc.trail_views)
+        assert hop_library.compare(first, again)["capture_bitwise"], direction
+        if (mode, direction) != ("expert", "fwd"):
+            assert {k.split(".")[0] for k in first if k.startswith("trail")} == {
+                f"trail{p}" for p in range(case.ep)
+            }
+
+
+def test_dry_run_names_the_library_refusals(capsys):
+    """The plan of the full grid says which cases the library's capture refuses (exact pair
+    counts: the bound's pair buffers over the budget, T 32k at EP 2 and 8) and the budget that
+    would size them from the bound; ``needed_mib`` is the library's own test."""
+    assert hc.main(["--dry-run", "--library"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    refused = [ln for ln in lines if "library: refused" in ln]
+    assert len(refused) == 4 and all("T  32768" in ln and ">= 768" in ln for ln in refused)
+    assert all(" EP  64 " not in ln for ln in refused)
+    assert "RELAYMOE_PAIR_BUFFER_MIB=768" in lines[-1]
+    from relaymoe.ring.agree import _bounded
+
+    for ep in hc.FULL["ep"]:
+        for T in hc.FULL["tokens"]:
+            c = hc.Case("expert", ep, T, **hc.QWEN3, dtype=torch.bfloat16, device="cuda",
+                        backend="triton")  # fmt: skip
+            prob = hc.problem(c, None)
+            for mib in (512, hop_library.needed_mib(c) - 1, hop_library.needed_mib(c)):
+                want = _bounded(dataclasses.replace(prob, pair_buffer_mib=mib))
+                assert want == (hop_library.needed_mib(c) <= mib), (ep, T, mib)
