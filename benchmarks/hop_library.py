@@ -25,8 +25,9 @@ so none is recorded while timed or profiled (``graphs_recorded_timed: 0``).
   (results, token forward's routing indices, every trail a hop sends: :func:`outputs`),
   bitwise expected.
 * ``graphs``: entries this direction recorded; ``graphs_held``: the case's so far;
-  ``static_MiB``: the cache's static buffers (``HopGraphs.static_bytes``; the backward row's
-  include the forward's, shared where alike: what a training step holds); ``held_MiB``: CUDA
+  ``static_bytes`` (``static_MiB``): the cache's static buffers (``HopGraphs.static_bytes``;
+  the backward row's include the forward's, shared where alike: what a training step holds);
+  ``held_MiB``: CUDA
   memory the recording pass left allocated (static buffers, the graphs' pool, what the cache
   keeps); ``capture_backend``: ``cuda_graph``, or ``eager`` (the cache's stand-in without CUDA:
   the same plumbing, no graph).
@@ -178,6 +179,7 @@ def library_row(ring, direction: str, a, measure, views) -> dict:
         "graphs": entries1 - entries0,
         "graphs_held": entries2,
         "graphs_recorded_timed": entries2 - entries1,
-        "static_MiB": round(static / MiB, 2),
+        "static_MiB": round(static / MiB, 3),
+        "static_bytes": static,
         "held_MiB": None if held_mib is None else round(held_mib, 2),
     }
