@@ -80,7 +80,9 @@ def captured_hop_bytes(mode: str, d: Dims, *, training: bool = True) -> int:
     the probabilities ``T*K*pb``; backward adds ``dy`` and ``dx`` and ``dprobs``. The routing
     index (``ROUTING_INDEX_BYTES_PER_PAIR`` a pair and the ``E+1`` int64 offsets) is an input of
     expert mode's forward and backward and of token mode's backward (its forward builds it in the
-    hop); token mode's forward also copies the visiting ids ``T*K*INDEX_BYTES``.
+    hop); token mode's forward also copies the visiting ids ``T*K*INDEX_BYTES``. In a ring of
+    ``R > 1`` token mode binds its visiting partition and trail by address too (views of the
+    ring's slots and trail scratch, which recur hop to hop): only the routing index is copied.
     Not counted: the experts' weights and biases and their gradient accumulators, which are
     bound by address (no buffer, unless a hop's addresses exceed the cache's variant cap and it
     falls back to copies); the graphs' shared memory pool (at least one hop's intermediates, its
@@ -94,6 +96,8 @@ def captured_hop_bytes(mode: str, d: Dims, *, training: bool = True) -> int:
     index = ROUTING_INDEX_BYTES_PER_PAIR * d.P + 8 * (d.E + 1)
     if mode == "expert":
         fwd, bwd = 2 * THb + TKp + index, 2 * THb + TKp
+    elif d.R > 1:  # the visiting partition and the trail are bound: slot and scratch views
+        fwd, bwd = 0, index
     else:
         fwd, bwd = 2 * THb + TKp + d.T * d.K * INDEX_BYTES, 2 * THb + TKp + index
     return fwd + (bwd if training else 0)

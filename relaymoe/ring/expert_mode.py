@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from relaymoe.experts import expert_hop_backward, expert_hop_forward
-from relaymoe.ring.hop_graphs import index_from, index_inputs, index_sizes, run_hop
+from relaymoe.ring.hop_graphs import index_from, index_inputs, index_sizes, run_hop, stage_pass
 from relaymoe.ring.passes import (
     bias_grads,
     capacity,
@@ -56,11 +56,12 @@ def expert_forward(prob, group, how, overlap, x, experts, probs, index, order):
 
     fwd, bwd = expert_plans(prob)
     w = weights_layout(prob)  # every partition's, built once: the executor's views recur
-    ring_pass(
-        prob, group, overlap, x.device, "fwd", fwd,
-        lead_layout=lambda p: w, own_lead=lambda views: pack_own(experts, views),
-        trail_layout=None, compute=compute, capacity=capacity(fwd, bwd, prob),
-    )  # fmt: skip
+    with stage_pass(graphs, own, {"out": out}):  # recorded hops: copied once a pass, not a hop
+        ring_pass(
+            prob, group, overlap, x.device, "fwd", fwd,
+            lead_layout=lambda p: w, own_lead=lambda views: pack_own(experts, views),
+            trail_layout=None, compute=compute, capacity=capacity(fwd, bwd, prob),
+        )  # fmt: skip
     return out
 
 
@@ -97,9 +98,10 @@ def expert_backward(prob, group, how, overlap, dy, x, experts, probs, index, ord
 
     _, bwd = expert_plans(prob)
     w, dw = weights_layout(prob), weights_layout(prob, "d")  # built once, as forward
-    grads = ring_pass(
-        prob, group, overlap, x.device, "bwd", bwd,
-        lead_layout=lambda p: w, own_lead=lambda views: pack_own(experts, views),
-        trail_layout=lambda p: dw, compute=compute,
-    )  # fmt: skip
+    with stage_pass(graphs, own, {"dx": dx, "dprobs": dprobs}):
+        grads = ring_pass(
+            prob, group, overlap, x.device, "bwd", bwd,
+            lead_layout=lambda p: w, own_lead=lambda views: pack_own(experts, views),
+            trail_layout=lambda p: dw, compute=compute,
+        )  # fmt: skip
     return dx, dprobs, home_grads(prob, grads)

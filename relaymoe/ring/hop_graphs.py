@@ -9,15 +9,19 @@ copies and one graph launch.
 A graph keeps the addresses its kernels read and write. Each tensor of a hop reaches them one
 of two ways (:meth:`HopGraphs.run`):
 
-* **copied**: the small per-step tensors (the tokens ``x``/``dy``, the probabilities, the
-  routing index's arrays, token mode's visiting ids, the accumulators ``out``/``dx``/
-  ``dprobs``). Inputs are copied into cache-owned static buffers before every replay, in-outs
-  in before and back after it, so the kernels add into the same values as the eager call does
-  (bitwise the same sums). Routing changes every step: its arrays are inputs like any other,
-  never baked into the graph.
+* **copied**: the per-step tensors of the caller (the tokens ``x``/``dy``, the probabilities,
+  the routing index's arrays, the accumulators ``out``/``dx``/``dprobs``). Inputs are copied
+  into cache-owned static buffers before every replay, in-outs in before and back after it, so
+  the kernels add into the same values as the eager call does (bitwise the same sums). Routing
+  changes every step: its arrays are inputs like any other, never baked into the graph. What
+  every hop of a pass shares (expert mode's own tokens, probabilities, index and accumulators)
+  is *staged* (:meth:`HopGraphs.staging`): copied once as the pass starts and back once as it
+  ends, not at every hop.
 * **bound** (:data:`BOUND`): the large, address-stable ones: the experts' weights and biases
   (expert mode the visiting slot's views or the local experts, token mode the local experts) and
-  the weight-gradient accumulators (expert mode's trail, token mode's local ones). The body gets
+  the weight-gradient accumulators (expert mode's trail, token mode's local ones); in a ring of
+  more than one, token mode's visiting partition and trail too (``run_hop``'s ``travelling``:
+  views of the ring's slots and trail scratch, at one of a few addresses). The body gets
   the live tensor itself: no static buffer, no copy (at qwen3 widths, EP 2, the copies were about
   600 MB a hop). The entry's key holds each bound tensor's address and layout
   ``(data_ptr, shape, stride, dtype, device)``, so a replay runs only where the call's tensors sit
@@ -63,6 +67,7 @@ the CPU tests exercise.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 
@@ -84,6 +89,7 @@ __all__ = [
     "index_sizes",
     "refusal",
     "run_hop",
+    "stage_pass",
 ]
 
 log = logging.getLogger("relaymoe.ring")
@@ -159,12 +165,13 @@ class HopGraphs:
     key (the caller's, with every tensor's name and layout) has recorded, at most
     ``max_variants``."""
 
-    def __init__(self, backend: EagerReplay | CudaGraphReplay, max_variants: int = 4):
+    def __init__(self, backend: EagerReplay | CudaGraphReplay, max_variants: int = 8):
         if max_variants < 0:
             raise ValueError(f"HopGraphs: max_variants must be >= 0, got {max_variants}")
         self.backend = backend
         self.max_variants = max_variants
         self.entries: dict[tuple, Replay] = {}
+        self._staged: dict[str, Tensor] = {}  # this pass's staged tensors by name (staging)
         self.variants: dict[tuple, int] = {}
         self.buffers: dict[tuple, Tensor] = {}
 
@@ -214,25 +221,48 @@ class HopGraphs:
             replay = self.entries.get(full)
         static = {n: live[n] for n in tied}
         static.update((n, self._buffer(n, live[n])) for n in copied)
-        for n in copied:
+        staged = self._staged
+        moved = [n for n in copied if staged.get(n) is not live[n]]  # the rest: in place already
+        for n in moved:
             static[n].copy_(live[n])
         if replay is None:
-            replay = self._record(full, body, static, {n: inouts[n] for n in tied if n in inouts})
-            for n in copied:  # the warm-up runs added into the copied in-outs
+            # the warm-up runs add into the in-outs: bound and staged ones are restored from a
+            # snapshot (a staged one holds the pass's sums so far), copied ones copied in again
+            kept = {n: static[n] for n in inouts if n in tied or n not in moved}
+            replay = self._record(full, body, static, kept)
+            for n in moved:
                 if n in inouts:
                     static[n].copy_(inouts[n])
             if tied:
                 self.variants[base] = self.variants.get(base, 0) + 1
         produced = replay()
-        for n in copied:
+        for n in moved:
             if n in inouts:
                 inouts[n].copy_(static[n])
         return {n: t.clone() for n, t in produced.items()}
 
+    @contextlib.contextmanager
+    def staging(self, inputs: dict[str, Tensor], inouts: dict[str, Tensor]):
+        """One pass's tensors that every hop reads (``inputs``) or adds into (``inouts``) alike
+        (expert mode's own tokens, probabilities, routing index and accumulators): copied into
+        their static buffers once as the pass starts, the in-outs back once as it ends, and
+        skipped by the runs inside (a run skips a name staged for that very tensor object)."""
+        outer, self._staged = self._staged, {}
+        for n, t in {**inputs, **inouts}.items():
+            self._buffer(n, t).copy_(t)
+            self._staged[n] = t
+        try:
+            yield
+            for n, t in inouts.items():
+                t.copy_(self._buffer(n, t))
+        finally:
+            self._staged = outer
+
     def _record(self, full: tuple, body: Body, static: dict[str, Tensor],
                 bound_inouts: dict[str, Tensor]) -> Replay:  # fmt: skip
-        """Record the entry ``full``. The warm-up runs add into the bound in-outs, the caller's
-        live accumulators: they are restored from a snapshot after the recording."""
+        """Record the entry ``full``. The warm-up runs add into ``bound_inouts`` (the bound
+        ones, the caller's live accumulators, and the staged ones' static buffers): they are
+        restored from a snapshot after the recording."""
         warm = getattr(self.backend, "warmup", 1)
         snapshot = {n: t.clone() for n, t in bound_inouts.items()} if warm else {}
         device = next(iter(static.values())).device
@@ -281,13 +311,21 @@ def refusal(prob, backend: str, device: torch.device) -> str | None:
 
 
 def run_hop(graphs: HopGraphs | None, key: tuple, body: Body, inputs: dict[str, Tensor],
-            inouts: dict[str, Tensor] | None = None) -> dict[str, Tensor]:  # fmt: skip
+            inouts: dict[str, Tensor] | None = None,
+            travelling: tuple[str, ...] = ()) -> dict[str, Tensor]:  # fmt: skip
     """``body`` on the live tensors (``graphs`` None: capture off or refused), else through the
-    cache (:meth:`HopGraphs.run`, the names of :data:`BOUND` bound by address); returns what the
-    body returned."""
+    cache (:meth:`HopGraphs.run`): the names of :data:`BOUND` bound by address, and those of
+    ``travelling`` (views of the ring's slots and trail scratch: token mode's visiting tokens
+    and trail, whose addresses recur hop to hop and pass to pass); returns what the body
+    returned."""
     if graphs is None:
         return body({**inputs, **(inouts or {})}) or {}
-    return graphs.run(key, body, inputs, inouts, BOUND)
+    return graphs.run(key, body, inputs, inouts, BOUND.union(travelling) if travelling else BOUND)
+
+
+def stage_pass(graphs: HopGraphs | None, inputs: dict[str, Tensor], inouts: dict[str, Tensor]):
+    """:meth:`HopGraphs.staging` of ``graphs``, or nothing (capture off or refused)."""
+    return contextlib.nullcontext() if graphs is None else graphs.staging(inputs, inouts)
 
 
 _CACHES: dict[tuple[str, torch.device], HopGraphs] = {}

@@ -31,6 +31,12 @@ from relaymoe.ring.passes import (
 from relaymoe.ring.weights import REVERSED, reverse_local_ids
 from relaymoe.routing import build_routing_index
 
+# What a recorded hop binds by address besides the weights (hop_graphs.run_hop): the visiting
+# partition and the trail, views of the ring's slots and trail scratch (a world of one: the
+# caller's own tensors, copied)
+FWD_TRAVELLING = ("x", "idx", "probs", "out")
+BWD_TRAVELLING = ("x", "probs", "dy", "dx", "dprobs")
+
 
 def token_ids(ids: Tensor, prob: RingProblem, order: str) -> Tensor:
     """A visiting partition's expert ids in the row order of the local stacked experts."""
@@ -65,7 +71,7 @@ def token_forward(prob, group, how, overlap, x, experts, probs, idx32, order):
 
         key = graphs and hop_key(prob, how, "fwd", own, rows) + (order,)  # only a cache reads it
         made = run_hop(graphs, key, body, {"x": xs, "idx": ids, "probs": ps, **weights},
-                       {"out": trail["out"]})  # fmt: skip
+                       {"out": trail["out"]}, () if lead is None else FWD_TRAVELLING)  # fmt: skip
         indices[part] = index_from(made, (Ts[part], prob.topk, E))
 
     fwd, bwd = token_plans(prob)
@@ -119,7 +125,8 @@ def token_backward(prob, group, how, overlap, dy, x, experts, probs, indices, or
 
         key = graphs and hop_key(prob, how, "bwd", own, rows)
         inputs = {"dy": dys, "x": xs, "probs": ps, **index_inputs(indices[part]), **weights}
-        made = run_hop(graphs, key, body, inputs, {**trail, **present(dw)})
+        made = run_hop(graphs, key, body, inputs, {**trail, **present(dw)},
+                       () if lead is None else BWD_TRAVELLING)  # fmt: skip
         dw.update(made)
 
     _, bwd = token_plans(prob)
