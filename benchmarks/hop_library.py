@@ -3,11 +3,13 @@
 The row (``captured: True``, ``capture_path: "library"``) of the whole pass as hop_cost's eager
 row runs it, with ``RingOptions.capture_hops`` on (``Hop(..., capture=True)``: each hop's
 compute through ``relaymoe/ring/hop_graphs.py``'s cache, recorded once per key and replayed),
-measured exactly as the eager row (``hop_cost.measure_pass``) after a recording pass: the cache
-records an entry on the first use of its key, and one pass uses every key it has (expert mode:
-one per expert range, R a direction; token mode: one forward, one or two backward, the first
-hop's weight gradients written rather than added when the accumulators are the weights' dtype),
-so none is recorded while timed or profiled (``graphs_recorded_timed: 0``).
+measured exactly as the eager row (``hop_cost.measure_pass``) after a recording pass and the
+passes that settle it: the cache records an entry on the first use of its key and addresses
+(expert mode one per expert range; token mode one per set of slot addresses its hops see), and
+per-pass buffers (trail scratch, accumulators) reach recurring addresses after a pass or two
+(``settle_passes``: how many ran until one recorded nothing, ``graphs_settling`` what they
+recorded), so a steady pass records nothing
+while timed or profiled (``graphs_recorded_timed``, 0 expected on a GPU).
 
 * ``host_us_per_hop``: the hop's range as in the eager row, now the copies into the cache's
   static buffers, one graph launch and the copies back (the trail's zero and adds as eager).
@@ -27,10 +29,9 @@ so none is recorded while timed or profiled (``graphs_recorded_timed: 0``).
 * ``graphs``: entries this direction recorded; ``graphs_held``: the case's so far;
   ``static_bytes`` (``static_MiB``): the cache's static buffers (``HopGraphs.static_bytes``;
   the backward row's include the forward's, shared where alike: what a training step holds);
-  ``held_MiB``: CUDA
-  memory the recording pass left allocated (static buffers, the graphs' pool, what the cache
-  keeps); ``capture_backend``: ``cuda_graph``, or ``eager`` (the cache's stand-in without CUDA:
-  the same plumbing, no graph).
+  ``held_MiB``: CUDA memory the recording pass left allocated (static buffers, the graphs'
+  pool, what the cache keeps); ``capture_backend``: ``cuda_graph``, or ``eager`` (the cache's
+  stand-in without CUDA: the same plumbing, no graph).
 * ``capture_error``: ``hop_graphs.refusal``'s reason, nothing measured (exact pair counts when
   the bound's pair buffers exceed ``pair_buffer_mib``, as at T 32k with EP 2 or 8 under the
   default 512: 768 needed, which ``--dry-run`` prints; the torch backend on CUDA); or a pass
@@ -145,6 +146,21 @@ def outputs(ring, direction: str, views) -> dict[str, torch.Tensor]:
     return out
 
 
+STEADY_PASSES = 6  # at most, before the timed ones (CPU: the stand-in never settles)
+
+
+def settle(ring, direction: str, limit: int) -> int:
+    """Run passes until one records no entry (the addresses of per-pass buffers, trail scratch
+    and accumulators, recur once the allocator has seen a pass or two), at most ``limit``;
+    returns how many ran. The timed passes then replay what a training step would."""
+    for n in range(1, limit + 1):
+        before, _ = held()
+        ring.run(direction)
+        if held()[0] == before:
+            return n
+    return limit
+
+
 def library_row(ring, direction: str, a, measure, views) -> dict:
     """The library row's fields for ``ring``'s pass of ``direction``; ``measure`` is
     ``hop_cost.measure_pass``, ``views`` ``hop_cost.trail_views``: the eager pass's
@@ -168,6 +184,8 @@ def library_row(ring, direction: str, a, measure, views) -> dict:
         got = outputs(ring, direction, views)  # a replayed pass
         diff = compare(want, got)
         del want, got
+        steady = settle(ring, direction, STEADY_PASSES)
+        settled, _ = held()  # what the timed passes record is counted from here
         row = measure(ring, direction, a)
     entries2, static = held()
     backend = {c.backend.name for c in hop_graphs.caches().values()}
@@ -177,8 +195,10 @@ def library_row(ring, direction: str, a, measure, views) -> dict:
         **diff,
         "capture_backend": " ".join(sorted(backend)),
         "graphs": entries1 - entries0,
+        "settle_passes": steady,
         "graphs_held": entries2,
-        "graphs_recorded_timed": entries2 - entries1,
+        "graphs_settling": settled - entries1,
+        "graphs_recorded_timed": entries2 - settled,
         "static_MiB": round(static / MiB, 3),
         "static_bytes": static,
         "held_MiB": None if held_mib is None else round(held_mib, 2),

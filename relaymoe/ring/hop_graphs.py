@@ -158,6 +158,11 @@ def _layout(t: Tensor) -> tuple:
     return tuple(t.shape), t.stride(), t.dtype, t.device
 
 
+def _signature(name: str, t: Tensor) -> tuple:
+    """A copied tensor's part of an entry's key, and its static buffer's key."""
+    return name, tuple(t.shape), t.dtype, t.device
+
+
 class HopGraphs:
     """The recorded hop bodies of one device and their static buffers (see the module doc).
 
@@ -171,7 +176,8 @@ class HopGraphs:
         self.backend = backend
         self.max_variants = max_variants
         self.entries: dict[tuple, Replay] = {}
-        self._staged: dict[str, Tensor] = {}  # this pass's staged tensors by name (staging)
+        # this pass's staged tensors by name: (tensor, signature, buffer) (staging)
+        self._staged: dict[str, tuple[Tensor, tuple, Tensor]] = {}
         self.variants: dict[tuple, int] = {}
         self.buffers: dict[tuple, Tensor] = {}
 
@@ -181,10 +187,14 @@ class HopGraphs:
         return sum(t.numel() * t.element_size() for t in self.buffers.values())
 
     def _buffer(self, name: str, like: Tensor) -> Tensor:
-        key = (name, tuple(like.shape), like.dtype, like.device)
-        buf = self.buffers.get(key)
+        return self._buffer_of(_signature(name, like))
+
+    def _buffer_of(self, sig: tuple) -> Tensor:
+        """The static buffer of ``sig`` (``_signature``: name, shape, dtype, device)."""
+        buf = self.buffers.get(sig)
         if buf is None:
-            buf = self.buffers[key] = torch.empty(like.shape, dtype=like.dtype, device=like.device)
+            _, shape, dtype, device = sig
+            buf = self.buffers[sig] = torch.empty(shape, dtype=dtype, device=device)
         return buf
 
     def run(self, key: tuple, body: Body, inputs: dict[str, Tensor],
@@ -202,10 +212,27 @@ class HopGraphs:
                 f"HopGraphs.run: {sorted(set(inputs) & set(inouts))} are both inputs and "
                 "inouts; name each tensor once"
             )
-        tied = [n for n in live if n in bound]
-        copied = [n for n in live if n not in bound]
-        shapes = tuple((n, tuple(live[n].shape), live[n].dtype, live[n].device) for n in copied)
-        base = (key, shapes, tuple((n, *_layout(live[n])) for n in tied))
+        # one walk over the tensors (this is every replayed hop's host time): a staged tensor
+        # brings its signature and buffer, a copied one is signed here, a bound one keyed by
+        # its layout and address
+        staged, static = self._staged, {}
+        sigs, tied, layouts, moved = [], [], [], []
+        for n, t in live.items():
+            if n in bound:
+                tied.append(n)
+                layouts.append((n, *_layout(t)))
+                static[n] = t
+                continue
+            st = staged.get(n)
+            if st is not None and st[0] is t:
+                sigs.append(st[1])
+                static[n] = st[2]
+            else:
+                sig = _signature(n, t)
+                sigs.append(sig)
+                static[n] = self._buffer_of(sig)
+                moved.append(n)
+        base = (key, tuple(sigs), tuple(layouts))
         full = (base, tuple(live[n].data_ptr() for n in tied))
         replay = self.entries.get(full)
         if replay is None and tied and self.variants.get(base, 0) >= self.max_variants:
@@ -215,14 +242,12 @@ class HopGraphs:
                 "at unrecorded ones copies them into static buffers (a copied entry: correct, "
                 "but it pays their copies)"
             )
-            copied, tied = list(live), []
-            shapes = tuple((n, tuple(t.shape), t.dtype, t.device) for n, t in live.items())
-            full = ((key, shapes, ()), ())  # the entry of a call that binds nothing
+            full = ((key, tuple(_signature(n, t) for n, t in live.items()), ()), ())
+            for n in tied:  # the entry of a call that binds nothing
+                static[n] = self._buffer(n, live[n])
+                moved.append(n)
+            tied = []
             replay = self.entries.get(full)
-        static = {n: live[n] for n in tied}
-        static.update((n, self._buffer(n, live[n])) for n in copied)
-        staged = self._staged
-        moved = [n for n in copied if staged.get(n) is not live[n]]  # the rest: in place already
         for n in moved:
             static[n].copy_(live[n])
         if replay is None:
@@ -239,7 +264,7 @@ class HopGraphs:
         for n in moved:
             if n in inouts:
                 inouts[n].copy_(static[n])
-        return {n: t.clone() for n, t in produced.items()}
+        return {n: t.clone() for n, t in produced.items()} if produced else {}
 
     @contextlib.contextmanager
     def staging(self, inputs: dict[str, Tensor], inouts: dict[str, Tensor]):
@@ -249,12 +274,14 @@ class HopGraphs:
         skipped by the runs inside (a run skips a name staged for that very tensor object)."""
         outer, self._staged = self._staged, {}
         for n, t in {**inputs, **inouts}.items():
-            self._buffer(n, t).copy_(t)
-            self._staged[n] = t
+            sig = _signature(n, t)
+            buf = self._buffer_of(sig)
+            buf.copy_(t)
+            self._staged[n] = (t, sig, buf)
         try:
             yield
             for n, t in inouts.items():
-                t.copy_(self._buffer(n, t))
+                t.copy_(self._staged[n][2])
         finally:
             self._staged = outer
 
