@@ -31,10 +31,11 @@ class TimeModel:
     # Host time of one ring hop of one pass (launches and their Python, ~35 ops): the small-T
     # floor of the ring rows (fwd+bwd at R=2 is 4 hops, with ``call_fixed_s``).
     hop_fixed_s: float = 2.75e-3
-    # The same with the hop's compute replayed from a CUDA graph (RingOptions.capture_hops): the
-    # replay (10-20 us a hop, hop_cost.py --captured), the executor's per-hop Python (~90 us,
-    # relay_host_cost.py) and the static buffers' input copies, rounded up. An estimate until
-    # the library's captured ring is measured on two GPUs; ``captured_hops()`` applies it.
+    # The same with the hop's compute replayed from a CUDA graph (RingOptions.capture_hops):
+    # the library's captured pass on one GPU (hop_cost.py --library, transfers left out)
+    # measured 66-475 us of host time a hop, median ~190, against 480-1,860 eager; rounded up
+    # for the transfer's issue it leaves out. An estimate until the captured ring is measured
+    # on two GPUs; ``captured_hops()`` applies it.
     captured_hop_fixed_s: float = 0.25e-3
     # Host time per ring_moe call besides the hops (cached agreement, routing index, autograd).
     call_fixed_s: float = 0.4e-3
