@@ -775,10 +775,11 @@ def cases(a) -> list[Case]:
 
 def passes_of(a, cuda: bool) -> tuple[int, int]:
     """Passes of one (case, direction): the eager row's (warm-up, timed, profiled on CUDA) and
-    the library row's (the eager compare pass, the recording pass, the replayed compare pass,
-    then the eager row's again; 0 without ``--library``)."""
+    at most the library row's (the eager compare pass, the recording pass, the replayed compare
+    pass, up to ``hop_library.STEADY_PASSES`` settling ones, then the eager row's again; 0
+    without ``--library``)."""
     eager = a.warmup + a.passes + (a.profile_passes if cuda else 0)
-    return eager, (3 + eager if a.library else 0)
+    return eager, (3 + hop_library.STEADY_PASSES + eager if a.library else 0)
 
 
 def print_plan(plan: list[Case], a) -> None:

@@ -234,7 +234,8 @@ class RingOptions:
         False, flag="--relaymoe-capture-hops",
         why="experimental: record each ring hop's compute once per shape in a CUDA graph and "
         "replay it (this rank's: it changes how a hop is issued, not which collectives run)",
-        help="experimental, not yet measured through the library: record each ring hop's "
+        help="experimental, measured on one GPU only (benchmarks/hop_cost.py --library): "
+        "record each ring hop's "
         "expert compute once per hop shape in a CUDA graph and replay it with the step's "
         "tokens and routing copied into static buffers and the weights and their gradients "
         "read in place at their addresses (less host time per hop at small token counts; "

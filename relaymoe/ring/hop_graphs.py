@@ -68,6 +68,7 @@ the CPU tests exercise.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable
 
@@ -347,7 +348,13 @@ def run_hop(graphs: HopGraphs | None, key: tuple, body: Body, inputs: dict[str, 
     returned."""
     if graphs is None:
         return body({**inputs, **(inouts or {})}) or {}
-    return graphs.run(key, body, inputs, inouts, BOUND.union(travelling) if travelling else BOUND)
+    return graphs.run(key, body, inputs, inouts, _bound_with(travelling))
+
+
+@functools.cache
+def _bound_with(travelling: tuple[str, ...]) -> frozenset[str]:
+    """:data:`BOUND` and ``travelling``: built once per tuple, not once per hop."""
+    return BOUND.union(travelling)
 
 
 def stage_pass(graphs: HopGraphs | None, inputs: dict[str, Tensor], inouts: dict[str, Tensor]):
