@@ -1,0 +1,153 @@
+"""Where a recorded hop's host time goes: hop_cost's library pass under cProfile, hop by hop.
+
+    python benchmarks/hop_host_profile.py [--ep 2 64] [--tokens 4096] [--modes expert token]
+        [--passes 40] [--top 25] [--out PATH.jsonl]
+
+For each case and direction (issue #34): hop_cost's ``Ring`` with the library's capture on
+(``hop_library.capturing``), settled (``hop_library.settle``), then ``--passes`` passes timed per
+hop (each hop's own span, by its index in the pass: ``host_us_by_hop``) and ``--passes`` more
+under cProfile, switched on inside each hop's range only (the pass's set-up and the trail's
+return left out). Rows (``bench: hop_host_profile``, JSONL) carry the per-hop host time and, per
+function, its calls and own time per hop (``top``: the ``--top`` heaviest by own time), so a C
+call that blocks (a graph launch, an allocation, an event) shows as its own line. The profile's
+own overhead inflates Python-heavy lines; compare lines with each other, and the unprofiled
+``host_us_per_hop`` with hop_cost's rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import statistics
+import sys
+import time
+from unittest import mock
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from benchmarks import hop_cost, hop_library  # noqa: E402
+from benchmarks.common import JsonlWriter, environment  # noqa: E402
+from relaymoe.ring import executor, hop_graphs  # noqa: E402
+
+
+class _ByHop:
+    """Stands in for ``executor._hop_range``: each hop's host span, by its index in the pass."""
+
+    def __init__(self):
+        self.spans: list[float] = []
+
+    def __call__(self, name):
+        return self
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc):
+        self.spans.append(time.perf_counter() - self.t0)
+        return False
+
+
+def by_hop(ring, direction: str, n: int) -> dict:
+    timer, R = _ByHop(), ring.case.ep
+    with mock.patch.object(executor, "_hop_range", timer):
+        for _ in range(n):
+            torch.cuda.synchronize() if ring.dev.type == "cuda" else None
+            ring.run(direction)
+    spans = [timer.spans[i : i + R] for i in range(0, len(timer.spans), R)]
+    med = [round(statistics.median(s[h] for s in spans) * 1e6, 1) for h in range(min(R, 4))]
+    return {"host_us_per_hop": round(statistics.median(sum(s) / R for s in spans) * 1e6, 1),
+            "host_us_by_hop": med}  # fmt: skip
+
+
+class _Profiled:
+    """Stands in for ``executor._hop_range``: cProfile on inside each hop's range only."""
+
+    def __init__(self, prof: cProfile.Profile):
+        self.prof = prof
+
+    def __call__(self, name):
+        return self
+
+    def __enter__(self):
+        self.prof.enable()
+
+    def __exit__(self, *exc):
+        self.prof.disable()
+        return False
+
+
+def profiled(ring, direction: str, n: int, top: int) -> list[dict]:
+    prof = cProfile.Profile()
+    cuda = ring.dev.type == "cuda"
+    with mock.patch.object(executor, "_hop_range", _Profiled(prof)):
+        for _ in range(n):
+            if cuda:
+                torch.cuda.synchronize()
+            ring.run(direction)
+    st = pstats.Stats(prof)
+    hops = n * ring.case.ep
+    rows = []
+    for (file, line, fn), (_, ncalls, tt, ct, _) in st.stats.items():
+        where = f"{os.path.relpath(file) if file.startswith('/') else file}:{line}({fn})"
+        rows.append({"fn": where, "calls_per_hop": round(ncalls / hops, 2),
+                     "own_us_per_hop": round(tt / hops * 1e6, 2),
+                     "cum_us_per_hop": round(ct / hops * 1e6, 2)})  # fmt: skip
+    rows.sort(key=lambda r: -r["own_us_per_hop"])
+    return rows[:top]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ep", type=int, nargs="+", default=[2, 64])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[4096])
+    ap.add_argument("--modes", nargs="+", default=list(hop_cost.MODES), choices=hop_cost.MODES)
+    ap.add_argument("--passes", type=int, default=40)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--tiny", action="store_true", help="CPU, tiny widths")
+    ap.add_argument("--out", default=None, help="JSONL path")
+    a = ap.parse_args(argv)
+    a.quick, a.backend = False, "auto"
+    plan = hop_cost.cases(a)
+    env = environment()
+    writer = JsonlWriter(a.out or f"benchmarks/results/hop_host_profile_{env['date']}.jsonl",
+                         env=env)  # fmt: skip
+    group = hop_cost._init_group()
+    for case in plan:
+        hop_graphs.forget()
+        ring = hop_cost.Ring(case, group=group)
+        for direction in hop_cost.DIRECTIONS:
+            with hop_library.capturing(ring):
+                ring.run(direction)
+                hop_library.settle(ring, direction, hop_library.STEADY_PASSES)
+                row = by_hop(ring, direction, a.passes)
+                top = profiled(ring, direction, a.passes, a.top)
+            writer.write(
+                {
+                    "bench": "hop_host_profile",
+                    "mode": case.mode,
+                    "ep": case.ep,
+                    "tokens": case.tokens,
+                    "direction": direction,
+                    **row,
+                    "top": top,
+                }
+            )
+            print(f"== {case.mode} {direction} EP {case.ep} T {case.tokens}: {row}")
+            for r in top:
+                print(f"   {r['own_us_per_hop']:8.2f} us own {r['cum_us_per_hop']:8.2f} cum "
+                      f"{r['calls_per_hop']:6.2f}x  {r['fn']}")  # fmt: skip
+        del ring
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
