@@ -88,7 +88,8 @@ def captured_hop_bytes(mode: str, d: Dims, *, training: bool = True) -> int:
     falls back to copies); the graphs' shared memory pool (at least one hop's intermediates, its
     pair buffers sized from the bound ``T*min(K, El)``, held while the cache lives instead of
     freed after each hop) and what a body returns from it (token mode's routing index of a
-    visiting partition), whose size the allocator decides."""
+    visiting partition, held once per entry: a model of L layers records about 2L of them), whose
+    size the allocator decides."""
     _check_mode(mode)
     if mode not in RING_MODES:
         return 0

@@ -153,6 +153,15 @@ class RingExecutor:
         self.overlap = overlap
         self.cuda = device.type == "cuda"
         self.stream = comm_stream(device) if self.cuda else None
+        # The caller's stream (the compute stream) for the whole pass, and one event that
+        # orders the communication stream after it (re-recorded every hop: a wait takes the
+        # event as it is when issued). Resolved once: torch.cuda.current_stream and a fresh
+        # Event cost the host more than the hop's own replayed compute.
+        self.compute = torch.cuda.current_stream(device) if self.cuda else None
+        self._ready = torch.cuda.Event() if self.cuda else None
+        # each hop's "transfer done" event, by hop parity (a pass waits for hop h's before it
+        # starts hop h+1, so two never overlap in use)
+        self._done = (torch.cuda.Event(), torch.cuda.Event()) if self.cuda else None
         self.mode, self.phase = mode, phase
         group = getattr(transport, "group", None)
         self.watch = None
@@ -177,7 +186,7 @@ class RingExecutor:
         if transport.needs_entry_sync:
             self._on_comm(transport.entry_sync)
             if self.cuda:
-                torch.cuda.current_stream(device).wait_stream(self.stream)
+                self.compute.wait_stream(self.stream)
 
     # -- timeline -----------------------------------------------------------------------------
     def mark(self, hop: int, name: str, on_comm: bool = False) -> None:
@@ -186,19 +195,23 @@ class RingExecutor:
         marks = self._marks.setdefault(hop, {})
         if self.cuda:
             ev = torch.cuda.Event(enable_timing=True)
-            ev.record(self.stream if on_comm else torch.cuda.current_stream(self.device))
+            ev.record(self.stream if on_comm else self.compute)
             marks[name] = ev
         else:
             marks[name] = time.perf_counter()
 
     def _on_comm(self, fn: Callable[[], object]):
+        """``fn()`` on the communication stream, after everything queued on the compute stream
+        so far."""
         if not self.cuda:
             return fn()
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(self.device))
-        self.stream.wait_event(ready)
-        with torch.cuda.stream(self.stream):
+        self._ready.record(self.compute)
+        self.stream.wait_event(self._ready)
+        torch.cuda.set_stream(self.stream)
+        try:
             return fn()
+        finally:
+            torch.cuda.set_stream(self.compute)
 
     # -- transfers ------------------------------------------------------------------------------
     def start(self, hop: int, recv_into: Tensor | None = None) -> _Pending:
@@ -217,7 +230,7 @@ class RingExecutor:
         if not self.cuda:  # no streams: issued from the host right away
             return _Pending(None, self._issue(hop, xfer, sends, recvs))
         works = self._on_comm(lambda: self._issue(hop, xfer, sends, recvs))
-        done = torch.cuda.Event()
+        done = self._done[hop & 1]
         done.record(self.stream)
         if works:  # stream-ordered already; the host waits for them in finish()
             self.watch.defer(works, op="p2p", hop=hop)
@@ -260,7 +273,7 @@ class RingExecutor:
             return
         pending.waited = True
         if self.cuda:
-            torch.cuda.current_stream(self.device).wait_event(pending.done)
+            self.compute.wait_event(pending.done)
         else:
             if pending.works:  # bounded: a dead or stalled neighbour raises RingPeerError
                 self.watch.wait(pending.works, op="p2p", hop=hop)
@@ -271,7 +284,7 @@ class RingExecutor:
         """Order everything later on the compute stream after the last transfer; on CUDA wait
         (bounded) for the pass's transfers on the host; flush marks."""
         if self.cuda:
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            self.compute.wait_stream(self.stream)
             if self.watch is not None:
                 self.watch.finish(self.device)
         if self._recording and _RECORDERS:

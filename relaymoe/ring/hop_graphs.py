@@ -30,11 +30,15 @@ of two ways (:meth:`HopGraphs.run`):
   alive (a graph holds addresses, not tensors; :class:`EagerReplay` keeps its record-time dict,
   which is the CPU's stand-in for addresses baked in at record time).
 
-Bound addresses (slot buffers, transient stacks, fresh accumulators) usually recur step to step
-(the caching allocator), but nothing guarantees it: at most ``max_variants`` entries of one key
-differ only in their bound addresses. A call past that copies its bound tensors into static
-buffers like the rest (one copied entry per key, correct but paying the copies; logged once per
-mode, direction and names). Entries are never evicted or re-recorded.
+One key has one entry per set of bound addresses it meets (its *variants*): every layer binds its
+own experts (token mode, a world of one) and its own pass's slots, so a model of L MoE layers
+records about L x 2 variants of each key (the slots alternate hop to hop) in its first steps and
+replays them after: a training step's allocations repeat step to step, so the caching allocator
+hands each layer the same addresses again. Nothing guarantees that, though: at most
+``max_variants`` (default :data:`MAX_VARIANTS`) entries of one key differ only in their bound
+addresses. A call past that copies its bound tensors into static buffers like the rest (one
+copied entry per key, correct but paying the copies; logged once per mode, direction and names).
+Entries are never evicted or re-recorded.
 
 What the body returns (``produced``): tensors it allocates (token forward's routing index); they
 live in the graph's memory pool and are cloned out after every replay. Token backward's
@@ -102,6 +106,10 @@ INDEX_FIELDS = ("expert_token_indices", "expert_token_offsets", "token_expert_in
 # The names a ring hop binds by address (see the module doc): the experts' weights and biases,
 # and their gradient accumulators. Every other tensor of a hop is copied.
 BOUND = frozenset({"w13", "w2", "b13", "b2", "dw13", "dw2", "db13", "db2"})
+# Entries of one key that differ only in their bound addresses (module doc): room for a model of
+# ~100 MoE layers on one rank at two slot parities each. An entry costs one graph (its kernels'
+# parameters) and what its body returns (token forward's routing index, in the graphs' pool).
+MAX_VARIANTS = 256
 
 
 class EagerReplay:
@@ -169,9 +177,10 @@ class HopGraphs:
 
     ``entries``: the replays by full key; ``variants``: how many entries of bound addresses each
     key (the caller's, with every tensor's name and layout) has recorded, at most
-    ``max_variants``."""
+    ``max_variants`` (None: :data:`MAX_VARIANTS`, read when the cache is made)."""
 
-    def __init__(self, backend: EagerReplay | CudaGraphReplay, max_variants: int = 8):
+    def __init__(self, backend: EagerReplay | CudaGraphReplay, max_variants: int | None = None):
+        max_variants = MAX_VARIANTS if max_variants is None else max_variants
         if max_variants < 0:
             raise ValueError(f"HopGraphs: max_variants must be >= 0, got {max_variants}")
         self.backend = backend
@@ -249,23 +258,24 @@ class HopGraphs:
                 moved.append(n)
             tied = []
             replay = self.entries.get(full)
-        for n in moved:
-            static[n].copy_(live[n])
+        _copy_all([static[n] for n in moved], [live[n] for n in moved])
         if replay is None:
             # the warm-up runs add into the in-outs: bound and staged ones are restored from a
             # snapshot (a staged one holds the pass's sums so far), copied ones copied in again
             kept = {n: static[n] for n in inouts if n in tied or n not in moved}
             replay = self._record(full, body, static, kept)
-            for n in moved:
-                if n in inouts:
-                    static[n].copy_(inouts[n])
+            back = [n for n in moved if n in inouts]
+            _copy_all([static[n] for n in back], [inouts[n] for n in back])
             if tied:
                 self.variants[base] = self.variants.get(base, 0) + 1
         produced = replay()
-        for n in moved:
-            if n in inouts:
-                inouts[n].copy_(static[n])
-        return {n: t.clone() for n, t in produced.items()} if produced else {}
+        back = [n for n in moved if n in inouts]
+        _copy_all([inouts[n] for n in back], [static[n] for n in back])
+        if not produced:
+            return {}
+        made = {n: torch.empty_like(t) for n, t in produced.items()}  # the clones, one launch
+        _copy_all(list(made.values()), list(produced.values()))
+        return made
 
     @contextlib.contextmanager
     def staging(self, inputs: dict[str, Tensor], inouts: dict[str, Tensor]):
@@ -276,13 +286,12 @@ class HopGraphs:
         outer, self._staged = self._staged, {}
         for n, t in {**inputs, **inouts}.items():
             sig = _signature(n, t)
-            buf = self._buffer_of(sig)
-            buf.copy_(t)
-            self._staged[n] = (t, sig, buf)
+            self._staged[n] = (t, sig, self._buffer_of(sig))
+        staged = list(self._staged.values())
+        _copy_all([b for _, _, b in staged], [t for t, _, _ in staged])
         try:
             yield
-            for n, t in inouts.items():
-                t.copy_(self._staged[n][2])
+            _copy_all(list(inouts.values()), [self._staged[n][2] for n in inouts])
         finally:
             self._staged = outer
 
@@ -298,6 +307,16 @@ class HopGraphs:
         for n, t in snapshot.items():
             bound_inouts[n].copy_(t)
         return replay
+
+
+def _copy_all(dsts: list[Tensor], srcs: list[Tensor]) -> None:
+    """``dsts[i].copy_(srcs[i])`` for every ``i`` (alike shapes and dtypes), in one call
+    (``torch._foreach_copy_``: a launch per dtype group rather than per tensor, the host's
+    cost of a hop's copies)."""
+    if len(dsts) > 1:
+        torch._foreach_copy_(dsts, srcs)
+    elif dsts:
+        dsts[0].copy_(srcs[0])
 
 
 def index_inputs(index: RoutingIndex, prefix: str = "index.") -> dict[str, Tensor]:

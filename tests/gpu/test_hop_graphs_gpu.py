@@ -185,3 +185,43 @@ def test_replayed_step_adds_no_host_sync(mode):
         kept = _leaves(first)
         _steady(mode, first, kept)  # records the graphs (recording itself synchronises)
         _step(mode, second, leaves=kept, sync_check=True)
+
+
+LAYERS = 10  # more than the cache's variant cap once was (8)
+STEPS = 4
+
+
+@pytest.mark.parametrize("mode", ["expert", "token"])
+def test_layers_reach_a_steady_replay_equal_to_eager(mode):
+    """A model of ``LAYERS`` MoE layers, each with its own experts, trained ``STEPS`` steps (an
+    in-place SGD update of every layer's weights after each): every layer of every step equals
+    eager bitwise; the recorded entries stop growing once the steps' allocations repeat (the
+    last step records nothing) and no layer's weights fall back to copies."""
+    layers = [_inputs(10 + j, 50 + j) for j in range(LAYERS)]
+
+    def train(capture: bool):
+        kept = [_leaves(inp) for inp in layers]
+        got, counts = [], []
+        for _ in range(STEPS):
+            step = []
+            for inp, leaves in zip(layers, kept, strict=True):
+                res = _step(mode, inp, leaves=leaves)
+                with torch.no_grad():  # the weights' gradients: res[3], res[4] (host copies)
+                    leaves[1].sub_(1e-2 * res[3].to(leaves[1].device))
+                    leaves[2].sub_(1e-2 * res[4].to(leaves[2].device))
+                step.append(res)
+            got.append(step)
+            if capture:
+                counts.append(len(_cache().entries))
+        return got, counts
+
+    want, _ = train(False)
+    with _capture_on():
+        have, counts = train(True)
+        names = {k[0] for k in _cache().buffers}
+    for s in range(STEPS):
+        for j in range(LAYERS):
+            _same(want[s][j], have[s][j], f"{mode} step {s} layer {j}")
+    assert counts[-1] == counts[-2], f"{mode}: entries after each step {counts}"
+    assert counts[0] >= LAYERS, counts  # each layer its own entries
+    assert not names & {"w13", "w2"}, f"{mode}: weights fell back to copies ({sorted(names)})"

@@ -102,26 +102,37 @@ def _oracle(x, w13, w2, idx, probs, dy):
     return out.detach(), *(t.grad for t in leaves)
 
 
-def _close(got, want, what, tol=1e-4):
+TOL = {"cpu": 1e-4, "cuda": 1e-2}  # fp32 on CUDA: the Triton kernels' dots use TF32
+
+
+def _close(got, want, what, tol=None):
+    tol = TOL[got.device.type] if tol is None else tol
     err = rel_err(got, want) if want.abs().max() > 0 else got.abs().max().item()
     assert err < tol, f"{what}: relative error {err:.3g}"
 
 
 # The Triton hop primitives (the GPU's) under the interpreter where it is on, at the EP whose
-# hops hold two experts each; the torch backend at EP 2 (cheap).
-CHECKS = [("expert", 2, "torch"), ("token", 2, "torch")]
-CHECKS += [(m, 4, "triton" if interpret_mode() else "torch") for m in ("expert", "token")]
+# hops hold two experts each; the torch backend at EP 2 (cheap). On a GPU (the GPU suite runs
+# this file's cuda cases) the Triton backend at EP 2 and 4: the executor's streams and events
+# order each emulated transfer (on the communication stream) with the hops that read it.
+CHECKS = [("cpu", "expert", 2, "torch"), ("cpu", "token", 2, "torch")]
+CHECKS += [("cpu", m, 4, "triton" if interpret_mode() else "torch") for m in ("expert", "token")]
+_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+CHECKS += [pytest.param("cuda", m, ep, "triton", marks=_GPU)
+           for m in ("expert", "token") for ep in (2, 4)]  # fmt: skip
 
 
-@pytest.mark.parametrize("mode,ep,backend", CHECKS)
-def test_each_hop_computes_its_slice(mode, ep, backend):
+@pytest.mark.parametrize("device,mode,ep,backend", CHECKS)
+def test_each_hop_computes_its_slice(device, mode, ep, backend):
     """Rank 0 of an EP-rank ring, its peers emulated (``hop_cost.Emulated`` delivers each
     partition and keeps each trail the rank sends): expert mode, the hops add up to the whole
     layer (out, dx, dprobs) and hop h's weight-gradient trail is the full layer's gradient of
     partition h's slice of experts; token mode, hop h's output (and dx, dprobs) trail is the
     layer of partition h's tokens through rank 0's own experts alone, and the local weight
     gradients sum every partition's."""
-    case = hc.Case(mode, ep, 16, **hc.TINY, dtype=torch.float32, device="cpu", backend=backend)
+    dims = hc.TINY if device == "cpu" else dict(H=128, I=64, E=8, K=2)
+    case = hc.Case(mode, ep, 16 if device == "cpu" else 96, **dims, dtype=torch.float32,
+                   device=device, backend=backend)  # fmt: skip
     got = hc.hop_outputs(case, seed=1)
     data, prob, El = got["data"], got["prob"], case.El
     w13, w2 = data["w13"], data["w2"]

@@ -10,6 +10,7 @@ import contextlib
 import gc
 import logging
 import weakref
+from unittest import mock
 
 import pytest
 import torch
@@ -157,10 +158,7 @@ def _inplace_update_is_read(rank, world, group):
         _same(got2, plain2, f"{mode} after the in-place update, rank {rank}")
 
 
-def _cache_max_variants() -> int:
-    from relaymoe.ring.hop_graphs import EagerReplay, HopGraphs
-
-    return HopGraphs(EagerReplay()).max_variants
+SMALL_CAP = 3  # the variant cap of the cap's own test (the default would take 258 steps)
 
 
 def _variant_cap_falls_back_to_copies(rank, world, group):
@@ -168,12 +166,14 @@ def _variant_cap_falls_back_to_copies(rank, world, group):
     recurs): each of the first ``max_variants`` steps records an entry per hop, the next one a
     copied entry per hop (the weights then in static buffers), and from then on the entries stop
     growing; every step equals eager."""
+    from relaymoe.ring import hop_graphs
+
     for mode in MODES:
         kw = dict(seed=17, tokens=[4] * world, El=2, K=2, mode=mode)
         plain = _ring_step(rank, world, group, **kw)
         counts = []
-        with _capture_on():
-            cap = _cache_max_variants()
+        with mock.patch.object(hop_graphs, "MAX_VARIANTS", SMALL_CAP), _capture_on():
+            cap = SMALL_CAP
             for step in range(cap + 2):
                 _same(_ring_step(rank, world, group, **kw), plain, f"{mode} step {step}")
                 counts.append(len(_cache().entries))
@@ -184,6 +184,28 @@ def _variant_cap_falls_back_to_copies(rank, world, group):
                 assert set(_cache().variants.values()) == {cap}
                 assert counts == [n * (i + 1) for i in range(cap + 1)] + [n * (cap + 1)], counts
                 assert {"w13", "w2"} <= _copied_names()
+
+
+LAYERS = 12  # more than the variant cap once was (8): a model's layers each bind their own
+
+
+def _layers_replay_their_own_entries(rank, world, group):
+    """A model of ``LAYERS`` MoE layers, each with its own experts (persistent tensors, as a
+    model's parameters), run for two steps: every layer's hops record entries of their own
+    (the weights' addresses, one per layer) under the default variant cap, none falls back to
+    copying the weights, and every layer of every step equals eager bitwise."""
+    for mode in MODES:
+        kws = [dict(seed=40 + j, tokens=[4] * world, El=2, K=2, mode=mode) for j in range(LAYERS)]
+        ws = [_weights(rank, world, **kw) for kw in kws]
+        pairs = list(zip(kws, ws, strict=True))
+        plain = [_ring_step(rank, world, group, **kw, weights=w) for kw, w in pairs]
+        with _capture_on():
+            for step in range(2):
+                for j, (kw, w) in enumerate(pairs):
+                    got = _ring_step(rank, world, group, **kw, weights=w)
+                    _same(got, plain[j], f"{mode} step {step} layer {j}")
+            assert not {"w13", "w2"} & _copied_names(), f"{mode}: weights fell back to copies"
+            assert max(_cache().variants.values()) >= LAYERS  # one entry a layer at least
 
 
 def _entries_keyed_by_shape(rank, world, group):
@@ -244,8 +266,8 @@ def _cache_bytes_match_cost_model(rank, world, group):
 
 
 SCENARIOS = [_captured_equals_eager, _inplace_update_is_read, _variant_cap_falls_back_to_copies,
-             _entries_keyed_by_shape, _refused_runs_eagerly, _triton_plumbing,
-             _cache_bytes_match_cost_model]  # fmt: skip
+             _layers_replay_their_own_entries, _entries_keyed_by_shape, _refused_runs_eagerly,
+             _triton_plumbing, _cache_bytes_match_cost_model]  # fmt: skip
 
 
 @pytest.mark.parametrize(("world", "scenario"), scenario_params(SCENARIOS, [1, 2]))
