@@ -135,7 +135,7 @@ def outputs(ring, direction: str, views) -> dict[str, torch.Tensor]:
         got = {"dx": dx, "dprobs": dprobs, **{f"grad.{k}": v for k, v in grads.items()}}
     if ring.case.mode == "token" and direction == "fwd":
         for p, index in sorted(ring.indices.items()):
-            got.update({f"index{p}.{k}": v for k, v in hop_graphs.index_inputs(index, "").items()})
+            got.update({f"index{p}.{k}": getattr(index, k) for k in hop_graphs.INDEX_FIELDS})
     out = {k: v.clone() for k, v in got.items()}
     for p, buf in sorted(tr.trails.items()):  # the transport's clones already
         out.update({f"trail{p}.{k}": v

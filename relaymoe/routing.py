@@ -42,6 +42,9 @@ class RoutingIndex:
     # the topk_idx tensor it was built from and that tensor's version counter then (see
     # ``built_from``); None for an index built another way
     source: _Source | None = field(default=None, compare=False, repr=False)
+    # the one uint8 buffer whose views the four arrays are, when they were built into one (a
+    # recorded ring hop's: it is copied in and out in one piece); None otherwise
+    packed: Tensor | None = field(default=None, compare=False, repr=False)
 
     def built_from(self, topk_idx: Tensor) -> bool:
         """Whether this index was built from the tensor object ``topk_idx`` and that tensor has
@@ -169,7 +172,9 @@ def _build_torch(topk_idx: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Te
     num_tokens, topk = topk_idx.shape
     num_pairs = num_tokens * topk
     device = topk_idx.device
-    map_dtype = torch.int64 if num_pairs >= 2**31 else torch.int32
+    from relaymoe.kernels.index_arrays import index_arrays_like
+
+    map_dtype = index_arrays_like(num_pairs, num_experts)[3][1]
     flat = topk_idx.reshape(-1).to(torch.int64)
     counts = torch.bincount(flat, minlength=num_experts)
     offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
@@ -183,7 +188,12 @@ def _build_torch(topk_idx: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Te
 
 
 def build_routing_index(
-    topk_idx: Tensor, num_experts: int, *, impl: Impl = "auto", validate: bool = True
+    topk_idx: Tensor,
+    num_experts: int,
+    *,
+    impl: Impl = "auto",
+    validate: bool = True,
+    out: tuple[Tensor, Tensor, Tensor, Tensor] | None = None,
 ) -> RoutingIndex:
     """Build the routing index of ``topk_idx (T, K)`` over ``num_experts`` experts.
 
@@ -192,7 +202,9 @@ def build_routing_index(
     arrays. ``validate=False`` skips the input checks (and their host sync) for callers that
     already validated the routing. The index keeps a weak reference to ``topk_idx`` and its
     version counter (:meth:`RoutingIndex.built_from`), so that ``moe_experts(index=...)`` can
-    tell, without device work, that it is handed the routing it was built from.
+    tell, without device work, that it is handed the routing it was built from. ``out``: the
+    four arrays to write in place, in field order (``kernels.index_arrays.index_arrays_like``; e.g.
+    views of one buffer, which a recorded ring hop copies out in one piece); default fresh ones.
     """
     if validate:
         validate_topk_idx(topk_idx, num_experts)
@@ -212,11 +224,19 @@ def build_routing_index(
         from relaymoe.kernels import triton_available
 
         impl = "triton" if topk_idx.is_cuda and triton_available() else "torch"
+    if out is not None:
+        from relaymoe.kernels.index_arrays import check_index_out
+
+        check_index_out(out, num_tokens * topk, num_experts, topk_idx.device)
     if impl == "triton" and num_tokens > 0:
         from relaymoe.kernels.routing import build_routing_index_triton
 
-        arrays = build_routing_index_triton(topk_idx, num_experts)
+        arrays = build_routing_index_triton(topk_idx, num_experts, out=out)
     else:
         arrays = _build_torch(topk_idx, num_experts)
+        if out is not None:
+            for dst, src in zip(out, arrays, strict=True):
+                dst.copy_(src)
+            arrays = out
     return RoutingIndex(*arrays, num_tokens=num_tokens, topk=topk, num_experts=num_experts,
                         source=_Source.of(topk_idx))  # fmt: skip

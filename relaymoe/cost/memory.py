@@ -70,6 +70,13 @@ def symmetric_workspace_bytes(mode: str, d: Dims, *, training: bool = True) -> i
     return 2 * max(SYMM_GRANULE, -(-cap // SYMM_GRANULE) * SYMM_GRANULE)
 
 
+def packed_index_bytes(P: int, E: int) -> int:
+    """Bytes of a routing index of ``P`` pairs over ``E`` experts built into one buffer (a
+    recorded token forward's, ``hop_graphs.index_layout``): its four arrays back to back, each
+    starting ``ALIGN``-aligned, in field order (int32 ids, int64 offsets, int32 ids, the map)."""
+    return _packed(4 * P, 8 * (E + 1), 4 * P, (8 if P >= 2**31 else 4) * P)
+
+
 def captured_hop_bytes(mode: str, d: Dims, *, training: bool = True) -> int:
     """The static buffers of ``RingOptions.capture_hops`` (``relaymoe/ring/hop_graphs.py``) on
     one GPU for hops of ``d``'s shape: persistent and shared by all layers of that shape (one
@@ -98,9 +105,10 @@ def captured_hop_bytes(mode: str, d: Dims, *, training: bool = True) -> int:
     if mode == "expert":
         fwd, bwd = 2 * THb + TKp + index, 2 * THb + TKp
     elif d.R > 1:  # the visiting partition and the trail are bound: slot and scratch views
-        fwd, bwd = 0, index
+        fwd, bwd = 0, packed_index_bytes(d.P, d.E)
     else:
-        fwd, bwd = 2 * THb + TKp + d.T * d.K * INDEX_BYTES, 2 * THb + TKp + index
+        fwd = 2 * THb + TKp + d.T * d.K * INDEX_BYTES
+        bwd = 2 * THb + TKp + packed_index_bytes(d.P, d.E)
     return fwd + (bwd if training else 0)
 
 

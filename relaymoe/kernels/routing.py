@@ -42,6 +42,7 @@ import triton.language as tl
 from torch import Tensor
 
 from relaymoe.kernels import check_int32
+from relaymoe.kernels.index_arrays import check_index_out, index_arrays_like
 
 __all__ = ["build_routing_index_triton", "routing_config"]
 
@@ -258,11 +259,17 @@ def routing_config(
 
 
 def build_routing_index_triton(
-    topk_idx: Tensor, num_experts: int, **overrides: bool | int | None
+    topk_idx: Tensor,
+    num_experts: int,
+    *,
+    out: tuple[Tensor, Tensor, Tensor, Tensor] | None = None,
+    **overrides: bool | int | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Atomic-free build of ``(expert_token_indices, expert_token_offsets, token_expert_indices,
     token_index_map)`` for a validated ``topk_idx (T, K)``; bitwise equal to the torch build.
 
+    ``out``: the four arrays to write, in that order (``index_arrays_like``'s shapes and dtypes,
+    contiguous, on ``topk_idx``'s device), e.g. views of one buffer; default fresh ones.
     ``overrides``: ``routing_config``'s keywords (``pairwise``, ``fused``, ``max_blocks``), which
     override the tuned launch choices. No host sync.
     """
@@ -281,11 +288,14 @@ def build_routing_index_triton(
     # before the empty return, so that a misspelt override raises whatever the input
     cfg = routing_config(num_pairs, num_experts, **overrides)
     device = topk_idx.device
-    map_dtype = torch.int64 if num_pairs >= 2**31 else torch.int32
-    eti = torch.empty(num_pairs, dtype=torch.int32, device=device)
-    tei = torch.empty(num_pairs, dtype=torch.int32, device=device)
-    tim = torch.empty(num_pairs, dtype=map_dtype, device=device)
-    offsets = torch.empty(num_experts + 1, dtype=torch.int64, device=device)
+    if out is None:
+        eti, offsets, tei, tim = (
+            torch.empty(shape, dtype=dt, device=device)
+            for shape, dt in index_arrays_like(num_pairs, num_experts)
+        )
+    else:
+        check_index_out(out, num_pairs, num_experts, device)
+        eti, offsets, tei, tim = out
     if num_pairs == 0:
         offsets.zero_()
         return eti, offsets, tei, tim

@@ -81,6 +81,8 @@ from torch import Tensor
 
 from relaymoe import options
 from relaymoe.experts import resolve_backend
+from relaymoe.kernels.index_arrays import index_arrays_like
+from relaymoe.ring.layout import Layout
 from relaymoe.routing import RoutingIndex
 
 __all__ = [
@@ -91,7 +93,9 @@ __all__ = [
     "graphs_for",
     "index_from",
     "index_inputs",
+    "index_layout",
     "index_sizes",
+    "packed_index",
     "refusal",
     "run_hop",
     "stage_pass",
@@ -320,8 +324,27 @@ def _copy_all(dsts: list[Tensor], srcs: list[Tensor]) -> None:
 
 
 def index_inputs(index: RoutingIndex, prefix: str = "index.") -> dict[str, Tensor]:
-    """The routing index's arrays as inputs of :meth:`HopGraphs.run`."""
+    """The routing index's arrays as inputs of :meth:`HopGraphs.run`: its one packed buffer
+    when it has one (:func:`packed_index`: one copy a hop, not four), else the four arrays."""
+    if index.packed is not None:
+        return {prefix + "packed": index.packed}
     return {prefix + f: getattr(index, f) for f in INDEX_FIELDS}
+
+
+@functools.cache
+def index_layout(sizes: tuple[int, int, int]) -> Layout:
+    """The four arrays of a routing index of ``sizes`` (:func:`index_sizes`) in one buffer."""
+    T, K, E = sizes
+    arrays = index_arrays_like(T * K, E)
+    return Layout.of(*((f, dt, shape) for f, (shape, dt) in zip(INDEX_FIELDS, arrays, strict=True)))
+
+
+def packed_index(buf: Tensor, sizes: tuple[int, int, int]) -> RoutingIndex:
+    """The routing index whose arrays are views of ``buf`` (uint8, :func:`index_layout`):
+    what a recorded token forward builds into one buffer, so that the hop returns it as one
+    tensor (one clone after the replay) and the backward copies it in as one."""
+    views = index_layout(sizes).views(buf)
+    return RoutingIndex(*(views[f] for f in INDEX_FIELDS), *sizes, packed=buf)
 
 
 def index_sizes(index: RoutingIndex) -> tuple[int, int, int]:
@@ -333,7 +356,10 @@ def index_sizes(index: RoutingIndex) -> tuple[int, int, int]:
 def index_from(tensors: dict[str, Tensor], sizes: tuple[int, int, int],
                prefix: str = "index.") -> RoutingIndex:  # fmt: skip
     """A routing index over the arrays ``tensors[prefix + field]`` of ``sizes``
-    (:func:`index_sizes`)."""
+    (:func:`index_sizes`), or over the packed buffer ``tensors[prefix + "packed"]``."""
+    buf = tensors.get(prefix + "packed")
+    if buf is not None:
+        return packed_index(buf, sizes)
     return RoutingIndex(*(tensors[prefix + f] for f in INDEX_FIELDS), *sizes)
 
 

@@ -13,7 +13,15 @@ from torch import Tensor
 
 from relaymoe.experts import expert_hop_backward, expert_hop_forward
 from relaymoe.ring.agree import RingProblem
-from relaymoe.ring.hop_graphs import index_from, index_inputs, index_sizes, run_hop
+from relaymoe.ring.hop_graphs import (
+    INDEX_FIELDS,
+    index_from,
+    index_inputs,
+    index_layout,
+    index_sizes,
+    packed_index,
+    run_hop,
+)
 from relaymoe.ring.passes import (
     bias_grads,
     capacity,
@@ -38,6 +46,10 @@ FWD_TRAVELLING = ("x", "idx", "probs", "out")
 BWD_TRAVELLING = ("x", "probs", "dy", "dx", "dprobs")
 
 
+def _arrays(index) -> tuple[Tensor, ...]:
+    return tuple(getattr(index, f) for f in INDEX_FIELDS)
+
+
 def token_ids(ids: Tensor, prob: RingProblem, order: str) -> Tensor:
     """A visiting partition's expert ids in the row order of the local stacked experts."""
     return reverse_local_ids(ids, prob.num_local_experts) if order == REVERSED else ids
@@ -59,9 +71,17 @@ def token_forward(prob, group, how, overlap, x, experts, probs, idx32, order):
             return
         xs, ids, ps = (x, idx32, probs) if lead is None else (lead["x"], lead["idx"], lead["probs"])
         rows = pair_rows(prob, part, prob.rank)
+        sizes = (Ts[part], prob.topk, E)
+        lay = index_layout(sizes)
 
         def body(t):  # the index is built in the hop: it is among what the body returns
-            index = build_routing_index(token_ids(t["idx"], prob, order), E, validate=False)
+            ids = token_ids(t["idx"], prob, order)
+            if graphs is None:
+                index = build_routing_index(ids, E, validate=False)
+            else:  # recorded: built into one buffer, returned (and cloned) as one tensor
+                buf = torch.empty(lay.nbytes, dtype=torch.uint8, device=ids.device)
+                index = packed_index(buf, sizes)
+                build_routing_index(ids, E, validate=False, out=_arrays(index))
             expert_hop_forward(
                 t["x"], t["w13"], t["w2"], t["probs"], index,
                 expert_range=own, out_TH=t["out"], save="none", backend=how.backend,
@@ -72,7 +92,7 @@ def token_forward(prob, group, how, overlap, x, experts, probs, idx32, order):
         key = graphs and hop_key(prob, how, "fwd", own, rows) + (order,)  # only a cache reads it
         made = run_hop(graphs, key, body, {"x": xs, "idx": ids, "probs": ps, **weights},
                        {"out": trail["out"]}, () if lead is None else FWD_TRAVELLING)  # fmt: skip
-        indices[part] = index_from(made, (Ts[part], prob.topk, E))
+        indices[part] = index_from(made, sizes)
 
     fwd, bwd = token_plans(prob)
     result = ring_pass(

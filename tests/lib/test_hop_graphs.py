@@ -404,12 +404,13 @@ def test_captured_hop_bytes_by_hand():
     ids = 10 * 2 * 4  # token mode's visiting ids
     assert cost.captured_hop_bytes("expert", d) == 2 * tokens + index
     assert cost.captured_hop_bytes("expert", d, training=False) == tokens + index
+    # token mode's index is built into one buffer (four ALIGN-aligned arrays: 256 B each here)
+    packed = 256 + 256 + 256 + 4 * 20
     one = dataclasses.replace(d, R=1)  # a world of one: token mode copies its own tokens
-    index1 = 12 * one.P + 8 * (one.E + 1)
-    assert cost.captured_hop_bytes("token", one) == 2 * tokens + index1 + ids
+    assert cost.captured_hop_bytes("token", one) == 2 * tokens + packed + ids
     assert cost.captured_hop_bytes("token", one, training=False) == tokens + ids  # no index in
     # a ring: the visiting partition and the trail are slot views, bound; the index is copied
-    assert cost.captured_hop_bytes("token", d) == index
+    assert cost.captured_hop_bytes("token", d) == packed
     assert cost.captured_hop_bytes("token", d, training=False) == 0
     assert cost.captured_hop_bytes("alltoall", d) == 0
     # the weights and their gradients are bound, not copied: the experts' widths do not count

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from relaymoe.kernels import interpret_mode
 from relaymoe.routing import RoutingIndex, build_routing_index, validate_topk_idx
 from tests.fixtures import random_routing
 
@@ -136,3 +137,38 @@ def test_bad_impl_and_non_tensor():
         build_routing_index(torch.tensor([[0]]), 1, impl="cuda")
     with pytest.raises(ValueError, match="torch.Tensor"):
         build_routing_index([[0, 1]], 2)
+
+
+IMPLS = ["torch"] + (["triton"] if interpret_mode() else [])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("num_tokens,num_experts,topk", [(37, 8, 2), (5, 3, 3), (0, 4, 1)])
+def test_build_into_one_buffer_equals_the_fresh_build(impl, num_tokens, num_experts, topk):
+    """``out=``: the arrays written in place into views of one buffer (what a recorded ring hop
+    builds) are the fresh build's, and the index holds exactly those views."""
+    from relaymoe.ring.hop_graphs import INDEX_FIELDS, index_layout, packed_index
+
+    idx = random_routing(num_tokens, num_experts, topk, gen=torch.Generator().manual_seed(3))
+    want = build_routing_index(idx, num_experts, impl=impl)
+    sizes = (num_tokens, topk, num_experts)
+    buf = torch.full((index_layout(sizes).nbytes,), 255, dtype=torch.uint8)
+    index = packed_index(buf, sizes)
+    arrays = tuple(getattr(index, f) for f in INDEX_FIELDS)
+    got = build_routing_index(idx, num_experts, impl=impl, out=arrays)
+    for f in INDEX_FIELDS:
+        assert torch.equal(getattr(got, f), getattr(want, f)), f
+        assert getattr(got, f).data_ptr() == getattr(index, f).data_ptr(), f
+
+
+def test_build_into_bad_arrays_raises():
+    idx = random_routing(6, 4, 2, gen=torch.Generator().manual_seed(1))
+    good = build_routing_index(idx, 4)
+    arrays = [good.expert_token_indices, good.expert_token_offsets, good.token_expert_indices,
+              good.token_index_map]  # fmt: skip
+    with pytest.raises(ValueError, match=r"out\[1\] must be a contiguous torch.int64"):
+        build_routing_index(idx, 4, out=(arrays[0], arrays[1].int(), *arrays[2:]))
+    with pytest.raises(ValueError, match=r"out\[0\].*shape \(12,\)"):
+        build_routing_index(idx, 4, out=(arrays[0][:5], *arrays[1:]))
+    with pytest.raises(ValueError, match="4 arrays"):
+        build_routing_index(idx, 4, out=tuple(arrays[:3]))
