@@ -2,6 +2,10 @@
 slot capacity, the transport, and how a hop's compute runs (:class:`Hop`).
 
 Shape legend as in ``engine.py``.
+
+The layouts and pass plans of a problem are cached by the (frozen, hashable) problem: every
+pass of every layer asks for them, and building them again (a layout per partition and
+direction, a plan's tables) was a tenth of a recorded pass's host time.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ def transport_of(prob: RingProblem, group) -> Transport | None:
     return None
 
 
+@functools.lru_cache(maxsize=256)  # per problem: every pass asks (module doc)
 def weights_layout(prob: RingProblem, prefix: str = "") -> Layout:
     """The experts' weights and biases, or with ``prefix="d"`` their gradient accumulators (in
     ``prob.accum_dtype``: fp32 for a long ring of 16-bit weights, see options.GRAD_ACCUMS):
@@ -70,6 +75,7 @@ def weights_layout(prob: RingProblem, prefix: str = "") -> Layout:
     return Layout.of(*((prefix + n, dt, shapes[n]) for n in present))
 
 
+@functools.lru_cache(maxsize=256)  # per problem: every pass asks (module doc)
 def token_lead(prob: RingProblem, T: int, backward: bool) -> Layout:
     """A visiting token partition: x, ids and probabilities forward; x, probabilities and dy
     backward (the forward kept each partition's routing index, so no ids travel)."""
@@ -85,6 +91,7 @@ def token_lead(prob: RingProblem, T: int, backward: bool) -> Layout:
     )
 
 
+@functools.lru_cache(maxsize=256)  # per problem: every pass asks (module doc)
 def token_trail(prob: RingProblem, T: int, backward: bool) -> Layout:
     H, K = prob.hidden, prob.topk
     if backward:
@@ -96,6 +103,7 @@ def ring_plan(prob: RingProblem, lead: list[int], trail: list[int] | None) -> Ri
     return RingPlan(prob.rank, prob.world_size, lead, trail, gpus_per_node=prob.gpus_per_node)
 
 
+@functools.lru_cache(maxsize=256)  # per problem: every pass asks (module doc)
 def expert_plans(prob: RingProblem) -> tuple[RingPlan, RingPlan]:
     R = prob.world_size
     w, dw = weights_layout(prob).nbytes, weights_layout(prob, "d").nbytes
@@ -112,6 +120,7 @@ def token_layouts(prob: RingProblem, backward: bool) -> dict:
     return {"lead_layout": lambda p: lead(Ts[p]), "trail_layout": lambda p: trail(Ts[p])}
 
 
+@functools.lru_cache(maxsize=256)  # per problem: every pass asks (module doc)
 def token_plans(prob: RingProblem) -> tuple[RingPlan, RingPlan]:
     Ts = prob.tokens
     fwd = ring_plan(
