@@ -23,6 +23,7 @@ import pstats
 import statistics
 import sys
 import time
+from functools import partial
 from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -108,6 +109,12 @@ def main(argv=None) -> int:
     ap.add_argument("--passes", type=int, default=40)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--tiny", action="store_true", help="CPU, tiny widths")
+    ap.add_argument(
+        "--after-profiler",
+        action="store_true",
+        help="run 2 passes under torch.profiler (CPU+CUDA) before the timed ones, as hop_cost "
+        "does before its library rows: whether a finished profiler session slows the host",
+    )
     ap.add_argument("--out", default=None, help="JSONL path")
     a = ap.parse_args(argv)
     a.quick, a.backend = False, "auto"
@@ -123,6 +130,9 @@ def main(argv=None) -> int:
             with hop_library.capturing(ring):
                 ring.run(direction)
                 hop_library.settle(ring, direction, hop_library.STEADY_PASSES)
+                if a.after_profiler and ring.dev.type == "cuda":
+                    name = f"relaymoe.{case.mode}.{direction}.hop"
+                    hop_cost.profile_passes(partial(ring.run, direction), 2, name, case.ep)
                 row = by_hop(ring, direction, a.passes)
                 top = profiled(ring, direction, a.passes, a.top)
             writer.write(
