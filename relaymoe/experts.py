@@ -293,6 +293,7 @@ def expert_hop_backward(
     b2: Tensor | None = None,
     db13: Tensor | None = None,
     db2: Tensor | None = None,
+    dw_accumulate: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients of the pairs of ``expert_range``; ADDS into the given buffers (zeros otherwise).
 
@@ -308,7 +309,9 @@ def expert_hop_backward(
     buffers (any float dtype, e.g. fp32 accumulators); each is required when its bias is given
     (``ValueError`` otherwise). ``db2[e] = sum over e's pairs of p * dy[tok]``, ``db13[e] =
     sum of the pre-activation gradients dh`` (the probability included), and each pair's router
-    gradient gains ``dy[tok] . b2[e]``.
+    gradient gains ``dy[tok] . b2[e]``. ``dw_accumulate=False``: the given ``dw13``/``dw2`` are
+    written over instead of added into (their old values never read), bitwise what fresh
+    buffers would get: a recorded ring hop's first weight gradient into a bound buffer.
     """
     act = as_activation(activation)
     _check_bias_grads(b13, b2, db13, db2)
@@ -322,8 +325,12 @@ def expert_hop_backward(
             dy_TH, x_TH, w13_ElJH, w2_ElHI, probs_TK, index, e0, e1,
             saved_h, dx_TH, dprobs_TK, dw13, dw2, consume_saved_h=consume_saved_h,
             n_pairs=n_pairs, max_pairs=max_pairs, grad_dtype=grad_dtype, kernels=kernels,
-            activation=act, b13=b13, b2=b2, db13=db13, db2=db2,
+            activation=act, b13=b13, b2=b2, db13=db13, db2=db2, dw_accumulate=dw_accumulate,
         )  # fmt: skip
+    if not dw_accumulate:  # the torch path adds into zeros, as into fresh buffers
+        for dw in (dw13, dw2):
+            if dw is not None:
+                dw.zero_()
     dx_TH = torch.zeros_like(x_TH) if dx_TH is None else dx_TH
     if dprobs_TK is None:
         dprobs_TK = torch.zeros(probs_TK.shape, dtype=probs_TK.dtype, device=probs_TK.device)

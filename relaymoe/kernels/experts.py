@@ -143,11 +143,12 @@ def wgrad_gmm(a, b, c_EMN, groups: HopGroups, *, a_gather: bool, accumulate: boo
 
 
 def _wgrad(a, b, idx_P, offs, c_EMN, groups: HopGroups, *, a_gather, b_gather, like: Tensor,
-           grad_dtype: torch.dtype | None, k) -> Tensor:  # fmt: skip
+           grad_dtype: torch.dtype | None, k, accumulate: bool = True) -> Tensor:  # fmt: skip
     """Weight gradient of the range: torch's grouped GEMM over gathered chunks where
-    ``select.wgrad_by_gmm`` takes it, else the Triton kernel. Added into ``c_EMN``; with None,
-    a new gradient shaped like ``like`` in ``grad_dtype`` (default ``like``'s). Returns it."""
-    accumulate = c_EMN is not None
+    ``select.wgrad_by_gmm`` takes it, else the Triton kernel. Added into ``c_EMN`` (written
+    over with ``accumulate=False``); with None, a new gradient shaped like ``like`` in
+    ``grad_dtype`` (default ``like``'s). Returns it."""
+    accumulate = accumulate and c_EMN is not None
     if c_EMN is None:  # a shape and dtype to check and allocate from
         c_ref = torch.empty(like.shape, dtype=grad_dtype or like.dtype, device="meta")
     else:
@@ -309,9 +310,12 @@ def triton_hop_backward(
     b2: Tensor | None = None,
     db13: Tensor | None = None,
     db2: Tensor | None = None,
+    dw_accumulate: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients of experts ``[e0, e1)``'s pairs, ADDED into the given buffers; a buffer passed
     as None is allocated and written (no zero fill). Returns ``(dx, dprobs, dw13, dw2)``.
+    ``dw_accumulate=False``: the given ``dw13``/``dw2`` are written over, as fresh ones would be
+    (their old values never read: a recorded hop's first weight gradient, bitwise the eager one).
     ``n_pairs`` / ``max_pairs``: as in :func:`triton_hop_forward`.
 
     ``consume_saved_h=True`` lets the kernel overwrite ``saved_h`` with its gradient (saves a
@@ -344,6 +348,9 @@ def triton_hop_backward(
             dx_TH.zero_()
         dw13 = torch.zeros_like(w13, dtype=grad_dtype) if dw13 is None else dw13
         dw2 = torch.zeros_like(w2, dtype=grad_dtype) if dw2 is None else dw2
+        if not dw_accumulate:
+            dw13.zero_()
+            dw2.zero_()
         return dx_TH, dprobs_TK, dw13, dw2
     prob_P = pairs.pair_probs(probs_TK, index.token_index_map, offs, n_pairs)
     groups = HopGroups(idx_P, offs, n_pairs, exact)
@@ -383,13 +390,13 @@ def triton_hop_backward(
         _segment_sum(dy_TH, offs, db2, idx_P=idx_P, scale_P=prob_P)
     # dw2[e] (H, I) = sum_q dy[tok]^T (p*a)[q]
     dw2 = _wgrad(dy_TH, a_PI, idx_P, offs, dw2, groups, a_gather=True, b_gather=False, like=w2,
-                 grad_dtype=grad_dtype, k=k)  # fmt: skip
+                 grad_dtype=grad_dtype, k=k, accumulate=dw_accumulate)  # fmt: skip
     del a_PI
     if b13 is not None:  # db13[e] += sum of e's dh rows
         _segment_sum(dh_PJ, offs, db13)
     # dw13[e] (J, H) = sum_q dh[q]^T x[tok]
     dw13 = _wgrad(dh_PJ, x_TH, idx_P, offs, dw13, groups, a_gather=False, b_gather=True,
-                  like=w13, grad_dtype=grad_dtype, k=k)  # fmt: skip
+                  like=w13, grad_dtype=grad_dtype, k=k, accumulate=dw_accumulate)  # fmt: skip
     _combine_pair_products(dh_PJ, w13, index, offs, dx_TH, acc_dx, groups, k)
     return dx_TH, dprobs_TK, dw13, dw2
 

@@ -110,14 +110,18 @@ def token_backward(prob, group, how, overlap, dy, x, experts, probs, indices, or
     w13, w2 = local["w13"], local["w2"]
     graphs = hop_graphs_of(prob, how, x.device)
     # Eager, the first hop with pairs writes the local weight gradients and later hops add (no
-    # zero fill). Accumulators wider than the weights start as zeros that every hop adds to, and
-    # so do recorded hops' (bound in-outs, added into at their address: nothing of their size is
-    # returned from the graphs' pool and cloned; 0 + a == a, so the sums are the eager ones).
-    # The bias gradients are added into (the hop primitives' contract): zeros from the start.
+    # zero fill). Accumulators wider than the weights start as zeros that every hop adds to.
+    # Recorded hops get their accumulators bound (added into at their address: nothing of their
+    # size is returned from the graphs' pool and cloned), and the first hop with pairs writes
+    # over them (dw_accumulate=False) as the eager one writes fresh ones: no zero fill, and the
+    # same sums bitwise. The bias gradients are added into (the hop primitives' contract):
+    # zeros from the start.
     dw: dict[str, Tensor | None] = {"dw13": None, "dw2": None}
-    if prob.accum_dtype != prob.dtype or graphs is not None:
-        dw = {"dw13": torch.zeros_like(w13, dtype=prob.accum_dtype),
-              "dw2": torch.zeros_like(w2, dtype=prob.accum_dtype)}  # fmt: skip
+    wide = prob.accum_dtype != prob.dtype
+    if wide or graphs is not None:
+        new = torch.zeros_like if wide else torch.empty_like
+        dw = {"dw13": new(w13, dtype=prob.accum_dtype), "dw2": new(w2, dtype=prob.accum_dtype)}
+    written = [wide]  # whether dw holds a sum yet (zeros count as one)
     for name in ("b13", "b2"):
         if local[name] is not None:
             dw["d" + name] = torch.zeros_like(local[name], dtype=prob.accum_dtype)
@@ -132,6 +136,8 @@ def token_backward(prob, group, how, overlap, dy, x, experts, probs, indices, or
         else:
             xs, ps, dys = lead["x"], lead["probs"], lead["dy"]
         rows, first = pair_rows(prob, part, prob.rank), dw["dw13"] is None
+        over = not written[0]  # this hop's weight gradients write over the accumulators
+        written[0] = True
         sizes = index_sizes(indices[part])
 
         def body(t):  # eager, the first hop's weight gradients are written, not added: returned
@@ -139,11 +145,11 @@ def token_backward(prob, group, how, overlap, dy, x, experts, probs, indices, or
                 t["dy"], t["x"], t["w13"], t["w2"], t["probs"], index_from(t, sizes),
                 expert_range=own, saved_h=None, dx_TH=t["dx"], dprobs_TK=t["dprobs"],
                 dw13=t.get("dw13"), dw2=t.get("dw2"), backend=how.backend, kernels=how.kernels,
-                **rows, **mlp(prob, t), **bias_grads(t),
+                dw_accumulate=not over, **rows, **mlp(prob, t), **bias_grads(t),
             )  # fmt: skip
             return {"dw13": dw13, "dw2": dw2} if first else None
 
-        key = graphs and hop_key(prob, how, "bwd", own, rows)
+        key = graphs and hop_key(prob, how, "bwd", own, rows) + (over,)
         inputs = {"dy": dys, "x": xs, "probs": ps, **index_inputs(indices[part]), **weights}
         made = run_hop(graphs, key, body, inputs, {**trail, **present(dw)},
                        () if lead is None else BWD_TRAVELLING)  # fmt: skip
@@ -156,4 +162,7 @@ def token_backward(prob, group, how, overlap, dy, x, experts, probs, indices, or
     )  # fmt: skip
     if dw["dw13"] is None:  # no hop had pairs
         dw["dw13"], dw["dw2"] = torch.zeros_like(w13), torch.zeros_like(w2)
+    elif not written[0]:  # recorded hops' accumulators, and no hop had pairs to write them
+        dw["dw13"].zero_()
+        dw["dw2"].zero_()
     return result["dx"], result["dprobs"], home_grads(prob, dw)

@@ -120,6 +120,34 @@ def test_hop_backward_allocates_gradients_in_grad_dtype(backend):
     assert torch.equal(got[2][-1], torch.zeros_like(got[2][-1]))  # "empty": the last expert
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_hop_backward_writes_over_given_gradients(backend):
+    """``dw_accumulate=False``: given weight-gradient buffers full of garbage are written over,
+    bitwise what fresh ones get (experts without pairs exact zeros); the other gradients are
+    still added into; a range with no pairs gives zeros."""
+    from relaymoe.kernels import interpret_mode
+
+    if backend == "triton" and not interpret_mode():
+        pytest.skip("the Triton backend runs under TRITON_INTERPRET=1 on CPU")
+    gen = torch.Generator().manual_seed(8)
+    x, w13, w2, idx, probs = random_problem(27, 16, 12, 5, 2, gen=gen, kind="empty")
+    x, w13, w2, probs = (t.float() for t in (x, w13, w2, probs))
+    index = build_routing_index(idx, 5)
+    dy = torch.randn(x.shape, generator=gen)
+    want = expert_hop_backward(dy, x, w13, w2, probs, index, backend=backend)
+    g13, g2 = torch.full_like(w13, 7.0), torch.full_like(w2, -3.0)
+    got = expert_hop_backward(dy, x, w13, w2, probs, index, backend=backend, dw13=g13, dw2=g2,
+                              dw_accumulate=False)  # fmt: skip
+    assert got[2] is g13 and got[3] is g2
+    for name, a, b in zip(("dx", "dprobs", "dw13", "dw2"), got, want, strict=True):
+        assert torch.equal(a, b), name
+    assert torch.equal(g13[-1], torch.zeros_like(g13[-1]))  # "empty": the last expert
+    g13.fill_(5.0)
+    expert_hop_backward(dy[:0], x[:0], w13, w2, probs[:0], build_routing_index(idx[:0], 5),
+                        backend=backend, dw13=g13, dw2=g2, dw_accumulate=False)  # fmt: skip
+    assert not g13.any() and not g2.any()
+
+
 def test_save_and_recompute_names_are_checked():
     """Only the current names are taken (``recompute="none"`` and ``save="fc1"``, old spellings,
     are refused by name)."""
