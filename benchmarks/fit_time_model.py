@@ -2,6 +2,7 @@
 
     python benchmarks/fit_time_model.py          # the newest CURRENT run that has ring rows
     python benchmarks/fit_time_model.py --rows 'benchmarks/results/<run>/ring.jsonl'
+    python benchmarks/fit_time_model.py --captured-hops 'benchmarks/results/<run>/hop_cost.jsonl'
 
 Rows: ``bench: ring`` with a modelled ``mode`` (``expert``, ``token``, ``alltoall``) at EP > 1,
 overlapped, and a shape the simulator knows (``benchmarks.sim.calibrate.shape_of``), the newest
@@ -15,6 +16,10 @@ scale (the share-hidden constants stay in [0, 1]), starting from the package's d
 Prints the per-row error of the defaults and of the fit, and the fitted ``TimeModel(...)``: to
 regenerate the runtime's constants, paste those values into ``relaymoe/cost/time.py`` (the
 package ships them as plain data and reads no result file). Pure Python, seconds on a CPU.
+
+``--captured-hops``: ``captured_hop_fixed_s`` alone, from ``bench: hop_cost`` rows
+(``benchmarks/hop_cost.py --library``; :func:`captured_hop_fit`), printed beside the package's
+value, not fitted with the others (the ring rows measure no captured pass).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import argparse
 import dataclasses
 import math
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -111,6 +117,79 @@ def fit(pts: list[Point], start: cm.TimeModel = cm.DEFAULT_TIME_MODEL, rounds: i
     return best
 
 
+def captured_hop_fit(rows: list[dict], *, ep: int | None = None) -> dict:
+    """``TimeModel.captured_hop_fixed_s`` from hop_cost rows (one GPU, transfers left out).
+
+    ``step_seconds`` charges a ring pass ``R * hop_fixed_s`` of host time (the call's own is
+    ``call_fixed_s``), so a row's host time per hop is its whole pass's over its hops,
+    ``host_us_per_pass / hops`` (the pass's set-up, plans and trail return included, as in the
+    ring steps ``hop_fixed_s`` was fitted on), not ``host_us_per_hop`` (the hop's range alone).
+    The value minimises the squared log errors of ``hops * h`` against ``host_us_per_pass``
+    over the ``capture_path: "library"`` rows that measured a pass (the loss of :func:`fit`):
+    their geometric mean. Returned with the same of the eager rows (``eager_hop_fixed_s``, to
+    set against ``hop_fixed_s``, fitted on two-GPU steps), the median of the library rows'
+    ``host_us_per_hop`` (``hop_range_s``), the value per EP (``by_ep``) and the rows used;
+    ``ep`` keeps the rows of that EP only."""
+
+    def per_hop(path: str) -> list[tuple[int, float]]:
+        out = []
+        for r in rows:
+            if r.get("bench") != "hop_cost" or r.get("capture_path") != path:
+                continue
+            if r.get("capture_error") or ep is not None and r.get("ep") != ep:
+                continue
+            host, hops = r.get("host_us_per_pass"), r.get("hops")
+            if isinstance(host, int | float) and host > 0 and isinstance(hops, int) and hops > 0:
+                out.append((r["ep"], host * 1e-6 / hops))
+        return out
+
+    def geomean(xs: list[float]) -> float | None:
+        return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+
+    lib = per_hop("library")
+    if not lib:
+        raise ValueError("no hop_cost library rows with a measured pass: nothing to fit")
+    ranges = [
+        r["host_us_per_hop"] * 1e-6
+        for r in rows
+        if r.get("bench") == "hop_cost" and r.get("capture_path") == "library"
+        and isinstance(r.get("host_us_per_hop"), int | float)
+        and (ep is None or r.get("ep") == ep)
+    ]  # fmt: skip
+    return {
+        "captured_hop_fixed_s": geomean([h for _, h in lib]),
+        "eager_hop_fixed_s": geomean([h for _, h in per_hop("eager")]),
+        "hop_range_s": statistics.median(ranges) if ranges else None,
+        "by_ep": {e: geomean([h for e2, h in lib if e2 == e]) for e in sorted({e for e, _ in lib})},
+        "rows": len(lib),
+    }
+
+
+def _print_captured_hop_fit(rows: list[dict], ep: int | None) -> int:
+    try:
+        f = captured_hop_fit(rows, ep=ep)
+    except ValueError as e:
+        print(f"fit_time_model: {e}", file=sys.stderr)
+        return 2
+    m = cm.DEFAULT_TIME_MODEL
+
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v * 1e3:.3f} ms"
+
+    print(
+        f"captured_hop_fixed_s from {f['rows']} library rows"
+        f"{'' if ep is None else f' at EP {ep}'}: {ms(f['captured_hop_fixed_s'])} a hop "
+        f"(host_us_per_pass / hops, geometric mean); package {ms(m.captured_hop_fixed_s)}"
+    )
+    print("  by EP: " + ", ".join(f"EP {e} {ms(v)}" for e, v in f["by_ep"].items()))
+    print(f"  the hop's range alone (median host_us_per_hop): {ms(f['hop_range_s'])}")
+    print(
+        f"  the same fit of the eager rows: {ms(f['eager_hop_fixed_s'])}, against hop_fixed_s "
+        f"{ms(m.hop_fixed_s)} fitted on two-GPU steps (transfers' issue included)"
+    )
+    return 0
+
+
 def _literal(model: cm.TimeModel) -> str:
     parts = [f"{n}={getattr(model, n):.4g}" for n in FIELDS]
     return "TimeModel(" + ", ".join(parts) + ")"
@@ -120,7 +199,20 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", nargs="*", default=None,
                     help="row files (globs) instead of the CURRENT runs")  # fmt: skip
+    ap.add_argument(
+        "--captured-hops",
+        nargs="+",
+        default=None,
+        metavar="ROWS",
+        help="hop_cost row files (globs): fit captured_hop_fixed_s alone",
+    )
+    ap.add_argument("--ep", type=int, default=None,
+                    help="with --captured-hops: the rows of this EP only")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.captured_hops:
+        from benchmarks.sim.calibrate import load_rows
+
+        return _print_captured_hop_fit(load_rows(args.captured_hops), args.ep)
     if args.rows:
         from benchmarks.sim.calibrate import load_rows
 

@@ -332,6 +332,32 @@ def test_time_model_fit_recovers_a_known_model():
         ftm.fit([])
 
 
+def test_captured_hop_fit_is_the_pass_host_time_per_hop():
+    """``captured_hop_fixed_s`` from library rows: the geometric mean of host_us_per_pass / hops
+    (the squared log loss of ``hops * h``), refused and eager rows left out of it."""
+    import math
+
+    from benchmarks import fit_time_model as ftm
+
+    def row(path, ep, host, **kw):
+        hop = None if host is None else host / ep / 2
+        return {"bench": "hop_cost", "capture_path": path, "ep": ep, "hops": ep,
+                "host_us_per_pass": host, "host_us_per_hop": hop, **kw}  # fmt: skip
+
+    rows = [row("library", 2, 400.0), row("library", 8, 6400.0), row("eager", 2, 3000.0),
+            row("library", 2, None, capture_error="refused"),
+            {"bench": "ring", "ep": 2}]  # fmt: skip
+    f = ftm.captured_hop_fit(rows)
+    assert f["rows"] == 2
+    assert f["captured_hop_fixed_s"] == pytest.approx(math.sqrt(200e-6 * 800e-6))
+    assert f["by_ep"] == {2: pytest.approx(200e-6), 8: pytest.approx(800e-6)}
+    assert f["eager_hop_fixed_s"] == pytest.approx(1500e-6)
+    assert f["hop_range_s"] == pytest.approx(250e-6)  # the hop ranges' median, 100 and 400 us
+    assert ftm.captured_hop_fit(rows, ep=8)["captured_hop_fixed_s"] == pytest.approx(800e-6)
+    with pytest.raises(ValueError, match="nothing to fit"):
+        ftm.captured_hop_fit(rows[2:])
+
+
 # -- two-level schedule (issue #18) ------------------------------------------------------------
 
 
