@@ -76,6 +76,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from unittest import mock
 
@@ -425,9 +426,13 @@ def _sync(cuda: bool) -> None:
 
 def time_host(run, R: int, cuda: bool, n: int) -> dict:
     """``n`` passes, each after a sync: host time per hop (the loop's ranges) and per pass, and
-    the pass's span on the GPU (CUDA events around its issue)."""
+    the pass's span on the GPU (CUDA events around its issue); then ``n`` passes issued back to
+    back, as the layers of a step issue theirs (no sync between them): the span of the chain
+    per pass on the GPU and the host's time per pass (``span_us_per_pass_chained``,
+    ``host_us_per_pass_chained``)."""
     timer = HopTimer()
     per_pass, per_hop, spans = [], [], []
+    chain = {}
     with mock.patch.object(executor, "_hop_range", timer):
         for _ in range(n):
             _sync(cuda)
@@ -445,10 +450,23 @@ def time_host(run, R: int, cuda: bool, n: int) -> dict:
             per_pass.append((t1 - t0) * 1e6)
             hops = timer.spans[k:]
             per_hop.append(sum(hops) / max(len(hops), 1) * 1e6)
+        if cuda:
+            _sync(cuda)
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                run()
+            t1 = time.perf_counter()
+            e1.record()
+            e1.synchronize()
+            chain = {"span_us_per_pass_chained": round(e0.elapsed_time(e1) * 1e3 / n, 1),
+                     "host_us_per_pass_chained": round((t1 - t0) * 1e6 / n, 1)}  # fmt: skip
     return {
         "host_us_per_hop": round(statistics.median(per_hop), 1),
         "host_us_per_pass": round(statistics.median(per_pass), 1),
         "span_us_per_pass": round(statistics.median(spans), 1) if spans else None,
+        **chain,
     }
 
 
@@ -553,8 +571,13 @@ def pass_fields(events, n: int, hop_name: str, hops: int) -> dict:
     }
 
 
-def measure_pass(ring: Ring, direction: str, a) -> dict:
-    """The eager row's measures of one pass direction."""
+def measure_pass(ring: Ring, direction: str, a, *, timed: bool = True,
+                 profiled: bool = True) -> dict:  # fmt: skip
+    """The eager row's measures of one pass direction: ``timed`` the host times and GPU spans
+    (:func:`time_host`, no profiler), ``profiled`` the profiler's fields (:func:`pass_fields`);
+    with both, the idle shares (:func:`idle_fields`). ``main`` times every case before it
+    profiles any: a finished torch.profiler session leaves the process's host 1.3-1.8x slower
+    per hop, so host times taken after one would carry that."""
     case = ring.case
     cuda = case.device == "cuda"
 
@@ -564,16 +587,26 @@ def measure_pass(ring: Ring, direction: str, a) -> dict:
     for _ in range(a.warmup):
         run()
     _sync(cuda)
-    row = time_host(run, case.ep, cuda, a.passes)
-    if cuda:
-        prof = profile_passes(run, a.profile_passes, f"relaymoe.{case.mode}.{direction}.hop",
-                              case.ep)  # fmt: skip
-        row.update(prof)
-        span = row["span_us_per_pass"]
-        idle = max(0.0, 1.0 - prof["busy_us_per_pass"] / span) if span else None
-        row["idle_frac"] = None if idle is None else round(idle, 3)
-    else:
+    row = time_host(run, case.ep, cuda, a.passes) if timed else {}
+    if cuda and profiled:
+        row.update(profile_passes(run, a.profile_passes,
+                                  f"relaymoe.{case.mode}.{direction}.hop", case.ep))  # fmt: skip
+    if not cuda:
         row.update(gpu_us_per_hop=None, launches_per_hop=None, idle_frac=None)
+    return idle_fields(row)
+
+
+def idle_fields(row: dict) -> dict:
+    """``row`` with its GPU idle shares where it has both the spans and the profiler's busy
+    time: ``idle_frac`` of a pass issued after a sync (its set-up before the first kernel
+    counts as idle), ``idle_frac_chained`` of passes issued back to back (what a step of many
+    layers sees: a pass's set-up overlaps the GPU work queued before it, and only a host slower
+    than the GPU leaves it idle)."""
+    busy = row.get("busy_us_per_pass")
+    for key, span in (("idle_frac", "span_us_per_pass"),
+                      ("idle_frac_chained", "span_us_per_pass_chained")):  # fmt: skip
+        if busy is not None and row.get(span):
+            row[key] = round(max(0.0, 1.0 - busy / row[span]), 3)
     return row
 
 
@@ -605,10 +638,11 @@ def hop_body(ring: Ring, direction: str):
         )
         o = {"dx": torch.zeros_like(m["x"]), "dprobs": torch.zeros_like(m["probs"]), **dw}
 
-        def body():
+        def body():  # the trail's weight gradients written over, as the pass's hops do
             expert_hop_backward(m["dy"], m["x"], w["w13"], w["w2"], m["probs"], ring.index,
                                 saved_h=None, dx_TH=o["dx"], dprobs_TK=o["dprobs"],
-                                dw13=o["dw13"], dw2=o["dw2"], **bias_grads(o), **kw)  # fmt: skip
+                                dw13=o["dw13"], dw2=o["dw2"], dw_accumulate=False,
+                                **bias_grads(o), **kw)  # fmt: skip
 
         return body, o
     s, local = p, expert_slice(ring.data, case, 0)
@@ -821,6 +855,35 @@ def _init_group():
     return dist.group.WORLD
 
 
+def _library(ring: Ring, direction: str, a, *, timed: bool) -> dict:
+    """The library row's fields (``hop_library.library_row``): ``timed`` its outputs against
+    eager's and the timed passes, else the profiled ones; what blocks the library's capture is
+    named in the row."""
+    measure = partial(measure_pass, timed=timed, profiled=not timed)
+    try:
+        return hop_library.library_row(ring, direction, a, measure, trail_views, compare=timed)
+    except Exception as exc:
+        with contextlib.suppress(Exception):
+            _sync(ring.case.device == "cuda")
+        return capture_failure(exc)
+
+
+def merged(timed_row: dict, profiled_row: dict) -> dict:
+    """One row of a (case, direction, path) from its timed and its profiled measures: the timed
+    one's fields where both have one, the idle shares from the two; a profiled run that failed
+    where the timed one did not is named in ``profile_error``."""
+    row = {**profiled_row, **timed_row}
+    if profiled_row.get("capture_error") and not timed_row.get("capture_error"):
+        row["profile_error"] = profiled_row["capture_error"]
+    return idle_fields(row)
+
+
+def _release() -> None:
+    hop_graphs.forget()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="EP {2, 64} x T {4096}")
@@ -854,9 +917,21 @@ def main(argv=None) -> int:
     env = environment()
     writer = JsonlWriter(a.out or f"benchmarks/results/hop_cost_{env['date']}.jsonl", env=env)
     group = _init_group()
-    rows = []
+    # Every case's timed passes first, then the profiled ones (measure_pass: a finished
+    # profiler session slows the host for the rest of the process)
+    timed: dict[tuple, dict] = {}
     for case in plan:
         hop_graphs.forget()  # no case's recorded hops or static buffers count in another's
+        ring = Ring(case, group=group)
+        for direction in DIRECTIONS:
+            timed[case, direction, "eager"] = measure_pass(ring, direction, a, profiled=False)
+            if a.library:
+                timed[case, direction, "library"] = _library(ring, direction, a, timed=True)
+        del ring
+        _release()
+    rows = []
+    for case in plan:
+        hop_graphs.forget()
         ring = Ring(case, group=group)
         pairs = hop_pairs(case, ring.data)
         tag = {"bench": "hop_cost", "shape": "tiny" if a.tiny else "qwen3_30b_a3b",
@@ -870,27 +945,23 @@ def main(argv=None) -> int:
                "pair_buffer_mib": ring.prob.pair_buffer_mib}  # fmt: skip
         for direction in DIRECTIONS:
             head = {**tag, "direction": direction}
-            r = measure_pass(ring, direction, a)
+            r = merged(timed[case, direction, "eager"],
+                       measure_pass(ring, direction, a, timed=False))  # fmt: skip
             rows.append(writer.write({**head, "captured": False, "capture_path": "eager", **r}))
             if a.captured:
                 r = measure_captured(ring, direction, a)
                 rows.append(writer.write({**head, "captured": True, "capture_path": "hop_graph",
                                           **NOT_MEASURED, **r}))  # fmt: skip
             if a.library:
-                try:
-                    r = hop_library.library_row(ring, direction, a, measure_pass, trail_views)
-                except Exception as exc:  # what blocks the library's capture, named in the row
-                    with contextlib.suppress(Exception):
-                        _sync(case.device == "cuda")
-                    r = capture_failure(exc)
+                r = merged(timed[case, direction, "library"],
+                           _library(ring, direction, a, timed=False))  # fmt: skip
                 rows.append(writer.write({**head, "captured": True, "capture_path": "library",
                                           **NOT_MEASURED, **r}))  # fmt: skip
         del ring
-        hop_graphs.forget()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        _release()
     cols = ["mode", "direction", "ep", "tokens", "capture_path", "host_us_per_hop",
-            "gpu_us_per_hop", "launches_per_hop", "idle_frac", "capture_error"]  # fmt: skip
+            "gpu_us_per_hop", "launches_per_hop", "idle_frac", "idle_frac_chained",
+            "capture_error"]  # fmt: skip
     print_table(rows, cols)
     print(f"[hop_cost] {len(rows)} rows -> {writer.path}")
     import torch.distributed as dist

@@ -9,9 +9,10 @@ hop (each hop's own span, by its index in the pass: ``host_us_by_hop``) and ``--
 under cProfile, switched on inside each hop's range only (the pass's set-up and the trail's
 return left out). Rows (``bench: hop_host_profile``, JSONL) carry the per-hop host time and, per
 function, its calls and own time per hop (``top``: the ``--top`` heaviest by own time), so a C
-call that blocks (a graph launch, an allocation, an event) shows as its own line. The profile's
-own overhead inflates Python-heavy lines; compare lines with each other, and the unprofiled
-``host_us_per_hop`` with hop_cost's rows.
+call that blocks (a graph launch, an allocation, an event) shows as its own line, and the
+library's own functions by cumulative time (``top_cum``: where a hop's time goes by caller).
+The profile's own overhead inflates Python-heavy lines; compare lines with each other, and the
+unprofiled ``host_us_per_hop`` with hop_cost's rows.
 """
 
 from __future__ import annotations
@@ -97,8 +98,9 @@ def profiled(ring, direction: str, n: int, top: int) -> list[dict]:
         rows.append({"fn": where, "calls_per_hop": round(ncalls / hops, 2),
                      "own_us_per_hop": round(tt / hops * 1e6, 2),
                      "cum_us_per_hop": round(ct / hops * 1e6, 2)})  # fmt: skip
+    ours = sorted((r for r in rows if "relaymoe/" in r["fn"]), key=lambda r: -r["cum_us_per_hop"])
     rows.sort(key=lambda r: -r["own_us_per_hop"])
-    return rows[:top]
+    return rows[:top], ours[:top]
 
 
 def main(argv=None) -> int:
@@ -134,7 +136,7 @@ def main(argv=None) -> int:
                     name = f"relaymoe.{case.mode}.{direction}.hop"
                     hop_cost.profile_passes(partial(ring.run, direction), 2, name, case.ep)
                 row = by_hop(ring, direction, a.passes)
-                top = profiled(ring, direction, a.passes, a.top)
+                top, top_cum = profiled(ring, direction, a.passes, a.top)
             writer.write(
                 {
                     "bench": "hop_host_profile",
@@ -144,11 +146,16 @@ def main(argv=None) -> int:
                     "direction": direction,
                     **row,
                     "top": top,
+                    "top_cum": top_cum,
                 }
             )
             print(f"== {case.mode} {direction} EP {case.ep} T {case.tokens}: {row}")
             for r in top:
                 print(f"   {r['own_us_per_hop']:8.2f} us own {r['cum_us_per_hop']:8.2f} cum "
+                      f"{r['calls_per_hop']:6.2f}x  {r['fn']}")  # fmt: skip
+            print("   -- the library's functions by cumulative time")
+            for r in top_cum:
+                print(f"   {r['cum_us_per_hop']:8.2f} us cum {r['own_us_per_hop']:8.2f} own "
                       f"{r['calls_per_hop']:6.2f}x  {r['fn']}")  # fmt: skip
         del ring
         if torch.cuda.is_available():

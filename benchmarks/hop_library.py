@@ -89,7 +89,7 @@ def held() -> tuple[int, int]:
     return sum(len(c.entries) for c in caches), sum(c.static_bytes() for c in caches)
 
 
-def compare(want: dict, got: dict) -> dict:
+def compared(want: dict, got: dict) -> dict:
     """The largest absolute difference between two passes' outputs by name, whether they are
     bitwise equal, the output that differs most (None when bitwise) and how many compared."""
     worst, at, same = 0.0, None, want.keys() == got.keys()
@@ -135,6 +135,7 @@ def outputs(ring, direction: str, views) -> dict[str, torch.Tensor]:
         got = {"dx": dx, "dprobs": dprobs, **{f"grad.{k}": v for k, v in grads.items()}}
     if ring.case.mode == "token" and direction == "fwd":
         for p, index in sorted(ring.indices.items()):
+            index = getattr(index, "index", index)  # a recorded forward's PackedIndex
             got.update({f"index{p}.{k}": getattr(index, k) for k in hop_graphs.INDEX_FIELDS})
     out = {k: v.clone() for k, v in got.items()}
     for p, buf in sorted(tr.trails.items()):  # the transport's clones already
@@ -161,16 +162,17 @@ def settle(ring, direction: str, limit: int) -> int:
     return limit
 
 
-def library_row(ring, direction: str, a, measure, views) -> dict:
+def library_row(ring, direction: str, a, measure, views, *, compare: bool = True) -> dict:
     """The library row's fields for ``ring``'s pass of ``direction``; ``measure`` is
-    ``hop_cost.measure_pass``, ``views`` ``hop_cost.trail_views``: the eager pass's
-    :func:`outputs` against a replayed pass's."""
+    ``hop_cost.measure_pass`` (or a partial of it), ``views`` ``hop_cost.trail_views``: the
+    eager pass's :func:`outputs` against a replayed pass's (``compare=False``: not compared,
+    for the profiled half of a row whose timed half compared them)."""
     why = hop_graphs.refusal(ring.prob, ring.how.backend, ring.dev)
     if why is not None:
         return {"capture_error": f"refused (hop_graphs.refusal): {why}",
                 "capture_error_at": "relaymoe/ring/hop_graphs.py (refusal)"}  # fmt: skip
     cuda = ring.dev.type == "cuda"
-    want = outputs(ring, direction, views)  # eager
+    want = outputs(ring, direction, views) if compare else None  # eager
     entries0, _ = held()
     mem0 = torch.cuda.memory_allocated(ring.dev) if cuda else None
     with capturing(ring):
@@ -181,9 +183,11 @@ def library_row(ring, direction: str, a, measure, views) -> dict:
         if entries1 == entries0:
             return {"capture_error": "no hop was recorded: the pass ran its hops eagerly"}
         held_mib = (torch.cuda.memory_allocated(ring.dev) - mem0) / MiB if cuda else None
-        got = outputs(ring, direction, views)  # a replayed pass
-        diff = compare(want, got)
-        del want, got
+        diff = {}
+        if compare:
+            got = outputs(ring, direction, views)  # a replayed pass
+            diff = compared(want, got)
+            del want, got
         steady = settle(ring, direction, STEADY_PASSES)
         settled, _ = held()  # what the timed passes record is counted from here
         row = measure(ring, direction, a)

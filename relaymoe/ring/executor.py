@@ -315,6 +315,7 @@ def relay(
     phase: str = "",
     capacity: int | None = None,
     prepare: Callable[[int, int, dict[str, Tensor] | None], None] | None = None,
+    zero_trail: bool = True,
 ) -> dict[str, Tensor] | None:
     """One ring pass. Returns the views of this rank's complete trail (None without a trail).
 
@@ -328,6 +329,9 @@ def relay(
     ``prepare(hop, partition, lead)``: called before the hop's transfer is issued, with the lead
     already in place (e.g. node-batched rounds exchange it inside the node there, so that on
     NCCL that exchange is not queued behind the hop's transfer, which overlaps the compute).
+    ``zero_trail=False``: the trail views reach ``compute`` as they are, and ``compute`` writes
+    its whole share (zeroing first what it adds into, or writing over), also at a hop it has
+    nothing to compute for: a recorded hop zeroes inside its graph, one host launch less a hop.
     """
     R, rank = plan.world_size, plan.rank
     has_trail = trail_layout is not None
@@ -335,7 +339,8 @@ def relay(
         trail = None
         if has_trail:
             lay = trail_layout(rank)
-            trail = _zero_views(lay, torch.empty(lay.nbytes, dtype=torch.uint8, device=device))
+            buf = torch.empty(lay.nbytes, dtype=torch.uint8, device=device)
+            trail = _zero_views(lay, buf) if zero_trail else lay.views(buf)
         if prepare is not None:
             prepare(0, rank, None)
         compute(0, rank, None, trail)
@@ -406,8 +411,9 @@ def relay(
                     part, part_runs = views_of(*dst), dst_runs
                 else:
                     part, part_runs = views_of(trail_p, 2), runs_of(trail_p, 2)
-                for v in part_runs:
-                    v.zero_()
+                if zero_trail:
+                    for v in part_runs:
+                        v.zero_()
             if recording:
                 mark(h, "c0")
             compute(h, p, lead, part)

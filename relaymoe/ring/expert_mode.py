@@ -79,18 +79,27 @@ def expert_backward(prob, group, how, overlap, dy, x, experts, probs, index, ord
     graphs = hop_graphs_of(prob, how, x.device)
     own, sizes = {"dy": dy, "x": x, "probs": probs, **index_inputs(index)}, index_sizes(index)
 
+    # The trail reaches compute as it is (relay's zero_trail=False): each hop writes its weight
+    # gradients over it (dw_accumulate=False: no zero fill, no read of the old values, bitwise
+    # what zeros added into get) and zeroes the bias gradients it adds into, inside a recorded
+    # hop's graph.
     def compute(hop, part, lead, trail):
-        if T == 0:
-            return  # no pairs: this rank's share of the weight gradient is exactly zero
+        if T == 0:  # no pairs: this rank's share of the weight gradient is exactly zero
+            for v in trail.values():
+                v.zero_()
+            return
         w = local if lead is None else lead
         rng, rows = (part * El, (part + 1) * El), pair_rows(prob, prob.rank, part)
 
         def body(t):
+            for name in ("db13", "db2"):
+                if name in t:
+                    t[name].zero_()
             expert_hop_backward(
                 t["dy"], t["x"], t["w13"], t["w2"], t["probs"], index_from(t, sizes),
                 expert_range=rng, saved_h=None, dx_TH=t["dx"], dprobs_TK=t["dprobs"],
                 dw13=t["dw13"], dw2=t["dw2"], backend=how.backend, kernels=how.kernels,
-                **rows, **mlp(prob, t), **bias_grads(t),
+                dw_accumulate=False, **rows, **mlp(prob, t), **bias_grads(t),
             )  # fmt: skip
 
         key = graphs and hop_key(prob, how, "bwd", rng, rows)
@@ -102,6 +111,6 @@ def expert_backward(prob, group, how, overlap, dy, x, experts, probs, index, ord
         grads = ring_pass(
             prob, group, overlap, x.device, "bwd", bwd,
             lead_layout=lambda p: w, own_lead=lambda views: pack_own(experts, views),
-            trail_layout=lambda p: dw, compute=compute,
+            trail_layout=lambda p: dw, compute=compute, zero_trail=False,
         )  # fmt: skip
     return dx, dprobs, home_grads(prob, grads)

@@ -75,6 +75,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -90,6 +91,7 @@ __all__ = [
     "CudaGraphReplay",
     "EagerReplay",
     "HopGraphs",
+    "PackedIndex",
     "graphs_for",
     "index_from",
     "index_inputs",
@@ -277,6 +279,8 @@ class HopGraphs:
         _copy_all([inouts[n] for n in back], [static[n] for n in back])
         if not produced:
             return {}
+        if len(produced) == 1:  # (token forward's packed index) one call
+            return {n: t.clone() for n, t in produced.items()}
         made = {n: torch.empty_like(t) for n, t in produced.items()}  # the clones, one launch
         _copy_all(list(made.values()), list(produced.values()))
         return made
@@ -323,7 +327,7 @@ def _copy_all(dsts: list[Tensor], srcs: list[Tensor]) -> None:
         dsts[0].copy_(srcs[0])
 
 
-def index_inputs(index: RoutingIndex, prefix: str = "index.") -> dict[str, Tensor]:
+def index_inputs(index: RoutingIndex | PackedIndex, prefix: str = "index.") -> dict[str, Tensor]:
     """The routing index's arrays as inputs of :meth:`HopGraphs.run`: its one packed buffer
     when it has one (:func:`packed_index`: one copy a hop, not four), else the four arrays."""
     if index.packed is not None:
@@ -347,7 +351,26 @@ def packed_index(buf: Tensor, sizes: tuple[int, int, int]) -> RoutingIndex:
     return RoutingIndex(*(views[f] for f in INDEX_FIELDS), *sizes, packed=buf)
 
 
-def index_sizes(index: RoutingIndex) -> tuple[int, int, int]:
+class PackedIndex(NamedTuple):
+    """A routing index kept as its packed buffer (:func:`index_layout`) and sizes: what a
+    recorded token forward returns for each visiting partition. The backward copies the buffer
+    into its hop as one tensor and never needs the arrays on the host, so their views are made
+    only where read (:attr:`index`), not every hop."""
+
+    packed: Tensor
+    sizes: tuple[int, int, int]
+
+    @property
+    def index(self) -> RoutingIndex:
+        """The :class:`RoutingIndex` whose arrays are views of :attr:`packed`."""
+        return packed_index(self.packed, self.sizes)
+
+    num_tokens = property(lambda self: self.sizes[0])
+    topk = property(lambda self: self.sizes[1])
+    num_experts = property(lambda self: self.sizes[2])
+
+
+def index_sizes(index: RoutingIndex | PackedIndex) -> tuple[int, int, int]:
     """``(num_tokens, topk, num_experts)`` of ``index``: what :func:`index_from` rebuilds it of
     (a body keeps these host sizes, never the index of the call that recorded it)."""
     return index.num_tokens, index.topk, index.num_experts

@@ -15,6 +15,7 @@ from relaymoe.experts import expert_hop_backward, expert_hop_forward
 from relaymoe.ring.agree import RingProblem
 from relaymoe.ring.hop_graphs import (
     INDEX_FIELDS,
+    PackedIndex,
     index_from,
     index_inputs,
     index_layout,
@@ -57,7 +58,8 @@ def token_ids(ids: Tensor, prob: RingProblem, order: str) -> Tensor:
 
 def token_forward(prob, group, how, overlap, x, experts, probs, idx32, order):
     """Returns ``(out, indices)``: ``indices[p]`` is the routing index of partition ``p``'s
-    tokens (built once, when it visits; the backward reuses it)."""
+    tokens (built once, when it visits; the backward reuses it), a ``PackedIndex`` where the
+    hops are recorded."""
     E, Ts, own = prob.num_experts, prob.tokens, prob.expert_range
     # local experts compute every hop: their (El, ...) form for this pass only (a zero-copy view
     # when the list form is back to back, else a transient stack dropped when the pass ends)
@@ -75,6 +77,8 @@ def token_forward(prob, group, how, overlap, x, experts, probs, idx32, order):
         lay = index_layout(sizes)
 
         def body(t):  # the index is built in the hop: it is among what the body returns
+            if graphs is not None:  # the trail share, zeroed in the graph (zero_trail=False)
+                t["out"].zero_()
             ids = token_ids(t["idx"], prob, order)
             if graphs is None:
                 index = build_routing_index(ids, E, validate=False)
@@ -92,12 +96,14 @@ def token_forward(prob, group, how, overlap, x, experts, probs, idx32, order):
         key = graphs and hop_key(prob, how, "fwd", own, rows) + (order,)  # only a cache reads it
         made = run_hop(graphs, key, body, {"x": xs, "idx": ids, "probs": ps, **weights},
                        {"out": trail["out"]}, () if lead is None else FWD_TRAVELLING)  # fmt: skip
-        indices[part] = index_from(made, sizes)
+        packed = made.get("index.packed")  # recorded: the arrays' views only where read
+        indices[part] = index_from(made, sizes) if packed is None else PackedIndex(packed, sizes)
 
     fwd, bwd = token_plans(prob)
     result = ring_pass(
         prob, group, overlap, x.device, "fwd", fwd, own_lead={"x": x, "idx": idx32, "probs": probs},
-        compute=compute, capacity=capacity(fwd, bwd, prob), **token_layouts(prob, False),
+        compute=compute, capacity=capacity(fwd, bwd, prob), zero_trail=graphs is None,
+        **token_layouts(prob, False),
     )  # fmt: skip
     return result["out"], indices
 
@@ -141,6 +147,9 @@ def token_backward(prob, group, how, overlap, dy, x, experts, probs, indices, or
         sizes = index_sizes(indices[part])
 
         def body(t):  # eager, the first hop's weight gradients are written, not added: returned
+            if graphs is not None:  # the trail share, zeroed in the graph (zero_trail=False)
+                t["dx"].zero_()
+                t["dprobs"].zero_()
             _, _, dw13, dw2 = expert_hop_backward(
                 t["dy"], t["x"], t["w13"], t["w2"], t["probs"], index_from(t, sizes),
                 expert_range=own, saved_h=None, dx_TH=t["dx"], dprobs_TK=t["dprobs"],
@@ -158,7 +167,7 @@ def token_backward(prob, group, how, overlap, dy, x, experts, probs, indices, or
     _, bwd = token_plans(prob)
     result = ring_pass(
         prob, group, overlap, x.device, "bwd", bwd, own_lead={"x": x, "probs": probs, "dy": dy},
-        compute=compute, **token_layouts(prob, True),
+        compute=compute, zero_trail=graphs is None, **token_layouts(prob, True),
     )  # fmt: skip
     if dw["dw13"] is None:  # no hop had pairs
         dw["dw13"], dw["dw2"] = torch.zeros_like(w13), torch.zeros_like(w2)

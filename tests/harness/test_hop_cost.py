@@ -224,6 +224,25 @@ def test_replay_fields_from_profiler_events():
     assert none["idle_frac"] == 0.0
 
 
+def test_rows_merge_timed_and_profiled_halves():
+    """A row's timed half (no profiler ran before it) and its profiled half: the timed fields
+    win, the idle shares come from the profiler's busy time against each span (a pass after a
+    sync, and passes issued back to back), and a profiled half that failed is named."""
+    timed = {"host_us_per_hop": 40.0, "span_us_per_pass": 200.0,
+             "span_us_per_pass_chained": 160.0, "capture_error": None}  # fmt: skip
+    prof = {"host_us_per_hop": 90.0, "busy_us_per_pass": 150.0, "gpu_us_per_hop": 70.0}
+    row = hc.merged(timed, prof)
+    assert row["host_us_per_hop"] == 40.0 and row["gpu_us_per_hop"] == 70.0
+    assert row["idle_frac"] == 0.25 and row["idle_frac_chained"] == round(1 - 150 / 160, 3)
+    assert "profile_error" not in row
+    failed = hc.merged(timed, {"capture_error": "RuntimeError: x"})
+    assert failed["profile_error"] == "RuntimeError: x" and failed["capture_error"] is None
+    assert "idle_frac" not in failed  # no busy time: no idle share
+    assert (
+        hc.idle_fields({"busy_us_per_pass": 300.0, "span_us_per_pass": 200.0})["idle_frac"] == 0.0
+    )  # clipped: the profiler's intervals can outlast the events' span
+
+
 def _ev(kind, name, a, b, *, id=0, kernels=()):  # noqa: A002 (the profiler's name)
     """A profiler event as ``hop_cost.pass_fields`` reads it."""
     from types import SimpleNamespace
@@ -301,14 +320,14 @@ def test_library_compare_is_bitwise():
     """The library row's comparison: one ulp apart is not bitwise (the diff says where), a
     missing output is a difference, equal outputs are bitwise."""
     a = {"out": torch.ones(4), "idx": torch.arange(3, dtype=torch.int32)}
-    same = hop_library.compare(a, {k: v.clone() for k, v in a.items()})
+    same = hop_library.compared(a, {k: v.clone() for k, v in a.items()})
     assert same == {"capture_max_abs_diff": 0.0, "capture_bitwise": True,
                     "capture_diff_at": None, "capture_compared": 2}  # fmt: skip
     b = dict(a, out=torch.nextafter(a["out"], torch.full((4,), 2.0)))
-    d = hop_library.compare(a, b)
+    d = hop_library.compared(a, b)
     assert d["capture_bitwise"] is False and d["capture_diff_at"] == "out"
     assert 0 < d["capture_max_abs_diff"] < 1e-6
-    assert hop_library.compare(a, {"out": a["out"]})["capture_bitwise"] is False
+    assert hop_library.compared(a, {"out": a["out"]})["capture_bitwise"] is False
 
 
 @pytest.mark.parametrize("mode", ["expert", "token"])
@@ -323,7 +342,7 @@ def test_library_outputs_are_each_hops_own(mode):
         first = hop_library.outputs(ring, direction, hc.trail_views)
         ring.run(direction)
         again = hop_library.outputs(ring, direction, hc.trail_views)
-        assert hop_library.compare(first, again)["capture_bitwise"], direction
+        assert hop_library.compared(first, again)["capture_bitwise"], direction
         if (mode, direction) != ("expert", "fwd"):
             assert {k.split(".")[0] for k in first if k.startswith("trail")} == {
                 f"trail{p}" for p in range(case.ep)
