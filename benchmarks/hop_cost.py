@@ -44,7 +44,12 @@ own CUDA graph) and ``"library"`` (``--library``: the library's pass with its ow
   inside a hop's range (``graph_launches_per_hop``, ``memcpy_per_hop``, ``memset_per_hop``
   beside it); ``*_per_pass`` the pass's.
 * ``idle_frac``: ``1 - busy / span``: busy the union of the pass's device intervals (profiler),
-  span the pass on the GPU from CUDA events recorded before it is issued and after (no profiler).
+  span the pass on the GPU from CUDA events recorded before it is issued and after (no profiler),
+  a pass issued after a sync, so its host set-up before the first kernel counts as idle;
+  ``idle_frac_chained``: the same against the span per pass of passes issued back to back (as
+  a step's layers: a pass's set-up overlaps the work queued before it), what is left is the
+  GPU idle inside the passes. Every case's timed passes run before any profiled one (a
+  finished profiler session slows the process's host), so rows are measured in two halves.
 
 The hop_graph row (``captured: True``): hop 1's compute (the hop primitive call of the pass's
 compute, token forward's index build included) captured in a ``torch.cuda.CUDAGraph`` with static
@@ -119,6 +124,7 @@ QUICK = dict(ep=[2, 64], tokens=[4096])
 TINY_GRID = dict(ep=[2, 4], tokens=[16])
 MODES = ("expert", "token")
 DIRECTIONS = ("fwd", "bwd")
+CHAINS = 3  # chains of back-to-back passes timed (time_host)
 NOT_MEASURED = dict.fromkeys(("host_us_per_hop", "gpu_us_per_hop", "launches_per_hop", "idle_frac"))
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
 GRAPH_LAUNCHES = ("cudaGraphLaunch", "cuGraphLaunch")
@@ -234,6 +240,7 @@ class Emulated(Transport):
     (nothing arrives there when nothing moves). Slots persist."""
 
     name = "emulated"
+    persistent_slots = True  # made once, as the copy engines' workspace
 
     def __init__(self, group, plan, *, prefill=None, leads: dict | None = None):
         self.group = group if group is not None else "emulated"
@@ -427,9 +434,10 @@ def _sync(cuda: bool) -> None:
 def time_host(run, R: int, cuda: bool, n: int) -> dict:
     """``n`` passes, each after a sync: host time per hop (the loop's ranges) and per pass, and
     the pass's span on the GPU (CUDA events around its issue); then ``n`` passes issued back to
-    back, as the layers of a step issue theirs (no sync between them): the span of the chain
-    per pass on the GPU and the host's time per pass (``span_us_per_pass_chained``,
-    ``host_us_per_pass_chained``)."""
+    back, as the layers of a step issue theirs (no sync between them), :data:`CHAINS` times:
+    the median chain's span per pass on the GPU and the host's time per pass
+    (``span_us_per_pass_chained``, ``host_us_per_pass_chained``; every chain's span in
+    ``span_us_per_pass_chains``)."""
     timer = HopTimer()
     per_pass, per_hop, spans = [], [], []
     chain = {}
@@ -450,7 +458,8 @@ def time_host(run, R: int, cuda: bool, n: int) -> dict:
             per_pass.append((t1 - t0) * 1e6)
             hops = timer.spans[k:]
             per_hop.append(sum(hops) / max(len(hops), 1) * 1e6)
-        if cuda:
+        chains = []  # CHAINS chains, their median: one host pause (a GC) skews one chain
+        for _ in range(CHAINS if cuda else 0):
             _sync(cuda)
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             e0.record()
@@ -460,8 +469,11 @@ def time_host(run, R: int, cuda: bool, n: int) -> dict:
             t1 = time.perf_counter()
             e1.record()
             e1.synchronize()
-            chain = {"span_us_per_pass_chained": round(e0.elapsed_time(e1) * 1e3 / n, 1),
-                     "host_us_per_pass_chained": round((t1 - t0) * 1e6 / n, 1)}  # fmt: skip
+            chains.append((e0.elapsed_time(e1) * 1e3 / n, (t1 - t0) * 1e6 / n))
+        if chains:
+            chain = {"span_us_per_pass_chained": round(statistics.median(c[0] for c in chains), 1),
+                     "host_us_per_pass_chained": round(statistics.median(c[1] for c in chains), 1),
+                     "span_us_per_pass_chains": [round(c[0], 1) for c in chains]}  # fmt: skip
     return {
         "host_us_per_hop": round(statistics.median(per_hop), 1),
         "host_us_per_pass": round(statistics.median(per_pass), 1),

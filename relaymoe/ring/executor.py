@@ -44,6 +44,27 @@ __all__ = ["HopTiming", "RingExecutor", "record_timeline", "relay"]
 
 _COMM_STREAMS: dict[int, torch.cuda.Stream] = {}
 _RECORDERS: list[list] = []
+# The views a pass cuts of persistent slots (Transport.persistent_slots), kept for the next pass
+# over the same slots: by device, (the slots' addresses and sizes, the memo). Slots at other
+# addresses (a regrown workspace, another group's) replace the entry, and with it the views that
+# hold the old slots' memory.
+_SLOT_MEMOS: dict[torch.device, tuple[tuple, dict]] = {}
+
+
+def _slot_memo(transport: Transport, slots: tuple[Tensor, ...], device: torch.device):
+    """The memo of views of ``slots`` (``flats``: each slot's typed flat views; ``views`` and
+    ``runs``: by (layout, slot, base); ``ranges``: each plan's byte-range views), or None when
+    the transport's slots are fresh every pass."""
+    if not transport.persistent_slots:
+        return None
+    key = tuple((s.data_ptr(), s.numel()) for s in slots)
+    entry = _SLOT_MEMOS.get(device)
+    if entry is None or entry[0] != key:
+        memo = {"flats": ({}, {}), "views": {}, "runs": {}, "ranges": {}}
+        entry = _SLOT_MEMOS[device] = (key, memo)
+    return entry[1]
+
+
 # The per-hop profiler range: torch's C++ range (the one torch.compile's generated code opens)
 # records the same user range as torch.profiler.record_function for every observer (the
 # profiler, NVTX), without going through the dispatcher; record_function where a torch lacks it.
@@ -180,9 +201,16 @@ class RingExecutor:
         self._recording = bool(_RECORDERS)
         table = plan.pass_table()  # every hop's transfers, planned once (cached by the plan)
         self._transfers, self._legs, self._byte_ranges = table.transfers, table.legs, table.ranges
-        self._range_views: list[Tensor | None] = [None] * len(table.ranges)  # this pass's slots'
         cap = plan.capacity() if capacity is None else max(capacity, plan.capacity())
         self.slots = transport.slots(max(cap, 1), device)
+        # the slots' byte-range views, cut once a pass (persistent slots: once for all passes)
+        self.memo = _slot_memo(transport, self.slots, device)
+        fresh = [None] * len(table.ranges)
+        self._range_views: list[Tensor | None] = (
+            fresh
+            if self.memo is None
+            else self.memo["ranges"].setdefault(id(table), (table, fresh))[1]
+        )
         if transport.needs_entry_sync:
             self._on_comm(transport.entry_sync)
             if self.cuda:
@@ -349,29 +377,35 @@ def relay(
     ex = RingExecutor(
         transport, plan, device, overlap=overlap, mode=mode, phase=phase, capacity=capacity
     )
-    slots = ex.slots
+    slots, memo = ex.slots, ex.memo
     bufs = [slots[0], slots[1]]  # and the trail scratch (buffer 2), below
-    flats: list[dict] = [{}, {}, {}]  # each buffer's typed flat views, shared by its layouts
-    # Typed views by (layout, buffer, base), made once per pass: a view is the same at every hop
-    # that asks for it again (equal layouts of the partitions, the same slot and offset).
+    # each buffer's typed flat views, shared by its layouts (persistent slots': the memo's)
+    flats: list[dict] = [{}, {}, {}] if memo is None else [*memo["flats"], {}]
+    # Typed views by (layout, buffer, base), made once per pass (persistent slots': once for all
+    # passes): a view is the same at every hop that asks for it again (equal layouts of the
+    # partitions, the same slot and offset). The scratch's (buffer 2) are this pass's.
     views: dict[tuple[Layout, int, int], dict[str, Tensor]] = {}
+    slot_views = views if memo is None else memo["views"]
 
     def views_of(layout: Layout, buf: int, base: int = 0) -> dict[str, Tensor]:
         key = (layout, buf, base)
-        out = views.get(key)
+        store = slot_views if buf < 2 else views
+        out = store.get(key)
         if out is None:
-            out = views[key] = layout.views(bufs[buf], base, flats[buf])
+            out = store[key] = layout.views(bufs[buf], base, flats[buf])
         return out
 
     # A trail's runs (``Layout.runs``), which its zeroing and the adds go over; the compute
     # gets its named views (views_of) only where it writes: the scratch, and hop 0's region
     runs: dict[tuple[Layout, int, int], list[Tensor]] = {}
+    slot_runs = runs if memo is None else memo["runs"]
 
     def runs_of(layout: Layout, buf: int, base: int = 0) -> list[Tensor]:
         key = (layout, buf, base)
-        out = runs.get(key)
+        store = slot_runs if buf < 2 else runs
+        out = store.get(key)
         if out is None:
-            out = runs[key] = layout.runs(bufs[buf], base, flats[buf])
+            out = store[key] = layout.runs(bufs[buf], base, flats[buf])
         return out
 
     own_views = views_of(lead_layout(rank), 0)

@@ -58,6 +58,9 @@ class Transport(abc.ABC):
     """Interface: ``slots`` gives the two slot buffers, ``issue`` one hop's transfer."""
 
     name = "base"
+    # whether ``slots`` returns the same memory every pass (the executor then keeps its views
+    # of them from pass to pass instead of cutting them again)
+    persistent_slots = False
     needs_entry_sync = False
 
     @abc.abstractmethod
@@ -140,6 +143,7 @@ class CopyEngineTransport(Transport):
     """Pull from the neighbour's persistent symmetric-memory slot with the copy engines."""
 
     name = "copy_engine"
+    persistent_slots = True  # one symmetric-memory buffer per (group, device)
     needs_entry_sync = True
 
     def __init__(self, group: dist.ProcessGroup, timeout_s: float | None = None):
