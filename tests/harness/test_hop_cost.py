@@ -369,3 +369,22 @@ def test_dry_run_names_the_library_refusals(capsys):
             for mib in (512, hop_library.needed_mib(c) - 1, hop_library.needed_mib(c)):
                 want = _bounded(dataclasses.replace(prob, pair_buffer_mib=mib))
                 assert want == (hop_library.needed_mib(c) <= mib), (ep, T, mib)
+
+
+def test_chain_gaps_from_device_events():
+    """benchmarks/chain_gaps.py's gap accounting: overlapping device ops count once, a gap is
+    the time between one op's end (the latest so far) and the next op's start."""
+    from torch.autograd import DeviceType
+
+    from benchmarks.chain_gaps import gaps
+
+    cuda = DeviceType.CUDA
+    events = [_ev(cuda, "a", 0, 10), _ev(cuda, "b", 5, 20), _ev(cuda, "c", 23, 30),
+              _ev(cuda, "d", 130, 140), _ev(DeviceType.CPU, "host", 0, 200)]  # fmt: skip
+    g = gaps(events, passes=1, top=2)
+    assert g["busy_us_per_pass"] == 37.0 and g["span_us_per_pass"] == 140.0
+    assert g["gaps_per_pass"] == 2.0 and g["idle_frac"] == round(1 - 37 / 140, 3)
+    assert g["top_gaps"][0] == {"us": 100.0, "after": "c", "before": "d"}
+    assert g["top_gaps"][1] == {"us": 3.0, "after": "b", "before": "c"}
+    assert g["gap_us_per_pass_by_size"]["2-5"] == 3.0
+    assert g["gap_us_per_pass_by_size"]["100-inf"] == 100.0
