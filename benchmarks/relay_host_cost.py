@@ -37,15 +37,22 @@ from relaymoe.ring.transport import Transport  # noqa: E402
 
 
 class _NoTransfer(Transport):
-    """Slots on the CPU; ``issue`` moves nothing (the hop's transfer is not what is timed)."""
+    """Slots on the CPU; ``issue`` moves nothing (the hop's transfer is not what is timed).
+    ``persistent``: the same slots every pass (as the copy engines' workspace: the executor
+    keeps its views of them), else fresh ones (as NCCL's P2P transport)."""
 
     name = "none"
 
-    def __init__(self, group):
+    def __init__(self, group, persistent: bool = False):
         self.group = group
+        self.persistent_slots = persistent
+        self._made = None
 
     def slots(self, capacity, device):
-        return tuple(torch.empty(capacity, dtype=torch.uint8) for _ in range(2))
+        if self.persistent_slots and self._made is not None and self._made[0].numel() >= capacity:
+            return self._made
+        self._made = tuple(torch.empty(capacity, dtype=torch.uint8) for _ in range(2))
+        return self._made
 
     def issue(self, xfer, sends, recvs):
         return []
@@ -57,6 +64,11 @@ def main(argv=None) -> int:
     ap.add_argument("--passes", type=int, default=300)
     ap.add_argument("--repeats", type=int, default=5, help="timed runs of --passes passes")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument(
+        "--persistent-slots",
+        action="store_true",
+        help="the same slots every pass (the copy engines' transport), not fresh ones",
+    )
     a = ap.parse_args(argv)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                             world_size=1)  # fmt: skip
@@ -67,7 +79,7 @@ def main(argv=None) -> int:
     plan = RingPlan(0, R, [lead.nbytes] * R, [trail.nbytes] * R)
     own = {"w13": torch.zeros(El, 2 * I, H, dtype=torch.bfloat16),
            "w2": torch.zeros(El, H, I, dtype=torch.bfloat16)}  # fmt: skip
-    transport = _NoTransfer(dist.group.WORLD)
+    transport = _NoTransfer(dist.group.WORLD, persistent=a.persistent_slots)
 
     def one_pass():
         relay(plan, lead_layout=lambda p: lead, own_lead=own, trail_layout=lambda p: trail,
@@ -93,6 +105,7 @@ def main(argv=None) -> int:
         pstats.Stats(prof).sort_stats("tottime").print_stats(16)
     env = environment()
     print(json.dumps({"bench": "relay_host", "world": R, "hops": R + 1,
+                      "persistent_slots": a.persistent_slots,
                       "us_per_pass": round(per_pass * 1e6, 1),
                       "us_per_hop": round(per_pass / (R + 1) * 1e6, 1),
                       "us_per_hop_min": round(fastest / (R + 1) * 1e6, 1),
