@@ -176,6 +176,47 @@ def assert_close(name: str, got: torch.Tensor, ref: torch.Tensor, tol: float) ->
     assert err < tol, f"{name}: relative error {err:.3g} > {tol}"
 
 
+ACTIVATION_LEAVES = ("x", "w13", "w2", "probs", "b13", "b2")
+
+
+def run_with_grads(fn, pb: dict, dtype=torch.float64, *, transpose_x=False,
+                           retain_twice=False, **kw) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Output and gradients (keys ``out``, ``dx``, ``dw13``, ..., ``db13``/``db2`` when given)
+    of ``fn`` (``moe_experts``' signature) on an ``activation_problem``, its float inputs cast to
+    ``dtype``. ``transpose_x``: x passed as a transposed view; ``retain_twice``: the backward
+    run twice through a retained graph (the gradients are then twice the one backward's)."""
+    from relaymoe.reference import moe_experts_reference
+
+    leaves = {n: pb[n].to(dtype).clone().requires_grad_() for n in ACTIVATION_LEAVES
+              if pb[n] is not None}  # fmt: skip
+    if transpose_x:
+        leaves["x"] = pb["x"].to(dtype).t().contiguous().requires_grad_()
+    x = leaves["x"].t() if transpose_x else leaves["x"]
+    if transpose_x:
+        assert not x.is_contiguous()
+    out = fn(x, leaves["w13"], leaves["w2"], pb["idx"], leaves["probs"], activation=pb["act"],
+             b13=leaves.get("b13"), b2=leaves.get("b2"), **kw)  # fmt: skip
+    dy = pb["dy"].to(dtype)
+    if out.grad_fn is None:  # the oracle without a single pair (T = 0): every gradient is zero
+        assert fn is moe_experts_reference and out.numel() == 0
+        grads = {f"d{n}": torch.zeros_like(t) for n, t in leaves.items()}
+    else:
+        out.backward(dy, retain_graph=retain_twice)
+        if retain_twice:
+            out.backward(dy)
+        grads = {f"d{n}": t.grad for n, t in leaves.items()}
+    if transpose_x:
+        grads["dx"] = grads["dx"].t()
+    return {"out": out.detach(), **grads}
+
+
+def assert_all_close(got: dict, ref: dict, tol: float) -> None:
+    """``got`` has ``ref``'s keys, each tensor within ``tol`` of ``ref``'s (``assert_close``)."""
+    assert got.keys() == ref.keys()
+    for name in ref:
+        assert_close(name, got[name], ref[name], tol)
+
+
 def use_env(monkeypatch, **env) -> None:
     """Set (a value) or unset (None) ``RELAYMOE_*`` variables for this test and install the
     options they give, as an entry point would (the conftest restores the session's after the

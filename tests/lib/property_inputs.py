@@ -147,6 +147,16 @@ class MoECase:
         return dict(self.layouts)[name]
 
 
+def _broken_float_dtypes(rng: random.Random, breaker: float, dtype: torch.dtype):
+    """The two rules a moe or loss case breaks alike, for its draw ``breaker`` under 0.12: under
+    0.08 the inputs and the weights of one dtype that is no float, else the weights alone of
+    another float than the inputs. Returns ``(dtype, w_dtype)``."""
+    if breaker < 0.08:
+        bad = rng.choice(INTS + OTHERS)
+        return bad, bad
+    return dtype, rng.choice([d for d in FLOATS if d != dtype])
+
+
 MOE_TENSORS = ("x", "w13", "w2", "idx", "probs", "dy", "out")
 
 
@@ -163,10 +173,8 @@ def moe_cases(n: int, seed: int, *, backends=("torch",), dtypes=FLOATS, device_k
         w_dtype, probs_dtype, idx_dtype = dtype, rng.choice(dtypes), rng.choice(INTS)
         index = rng.choice(("none", "none", "same", "copy"))
         breaker = rng.random()
-        if breaker < 0.08:
-            dtype = w_dtype = rng.choice(INTS + OTHERS)
-        elif breaker < 0.12:
-            w_dtype = rng.choice([d for d in FLOATS if d != dtype])
+        if breaker < 0.12:
+            dtype, w_dtype = _broken_float_dtypes(rng, breaker, dtype)
         elif breaker < 0.16:
             probs_dtype = rng.choice(INTS + OTHERS)
         elif breaker < 0.20:
@@ -348,10 +356,8 @@ def loss_cases(n: int, seed: int, *, impls=("torch",), dtypes=FLOATS):
         dtype = rng.choice(dtypes)
         w_dtype, label_dtype, bad = dtype, rng.choice((torch.int64, torch.int32)), False
         breaker = rng.random()
-        if breaker < 0.08:
-            dtype = w_dtype = rng.choice(INTS + OTHERS)
-        elif breaker < 0.12:
-            w_dtype = rng.choice([d for d in FLOATS if d != dtype])
+        if breaker < 0.12:
+            dtype, w_dtype = _broken_float_dtypes(rng, breaker, dtype)
         elif breaker < 0.16:
             label_dtype = rng.choice((torch.float32, torch.bool))
         elif breaker < 0.22:

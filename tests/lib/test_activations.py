@@ -15,47 +15,17 @@ from tests.fixtures import (
     BIASES,
     EXPERT_ACTIVATIONS,
     activation_problem,
+    assert_all_close,
     assert_close,
     expert_activation,
+    run_with_grads,
 )
 
 F64_TOL = 1e-10
-PARAMS = ("x", "w13", "w2", "probs", "b13", "b2")
-
-
-def _run(fn, pb, *, dtype=torch.float64, transpose_x=False, retain_twice=False, **kw):
-    """Output and gradients (keys ``out``, ``dx``, ``dw13``, ...) of ``fn`` on problem ``pb``,
-    its float inputs cast to ``dtype``; ``transpose_x``: x passed as a transposed view."""
-    leaves = {n: pb[n].to(dtype).clone().requires_grad_() for n in PARAMS if pb[n] is not None}
-    if transpose_x:
-        leaves["x"] = pb["x"].to(dtype).t().contiguous().requires_grad_()
-    x = leaves["x"].t() if transpose_x else leaves["x"]
-    if transpose_x:
-        assert not x.is_contiguous()
-    out = fn(x, leaves["w13"], leaves["w2"], pb["idx"], leaves["probs"], activation=pb["act"],
-             b13=leaves.get("b13"), b2=leaves.get("b2"), **kw)  # fmt: skip
-    dy = pb["dy"].to(dtype)
-    if out.grad_fn is None:  # the oracle without a single pair (T = 0): every gradient is zero
-        assert fn is moe_experts_reference and out.numel() == 0
-        grads = {f"d{n}": torch.zeros_like(t) for n, t in leaves.items()}
-    else:
-        out.backward(dy, retain_graph=retain_twice)
-        if retain_twice:
-            out.backward(dy)
-        grads = {f"d{n}": t.grad for n, t in leaves.items()}
-    if transpose_x:
-        grads["dx"] = grads["dx"].t()
-    return {"out": out.detach(), **grads}
 
 
 def _torch(**kw):
     return lambda *a, **k: moe_experts(*a, backend="torch", **kw, **k)
-
-
-def _check(got: dict, ref: dict, tol: float) -> None:
-    assert got.keys() == ref.keys()
-    for name in ref:
-        assert_close(name, got[name], ref[name], tol)
 
 
 def _clamped_share(pb) -> float:
@@ -228,8 +198,8 @@ def test_every_activation_and_bias_matches_oracle(name, bias):
     pb = activation_problem(23, 11, 7, 5, 2, name, bias=bias, gen=gen)
     if pb["act"].limit is not None:
         assert _clamped_share(pb) > 0.05
-    got = _run(_torch(recompute=recompute), pb)
-    _check(got, _run(moe_experts_reference, pb), F64_TOL)
+    got = run_with_grads(_torch(recompute=recompute), pb)
+    assert_all_close(got, run_with_grads(moe_experts_reference, pb), F64_TOL)
     assert ("db13" in got) == (bias in ("b13", "both"))
     assert ("db2" in got) == (bias in ("b2", "both"))
 
@@ -253,8 +223,8 @@ def test_odd_cases_match_oracle(case, name):
     t, h, i, e, k, kind, transpose_x = ODD[case]
     gen = torch.Generator().manual_seed(len(case) * 31 + len(name))
     pb = activation_problem(t, h, i, e, k, name, gen=gen, kind=kind)
-    got = _run(_torch(), pb, transpose_x=transpose_x)
-    _check(got, _run(moe_experts_reference, pb), F64_TOL)
+    got = run_with_grads(_torch(), pb, transpose_x=transpose_x)
+    assert_all_close(got, run_with_grads(moe_experts_reference, pb), F64_TOL)
     if kind == "empty":  # the last expert has no pairs: its gradients are exact zeros
         for g in ("dw13", "dw2", "db13", "db2"):
             assert torch.equal(got[g][-1], torch.zeros_like(got[g][-1])), g
@@ -264,15 +234,19 @@ def test_odd_cases_match_oracle(case, name):
 def test_float32_within_bound(name):
     gen = torch.Generator().manual_seed(13)
     pb = activation_problem(64, 32, 24, 8, 2, name, gen=gen)
-    _check(_run(_torch(), pb, dtype=torch.float32), _run(moe_experts_reference, pb), 1e-5)
+    assert_all_close(
+        run_with_grads(_torch(), pb, dtype=torch.float32),
+        run_with_grads(moe_experts_reference, pb),
+        1e-5,
+    )
 
 
 def test_act_retain_backwards_twice():
     gen = torch.Generator().manual_seed(14)
     pb = activation_problem(21, 8, 6, 4, 2, "clamped_swiglu", gen=gen)
-    twice = _run(_torch(recompute="act_retain"), pb, retain_twice=True)
-    ref = _run(moe_experts_reference, pb)
-    _check({n: g / 2 if n != "out" else g for n, g in twice.items()}, ref, F64_TOL)
+    twice = run_with_grads(_torch(recompute="act_retain"), pb, retain_twice=True)
+    ref = run_with_grads(moe_experts_reference, pb)
+    assert_all_close({n: g / 2 if n != "out" else g for n, g in twice.items()}, ref, F64_TOL)
 
 
 def test_bias_lists_get_their_gradients():
@@ -283,7 +257,7 @@ def test_bias_lists_get_their_gradients():
     out = moe_experts(pb["x"], pb["w13"], pb["w2"], pb["idx"], pb["probs"], backend="torch",
                       activation="reglu", b13=b13, b2=b2)  # fmt: skip
     out.backward(pb["dy"])
-    ref = _run(moe_experts_reference, pb)
+    ref = run_with_grads(moe_experts_reference, pb)
     assert_close("out", out.detach(), ref["out"], F64_TOL)
     assert_close("db13", torch.stack([b.grad for b in b13]), ref["db13"], F64_TOL)
     assert_close("db2", torch.stack([b.grad for b in b2]), ref["db2"], F64_TOL)
@@ -296,7 +270,7 @@ def test_expert_ranges_sum_to_the_whole(name):
     The bias gradients are ADDED into fp32 accumulators (prefilled with ones here)."""
     gen = torch.Generator().manual_seed(16)
     pb = activation_problem(31, 10, 6, 6, 3, name, gen=gen)
-    ref = _run(moe_experts_reference, pb)
+    ref = run_with_grads(moe_experts_reference, pb)
     x, w13, w2, probs, b13, b2 = (pb[n] for n in ("x", "w13", "w2", "probs", "b13", "b2"))
     dy = pb["dy"]
     index = build_routing_index(pb["idx"], 6)
@@ -313,7 +287,7 @@ def test_expert_ranges_sum_to_the_whole(name):
                             dprobs_TK=dprobs, dw13=dw13[r], dw2=dw2[r], db13=db13[r],
                             db2=db2[r], **kw)  # fmt: skip
     got = dict(out=out, dx=dx, dw13=dw13, dw2=dw2, dprobs=dprobs)
-    _check(got, {n: ref[n] for n in got}, F64_TOL)
+    assert_all_close(got, {n: ref[n] for n in got}, F64_TOL)
     assert_close("db13", db13.double() - 1, ref["db13"], 1e-6)
     assert_close("db2", db2.double() - 1, ref["db2"], 1e-6)
 

@@ -38,39 +38,47 @@ pytestmark = pytest.mark.slow
 
 
 def cases() -> list[dict]:
-    """The expert MLPs (Megatron's functions imported in the spawned rank)."""
+    """The expert MLPs (Megatron's functions imported in the spawned rank), each with ``ring``:
+    the activation the dispatcher must pass to the ring (None: ring_moe's default, SwiGLU)."""
     from megatron.core.activations import fast_gelu, squared_relu
     from megatron.core.fusions.fused_bias_geglu import quick_gelu
     from megatron.core.transformer.utils import erf_gelu
 
     plain = dict(gated_linear_unit=False)
     bias = dict(add_bias_linear=True)
+    clamped = "clamped_swiglu(alpha=1.702,limit=0.5,offset=1.0)"
     return [
-        dict(name="gelu (megatron-core's default MoE)", seed=21,
+        dict(name="gelu (megatron-core's default MoE)", seed=21, ring="gelu",
              config=dict(**plain, activation_func=F.gelu)),
-        dict(name="gelu+bias", seed=22, config=dict(**plain, **bias, activation_func=F.gelu)),
+        dict(name="gelu+bias", seed=22, ring="gelu",
+             config=dict(**plain, **bias, activation_func=F.gelu)),
         dict(name="gelu+shared (no bias: Megatron's shared experts have none)", seed=33,
-             config=dict(**plain, activation_func=F.gelu,
-                         moe_shared_expert_intermediate_size=12)),
-        dict(name="squared_relu+bias", seed=23,
+             ring="gelu", config=dict(**plain, activation_func=F.gelu,
+                                      moe_shared_expert_intermediate_size=12)),
+        dict(name="squared_relu+bias", seed=23, ring="squared_relu",
              config=dict(**plain, **bias, activation_func=squared_relu)),
-        dict(name="fast_gelu (tanh)", seed=24, config=dict(**plain, activation_func=fast_gelu)),
-        dict(name="erf_gelu", seed=25, config=dict(**plain, activation_func=erf_gelu)),
-        dict(name="silu, not gated", seed=26, config=dict(**plain, activation_func=F.silu)),
-        dict(name="geglu+bias", seed=27, config=dict(**bias, activation_func=F.gelu)),
-        dict(name="reglu+bias", seed=28, config=dict(**bias, activation_func=F.relu)),
+        dict(name="fast_gelu (tanh)", seed=24, ring="gelu_tanh",
+             config=dict(**plain, activation_func=fast_gelu)),
+        dict(name="erf_gelu", seed=25, ring="gelu",
+             config=dict(**plain, activation_func=erf_gelu)),
+        dict(name="silu, not gated", seed=26, ring="silu",
+             config=dict(**plain, activation_func=F.silu)),
+        dict(name="geglu+bias", seed=27, ring="geglu",
+             config=dict(**bias, activation_func=F.gelu)),
+        dict(name="reglu+bias", seed=28, ring="reglu",
+             config=dict(**bias, activation_func=F.relu)),
         # GPT-OSS's experts; a clamp of 0.5 so that it bites on both halves
-        dict(name="clamped quick_geglu+offset+bias (GPT-OSS)", seed=29,
+        dict(name="clamped quick_geglu+offset+bias (GPT-OSS)", seed=29, ring=clamped,
              config=dict(**bias, activation_func=quick_gelu, activation_func_clamp_value=0.5,
                          glu_linear_offset=1.0, moe_router_topk=2)),
         # Megatron's fused kernels (SequentialMLP: the bias passed beside fc1's output)
         # (SequentialMLP's fused SwiGLU refuses biases: NotImplementedError in Megatron)
-        dict(name="fused swiglu", seed=30,
+        dict(name="fused swiglu", seed=30, ring=None,
              config=dict(activation_func=F.silu, bias_activation_fusion=True)),
-        dict(name="fused quick_geglu+offset+bias", seed=31,
+        dict(name="fused quick_geglu+offset+bias", seed=31, ring="swiglu(alpha=1.702,offset=1.0)",
              config=dict(**bias, activation_func=quick_gelu, glu_linear_offset=1.0,
                          bias_activation_fusion=True)),
-        dict(name="fused clamped quick_geglu, no bias", seed=32,
+        dict(name="fused clamped quick_geglu, no bias", seed=32, ring=clamped,
              config=dict(activation_func=quick_gelu, activation_func_clamp_value=0.5,
                          glu_linear_offset=1.0, bias_activation_fusion=True)),
     ]  # fmt: skip
@@ -85,35 +93,13 @@ def _worker(rank, world, impl):
             run_equivalence(rank, world, case, real=impl == "ring")
         if impl == "standin":
             calls = dict(zip([c["name"] for c in cases()], STANDIN_SEEN[seen:], strict=True))
-            # what the dispatcher passed: the mapped activation (None: ring_moe's default,
-            # SwiGLU), whether b13 and b2 came
-            assert {n: (str(a) if a else None, b1, b2) for n, (a, b1, b2) in calls.items()} == {
-                "gelu (megatron-core's default MoE)": ("gelu", False, False),
-                "gelu+bias": ("gelu", True, True),
-                "gelu+shared (no bias: Megatron's shared experts have none)": (
-                    "gelu",
-                    False,
-                    False,
-                ),
-                "squared_relu+bias": ("squared_relu", True, True),
-                "fast_gelu (tanh)": ("gelu_tanh", False, False),
-                "erf_gelu": ("gelu", False, False),
-                "silu, not gated": ("silu", False, False),
-                "geglu+bias": ("geglu", True, True),
-                "reglu+bias": ("reglu", True, True),
-                "clamped quick_geglu+offset+bias (GPT-OSS)": (
-                    "clamped_swiglu(alpha=1.702,limit=0.5,offset=1.0)",
-                    True,
-                    True,
-                ),
-                "fused swiglu": (None, False, False),
-                "fused quick_geglu+offset+bias": ("swiglu(alpha=1.702,offset=1.0)", True, True),
-                "fused clamped quick_geglu, no bias": (
-                    "clamped_swiglu(alpha=1.702,limit=0.5,offset=1.0)",
-                    False,
-                    False,
-                ),
-            }
+            # what the dispatcher passed: the case's activation, and b13 and b2 exactly where
+            # the experts have biases
+            want = {}
+            for c in cases():
+                has_bias = c["config"].get("add_bias_linear", False)
+                want[c["name"]] = (c["ring"], has_bias, has_bias)
+            assert {n: (str(a) if a else None, b1, b2) for n, (a, b1, b2) in calls.items()} == want
             run_checkpoint_interchange(rank, world, gated_linear_unit=False,
                                        activation_func=F.gelu, add_bias_linear=True,
                                        moe_shared_expert_intermediate_size=None)  # fmt: skip

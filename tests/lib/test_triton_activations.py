@@ -18,9 +18,10 @@ from tests.fixtures import (
     BIASES,
     EXPERT_ACTIVATIONS,
     activation_problem,
-    assert_close,
+    assert_all_close,
     expert_activation,
     rel_err,
+    run_with_grads,
 )
 
 pytestmark = pytest.mark.skipif(
@@ -29,30 +30,12 @@ pytestmark = pytest.mark.skipif(
 
 F32 = 1e-5
 F16 = 5e-3
-PARAMS = ("x", "w13", "w2", "probs", "b13", "b2")
 SHAPE = (37, 24, 20, 5, 2)  # T, H, I, E, K: nothing a multiple of the interpreter's 16 tiles
 COPY = KernelOptions(rows_gather="copy")  # h from torch._grouped_mm, the bias in the memory pass
 
 
-def _run(fn, pb, dtype, **kw):
-    """Output and gradients (``out``, ``dx``, ``dw13``, ..., ``db13``/``db2`` when given)."""
-    leaves = {n: pb[n].to(dtype).clone().requires_grad_() for n in PARAMS if pb[n] is not None}
-    out = fn(leaves["x"], leaves["w13"], leaves["w2"], pb["idx"], leaves["probs"],
-             activation=pb["act"], b13=leaves.get("b13"), b2=leaves.get("b2"), **kw)  # fmt: skip
-    if out.grad_fn is None:  # the oracle without a single pair (T = 0)
-        return {"out": out.detach(), **{f"d{n}": torch.zeros_like(t) for n, t in leaves.items()}}
-    out.backward(pb["dy"].to(dtype))
-    return {"out": out.detach(), **{f"d{n}": t.grad for n, t in leaves.items()}}
-
-
 def _triton(**kw):
     return lambda *a, **k: moe_experts(*a, backend="triton", **kw, **k)
-
-
-def _check(got: dict, ref: dict, tol: float) -> None:
-    assert got.keys() == ref.keys()
-    for name in ref:
-        assert_close(name, got[name], ref[name], tol)
 
 
 COMBOS = [(name, bias) for name in EXPERT_ACTIVATIONS for bias in BIASES]
@@ -68,8 +51,8 @@ def test_every_activation_and_bias_matches_oracle(name, bias):
     recompute = RECOMPUTES[i % len(RECOMPUTES)]
     kernels = COPY if (i // len(BIASES)) % 2 else None
     pb = activation_problem(*SHAPE, name, bias=bias, gen=torch.Generator().manual_seed(200 + i))
-    got = _run(_triton(recompute=recompute, kernels=kernels), pb, torch.float32)
-    _check(got, _run(moe_experts_reference, pb, torch.float64), F32)
+    got = run_with_grads(_triton(recompute=recompute, kernels=kernels), pb, torch.float32)
+    assert_all_close(got, run_with_grads(moe_experts_reference, pb, torch.float64), F32)
     assert ("db13" in got) == (bias in ("b13", "both"))
 
 
@@ -79,8 +62,8 @@ FP16 = [("geglu", "act"), ("squared_relu", "fc1"), ("clamped_swiglu", "act"), ("
 @pytest.mark.parametrize("name, recompute", FP16)
 def test_fp16_within_bound(name, recompute):
     pb = activation_problem(*SHAPE, name, gen=torch.Generator().manual_seed(len(name)))
-    got = _run(_triton(recompute=recompute), pb, torch.float16)
-    _check(got, _run(moe_experts_reference, pb, torch.float64), F16)
+    got = run_with_grads(_triton(recompute=recompute), pb, torch.float16)
+    assert_all_close(got, run_with_grads(moe_experts_reference, pb, torch.float64), F16)
 
 
 @pytest.mark.parametrize("name", ["gelu", "clamped_swiglu"])
@@ -112,9 +95,9 @@ def test_ranges_with_bound_sized_buffers_sum_to_the_whole(name):
                          db2=torch.ones_like(b2[r]))  # fmt: skip
             expert_hop_backward(dy, x, w13[r], w2[r], probs, index, **again, **kw)
             assert torch.equal(again["db13"], db13[r]) and torch.equal(again["db2"], db2[r])
-    ref = _run(moe_experts_reference, pb, torch.float64)
+    ref = run_with_grads(moe_experts_reference, pb, torch.float64)
     got = dict(out=out, dx=dx, dw13=dw13, dw2=dw2, dprobs=dprobs, db13=db13 - 1, db2=db2 - 1)
-    _check(got, {n: ref[n] for n in got}, F32)
+    assert_all_close(got, {n: ref[n] for n in got}, F32)
     for g in ("dw13", "dw2", "db13", "db2"):  # the empty expert's gradients: exact zeros
         assert torch.equal(got[g][-1], torch.zeros_like(got[g][-1])), g
 
@@ -122,7 +105,7 @@ def test_ranges_with_bound_sized_buffers_sum_to_the_whole(name):
 @pytest.mark.parametrize("name", ["reglu", "gelu"])
 def test_no_tokens(name):
     pb = activation_problem(0, 8, 6, 4, 2, name, gen=torch.Generator().manual_seed(5))
-    got = _run(_triton(), pb, torch.float32)
+    got = run_with_grads(_triton(), pb, torch.float32)
     assert got["out"].shape == (0, 8)
     for n in ("dw13", "dw2", "db13", "db2"):
         assert torch.equal(got[n], torch.zeros_like(got[n])), n
