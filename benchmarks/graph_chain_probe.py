@@ -2,11 +2,11 @@
 hop_cost's ``idle_frac_chained`` of expert forward at EP 64 (64 recorded hops of ~75 us, one
 graph per expert range), outside the library.
 
-    python benchmarks/graph_chain_probe.py [--graphs 64] [--passes 5] [--m 4096] [--n 768]
-        [--k 2048] [--out PATH.jsonl]
+    python benchmarks/graph_chain_probe.py [--graphs 64] [--passes 5] [--kernels 8] [--m 4096]
+        [--n 256] [--k 2048] [--out PATH.jsonl]
 
-Records ``--graphs`` CUDA graphs of the same work (a bf16 matmul ``(m, k) @ (k, n)`` and an add,
-each on its own tensors), then times "passes" of ``--graphs`` launches: one graph launched
+Records ``--graphs`` CUDA graphs of the same work (``--kernels`` bf16 matmul-adds
+``(m, k) @ (k, n)``, each graph on its own tensors), then times "passes" of ``--graphs`` launches: one graph launched
 ``--graphs`` times, or every graph once; issued back to back (``chained``) or after a sync each
 (``isolated``); with or without the ring executor's per-hop stream handshake (an event recorded
 on the compute stream, waited on by a second stream that records another, waited on by the
@@ -29,20 +29,26 @@ import torch  # noqa: E402
 from benchmarks.common import JsonlWriter, environment  # noqa: E402
 
 
-def record(n_graphs: int, m: int, n: int, k: int) -> list[torch.cuda.CUDAGraph]:
+def record(n_graphs: int, m: int, n: int, k: int, kernels: int) -> list[torch.cuda.CUDAGraph]:
+    """``n_graphs`` graphs of ``kernels`` matmul-adds each (as a hop: several kernels)."""
     graphs = []
     side = torch.cuda.Stream()
     for _ in range(n_graphs):
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
-        c = torch.zeros(m, n, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(kernels, k, n, device="cuda", dtype=torch.bfloat16)
+        c = torch.zeros(kernels, m, n, device="cuda", dtype=torch.bfloat16)
+
+        def body(a=a, b=b, c=c):
+            for j in range(kernels):
+                torch.addmm(c[j], a, b[j], out=c[j])
+
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            torch.addmm(c, a, b, out=c)
+            body()
         torch.cuda.current_stream().wait_stream(side)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            torch.addmm(c, a, b, out=c)
+            body()
         graphs.append(g)
     torch.cuda.synchronize()
     return graphs
@@ -94,17 +100,18 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--graphs", type=int, default=64)
     ap.add_argument("--passes", type=int, default=5)
+    ap.add_argument("--kernels", type=int, default=8, help="matmul-adds in a graph")
     ap.add_argument("--m", type=int, default=4096)
-    ap.add_argument("--n", type=int, default=768)
+    ap.add_argument("--n", type=int, default=256)
     ap.add_argument("--k", type=int, default=2048)
     ap.add_argument("--out", default=None, help="JSONL path")
     a = ap.parse_args(argv)
     env = environment()
     writer = JsonlWriter(a.out or f"benchmarks/results/graph_chain_probe_{env['date']}.jsonl",
                          env=env)  # fmt: skip
-    graphs = record(a.graphs, a.m, a.n, a.k)
+    graphs = record(a.graphs, a.m, a.n, a.k, a.kernels)
     orders = {"one_graph": [graphs[0]] * a.graphs, "distinct_graphs": graphs}
-    for name, order in orders.items():  # warm every graph
+    for order in orders.values():  # warm every graph
         timed(order, 1, True, False, reps=1)
     base = timed(orders["one_graph"], a.passes, True, False)["span_us_per_pass"]
     for handshake in (False, True):
@@ -113,7 +120,7 @@ def main(argv=None) -> int:
                 row = timed(order, a.passes, chained, handshake)
                 row.update(bench="graph_chain_probe", graphs=name, handshake=handshake,
                            issue="chained" if chained else "isolated", launches=a.graphs,
-                           mnk=[a.m, a.n, a.k], gpu_us_per_pass=base,
+                           mnk=[a.m, a.n, a.k], kernels=a.kernels, gpu_us_per_pass=base,
                            extra_frac=round(1 - base / row["span_us_per_pass"], 3))  # fmt: skip
                 writer.write(row)
                 print(f"{name:16s} handshake={handshake!s:5s} {row['issue']:9s} span "
