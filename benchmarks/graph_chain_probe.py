@@ -7,10 +7,10 @@ graph per expert range), outside the library.
 
 Records ``--graphs`` CUDA graphs of the same work (``--kernels`` bf16 matmul-adds
 ``(m, k) @ (k, n)``, each graph on its own tensors), then times "passes" of ``--graphs``
-launches: one graph launched ``--graphs`` times, or every graph once; issued back to back (``chained``) or after a sync each
-(``isolated``); with or without the ring executor's per-hop stream handshake (an event recorded
-on the compute stream, waited on by a second stream that records another, waited on by the
-compute stream). Rows ``bench: graph_chain_probe``: GPU span per pass (CUDA events), the host's
+launches: one graph launched ``--graphs`` times, or every graph once; issued back to back
+(``chained``) or after a sync each (``isolated``); with or without the ring executor's per-hop
+stream handshake (an event recorded on the compute stream, waited on by a second stream that
+records another, waited on by the compute stream). Rows ``bench: graph_chain_probe``: GPU span per pass (CUDA events), the host's
 time to issue a pass, and the span against the one-graph chained pass (the GPU's own time).
 """
 
