@@ -10,8 +10,9 @@ Records ``--graphs`` CUDA graphs of the same work (``--kernels`` bf16 matmul-add
 launches: one graph launched ``--graphs`` times, or every graph once; issued back to back
 (``chained``) or after a sync each (``isolated``); with or without the ring executor's per-hop
 stream handshake (an event recorded on the compute stream, waited on by a second stream that
-records another, waited on by the compute stream). Rows ``bench: graph_chain_probe``: GPU span per pass (CUDA events), the host's
-time to issue a pass, and the span against the one-graph chained pass (the GPU's own time).
+records another, waited on by the compute stream). Rows ``bench: graph_chain_probe``: GPU
+span per pass (CUDA events), the host's time to issue a pass, and the span against the
+one-graph chained pass (the GPU's own time).
 """
 
 from __future__ import annotations
