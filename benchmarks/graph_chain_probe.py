@@ -30,6 +30,9 @@ import torch  # noqa: E402
 from benchmarks.common import JsonlWriter, environment  # noqa: E402
 
 
+_KEEP: list = []  # the recorded graphs' tensors
+
+
 def record(n_graphs: int, m: int, n: int, k: int, kernels: int) -> list[torch.cuda.CUDAGraph]:
     """``n_graphs`` graphs of ``kernels`` matmul-adds each (as a hop: several kernels)."""
     graphs = []
@@ -51,6 +54,7 @@ def record(n_graphs: int, m: int, n: int, k: int, kernels: int) -> list[torch.cu
         with torch.cuda.graph(g):
             body()
         graphs.append(g)
+        _KEEP.append((a, b, c))  # a graph keeps addresses, not tensors
     torch.cuda.synchronize()
     return graphs
 
