@@ -29,7 +29,6 @@ import torch  # noqa: E402
 
 from benchmarks.common import JsonlWriter, environment  # noqa: E402
 
-
 _KEEP: list = []  # the recorded graphs' tensors
 
 
