@@ -87,7 +87,9 @@ def captured_hop_bytes(mode: str, d: Dims, *, training: bool = True) -> int:
     the probabilities ``T*K*pb``; backward adds ``dy`` and ``dx`` and ``dprobs``. The routing
     index (``ROUTING_INDEX_BYTES_PER_PAIR`` a pair and the ``E+1`` int64 offsets) is an input of
     expert mode's forward and backward and of token mode's backward (its forward builds it in the
-    hop); token mode's forward also copies the visiting ids ``T*K*INDEX_BYTES``. In a ring of
+    hop); token mode's forward also copies the visiting ids ``T*K*INDEX_BYTES``, and expert
+    mode's forward in a ring of ``R > 1`` without fc2 bias its range's ``El+1`` int64 offsets
+    (one recorded hop for every range: ``hop_graphs.range_window``). In a ring of
     ``R > 1`` token mode binds its visiting partition and trail by address too (views of the
     ring's slots and trail scratch, which recur hop to hop): only the routing index is copied.
     Not counted: the experts' weights and biases and their gradient accumulators, which are
@@ -103,7 +105,8 @@ def captured_hop_bytes(mode: str, d: Dims, *, training: bool = True) -> int:
     THb, TKp = d.T * d.H * d.b, d.T * d.K * d.pb
     index = ROUTING_INDEX_BYTES_PER_PAIR * d.P + 8 * (d.E + 1)
     if mode == "expert":
-        fwd, bwd = 2 * THb + TKp + index, 2 * THb + TKp
+        window = 8 * (d.El + 1) if d.R > 1 and not d.b2 else 0
+        fwd, bwd = 2 * THb + TKp + index + window, 2 * THb + TKp
     elif d.R > 1:  # the visiting partition and the trail are bound: slot and scratch views
         fwd, bwd = 0, packed_index_bytes(d.P, d.E)
     else:

@@ -11,7 +11,15 @@ from __future__ import annotations
 import torch
 
 from relaymoe.experts import expert_hop_backward, expert_hop_forward
-from relaymoe.ring.hop_graphs import index_from, index_inputs, index_sizes, run_hop, stage_pass
+from relaymoe.ring.hop_graphs import (
+    index_from,
+    index_inputs,
+    index_sizes,
+    range_window,
+    run_hop,
+    stage_pass,
+    window_fits,
+)
 from relaymoe.ring.passes import (
     bias_grads,
     capacity,
@@ -37,22 +45,33 @@ def expert_forward(prob, group, how, overlap, x, experts, probs, index, order):
 
     graphs = hop_graphs_of(prob, how, x.device)
     own, sizes = {"x": x, "probs": probs, **index_inputs(index)}, index_sizes(index)
+    # Recorded hops share one graph for every expert range (range_window): a GPU given many
+    # distinct graphs back to back idles between them, one graph per range would be R of them
+    any_range = graphs is not None and window_fits(prob)
 
     def compute(hop, part, lead, trail):
         if T == 0:
             return
         w = local if lead is None else lead
         rng, rows = (part * El, (part + 1) * El), pair_rows(prob, prob.rank, part)
+        inputs = {**own, **present(w)}
+        if any_range:  # the range's pair offsets reach the graph as an input, copied each hop
+            inputs["range_offsets"] = index.offsets_for(*rng)
 
         def body(t):
+            full = index_from(t, sizes)
+            hop_index, hop_range = range_window(full, t["range_offsets"]) if any_range else (
+                full, rng)  # fmt: skip
             expert_hop_forward(
-                t["x"], t["w13"], t["w2"], t["probs"], index_from(t, sizes),
-                expert_range=rng, out_TH=t["out"], save="none", backend=how.backend,
+                t["x"], t["w13"], t["w2"], t["probs"], hop_index,
+                expert_range=hop_range, out_TH=t["out"], save="none", backend=how.backend,
                 kernels=how.kernels, **rows, **mlp(prob, t),
             )  # fmt: skip
 
-        key = graphs and hop_key(prob, how, "fwd", rng, rows)  # only a cache reads it
-        run_hop(graphs, key, body, {**own, **present(w)}, {"out": out})
+        # only a cache reads the key; shared by every range when the window serves them
+        key = graphs and hop_key(prob, how, "fwd", (0, El) if any_range else rng, rows) + (
+            any_range,)  # fmt: skip
+        run_hop(graphs, key, body, inputs, {"out": out})
 
     fwd, bwd = expert_plans(prob)
     w = weights_layout(prob)  # every partition's, built once: the executor's views recur

@@ -75,6 +75,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -98,9 +99,11 @@ __all__ = [
     "index_layout",
     "index_sizes",
     "packed_index",
+    "range_window",
     "refusal",
     "run_hop",
     "stage_pass",
+    "window_fits",
 ]
 
 log = logging.getLogger("relaymoe.ring")
@@ -384,6 +387,26 @@ def index_from(tensors: dict[str, Tensor], sizes: tuple[int, int, int],
     if buf is not None:
         return packed_index(buf, sizes)
     return RoutingIndex(*(tensors[prefix + f] for f in INDEX_FIELDS), *sizes)
+
+
+def window_fits(prob) -> bool:
+    """Whether one recorded expert-mode forward hop can serve every expert range through
+    :func:`range_window`: a ring of more than one, and no fc2 bias (the combine adds
+    ``b2[e - e0]`` with ``e0`` a host value of the range)."""
+    return prob.world_size > 1 and not prob.has_b2
+
+
+def range_window(index: RoutingIndex, offsets: Tensor) -> tuple[RoutingIndex, tuple[int, int]]:
+    """``(index, range)`` for a hop body recorded once for every expert range of one size:
+    ``offsets (El+1,)`` are experts ``[e0, e0+El)``'s entries of ``index``'s offsets (global
+    positions, an input of the hop copied into its static buffer each replay), and the result's
+    range ``(0, El)`` reads them where the kernels read a range's offsets
+    (``offsets_for(0, El)``). The kernels then depend on ``e0`` only through that device data;
+    the pair count comes from the caller's bound (``max_pairs``), never from the range. The
+    expert ids (``token_expert_indices``) stay global: only a forward without fc2 bias reads no
+    expert id by range (:func:`window_fits`)."""
+    El = offsets.shape[0] - 1
+    return replace(index, expert_token_offsets=offsets, packed=None), (0, El)
 
 
 def refusal(prob, backend: str, device: torch.device) -> str | None:

@@ -119,8 +119,11 @@ def _captured_equals_eager(rank, world, group):
             with _capture_on(), _returned_names() as made:
                 got1 = _ring_step(rank, world, group, **kw, weights=w)
                 n = len(_cache().variants)
-                assert n == 2 * world, n  # a forward and a backward hop per visiting partition
-                assert len(_cache().entries) == n
+                # a forward and a backward hop per visiting partition; expert forward without
+                # fc2 bias: one forward hop for every range (range_window), an entry per slot
+                shared = mode == "expert" and not bias and world > 1
+                assert n == (1 if shared else world) + world, n
+                assert len(_cache().entries) == (min(world, 2) if shared else world) + world
                 got2 = _ring_step(rank, world, group, **kw, weights=w, routing_seed=12)
                 assert len(_cache().variants) == n  # the same hops, replayed with new routing
                 assert not _copied_names() & BOUND, _copied_names()
@@ -256,13 +259,14 @@ def _cache_bytes_match_cost_model(rank, world, group):
     from relaymoe.ring.hop_graphs import BOUND
 
     T, El, K = 6, 2, 2
-    d = cost.Dims(T=T, H=H, I=I, El=El, K=K, R=world, b=4, pb=4, b13=True, b2=True)
-    for mode in MODES:
-        with _capture_on():
-            _ring_step(rank, world, group, seed=21, tokens=[T] * world, El=El, K=K, mode=mode,
-                       bias=True)  # fmt: skip
-            assert _cache().static_bytes() == cost.captured_hop_bytes(mode, d), mode
-            assert not _copied_names() & BOUND, _copied_names()
+    for bias in (True, False):  # without fc2 bias expert forward copies its range's offsets
+        d = cost.Dims(T=T, H=H, I=I, El=El, K=K, R=world, b=4, pb=4, b13=bias, b2=bias)
+        for mode in MODES:
+            with _capture_on():
+                _ring_step(rank, world, group, seed=21, tokens=[T] * world, El=El, K=K,
+                           mode=mode, bias=bias)  # fmt: skip
+                assert _cache().static_bytes() == cost.captured_hop_bytes(mode, d), (mode, bias)
+                assert not _copied_names() & BOUND, _copied_names()
 
 
 SCENARIOS = [_captured_equals_eager, _inplace_update_is_read, _variant_cap_falls_back_to_copies,
@@ -402,8 +406,13 @@ def test_captured_hop_bytes_by_hand():
     index = 12 * 20 + 8 * 9
     tokens = 2 * 10 * 8 * 2 + 10 * 2 * 4  # x and out (or dy and dx), probs (or dprobs)
     ids = 10 * 2 * 4  # token mode's visiting ids
-    assert cost.captured_hop_bytes("expert", d) == 2 * tokens + index
-    assert cost.captured_hop_bytes("expert", d, training=False) == tokens + index
+    window = 8 * (2 + 1)  # expert forward's range offsets (no fc2 bias: one hop for all ranges)
+    assert cost.captured_hop_bytes("expert", d) == 2 * tokens + index + window
+    assert cost.captured_hop_bytes("expert", d, training=False) == tokens + index + window
+    biased = dataclasses.replace(d, b2=True)  # with fc2 bias: one recorded hop per range
+    assert cost.captured_hop_bytes("expert", biased) == 2 * tokens + index
+    one_e = dataclasses.replace(d, R=1)  # a world of one (E = 2): one range, no window
+    assert cost.captured_hop_bytes("expert", one_e) == 2 * tokens + 12 * 20 + 8 * 3
     # token mode's index is built into one buffer (four ALIGN-aligned arrays: 256 B each here)
     packed = 256 + 256 + 256 + 4 * 20
     one = dataclasses.replace(d, R=1)  # a world of one: token mode copies its own tokens
@@ -414,8 +423,8 @@ def test_captured_hop_bytes_by_hand():
     assert cost.captured_hop_bytes("token", d, training=False) == 0
     assert cost.captured_hop_bytes("alltoall", d) == 0
     # the weights and their gradients are bound, not copied: the experts' widths do not count
-    wide = dataclasses.replace(d, I=400, gb=2, b13=True, b2=True)
-    assert cost.captured_hop_bytes("expert", wide) == cost.captured_hop_bytes("expert", d)
+    wide = dataclasses.replace(biased, I=400, gb=2, b13=True)
+    assert cost.captured_hop_bytes("expert", wide) == cost.captured_hop_bytes("expert", biased)
 
 
 def test_stage_peak_counts_captured_hop_buffers_once_per_gpu():
