@@ -5,7 +5,8 @@ row runs it, with ``RingOptions.capture_hops`` on (``Hop(..., capture=True)``: e
 compute through ``relaymoe/ring/hop_graphs.py``'s cache, recorded once per key and replayed),
 measured exactly as the eager row (``hop_cost.measure_pass``) after a recording pass and the
 passes that settle it: the cache records an entry on the first use of its key and addresses
-(expert mode one per expert range; token mode one per set of slot addresses its hops see), and
+(expert mode one per expert range in the backward, one per slot in the forward; token mode one
+per set of slot addresses its hops see), and
 per-pass buffers (trail scratch, accumulators) reach recurring addresses after a pass or two
 (``settle_passes``: how many ran until one recorded nothing, ``graphs_settling`` what they
 recorded), so a steady pass records nothing

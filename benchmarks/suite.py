@@ -57,6 +57,7 @@ import datetime as _dt
 import importlib
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -495,6 +496,11 @@ def tree_state(root: Path = ROOT) -> tuple[str, bool | str, str]:
     calls the sent tree dirty."""
     commit, clean = runs.git_state(root)
     env = os.environ.get("RELAYMOE_COMMIT", "").strip()
+    if env and not re.fullmatch(r"[0-9a-f]{12,40}", env):
+        raise ValueError(
+            f"RELAYMOE_COMMIT={env!r}: the run folder and every row name the commit by at least "
+            "12 hex digits; fix: RELAYMOE_COMMIT=$(git rev-parse HEAD | cut -c1-12)"
+        )
     if commit != runs.UNKNOWN and not (env and not commit.startswith(env[: len(commit)])):
         return commit, clean, "git"
     stale = f"; git there named {commit} (clean: {clean})" if commit != runs.UNKNOWN else ""

@@ -54,7 +54,9 @@ clone that follows it.
 A key is the caller's (mode, direction, expert range, pair bound, backend, kernel options,
 activation, ...) plus the name, shape and dtype of every copied tensor and the address and
 layout of every bound one: a hop of another shape (a token partition of another T) builds its
-own entry, one of the same shape at the same addresses reuses it.
+own entry, one of the same shape at the same addresses reuses it. Expert forward leaves the
+range out of its key where :func:`range_window` serves every range (its offsets copied in):
+queued back to back, distinct graphs leave the GPU idle between them, one graph does not.
 
 Recording: the body runs ``warmup`` times before the capture (kernels compiled and tuned, the
 allocator primed). Those runs add into the in-outs: the copied ones are copied in again after

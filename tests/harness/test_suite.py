@@ -362,6 +362,15 @@ def _renamed(src: Path, dest: Path) -> Path:
     return dest
 
 
+def test_tree_state_refuses_a_short_stated_commit(tmp_path, monkeypatch):
+    """A RELAYMOE_COMMIT of 7 digits once named a run folder ``..._unknown``: refused by name."""
+    monkeypatch.setattr(runs, "git_state", lambda root: ("06a6893c75f0", False))
+    for bad in ("67441ac", "67441AC793B5", "not-a-hash"):
+        monkeypatch.setenv("RELAYMOE_COMMIT", bad)
+        with pytest.raises(ValueError, match=f"RELAYMOE_COMMIT='{bad}'.*12 hex digits"):
+            suite.tree_state(tmp_path)
+
+
 def test_tree_state_prefers_the_stated_commit_over_a_stale_git(tmp_path, monkeypatch):
     """The device machine's git names the session's first commit under the tree it was sent."""
     monkeypatch.setattr(runs, "git_state", lambda root: ("06a6893c75f0", False))
