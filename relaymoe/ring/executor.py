@@ -381,32 +381,30 @@ def relay(
     bufs = [slots[0], slots[1]]  # and the trail scratch (buffer 2), below
     # each buffer's typed flat views, shared by its layouts (persistent slots': the memo's)
     flats: list[dict] = [{}, {}, {}] if memo is None else [*memo["flats"], {}]
-    # Typed views by (layout, buffer, base), made once per pass (persistent slots': once for all
-    # passes): a view is the same at every hop that asks for it again (equal layouts of the
-    # partitions, the same slot and offset). The scratch's (buffer 2) are this pass's.
-    views: dict[tuple[Layout, int, int], dict[str, Tensor]] = {}
-    slot_views = views if memo is None else memo["views"]
 
-    def views_of(layout: Layout, buf: int, base: int = 0) -> dict[str, Tensor]:
-        key = (layout, buf, base)
-        store = slot_views if buf < 2 else views
-        out = store.get(key)
-        if out is None:
-            out = store[key] = layout.views(bufs[buf], base, flats[buf])
-        return out
+    def cached(make: Callable, slot_store: dict | None) -> Callable:
+        """``make(layout, buffer, base, flats)`` (``Layout.views`` or ``Layout.runs``) by
+        (layout, buffer, base), made once per pass, and once for all passes where the slots
+        persist (``slot_store``, the memo's): a view is the same at every hop that asks for it
+        again (equal layouts of the partitions, the same slot and offset). The scratch's
+        (buffer 2) are this pass's."""
+        store: dict[tuple[Layout, int, int], object] = {}
+        slots_store = store if slot_store is None else slot_store
 
+        def get(layout: Layout, buf: int, base: int = 0):
+            key = (layout, buf, base)
+            mine = slots_store if buf < 2 else store
+            out = mine.get(key)
+            if out is None:
+                out = mine[key] = make(layout, bufs[buf], base, flats[buf])
+            return out
+
+        return get
+
+    views_of = cached(Layout.views, None if memo is None else memo["views"])
     # A trail's runs (``Layout.runs``), which its zeroing and the adds go over; the compute
     # gets its named views (views_of) only where it writes: the scratch, and hop 0's region
-    runs: dict[tuple[Layout, int, int], list[Tensor]] = {}
-    slot_runs = runs if memo is None else memo["runs"]
-
-    def runs_of(layout: Layout, buf: int, base: int = 0) -> list[Tensor]:
-        key = (layout, buf, base)
-        store = slot_runs if buf < 2 else runs
-        out = store.get(key)
-        if out is None:
-            out = store[key] = layout.runs(bufs[buf], base, flats[buf])
-        return out
+    runs_of = cached(Layout.runs, None if memo is None else memo["runs"])
 
     own_views = views_of(lead_layout(rank), 0)
     if callable(own_lead):
