@@ -82,7 +82,7 @@ class _Profiled:
         return False
 
 
-def profiled(ring, direction: str, n: int, top: int) -> list[dict]:
+def profiled(ring, direction: str, n: int, top: int) -> tuple[list[dict], list[dict]]:
     prof = cProfile.Profile()
     cuda = ring.dev.type == "cuda"
     with mock.patch.object(executor, "_hop_range", _Profiled(prof)):

@@ -49,6 +49,9 @@ _RECORDERS: list[list] = []
 # addresses (a regrown workspace, another group's) replace the entry, and with it the views that
 # hold the old slots' memory.
 _SLOT_MEMOS: dict[torch.device, tuple[tuple, dict]] = {}
+# A memo's entries (views, runs and plans' ranges together) before it starts afresh: each
+# problem of other sizes (another T in token mode) adds its own, and the memo outlives them
+MAX_SLOT_MEMO = 512
 
 
 def _slot_memo(transport: Transport, slots: tuple[Tensor, ...], device: torch.device):
@@ -59,7 +62,7 @@ def _slot_memo(transport: Transport, slots: tuple[Tensor, ...], device: torch.de
         return None
     key = tuple((s.data_ptr(), s.numel()) for s in slots)
     entry = _SLOT_MEMOS.get(device)
-    if entry is None or entry[0] != key:
+    if entry is None or entry[0] != key or sum(map(len, entry[1].values())) > MAX_SLOT_MEMO:
         memo = {"flats": ({}, {}), "views": {}, "runs": {}, "ranges": {}}
         entry = _SLOT_MEMOS[device] = (key, memo)
     return entry[1]

@@ -91,3 +91,17 @@ def test_trail_reaches_the_compute_as_it_is_without_zero_trail():
         raw = _pass(_Slots(persistent), _own(0), zero_trail=False)
         seven = torch.full((TRAIL.nbytes,), 7, dtype=torch.uint8).view(torch.float32)
         assert torch.equal(raw[0][2]["g"].reshape(-1), seven)
+
+
+def test_slot_memo_is_bounded(monkeypatch):
+    """Problems of other sizes add their own views to the memo of persistent slots: past
+    ``MAX_SLOT_MEMO`` entries it starts afresh instead of growing for the whole run."""
+    from relaymoe.ring import executor
+
+    tr = _Slots(persistent=True)
+    first = _pass(tr, _own(0))
+    monkeypatch.setattr(executor, "MAX_SLOT_MEMO", 1)
+    second = _pass(tr, _own(1))
+    assert all(a[n] is not b[n] for (_, a, _), (_, b, _) in zip(first, second, strict=True)
+               for n in LEAD.names)  # fmt: skip
+    assert sum(map(len, executor._SLOT_MEMOS[CPU][1].values())) < 64
