@@ -13,11 +13,18 @@ call that blocks (a graph launch, an allocation, an event) shows as its own line
 library's own functions by cumulative time (``top_cum``: where a hop's time goes by caller).
 The profile's own overhead inflates Python-heavy lines; compare lines with each other, and the
 unprofiled ``host_us_per_hop`` with hop_cost's rows.
+
+``--parts`` adds, without cProfile, the host time per hop of named parts of a hop (``PARTS``:
+the executor's transfer start and stream handshake, the cache's run and the graph's launch,
+the copies, the clone and adds, the hop's key): each wrapped in a timer that counts only inside
+a hop's range (``parts``: microseconds per hop, inclusive of what a part calls; ``parts_calls``
+per hop; ``host_us_per_hop_timed`` the hops' own time with the timers on).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import os
 import pstats
@@ -33,7 +40,22 @@ import torch  # noqa: E402
 
 from benchmarks import hop_cost, hop_library  # noqa: E402
 from benchmarks.common import JsonlWriter, environment  # noqa: E402
-from relaymoe.ring import executor, hop_graphs  # noqa: E402
+from relaymoe.ring import executor, expert_mode, hop_graphs, token_mode  # noqa: E402
+
+# A part's name -> (the object and attribute its timer wraps). Where a module imported the
+# function by name, its own attribute is wrapped (both modes' hop_key).
+PARTS = {
+    "executor.start": (executor.RingExecutor, "start"),
+    "executor.on_comm": (executor.RingExecutor, "_on_comm"),
+    "executor.wait": (executor.RingExecutor, "wait"),
+    "graphs.run": (hop_graphs.HopGraphs, "run"),
+    "graph.replay": (torch.cuda.CUDAGraph, "replay"),
+    "copy_all": (hop_graphs, "_copy_all"),
+    "tensor.clone": (torch.Tensor, "clone"),
+    "tensor.add_": (torch.Tensor, "add_"),
+    "hop_key.token": (token_mode, "hop_key"),
+    "hop_key.expert": (expert_mode, "hop_key"),
+}
 
 
 class _ByHop:
@@ -82,6 +104,61 @@ class _Profiled:
         return False
 
 
+class _PartTimers:
+    """Stands in for ``executor._hop_range`` and wraps each of ``PARTS``: a part's time counts
+    while a hop's range is open (a part called outside a hop, the pass's set-up or return, is
+    not counted)."""
+
+    def __init__(self):
+        self.inside, self.hops, self.hop_s = False, 0, 0.0
+        self.spent = dict.fromkeys(PARTS, 0.0)
+        self.calls = dict.fromkeys(PARTS, 0)
+
+    def __call__(self, name):
+        return self
+
+    def __enter__(self):
+        self.inside, self.t0 = True, time.perf_counter()
+
+    def __exit__(self, *exc):
+        self.hop_s += time.perf_counter() - self.t0
+        self.inside, self.hops = False, self.hops + 1
+        return False
+
+    def wrap(self, name: str, fn):
+        def timed(*args, **kw):
+            if not self.inside:
+                return fn(*args, **kw)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                self.spent[name] += time.perf_counter() - t0
+                self.calls[name] += 1
+
+        return timed
+
+
+def parts(ring, direction: str, n: int) -> dict:
+    """``n`` passes with :data:`PARTS` timed (see the module doc)."""
+    timers = _PartTimers()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(executor, "_hop_range", timers))
+        for name, (owner, attr) in PARTS.items():
+            stack.enter_context(
+                mock.patch.object(owner, attr, timers.wrap(name, getattr(owner, attr)))
+            )
+        for _ in range(n):
+            if ring.dev.type == "cuda":
+                torch.cuda.synchronize()
+            ring.run(direction)
+    hops = max(timers.hops, 1)
+    called = [k for k, c in timers.calls.items() if c]
+    return {"parts": {k: round(timers.spent[k] / hops * 1e6, 2) for k in called},
+            "parts_calls": {k: round(timers.calls[k] / hops, 2) for k in called},
+            "host_us_per_hop_timed": round(timers.hop_s / hops * 1e6, 1)}  # fmt: skip
+
+
 def profiled(ring, direction: str, n: int, top: int) -> tuple[list[dict], list[dict]]:
     prof = cProfile.Profile()
     cuda = ring.dev.type == "cuda"
@@ -117,6 +194,8 @@ def main(argv=None) -> int:
         help="run 2 passes under torch.profiler (CPU+CUDA) before the timed ones, as hop_cost "
         "does before its library rows: whether a finished profiler session slows the host",
     )
+    ap.add_argument("--parts", action="store_true", help="also the named parts' times (PARTS)")
+    ap.add_argument("--no-cprofile", action="store_true", help="skip the cProfile passes")
     ap.add_argument("--out", default=None, help="JSONL path")
     a = ap.parse_args(argv)
     a.quick, a.backend = False, "auto"
@@ -136,7 +215,11 @@ def main(argv=None) -> int:
                     name = f"relaymoe.{case.mode}.{direction}.hop"
                     hop_cost.profile_passes(partial(ring.run, direction), 2, name, case.ep)
                 row = by_hop(ring, direction, a.passes)
-                top, top_cum = profiled(ring, direction, a.passes, a.top)
+                if a.parts:
+                    row.update(parts(ring, direction, a.passes))
+                top, top_cum = [], []
+                if not a.no_cprofile:
+                    top, top_cum = profiled(ring, direction, a.passes, a.top)
             writer.write(
                 {
                     "bench": "hop_host_profile",

@@ -88,8 +88,9 @@ def captured_hop_bytes(mode: str, d: Dims, *, training: bool = True) -> int:
     index (``ROUTING_INDEX_BYTES_PER_PAIR`` a pair and the ``E+1`` int64 offsets) is an input of
     expert mode's forward and backward and of token mode's backward (its forward builds it in the
     hop); token mode's forward also copies the visiting ids ``T*K*INDEX_BYTES``, and expert
-    mode's forward in a ring of ``R > 1`` without fc2 bias its range's ``El+1`` int64 offsets
-    (one recorded hop for every range: ``hop_graphs.range_window``). In a ring of
+    mode in a ring of ``R > 1`` without fc2 bias its range's ``El+1`` int64 offsets (one
+    recorded hop of each direction for every range, ``hop_graphs.range_window``; one buffer,
+    forward and backward alike). In a ring of
     ``R > 1`` token mode binds its visiting partition and trail by address too (views of the
     ring's slots and trail scratch, which recur hop to hop): only the routing index is copied.
     Not counted: the experts' weights and biases and their gradient accumulators, which are

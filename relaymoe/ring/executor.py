@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -66,6 +67,24 @@ def _slot_memo(transport: Transport, slots: tuple[Tensor, ...], device: torch.de
         memo = {"flats": ({}, {}), "views": {}, "runs": {}, "ranges": {}}
         entry = _SLOT_MEMOS[device] = (key, memo)
     return entry[1]
+
+
+# The per-hop stream handshake (an event record and wait each way, two switches of the current
+# stream) through torch's C entries, each stream's ids resolved once: the Python wrappers of
+# Event.record, Stream.wait_event and set_stream cost a replayed hop several microseconds of host
+# time. The public calls where a torch lacks the entries.
+_EVENT = getattr(torch._C, "_CudaEventBase", None)
+_record = _EVENT.record if _EVENT is not None else (lambda ev, stream: ev.record(stream))
+_wait = _EVENT.wait if _EVENT is not None else (lambda ev, stream: ev.wait(stream))
+
+
+def _make_current(stream: torch.cuda.Stream) -> Callable[[], None]:
+    """A call that makes ``stream`` the current stream (``torch.cuda.set_stream``)."""
+    setter = getattr(torch._C, "_cuda_setStream", None)
+    if setter is None:
+        return partial(torch.cuda.set_stream, stream)
+    return partial(setter, stream_id=stream.stream_id, device_index=stream.device_index,
+                   device_type=stream.device_type)  # fmt: skip
 
 
 # The per-hop profiler range: torch's C++ range (the one torch.compile's generated code opens)
@@ -186,6 +205,8 @@ class RingExecutor:
         # each hop's "transfer done" event, by hop parity (a pass waits for hop h's before it
         # starts hop h+1, so two never overlap in use)
         self._done = (torch.cuda.Event(), torch.cuda.Event()) if self.cuda else None
+        if self.cuda:  # the current stream's switches of _on_comm
+            self._to_comm, self._to_compute = map(_make_current, (self.stream, self.compute))
         self.mode, self.phase = mode, phase
         group = getattr(transport, "group", None)
         self.watch = None
@@ -231,18 +252,18 @@ class RingExecutor:
         else:
             marks[name] = time.perf_counter()
 
-    def _on_comm(self, fn: Callable[[], object]):
-        """``fn()`` on the communication stream, after everything queued on the compute stream
-        so far."""
+    def _on_comm(self, fn: Callable[..., object], *args):
+        """``fn(*args)`` on the communication stream, after everything queued on the compute
+        stream so far."""
         if not self.cuda:
-            return fn()
-        self._ready.record(self.compute)
-        self.stream.wait_event(self._ready)
-        torch.cuda.set_stream(self.stream)
+            return fn(*args)
+        _record(self._ready, self.compute)
+        _wait(self._ready, self.stream)
+        self._to_comm()
         try:
-            return fn()
+            return fn(*args)
         finally:
-            torch.cuda.set_stream(self.compute)
+            self._to_compute()
 
     # -- transfers ------------------------------------------------------------------------------
     def start(self, hop: int, recv_into: Tensor | None = None) -> _Pending:
@@ -260,9 +281,9 @@ class RingExecutor:
             self._marks.setdefault(hop, {})["_bytes"] = xfer.send_bytes
         if not self.cuda:  # no streams: issued from the host right away
             return _Pending(None, self._issue(hop, xfer, sends, recvs))
-        works = self._on_comm(lambda: self._issue(hop, xfer, sends, recvs))
+        works = self._on_comm(self._issue, hop, xfer, sends, recvs)
         done = self._done[hop & 1]
-        done.record(self.stream)
+        _record(done, self.stream)
         if works:  # stream-ordered already; the host waits for them in finish()
             self.watch.defer(works, op="p2p", hop=hop)
             works = []
@@ -304,7 +325,7 @@ class RingExecutor:
             return
         pending.waited = True
         if self.cuda:
-            self.compute.wait_event(pending.done)
+            _wait(pending.done, self.compute)
         else:
             if pending.works:  # bounded: a dead or stalled neighbour raises RingPeerError
                 self.watch.wait(pending.works, op="p2p", hop=hop)

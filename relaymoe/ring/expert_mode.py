@@ -97,6 +97,7 @@ def expert_backward(prob, group, how, overlap, dy, x, experts, probs, index, ord
 
     graphs = hop_graphs_of(prob, how, x.device)
     own, sizes = {"dy": dy, "x": x, "probs": probs, **index_inputs(index)}, index_sizes(index)
+    any_range = graphs is not None and window_fits(prob)  # one body for every range, as forward
 
     # The trail reaches compute as it is (relay's zero_trail=False): each hop writes its weight
     # gradients over it (dw_accumulate=False: no zero fill, no read of the old values, bitwise
@@ -109,20 +110,27 @@ def expert_backward(prob, group, how, overlap, dy, x, experts, probs, index, ord
             return
         w = local if lead is None else lead
         rng, rows = (part * El, (part + 1) * El), pair_rows(prob, prob.rank, part)
+        inputs = {**own, **present(w)}
+        if any_range:
+            inputs["range_offsets"] = index.offsets_for(*rng)
 
         def body(t):
             for name in ("db13", "db2"):
                 if name in t:
                     t[name].zero_()
+            full = index_from(t, sizes)
+            hop_index, hop_range = range_window(full, t["range_offsets"]) if any_range else (
+                full, rng)  # fmt: skip
             expert_hop_backward(
-                t["dy"], t["x"], t["w13"], t["w2"], t["probs"], index_from(t, sizes),
-                expert_range=rng, saved_h=None, dx_TH=t["dx"], dprobs_TK=t["dprobs"],
+                t["dy"], t["x"], t["w13"], t["w2"], t["probs"], hop_index,
+                expert_range=hop_range, saved_h=None, dx_TH=t["dx"], dprobs_TK=t["dprobs"],
                 dw13=t["dw13"], dw2=t["dw2"], backend=how.backend, kernels=how.kernels,
                 dw_accumulate=False, **rows, **mlp(prob, t), **bias_grads(t),
             )  # fmt: skip
 
-        key = graphs and hop_key(prob, how, "bwd", rng, rows)
-        run_hop(graphs, key, body, {**own, **present(w)}, {"dx": dx, "dprobs": dprobs, **trail})
+        key = graphs and hop_key(prob, how, "bwd", (0, El) if any_range else rng, rows) + (
+            any_range,)  # fmt: skip
+        run_hop(graphs, key, body, inputs, {"dx": dx, "dprobs": dprobs, **trail})
 
     _, bwd = expert_plans(prob)
     w, dw = weights_layout(prob), weights_layout(prob, "d")  # built once, as forward

@@ -54,9 +54,10 @@ clone that follows it.
 A key is the caller's (mode, direction, expert range, pair bound, backend, kernel options,
 activation, ...) plus the name, shape and dtype of every copied tensor and the address and
 layout of every bound one: a hop of another shape (a token partition of another T) builds its
-own entry, one of the same shape at the same addresses reuses it. Expert forward leaves the
-range out of its key where :func:`range_window` serves every range (its offsets copied in):
-queued back to back, distinct graphs leave the GPU idle between them, one graph does not.
+own entry, one of the same shape at the same addresses reuses it. Expert mode leaves the range
+out of its key where :func:`range_window` serves every range (its offsets copied in), forward
+and backward: queued back to back, distinct graphs leave the GPU idle between them, one does
+not.
 
 Recording: the body runs ``warmup`` times before the capture (kernels compiled and tuned, the
 allocator primed). Those runs add into the in-outs: the copied ones are copied in again after
@@ -174,10 +175,6 @@ class CudaGraphReplay:
         return replay
 
 
-def _layout(t: Tensor) -> tuple:
-    return tuple(t.shape), t.stride(), t.dtype, t.device
-
-
 def _signature(name: str, t: Tensor) -> tuple:
     """A copied tensor's part of an entry's key, and its static buffer's key."""
     return name, tuple(t.shape), t.dtype, t.device
@@ -237,11 +234,10 @@ class HopGraphs:
         # brings its signature and buffer, a copied one is signed here, a bound one keyed by
         # its layout and address
         staged, static = self._staged, {}
-        sigs, tied, layouts, moved = [], [], [], []
+        sigs, layouts, moved = [], [], []
         for n, t in live.items():
-            if n in bound:
-                tied.append(n)
-                layouts.append((n, *_layout(t)))
+            if n in bound:  # (name, layout, address): the device is the cache's own
+                layouts.append((n, t.shape, t.stride(), t.dtype, t.data_ptr()))
                 static[n] = t
                 continue
             st = staged.get(n)
@@ -253,17 +249,19 @@ class HopGraphs:
                 sigs.append(sig)
                 static[n] = self._buffer_of(sig)
                 moved.append(n)
-        base = (key, tuple(sigs), tuple(layouts))
-        full = (base, tuple(live[n].data_ptr() for n in tied))
+        full = (key, tuple(sigs), tuple(layouts))
         replay = self.entries.get(full)
-        if replay is None and tied and self.variants.get(base, 0) >= self.max_variants:
+        # a miss: the bound names, and the key without their addresses (a variant's base)
+        tied = [lay[0] for lay in layouts] if replay is None else []
+        base = (key, full[1], tuple(lay[:-1] for lay in layouts)) if tied else None
+        if tied and self.variants.get(base, 0) >= self.max_variants:
             _log_once(
                 f"relaymoe capture_hops: the {' '.join(map(str, key[:2]))} hop's {sorted(tied)} "
                 f"came at more than max_variants={self.max_variants} sets of addresses; a call "
                 "at unrecorded ones copies them into static buffers (a copied entry: correct, "
                 "but it pays their copies)"
             )
-            full = ((key, tuple(_signature(n, t) for n, t in live.items()), ()), ())
+            full = (key, tuple(_signature(n, t) for n, t in live.items()), None)
             for n in tied:  # the entry of a call that binds nothing
                 static[n] = self._buffer(n, live[n])
                 moved.append(n)
@@ -392,9 +390,10 @@ def index_from(tensors: dict[str, Tensor], sizes: tuple[int, int, int],
 
 
 def window_fits(prob) -> bool:
-    """Whether one recorded expert-mode forward hop can serve every expert range through
-    :func:`range_window`: a ring of more than one, and no fc2 bias (the combine adds
-    ``b2[e - e0]`` with ``e0`` a host value of the range)."""
+    """Whether one recorded expert-mode hop (forward or backward) can serve every expert range
+    through :func:`range_window`: a ring of more than one, and no fc2 bias (the forward's
+    combine and the backward's router gradient read ``b2`` at ``e - e0``, ``e0`` a host value
+    of the range)."""
     return prob.world_size > 1 and not prob.has_b2
 
 
@@ -405,8 +404,8 @@ def range_window(index: RoutingIndex, offsets: Tensor) -> tuple[RoutingIndex, tu
     range ``(0, El)`` reads them where the kernels read a range's offsets
     (``offsets_for(0, El)``). The kernels then depend on ``e0`` only through that device data;
     the pair count comes from the caller's bound (``max_pairs``), never from the range. The
-    expert ids (``token_expert_indices``) stay global: only a forward without fc2 bias reads no
-    expert id by range (:func:`window_fits`)."""
+    expert ids (``token_expert_indices``) stay global: only a hop without fc2 bias reads no
+    expert id by range (:func:`window_fits`), forward or backward."""
     El = offsets.shape[0] - 1
     return replace(index, expert_token_offsets=offsets, packed=None), (0, El)
 

@@ -68,8 +68,9 @@ def test_hop_cost_script_writes_its_rows(tmp_path):
             # recorded before timing: expert mode one entry per expert range; token mode one
             # per set of slot addresses its hops see (the visiting partition and the trail are
             # bound: hop 0, then odd and even hops), all adding into zeroed weight gradients
-            # (expert forward: one entry per slot, every range through one body: range_window)
-            want = {("expert", "fwd"): min(r["ep"], 2), ("expert", "bwd"): r["ep"]}.get(
+            # (expert mode: every range through one body, range_window: forward one entry per
+            # slot, backward per set of slots: hop 0, odd and even hops)
+            want = {("expert", "fwd"): min(r["ep"], 2), ("expert", "bwd"): min(r["ep"], 3)}.get(
                 (r["mode"], r["direction"]), min(r["ep"], 3)
             )
             assert r["graphs"] == want

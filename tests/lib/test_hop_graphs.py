@@ -119,11 +119,14 @@ def _captured_equals_eager(rank, world, group):
             with _capture_on(), _returned_names() as made:
                 got1 = _ring_step(rank, world, group, **kw, weights=w)
                 n = len(_cache().variants)
-                # a forward and a backward hop per visiting partition; expert forward without
-                # fc2 bias: one forward hop for every range (range_window), an entry per slot
+                # a forward and a backward hop per visiting partition; expert mode without fc2
+                # bias: one hop of each direction for every range (range_window), an entry per
+                # set of slots it binds (forward: the weights' slot; backward: hop 0, then odd
+                # and even hops into the trail scratch)
                 shared = mode == "expert" and not bias and world > 1
-                assert n == (1 if shared else world) + world, n
-                assert len(_cache().entries) == (min(world, 2) if shared else world) + world
+                assert n == (2 if shared else 2 * world), n
+                entries = min(world, 2) + min(world, 3) if shared else 2 * world
+                assert len(_cache().entries) == entries, len(_cache().entries)
                 got2 = _ring_step(rank, world, group, **kw, weights=w, routing_seed=12)
                 assert len(_cache().variants) == n  # the same hops, replayed with new routing
                 assert not _copied_names() & BOUND, _copied_names()
