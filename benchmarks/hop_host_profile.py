@@ -26,6 +26,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import gc
+import itertools
 import os
 import pstats
 import statistics
@@ -41,6 +43,8 @@ import torch  # noqa: E402
 from benchmarks import hop_cost, hop_library  # noqa: E402
 from benchmarks.common import JsonlWriter, environment  # noqa: E402
 from relaymoe.ring import executor, expert_mode, hop_graphs, token_mode  # noqa: E402
+from relaymoe.ring.layout import Layout  # noqa: E402
+from relaymoe.routing import RoutingIndex  # noqa: E402
 
 # A part's name -> (the object and attribute its timer wraps). Where a module imported the
 # function by name, its own attribute is wrapped (both modes' hop_key).
@@ -55,6 +59,17 @@ PARTS = {
     "tensor.add_": (torch.Tensor, "add_"),
     "hop_key.token": (token_mode, "hop_key"),
     "hop_key.expert": (expert_mode, "hop_key"),
+    "pair_rows.token": (token_mode, "pair_rows"),
+    "pair_rows.expert": (expert_mode, "pair_rows"),
+    "layout.views": (Layout, "views"),
+    "layout.runs": (Layout, "runs"),
+    "offsets_for": (RoutingIndex, "offsets_for"),
+}
+# A part that is a callback a function is given: name -> (owner, function, keyword) (each mode's
+# hop compute, which ``ring_pass`` hands to ``executor.relay``)
+ARG_PARTS = {
+    "compute.token": (token_mode, "ring_pass", "compute"),
+    "compute.expert": (expert_mode, "ring_pass", "compute"),
 }
 
 
@@ -111,8 +126,8 @@ class _PartTimers:
 
     def __init__(self):
         self.inside, self.hops, self.hop_s = False, 0, 0.0
-        self.spent = dict.fromkeys(PARTS, 0.0)
-        self.calls = dict.fromkeys(PARTS, 0)
+        self.spent = dict.fromkeys([*PARTS, *ARG_PARTS], 0.0)
+        self.calls = dict.fromkeys([*PARTS, *ARG_PARTS], 0)
 
     def __call__(self, name):
         return self
@@ -138,6 +153,15 @@ class _PartTimers:
 
         return timed
 
+    def wrap_arg(self, name: str, fn, keyword: str):
+        """``fn`` with its ``keyword`` argument wrapped as :meth:`wrap` wraps a part."""
+
+        def given(*args, **kw):
+            kw[keyword] = self.wrap(name, kw[keyword])
+            return fn(*args, **kw)
+
+        return given
+
 
 def parts(ring, direction: str, n: int) -> dict:
     """``n`` passes with :data:`PARTS` timed (see the module doc)."""
@@ -148,6 +172,9 @@ def parts(ring, direction: str, n: int) -> dict:
             stack.enter_context(
                 mock.patch.object(owner, attr, timers.wrap(name, getattr(owner, attr)))
             )
+        for name, (owner, attr, keyword) in ARG_PARTS.items():
+            wrapped = timers.wrap_arg(name, getattr(owner, attr), keyword)
+            stack.enter_context(mock.patch.object(owner, attr, wrapped))
         for _ in range(n):
             if ring.dev.type == "cuda":
                 torch.cuda.synchronize()
@@ -180,6 +207,20 @@ def profiled(ring, direction: str, n: int, top: int) -> tuple[list[dict], list[d
     return rows[:top], ours[:top]
 
 
+GC_MODES = {"on": (True,), "off": (False,), "both": (True, False)}
+
+
+@contextlib.contextmanager
+def _collector(on: bool):
+    """Python's cyclic garbage collector on or off (``gc.disable()``) for the block."""
+    was = gc.isenabled()
+    (gc.enable if on else gc.disable)()
+    try:
+        yield
+    finally:
+        (gc.enable if was else gc.disable)()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ep", type=int, nargs="+", default=[2, 64])
@@ -196,6 +237,20 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--parts", action="store_true", help="also the named parts' times (PARTS)")
     ap.add_argument("--no-cprofile", action="store_true", help="skip the cProfile passes")
+    ap.add_argument(
+        "--eager-first",
+        type=int,
+        default=0,
+        help="run this many eager passes (capture off) of the case before the recorded ones, as "
+        "hop_cost times its library rows after its eager ones: whether that slows the host",
+    )
+    ap.add_argument(
+        "--gc",
+        choices=["on", "off", "both"],
+        default="on",
+        help="Python's cyclic garbage collector during the timed passes (off: gc.disable(), as "
+        "under megatron-core's --manual-gc); both: a row each",
+    )
     ap.add_argument("--out", default=None, help="JSONL path")
     a = ap.parse_args(argv)
     a.quick, a.backend = False, "auto"
@@ -207,8 +262,10 @@ def main(argv=None) -> int:
     for case in plan:
         hop_graphs.forget()
         ring = hop_cost.Ring(case, group=group)
-        for direction in hop_cost.DIRECTIONS:
-            with hop_library.capturing(ring):
+        for direction, gc_on in itertools.product(hop_cost.DIRECTIONS, GC_MODES[a.gc]):
+            for _ in range(a.eager_first):
+                ring.run(direction)
+            with hop_library.capturing(ring), _collector(gc_on):
                 ring.run(direction)
                 hop_library.settle(ring, direction, hop_library.STEADY_PASSES)
                 if a.after_profiler and ring.dev.type == "cuda":
@@ -227,6 +284,8 @@ def main(argv=None) -> int:
                     "ep": case.ep,
                     "tokens": case.tokens,
                     "direction": direction,
+                    "gc": gc_on,
+                    "eager_first": a.eager_first,
                     **row,
                     "top": top,
                     "top_cum": top_cum,

@@ -26,6 +26,7 @@ from relaymoe.ring.passes import (
     expert_plans,
     home_grads,
     hop_graphs_of,
+    hop_head,
     hop_key,
     local_parts,
     mlp,
@@ -48,6 +49,7 @@ def expert_forward(prob, group, how, overlap, x, experts, probs, index, order):
     # Recorded hops share one graph for every expert range (range_window): a GPU given many
     # distinct graphs back to back idles between them, one graph per range would be R of them
     any_range = graphs is not None and window_fits(prob)
+    head = graphs and hop_head(prob, how, "fwd")
 
     def compute(hop, part, lead, trail):
         if T == 0:
@@ -69,8 +71,7 @@ def expert_forward(prob, group, how, overlap, x, experts, probs, index, order):
             )  # fmt: skip
 
         # only a cache reads the key; shared by every range when the window serves them
-        key = graphs and hop_key(prob, how, "fwd", (0, El) if any_range else rng, rows) + (
-            any_range,)  # fmt: skip
+        key = graphs and hop_key(head, (0, El) if any_range else rng, rows) + (any_range,)
         run_hop(graphs, key, body, inputs, {"out": out})
 
     fwd, bwd = expert_plans(prob)
@@ -98,6 +99,7 @@ def expert_backward(prob, group, how, overlap, dy, x, experts, probs, index, ord
     graphs = hop_graphs_of(prob, how, x.device)
     own, sizes = {"dy": dy, "x": x, "probs": probs, **index_inputs(index)}, index_sizes(index)
     any_range = graphs is not None and window_fits(prob)  # one body for every range, as forward
+    head = graphs and hop_head(prob, how, "bwd")
 
     # The trail reaches compute as it is (relay's zero_trail=False): each hop writes its weight
     # gradients over it (dw_accumulate=False: no zero fill, no read of the old values, bitwise
@@ -128,8 +130,7 @@ def expert_backward(prob, group, how, overlap, dy, x, experts, probs, index, ord
                 dw_accumulate=False, **rows, **mlp(prob, t), **bias_grads(t),
             )  # fmt: skip
 
-        key = graphs and hop_key(prob, how, "bwd", (0, El) if any_range else rng, rows) + (
-            any_range,)  # fmt: skip
+        key = graphs and hop_key(head, (0, El) if any_range else rng, rows) + (any_range,)
         run_hop(graphs, key, body, inputs, {"dx": dx, "dprobs": dprobs, **trail})
 
     _, bwd = expert_plans(prob)

@@ -42,10 +42,22 @@ def hop_graphs_of(prob: RingProblem, how: Hop, device) -> HopGraphs | None:
     return graphs_for(prob, how.backend, device) if how.capture else None
 
 
-def hop_key(prob: RingProblem, how: Hop, phase: str, expert_range, rows: dict) -> tuple:
-    """The host values a recorded hop keeps (its tensors' shapes are added by the cache)."""
-    return (prob.mode, phase, tuple(expert_range), tuple(sorted(rows.items())), how.backend,
-            how.kernels, prob.activation)  # fmt: skip
+# The (backend, kernel options, activation) of recorded hops so far, each as a small int
+_HOW_IDS: dict[tuple, int] = {}
+
+
+def hop_head(prob: RingProblem, how: Hop, phase: str) -> tuple[str, str, int]:
+    """The first part of a pass's recorded hops' keys, made once a pass: ``(mode, phase, n)``,
+    ``n`` a small int standing for the backend, kernel options and activation (equal ones, one
+    int), so that the cache's lookup at every hop hashes no options object."""
+    n = _HOW_IDS.setdefault((how.backend, how.kernels, prob.activation), len(_HOW_IDS))
+    return prob.mode, phase, n
+
+
+def hop_key(head: tuple, expert_range: tuple[int, int], rows: dict) -> tuple:
+    """The host values a recorded hop keeps (its tensors' shapes are added by the cache):
+    :func:`hop_head`'s, the hop's expert range and its pair-count keyword."""
+    return (*head, expert_range, *rows.items())
 
 
 def present(parts: dict[str, Tensor | None]) -> dict[str, Tensor]:

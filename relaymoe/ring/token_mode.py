@@ -28,6 +28,7 @@ from relaymoe.ring.passes import (
     capacity,
     home_grads,
     hop_graphs_of,
+    hop_head,
     hop_key,
     local_parts,
     mlp,
@@ -67,6 +68,7 @@ def token_forward(prob, group, how, overlap, x, experts, probs, idx32, order):
     indices: dict[int, object] = {}
     graphs = hop_graphs_of(prob, how, x.device)
     weights = present(local)
+    head = graphs and hop_head(prob, how, "fwd")
 
     def compute(hop, part, lead, trail):
         if Ts[part] == 0:
@@ -93,7 +95,7 @@ def token_forward(prob, group, how, overlap, x, experts, probs, idx32, order):
             )  # fmt: skip
             return index_inputs(index)
 
-        key = graphs and hop_key(prob, how, "fwd", own, rows) + (order,)  # only a cache reads it
+        key = graphs and hop_key(head, own, rows) + (order,)  # only a cache reads it
         made = run_hop(graphs, key, body, {"x": xs, "idx": ids, "probs": ps, **weights},
                        {"out": trail["out"]}, () if lead is None else FWD_TRAVELLING)  # fmt: skip
         packed = made.get("index.packed")  # recorded: the arrays' views only where read
@@ -133,6 +135,7 @@ def token_backward(prob, group, how, overlap, dy, x, experts, probs, indices, or
             dw["d" + name] = torch.zeros_like(local[name], dtype=prob.accum_dtype)
 
     weights = present(local)
+    head = graphs and hop_head(prob, how, "bwd")
 
     def compute(hop, part, lead, trail):
         if Ts[part] == 0:
@@ -158,7 +161,7 @@ def token_backward(prob, group, how, overlap, dy, x, experts, probs, indices, or
             )  # fmt: skip
             return {"dw13": dw13, "dw2": dw2} if first else None
 
-        key = graphs and hop_key(prob, how, "bwd", own, rows) + (over,)
+        key = graphs and hop_key(head, own, rows) + (over,)
         inputs = {"dy": dys, "x": xs, "probs": ps, **index_inputs(indices[part]), **weights}
         made = run_hop(graphs, key, body, inputs, {**trail, **present(dw)},
                        () if lead is None else BWD_TRAVELLING)  # fmt: skip
