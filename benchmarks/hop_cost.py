@@ -48,8 +48,10 @@ own CUDA graph) and ``"library"`` (``--library``: the library's pass with its ow
   a pass issued after a sync, so its host set-up before the first kernel counts as idle;
   ``idle_frac_chained``: the same against the span per pass of passes issued back to back (as
   a step's layers: a pass's set-up overlaps the work queued before it), what is left is the
-  GPU idle inside the passes. Every case's timed passes run before any profiled one (a
-  finished profiler session slows the process's host), so rows are measured in two halves.
+  GPU idle inside the passes; ``host_us_per_hop_chained`` the hops' host time in those chains
+  (no sync before a pass: the first hops after a sync cost the host up to 2-3x a later one's).
+  Every case's timed passes run before any profiled one (a finished profiler session slows the
+  process's host), so rows are measured in two halves.
 
 The hop_graph row (``captured: True``): hop 1's compute (the hop primitive call of the pass's
 compute, token forward's index build included) captured in a ``torch.cuda.CUDAGraph`` with static
@@ -436,8 +438,8 @@ def time_host(run, R: int, cuda: bool, n: int) -> dict:
     the pass's span on the GPU (CUDA events around its issue); then ``n`` passes issued back to
     back, as the layers of a step issue theirs (no sync between them), :data:`CHAINS` times:
     the median chain's span per pass on the GPU and the host's time per pass
-    (``span_us_per_pass_chained``, ``host_us_per_pass_chained``; every chain's span in
-    ``span_us_per_pass_chains``)."""
+    (``span_us_per_pass_chained``, ``host_us_per_pass_chained``, and the hops' own
+    ``host_us_per_hop_chained``; every chain's span in ``span_us_per_pass_chains``)."""
     timer = HopTimer()
     per_pass, per_hop, spans = [], [], []
     chain = {}
@@ -463,16 +465,20 @@ def time_host(run, R: int, cuda: bool, n: int) -> dict:
             _sync(cuda)
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             e0.record()
+            k = len(timer.spans)
             t0 = time.perf_counter()
             for _ in range(n):
                 run()
             t1 = time.perf_counter()
             e1.record()
             e1.synchronize()
-            chains.append((e0.elapsed_time(e1) * 1e3 / n, (t1 - t0) * 1e6 / n))
+            hops = timer.spans[k:]
+            chains.append((e0.elapsed_time(e1) * 1e3 / n, (t1 - t0) * 1e6 / n,
+                           sum(hops) / max(len(hops), 1) * 1e6))  # fmt: skip
         if chains:
             chain = {"span_us_per_pass_chained": round(statistics.median(c[0] for c in chains), 1),
                      "host_us_per_pass_chained": round(statistics.median(c[1] for c in chains), 1),
+                     "host_us_per_hop_chained": round(statistics.median(c[2] for c in chains), 1),
                      "span_us_per_pass_chains": [round(c[0], 1) for c in chains]}  # fmt: skip
     return {
         "host_us_per_hop": round(statistics.median(per_hop), 1),
@@ -972,6 +978,7 @@ def main(argv=None) -> int:
         del ring
         _release()
     cols = ["mode", "direction", "ep", "tokens", "capture_path", "host_us_per_hop",
+            "host_us_per_hop_chained",
             "gpu_us_per_hop", "launches_per_hop", "idle_frac", "idle_frac_chained",
             "capture_error"]  # fmt: skip
     print_table(rows, cols)

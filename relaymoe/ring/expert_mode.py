@@ -11,13 +11,12 @@ from __future__ import annotations
 import torch
 
 from relaymoe.experts import expert_hop_backward, expert_hop_forward
-from relaymoe.ring.hop_graphs import (
+from relaymoe.ring.hop_graphs import run_hop, stage_pass
+from relaymoe.ring.hop_index import (
     index_from,
     index_inputs,
     index_sizes,
     range_window,
-    run_hop,
-    stage_pass,
     window_fits,
 )
 from relaymoe.ring.passes import (
@@ -38,6 +37,13 @@ from relaymoe.ring.passes import (
 )
 
 
+def range_offsets(index, El: int) -> tuple:
+    """Every expert range's ``El+1`` pair offsets (``index.offsets_for(p*El, (p+1)*El)`` for
+    each partition ``p``) as views made in one call a pass, not one a hop: what a recorded hop
+    copies in when one body serves every range (``hop_index.range_window``)."""
+    return index.expert_token_offsets.unfold(0, El + 1, El).unbind(0)
+
+
 def expert_forward(prob, group, how, overlap, x, experts, probs, index, order):
     El = prob.num_local_experts
     out = torch.zeros_like(x)
@@ -50,6 +56,7 @@ def expert_forward(prob, group, how, overlap, x, experts, probs, index, order):
     # distinct graphs back to back idles between them, one graph per range would be R of them
     any_range = graphs is not None and window_fits(prob)
     head = graphs and hop_head(prob, how, "fwd")
+    offsets = range_offsets(index, El) if any_range else None
 
     def compute(hop, part, lead, trail):
         if T == 0:
@@ -58,7 +65,7 @@ def expert_forward(prob, group, how, overlap, x, experts, probs, index, order):
         rng, rows = (part * El, (part + 1) * El), pair_rows(prob, prob.rank, part)
         inputs = {**own, **present(w)}
         if any_range:  # the range's pair offsets reach the graph as an input, copied each hop
-            inputs["range_offsets"] = index.offsets_for(*rng)
+            inputs["range_offsets"] = offsets[part]
 
         def body(t):
             full = index_from(t, sizes)
@@ -100,6 +107,7 @@ def expert_backward(prob, group, how, overlap, dy, x, experts, probs, index, ord
     own, sizes = {"dy": dy, "x": x, "probs": probs, **index_inputs(index)}, index_sizes(index)
     any_range = graphs is not None and window_fits(prob)  # one body for every range, as forward
     head = graphs and hop_head(prob, how, "bwd")
+    offsets = range_offsets(index, El) if any_range else None
 
     # The trail reaches compute as it is (relay's zero_trail=False): each hop writes its weight
     # gradients over it (dw_accumulate=False: no zero fill, no read of the old values, bitwise
@@ -114,7 +122,7 @@ def expert_backward(prob, group, how, overlap, dy, x, experts, probs, index, ord
         rng, rows = (part * El, (part + 1) * El), pair_rows(prob, prob.rank, part)
         inputs = {**own, **present(w)}
         if any_range:
-            inputs["range_offsets"] = index.offsets_for(*rng)
+            inputs["range_offsets"] = offsets[part]
 
         def body(t):
             for name in ("db13", "db2"):

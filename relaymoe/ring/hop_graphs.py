@@ -41,9 +41,10 @@ copied entry per key, correct but paying the copies; logged once per mode, direc
 Entries are never evicted or re-recorded.
 
 What the body returns (``produced``): tensors it allocates (token forward's routing index); they
-live in the graph's memory pool and are cloned out after every replay. Token backward's
-weight-gradient accumulators under capture start as zeros that every hop adds into (bound
-in-outs), so nothing of that size is returned or cloned.
+live in the graph's memory pool and are cloned out after every replay, or copied into the
+caller's tensors (``into``: token forward's share of a store allocated once a pass). Token
+backward's weight-gradient accumulators under capture start as zeros that every hop adds into
+(bound in-outs), so nothing of that size is returned or cloned.
 
 Static buffers are owned by the cache, one per (name, shape, dtype, device), and shared by every
 entry that names one alike (expert mode's hops of different expert ranges, forward and
@@ -55,7 +56,7 @@ A key is the caller's (mode, direction, expert range, pair bound, backend, kerne
 activation, ...) plus the name, shape and dtype of every copied tensor and the address and
 layout of every bound one: a hop of another shape (a token partition of another T) builds its
 own entry, one of the same shape at the same addresses reuses it. Expert mode leaves the range
-out of its key where :func:`range_window` serves every range (its offsets copied in), forward
+out of its key where ``hop_index.range_window`` serves every range (its offsets copied in), forward
 and backward: queued back to back, distinct graphs leave the GPU idle between them, one does
 not.
 
@@ -78,43 +79,28 @@ import contextlib
 import functools
 import logging
 from collections.abc import Callable
-from dataclasses import replace
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from relaymoe import options
 from relaymoe.experts import resolve_backend
-from relaymoe.kernels.index_arrays import index_arrays_like
-from relaymoe.ring.layout import Layout
-from relaymoe.routing import RoutingIndex
 
 __all__ = [
     "BOUND",
     "CudaGraphReplay",
     "EagerReplay",
     "HopGraphs",
-    "PackedIndex",
     "graphs_for",
-    "index_from",
-    "index_inputs",
-    "index_layout",
-    "index_sizes",
-    "packed_index",
-    "range_window",
     "refusal",
     "run_hop",
     "stage_pass",
-    "window_fits",
 ]
 
 log = logging.getLogger("relaymoe.ring")
 
 Body = Callable[[dict[str, Tensor]], dict[str, Tensor] | None]
 Replay = Callable[[], dict[str, Tensor]]
-INDEX_FIELDS = ("expert_token_indices", "expert_token_offsets", "token_expert_indices",
-                "token_index_map")  # fmt: skip
 # The names a ring hop binds by address (see the module doc): the experts' weights and biases,
 # and their gradient accumulators. Every other tensor of a hop is copied.
 BOUND = frozenset({"w13", "w2", "b13", "b2", "dw13", "dw2", "db13", "db2"})
@@ -217,12 +203,14 @@ class HopGraphs:
 
     def run(self, key: tuple, body: Body, inputs: dict[str, Tensor],
             inouts: dict[str, Tensor] | None = None,
-            bound: frozenset[str] | tuple[str, ...] = ()) -> dict[str, Tensor]:  # fmt: skip
+            bound: frozenset[str] | tuple[str, ...] = (),
+            into: dict[str, Tensor] | None = None) -> dict[str, Tensor]:  # fmt: skip
         """Run ``body`` (reads ``inputs``, adds into ``inouts``, by name, from the dict it is
         given; returns what it allocates) for this call's tensors through the entry of ``key``
         (recorded on first use). The names in ``bound`` (those present) reach the body as the
         live tensors, keyed by address; the others through static buffers (module doc).
-        Returns clones of what the body returned."""
+        Returns clones of what the body returned, or for the names in ``into`` those tensors,
+        copied into (no allocation a hop)."""
         inouts = inouts or {}
         live = {**inputs, **inouts}
         if len(live) != len(inputs) + len(inouts):
@@ -282,7 +270,10 @@ class HopGraphs:
         _copy_all([inouts[n] for n in back], [static[n] for n in back])
         if not produced:
             return {}
-        if len(produced) == 1:  # (token forward's packed index) one call
+        if into is not None and into.keys() == produced.keys():
+            _copy_all(list(into.values()), list(produced.values()))
+            return into
+        if len(produced) == 1:  # one call
             return {n: t.clone() for n, t in produced.items()}
         made = {n: torch.empty_like(t) for n, t in produced.items()}  # the clones, one launch
         _copy_all(list(made.values()), list(produced.values()))
@@ -330,86 +321,6 @@ def _copy_all(dsts: list[Tensor], srcs: list[Tensor]) -> None:
         dsts[0].copy_(srcs[0])
 
 
-def index_inputs(index: RoutingIndex | PackedIndex, prefix: str = "index.") -> dict[str, Tensor]:
-    """The routing index's arrays as inputs of :meth:`HopGraphs.run`: its one packed buffer
-    when it has one (:func:`packed_index`: one copy a hop, not four), else the four arrays."""
-    if index.packed is not None:
-        return {prefix + "packed": index.packed}
-    return {prefix + f: getattr(index, f) for f in INDEX_FIELDS}
-
-
-@functools.cache
-def index_layout(sizes: tuple[int, int, int]) -> Layout:
-    """The four arrays of a routing index of ``sizes`` (:func:`index_sizes`) in one buffer."""
-    T, K, E = sizes
-    arrays = index_arrays_like(T * K, E)
-    return Layout.of(*((f, dt, shape) for f, (shape, dt) in zip(INDEX_FIELDS, arrays, strict=True)))
-
-
-def packed_index(buf: Tensor, sizes: tuple[int, int, int]) -> RoutingIndex:
-    """The routing index whose arrays are views of ``buf`` (uint8, :func:`index_layout`):
-    what a recorded token forward builds into one buffer, so that the hop returns it as one
-    tensor (one clone after the replay) and the backward copies it in as one."""
-    views = index_layout(sizes).views(buf)
-    return RoutingIndex(*(views[f] for f in INDEX_FIELDS), *sizes, packed=buf)
-
-
-class PackedIndex(NamedTuple):
-    """A routing index kept as its packed buffer (:func:`index_layout`) and sizes: what a
-    recorded token forward returns for each visiting partition. The backward copies the buffer
-    into its hop as one tensor and never needs the arrays on the host, so their views are made
-    only where read (:attr:`index`), not every hop."""
-
-    packed: Tensor
-    sizes: tuple[int, int, int]
-
-    @property
-    def index(self) -> RoutingIndex:
-        """The :class:`RoutingIndex` whose arrays are views of :attr:`packed`."""
-        return packed_index(self.packed, self.sizes)
-
-    num_tokens = property(lambda self: self.sizes[0])
-    topk = property(lambda self: self.sizes[1])
-    num_experts = property(lambda self: self.sizes[2])
-
-
-def index_sizes(index: RoutingIndex | PackedIndex) -> tuple[int, int, int]:
-    """``(num_tokens, topk, num_experts)`` of ``index``: what :func:`index_from` rebuilds it of
-    (a body keeps these host sizes, never the index of the call that recorded it)."""
-    return index.num_tokens, index.topk, index.num_experts
-
-
-def index_from(tensors: dict[str, Tensor], sizes: tuple[int, int, int],
-               prefix: str = "index.") -> RoutingIndex:  # fmt: skip
-    """A routing index over the arrays ``tensors[prefix + field]`` of ``sizes``
-    (:func:`index_sizes`), or over the packed buffer ``tensors[prefix + "packed"]``."""
-    buf = tensors.get(prefix + "packed")
-    if buf is not None:
-        return packed_index(buf, sizes)
-    return RoutingIndex(*(tensors[prefix + f] for f in INDEX_FIELDS), *sizes)
-
-
-def window_fits(prob) -> bool:
-    """Whether one recorded expert-mode hop (forward or backward) can serve every expert range
-    through :func:`range_window`: a ring of more than one, and no fc2 bias (the forward's
-    combine and the backward's router gradient read ``b2`` at ``e - e0``, ``e0`` a host value
-    of the range)."""
-    return prob.world_size > 1 and not prob.has_b2
-
-
-def range_window(index: RoutingIndex, offsets: Tensor) -> tuple[RoutingIndex, tuple[int, int]]:
-    """``(index, range)`` for a hop body recorded once for every expert range of one size:
-    ``offsets (El+1,)`` are experts ``[e0, e0+El)``'s entries of ``index``'s offsets (global
-    positions, an input of the hop copied into its static buffer each replay), and the result's
-    range ``(0, El)`` reads them where the kernels read a range's offsets
-    (``offsets_for(0, El)``). The kernels then depend on ``e0`` only through that device data;
-    the pair count comes from the caller's bound (``max_pairs``), never from the range. The
-    expert ids (``token_expert_indices``) stay global: only a hop without fc2 bias reads no
-    expert id by range (:func:`window_fits`), forward or backward."""
-    El = offsets.shape[0] - 1
-    return replace(index, expert_token_offsets=offsets, packed=None), (0, El)
-
-
 def refusal(prob, backend: str, device: torch.device) -> str | None:
     """Why this call's hops cannot be recorded, or None when they can: exact pair counts
     anywhere (what the hop computes would depend on host integers of one step), and on CUDA a
@@ -431,16 +342,16 @@ def refusal(prob, backend: str, device: torch.device) -> str | None:
 
 
 def run_hop(graphs: HopGraphs | None, key: tuple, body: Body, inputs: dict[str, Tensor],
-            inouts: dict[str, Tensor] | None = None,
-            travelling: tuple[str, ...] = ()) -> dict[str, Tensor]:  # fmt: skip
+            inouts: dict[str, Tensor] | None = None, travelling: tuple[str, ...] = (),
+            into: dict[str, Tensor] | None = None) -> dict[str, Tensor]:  # fmt: skip
     """``body`` on the live tensors (``graphs`` None: capture off or refused), else through the
-    cache (:meth:`HopGraphs.run`): the names of :data:`BOUND` bound by address, and those of
-    ``travelling`` (views of the ring's slots and trail scratch: token mode's visiting tokens
-    and trail, whose addresses recur hop to hop and pass to pass); returns what the body
-    returned."""
+    cache (:meth:`HopGraphs.run`, ``into`` where what the body returns is copied): the names of
+    :data:`BOUND` bound by address, and those of ``travelling`` (views of the ring's slots and
+    trail scratch: token mode's visiting tokens and trail, whose addresses recur hop to hop and
+    pass to pass); returns what the body returned."""
     if graphs is None:
         return body({**inputs, **(inouts or {})}) or {}
-    return graphs.run(key, body, inputs, inouts, _bound_with(travelling))
+    return graphs.run(key, body, inputs, inouts, _bound_with(travelling), into)
 
 
 @functools.cache

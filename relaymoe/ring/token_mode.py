@@ -11,9 +11,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from relaymoe.cost.links import align_up
 from relaymoe.experts import expert_hop_backward, expert_hop_forward
 from relaymoe.ring.agree import RingProblem
-from relaymoe.ring.hop_graphs import (
+from relaymoe.ring.hop_graphs import run_hop
+from relaymoe.ring.hop_index import (
     INDEX_FIELDS,
     PackedIndex,
     index_from,
@@ -21,7 +23,6 @@ from relaymoe.ring.hop_graphs import (
     index_layout,
     index_sizes,
     packed_index,
-    run_hop,
 )
 from relaymoe.ring.passes import (
     bias_grads,
@@ -48,6 +49,17 @@ FWD_TRAVELLING = ("x", "idx", "probs", "out")
 BWD_TRAVELLING = ("x", "probs", "dy", "dx", "dprobs")
 
 
+def index_store(prob: RingProblem, device) -> tuple[Tensor, tuple[int, ...]]:
+    """One byte buffer for every partition's packed routing index (``hop_index.index_layout``)
+    and each one's offset in it: what a recorded token forward copies each visiting index into
+    after its hop (one allocation a pass, not a clone a hop)."""
+    E, K, at, offsets = prob.num_experts, prob.topk, 0, []
+    for T in prob.tokens:
+        offsets.append(at)
+        at = align_up(at + index_layout((T, K, E)).nbytes)
+    return torch.empty(max(at, 1), dtype=torch.uint8, device=device), tuple(offsets)
+
+
 def _arrays(index) -> tuple[Tensor, ...]:
     return tuple(getattr(index, f) for f in INDEX_FIELDS)
 
@@ -69,6 +81,7 @@ def token_forward(prob, group, how, overlap, x, experts, probs, idx32, order):
     graphs = hop_graphs_of(prob, how, x.device)
     weights = present(local)
     head = graphs and hop_head(prob, how, "fwd")
+    store, at = index_store(prob, x.device) if graphs is not None else (None, None)
 
     def compute(hop, part, lead, trail):
         if Ts[part] == 0:
@@ -84,7 +97,7 @@ def token_forward(prob, group, how, overlap, x, experts, probs, idx32, order):
             ids = token_ids(t["idx"], prob, order)
             if graphs is None:
                 index = build_routing_index(ids, E, validate=False)
-            else:  # recorded: built into one buffer, returned (and cloned) as one tensor
+            else:  # recorded: built into one buffer, returned (copied into the store) as one
                 buf = torch.empty(lay.nbytes, dtype=torch.uint8, device=ids.device)
                 index = packed_index(buf, sizes)
                 build_routing_index(ids, E, validate=False, out=_arrays(index))
@@ -96,8 +109,10 @@ def token_forward(prob, group, how, overlap, x, experts, probs, idx32, order):
             return index_inputs(index)
 
         key = graphs and hop_key(head, own, rows) + (order,)  # only a cache reads it
+        into = graphs and {"index.packed": store[at[part] : at[part] + lay.nbytes]}
         made = run_hop(graphs, key, body, {"x": xs, "idx": ids, "probs": ps, **weights},
-                       {"out": trail["out"]}, () if lead is None else FWD_TRAVELLING)  # fmt: skip
+                       {"out": trail["out"]}, () if lead is None else FWD_TRAVELLING,
+                       into)  # fmt: skip
         packed = made.get("index.packed")  # recorded: the arrays' views only where read
         indices[part] = index_from(made, sizes) if packed is None else PackedIndex(packed, sizes)
 
