@@ -476,9 +476,11 @@ def relay(
             if recording:
                 mark(h, "c1")
             wait(pending, h)
-            if h and has_trail:
-                for d, v in zip(dst_runs, part_runs, strict=True):
-                    d.add_(v)
+            if h and has_trail:  # one call for every run (a trail of two dtypes: two)
+                if len(dst_runs) > 1:
+                    torch._foreach_add_(dst_runs, part_runs)
+                elif dst_runs:  # (a partition of no tokens has none)
+                    dst_runs[0].add_(part_runs[0])
             if recording:
                 mark(h, "h1")
     result = None
