@@ -31,8 +31,9 @@ own CUDA graph) and ``"library"`` (``--library``: the library's pass with its ow
 
 * ``host_us_per_hop``: host time of one hop of the pass's loop (``executor.relay``'s per-hop
   range, timed with ``time.perf_counter``; the GPU never stalls the host here: no host sync
-  inside a pass); ``host_us_per_pass``: the whole pass (set-up, plans, own-partition pack,
-  trail return included).
+  inside a pass), ``host_cpu_us_per_hop`` the same as the thread's CPU time
+  (``time.thread_time``: not the time the thread was off its core); ``host_us_per_pass``: the
+  whole pass (set-up, plans, own-partition pack, trail return included).
 * ``gpu_us_per_hop``: GPU time (kernels, memcpy, memset) launched inside a hop's range, from
   torch.profiler (``pass_fields``): device work linked (the profiler's correlation) to a host
   op that started inside a hop's range (``gpu_attrib: "hop"``, ``gpu_linked_frac`` the share of
@@ -317,26 +318,31 @@ def lead_of(case: Case, prob: RingProblem, data: dict, direction: str, p: int):
 
 
 class HopTimer:
-    """Stands in for ``executor._hop_range``: the host time of each hop of the pass's loop."""
+    """Stands in for ``executor._hop_range``: the host time of each hop of the pass's loop, on
+    the wall clock (``spans``) and as the thread's CPU time (``cpu``: without the time the
+    thread was off its core)."""
 
     def __init__(self):
         self.spans: list[float] = []
+        self.cpu: list[float] = []
 
     def __call__(self, name):
-        return _Span(self.spans)
+        return _Span(self)
 
 
 class _Span:
-    __slots__ = ("spans", "t0")
+    __slots__ = ("c0", "t0", "timer")
 
-    def __init__(self, spans):
-        self.spans = spans
+    def __init__(self, timer):
+        self.timer = timer
 
     def __enter__(self):
-        self.t0 = time.perf_counter()
+        self.c0, self.t0 = time.thread_time(), time.perf_counter()
 
     def __exit__(self, *exc):
-        self.spans.append(time.perf_counter() - self.t0)
+        t1, c1 = time.perf_counter(), time.thread_time()
+        self.timer.spans.append(t1 - self.t0)
+        self.timer.cpu.append(c1 - self.c0)
         return False
 
 
@@ -444,7 +450,7 @@ def time_host(run, R: int, cuda: bool, n: int) -> dict:
     (``span_us_per_pass_chained``, ``host_us_per_pass_chained``, and the hops' own
     ``host_us_per_hop_chained``; every chain's span in ``span_us_per_pass_chains``)."""
     timer = HopTimer()
-    per_pass, per_hop, spans = [], [], []
+    per_pass, per_hop, per_hop_cpu, spans = [], [], [], []
     chain = {}
     with mock.patch.object(executor, "_hop_range", timer):
         for _ in range(n):
@@ -463,6 +469,7 @@ def time_host(run, R: int, cuda: bool, n: int) -> dict:
             per_pass.append((t1 - t0) * 1e6)
             hops = timer.spans[k:]
             per_hop.append(sum(hops) / max(len(hops), 1) * 1e6)
+            per_hop_cpu.append(sum(timer.cpu[k:]) / max(len(hops), 1) * 1e6)
         chains = []  # CHAINS chains, their median: one host pause (a GC) skews one chain
         for _ in range(CHAINS if cuda else 0):
             _sync(cuda)
@@ -485,6 +492,7 @@ def time_host(run, R: int, cuda: bool, n: int) -> dict:
                      "span_us_per_pass_chains": [round(c[0], 1) for c in chains]}  # fmt: skip
     return {
         "host_us_per_hop": round(statistics.median(per_hop), 1),
+        "host_cpu_us_per_hop": round(statistics.median(per_hop_cpu), 1),
         "host_us_per_pass": round(statistics.median(per_pass), 1),
         "span_us_per_pass": round(statistics.median(spans), 1) if spans else None,
         **chain,
@@ -981,7 +989,7 @@ def main(argv=None) -> int:
         del ring
         _release()
     cols = ["mode", "direction", "ep", "tokens", "capture_path", "host_us_per_hop",
-            "host_us_per_hop_chained",
+            "host_cpu_us_per_hop", "host_us_per_hop_chained",
             "gpu_us_per_hop", "launches_per_hop", "idle_frac", "idle_frac_chained",
             "capture_error"]  # fmt: skip
     print_table(rows, cols)
