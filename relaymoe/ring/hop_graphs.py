@@ -41,10 +41,9 @@ copied entry per key, correct but paying the copies; logged once per mode, direc
 Entries are never evicted or re-recorded.
 
 What the body returns (``produced``): tensors it allocates (token forward's routing index); they
-live in the graph's memory pool and are cloned out after every replay, or copied into the
-caller's tensors (``into``: token forward's share of a store allocated once a pass). Token
-backward's weight-gradient accumulators under capture start as zeros that every hop adds into
-(bound in-outs), so nothing of that size is returned or cloned.
+live in the graph's memory pool and are cloned out after every replay. Token backward's
+weight-gradient accumulators under capture start as zeros that every hop adds into (bound
+in-outs), so nothing of that size is returned or cloned.
 
 Static buffers are owned by the cache, one per (name, shape, dtype, device), and shared by every
 entry that names one alike (expert mode's hops of different expert ranges, forward and
@@ -203,14 +202,12 @@ class HopGraphs:
 
     def run(self, key: tuple, body: Body, inputs: dict[str, Tensor],
             inouts: dict[str, Tensor] | None = None,
-            bound: frozenset[str] | tuple[str, ...] = (),
-            into: dict[str, Tensor] | None = None) -> dict[str, Tensor]:  # fmt: skip
+            bound: frozenset[str] | tuple[str, ...] = ()) -> dict[str, Tensor]:  # fmt: skip
         """Run ``body`` (reads ``inputs``, adds into ``inouts``, by name, from the dict it is
         given; returns what it allocates) for this call's tensors through the entry of ``key``
         (recorded on first use). The names in ``bound`` (those present) reach the body as the
         live tensors, keyed by address; the others through static buffers (module doc).
-        Returns clones of what the body returned, or for the names in ``into`` those tensors,
-        copied into (no allocation a hop)."""
+        Returns clones of what the body returned."""
         inouts = inouts or {}
         live = {**inputs, **inouts}
         if len(live) != len(inputs) + len(inouts):
@@ -270,9 +267,6 @@ class HopGraphs:
         _copy_all([inouts[n] for n in back], [static[n] for n in back])
         if not produced:
             return {}
-        if into is not None and into.keys() == produced.keys():
-            _copy_all(list(into.values()), list(produced.values()))
-            return into
         if len(produced) == 1:  # one call
             return {n: t.clone() for n, t in produced.items()}
         made = {n: torch.empty_like(t) for n, t in produced.items()}  # the clones, one launch
@@ -342,16 +336,16 @@ def refusal(prob, backend: str, device: torch.device) -> str | None:
 
 
 def run_hop(graphs: HopGraphs | None, key: tuple, body: Body, inputs: dict[str, Tensor],
-            inouts: dict[str, Tensor] | None = None, travelling: tuple[str, ...] = (),
-            into: dict[str, Tensor] | None = None) -> dict[str, Tensor]:  # fmt: skip
+            inouts: dict[str, Tensor] | None = None,
+            travelling: tuple[str, ...] = ()) -> dict[str, Tensor]:  # fmt: skip
     """``body`` on the live tensors (``graphs`` None: capture off or refused), else through the
-    cache (:meth:`HopGraphs.run`, ``into`` where what the body returns is copied): the names of
-    :data:`BOUND` bound by address, and those of ``travelling`` (views of the ring's slots and
-    trail scratch: token mode's visiting tokens and trail, whose addresses recur hop to hop and
-    pass to pass); returns what the body returned."""
+    cache (:meth:`HopGraphs.run`): the names of :data:`BOUND` bound by address, and those of
+    ``travelling`` (views of the ring's slots and trail scratch: token mode's visiting tokens
+    and trail, whose addresses recur hop to hop and pass to pass); returns what the body
+    returned."""
     if graphs is None:
         return body({**inputs, **(inouts or {})}) or {}
-    return graphs.run(key, body, inputs, inouts, _bound_with(travelling), into)
+    return graphs.run(key, body, inputs, inouts, _bound_with(travelling))
 
 
 @functools.cache

@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from relaymoe.cost.links import align_up
 from relaymoe.experts import expert_hop_backward, expert_hop_forward
 from relaymoe.ring.agree import RingProblem
 from relaymoe.ring.hop_graphs import run_hop
@@ -49,17 +48,6 @@ FWD_TRAVELLING = ("x", "idx", "probs", "out")
 BWD_TRAVELLING = ("x", "probs", "dy", "dx", "dprobs")
 
 
-def index_store(prob: RingProblem, device) -> tuple[Tensor, tuple[int, ...]]:
-    """One byte buffer for every partition's packed routing index (``hop_index.index_layout``)
-    and each one's offset in it: what a recorded token forward copies each visiting index into
-    after its hop (one allocation a pass, not a clone a hop)."""
-    E, K, at, offsets = prob.num_experts, prob.topk, 0, []
-    for T in prob.tokens:
-        offsets.append(at)
-        at = align_up(at + index_layout((T, K, E)).nbytes)
-    return torch.empty(max(at, 1), dtype=torch.uint8, device=device), tuple(offsets)
-
-
 def _arrays(index) -> tuple[Tensor, ...]:
     return tuple(getattr(index, f) for f in INDEX_FIELDS)
 
@@ -81,7 +69,6 @@ def token_forward(prob, group, how, overlap, x, experts, probs, idx32, order):
     graphs = hop_graphs_of(prob, how, x.device)
     weights = present(local)
     head = graphs and hop_head(prob, how, "fwd")
-    store, at = index_store(prob, x.device) if graphs is not None else (None, None)
 
     def compute(hop, part, lead, trail):
         if Ts[part] == 0:
@@ -97,7 +84,7 @@ def token_forward(prob, group, how, overlap, x, experts, probs, idx32, order):
             ids = token_ids(t["idx"], prob, order)
             if graphs is None:
                 index = build_routing_index(ids, E, validate=False)
-            else:  # recorded: built into one buffer, returned (copied into the store) as one
+            else:  # recorded: built into one buffer, returned (and cloned) as one tensor
                 buf = torch.empty(lay.nbytes, dtype=torch.uint8, device=ids.device)
                 index = packed_index(buf, sizes)
                 build_routing_index(ids, E, validate=False, out=_arrays(index))
@@ -109,10 +96,8 @@ def token_forward(prob, group, how, overlap, x, experts, probs, idx32, order):
             return index_inputs(index)
 
         key = graphs and hop_key(head, own, rows) + (order,)  # only a cache reads it
-        into = graphs and {"index.packed": store[at[part] : at[part] + lay.nbytes]}
         made = run_hop(graphs, key, body, {"x": xs, "idx": ids, "probs": ps, **weights},
-                       {"out": trail["out"]}, () if lead is None else FWD_TRAVELLING,
-                       into)  # fmt: skip
+                       {"out": trail["out"]}, () if lead is None else FWD_TRAVELLING)  # fmt: skip
         packed = made.get("index.packed")  # recorded: the arrays' views only where read
         indices[part] = index_from(made, sizes) if packed is None else PackedIndex(packed, sizes)
 
