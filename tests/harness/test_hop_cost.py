@@ -62,6 +62,9 @@ def test_hop_cost_script_writes_its_rows(tmp_path):
             assert r["host_us_per_hop"] is None
         else:
             assert r["host_us_per_hop"] > 0 and r["host_us_per_pass"] >= r["host_us_per_hop"]
+            # the thread's CPU time of the same hops: positive, and no more than their wall time
+            # (a little slack for the two clocks' reads)
+            assert 0 < r["host_cpu_us_per_hop"] <= r["host_us_per_hop"] * 1.05 + 5
             assert r["gpu_us_per_hop"] is None and r["launches_per_hop"] is None  # no GPU
         if path == "library":  # the library's pass through its cache (the CPU stand-in)
             assert r["capture_backend"] == "eager"
@@ -392,3 +395,25 @@ def test_chain_gaps_from_device_events():
     assert g["top_gaps"][1] == {"us": 3.0, "after": "b", "before": "c"}
     assert g["gap_us_per_pass_by_size"]["2-5"] == 3.0
     assert g["gap_us_per_pass_by_size"]["100-inf"] == 100.0
+
+
+def test_hop_host_profile_parts_time_named_parts_inside_hops(tmp_path):
+    """hop_host_profile --parts on CPU: each named part wrapped and timed inside the hops' ranges
+    only, each no longer than the hops' own time; the compute callback holds the cache's run."""
+    out = tmp_path / "parts.jsonl"
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "hop_host_profile.py"), "--tiny", "--ep", "2",
+         "--tokens", "16", "--modes", "token", "--passes", "1", "--parts", "--no-cprofile",
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES=""),
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["direction"] for r in rows] == ["fwd", "bwd"]
+    for r in rows:
+        parts, calls, hop = r["parts"], r["parts_calls"], r["host_us_per_hop_timed"]
+        for name in ("executor.start", "executor.wait", "graphs.run", "compute.token"):
+            assert calls[name] == 1.0, (name, calls)  # once a hop
+        assert all(0 < v <= hop for v in parts.values()), (parts, hop)
+        assert parts["graphs.run"] <= parts["compute.token"]
