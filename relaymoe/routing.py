@@ -176,7 +176,9 @@ def _build_torch(topk_idx: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Te
 
     map_dtype = index_arrays_like(num_pairs, num_experts)[3][1]
     flat = topk_idx.reshape(-1).to(torch.int64)
-    counts = torch.bincount(flat, minlength=num_experts)
+    # index_add_, not bincount: bincount reads the largest id on the host to size its output
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.index_add_(0, flat, torch.ones_like(flat))
     offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
     torch.cumsum(counts, 0, out=offsets[1:])
     # Stable: pairs of one expert keep token-major order, so token ids ascend (no repeats per row).

@@ -17,6 +17,12 @@ from relaymoe.loss.inputs import _check_labels, _make_setup, _Setup
 from relaymoe.loss.tp import _agree_tp
 
 Impl = Literal["auto", "torch", "triton"]
+# the device-side refusal of a captured backward whose upstream gradient is not uniform
+_NOT_UNIFORM = (
+    "linear_cross_entropy captured in a CUDA graph: the loss's upstream gradient differs between "
+    "counted tokens, and a captured backward computes dW only for a uniform one (a loss averaged "
+    "or summed over the counted tokens); fix: run this loss eagerly, or average it uniformly"
+)
 
 
 def linear_cross_entropy(
@@ -165,8 +171,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
             g_max = torch.where(valid, g, -torch.inf).amax() if g.numel() else g.new_zeros(())
             g_min = torch.where(valid, g, torch.inf).amin() if g.numel() else g.new_zeros(())
             any_valid = valid.any()
+            uniform = (g_max == g_min) | ~any_valid
+            if g.is_cuda and torch.cuda.is_current_stream_capturing():
+                # a captured step cannot branch on the host: the uniform case, which every
+                # loss averaged over the counted tokens gives (Megatron's); another gradient
+                # stops the device with this message instead of training on a wrong dW
+                torch._assert_async(uniform, _NOT_UNIFORM)
+                torch.mul(dw_unit, torch.where(any_valid, g_max, 0.0), out=dw)
             # uniform over the counted tokens (or none counted): dW = c * dW_unit
-            if bool((g_max == g_min) | ~any_valid):  # host sync
+            elif bool(uniform):  # host sync
                 c = torch.where(any_valid, g_max, 0.0)
                 torch.mul(dw_unit, c, out=dw)
             else:

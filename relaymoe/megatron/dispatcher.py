@@ -112,6 +112,9 @@ class RingDispatcher(MoETokenDispatcher):
         self.num_experts = config.num_moe_experts
         self.topk = config.moe_router_topk
         self.activation = expert_activation_of(config)  # what Megatron's experts would compute
+        # megatron-core captures the whole step in a CUDA graph: every call runs the ring's
+        # capturable path, the eager warm-up steps too (relaymoe/ring/capture.py)
+        self.capturable = getattr(config, "cuda_graph_impl", "none") == "full_iteration"
         self.settings = settings if settings is not None else current_settings()
         # ring_moe reads the host wait, overlap and hop capture from the process's options:
         # every rank builds its layers at one point, so each installs the same ones here
@@ -172,6 +175,7 @@ class RingDispatcher(MoETokenDispatcher):
             grad_accum=s.grad_accum,
             kernels=s.kernels,
             trusted=True,  # ids from Megatron's router; every EP rank runs the same shapes
+            capturable=self.capturable,
             **self._expert_mlp(b13, b2),
         )
 

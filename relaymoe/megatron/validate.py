@@ -164,14 +164,30 @@ def ring_config_problems(c, *, ep_size: int | None = None, args_style: bool = Fa
     impl = g("cuda_graph_impl", "none") or "none"
     if g("enable_cuda_graph", False) or g("external_cuda_graph", False):
         impl = "local" if impl == "none" else impl
-    if impl != "none":
-        modules = _names(g("cuda_graph_modules", None)) or ["full"]
-        if impl == "full_iteration" or any(m in _MOE_GRAPH_MODULES for m in modules):
+    if impl == "full_iteration":
+        # the ring's captured path (relaymoe/ring/capture.py): no host sync, hops sized from
+        # the worst case, dropless; megatron-core runs the warm-up steps eagerly, which agree
+        if g("relaymoe_mode") == "alltoall":
             problems.append(
-                f"CUDA graphs over the MoE layer (cuda_graph_impl={impl!r}, "
-                f"cuda_graph_modules={modules}) : the ring's per-hop token counts are data "
-                f"dependent; fix: capture only attn/mlp (--cuda-graph-modules attn) or "
-                f"remove --cuda-graph-impl"
+                "--relaymoe-mode alltoall with --cuda-graph-impl full_iteration: the all-to-all "
+                "mode sizes its messages on the host, which a captured step cannot replay; fix: "
+                "--relaymoe-mode auto (it then picks among the ring modes), expert or token"
+            )
+        if g("cuda_graph_warmup_steps", 1) is not None and g("cuda_graph_warmup_steps", 1) < 1:
+            problems.append(
+                f"cuda_graph_warmup_steps={g('cuda_graph_warmup_steps')} with --cuda-graph-impl "
+                f"full_iteration: the ring's ranks agree on each layer's shapes in an eager "
+                f"step before the capture; fix: --cuda-graph-warmup-steps 1 or more"
+            )
+    elif impl != "none":
+        modules = _names(g("cuda_graph_modules", None)) or ["full"]
+        if any(m in _MOE_GRAPH_MODULES for m in modules):
+            problems.append(
+                f"per-layer CUDA graphs over the MoE layer (cuda_graph_impl={impl!r}, "
+                f"cuda_graph_modules={modules}): megatron-core captures its MoE modules only "
+                f"with drop-and-pad; fix: capture the whole step, dropless, with "
+                f"--cuda-graph-impl full_iteration (the ring runs captured there), or capture "
+                f"only attn/mlp (--cuda-graph-modules attn)"
             )
     if g("transformer_impl") == "inference_optimized":
         problems.append(

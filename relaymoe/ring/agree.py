@@ -50,6 +50,7 @@ from relaymoe import options
 from relaymoe.cost import choose_mode, grad_accum_bytes
 from relaymoe.kernels import check_problem_limits
 from relaymoe.options import AGREE_CHOICES, GRAD_ACCUM_CHOICES, NODE_BATCHED, SCHEDULE_CHOICES
+from relaymoe.ring.capture import check_captured
 from relaymoe.ring.checks import (
     _DEVICE_TYPES,
     _FLOATS,
@@ -104,8 +105,10 @@ __all__ = [
     F_ACT_LIMIT,
     F_ACT_OFFSET,
     F_BIAS,
-) = range(26)
-NUM_FIELDS = 26
+    F_CAPTURE,
+) = range(27)
+NUM_FIELDS = 27
+RING_MODES = ("expert", "token")  # the modes a captured call can run (``capture.py``)
 
 _ERRORS = {
     1: "an input is not a tensor (or, for w13/w2/b13/b2, not a list of per-expert tensors; a bias "
@@ -178,6 +181,7 @@ def _agree_collective(
         row[F_PAIRBUF] = env.pair_buffer_mib
         row[F_ACT_FN : F_ACT_OFFSET + 1] = activation_fields(req.activation)
         row[F_BIAS] = bias_code(b13 is not None, b2 is not None)
+        row[F_CAPTURE] = int(req.capturable) + 1
     row[F_HOST] = _host_hash()
     row[F_LIVE] = 1  # the validity marker: a sum missing a rank's row lacks its 1
     counts = _pairs_per_owner(topk_idx, row[F_EL], world) if code == 0 and with_pairs else None
@@ -242,6 +246,8 @@ def _agree_collective(
                   lambda c: AGREE_CHOICES[c - 1])  # fmt: skip
     _same_setting(rows, F_PAIRBUF, "KernelOptions.pair_buffer_mib (RELAYMOE_PAIR_BUFFER_MIB)",
                   lambda v: v)  # fmt: skip
+    same(F_CAPTURE, "capturable (1 no, 2 yes: the step is captured in a CUDA graph)",
+         "every rank must capture its step, or none")  # fmt: skip
     act, has_b13, has_b2 = same_expert_mlp(
         [rw[F_ACT_FN : F_ACT_OFFSET + 1] for rw in rows], [rw[F_BIAS] for rw in rows]
     )
@@ -260,6 +266,7 @@ def _agree_collective(
             world=world, act_bytes=dtype.itemsize, prob_bytes=prob_dtype.itemsize,
             training=needs, transport="nccl" if tr_req == "nccl" else "copy_engine",
             grad_accum=gacc, gated=act.gated, b13=has_b13, b2=has_b2,
+            modes=RING_MODES if r0[F_CAPTURE] == 2 else options.MODES,
         )  # fmt: skip
     else:
         mode_res = mode_req
@@ -428,25 +435,45 @@ def agree(
     trusted: bool = False,
     b13=None,
     b2=None,
+    captured: bool = False,
 ) -> RingProblem:
     """The :class:`RingProblem` every rank agrees on, or the same ``ValueError`` on every rank.
 
     ``trusted=False``: one all-reduce and a host sync per call (ids validated, pair counts
     exact). ``trusted=True``: see the module doc (cached per signature, ids not validated).
     ``b13``/``b2``: the experts' optional biases (their presence is agreed, their shapes
-    checked); the activation is the request's.
+    checked); the activation is the request's. ``captured``: the call is being captured in a
+    CUDA graph (``capture.py``): the agreement of an eager call with the same signature, the
+    hops sized from the worst-case bound, no collective and no host read here.
     """
     args = (x, w13, w2, topk_idx, topk_probs, b13, b2)
     env = ring_settings()  # this process's options; agreed in the row
     where = dict(group=group, rank=rank, world=world, req=request, settings=env)
+    if captured:
+        check_captured(trusted=trusted, agree_mode=env.agree)
     if trusted and env.agree != "every_call":
         key = (getattr(group, "group_name", None) or id(group), rank, world,
                _signature(*args[:5], request, env, b13, b2))  # fmt: skip
         prob = _AGREED.get(key)
         if prob is None:
+            if captured:
+                raise ValueError(
+                    "ring_moe is being captured into a CUDA graph before any eager call with "
+                    "these inputs' shapes, dtypes and options agreed across the group (the "
+                    "agreement is an all-reduce read on the host); fix: run one eager step "
+                    "first (Megatron: --cuda-graph-warmup-steps 1 or more)"
+                )
             prob = _agree_collective(args, **where, validate_ids=False, with_pairs=False)
             _AGREED[key] = prob
-        if _bounded(prob):
+        if captured and prob.mode == "alltoall":
+            raise ValueError(
+                "ring_moe is being captured into a CUDA graph, but its agreed mode is 'alltoall' "
+                "(messages sized on the host); fix: capturable=True (Megatron's dispatcher "
+                "passes it when the step is captured), or mode='expert'/'token'"
+            )
+        # the bound is a proof for a captured call (capture.py), and a capturable call's eager
+        # steps run the captured one's code
+        if captured or request.capturable or _bounded(prob):
             return prob
         return replace(prob, pairs=pair_counts(topk_idx, prob, group))
     return _agree_collective(args, **where, validate_ids=True, with_pairs=True)

@@ -106,6 +106,11 @@ def _local_check(
     )  # fmt: skip
     if mode not in MODES:
         return 2, f"mode must be one of {MODES}, got {mode!r}"
+    if req.capturable and mode == "alltoall":
+        return 2, (
+            "mode='alltoall' sizes its messages on the host, which a captured CUDA graph cannot "
+            "replay (capturable=True); use mode 'expert', 'token' or 'auto' (the ring modes)"
+        )
     if transport not in TRANSPORTS:
         return 2, f"transport must be one of {TRANSPORTS}, got {transport!r}"
     if schedule not in SCHEDULE_CHOICES:

@@ -76,6 +76,7 @@ from relaymoe.kernels.select import kernel_options
 from relaymoe.options import NODE_BATCHED, KernelOptions, defaults
 from relaymoe.ring.agree import RingProblem, RingRequest, agree
 from relaymoe.ring.alltoall import alltoall_backward, alltoall_forward
+from relaymoe.ring.capture import capturing
 from relaymoe.ring.expert_mode import expert_backward, expert_forward
 from relaymoe.ring.nodebatch import batched_expert_backward, batched_expert_forward
 from relaymoe.ring.passes import IDX, Hop
@@ -200,6 +201,7 @@ def ring_moe(
     activation: ExpertActivation | str | None = None,
     b13: Tensor | Sequence[Tensor] | None = None,
     b2: Tensor | Sequence[Tensor] | None = None,
+    capturable: bool = False,
 ) -> Tensor:
     """MoE experts over the expert-parallel ``group`` by ring execution (RelayMoE §3.1-3.3).
 
@@ -258,6 +260,13 @@ def ring_moe(
     call, the group, the peer and the timeout) on the surviving ranks within the group's timeout;
     no data is returned from a failed transfer (``faults.py``).
 
+    ``capturable=True``: the caller captures this call (and its backward) in a CUDA graph, in
+    some steps or all (megatron-core's ``--cuda-graph-impl full_iteration``): ``mode="auto"``
+    picks among the ring modes only, ``"alltoall"`` is refused, and the hops are sized from the
+    worst-case bound in eager calls too, so eager and captured steps run the same code. A call
+    made while its stream is captured needs ``trusted=True`` and an eager call of the same
+    signature before it; it then makes no host sync and no host wait (``capture.py``).
+
     ``trusted=True`` (Megatron's dispatcher): ``topk_idx`` comes from a router and is not
     validated, and every rank changes its input signature (shapes, dtypes, mode, transport,
     whether a backward follows, the collective-deciding options ``agree`` and
@@ -291,14 +300,16 @@ def ring_moe(
         isinstance(t, Tensor) and t.requires_grad for t in (x, topk_probs, *ws)
     )
     req = RingRequest(mode, transport, schedule, gpus_per_node, needs_grad, grad_accum, backend,
-                      request_activation(activation))  # fmt: skip
+                      request_activation(activation), bool(capturable))  # fmt: skip
+    captured = isinstance(x, Tensor) and capturing(x)
     with torch.profiler.record_function("relaymoe.agree"):
         prob = agree(
             x, w13, w2, topk_idx, topk_probs, group=group, rank=rank, world=world, request=req,
-            trusted=trusted, b13=b13, b2=b2,
+            trusted=trusted, b13=b13, b2=b2, captured=captured,
         )  # fmt: skip
     process = defaults()
-    how = Hop(backend, kernel_options(kernels), process.capture_hops)
+    # a captured step already holds every hop: no hop graphs recorded inside it
+    how = Hop(backend, kernel_options(kernels), process.capture_hops and not captured)
     overlap = process.overlap
     return _RingMoE.apply(x, topk_probs, topk_idx, prob, group, how, overlap, listed, *ws)
 

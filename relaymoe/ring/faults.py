@@ -54,6 +54,7 @@ import torch.distributed as dist
 from relaymoe import options
 from relaymoe.options import HOST_WAIT_CHOICES
 from relaymoe.ring import lagwait
+from relaymoe.ring.capture import capturing
 
 __all__ = [
     "HOST_WAITS",
@@ -318,7 +319,9 @@ class PeerWatch:
         deferred, events = self._deferred, self._events
         self._deferred, self._events = [], []
         how = host_wait_mode(device)
-        if how == "off":
+        if how == "off" or capturing(device):
+            # a captured pass is replayed without the host: nothing to wait for here, and its
+            # events cannot be queried (``capture.py``)
             return
         if how == "lag":
             key = (device.type, device.index)

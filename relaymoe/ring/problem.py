@@ -41,6 +41,9 @@ class RingRequest:
     backend: str = "auto"  # the hop primitives' backend on this rank (not compared across ranks)
     # the expert MLP (request_activation: an ExpertActivation, or the message of a bad one)
     activation: ExpertActivation | str = SWIGLU
+    # the call is (also) captured in a CUDA graph: "auto" picks among the ring modes, and the
+    # all-to-all (host-sized messages) is refused (``capture.py``)
+    capturable: bool = False
 
 
 @dataclass(frozen=True)

@@ -213,9 +213,9 @@ REFUSALS = [
     (dict(moe_hybridep_num_sms=20), "remove --moe-hybridep-num-sms"),
     (dict(fp8="e4m3", fp8_param=True), "--fp8-param-gather"),
     (dict(fp4="e2m1"), "fp4='e2m1'"),
-    (dict(cuda_graph_impl="transformer_engine"), "CUDA graphs over the MoE"),
-    (dict(cuda_graph_impl="local", cuda_graph_modules=["moe_router"]), "CUDA graphs over the MoE"),
-    (dict(cuda_graph_impl="full_iteration", cuda_graph_modules=[]), "CUDA graphs over the MoE"),
+    (dict(cuda_graph_impl="transformer_engine"), "per-layer CUDA graphs over the MoE"),
+    (dict(cuda_graph_impl="local", cuda_graph_modules=["moe_router"]),
+     "--cuda-graph-impl full_iteration (the ring runs captured there)"),
     (dict(num_moe_experts=6, expert_model_parallel_size=4), "not divisible by the expert-parallel"),
     (dict(activation_func=torch.tanh), "activation_func=torch.tanh is not one"),
     (dict(gated_linear_unit=False, activation_func=F.gelu, activation_func_clamp_value=7.0),
@@ -308,6 +308,27 @@ def test_refused_on_megatron_args(mcore):
     check_ring_args(ns)
     ns.moe_token_dispatcher_type = "alltoall"
     check_ring_args(ns)  # not ours to judge
+
+
+def test_whole_step_graph_accepted_and_its_refusals(mcore):
+    """``--cuda-graph-impl full_iteration`` runs the ring captured (``relaymoe/ring/capture.py``):
+    accepted on a config and on the arguments; refused with the all-to-all mode (host-sized
+    messages) and without an eager warm-up step (the ranks agree there)."""
+    from relaymoe.megatron.validate import check_ring_args, ring_config_problems
+
+    assert ring_config_problems(_config(cuda_graph_impl="full_iteration")) == []
+    ns = types.SimpleNamespace(moe_token_dispatcher_type="ring", num_experts=8,
+                               expert_model_parallel_size=2, swiglu=True, add_bias_linear=False,
+                               cuda_graph_impl="full_iteration", cuda_graph_warmup_steps=2,
+                               relaymoe_mode="auto")  # fmt: skip
+    check_ring_args(ns)
+    for field, value, message in (
+        ("relaymoe_mode", "alltoall", "sizes its messages"),
+        ("cuda_graph_warmup_steps", 0, "--cuda-graph-warmup-steps 1"),
+    ):
+        bad = types.SimpleNamespace(**{**vars(ns), field: value})
+        with pytest.raises(ValueError, match=message):
+            check_ring_args(bad)
 
 
 def test_recompute_plan_applied_once(mcore, monkeypatch, capsys):

@@ -1,0 +1,194 @@
+"""The ring inside a whole-step CUDA graph (relaymoe/ring/capture.py), on CPU over gloo.
+
+A captured call is simulated by telling the ring its stream is being captured
+(``relaymoe.ring.capture.capturing`` patched to True where the ring asks it). Then, at worlds
+1-4, in expert and token mode, on the Triton hop kernels (interpreter, fp32): after one eager
+call of the same shapes, the captured forward and backward read nothing on the host
+(``tests.host_sync``: no ``.item()``/``.tolist()``/``.cpu()``/``nonzero``/... from relaymoe's
+code), enter no collective but the hops' P2P, and give the eager call's results bitwise, which
+are the float64 oracle's within fp32 rounding, for uniform, skewed (empty experts) and
+all-to-one-expert routing and with a rank of zero tokens. The pair-buffer budget is 0 MiB there,
+so an eager call that is not ``capturable`` would read exact pair counts on the host: the
+captured path must size from the bound instead. What a captured call cannot do is refused by
+name on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from unittest import mock
+
+import pytest
+import torch
+
+from tests.fixtures import oracle, rel_err, ring_problem, scenario_params
+from tests.host_sync import HostRead, no_host_reads
+
+H, I = 12, 4  # one partial interpreter tile (see tests/lib/test_ring_dist.py)
+MODES = ("expert", "token")
+
+
+@contextlib.contextmanager
+def _captured():
+    """The ring believes its stream is being captured; any collective but P2P fails."""
+
+    def no_collective(*a, **k):
+        raise AssertionError("a collective ran inside a captured ring call")
+
+    with (
+        mock.patch("relaymoe.ring.engine.capturing", return_value=True),
+        mock.patch("relaymoe.ring.faults.capturing", return_value=True),
+        mock.patch("torch.distributed.all_reduce", no_collective),
+        mock.patch("torch.distributed.all_gather", no_collective),
+        mock.patch("torch.distributed.all_to_all_single", no_collective),
+    ):
+        yield
+
+
+@contextlib.contextmanager
+def _options(**kernel_fields):
+    from relaymoe import options
+
+    before = options.defaults()
+    options.install(before.replace(kernels=dataclasses.replace(before.kernels, **kernel_fields)))
+    try:
+        yield
+    finally:
+        options.install(before)
+
+
+def _slice(pb, rank, tokens):
+    lo, hi = sum(tokens[:rank]), sum(tokens[: rank + 1])
+    return lo, hi
+
+
+def _step(rank, world, group, pb, tokens, El, *, mode, capturable=True, trusted=True):
+    """ring_moe forward + backward of this rank's slice (fp32 leaves); returns the output and
+    the gradients of x, probs and this rank's w13, w2."""
+    from relaymoe.ring import ring_moe
+
+    lo, hi = _slice(pb, rank, tokens)
+    e0, e1 = rank * El, (rank + 1) * El
+    x = pb["x"][lo:hi].float().requires_grad_()
+    probs = pb["probs"][lo:hi].float().requires_grad_()
+    w13 = pb["w13"][e0:e1].float().requires_grad_()
+    w2 = pb["w2"][e0:e1].float().requires_grad_()
+    out = ring_moe(x, w13, w2, pb["idx"][lo:hi], probs, group=group, mode=mode,
+                   backend="triton", trusted=trusted, capturable=capturable)  # fmt: skip
+    out.backward(pb["dy"][lo:hi].float())
+    return tuple(t.detach() for t in (out, x.grad, probs.grad, w13.grad, w2.grad))
+
+
+CASES = [  # (tokens per rank as a function of the world, El, K, route)
+    (lambda w: [5] * w, 2, 2, "uniform"),
+    (lambda w: [6] * w, 4, 2, "skew"),  # experts K+1.. get no token: empty experts, idle ranks
+    (lambda w: [4] * w, 2, 2, "one"),  # every token's first pick is the last expert
+    # a rank of no token; K=1 gives every rank a signature no case before had (the trusted
+    # contract: every rank changes its signature in the same call)
+    (lambda w: [0] + [5] * (w - 1) if w > 1 else [3], 2, 1, "uniform"),
+]
+
+
+def _captured_equals_eager_without_host_reads(rank, world, group):
+    from relaymoe.kernels import triton_available
+
+    if not triton_available():
+        pytest.skip("needs triton")
+    with _options(pair_buffer_mib=0):  # a plain eager call would count pairs on the host
+        for c, (tok, El, K, route) in enumerate(CASES):
+            tokens = tok(world)
+            pb = ring_problem(100 + c, tokens, El * world, K, H, I, route=route)
+            ref = oracle(pb)
+            for mode in MODES:
+                eager = _step(rank, world, group, pb, tokens, El, mode=mode)
+                with _captured(), no_host_reads():
+                    got = _step(rank, world, group, pb, tokens, El, mode=mode)
+                what = f"case {c} {route} {mode} tokens {tokens}"
+                for name, a, b in zip(("out", "dx", "dprobs", "dw13", "dw2"), got, eager,
+                                      strict=True):  # fmt: skip
+                    assert torch.equal(a, b), f"{name} captured != eager: {what}"
+                lo, hi = _slice(pb, rank, tokens)
+                e0, e1 = rank * El, (rank + 1) * El
+                want = (ref["out"][lo:hi], ref["dx"][lo:hi], ref["dprobs"][lo:hi],
+                        ref["dw13"][e0:e1], ref["dw2"][e0:e1])  # fmt: skip
+                for name, a, b in zip(("out", "dx", "dprobs", "dw13", "dw2"), got, want,
+                                      strict=True):  # fmt: skip
+                    if b.numel() and b.norm() > 0:
+                        assert rel_err(a, b) < 1e-4, f"{name} vs the oracle: {what}"
+
+
+def _captured_refusals(rank, world, group):
+    """Refused by name, on every rank: an untrusted call, a signature no eager call agreed,
+    RingOptions.agree='every_call', an agreed all-to-all, and capturable with mode alltoall."""
+    from relaymoe import options
+    from relaymoe.ring import ring_moe
+
+    tokens, El, K = [4] * world, 1, 1
+    pb = ring_problem(7, tokens, El * world, K, H, I)
+    lo, hi = _slice(pb, rank, tokens)
+    x = pb["x"][lo:hi].float()
+    w13, w2 = pb["w13"][rank : rank + 1].float(), pb["w2"][rank : rank + 1].float()
+    call = dict(group=group, backend="triton", capturable=True)
+
+    def refused(match, **kw):
+        with _captured(), pytest.raises(ValueError, match=match):
+            ring_moe(x, w13, w2, pb["idx"][lo:hi], pb["probs"][lo:hi].float(), **{**call, **kw})
+
+    refused("trusted=False", trusted=False)
+    refused("before any eager call", trusted=True, mode="token")  # this signature: never eager
+    before = options.defaults()
+    options.install(before.replace(agree="every_call"))
+    try:
+        refused("agree='every_call'", trusted=True)
+    finally:
+        options.install(before)
+    with pytest.raises(ValueError, match="alltoall"):  # eager, agreed on every rank
+        ring_moe(x, w13, w2, pb["idx"][lo:hi], pb["probs"][lo:hi].float(), mode="alltoall",
+                 trusted=True, **call)  # fmt: skip
+    if world > 1:  # a world of one has no all-to-all to agree on
+        ring_moe(x, w13, w2, pb["idx"][lo:hi], pb["probs"][lo:hi].float(), group=group,
+                 backend="triton", mode="alltoall", trusted=True)  # fmt: skip
+        with _captured(), pytest.raises(ValueError, match="agreed mode is 'alltoall'"):
+            ring_moe(x, w13, w2, pb["idx"][lo:hi], pb["probs"][lo:hi].float(), group=group,
+                     backend="triton", mode="alltoall", trusted=True)  # fmt: skip
+
+
+def _capturable_auto_keeps_ring_modes(rank, world, group):
+    """``capturable=True``: auto picks among the ring modes where it would pick the all-to-all
+    (few tokens, many ranks), the same on every rank."""
+    from relaymoe.ring import resolved_problem
+
+    tokens, El, K = [2] * world, 1, 1
+    pb = ring_problem(9, tokens, El * world, K, H, I)
+    lo, hi = _slice(pb, rank, tokens)
+    w13, w2 = pb["w13"][rank : rank + 1].float(), pb["w2"][rank : rank + 1].float()
+    args = (pb["x"][lo:hi].float(), w13, w2, pb["idx"][lo:hi], pb["probs"][lo:hi].float())
+    plain = resolved_problem(*args, group=group)
+    ring = resolved_problem(*args, group=group, capturable=True)
+    if world > 1:
+        assert plain.mode == "alltoall", plain.mode  # the premise: auto picks it here
+    assert ring.mode in ("expert", "token"), ring.mode
+
+
+SCENARIOS = [_captured_equals_eager_without_host_reads, _captured_refusals,
+             _capturable_auto_keeps_ring_modes]  # fmt: skip
+
+
+@pytest.mark.parametrize(("world", "scenario"), scenario_params(SCENARIOS, [1, 2, 3, 4]))
+def test_ring_capture_gloo(world, scenario, gloo_worlds):
+    gloo_worlds.run(scenario, world, timeout=300)
+
+
+def test_guard_sees_a_library_host_read_and_lets_others_through():
+    """The guard itself: a read made by relaymoe's code raises, one made here does not."""
+    from relaymoe.ring.agree import pair_counts
+    from relaymoe.ring.problem import RingProblem
+
+    t = torch.ones(3)
+    with no_host_reads():
+        assert t.sum().item() == 3.0  # this file's read: not the library's
+    prob = RingProblem(0, 1, 2, 4, 4, 1, torch.float32, torch.float32, (3,), "expert", "local",
+                       True, None)  # fmt: skip
+    with no_host_reads(), pytest.raises(HostRead, match="tolist"):
+        pair_counts(torch.zeros(3, 1, dtype=torch.int32), prob, None)
