@@ -36,11 +36,39 @@ vocabulary 32768, every layer MoE, bf16) at EP = GPUs:
                        adds --relaymoe-fused-loss (row field fused_loss), the alltoall runs are
                        Megatron's own output layer + vocab-parallel cross-entropy
 
-Global batch = micro-batch x data-parallel size (= GPUs; no gradient accumulation), 50 steps,
-seed 1234. s16k recomputes the attention core: without TransformerEngine megatron-core's local
-attention materialises a layer's 32 x 16k x 16k bf16 scores (16 GiB) and keeps its softmax for
-the backward; by estimate ~145 GiB a rank without the recompute (4 x 16 kept, a 16 GiB score
-buffer, 2 x 16 in the backward, ~23 GiB of weights and optimizer state), ~110 GiB with it.
+Gradient accumulation (issue #49; TE, the anchor's flags, global batch fixed whatever the GPUs,
+so ``micro_batches`` = global / (micro-batch x DP) a rank a step):
+
+    qwen3_slice_s4k_gbs16_te, qwen3_slice_s4k_gbs64_te
+                       sequence 4096, micro-batch 1, global batch 16 / 64
+    qwen3_slice_s16k_gbs8_te
+                       sequence 16384, global batch 8, selective recompute of core_attn
+    qwen3_slice_v152k_s4k_gbs16_fused_loss_te, qwen3_slice_v152k_s4k_gbs64_fused_loss_te
+                       the v152k slice (full recompute), the ring runs with the fused loss
+
+These run by provider (``PROVIDERS``; ``--providers`` picks them for any shape, ``--repeats N``
+runs the list N times in order, interleaving the providers over the machine's drift):
+
+    relaymoe_ring           the ring, eager, with the ring's share of the kept anchor graphs
+    relaymoe_ring_graphed   the ring under megatron-core's whole-iteration CUDA graph
+                            (--cuda-graph-impl full_iteration --no-check-for-nan-in-loss-and-grad
+                            --cuda-graph-warmup-steps 2; no per-layer graph modules), dropless
+    mcore_alltoall_te       the anchor: megatron-core's alltoall at its best, its kept graphs
+    mcore_alltoall_te_drop  alltoall dropping tokens at capacity factor 1.0, padded to capacity,
+                            with megatron-core's attention and MoE graphs (--cuda-graph-impl
+                            transformer_engine --cuda-graph-modules attn moe, which 0.19 accepts
+                            only with drop-and-pad): token-dropping, another model
+    mcore_alltoall          megatron-core's alltoall on the shapes without TE
+
+Under full recompute (the v152k shapes) megatron-core refuses per-layer graphs: those providers
+run without them (``cuda_graph_impl`` "none" in their rows), the whole-iteration graph stays.
+
+Global batch of the other shapes = micro-batch x data-parallel size (= GPUs; no gradient
+accumulation), 50 steps, seed 1234. s16k recomputes the attention core: without
+TransformerEngine megatron-core's local attention materialises a layer's 32 x 16k x 16k bf16
+scores (16 GiB) and keeps its softmax for the backward; by estimate ~145 GiB a rank without the
+recompute (4 x 16 kept, a 16 GiB score buffer, 2 x 16 in the backward, ~23 GiB of weights and
+optimizer state), ~110 GiB with it.
 
 Training regime of the shapes, ``stable`` (``benchmarks.e2e.REGIMES``): lr 1e-4 after 10
 linear warm-up iterations, cosine to 1e-5 over the run, gradient clipping 1.0, weight decay
@@ -59,6 +87,24 @@ carries the repeat run as ``repeat_*``), ``parity_ok`` = max_abs_loss_diff_vs_ot
 2 x noise_max_abs_loss_diff + 0.01 (None without ``--noise-run``), and the regime (``regime``,
 ``lr``, ``min_lr``, ``lr_decay_style``, ``lr_decay_iters``, ``lr_warmup_iters``, ``clip_grad``,
 ``weight_decay``, ``init_method_std``, ``adam_beta1``, ``adam_beta2``, ``seed``).
+
+Every ``e2e`` row also carries ``gbs`` and ``micro_batches``, ``cuda_graph_impl`` (from the
+flags, "none" without) and ``cuda_graph_modules``, ``tokens_dropped`` (True for a run with an
+expert capacity factor: megatron-core logs no count; 0 for dropless runs), ``flops_per_token``
+and ``model_tflops_per_gpu`` (tokens/s x ``benchmarks.flops.flops_per_token`` / GPUs: Megatron's
+model FLOPs, top-k experts only, recompute not counted), and ``gpu_busy_frac`` (None unless
+profiled). Rows of provider runs: one per run, with ``provider``, ``label``, ``repeat``,
+``noise``, ``speedup_vs_anchor`` (over the anchor's run of the same pass),
+``max_abs_loss_diff_vs_anchor`` (against the anchor's first run), and with ``--noise-run`` (the
+anchor once more, last) ``noise_max_abs_loss_diff``, ``parity_bound`` and ``parity_ok`` (None
+for a token-dropping run).
+
+``--profile-busy``: every run torch-profiles one step after its warm-up (the second-last of
+``--steps``); its row's ``gpu_busy_frac`` is the union of the GPU's kernel and copy intervals
+over that step's wall time (``trace_summary.py``), and tokens/s leaves that step and the
+profiler's warm-up step before it out (``tokens_per_s_excluded_steps``). A ``bench:
+e2e_profile`` row per run holds the split by kernel category. Kernels replayed from a CUDA graph
+are in the trace where CUPTI records graph nodes; ``cuda_graph_launches`` tells a graphed step.
 
 A failed run (non-zero exit, timeout, fewer steps than asked, a non-finite loss, or not started
 because ``--budget-s`` was spent) is printed with its exit status, command and log tail; its
