@@ -36,11 +36,39 @@ vocabulary 32768, every layer MoE, bf16) at EP = GPUs:
                        adds --relaymoe-fused-loss (row field fused_loss), the alltoall runs are
                        Megatron's own output layer + vocab-parallel cross-entropy
 
-Global batch = micro-batch x data-parallel size (= GPUs; no gradient accumulation), 50 steps,
-seed 1234. s16k recomputes the attention core: without TransformerEngine megatron-core's local
-attention materialises a layer's 32 x 16k x 16k bf16 scores (16 GiB) and keeps its softmax for
-the backward; by estimate ~145 GiB a rank without the recompute (4 x 16 kept, a 16 GiB score
-buffer, 2 x 16 in the backward, ~23 GiB of weights and optimizer state), ~110 GiB with it.
+Gradient accumulation (issue #49; TE, the anchor's flags, global batch fixed whatever the GPUs,
+so ``micro_batches`` = global / (micro-batch x DP) a rank a step):
+
+    qwen3_slice_s4k_gbs16_te, qwen3_slice_s4k_gbs64_te
+                       sequence 4096, micro-batch 1, global batch 16 / 64
+    qwen3_slice_s16k_gbs8_te
+                       sequence 16384, global batch 8, selective recompute of core_attn
+    qwen3_slice_v152k_s4k_gbs16_fused_loss_te, qwen3_slice_v152k_s4k_gbs64_fused_loss_te
+                       the v152k slice (full recompute), the ring runs with the fused loss
+
+These run by provider (``PROVIDERS``; ``--providers`` picks them for any shape, ``--repeats N``
+runs the list N times in order, interleaving the providers over the machine's drift):
+
+    relaymoe_ring           the ring, eager, with the ring's share of the kept anchor graphs
+    relaymoe_ring_graphed   the ring under megatron-core's whole-iteration CUDA graph
+                            (--cuda-graph-impl full_iteration --no-check-for-nan-in-loss-and-grad
+                            --cuda-graph-warmup-steps 2; no per-layer graph modules), dropless
+    mcore_alltoall_te       the anchor: megatron-core's alltoall at its best, its kept graphs
+    mcore_alltoall_te_drop  alltoall dropping tokens at capacity factor 1.0, padded to capacity,
+                            with megatron-core's attention and MoE graphs (--cuda-graph-impl
+                            transformer_engine --cuda-graph-modules attn moe, which 0.19 accepts
+                            only with drop-and-pad): token-dropping, another model
+    mcore_alltoall          megatron-core's alltoall on the shapes without TE
+
+Under full recompute (the v152k shapes) megatron-core refuses per-layer graphs: those providers
+run without them (``cuda_graph_impl`` "none" in their rows), the whole-iteration graph stays.
+
+Global batch of the other shapes = micro-batch x data-parallel size (= GPUs; no gradient
+accumulation), 50 steps, seed 1234. s16k recomputes the attention core: without
+TransformerEngine megatron-core's local attention materialises a layer's 32 x 16k x 16k bf16
+scores (16 GiB) and keeps its softmax for the backward; by estimate ~145 GiB a rank without the
+recompute (4 x 16 kept, a 16 GiB score buffer, 2 x 16 in the backward, ~23 GiB of weights and
+optimizer state), ~110 GiB with it.
 
 Training regime of the shapes, ``stable`` (``benchmarks.e2e.REGIMES``): lr 1e-4 after 10
 linear warm-up iterations, cosine to 1e-5 over the run, gradient clipping 1.0, weight decay
@@ -59,6 +87,24 @@ carries the repeat run as ``repeat_*``), ``parity_ok`` = max_abs_loss_diff_vs_ot
 2 x noise_max_abs_loss_diff + 0.01 (None without ``--noise-run``), and the regime (``regime``,
 ``lr``, ``min_lr``, ``lr_decay_style``, ``lr_decay_iters``, ``lr_warmup_iters``, ``clip_grad``,
 ``weight_decay``, ``init_method_std``, ``adam_beta1``, ``adam_beta2``, ``seed``).
+
+Every ``e2e`` row also carries ``gbs`` and ``micro_batches``, ``cuda_graph_impl`` (from the
+flags, "none" without) and ``cuda_graph_modules``, ``tokens_dropped`` (True for a run with an
+expert capacity factor: megatron-core logs no count; 0 for dropless runs), ``flops_per_token``
+and ``model_tflops_per_gpu`` (tokens/s x ``benchmarks.flops.flops_per_token`` / GPUs: Megatron's
+model FLOPs, top-k experts only, recompute not counted), and ``gpu_busy_frac`` (None unless
+profiled). Rows of provider runs: one per run, with ``provider``, ``label``, ``repeat``,
+``noise``, ``speedup_vs_anchor`` (over the anchor's run of the same pass),
+``max_abs_loss_diff_vs_anchor`` (against the anchor's first run), and with ``--noise-run`` (the
+anchor once more, last) ``noise_max_abs_loss_diff``, ``parity_bound`` and ``parity_ok`` (None
+for a token-dropping run).
+
+``--profile-busy``: every run torch-profiles one step after its warm-up (the second-last of
+``--steps``); its row's ``gpu_busy_frac`` is the union of the GPU's kernel and copy intervals
+over that step's wall time (``trace_summary.py``), and tokens/s leaves that step and the
+profiler's warm-up step before it out (``tokens_per_s_excluded_steps``). A ``bench:
+e2e_profile`` row per run holds the split by kernel category. Kernels replayed from a CUDA graph
+are in the trace where CUPTI records graph nodes; ``cuda_graph_launches`` tells a graphed step.
 
 A failed run (non-zero exit, timeout, fewer steps than asked, a non-finite loss, or not started
 because ``--budget-s`` was spent) is printed with its exit status, command and log tail; its
@@ -83,6 +129,7 @@ from benchmarks.e2e import (
     TE_IMPL,
     RunResult,
     _flag_groups,
+    _flag_value,
     loss_parity,
     merge_flags,
     pretrain_args,
@@ -91,6 +138,7 @@ from benchmarks.e2e import (
     run_pretrain,
     te_version,
 )
+from benchmarks.flops import model_tflops_per_gpu, shape_flops_per_token
 from relaymoe.options import env_var
 from relaymoe.ring.faults import HOST_WAITS
 
@@ -138,10 +186,25 @@ _GRAPH_FLAGS = ("--cuda-graph-impl", "--cuda-graph-modules")
 
 
 def drop_refused_graphs(flags) -> list[str]:
-    """``flags`` without the CUDA-graph options when they recompute fully (Megatron's refusal)."""
+    """``flags`` without the per-layer CUDA-graph options when they recompute fully (Megatron's
+    refusal); the whole-iteration graph (``--cuda-graph-impl full_iteration``) stays, being what
+    megatron-core allows with full recompute."""
     groups = _flag_groups(list(flags))
     full = any(g[0] == "--recompute-granularity" and g[1:] == ["full"] for g in groups)
-    return [t for g in groups if not (full and g[0] in _GRAPH_FLAGS) for t in g]
+    whole = any(g == ["--cuda-graph-impl", FULL_ITERATION] for g in groups)
+    return [t for g in groups if not (full and not whole and g[0] in _GRAPH_FLAGS) for t in g]
+
+
+def without_graphs(flags) -> list[str]:
+    """``flags`` without any CUDA-graph option (impl, modules, warm-up steps)."""
+    drop = (*_GRAPH_FLAGS, "--cuda-graph-warmup-steps")
+    return [t for g in _flag_groups(list(flags)) if g[0] not in drop for t in g]
+
+
+def cuda_graph_impl(flags) -> str:
+    """The ``--cuda-graph-impl`` a flag list runs ("none", Megatron's default, when absent)."""
+    groups = {g[0]: g[1:] for g in _flag_groups(list(flags))}
+    return (groups.get("--cuda-graph-impl") or ["none"])[0]
 
 
 def kept_in(flags, dispatcher: str) -> list[str]:
@@ -155,6 +218,85 @@ def kept_in(flags, dispatcher: str) -> list[str]:
     return out
 
 
+# -- providers (issue #49): what one run of a shape is, beyond the shape's own flags ---------------
+FULL_ITERATION = "full_iteration"
+# megatron-core 0.19.2's whole-iteration graph (FullCudaGraphWrapper): forward and backward of
+# every micro-batch of a step captured as one graph after this many eager iterations. Megatron
+# refuses it with the NaN check on (that check syncs with the host) and with per-layer graph
+# modules (cuda_graph_modules must be empty), so the ring's kept attention graphs are dropped.
+GRAPH_WARMUP_STEPS = 2
+RING_GRAPHED_FLAGS = ("--cuda-graph-impl", FULL_ITERATION, "--no-check-for-nan-in-loss-and-grad",
+                      "--cuda-graph-warmup-steps", str(GRAPH_WARMUP_STEPS))  # fmt: skip
+# Token dropping at capacity 1.0, each expert's input padded to its capacity: megatron-core's
+# alltoall then has static shapes and no device-to-host copy, which is what its MoE CUDA graphs
+# need (transformer_config.py asserts "moe cuda graph is only supported with drop-padding MoE").
+# Tokens over an expert's capacity are dropped: not the same model as the dropless runs.
+DROP_FLAGS = ("--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity")
+DROP_GRAPH_FLAGS = ("--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules", "attn",
+                    "moe")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Provider:
+    """One kind of run of a shape: its dispatcher, its flags on top of the shape's
+    (``Provider.flags``), and the shapes it applies to (``te``: True for the anchor (TE) shapes
+    only, False for the others only, None for both)."""
+
+    name: str
+    dispatcher: str
+    te: bool | None = None
+    graph_flags: tuple[str, ...] | None = None  # replace the shape's CUDA-graph flags; None: keep
+    extra: tuple[str, ...] = ()
+    about: str = ""
+
+    def flags(self, shape: E2EShape) -> tuple[str, ...]:
+        """The run's flags beyond the config's: the shape's for this dispatcher
+        (``E2EShape.run_flags``), its CUDA-graph flags replaced by ``graph_flags`` where given,
+        then ``extra``, and the fused loss on the ring's runs of a fused-loss shape."""
+        if self.te is not None and self.te != shape.anchor:
+            need = "an anchor (TE, '_te') shape" if self.te else "a shape without '_te'"
+            raise ValueError(f"provider {self.name!r} runs on {need}, not {shape.name!r}")
+        out = list(shape.run_flags(self.dispatcher))
+        if self.graph_flags is not None:
+            out = [*without_graphs(out), *self.graph_flags]
+        out += self.extra
+        if shape.fused_loss and self.dispatcher == "ring":
+            out.append("--relaymoe-fused-loss")
+        return tuple(out)
+
+
+PROVIDERS = {
+    p.name: p
+    for p in (
+        Provider("relaymoe_ring", "ring",
+                 about="the ring, eager (with the kept attention graphs on anchor shapes)"),
+        Provider("relaymoe_ring_graphed", "ring", graph_flags=RING_GRAPHED_FLAGS,
+                 about="the ring under megatron-core's whole-iteration CUDA graph, dropless"),
+        Provider("mcore_alltoall", "alltoall", te=False,
+                 about="megatron-core's alltoall (shapes without TE)"),
+        Provider("mcore_alltoall_te", "alltoall", te=True,
+                 about="megatron-core's alltoall at its best with TE: the anchor, kept graphs"),
+        Provider("mcore_alltoall_te_drop", "alltoall", te=True, graph_flags=DROP_GRAPH_FLAGS,
+                 extra=DROP_FLAGS,
+                 about="megatron-core's alltoall dropping tokens at capacity 1.0, padded, with "
+                       "its attention and MoE CUDA graphs (token-dropping: another model)"),
+    )
+}  # fmt: skip
+GBS_PROVIDERS = ("relaymoe_ring", "relaymoe_ring_graphed", "mcore_alltoall_te",
+                 "mcore_alltoall_te_drop")  # fmt: skip
+
+
+def anchor_provider(shape: E2EShape) -> str:
+    """The provider the others of a shape are compared with: megatron-core's dropless alltoall."""
+    return ANCHOR_PROVIDER if shape.anchor else PROVIDER["alltoall"]
+
+
+def tokens_dropped(flags) -> bool | int:
+    """True for a run that may drop tokens (an expert capacity factor), else 0 (dropless).
+    megatron-core logs no count of the tokens it drops."""
+    return True if _flag_value(list(flags), "--moe-expert-capacity-factor") is not None else 0
+
+
 FP8_FORMATS = ("hybrid", "e4m3")
 FP8_RECIPES = ("tensorwise", "delayed", "blockwise")  # TE's fp8 recipes on Hopper (mxfp8: sm100)
 DEFAULT_CONFIG = "tiny_qwen3"
@@ -165,8 +307,10 @@ MIN_RUN_S = 60  # a run is not started with less of --budget-s left (start-up al
 
 @dataclass(frozen=True)
 class E2EShape:
-    """A config trained at one sequence length and micro-batch (global batch = micro-batch x
-    data-parallel size) under one regime."""
+    """A config trained at one sequence length, micro-batch and global batch (None: micro-batch x
+    data-parallel size, one micro-batch a step; else gradients accumulated over global /
+    (micro-batch x DP) micro-batches) under one regime. ``providers``: the shape's runs by
+    provider (``PROVIDERS``, in order); None: the ring, alltoall[, alltoall_repeat] runs."""
 
     name: str
     config: str
@@ -180,6 +324,8 @@ class E2EShape:
     anchor: bool = False  # TE with ANCHOR_FLAGS (and the kept candidates): mcore_alltoall_te
     fp8: tuple[str, str] | None = None  # (format, recipe) of every run
     row_shape: str | None = None  # the rows' "shape" (default: the name)
+    global_batch_size: int | None = None  # None: micro-batch x data-parallel size
+    providers: tuple[str, ...] | None = None  # None: ring, alltoall[, alltoall_repeat]
 
     @property
     def shape_label(self) -> str:
@@ -239,6 +385,24 @@ SHAPES = {
         # train apart on the v152k shape (session 18: final loss 5.3 against 7.7, noise 0.48)
         E2EShape("qwen3_slice_v152k_s4k_te", "qwen3_slice_v152k", seq_length=4096,
                  micro_batch_size=1, transformer_impl=TE_IMPL, anchor=True),
+        # issue #49: gradient accumulation as users train (global batch 16 = 16 micro-batches at
+        # 1 GPU), each run by the eager ring, the ring under the whole-iteration graph, the anchor
+        # and the token-dropping graphed anchor
+        *(
+            E2EShape(f"qwen3_slice_s4k_gbs{gbs}_te", "qwen3_slice", seq_length=4096,
+                     micro_batch_size=1, global_batch_size=gbs, transformer_impl=TE_IMPL,
+                     anchor=True, providers=GBS_PROVIDERS)
+            for gbs in (16, 64)
+        ),
+        E2EShape("qwen3_slice_s16k_gbs8_te", "qwen3_slice", seq_length=16384, micro_batch_size=1,
+                 global_batch_size=8, recompute_modules=("core_attn",), transformer_impl=TE_IMPL,
+                 anchor=True, providers=GBS_PROVIDERS),
+        *(
+            E2EShape(f"qwen3_slice_v152k_s4k_gbs{gbs}_fused_loss_te", "qwen3_slice_v152k",
+                     seq_length=4096, micro_batch_size=1, global_batch_size=gbs, fused_loss=True,
+                     transformer_impl=TE_IMPL, anchor=True, providers=GBS_PROVIDERS)
+            for gbs in (16, 64)
+        ),
         *(
             E2EShape(f"qwen3_slice_s4k_te_fp8_{fmt}_{recipe}", "qwen3_slice", seq_length=4096,
                      micro_batch_size=1, transformer_impl=TE_IMPL, anchor=True,
@@ -260,10 +424,61 @@ def config_shape(config: str, steps: int, transformer_impl: str | None = None) -
 @dataclass(frozen=True)
 class PlannedRun:
     shape: E2EShape
-    label: str  # ring | alltoall | alltoall_repeat
+    label: str  # ring | alltoall | alltoall_repeat; with providers the provider[_rN | _noise]
     dispatcher: str
     regime: str
     flags: tuple[str, ...]
+    provider: str = ""  # PROVIDERS key
+    repeat: int = 0  # which pass over the provider list (--repeats)
+    noise: bool = False  # the anchor run again with its first run's flags (--noise-run)
+
+
+def provider_run_flags(
+    shape: E2EShape,
+    provider: str,
+    *,
+    gpus: int,
+    steps: int,
+    seed: int,
+    regime: str,
+    check_te: bool = True,
+) -> tuple[str, ...]:
+    """Every flag of ``provider``'s run of ``shape`` (``pretrain_args`` with the provider's
+    ``Provider.flags``; per-layer graphs left out under full recompute)."""
+    p = PROVIDERS[provider]
+    return tuple(drop_refused_graphs(
+        pretrain_args(
+            shape.config,
+            gpus=gpus,
+            steps=steps,
+            dispatcher=p.dispatcher,
+            seed=seed,
+            extra=list(p.flags(shape)),
+            seq_length=shape.seq_length,
+            micro_batch_size=shape.micro_batch_size,
+            recompute_modules=shape.recompute_modules or None,
+            regime=regime,
+            transformer_impl=shape.transformer_impl,
+            check_te=check_te,
+            global_batch_size=shape.global_batch_size,
+        )
+    ))  # fmt: skip
+
+
+def shape_providers(shape: E2EShape, providers=None) -> tuple[str, ...] | None:
+    """The providers a shape runs (``providers`` given, else the shape's own), checked against
+    ``PROVIDERS`` and the shape; None: the ring/alltoall runs of the shapes before providers."""
+    chosen = tuple(providers) if providers else shape.providers
+    if chosen is None:
+        return None
+    unknown = [p for p in chosen if p not in PROVIDERS]
+    if unknown or not chosen:
+        raise ValueError(f"unknown provider(s) {unknown or chosen}; known: {', '.join(PROVIDERS)}")
+    if len(set(chosen)) != len(chosen):
+        raise ValueError(f"a provider named twice in {list(chosen)}: use --repeats")
+    for p in chosen:
+        PROVIDERS[p].flags(shape)  # raises for a provider that does not apply to the shape
+    return chosen
 
 
 def plan_runs(
@@ -275,38 +490,90 @@ def plan_runs(
     noise_run: bool,
     regime: str | None = None,
     check_te: bool = True,
+    providers=None,
+    repeats: int = 1,
 ) -> list[PlannedRun]:
-    """The runs of one shape in order (ring, alltoall[, alltoall_repeat]) with their flags
-    (``check_te=False``: TE shapes planned without TE here, for a dry run)."""
+    """The runs of one shape in order with their flags (``check_te=False``: TE shapes planned
+    without TE here, for a dry run).
+
+    Without providers (``providers`` None and none in the shape): ring, alltoall[,
+    alltoall_repeat]. With providers: the provider list ``repeats`` times in order (labels: the
+    provider, then ``<provider>_r<N>`` for pass N > 0), so that the providers' runs interleave
+    over the machine's drift; ``noise_run`` adds the anchor once more at the end (label
+    ``<anchor>_noise``) with its first run's exact flags."""
     regime = regime or shape.regime
-
-    def flags(dispatcher: str) -> tuple[str, ...]:
-        fused = shape.fused_loss and dispatcher == "ring"
-        return tuple(drop_refused_graphs(
-            pretrain_args(
-                shape.config,
-                gpus=gpus,
-                steps=steps,
-                dispatcher=dispatcher,
-                seed=seed,
-                extra=[*shape.run_flags(dispatcher), *(["--relaymoe-fused-loss"] if fused else [])],
-                seq_length=shape.seq_length,
-                micro_batch_size=shape.micro_batch_size,
-                recompute_modules=shape.recompute_modules or None,
-                regime=regime,
-                transformer_impl=shape.transformer_impl,
-                check_te=check_te,
-            )
-        ))  # fmt: skip
-
-    labels = [("ring", "ring"), ("alltoall", "alltoall")]
+    chosen = shape_providers(shape, providers)
+    if chosen is None:
+        if repeats != 1:
+            raise ValueError(f"--repeats needs providers (--providers); {shape.name!r} has none")
+        labels = [("ring", "ring"), ("alltoall", "alltoall")]
+        if noise_run:
+            labels.append(("alltoall_repeat", "alltoall"))
+        return [
+            PlannedRun(shape, lab, d, regime, provider_run_flags(
+                shape, _provider(d, shape), gpus=gpus, steps=steps, seed=seed, regime=regime,
+                check_te=check_te), provider=_provider(d, shape))
+            for lab, d in labels
+        ]  # fmt: skip
+    if repeats < 1:
+        raise ValueError(f"--repeats must be at least 1, got {repeats}")
+    flags = {
+        p: provider_run_flags(shape, p, gpus=gpus, steps=steps, seed=seed, regime=regime,
+                              check_te=check_te)
+        for p in chosen
+    }  # fmt: skip
+    out = [
+        PlannedRun(shape, p if rep == 0 else f"{p}_r{rep}", PROVIDERS[p].dispatcher, regime,
+                   flags[p], provider=p, repeat=rep)
+        for rep in range(repeats)
+        for p in chosen
+    ]  # fmt: skip
     if noise_run:
-        labels.append(("alltoall_repeat", "alltoall"))
-    return [PlannedRun(shape, lab, d, regime, flags(d)) for lab, d in labels]
+        anchor = anchor_provider(shape)
+        if anchor not in chosen:
+            raise ValueError(f"--noise-run repeats the anchor {anchor!r}: add it to the providers")
+        out.append(PlannedRun(shape, f"{anchor}_noise", "alltoall", regime, flags[anchor],
+                              provider=anchor, noise=True))  # fmt: skip
+    return out
 
 
 def _flag(flags, name: str) -> str:
     return flags[list(flags).index(name) + 1]
+
+
+def batch_fields(flags, gpus: int) -> dict:
+    """``gbs`` and ``micro_batches`` (gbs / (micro-batch x data-parallel size), the micro-batches
+    each rank accumulates a step) of a flag list on ``gpus`` GPUs."""
+    groups = {g[0]: g[1:] for g in _flag_groups(list(flags))}
+
+    def size(name: str) -> int:
+        return int((groups.get(name) or ["1"])[0])
+
+    model_parallel = (size("--tensor-model-parallel-size") * size("--pipeline-model-parallel-size")
+                      * size("--context-parallel-size"))  # fmt: skip
+    dp = gpus // model_parallel
+    gbs, mbs = size("--global-batch-size"), size("--micro-batch-size")
+    return {"gbs": gbs, "micro_batches": gbs // (mbs * dp)}
+
+
+def shape_flops(shape: E2EShape, flags) -> float:
+    """Model FLOPs of a token of ``shape`` (``benchmarks.flops``) at its runs' sequence and TP."""
+    return shape_flops_per_token(shape.config, int(_flag(flags, "--seq-length")),
+                                 tp=int(_flag(flags, "--tensor-model-parallel-size")))  # fmt: skip
+
+
+def _run_extras(flags, fields: dict, *, gpus: int, fpt: float, profile: dict | None) -> dict:
+    """Fields of a run's row read from its flags, its tokens/s and its profiled step."""
+    groups = {g[0]: g[1:] for g in _flag_groups(list(flags))}
+    busy = profile.get("gpu_busy_frac") if profile and profile.get("failure") is None else None
+    return {
+        "cuda_graph_impl": cuda_graph_impl(flags),
+        "cuda_graph_modules": groups.get("--cuda-graph-modules"),
+        "tokens_dropped": tokens_dropped(flags),
+        "model_tflops_per_gpu": model_tflops_per_gpu(fields["tokens_per_s"], fpt, gpus),
+        "gpu_busy_frac": busy,
+        "profile_steps": profile["profile_steps"] if profile else None,
+    }
 
 
 def shape_rows(
@@ -317,14 +584,19 @@ def shape_rows(
     steps: int,
     seed: int,
     warm_up_steps: int = 0,
+    profiles: dict[str, dict] | None = None,
 ) -> list[dict]:
-    """Two rows (ring, alltoall) of one shape from its runs' results (keyed by label)."""
+    """Two rows (ring, alltoall) of one shape from its runs' results (keyed by label);
+    ``profiles``: the ``e2e_profile`` rows of the profiled runs, by label."""
     shape = plans[0].shape
+    profiles = profiles or {}
     par = loss_parity(
         results["ring"], results["alltoall"], results.get("alltoall_repeat"), steps=steps
     )
     mbs = int(_flag(plans[0].flags, "--micro-batch-size"))
     flags_of = {p.label: p.flags for p in plans}
+    fpt = shape_flops(shape, plans[0].flags)
+    exclude = _profiled_steps(profiles)
     common = {
         "bench": "e2e",
         "shape": shape.shape_label,
@@ -335,6 +607,8 @@ def shape_rows(
         "seq_length": int(_flag(plans[0].flags, "--seq-length")),
         "micro_batch_size": mbs,
         "global_batch_size": int(_flag(plans[0].flags, "--global-batch-size")),
+        **batch_fields(plans[0].flags, gpus),
+        "flops_per_token": fpt,
         "recompute": list(shape.recompute_modules) or None,
         "steps_requested": steps,
         "seed": seed,
@@ -360,18 +634,114 @@ def shape_rows(
     rows = []
     for label in ("ring", "alltoall"):
         r = results[label]
+        fields = _run_fields(r, steps, exclude.get(label, ()))
         row = {
             **common,
             "provider": _provider(r.dispatcher, shape),
             "fused_loss": shape.fused_loss and label == "ring",
             "transformer_impl": run_impl(flags_of[label]),
             "flags": list(flags_of[label]),
-            **_run_fields(r, steps),
-        }
+            **fields,
+            **_run_extras(flags_of[label], fields, gpus=gpus, fpt=fpt,
+                          profile=profiles.get(label)),
+        }  # fmt: skip
         if label == "alltoall" and "alltoall_repeat" in results:
-            rep = _run_fields(results["alltoall_repeat"], steps)
+            rep = _run_fields(results["alltoall_repeat"], steps, exclude.get("alltoall_repeat", ()))
             row.update({f"repeat_{k}": v for k, v in rep.items() if k != "dispatcher"})
         rows.append(row)
+    return rows
+
+
+def provider_rows(
+    plans: list[PlannedRun],
+    results: dict[str, RunResult],
+    *,
+    gpus: int,
+    steps: int,
+    seed: int,
+    warm_up_steps: int = 0,
+    profiles: dict[str, dict] | None = None,
+) -> list[dict]:
+    """One row per run of a shape planned with providers, in run order.
+
+    Against the anchor's first run (``anchor_provider``; the anchor's own first row has none):
+    ``max_abs_loss_diff_vs_anchor`` / ``mean_...`` over the steps, and ``speedup_vs_anchor``
+    (tokens/s over the anchor run of the same pass, so that interleaved passes compare runs
+    made close in time). With ``--noise-run``: ``noise_max_abs_loss_diff`` (the anchor against
+    its noise run), ``parity_bound`` and ``parity_ok`` (``loss_parity``; None for a run that
+    drops tokens, which trains another model). ``profiles``: ``e2e_profile`` rows by label."""
+    shape = plans[0].shape
+    profiles = profiles or {}
+    exclude = _profiled_steps(profiles)
+    anchor = anchor_provider(shape)
+    first = {}  # provider -> its first run's label
+    for p in plans:
+        first.setdefault(p.provider, p.label)
+    anchor0 = results.get(first.get(anchor, ""))
+    noise = next((results[p.label] for p in plans if p.noise), None)
+    anchor_tps = {p.repeat: _run_fields(results[p.label], steps, exclude.get(p.label, ()))
+                  for p in plans if p.provider == anchor and not p.noise}  # fmt: skip
+    fpt = shape_flops(shape, plans[0].flags)
+    noise_par = (loss_parity(anchor0, anchor0, noise, steps=steps)
+                 if anchor0 is not None and noise is not None else {})  # fmt: skip
+    common = {
+        "bench": "e2e",
+        "shape": shape.shape_label,
+        "config": shape.config,
+        "ep": int(_flag(plans[0].flags, "--expert-model-parallel-size")),
+        "pp": int(_flag(plans[0].flags, "--pipeline-model-parallel-size")),
+        "gpus": gpus,
+        "seq_length": int(_flag(plans[0].flags, "--seq-length")),
+        "micro_batch_size": int(_flag(plans[0].flags, "--micro-batch-size")),
+        "global_batch_size": int(_flag(plans[0].flags, "--global-batch-size")),
+        **batch_fields(plans[0].flags, gpus),
+        "flops_per_token": fpt,
+        "recompute": list(shape.recompute_modules) or None,
+        "steps_requested": steps,
+        "seed": seed,
+        "ring_host_wait": os.environ.get(HOST_WAIT_ENV, HOST_WAITS[0]),
+        **REGIMES[plans[0].regime].row_fields(steps),
+        "providers": list(dict.fromkeys(p.provider for p in plans)),
+        "repeats": 1 + max(p.repeat for p in plans),
+        "anchor_provider": anchor,
+        "noise_run": noise is not None,
+        "noise_max_abs_loss_diff": noise_par.get("noise_max_abs_loss_diff"),
+        "noise_mean_abs_loss_diff": noise_par.get("noise_mean_abs_loss_diff"),
+        "te_version": te_version(),
+        "fp8_format": shape.fp8[0] if shape.fp8 else None,
+        "fp8_recipe": shape.fp8[1] if shape.fp8 else None,
+        "anchor_flags": list(ANCHOR_FLAGS) if shape.anchor else None,
+        "warm_up_steps": warm_up_steps,
+    }
+    rows = []
+    for p in plans:
+        r = results[p.label]
+        fields = _run_fields(r, steps, exclude.get(p.label, ()))
+        extras = _run_extras(p.flags, fields, gpus=gpus, fpt=fpt, profile=profiles.get(p.label))
+        is_anchor0 = p.label == first.get(anchor)
+        par = (loss_parity(r, anchor0, noise, steps=steps)
+               if anchor0 is not None and not is_anchor0 else {})  # fmt: skip
+        ref = anchor_tps.get(p.repeat) or anchor_tps.get(0)
+        tps, ref_tps = fields["tokens_per_s"], ref["tokens_per_s"] if ref else None
+        dropping = bool(extras["tokens_dropped"])
+        rows.append({
+            **common,
+            "provider": p.provider,
+            "label": p.label,
+            "repeat": p.repeat,
+            "noise": p.noise,
+            "fused_loss": "--relaymoe-fused-loss" in p.flags,
+            "transformer_impl": run_impl(p.flags),
+            "anchor_kept": kept_in(p.flags, p.dispatcher) if shape.anchor else None,
+            "flags": list(p.flags),
+            **fields,
+            **extras,
+            "speedup_vs_anchor": tps / ref_tps if tps and ref_tps else None,
+            "max_abs_loss_diff_vs_anchor": par.get("max_abs_loss_diff"),
+            "mean_abs_loss_diff_vs_anchor": par.get("mean_abs_loss_diff"),
+            "parity_bound": par.get("parity_bound"),
+            "parity_ok": None if dropping or is_anchor0 else par.get("parity_ok"),
+        })  # fmt: skip
     return rows
 
 
@@ -387,14 +757,17 @@ def _max_after_warmup(r: RunResult, key: str, warmup: int = 5) -> int | None:
     return max(vals) if vals else None
 
 
-def _run_fields(r: RunResult, steps: int) -> dict:
+def _run_fields(r: RunResult, steps: int, exclude=()) -> dict:
+    """A run's measurements (none for a failed run); ``exclude``: 1-based steps left out of
+    tokens/s (a profiled step and the profiler's warm-up step before it)."""
     why = r.failure(steps)
     ok = why is None
     out = {
         "dispatcher": r.dispatcher,
         "steps": len(r.steps),
         "failure": why,
-        "tokens_per_s": r.tokens_per_s() if ok else None,
+        "tokens_per_s": r.tokens_per_s(exclude=exclude) if ok else None,
+        "tokens_per_s_excluded_steps": sorted(exclude),
         "peak_MiB": r.peak_mib() if ok else None,
         "warmup_peak_MiB": r.warmup_peak_mib() if ok else None,
         "first_loss": r.losses[0] if ok else None,
@@ -458,6 +831,9 @@ def run_shapes(
     clock=time.monotonic,
     profile_steps: tuple[int, int] | None = None,
     warm_up_steps: int = 0,
+    providers=None,
+    repeats: int = 1,
+    profile_busy: bool = False,
 ) -> tuple[list[dict], bool]:
     """Run every shape's jobs in order, write its rows when its runs are done.
 
@@ -466,22 +842,28 @@ def run_shapes(
     ``MIN_RUN_S`` left is not started (reported as failed). ``profile_steps=(start, end)``:
     the ring and alltoall runs (not the noise run, whose tokens/s then stays unprofiled) run
     Megatron's torch profiler over those steps, and a ``bench: e2e_profile`` row per run
-    summarises its trace (``trace_summary.py``). ``warm_up_steps``: before a shape's runs, its
-    ring and alltoall configurations each train that many steps, unrecorded, so that the
-    measured runs find the compile caches (torch.compile's of Megatron's fused functions,
-    Triton's, TE's) as a training run finds them after its first minutes: a first run on a
-    fresh machine measured 13,378 tokens/s where the same run repeated measured 17,228.
+    summarises its trace (``trace_summary.py``). ``profile_busy``: every run profiles one step,
+    ``profile_busy_steps(steps)``, the same way; its row carries the step's ``gpu_busy_frac``.
+    The steps the profiler slows (``profiler_slowed_steps``) are left out of tokens/s.
+    ``warm_up_steps``: before a shape's runs, its configurations (ring and alltoall, or each
+    provider) each train that many steps, unrecorded, so that the measured runs find the compile
+    caches (torch.compile's of Megatron's fused functions, Triton's, TE's) as a training run
+    finds them after its first minutes: a first run on a fresh machine measured 13,378 tokens/s
+    where the same run repeated measured 17,228. ``providers`` / ``repeats``: ``plan_runs``.
     """
     budget = _Budget(budget_s, run_timeout_s, clock)
     rows: list[dict] = []
     all_ok = True
+    if profile_busy:
+        profile_steps = profile_busy_steps(steps)
     for shape in shapes:
-        plans = plan_runs(
-            shape, gpus=gpus, steps=steps, seed=seed, noise_run=noise_run, regime=regime
-        )
+        plans = plan_runs(shape, gpus=gpus, steps=steps, seed=seed, noise_run=noise_run,
+                          regime=regime, providers=providers, repeats=repeats)  # fmt: skip
+        with_providers = shape_providers(shape, providers) is not None
         results: dict[str, RunResult] = {}
+        profiles: dict[str, dict] = {}
         warm = plan_runs(shape, gpus=gpus, steps=warm_up_steps, seed=seed, noise_run=False,
-                         regime=regime) if warm_up_steps else []  # fmt: skip
+                         regime=regime, providers=providers) if warm_up_steps else []  # fmt: skip
         for p in warm:
             _, timeout = budget.next_run()
             if timeout is None:
@@ -504,15 +886,20 @@ def run_shapes(
                 )
             else:
                 print(f"[bench_e2e] {shape.name} {p.label}: starting", flush=True)
-                if profile_steps is not None and p.label in PROFILED_LABELS:
+                profiled = (
+                    profile_busy or p.label in PROFILED_LABELS or (with_providers and not p.noise)
+                )
+                if profile_steps is not None and profiled:
                     workdir = tempfile.mkdtemp(prefix=f"relaymoe_e2e_prof_{p.label}_")
                     r = runner([*p.flags, *profile_flags(profile_steps, workdir)], gpus=gpus,
                                label=p.label, timeout_s=timeout, workdir=workdir)  # fmt: skip
-                    writer.write(profile_row(shape, p, workdir, profile_steps))
+                    profiles[p.label] = profile_row(shape, p, workdir, profile_steps)
+                    writer.write(profiles[p.label])
                 else:
                     r = runner(list(p.flags), gpus=gpus, label=p.label, timeout_s=timeout)
             why = r.failure(steps)
-            tps = r.tokens_per_s() if why is None else None
+            skip = profiler_slowed_steps(profile_steps) if p.label in profiles else ()
+            tps = r.tokens_per_s(exclude=skip) if why is None else None
             print(
                 f"[bench_e2e] {shape.name} {p.label}: {'ok' if why is None else 'FAILED'} "
                 f"rc={r.returncode} steps={len(r.steps)} wall {r.seconds:.1f} s"
@@ -526,19 +913,59 @@ def run_shapes(
             results[p.label] = r
         print(f"== {shape.name}")
         print_summary(list(results.values()), None)
-        new = shape_rows(plans, results, gpus=gpus, steps=steps, seed=seed,
-                         warm_up_steps=warm_up_steps)  # fmt: skip
-        c = new[0]
-        print(
-            f"max |ring - alltoall| = {_num(c['max_abs_loss_diff_vs_other'])}, "
-            f"noise max |alltoall - alltoall| = {_num(c['noise_max_abs_loss_diff'])}, "
-            f"bound {_num(c['parity_bound'])} -> parity_ok={c['parity_ok']}",
-            flush=True,
-        )
+        kw = dict(gpus=gpus, steps=steps, seed=seed, warm_up_steps=warm_up_steps,
+                  profiles=profiles)  # fmt: skip
+        if with_providers:
+            new = provider_rows(plans, results, **kw)
+            for row in new:
+                print(f"{row['label']}: {_num(row['tokens_per_s'])} tokens/s, "
+                      f"x{_num(row['speedup_vs_anchor'])} of {row['anchor_provider']}, "
+                      f"{_num(row['model_tflops_per_gpu'])} TFLOP/s a GPU, graphs "
+                      f"{row['cuda_graph_impl']}, tokens dropped {row['tokens_dropped']}, "
+                      f"max |loss - anchor| {_num(row['max_abs_loss_diff_vs_anchor'])}",
+                      flush=True)  # fmt: skip
+        else:
+            new = shape_rows(plans, results, **kw)
+            c = new[0]
+            print(
+                f"max |ring - alltoall| = {_num(c['max_abs_loss_diff_vs_other'])}, "
+                f"noise max |alltoall - alltoall| = {_num(c['noise_max_abs_loss_diff'])}, "
+                f"bound {_num(c['parity_bound'])} -> parity_ok={c['parity_ok']}",
+                flush=True,
+            )
         for row in new:
             writer.write(row)
         rows += new
     return rows, all_ok
+
+
+TOKENS_WARMUP_STEPS = 5  # RunResult.tokens_per_s's default: steps left out of the median
+
+
+def profile_busy_steps(steps: int) -> tuple[int, int]:
+    """``(START, END)`` of the one step ``--profile-busy`` profiles: the second-last, after the
+    tokens/s warm-up and the whole-iteration graph's capture (``GRAPH_WARMUP_STEPS``)."""
+    start = steps - 1
+    if start - 1 <= max(TOKENS_WARMUP_STEPS, GRAPH_WARMUP_STEPS + 1):
+        raise ValueError(
+            f"--profile-busy profiles step {start} of {steps}: train at least "
+            f"{max(TOKENS_WARMUP_STEPS, GRAPH_WARMUP_STEPS + 1) + 3} steps"
+        )
+    return start, start + 1
+
+
+def profiler_slowed_steps(steps: tuple[int, int]) -> set[int]:
+    """The 1-based steps of a run that Megatron's torch profiler over ``steps = (START, END)``
+    slows: its warm-up step (START - 1: the profiler runs, its trace is dropped) and the active
+    steps START..END-1 (Megatron calls ``prof.step()`` at the start of each iteration)."""
+    start, end = steps
+    return set(range(max(start - 1, 1), end))
+
+
+def _profiled_steps(profiles: dict[str, dict]) -> dict[str, set[int]]:
+    """label -> the steps its profiler slowed, for the runs that were profiled."""
+    return {label: profiler_slowed_steps(tuple(row["profile_steps"]))
+            for label, row in profiles.items()}  # fmt: skip
 
 
 PROFILED_LABELS = ("ring", "alltoall")
@@ -561,8 +988,9 @@ def profile_row(shape: E2EShape, plan, workdir: str, steps: tuple[int, int]) -> 
 
     trace = os.path.join(workdir, "torch_profile", "rank-0.json.gz")
     row = {"bench": "e2e_profile", "shape": shape.shape_label, "label": plan.label,
-           "provider": _provider(plan.dispatcher, shape), "profile_steps": list(steps),
-           "flags": list(plan.flags)}  # fmt: skip
+           "provider": plan.provider or _provider(plan.dispatcher, shape),
+           "repeat": plan.repeat, "cuda_graph_impl": cuda_graph_impl(plan.flags),
+           "profile_steps": list(steps), "flags": list(plan.flags)}  # fmt: skip
     if not os.path.exists(trace):
         return {**row, "failure": f"no trace at {trace}"}
     try:
@@ -585,9 +1013,8 @@ def sweep_plans(
     drift of the machine over the sweep)."""
     if not shape.anchor:
         raise ValueError(f"--anchor-sweep needs an anchor shape (with '_te'), got {shape.name!r}")
-    base = plan_runs(shape, gpus=gpus, steps=steps, seed=seed, noise_run=False, regime=regime,
-                     check_te=check_te)  # fmt: skip
-    flags = next(p.flags for p in base if p.label == "alltoall")
+    flags = provider_run_flags(shape, ANCHOR_PROVIDER, gpus=gpus, steps=steps, seed=seed,
+                               regime=regime or shape.regime, check_te=check_te)  # fmt: skip
     out = [("base", flags)]
     for name, (extra, _ring) in ANCHOR_CANDIDATES.items():
         out.append((name, tuple(merge_flags(list(flags), list(extra)))))
@@ -712,6 +1139,26 @@ def main(argv: list[str] | None = None) -> int:
         help="torch-profile steps [START, END) of the ring and alltoall runs (rows "
         "bench=e2e_profile: GPU time by kernel category, idle fraction)",
     )
+    p.add_argument(
+        "--profile-busy",
+        action="store_true",
+        help="every run torch-profiles one step after its warm-up (the second-last); its row "
+        "carries gpu_busy_frac, the step left out of tokens/s (and an e2e_profile row)",
+    )
+    p.add_argument(
+        "--providers",
+        default=None,
+        help=f"comma-separated providers of every shape's runs: {', '.join(PROVIDERS)} "
+        "(default: the shape's own; the gbs shapes run the first four but mcore_alltoall, the "
+        "others ring and alltoall)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="with providers: run the provider list this many times in order (interleaved "
+        "runs; rows carry the pass as repeat)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the planned commands; no GPU")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "e2e.jsonl"))
     a = p.parse_args(argv)
@@ -737,12 +1184,18 @@ def main(argv: list[str] | None = None) -> int:
     else:
         gpus = 2  # --dry-run here: the commands of 2 GPUs
     check_te = not a.dry_run
+    providers = [x.strip() for x in a.providers.split(",") if x.strip()] if a.providers else None
     try:  # bad combinations (e.g. fewer steps than the warm-up) before any GPU time is spent
         planned = [
             plan_runs(s, gpus=gpus, steps=steps, seed=a.seed, noise_run=a.noise_run,
-                      regime=a.regime, check_te=check_te)
+                      regime=a.regime, check_te=check_te, providers=providers,
+                      repeats=a.repeats)
             for s in shapes
         ]  # fmt: skip
+        if a.profile_busy and a.profile_steps:
+            raise ValueError("--profile-busy and --profile-steps exclude each other")
+        if a.profile_busy:
+            profile_busy_steps(steps)
         sweeps = [
             sweep_plans(s, gpus=gpus, steps=steps, seed=a.seed, regime=a.regime,
                         check_te=check_te)
@@ -751,7 +1204,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.warm_up_steps:
             for s in shapes:
                 plan_runs(s, gpus=gpus, steps=a.warm_up_steps, seed=a.seed, noise_run=False,
-                          regime=a.regime, check_te=check_te)  # fmt: skip
+                          regime=a.regime, check_te=check_te, providers=providers)  # fmt: skip
         if a.profile_steps:
             profile_flags(tuple(a.profile_steps), "-")
             if a.profile_steps[1] > steps:
@@ -770,7 +1223,15 @@ def main(argv: list[str] | None = None) -> int:
         for runs in planned:
             for r in runs:
                 ep = _flag(r.flags, "--expert-model-parallel-size")
-                print(f"# {r.shape.name} {r.label} (regime {r.regime}, EP={ep})")
+                if shape_providers(r.shape, providers) is None:
+                    print(f"# {r.shape.name} {r.label} (regime {r.regime}, EP={ep})")
+                else:
+                    b = batch_fields(r.flags, gpus)
+                    print(f"# {r.shape.name} {r.label} (provider {r.provider}, repeat "
+                          f"{r.repeat}, regime {r.regime}, EP={ep}, global batch {b['gbs']} = "
+                          f"{b['micro_batches']} micro-batches a rank, CUDA graphs "
+                          f"{cuda_graph_impl(r.flags)}, tokens dropped "
+                          f"{tokens_dropped(r.flags)})")  # fmt: skip
                 print(" ".join(shlex.quote(f) for f in r.flags))
         return 0
     if not torch.cuda.is_available():
@@ -798,6 +1259,9 @@ def main(argv: list[str] | None = None) -> int:
         run_timeout_s=a.run_timeout_s,
         profile_steps=tuple(a.profile_steps) if a.profile_steps else None,
         warm_up_steps=a.warm_up_steps,
+        providers=providers,
+        repeats=a.repeats,
+        profile_busy=a.profile_busy,
     )
     print(f"rows appended to {a.out}; {time.perf_counter() - t0:.0f} s in all")
     return 0 if all_ok else 1

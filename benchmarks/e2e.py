@@ -105,10 +105,11 @@ class RunResult:
             return f"non-finite loss {self.losses[bad[0]]} at step {bad[0] + 1}"
         return None
 
-    def tokens_per_s(self, warmup: int = 5) -> float | None:
-        vals = [s["tokens_per_s"] for s in self.steps[warmup:]] or [
-            s["tokens_per_s"] for s in self.steps
-        ]
+    def tokens_per_s(self, warmup: int = 5, exclude=()) -> float | None:
+        """Median tokens/s over the steps after ``warmup`` (all steps when there are no more),
+        leaving out the 1-based steps in ``exclude`` (e.g. a profiled step)."""
+        kept = [(i, s["tokens_per_s"]) for i, s in enumerate(self.steps, 1) if i not in exclude]
+        vals = [v for i, v in kept if i > warmup] or [v for _, v in kept]
         return statistics.median(vals) if vals else None
 
     def peak_mib(self, warmup: int = 5) -> float | None:
@@ -291,6 +292,7 @@ def pretrain_args(
     transformer_impl: str | None = None,
     check_te: bool = True,
     data: tuple[str, str] | None = None,
+    global_batch_size: int | None = None,
 ) -> list[str]:
     """Megatron flags for a mock-data run of ``config`` with EP = ``gpus``.
 
@@ -300,12 +302,15 @@ def pretrain_args(
     (``--split 99,1,0``) as ``examples/qwen3/train.sh`` does.
 
     ``seq_length`` / ``micro_batch_size`` replace the config's; ``recompute_modules`` asks for
-    selective recompute of those modules; the global batch is always micro-batch x ``gpus``
-    (one micro-batch per data-parallel rank per step). ``regime`` names the optimizer and
-    schedule (``REGIMES``). ``transformer_impl`` (``resolve_impl``): TransformerEngine (Megatron's
-    default: TE layers, TEGroupedMLP experts with the config's --moe-grouped-gemm) or ``local``
-    (``LOCAL_FLAGS``); None takes TE where it imports; ``check_te=False`` plans TE runs where it
-    does not (dry runs). ``extra`` flags replace the same flags' values (``merge_flags``).
+    selective recompute of those modules; the global batch is micro-batch x ``gpus`` (one
+    micro-batch per data-parallel rank per step) unless ``global_batch_size`` is given: then
+    Megatron accumulates gradients over global / (micro-batch x data-parallel size) micro-batches
+    a step (a multiple of micro-batch x ``gpus``, else a ``ValueError``). ``regime`` names the
+    optimizer and schedule (``REGIMES``). ``transformer_impl`` (``resolve_impl``):
+    TransformerEngine (Megatron's default: TE layers, TEGroupedMLP experts with the config's
+    --moe-grouped-gemm) or ``local`` (``LOCAL_FLAGS``); None takes TE where it imports;
+    ``check_te=False`` plans TE runs where it does not (dry runs). ``extra`` flags replace the
+    same flags' values (``merge_flags``).
     """
     from relaymoe.config import load_config, to_megatron_args
 
@@ -340,9 +345,14 @@ def pretrain_args(
             out += [a, overrides.pop(a)]
             skip_next = True
             continue
-        if a == "--global-batch-size":  # one micro-batch per DP rank per step
-            mbs = base[base.index("--micro-batch-size") + 1]
-            out += [a, str(int(mbs) * gpus)]
+        if a == "--global-batch-size":  # one micro-batch per DP rank per step, unless asked
+            mbs = int(base[base.index("--micro-batch-size") + 1])
+            if global_batch_size is not None and global_batch_size % (mbs * gpus):
+                raise ValueError(
+                    f"global_batch_size={global_batch_size} is not a multiple of micro-batch "
+                    f"{mbs} x {gpus} GPUs; Megatron needs whole micro-batches per rank"
+                )
+            out += [a, str(global_batch_size or mbs * gpus)]
             skip_next = True
             continue
         out.append(a)

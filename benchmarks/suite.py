@@ -130,6 +130,9 @@ _E2E_SLOW = (  # --quick leaves these to the e2e step (the same run, measured) a
 # keeps relaymoe (shipped configurations) against naive; --full adds Liger and the ablations.
 _QUICK_EXPERTS = ("--providers", "relaymoe_act", "naive", "relaymoe_fc1")
 
+# bench_e2e.py's GBS_PROVIDERS (written out: the suite imports no torch)
+E2E_GBS_PROVIDERS = "relaymoe_ring,relaymoe_ring_graphed,mcore_alltoall_te,mcore_alltoall_te_drop"
+
 # Phases: 1 the untimed steps (correctness, memory) side by side, where sharing a GPU is
 # harmless: the tests gate a green run, so they come first; 2 the timed 2-GPU steps alone on the
 # machine (more than 2 GPUs: the ring again at EP = every GPU), most important first so that a
@@ -212,6 +215,15 @@ STEPS: tuple[Step, ...] = (
     Step("e2e_pp", "benchmarks/bench_e2e.py", ALL, 2, 0, 540, min_gpus=2, full_only=True,
          args=("--shapes", "tiny_qwen3_pp2,tiny_qwen3_pp2_vpp2", "--noise-run", "--out",
                "{out}/e2e_pp.jsonl"), outputs=("e2e_pp.jsonl",)),
+    # issue #49 on one GPU: the qwen3 slice at global batch 16 (16 micro-batches a step), each of
+    # the four providers once, one profiled step a run (gpu_busy_frac); about 300 s on 1x H100
+    # by estimate (four Megatron start-ups of ~40 s, 15 steps of 1-3 s): --full, or
+    # --only e2e_gbs16 (one call, handed back as one archive with --handoff)
+    Step("e2e_gbs16", "benchmarks/bench_e2e.py", "gpu0", 3, 0, 560, full_only=True,
+         args=("--shapes", "qwen3_slice_s4k_gbs16_te", "--providers", E2E_GBS_PROVIDERS,
+               "--gpus", "1", "--steps", "15", "--profile-busy", "--budget-s", "530",
+               "--out", "{out}/e2e_gbs16.jsonl"),
+         outputs=("e2e_gbs16.jsonl",)),
     Step("routing", "benchmarks/bench_routing.py", "gpu0", 3, 25, 240,
          args=("--rep-ms", "50", "--out", "{out}/routing.jsonl"), quick=("--quick",),
          outputs=("routing.jsonl",)),

@@ -65,10 +65,11 @@ def _union_us(spans: list[tuple[float, float]]) -> float:
 
 def summarise(trace: dict, *, top: int = 25) -> dict:
     """The summary of one trace (times in ms per profiled step): ``steps``, ``step_ms``,
-    ``gpu_busy_ms``, ``gpu_idle_frac``, ``by_category`` ``{cat: ms}``, ``top_kernels``
-    ``[{name, category, ms, calls}]``, ``cuda_graph_launches`` (per step, over the
-    ``ProfilerStep`` spans holding GPU events). GPU events outside those spans are left out;
-    without ``ProfilerStep`` spans the whole trace is one step."""
+    ``gpu_busy_ms``, ``gpu_busy_frac`` (the union of the GPU's kernel, memcpy and memset
+    intervals over the steps' wall time) and ``gpu_idle_frac`` (one minus it), ``by_category``
+    ``{cat: ms}``, ``top_kernels`` ``[{name, category, ms, calls}]``, ``cuda_graph_launches``
+    (per step, over the ``ProfilerStep`` spans holding GPU events). GPU events outside those
+    spans are left out; without ``ProfilerStep`` spans the whole trace is one step."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
     steps = [(e["ts"], e["ts"] + e["dur"]) for e in events
              if str(e.get("name", "")).startswith("ProfilerStep#")]  # fmt: skip
@@ -105,6 +106,7 @@ def summarise(trace: dict, *, top: int = 25) -> dict:
         "step_ms": step_us / n / 1e3,
         "gpu_busy_ms": busy_us / n / 1e3,
         "gpu_idle_frac": (1 - busy_us / step_us) if step_us > 0 else None,
+        "gpu_busy_frac": (busy_us / step_us) if step_us > 0 else None,
         "kernel_ms": sum(sum(d) for d in by_name.values()) / n / 1e3,
         # kernels replayed from CUDA graphs may be missing from the trace: their launches
         "cuda_graph_launches": graph_launches / n,

@@ -65,13 +65,22 @@ def test_qwen3_slice_config():
     assert (p.ep, p.dp, p.world_size) == (2, 2, 2)
 
 
-QWEN_SHAPES = [n for n in bench_e2e.SHAPES if n.startswith("qwen3_slice")]
+GBS_SHAPES = {  # issue #49: name -> (sequence, global batch, recompute)
+    "qwen3_slice_s4k_gbs16_te": (4096, 16, None),
+    "qwen3_slice_s4k_gbs64_te": (4096, 64, None),
+    "qwen3_slice_s16k_gbs8_te": (16384, 8, "selective"),
+    "qwen3_slice_v152k_s4k_gbs16_fused_loss_te": (4096, 16, "full"),
+    "qwen3_slice_v152k_s4k_gbs64_fused_loss_te": (4096, 64, "full"),
+}
+QWEN_SHAPES = [n for n in bench_e2e.SHAPES if n.startswith("qwen3_slice") and n not in GBS_SHAPES]
 PP_SHAPES = [n for n in bench_e2e.SHAPES if "_pp2" in n]
 EXPERT_MLP_SHAPES = {"tiny_qwen3_gelu": "gelu", "tiny_qwen3_squared_relu": "squared_relu"}
 
 
 def test_every_shape_is_checked_below():
-    assert set(QWEN_SHAPES) | set(PP_SHAPES) | set(EXPERT_MLP_SHAPES) == set(bench_e2e.SHAPES)
+    assert set(QWEN_SHAPES) | set(PP_SHAPES) | set(EXPERT_MLP_SHAPES) | set(GBS_SHAPES) == set(
+        bench_e2e.SHAPES
+    )
     assert PP_SHAPES
 
 
@@ -869,3 +878,312 @@ def test_trace_summary_counts_only_steps_holding_gpu_work(tmp_path):
     s = summarise_file(path)
     assert s["steps"] == 2 and s["top_kernels"][0]["calls"] == 1.0
     assert s["gpu_idle_frac"] == pytest.approx(0.5) and s["cuda_graph_launches"] == 0
+
+
+# ------------------------------------------- issue #49: gradient accumulation, providers, fields
+FOUR = ("relaymoe_ring", "relaymoe_ring_graphed", "mcore_alltoall_te", "mcore_alltoall_te_drop")
+
+
+def _plans(shape, gpus=1, **kw):
+    kw = {"steps": 15, "seed": 1234, "noise_run": False, "check_te": False, **kw}
+    return bench_e2e.plan_runs(bench_e2e.SHAPES[shape], gpus=gpus, **kw)
+
+
+@pytest.mark.parametrize("shape", sorted(GBS_SHAPES))
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_gbs_shapes_plan_each_provider(shape, gpus):
+    """Each gradient-accumulation shape runs the four providers in order; their flags are the
+    shape's (sequence, global batch, recompute, TE with the anchor's fusions) and differ only in
+    what each provider is: the dispatcher, the CUDA graphs and the drop-and-pad capacity."""
+    seq, gbs, recompute = GBS_SHAPES[shape]
+    plans = _plans(shape, gpus=gpus)
+    assert [(p.label, p.provider, p.repeat) for p in plans] == [(n, n, 0) for n in FOUR]
+    g = {p.provider: _groups(p.flags) for p in plans}
+    for name, f in g.items():
+        assert _v(f, "--seq-length") == str(seq) and _v(f, "--micro-batch-size") == "1"
+        assert _v(f, "--global-batch-size") == str(gbs)  # not micro-batch x GPUs
+        assert _v(f, "--expert-model-parallel-size") == str(gpus)
+        assert (
+            _v(f, "--transformer-impl") == "transformer_engine" and _v(f, "--train-iters") == "15"
+        )
+        assert all(f[flag] == [] for flag in bench_e2e.ANCHOR_FLAGS), name
+        assert (f.get("--recompute-granularity") or [None])[0] == recompute
+        want = "ring" if name.startswith("relaymoe") else "alltoall"
+        assert _v(f, "--moe-token-dispatcher-type") == want
+        assert ("--relaymoe-fused-loss" in f) == ("fused_loss" in shape and want == "ring")
+        dropping = name == "mcore_alltoall_te_drop"
+        assert ("--moe-expert-capacity-factor" in f) == dropping, name
+        assert ("--moe-pad-expert-input-to-capacity" in f) == dropping, name
+        assert bench_e2e.tokens_dropped(plans[FOUR.index(name)].flags) == (True if dropping else 0)
+    graphed = g["relaymoe_ring_graphed"]
+    assert _v(graphed, "--cuda-graph-impl") == "full_iteration"
+    assert "--cuda-graph-modules" not in graphed  # megatron-core: empty with full_iteration
+    assert graphed["--no-check-for-nan-in-loss-and-grad"] == []
+    assert _v(graphed, "--cuda-graph-warmup-steps") == str(bench_e2e.GRAPH_WARMUP_STEPS)
+    drop = g["mcore_alltoall_te_drop"]
+    assert _v(drop, "--moe-expert-capacity-factor") == "1.0"
+    if recompute == "full":  # megatron-core refuses per-layer graphs under full recompute
+        for name in ("relaymoe_ring", "mcore_alltoall_te", "mcore_alltoall_te_drop"):
+            assert "--cuda-graph-impl" not in g[name] and "--cuda-graph-modules" not in g[name]
+    else:
+        assert g["relaymoe_ring"]["--cuda-graph-modules"] == ["attn"]
+        assert g["mcore_alltoall_te"]["--cuda-graph-modules"] == [
+            "attn", "moe_router", "moe_preprocess"]  # fmt: skip
+        assert _v(drop, "--cuda-graph-impl") == "transformer_engine"
+        assert drop["--cuda-graph-modules"] == ["attn", "moe"]
+    # everything else is the same flag for flag
+    provider_flags = {"--moe-token-dispatcher-type", "--relaymoe-mode", "--relaymoe-fused-loss",
+                      "--cuda-graph-impl", "--cuda-graph-modules", "--cuda-graph-warmup-steps",
+                      "--no-check-for-nan-in-loss-and-grad", "--moe-expert-capacity-factor",
+                      "--moe-pad-expert-input-to-capacity"}  # fmt: skip
+    rest = [{k: v for k, v in f.items() if k not in provider_flags} for f in g.values()]
+    assert all(r == rest[0] for r in rest)
+
+
+def test_old_shapes_keep_their_runs_and_providers_are_checked():
+    """Shapes from before providers plan ring, alltoall[, alltoall_repeat] as they did; --repeats
+    and unknown or misplaced providers are refused before any GPU time."""
+    assert [p.label for p in _plans("qwen3_slice_s4k_te", noise_run=True)] == [
+        "ring", "alltoall", "alltoall_repeat"]  # fmt: skip
+    assert _v(_groups(_plans("qwen3_slice_s4k_te")[0].flags), "--global-batch-size") == "1"
+    with pytest.raises(ValueError, match="--repeats needs providers"):
+        _plans("qwen3_slice_s4k_te", repeats=2)
+    with pytest.raises(ValueError, match="unknown provider"):
+        _plans("qwen3_slice_s4k_gbs16_te", providers=["relaymoe_rign"])
+    with pytest.raises(ValueError, match="runs on an anchor"):
+        _plans("qwen3_slice_s4k", providers=["mcore_alltoall_te_drop"])
+    with pytest.raises(ValueError, match="runs on a shape without '_te'"):
+        _plans("qwen3_slice_s4k_gbs16_te", providers=["mcore_alltoall"])
+    with pytest.raises(ValueError, match="--noise-run repeats the anchor"):
+        _plans("qwen3_slice_s4k_gbs16_te", providers=["relaymoe_ring"], noise_run=True)
+    with pytest.raises(ValueError, match="not a multiple of micro-batch"):
+        pretrain_args("qwen3_slice", gpus=2, steps=20, dispatcher="ring", seed=1,
+                      global_batch_size=7)  # fmt: skip
+    # providers on an old shape: its ring and alltoall as providers, the same flags
+    old = _plans("qwen3_slice_s4k_te")
+    new = _plans("qwen3_slice_s4k_te", providers=["relaymoe_ring", "mcore_alltoall_te"])
+    assert [p.flags for p in new] == [p.flags for p in old]
+
+
+def test_repeats_interleave_the_providers_and_the_noise_run_ends_them():
+    plans = _plans("qwen3_slice_s4k_gbs16_te", repeats=2, noise_run=True,
+                   providers=["mcore_alltoall_te", "relaymoe_ring_graphed"])  # fmt: skip
+    assert [(p.label, p.repeat, p.noise) for p in plans] == [
+        ("mcore_alltoall_te", 0, False), ("relaymoe_ring_graphed", 0, False),
+        ("mcore_alltoall_te_r1", 1, False), ("relaymoe_ring_graphed_r1", 1, False),
+        ("mcore_alltoall_te_noise", 0, True),
+    ]  # fmt: skip
+    assert plans[0].flags == plans[2].flags == plans[4].flags and plans[1].flags == plans[3].flags
+
+
+def test_dry_run_of_the_gbs16_shape_prints_the_four_providers(capsys):
+    argv = ["--shapes", "qwen3_slice_s4k_gbs16_te", "--providers", ",".join(FOUR),
+            "--steps", "15", "--gpus", "1", "--dry-run"]  # fmt: skip
+    assert bench_e2e.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    heads = [ln for ln in lines if ln.startswith("# ")]
+    assert [h.split()[2] for h in heads] == list(FOUR)
+    assert all("global batch 16 = 16 micro-batches a rank" in h for h in heads)
+    assert "CUDA graphs full_iteration, tokens dropped 0" in heads[1]
+    assert "CUDA graphs transformer_engine, tokens dropped True" in heads[3]
+    assert "--cuda-graph-impl full_iteration" in lines[lines.index(heads[1]) + 1]
+    assert bench_e2e.main(argv[:4] + ["--dry-run"]) == 0  # the shape's own providers: the four
+    assert [h.split()[2] for h in capsys.readouterr().out.splitlines() if h.startswith("# ")] == [
+        *FOUR]  # fmt: skip
+    with pytest.raises(SystemExit):
+        bench_e2e.main([*argv, "--profile-busy", "--profile-steps", "8", "9"])
+    assert "exclude each other" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_e2e.main(
+            [*argv[:-5], "--steps", "7", "--regime", "launcher", "--profile-busy", "--dry-run"]
+        )
+    assert "train at least 8 steps" in capsys.readouterr().err
+
+
+def _fake_runs(plans, tps: dict[str, float], bad_steps=(), ramp=0.0):
+    """A complete run per plan at ``tps[provider]`` tokens/s (times 1 + ``ramp`` x the 0-based
+    step), 15 steps; ``bad_steps`` (1-based) run at 1 token/s (a profiled step's slowdown)."""
+    out = {}
+    for p in plans:
+        steps = [{"loss": 5.0 - 0.1 * i + (0.02 if p.provider == "mcore_alltoall_te_drop" else 0),
+                  "tokens_per_s": 1.0 if i + 1 in bad_steps else tps[p.provider] * (1 + ramp * i),
+                  "peak_MiB": 10.0} for i in range(15)]  # fmt: skip
+        out[p.label] = RunResult(p.dispatcher, 0, steps=steps, label=p.label, command="x")
+    return out
+
+
+def test_provider_rows_carry_batch_graphs_drops_and_model_flops(monkeypatch):
+    from benchmarks.flops import shape_flops_per_token
+
+    monkeypatch.setattr(bench_e2e, "te_version", lambda: "2.20.2")
+    for gpus, micro_batches in ((1, 16), (2, 8)):
+        plans = _plans("qwen3_slice_s4k_gbs16_te", gpus=gpus, noise_run=True)
+        tps = dict(zip(FOUR, (48_000.0, 96_000.0, 24_000.0, 80_000.0), strict=True))
+        rows = bench_e2e.provider_rows(plans, _fake_runs(plans, tps), gpus=gpus, steps=15, seed=1)
+        by = {r["label"]: r for r in rows}
+        assert list(by) == [*FOUR, "mcore_alltoall_te_noise"]
+        fpt = shape_flops_per_token("qwen3_slice", 4096)
+        for r in rows:
+            assert (r["gbs"], r["global_batch_size"], r["micro_batches"]) == (16, 16, micro_batches)
+            assert r["flops_per_token"] == fpt and r["gpu_busy_frac"] is None
+            assert r["model_tflops_per_gpu"] == pytest.approx(
+                tps[r["provider"]] * fpt / gpus / 1e12
+            )
+            assert r["anchor_provider"] == "mcore_alltoall_te" and r["repeats"] == 1
+        assert [by[n]["cuda_graph_impl"] for n in FOUR] == [
+            "transformer_engine",
+            "full_iteration",
+            "transformer_engine",
+            "transformer_engine",
+        ]
+        assert [by[n]["tokens_dropped"] for n in FOUR] == [0, 0, 0, True]
+        assert by["relaymoe_ring_graphed"]["cuda_graph_modules"] is None
+        assert by["mcore_alltoall_te_drop"]["cuda_graph_modules"] == ["attn", "moe"]
+        assert by["relaymoe_ring_graphed"]["speedup_vs_anchor"] == pytest.approx(4.0)
+        assert by["relaymoe_ring"]["parity_ok"] is True  # identical losses, noise 0
+        assert by["mcore_alltoall_te"]["max_abs_loss_diff_vs_anchor"] is None  # the anchor
+        drop = by["mcore_alltoall_te_drop"]
+        assert drop["max_abs_loss_diff_vs_anchor"] == pytest.approx(0.02)
+        assert drop["parity_ok"] is None  # token dropping trains another model: no verdict
+        assert by["mcore_alltoall_te_noise"]["noise"] and rows[0]["noise_max_abs_loss_diff"] == 0
+    # the rows of the shapes before providers carry the same fields
+    old = _plans("qwen3_slice_s4k_te", gpus=1)
+    ring, a2a = bench_e2e.shape_rows(old, {"ring": _run("ring", BASE), "alltoall": _run(
+        "alltoall", BASE)}, gpus=1, steps=50, seed=1)  # fmt: skip
+    assert (ring["gbs"], ring["micro_batches"], ring["tokens_dropped"]) == (1, 1, 0)
+    assert ring["cuda_graph_impl"] == "transformer_engine" and a2a["gpu_busy_frac"] is None
+    assert a2a["model_tflops_per_gpu"] == pytest.approx(a2a["tokens_per_s"] * ring[
+        "flops_per_token"] / 1e12)  # fmt: skip
+
+
+def test_profile_busy_profiles_one_step_of_every_run_and_leaves_it_out_of_tokens_per_s(
+    monkeypatch,
+):
+    """--profile-busy: every run (the noise run too) profiles its second-last step; the row
+    carries that step's busy fraction, and tokens/s leaves out the profiled step and the
+    profiler's warm-up step before it (here made 1 token/s, which would move the median)."""
+    import benchmarks.e2e as e2e
+
+    monkeypatch.setattr(e2e, "_have_te", lambda: True)  # the runs are faked; TE is "here"
+    monkeypatch.setattr(bench_e2e, "te_version", lambda: "2.20.2")
+    seen = {}
+    busy = {"relaymoe_ring": 0.5, "relaymoe_ring_graphed": 0.9, "mcore_alltoall_te": 0.25}
+    start, end = bench_e2e.profile_busy_steps(15)
+    assert (start, end) == (14, 15) and bench_e2e.profiler_slowed_steps((start, end)) == {13, 14}
+    tps = dict(zip(FOUR, (48_000.0, 96_000.0, 24_000.0, 80_000.0), strict=True))
+
+    def runner(flags, *, gpus, label, timeout_s, workdir=None):
+        seen[label] = list(flags)
+        provider = label.removesuffix("_noise").removesuffix("_r1")
+        if provider in busy:  # a step of 1000 us, busy for the fraction
+            _trace(workdir, [("nvjet_x", 0, busy[provider] * 1000)], steps=((0, 1000),))
+        plan = bench_e2e.PlannedRun(None, label, "ring" if "ring" in label else "alltoall",
+                                    "stable", (), provider=provider)  # fmt: skip
+        return _fake_runs([plan], tps, bad_steps=(13, 14), ramp=1e-3)[label]
+
+    w = _Writer()
+    rows, ok = bench_e2e.run_shapes([bench_e2e.SHAPES["qwen3_slice_s4k_gbs16_te"]], gpus=1,
+                                    steps=15, seed=1, noise_run=True, writer=w, runner=runner,
+                                    profile_busy=True, repeats=2)  # fmt: skip
+    assert ok and len(rows) == 9
+    for label, flags in seen.items():
+        i = flags.index("--profile-step-start")
+        assert flags[i + 1 : i + 4] == ["14", "--profile-step-end", "15"], label
+    by = {r["label"]: r for r in rows}
+    assert by["relaymoe_ring_graphed_r1"]["repeat"] == 1
+    assert by["relaymoe_ring_graphed_r1"]["gpu_busy_frac"] == pytest.approx(0.9)
+    assert by["mcore_alltoall_te_noise"]["gpu_busy_frac"] == pytest.approx(0.25)
+    assert by["mcore_alltoall_te_drop"]["gpu_busy_frac"] is None  # its trace is missing
+    for r in rows:  # the median of steps 6-12 and 15: steps 9 and 10 (0-based 8 and 9)
+        assert r["tokens_per_s"] == pytest.approx(tps[r["provider"]] * 1.0085), r["label"]
+        assert r["tokens_per_s_excluded_steps"] == [13, 14] and r["profile_steps"] == [14, 15]
+    prof = [r for r in w.rows if r["bench"] == "e2e_profile"]
+    assert len(prof) == 9 and prof[1]["cuda_graph_impl"] == "full_iteration"
+    assert prof[3]["failure"].startswith("no trace at")
+
+
+_MEGATRON_CONFIG = textwrap.dedent(
+    """
+    import json, os, sys, traceback, warnings
+    warnings.filterwarnings("ignore")
+    import torch
+    torch.cuda.get_device_capability = lambda *a: (9, 0)
+    from relaymoe.megatron import register
+    register()
+    from megatron.training.arguments import parse_and_validate_args
+    from megatron.training.argument_utils import core_transformer_config_from_args
+    from megatron.training.global_vars import unset_global_variables
+    env = dict(os.environ)
+    for i, flags in enumerate(json.loads(sys.stdin.read())):
+        sys.argv = ["pretrain", *flags]
+        try:
+            a = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
+            c = core_transformer_config_from_args(a)
+            out = {"cuda_graph_impl": c.cuda_graph_impl,
+                   "cuda_graph_modules": [m.name for m in c.cuda_graph_modules],
+                   "capacity": c.moe_expert_capacity_factor,
+                   "pad": c.moe_pad_expert_input_to_capacity,
+                   "nan_check": a.check_for_nan_in_loss_and_grad,
+                   "graph_warmup": c.cuda_graph_warmup_steps,
+                   "global_batch_size": a.global_batch_size}
+            print("ARGS " + json.dumps([i, out]), flush=True)
+        except BaseException:
+            print("ERROR " + json.dumps([i, traceback.format_exc()]), flush=True)
+        finally:
+            unset_global_variables()
+            os.environ.clear()
+            os.environ.update(env)
+    """
+)
+
+# TE's own kernels that megatron-core checks for when it builds the config; TE is not here, and
+# they do not touch the CUDA-graph and capacity checks
+_TE_KERNEL_FLAGS = ("--moe-permute-fusion", "--moe-router-fusion")
+
+
+def test_megatron_core_takes_the_providers_graph_scopes():
+    """megatron-core's own argument validation and TransformerConfig checks (one subprocess, world
+    1) accept the drop provider's MoE graphs with drop-and-pad and refuse them without padding
+    ("only supported with drop-padding MoE"); the whole-iteration graph with its NaN check off and
+    no graph modules, on the alltoall dispatcher (megatron-core's checks alone); and on the ring
+    either take it or refuse it only through relaymoe's CUDA-graph check (lifted by the ring's
+    capture work)."""
+    plans = {p.provider: p for p in _plans("qwen3_slice_s4k_gbs16_te")}
+
+    def cpu(flags, dispatcher=None, drop=()):
+        out = [f for f in flags if f not in (*_TE_KERNEL_FLAGS, *drop)] + ["--no-rope-fusion"]
+        if dispatcher:
+            out = merge_flags(out, ["--moe-token-dispatcher-type", dispatcher])
+            out = [t for g in bench_e2e._flag_groups(out) if g[0] != "--relaymoe-mode" for t in g]
+        return out
+
+    jobs = [
+        cpu(plans["mcore_alltoall_te_drop"].flags),
+        cpu(plans["mcore_alltoall_te_drop"].flags, drop=("--moe-pad-expert-input-to-capacity",)),
+        cpu(plans["relaymoe_ring_graphed"].flags, dispatcher="alltoall"),
+        cpu(plans["relaymoe_ring_graphed"].flags),
+        cpu(plans["mcore_alltoall_te"].flags),
+    ]
+    env = dict(os.environ, WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", CUDA_VISIBLE_DEVICES="")
+    p = run_python(["-c", _MEGATRON_CONFIG], timeout=240, env=env, input=json.dumps(jobs))
+    got = {}
+    for ln in p.stdout.splitlines():
+        if ln.startswith(("ARGS ", "ERROR ")):
+            i, value = json.loads(ln.split(" ", 1)[1])
+            got[i] = value
+    assert p.returncode == 0 and len(got) == len(jobs), p.stdout[-2000:] + p.stderr[-4000:]
+    drop, unpadded, whole, ring_whole, anchor = (got[i] for i in range(len(jobs)))
+    assert isinstance(drop, dict), drop
+    assert drop["cuda_graph_modules"] == ["attn", "moe"] and drop["pad"] is True
+    assert drop["capacity"] == 1.0 and drop["global_batch_size"] == 16
+    assert isinstance(unpadded, str) and "only supported with drop-padding MoE" in unpadded
+    assert isinstance(whole, dict), whole
+    assert whole["cuda_graph_impl"] == "full_iteration" and whole["cuda_graph_modules"] == []
+    assert whole["nan_check"] is False and whole["graph_warmup"] == bench_e2e.GRAPH_WARMUP_STEPS
+    if isinstance(ring_whole, str):  # refused: by relaymoe's ring check, nothing else
+        assert "--moe-token-dispatcher-type ring cannot run" in ring_whole, ring_whole
+        assert "CUDA graphs over the MoE layer" in ring_whole, ring_whole
+    else:
+        assert ring_whole["cuda_graph_impl"] == "full_iteration"
+    assert isinstance(anchor, dict) and anchor["cuda_graph_modules"] == [
+        "attn", "moe_router", "moe_preprocess"]  # fmt: skip

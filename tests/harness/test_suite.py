@@ -61,7 +61,7 @@ def test_plan_on_two_gpus_quick(tmp_path):
     # the issue-#17 GPU steps fill a call each, and the longer GPU tests: --full only
     full_only = {s.name for s in suite.STEPS if s.full_only}
     assert full_only == {"fault_nccl", "host_wait", "determinism", "soak", "e2e_pp",
-                         "gpu_tests_more"}  # fmt: skip
+                         "gpu_tests_more", "e2e_gbs16"}  # fmt: skip
     assert not full_only & set(planned)
     text = suite.describe(list(planned.values()), deadline_s=540)
     assert "deadline 540 s" in text and "SKIP (needs 3 GPUs, found 2)" in text
@@ -85,6 +85,22 @@ def test_plan_on_one_gpu_and_full(tmp_path):
     assert list(two) == ["fault_nccl", "soak", "e2e_pp"]
     assert "nccl" in two["fault_nccl"].command
     assert "torch.distributed.run" not in two["soak"].command  # it launches its own jobs
+
+
+def test_the_gradient_accumulation_rows_are_one_step_on_one_gpu(tmp_path):
+    """Issue #49's global-batch-16 rows: one GPU, the four providers of bench_e2e (the same
+    list), a profiled step a run, rows in the run folder, bounded inside the step's limit."""
+    from benchmarks import bench_e2e
+
+    assert suite.E2E_GBS_PROVIDERS.split(",") == list(bench_e2e.GBS_PROVIDERS)
+    (p,) = suite.plan(suite.STEPS, gpus=1, quick=False, out=tmp_path, only=["e2e_gbs16"])
+    cmd = list(p.command)
+    assert p.skip is None and p.lane == "gpu0" and "torch.distributed.run" not in cmd
+    assert cmd[cmd.index("--shapes") + 1] == "qwen3_slice_s4k_gbs16_te"
+    assert cmd[cmd.index("--gpus") + 1] == "1" and "--profile-busy" in cmd
+    assert cmd[cmd.index("--out") + 1] == f"{tmp_path}/e2e_gbs16.jsonl"
+    assert float(cmd[cmd.index("--budget-s") + 1]) < p.limit_s
+    assert bench_e2e.main([*cmd[2:-2], "--dry-run"]) == 0  # bench_e2e takes the arguments
 
 
 def test_plan_refuses_unknown_names(tmp_path):
