@@ -43,9 +43,13 @@ __all__ = ["capturing", "check_captured"]
 
 def capturing(where: Tensor | torch.device) -> bool:
     """Whether the current CUDA stream is being captured into a graph, for a call on ``where``
-    (a tensor or a device; False off CUDA, without asking the CUDA runtime)."""
+    (a tensor or a device; False off CUDA, and where no GPU is present)."""
     device = where.device if isinstance(where, Tensor) else where
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    return (
+        device.type == "cuda"
+        and torch.cuda.is_available()
+        and torch.cuda.is_current_stream_capturing()
+    )
 
 
 def check_captured(*, trusted: bool, agree_mode: str) -> None:
