@@ -152,8 +152,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return loss
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, g_T):
+        # grad mode is on here only under create_graph=True, whose gradients would leave this
+        # function out of their graph (a penalty's term silently dropped): refused at once
+        if torch.is_grad_enabled():
+            raise NotImplementedError(
+                "linear_cross_entropy: second-order gradients (create_graph=True: a gradient "
+                "penalty, a Hessian-vector product) are not supported: its backward is "
+                "hand-written. Take first-order gradients without create_graph=True, or "
+                "compute that term with torch.nn.functional.cross_entropy on the logits"
+            )
         hidden, weight, lse, tgt, valid, dh_unit, dw_unit = ctx.saved_tensors
         setup = ctx.setup
         g = torch.where(valid, g_T.to(setup.work), 0.0)  # ignored tokens: zero, even if g is NaN

@@ -111,6 +111,16 @@ def _resolve_group(group):
 # ---------------------------------------------------------------------------------------------
 # autograd
 # ---------------------------------------------------------------------------------------------
+# A backward with create_graph=True would return gradients whose own graph leaves out the ring
+# (a gradient penalty's term silently dropped): refused at once, before any transfer of the
+# backward (every rank of a program that asks for it raises the same error).
+SECOND_ORDER_ERROR = (
+    "ring_moe: second-order gradients (create_graph=True: a gradient penalty, a Hessian-vector "
+    "product) are not supported: its backward is hand-written. Take first-order gradients "
+    "without create_graph=True"
+)
+
+
 class _RingMoE(torch.autograd.Function):
     """Inputs ``(x, probs, topk_idx, prob, group, how, overlap, listed, *ws)`` (``how``: the hop
     primitives' backend and kernel options, a :class:`Hop`) with ``ws``
@@ -147,8 +157,9 @@ class _RingMoE(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
+        if torch.is_grad_enabled():  # only under create_graph=True: refused before any transfer
+            raise NotImplementedError(SECOND_ORDER_ERROR)
         x, probs, idx32, *ws = ctx.saved_tensors
         prob, order = ctx.prob, ctx.order
         experts = LocalExperts.from_inputs(ctx.listed, ws, prob.has_b13, prob.has_b2)
