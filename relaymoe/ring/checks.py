@@ -101,6 +101,8 @@ def _local_check(
         biases[name] = meta
     if isinstance(req.activation, str):  # request_activation's message of a bad activation
         return 9, req.activation
+    if isinstance(req.kernels, str):  # request_kernels' message of a bad kernels=
+        return 10, req.kernels
     mode, transport, schedule, gpus_per_node = (
         req.mode, req.transport, req.schedule, req.gpus_per_node
     )  # fmt: skip
