@@ -364,6 +364,26 @@ def check_world(cfg, world: int) -> None:
         )
 
 
+def check_launch(flags: list[str]) -> None:
+    """The plugin's own launch-time refusals (``relaymoe.megatron.validate``: the ring
+    dispatcher's and the fused loss's, the functions ``register()``'s patches run on Megatron's
+    parsed arguments) applied to ``flags``, as one line: a layout the launch would refuse is
+    refused here, with every reason and its fix."""
+    from relaymoe.config import megatron_namespace
+    from relaymoe.megatron.validate import check_fused_loss_args, check_ring_args
+
+    args = megatron_namespace(flags)
+    try:
+        check_ring_args(args)
+        check_fused_loss_args(args)
+    except ValueError as e:
+        head, *problems = str(e).splitlines()
+        raise ValueError(
+            f"{head.rstrip(':')} (the launch refuses it): "
+            + "; ".join(p.strip().removeprefix("- ") for p in problems)
+        ) from None
+
+
 def _flags(ns) -> int:
     from relaymoe.config import to_megatron_args
 
@@ -372,6 +392,7 @@ def _flags(ns) -> int:
         if ns.world is not None:
             check_world(cfg, ns.world)
         args = to_megatron_args(cfg)
+        check_launch(args)
     except ValueError as e:
         print(f"relaymoe flags: error: {e}", file=sys.stderr)
         return 2
@@ -393,10 +414,12 @@ def main(argv: list[str] | None = None) -> int:
         from relaymoe.megatron import convert_hf
 
         return convert_hf.main(ns)
+    from relaymoe.config import to_megatron_args
     from relaymoe.planner import plan
 
     try:
         cfg, notes = build_config(ns)
+        check_launch(to_megatron_args(cfg))
         p = plan(cfg, ns.gpu, notes=notes)
     except ValueError as e:
         print(f"relaymoe plan: error: {e}", file=sys.stderr)

@@ -6,7 +6,8 @@ Each check raises ``ValueError`` naming the argument, the value, the limit and t
 here touches device memory except the one comparison of a prebuilt index against ``topk_idx``
 when that index was not built from the ``topk_idx`` tensor itself (:func:`check_index`). What
 is accepted (layouts, dtypes) is stated in ``moe_experts``' docstring; this module is the code
-behind it.
+behind it. The hop primitives' own host-side checks (the bias-gradient buffers, w13's rows
+against the activation) live here too.
 """
 
 from __future__ import annotations
@@ -19,7 +20,14 @@ from torch import Tensor
 from relaymoe.activation import SWIGLU
 from relaymoe.routing import RoutingIndex
 
-__all__ = ["check_index", "check_moe_inputs", "expert_range_of", "stack_experts"]
+__all__ = [
+    "check_bias_grads",
+    "check_fc1_rows",
+    "check_index",
+    "check_moe_inputs",
+    "expert_range_of",
+    "stack_experts",
+]
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
@@ -286,4 +294,31 @@ def check_index(index, topk_idx: Tensor) -> None:
         raise ValueError(
             "moe_experts: index holds another routing than topk_idx (its expert ids differ); "
             "pass index=build_routing_index(topk_idx, E), or index=None to build it here"
+        )
+
+
+def check_bias_grads(b13, b2, db13, db2) -> None:
+    """A bias's gradient is added into a caller-owned buffer: one must come with the bias."""
+    for name, b, db in (("b13", b13, db13), ("b2", b2, db2)):
+        if b is not None and db is None:
+            raise ValueError(
+                f"expert_hop_backward: {name} is given but d{name} is None; pass a buffer "
+                f"shaped like {name} {tuple(b.shape)} (any float dtype, e.g. an fp32 "
+                f"torch.zeros) that the gradient is added into"
+            )
+        if b is not None and db.shape != b.shape:
+            raise ValueError(
+                f"expert_hop_backward: d{name} has shape {tuple(db.shape)}, want {name}'s "
+                f"{tuple(b.shape)}"
+            )
+
+
+def check_fc1_rows(where: str, w13, w2, act) -> None:
+    """w13's rows must be the activation's fc1 rows for w2's width (a host-side shape check: a
+    mismatch would otherwise read past the weights in the kernels)."""
+    if w13.shape[1] != act.fc1_rows(w2.shape[2]):
+        raise ValueError(
+            f"{where}: w13 has {w13.shape[1]} rows per expert but activation {act.name} with "
+            f"I={w2.shape[2]} (w2's last dim) needs {act.fc1_rows(w2.shape[2])}; pass the "
+            "activation the weights were built for"
         )

@@ -29,7 +29,14 @@ from torch import Tensor
 
 from relaymoe.activation import ExpertActivation, as_activation
 from relaymoe.activation_torch import activation_backward, activation_forward
-from relaymoe.expert_inputs import check_index, check_moe_inputs, expert_range_of, stack_experts
+from relaymoe.expert_inputs import (
+    check_bias_grads,
+    check_fc1_rows,
+    check_index,
+    check_moe_inputs,
+    expert_range_of,
+    stack_experts,
+)
 from relaymoe.kernels import unit_cols
 from relaymoe.kernels.select import kernel_options
 from relaymoe.options import KernelOptions
@@ -182,33 +189,6 @@ def _torch_hop_backward(
         dprobs.add_(flat.index_add_(0, pair, dprob_P.to(dprobs.dtype)).view(dprobs.shape))
 
 
-def _check_bias_grads(b13, b2, db13, db2) -> None:
-    """A bias's gradient is added into a caller-owned buffer: one must come with the bias."""
-    for name, b, db in (("b13", b13, db13), ("b2", b2, db2)):
-        if b is not None and db is None:
-            raise ValueError(
-                f"expert_hop_backward: {name} is given but d{name} is None; pass a buffer "
-                f"shaped like {name} {tuple(b.shape)} (any float dtype, e.g. an fp32 "
-                f"torch.zeros) that the gradient is added into"
-            )
-        if b is not None and db.shape != b.shape:
-            raise ValueError(
-                f"expert_hop_backward: d{name} has shape {tuple(db.shape)}, want {name}'s "
-                f"{tuple(b.shape)}"
-            )
-
-
-def _check_fc1_rows(where: str, w13, w2, act) -> None:
-    """w13's rows must be the activation's fc1 rows for w2's width (a host-side shape check: a
-    mismatch would otherwise read past the weights in the kernels)."""
-    if w13.shape[1] != act.fc1_rows(w2.shape[2]):
-        raise ValueError(
-            f"{where}: w13 has {w13.shape[1]} rows per expert but activation {act.name} with "
-            f"I={w2.shape[2]} (w2's last dim) needs {act.fc1_rows(w2.shape[2])}; pass the "
-            "activation the weights were built for"
-        )
-
-
 # ---------------------------------------------------------------------------------------------
 # hop primitives
 # ---------------------------------------------------------------------------------------------
@@ -249,7 +229,7 @@ def expert_hop_forward(
     if save not in SAVES:
         raise ValueError(f"save must be one of {SAVES}, got {save!r}")
     act = as_activation(activation)
-    _check_fc1_rows("expert_hop_forward", w13_ElJH, w2_ElHI, act)
+    check_fc1_rows("expert_hop_forward", w13_ElJH, w2_ElHI, act)
     e0, e1 = _range(expert_range, index)
     if resolve_backend(backend, x_TH.device, x_TH.dtype) == "triton":
         from relaymoe.kernels.experts import triton_hop_forward
@@ -314,8 +294,8 @@ def expert_hop_backward(
     buffers would get: a recorded ring hop's first weight gradient into a bound buffer.
     """
     act = as_activation(activation)
-    _check_bias_grads(b13, b2, db13, db2)
-    _check_fc1_rows("expert_hop_backward", w13_ElJH, w2_ElHI, act)
+    check_bias_grads(b13, b2, db13, db2)
+    check_fc1_rows("expert_hop_backward", w13_ElJH, w2_ElHI, act)
     e0, e1 = _range(expert_range, index)
     if resolve_backend(backend, x_TH.device, x_TH.dtype) == "triton":
         from relaymoe.kernels.experts import triton_hop_backward
@@ -346,6 +326,14 @@ def expert_hop_backward(
 # ---------------------------------------------------------------------------------------------
 # autograd + public API
 # ---------------------------------------------------------------------------------------------
+SECOND_ORDER_ERROR = (  # a backward with create_graph=True
+    "moe_experts: second-order gradients (create_graph=True: a gradient penalty, a Hessian-vector "
+    "product) are not supported: its backward is hand-written in every mode and backend. Take "
+    "first-order gradients without create_graph=True, or compute that term with "
+    "relaymoe.reference.moe_experts_reference (plain autograd, any order)"
+)
+
+
 class _MoEExperts(torch.autograd.Function):
     """``backend`` arrives resolved (``"triton"`` or ``"torch"``). ``out`` is the first input:
     when it is a view written in place, autograd routes the gradient of the first input to the
@@ -378,11 +366,13 @@ class _MoEExperts(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        if torch.is_grad_enabled():  # only under create_graph=True: refused before computing
+            raise NotImplementedError(SECOND_ORDER_ERROR)
         if ctx.h_consumed:
             raise RuntimeError(
-                "moe_experts(recompute='act') backward ran twice on one graph; its saved "
-                "pre-activation was overwritten by the first backward. Use "
-                "recompute='act_retain' (keeps it) to backward twice with retain_graph=True"
+                "moe_experts(recompute='act') backward ran twice on one graph; the first "
+                "overwrote its saved pre-activation. To backward twice with retain_graph=True "
+                "(first-order gradients) use recompute='act_retain' (keeps it) or 'fc1'"
             )
         x, w13, w2, probs, saved_h, b13, b2 = ctx.saved_tensors
         if ctx.backend == "triton":
@@ -441,6 +431,8 @@ def moe_experts(
       backwarded once;
     * ``"act_retain"`` saves it and leaves it intact (``retain_graph=True`` backward twice);
     * ``"fc1"`` saves nothing but the inputs and recomputes the up-projection in backward.
+
+    Every mode is first-order: a backward with ``create_graph=True`` raises NotImplementedError.
 
     ``kernels``: how the Triton backend's kernels run (``relaymoe.options.KernelOptions``:
     GEMM backends, tile configurations, buffer budget; every choice computes the same layer up

@@ -35,8 +35,10 @@ __all__ = [
     "GRAD_ACCUMS",
     "GRAD_ACCUM_CHOICES",
     "HOST_WAIT_CHOICES",
+    "INT64_MAX",
     "KernelOptions",
     "LINK_TRANSPORTS",
+    "MAX_TIMEOUT_S",
     "MODES",
     "MODE_CHOICES",
     "NODE_BATCHED",
@@ -96,14 +98,22 @@ GATHER_WS_CHOICES = ("auto", "off")  # the persistent Gluon kernels on sm90
 AUTOTUNE_CHOICES = ("shipped", "search", "first")  # shipped configs, a full search, the first
 
 
+# Bounds of the numeric options: an int option is at most INT64_MAX (the agreement's rows and
+# the kernels' sizes are int64), a timeout at most MAX_TIMEOUT_S (a week: far beyond any useful
+# wait, and within what datetime.timedelta and c10d's millisecond timeouts hold).
+INT64_MAX = 2**63 - 1
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+
+
 def _opt(default, choices=None, *, env: str | None = None, env_values=None, flag=None, why="",
-         least: int = 1, help: str = ""):  # fmt: skip
+         least: int = 1, most: float = INT64_MAX, help: str = ""):  # fmt: skip
     """A field with its metadata: ``choices`` (None: any value the type check allows, an int
-    at least ``least``), the ``env`` variable :func:`from_env` reads (``env_values``: spellings
-    of the environment that mean a choice, e.g. ``{"1": "search"}``), the Megatron ``flag``,
-    what the option is (``why``, in errors) and the flag's ``help``."""
+    in ``[least, most]``, a number of seconds in ``(0, most]``), the ``env`` variable
+    :func:`from_env` reads (``env_values``: spellings of the environment that mean a choice,
+    e.g. ``{"1": "search"}``), the Megatron ``flag``, what the option is (``why``, in errors)
+    and the flag's ``help``."""
     meta = {"choices": choices, "env": env, "env_values": env_values or {}, "flag": flag,
-            "why": why, "least": least, "help": help or why}  # fmt: skip
+            "why": why, "least": least, "most": most, "help": help or why}  # fmt: skip
     return field(default=default, metadata=meta)
 
 
@@ -117,21 +127,36 @@ def _check_field(owner: str, f: dataclasses.Field, value) -> None:
                 + f"; the default is {f.default!r}"
             )
         return
+    most = f.metadata.get("most", INT64_MAX)
     if f.type in ("int", "int | None"):
         least = f.metadata.get("least", 1)
         ok = (value is None and f.type == "int | None") or (
-            isinstance(value, int) and not isinstance(value, bool) and value >= least
+            isinstance(value, int) and not isinstance(value, bool) and least <= value <= most
         )
         if not ok:
-            raise ValueError(f"{owner}.{f.name}={value!r} must be an int >= {least}")
+            raise ValueError(
+                f"{owner}.{f.name}={value!r} must be an int in [{least}, {most}]"
+                + (" or None" if f.type == "int | None" else "")
+                + (f" ({f.metadata['why']})" if f.metadata.get("why") else "")
+                + f"; the default is {f.default!r}"
+            )
     elif f.type == "float | None":
         ok = value is None or (
-            isinstance(value, int | float) and not isinstance(value, bool) and value > 0
-        )
+            isinstance(value, int | float) and not isinstance(value, bool) and 0 < value <= most
+        )  # NaN and inf fail the comparisons
         if not ok:
-            raise ValueError(f"{owner}.{f.name}={value!r} must be a positive number or None")
+            raise ValueError(
+                f"{owner}.{f.name}={value!r} must be a number of seconds in (0, {most:g}] "
+                f"(at most {_days(most)}) or None ({f.metadata['why']}); the default is "
+                f"{f.default!r}"
+            )
     elif f.type == "bool" and not isinstance(value, bool):
         raise ValueError(f"{owner}.{f.name}={value!r} must be True or False")
+
+
+def _days(seconds: float) -> str:
+    days = seconds / 86400
+    return f"{days:g} day{'s' if days != 1 else ''}"
 
 
 def _check_all(obj) -> None:
@@ -176,6 +201,7 @@ class KernelOptions:
                          why="the shipped tile configurations, a full search, or each "
                          "kernel's first")  # fmt: skip
     pair_buffer_mib: int = _opt(512, env="RELAYMOE_PAIR_BUFFER_MIB", least=0,
+                                most=INT64_MAX >> 20,  # its bytes an int64
                                 why="MiB budget of any transient (P, chunk) pair buffer; the "
                                 "ring sizes its hop buffers from it")  # fmt: skip
 
@@ -255,6 +281,7 @@ class RingOptions:
     timeout_s: float | None = _opt(
         None,
         env="RELAYMOE_RING_TIMEOUT_S",
+        most=MAX_TIMEOUT_S,
         why="seconds to wait for a peer; None: the group's timeout",
     )
     agree: str = _opt(
@@ -278,15 +305,16 @@ class RingOptions:
         return dataclasses.replace(self, **changes)
 
 
-def _env_value(f: dataclasses.Field, raw: str):
-    """A field's value from its environment spelling (``ValueError`` naming the variable)."""
+def _env_value(owner: str, f: dataclasses.Field, raw: str):
+    """A field's value from its environment spelling, checked as the field checks it; a bad
+    one raises ``ValueError`` naming the variable, its raw value, the limit and the fix."""
     name = f.metadata["env"]
     value = f.metadata["env_values"].get(raw, raw)
     try:
         if f.type in ("int", "int | None"):
-            return int(value)
-        if f.type == "float | None":
-            return float(value)
+            value = int(value)
+        elif f.type == "float | None":
+            value = float(value)
     except ValueError:
         raise ValueError(
             f"{name}={raw!r} must be a number; unset it for the default ({f.default!r})"
@@ -299,6 +327,13 @@ def _env_value(f: dataclasses.Field, raw: str):
             f"{name}={raw!r}: use one of {shown} (the first is the default); unset it for the "
             f"default"
         )
+    try:
+        _check_field(owner, f, value)
+    except ValueError as err:
+        raise ValueError(
+            f"{name}={raw!r} (environment) is refused: {err}; set {name} within that range, "
+            "or unset it for the default"
+        ) from None
     return value
 
 
@@ -317,7 +352,7 @@ def from_env(environ: Mapping[str, str] | None = None, *, base: RingOptions | No
         for f in dataclasses.fields(obj):
             env = f.metadata.get("env")
             if env and environ.get(env, "") != "":
-                out[f.name] = _env_value(f, environ[env])
+                out[f.name] = _env_value(type(obj).__name__, f, environ[env])
         return out
 
     kernels = dataclasses.replace(base.kernels, **changes(base.kernels))

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from relaymoe.options import KernelOptions, RingOptions  # noqa: E402
+from relaymoe.options import INT64_MAX, KernelOptions, RingOptions  # noqa: E402
 
 BEGIN = "<!-- options:begin -->"
 END = "<!-- options:end -->"
@@ -33,9 +33,10 @@ def _kind(f: dataclasses.Field) -> str:
     choices = f.metadata.get("choices")
     if choices is not None:
         return ", ".join(f"`{c}`" for c in choices)
-    least = f.metadata.get("least", 1)
-    kinds = {"int": f"int >= {least}", "int | None": f"int >= {least} or none",
-             "float | None": "seconds > 0 or none", "bool": "true, false"}  # fmt: skip
+    least, most = f.metadata.get("least", 1), f.metadata.get("most", INT64_MAX)
+    ints = f"int >= {least}" if most == INT64_MAX else f"int in [{least}, {most}]"
+    kinds = {"int": ints, "int | None": f"{ints} or none", "bool": "true, false",
+             "float | None": f"seconds in (0, {most:g}] or none"}  # fmt: skip
     return kinds.get(str(f.type), str(f.type))
 
 

@@ -18,6 +18,7 @@ from relaymoe.config.layout import validate_layout
 from relaymoe.config.load import CONFIG_DIR, config_from_dict, load_config, resolve_config_path
 from relaymoe.config.megatron_args import (
     max_positions,
+    megatron_namespace,
     megatron_notes,
     recompute_args,
     to_megatron_args,
@@ -46,6 +47,7 @@ __all__ = [
     "config_from_dict",
     "load_config",
     "max_positions",
+    "megatron_namespace",
     "megatron_notes",
     "recompute_args",
     "resolve_config_path",

@@ -54,15 +54,24 @@ def load_config(path_or_name: str | os.PathLike) -> Config:
         raise ValueError(f"{path}: {e}") from None
 
 
+# The sections every config has; the others of _SECTIONS (relaymoe:) are optional.
+REQUIRED_SECTIONS = ("model", "parallel", "training")
+
+
 def config_from_dict(data: Any, name: str = "") -> Config:
     if not isinstance(data, dict):
         raise ValueError(f"a config is a mapping with sections {sorted(_SECTIONS)}, got {data!r}")
     unknown = set(data) - set(_SECTIONS)
     if unknown:
         raise ValueError(f"unknown config section(s) {sorted(unknown)}; known: {sorted(_SECTIONS)}")
-    for req in ("model", "parallel", "training"):
-        if req not in data:
-            raise ValueError(f"config has no {req!r} section (needs {sorted(_SECTIONS)[:3]})")
+    missing = [sec for sec in REQUIRED_SECTIONS if sec not in data]
+    if missing:
+        optional = [sec for sec in _SECTIONS if sec not in REQUIRED_SECTIONS]
+        raise ValueError(
+            f"config has no {', '.join(map(repr, missing))} section{'s' * (len(missing) > 1)}; "
+            f"add {'it' if len(missing) == 1 else 'them'} (required: "
+            f"{', '.join(REQUIRED_SECTIONS)}; optional: {', '.join(optional)})"
+        )
     kw = {}
     for sec, cls in _SECTIONS.items():
         raw = data.get(sec) or {}

@@ -7,6 +7,7 @@ is ``--num-layers``), so the rendering is mechanical but for the few fields hand
 from __future__ import annotations
 
 from dataclasses import fields
+from types import SimpleNamespace
 
 from relaymoe.config.schema import DISPATCHERS, Config, ModelConfig
 
@@ -107,6 +108,42 @@ def to_megatron_args(cfg: Config, *, dispatcher: str | None = None) -> list[str]
         t.recompute_granularity, t.recompute_method, t.recompute_num_layers, t.recompute_modules
     )
     return args
+
+
+# Flags whose presence sets another argument to False (Megatron's store_false flags)
+_STORE_FALSE = {"disable_bias_linear": "add_bias_linear"}
+
+
+def megatron_namespace(flags: list[str]) -> SimpleNamespace:
+    """Megatron's parsed arguments for the flags ``to_megatron_args`` renders, as far as the
+    flags give them (an args-like object for ``relaymoe.megatron.validate``'s checks, without
+    Megatron): ``--name value`` is ``name=value`` (an int or a float where the text is one),
+    several values a list, a bare flag True (``--disable-bias-linear``: ``add_bias_linear``
+    False). Arguments no flag sets are absent (the checks read Megatron's defaults for them)."""
+    out: dict = {}
+    i = 0
+    while i < len(flags):
+        name = flags[i][2:].replace("-", "_")
+        j = i + 1
+        while j < len(flags) and not flags[j].startswith("--"):
+            j += 1
+        values = [_parsed(v) for v in flags[i + 1 : j]]
+        if not values:
+            name, value = _STORE_FALSE.get(name, name), name not in _STORE_FALSE
+        else:
+            value = values[0] if len(values) == 1 else values
+        out[name] = value
+        i = j
+    return SimpleNamespace(**out)
+
+
+def _parsed(text: str):
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def max_positions(cfg: Config) -> int:

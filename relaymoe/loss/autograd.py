@@ -14,7 +14,7 @@ from torch import Tensor
 
 from relaymoe.loss.chunk import _accumulate_wgrad, _combine, _grad, _stats
 from relaymoe.loss.inputs import _check_labels, _make_setup, _Setup
-from relaymoe.loss.tp import _agree_tp
+from relaymoe.loss.tp import _agree_tp, refuse_on_every_rank
 
 Impl = Literal["auto", "torch", "triton"]
 # the device-side refusal of a captured backward whose upstream gradient is not uniform
@@ -63,7 +63,9 @@ def linear_cross_entropy(
 
     Validated at call time, always (``ValueError`` naming the value, the limit and the fix):
     types, shapes, dtypes and devices, ``chunk_tokens``, ``label_smoothing``, ``ignore_index``,
-    ``impl``. With ``validate=True`` (the default) also, with one host sync: every label is in
+    ``impl``; at TP > 1 with ``validate=True``, a rank whose arguments fail enters the
+    contract's all-reduce with its message, so every rank raises that same ``ValueError``.
+    With ``validate=True`` (the default) also, with one host sync: every label is in
     ``[0, V)`` or ``ignore_index``; and at TP > 1 the contract the chunks' collectives rely on,
     on every rank at once in one small all-reduce read by that same host sync: the same T, H,
     Vl, chunk size, dtype, ignore_index, label_smoothing and labels on every rank of
@@ -74,10 +76,15 @@ def linear_cross_entropy(
     the first chunk's all-reduce. ``validate`` itself must be the same on every rank.
     Trusted always: that every rank passes the same ``hidden_TH`` values.
     """
-    setup = _make_setup(
-        hidden_TH, weight_VH, labels_T, tp_group, chunk_tokens, ignore_index, label_smoothing,
-        impl,
-    )  # fmt: skip
+    try:
+        setup = _make_setup(
+            hidden_TH, weight_VH, labels_T, tp_group, chunk_tokens, ignore_index,
+            label_smoothing, impl,
+        )  # fmt: skip
+    except ValueError as err:
+        if validate:  # at TP > 1 the peers wait in the contract's all-reduce: they raise too
+            refuse_on_every_rank(err, hidden_TH, tp_group)
+        raise
     labels_T = labels_T.long()
     if validate and setup.world > 1:
         _agree_tp(hidden_TH, labels_T, setup)
@@ -158,8 +165,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return loss
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, g_T):
+        # grad mode is on here only under create_graph=True, whose gradients would leave this
+        # function out of their graph (a penalty's term silently dropped): refused at once
+        if torch.is_grad_enabled():
+            raise NotImplementedError(
+                "linear_cross_entropy: second-order gradients (create_graph=True: a gradient "
+                "penalty, a Hessian-vector product) are not supported: its backward is "
+                "hand-written. Take first-order gradients without create_graph=True, or "
+                "compute that term with torch.nn.functional.cross_entropy on the logits"
+            )
         hidden, weight, lse, tgt, valid, dh_unit, dw_unit = ctx.saved_tensors
         setup = ctx.setup
         g = torch.where(valid, g_T.to(setup.work), 0.0)  # ignored tokens: zero, even if g is NaN

@@ -76,6 +76,12 @@ def _make_setup(hidden, weight, labels, group, chunk_tokens, ignore_index, smoot
         raise ValueError(
             f"{name}: ignore_index={ignore_index!r} must be an int (the label of tokens to skip)"
         )
+    if not _INT64_MIN <= ignore_index <= _INT64_MAX:
+        raise ValueError(
+            f"{name}: ignore_index={ignore_index} is outside the int64 range "
+            f"[{_INT64_MIN}, {_INT64_MAX}] of the labels (widened to int64); use a label no "
+            "token has inside it (Megatron's -100, or any negative int64)"
+        )
     if isinstance(smoothing, bool) or not isinstance(smoothing, int | float):
         raise ValueError(f"{name}: label_smoothing={smoothing!r} must be a number in [0, 1)")
     if not 0.0 <= smoothing < 1.0:
@@ -110,6 +116,7 @@ def _make_setup(hidden, weight, labels, group, chunk_tokens, ignore_index, smoot
 
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1  # the labels' range (widened to int64)
 
 
 def _desc(x) -> str:

@@ -2,7 +2,9 @@
 
 The ranks of ``tp_group`` must pass one T, H, Vl, chunk size, dtype, ignore_index, label
 smoothing and the same labels; each writes a row of integers and every rank reads every row,
-so ranks that break the contract all raise the same ``ValueError`` (see ``_agree_tp``).
+so ranks that break the contract all raise the same ``ValueError`` (see ``_agree_tp``). A rank
+whose own arguments fail their checks enters the same all-reduce with its message
+(``refuse_on_every_rank``): every rank raises it, none waits.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ from torch import Tensor
 
 from relaymoe.loss.inputs import _FLOATS, _Setup
 
-# The tensor-parallel contract, one row per rank (see ``_agree_tp``)
+# The tensor-parallel contract, one row per rank (see ``_agree_tp``); ``refused``: this rank's
+# arguments failed their checks, the message's UTF-8 bytes in the last _MSG_COLS columns
 _TP_FIELDS = ("T", "H", "Vl", "chunk", "dtype", "ignore_index", "smoothing", "labels", "bad",
-              "first_bad", "live")  # fmt: skip
+              "first_bad", "live", "refused")  # fmt: skip
+_MSG_COLS = 64  # 512 bytes of a refusal's message
 _TP_WHAT = {
     "T": ("the token count T (hidden_TH.shape[0])", "every rank passes the same hidden_TH and "
           "labels_T"),
@@ -47,28 +51,22 @@ def _agree_tp(hidden: Tensor, labels: Tensor, setup: _Setup) -> None:
     that failed the collective) is never read as data."""
     dev, world = hidden.device, setup.world
     rank = dist.get_rank(setup.group)
+    cols = len(_TP_FIELDS) + _MSG_COLS
     tokens, hid = hidden.shape
     vocab = setup.vocab_local * world
     bad = ((labels < 0) | (labels >= vocab)) & (labels != setup.ignore_index)
     weights = torch.arange(1, tokens + 1, dtype=torch.int64, device=dev)
     host = [tokens, hid, setup.vocab_local, setup.chunk, _FLOATS.index(hidden.dtype) + 1,
             setup.ignore_index, _float_bits(setup.smoothing_arg), 0, 0, 0, 1]  # fmt: skip
-    mat = torch.zeros(world, len(_TP_FIELDS), dtype=torch.int64, device=dev)
+    host += [0] * (cols - len(host))
+    mat = torch.zeros(world, cols, dtype=torch.int64, device=dev)
     mat[rank] = torch.tensor(host, dtype=torch.int64).to(dev, non_blocking=True)  # no sync
     if tokens:
         first = torch.argmax(bad.to(torch.int8))  # the first bad label's position (device)
         mat[rank, _TP_FIELDS.index("labels")] = (labels * weights).sum()
         mat[rank, _TP_FIELDS.index("bad")] = bad.any().to(torch.int64)
         mat[rank, _TP_FIELDS.index("first_bad")] = labels[first]
-    dist.all_reduce(mat, op=dist.ReduceOp.SUM, group=setup.group)
-    rows = mat.tolist()  # host sync (the one the label check made)
-    live = [r[_TP_FIELDS.index("live")] for r in rows]
-    if live != [1] * world:
-        raise RuntimeError(
-            f"linear_cross_entropy: the tensor-parallel check's all-reduce lacks the validity "
-            f"marker of ranks {[r for r, v in enumerate(live) if v != 1]} (markers {live}); a "
-            "peer failed, its result is not used"
-        )
+    rows = _reduce_rows(mat, setup.group)
     for j, key in enumerate(_TP_FIELDS[:7]):  # the sizes and settings first
         _same_on_every_rank(key, [r[j] for r in rows])
     for r, row in enumerate(rows):
@@ -80,6 +78,52 @@ def _agree_tp(hidden: Tensor, labels: Tensor, setup: _Setup) -> None:
                 "mark those tokens with ignore_index"
             )
     _same_on_every_rank("labels", [r[_TP_FIELDS.index("labels")] for r in rows])
+
+
+def refuse_on_every_rank(err: ValueError, hidden, group) -> None:
+    """This rank's arguments failed their checks (``err``): at TP > 1, enter the contract's
+    all-reduce that its peers enter (``_agree_tp``) with the message in this rank's row, so
+    that every rank raises the same ``ValueError`` instead of leaving the peers waiting. A
+    group of one, or no initialised ``torch.distributed``, returns (the caller raises ``err``
+    alone: nobody waits)."""
+    if group is None or not (dist.is_available() and dist.is_initialized()):
+        return
+    world = dist.get_world_size(group)
+    if world < 2:
+        return
+    if isinstance(hidden, Tensor):
+        dev = hidden.device
+    elif "nccl" in str(dist.get_backend(group)).lower():
+        dev = torch.device("cuda", torch.cuda.current_device())
+    else:
+        dev = torch.device("cpu")
+    msg = str(err).encode()[: _MSG_COLS * 8].ljust(_MSG_COLS * 8, b" ")
+    row = [0] * len(_TP_FIELDS) + list(struct.unpack(f"<{_MSG_COLS}q", msg))
+    row[_TP_FIELDS.index("live")] = row[_TP_FIELDS.index("refused")] = 1
+    mat = torch.zeros(world, len(row), dtype=torch.int64, device=dev)
+    mat[dist.get_rank(group)] = torch.tensor(row, dtype=torch.int64)
+    _reduce_rows(mat, group)  # raises the first refusing rank's message, as on every rank
+
+
+def _reduce_rows(mat: Tensor, group) -> list[list[int]]:
+    """Every rank's row of the contract (one all-reduce, one host read). Raises, the same on
+    every rank, when a row lacks its validity marker (a peer that failed the collective) or a
+    rank refused its arguments (the first such rank's message)."""
+    dist.all_reduce(mat, op=dist.ReduceOp.SUM, group=group)
+    rows = mat.tolist()  # host sync (the one the label check made)
+    live = [r[_TP_FIELDS.index("live")] for r in rows]
+    if live != [1] * len(rows):
+        raise RuntimeError(
+            f"linear_cross_entropy: the tensor-parallel check's all-reduce lacks the validity "
+            f"marker of ranks {[r for r, v in enumerate(live) if v != 1]} (markers {live}); a "
+            "peer failed, its result is not used"
+        )
+    for r, row in enumerate(rows):
+        if row[_TP_FIELDS.index("refused")]:
+            words = row[len(_TP_FIELDS) :]
+            msg = struct.pack(f"<{len(words)}q", *words).decode(errors="replace").rstrip()
+            raise ValueError(f"{msg} (rank {r} of tp_group; every rank of tp_group raises this)")
+    return rows
 
 
 def _same_on_every_rank(key: str, values: list[int]) -> None:

@@ -37,6 +37,12 @@ Why each refusal:
   its bias), not to the input.
 * ``moe_single_grouped_weight`` / ``moe_single_grouped_bias``: one TransformerEngine
   ``GroupedTensor`` for all experts; the ring takes one parameter per expert.
+* ``--relaymoe-transport copy_engine`` with an EP group across nodes of
+  ``--relaymoe-gpus-per-node`` GPUs: symmetric memory needs the group on one host.
+
+``relaymoe plan`` and ``relaymoe flags`` run ``check_ring_args`` and ``check_fused_loss_args``
+on the flags they print (``relaymoe.config.megatron_namespace``), so a layout the launch
+refuses is refused there too.
 
 ``fused_loss_problems`` / ``check_fused_loss_config`` / ``check_fused_loss_args`` do the same for
 ``--relaymoe-fused-loss`` (output layer + cross-entropy without logits), whatever the dispatcher:
@@ -202,6 +208,18 @@ def ring_config_problems(c, *, ep_size: int | None = None, args_style: bool = Fa
         problems.append(
             f"num_moe_experts={num_experts} is not divisible by the expert-parallel size {ep}; "
             f"fix: choose --expert-model-parallel-size dividing {num_experts}"
+        )
+    # --relaymoe-transport copy_engine across nodes: the copy engine's symmetric memory needs
+    # the whole EP group on one host (the ring refuses it at its first call; the cluster shape
+    # is known here only from --relaymoe-gpus-per-node). Megatron's EP group is ep*etp
+    # consecutive ranks, so it lies in one node iff that block divides the node's GPUs.
+    gpn, block = g("relaymoe_gpus_per_node", None), ep * etp
+    if g("relaymoe_transport") == "copy_engine" and gpn and (block > gpn or gpn % block):
+        problems.append(
+            f"relaymoe_transport='copy_engine' needs each EP group on one node (symmetric "
+            f"memory), but an EP group of {ep} ranks ({block} consecutive ranks) spans nodes of "
+            f"relaymoe_gpus_per_node={gpn} GPUs; fix: pass --relaymoe-transport nccl (or auto, "
+            f"which picks NCCL across nodes)"
         )
     # The experts' function: read from the options (activation_map.py), refused by name where
     # it cannot be mapped. Biases are the experts' own parameters (expert_weights.py).

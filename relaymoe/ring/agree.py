@@ -124,6 +124,7 @@ _ERRORS = {
     8: "the hop backend cannot run these inputs (backend='triton' needs CUDA or "
     "TRITON_INTERPRET=1, and float16, bfloat16 or float32)",
     9: "the activation is not an ExpertActivation nor one of its names",
+    10: "kernels is not a relaymoe.options.KernelOptions (nor None)",
 }
 
 
@@ -391,8 +392,9 @@ def _signature(x, w13, w2, topk_idx, topk_probs, req: RingRequest, env: RingSett
             return (len(t), tuple(t[0].shape), t[0].dtype, t[0].device.type)
         return (type(t).__name__,)  # not an input the agreement accepts: it raises there
 
+    # the kernels' options are this rank's (not in ``req``'s comparison), their validity is not
     return (meta(x), meta(w13), meta(w2), meta(topk_idx), meta(topk_probs), req, env,
-            meta(b13), meta(b2))  # fmt: skip
+            meta(b13), meta(b2), isinstance(req.kernels, str))  # fmt: skip
 
 
 def _bounded(prob: RingProblem) -> bool:

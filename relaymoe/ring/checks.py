@@ -13,7 +13,13 @@ import torch
 from torch import Tensor
 
 from relaymoe.experts import resolve_backend
-from relaymoe.options import GRAD_ACCUM_CHOICES, MODE_CHOICES, SCHEDULE_CHOICES, TRANSPORT_CHOICES
+from relaymoe.options import (
+    GRAD_ACCUM_CHOICES,
+    INT64_MAX,
+    MODE_CHOICES,
+    SCHEDULE_CHOICES,
+    TRANSPORT_CHOICES,
+)
 from relaymoe.ring.problem import RingRequest
 from relaymoe.routing import validate_topk_idx
 
@@ -101,6 +107,8 @@ def _local_check(
         biases[name] = meta
     if isinstance(req.activation, str):  # request_activation's message of a bad activation
         return 9, req.activation
+    if isinstance(req.kernels, str):  # request_kernels' message of a bad kernels=
+        return 10, req.kernels
     mode, transport, schedule, gpus_per_node = (
         req.mode, req.transport, req.schedule, req.gpus_per_node
     )  # fmt: skip
@@ -118,11 +126,13 @@ def _local_check(
     if req.grad_accum not in GRAD_ACCUM_CHOICES:
         return 2, f"grad_accum must be one of {GRAD_ACCUM_CHOICES}, got {req.grad_accum!r}"
     if gpus_per_node is not None and (
-        isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node < 1
+        isinstance(gpus_per_node, bool)
+        or not isinstance(gpus_per_node, int)
+        or not 1 <= gpus_per_node <= INT64_MAX
     ):
         return 2, (
-            f"gpus_per_node must be a positive int (the GPUs of one node in the EP group) or "
-            f"None (from the ranks' hosts), got {gpus_per_node!r}"
+            f"gpus_per_node must be an int in [1, {INT64_MAX}] (the GPUs of one node in the EP "
+            f"group) or None (from the ranks' hosts), got {gpus_per_node!r}"
         )
     if x.dim() != 2 or m13.dim() != 3 or m2.dim() != 3:
         return 3, (

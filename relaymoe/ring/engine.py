@@ -72,15 +72,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from relaymoe.activation import ExpertActivation
-from relaymoe.kernels.select import kernel_options
 from relaymoe.options import NODE_BATCHED, KernelOptions, defaults
-from relaymoe.ring.agree import RingProblem, RingRequest, agree
+from relaymoe.ring.agree import RingProblem, agree
 from relaymoe.ring.alltoall import alltoall_backward, alltoall_forward
 from relaymoe.ring.capture import capturing
 from relaymoe.ring.expert_mode import expert_backward, expert_forward
 from relaymoe.ring.nodebatch import batched_expert_backward, batched_expert_forward
 from relaymoe.ring.passes import IDX, Hop
-from relaymoe.ring.problem import request_activation
+from relaymoe.ring.problem import ring_request
 from relaymoe.ring.token_mode import token_backward, token_forward
 from relaymoe.ring.weights import FORWARD, REVERSED, LocalExperts, reverse_local_ids
 from relaymoe.routing import build_routing_index
@@ -112,6 +111,16 @@ def _resolve_group(group):
 # ---------------------------------------------------------------------------------------------
 # autograd
 # ---------------------------------------------------------------------------------------------
+# A backward with create_graph=True would return gradients whose own graph leaves out the ring
+# (a gradient penalty's term silently dropped): refused at once, before any transfer of the
+# backward (every rank of a program that asks for it raises the same error).
+SECOND_ORDER_ERROR = (
+    "ring_moe: second-order gradients (create_graph=True: a gradient penalty, a Hessian-vector "
+    "product) are not supported: its backward is hand-written. Take first-order gradients "
+    "without create_graph=True"
+)
+
+
 class _RingMoE(torch.autograd.Function):
     """Inputs ``(x, probs, topk_idx, prob, group, how, overlap, listed, *ws)`` (``how``: the hop
     primitives' backend and kernel options, a :class:`Hop`) with ``ws``
@@ -148,8 +157,9 @@ class _RingMoE(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
+        if torch.is_grad_enabled():  # only under create_graph=True: refused before any transfer
+            raise NotImplementedError(SECOND_ORDER_ERROR)
         x, probs, idx32, *ws = ctx.saved_tensors
         prob, order = ctx.prob, ctx.order
         experts = LocalExperts.from_inputs(ctx.listed, ws, prob.has_b13, prob.has_b2)
@@ -190,13 +200,13 @@ def ring_moe(
     topk_probs: Tensor,
     *,
     group: dist.ProcessGroup | None = None,
-    mode: str = "auto",
-    transport: str = "auto",
+    mode: str | None = None,
+    transport: str | None = None,
     backend: str = "auto",
     trusted: bool = False,
-    schedule: str = "auto",
+    schedule: str | None = None,
     gpus_per_node: int | None = None,
-    grad_accum: str = "auto",
+    grad_accum: str | None = None,
     kernels: KernelOptions | None = None,
     activation: ExpertActivation | str | None = None,
     b13: Tensor | Sequence[Tensor] | None = None,
@@ -229,6 +239,10 @@ def ring_moe(
     zero-copy view (elements back to back in one storage, in list order or in reverse list
     order) or a stack that lives for one pass only (token mode). See ``weights.py``.
 
+    ``mode``, ``transport``, ``schedule``, ``gpus_per_node``, ``grad_accum``, ``kernels``: None
+    (the default) takes this process's installed ``relaymoe.options.RingOptions`` field of that
+    name (``relaymoe.options.defaults()``: ``"auto"`` and None unless an entry point installed
+    others); a value passed overrides it.
     ``group``: the EP group (default: the default group; without an initialized process group
     a world of one). ``mode``: ``"expert"``, ``"token"``, ``"alltoall"`` or ``"auto"`` (the
     fastest by :func:`relaymoe.cost.choose_mode`, identical on every rank).
@@ -247,8 +261,8 @@ def ring_moe(
     node makes to the same local rank of the next node at once) or ``"auto"`` (two-level when the
     group spans several nodes of several GPUs); or ``"node_batched"`` (expert mode, asked for by
     name: one hop per node over the node's experts, all-gathered inside it; ``nodebatch.py``).
-    ``gpus_per_node``: None to read the nodes from the ranks' hosts (exchanged in the agreement),
-    else the GPUs per node of the group.
+    ``gpus_per_node``: the GPUs per node of the group; None (installed too) reads the nodes from
+    the ranks' hosts (exchanged in the agreement).
     ``grad_accum``: the dtype of the ring's weight-gradient accumulators: ``"param"`` (the
     weights'), ``"fp32"``, or ``"auto"`` (fp32 from ``options.FP32_GRAD_ACCUM_MIN_EP`` ranks,
     where the per-hop rounding of 16-bit accumulators would take the weight-gradient error past
@@ -285,10 +299,10 @@ def ring_moe(
     agreement across ranks (E_local, H, I, K, dtypes, device type, mode, transport, schedule,
     gpus_per_node, grad_accum, whether a backward follows, the settings above, every field of
     the activation, which biases are given; w13's rows against the activation); that the hop
-    backend can run the inputs; the int32 limits; the expert ids (in ``[0, E)``, distinct per
-    row: one host sync). ``trusted=True`` skips the id check and, for a signature already
-    agreed, the whole agreement: inputs that change without the signature changing are not
-    checked again.
+    backend can run the inputs; ``kernels`` (a ``KernelOptions`` or None); the int32 limits;
+    the expert ids (in ``[0, E)``, distinct per row: one host sync). ``trusted=True`` skips the
+    id check and, for a signature already agreed, the whole agreement: inputs that change
+    without the signature changing are not checked again.
     """
     group, rank, world = _resolve_group(group)
     listed = isinstance(w13, (list, tuple)) and isinstance(w2, (list, tuple))
@@ -299,17 +313,20 @@ def ring_moe(
     needs_grad = torch.is_grad_enabled() and any(
         isinstance(t, Tensor) and t.requires_grad for t in (x, topk_probs, *ws)
     )
-    req = RingRequest(mode, transport, schedule, gpus_per_node, needs_grad, grad_accum, backend,
-                      request_activation(activation), bool(capturable))  # fmt: skip
+    process = defaults()  # None keywords take the installed options
+    req = ring_request(process, mode=mode, transport=transport, schedule=schedule,
+                       gpus_per_node=gpus_per_node, needs_grad=needs_grad, grad_accum=grad_accum,
+                       backend=backend, activation=activation, kernels=kernels,
+                       capturable=capturable)  # fmt: skip
     captured = isinstance(x, Tensor) and capturing(x)
     with torch.profiler.record_function("relaymoe.agree"):
         prob = agree(
             x, w13, w2, topk_idx, topk_probs, group=group, rank=rank, world=world, request=req,
             trusted=trusted, b13=b13, b2=b2, captured=captured,
         )  # fmt: skip
-    process = defaults()
-    # a captured step already holds every hop: no hop graphs recorded inside it
-    how = Hop(backend, kernel_options(kernels), process.capture_hops and not captured)
+    # req.kernels is valid: agreed above; a captured step already holds every hop, so no hop
+    # graphs are recorded inside it
+    how = Hop(backend, req.kernels, process.capture_hops and not captured)
     overlap = process.overlap
     return _RingMoE.apply(x, topk_probs, topk_idx, prob, group, how, overlap, listed, *ws)
 
@@ -320,8 +337,7 @@ def resolved_problem(*args, **kwargs) -> RingProblem:
     group, rank, world = _resolve_group(kwargs.pop("group", None))
     trusted = kwargs.pop("trusted", False)
     b13, b2 = kwargs.pop("b13", None), kwargs.pop("b2", None)
-    activation = request_activation(kwargs.pop("activation", None))
-    # mode, transport, schedule, gpus_per_node, needs_grad, grad_accum, backend
-    req = RingRequest(**kwargs, activation=activation)
+    # mode, transport, schedule, gpus_per_node, needs_grad, grad_accum, backend, activation
+    req = ring_request(defaults(), **kwargs)
     return agree(*args, group=group, rank=rank, world=world, request=req, trusted=trusted,
                  b13=b13, b2=b2)  # fmt: skip

@@ -6,14 +6,22 @@ written into every agreement's row (``agree.py``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from relaymoe import options
 from relaymoe.activation import SWIGLU, ExpertActivation, as_activation
 
-__all__ = ["RingProblem", "RingRequest", "RingSettings", "request_activation", "ring_settings"]
+__all__ = [
+    "RingProblem",
+    "RingRequest",
+    "RingSettings",
+    "request_activation",
+    "request_kernels",
+    "ring_request",
+    "ring_settings",
+]
 
 
 def request_activation(value) -> ExpertActivation | str:
@@ -44,6 +52,55 @@ class RingRequest:
     # the call is (also) captured in a CUDA graph: "auto" picks among the ring modes, and the
     # all-to-all (host-sized messages) is refused (``capture.py``)
     capturable: bool = False
+    # the hop kernels' options (request_kernels: a KernelOptions, or the message of a bad value;
+    # None: not given). This rank's choice: not compared across ranks, nor part of a trusted
+    # call's cached signature (its validity is: agree.py)
+    kernels: options.KernelOptions | str | None = field(default=None, compare=False)
+
+
+def request_kernels(value, opts: options.RingOptions) -> options.KernelOptions | str:
+    """``value`` (``ring_moe``'s ``kernels=``) as the request holds it: ``opts.kernels`` for
+    None, the ``KernelOptions`` itself, or the message of a bad value. Not raised here: the
+    agreement reports it (``checks.py``, code 10) on every rank at once."""
+    if value is None:
+        return opts.kernels
+    if isinstance(value, options.KernelOptions):
+        return value
+    return (
+        f"kernels={value!r} must be a relaymoe.options.KernelOptions or None (None: this "
+        "process's, relaymoe.options.defaults().kernels); pass KernelOptions(...)"
+    )
+
+
+def ring_request(
+    opts: options.RingOptions,
+    *,
+    mode: str | None = None,
+    transport: str | None = None,
+    schedule: str | None = None,
+    gpus_per_node: int | None = None,
+    needs_grad: bool = True,
+    grad_accum: str | None = None,
+    backend: str = "auto",
+    activation=None,
+    kernels=None,
+    capturable: bool = False,
+) -> RingRequest:
+    """The request of one call: each of ``mode``, ``transport``, ``schedule``,
+    ``gpus_per_node``, ``grad_accum`` and ``kernels`` given (not None) overrides ``opts`` (the
+    installed options, ``relaymoe.options.defaults()``), None takes ``opts``' value; an
+    installed ``gpus_per_node`` of None reads the nodes from the hosts. Values are checked by
+    the agreement, on every rank at once."""
+
+    def pick(value, installed):
+        return installed if value is None else value
+
+    return RingRequest(
+        pick(mode, opts.mode), pick(transport, opts.transport), pick(schedule, opts.schedule),
+        pick(gpus_per_node, opts.gpus_per_node), needs_grad, pick(grad_accum, opts.grad_accum),
+        backend, request_activation(activation), bool(capturable),
+        request_kernels(kernels, opts),
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 from relaymoe.cli import DEFAULT_CONFIG, main
-from relaymoe.config import load_config
+from relaymoe.config import CONFIG_DIR, load_config
 from relaymoe.planner import plan
 
 
@@ -286,3 +286,62 @@ def test_gpu_too_small_is_one_line(capsys):
     rc, out, _ = run(capsys, "plan", "--json", "--gpu", "h100-80gb")
     d = json.loads(out)
     assert d["gpu_bytes"] == 81_559 * 2**20 and 0 < d["usable_bytes"] < d["gpu_bytes"]
+
+
+def _yaml_with(tmp_path, old: str, new: str, name: str = "c.yaml") -> str:
+    """tiny_qwen3.yaml with ``old`` replaced by ``new``."""
+    text = (CONFIG_DIR / "tiny_qwen3.yaml").read_text()
+    assert old in text, old
+    path = tmp_path / name
+    path.write_text(text.replace(old, new, 1))
+    return str(path)
+
+
+def test_plan_and_flags_refuse_what_the_launch_refuses(capsys, tmp_path):
+    """Issue #50: ``plan``/``flags`` printed flags (exit 0) for layouts the plugin refuses at
+    launch (``relaymoe.megatron.validate``'s checks, run here on the printed flags): each is
+    exit 2 with one line naming the option, its value and the fix, and nothing on stdout."""
+    etp2 = _yaml_with(tmp_path, "etp: 1\n  dp: 1", "etp: 2\n  dp: 2", "etp2.yaml")
+    mtp = _yaml_with(tmp_path, "num_layers: 4", "num_layers: 4\n  mtp_num_layers: 1", "mtp.yaml")
+    cases = [
+        (["--config", "tiny_qwen3", "--etp", "2", "--dp", "2"],
+         "expert tensor parallelism is not supported with the ring dispatcher "
+         "(expert_tensor_parallel_size=2); fix: pass --expert-tensor-parallel-size 1"),
+        (["--config", etp2], "(expert_tensor_parallel_size=2); fix:"),
+        (["--config", mtp, "--fused-loss"],
+         "--relaymoe-fused-loss cannot run these arguments (the launch refuses it): "
+         "mtp_num_layers=1: the multi-token-prediction heads"),
+        (["--transport", "copy_engine", "--gpus-per-node", "4"],
+         "relaymoe_transport='copy_engine' needs each EP group on one node (symmetric memory), "
+         "but an EP group of 8 ranks (8 consecutive ranks) spans nodes of "
+         "relaymoe_gpus_per_node=4 GPUs; fix: pass --relaymoe-transport nccl"),
+    ]  # fmt: skip
+    for argv, msg in cases:
+        for command in ("flags", "plan"):
+            rc, out, err = run(capsys, command, *argv)
+            assert rc == 2 and out == "" and "Traceback" not in err, (command, argv, err)
+            assert err.startswith(f"relaymoe {command}: error: ") and msg in err, (argv, err)
+            assert err.count("\n") == 1, err
+    # the same layouts where the launch takes them: exit 0
+    accepted = [
+        ["--config", "tiny_qwen3", "--etp", "2", "--dp", "2", "--dispatcher", "alltoall"],
+        ["--config", mtp],  # multi-token prediction without the fused loss
+        ["--transport", "copy_engine", "--gpus-per-node", "8"],  # EP=8 in one node
+        ["--transport", "nccl", "--gpus-per-node", "4"],
+    ]
+    for argv in accepted:
+        for command in ("flags", "plan"):
+            rc, out, err = run(capsys, command, *argv)
+            assert rc == 0 and out, (command, argv, err)
+
+
+def test_megatron_namespace_reads_the_flags_as_megatron_parses_them():
+    from relaymoe.config import megatron_namespace
+
+    ns = megatron_namespace(["--num-layers", "4", "--norm-epsilon", "1e-06", "--swiglu",
+                             "--disable-bias-linear", "--normalization", "RMSNorm",
+                             "--recompute-modules", "core_attn", "moe_act", "--bf16"])  # fmt: skip
+    assert ns.num_layers == 4 and ns.norm_epsilon == 1e-6 and ns.swiglu is True
+    assert ns.add_bias_linear is False and not hasattr(ns, "disable_bias_linear")
+    assert ns.normalization == "RMSNorm" and ns.bf16 is True
+    assert ns.recompute_modules == ["core_attn", "moe_act"]

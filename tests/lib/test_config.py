@@ -94,6 +94,27 @@ def test_unknown_key_names_it_and_known_ones():
         config_from_dict(d)
 
 
+@pytest.mark.parametrize(
+    ("drop", "message"),
+    [
+        (("training",), "config has no 'training' section; add it (required: model, parallel, "
+         "training; optional: relaymoe)"),
+        (("model", "training"), "config has no 'model', 'training' sections; add them "
+         "(required: model, parallel, training; optional: relaymoe)"),
+    ],
+)  # fmt: skip
+def test_a_missing_section_is_named_and_the_optional_one_is_not_required(drop, message):
+    d = small_config_dict()
+    for sec in drop:
+        del d[sec]
+    with pytest.raises(ValueError) as info:
+        config_from_dict(d)
+    assert str(info.value) == message
+    d = small_config_dict()
+    d.pop("relaymoe", None)  # optional
+    assert config_from_dict(d).relaymoe is not None
+
+
 def test_mlp_activation_fields_render_megatron_flags():
     """swiglu (the default), squared_relu, or neither (GELU, not gated); not both."""
     gelu, squared = load_config("tiny_qwen3_gelu"), load_config("tiny_qwen3_squared_relu")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -269,7 +270,7 @@ def test_bad_inputs_name_the_value_and_the_fix():
         (dict(labels_T=torch.tensor([0, -1, 1, 2, 3, 4])), r"label -1 .*ignore_index=-100"),
         (dict(chunk_tokens=0), r"chunk_tokens=0 must be a positive int"),
         (dict(chunk_tokens=2.5), r"chunk_tokens=2.5"),
-        (dict(label_smoothing=1.0), r"label_smoothing=1.0 must be in \[0, 1\)"),
+        (dict(label_smoothing=1.0), r"label_smoothing=1.0 must be in \[0, 1\); 0 disables it"),
         (dict(label_smoothing=-0.1), r"label_smoothing=-0.1"),
         (dict(weight_VH=w[:1], labels_T=torch.zeros(6, dtype=torch.long), label_smoothing=0.1),
          r"Vl >= 2"),
@@ -280,6 +281,10 @@ def test_bad_inputs_name_the_value_and_the_fix():
         (dict(hidden_TH=h.to(torch.complex128), weight_VH=w.to(torch.complex128)), r"complex"),
         (dict(labels_T=y > 2), r"integer tensor"),
         (dict(ignore_index=-100.0), r"ignore_index=-100.0 must be an int"),
+        (dict(ignore_index=-(2**63) - 1), r"ignore_index=-9223372036854775809 is outside the "
+         r"int64 range \[-9223372036854775808, 9223372036854775807\].*use a label"),
+        (dict(ignore_index=2**63), r"ignore_index=9223372036854775808 is outside the int64"),
+        (dict(ignore_index=2**63, validate=False), r"ignore_index=9223372036854775808"),
         (dict(label_smoothing="0.1"), r"label_smoothing='0.1' must be a number"),
     ]  # fmt: skip
     for kw, pattern in bad:
@@ -386,11 +391,30 @@ def _tp_contract(rank, world, group):
          rf"label 999 \(on rank {world - 1} of tp_group\) is outside \[0, {19 * world}\)"),
         (dict(labels=(y + 1) % (19 * world) if last else y), r"labels_T \(a checksum"),
     ]  # fmt: skip
+    # issue #50: an argument that fails its own check on one rank raised there, and its peers
+    # waited in the contract's all-reduce; now every rank raises that rank's message at once
+    on_last = rf".* \(rank {world - 1} of tp_group; every rank of tp_group raises this\)$"
+    breaks += [
+        (dict(label_smoothing=1.0 if last else 0.0), r"label_smoothing=1.0 must be in \[0, 1\)"
+         + on_last),
+        (dict(chunk_tokens=0 if last else None), r"chunk_tokens=0 must be a positive int"
+         + on_last),
+        (dict(ignore_index=-(2**63) - 1 if last else -100), r"ignore_index=-9223372036854775809 "
+         r"is outside the int64 range" + on_last),
+        (dict(impl="fast" if last else "torch"), r"impl='fast'" + on_last),
+        (dict(hidden=h.tolist() if last else h), r"hidden_TH must be a 2-D \(T, H\) tensor, got "
+         r"list" + on_last),
+    ]  # fmt: skip
     for change, match in breaks:
-        args = dict(hidden=h, weight=w, labels=y, chunk_tokens=None) | change
+        args = dict(hidden=h, weight=w, labels=y, chunk_tokens=None, label_smoothing=0.0,
+                    ignore_index=-100, impl="auto") | change  # fmt: skip
+        start = time.monotonic()
         with pytest.raises(ValueError, match=match):
             linear_cross_entropy(args["hidden"], args["weight"], args["labels"], tp_group=group,
-                                 chunk_tokens=args["chunk_tokens"])  # fmt: skip
+                                 chunk_tokens=args["chunk_tokens"], impl=args["impl"],
+                                 label_smoothing=args["label_smoothing"],
+                                 ignore_index=args["ignore_index"])  # fmt: skip
+        assert time.monotonic() - start < 10, (match, time.monotonic() - start)
     calls = []
     real = dist.all_reduce
 

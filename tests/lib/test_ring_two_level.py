@@ -111,8 +111,11 @@ def _bad_topologies(rank, world, group):
         _resolved(rank, world, group, gpus_per_node=bad)
     with pytest.raises(ValueError, match="schedule must be one of"):
         _resolved(rank, world, group, schedule="tree")
-    with pytest.raises(ValueError, match="gpus_per_node must be a positive int"):
-        _resolved(rank, world, group, gpus_per_node=0)
+    for absurd in (0, 2**63):  # 2**63 overflowed the agreement's int64 row on one rank
+        with pytest.raises(ValueError, match=r"gpus_per_node must be an int in \[1, 9223372036"):
+            _resolved(rank, world, group, gpus_per_node=absurd)
+    with pytest.raises(ValueError, match=r"invalid input on rank 0: .*gpus_per_node"):
+        _resolved(rank, world, group, gpus_per_node=2**63 if rank == 0 else None)
     if rank == 0:  # ranks that disagree get the same error everywhere, before any P2P
         kw = dict(gpus_per_node=2)
     else:
