@@ -136,6 +136,7 @@ def standin_ring_moe(
     activation=None,
     b13=None,
     b2=None,
+    capturable=False,
 ):
     from relaymoe.activation import ExpertActivation
     from relaymoe.options import (
