@@ -1,6 +1,6 @@
 """Host time of the ring's own machinery per hop, with the hop's compute and transfer removed.
 
-    python benchmarks/relay_host_cost.py [--world 8] [--passes 300] [--repeats 5] [--profile]
+    python benchmarks/lab/relay_host_cost.py [--world 8] [--passes 300] [--repeats 5] [--profile]
 
 Runs ``relaymoe.ring.executor.relay`` (an expert-mode backward pass: lead and trail) on CPU
 tensors in one process, with a transport that moves nothing and a compute that does nothing, so
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.common import environment  # noqa: E402
 from benchmarks.numerics import free_port  # noqa: E402

@@ -1,9 +1,9 @@
 """The predicted EP-2 step of the ring with captured hops, from one-GPU hop rows (issue #34).
 
-    python benchmarks/step_prediction.py [--rows PATH ...] [--ring-rows PATH] [--all]
+    python benchmarks/lab/step_prediction.py [--rows PATH ...] [--ring-rows PATH] [--all]
         [--out PATH.jsonl]
 
-Rows in: ``bench: hop_cost`` (``benchmarks/hop_cost.py --library``, default: the run in
+Rows in: ``bench: hop_cost`` (``benchmarks/lab/hop_cost.py --library``, default: the run in
 ``DEFAULT_ROWS``), one per (mode, direction, ep, tokens, capture_path); the last row of each
 key wins. A prediction is made per mode (expert, token) and pass kind (``capture_path``
 ``eager``: the library's pass as it runs by default; ``library``: with
@@ -53,7 +53,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -111,7 +111,7 @@ def _row(rows: dict, mode: str, direction: str, ep: int, tokens: int, path: str)
     key = (mode, direction, ep, tokens, path)
     r = rows.get(key)
     what = f"mode={mode} direction={direction} ep={ep} tokens={tokens} capture_path={path}"
-    fix = f"run benchmarks/hop_cost.py --library --ep {ep} --tokens {tokens}"
+    fix = f"run benchmarks/lab/hop_cost.py --library --ep {ep} --tokens {tokens}"
     if r is None:
         raise MissingRows(f"step_prediction: no hop_cost row for {what}; {fix}")
     if r.get("capture_error"):
@@ -311,7 +311,7 @@ def main(argv=None) -> int:
     except MissingRows as e:
         print(e, file=sys.stderr)
         return 2
-    command = shlex.join(["python", "benchmarks/step_prediction.py", *argv])
+    command = shlex.join(["python", "benchmarks/lab/step_prediction.py", *argv])
     here = _git_commit()
     for p in preds:
         p.update(source_rows=paths, ring_rows=ring or None, cost_model_commit=here,

@@ -8,7 +8,7 @@ Times, at one shape (default qwen3 T32k, bf16):
 - the Gluon kernel storing a alone (``out=a``) against h and a (``out=h+a``), the epilogue's share.
 Rows ``bench: gather_probe`` (``kernel``, ``rows``, ``out``, ``config``, ``ms``, ``tflops``).
 
-    PYTHONPATH=. python3 benchmarks/probe_gather.py [--shape qwen3_30b_a3b_T32k] [--out F.jsonl]
+    PYTHONPATH=. python3 benchmarks/lab/probe_gather.py [--shape qwen3_30b_a3b_T32k] [--out F.jsonl]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.bench_experts import SHAPES  # noqa: E402
 from benchmarks.common import bench_ms, gpu_writer, print_table  # noqa: E402
@@ -35,7 +35,7 @@ def _triton_up(*args) -> None:
 
 
 def probe(shape: str, ws_configs: list[dict], dtype=torch.bfloat16) -> list[dict]:
-    from benchmarks.sweep_kernels import routed_pairs
+    from benchmarks.lab.sweep_kernels import routed_pairs
     from relaymoe.kernels import gather_ws
 
     num_tokens, num_experts, topk, hidden, ffn = SHAPES[shape]

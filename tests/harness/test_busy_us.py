@@ -1,6 +1,7 @@
-"""The GPU-busy measure of benchmarks/profile_ring.py (interval union), on CPU."""
+"""The GPU-busy measure of the profiling benchmarks (``benchmarks.common.busy_us``: the union
+of kernel intervals), on CPU."""
 
-from benchmarks.profile_ring import busy_us
+from benchmarks.common import busy_us
 
 
 def test_busy_is_the_union_of_kernel_intervals():

@@ -2,7 +2,7 @@
 hop_cost's ``idle_frac_chained`` of expert forward at EP 64 (64 recorded hops of ~75 us, one
 graph per expert range), outside the library.
 
-    python benchmarks/graph_chain_probe.py [--graphs 64] [--passes 5] [--kernels 8] [--m 4096]
+    python benchmarks/lab/graph_chain_probe.py [--graphs 64] [--passes 5] [--kernels 8] [--m 4096]
         [--n 256] [--k 2048] [--out PATH.jsonl]
 
 Records ``--graphs`` CUDA graphs of the same work (``--kernels`` bf16 matmul-adds
@@ -23,7 +23,7 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
 

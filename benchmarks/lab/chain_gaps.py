@@ -2,7 +2,7 @@
 torch.profiler, chained (no sync between passes) and isolated (a sync before each), with the
 longest gaps between consecutive device ops and what borders them.
 
-    python benchmarks/chain_gaps.py [--mode expert] [--direction fwd] [--ep 64] [--tokens 4096]
+    python benchmarks/lab/chain_gaps.py [--mode expert] [--direction fwd] [--ep 64] [--tokens 4096]
         [--passes 4] [--top 12] [--eager] [--out PATH.jsonl]
 
 A diagnostic for hop_cost's ``idle_frac_chained`` (issue #34): rows ``bench: chain_gaps`` per
@@ -19,12 +19,12 @@ import os
 import sys
 from functools import partial
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
 
-from benchmarks import hop_cost, hop_library  # noqa: E402
 from benchmarks.common import JsonlWriter, environment  # noqa: E402
+from benchmarks.lab import hop_cost, hop_library  # noqa: E402
 from relaymoe.ring import hop_graphs  # noqa: E402
 
 BINS = ((0, 2), (2, 5), (5, 20), (20, 100), (100, float("inf")))

@@ -1,6 +1,6 @@
 """Where a recorded hop's host time goes: hop_cost's library pass under cProfile, hop by hop.
 
-    python benchmarks/hop_host_profile.py [--ep 2 64] [--tokens 4096] [--modes expert token]
+    python benchmarks/lab/hop_host_profile.py [--ep 2 64] [--tokens 4096] [--modes expert token]
         [--passes 40] [--top 25] [--out PATH.jsonl]
 
 For each case and direction (issue #34): hop_cost's ``Ring`` with the library's capture on
@@ -36,12 +36,12 @@ import time
 from functools import partial
 from unittest import mock
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
 
-from benchmarks import hop_cost, hop_library  # noqa: E402
 from benchmarks.common import JsonlWriter, environment  # noqa: E402
+from benchmarks.lab import hop_cost, hop_library  # noqa: E402
 from relaymoe.ring import executor, expert_mode, hop_graphs, token_mode  # noqa: E402
 from relaymoe.ring.layout import Layout  # noqa: E402
 from relaymoe.routing import RoutingIndex  # noqa: E402

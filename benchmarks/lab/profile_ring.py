@@ -6,7 +6,7 @@ time per step (union of kernel intervals, NCCL kernels excluded: they spin while
 and the kernels and host ops by total time; ``--out`` writes the table as JSON rows
 (``bench: profile_ring``), ``--trace`` a chrome trace.
 
-    torchrun --standalone --nproc-per-node 2 benchmarks/profile_ring.py [--tokens 4096]
+    torchrun --standalone --nproc-per-node 2 benchmarks/lab/profile_ring.py [--tokens 4096]
         [--mode token|expert] [--steps 5] [--out PATH.jsonl] [--trace PATH.json]
 """
 
@@ -17,57 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-
-
-def busy_us(intervals, exclude=()) -> float:
-    """Length of the union of ``(name, start_us, end_us)`` intervals, names containing any of
-    ``exclude`` left out (NCCL kernels that spin while a peer is late count as idle)."""
-    spans = sorted((a, b) for n, a, b in intervals if not any(x in n for x in exclude))
-    total, cur_a, cur_b = 0.0, None, None
-    for a, b in spans:
-        if cur_b is None or a > cur_b:
-            if cur_b is not None:
-                total += cur_b - cur_a
-            cur_a, cur_b = a, b
-        else:
-            cur_b = max(cur_b, b)
-    return total + (cur_b - cur_a if cur_b is not None else 0.0)
-
-
-def host_syncs(fn) -> dict[str, int]:
-    """Synchronizing CUDA calls of one ``fn()`` (torch's sync debug mode), counted by the
-    innermost relaymoe (or benchmark) frame that issued them."""
-    import traceback
-    import warnings
-
-    import torch
-
-    found: dict[str, int] = {}
-
-    def record(message, category, filename, lineno, file=None, line=None):
-        # torch's text for a sync; turning the mode on raises another warning, not a sync
-        if "called a synchronizing CUDA operation" not in str(message):
-            return
-        stack = traceback.extract_stack()[:-1]
-        ours = [f for f in stack if "relaymoe" in f.filename and "profile_ring" not in f.filename]
-        if ours:
-            f = ours[-1]
-            where = f"{f.filename.split('relaymoe')[-1]}:{f.lineno} ({(f.line or '').strip()[:60]})"
-        else:  # no relaymoe frame: the last frames, outermost first
-            where = " <- ".join(f"{f.filename.split('/')[-1]}:{f.lineno}" for f in stack[-4:])
-        found[where] = found.get(where, 0) + 1
-
-    with warnings.catch_warnings():  # restores showwarning on exit
-        warnings.simplefilter("always")
-        warnings.showwarning = record
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    return found
 
 
 def main(argv=None) -> None:
@@ -77,7 +28,7 @@ def main(argv=None) -> None:
     from torch.profiler import ProfilerActivity, profile, schedule
 
     from benchmarks._dist import init_dist, make_inputs, qwen3
-    from benchmarks.common import JsonlWriter
+    from benchmarks.common import JsonlWriter, busy_us, host_syncs
     from relaymoe.ring import ring_moe
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

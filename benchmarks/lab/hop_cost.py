@@ -2,9 +2,9 @@
 the GPU, so the gain of cheaper hops (CUDA graphs, fused prologues) is known before two GPUs are
 lent (issue #34 item 5).
 
-    python benchmarks/hop_cost.py [--quick] [--captured] [--library] [--out PATH.jsonl]
+    python benchmarks/lab/hop_cost.py [--quick] [--captured] [--library] [--out PATH.jsonl]
         [--dry-run] [--ep 2 8 64] [--tokens 4096 8192 32768] [--modes expert token] [--passes 5]
-    python benchmarks/hop_cost.py --tiny [--library] [--backend torch]   # CPU (the tests)
+    python benchmarks/lab/hop_cost.py --tiny [--library] [--backend torch]   # CPU (the tests)
 
 Rank 0 of an EP-rank ring, emulated in one process: the library's own passes
 (``expert_mode.expert_forward``/``expert_backward``, ``token_mode.token_forward``/
@@ -70,7 +70,7 @@ compute recorded and replayed by ``hop_graphs.py``'s cache, measured exactly as 
 after a recording pass, with its outputs against the eager pass's (bitwise expected), what the
 cache holds, or ``capture_error`` where ``hop_graphs.refusal`` refuses (exact pair counts at
 T 32k, EP 2 and 8, under the default budget: ``--dry-run`` says what it would take); its fields
-are described in ``benchmarks/hop_library.py``.
+are described in ``benchmarks/lab/hop_library.py``.
 
 Not measured: the transfer and its issue (``batch_isend_irecv`` or the copy engines' pull and
 barrier), the slots' per-pass allocation (persistent here), the call-level work (agreement,
@@ -93,11 +93,10 @@ from unittest import mock
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks import hop_library  # noqa: E402
-from benchmarks.common import JsonlWriter, environment, print_table  # noqa: E402
-from benchmarks.profile_ring import busy_us  # noqa: E402
+from benchmarks.common import JsonlWriter, busy_us, environment, print_table  # noqa: E402
+from benchmarks.lab import hop_library  # noqa: E402
 from relaymoe.activation import SWIGLU  # noqa: E402
 from relaymoe.cost import grad_accum_bytes  # noqa: E402
 from relaymoe.experts import expert_hop_backward, expert_hop_forward  # noqa: E402
@@ -719,7 +718,7 @@ def capture_failure(exc: BaseException) -> dict:
 def _where(exc: BaseException) -> str | None:
     """The innermost relaymoe (else benchmark) frame of ``exc``'s traceback, ``path:line``."""
     frames = traceback.extract_tb(exc.__traceback__)
-    root = str(Path(__file__).resolve().parents[1]) + "/"
+    root = str(Path(__file__).resolve().parents[2]) + "/"
     for pick in ("relaymoe/", "benchmarks/"):
         ours = [f for f in frames if f.filename.startswith(root + pick)]
         if ours:

@@ -13,8 +13,8 @@ Each variant's result is compared with the float32 ``gmm`` result (``err``), so 
 configuration is visible. Rows ``bench: kernel_sweep`` (``kernel``, ``variant``, ``config``,
 ``ms``, ``tflops``, ``err``).
 
-    PYTHONPATH=. python3 benchmarks/sweep_kernels.py [--shape qwen3_30b_a3b_T32k] [--out F.jsonl]
-        [--configs all|short] [--kernels wgrad,rows]
+    PYTHONPATH=. python3 benchmarks/lab/sweep_kernels.py [--shape qwen3_30b_a3b_T32k]
+        [--out F.jsonl] [--configs all|short] [--kernels wgrad,rows]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.bench_experts import SHAPES  # noqa: E402
 from benchmarks.common import bench_ms, gpu_writer, print_table  # noqa: E402
