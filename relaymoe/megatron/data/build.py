@@ -1,8 +1,7 @@
 """``prepare``: the inputs tokenised into their parts, then merged in input order into the output.
 
 A completed output has a manifest (``PREFIX_{key}_document.json``, which also records the
-Megatron flags to train with); when it matches, nothing is redone. How the merge and the
-workers came to be as they are: ``docs/lab-notes/library_history.md``.
+Megatron flags to train with); when it matches, nothing is redone.
 """
 
 from __future__ import annotations
