@@ -17,8 +17,8 @@ The mapping, Hugging Face -> Megatron (names of the local spec, TP = 1):
 
 from __future__ import annotations
 
-from relaymoe.megatron.convert_hf.errors import ConvertError
-from relaymoe.megatron.convert_hf.shards import SafetensorsCheckpoint
+from relaymoe.convert_hf.errors import ConvertError
+from relaymoe.convert_hf.shards import SafetensorsCheckpoint
 
 
 def fused_qkv(q, k, v, heads: int, groups: int, head_dim: int):

@@ -22,13 +22,15 @@ The modules: ``tokenizer`` (training's tokenizer and its fingerprint), ``inputs`
 the inputs and their documents), ``parts`` (one chunk's part dataset, made by a worker),
 ``build`` (``prepare``: the parts, then the merge), ``progress``, ``cli`` (the subcommand).
 
-Megatron-core is imported by the functions, never at import time (``relaymoe`` CLI stays cheap).
+Megatron-core (its tokenizer and ``IndexedDatasetBuilder``) is imported by the functions, never
+at import time, so the ``relaymoe`` CLI stays cheap; nothing else of relaymoe is imported, and
+``relaymoe.megatron``'s preflight checks use the tokenizer from here.
 """
 
-from relaymoe.megatron.data.build import Result, prepare
-from relaymoe.megatron.data.cli import add_parser, main
-from relaymoe.megatron.data.errors import DataError
-from relaymoe.megatron.data.inputs import (
+from relaymoe.data.build import Result, prepare
+from relaymoe.data.cli import add_parser, main
+from relaymoe.data.errors import DataError
+from relaymoe.data.inputs import (
     INPUT_FORMATS,
     TEXT_MODES,
     Chunk,
@@ -36,8 +38,8 @@ from relaymoe.megatron.data.inputs import (
     input_format,
     plan_chunks,
 )
-from relaymoe.megatron.data.parts import FORMAT_VERSION, Settings, make_part, part_done
-from relaymoe.megatron.data.tokenizer import (
+from relaymoe.data.parts import FORMAT_VERSION, Settings, make_part, part_done
+from relaymoe.data.tokenizer import (
     build_megatron_tokenizer,
     resolve_tokenizer,
     tokenizer_fingerprint,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from relaymoe.megatron.convert_hf.errors import ConvertError
+from relaymoe.convert_hf.errors import ConvertError
 
 
 class SafetensorsCheckpoint:

@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from relaymoe.megatron.data.errors import DataError
+from relaymoe.data.errors import DataError
 
 TEXT_MODES = ("line", "paragraph", "file")
 INPUT_FORMATS = ("auto", "jsonl", "text")

@@ -11,7 +11,7 @@ import json
 import shutil
 from pathlib import Path
 
-from relaymoe.megatron.data.errors import DataError
+from relaymoe.data.errors import DataError
 
 # the files of a Hugging Face tokenizer directory that decide its ids (hashed into the sidecars)
 _TOKENIZER_FILES = (

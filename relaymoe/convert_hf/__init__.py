@@ -17,7 +17,7 @@ metadata Megatron reads back on load. Megatron then reshards on load to any TP/P
 (``torch_dist``), and the keys are the same for the local and the TransformerEngine layer
 specs (the local spec maps its norms onto TE's fused names, ``sharded_state_dict_keys_map``;
 ``SequentialMLP`` and ``TEGroupedMLP`` write the same expert keys) and for every dispatcher
-(``tests/test_megatron_layer.py`` checks ring against alltoall).
+(``tests/lib/test_megatron_layer.py`` checks ring against alltoall).
 
 Memory: the model is held once in ``--dtype`` on the host (Qwen3-30B-A3B in bf16: about 61 GB),
 plus one Hugging Face tensor at a time. Under ``torchrun --nproc-per-node N`` with ``--ep N`` (or
@@ -26,20 +26,24 @@ plus one Hugging Face tensor at a time. Under ``torchrun --nproc-per-node N`` wi
 The modules: ``hf_config`` (the checkpoint's ``config.json`` and the Megatron flags it gives),
 ``shards`` (its safetensors tensors by name), ``mapping`` (Hugging Face tensor for every
 Megatron parameter), ``run`` (``convert``: build, copy, save), ``cli`` (the subcommand).
+
+An entry point beside the CLI that exposes it, above ``relaymoe.megatron``: ``run`` imports
+megatron-core and ``relaymoe.megatron`` inside its functions, so the subcommand's parser and the
+checkpoint's reading need neither.
 """
 
-from relaymoe.megatron.convert_hf.cli import add_parser, main
-from relaymoe.megatron.convert_hf.errors import ConvertError
-from relaymoe.megatron.convert_hf.hf_config import (
+from relaymoe.convert_hf.cli import add_parser, main
+from relaymoe.convert_hf.errors import ConvertError
+from relaymoe.convert_hf.hf_config import (
     SUPPORTED_MODEL_TYPES,
     check_against_config,
     megatron_model_flags,
     moe_layer_pattern,
     read_hf_config,
 )
-from relaymoe.megatron.convert_hf.mapping import fused_qkv, hf_tensor, split_qkv
-from relaymoe.megatron.convert_hf.run import DTYPES, FLAGS_FILE, convert
-from relaymoe.megatron.convert_hf.shards import SafetensorsCheckpoint
+from relaymoe.convert_hf.mapping import fused_qkv, hf_tensor, split_qkv
+from relaymoe.convert_hf.run import DTYPES, FLAGS_FILE, convert
+from relaymoe.convert_hf.shards import SafetensorsCheckpoint
 
 __all__ = [
     "DTYPES",

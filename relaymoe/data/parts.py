@@ -11,9 +11,9 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from relaymoe.megatron.data.errors import DataError
-from relaymoe.megatron.data.inputs import Chunk, documents
-from relaymoe.megatron.data.tokenizer import build_megatron_tokenizer
+from relaymoe.data.errors import DataError
+from relaymoe.data.inputs import Chunk, documents
+from relaymoe.data.tokenizer import build_megatron_tokenizer
 
 FORMAT_VERSION = 1
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import sys
 
-from relaymoe.megatron.convert_hf.errors import ConvertError
-from relaymoe.megatron.convert_hf.run import DTYPES, FLAGS_FILE, TRANSFORMER_IMPLS, convert
+from relaymoe.convert_hf.errors import ConvertError
+from relaymoe.convert_hf.run import DTYPES, FLAGS_FILE, TRANSFORMER_IMPLS, convert
 
 
 def add_parser(sub) -> None:

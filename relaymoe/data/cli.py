@@ -7,9 +7,9 @@ import os
 import sys
 import time
 
-from relaymoe.megatron.data.build import prepare
-from relaymoe.megatron.data.errors import DataError
-from relaymoe.megatron.data.inputs import INPUT_FORMATS, TEXT_MODES
+from relaymoe.data.build import prepare
+from relaymoe.data.errors import DataError
+from relaymoe.data.inputs import INPUT_FORMATS, TEXT_MODES
 
 
 def add_parser(sub) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from relaymoe.megatron.convert_hf.errors import ConvertError
+from relaymoe.convert_hf.errors import ConvertError
 
 SUPPORTED_MODEL_TYPES = ("qwen3_moe",)
 

@@ -10,14 +10,14 @@ import os
 import sys
 from pathlib import Path
 
-from relaymoe.megatron.convert_hf.errors import ConvertError
-from relaymoe.megatron.convert_hf.hf_config import (
+from relaymoe.convert_hf.errors import ConvertError
+from relaymoe.convert_hf.hf_config import (
     check_against_config,
     megatron_model_flags,
     read_hf_config,
 )
-from relaymoe.megatron.convert_hf.mapping import hf_tensor
-from relaymoe.megatron.convert_hf.shards import SafetensorsCheckpoint
+from relaymoe.convert_hf.mapping import hf_tensor
+from relaymoe.convert_hf.shards import SafetensorsCheckpoint
 
 FLAGS_FILE = "megatron_model_flags.txt"  # the model flags to train with, one per line
 DTYPES = ("bf16", "fp32", "fp16")

@@ -12,9 +12,9 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from relaymoe.megatron.data.errors import DataError
-from relaymoe.megatron.data.inputs import TEXT_MODES, input_format, plan_chunks
-from relaymoe.megatron.data.parts import (
+from relaymoe.data.errors import DataError
+from relaymoe.data.inputs import TEXT_MODES, input_format, plan_chunks
+from relaymoe.data.parts import (
     _WORKER,
     FORMAT_VERSION,
     Settings,
@@ -25,8 +25,8 @@ from relaymoe.megatron.data.parts import (
     make_part,
     part_done,
 )
-from relaymoe.megatron.data.progress import _Progress
-from relaymoe.megatron.data.tokenizer import resolve_tokenizer, tokenizer_fingerprint
+from relaymoe.data.progress import _Progress
+from relaymoe.data.tokenizer import resolve_tokenizer, tokenizer_fingerprint
 
 
 @dataclass
