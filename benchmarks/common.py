@@ -1,4 +1,4 @@
-"""Shared benchmark plumbing: timing, memory accounting and JSON result rows.
+"""Shared benchmark plumbing: timing, memory accounting, profiler helpers and JSON result rows.
 
 Row format (one JSON object per line in a run folder's ``*.jsonl``, ``benchmarks/README.md``):
 ``bench``, ``provider``, ``shape``, ``ep``, ``ms_fwd_bwd``,
@@ -152,3 +152,50 @@ def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 100 else f"{v:.1f}"
     return str(v)
+
+
+def busy_us(intervals, exclude=()) -> float:
+    """Length of the union of ``(name, start_us, end_us)`` intervals, names containing any of
+    ``exclude`` left out (NCCL kernels that spin while a peer is late count as idle)."""
+    spans = sorted((a, b) for n, a, b in intervals if not any(x in n for x in exclude))
+    total, cur_a, cur_b = 0.0, None, None
+    for a, b in spans:
+        if cur_b is None or a > cur_b:
+            if cur_b is not None:
+                total += cur_b - cur_a
+            cur_a, cur_b = a, b
+        else:
+            cur_b = max(cur_b, b)
+    return total + (cur_b - cur_a if cur_b is not None else 0.0)
+
+
+def host_syncs(fn) -> dict[str, int]:
+    """Synchronizing CUDA calls of one ``fn()`` (torch's sync debug mode), counted by the
+    innermost relaymoe (or benchmark) frame that issued them."""
+    import traceback
+    import warnings
+
+    found: dict[str, int] = {}
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        # torch's text for a sync; turning the mode on raises another warning, not a sync
+        if "called a synchronizing CUDA operation" not in str(message):
+            return
+        stack = traceback.extract_stack()[:-1]
+        ours = [f for f in stack if "relaymoe" in f.filename and f.filename != __file__]
+        if ours:
+            f = ours[-1]
+            where = f"{f.filename.split('relaymoe')[-1]}:{f.lineno} ({(f.line or '').strip()[:60]})"
+        else:  # no relaymoe frame: the last frames, outermost first
+            where = " <- ".join(f"{f.filename.split('/')[-1]}:{f.lineno}" for f in stack[-4:])
+        found[where] = found.get(where, 0) + 1
+
+    with warnings.catch_warnings():  # restores showwarning on exit
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return found

@@ -18,7 +18,7 @@ regenerate the runtime's constants, paste those values into ``relaymoe/cost/time
 package ships them as plain data and reads no result file). Pure Python, seconds on a CPU.
 
 ``--captured-hops``: ``captured_hop_fixed_s`` alone, from ``bench: hop_cost`` rows
-(``benchmarks/hop_cost.py --library``; :func:`captured_hop_fit`), printed beside the package's
+(``benchmarks/lab/hop_cost.py --library``; :func:`captured_hop_fit`), printed beside the package's
 value, not fitted with the others (the ring rows measure no captured pass).
 """
 

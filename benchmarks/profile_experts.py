@@ -12,7 +12,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.bench_experts import SHAPES, _clear_grads, make_inputs
-from benchmarks.profile_ring import host_syncs
+from benchmarks.common import host_syncs
 from relaymoe.activation import SWIGLU
 
 

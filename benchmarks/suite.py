@@ -42,7 +42,7 @@ runs ``python COMMAND`` (a script under the repository, or ``-m module``, then i
 manifest. The files named ``NAME*`` in the run folder are that step's. On the lent machine::
 
     RELAYMOE_COMMIT=<sha12> RELAYMOE_TREE_CLEAN=1 python3 -m benchmarks.suite --handoff $OUT \
-        --step sweep='benchmarks/sweep_kernels.py --kernels rows --out {out}/sweep.jsonl' \
+        --step sweep='benchmarks/lab/sweep_kernels.py --kernels rows --out {out}/sweep.jsonl' \
         --step gpu_tests='-m pytest -q tests/gpu/test_gather_ws_gpu.py'
 
 then ``python -m benchmarks.runs unpack suite.tar.gz`` puts the run folder under
@@ -315,7 +315,7 @@ def adhoc_steps(specs: Sequence[str], *, limit_s: int = QUICK_DEADLINE_S) -> tup
         if not sep or not name.isidentifier() or not words or words == ["-m"]:
             raise ValueError(
                 f"--step {item!r}: use NAME=COMMAND with NAME a word and COMMAND a script or "
-                "'-m module' and its arguments, e.g. --step sweep='benchmarks/sweep_kernels.py "
+                "'-m module' and its arguments, e.g. --step sweep='benchmarks/lab/sweep_kernels.py "
                 "--out {out}/sweep.jsonl'"
             )
         if any(s.name == name for s in steps):

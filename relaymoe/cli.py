@@ -111,7 +111,7 @@ def _add_overrides(q: argparse.ArgumentParser, dispatchers: tuple[str, ...]) -> 
 def _add_tool_parsers(sub) -> None:
     """Subcommands that live beside the code they run (their modules import nothing heavy at
     import time; megatron-core is imported when the command runs)."""
-    from relaymoe.megatron import convert_hf, data
+    from relaymoe import convert_hf, data
 
     data.add_parser(sub)
     convert_hf.add_parser(sub)
@@ -407,11 +407,11 @@ def main(argv: list[str] | None = None) -> int:
     if ns.command == "flags":
         return _flags(ns)
     if ns.command == "data":
-        from relaymoe.megatron import data
+        from relaymoe import data
 
         return data.main(ns)
     if ns.command == "convert-hf":
-        from relaymoe.megatron import convert_hf
+        from relaymoe import convert_hf
 
         return convert_hf.main(ns)
     from relaymoe.config import to_megatron_args

@@ -1,7 +1,4 @@
-"""Link speeds and byte-layout constants of the cost model (relaymoe/cost/).
-
-History: docs/lab-notes/library_history.md#cost-links
-"""
+"""Link speeds and byte-layout constants of the cost model (relaymoe/cost/)."""
 
 from __future__ import annotations
 

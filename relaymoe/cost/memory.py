@@ -1,7 +1,4 @@
-"""Memory of each mode beside its inputs, outputs and gradients, and the baseline's.
-
-History: docs/lab-notes/library_history.md#cost-memory
-"""
+"""Memory of each mode beside its inputs, outputs and gradients, and the baseline's."""
 
 from __future__ import annotations
 

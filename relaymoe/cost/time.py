@@ -1,7 +1,4 @@
-"""Time of a layer step per mode (``TimeModel``, ``step_seconds``) and the auto choice.
-
-History: docs/lab-notes/library_history.md#cost-time
-"""
+"""Time of a layer step per mode (``TimeModel``, ``step_seconds``) and the auto choice."""
 
 from __future__ import annotations
 
@@ -32,12 +29,11 @@ class TimeModel:
     # floor of the ring rows (fwd+bwd at R=2 is 4 hops, with ``call_fixed_s``).
     hop_fixed_s: float = 2.75e-3
     # The same with the hop's compute replayed from a CUDA graph (RingOptions.capture_hops):
-    # the library's captured pass on one GPU (hop_cost.py --library, transfers left out, T4k,
-    # EP 2/8/64) fits 0.104 ms a hop, the pass's set-up and return included
-    # (fit_time_model.py --captured-hops: EP 2 0.218, EP 8 0.096, EP 64 0.054; the hop's own
-    # range 0.049), against 0.774 for the eager pass; rounded up for the transfer's issue it
-    # leaves out. An estimate until the captured ring is measured on two GPUs;
-    # ``captured_hops()`` applies it.
+    # the library's captured pass measured on one GPU (transfers left out, T4k, EP 2/8/64) fits
+    # 0.104 ms a hop, the pass's set-up and return included (EP 2 0.218, EP 8 0.096, EP 64
+    # 0.054; the hop's own range 0.049), against 0.774 for the eager pass; rounded up for the
+    # transfer's issue it leaves out. An estimate until the captured ring is measured on two
+    # GPUs; ``captured_hops()`` applies it.
     captured_hop_fixed_s: float = 0.15e-3
     # Host time per ring_moe call besides the hops (cached agreement, routing index, autograd).
     call_fixed_s: float = 0.4e-3

@@ -5,8 +5,6 @@ also holds the int32 limits of the kernels and of the routing index (:func:`chec
 :func:`check_problem_limits`), checked on sizes alone, before anything is allocated or launched,
 and the gathered-row GEMMs' tile order (:func:`tile_group_m`), which the Triton and the Gluon
 kernels share.
-
-History: docs/lab-notes/library_history.md#kernels
 """
 
 from __future__ import annotations

@@ -21,8 +21,6 @@ Which GEMM runs where (``torch._grouped_mm`` for contiguous operands on sm90, th
 row copy or gather-on-load, the weight gradients' grouped GEMM or Triton kernel, the Gluon
 kernels) is ``select.py``'s choice from the call's ``KernelOptions``; (P, H) outputs of the down
 projection and of the dgrad are produced in column chunks of at most ``pair_buffer_mib`` MiB.
-
-History: docs/lab-notes/library_history.md#kernels-experts
 """
 
 from __future__ import annotations

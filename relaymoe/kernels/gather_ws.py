@@ -2,8 +2,7 @@
 the up-projection ``x[tok] @ w13[e]^T`` with its SwiGLU, and the down projection's backward
 ``dy[tok] @ w2[e]``.
 
-Why (issue #15, ``benchmarks/probe_gather.py``): gathering the rows on load costs about nothing
-against a sorted copy, but a one-tile-a-program kernel leaves the tensor cores idle while each
+Why: gathering the rows on load costs about nothing against a pre-sorted copy of the rows, but a one-tile-a-program kernel leaves the tensor cores idle while each
 program stores its epilogue. Here each program walks many tiles, and three warp partitions
 overlap:
 - producer (``producer_warps``, 4): gathers each step's x rows with ``cp.async`` (the stage's
@@ -34,8 +33,6 @@ warps.
 Only this module imports ``triton.experimental.gluon``; ``grouped.up_swiglu`` and
 ``grouped.rows_gemm`` import it lazily on sm90 (``KernelOptions.gather_ws``), so CPU runs never touch
 it.
-
-History: docs/lab-notes/library_history.md#kernels-gather-ws
 """
 
 from __future__ import annotations
@@ -65,8 +62,8 @@ __all__ = ["ROWS_CONFIG", "UP_CONFIG", "rows_gemm", "supports_rows_gemm", "suppo
            "up_swiglu"]  # fmt: skip
 
 # tiles, slots, consumer warps, the storer's row slice, the tile order's M group, the workers'
-# registers and the cap (128: 16 warps' share of the register file); the fastest of
-# benchmarks/sweep_kernels.py's WS_VARIANTS (``--kernels up_swiglu``).
+# registers and the cap (128: 16 warps' share of the register file); the fastest combination
+# when each was timed alone.
 UP_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "STAGES": 3, "EPI_ROWS": 16,
              "GROUP_M": 8, "num_warps": 8, "producer_warps": 4, "storer_warps": 4,
              "producer_regs": 72, "storer_regs": 72, "maxnreg": 128}  # fmt: skip
@@ -436,7 +433,7 @@ def up_swiglu(x_TH, w13_E2IH, idx_P, offs, prob_P, h_P2I, a_PI, *, config=None,
     ``config``: an explicit tile configuration (``UP_CONFIG``'s keys; a sweep's), else
     ``UP_CONFIG`` with the GROUP_M of the shape. ``store_nothing`` (a diagnostic, which no library
     path sets): the outputs stay as they are (the kernel is built without its epilogue and its
-    buffer), so the main loop is timed alone (``benchmarks/sweep_kernels.py``)."""
+    buffer), so that the main loop can be timed alone."""
     n_experts, two_i, hidden = w13_E2IH.shape
     ffn = two_i // 2
     cfg = config or _default_config(UP_CONFIG, triton.cdiv(ffn, UP_CONFIG["BLOCK_N"]))

@@ -7,7 +7,7 @@ device (no host sync; the pair buffers may be sized from a bound larger than the
 
 Each launch replaces a chain of about ten small torch ops (positions, masks, a scatter or a
 gather, a masked add) that a ring hop issued per pass: at 4-8k tokens per GPU the hop is
-host-bound, each op costing the host tens of microseconds (docs/ring_small_t.md).
+host-bound, each op costing the host tens of microseconds.
 """
 
 from __future__ import annotations

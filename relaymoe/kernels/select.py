@@ -2,10 +2,7 @@
 
 Every choice reads a :class:`relaymoe.options.KernelOptions` (``k``) and the operands' device,
 dtype and strides; the kernels and launchers (``grouped/``, ``gather_ws.py``) hold no policy.
-Each choice gives the same result up to rounding; the defaults are the ones measured fastest
-(``docs/lab-notes/``).
-
-History: docs/lab-notes/library_history.md#kernels-select
+Each choice gives the same result up to rounding; the defaults are the ones measured fastest.
 """
 
 from __future__ import annotations

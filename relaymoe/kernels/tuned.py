@@ -15,14 +15,12 @@ The table is package data (``tuned_configs.json`` beside this file)::
 A bucket is the kernel's autotune key with every size rounded up to a power of two (sizes within
 a factor of two share a configuration) and the activations' dtype, e.g.
 ``H=2048,I=1024,n_experts=64,SAVE_H=1,SCALE=1,bfloat16``. Regenerate on the target GPU with
-``python benchmarks/tune_kernels.py`` (it autotunes representative shapes and merges the winners
+``python benchmarks/tune_kernels.py`` from a checkout of the repository (it autotunes representative shapes and merges the winners
 into the table under that GPU's name).
 
 ``KernelOptions.autotune`` chooses: ``shipped`` (default: the shipped configuration when the
 table has one for this GPU and bucket, else the autotuner), ``search`` (always the autotuner),
 ``first`` (the kernel's first candidate, no search).
-
-History: docs/lab-notes/library_history.md#kernels-tuned
 """
 
 from __future__ import annotations

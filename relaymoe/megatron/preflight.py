@@ -66,7 +66,7 @@ def tokenizer_problems(tokenizer: str, vocab_size: int | None) -> list[str]:
             "tokenizer folder (e.g. the downloaded Qwen/Qwen3-30B-A3B checkpoint folder, or the "
             "PREFIX_tokenizer/ that relaymoe data made), on every node"
         ]
-    from relaymoe.megatron.data import DataError, build_megatron_tokenizer
+    from relaymoe.data import DataError, build_megatron_tokenizer
 
     try:
         tok = build_megatron_tokenizer(str(path))

@@ -11,8 +11,8 @@ Megatron-LM's own script): SFT, FIM, packed sequences, multi-token prediction, M
 
 Extra output (rank 0, ``--relaymoe-report PATH``): one JSON line per logged iteration with the
 loss, Megatron's iteration number, the learning rate, tokens/s, that step's peak memory and the
-bytes of expert weights the ring copied in it (``relaymoe.ring.weights.copied_weight_bytes``),
-for ``examples/`` and ``benchmarks/bench_e2e.py``.
+bytes of expert weights the ring copied in it (``relaymoe.ring.weights.copied_weight_bytes``):
+what a comparison of two runs reads (the examples' and the end-to-end benchmarks').
 With ``--relaymoe-weights-digest`` every rank also writes ``PATH.weights.rank<R>.json`` after the
 last iteration: a SHA-256 of its model parameters (names, dtypes, shapes and bytes), so two runs
 can be compared for bitwise identical weights without saving checkpoints.

@@ -33,8 +33,6 @@ Terms (each a function so that tests can check it against hand-computed values):
 * the last pipeline stage's final norm and its loss: Megatron's logits and fp32 cross-entropy
   buffers, or with ``relaymoe.fused_loss`` (``--relaymoe-fused-loss``) the chunked output
   layer + cross-entropy, whose bytes come from ``relaymoe.lossmodel`` (the op's own model).
-
-History: docs/lab-notes/library_history.md#planner-memory
 """
 
 from __future__ import annotations
@@ -51,7 +49,7 @@ PROB_BYTES = 4
 # Megatron's vocab-parallel cross entropy works in place on one fp32 copy of the logits (max
 # subtraction, exp, normalisation, then the gradient), so per logit element: forward, the bf16
 # logits + that fp32 copy; backward, the fp32 copy (now the gradient) + its bf16 cast.
-# Checked with benchmarks/validate_memory_model.py: 6, not 10.
+# Measured peaks of training steps agree: 6 bytes, not 10.
 LOGIT_BYTES_PER_ELEMENT = 2 + 4
 # torch.nn.RMSNorm (megatron-core's WrappedTorchNorm without TE/apex) where torch has no fused
 # kernel for it (CPU tensors, older builds) runs as a composite in fp32: autograd saves the fp32

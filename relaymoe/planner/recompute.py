@@ -15,8 +15,6 @@ rematerialised activations and MoE working set; for a kept layer only what its b
 beyond its retained activations) or, on the last stage, the loss's forward: the final norm
 and Megatron's logits + cross-entropy buffers, or the fused loss's chunk and kept gradients
 (``relaymoe.lossmodel``), whose backward only consumes what its forward made.
-
-History: docs/lab-notes/library_history.md#planner-recompute
 """
 
 from __future__ import annotations

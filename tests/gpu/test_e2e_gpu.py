@@ -270,7 +270,7 @@ def _real_data(tmp: str) -> tuple[str, str]:
     """The tiny example's real-data corpus, tokenizer and indexed dataset, made in ``tmp``."""
     from pathlib import Path
 
-    from relaymoe.megatron import data
+    from relaymoe import data
 
     root = Path(__file__).resolve().parents[2]
     subprocess.run([sys.executable, str(root / "examples/tiny_qwen3/make_corpus.py"), tmp],

@@ -232,7 +232,7 @@ def test_dry_run_with_real_data_and_resume_on_the_fallback(tmp_path):
     config's vocabulary, and Megatron's parser accepts it; SAVE_DIR without TE or Apex adds
     --no-load-optim (megatron-core 0.19.2 cannot load the distributed optimizer's state there)."""
     pytest.importorskip("transformers")
-    from relaymoe.megatron import data
+    from relaymoe import data
     from tests.lib.test_data import _corpus, _train_tokenizer
 
     texts = _corpus(50, seed=3)

@@ -1,4 +1,4 @@
-"""benchmarks/hop_cost.py on CPU: the script writes its rows end to end (eager, hop_graph and
+"""benchmarks/lab/hop_cost.py on CPU: the script writes its rows end to end (eager, hop_graph and
 library rows: the library's recorded hops, its CPU stand-in, bitwise the eager pass), each hop of
 the emulated rank computes its own slice (the float64 oracle of the full layer, per hop), and
 the profiler fields give a replayed graph's kernels to the hop that launched it."""
@@ -15,14 +15,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import hop_cost as hc
-from benchmarks import hop_library
 from benchmarks.common import rel_err
+from benchmarks.lab import hop_cost as hc
+from benchmarks.lab import hop_library
 from relaymoe.kernels import interpret_mode
 from relaymoe.reference import moe_experts_reference
 from relaymoe.ring.hop_graphs import EagerReplay, HopGraphs
 
 ROOT = Path(__file__).resolve().parents[2]
+LAB = ROOT / "benchmarks" / "lab"
 FIELDS = ("bench", "mode", "direction", "ep", "tokens", "experts_per_hop", "pairs_per_hop",
           "host_us_per_hop", "gpu_us_per_hop", "launches_per_hop", "idle_frac", "captured",
           "commit", "gpu", "torch", "triton")  # fmt: skip
@@ -31,7 +32,7 @@ FIELDS = ("bench", "mode", "direction", "ep", "tokens", "experts_per_hop", "pair
 def test_hop_cost_script_writes_its_rows(tmp_path):
     out = tmp_path / "rows.jsonl"
     p = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "hop_cost.py"), "--tiny", "--captured",
+        [sys.executable, str(LAB / "hop_cost.py"), "--tiny", "--captured",
          "--library", "--backend", "torch", "--out", str(out)],
         capture_output=True, text=True, timeout=300,
         env=dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES=""),
@@ -379,11 +380,11 @@ def test_dry_run_names_the_library_refusals(capsys):
 
 
 def test_chain_gaps_from_device_events():
-    """benchmarks/chain_gaps.py's gap accounting: overlapping device ops count once, a gap is
+    """benchmarks/lab/chain_gaps.py's gap accounting: overlapping device ops count once, a gap is
     the time between one op's end (the latest so far) and the next op's start."""
     from torch.autograd import DeviceType
 
-    from benchmarks.chain_gaps import gaps
+    from benchmarks.lab.chain_gaps import gaps
 
     cuda = DeviceType.CUDA
     events = [_ev(cuda, "a", 0, 10), _ev(cuda, "b", 5, 20), _ev(cuda, "c", 23, 30),
@@ -402,7 +403,7 @@ def test_hop_host_profile_parts_time_named_parts_inside_hops(tmp_path):
     only, each no longer than the hops' own time; the compute callback holds the cache's run."""
     out = tmp_path / "parts.jsonl"
     p = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "hop_host_profile.py"), "--tiny", "--ep", "2",
+        [sys.executable, str(LAB / "hop_host_profile.py"), "--tiny", "--ep", "2",
          "--tokens", "16", "--modes", "token", "--passes", "1", "--parts", "--no-cprofile",
          "--out", str(out)],
         capture_output=True, text=True, timeout=300,

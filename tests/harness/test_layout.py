@@ -1,7 +1,8 @@
-"""The test suite's layout (issue #33): the library's tests (``tests/lib``) import nothing from
+"""The test suite's layout: the library's tests (``tests/lib``) import nothing from
 ``benchmarks``, directly, inside a function, in code they hand a child process, or through the
 modules of ``tests/`` they import (``tests.fixtures``, ``tests.worlds``, ...); every test file
-lives in ``tests/lib``, ``tests/harness`` or ``tests/gpu``."""
+lives in ``tests/lib``, ``tests/harness`` or ``tests/gpu``. benchmarks/README.md names every
+script of ``benchmarks/`` and ``benchmarks/lab/``, and no table script imports the lab."""
 
 from __future__ import annotations
 
@@ -115,3 +116,25 @@ def test_every_test_file_is_in_lib_harness_or_gpu():
     assert not loose, f"tests/ holds test files outside lib/, harness/, gpu/: {loose}"
     for sub in ("lib", "harness", "gpu"):
         assert (TESTS / sub / "__init__.py").is_file(), sub
+
+
+def test_benchmarks_readme_names_every_script():
+    """A script nobody lists is a script nobody can find: each file of benchmarks/ (helpers
+    included) and of benchmarks/lab/ is named in benchmarks/README.md."""
+    bench = TESTS.parent / "benchmarks"
+    readme = (bench / "README.md").read_text()
+    files = [p for d in (bench, bench / "lab") for p in sorted(d.glob("*.py"))]
+    named = [p for p in files if re.search(f"[`/]{re.escape(p.name)}", readme)]
+    missing = [p.relative_to(bench).as_posix() for p in files
+               if p.name != "__init__.py" and p not in named]  # fmt: skip
+    assert not missing, f"benchmarks/README.md lists no row for: {missing}"
+
+
+def test_no_table_script_imports_the_lab():
+    """The lab depends on the benchmarks, never the reverse."""
+    bench = TESTS.parent / "benchmarks"
+    outside = [p for p in sorted(bench.rglob("*.py")) if "lab" not in p.relative_to(bench).parts]
+    lab = ("benchmarks.lab", "benchmarks/lab")
+    bad = [f"{p.relative_to(bench.parent)}:{line}: {name}"
+           for p in outside for line, name in imported(p) if name.startswith(lab)]  # fmt: skip
+    assert not bad, "outside benchmarks/lab/, nothing imports it:\n" + "\n".join(bad)

@@ -83,7 +83,7 @@ def test_real_data_flags_reach_megatrons_dataset(tmp_path):
                         str(work), "--max-mib", "0.3"], capture_output=True, text=True,
                        timeout=120, env=env)  # fmt: skip
     assert p.returncode == 0, p.stderr
-    from relaymoe.megatron import data
+    from relaymoe import data
 
     r = data.prepare([str(work / "corpus.jsonl")], str(work / "stdlib"), str(work / "tokenizer"),
                      progress=False)  # fmt: skip

@@ -1,8 +1,8 @@
-"""benchmarks/relay_host_cost.py runs on CPU and writes its row."""
+"""benchmarks/lab/relay_host_cost.py runs on CPU and writes its row."""
 
 
 def test_relay_host_cost_harness_runs():
-    """benchmarks/relay_host_cost.py (the ring machinery's own host time per hop) in a child
+    """benchmarks/lab/relay_host_cost.py (the ring machinery's own host time per hop) in a child
     process (it initialises a process group of one)."""
     import json
     import os
@@ -12,7 +12,7 @@ def test_relay_host_cost_harness_runs():
 
     root = Path(__file__).resolve().parents[2]
     p = subprocess.run(
-        [sys.executable, str(root / "benchmarks" / "relay_host_cost.py"), "--world", "4",
+        [sys.executable, str(root / "benchmarks" / "lab" / "relay_host_cost.py"), "--world", "4",
          "--passes", "3", "--repeats", "2"],
         capture_output=True, text=True, timeout=120,
         env=dict(os.environ, PYTHONPATH=str(root), CUDA_VISIBLE_DEVICES=""),

@@ -1,4 +1,4 @@
-"""benchmarks/step_prediction.py on synthetic hop_cost rows: the prediction is the sum its
+"""benchmarks/lab/step_prediction.py on synthetic hop_cost rows: the prediction is the sum its
 docstring states (measured GPU time of the passes plus the cost model's exposed transfer, the
 host floor beside it), a pass without a usable row is an error naming it, and the script writes
 its rows."""
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from benchmarks import step_prediction as sp
+from benchmarks.lab import step_prediction as sp
 from relaymoe import cost as cm
 
 QWEN = dict(H=2048, I=768, E=128, K=8)

@@ -1,4 +1,4 @@
-"""benchmarks/sweep_kernels.py on a tiny problem under the Triton interpreter (fp32): every
+"""benchmarks/lab/sweep_kernels.py on a tiny problem under the Triton interpreter (fp32): every
 variant runs, and each Triton configuration agrees with the grouped-GEMM reference (``err``), so
 a device run cannot spend its time on a harness that breaks."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks import sweep_kernels
+from benchmarks.lab import sweep_kernels
 from relaymoe.kernels import interpret_mode
 from tests.fixtures import use_env
 

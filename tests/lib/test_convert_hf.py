@@ -239,7 +239,7 @@ def test_megatron_logits_match_transformers(converted, dispatchers, tp, ep):
 
 
 def test_qkv_interleave_round_trips_and_is_per_group():
-    from relaymoe.megatron.convert_hf import fused_qkv, split_qkv
+    from relaymoe.convert_hf import fused_qkv, split_qkv
 
     heads, groups, d, h = 8, 2, 3, 5
     q = torch.arange(heads * d * h, dtype=torch.float).view(heads * d, h)
@@ -256,7 +256,7 @@ def test_qkv_interleave_round_trips_and_is_per_group():
 
 
 def test_refusals_name_the_problem(tmp_path):
-    from relaymoe.megatron import convert_hf as c
+    from relaymoe import convert_hf as c
 
     with pytest.raises(c.ConvertError, match="no config.json"):
         c.read_hf_config(str(tmp_path))
@@ -315,7 +315,7 @@ def test_default_writes_the_transformer_engine_keys(converted):
 def test_qwen3_30b_config_matches_the_shipped_config():
     """The flags for the real checkpoint's config.json (values from its model card's
     config) agree with relaymoe's qwen3_30b_a3b.yaml."""
-    from relaymoe.megatron import convert_hf as c
+    from relaymoe import convert_hf as c
 
     hub = {
         "model_type": "qwen3_moe", "num_hidden_layers": 48, "hidden_size": 2048,

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from relaymoe.megatron import data
+from relaymoe import data
 from tests.fixtures import needs
 
 pytestmark = needs("tokenizers", "transformers", "megatron.core")

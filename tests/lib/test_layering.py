@@ -1,5 +1,12 @@
-"""Dependencies in relaymoe/ point one way: kernels <- ops <- ring <- megatron, with the
-torch-free modules (options, cost, planner, config, lossmodel) and the oracle beside the stack.
+"""Dependencies in relaymoe/ point one way: kernels <- ops <- ring <- megatron <- the entry points
+(cli, convert_hf), with the torch-free modules (options, cost, planner, config, lossmodel, data)
+and the oracle beside the stack.
+
+Megatron (the ``megatron`` package) is imported by three parts only: ``megatron/`` (the
+integration), ``data/`` (megatron-core's tokenizer and ``IndexedDatasetBuilder``: the dataset is
+Megatron's format, written by Megatron's own code) and ``convert_hf/`` (the model built as
+pretrain builds it). ``data/`` and ``convert_hf/`` import it inside functions only, so their
+subcommands' parsers, and ``import relaymoe``, need no Megatron.
 
 Every import in every module is read from its source (function-level lazy imports included), so
 an upward import fails here even when no test happens to execute it.
@@ -17,14 +24,16 @@ PKG = Path(__file__).resolve().parents[2] / "relaymoe"
 # level of each top-level part of relaymoe; a module may import only parts of its level or below
 LEVELS = {
     "options": 0, "activation": 0, "cost": 0, "lossmodel": 0, "config": 0, "planner": 0,
-    "reference": 0,
+    "reference": 0, "data": 0,
     "kernels": 1, "activation_torch": 1,
     "routing": 2, "experts": 2, "expert_inputs": 2, "loss": 2,
     "ring": 3,
     "megatron": 4,
-    "cli": 5, "__main__": 5, "__init__": 5,
+    "cli": 5, "convert_hf": 5, "__main__": 5, "__init__": 5,
 }  # fmt: skip
-TORCH_FREE = ("options", "activation", "cost", "lossmodel", "config", "planner")
+TORCH_FREE = ("options", "activation", "cost", "lossmodel", "config", "planner", "data")
+# the parts that may import Megatron, and whether at import time (False: inside functions only)
+MEGATRON_IMPORTERS = {"megatron": True, "data": False, "convert_hf": False}
 
 
 def _part(rel: Path) -> str:
@@ -94,3 +103,16 @@ def test_pure_python_parts_import_no_torch(part):
     bad = [f"{p.relative_to(PKG)}:{line} {mod}" for p, line, mod in found
            if mod.split(".")[0] in ("torch", "triton")]  # fmt: skip
     assert not bad, f"{part} must stay torch-free: " + ", ".join(bad)
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PKG)))
+def test_only_the_megatron_parts_import_megatron(path):
+    part = _part(path.relative_to(PKG))
+    at_import_time = MEGATRON_IMPORTERS.get(part)
+    if at_import_time:
+        return
+    allowed_lazily = at_import_time is False
+    imports = _imports(path, lazy=not allowed_lazily)
+    found = [f"line {line}: {mod}" for line, mod in imports if mod.split(".")[0] == "megatron"]
+    where = "at import time (only inside functions)" if allowed_lazily else "at all"
+    assert not found, f"relaymoe/{path.relative_to(PKG)} may not import Megatron {where}: {found}"

@@ -17,7 +17,7 @@ PACKAGE = ROOT / "relaymoe"
 # the entry points that may read the environment, and why
 READERS = {
     "relaymoe/options.py": "from_env: the RELAYMOE_* variables, called by the entry points",
-    "relaymoe/megatron/convert_hf/run.py": "torchrun detection (WORLD_SIZE, MASTER_ADDR)",
+    "relaymoe/convert_hf/run.py": "torchrun detection (WORLD_SIZE, MASTER_ADDR)",
 }
 
 _MUTATORS = {"setdefault", "update", "pop", "popitem", "clear", "__setitem__", "__delitem__"}

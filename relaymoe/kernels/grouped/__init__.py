@@ -60,8 +60,8 @@ __all__ = [
 ]
 
 # The autotuned kernels by the name the shipped configurations use: (autotuner, its key's
-# argument names). ``benchmarks/tune_kernels.py`` reads their caches; a launcher's ``config=``
-# runs one configuration explicitly (the sweeps).
+# argument names). The tuner that writes ``tuned_configs.json`` reads their caches; a launcher's
+# ``config=`` runs one configuration explicitly (to time each alone).
 TUNED_KERNELS = {
     "up_swiglu": (_up._up_tuned, configs._UP_KEY),
     "up_single": (_up._up_single_tuned, configs._UP_KEY),

@@ -1,8 +1,6 @@
 """Tile configurations of the grouped kernels: the autotune candidates and keys, the pick of a
 launch's meta-parameters (a shipped configuration, the autotuner, or a fixed one) and the scratch
 allocator of tensor descriptors.
-
-History: docs/lab-notes/library_history.md#kernels-grouped-configs
 """
 
 from __future__ import annotations
@@ -43,8 +41,8 @@ _ROWS_CONFIGS = [
     _cfg(64, 128, 64, 4, 4),
 ]
 _WGRAD_CONFIGS = [
-    # the fastest of benchmarks/sweep_kernels.py's wgrad sweep first (128x128x64, 8 warps, 5
-    # stages); larger tiles and 128- or 32-pair steps were slower and are left out
+    # the fastest weight-gradient configuration, each timed alone, first (128x128x64, 8 warps,
+    # 5 stages); larger tiles and 128- or 32-pair steps were slower and are left out
     _cfg(128, 128, 64, 8, 5),
     _cfg(128, 128, 64, 8, 4),
     _cfg(128, 128, 64, 8, 3),

@@ -1,8 +1,6 @@
 """The deterministic gather-reduce combine: ``out[t] (+)= sum_k y[pair of (t, k)]``, no atomics;
 with the fc2 bias also ``+ p[t, k] * b2[e]`` for each pair of the range (``out[t] += sum_k p_k
 b2[e_k]``, summed in the same fixed order, no (T, H) pass of its own).
-
-History: docs/lab-notes/library_history.md#kernels-grouped-gather-reduce
 """
 
 from __future__ import annotations
@@ -71,7 +69,7 @@ def combine(y_PN, token_index_map, offs, out_TN, topk: int, *, accumulate: bool,
         bt, bn, warps = config
     elif interpret_mode():
         bt, bn, warps = 16, 16, 4
-    else:  # benchmarks/sweep_kernels.py --kernels combine: the fastest of COMBINE_CONFIGS
+    else:  # the fastest of COMBINE_CONFIGS, each timed alone
         bt, bn, warps = 32, min(256, triton.next_power_of_2(ncols)), 8
     b2, probs, token_expert, e0 = bias if bias is not None else (y_PN, y_PN, token_index_map, 0)
     grid = (triton.cdiv(num_tokens, bt), triton.cdiv(ncols, bn))

@@ -1,7 +1,5 @@
 """Weight gradients ``c[e] (+)= sum over expert e's pairs of a[row]^T b[row]``, either operand
 gathered through the routing index.
-
-History: docs/lab-notes/library_history.md#kernels-grouped-weight-grads
 """
 
 from __future__ import annotations

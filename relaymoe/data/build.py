@@ -1,0 +1,213 @@
+"""``prepare``: the inputs tokenised into their parts, then merged in input order into the output.
+
+A completed output has a manifest (``PREFIX_{key}_document.json``, which also records the
+Megatron flags to train with); when it matches, nothing is redone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from relaymoe.data.errors import DataError
+from relaymoe.data.inputs import TEXT_MODES, input_format, plan_chunks
+from relaymoe.data.parts import (
+    _WORKER,
+    FORMAT_VERSION,
+    Settings,
+    _make_part_star,
+    _part_prefix,
+    _same,
+    _worker_init,
+    make_part,
+    part_done,
+)
+from relaymoe.data.progress import _Progress
+from relaymoe.data.tokenizer import resolve_tokenizer, tokenizer_fingerprint
+
+
+@dataclass
+class Result:
+    outputs: dict  # key -> dataset prefix (absolute)
+    tokenizer_dir: str
+    documents: int
+    tokens: dict
+    parts_made: int
+    parts_kept: int
+    skipped: bool  # the outputs were already complete
+
+    def megatron_flags(self) -> list[str]:
+        paths = list(self.outputs.values())
+        return [
+            "--data-path",
+            *paths,
+            "--tokenizer-type",
+            "HuggingFaceTokenizer",
+            "--tokenizer-model",
+            self.tokenizer_dir,
+        ]
+
+
+def prepare(
+    inputs: list[str],
+    output_prefix: str,
+    tokenizer: str,
+    *,
+    json_keys: tuple[str, ...] = ("text",),
+    input_format_name: str = "auto",
+    text_mode: str = "line",
+    append_eod: bool = True,
+    eod_token: str | None = None,
+    workers: int = 1,
+    chunk_mib: float = 16.0,
+    keep_parts: bool = False,
+    progress: bool = True,
+) -> Result:
+    """Tokenise ``inputs`` into ``{output_prefix}_{key}_document.bin/.idx`` per JSON key."""
+    if not inputs:
+        raise DataError("no --input given; pass one or more JSON lines or text files")
+    if workers < 1:
+        raise DataError(f"--workers {workers}: needs at least 1")
+    if not chunk_mib > 0:
+        raise DataError(f"--chunk-mib {chunk_mib}: must be positive (e.g. 16)")
+    if text_mode not in TEXT_MODES:
+        raise DataError(f"--text-document {text_mode!r}; known: {TEXT_MODES}")
+    keys = tuple(json_keys)
+    if not keys or len(set(keys)) != len(keys):
+        raise DataError(f"--json-keys {list(keys)}: give one or more distinct keys")
+    if any(input_format(p, input_format_name) == "text" for p in inputs) and len(keys) != 1:
+        raise DataError(
+            f"--json-keys {list(keys)} with a plain-text input: text has one field; give one key "
+            "(it names the output, PREFIX_{key}_document)"
+        )
+    prefix = str(Path(output_prefix).resolve())
+    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+    tok_dir = resolve_tokenizer(tokenizer, output_prefix=prefix, eod_token=eod_token)
+    _worker_init(tok_dir, None)
+    tok = _WORKER["tokenizer"]
+    eod = tok.eod if append_eod else None
+    if append_eod and eod is None:
+        raise DataError(
+            f"the tokenizer at {tok_dir} has no EOS token, which Megatron's HuggingFaceTokenizer "
+            "uses as EOD; fix: set eos_token in its tokenizer_config.json, or pass --no-append-eod"
+        )
+    from megatron.core.datasets.indexed_dataset import DType
+
+    settings = Settings(
+        keys=keys,
+        text_mode=text_mode,
+        append_eod=append_eod,
+        tokenizer_dir=tok_dir,
+        tokenizer_sha256=tokenizer_fingerprint(tok_dir),
+        eod=eod,
+        vocab_size=int(tok.vocab_size),
+        dtype=DType.optimal_dtype(tok.vocab_size).__name__,
+    )
+    chunks = plan_chunks(list(inputs), input_format_name, text_mode, int(chunk_mib * 2**20))
+    outputs = {k: f"{prefix}_{k}_document" for k in keys}
+    manifest = {
+        "format": FORMAT_VERSION,
+        "settings": asdict(settings),
+        "chunks": [asdict(c) for c in chunks],
+    }
+    if _complete(outputs, manifest):
+        recorded = json.loads(Path(f"{outputs[keys[0]]}.json").read_text())
+        return Result(outputs, tok_dir, recorded["documents"], recorded["tokens"], 0, 0, True)
+    parts_dir = Path(f"{prefix}.parts")
+    parts_dir.mkdir(exist_ok=True)
+    todo = [c for c in chunks if not part_done(parts_dir, c, settings)]
+    _run_parts(parts_dir, todo, chunks, settings, workers, progress)
+    docs, tokens = 0, {k: 0 for k in keys}
+    for c in chunks:
+        st = json.loads((parts_dir / f"{c.name}.json").read_text())["stats"]
+        docs += st["documents"]
+        for k in keys:
+            tokens[k] += st["tokens"][k]
+    _merge(parts_dir, chunks, outputs, settings, manifest, docs, tokens)
+    if not keep_parts:
+        shutil.rmtree(parts_dir)
+    return Result(outputs, tok_dir, docs, tokens, len(todo), len(chunks) - len(todo), False)
+
+
+def _complete(outputs: dict, manifest: dict) -> bool:
+    for prefix in outputs.values():
+        m = Path(f"{prefix}.json")
+        if not all(Path(f"{prefix}{ext}").is_file() for ext in (".json", ".bin", ".idx")):
+            return False
+        try:
+            recorded = json.loads(m.read_text())
+        except json.JSONDecodeError:
+            return False
+        if not _same({k: recorded.get(k) for k in manifest}, manifest):
+            return False
+    return True
+
+
+def _run_parts(parts_dir, todo, chunks, settings, workers, progress) -> None:
+    total = sum(c.end - c.start for c in chunks)
+    done_before = total - sum(c.end - c.start for c in todo)
+    bar = _Progress(total, done_before, enabled=progress)
+    try:
+        if workers == 1 or len(todo) <= 1:
+            import multiprocessing as mp
+
+            counter = mp.Value("q", 0)
+            _worker_init(settings.tokenizer_dir, counter)
+            for c in todo:
+                make_part(str(parts_dir), c, settings)
+                bar.update(counter.value)
+            return
+        import multiprocessing as mp
+
+        # spawned, not forked: loading the tokenizer here may have started the tokenizers
+        # library's Rust thread pool, which a fork would copy without its threads (a deadlock, or
+        # the library's fork warning); each spawned worker imports megatron-core and loads the
+        # tokenizer once, and this process's environment is left as the caller set it
+        ctx = mp.get_context("spawn")
+        counter = ctx.Value("q", 0)
+        with ctx.Pool(
+            min(workers, len(todo)), _worker_init, (settings.tokenizer_dir, counter)
+        ) as pool:
+            jobs = [(str(parts_dir), c, settings) for c in todo]
+            pending = pool.imap_unordered(_make_part_star, jobs)
+            for _ in range(len(jobs)):
+                while True:
+                    try:
+                        pending.next(timeout=0.5)
+                        break
+                    except mp.TimeoutError:
+                        bar.update(counter.value)
+                bar.update(counter.value)
+    finally:
+        bar.close()
+
+
+def _merge(parts_dir, chunks, outputs, settings, manifest, docs, tokens) -> None:
+    import numpy
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    dtype = getattr(numpy, settings.dtype)
+    import gc
+
+    for k, prefix in outputs.items():
+        tmp = f"{prefix}.tmp{os.getpid()}"
+        builder = IndexedDatasetBuilder(f"{tmp}.bin", dtype=dtype)
+        # add_index runs gc.collect() per part: with torch and megatron loaded that walks
+        # every object of the process, the merge's main cost; frozen, it walks only the new ones
+        gc.freeze()
+        try:
+            for c in chunks:
+                builder.add_index(str(_part_prefix(parts_dir, c, k)))
+        finally:
+            gc.unfreeze()
+        builder.finalize(f"{tmp}.idx")
+        os.replace(f"{tmp}.bin", f"{prefix}.bin")
+        os.replace(f"{tmp}.idx", f"{prefix}.idx")
+        flags = ["--data-path", prefix, "--tokenizer-type", "HuggingFaceTokenizer",
+                 "--tokenizer-model", settings.tokenizer_dir]  # fmt: skip
+        record = dict(manifest, documents=docs, tokens=tokens, key=k, megatron_flags=flags)
+        Path(f"{prefix}.json.tmp").write_text(json.dumps(record, indent=1))
+        os.replace(f"{prefix}.json.tmp", f"{prefix}.json")
