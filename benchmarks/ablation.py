@@ -6,7 +6,7 @@ One ``torchrun`` job (EP = world size), qwen3 shape, expert routing, bf16, fwd+b
   step 1  ``ring_overlap_unfused``     overlap=True,  plain-torch hop kernels
   step 2  ``ring_overlap_fused``       overlap=True,  fused Triton kernels (the default)
 
-``overlap`` is ``relaymoe.options.RingOptions.overlap``, installed for the step (``ring_moe``
+``overlap`` is ``relaymoe.options.RingConfig.overlap``, installed for the step (``ring_moe``
 reads it from the process's options; it is no keyword of it); the unfused steps pass
 ``backend="torch"`` to ``ring_moe``. Rows: ``bench: ablation`` with ``step`` and ``variant``.
 Usage: ``torchrun --nproc-per-node 2 benchmarks/ablation.py [--quick] [--out PATH]``
@@ -24,7 +24,7 @@ if str(ROOT) not in sys.path:
 
 from relaymoe import options  # noqa: E402
 
-# (step, variant, RingOptions.overlap, ring_moe's keywords)
+# (step, variant, RingConfig.overlap, ring_moe's keywords)
 STEPS = [
     (0, "ring_sequential_unfused", False, {"backend": "torch"}),
     (1, "ring_overlap_unfused", True, {"backend": "torch"}),

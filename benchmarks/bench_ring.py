@@ -164,7 +164,7 @@ def main(argv=None) -> int:
         rows.append(row)
 
     def overlapping(on: bool):
-        """The block with ``RingOptions.overlap=on`` installed: ``ring_moe`` reads it from the
+        """The block with ``RingConfig.overlap=on`` installed: ``ring_moe`` reads it from the
         process's options (False: the sequential ring, each transfer after its compute)."""
         return options.installed(options.defaults().replace(overlap=on))
 

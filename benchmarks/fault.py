@@ -93,7 +93,7 @@ class Spec:
     topk: int = 2
     schedule: str = "auto"  # ring_moe's schedule; "node_batched" also arms its row exchanges
     gpus_per_node: int | None = None
-    # RingOptions.capture_hops on every rank: the hops replay recorded bodies (trusted calls only,
+    # RingConfig.capture_hops on every rank: the hops replay recorded bodies (trusted calls only,
     # so every case of a capturing spec calls trusted, as Megatron does)
     capture_hops: bool = False
 
