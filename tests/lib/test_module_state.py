@@ -94,7 +94,17 @@ def _writes(tree: ast.Module, names: set[str]) -> dict[str, int]:
     assignment, ``del``, augmented assignment, a mutating method)."""
     out: dict[str, int] = {}
 
+    # a local name bound to one of them (``cache = X``) writes into it too
+    aliases = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Name):
+            if node.value.id in names:
+                for t in node.targets:
+                    if isinstance(t, ast.Name):
+                        aliases[t.id] = node.value.id
+
     def hit(name, line):
+        name = aliases.get(name, name)
         if name in names:
             out.setdefault(name, line)
 
@@ -152,6 +162,7 @@ def test_the_state_check_sees_each_kind_of_write():
         "from collections import defaultdict\nX = defaultdict(list)\ndef f():\n    X[1].append(2)\n": "X",  # noqa: E501
         "X = [0]\ndef f():\n    X[0] += 1\n": "X",
         "X = {}\ndef f():\n    del X[1]\n": "X",
+        "X = {}\ndef f(k):\n    cache = X\n    cache[k] = 1\n": "X",  # through a local alias
         "X = 0\ndef f():\n    global X\n    X = 1\n": "global X",
     }
     for source, name in kept.items():
