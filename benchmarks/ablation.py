@@ -6,8 +6,8 @@ One ``torchrun`` job (EP = world size), qwen3 shape, expert routing, bf16, fwd+b
   step 1  ``ring_overlap_unfused``     overlap=True,  plain-torch hop kernels
   step 2  ``ring_overlap_fused``       overlap=True,  fused Triton kernels (the default)
 
-``overlap`` is ``relaymoe.options.RingOptions.overlap``, installed for the step (``ring_moe``
-reads it from the process's options; it is no keyword of it); the unfused steps pass
+``overlap`` is ``relaymoe.options.RingConfig.overlap``, passed for the step in the call's
+``RingConfig`` (``ring_moe(..., config=)``); the unfused steps pass
 ``backend="torch"`` to ``ring_moe``. Rows: ``bench: ablation`` with ``step`` and ``variant``.
 Usage: ``torchrun --nproc-per-node 2 benchmarks/ablation.py [--quick] [--out PATH]``
 """
@@ -24,7 +24,7 @@ if str(ROOT) not in sys.path:
 
 from relaymoe import options  # noqa: E402
 
-# (step, variant, RingOptions.overlap, ring_moe's keywords)
+# (step, variant, RingConfig.overlap, ring_moe's keywords)
 STEPS = [
     (0, "ring_sequential_unfused", False, {"backend": "torch"}),
     (1, "ring_overlap_unfused", True, {"backend": "torch"}),
@@ -36,9 +36,11 @@ def main(argv=None) -> int:
     import torch
     import torch.distributed as dist
 
+    from benchmarks import ENV_CONFIG
     from benchmarks._dist import init_dist, make_inputs, qwen3, timed_collective
     from benchmarks.common import JsonlWriter, print_table
     from relaymoe import ring_moe
+    from relaymoe.ring import RingRuntime
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="8k tokens per GPU (else 32k)")
@@ -57,22 +59,24 @@ def main(argv=None) -> int:
         w13p, w2p = w13.detach().requires_grad_(), w2.detach().requires_grad_()
         pr = probs.detach().requires_grad_()
 
-        def fwd_bwd(xs=xs, w13p=w13p, w2p=w2p, pr=pr, kw=kw):
-            out = ring_moe(xs, w13p, w2p, idx, pr, group=group, mode=args.mode, **kw)
+        config, runtime = ENV_CONFIG.replace(overlap=overlap), RingRuntime(group)
+
+        def fwd_bwd(xs=xs, w13p=w13p, w2p=w2p, pr=pr, kw=kw, config=config, runtime=runtime):
+            out = ring_moe(xs, w13p, w2p, idx, pr, group=group, mode=args.mode, config=config,
+                           runtime=runtime, **kw)  # fmt: skip
             out.backward(dy)
             xs.grad = w13p.grad = w2p.grad = pr.grad = None
 
         try:
-            with options.installed(options.defaults().replace(overlap=overlap)):
-                fwd_bwd()
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
-                fwd_bwd()
-                torch.cuda.synchronize()
-                peak = torch.cuda.max_memory_allocated() - base
-                # fixed count on every rank; the slowest rank is the layer's time
-                ms = timed_collective(fwd_bwd, 2, 5 if args.quick else 15)
+            fwd_bwd()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            fwd_bwd()
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() - base
+            # fixed count on every rank; the slowest rank is the layer's time
+            ms = timed_collective(fwd_bwd, 2, 5 if args.quick else 15)
         except Exception as e:
             if rank == 0:
                 print(f"[ablation] {variant} failed: {type(e).__name__}: {e}"[:600])

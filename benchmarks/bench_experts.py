@@ -70,7 +70,6 @@ from benchmarks.common import (  # noqa: E402
     print_table,
     rel_err,
 )
-from relaymoe import options  # noqa: E402
 from relaymoe.activation import SWIGLU, ExpertActivation, as_activation  # noqa: E402
 from relaymoe.activation_torch import activation_forward  # noqa: E402
 from relaymoe.experts import moe_experts  # noqa: E402
@@ -123,9 +122,11 @@ AGREE_BOUND = 2e-2
 
 def relaymoe_fn(recompute: str, kernels: dict | None = None, activation=SWIGLU):
     """moe_experts of ``activation`` with these ``KernelOptions`` fields for this call and the
-    backward that follows (the process's options when ``kernels`` is empty: torch._grouped_mm
-    on sm90)."""
-    k = options.defaults().kernels
+    backward that follows (the environment's, ``benchmarks.ENV_CONFIG``, when ``kernels`` is
+    empty: torch._grouped_mm on sm90)."""
+    from benchmarks import ENV_CONFIG
+
+    k = ENV_CONFIG.kernels
     k = dataclasses.replace(k, **kernels) if kernels else k
 
     def fn(x, w13, w2, idx, probs):

@@ -109,14 +109,14 @@ def main(argv=None) -> int:
     import torch
     import torch.distributed as dist
 
+    from benchmarks import ENV_CONFIG
     from benchmarks._dist import Shape, build_mcore_alltoall, init_dist, make_inputs, qwen3
     from benchmarks._dist import timed_collective as _timed
     from benchmarks.common import JsonlWriter, moe_flops_fwd_bwd, print_table
-    from relaymoe import cost, options
+    from relaymoe import cost
     from relaymoe.options import RING_MODES
-    from relaymoe.ring import record_timeline, resolved_problem, ring_moe
+    from relaymoe.ring import RingRuntime, record_timeline, resolved_problem, ring_moe
     from relaymoe.ring.faults import host_wait_mode
-    from relaymoe.ring.transport import symmetric_workspace_bytes
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer providers and iterations")
@@ -163,21 +163,26 @@ def main(argv=None) -> int:
             print({k: v for k, v in row.items() if k != "timeline"}, flush=True)
         rows.append(row)
 
+    # one runtime for every row, as a model's layers on one group share a dispatcher's: the
+    # copy-engine workspace grows to the largest pass, as in training
+    runtime = RingRuntime(group)
+
     def overlapping(on: bool):
-        """The block with ``RingOptions.overlap=on`` installed: ``ring_moe`` reads it from the
-        process's options (False: the sequential ring, each transfer after its compute)."""
-        return options.installed(options.defaults().replace(overlap=on))
+        """The environment's config with ``overlap=on`` (False: the sequential ring, each
+        transfer after its compute)."""
+        return ENV_CONFIG.replace(overlap=on)
 
     def ring_row(shape, layer, provider, mode, transport, overlap, extra=None, topo=None):
-        with overlapping(overlap):
-            _ring_row(shape, layer, provider, mode, transport, overlap, extra, topo)
+        _ring_row(shape, layer, provider, mode, transport, overlap, extra, topo)
 
     def _ring_row(shape, layer, provider, mode, transport, overlap, extra, topo):
         topo = topo or {}
+        config = overlapping(overlap)
 
         def fwd():
             return ring_moe(layer.x, layer.w13, layer.w2, layer.idx, layer.probs, group=group,
-                            mode=mode, transport=transport, trusted=True, **topo)  # fmt: skip
+                            mode=mode, transport=transport, trusted=True, config=config,
+                            runtime=runtime, **topo)  # fmt: skip
 
         def bwd(out):
             out.backward(layer.dy)
@@ -188,10 +193,11 @@ def main(argv=None) -> int:
 
         prob = resolved_problem(layer.x, layer.w13, layer.w2, layer.idx, layer.probs,
                                 group=group, mode=mode, transport=transport,
-                                trusted=True, **topo)  # fmt: skip
+                                trusted=True, config=config, runtime=runtime,
+                                **topo)  # fmt: skip
         step()  # first call allocates the copy-engine workspace (persistent, reported below)
         saved, peak_alloc = _memory(fwd, bwd)
-        symm = symmetric_workspace_bytes() / MiB if prob.transport == "copy_engine" else 0.0
+        symm = runtime.workspace_bytes() / MiB if prob.transport == "copy_engine" else 0.0
         peak = round(peak_alloc + symm, 1)
         ms = _timed(step, warmup, reps)
         with torch.no_grad():
@@ -204,15 +210,15 @@ def main(argv=None) -> int:
             mode=prob.mode, transport=prob.transport, overlap=overlap,
             symm_workspace_MiB=round(symm, 1), schedule=topo.get("schedule", prob.schedule),
             gpus_per_node=topo.get("gpus_per_node", prob.gpus_per_node),
-            host_wait=host_wait_mode(layer.x.device),
+            host_wait=host_wait_mode(layer.x.device, config.host_wait),
         )  # fmt: skip
         if overlap and world > 1 and prob.mode != "alltoall":
-            with record_timeline() as tl_o:
+            with record_timeline(runtime) as tl_o:
                 step()
-            with overlapping(False), record_timeline() as tl_s:
+            with record_timeline(runtime) as tl_s:
                 bwd(ring_moe(layer.x, layer.w13, layer.w2, layer.idx, layer.probs, group=group,
                              mode=prob.mode, transport=prob.transport, trusted=True,
-                             **topo))  # fmt: skip
+                             config=overlapping(False), runtime=runtime, **topo))  # fmt: skip
             row.update(_summarize_timeline(tl_o, tl_s))
         row.update(extra or {})
         emit(row)

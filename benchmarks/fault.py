@@ -93,7 +93,7 @@ class Spec:
     topk: int = 2
     schedule: str = "auto"  # ring_moe's schedule; "node_batched" also arms its row exchanges
     gpus_per_node: int | None = None
-    # RingOptions.capture_hops on every rank: the hops replay recorded bodies (trusted calls only,
+    # RingConfig.capture_hops on every rank: the hops replay recorded bodies (trusted calls only,
     # so every case of a capturing spec calls trusted, as Megatron does)
     capture_hops: bool = False
 
@@ -181,7 +181,7 @@ def _inputs(spec: Spec, group_rank: int, device, step: int):
     return x, w13, w2, idx, probs
 
 
-def _step(spec: Spec, group, group_rank: int, device, step: int, trusted: bool):
+def _step(spec: Spec, group, group_rank: int, device, step: int, trusted: bool, ring: dict):
     """One ring_moe forward and backward on this rank's inputs."""
     import torch
 
@@ -190,7 +190,7 @@ def _step(spec: Spec, group, group_rank: int, device, step: int, trusted: bool):
     x, w13, w2, idx, probs = _inputs(spec, group_rank, device, step)
     out = ring_moe(x, w13, w2, idx, probs, group=group, mode=spec.mode,
                    transport=spec.transport, trusted=trusted, schedule=spec.schedule,
-                   gpus_per_node=spec.gpus_per_node)  # fmt: skip
+                   gpus_per_node=spec.gpus_per_node, **ring)  # fmt: skip
     out.backward(torch.ones_like(out))
     return out
 
@@ -224,9 +224,14 @@ def _expectations(err, spec: Spec, me: int) -> list[str]:
 
 def rank_main(spec: Spec, rank: int, group, store, device, outdir: str) -> None:
     """Run the case on this rank (process group initialised) and write ``rank{r}.json``."""
+    from relaymoe.ring import RingRuntime
     from relaymoe.ring.faults import RingPeerError
 
     res: dict = {"rank": rank, "victim": rank == spec.victim}
+    # this rank's entry point: its case's environment (and the spec's capture_hops), and one
+    # runtime for its steps (a trusted call's cached agreement, as a dispatcher's)
+    ring = {"config": options.from_env().replace(capture_hops=spec.capture_hops),
+            "runtime": RingRuntime(group)}  # fmt: skip
     out_path = Path(outdir, f"rank{rank}.json")
     if rank not in spec.group_ranks:  # a bystander of a sub-group case
         res["bystander"] = True
@@ -237,7 +242,7 @@ def rank_main(spec: Spec, rank: int, group, store, device, outdir: str) -> None:
     state = {"armed": False, "passes": 0, "calls": 0}
     try:
         for step in range(2):
-            _step(spec, group, me, device, step, trusted)
+            _step(spec, group, me, device, step, trusted, ring)
     except BaseException as exc:  # a healthy step failed: the case is broken, not the ring
         res["error"] = f"healthy step raised {type(exc).__name__}: {exc}"
         out_path.write_text(json.dumps(res))
@@ -258,10 +263,10 @@ def rank_main(spec: Spec, rank: int, group, store, device, outdir: str) -> None:
             time.sleep(_BEFORE_WAIT_S)  # the victim's sockets are closed by then
     res["call_at"] = time.time()
     try:
-        _step(spec, group, me, device, 2, trusted)
+        _step(spec, group, me, device, 2, trusted, ring)
         if _host_wait() == "lag":
             # the next layer's ring call, as in training: a pass's end waits for the pass before
-            _step(spec, group, me, device, 3, trusted)
+            _step(spec, group, me, device, 3, trusted, ring)
         if device.type == "cuda":
             import torch
 
@@ -306,8 +311,6 @@ def _fork_child(spec: Spec, rank: int, host: str, port: int, prefix: str, outdir
         if spec.pg_timeout_s:
             os.environ["RELAYMOE_RING_TIMEOUT_S"] = str(spec.timeout_s)
         os.environ.update(dict(spec.env))
-        # this rank's entry point: its case's environment (and the spec's capture_hops)
-        options.install(options.from_env().replace(capture_hops=spec.capture_hops))
         dist.init_process_group("gloo", store=dist.PrefixStore("pg/", store), rank=rank,
                                 world_size=spec.world, timeout=timeout)  # fmt: skip
         group = dist.new_group(list(spec.group_ranks), timeout=timeout)
@@ -551,8 +554,7 @@ def _torchrun_one(args) -> int:
     import torch.distributed as dist
 
     # no autotuner search: on a cold Triton cache it alone outlasted the case's cap (H200)
-    os.environ.setdefault("RELAYMOE_AUTOTUNE", "0")
-    options.install(options.from_env())
+    os.environ.setdefault("RELAYMOE_AUTOTUNE", "0")  # read by rank_main (options.from_env)
     local = int(os.environ.get("LOCAL_RANK", 0))
     timeout = timedelta(seconds=args.timeout)
     Path(args.outdir).mkdir(parents=True, exist_ok=True)

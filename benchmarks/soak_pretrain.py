@@ -11,7 +11,7 @@ same bias from the same iteration, as a router shift in a real run would be seen
 After each iteration every rank appends one JSON line to ``DIR/rank<R>.jsonl``: ``step``, ``drift``
 (the wave's value in [0, 1]), ``allocated_MiB`` (``memory_allocated`` after the step),
 ``peak_MiB`` (that step's ``max_memory_allocated``) and ``workspace_bytes`` (the copy-engine
-workspace, ``relaymoe.ring.transport.symmetric_workspace_bytes``). ``benchmarks/soak.py`` reads
+workspace, ``RingRuntime.workspace_bytes`` of every ring layer). ``benchmarks/soak.py`` reads
 them. Prints ``MARKER`` once the router is patched.
 """
 
@@ -59,7 +59,10 @@ def _install(ep: int, period: int, strength: float, outdir: Path) -> None:
     rank = torch.distributed.get_rank
 
     def train_step(*a, **kw):
-        from relaymoe.ring.transport import symmetric_workspace_bytes
+        from relaymoe.megatron.dispatcher import RingDispatcher
+
+        model = a[2] if len(a) > 2 else kw["model"]
+        chunks = model if isinstance(model, (list, tuple)) else [model]
 
         torch.cuda.reset_peak_memory_stats()
         result = original_step(*a, **kw)
@@ -69,7 +72,12 @@ def _install(ep: int, period: int, strength: float, outdir: Path) -> None:
             "drift": drift(state["step"], period),
             "allocated_MiB": torch.cuda.memory_allocated() / 2**20,
             "peak_MiB": torch.cuda.max_memory_allocated() / 2**20,
-            "workspace_bytes": symmetric_workspace_bytes(),
+            "workspace_bytes": sum(  # every ring layer's runtime's copy-engine workspace
+                m.token_dispatcher.runtime.workspace_bytes()
+                for c in chunks
+                for m in c.modules()
+                if isinstance(getattr(m, "token_dispatcher", None), RingDispatcher)
+            ),
         }
         with open(outdir / f"rank{rank()}.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")

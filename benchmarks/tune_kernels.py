@@ -65,8 +65,9 @@ def parse_extra(text: str) -> list[dict]:
     return out
 
 
-def run_shape(s: dict, tokens: int, dtype) -> None:
-    """Every launch the runtime makes for this shape, fwd+bwd, once (the autotuner searches)."""
+def run_shape(s: dict, tokens: int, dtype, config) -> None:
+    """Every launch the runtime makes for this shape, fwd+bwd, once (the autotuner searches),
+    with ``config`` (a ``RingConfig``: its kernels search)."""
     import torch
 
     from relaymoe.experts import moe_experts
@@ -82,9 +83,10 @@ def run_shape(s: dict, tokens: int, dtype) -> None:
     probs = torch.rand(T, K, **kw).requires_grad_()
     dy = torch.randn(T, H, **kw).to(dtype)
     for recompute in ("act", "act_retain", "fc1"):
-        moe_experts(x, w13, w2, idx, probs, recompute=recompute).backward(dy)
+        moe_experts(x, w13, w2, idx, probs, recompute=recompute,
+                    kernels=config.kernels).backward(dy)  # fmt: skip
     for mode in ("expert", "token"):
-        ring_moe(x, w13, w2, idx, probs, mode=mode).backward(dy)
+        ring_moe(x, w13, w2, idx, probs, mode=mode, config=config).backward(dy)
     torch.cuda.synchronize()
 
 
@@ -148,7 +150,7 @@ def main(argv=None) -> int:
         return 3
     # always the full search; the Triton kernels are the ones tuned: on sm90 the gathered GEMMs
     # default to the Gluon kernels (fixed configurations), and the Triton ones stay their fallback
-    options.install(options.defaults().replace(kernels={"autotune": "search", "gather_ws": "off"}))
+    config = options.from_env().replace(kernels={"autotune": "search", "gather_ws": "off"})
     out = Path(a.out) if a.out else tuned.TABLE
     gpu = torch.cuda.get_device_name()
     provenance = {
@@ -164,7 +166,7 @@ def main(argv=None) -> int:
             print(f"budget of {a.budget_s:.0f} s spent: {len(todo) - n} shapes not tuned")
             break
         t1 = time.perf_counter()
-        run_shape(s, a.tokens, getattr(torch, a.dtype))
+        run_shape(s, a.tokens, getattr(torch, a.dtype), config)
         found = winners()
         out.write_text(json.dumps(merge(base, gpu, found, provenance), indent=1) + "\n")
         print(f"tuned {s['config']} ep={s['ep']} (El={s['El']}): {time.perf_counter() - t1:.1f} s",

@@ -221,7 +221,7 @@ def expert_hop_forward(
     it spares the Triton backend the host sync that sizes a partial range's buffers. Else
     ``max_pairs``: an upper bound on it, which does the same (buffers sized from the bound;
     ``save="act"`` needs the exact count). ``kernels``: how the Triton backend's kernels run
-    (``relaymoe.options.KernelOptions``; default: this process's).
+    (``relaymoe.options.KernelOptions``; default: ``KernelOptions()``).
     ``activation``: an ``ExpertActivation`` or a name (``relaymoe.activation.as_activation``;
     None: SwiGLU). ``b13 (El, J)``, ``b2 (El, H)``: the range's fc1/fc2 biases, w13's dtype
     (None: none); ``out[t] += p * (a @ w2[e]^T + b2[e])``.
@@ -436,8 +436,7 @@ def moe_experts(
 
     ``kernels``: how the Triton backend's kernels run (``relaymoe.options.KernelOptions``:
     GEMM backends, tile configurations, buffer budget; every choice computes the same layer up
-    to rounding); default: this process's (``relaymoe.options.defaults().kernels``), fixed for
-    the forward and its backward.
+    to rounding); default: ``KernelOptions()``, fixed for the forward and its backward.
 
     Dtypes: x, w13, w2 (and the biases) share one of float16, bfloat16, float32, float64;
     topk_probs any of those (computed in fp32 or wider); topk_idx any integer dtype.

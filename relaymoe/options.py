@@ -1,28 +1,29 @@
 """relaymoe's options: their names, choices and defaults, in one place; torch-free.
 
-Two frozen objects hold every knob, and every layer reads them from here:
+One frozen object holds every knob, validated once when it is built, and is handed down:
 
-* :class:`KernelOptions`: how the expert kernels compute (never what): the GEMM backends, the
-  row gathers, tensor descriptors, the Gluon kernels, autotuning, the pair-buffer budget;
-* :class:`RingOptions`: how ``ring_moe`` runs (mode, transport, schedule, gradient accumulators,
-  overlap, host waits, timeout, how often the ranks agree), with its ``kernels``.
+* :class:`RingConfig`: how ``ring_moe`` runs (mode, transport, schedule, gradient accumulators,
+  overlap, hop capture, host waits, timeout, how often the ranks agree), with its ``kernels``;
+* :class:`KernelOptions`: its nested part for the expert kernels, how they compute (never what):
+  the GEMM backends, the row gathers, tensor descriptors, the Gluon kernels, autotuning, the
+  pair-buffer budget.
 
-Each field's name is the option's one name: the ``ring_moe`` / ``moe_experts`` keyword, the key
-of a config's ``relaymoe:`` section and, for the fields with ``flag`` metadata, Megatron's
-``--relaymoe-<name>`` flag. Where no call passes options, the library uses this process's
-defaults (:func:`defaults`): ``RingOptions()`` unless an entry point installed others. The
-``RELAYMOE_*`` environment is read only by :func:`from_env`, which the entry points call once
-(``relaymoe.megatron.register()``, the CLI, the benchmarks' package, the test suite's conftest):
-nothing deeper reads the environment.
+Each field's name is the option's one name: the key of a config's ``relaymoe:`` section, the
+``ring_moe`` keyword where one overrides it, and, for the fields with ``flag`` metadata,
+Megatron's ``--relaymoe-<name>`` flag. Two levels only: the value the caller passes (a
+``RingConfig`` built by the caller, by Megatron's dispatcher from its flags, or by an entry
+point from the environment), else the field's documented default. Nothing here is process
+state. The ``RELAYMOE_*`` environment is read only by :func:`from_env`, which entry points call
+(Megatron's argument parsing, the CLI, the benchmarks, the test suite) and which returns a
+``RingConfig``: nothing deeper reads the environment.
 
 History: docs/lab-notes/library_history.md#options
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 __all__ = [
@@ -44,17 +45,18 @@ __all__ = [
     "NODE_BATCHED",
     "RING_MODES",
     "ROWS_GATHER_CHOICES",
-    "RingOptions",
+    "RingConfig",
+    "check_field",
     "SCHEDULES",
     "SCHEDULE_CHOICES",
     "TMA_CHOICES",
     "TRANSPORTS",
     "TRANSPORT_CHOICES",
     "WGRAD_CHOICES",
-    "defaults",
+    "env_var",
     "from_env",
-    "install",
-    "installed",
+    "megatron_flags",
+    "planner_gpu_bytes",
 ]
 
 AUTO = "auto"  # a request resolved by the runtime: choose_mode / the copy engine when it works
@@ -117,7 +119,10 @@ def _opt(default, choices=None, *, env: str | None = None, env_values=None, flag
     return field(default=default, metadata=meta)
 
 
-def _check_field(owner: str, f: dataclasses.Field, value) -> None:
+def check_field(owner: str, f: dataclasses.Field, value) -> None:
+    """Raise ``ValueError`` naming ``owner.f.name``, ``value``, the field's choices or bounds
+    and its default when ``value`` is not one ``f`` (a field of :class:`RingConfig` or
+    :class:`KernelOptions`, or one made from it) accepts."""
     choices = f.metadata.get("choices")
     if choices is not None:
         if value not in choices:
@@ -162,7 +167,7 @@ def _days(seconds: float) -> str:
 def _check_all(obj) -> None:
     for f in dataclasses.fields(obj):
         if f.name != "kernels":
-            _check_field(type(obj).__name__, f, getattr(obj, f.name))
+            check_field(type(obj).__name__, f, getattr(obj, f.name))
 
 
 @dataclass(frozen=True)
@@ -210,9 +215,11 @@ class KernelOptions:
 
 
 @dataclass(frozen=True)
-class RingOptions:
-    """How a ``ring_moe`` call runs. ``mode``, ``transport``, ``schedule``, ``gpus_per_node``,
-    ``grad_accum`` and ``agree`` are agreed by every rank of the group before any transfer (a
+class RingConfig:
+    """How a ``ring_moe`` call runs: every ring and kernel option, validated once here.
+
+    ``mode``, ``transport``, ``schedule``, ``gpus_per_node``, ``grad_accum`` and ``agree`` are
+    agreed by every rank of the group before any transfer (a
     mismatch raises on every rank); ``kernels.pair_buffer_mib`` too, since it sizes the hops'
     pair buffers. ``overlap``, ``capture_hops``, ``host_wait`` and ``timeout_s`` are this
     rank's."""
@@ -253,8 +260,7 @@ class RingOptions:
         "would take the error past twice an all-to-all's",
     )  # fmt: skip
     # False only for the ablation (benchmarks/ablation.py, bench_ring.py's sequential rows):
-    # ring_moe takes no keyword for it and Megatron no flag, it is read from this process's
-    # options at each call
+    # no Megatron flag; a caller passes RingConfig(overlap=False)
     overlap: bool = _opt(True, why="each hop's transfer overlaps its compute (False: after it)")
     capture_hops: bool = _opt(
         False, flag="--relaymoe-capture-hops",
@@ -295,9 +301,9 @@ class RingOptions:
     def __post_init__(self):
         _check_all(self)
         if not isinstance(self.kernels, KernelOptions):
-            raise ValueError(f"RingOptions.kernels={self.kernels!r} must be a KernelOptions")
+            raise ValueError(f"RingConfig.kernels={self.kernels!r} must be a KernelOptions")
 
-    def replace(self, **changes) -> RingOptions:
+    def replace(self, **changes) -> RingConfig:
         """A copy with ``changes`` (``kernels=`` a ``KernelOptions`` or a dict of its fields)."""
         k = changes.get("kernels")
         if isinstance(k, Mapping):
@@ -328,7 +334,7 @@ def _env_value(owner: str, f: dataclasses.Field, raw: str):
             f"default"
         )
     try:
-        _check_field(owner, f, value)
+        check_field(owner, f, value)
     except ValueError as err:
         raise ValueError(
             f"{name}={raw!r} (environment) is refused: {err}; set {name} within that range, "
@@ -337,15 +343,15 @@ def _env_value(owner: str, f: dataclasses.Field, raw: str):
     return value
 
 
-def from_env(environ: Mapping[str, str] | None = None, *, base: RingOptions | None = None):
-    """``base`` (default ``RingOptions()``) with every ``RELAYMOE_*`` variable of ``environ``
+def from_env(environ: Mapping[str, str] | None = None, *, base: RingConfig | None = None):
+    """``base`` (default ``RingConfig()``) with every ``RELAYMOE_*`` variable of ``environ``
     (default ``os.environ``) that names one of its fields applied. A bad value raises
     ``ValueError`` naming the variable, its value and the choices."""
     if environ is None:
         import os
 
         environ = os.environ
-    base = base or RingOptions()
+    base = base or RingConfig()
 
     def changes(obj) -> dict:
         out = {}
@@ -371,57 +377,16 @@ def planner_gpu_bytes(environ: Mapping[str, str] | None = None) -> str | None:
     return environ.get("RELAYMOE_GPU_BYTES") or None
 
 
-_DEFAULTS = [RingOptions()]
-
-
-def defaults() -> RingOptions:
-    """This process's options where a call passes none (``RingOptions()`` unless installed)."""
-    return _DEFAULTS[0]
-
-
-def install(options: RingOptions) -> RingOptions:
-    """Make ``options`` this process's defaults; returns the previous ones. The ring's
-    agreements cached so far are dropped (``relaymoe.ring.agree``), so every rank of a group
-    must install the same options at the same point of its program."""
-    if not isinstance(options, RingOptions):
-        raise ValueError(f"install() takes a RingOptions, got {type(options).__name__}")
-    previous, _DEFAULTS[0] = _DEFAULTS[0], options
-    for hook in _ON_INSTALL:
-        hook()
-    return previous
-
-
-@contextlib.contextmanager
-def installed(options: RingOptions) -> Iterator[RingOptions]:
-    """``with installed(o):`` runs the block with ``o`` installed (:func:`install`), then puts
-    the previous options back; every rank of a group enters and leaves at the same point."""
-    previous = install(options)
-    try:
-        yield options
-    finally:
-        install(previous)
-
-
-_ON_INSTALL: list = []  # callbacks of layers that cache what the defaults decided (the ring)
-
-
-def on_install(hook) -> None:
-    """Call ``hook()`` whenever :func:`install` changes the defaults (the ring's agreement cache
-    registers here; this module imports nothing of relaymoe)."""
-    if hook not in _ON_INSTALL:
-        _ON_INSTALL.append(hook)
-
-
 def megatron_flags() -> list[tuple[str, dataclasses.Field]]:
-    """``(flag, field)`` of every ``RingOptions`` field that Megatron's parser takes."""
-    return [(f.metadata["flag"], f) for f in dataclasses.fields(RingOptions)
+    """``(flag, field)`` of every ``RingConfig`` field that Megatron's parser takes."""
+    return [(f.metadata["flag"], f) for f in dataclasses.fields(RingConfig)
             if f.metadata.get("flag")]  # fmt: skip
 
 
 def env_var(name: str) -> str:
     """The ``RELAYMOE_*`` variable :func:`from_env` reads for the field ``name`` of
-    ``RingOptions`` or ``KernelOptions`` (for harnesses that set it for a child process)."""
-    for cls in (RingOptions, KernelOptions):
+    ``RingConfig`` or ``KernelOptions`` (for harnesses that set it for a child process)."""
+    for cls in (RingConfig, KernelOptions):
         for f in dataclasses.fields(cls):
             if f.name == name and f.metadata.get("env"):
                 return f.metadata["env"]

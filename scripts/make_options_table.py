@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from relaymoe.options import INT64_MAX, KernelOptions, RingOptions  # noqa: E402
+from relaymoe.options import INT64_MAX, KernelOptions, RingConfig  # noqa: E402
 
 BEGIN = "<!-- options:begin -->"
 END = "<!-- options:end -->"
@@ -63,7 +63,7 @@ def table() -> str:
         "| option | Megatron flag | environment (read at the entry points) | values | default "
         "| what |",
         "| --- | --- | --- | --- | --- | --- |",
-        *_rows(RingOptions, ""),
+        *_rows(RingConfig, ""),
         *_rows(KernelOptions, "kernels."),
     ]
     return "\n".join(lines) + "\n"

@@ -12,20 +12,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter's bookkeeping c
 
     triton_interpreter.install()
 
-from relaymoe import options  # noqa: E402
 from tests.fixtures import Worlds  # noqa: E402
-
-# tests/__init__.py installed the options of the environment the session started with (the GPU
-# suite's RELAYMOE_AUTOTUNE=0, say): each test starts from those.
-SESSION_OPTIONS = options.defaults()
-
-
-@pytest.fixture(autouse=True)
-def _session_options_after_each_test():
-    """A test that installs other options (``tests.fixtures.use_env``) gets the session's back."""
-    yield
-    if options.defaults() is not SESSION_OPTIONS:
-        options.install(SESSION_OPTIONS)
 
 
 @pytest.fixture(scope="session")

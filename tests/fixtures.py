@@ -217,18 +217,25 @@ def assert_all_close(got: dict, ref: dict, tol: float) -> None:
         assert_close(name, got[name], ref[name], tol)
 
 
-def use_env(monkeypatch, **env) -> None:
-    """Set (a value) or unset (None) ``RELAYMOE_*`` variables for this test and install the
-    options they give, as an entry point would (the conftest restores the session's after the
-    test). A bad value raises ``from_env``'s ``ValueError`` here."""
-    from relaymoe import options
-
+def use_env(monkeypatch, **env):
+    """Set (a value) or unset (None) ``RELAYMOE_*`` variables for this test (and any process it
+    starts) and return the ``RingConfig`` they give, as an entry point would build it: pass it
+    (or its ``kernels``) to what the test calls. A bad value raises ``from_env``'s
+    ``ValueError`` here."""
     for name, value in env.items():
         if value is None:
             monkeypatch.delenv(name, raising=False)
         else:
             monkeypatch.setenv(name, value)
-    options.install(options.from_env())
+    return env_config()
+
+
+def env_config():
+    """The ``RingConfig`` of this process's ``RELAYMOE_*`` environment
+    (``relaymoe.options.from_env``): what an entry point would hand down."""
+    from relaymoe import options
+
+    return options.from_env()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -102,15 +102,9 @@ def _environment(env: dict):
 def _child(target, args, env, leave_at_once: bool) -> None:
     _die_with_parent()
     # The environment of the process that started this one, at the start, as a spawned process
-    # has it (a forked one has the forkserver's). The test suite's package, imported before this
-    # runs, installed the options of the forkserver's environment: installed again from this one,
-    # as a spawned process's import of it does.
+    # has it (a forked one has the forkserver's): an entry point here reads its options from it.
     os.environ.clear()
     os.environ.update(env)
-    if "relaymoe.options" in sys.modules:
-        from relaymoe import options
-
-        options.install(options.from_env())
     if target is not _python_main and os.environ.get("TRITON_INTERPRET") == "1":
         from tests import triton_interpreter  # the interpreter's bookkeeping cached, as in pytest
 

@@ -27,7 +27,7 @@ Rows (``bench: hop_cost``), one per (mode, direction, ep, tokens, capture_path);
 ``capture_path`` tells the three kinds apart: ``"eager"`` (``captured: False``, the library's
 pass as it runs by default), ``"hop_graph"`` (``--captured``: one hop's compute in hop_cost's
 own CUDA graph) and ``"library"`` (``--library``: the library's pass with its own capture on,
-``RingOptions.capture_hops``). The eager row:
+``RingConfig.capture_hops``). The eager row:
 
 * ``host_us_per_hop``: host time of one hop of the pass's loop (``executor.relay``'s per-hop
   range, timed with ``time.perf_counter``; the GPU never stalls the host here: no host sync
@@ -919,7 +919,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--library",
         action="store_true",
-        help="also the pass with the library's capture (RingOptions.capture_hops)",
+        help="also the pass with the library's capture (RingConfig.capture_hops)",
     )
     ap.add_argument("--dry-run", action="store_true", help="print the plan; no GPU")
     ap.add_argument("--tiny", action="store_true", help="CPU, tiny widths (the tests)")

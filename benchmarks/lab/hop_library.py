@@ -1,7 +1,7 @@
 """hop_cost.py's library rows (``--library``): a pass with the library's own recorded hops.
 
 The row (``captured: True``, ``capture_path: "library"``) of the whole pass as hop_cost's eager
-row runs it, with ``RingOptions.capture_hops`` on (``Hop(..., capture=True)``: each hop's
+row runs it, with ``RingConfig.capture_hops`` on (``Hop(..., capture=True)``: each hop's
 compute through ``relaymoe/ring/hop_graphs.py``'s cache, recorded once per key and replayed),
 measured exactly as the eager row (``hop_cost.measure_pass``) after a recording pass and the
 passes that settle it: the cache records an entry on the first use of its key and addresses

@@ -7,7 +7,7 @@ Rows in: ``bench: hop_cost`` (``benchmarks/lab/hop_cost.py --library``, default:
 ``DEFAULT_ROWS``), one per (mode, direction, ep, tokens, capture_path); the last row of each
 key wins. A prediction is made per mode (expert, token) and pass kind (``capture_path``
 ``eager``: the library's pass as it runs by default; ``library``: with
-``RingOptions.capture_hops``) at EP 2, T 4096 (a missing or refused row there is an error), and
+``RingConfig.capture_hops``) at EP 2, T 4096 (a missing or refused row there is an error), and
 with ``--all`` at every other (ep, tokens) whose rows are complete.
 
 What is summed, per pass (forward and backward, each from its own row, all in microseconds):

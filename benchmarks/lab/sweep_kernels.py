@@ -54,10 +54,16 @@ def _err(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def sweep(
-    shape: str, configs: list[dict], *, dims=None, device="cuda", dtype=torch.bfloat16
-) -> list[dict]:
+    shape: str, configs: list[dict], *, dims=None, device="cuda", dtype=torch.bfloat16,
+    kernels=None,
+) -> list[dict]:  # fmt: skip
     """Rows for ``shape`` (``dims`` = (T, E, K, H, I) overrides it: the CPU check of this
-    harness runs a tiny problem under the Triton interpreter)."""
+    harness runs a tiny problem under the Triton interpreter). ``kernels``: the
+    ``KernelOptions`` whose pair-buffer budget sizes the gathered chunks (default: the
+    environment's, ``relaymoe.options.from_env``)."""
+    from relaymoe import options
+
+    budget = kernels if kernels is not None else options.from_env().kernels
     from relaymoe.kernels import grouped
     from relaymoe.kernels.experts import HopGroups, wgrad_gmm
 
@@ -110,7 +116,7 @@ def sweep(
         add(name, "gmm", None, gmm, flops, lambda g=got: g["out"], ref)
         gathered = op_a if a_gather else op_b
         chunks = select.col_chunks(n_pairs, gathered.shape[1], gathered.element_size(),
-                                   select.kernel_options(None))  # fmt: skip
+                                   budget)  # fmt: skip
         bufs = [gathered[:, c0:c1].index_select(0, groups.tok) for c0, c1 in chunks]
 
         def gathers(g=gathered, ch=chunks):

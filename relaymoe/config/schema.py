@@ -13,7 +13,7 @@ from typing import Any
 
 from relaymoe.config.checks import _check_keys, _check_pos_int, _coerce
 from relaymoe.config.layout import validate_layout
-from relaymoe.options import MODE_CHOICES, TRANSPORT_CHOICES
+from relaymoe.options import RingConfig, check_field
 
 
 @dataclass(frozen=True)
@@ -322,14 +322,22 @@ RECOMPUTE_MODULES = frozenset(
 
 DISPATCHERS = ("ring", "alltoall", "allgather", "flex")
 
-# every RelayMoEConfig switch with what it accepts: one of a tuple of choices, or a bool (flags)
+# every RelayMoEConfig switch of its own with what it accepts: one of a tuple of choices, or a
+# bool (flags); the ring's options among them are RingConfig's fields (_RING_OPTIONS)
 _SWITCHES = {
     "dispatcher": DISPATCHERS,
-    "mode": MODE_CHOICES,
-    "transport": TRANSPORT_CHOICES,
     "recompute_planner": bool,
     "fused_loss": bool,
 }
+_RING_FIELDS = {f.name: f for f in dataclasses.fields(RingConfig)}
+_RING_OPTIONS = ("mode", "transport")
+
+
+def _ring_option(name: str):
+    """The field of ``RingConfig`` of that name, as this section's (same default, choices and
+    help): the option is defined once, in ``relaymoe.options``."""
+    f = _RING_FIELDS[name]
+    return dataclasses.field(default=f.default, metadata=f.metadata)
 
 
 def _check_switch(name: str, value, known) -> None:
@@ -341,19 +349,22 @@ def _check_switch(name: str, value, known) -> None:
 @dataclass(frozen=True)
 class RelayMoEConfig:
     """relaymoe's switches: the dispatcher (``--moe-token-dispatcher-type``), the ring's mode
-    (``mode``, ``--relaymoe-mode``) and transport (``--relaymoe-transport``), recompute planner
+    (``mode``, ``--relaymoe-mode``) and transport (``--relaymoe-transport``), both
+    ``relaymoe.options.RingConfig``'s fields, recompute planner
     (``--relaymoe-recompute-planner``), and the chunked output layer + cross-entropy
     (``--relaymoe-fused-loss``, ``relaymoe.linear_cross_entropy``; any dispatcher)."""
 
     dispatcher: str = "ring"  # ring | alltoall | allgather | flex
-    mode: str = "auto"  # relaymoe.options.MODE_CHOICES
-    transport: str = "auto"  # relaymoe.options.TRANSPORT_CHOICES
+    mode: str = _ring_option("mode")
+    transport: str = _ring_option("transport")
     recompute_planner: bool = False
     fused_loss: bool = False  # never holds the (tokens, vocab/TP) logits
 
     def __post_init__(self):
         for name, known in _SWITCHES.items():
             _check_switch(name, getattr(self, name), known)
+        for name in _RING_OPTIONS:
+            check_field("relaymoe", _RING_FIELDS[name], getattr(self, name))
 
 
 @dataclass(frozen=True)

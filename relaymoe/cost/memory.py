@@ -75,7 +75,7 @@ def packed_index_bytes(P: int, E: int) -> int:
 
 
 def captured_hop_bytes(mode: str, d: Dims, *, training: bool = True) -> int:
-    """The static buffers of ``RingOptions.capture_hops`` (``relaymoe/ring/hop_graphs.py``) on
+    """The static buffers of ``RingConfig.capture_hops`` (``relaymoe/ring/hop_graphs.py``) on
     one GPU for hops of ``d``'s shape: persistent and shared by all layers of that shape (one
     buffer per name, shape and dtype, whatever the hop's expert range, forward and backward
     alike), so counted once per GPU, beside the layers' peaks. 0 for alltoall mode (no hops).

@@ -28,7 +28,7 @@ class TimeModel:
     # Host time of one ring hop of one pass (launches and their Python, ~35 ops): the small-T
     # floor of the ring rows (fwd+bwd at R=2 is 4 hops, with ``call_fixed_s``).
     hop_fixed_s: float = 2.75e-3
-    # The same with the hop's compute replayed from a CUDA graph (RingOptions.capture_hops):
+    # The same with the hop's compute replayed from a CUDA graph (RingConfig.capture_hops):
     # the library's captured pass measured on one GPU (transfers left out, T4k, EP 2/8/64) fits
     # 0.104 ms a hop, the pass's set-up and return included (EP 2 0.218, EP 8 0.096, EP 64
     # 0.054; the hop's own range 0.049), against 0.774 for the eager pass; rounded up for the

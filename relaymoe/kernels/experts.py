@@ -62,7 +62,7 @@ def _pair_count(
 
 def _hop_inputs(where: str, w13, w2, activation, kernels, b13, b2) -> tuple:
     """``(act, k, b13, b2)`` of a hop call: the activation (None: SwiGLU), the
-    ``KernelOptions`` (None: the process's), and the biases at unit column stride (a copy only
+    ``KernelOptions`` (None: ``KernelOptions()``), and the biases at unit column stride (a copy only
     for other strides), shapes checked against the range's weights: ``b13 (El, J)``,
     ``b2 (El, H)``."""
     act = SWIGLU if activation is None else activation
@@ -114,7 +114,7 @@ def wgrad_gmm(a, b, c_EMN, groups: HopGroups, *, a_gather: bool, accumulate: boo
     Returns the gradient: ``c_EMN`` written (added into with ``accumulate``), or with ``c_EMN``
     None a new one shaped and typed like ``out_like`` (a meta tensor will do). That new one is
     torch's result itself when one chunk covers it in the gradient's dtype: no copy, and no
-    second (El, M, N) buffer at the peak. ``k``: the ``KernelOptions`` (default: the process's)."""
+    second (El, M, N) buffer at the peak. ``k``: the ``KernelOptions`` (default: ``KernelOptions()``)."""
     k = select.kernel_options(k)
     ref = c_EMN if c_EMN is not None else out_like
     _, m, n = ref.shape
@@ -235,7 +235,7 @@ def triton_hop_forward(
     Returns ``(out_TH, h_PJ)``; ``h_PJ`` is the range's pre-activation (fc1 bias included) when
     ``save_act``. ``n_pairs``: the range's pair count; else ``max_pairs``: an upper bound on it
     (buffers sized from it, no host sync); else read from the index (a host sync for a partial
-    range). ``kernels``: the ``KernelOptions`` (default: the process's). ``activation``,
+    range). ``kernels``: the ``KernelOptions`` (default: ``KernelOptions()``). ``activation``,
     ``b13 (El, J)``, ``b2 (El, H)``: as ``relaymoe.experts.expert_hop_forward``'s (None:
     SwiGLU, no bias).
     """
@@ -319,7 +319,7 @@ def triton_hop_backward(
     ``consume_saved_h=True`` lets the kernel overwrite ``saved_h`` with its gradient (saves a
     (P, J) buffer); the caller must not use ``saved_h`` afterwards. ``grad_dtype``: the dtype of
     weight-gradient buffers allocated here (default the weights'; e.g. fp32 accumulators).
-    ``kernels``: the ``KernelOptions`` (default: the process's). ``activation``, ``b13``, ``b2``,
+    ``kernels``: the ``KernelOptions`` (default: ``KernelOptions()``). ``activation``, ``b13``, ``b2``,
     ``db13``, ``db2``: as ``relaymoe.experts.expert_hop_backward``'s (bias gradients ADDED into
     ``db13``/``db2``, each required with its bias).
     """

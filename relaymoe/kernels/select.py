@@ -15,7 +15,7 @@ from torch import Tensor
 
 from relaymoe.activation import SWIGLU
 from relaymoe.kernels import interpret_mode
-from relaymoe.options import KernelOptions, defaults
+from relaymoe.options import KernelOptions
 
 __all__ = [
     "LONG_GROUP_PAIRS",
@@ -39,9 +39,10 @@ LONG_GROUP_PAIRS = 8192
 
 
 def kernel_options(k: KernelOptions | None) -> KernelOptions:
-    """``k``, or this process's defaults (``relaymoe.options.defaults().kernels``)."""
+    """``k``, or the documented defaults (``KernelOptions()``) for None: the caller's value,
+    else the default, never process state."""
     if k is None:
-        return defaults().kernels
+        return KernelOptions()
     if not isinstance(k, KernelOptions):
         raise ValueError(f"kernels={k!r} must be a relaymoe.options.KernelOptions or None")
     return k

@@ -19,6 +19,13 @@ routed_experts_compute -> combine -> postprocess):
   experts' output does, and the wrapper returns no separate bias: Megatron adds none again;
 * ``combine_postprocess`` restores ``[S/TP, B, H]``; ``MoELayer.postprocess`` then adds the
   shared experts' output, computed outside the ring as usual.
+
+Each dispatcher holds its configuration and its state, as Megatron's own dispatchers hold
+``config`` and ``pg_collection``: ``ring_config`` (a ``relaymoe.options.RingConfig``, read once
+at build: ``settings.ring_config_of``) and ``runtime`` (a ``relaymoe.ring.RingRuntime`` over the
+EP group, kept for the dispatcher's lifetime: the agreements of its calls, the copy engines'
+workspace, its recorded hops, its lag watch). Building a layer changes no process state, and two
+layers (or two models) with different options in one process each run with their own.
 """
 
 from __future__ import annotations
@@ -28,13 +35,13 @@ import torch.distributed as dist
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from torch import Tensor
 
-from relaymoe import options
 from relaymoe.activation import SWIGLU
 from relaymoe.megatron.activation_map import expert_activation_of
 from relaymoe.megatron.expert_weights import expert_bias_lists, expert_param_lists
-from relaymoe.megatron.settings import Settings, current_settings
+from relaymoe.megatron.settings import ring_config_of
 from relaymoe.megatron.validate import check_ring_config
-from relaymoe.ring import ring_moe
+from relaymoe.options import RingConfig
+from relaymoe.ring import RingRuntime, ring_moe
 
 __all__ = ["RingDispatcher", "ep_ranks_per_node", "routing_map_to_topk"]
 
@@ -82,7 +89,12 @@ def routing_map_to_topk(routing_map: Tensor, probs: Tensor, topk: int) -> tuple[
 
 
 class RingDispatcher(MoETokenDispatcher):
-    """Token dispatcher for ``moe_token_dispatcher_type == "ring"`` (built by ``register()``)."""
+    """Token dispatcher for ``moe_token_dispatcher_type == "ring"`` (built by ``register()``).
+
+    ``ring_config``: the ring's options (default: ``settings.ring_config_of(config)``, the
+    object attached to the ``TransformerConfig`` or built from Megatron's arguments, else
+    ``RingConfig()``). ``runtime``: what its calls keep (default: a fresh ``RingRuntime`` over
+    the EP group, this dispatcher's own)."""
 
     def __init__(
         self,
@@ -90,7 +102,8 @@ class RingDispatcher(MoETokenDispatcher):
         local_expert_indices: list[int],
         config,
         pg_collection=None,
-        settings: Settings | None = None,
+        ring_config: RingConfig | None = None,
+        runtime: RingRuntime | None = None,
     ) -> None:
         super().__init__(config=config, pg_collection=pg_collection)
         check_ring_config(config, ep_size=self.ep_size)
@@ -115,14 +128,16 @@ class RingDispatcher(MoETokenDispatcher):
         # megatron-core captures the whole step in a CUDA graph: every call runs the ring's
         # capturable path, the eager warm-up steps too (relaymoe/ring/capture.py)
         self.capturable = getattr(config, "cuda_graph_impl", "none") == "full_iteration"
-        self.settings = settings if settings is not None else current_settings()
-        # ring_moe reads the host wait, overlap and hop capture from the process's options:
-        # every rank builds its layers at one point, so each installs the same ones here
-        process = {n: getattr(self.settings, n) for n in ("host_wait", "overlap", "capture_hops")}
-        if any(v != getattr(options.defaults(), n) for n, v in process.items()):
-            options.install(options.defaults().replace(**process))
+        self.ring_config = ring_config if ring_config is not None else ring_config_of(config)
+        if not isinstance(self.ring_config, RingConfig):
+            raise ValueError(
+                f"RingDispatcher: ring_config={self.ring_config!r} must be a "
+                "relaymoe.options.RingConfig (relaymoe.megatron.configure(config, ring=...))"
+            )
+        group = self.ep_group if dist.is_initialized() else None
+        self.runtime = runtime if runtime is not None else RingRuntime(group)
         ranks = dist.get_process_group_ranks(self.ep_group) if dist.is_initialized() else [0]
-        self.ep_per_node = ep_ranks_per_node(ranks, self.settings.gpus_per_node)
+        self.ep_per_node = ep_ranks_per_node(ranks, self.ring_config.gpus_per_node)
         self.hidden_shape = None
         self.topk_idx = None
 
@@ -160,20 +175,16 @@ class RingDispatcher(MoETokenDispatcher):
                 f"expert weights are {fc1[0].dtype} but the MoE input is {x_TH.dtype}; the ring "
                 f"needs one dtype (train with --bf16 so both are bf16)"
             )
-        s = self.settings
         return ring_moe(
             x_TH,
             fc1,
             fc2,
             idx_TK,
             probs_TK,
-            group=self.ep_group,
-            mode=s.mode,
-            transport=s.transport,
-            schedule=s.schedule,
-            gpus_per_node=self.ep_per_node,
-            grad_accum=s.grad_accum,
-            kernels=s.kernels,
+            group=self.runtime.group,
+            config=self.ring_config,
+            runtime=self.runtime,
+            gpus_per_node=self.ep_per_node,  # the EP group's, from the cluster's
             trusted=True,  # ids from Megatron's router; every EP rank runs the same shapes
             capturable=self.capturable,
             **self._expert_mlp(b13, b2),

@@ -7,7 +7,9 @@
 2. ``megatron.training.arguments.validate_args``: runs the ring refusals and, with
    ``--relaymoe-fused-loss``, the fused-loss refusals on the parsed arguments and, with
    ``--relaymoe-recompute-planner``, the recompute planner (before Megatron's own validation,
-   which derives the config from the recompute flags).
+   which derives the config from the recompute flags); and builds the ring's ``RingConfig``
+   once, from the flags over the ``RELAYMOE_*`` environment, onto ``args.relaymoe_ring``
+   (``settings.py``), where every ``RingDispatcher`` reads it.
 3. ``TransformerConfig.__post_init__``: the refusals at config time (before Megatron's own
    checks, so the user reads our message and its fix rather than an unrelated assertion).
    ``TransformerConfig`` only types the field as a ``Literal``; it checks no value itself.
@@ -15,9 +17,10 @@
    built as ``allgather`` (which communicates nothing at build time), its dispatcher replaced
    by a ``RingDispatcher`` and its experts' parameters re-homed contiguously; the experts call
    goes through ``RingDispatcher.compute_experts``. Every other dispatcher type is untouched.
-5. ``GPTModel.__init__`` / ``GPTModel._postprocess``: with ``--relaymoe-fused-loss`` (or
-   ``configure(fused_loss=True)``) the model is checked at build time and remembers its fused
-   output processor; ``_postprocess`` passes it as Megatron's ``output_processor`` when labels
+5. ``GPTModel.__init__`` / ``GPTModel._postprocess``: with ``--relaymoe-fused-loss`` (or a
+   ``FusedLoss(enabled=True)`` attached by ``configure``) the model is checked at build time
+   and remembers its fused output processor; ``_postprocess`` passes it as Megatron's
+   ``output_processor`` when labels
    are given outside inference and the caller passed none, so the output layer + loss run
    through ``relaymoe.linear_cross_entropy`` (``relaymoe/megatron/fused_loss.py``). Without
    the flag both are Megatron's own.
@@ -49,10 +52,10 @@ def _mark(fn, original):
 # --------------------------------------------------------------------------- argparse
 def add_relaymoe_args(parser):
     """The ``relaymoe`` argument group (also usable as an ``extra_args_provider``): a
-    ``--relaymoe-<name>`` flag for each flagged field of ``relaymoe.options.RingOptions`` (the
-    one schema of the ring's options; the field's default, or None for a field the process's
-    environment may set: the process's value then), then the fused loss and recompute planner,
-    which are Megatron's only."""
+    ``--relaymoe-<name>`` flag for each flagged field of ``relaymoe.options.RingConfig`` (the
+    one schema of the ring's options; the field's default, or None for a field the
+    environment may set: the environment's value then, else the default), then the fused loss
+    and recompute planner, which are Megatron's only."""
     from relaymoe import options
 
     if any(a.dest == "relaymoe_mode" for a in parser._actions):
@@ -163,7 +166,7 @@ def patch_arguments() -> None:
             check_ring_args(args)
             check_fused_loss_args(args)
             announce_fp8_experts(args)
-            install_process_options(args)
+            build_ring_config(args)
             if getattr(args, "relaymoe_recompute_planner", False):
                 apply_recompute_plan(args)
             return original_validate(args, {} if defaults is None else defaults)
@@ -171,15 +174,17 @@ def patch_arguments() -> None:
         arguments.validate_args = _mark(validate_args, original_validate)
 
 
-def install_process_options(args) -> None:
-    """The ring's process-wide options from Megatron's flags (every rank parses the same
-    arguments at the same point): the host wait, when ``--relaymoe-host-wait`` is given; the
-    rest of the process's options stay those of the environment (``register()``)."""
+def build_ring_config(args):
+    """The ring's ``RingConfig`` of this run, built once at argument parsing (the entry point:
+    the ``RELAYMOE_*`` environment is read here, ``relaymoe.options.from_env``) with each given
+    ``--relaymoe-<name>`` flag over it, and kept on ``args.relaymoe_ring`` for the dispatchers
+    (``settings.ring_config_of``). Returns it."""
     from relaymoe import options
+    from relaymoe.megatron.settings import ARGS_ATTR, ring_config_from_args
 
-    host_wait = getattr(args, "relaymoe_host_wait", None)
-    if host_wait is not None and host_wait != options.defaults().host_wait:
-        options.install(options.defaults().replace(host_wait=host_wait))
+    config = ring_config_from_args(args, base=options.from_env())
+    setattr(args, ARGS_ATTR, config)
+    return config
 
 
 def announce_fp8_experts(args) -> str | None:
@@ -194,8 +199,7 @@ def announce_fp8_experts(args) -> str | None:
 
 
 # ------------------------------------------------------------------ recompute planner
-_PLAN_LOGGED = False
-
+_PLAN_PRINTED = "relaymoe_recompute_plan_printed"  # the mark on Megatron's args
 _RECOMPUTE_ARGS = (
     "recompute_granularity",
     "recompute_method",
@@ -208,9 +212,8 @@ def apply_recompute_plan(args) -> dict:
     """Ask ``relaymoe.planner.plan_from_megatron_args(args)`` for recompute flags, apply them.
 
     The planner returns either a mapping of Megatron argument names to values or an object
-    with such a mapping in ``megatron_args``; only the recompute arguments are taken. Logged
-    once per process. Returns the applied overrides."""
-    global _PLAN_LOGGED
+    with such a mapping in ``megatron_args``; only the recompute arguments are taken. Printed
+    once per ``args`` on rank 0 (marked on ``args``). Returns the applied overrides."""
     try:
         from relaymoe.planner import plan_from_megatron_args
     except ImportError as e:
@@ -234,8 +237,8 @@ def apply_recompute_plan(args) -> dict:
     }
     for k, v in applied.items():
         setattr(args, k, v)
-    if not _PLAN_LOGGED and getattr(args, "rank", 0) == 0:
-        _PLAN_LOGGED = True
+    if getattr(args, "rank", 0) == 0 and not getattr(args, _PLAN_PRINTED, False):
+        setattr(args, _PLAN_PRINTED, True)  # once per run's arguments
         summary = plan.summary() if hasattr(plan, "summary") else applied
         print(f"[relaymoe] recompute planner: {summary}; applying {applied}", flush=True)
     return applied
@@ -365,13 +368,13 @@ def patch_gpt_model() -> None:
         @functools.wraps(original_init)
         def __init__(self, *args, **kwargs):
             original_init(self, *args, **kwargs)
-            from relaymoe.megatron.settings import current_settings
+            from relaymoe.megatron.settings import fused_loss_of
 
-            settings = current_settings()
-            if settings.fused_loss:
+            fused = fused_loss_of(self.config)
+            if fused.enabled:
                 from relaymoe.megatron.fused_loss import install
 
-                install(self, chunk_tokens=settings.loss_chunk_tokens)
+                install(self, chunk_tokens=fused.chunk_tokens)
 
         GPTModel.__init__ = _mark(__init__, original_init)
 

@@ -11,8 +11,9 @@ Megatron-LM's own script): SFT, FIM, packed sequences, multi-token prediction, M
 
 Extra output (rank 0, ``--relaymoe-report PATH``): one JSON line per logged iteration with the
 loss, Megatron's iteration number, the learning rate, tokens/s, that step's peak memory and the
-bytes of expert weights the ring copied in it (``relaymoe.ring.weights.copied_weight_bytes``):
-what a comparison of two runs reads (the examples' and the end-to-end benchmarks').
+bytes of expert weights the ring copied in it (``RingRuntime.copied_weight_bytes`` of every
+``RingDispatcher`` of the model): what a comparison of two runs reads (the examples' and the
+end-to-end benchmarks').
 With ``--relaymoe-weights-digest`` every rank also writes ``PATH.weights.rank<R>.json`` after the
 last iteration: a SHA-256 of its model parameters (names, dtypes, shapes and bytes), so two runs
 can be compared for bitwise identical weights without saving checkpoints.
@@ -254,12 +255,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def ring_copied_weight_bytes(model) -> int:
+    """Bytes of expert weights the ring has copied so far in ``model`` (a module or a list of
+    model chunks): the sum over its ``RingDispatcher``s' runtimes."""
+    from relaymoe.megatron.dispatcher import RingDispatcher
+
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    return sum(
+        m.token_dispatcher.runtime.copied_weight_bytes
+        for chunk in chunks
+        for m in chunk.modules()
+        if isinstance(getattr(m, "token_dispatcher", None), RingDispatcher)
+    )
+
+
 def _install_step_report(args) -> None:
     """Wrap megatron's ``train_step`` to log loss, tokens/s and peak memory per iteration."""
     from megatron.core import parallel_state as ps
     from megatron.training import training
-
-    from relaymoe.ring.weights import copied_weight_bytes
 
     original = training.train_step
     path = args.relaymoe_report
@@ -271,7 +284,8 @@ def _install_step_report(args) -> None:
         # per-step peak: the first steps also hold one-off transients (Triton autotuning's
         # benchmark buffers, NCCL/symmetric-memory setup) that steady training never sees again
         torch.cuda.reset_peak_memory_stats()
-        copied0 = copied_weight_bytes()
+        model = a[2] if len(a) > 2 else kw["model"]
+        copied0 = ring_copied_weight_bytes(model)
         result = original(*a, **kw)
         torch.cuda.synchronize()
         dt = time.perf_counter() - t0
@@ -306,7 +320,7 @@ def _install_step_report(args) -> None:
                                 "tokens_per_s": world_tokens / dt,
                                 "peak_MiB": peak,
                                 # expert-weight bytes the ring copied this step (ring runs)
-                                "ring_weight_copy_bytes": copied_weight_bytes() - copied0,
+                                "ring_weight_copy_bytes": ring_copied_weight_bytes(model) - copied0,
                                 "dispatcher": args.moe_token_dispatcher_type,
                             }
                         )

@@ -3,10 +3,12 @@
 Public: :func:`ring_moe` (the autograd op; expert weights as stacked tensors or as lists of
 per-expert tensors, ``weights.py``; its per-hop bytes, memory and the time model behind
 ``mode="auto"`` are :mod:`relaymoe.cost`'s), :func:`record_timeline` / :class:`HopTiming`
-(per-hop compute vs transfer),
+(per-hop compute vs transfer, of one runtime's calls),
 :class:`RingPlan` (the schedule), the transports, and
 :class:`RingProblem` / :func:`resolved_problem` (what the ranks agreed on), and
-:class:`RingPeerError` (a peer that died or stalled, ``faults.py``).
+:class:`RingPeerError` (a peer that died or stalled, ``faults.py``), and
+:class:`RingRuntime` (what the ring keeps from call to call, held by its owner: ``runtime.py``).
+A call's options are one :class:`relaymoe.options.RingConfig` (``ring_moe(..., config=)``).
 See ``engine.py`` for the modes and the memory bound of each.
 """
 
@@ -14,13 +16,9 @@ from relaymoe.ring.engine import resolved_problem, ring_moe
 from relaymoe.ring.executor import HopTiming, record_timeline
 from relaymoe.ring.faults import RingPeerError
 from relaymoe.ring.problem import RingProblem
+from relaymoe.ring.runtime import RingRuntime
 from relaymoe.ring.schedule import RingPlan
-from relaymoe.ring.transport import (
-    CopyEngineTransport,
-    P2PTransport,
-    copy_engine_available,
-    symmetric_workspace_bytes,
-)
+from relaymoe.ring.transport import CopyEngineTransport, P2PTransport, copy_engine_available
 
 __all__ = [
     "CopyEngineTransport",
@@ -29,9 +27,9 @@ __all__ = [
     "RingPlan",
     "RingPeerError",
     "RingProblem",
+    "RingRuntime",
     "copy_engine_available",
     "record_timeline",
     "resolved_problem",
     "ring_moe",
-    "symmetric_workspace_bytes",
 ]

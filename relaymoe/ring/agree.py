@@ -20,19 +20,21 @@ the same signature (shapes, dtypes, device, mode, transport, whether a backward 
 in steady state neither communicates nor synchronizes with the host here. The hops then size
 their pair buffers from an upper bound (``T * min(K, E_local)`` pairs) as long as that stays
 under the pair-buffer budget (``pair_buffer_mib``); above it, one all-reduce of the pair counts
-per call (a host sync) keeps the buffers exact. ``RingOptions(agree="every_call")`` turns the
-cache off (debugging a caller that breaks the contract).
+per call (a host sync) keeps the buffers exact. ``RingConfig(agree="every_call")`` turns the
+cache off (debugging a caller that breaks the contract). The cache is the call's runtime's
+(``RingRuntime.agreements``): a dispatcher's agreements are its own, and a ``ring_moe`` call
+without a runtime agrees afresh.
 
-**Options that decide collectives.** ``RingOptions.agree`` decides whether a trusted call enters
+**Options that decide collectives.** ``RingConfig.agree`` decides whether a trusted call enters
 the agreement's all-reduce, and ``KernelOptions.pair_buffer_mib`` whether it enters the pair
-counts' all-reduce. Both are this process's options (``relaymoe.options.defaults()``, installed
-once by an entry point from the ``RELAYMOE_*`` environment), written into every agreement's row
-and required equal on every rank: ranks launched with different values all raise the same
+counts' all-reduce. Both are the call's (its ``RingConfig``, which an entry point may build
+from the ``RELAYMOE_*`` environment), carried in the request, written into every agreement's
+row and required equal on every rank: ranks launched with different values all raise the same
 ``ValueError`` naming the option and every rank's value, in the agreement they all enter on
-their first call (no agreement is cached then). ``relaymoe.options.install`` drops the cached
-agreements, so every rank must install the same options at the same point of its program. The
-call decides from the agreed values (``RingProblem.pair_buffer_mib``); the expert kernels' own
-column chunks follow the call's ``KernelOptions``: a local choice no peer depends on.
+their first call (no agreement is cached then). They are part of the cached signature, so a
+call with other values agrees again. The call decides from the agreed values
+(``RingProblem.pair_buffer_mib``); the expert kernels' own column chunks follow the call's
+``KernelOptions``: a local choice no peer depends on.
 
 The pieces it agrees on live beside it: the request and the agreed problem (``problem.py``),
 each rank's own input checks (``checks.py``) and the hosts' topology (``topology.py``).
@@ -61,12 +63,12 @@ from relaymoe.ring.checks import (
 )
 from relaymoe.ring.expert_mlp import activation_fields, bias_code, same_expert_mlp
 from relaymoe.ring.faults import all_reduce_checked, check_markers
-from relaymoe.ring.problem import RingProblem, RingRequest, RingSettings, ring_settings
+from relaymoe.ring.problem import RingProblem, RingRequest
 from relaymoe.ring.topology import _host_hash, nodes_from_hosts, resolve_schedule
 from relaymoe.ring.transport import copy_engine_available, copy_engine_works
 
-# RingProblem, RingRequest, ring_settings (problem.py) and nodes_from_hosts, resolve_schedule
-# (topology.py) are importable from here too, where they were defined before the split
+# RingProblem, RingRequest (problem.py) and nodes_from_hosts, resolve_schedule (topology.py)
+# are importable from here too, where they were defined before the split
 __all__ = [
     "RingProblem",
     "RingRequest",
@@ -74,7 +76,6 @@ __all__ = [
     "nodes_from_hosts",
     "pair_counts",
     "resolve_schedule",
-    "ring_settings",
 ]
 
 # Row fields
@@ -152,16 +153,18 @@ def _agree_collective(
     req: RingRequest,
     validate_ids: bool,
     with_pairs: bool,
-    settings: RingSettings | None = None,
+    runtime=None,
+    timeout_s: float | None = None,
 ) -> RingProblem:
     """Validate on every rank at once; raise the same ``ValueError`` everywhere or agree.
     ``inputs``: ``(x, w13, w2, topk_idx, topk_probs)`` as ``ring_moe`` got them, optionally
-    followed by ``(b13, b2)`` (None: no bias); ``settings``: this call's :func:`ring_settings`
-    (None: this process's)."""
+    followed by ``(b13, b2)`` (None: no bias). ``runtime``: the call's ``RingRuntime`` (its
+    copy-engine probe; None, or one made for this call only: no copy engines); ``timeout_s``:
+    the call's ``RingConfig.timeout_s``."""
     x, w13, w2, topk_idx, topk_probs, *biases = inputs
     b13, b2 = biases or (None, None)
     code, msg = _local_check(x, w13, w2, topk_idx, topk_probs, req, world, validate_ids, b13, b2)
-    env = ring_settings() if settings is None else settings
+    keeps = runtime is not None and runtime.persistent  # a workspace that outlives the call
     row = [0] * NUM_FIELDS
     row[F_ERR] = code
     if code == 0:
@@ -174,12 +177,12 @@ def _agree_collective(
         row[F_MODE] = MODES.index(req.mode) + 1
         row[F_TRANSPORT] = TRANSPORTS.index(req.transport) + 1
         row[F_GRAD] = int(req.needs_grad) + 1
-        row[F_CE] = int(x.is_cuda and copy_engine_available()) + 1
+        row[F_CE] = int(x.is_cuda and keeps and copy_engine_available()) + 1
         row[F_SCHED] = SCHEDULE_CHOICES.index(req.schedule) + 1
         row[F_GPN] = req.gpus_per_node or 0
         row[F_GACC] = GRAD_ACCUM_CHOICES.index(req.grad_accum) + 1
-        row[F_AGREE] = AGREE_CHOICES.index(env.agree) + 1
-        row[F_PAIRBUF] = env.pair_buffer_mib
+        row[F_AGREE] = AGREE_CHOICES.index(req.agree) + 1
+        row[F_PAIRBUF] = req.pair_buffer_mib
         row[F_ACT_FN : F_ACT_OFFSET + 1] = activation_fields(req.activation)
         row[F_BIAS] = bias_code(b13 is not None, b2 is not None)
         row[F_CAPTURE] = int(req.capturable) + 1
@@ -194,7 +197,9 @@ def _agree_collective(
         if counts is not None:
             mat[rank, NUM_FIELDS:] = counts.to(mat.device)
         # completes within the timeout or raises RingPeerError (the buffer is then never read)
-        watch = all_reduce_checked(mat, group, mode=_mode_name(req.mode), phase="agree")
+        watch = all_reduce_checked(
+            mat, group, mode=_mode_name(req.mode), phase="agree", timeout_s=timeout_s
+        )
         rows = mat.tolist()  # host sync
         check_markers(watch, [rw[F_LIVE] for rw in rows], what="the agreement's all-reduce")
     else:
@@ -243,7 +248,7 @@ def _agree_collective(
     same(F_GPN, "gpus_per_node (0: from the hosts)", "pass the same gpus_per_node on every rank")
     same(F_GACC, f"the requested grad_accum ({_codes(GRAD_ACCUM_CHOICES)})",
          "pass the same grad_accum on every rank")  # fmt: skip
-    _same_setting(rows, F_AGREE, "RingOptions.agree (RELAYMOE_RING_AGREE)",
+    _same_setting(rows, F_AGREE, "RingConfig.agree (RELAYMOE_RING_AGREE)",
                   lambda c: AGREE_CHOICES[c - 1])  # fmt: skip
     _same_setting(rows, F_PAIRBUF, "KernelOptions.pair_buffer_mib (RELAYMOE_PAIR_BUFFER_MIB)",
                   lambda v: v)  # fmt: skip
@@ -298,7 +303,8 @@ def _agree_collective(
                 if not on_cuda
                 else "ranks span several hosts"
                 if not one_host
-                else "symmetric memory is unavailable on a rank"
+                else "symmetric memory is unavailable on a rank (or a rank's call has no "
+                "runtime: ring_moe(..., runtime=RingRuntime(group)) keeps the workspace)"
             )
             raise ValueError(
                 f"ring_moe: transport='copy_engine' needs CUDA ranks on one node with symmetric "
@@ -311,7 +317,8 @@ def _agree_collective(
         tr_res = "nccl"
     elif tr_req == "auto":
         g = group if group is not None else dist.group.WORLD
-        tr_res = "copy_engine" if ce_ok and copy_engine_works(g, x.device) else "nccl"
+        ok = ce_ok and copy_engine_works(g, x.device, runtime, timeout_s)
+        tr_res = "copy_engine" if ok else "nccl"
     else:
         tr_res = "nccl"
     sched, gpn = "flat", None
@@ -374,17 +381,7 @@ def _check_limits(rows, mode: str) -> None:
     )  # fmt: skip
 
 
-# Agreements of trusted callers by (group, rank, world, input signature); see the module doc.
-_AGREED: dict[tuple, RingProblem] = {}
-
-
-def _forget_agreements() -> None:
-    """Drop every cached agreement (``relaymoe.options.install`` calls this on every rank)."""
-    _AGREED.clear()
-
-
-def _signature(x, w13, w2, topk_idx, topk_probs, req: RingRequest, env: RingSettings,
-               b13=None, b2=None) -> tuple:  # fmt: skip
+def _signature(x, w13, w2, topk_idx, topk_probs, req: RingRequest, b13=None, b2=None) -> tuple:
     def meta(t):
         if isinstance(t, Tensor):
             return (tuple(t.shape), t.dtype, t.device.type)
@@ -392,8 +389,9 @@ def _signature(x, w13, w2, topk_idx, topk_probs, req: RingRequest, env: RingSett
             return (len(t), tuple(t[0].shape), t[0].dtype, t[0].device.type)
         return (type(t).__name__,)  # not an input the agreement accepts: it raises there
 
-    # the kernels' options are this rank's (not in ``req``'s comparison), their validity is not
-    return (meta(x), meta(w13), meta(w2), meta(topk_idx), meta(topk_probs), req, env,
+    # the kernels' options are this rank's (not in ``req``'s comparison), their validity is not;
+    # the collective-deciding options are in ``req``
+    return (meta(x), meta(w13), meta(w2), meta(topk_idx), meta(topk_probs), req,
             meta(b13), meta(b2), isinstance(req.kernels, str))  # fmt: skip
 
 
@@ -407,7 +405,9 @@ def _bounded(prob: RingProblem) -> bool:
     return bound * prob.fc1_rows * esize <= budget
 
 
-def pair_counts(topk_idx: Tensor, prob: RingProblem, group) -> tuple[tuple[int, ...], ...]:
+def pair_counts(
+    topk_idx: Tensor, prob: RingProblem, group, timeout_s: float | None = None
+) -> tuple[tuple[int, ...], ...]:
     """Every rank's pairs per expert owner (one all-reduce and a host sync): ``pairs[r][q]``.
     Column ``R`` of the reduced matrix is the validity marker (as in the agreement)."""
     R = prob.world_size
@@ -417,7 +417,7 @@ def pair_counts(topk_idx: Tensor, prob: RingProblem, group) -> tuple[tuple[int, 
     mat = torch.zeros(R, R + 1, dtype=torch.int64, device=_comm_device(group, topk_idx))
     mat[prob.rank, :R] = counts.to(mat.device)
     mat[prob.rank, R] = 1
-    watch = all_reduce_checked(mat, group, mode=prob.mode, phase="pair counts")
+    watch = all_reduce_checked(mat, group, mode=prob.mode, phase="pair counts", timeout_s=timeout_s)
     rows = mat.tolist()  # host sync
     check_markers(watch, [r[R] for r in rows], what="the pair counts' all-reduce")
     return tuple(tuple(r[:R]) for r in rows)
@@ -434,39 +434,45 @@ def agree(
     rank: int,
     world: int,
     request: RingRequest,
+    runtime,
     trusted: bool = False,
     b13=None,
     b2=None,
     captured: bool = False,
+    timeout_s: float | None = None,
 ) -> RingProblem:
     """The :class:`RingProblem` every rank agrees on, or the same ``ValueError`` on every rank.
 
     ``trusted=False``: one all-reduce and a host sync per call (ids validated, pair counts
-    exact). ``trusted=True``: see the module doc (cached per signature, ids not validated).
+    exact). ``trusted=True``: see the module doc (cached per signature in ``runtime``, the
+    call's ``RingRuntime``; ids not validated).
     ``b13``/``b2``: the experts' optional biases (their presence is agreed, their shapes
     checked); the activation is the request's. ``captured``: the call is being captured in a
     CUDA graph (``capture.py``): the agreement of an eager call with the same signature, the
     hops sized from the worst-case bound, no collective and no host read here.
+    ``timeout_s``: the call's ``RingConfig.timeout_s`` (None: the group's).
     """
     args = (x, w13, w2, topk_idx, topk_probs, b13, b2)
-    env = ring_settings()  # this process's options; agreed in the row
-    where = dict(group=group, rank=rank, world=world, req=request, settings=env)
+    where = dict(group=group, rank=rank, world=world, req=request, runtime=runtime,
+                 timeout_s=timeout_s)  # fmt: skip
     if captured:
-        check_captured(trusted=trusted, agree_mode=env.agree)
-    if trusted and env.agree != "every_call":
+        check_captured(trusted=trusted, agree_mode=request.agree)
+    if trusted and request.agree != "every_call":
         key = (getattr(group, "group_name", None) or id(group), rank, world,
-               _signature(*args[:5], request, env, b13, b2))  # fmt: skip
-        prob = _AGREED.get(key)
+               _signature(*args[:5], request, b13, b2))  # fmt: skip
+        cache = runtime.agreements
+        prob = cache.get(key)
         if prob is None:
             if captured:
                 raise ValueError(
                     "ring_moe is being captured into a CUDA graph before any eager call with "
                     "these inputs' shapes, dtypes and options agreed across the group (the "
                     "agreement is an all-reduce read on the host); fix: run one eager step "
-                    "first (Megatron: --cuda-graph-warmup-steps 1 or more)"
+                    "first with the same runtime (ring_moe's runtime=; Megatron: "
+                    "--cuda-graph-warmup-steps 1 or more)"
                 )
             prob = _agree_collective(args, **where, validate_ids=False, with_pairs=False)
-            _AGREED[key] = prob
+            cache[key] = prob
         if captured and prob.mode == "alltoall":
             raise ValueError(
                 "ring_moe is being captured into a CUDA graph, but its agreed mode is 'alltoall' "
@@ -477,8 +483,5 @@ def agree(
         # steps run the captured one's code
         if captured or request.capturable or _bounded(prob):
             return prob
-        return replace(prob, pairs=pair_counts(topk_idx, prob, group))
+        return replace(prob, pairs=pair_counts(topk_idx, prob, group, timeout_s))
     return _agree_collective(args, **where, validate_ids=True, with_pairs=True)
-
-
-options.on_install(_forget_agreements)

@@ -91,8 +91,8 @@ def _exchange(
     return recv
 
 
-def _watch(group, world: int, phase: str) -> PeerWatch | None:
-    return PeerWatch(group, mode="alltoall", phase=phase) if world > 1 else None
+def _watch(call, world: int, phase: str) -> PeerWatch | None:
+    return call.watch(mode="alltoall", phase=phase) if world > 1 else None
 
 
 def _gather_sum(rows_SN: Tensor, pos_TR: Tensor, out_TN: Tensor, backend: str) -> Tensor:
@@ -126,14 +126,16 @@ def _ids(ids: Tensor, prob: RingProblem, order: str) -> Tensor:
 
 
 def alltoall_forward(
-    prob: RingProblem, group, how, x: Tensor, experts: LocalExperts, probs: Tensor,
+    prob: RingProblem, call, x: Tensor, experts: LocalExperts, probs: Tensor,
     idx32: Tensor, order: str,
 ) -> tuple[Tensor, Dispatch]:  # fmt: skip
-    """``(out (T, H), dispatch)`` of this rank's tokens; see the module doc."""
+    """``(out (T, H), dispatch)`` of this rank's tokens; see the module doc. ``call``: the
+    ``RingCall`` (group, runtime, ``hop``: backend and kernels, waits)."""
+    group, how = call.group, call.hop
     R, El, K = prob.world_size, prob.num_local_experts, prob.topk
     T, dev = x.shape[0], x.device
     local = local_parts(experts, order)
-    watch = _watch(group, R, "fwd")
+    watch = _watch(call, R, "fwd")
     owner_TK = idx32.to(torch.int64) // El
     hit_TR = torch.zeros(T, R, dtype=torch.bool, device=dev)
     hit_TR.scatter_(1, owner_TK, True)
@@ -182,17 +184,18 @@ def alltoall_forward(
 
 
 def alltoall_backward(
-    prob: RingProblem, group, how, dy: Tensor, x: Tensor, experts: LocalExperts,
+    prob: RingProblem, call, dy: Tensor, x: Tensor, experts: LocalExperts,
     probs: Tensor, d: Dispatch, order: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """``(dx, dprobs, grads)``, ``grads`` this rank's experts' gradients by part name (rows in
     ``order``; the biases' summed in ``prob.accum_dtype``)."""
+    group, how = call.group, call.hop
     R = prob.world_size
     local = local_parts(experts, order)
     w13, w2 = local["w13"], local["w2"]
     dw = {"d" + n: torch.zeros_like(local[n], dtype=prob.accum_dtype)
           for n in ("b13", "b2") if local[n] is not None}  # fmt: skip
-    watch = _watch(group, R, "bwd")
+    watch = _watch(call, R, "bwd")
     x_N = _exchange(x.index_select(0, d.tok_S), d.send_rows, d.recv_rows, group, R, watch)
     dy_N = _exchange(dy.index_select(0, d.tok_S), d.send_rows, d.recv_rows, group, R, watch)
     N = x_N.shape[0]

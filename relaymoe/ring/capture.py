@@ -63,7 +63,7 @@ def check_captured(*, trusted: bool, agree_mode: str) -> None:
         )
     if agree_mode == "every_call":
         raise ValueError(
-            "ring_moe is being captured into a CUDA graph with RingOptions.agree='every_call' "
+            "ring_moe is being captured into a CUDA graph with RingConfig.agree='every_call' "
             "(RELAYMOE_RING_AGREE): every call would all-reduce and read the agreement on the "
             "host, which a replayed graph cannot; fix: agree='cached' (the default)"
         )

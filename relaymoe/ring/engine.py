@@ -60,7 +60,13 @@ model calibrated on measured rows), identically on every rank.
 
 No ``(T*K, H)`` buffer exists at any time (the hop primitives read tokens through the index).
 With ``transport="copy_engine"`` the two slots are a persistent symmetric-memory workspace per
-(group, device), shared by all layers and sized by the largest pass so far.
+(group, device) held by the call's runtime (``runtime.py``: a dispatcher's, shared by the calls
+it makes), sized by the largest pass so far.
+
+**Options and state.** A call's options are one ``RingConfig`` (``config=``; default
+``RingConfig()``), each per-call keyword overriding its field; what a call keeps for the next
+(agreements, workspace, recorded hops, the lag watch) is its ``RingRuntime`` (``runtime=``;
+default: a fresh one for this call and its backward). Nothing is read from process state.
 """
 
 from __future__ import annotations
@@ -72,14 +78,15 @@ import torch.distributed as dist
 from torch import Tensor
 
 from relaymoe.activation import ExpertActivation
-from relaymoe.options import NODE_BATCHED, KernelOptions, defaults
+from relaymoe.options import NODE_BATCHED, KernelOptions, RingConfig
 from relaymoe.ring.agree import RingProblem, agree
 from relaymoe.ring.alltoall import alltoall_backward, alltoall_forward
 from relaymoe.ring.capture import capturing
 from relaymoe.ring.expert_mode import expert_backward, expert_forward
 from relaymoe.ring.nodebatch import batched_expert_backward, batched_expert_forward
-from relaymoe.ring.passes import IDX, Hop
+from relaymoe.ring.passes import IDX
 from relaymoe.ring.problem import ring_request
+from relaymoe.ring.runtime import Hop, RingCall, RingRuntime
 from relaymoe.ring.token_mode import token_backward, token_forward
 from relaymoe.ring.weights import FORWARD, REVERSED, LocalExperts, reverse_local_ids
 from relaymoe.routing import build_routing_index
@@ -100,7 +107,17 @@ def _passes(prob: RingProblem):
     return PASSES[prob.mode, kind]
 
 
-def _resolve_group(group):
+def _resolve_group(group, runtime: RingRuntime | None = None):
+    """``(group, rank, world)``: ``group``, else the runtime's, else the default group (None
+    and a world of one without an initialized process group)."""
+    if runtime is not None and runtime.group is not None:
+        if group is not None and group is not runtime.group:
+            raise ValueError(
+                f"ring_moe: group={group!r} is not the group of the runtime passed "
+                f"({runtime!r}); pass the runtime's group, or a runtime made for this group "
+                "(RingRuntime(group))"
+            )
+        group = runtime.group
     if group is None:
         if not (dist.is_available() and dist.is_initialized()):
             return None, 0, 1
@@ -121,38 +138,41 @@ SECOND_ORDER_ERROR = (
 )
 
 
+# autograd inputs before the experts' tensors: x, probs, topk_idx, prob, call, listed
+N_LEADING = 6
+
+
 class _RingMoE(torch.autograd.Function):
-    """Inputs ``(x, probs, topk_idx, prob, group, how, overlap, listed, *ws)`` (``how``: the hop
-    primitives' backend and kernel options, a :class:`Hop`) with ``ws``
+    """Inputs ``(x, probs, topk_idx, prob, call, listed, *ws)`` (``call``: the
+    :class:`~relaymoe.ring.runtime.RingCall`: group, runtime, how a hop computes, this rank's
+    options; kept until the backward) with ``ws``
     ``(w13, w2[, b13][, b2])`` (tensor form) or ``(*w13_list, *w2_list[, *b13_list][,
     *b2_list])`` (list form; which biases: ``prob.has_b13``/``has_b2``). Saves x, probs, the
     int32 ids and ``ws`` themselves (list form: the caller's tensors, no copy)."""
 
     @staticmethod
-    def forward(ctx, x, probs, topk_idx, prob, group, how, overlap, listed, *ws):
+    def forward(ctx, x, probs, topk_idx, prob, call, listed, *ws):
         x, probs = x.contiguous(), probs.contiguous()
         if not listed:
             ws = tuple(w.contiguous() for w in ws)
-        experts = LocalExperts.from_inputs(listed, ws, prob.has_b13, prob.has_b2)
+        experts = LocalExperts.from_inputs(listed, ws, prob.has_b13, prob.has_b2, call.runtime)
         idx32 = topk_idx.to(IDX).contiguous()
-        ctx.prob, ctx.group, ctx.how, ctx.overlap = prob, group, how, overlap
+        ctx.prob, ctx.call = prob, call
         ctx.listed = listed
         # the row order of the local experts' stacked form where a pass uses it (token mode, a
         # world of one); expert mode with R > 1 packs slot 0 in expert order and needs none
         order = experts.preferred_order()
         ctx.order = order
         if prob.mode == "alltoall":
-            out, ctx.index = alltoall_forward(prob, group, how, x, experts, probs, idx32, order)
+            out, ctx.index = alltoall_forward(prob, call, x, experts, probs, idx32, order)
         elif prob.mode == "expert":  # one routing index over every expert, built once a call
             ids = idx32
             if prob.world_size == 1 and order == REVERSED:
                 ids = reverse_local_ids(idx32, prob.num_local_experts)
             ctx.index = build_routing_index(ids, prob.num_experts, validate=False)
-            out = _passes(prob)[0](prob, group, how, overlap, x, experts, probs, ctx.index, order)
+            out = _passes(prob)[0](prob, call, x, experts, probs, ctx.index, order)
         else:  # token mode builds the index of each visiting partition
-            out, ctx.index = _passes(prob)[0](
-                prob, group, how, overlap, x, experts, probs, idx32, order
-            )
+            out, ctx.index = _passes(prob)[0](prob, call, x, experts, probs, idx32, order)
         ctx.save_for_backward(x, probs, idx32, *ws)
         return out
 
@@ -162,15 +182,17 @@ class _RingMoE(torch.autograd.Function):
             raise NotImplementedError(SECOND_ORDER_ERROR)
         x, probs, idx32, *ws = ctx.saved_tensors
         prob, order = ctx.prob, ctx.order
-        experts = LocalExperts.from_inputs(ctx.listed, ws, prob.has_b13, prob.has_b2)
+        experts = LocalExperts.from_inputs(
+            ctx.listed, ws, prob.has_b13, prob.has_b2, ctx.call.runtime
+        )
         dy = dy.to(prob.dtype).contiguous()
         if prob.mode == "alltoall":
             dx, dprobs, g = alltoall_backward(
-                prob, ctx.group, ctx.how, dy, x, experts, probs, ctx.index, order
+                prob, ctx.call, dy, x, experts, probs, ctx.index, order
             )
         else:
             dx, dprobs, g = _passes(prob)[1](
-                prob, ctx.group, ctx.how, ctx.overlap, dy, x, experts, probs, ctx.index, order
+                prob, ctx.call, dy, x, experts, probs, ctx.index, order
             )
         # the weight gradients' rows: expert mode over several ranks packs slot 0 in expert
         # order; token mode and a world of one use the stacked form's order
@@ -178,16 +200,11 @@ class _RingMoE(torch.autograd.Function):
         need = ctx.needs_input_grad
         # views of the returned gradients, no copy
         wgrads = experts.split(g["w13"], g["w2"], rows, g.get("b13"), g.get("b2"))
-        wgrads = tuple(g if need[8 + j] else None for j, g in enumerate(wgrads))
+        wgrads = tuple(g if need[N_LEADING + j] else None for j, g in enumerate(wgrads))
         return (
             dx if need[0] else None,
             dprobs if need[1] else None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
+            *([None] * (N_LEADING - 2)),
             *wgrads,
         )
 
@@ -212,6 +229,8 @@ def ring_moe(
     b13: Tensor | Sequence[Tensor] | None = None,
     b2: Tensor | Sequence[Tensor] | None = None,
     capturable: bool = False,
+    config: RingConfig | None = None,
+    runtime: RingRuntime | None = None,
 ) -> Tensor:
     """MoE experts over the expert-parallel ``group`` by ring execution (RelayMoE §3.1-3.3).
 
@@ -239,30 +258,37 @@ def ring_moe(
     zero-copy view (elements back to back in one storage, in list order or in reverse list
     order) or a stack that lives for one pass only (token mode). See ``weights.py``.
 
-    ``mode``, ``transport``, ``schedule``, ``gpus_per_node``, ``grad_accum``, ``kernels``: None
-    (the default) takes this process's installed ``relaymoe.options.RingOptions`` field of that
-    name (``relaymoe.options.defaults()``: ``"auto"`` and None unless an entry point installed
-    others); a value passed overrides it.
-    ``group``: the EP group (default: the default group; without an initialized process group
-    a world of one). ``mode``: ``"expert"``, ``"token"``, ``"alltoall"`` or ``"auto"`` (the
-    fastest by :func:`relaymoe.cost.choose_mode`, identical on every rank).
+    ``config``: the call's options, a ``relaymoe.options.RingConfig`` (None: ``RingConfig()``,
+    every field's documented default). ``mode``, ``transport``, ``schedule``, ``gpus_per_node``,
+    ``grad_accum``, ``kernels``: None (the default) takes ``config``'s field of that name; a
+    value passed overrides it for this call.
+    ``runtime``: what the ring keeps from call to call (a ``relaymoe.ring.RingRuntime``: the
+    agreements of trusted calls, the copy engines' workspace, recorded hops, the lag watch;
+    ``runtime.py``). Pass the same one to every call of a layer or model (Megatron's dispatcher
+    keeps one); None makes a fresh one for this call and its backward, which is correct but
+    agrees at every call, records hops again and leaves the copy engines out of
+    ``transport="auto"`` (an explicit ``"copy_engine"`` then raises, naming ``runtime=``).
+    ``group``: the EP group (default: the runtime's group, else the default group; without an
+    initialized process group a world of one). ``mode``: ``"expert"``, ``"token"``,
+    ``"alltoall"`` or ``"auto"`` (the fastest by :func:`relaymoe.cost.choose_mode`, identical on
+    every rank).
     ``transport``: ``"nccl"`` (``batch_isend_irecv``; gloo on CPU; the all-to-all mode always
     uses the group's collectives), ``"copy_engine"`` (symmetric-memory pulls, CUDA within
     a node) or ``"auto"`` (copy engine when every rank is a CUDA device of one node with
     symmetric memory, else nccl).
     ``backend``: the hop primitives' backend (``"auto"``, ``"triton"``, ``"torch"``);
-    ``kernels``: how their kernels run (``relaymoe.options.KernelOptions``; default: this
-    process's). The host wait, the timeout, how often the ranks agree and ``overlap`` (False
-    runs each hop's transfer after its compute: the ablation's sequential ring) are this
-    process's ``relaymoe.options.RingOptions`` (``relaymoe.options.defaults()``), and so is
-    ``capture_hops`` (each hop's compute recorded once per shape and replayed: ``hop_graphs.py``).
+    ``kernels``: how their kernels run (``relaymoe.options.KernelOptions``; default:
+    ``config.kernels``). The host wait, the timeout, how often the ranks agree and ``overlap``
+    (False runs each hop's transfer after its compute: the ablation's sequential ring) are
+    ``config``'s, and so is ``capture_hops`` (each hop's compute recorded once per shape and
+    replayed: ``hop_graphs.py``).
     ``schedule``: the hop order (``schedule.py``): ``"flat"`` (one ring), ``"two_level"`` (rings
     inside each node of ``gpus_per_node`` consecutive ranks, joined by hops that every GPU of a
     node makes to the same local rank of the next node at once) or ``"auto"`` (two-level when the
     group spans several nodes of several GPUs); or ``"node_batched"`` (expert mode, asked for by
     name: one hop per node over the node's experts, all-gathered inside it; ``nodebatch.py``).
-    ``gpus_per_node``: the GPUs per node of the group; None (installed too) reads the nodes from
-    the ranks' hosts (exchanged in the agreement).
+    ``gpus_per_node``: the GPUs per node of the group; None (in ``config`` too) reads the nodes
+    from the ranks' hosts (exchanged in the agreement).
     ``grad_accum``: the dtype of the ring's weight-gradient accumulators: ``"param"`` (the
     weights'), ``"fp32"``, or ``"auto"`` (fp32 from ``options.FP32_GRAD_ACCUM_MIN_EP`` ranks,
     where the per-hop rounding of 16-bit accumulators would take the weight-gradient error past
@@ -279,13 +305,15 @@ def ring_moe(
     picks among the ring modes only, ``"alltoall"`` is refused, and the hops are sized from the
     worst-case bound in eager calls too, so eager and captured steps run the same code. A call
     made while its stream is captured needs ``trusted=True`` and an eager call of the same
-    signature before it; it then makes no host sync and no host wait (``capture.py``).
+    signature before it, made with the same ``runtime``; it then makes no host sync and no host
+    wait (``capture.py``).
 
     ``trusted=True`` (Megatron's dispatcher): ``topk_idx`` comes from a router and is not
     validated, and every rank changes its input signature (shapes, dtypes, mode, transport,
     whether a backward follows, the collective-deciding options ``agree`` and
     ``pair_buffer_mib``) in the same call; the ranks' agreement is then reused per
-    signature, so a call in steady state has no host synchronisation (``agree.py``).
+    signature (in ``runtime``), so a call in steady state has no host synchronisation
+    (``agree.py``).
 
     Dtypes: x, w13 and w2 share one of float16, bfloat16, float32, float64 (float64 runs on the
     torch hops: ``backend="triton"`` refuses it, ``"auto"`` keeps it); topk_probs any of those;
@@ -304,7 +332,23 @@ def ring_moe(
     id check and, for a signature already agreed, the whole agreement: inputs that change
     without the signature changing are not checked again.
     """
-    group, rank, world = _resolve_group(group)
+    config = RingConfig() if config is None else config
+    if not isinstance(config, RingConfig):
+        raise ValueError(
+            f"ring_moe: config={config!r} must be a relaymoe.options.RingConfig or None (None: "
+            "RingConfig(), the documented defaults); pass RingConfig(...)"
+        )
+    group, rank, world = _resolve_group(group, runtime)
+    captured = isinstance(x, Tensor) and capturing(x)
+    if runtime is None:
+        if captured:
+            raise ValueError(
+                "ring_moe is being captured into a CUDA graph without a runtime: the captured "
+                "call reuses the agreement its eager warm-up made in the runtime they share; "
+                "fix: make one RingRuntime(group) and pass it (runtime=) to the eager calls and "
+                "the captured one"
+            )
+        runtime = RingRuntime(group, persistent=False)  # this call's and its backward's
     listed = isinstance(w13, (list, tuple)) and isinstance(w2, (list, tuple))
     # the autograd inputs of the experts, weights then biases (LocalExperts.inputs' order);
     # a bias in the wrong form is refused by the agreement before they are used
@@ -313,31 +357,35 @@ def ring_moe(
     needs_grad = torch.is_grad_enabled() and any(
         isinstance(t, Tensor) and t.requires_grad for t in (x, topk_probs, *ws)
     )
-    process = defaults()  # None keywords take the installed options
-    req = ring_request(process, mode=mode, transport=transport, schedule=schedule,
+    req = ring_request(config, mode=mode, transport=transport, schedule=schedule,
                        gpus_per_node=gpus_per_node, needs_grad=needs_grad, grad_accum=grad_accum,
                        backend=backend, activation=activation, kernels=kernels,
                        capturable=capturable)  # fmt: skip
-    captured = isinstance(x, Tensor) and capturing(x)
     with torch.profiler.record_function("relaymoe.agree"):
         prob = agree(
             x, w13, w2, topk_idx, topk_probs, group=group, rank=rank, world=world, request=req,
-            trusted=trusted, b13=b13, b2=b2, captured=captured,
+            runtime=runtime, trusted=trusted, b13=b13, b2=b2, captured=captured,
+            timeout_s=config.timeout_s,
         )  # fmt: skip
     # req.kernels is valid: agreed above; a captured step already holds every hop, so no hop
     # graphs are recorded inside it
-    how = Hop(backend, req.kernels, process.capture_hops and not captured)
-    overlap = process.overlap
-    return _RingMoE.apply(x, topk_probs, topk_idx, prob, group, how, overlap, listed, *ws)
+    hop = Hop(backend, req.kernels, config.capture_hops and not captured)
+    call = RingCall.of(group, runtime, hop, config)
+    return _RingMoE.apply(x, topk_probs, topk_idx, prob, call, listed, *ws)
 
 
 def resolved_problem(*args, **kwargs) -> RingProblem:
     """The agreed :class:`RingProblem` (mode, transport, sizes, expert MLP) ``ring_moe`` would
-    run; keywords as ``ring_moe``'s (``needs_grad`` instead of the inputs' requires_grad)."""
-    group, rank, world = _resolve_group(kwargs.pop("group", None))
+    run; keywords as ``ring_moe``'s (``needs_grad`` instead of the inputs' requires_grad;
+    ``config=`` and ``runtime=`` too: a runtime passed keeps a trusted call's agreement)."""
+    config = kwargs.pop("config", None) or RingConfig()
+    runtime = kwargs.pop("runtime", None)
+    group, rank, world = _resolve_group(kwargs.pop("group", None), runtime)
+    if runtime is None:
+        runtime = RingRuntime(group, persistent=False)
     trusted = kwargs.pop("trusted", False)
     b13, b2 = kwargs.pop("b13", None), kwargs.pop("b2", None)
     # mode, transport, schedule, gpus_per_node, needs_grad, grad_accum, backend, activation
-    req = ring_request(defaults(), **kwargs)
-    return agree(*args, group=group, rank=rank, world=world, request=req, trusted=trusted,
-                 b13=b13, b2=b2)  # fmt: skip
+    req = ring_request(config, **kwargs)
+    return agree(*args, group=group, rank=rank, world=world, request=req, runtime=runtime,
+                 trusted=trusted, b13=b13, b2=b2, timeout_s=config.timeout_s)  # fmt: skip

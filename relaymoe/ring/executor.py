@@ -17,7 +17,7 @@ CPU the transfers run in gloo's background threads; there are no streams.
 Faults (``faults.py``): on CPU step 3 waits for the hop's works with the group's timeout and a
 failure raises ``RingPeerError`` naming the neighbour before anything reads the slot. On CUDA the
 host does not wait per hop; ``finish`` hands the pass's works, and events recorded after each
-copy-engine hop, to the host wait of ``RingOptions.host_wait`` (``faults.PeerWatch.finish``:
+copy-engine hop, to the host wait of ``RingConfig.host_wait`` (``faults.PeerWatch.finish``:
 the default ``lag`` waits for them at the end of the next pass or of the backward; ``pass`` before
 this pass returns; ``off`` never).
 
@@ -36,36 +36,34 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from relaymoe.ring.faults import PeerWatch, RingPeerError, host_wait_enabled
+from relaymoe.ring.faults import RingPeerError, host_wait_enabled
 from relaymoe.ring.layout import Layout
 from relaymoe.ring.schedule import HopTransfer, RingPlan
 from relaymoe.ring.transport import Transport
 
 __all__ = ["HopTiming", "RingExecutor", "record_timeline", "relay"]
 
-_COMM_STREAMS: dict[int, torch.cuda.Stream] = {}
-_RECORDERS: list[list] = []
-# The views a pass cuts of persistent slots (Transport.persistent_slots), kept for the next pass
-# over the same slots: by device, (the slots' addresses and sizes, the memo). Slots at other
-# addresses (a regrown workspace, another group's) replace the entry, and with it the views that
-# hold the old slots' memory.
-_SLOT_MEMOS: dict[torch.device, tuple[tuple, dict]] = {}
+# The views a pass cuts of persistent slots (Transport.persistent_slots) are kept for the next
+# pass over the same slots, in the runtime (``RingRuntime.slot_memos``): by device, (the slots'
+# addresses and sizes, the memo). Slots at other addresses (a regrown workspace, another group's)
+# replace the entry, and with it the views that hold the old slots' memory.
 # A memo's entries (views, runs and plans' ranges together) before it starts afresh: each
 # problem of other sizes (another T in token mode) adds its own, and the memo outlives them
 MAX_SLOT_MEMO = 512
 
 
-def _slot_memo(transport: Transport, slots: tuple[Tensor, ...], device: torch.device):
+def _slot_memo(runtime, transport: Transport, slots: tuple[Tensor, ...], device: torch.device):
     """The memo of views of ``slots`` (``flats``: each slot's typed flat views; ``views`` and
     ``runs``: by (layout, slot, base); ``ranges``: each plan's byte-range views), or None when
     the transport's slots are fresh every pass."""
     if not transport.persistent_slots:
         return None
     key = tuple((s.data_ptr(), s.numel()) for s in slots)
-    entry = _SLOT_MEMOS.get(device)
+    memos = runtime.slot_memos
+    entry = memos.get(device)
     if entry is None or entry[0] != key or sum(map(len, entry[1].values())) > MAX_SLOT_MEMO:
         memo = {"flats": ({}, {}), "views": {}, "runs": {}, "ranges": {}}
-        entry = _SLOT_MEMOS[device] = (key, memo)
+        entry = memos[device] = (key, memo)
     return entry[1]
 
 
@@ -91,14 +89,6 @@ def _make_current(stream: torch.cuda.Stream) -> Callable[[], None]:
 # records the same user range as torch.profiler.record_function for every observer (the
 # profiler, NVTX), without going through the dispatcher; record_function where a torch lacks it.
 _hop_range = getattr(torch._C._profiler, "_RecordFunctionFast", torch.profiler.record_function)
-
-
-def comm_stream(device: torch.device) -> torch.cuda.Stream:
-    """The dedicated communication stream of ``device`` (one per process and device)."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _COMM_STREAMS:
-        _COMM_STREAMS[idx] = torch.cuda.Stream(device=idx)
-    return _COMM_STREAMS[idx]
 
 
 @dataclass(frozen=True)
@@ -128,19 +118,21 @@ class HopTiming:
 
 
 @contextmanager
-def record_timeline() -> Iterator[list[HopTiming]]:
-    """Collect a :class:`HopTiming` per hop of every ring pass run inside the block.
+def record_timeline(runtime) -> Iterator[list[HopTiming]]:
+    """Collect a :class:`HopTiming` per hop of every ring pass of ``runtime`` (a
+    ``RingRuntime``: pass the same to ``ring_moe``) run inside the block.
 
     Adds CUDA events (or host timestamps on CPU); the list is filled when the block exits
     (which synchronizes the device).
     """
     raw: list = []
     out: list[HopTiming] = []
-    _RECORDERS.append(raw)
+    recorders = runtime.recorders
+    recorders.append(raw)
     try:
         yield out
     finally:
-        _RECORDERS.remove(raw)
+        recorders.remove(raw)
         if any(r[-1] == "cuda" for r in raw):
             torch.cuda.synchronize()
         for mode, phase, hop, nbytes, marks, kind in raw:
@@ -187,15 +179,18 @@ class RingExecutor:
         plan: RingPlan,
         device: torch.device,
         *,
-        overlap: bool = True,
+        call,
         mode: str = "",
         phase: str = "",
         capacity: int | None = None,
     ):
+        """``call``: the ``RingCall`` (runtime, overlap, host wait, timeout) of the pass."""
         self.transport, self.plan, self.device = transport, plan, device
-        self.overlap = overlap
+        self.overlap = call.overlap
+        runtime = call.runtime
+        self.recorders = runtime.recorders
         self.cuda = device.type == "cuda"
-        self.stream = comm_stream(device) if self.cuda else None
+        self.stream = runtime.comm_stream(device) if self.cuda else None
         # The caller's stream (the compute stream) for the whole pass, and one event that
         # orders the communication stream after it (re-recorded every hop: a wait takes the
         # event as it is when issued). Resolved once: torch.cuda.current_stream and a fresh
@@ -211,24 +206,24 @@ class RingExecutor:
         group = getattr(transport, "group", None)
         self.watch = None
         if group is not None:  # the ring's view of the group: its plan's ranks
-            self.watch = PeerWatch(group, mode=mode or "ring", phase=phase or "pass",
-                                   **transport.watch_view())  # fmt: skip
+            self.watch = call.watch(mode=mode or "ring", phase=phase or "pass", group=group,
+                                    **transport.watch_view())  # fmt: skip
         # device-side waits with no work object (the copy engines' barriers): an event per hop,
         # recorded only when finish() will wait on it
         self._mark_events = (
             self.cuda
             and self.watch is not None
             and transport.needs_entry_sync
-            and host_wait_enabled(device)
+            and host_wait_enabled(device, call.host_wait)
         )
         self._marks: dict[int, dict] = {}
-        self._recording = bool(_RECORDERS)
+        self._recording = bool(self.recorders)
         table = plan.pass_table()  # every hop's transfers, planned once (cached by the plan)
         self._transfers, self._legs, self._byte_ranges = table.transfers, table.legs, table.ranges
         cap = plan.capacity() if capacity is None else max(capacity, plan.capacity())
         self.slots = transport.slots(max(cap, 1), device)
         # the slots' byte-range views, cut once a pass (persistent slots: once for all passes)
-        self.memo = _slot_memo(transport, self.slots, device)
+        self.memo = _slot_memo(runtime, transport, self.slots, device)
         fresh = [None] * len(table.ranges)
         self._range_views: list[Tensor | None] = (
             fresh
@@ -339,11 +334,11 @@ class RingExecutor:
             self.compute.wait_stream(self.stream)
             if self.watch is not None:
                 self.watch.finish(self.device)
-        if self._recording and _RECORDERS:
+        if self._recording and self.recorders:
             kind = "cuda" if self.cuda else "cpu"
             for hop, marks in sorted(self._marks.items()):
                 nbytes = marks.pop("_bytes", 0)
-                _RECORDERS[-1].append((self.mode, self.phase, hop, nbytes, marks, kind))
+                self.recorders[-1].append((self.mode, self.phase, hop, nbytes, marks, kind))
 
 
 def _zero_views(layout: Layout, buf: Tensor, base: int = 0) -> dict[str, Tensor]:
@@ -362,7 +357,7 @@ def relay(
     compute: Callable[[int, int, dict[str, Tensor] | None, dict[str, Tensor] | None], None],
     transport: Transport | None,
     device: torch.device,
-    overlap: bool = True,
+    call,
     mode: str = "",
     phase: str = "",
     capacity: int | None = None,
@@ -377,6 +372,7 @@ def relay(
     in its slot (at hop 0 the rank's own partition in slot 0), None only in a world of one (use
     the local tensors; nothing is packed); ``trail`` are zero-initialised views to ADD this
     rank's share of ``partition``'s accumulator into (None without a trail).
+    ``call``: the ``RingCall`` (runtime, overlap, host wait, timeout).
     ``capacity``: reserve at least this many bytes per slot (e.g. the backward's, at forward).
     ``prepare(hop, partition, lead)``: called before the hop's transfer is issued, with the lead
     already in place (e.g. node-batched rounds exchange it inside the node there, so that on
@@ -398,9 +394,8 @@ def relay(
         compute(0, rank, None, trail)
         return trail
 
-    ex = RingExecutor(
-        transport, plan, device, overlap=overlap, mode=mode, phase=phase, capacity=capacity
-    )
+    ex = RingExecutor(transport, plan, device, call=call, mode=mode, phase=phase, capacity=capacity)
+    overlap = call.overlap
     slots, memo = ex.slots, ex.memo
     bufs = [slots[0], slots[1]]  # and the trail scratch (buffer 2), below
     # each buffer's typed flat views, shared by its layouts (persistent slots': the memo's)

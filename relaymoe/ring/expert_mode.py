@@ -3,7 +3,7 @@
 The experts' biases travel in their weights' partition (``passes.weights_layout``) and their
 gradients trail home with the weight gradients, in the same accumulators' dtype. A hop's compute
 is a body over named tensors (``run_hop``): called on the live ones, or replayed from
-``hop_graphs.py``'s cache with ``RingOptions.capture_hops``.
+``hop_graphs.py``'s cache with ``RingConfig.capture_hops``.
 """
 
 from __future__ import annotations
@@ -44,18 +44,19 @@ def range_offsets(index, El: int) -> tuple:
     return index.expert_token_offsets.unfold(0, El + 1, El).unbind(0)
 
 
-def expert_forward(prob, group, how, overlap, x, experts, probs, index, order):
+def expert_forward(prob, call, x, experts, probs, index, order):
+    how = call.hop
     El = prob.num_local_experts
     out = torch.zeros_like(x)
     T = x.shape[0]
     local = local_parts(experts, order) if prob.world_size == 1 else None
 
-    graphs = hop_graphs_of(prob, how, x.device)
+    graphs = hop_graphs_of(prob, call, x.device)
     own, sizes = {"x": x, "probs": probs, **index_inputs(index)}, index_sizes(index)
     # Recorded hops share one graph for every expert range (range_window): a GPU given many
     # distinct graphs back to back idles between them, one graph per range would be R of them
     any_range = graphs is not None and window_fits(prob)
-    head = graphs and hop_head(prob, how, "fwd")
+    head = graphs and hop_head(prob, call, "fwd")
     offsets = range_offsets(index, El) if any_range else None
 
     def compute(hop, part, lead, trail):
@@ -85,28 +86,29 @@ def expert_forward(prob, group, how, overlap, x, experts, probs, index, order):
     w = weights_layout(prob)  # every partition's, built once: the executor's views recur
     with stage_pass(graphs, own, {"out": out}):  # recorded hops: copied once a pass, not a hop
         ring_pass(
-            prob, group, overlap, x.device, "fwd", fwd,
+            prob, call, x.device, "fwd", fwd,
             lead_layout=lambda p: w, own_lead=lambda views: pack_own(experts, views),
             trail_layout=None, compute=compute, capacity=capacity(fwd, bwd, prob),
         )  # fmt: skip
     return out
 
 
-def expert_backward(prob, group, how, overlap, dy, x, experts, probs, index, order):
+def expert_backward(prob, call, dy, x, experts, probs, index, order):
     """Returns ``(dx, dprobs, grads)``, ``grads`` this rank's experts' gradients by part name
     (``w13``, ``w2``, and the biases'); their rows are in the row order the compute used:
     expert order for ``R > 1`` (slot 0 is packed in expert order), ``order`` in a world of
     one."""
+    how = call.hop
     El = prob.num_local_experts
     dx = torch.zeros_like(x)
     dprobs = torch.zeros_like(probs)
     T = x.shape[0]
     local = local_parts(experts, order) if prob.world_size == 1 else None
 
-    graphs = hop_graphs_of(prob, how, x.device)
+    graphs = hop_graphs_of(prob, call, x.device)
     own, sizes = {"dy": dy, "x": x, "probs": probs, **index_inputs(index)}, index_sizes(index)
     any_range = graphs is not None and window_fits(prob)  # one body for every range, as forward
-    head = graphs and hop_head(prob, how, "bwd")
+    head = graphs and hop_head(prob, call, "bwd")
     offsets = range_offsets(index, El) if any_range else None
 
     # The trail reaches compute as it is (relay's zero_trail=False): each hop writes its weight
@@ -145,7 +147,7 @@ def expert_backward(prob, group, how, overlap, dy, x, experts, probs, index, ord
     w, dw = weights_layout(prob), weights_layout(prob, "d")  # built once, as forward
     with stage_pass(graphs, own, {"dx": dx, "dprobs": dprobs}):
         grads = ring_pass(
-            prob, group, overlap, x.device, "bwd", bwd,
+            prob, call, x.device, "bwd", bwd,
             lead_layout=lambda p: w, own_lead=lambda views: pack_own(experts, views),
             trail_layout=lambda p: dw, compute=compute, zero_trail=False,
         )  # fmt: skip

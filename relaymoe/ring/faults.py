@@ -11,10 +11,10 @@ ends the process, per ``TORCH_NCCL_ASYNC_ERROR_HANDLING``) and an aborted all-re
 can then be read as data, which is how the agreement once reported "E_local differs across
 ranks: [4, 0]" 82 s after a peer died. ``Work.wait(timeout)`` blocks the host until the work
 completes or the timeout passes, then aborts and raises, on both backends; so every wait here
-passes the timeout explicitly (``RingOptions.timeout_s`` may then be shorter than the group's),
+passes the timeout explicitly (``RingConfig.timeout_s`` may then be shorter than the group's),
 and every sum-all-reduce the ring reads carries a validity marker per rank.
 
-Where the host waits (``RingOptions.host_wait``):
+Where the host waits (``RingConfig.host_wait``):
 
 * on CPU every hop's transfer is waited for before its data is read (as before), each wait
   bounded by the timeout;
@@ -35,9 +35,10 @@ Where the host waits (``RingOptions.host_wait``):
 
 The timeout is the group's own (``timeout=`` of ``init_process_group``/``new_group``), on NCCL
 less ``min(5 s, 25%)`` so the ring's error comes before the watchdog acts (:func:`ring_timeout_s`),
-or ``RingOptions.timeout_s`` seconds when set. The host wait is ``RingOptions.host_wait``; both
-are this process's options (``relaymoe.options.defaults()``, which entry points install from
-``RELAYMOE_RING_TIMEOUT_S`` / ``RELAYMOE_RING_HOST_WAIT`` or Megatron's flags).
+or ``RingConfig.timeout_s`` seconds when set. The host wait is ``RingConfig.host_wait``; both
+are the call's (its ``RingConfig``, built by the caller or by an entry point from
+``RELAYMOE_RING_TIMEOUT_S`` / ``RELAYMOE_RING_HOST_WAIT`` or Megatron's flags), and the lag
+wait's pending passes are its runtime's (``RingRuntime.lag``).
 
 History: docs/lab-notes/library_history.md#ring-faults
 """
@@ -51,9 +52,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from relaymoe import options
 from relaymoe.options import HOST_WAIT_CHOICES
-from relaymoe.ring import lagwait
 from relaymoe.ring.capture import capturing
 
 __all__ = [
@@ -69,7 +68,7 @@ __all__ = [
     "ring_timeout_s",
 ]
 
-HOST_WAITS = HOST_WAIT_CHOICES  # RingOptions.host_wait on CUDA; the first is the default
+HOST_WAITS = HOST_WAIT_CHOICES  # RingConfig.host_wait on CUDA; the first is the default
 _FALLBACK_TIMEOUT_S = 1800.0  # torch's default for non-NCCL groups
 # the ring gives up this much before NCCL's watchdog: 5 s, at most a quarter of the timeout (with
 # a tenth, 1 s of a 10 s group, a loaded host's survivor lost the race to its own watchdog)
@@ -129,7 +128,7 @@ class RingPeerError(RuntimeError):
             f"{who} (waited {waited_s:.1f} s of the timeout of {self.timeout_s:g} s{ring}; "
             f"backend: {cause.strip() or 'no detail'}). The peer died or stalled: {check}. If "
             f"it was only slow (a long step, a checkpoint write, a straggler), raise the process "
-            f"group's timeout (timeout= of init_process_group/new_group) or RingOptions.timeout_s "
+            f"group's timeout (timeout= of init_process_group/new_group) or RingConfig.timeout_s "
             f"(RELAYMOE_RING_TIMEOUT_S). The "
             f"group is unusable now: end this process and restart the job."
         )
@@ -147,14 +146,14 @@ def nccl_margin_s(pg_timeout_s: float) -> float:
     return min(NCCL_MARGIN_S, NCCL_MARGIN_FRACTION * pg_timeout_s)
 
 
-def ring_timeout_s(group: dist.ProcessGroup) -> float:
-    """Seconds the ring waits for a peer: this process's ``RingOptions.timeout_s`` if set, else
-    ``group``'s own timeout (:func:`group_timeout_s`); on NCCL that less :func:`nccl_margin_s`,
-    so that the ring's wait gives up, and names the peer, before NCCL's watchdog (which may end
+def ring_timeout_s(group: dist.ProcessGroup, timeout_s: float | None = None) -> float:
+    """Seconds the ring waits for a peer: ``timeout_s`` (the call's ``RingConfig.timeout_s``)
+    if set, else ``group``'s own timeout (:func:`group_timeout_s`); on NCCL that less
+    :func:`nccl_margin_s`, so that the ring's wait gives up, and names the peer, before NCCL's
+    watchdog (which may end
     the process at the group's timeout) acts on the same work."""
-    set_s = options.defaults().timeout_s
-    if set_s is not None:
-        return float(set_s)
+    if timeout_s is not None:
+        return float(timeout_s)
     pg = group_timeout_s(group)
     if _is_nccl(group):
         return pg - nccl_margin_s(pg)
@@ -192,18 +191,18 @@ def _comm_devices(group) -> list[torch.device]:
     return [torch.device("cpu")]
 
 
-def host_wait_enabled(device: torch.device) -> bool:
+def host_wait_enabled(device: torch.device, host_wait: str) -> bool:
     """Whether the host waits (bounded) for a pass's transfers before the pass returns."""
-    return host_wait_mode(device) != "off"
+    return host_wait_mode(device, host_wait) != "off"
 
 
-def host_wait_mode(device: torch.device) -> str:
-    """``"hop"`` (CPU: every hop's transfer is waited for before it is read), else this
-    process's ``RingOptions.host_wait`` on CUDA: ``"lag"`` (the default), ``"off"`` or
-    ``"pass"`` (see the module doc)."""
+def host_wait_mode(device: torch.device, host_wait: str) -> str:
+    """``"hop"`` (CPU: every hop's transfer is waited for before it is read), else
+    ``host_wait`` (the call's ``RingConfig.host_wait``) on CUDA: ``"lag"`` (the default),
+    ``"off"`` or ``"pass"`` (see the module doc)."""
     if device.type != "cuda":
         return "hop"
-    return options.defaults().host_wait
+    return host_wait
 
 
 class PeerWatch:
@@ -225,16 +224,21 @@ class PeerWatch:
         rank: int | None = None,
         ranks: Sequence[int] | None = None,
         ring: Sequence[int] | None = None,
+        host_wait: str = HOST_WAITS[0],
+        runtime=None,
     ):
         """``rank`` (this process's group rank), ``ranks`` (the group's global ranks) and
         ``timeout_s`` default to ``group``'s; pass all three to watch without a group.
         ``ring``: the group ranks of the ring the P2P transfers go around, in order (default:
-        the whole group), which names a hop's neighbours."""
+        the whole group), which names a hop's neighbours. ``host_wait``: the call's
+        ``RingConfig.host_wait`` (:meth:`finish`); ``runtime``: the call's ``RingRuntime``,
+        whose lag watch holds the pending pass (without one, ``lag`` waits as ``pass``)."""
         self.group, self.mode, self.phase = group, mode, phase
         self.rank = dist.get_rank(group) if rank is None else rank
         self.ranks = tuple(dist.get_process_group_ranks(group) if ranks is None else ranks)
         self.timeout_s = ring_timeout_s(group) if timeout_s is None else float(timeout_s)
         self.ring = tuple(range(len(self.ranks)) if ring is None else ring)
+        self.host_wait, self.runtime = host_wait, runtime
         self._deferred: list[tuple[object, tuple[int, ...] | None, str, int | None]] = []
         self._events: list[tuple[torch.cuda.Event, str, int | None]] = []
 
@@ -318,15 +322,17 @@ class PeerWatch:
         or none (``off``)."""
         deferred, events = self._deferred, self._events
         self._deferred, self._events = [], []
-        how = host_wait_mode(device)
+        how = host_wait_mode(device, self.host_wait)
+        if how == "lag" and self.runtime is None:  # no lag watch to hand the pass to
+            how = "pass"
         if how == "off" or capturing(device):
             # a captured pass is replayed without the host: nothing to wait for here, and its
             # events cannot be queried (``capture.py``)
             return
         if how == "lag":
             key = (device.type, device.index)
-            previous = lagwait.swap(key, self, deferred, events)
-            _wait_at_end_of_backward(key)
+            previous = self.runtime.lag.swap(key, self, deferred, events)
+            _wait_at_end_of_backward(key, self.runtime)
             if previous is None:
                 return
             previous.watch.wait_all(previous.deferred, previous.events)
@@ -382,21 +388,19 @@ class _Issuing:
         return False  # no error, RingPeerError already, or not the backend's: propagates as is
 
 
-_QUEUED_TASKS: set[tuple[int, tuple[str, int | None]]] = set()
-
-
-def _wait_at_end_of_backward(key: tuple[str, int | None]) -> None:
-    """Inside a backward, queue (once per backward call and device) the wait for the device's
-    last pending pass when the backward ends (``lag``; see ``lagwait.py``). Its RingPeerError
-    is raised to the caller of ``backward()``."""
+def _wait_at_end_of_backward(key: tuple[str, int | None], runtime) -> None:
+    """Inside a backward, queue (once per backward call, device and runtime) the wait for the
+    device's last pending pass of ``runtime`` when the backward ends (``lag``; see
+    ``lagwait.py``). Its RingPeerError is raised to the caller of ``backward()``."""
     task = torch._C._current_graph_task_id()
-    if task < 0 or (task, key) in _QUEUED_TASKS:
+    queued = runtime.backward_waits  # (task, device) of the waits queued and not yet run
+    if task < 0 or (task, key) in queued:
         return
-    _QUEUED_TASKS.add((task, key))
+    queued.add((task, key))
 
     def wait_for_last_pass() -> None:
-        _QUEUED_TASKS.discard((task, key))
-        last = lagwait.take(key)
+        queued.discard((task, key))
+        last = runtime.lag.take(key)
         if last is not None:
             last.watch.wait_all(last.deferred, last.events)
 
@@ -404,11 +408,17 @@ def _wait_at_end_of_backward(key: tuple[str, int | None]) -> None:
 
 
 def all_reduce_checked(
-    tensor: torch.Tensor, group: dist.ProcessGroup, *, mode: str, phase: str
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup,
+    *,
+    mode: str,
+    phase: str,
+    timeout_s: float | None = None,
 ) -> PeerWatch:
     """Sum-all-reduce ``tensor`` in place; returns after it completed (host-blocking, bounded
-    by the timeout) or raises RingPeerError. The returned watch names peers in later checks."""
-    watch = PeerWatch(group, mode=mode, phase=phase)
+    by the timeout: ``timeout_s``, the call's ``RingConfig.timeout_s``, else the group's) or
+    raises RingPeerError. The returned watch names peers in later checks."""
+    watch = PeerWatch(group, mode=mode, phase=phase, timeout_s=ring_timeout_s(group, timeout_s))
     with watch.issuing(op="all_reduce"):
         work = dist.all_reduce(tensor, group=group, async_op=True)
     watch.wait([work], op="all_reduce")

@@ -1,7 +1,7 @@
 """A cache of captured hop bodies: one recorded hop compute per key, replayed on fixed addresses.
 
 At small T the ring is host-bound: issuing a hop's kernels takes the host about as long as the
-GPU takes to run them. With ``RingOptions.capture_hops`` a hop's compute (the hop primitive call
+GPU takes to run them. With ``RingConfig.capture_hops`` a hop's compute (the hop primitive call
 of ``expert_mode``/``token_mode``, token forward's routing-index build included) is recorded
 once per key into a ``torch.cuda.CUDAGraph`` and replayed, so a hop costs the host a few small
 copies and one graph launch.
@@ -45,6 +45,9 @@ live in the graph's memory pool and are cloned out after every replay. Token bac
 weight-gradient accumulators under capture start as zeros that every hop adds into (bound
 in-outs), so nothing of that size is returned or cloned.
 
+The caches live in the call's runtime (``RingRuntime.hop_graphs``, one per replay kind and
+device): a dispatcher's recorded hops are its own, and go with it.
+
 Static buffers are owned by the cache, one per (name, shape, dtype, device), and shared by every
 entry that names one alike (expert mode's hops of different expert ranges, forward and
 backward): replays run one at a time on the compute stream, each after copying its own inputs.
@@ -82,7 +85,6 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from relaymoe import options
 from relaymoe.experts import resolve_backend
 
 __all__ = [
@@ -183,6 +185,7 @@ class HopGraphs:
         self._staged: dict[str, tuple[Tensor, tuple, Tensor]] = {}
         self.variants: dict[tuple, int] = {}
         self.buffers: dict[tuple, Tensor] = {}
+        self.logged: set[str] = set()  # the lines logged once by this cache
 
     def static_bytes(self) -> int:
         """Bytes of the static buffers held: the copied tensors' (a bound tensor has one only
@@ -240,7 +243,7 @@ class HopGraphs:
         tied = [lay[0] for lay in layouts] if replay is None else []
         base = (key, full[1], tuple(lay[:-1] for lay in layouts)) if tied else None
         if tied and self.variants.get(base, 0) >= self.max_variants:
-            _log_once(
+            self._log_once(
                 f"relaymoe capture_hops: the {' '.join(map(str, key[:2]))} hop's {sorted(tied)} "
                 f"came at more than max_variants={self.max_variants} sets of addresses; a call "
                 "at unrecorded ones copies them into static buffers (a copied entry: correct, "
@@ -290,6 +293,11 @@ class HopGraphs:
             _copy_all(list(inouts.values()), [self._staged[n][2] for n in inouts])
         finally:
             self._staged = outer
+
+    def _log_once(self, line: str) -> None:
+        if line not in self.logged:
+            self.logged.add(line)
+            log.info(line)
 
     def _record(self, full: tuple, body: Body, static: dict[str, Tensor],
                 bound_inouts: dict[str, Tensor]) -> Replay:  # fmt: skip
@@ -359,43 +367,22 @@ def stage_pass(graphs: HopGraphs | None, inputs: dict[str, Tensor], inouts: dict
     return contextlib.nullcontext() if graphs is None else graphs.staging(inputs, inouts)
 
 
-_CACHES: dict[tuple[str, torch.device], HopGraphs] = {}
-_LOGGED: set[str] = set()
-
-
-def _log_once(line: str) -> None:
-    if line not in _LOGGED:
-        _LOGGED.add(line)
-        log.info(line)
-
-
-def graphs_for(prob, backend: str, device: torch.device) -> HopGraphs | None:
-    """This process's cache for a call on ``device`` with capture on: the CUDA-graph one, the
-    eager plumbing without CUDA, or None (eager, logged once) when :func:`refusal` names why."""
+def graphs_for(prob, backend: str, device: torch.device, runtime) -> HopGraphs | None:
+    """``runtime``'s cache (a ``RingRuntime``: ``runtime.hop_graphs``) for a call on ``device``
+    with capture on: the CUDA-graph one, the eager plumbing without CUDA, or None (eager, logged
+    once per runtime) when :func:`refusal` names why."""
     why = refusal(prob, backend, device)
     if why is not None:
-        _log_once(f"relaymoe capture_hops: hops run eagerly: {why}")
+        runtime.log_once(log, f"relaymoe capture_hops: hops run eagerly: {why}")
         return None
     kind = CudaGraphReplay
     if device.type != "cuda" or not torch.cuda.is_available():
-        _log_once("relaymoe capture_hops: no CUDA device; hops replay eagerly through the cache")
+        runtime.log_once(
+            log, "relaymoe capture_hops: no CUDA device; hops replay eagerly through the cache"
+        )
         kind = EagerReplay
     key = (kind.name, device)
-    cache = _CACHES.get(key)
+    cache = runtime.hop_graphs.get(key)
     if cache is None:
-        cache = _CACHES[key] = HopGraphs(kind())
+        cache = runtime.hop_graphs[key] = HopGraphs(kind())
     return cache
-
-
-def caches() -> dict[tuple[str, torch.device], HopGraphs]:
-    """This process's caches by (backend name, device) (tests, memory accounting)."""
-    return _CACHES
-
-
-def forget() -> None:
-    """Drop every recorded hop and static buffer (the installed options changed: the keys hold
-    kernel options, and a cache no call uses any more should not keep its memory)."""
-    _CACHES.clear()
-
-
-options.on_install(forget)

@@ -3,7 +3,7 @@
 Experimental: ``schedule="auto"`` never picks it (``auto`` resolves to ``flat`` or
 ``two_level``, ``agree.resolve_schedule``), so it runs only when asked for by name, in expert
 mode: ``ring_moe(..., schedule="node_batched", gpus_per_node=G)``,
-``RingOptions(schedule="node_batched")`` or Megatron's ``--relaymoe-schedule node_batched``.
+``RingConfig(schedule="node_batched")`` or Megatron's ``--relaymoe-schedule node_batched``.
 It is tested over gloo on CPU and has run on GPUs only inside one node (two GPUs, ``G = 1``
 and ``2``); it has never run across nodes, where its gain is simulated only
 (``benchmarks/scaling_sim.py``).
@@ -54,7 +54,6 @@ from torch import Tensor
 from relaymoe.experts import expert_hop_backward, expert_hop_forward
 from relaymoe.ring.agree import RingProblem
 from relaymoe.ring.executor import relay
-from relaymoe.ring.faults import PeerWatch
 from relaymoe.ring.passes import (
     bias_grads,
     home_grads,
@@ -121,7 +120,7 @@ class ColumnTransport(P2PTransport):
 
 
 def row_exchange(
-    group: dist.ProcessGroup | None,
+    call,
     rank: int,
     gpus_per_node: int,
     sends: Callable[[int], list[Tensor]],
@@ -132,8 +131,10 @@ def row_exchange(
     device: torch.device,
 ) -> None:
     """Send ``sends(q)`` to and receive ``recvs(q)`` from every other rank ``q`` of the node
-    (local indices), all at once; returns when the data may be read (CPU: waited, bounded; CUDA:
-    ordered on the current stream, the host wait deferred to the pass's policy)."""
+    (local indices) of the call's group (``call``: a ``RingCall``), all at once; returns when
+    the data may be read (CPU: waited, bounded; CUDA: ordered on the current stream, the host
+    wait deferred to the call's policy)."""
+    group = call.group
     G, g = gpus_per_node, rank % gpus_per_node
     if G == 1:
         return
@@ -149,7 +150,7 @@ def row_exchange(
             for t in recvs(q):
                 ops.append(dist.P2POp(dist.irecv, t, group=group, group_peer=row[q]))
                 peers.append(row[q])
-    watch = PeerWatch(group, mode=mode, phase=phase)
+    watch = call.watch(mode=mode, phase=phase)
     with watch.issuing(op="row exchange", peers=sorted(set(peers))):
         works = dist.batch_isend_irecv(ops)
     if device.type == "cuda":
@@ -175,7 +176,7 @@ def _node_pairs(prob: RingProblem, node: int) -> dict[str, int]:
     return {"max_pairs": T * min(prob.topk, G * prob.num_local_experts)}
 
 
-def _node_experts(prob: RingProblem, group, lead, local, device, phase) -> dict[str, Tensor]:
+def _node_experts(prob: RingProblem, call, lead, local, device, phase) -> dict[str, Tensor]:
     """The round's ``G*El`` experts by part name (``w13``, ``w2`` and the biases): this rank's
     visiting partition (``lead``, or ``local`` in a column of one) and its node peers',
     all-gathered over the row (the biases in the same exchange as their weights)."""
@@ -188,14 +189,14 @@ def _node_experts(prob: RingProblem, group, lead, local, device, phase) -> dict[
     for n, t in mine.items():
         node[n][g * El : (g + 1) * El].copy_(t)
     row_exchange(
-        group, prob.rank, G, lambda q: list(mine.values()),
+        call, prob.rank, G, lambda q: list(mine.values()),
         lambda q: [t[q * El : (q + 1) * El] for t in node.values()],
         mode=prob.mode, phase=phase, device=device,
     )  # fmt: skip
     return node
 
 
-def _batched_pass(prob, group, overlap, device, phase, compute, experts, backward):
+def _batched_pass(prob, call, device, phase, compute, experts, backward):
     """One column pass; the hop's experts are all-gathered over the row before the hop's column
     transfer is issued (``relay``'s ``prepare``) and handed to ``compute(node, parts,
     trail)`` (``parts``: the round's experts by part name)."""
@@ -206,7 +207,7 @@ def _batched_pass(prob, group, overlap, device, phase, compute, experts, backwar
     gathered = {}
 
     def prepare(hop, node, lead):
-        gathered["w"] = _node_experts(prob, group, lead, local, device, phase)
+        gathered["w"] = _node_experts(prob, call, lead, local, device, phase)
 
     def run(hop, node, lead, trail):
         compute(node, gathered.pop("w"), trail)
@@ -214,12 +215,13 @@ def _batched_pass(prob, group, overlap, device, phase, compute, experts, backwar
     return relay(
         plan, lead_layout=lambda p: w, own_lead=lambda views: pack_own(experts, views),
         trail_layout=(lambda p: dw) if backward else None, compute=run, prepare=prepare,
-        transport=ColumnTransport(group, prob.rank, G), device=device, overlap=overlap,
+        transport=ColumnTransport(call.group, prob.rank, G), device=device, call=call,
         mode=prob.mode, phase=phase,
     )  # fmt: skip
 
 
-def batched_expert_forward(prob, group, how, overlap, x, experts, probs, index, order):
+def batched_expert_forward(prob, call, x, experts, probs, index, order):
+    how = call.hop
     G, El = prob.gpus_per_node, prob.num_local_experts
     out = torch.zeros_like(x)
 
@@ -233,12 +235,13 @@ def batched_expert_forward(prob, group, how, overlap, x, experts, probs, index, 
             **mlp(prob, parts),
         )  # fmt: skip
 
-    _batched_pass(prob, group, overlap, x.device, "fwd", compute, experts, False)
+    _batched_pass(prob, call, x.device, "fwd", compute, experts, False)
     return out
 
 
-def batched_expert_backward(prob, group, how, overlap, dy, x, experts, probs, index, order):
+def batched_expert_backward(prob, call, dy, x, experts, probs, index, order):
     """As ``expert_backward``; the gradients' rows in expert order."""
+    how = call.hop
     G, El, g = prob.gpus_per_node, prob.num_local_experts, prob.rank % prob.gpus_per_node
     dx, dprobs = torch.zeros_like(x), torch.zeros_like(probs)
 
@@ -272,12 +275,12 @@ def batched_expert_backward(prob, group, how, overlap, dy, x, experts, probs, in
         got = {q: [torch.empty_like(d[n][g * El : (g + 1) * El]) for n in names]
                for q in range(G) if q != g}  # fmt: skip
         row_exchange(
-            group, prob.rank, G, lambda q: [d[n][q * El : (q + 1) * El] for n in names],
+            call, prob.rank, G, lambda q: [d[n][q * El : (q + 1) * El] for n in names],
             lambda q: got[q], mode=prob.mode, phase="bwd", device=x.device,
         )  # fmt: skip
         for shares in ([d[n][g * El : (g + 1) * El] for n in names], *got.values()):
             for n, share in zip(names, shares, strict=True):
                 trail[n].add_(share)
 
-    grads = _batched_pass(prob, group, overlap, x.device, "bwd", compute, experts, True)
+    grads = _batched_pass(prob, call, x.device, "bwd", compute, experts, True)
     return dx, dprobs, home_grads(prob, grads)

@@ -1,26 +1,27 @@
 """What every pass of a ring call shares: the layouts of what travels, the pass plans and their
-slot capacity, the transport, and how a hop's compute runs (:class:`Hop`).
+slot capacity, the transport, and the call (``runtime.RingCall``: its group, runtime, how a hop's
+compute runs and this rank's options).
 
 Shape legend as in ``engine.py``.
 
-The layouts and pass plans of a problem are cached by the (frozen, hashable) problem: every
-pass of every layer asks for them, and building them again (a layout per partition and
+The layouts and pass plans of a problem are memoised by the (frozen, hashable) problem
+(``functools.lru_cache``: a pure function of the problem, no state any call could change):
+every pass of every layer asks for them, and building them again (a layout per partition and
 direction, a plan's tables) was a tenth of a recorded pass's host time.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from relaymoe.options import KernelOptions
-from relaymoe.ring.agree import RingProblem
 from relaymoe.ring.executor import relay
 from relaymoe.ring.hop_graphs import HopGraphs, graphs_for
 from relaymoe.ring.layout import Layout
+from relaymoe.ring.problem import RingProblem
+from relaymoe.ring.runtime import RingCall
 from relaymoe.ring.schedule import RingPlan
 from relaymoe.ring.transport import CopyEngineTransport, P2PTransport, Transport
 from relaymoe.ring.weights import LocalExperts
@@ -28,29 +29,20 @@ from relaymoe.ring.weights import LocalExperts
 IDX = torch.int32  # expert ids travel as int32
 
 
-class Hop(NamedTuple):
-    """How a hop's compute runs: the hop primitives' backend and their kernel options, and
-    whether it is recorded and replayed (``RingOptions.capture_hops``, ``hop_graphs.py``)."""
-
-    backend: str
-    kernels: KernelOptions
-    capture: bool = False
+def hop_graphs_of(prob: RingProblem, call: RingCall, device) -> HopGraphs | None:
+    """The cache of recorded hop bodies a pass runs its hops through (the call's runtime's),
+    or None (eager)."""
+    how = call.hop
+    return graphs_for(prob, how.backend, device, call.runtime) if how.capture else None
 
 
-def hop_graphs_of(prob: RingProblem, how: Hop, device) -> HopGraphs | None:
-    """The cache of recorded hop bodies a pass runs its hops through, or None (eager)."""
-    return graphs_for(prob, how.backend, device) if how.capture else None
-
-
-# The (backend, kernel options, activation) of recorded hops so far, each as a small int
-_HOW_IDS: dict[tuple, int] = {}
-
-
-def hop_head(prob: RingProblem, how: Hop, phase: str) -> tuple[str, str, int]:
+def hop_head(prob: RingProblem, call: RingCall, phase: str) -> tuple[str, str, int]:
     """The first part of a pass's recorded hops' keys, made once a pass: ``(mode, phase, n)``,
     ``n`` a small int standing for the backend, kernel options and activation (equal ones, one
-    int), so that the cache's lookup at every hop hashes no options object."""
-    n = _HOW_IDS.setdefault((how.backend, how.kernels, prob.activation), len(_HOW_IDS))
+    int, numbered by the call's runtime), so that the cache's lookup at every hop hashes no
+    options object."""
+    ids = call.runtime.kernel_choice_ids
+    n = ids.setdefault((call.hop.backend, call.hop.kernels, prob.activation), len(ids))
     return prob.mode, phase, n
 
 
@@ -65,11 +57,12 @@ def present(parts: dict[str, Tensor | None]) -> dict[str, Tensor]:
     return {k: v for k, v in parts.items() if v is not None}
 
 
-def transport_of(prob: RingProblem, group) -> Transport | None:
+def transport_of(prob: RingProblem, call: RingCall) -> Transport | None:
+    """The transport of the call's agreed ``prob.transport`` (None in a world of one)."""
     if prob.transport == "copy_engine":
-        return CopyEngineTransport(group)
+        return CopyEngineTransport(call.group, call.runtime, call.timeout_s)
     if prob.transport == "nccl":
-        return P2PTransport(group)
+        return P2PTransport(call.group)
     return None
 
 
@@ -154,15 +147,15 @@ def capacity(fwd: RingPlan, bwd: RingPlan, prob: RingProblem) -> int:
     return max(fwd.capacity(), bwd.capacity()) if prob.needs_grad else fwd.capacity()
 
 
-def ring_pass(prob: RingProblem, group, overlap: bool, device, phase: str, plan: RingPlan, **roles):
-    """One ``relay`` pass of this call: the transport, device, overlap and labels every pass
+def ring_pass(prob: RingProblem, call: RingCall, device, phase: str, plan: RingPlan, **roles):
+    """One ``relay`` pass of this call: the transport, device, call and labels every pass
     shares; ``roles``: the pass's own ``lead_layout``/``own_lead``/``trail_layout``/``compute``
     (and ``capacity``)."""
     return relay(
         plan,
-        transport=transport_of(prob, group),
+        transport=transport_of(prob, call),
         device=device,
-        overlap=overlap,
+        call=call,
         mode=prob.mode,
         phase=phase,
         **roles,

@@ -1,7 +1,8 @@
 """The frozen problem: what a ``ring_moe`` call asks for and what every rank agreed on.
 
-Also the collective-deciding options of this process (``RingSettings``, ``ring_settings``),
-written into every agreement's row (``agree.py``).
+The request is the call's ``RingConfig`` with its per-call keywords applied, plus what only the
+call knows (whether a backward follows, the backend, the activation); its collective-deciding
+options (``agree``, ``pair_buffer_mib``) are written into every agreement's row (``agree.py``).
 """
 
 from __future__ import annotations
@@ -16,11 +17,9 @@ from relaymoe.activation import SWIGLU, ExpertActivation, as_activation
 __all__ = [
     "RingProblem",
     "RingRequest",
-    "RingSettings",
     "request_activation",
     "request_kernels",
     "ring_request",
-    "ring_settings",
 ]
 
 
@@ -38,14 +37,21 @@ def request_activation(value) -> ExpertActivation | str:
 @dataclass(frozen=True)
 class RingRequest:
     """What the caller of one ``ring_moe`` call asks for; every rank must ask the same (the
-    agreement checks it). ``needs_grad``: a backward follows."""
+    agreement checks it). Made by :func:`ring_request` from the call's ``RingConfig`` (whose
+    fields of the same names define each option, its choices and its default), each keyword
+    given overriding its field; held unchecked, so that the agreement reports a bad value on
+    every rank at once. ``needs_grad``: a backward follows."""
 
-    mode: str = "auto"
-    transport: str = "auto"
-    schedule: str = "auto"
-    gpus_per_node: int | None = None  # None: from the ranks' hosts
-    needs_grad: bool = True
-    grad_accum: str = "auto"  # the weight-gradient accumulators (options.GRAD_ACCUM_CHOICES)
+    mode: str
+    transport: str
+    schedule: str
+    gpus_per_node: int | None  # None: from the ranks' hosts
+    needs_grad: bool
+    grad_accum: str  # the weight-gradient accumulators
+    # the collective-deciding options (RingConfig.agree, KernelOptions.pair_buffer_mib): agreed
+    # in the row, so ranks launched with different values all raise
+    agree: str
+    pair_buffer_mib: int
     backend: str = "auto"  # the hop primitives' backend on this rank (not compared across ranks)
     # the expert MLP (request_activation: an ExpertActivation, or the message of a bad one)
     activation: ExpertActivation | str = SWIGLU
@@ -58,22 +64,22 @@ class RingRequest:
     kernels: options.KernelOptions | str | None = field(default=None, compare=False)
 
 
-def request_kernels(value, opts: options.RingOptions) -> options.KernelOptions | str:
-    """``value`` (``ring_moe``'s ``kernels=``) as the request holds it: ``opts.kernels`` for
+def request_kernels(value, config: options.RingConfig) -> options.KernelOptions | str:
+    """``value`` (``ring_moe``'s ``kernels=``) as the request holds it: ``config.kernels`` for
     None, the ``KernelOptions`` itself, or the message of a bad value. Not raised here: the
     agreement reports it (``checks.py``, code 10) on every rank at once."""
     if value is None:
-        return opts.kernels
+        return config.kernels
     if isinstance(value, options.KernelOptions):
         return value
     return (
-        f"kernels={value!r} must be a relaymoe.options.KernelOptions or None (None: this "
-        "process's, relaymoe.options.defaults().kernels); pass KernelOptions(...)"
+        f"kernels={value!r} must be a relaymoe.options.KernelOptions or None (None: the "
+        "call's config's, RingConfig.kernels); pass KernelOptions(...)"
     )
 
 
 def ring_request(
-    opts: options.RingOptions,
+    config: options.RingConfig,
     *,
     mode: str | None = None,
     transport: str | None = None,
@@ -87,35 +93,21 @@ def ring_request(
     capturable: bool = False,
 ) -> RingRequest:
     """The request of one call: each of ``mode``, ``transport``, ``schedule``,
-    ``gpus_per_node``, ``grad_accum`` and ``kernels`` given (not None) overrides ``opts`` (the
-    installed options, ``relaymoe.options.defaults()``), None takes ``opts``' value; an
-    installed ``gpus_per_node`` of None reads the nodes from the hosts. Values are checked by
-    the agreement, on every rank at once."""
+    ``gpus_per_node``, ``grad_accum`` and ``kernels`` given (not None) overrides ``config``
+    (the call's ``RingConfig``), None takes ``config``'s value; a ``gpus_per_node`` of None in
+    both reads the nodes from the hosts. Values are checked by the agreement, on every rank at
+    once."""
 
-    def pick(value, installed):
-        return installed if value is None else value
+    def pick(value, configured):
+        return configured if value is None else value
 
     return RingRequest(
-        pick(mode, opts.mode), pick(transport, opts.transport), pick(schedule, opts.schedule),
-        pick(gpus_per_node, opts.gpus_per_node), needs_grad, pick(grad_accum, opts.grad_accum),
+        pick(mode, config.mode), pick(transport, config.transport),
+        pick(schedule, config.schedule), pick(gpus_per_node, config.gpus_per_node), needs_grad,
+        pick(grad_accum, config.grad_accum), config.agree, config.kernels.pair_buffer_mib,
         backend, request_activation(activation), bool(capturable),
-        request_kernels(kernels, opts),
+        request_kernels(kernels, config),
     )  # fmt: skip
-
-
-@dataclass(frozen=True)
-class RingSettings:
-    """The options that decide which collectives a call issues (see ``agree.py``), taken from
-    this process's installed options and agreed across ranks in the agreement's row."""
-
-    agree: str = "cached"  # RingOptions.agree (relaymoe.options.AGREE_CHOICES)
-    pair_buffer_mib: int = 512  # KernelOptions.pair_buffer_mib
-
-
-def ring_settings() -> RingSettings:
-    """This process's collective-deciding options (``relaymoe.options.defaults()``)."""
-    opts = options.defaults()
-    return RingSettings(opts.agree, opts.kernels.pair_buffer_mib)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@ backward pass of the ring.
 
 The experts' biases stay with them and their gradients accumulate here, beside the weights'
 (in ``prob.accum_dtype``). A hop's compute is a body over named tensors (``run_hop``), called on
-the live ones or replayed from ``hop_graphs.py``'s cache with ``RingOptions.capture_hops``.
+the live ones or replayed from ``hop_graphs.py``'s cache with ``RingConfig.capture_hops``.
 """
 
 from __future__ import annotations
@@ -57,18 +57,19 @@ def token_ids(ids: Tensor, prob: RingProblem, order: str) -> Tensor:
     return reverse_local_ids(ids, prob.num_local_experts) if order == REVERSED else ids
 
 
-def token_forward(prob, group, how, overlap, x, experts, probs, idx32, order):
+def token_forward(prob, call, x, experts, probs, idx32, order):
     """Returns ``(out, indices)``: ``indices[p]`` is the routing index of partition ``p``'s
     tokens (built once, when it visits; the backward reuses it), a ``PackedIndex`` where the
     hops are recorded."""
+    how = call.hop
     E, Ts, own = prob.num_experts, prob.tokens, prob.expert_range
     # local experts compute every hop: their (El, ...) form for this pass only (a zero-copy view
     # when the list form is back to back, else a transient stack dropped when the pass ends)
     local = local_parts(experts, order)
     indices: dict[int, object] = {}
-    graphs = hop_graphs_of(prob, how, x.device)
+    graphs = hop_graphs_of(prob, call, x.device)
     weights = present(local)
-    head = graphs and hop_head(prob, how, "fwd")
+    head = graphs and hop_head(prob, call, "fwd")
 
     def compute(hop, part, lead, trail):
         if Ts[part] == 0:
@@ -103,20 +104,21 @@ def token_forward(prob, group, how, overlap, x, experts, probs, idx32, order):
 
     fwd, bwd = token_plans(prob)
     result = ring_pass(
-        prob, group, overlap, x.device, "fwd", fwd, own_lead={"x": x, "idx": idx32, "probs": probs},
+        prob, call, x.device, "fwd", fwd, own_lead={"x": x, "idx": idx32, "probs": probs},
         compute=compute, capacity=capacity(fwd, bwd, prob), zero_trail=graphs is None,
         **token_layouts(prob, False),
     )  # fmt: skip
     return result["out"], indices
 
 
-def token_backward(prob, group, how, overlap, dy, x, experts, probs, indices, order):
+def token_backward(prob, call, dy, x, experts, probs, indices, order):
     """Returns ``(dx, dprobs, grads)``, ``grads`` this rank's experts' gradients by part name
     (rows in ``order``). ``indices``: the forward's routing index of every visiting partition."""
+    how = call.hop
     Ts, own = prob.tokens, prob.expert_range
     local = local_parts(experts, order)  # again for this pass only
     w13, w2 = local["w13"], local["w2"]
-    graphs = hop_graphs_of(prob, how, x.device)
+    graphs = hop_graphs_of(prob, call, x.device)
     # Eager, the first hop with pairs writes the local weight gradients and later hops add (no
     # zero fill). Accumulators wider than the weights start as zeros that every hop adds to.
     # Recorded hops get their accumulators bound (added into at their address: nothing of their
@@ -135,7 +137,7 @@ def token_backward(prob, group, how, overlap, dy, x, experts, probs, indices, or
             dw["d" + name] = torch.zeros_like(local[name], dtype=prob.accum_dtype)
 
     weights = present(local)
-    head = graphs and hop_head(prob, how, "bwd")
+    head = graphs and hop_head(prob, call, "bwd")
 
     def compute(hop, part, lead, trail):
         if Ts[part] == 0:
@@ -169,7 +171,7 @@ def token_backward(prob, group, how, overlap, dy, x, experts, probs, indices, or
 
     _, bwd = token_plans(prob)
     result = ring_pass(
-        prob, group, overlap, x.device, "bwd", bwd, own_lead={"x": x, "probs": probs, "dy": dy},
+        prob, call, x.device, "bwd", bwd, own_lead={"x": x, "probs": probs, "dy": dy},
         compute=compute, zero_trail=graphs is None, **token_layouts(prob, True),
     )  # fmt: skip
     if dw["dw13"] is None:  # no hop had pairs

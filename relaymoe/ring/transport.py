@@ -5,7 +5,8 @@ sends and two receives, each with its own peer; one of each in a flat ring).
   in one group, in the same order on every rank. The same code runs over gloo on CPU and over NCCL
   within and across nodes. On CUDA it is issued from the executor's communication stream.
 * ``copy_engine`` (:class:`CopyEngineTransport`, CUDA within one node): both slots live in one
-  persistent ``torch.distributed._symmetric_memory`` allocation per (group, device); each rank
+  persistent ``torch.distributed._symmetric_memory`` allocation per (group, device), held by the
+  call's runtime (``RingRuntime.workspaces``); each rank
   *pulls* the visiting range straight from its neighbour's slot with a device-to-device copy of
   peer-mapped memory, which the GPU's copy engines execute without SMs, so more of a transfer hides
   under a grouped GEMM than with NCCL, whose kernels compete for SMs. A group-wide barrier on the
@@ -49,8 +50,8 @@ __all__ = [
     "copy_engine_works",
 ]
 
-# Persistent symmetric slots per (group name, device index): (tensor (2*cap,), handle, cap).
-_SYMM_SLOTS: dict[tuple[str, int], tuple[Tensor, object, int]] = {}
+# The persistent symmetric slots live in the runtime (``RingRuntime.workspaces``), per (group
+# name, device index): (tensor (2*cap,), handle, cap), grown in steps of this many bytes.
 _SYMM_GRANULE = 2 * 1024 * 1024
 
 
@@ -143,27 +144,30 @@ class CopyEngineTransport(Transport):
     """Pull from the neighbour's persistent symmetric-memory slot with the copy engines."""
 
     name = "copy_engine"
-    persistent_slots = True  # one symmetric-memory buffer per (group, device)
+    persistent_slots = True  # one symmetric-memory buffer per (group, device) and runtime
     needs_entry_sync = True
 
-    def __init__(self, group: dist.ProcessGroup, timeout_s: float | None = None):
-        self.group = group
+    def __init__(self, group: dist.ProcessGroup, runtime, timeout_s: float | None = None):
+        """``runtime``: the ``RingRuntime`` whose workspace the slots are; ``timeout_s``: the
+        call's ``RingConfig.timeout_s`` (None: the group's)."""
+        self.group, self.runtime = group, runtime
         self._buf: Tensor | None = None
         self._hdl = None
         self._cap = 0
-        self.timeout_s = ring_timeout_s(group) if timeout_s is None else timeout_s
+        self.timeout_s = ring_timeout_s(group, timeout_s)
 
     def slots(self, capacity: int, device: torch.device) -> tuple[Tensor, Tensor]:
         import torch.distributed._symmetric_memory as symm_mem
 
         key = (self.group.group_name, device.index)
-        entry = _SYMM_SLOTS.get(key)
+        workspaces = self.runtime.workspaces
+        entry = workspaces.get(key)
         if entry is None or entry[2] < capacity:
             # Collective: every rank computes the same capacity from the agreed sizes, so all
             # ranks grow (and rendezvous) together.
             cap = max(_SYMM_GRANULE, -(-capacity // _SYMM_GRANULE) * _SYMM_GRANULE)
             if entry is not None:
-                _barrier(entry[1], self.timeout_s)  # no peer still reads the old slots
+                _barrier(self.runtime, entry[1], self.timeout_s)  # no peer reads the old slots
                 done = torch.cuda.Event()
                 done.record()
                 # the barrier waits on peers: bounded here, so a dead one raises RingPeerError
@@ -172,21 +176,21 @@ class CopyEngineTransport(Transport):
                                   timeout_s=self.timeout_s)  # fmt: skip
                 watch.wait_event(done, op="copy-engine barrier")
                 torch.cuda.synchronize(device)
-                del _SYMM_SLOTS[key]
+                del workspaces[key]
                 entry = None
             buf = symm_mem.empty(2 * cap, dtype=torch.uint8, device=device)
             # By name: the form every torch with symmetric memory accepts.
             hdl = symm_mem.rendezvous(buf, self.group.group_name)
             entry = (buf, hdl, cap)
-            _SYMM_SLOTS[key] = entry
+            workspaces[key] = entry
         self._buf, self._hdl, self._cap = entry
         return self._buf[: self._cap], self._buf[self._cap : 2 * self._cap]
 
     def entry_sync(self) -> None:
-        _barrier(self._hdl, self.timeout_s)
+        _barrier(self.runtime, self._hdl, self.timeout_s)
 
     def issue(self, xfer: HopTransfer, sends: list[Tensor], recvs: list[Tensor]) -> list:
-        _barrier(self._hdl, self.timeout_s)
+        _barrier(self.runtime, self._hdl, self.timeout_s)
         for leg, recv in zip(xfer.recvs, recvs, strict=True):
             src = leg.src
             # Byte offset of the sender's range inside its allocation (slot + range start).
@@ -196,37 +200,36 @@ class CopyEngineTransport(Transport):
         return []
 
 
-_BARRIER_TAKES_TIMEOUT: list[bool] = []  # learned once: whether barrier() accepts timeout_ms
-
-
-def _barrier(hdl, timeout_s: float) -> None:
+def _barrier(runtime, hdl, timeout_s: float) -> None:
     """The symmetric-memory barrier on the current stream, bounded on the device by
-    ``timeout_s`` where torch's barrier takes a timeout (see the module doc)."""
-    if not _BARRIER_TAKES_TIMEOUT or _BARRIER_TAKES_TIMEOUT[0]:
+    ``timeout_s`` where torch's barrier takes a timeout (see the module doc); whether it does
+    is learned once per runtime (``RingRuntime.barrier_takes_timeout``)."""
+    if runtime.barrier_takes_timeout is not False:
         try:
             hdl.barrier(channel=0, timeout_ms=max(1, int(timeout_s * 1000)))
-            _BARRIER_TAKES_TIMEOUT[:] = [True]
+            runtime.barrier_takes_timeout = True
             return
         except TypeError:  # an older signature: barrier(channel) only
-            _BARRIER_TAKES_TIMEOUT[:] = [False]
+            runtime.barrier_takes_timeout = False
     hdl.barrier(channel=0)
 
 
-_CE_WORKS: dict[str, bool] = {}
-
-
-def copy_engine_works(group: dist.ProcessGroup, device: torch.device) -> bool:
-    """Collective, cached per group: every rank set up and pulled through symmetric memory.
+def copy_engine_works(
+    group: dist.ProcessGroup, device: torch.device, runtime, timeout_s: float | None = None
+) -> bool:
+    """Collective, cached per group in ``runtime`` (``RingRuntime.copy_engine_ok``): every rank
+    set up and pulled through symmetric memory (the runtime's workspace).
 
     ``transport="auto"`` asks this before choosing the copy engines, so a torch whose symmetric
     memory API differs (or a machine without peer access) falls back to NCCL on every rank
     together instead of failing mid-pass. All ranks of ``group`` must call it.
     """
     name = group.group_name
-    if name not in _CE_WORKS:
+    known = runtime.copy_engine_ok
+    if name not in known:
         ok = 1
         try:
-            ce = CopyEngineTransport(group)
+            ce = CopyEngineTransport(group, runtime, timeout_s)
             ce.slots(1, device)
             ce.entry_sync()
             peer = (dist.get_rank(group) - 1) % dist.get_world_size(group)
@@ -237,17 +240,14 @@ def copy_engine_works(group: dist.ProcessGroup, device: torch.device) -> bool:
             ok = 0
         # [ranks that succeeded, ranks that answered]: a sum missing a rank is never read as "ok"
         flag = torch.tensor([ok, 1], dtype=torch.int64, device=device)
-        watch = all_reduce_checked(flag, group, mode="ring", phase="copy-engine probe")
+        watch = all_reduce_checked(
+            flag, group, mode="ring", phase="copy-engine probe", timeout_s=timeout_s
+        )
         ok_ranks, live = flag.tolist()  # host sync, once per group
         world = dist.get_world_size(group)
         if live != world:
             raise watch.error(
                 f"the probe's all-reduce counted {live} of {world} ranks", op="all_reduce"
             )
-        _CE_WORKS[name] = ok_ranks == world
-    return _CE_WORKS[name]
-
-
-def symmetric_workspace_bytes() -> int:
-    """Bytes held by the persistent copy-engine slots of this process (all groups)."""
-    return sum(2 * cap for (_, _, cap) in _SYMM_SLOTS.values())
+        known[name] = ok_ranks == world
+    return known[name]

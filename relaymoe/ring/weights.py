@@ -38,22 +38,12 @@ from torch import Tensor
 
 __all__ = [
     "LocalExperts",
-    "copied_weight_bytes",
     "layout_order",
     "reverse_local_ids",
     "stacked_view",
 ]
 
 FORWARD, REVERSED = "forward", "reversed"
-
-_COPIED = [0]  # bytes of expert weights copied by stacks and slot packs, this process
-
-
-def copied_weight_bytes() -> int:
-    """Bytes of expert weights the ring has copied in this process (transient stacks of list-form
-    weights not back to back, and the packs of a rank's experts into ring slot 0): the step
-    report's per-step difference of it is what a training step copies of its expert weights."""
-    return _COPIED[0]
 
 
 def layout_order(ws: Sequence[Tensor]) -> str | None:
@@ -111,9 +101,15 @@ PARTS = ("w13", "w2", "b13", "b2")  # the order of the autograd inputs and of th
 
 class LocalExperts:
     """This rank's ``El`` experts in either input form (see the module docstring); ``b13`` /
-    ``b2`` None when the experts carry no such bias."""
+    ``b2`` None when the experts carry no such bias.
 
-    def __init__(self, w13, w2, b13=None, b2=None):
+    ``tally``: an object whose ``copied_weight_bytes`` (an int) counts the bytes of expert
+    weights copied here (transient stacks of list-form weights not back to back, and the packs
+    into ring slot 0): the call's ``RingRuntime``, whose per-step difference the step report
+    shows; None: not counted."""
+
+    def __init__(self, w13, w2, b13=None, b2=None, tally=None):
+        self.tally = tally
         self.listed = not isinstance(w13, Tensor)
         form = list if self.listed else (lambda t: t)
         self.w13, self.w2 = form(w13), form(w2)
@@ -138,14 +134,20 @@ class LocalExperts:
 
     @staticmethod
     def from_inputs(
-        listed: bool, ws: Sequence[Tensor], has_b13: bool = False, has_b2: bool = False
-    ) -> LocalExperts:
+        listed: bool, ws: Sequence[Tensor], has_b13: bool = False, has_b2: bool = False,
+        tally=None,
+    ) -> LocalExperts:  # fmt: skip
         """The inverse of :meth:`inputs` (which biases are there: ``has_b13``, ``has_b2``)."""
         names = [n for n, has in zip(PARTS, (True, True, has_b13, has_b2), strict=True) if has]
         if not listed:
-            return LocalExperts(**dict(zip(names, ws, strict=True)))
+            return LocalExperts(**dict(zip(names, ws, strict=True)), tally=tally)
         n = len(ws) // len(names)
-        return LocalExperts(**{m: list(ws[j * n : (j + 1) * n]) for j, m in enumerate(names)})
+        parts = {m: list(ws[j * n : (j + 1) * n]) for j, m in enumerate(names)}
+        return LocalExperts(**parts, tally=tally)
+
+    def _count(self, nbytes: int) -> None:
+        if self.tally is not None:
+            self.tally.copied_weight_bytes += nbytes
 
     def preferred_order(self) -> str:
         """The row order :meth:`stacked` uses: the order of whichever list is back to back
@@ -171,19 +173,18 @@ class LocalExperts:
         order = self.preferred_order() if order is None else order
         return self._one(self.w13, order), self._one(self.w2, order), order
 
-    @staticmethod
-    def _one(ws: list[Tensor], order: str) -> Tensor:
+    def _one(self, ws: list[Tensor], order: str) -> Tensor:
         if layout_order(ws) == order:
             return stacked_view(ws, order)
         rows = ws if order == FORWARD else ws[::-1]
-        _COPIED[0] += sum(w.numel() * w.element_size() for w in rows)
+        self._count(sum(w.numel() * w.element_size() for w in rows))
         return torch.stack([w.detach() for w in rows])  # transient: dropped when the pass ends
 
     def pack(self, name: str, dst: Tensor) -> None:
         """Copy ``w13``/``w2``/``b13``/``b2`` (``name``, one of :attr:`parts`) into
         ``dst (El, ...)`` in expert order."""
         src = getattr(self, name)
-        _COPIED[0] += dst.numel() * dst.element_size()
+        self._count(dst.numel() * dst.element_size())
         if not self.listed:
             dst.copy_(src)
             return

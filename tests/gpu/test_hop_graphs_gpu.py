@@ -1,4 +1,4 @@
-"""Recorded hop bodies on one GPU (relaymoe/ring/hop_graphs.py, ``RingOptions.capture_hops``):
+"""Recorded hop bodies on one GPU (relaymoe/ring/hop_graphs.py, ``RingConfig.capture_hops``):
 the replayed ring equals the eager one bitwise, forward and backward, expert and token mode, for
 two steps of different routing through the same hops; weights updated in place between two
 replayed steps are read at their address (bitwise eager again); the cache's static buffers hold

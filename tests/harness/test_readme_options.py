@@ -22,13 +22,13 @@ def test_readme_options_table_is_generated():
 
 
 def test_every_option_has_a_row_and_a_reason():
-    """Each field of RingOptions and KernelOptions is in the table, with what it does."""
+    """Each field of RingConfig and KernelOptions is in the table, with what it does."""
     import dataclasses
 
-    from relaymoe.options import KernelOptions, RingOptions
+    from relaymoe.options import KernelOptions, RingConfig
 
     table = _script().table()
-    for cls, prefix in ((RingOptions, ""), (KernelOptions, "kernels.")):
+    for cls, prefix in ((RingConfig, ""), (KernelOptions, "kernels.")):
         for f in dataclasses.fields(cls):
             if f.name == "kernels":
                 continue

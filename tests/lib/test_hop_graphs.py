@@ -15,6 +15,8 @@ from unittest import mock
 import pytest
 import torch
 
+from relaymoe.options import RingConfig
+from relaymoe.ring import RingRuntime
 from tests.fixtures import ring_problem, scenario_params
 
 H, I = 8, 4  # tiny widths: the plumbing does not depend on them
@@ -52,8 +54,10 @@ def _ring_step(rank, world, group, *, seed, tokens, El, K, mode, backend="torch"
     x = pb["x"][lo:hi].float().requires_grad_()
     probs = pb["probs"][lo:hi].float().requires_grad_()
     w = {n: t.detach().requires_grad_() for n, t in weights.items()}
+    capture = dict(config=CAPTURE_ON, runtime=_ON[-1]) if _ON else {}  # inside _capture_on()
     out = ring_moe(x, w["w13"], w["w2"], pb["idx"][lo:hi], probs, group=group, mode=mode,
-                   backend=backend, trusted=trusted, b13=w.get("b13"), b2=w.get("b2"))  # fmt: skip
+                   backend=backend, trusted=trusted, b13=w.get("b13"), b2=w.get("b2"),
+                   **capture)  # fmt: skip
     out.backward(pb["dy"][lo:hi].float())
     grads = [w[n].grad for n in ("w13", "w2", "b13", "b2") if n in w]
     return tuple(t.detach() for t in (out, x.grad, probs.grad, *grads))
@@ -66,19 +70,27 @@ def _same(a, b, what):
 
 
 def _cache():
-    from relaymoe.ring import hop_graphs
-
-    return hop_graphs.caches().get(("eager", torch.device("cpu")))
+    """The eager-plumbing cache of the runtime of the enclosing :func:`_capture_on` block."""
+    return _ON[-1].hop_graphs.get(("eager", torch.device("cpu")))
 
 
 def _copied_names():
     return {k[0] for k in _cache().buffers}
 
 
-def _capture_on():
-    from relaymoe import options
+CAPTURE_ON = RingConfig(capture_hops=True)
+_ON: list = []  # the runtime of the enclosing _capture_on() block (this test file's)
 
-    return options.installed(options.defaults().replace(capture_hops=True))
+
+@contextlib.contextmanager
+def _capture_on():
+    """The ring steps inside run with ``RingConfig(capture_hops=True)`` and one fresh runtime
+    (its hop-graph cache: ``_cache()``); outside, eagerly, each call with a runtime of its own."""
+    _ON.append(RingRuntime())
+    try:
+        yield
+    finally:
+        _ON.pop()
 
 
 @contextlib.contextmanager
@@ -444,16 +456,15 @@ def test_stage_peak_counts_captured_hop_buffers_once_per_gpu():
     assert on.total - off.total == want
 
 
-def test_capture_hops_flag_is_a_switch_of_the_process_options():
+def test_capture_hops_flag_is_a_switch_of_the_ring_config():
     import argparse
 
     from relaymoe.megatron import settings
     from relaymoe.megatron.patches import add_relaymoe_args
-    from relaymoe.options import RingOptions
 
-    assert RingOptions().capture_hops is False  # off by default
+    assert RingConfig().capture_hops is False  # off by default
     parser = add_relaymoe_args(argparse.ArgumentParser())
-    assert parser.parse_args([]).relaymoe_capture_hops is None  # the process's value
+    assert parser.parse_args([]).relaymoe_capture_hops is None  # the base config's value
     on = parser.parse_args(["--relaymoe-capture-hops"])
-    assert settings.args_settings(on).capture_hops is True
-    assert settings.args_settings(parser.parse_args([])).capture_hops is False
+    assert settings.ring_config_from_args(on).capture_hops is True
+    assert settings.ring_config_from_args(parser.parse_args([])).capture_hops is False

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import os
 import types
@@ -135,21 +136,17 @@ def build(cfg, *, fused: bool, tied: bool, vocab: int, chunk: int | None = None,
         ),
     )
     spec = TransformerBlockSubmodules(layer_specs=[layer] * cfg.num_layers, layer_norm=_Norm)
-    settings.reset()
-    if fused:
-        settings.configure(fused_loss=True, loss_chunk_tokens=chunk)
-    try:
-        torch.manual_seed(0)
-        return (cls or GPTModel)(
-            cfg,
-            spec,
-            vocab_size=vocab,
-            max_sequence_length=S * 2,
-            position_embedding_type="rope",
-            share_embeddings_and_output_weights=tied,
-        )
-    finally:
-        settings.reset()
+    if fused:  # this model's config only: the caller's cfg builds Megatron's own models still
+        cfg = settings.configure(copy.copy(cfg), fused_loss=settings.FusedLoss(True, chunk))
+    torch.manual_seed(0)
+    return (cls or GPTModel)(
+        cfg,
+        spec,
+        vocab_size=vocab,
+        max_sequence_length=S * 2,
+        position_embedding_type="rope",
+        share_embeddings_and_output_weights=tied,
+    )
 
 
 def pair(cfg, *, tied: bool, vocab: int, device: str, chunk: int | None = None):
@@ -468,21 +465,24 @@ def test_flags_parse_and_settings_precedence(rm, monkeypatch):
         with pytest.raises(SystemExit):
             parser.parse_args(["--relaymoe-loss-chunk-tokens", bad])
 
-    settings.reset()
-    assert settings.current_settings().fused_loss is False
-    s = rm.configure(fused_loss=True, loss_chunk_tokens=64)
-    assert (s.fused_loss, s.loss_chunk_tokens, s.mode) == (True, 64, "auto")
-    assert settings.current_settings() == s
-    # field by field: configure() beats the parsed arguments, which beat the defaults
-    from_args = settings.Settings(mode="token", fused_loss=False, loss_chunk_tokens=8)
-    monkeypatch.setattr(settings, "_from_megatron_args", lambda: from_args)
-    assert settings.current_settings() == settings.Settings(
-        mode="token", fused_loss=True, loss_chunk_tokens=64
-    )
-    settings.reset()
-    assert settings.current_settings() == from_args
+    assert settings.fused_loss_from_args(ns) == settings.FusedLoss(True, 96)
+
+    class Config:  # a TransformerConfig stand-in: what configure() attaches to
+        pass
+
+    cfg = Config()
+    assert settings.fused_loss_of(cfg) == settings.FusedLoss()  # no arguments parsed: default
+    # whole objects: the caller's attached one beats the parsed arguments, which beat the default
+    monkeypatch.setattr(settings, "_megatron_args", lambda: ns)
+    assert settings.fused_loss_of(cfg) == settings.FusedLoss(True, 96)
+    assert settings.ring_config_of(cfg).mode == "auto"
+    rm.configure(cfg, fused_loss=settings.FusedLoss(True, 64))
+    assert settings.fused_loss_of(cfg) == settings.FusedLoss(True, 64)
+    assert settings.fused_loss_of(Config()) == settings.FusedLoss(True, 96)  # another config's
     with pytest.raises(ValueError, match="loss_chunk_tokens=0 must be a positive int"):
-        settings.Settings(loss_chunk_tokens=0)
+        settings.FusedLoss(chunk_tokens=0)
+    with pytest.raises(ValueError, match=r"configure\(fused_loss=True\): pass"):
+        rm.configure(cfg, fused_loss=True)
 
 
 def test_refused_on_megatron_args(rm):

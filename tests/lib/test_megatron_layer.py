@@ -136,6 +136,8 @@ def standin_ring_moe(
     activation=None,
     b13=None,
     b2=None,
+    config=None,
+    runtime=None,
     capturable=False,
 ):
     from relaymoe.activation import ExpertActivation
@@ -144,13 +146,17 @@ def standin_ring_moe(
         MODE_CHOICES,
         SCHEDULE_CHOICES,
         TRANSPORT_CHOICES,
-        KernelOptions,
+        RingConfig,
     )
+    from relaymoe.ring import RingRuntime
 
-    assert mode in MODE_CHOICES and transport in TRANSPORT_CHOICES, (mode, transport)
-    assert schedule in SCHEDULE_CHOICES and gpus_per_node is None, (schedule, gpus_per_node)
-    assert grad_accum in GRAD_ACCUM_CHOICES, grad_accum
-    assert isinstance(kernels, KernelOptions), kernels  # the dispatcher passes the settings'
+    # the dispatcher hands its config and its runtime down, the per-call keywords left unset
+    assert isinstance(config, RingConfig) and isinstance(runtime, RingRuntime), (config, runtime)
+    assert (mode, transport, schedule, grad_accum, kernels) == ("auto", "auto", "auto", "auto",
+                                                                  None)  # fmt: skip
+    assert config.mode in MODE_CHOICES and config.transport in TRANSPORT_CHOICES, config
+    assert config.schedule in SCHEDULE_CHOICES and gpus_per_node is None, config
+    assert config.grad_accum in GRAD_ACCUM_CHOICES, config
     assert activation is None or isinstance(activation, ExpertActivation), activation
     STANDIN_CALLS[0] += 1
     STANDIN_SEEN.append((activation, b13 is not None, b2 is not None))
@@ -664,6 +670,76 @@ def _worker_cp(rank, world, cp):
     _done()
 
 
+def run_two_dispatchers(rank, world) -> None:
+    """Two ring layers with different options in one process each run as their own: their
+    configs (attached to their TransformerConfigs, ``relaymoe.megatron.configure``) reach their
+    calls, building the second changes nothing of the first, and each keeps its agreements in
+    its own runtime (a trusted call's second step agrees in neither). Both compute the same
+    layer: their outputs agree."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    import relaymoe.ring.engine as engine
+    from relaymoe.megatron import configure
+    from relaymoe.options import RingConfig
+
+    configs = {"token": RingConfig(mode="token", overlap=False),
+               "expert": RingConfig(mode="expert", host_wait="pass")}  # fmt: skip
+    layers = {}
+    for mode, ring_config in configs.items():
+        cfg = configure(make_config("ring", world), ring=ring_config)
+        layers[mode] = build_layer(cfg, ProcessGroupCollection.use_mpu_process_groups())
+    w = global_weights(make_config("ring", world), seed=5)
+    el = make_config("ring", world).num_moe_experts // world
+    for layer in layers.values():
+        load_weights(layer, w, rank * el, el)
+        layer.train()
+    disp = {m: layer.token_dispatcher for m, layer in layers.items()}
+    assert disp["token"].ring_config is configs["token"]  # building the second changed nothing
+    assert disp["expert"].ring_config is configs["expert"]
+    assert disp["token"].runtime is not disp["expert"].runtime
+
+    seen = []
+    real_agree, real_apply = engine.agree, engine._RingMoE.apply
+
+    def agree(*args, runtime, **kw):
+        prob = real_agree(*args, runtime=runtime, **kw)
+        seen.append(("agree", runtime, prob.mode))
+        return prob
+
+    def apply(*args):
+        seen.append(("call", args[4].runtime, (args[4].overlap, args[4].host_wait)))
+        return real_apply(*args)
+
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(4 + rank, B, H, generator=g)
+    dy = torch.randn(4 + rank, B, H, generator=g)
+    outs = {}
+    with (
+        mock.patch.object(engine, "agree", agree),
+        mock.patch.object(engine._RingMoE, "apply", apply),
+    ):
+        for _step in range(2):
+            for mode, layer in layers.items():
+                xi = x.clone().requires_grad_(True)
+                out, _ = layer(xi)
+                (out * dy).sum().backward()
+                outs[mode] = out.detach()
+    for mode, d in disp.items():
+        mine = [(kind, what) for kind, rt, what in seen if rt is d.runtime]
+        assert ("agree", mode) in mine and all(w == mode for k, w in mine if k == "agree"), mine
+        want = (configs[mode].overlap, configs[mode].host_wait)
+        assert [w for k, w in mine if k == "call"] == [want, want], mine
+        # trusted calls of one signature: one agreement each, in its own runtime only
+        assert [p.mode for p in d.runtime.agreements.values()] == [mode], d.runtime
+    check_close(f"[two dispatchers rank={rank}] token vs expert", outs["token"], outs["expert"])
+
+
+def two_dispatchers(rank, world, group):
+    _init(rank, world)
+    run_two_dispatchers(rank, world)
+    _done()
+
+
 # The scenarios (``fn(rank, world, group)``) run in one spawned world per size for the file
 # (``gloo_worlds``): each rank imports Megatron once, not once per test.
 def standin(rank, world, group):
@@ -713,3 +789,8 @@ def test_ring_moelayer_with_context_parallel(world, gloo_worlds):
     """CP = 2 (world 2: EP = 2 over the two CP ranks; world 4: DP 2 x CP 2, EP = 4): each rank
     holds its own chunk of the sequence, and the ring serves every chunk as allgather does."""
     gloo_worlds.run(cp2, world, timeout=420)
+
+
+@pytest.mark.parametrize("world", _params([1, 2]))
+def test_two_dispatchers_with_different_options_each_run_as_their_own(world, gloo_worlds):
+    gloo_worlds.run(two_dispatchers, world, timeout=420)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import types
 import warnings
+from unittest import mock
 
 import pytest
 import torch
@@ -117,60 +119,64 @@ def test_ep_ranks_per_node_from_global_ranks():
         ep_ranks_per_node([4, 5, 6, 7, 8, 9], 8)  # 4 on node 0, 2 on node 1
 
 
-def test_settings_from_args_and_configure(mcore):
-    """Settings are the ring's options (one schema, ``relaymoe.options.RingOptions``) plus the
-    fused loss; ``configure`` overrides field by field and refuses bad values and names."""
+def test_ring_config_and_configure(mcore):
+    """The ring's options are one ``relaymoe.options.RingConfig`` (one schema), the fused loss a
+    ``FusedLoss``; ``configure`` attaches whole objects to a TransformerConfig and refuses other
+    types; bad values are refused when the objects are built."""
     from relaymoe import options
     from relaymoe.megatron import settings
 
-    settings.reset()
-    assert settings.current_settings() == settings.Settings()
-    assert settings.current_settings().ring == options.RingOptions()
-    s = mcore.configure(mode="expert", overlap=False)
-    assert s == settings.Settings(mode="expert", transport="auto", overlap=False)
-    assert settings.current_settings() == s and s.ring.mode == "expert"
-    s = mcore.configure(schedule="two_level", gpus_per_node=4)
-    assert (s.schedule, s.gpus_per_node, s.mode) == ("two_level", 4, "expert")
-    assert mcore.configure(grad_accum="fp32").grad_accum == "fp32"
-    settings.reset()
+    class Config:  # a TransformerConfig stand-in
+        pass
+
+    cfg = Config()
+    assert settings.ring_config_of(cfg) == options.RingConfig()  # nothing parsed: the defaults
+    ring = options.RingConfig(mode="expert", overlap=False)
+    assert mcore.configure(cfg, ring=ring) is cfg
+    assert settings.ring_config_of(cfg) is ring
+    assert settings.ring_config_of(Config()) == options.RingConfig()  # another model's: its own
     for bad, match in ((dict(mode="diagonal"), "mode='diagonal' is not one of"),
                        (dict(schedule="tree"), "schedule='tree' is not one of"),
                        (dict(gpus_per_node=0), r"gpus_per_node=0 must be an int in \[1, "),
                        (dict(grad_accum="fp16"), "grad_accum='fp16' is not one of"),
-                       (dict(host_wait="always"), "host_wait='always' is not one of"),
-                       (dict(loss_chunk_tokens=0), "loss_chunk_tokens=0 must be")):  # fmt: skip
+                       (dict(host_wait="always"), "host_wait='always' is not one of")):  # fmt: skip
         with pytest.raises(ValueError, match=match):
-            settings.Settings(**bad)
-        with pytest.raises(ValueError, match=match):
-            mcore.configure(**bad)
-    assert settings.current_settings() == settings.Settings()  # a refused configure keeps none
-    with pytest.raises(ValueError, match="unknown settings"):
-        mcore.configure(ring_mode="expert")
-    assert mcore.configure(host_wait="pass").host_wait == "pass"
-    settings.reset()
+            options.RingConfig(**bad)
+    with pytest.raises(ValueError, match="loss_chunk_tokens=0 must be"):
+        settings.FusedLoss(chunk_tokens=0)
+    with pytest.raises(ValueError, match="pass a relaymoe.options.RingConfig"):
+        mcore.configure(cfg, ring={"mode": "expert"})
+    assert settings.ring_config_of(cfg) is ring  # a refused configure changes nothing
 
 
-def test_settings_from_parsed_megatron_args(mcore):
-    """Each ``--relaymoe-<field>`` flag becomes that field; an unset environment-backed flag
-    (the host wait) keeps the process's option."""
+def test_ring_config_from_parsed_megatron_args(mcore):
+    """Each ``--relaymoe-<field>`` flag given becomes that field; an unset environment-backed
+    flag (the host wait) keeps the base's value: the environment's, which the patched
+    ``validate_args`` reads once (``build_ring_config``) onto ``args.relaymoe_ring``."""
     from megatron.training import arguments
 
     from relaymoe import options
     from relaymoe.megatron import settings
+    from relaymoe.megatron.patches import build_ring_config
 
     parser = arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
     ns = parser.parse_args("--relaymoe-mode token --relaymoe-fused-loss "
                            "--relaymoe-loss-chunk-tokens 64".split())  # fmt: skip
-    s = settings.args_settings(ns)
-    assert (s.mode, s.fused_loss, s.loss_chunk_tokens) == ("token", True, 64)
-    assert s.host_wait == options.defaults().host_wait
-    previous = options.install(options.defaults().replace(host_wait="pass"))
-    try:
-        assert settings.args_settings(parser.parse_args([])).host_wait == "pass"
-        ns = parser.parse_args(["--relaymoe-host-wait", "off"])
-        assert settings.args_settings(ns).host_wait == "off"
-    finally:
-        options.install(previous)
+    ring = settings.ring_config_from_args(ns)
+    assert ring.mode == "token" and settings.fused_loss_from_args(ns) == settings.FusedLoss(
+        True, 64)  # fmt: skip
+    assert ring.host_wait == options.RingConfig().host_wait
+    base = options.RingConfig(host_wait="pass")
+    assert settings.ring_config_from_args(parser.parse_args([]), base).host_wait == "pass"
+    ns = parser.parse_args(["--relaymoe-host-wait", "off"])
+    assert settings.ring_config_from_args(ns, base).host_wait == "off"
+    # the entry point: the environment under the flags, kept on the arguments
+    ns = parser.parse_args(["--relaymoe-mode", "expert"])
+    env = {"RELAYMOE_RING_HOST_WAIT": "pass", "RELAYMOE_AUTOTUNE": "0"}
+    with mock.patch.dict(os.environ, env):
+        built = build_ring_config(ns)
+    assert ns.relaymoe_ring is built
+    assert (built.mode, built.host_wait, built.kernels.autotune) == ("expert", "pass", "first")
 
 
 def test_supported_config_passes(mcore):
@@ -347,7 +353,6 @@ def test_recompute_plan_applied_once(mcore, monkeypatch, capsys):
             return "fake plan"
 
     monkeypatch.setattr(planner, "plan_from_megatron_args", lambda args, gpu_bytes=None: FakePlan())
-    monkeypatch.setattr(patches, "_PLAN_LOGGED", False)
     ns = types.SimpleNamespace(
         rank=0, recompute_granularity=None, recompute_modules=None, recompute_method="block", lr=3.0
     )

@@ -1,7 +1,8 @@
 """The library reads the process environment only at its entry points and never writes it.
 
-Options come from ``relaymoe.options`` (``from_env`` at the entry points, ``install``/``defaults``
-below them), so a module deeper in ``relaymoe/`` that read ``os.environ`` would be a second,
+Options come from ``relaymoe.options`` (``from_env`` at the entry points, which returns a
+``RingConfig`` handed down from there), so a module deeper in ``relaymoe/`` that read
+``os.environ`` would be a second,
 hidden way to configure it, and one that wrote it would change other code's behaviour behind
 its back. The check is on the source (the AST), so it needs neither torch nor Megatron.
 """
@@ -76,7 +77,7 @@ def test_only_entry_points_read_the_environment():
     outside = {rel: lines for rel, (lines, _) in found.items() if rel not in READERS}
     assert not outside, (
         f"os.environ/os.getenv outside the entry points {sorted(READERS)}: {outside}; read "
-        "options through relaymoe.options (from_env at an entry point, defaults() below it)"
+        "options through relaymoe.options (from_env at an entry point, a RingConfig handed down)"
     )
     assert set(READERS) <= set(found), (
         f"entry points that no longer read the environment: {sorted(set(READERS) - set(found))}"

@@ -15,22 +15,22 @@ from datetime import timedelta
 
 import pytest
 
-from relaymoe.options import INT64_MAX, MAX_TIMEOUT_S, KernelOptions, RingOptions, from_env
+from relaymoe.options import INT64_MAX, MAX_TIMEOUT_S, KernelOptions, RingConfig, from_env
 
 
 @pytest.mark.parametrize("value", [0, -3, 0.0, math.nan, math.inf, -math.inf, 1e15,
                                    MAX_TIMEOUT_S + 1, True, "60"])  # fmt: skip
 def test_timeout_is_finite_positive_and_at_most_a_week(value):
     with pytest.raises(ValueError) as info:
-        RingOptions(timeout_s=value)
+        RingConfig(timeout_s=value)
     msg = str(info.value)
-    assert f"RingOptions.timeout_s={value!r} must be a number of seconds in (0, 604800]" in msg
+    assert f"RingConfig.timeout_s={value!r} must be a number of seconds in (0, 604800]" in msg
     assert "at most 7 days" in msg and "the default is None" in msg, msg
 
 
 @pytest.mark.parametrize("value", [None, 1e-3, 30, 1800.5, MAX_TIMEOUT_S])
 def test_timeouts_within_the_bound_are_kept_and_fit_a_timedelta(value):
-    assert RingOptions(timeout_s=value).timeout_s == value
+    assert RingConfig(timeout_s=value).timeout_s == value
     if value is not None:  # what faults.PeerWatch.wait builds from it
         timedelta(seconds=value)
 
@@ -38,9 +38,9 @@ def test_timeouts_within_the_bound_are_kept_and_fit_a_timedelta(value):
 @pytest.mark.parametrize(
     ("make", "text"),
     [
-        (lambda: RingOptions(gpus_per_node=2**63), r"gpus_per_node=9223372036854775808 must be "
+        (lambda: RingConfig(gpus_per_node=2**63), r"gpus_per_node=9223372036854775808 must be "
          r"an int in \[1, 9223372036854775807\] or None"),
-        (lambda: RingOptions(gpus_per_node=0), r"gpus_per_node=0 must be an int in \[1, "),
+        (lambda: RingConfig(gpus_per_node=0), r"gpus_per_node=0 must be an int in \[1, "),
         (lambda: KernelOptions(pair_buffer_mib=2**63), r"pair_buffer_mib=9223372036854775808 "
          r"must be an int in \[0, 8796093022207\] \(MiB budget"),
         (lambda: KernelOptions(pair_buffer_mib=-1), r"pair_buffer_mib=-1 must be an int in \[0,"),
@@ -52,7 +52,7 @@ def test_int_options_lie_within_int64(make, text):
 
 
 def test_largest_ints_are_accepted():
-    assert RingOptions(gpus_per_node=INT64_MAX).gpus_per_node == INT64_MAX
+    assert RingConfig(gpus_per_node=INT64_MAX).gpus_per_node == INT64_MAX
     k = KernelOptions(pair_buffer_mib=INT64_MAX >> 20)
     assert k.pair_buffer_mib * 2**20 <= INT64_MAX  # its bytes an int64
 
@@ -60,11 +60,11 @@ def test_largest_ints_are_accepted():
 @pytest.mark.parametrize(
     ("var", "raw", "field", "limit"),
     [
-        ("RELAYMOE_RING_TIMEOUT_S", "0", "RingOptions.timeout_s=0.0", "(0, 604800]"),
-        ("RELAYMOE_RING_TIMEOUT_S", "-3", "RingOptions.timeout_s=-3.0", "(0, 604800]"),
-        ("RELAYMOE_RING_TIMEOUT_S", "nan", "RingOptions.timeout_s=nan", "(0, 604800]"),
-        ("RELAYMOE_RING_TIMEOUT_S", "inf", "RingOptions.timeout_s=inf", "(0, 604800]"),
-        ("RELAYMOE_RING_TIMEOUT_S", "1e15", "RingOptions.timeout_s=1000000000000000.0",
+        ("RELAYMOE_RING_TIMEOUT_S", "0", "RingConfig.timeout_s=0.0", "(0, 604800]"),
+        ("RELAYMOE_RING_TIMEOUT_S", "-3", "RingConfig.timeout_s=-3.0", "(0, 604800]"),
+        ("RELAYMOE_RING_TIMEOUT_S", "nan", "RingConfig.timeout_s=nan", "(0, 604800]"),
+        ("RELAYMOE_RING_TIMEOUT_S", "inf", "RingConfig.timeout_s=inf", "(0, 604800]"),
+        ("RELAYMOE_RING_TIMEOUT_S", "1e15", "RingConfig.timeout_s=1000000000000000.0",
          "(0, 604800]"),
         ("RELAYMOE_PAIR_BUFFER_MIB", "-1", "KernelOptions.pair_buffer_mib=-1",
          "[0, 8796093022207]"),

@@ -24,9 +24,12 @@ class _Slots(Transport):
     name = "test"
 
     def __init__(self, persistent: bool):
+        from relaymoe.ring.runtime import RingRuntime
+
         self.persistent_slots = persistent
         self.group = None
         self.made = None
+        self.runtime = RingRuntime()  # the passes over these slots share one (its slot memo)
 
     def slots(self, capacity, device):
         if self.made is None or not self.persistent_slots or self.made[0].numel() < capacity:
@@ -37,7 +40,7 @@ class _Slots(Transport):
         return []
 
 
-def _pass(transport, own, *, capacity=None, zero_trail=True):
+def _pass(transport, own, *, capacity=None, zero_trail=True, runtime=None):
     """One pass of rank 0 in a ring of R: each hop's lead views and what its trail held."""
     seen = []
 
@@ -48,8 +51,15 @@ def _pass(transport, own, *, capacity=None, zero_trail=True):
     plan = RingPlan(0, R, [LEAD.nbytes] * R, [TRAIL.nbytes] * R)
     relay(plan, lead_layout=lambda p: LEAD, own_lead=own, trail_layout=lambda p: TRAIL,
           compute=compute, transport=transport, device=CPU, capacity=capacity,
-          zero_trail=zero_trail)  # fmt: skip
+          zero_trail=zero_trail, call=_call(runtime or transport.runtime))  # fmt: skip
     return seen
+
+
+def _call(runtime=None):
+    from relaymoe.options import KernelOptions
+    from relaymoe.ring.runtime import Hop, RingCall, RingRuntime
+
+    return RingCall(None, runtime or RingRuntime(), Hop("auto", KernelOptions()))
 
 
 def _own(seed):
@@ -99,9 +109,10 @@ def test_slot_memo_is_bounded(monkeypatch):
     from relaymoe.ring import executor
 
     tr = _Slots(persistent=True)
-    first = _pass(tr, _own(0))
+    runtime = tr.runtime
+    first = _pass(tr, _own(0), runtime=runtime)
     monkeypatch.setattr(executor, "MAX_SLOT_MEMO", 1)
-    second = _pass(tr, _own(1))
+    second = _pass(tr, _own(1), runtime=runtime)
     assert all(a[n] is not b[n] for (_, a, _), (_, b, _) in zip(first, second, strict=True)
                for n in LEAD.names)  # fmt: skip
-    assert sum(map(len, executor._SLOT_MEMOS[CPU][1].values())) < 64
+    assert sum(map(len, runtime.slot_memos[CPU][1].values())) < 64

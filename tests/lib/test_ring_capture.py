@@ -9,14 +9,15 @@ code), enter no collective but the hops' P2P, and give the eager call's results 
 are the float64 oracle's within fp32 rounding, for uniform, skewed (empty experts) and
 all-to-one-expert routing and with a rank of zero tokens. The pair-buffer budget is 0 MiB there,
 so an eager call that is not ``capturable`` would read exact pair counts on the host: the
-captured path must size from the bound instead. What a captured call cannot do is refused by
-name on every rank.
+captured path must size from the bound instead. The eager and the captured call share one
+``RingRuntime`` (the captured one reuses the eager one's agreement there, as a dispatcher's
+calls do). What a captured call cannot do is refused by name on every rank: among it, a call
+with no runtime, or with a runtime no eager call agreed in.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from unittest import mock
 
 import pytest
@@ -46,16 +47,10 @@ def _captured():
         yield
 
 
-@contextlib.contextmanager
-def _options(**kernel_fields):
-    from relaymoe import options
+def _config(**kernel_fields):
+    from relaymoe.options import RingConfig
 
-    before = options.defaults()
-    options.install(before.replace(kernels=dataclasses.replace(before.kernels, **kernel_fields)))
-    try:
-        yield
-    finally:
-        options.install(before)
+    return RingConfig().replace(kernels=kernel_fields)
 
 
 def _slice(pb, rank, tokens):
@@ -63,9 +58,10 @@ def _slice(pb, rank, tokens):
     return lo, hi
 
 
-def _step(rank, world, group, pb, tokens, El, *, mode, capturable=True, trusted=True):
-    """ring_moe forward + backward of this rank's slice (fp32 leaves); returns the output and
-    the gradients of x, probs and this rank's w13, w2."""
+def _step(rank, world, group, pb, tokens, El, *, mode, runtime, config=None, capturable=True,
+          trusted=True):  # fmt: skip
+    """ring_moe forward + backward of this rank's slice (fp32 leaves) with ``runtime`` and
+    ``config``; returns the output and the gradients of x, probs and this rank's w13, w2."""
     from relaymoe.ring import ring_moe
 
     lo, hi = _slice(pb, rank, tokens)
@@ -75,7 +71,8 @@ def _step(rank, world, group, pb, tokens, El, *, mode, capturable=True, trusted=
     w13 = pb["w13"][e0:e1].float().requires_grad_()
     w2 = pb["w2"][e0:e1].float().requires_grad_()
     out = ring_moe(x, w13, w2, pb["idx"][lo:hi], probs, group=group, mode=mode,
-                   backend="triton", trusted=trusted, capturable=capturable)  # fmt: skip
+                   backend="triton", trusted=trusted, capturable=capturable, config=config,
+                   runtime=runtime)  # fmt: skip
     out.backward(pb["dy"][lo:hi].float())
     return tuple(t.detach() for t in (out, x.grad, probs.grad, w13.grad, w2.grad))
 
@@ -92,66 +89,70 @@ CASES = [  # (tokens per rank as a function of the world, El, K, route)
 
 def _captured_equals_eager_without_host_reads(rank, world, group):
     from relaymoe.kernels import triton_available
+    from relaymoe.ring import RingRuntime
 
     if not triton_available():
         pytest.skip("needs triton")
-    with _options(pair_buffer_mib=0):  # a plain eager call would count pairs on the host
-        for c, (tok, El, K, route) in enumerate(CASES):
-            tokens = tok(world)
-            pb = ring_problem(100 + c, tokens, El * world, K, H, I, route=route)
-            ref = oracle(pb)
-            for mode in MODES:
-                eager = _step(rank, world, group, pb, tokens, El, mode=mode)
-                with _captured(), no_host_reads():
-                    got = _step(rank, world, group, pb, tokens, El, mode=mode)
-                what = f"case {c} {route} {mode} tokens {tokens}"
-                for name, a, b in zip(("out", "dx", "dprobs", "dw13", "dw2"), got, eager,
-                                      strict=True):  # fmt: skip
-                    assert torch.equal(a, b), f"{name} captured != eager: {what}"
-                lo, hi = _slice(pb, rank, tokens)
-                e0, e1 = rank * El, (rank + 1) * El
-                want = (ref["out"][lo:hi], ref["dx"][lo:hi], ref["dprobs"][lo:hi],
-                        ref["dw13"][e0:e1], ref["dw2"][e0:e1])  # fmt: skip
-                for name, a, b in zip(("out", "dx", "dprobs", "dw13", "dw2"), got, want,
-                                      strict=True):  # fmt: skip
-                    if b.numel() and b.norm() > 0:
-                        assert rel_err(a, b) < 1e-4, f"{name} vs the oracle: {what}"
+    config = _config(pair_buffer_mib=0)  # a plain eager call would count pairs on the host
+    runtime = RingRuntime(group)  # the eager and the captured calls' (a dispatcher's)
+    for c, (tok, El, K, route) in enumerate(CASES):
+        tokens = tok(world)
+        pb = ring_problem(100 + c, tokens, El * world, K, H, I, route=route)
+        ref = oracle(pb)
+        for mode in MODES:
+            kw = dict(mode=mode, config=config, runtime=runtime)
+            eager = _step(rank, world, group, pb, tokens, El, **kw)
+            with _captured(), no_host_reads():
+                got = _step(rank, world, group, pb, tokens, El, **kw)
+            what = f"case {c} {route} {mode} tokens {tokens}"
+            for name, a, b in zip(("out", "dx", "dprobs", "dw13", "dw2"), got, eager,
+                                  strict=True):  # fmt: skip
+                assert torch.equal(a, b), f"{name} captured != eager: {what}"
+            lo, hi = _slice(pb, rank, tokens)
+            e0, e1 = rank * El, (rank + 1) * El
+            want = (ref["out"][lo:hi], ref["dx"][lo:hi], ref["dprobs"][lo:hi],
+                    ref["dw13"][e0:e1], ref["dw2"][e0:e1])  # fmt: skip
+            for name, a, b in zip(("out", "dx", "dprobs", "dw13", "dw2"), got, want,
+                                  strict=True):  # fmt: skip
+                if b.numel() and b.norm() > 0:
+                    assert rel_err(a, b) < 1e-4, f"{name} vs the oracle: {what}"
 
 
 def _captured_refusals(rank, world, group):
-    """Refused by name, on every rank: an untrusted call, a signature no eager call agreed,
-    RingOptions.agree='every_call', an agreed all-to-all, and capturable with mode alltoall."""
-    from relaymoe import options
-    from relaymoe.ring import ring_moe
+    """Refused by name, on every rank: an untrusted call, a signature no eager call agreed (in
+    the call's runtime), no runtime, RingConfig.agree='every_call', an agreed all-to-all, and
+    capturable with mode alltoall."""
+    from relaymoe.options import RingConfig
+    from relaymoe.ring import RingRuntime, ring_moe
 
     tokens, El, K = [4] * world, 1, 1
     pb = ring_problem(7, tokens, El * world, K, H, I)
     lo, hi = _slice(pb, rank, tokens)
     x = pb["x"][lo:hi].float()
     w13, w2 = pb["w13"][rank : rank + 1].float(), pb["w2"][rank : rank + 1].float()
-    call = dict(group=group, backend="triton", capturable=True)
+    runtime = RingRuntime(group)
+    call = dict(group=group, backend="triton", capturable=True, runtime=runtime)
+    inputs = (x, w13, w2, pb["idx"][lo:hi], pb["probs"][lo:hi].float())
 
     def refused(match, **kw):
         with _captured(), pytest.raises(ValueError, match=match):
-            ring_moe(x, w13, w2, pb["idx"][lo:hi], pb["probs"][lo:hi].float(), **{**call, **kw})
+            ring_moe(*inputs, **{**call, **kw})
 
     refused("trusted=False", trusted=False)
     refused("before any eager call", trusted=True, mode="token")  # this signature: never eager
-    before = options.defaults()
-    options.install(before.replace(agree="every_call"))
-    try:
-        refused("agree='every_call'", trusted=True)
-    finally:
-        options.install(before)
+    refused("agree='every_call'", trusted=True, config=RingConfig(agree="every_call"))
+    ring_moe(*inputs, trusted=True, mode="expert", **call)  # eager: agreed in `runtime`
+    refused("without a runtime", trusted=True, mode="expert", runtime=None)
+    refused("before any eager call", trusted=True, mode="expert", runtime=RingRuntime(group))
+    with _captured():  # the runtime the eager call agreed in: runs
+        ring_moe(*inputs, trusted=True, mode="expert", **call)
     with pytest.raises(ValueError, match="alltoall"):  # eager, agreed on every rank
-        ring_moe(x, w13, w2, pb["idx"][lo:hi], pb["probs"][lo:hi].float(), mode="alltoall",
-                 trusted=True, **call)  # fmt: skip
+        ring_moe(*inputs, mode="alltoall", trusted=True, **call)
     if world > 1:  # a world of one has no all-to-all to agree on
-        ring_moe(x, w13, w2, pb["idx"][lo:hi], pb["probs"][lo:hi].float(), group=group,
-                 backend="triton", mode="alltoall", trusted=True)  # fmt: skip
+        plain = dict(group=group, backend="triton", mode="alltoall", trusted=True, runtime=runtime)
+        ring_moe(*inputs, **plain)
         with _captured(), pytest.raises(ValueError, match="agreed mode is 'alltoall'"):
-            ring_moe(x, w13, w2, pb["idx"][lo:hi], pb["probs"][lo:hi].float(), group=group,
-                     backend="triton", mode="alltoall", trusted=True)  # fmt: skip
+            ring_moe(*inputs, **plain)
 
 
 def _capturable_auto_keeps_ring_modes(rank, world, group):

@@ -142,10 +142,12 @@ def _stacked_grads(leaves):
 def _run_case(rank, world, group, *, seed, tokens, El, K, dtype, prob_dtype=None, mode="expert",
               transport="auto", overlap=True, route="uniform", check_grads=True, form="tensor",
               tol=None, backend="auto", trusted=False, schedule="auto",
-              gpus_per_node=None, act=None, bias="none", hidden=H, ffn=I):  # fmt: skip
+              gpus_per_node=None, act=None, bias="none", hidden=H, ffn=I, config=None,
+              runtime=None):  # fmt: skip
     """ring_moe on this rank's slice vs the oracle; returns the ring's (out, grads). ``act``
-    and ``bias``: the expert MLP (``_problem``; the biases' gradients are checked too)."""
-    from relaymoe import options
+    and ``bias``: the expert MLP (``_problem``; the biases' gradients are checked too);
+    ``config``/``runtime``: ring_moe's (``overlap=False`` sets ``config.overlap``)."""
+    from relaymoe.options import RingConfig
     from relaymoe.ring import ring_moe
 
     pb = _problem(seed, tokens, El, K, world, route, act, bias, hidden, ffn)
@@ -161,24 +163,25 @@ def _run_case(rank, world, group, *, seed, tokens, El, K, dtype, prob_dtype=None
               for n in ("b13", "b2")}  # fmt: skip
     mlp = {} if act is None and bias == "none" else {
         "activation": pb["act"], "b13": biases["b13"][0], "b2": biases["b2"][0]}  # fmt: skip
-    # overlap is the process's option (RingOptions.overlap), not a ring_moe keyword
-    sequential = options.installed(options.defaults().replace(overlap=False))
-    with contextlib.nullcontext() if overlap else sequential:
-        out = ring_moe(
-            x,
-            w13,
-            w2,
-            idx,
-            probs,
-            group=group,
-            mode=mode,
-            transport=transport,
-            backend=backend,
-            trusted=trusted,
-            schedule=schedule,
-            gpus_per_node=gpus_per_node,
-            **mlp,
-        )
+    # overlap is the config's (RingConfig.overlap), not a ring_moe keyword
+    config = (config or RingConfig()).replace(**({} if overlap else {"overlap": False}))
+    out = ring_moe(
+        x,
+        w13,
+        w2,
+        idx,
+        probs,
+        group=group,
+        mode=mode,
+        transport=transport,
+        backend=backend,
+        trusted=trusted,
+        schedule=schedule,
+        gpus_per_node=gpus_per_node,
+        config=config,
+        runtime=runtime,
+        **mlp,
+    )
     if tol is None:
         tol = 1e-11 if dtype == pdt == torch.float64 else 3e-5
     what = (f"mode={mode} dtype={dtype} tokens={tokens} El={El} K={K} route={route} form={form} "
@@ -321,30 +324,27 @@ def _triton_backend(rank, world, group):
     # visiting partitions (of 0 and of 7 or 5 tokens) after the rank's own
     for var, value in (("RELAYMOE_PAIR_BUFFER_MIB", "512"), ("RELAYMOE_PAIR_BUFFER_MIB", "0"),
                        ("RELAYMOE_ROWS_GATHER", "copy")):  # fmt: skip
-        with _ring_env(var, value):
+        with _ring_env(var, value) as config:
             for mode in ("expert", "token"):
                 _run_case(rank, world, group, mode=mode, seed=12, tokens=tokens, trusted=True,
-                          route="skew", **kw)  # fmt: skip
+                          route="skew", config=config, **kw)  # fmt: skip
 
 
 @contextlib.contextmanager
 def _ring_env(var: str, value: str):
-    """``var=value`` for the ring: set, and installed as this process's options by every rank
-    at this same point (an entry point reads the environment once: ``relaymoe.options``), then
-    the previous options back."""
+    """``var=value`` for the ring: set, and read into the ``RingConfig`` the block gets, as an
+    entry point reads the environment once (``relaymoe.options.from_env``); then unset."""
     from relaymoe import options
 
     old = os.environ.get(var)
     os.environ[var] = value
-    previous = options.install(options.from_env())
     try:
-        yield
+        yield options.from_env()
     finally:
         if old is None:
             del os.environ[var]
         else:
             os.environ[var] = old
-        options.install(previous)
 
 
 def _list_forms(rank, world, group):
@@ -660,10 +660,12 @@ def _one_f_one_b(rank, world, group, mode, form, El=2, K=2):
 
 
 def _trusted_steady_state(rank, world, group):
-    """A trusted caller's second call with the same signature agrees without communicating
-    (the cache), a new signature agrees again, and ``agree="every_call"`` (RELAYMOE_RING_AGREE)
+    """A trusted caller's second call with the same signature and runtime agrees without
+    communicating (the runtime's cache), a new signature or another runtime agrees again, a
+    call without a runtime agrees every time, and ``agree="every_call"`` (RELAYMOE_RING_AGREE)
     turns the cache off; the results stay oracle-exact throughout."""
     import relaymoe.ring.agree as agree_mod
+    from relaymoe.ring import RingRuntime
 
     calls = []
     real = agree_mod.dist.all_reduce
@@ -677,47 +679,56 @@ def _trusted_steady_state(rank, world, group):
         for mode in ("expert", "token"):
             kw = dict(seed=31, tokens=[3, 5, 0, 4][:world], El=2, K=2, dtype=torch.float64,
                       mode=mode, trusted=True, route="skew")  # fmt: skip
-            _run_case(rank, world, group, **kw)
+            one = 1 if world > 1 else 0
+            runtime = RingRuntime(group)
+            _run_case(rank, world, group, runtime=runtime, **kw)
             calls.clear()
-            _run_case(rank, world, group, **kw)
+            _run_case(rank, world, group, runtime=runtime, **kw)
             assert not calls, f"{mode}: a cached agreement still ran {len(calls)} all-reduce(s)"
-            _run_case(rank, world, group, **{**kw, "tokens": [2, 6, 1, 3][:world]})
-            assert len(calls) == (1 if world > 1 else 0), f"{mode}: new signature, {calls}"
-            with _ring_env("RELAYMOE_RING_AGREE", "every_call"):
+            _run_case(rank, world, group, runtime=runtime,
+                      **{**kw, "tokens": [2, 6, 1, 3][:world]})  # fmt: skip
+            assert len(calls) == one, f"{mode}: new signature, {calls}"
+            for other in (RingRuntime(group), None):  # another runtime's cache, or none
+                calls.clear()
+                _run_case(rank, world, group, runtime=other, **kw)
+                assert len(calls) == one, f"{mode}: runtime {other}, {calls}"
+            with _ring_env("RELAYMOE_RING_AGREE", "every_call") as config:
                 for _ in range(2):
                     calls.clear()
-                    _run_case(rank, world, group, **kw)
-                    assert len(calls) == (1 if world > 1 else 0), f"{mode}: every_call, {calls}"
+                    _run_case(rank, world, group, runtime=runtime, config=config, **kw)
+                    assert len(calls) == one, f"{mode}: every_call, {calls}"
     finally:
         agree_mod.dist.all_reduce = real
 
 
 def _settings_must_agree(rank, world, group):
-    """Issue #32: the options that decide collectives (``RingOptions.agree``,
+    """Issue #32: the options that decide collectives (``RingConfig.agree``,
     ``KernelOptions.pair_buffer_mib``; RELAYMOE_RING_AGREE, RELAYMOE_PAIR_BUFFER_MIB at the
     entry point) differ on rank 0: every rank raises the same ValueError naming the option and
     each rank's value, trusted or not, first call or later, never a hang; nothing is agreed
-    under them. The options are installed once: a later change of one rank's environment
-    (without an install) does not move that rank to other collectives than its peers'."""
-    import relaymoe.ring.agree as agree_mod
+    under them. The options are read once, into the config the calls get: a later change of
+    one rank's environment does not move that rank to other collectives than its peers'."""
+    from relaymoe.ring import RingRuntime
 
     if world == 1:
         return  # a world of one has no collective to disagree on
     kw = dict(seed=61, tokens=[3, 0, 4, 2][:world], El=2, K=2, dtype=torch.float64,
               mode="expert", route="skew")  # fmt: skip
-    settings = (("RELAYMOE_RING_AGREE", "RingOptions.agree", "every_call", "cached",
+    settings = (("RELAYMOE_RING_AGREE", "RingConfig.agree", "every_call", "cached",
                  "'every_call'", "'cached'"),
                 ("RELAYMOE_PAIR_BUFFER_MIB", "KernelOptions.pair_buffer_mib", "0", "512", "0",
                  "512"))  # fmt: skip
+    runtime = RingRuntime(group)
+    kw["runtime"] = runtime
     for var, name, first, others, shown0, shown1 in settings:
-        with _ring_env(var, first if rank == 0 else others):
+        with _ring_env(var, first if rank == 0 else others) as config:
             for trusted in (True, False, True):
                 with pytest.raises(ValueError) as info:
-                    _run_case(rank, world, group, trusted=trusted, **kw)
+                    _run_case(rank, world, group, trusted=trusted, config=config, **kw)
                 msg = str(info.value)
                 assert f"the option {name} ({var}) differs" in msg, msg
                 assert f"rank 0: {shown0}" in msg and f"rank 1: {shown1}" in msg, msg
-            assert not agree_mod._AGREED  # no agreement under disagreeing settings
+            assert not runtime.agreements  # no agreement under disagreeing settings
     _run_case(rank, world, group, trusted=True, **kw)  # agreed and cached
     os.environ["RELAYMOE_RING_AGREE"] = "every_call" if rank == 0 else "cached"
     os.environ["RELAYMOE_PAIR_BUFFER_MIB"] = "0" if rank == 0 else "512"

@@ -14,17 +14,22 @@ from datetime import timedelta
 import pytest
 import torch
 
+from relaymoe.options import RingConfig
 from relaymoe.ring import agree as agree_mod
 from relaymoe.ring import faults, lagwait
 from relaymoe.ring import transport as transport_mod
 from relaymoe.ring.faults import PeerWatch, RingPeerError
+from relaymoe.ring.problem import ring_request
+from relaymoe.ring.runtime import RingRuntime
 from tests.fixtures import use_env
 
 TIMEOUT_S = 5.0
 
 
-def _watch(rank=0, ranks=(0, 1), timeout_s=TIMEOUT_S, mode="expert", phase="fwd"):
-    return PeerWatch(None, mode=mode, phase=phase, timeout_s=timeout_s, rank=rank, ranks=ranks)
+def _watch(rank=0, ranks=(0, 1), timeout_s=TIMEOUT_S, mode="expert", phase="fwd",
+           host_wait="lag", runtime=None):  # fmt: skip
+    return PeerWatch(None, mode=mode, phase=phase, timeout_s=timeout_s, rank=rank, ranks=ranks,
+                     host_wait=host_wait, runtime=runtime)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -126,10 +131,11 @@ def test_device_side_waits_are_bounded_on_the_host():
 
 def test_finish_waits_for_deferred_works_and_events(monkeypatch):
     cuda = torch.device("cuda", 0)  # the device object only: nothing runs on it
-    use_env(monkeypatch, RELAYMOE_RING_HOST_WAIT=None)
-    assert faults.host_wait_mode(cuda) == "lag"  # default: a pass waits for the one before
-    use_env(monkeypatch, RELAYMOE_RING_HOST_WAIT="pass")
-    watch = _watch(timeout_s=0.1)
+    config = use_env(monkeypatch, RELAYMOE_RING_HOST_WAIT=None)
+    # default: a pass waits for the one before
+    assert faults.host_wait_mode(cuda, config.host_wait) == "lag"
+    config = use_env(monkeypatch, RELAYMOE_RING_HOST_WAIT="pass")
+    watch = _watch(timeout_s=0.1, host_wait=config.host_wait, runtime=RingRuntime())
     works = [_Work(), _Work(exc=RuntimeError("NCCL communicator was aborted"))]
     watch.defer([(works[0], (1,))], op="p2p", hop=0)
     watch.defer([(works[1], (1,))], op="p2p", hop=1)
@@ -137,25 +143,31 @@ def test_finish_waits_for_deferred_works_and_events(monkeypatch):
         watch.finish(cuda)
     assert info.value.hop == 1 and all(len(w.timeouts) == 1 for w in works)
     # RELAYMOE_RING_HOST_WAIT=off: no host wait at all on CUDA (NCCL's watchdog bounds a hang)
-    use_env(monkeypatch, RELAYMOE_RING_HOST_WAIT="off")
+    config = use_env(monkeypatch, RELAYMOE_RING_HOST_WAIT="off")
+    watch = _watch(timeout_s=0.1, host_wait=config.host_wait, runtime=RingRuntime())
     quiet = _Work(exc=RuntimeError("never waited for"))
     watch.defer([quiet], op="p2p")
     watch.finish(cuda)
     assert quiet.timeouts == []
     with pytest.raises(ValueError, match="RELAYMOE_RING_HOST_WAIT='sometimes'"):
         use_env(monkeypatch, RELAYMOE_RING_HOST_WAIT="sometimes")
-    assert faults.host_wait_enabled(torch.device("cpu"))  # CPU: every hop waits, always
+    assert faults.host_wait_enabled(torch.device("cpu"), "off")  # CPU: every hop waits, always
+    # lag without a runtime to hand the pass to waits at the pass's end
+    watch = _watch(timeout_s=0.1, host_wait="lag")
+    late = _Work(exc=RuntimeError("NCCL communicator was aborted"))
+    watch.defer([(late, (1,))], op="p2p", hop=0)
+    with pytest.raises(RingPeerError, match="aborted"):
+        watch.finish(cuda)
 
 
 def test_lag_waits_at_each_pass_end_for_the_pass_before(monkeypatch):
     """RELAYMOE_RING_HOST_WAIT=lag: a pass's end waits (bounded) for the previous pass's
     transfers on the same device, never its own, and names the previous pass when they failed."""
     cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
-    use_env(monkeypatch, RELAYMOE_RING_HOST_WAIT="lag")
-    monkeypatch.setattr(lagwait, "_PENDING", {})
+    runtime = RingRuntime()
 
     def pass_(phase, work, device=cuda0):
-        watch = PeerWatch(None, mode="expert", phase=phase, timeout_s=0.1, rank=0, ranks=(4, 7))
+        watch = _watch(0, (4, 7), 0.1, "expert", phase, runtime=runtime)
         watch.defer([(work, (1,))], op="p2p", hop=1)
         watch.finish(device)
 
@@ -169,6 +181,13 @@ def test_lag_waits_at_each_pass_end_for_the_pass_before(monkeypatch):
         pass_("fwd", _Work())
     assert (info.value.phase, info.value.hop, info.value.peers) == ("bwd", 1, (7,))
     assert "expert bwd hop 1 (p2p)" in str(info.value)
+    # another runtime (another dispatcher) keeps its own pending passes
+    mine, theirs = _Work(exc=RuntimeError("aborted")), _Work()
+    pass_("fwd", mine)
+    watch = _watch(0, (4, 7), 0.1, "expert", "fwd", runtime=RingRuntime())
+    watch.defer([(theirs, (1,))], op="p2p", hop=1)
+    watch.finish(cuda0)  # waits for nothing of `runtime`'s
+    assert mine.timeouts == [] and theirs.timeouts == []
 
 
 def test_lag_waits_for_a_backwards_last_pass_when_the_backward_ends(monkeypatch):
@@ -176,8 +195,7 @@ def test_lag_waits_for_a_backwards_last_pass_when_the_backward_ends(monkeypatch)
     (an autograd callback), so its RingPeerError reaches the caller of backward() rather than a
     later sync reading aborted buffers. One wait per backward call; a pass that finished passes."""
     cuda = torch.device("cuda", 0)
-    use_env(monkeypatch, RELAYMOE_RING_HOST_WAIT="lag")
-    monkeypatch.setattr(lagwait, "_PENDING", {})
+    runtime = RingRuntime()
     monkeypatch.setattr(lagwait, "POLL_S", 60.0)  # the watchdog thread stays out of this test
 
     class TwoPasses(torch.autograd.Function):
@@ -189,8 +207,7 @@ def test_lag_waits_for_a_backwards_last_pass_when_the_backward_ends(monkeypatch)
         @staticmethod
         def backward(ctx, g):
             for hop, work in enumerate(ctx.works):  # two backward passes, as two layers make
-                watch = PeerWatch(None, mode="token", phase="bwd", timeout_s=0.1, rank=0,
-                                  ranks=(3, 6))  # fmt: skip
+                watch = _watch(0, (3, 6), 0.1, "token", "bwd", runtime=runtime)
                 watch.defer([(work, (1,))], op="p2p", hop=hop)
                 watch.finish(cuda)
             return g * 2, None
@@ -199,12 +216,12 @@ def test_lag_waits_for_a_backwards_last_pass_when_the_backward_ends(monkeypatch)
     good = [_Work(), _Work()]
     TwoPasses.apply(x, good).sum().backward()
     assert [len(w.timeouts) for w in good] == [1, 1]  # the first by the second, the last at the end
-    assert lagwait._PENDING == {}
+    assert runtime.lag.pending() == {}
     bad = [_Work(), _Work(exc=RuntimeError("NCCL communicator was aborted"))]
     with pytest.raises(RingPeerError) as info:
         TwoPasses.apply(x, bad).sum().backward()
     assert (info.value.phase, info.value.hop, info.value.peers) == ("bwd", 1, (6,))
-    assert faults._QUEUED_TASKS == set()
+    assert runtime.backward_waits == set()
 
 
 def test_lag_watchdog_logs_a_last_pass_that_never_finished(monkeypatch):
@@ -214,8 +231,7 @@ def test_lag_watchdog_logs_a_last_pass_that_never_finished(monkeypatch):
     logging tree (a disabled logger, a root handler taken away) cannot hide them."""
     import logging
 
-    use_env(monkeypatch, RELAYMOE_RING_HOST_WAIT="lag")
-    monkeypatch.setattr(lagwait, "_PENDING", {})
+    runtime = RingRuntime()
     monkeypatch.setattr(lagwait, "POLL_S", 0.01)
     records: list[logging.LogRecord] = []
     handler = logging.Handler(level=logging.ERROR)
@@ -229,8 +245,7 @@ def test_lag_watchdog_logs_a_last_pass_that_never_finished(monkeypatch):
             (torch.device("cuda", 2), "fwd", _Work()),
             (torch.device("cuda", 3), "bwd", _Work(completed=False)),
         ):
-            watch = PeerWatch(None, mode="token", phase=phase, timeout_s=0.05, rank=1,
-                              ranks=(2, 5))  # fmt: skip
+            watch = _watch(1, (2, 5), 0.05, "token", phase, runtime=runtime)
             watch.defer([(work, (0,))], op="p2p", hop=1)
             watch.finish(device)
         t0 = time.monotonic()
@@ -262,8 +277,8 @@ def test_timeout_is_the_group_s_own_or_the_environment_s(monkeypatch):
     backend = ["gloo"]
     monkeypatch.setattr(faults.dist, "get_backend", lambda group: backend[0])
     monkeypatch.setattr(faults.torch.cuda, "is_available", lambda: False)
-    use_env(monkeypatch, RELAYMOE_RING_TIMEOUT_S=None)
-    assert faults.ring_timeout_s(_Group()) == 7.0
+    config = use_env(monkeypatch, RELAYMOE_RING_TIMEOUT_S=None)
+    assert faults.ring_timeout_s(_Group(), config.timeout_s) == 7.0
     backend[0] = "nccl"  # gives up before NCCL's watchdog: 25% (at most 5 s) earlier
     assert faults.ring_timeout_s(_Group()) == pytest.approx(5.25)
     _Options._timeout = timedelta(seconds=600)  # a real job's: the 5 s cap
@@ -271,13 +286,13 @@ def test_timeout_is_the_group_s_own_or_the_environment_s(monkeypatch):
         assert faults.ring_timeout_s(_Group()) == pytest.approx(595.0)
     finally:
         _Options._timeout = timedelta(seconds=7)
-    use_env(monkeypatch, RELAYMOE_RING_TIMEOUT_S="2.5")
-    assert faults.ring_timeout_s(_Group()) == 2.5
+    config = use_env(monkeypatch, RELAYMOE_RING_TIMEOUT_S="2.5")
+    assert faults.ring_timeout_s(_Group(), config.timeout_s) == 2.5
     for bad in ("0", "-1", "inf", "soon"):
         with pytest.raises(
             ValueError,
             match=rf"RELAYMOE_RING_TIMEOUT_S='{bad}' (\(environment\) is refused: "
-            r"RingOptions.timeout_s=.* must be a number of seconds in \(0, 604800\]|must be a "
+            r"RingConfig.timeout_s=.* must be a number of seconds in \(0, 604800\]|must be a "
             "number)",
         ):
             use_env(monkeypatch, RELAYMOE_RING_TIMEOUT_S=bad)
@@ -294,13 +309,12 @@ def test_copy_engine_barrier_gets_the_timeout(monkeypatch):
         def barrier(self, channel=0):
             calls.append(("old", channel))
 
-    monkeypatch.setattr(transport_mod, "_BARRIER_TAKES_TIMEOUT", [])
-    transport_mod._barrier(NewHandle(), 2.5)
+    transport_mod._barrier(RingRuntime(), NewHandle(), 2.5)
     assert calls == [("new", 0, 2500)]
-    monkeypatch.setattr(transport_mod, "_BARRIER_TAKES_TIMEOUT", [])
     calls.clear()
-    transport_mod._barrier(OldHandle(), 2.5)  # learns once that there is no timeout argument
-    transport_mod._barrier(OldHandle(), 2.5)
+    runtime = RingRuntime()
+    transport_mod._barrier(runtime, OldHandle(), 2.5)  # learns once: no timeout argument
+    transport_mod._barrier(runtime, OldHandle(), 2.5)
     assert calls == [("old", 0), ("old", 0)]
 
 
@@ -320,7 +334,7 @@ def test_agreement_does_not_read_a_reduce_that_lost_a_rank(monkeypatch, lost):
     """An all-reduce that timed out and was aborted can return with the caller's own row only:
     before issue #17 that read as 'E_local differs across ranks: [2, 0]'."""
 
-    def aborted(mat, group, *, mode, phase):
+    def aborted(mat, group, *, mode, phase, timeout_s=None):
         # what the wait let through: this rank's row, rank 1's missing (or a half-written sum)
         if lost == "garbage":
             mat[1] = 3
@@ -332,7 +346,7 @@ def test_agreement_does_not_read_a_reduce_that_lost_a_rank(monkeypatch, lost):
     with pytest.raises(RingPeerError) as info:
         agree_mod._agree_collective(
             (x, w13, w2, idx, probs), group=object(), rank=0, world=2,
-            req=agree_mod.RingRequest(mode="expert", transport="nccl"), validate_ids=True,
+            req=ring_request(RingConfig(mode="expert", transport="nccl")), validate_ids=True,
             with_pairs=True,
         )  # fmt: skip
     err = info.value

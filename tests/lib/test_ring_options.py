@@ -1,10 +1,13 @@
-"""``ring_moe``'s options take effect: installed ones where a keyword is None, keywords over them.
+"""``ring_moe``'s options take effect: the call's ``RingConfig`` (``config=``) where a keyword is
+None, keywords over it, the documented defaults without either.
 
 Each of ``mode``, ``transport``, ``schedule``, ``gpus_per_node``, ``grad_accum`` and ``kernels``
-is set once by ``relaymoe.options.install`` and once by keyword, and the test sees it change what
-runs: the agreed request and problem (mode, grad dtype, schedule's node size), the error an
-option that cannot run on CPU raises (the copy engine, a node-batched token ring), and the
-``KernelOptions`` that reaches the hops. World of one in this process; worlds 2 and 3 over gloo.
+is set once in the config and once by keyword, and the test sees it change what runs: the agreed
+request and problem (mode, grad dtype, schedule's node size), the error an option that cannot
+run on CPU raises (the copy engine, a node-batched token ring), and the ``KernelOptions`` that
+reaches the hops. The config's other fields (``agree``, ``overlap``, ``capture_hops``,
+``host_wait``, ``timeout_s``) reach the call's request and passes. World of one in this process;
+worlds 2 and 3 over gloo.
 """
 
 from __future__ import annotations
@@ -14,13 +17,13 @@ import re
 import pytest
 import torch
 
-from relaymoe.options import KernelOptions, RingOptions, installed
+from relaymoe.options import KernelOptions, RingConfig
 from relaymoe.reference import moe_experts_reference
 from relaymoe.ring import engine
 from relaymoe.ring.engine import resolved_problem, ring_moe
 from tests.fixtures import ring_problem, scenario_params
 
-# (field, an installed value, another value a keyword passes)
+# (field, a configured value, another value a keyword passes)
 FIELDS = [
     ("mode", "token", "alltoall"),
     ("transport", "nccl", "copy_engine"),
@@ -39,9 +42,10 @@ def _inputs(rank=0, world=1, dtype=torch.float64, T=5, El=2, K=2):
 
 @pytest.fixture
 def seen(monkeypatch):
-    """What ``ring_moe`` hands on: the request it agrees on and the ``Hop`` of its hops."""
-    record = {"req": [], "hop": []}
-    real_agree, real_hop = engine.agree, engine.Hop
+    """What ``ring_moe`` hands on: the request it agrees on, the ``Hop`` of its hops and the
+    ``RingCall`` its passes run with."""
+    record = {"req": [], "hop": [], "call": []}
+    real_agree, real_hop, real_apply = engine.agree, engine.Hop, engine._RingMoE.apply
 
     def agree(*args, request, **kw):
         record["req"].append(request)
@@ -51,56 +55,86 @@ def seen(monkeypatch):
         record["hop"].append(real_hop(*args))
         return record["hop"][-1]
 
+    def apply(*args):
+        record["call"].append(args[4])  # x, probs, topk_idx, prob, call, ...
+        return real_apply(*args)
+
     monkeypatch.setattr(engine, "agree", agree)
     monkeypatch.setattr(engine, "Hop", hop)
+    monkeypatch.setattr(engine._RingMoE, "apply", apply)
     return record
 
 
-@pytest.mark.parametrize(("name", "installed_value", "keyword_value"), FIELDS)
-def test_installed_option_reaches_the_request_and_a_keyword_overrides_it(
-    seen, name, installed_value, keyword_value
+@pytest.mark.parametrize(("name", "configured", "keyword_value"), FIELDS)
+def test_configured_option_reaches_the_request_and_a_keyword_overrides_it(
+    seen, name, configured, keyword_value
 ):
     args, _ = _inputs()
     ring_moe(*args)
-    default = getattr(RingOptions(), name)
+    default = getattr(RingConfig(), name)
     assert getattr(seen["req"][-1], name) == default
-    with installed(RingOptions(**{name: installed_value})):
-        ring_moe(*args)
-        assert getattr(seen["req"][-1], name) == installed_value, name
-        ring_moe(*args, **{name: keyword_value})  # a keyword wins over the installed value
-        assert getattr(seen["req"][-1], name) == keyword_value, name
+    config = RingConfig(**{name: configured})
+    ring_moe(*args, config=config)
+    assert getattr(seen["req"][-1], name) == configured, name
+    ring_moe(*args, config=config, **{name: keyword_value})  # a keyword wins over the config
+    assert getattr(seen["req"][-1], name) == keyword_value, name
     ring_moe(*args)
-    assert getattr(seen["req"][-1], name) == default  # uninstalled: the defaults again
+    assert getattr(seen["req"][-1], name) == default  # no config: the defaults again
 
 
-def test_installed_mode_and_grad_accum_change_the_agreed_problem():
+def test_configured_mode_and_grad_accum_change_the_agreed_problem():
     args, _ = _inputs(dtype=torch.float16)
     prob = resolved_problem(*args, mode="expert")
     assert prob.mode == "expert" and prob.grad_dtype == torch.float16
-    with installed(RingOptions(mode="token", grad_accum="fp32")):
-        prob = resolved_problem(*args)
-        assert prob.mode == "token" and prob.grad_dtype == torch.float32
-        prob = resolved_problem(*args, mode="alltoall", grad_accum="param")
-        assert prob.mode == "alltoall" and prob.grad_dtype == torch.float16
+    config = RingConfig(mode="token", grad_accum="fp32")
+    prob = resolved_problem(*args, config=config)
+    assert prob.mode == "token" and prob.grad_dtype == torch.float32
+    prob = resolved_problem(*args, config=config, mode="alltoall", grad_accum="param")
+    assert prob.mode == "alltoall" and prob.grad_dtype == torch.float16
 
 
-def test_installed_kernels_reach_the_hops_and_a_keyword_overrides_them(seen):
+def test_configured_kernels_reach_the_hops_and_a_keyword_overrides_them(seen):
     args, pb = _inputs()
     mine, other = KernelOptions(pair_buffer_mib=7), KernelOptions(pair_buffer_mib=9)
     ring_moe(*args)
     assert seen["hop"][-1].kernels == KernelOptions()
-    with installed(RingOptions(kernels=mine)):
-        out = ring_moe(*args)
-        assert seen["hop"][-1].kernels is mine
-        ring_moe(*args, kernels=other)
-        assert seen["hop"][-1].kernels is other
+    out = ring_moe(*args, config=RingConfig(kernels=mine))
+    assert seen["hop"][-1].kernels is mine
+    ring_moe(*args, config=RingConfig(kernels=mine), kernels=other)
+    assert seen["hop"][-1].kernels is other
     ref = moe_experts_reference(pb["x"][:5], pb["w13"][:2], pb["w2"][:2], pb["idx"][:5],
                                 pb["probs"][:5])  # fmt: skip
     assert torch.allclose(out, ref, rtol=1e-12, atol=1e-12)
 
 
+def test_this_ranks_options_reach_the_call(seen):
+    """``overlap``, ``capture_hops``, ``host_wait``, ``timeout_s`` reach the call's passes,
+    ``agree`` and ``pair_buffer_mib`` its request; the defaults without a config."""
+    args, _ = _inputs()
+    ring_moe(*args)
+    call, req = seen["call"][-1], seen["req"][-1]
+    assert (call.overlap, call.hop.capture, call.host_wait, call.timeout_s) == (
+        True, False, "lag", None)  # fmt: skip
+    assert (req.agree, req.pair_buffer_mib) == ("cached", 512)
+    config = RingConfig(overlap=False, capture_hops=True, host_wait="pass", timeout_s=3.5,
+                        agree="every_call", kernels=KernelOptions(pair_buffer_mib=3))  # fmt: skip
+    ring_moe(*args, config=config)
+    call, req = seen["call"][-1], seen["req"][-1]
+    assert (call.overlap, call.hop.capture, call.host_wait, call.timeout_s) == (
+        False, True, "pass", 3.5)  # fmt: skip
+    assert (req.agree, req.pair_buffer_mib) == ("every_call", 3)
+
+
+def test_a_bad_config_is_refused_by_name():
+    args, _ = _inputs()
+    with pytest.raises(ValueError, match=r"config=.*must be a relaymoe.options.RingConfig"):
+        ring_moe(*args, config={"mode": "token"})
+    with pytest.raises(ValueError, match=r"RingConfig.mode='diagonal' is not one of"):
+        RingConfig(mode="diagonal")
+
+
 # ---------------------------------------------------------------------------------------------
-# worlds of 2 and 3 over gloo: installed options change which collectives run, on every rank
+# worlds of 2 and 3 over gloo: configured options change which collectives run, on every rank
 # ---------------------------------------------------------------------------------------------
 def _raises(pattern: str, fn) -> None:
     try:
@@ -111,34 +145,40 @@ def _raises(pattern: str, fn) -> None:
         raise AssertionError(f"no ValueError matching {pattern!r}")
 
 
-def _installed_options_take_effect(rank, world, group):
+def _configured_options_take_effect(rank, world, group):
     args, pb = _inputs(rank, world)
     lo, hi = rank * 5, (rank + 1) * 5
     ref = moe_experts_reference(pb["x"], pb["w13"], pb["w2"], pb["idx"], pb["probs"])[lo:hi]
 
-    def run(**kw):
-        return ring_moe(*args, group=group, **kw)
+    def with_config(config: RingConfig):
+        def run(**kw):
+            return ring_moe(*args, group=group, config=config, **kw)
 
-    # transport: the copy engine cannot run on CPU; the keyword nccl overrides the installed one
-    with installed(RingOptions(transport="copy_engine")):
-        _raises("transport='copy_engine' needs CUDA", run)
-        assert torch.allclose(run(transport="nccl"), ref, rtol=1e-12, atol=1e-12)
+        def problem(*inputs, **kw):
+            return resolved_problem(*(inputs or args), group=group, config=config, **kw)
+
+        return run, problem
+
+    # transport: the copy engine cannot run on CPU; the keyword nccl overrides the config's
+    run, _ = with_config(RingConfig(transport="copy_engine"))
+    _raises("transport='copy_engine' needs CUDA", run)
+    assert torch.allclose(run(transport="nccl"), ref, rtol=1e-12, atol=1e-12)
     # schedule and mode: a node-batched token ring is refused; keywords override either
-    with installed(RingOptions(schedule="node_batched", mode="token")):
-        _raises("schedule='node_batched' batches expert partitions", run)
-        assert torch.allclose(run(schedule="flat"), ref, rtol=1e-12, atol=1e-12)
-        assert torch.allclose(run(mode="expert"), ref, rtol=1e-12, atol=1e-12)
-        assert resolved_problem(*args, group=group, mode="expert").schedule == "node_batched"
+    run, problem = with_config(RingConfig(schedule="node_batched", mode="token"))
+    _raises("schedule='node_batched' batches expert partitions", run)
+    assert torch.allclose(run(schedule="flat"), ref, rtol=1e-12, atol=1e-12)
+    assert torch.allclose(run(mode="expert"), ref, rtol=1e-12, atol=1e-12)
+    assert problem(mode="expert").schedule == "node_batched"
     # gpus_per_node: the node size of the node-batched schedule (from the hosts: the world)
     assert resolved_problem(*args, group=group, schedule="node_batched").gpus_per_node == world
-    with installed(RingOptions(schedule="node_batched", gpus_per_node=1)):
-        assert resolved_problem(*args, group=group).gpus_per_node == 1
-        assert resolved_problem(*args, group=group, gpus_per_node=world).gpus_per_node == world
+    _, problem = with_config(RingConfig(schedule="node_batched", gpus_per_node=1))
+    assert problem().gpus_per_node == 1
+    assert problem(gpus_per_node=world).gpus_per_node == world
     # grad_accum: the accumulators' dtype in 16-bit
     half, _ = _inputs(rank, world, dtype=torch.float16)
-    with installed(RingOptions(grad_accum="fp32")):
-        assert resolved_problem(*half, group=group).grad_dtype == torch.float32
-        assert resolved_problem(*half, group=group, grad_accum="param").grad_dtype == torch.half
+    _, problem = with_config(RingConfig(grad_accum="fp32"))
+    assert problem(*half).grad_dtype == torch.float32
+    assert problem(*half, grad_accum="param").grad_dtype == torch.half
 
 
 def _refused_on_every_rank(pattern: str, fn, within_s: float = 10.0) -> None:
@@ -180,7 +220,7 @@ def _bad_kernels_on_one_rank(rank, world, group):
             )
 
 
-SCENARIOS = [_installed_options_take_effect, _bad_kernels_on_one_rank]
+SCENARIOS = [_configured_options_take_effect, _bad_kernels_on_one_rank]
 
 
 @pytest.mark.slow

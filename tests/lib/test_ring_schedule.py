@@ -328,20 +328,21 @@ def test_layout_order_refuses_what_is_not_back_to_back():
 def test_copied_weight_bytes_counts_stacks_and_packs_only():
     """The step report's count of expert-weight bytes the ring copies: nothing for views of
     back-to-back parameters, each stacked element's bytes, and a slot pack's bytes."""
-    from relaymoe.ring.weights import LocalExperts, copied_weight_bytes
+    from relaymoe.ring.runtime import RingRuntime
+    from relaymoe.ring.weights import LocalExperts
 
     _, ws = _buffer_views(3, (6, 4), "reversed")  # Megatron's DDP buffer order: a view
     _, w2s = _buffer_views(3, (4, 3), "reversed")
     _, gapped = _buffer_views(3, (6, 4), "forward", gap=2)  # padded: a stack
-    c0 = copied_weight_bytes()
-    LocalExperts(ws, w2s).stacked()
-    assert copied_weight_bytes() == c0
-    LocalExperts(gapped, w2s).stacked()
-    assert copied_weight_bytes() - c0 == 3 * 6 * 4 * 4  # the stacked w13 (fp32), w2 viewed
-    c1 = copied_weight_bytes()
+    rt = RingRuntime()  # the tally: the runtime of the calls that copy
+    LocalExperts(ws, w2s, tally=rt).stacked()
+    assert rt.copied_weight_bytes == 0
+    LocalExperts(gapped, w2s, tally=rt).stacked()
+    assert rt.copied_weight_bytes == 3 * 6 * 4 * 4  # the stacked w13 (fp32), w2 viewed
+    c1 = rt.copied_weight_bytes
     dst = torch.empty(3, 6, 4)
-    LocalExperts(ws, w2s).pack("w13", dst)
-    assert copied_weight_bytes() - c1 == dst.numel() * 4
+    LocalExperts(ws, w2s, tally=rt).pack("w13", dst)
+    assert rt.copied_weight_bytes - c1 == dst.numel() * 4
     assert torch.equal(dst[0], ws[0])
 
 

@@ -88,7 +88,7 @@ def test_pick_uses_the_shipped_config_then_the_autotuner(monkeypatch):
     raw, auto = grouped.rows._rows_gemm_kernel, grouped.rows._rows_tuned
 
     def pick():
-        k = options.defaults().kernels
+        k = options.from_env().kernels  # the environment use_env set, as an entry point reads it
         return grouped.configs._pick(auto, raw, None, 2048, "rows_gemm", key, torch.bfloat16, k)
 
     use_env(monkeypatch, RELAYMOE_AUTOTUNE=None)
@@ -129,7 +129,7 @@ def test_the_ungated_up_projection_takes_its_own_config_or_the_gated_one_twice_a
     monkeypatch.setattr(up, "shipped_config", lambda name, key, dtype: found.get(name))
     monkeypatch.setattr(up, "interpret_mode", lambda: False)
     key = {"H": 2048, "I": 768, "n_experts": 128, "SAVE_H": False, "SCALE": True}
-    k = options.defaults().kernels
+    k = options.KernelOptions()
 
     def cfg(config=None, kern=k):
         return up._single_config(config, key, torch.bfloat16, kern)

@@ -183,7 +183,7 @@ def up_swiglu(x_TH, w13_EJH, idx_P, offs, prob_P, h_PJ, a_PI, *, config=None, ke
     On sm90 the warp-specialised Gluon kernel runs (``kernels.gather_ws``, ``gather_ws.py``)
     where ``select.gather_ws_for`` takes the activation and bias, unless a Triton ``config`` is
     passed; its a comes from h rounded to the output dtype. ``kernels``: the ``KernelOptions``
-    (default: the process's)."""
+    (default: ``KernelOptions()``)."""
     if h_PJ is None and a_PI is None:
         raise ValueError("up_swiglu needs an output: h_PJ, a_PI or both")
     meta_act = act_meta(activation)
