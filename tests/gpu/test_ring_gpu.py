@@ -63,9 +63,20 @@ def _weights(w13, w2, form):
     )
 
 
-def _case(rank, *, transport, mode, tokens, overlap=True, route="uniform", seed=0,
+def _runtime(group):
+    """The scenario's ``RingRuntime``, passed to each of its calls: the copy engines' workspace
+    lives there (a call without one refuses ``transport="copy_engine"``), and the timeline
+    records its calls."""
+    from relaymoe.ring import RingRuntime
+
+    return RingRuntime(group)
+
+
+def _case(rank, *, runtime, transport, mode, tokens, overlap=True, route="uniform", seed=0,
           form="tensor", check_memory=False, **topology):  # fmt: skip
-    from relaymoe import options
+    """One ring_moe call and its backward on ``runtime`` (its group's ranks make the same call),
+    checked against the float64 oracle; ``overlap`` is the call's ``RingConfig.overlap``."""
+    from relaymoe.options import RingConfig
     from relaymoe.ring import ring_moe
 
     dev = torch.device("cuda", rank)
@@ -82,9 +93,8 @@ def _case(rank, *, transport, mode, tokens, overlap=True, route="uniform", seed=
             f"rank={rank}")  # fmt: skip
     torch.cuda.synchronize(dev)
     before = torch.cuda.memory_allocated(dev)
-    with options.installed(options.defaults().replace(overlap=overlap)):  # not a keyword
-        out = ring_moe(x, w13, w2, pb["idx"][lo:hi], probs, mode=mode, transport=transport,
-                       **topology)  # fmt: skip
+    out = ring_moe(x, w13, w2, pb["idx"][lo:hi], probs, mode=mode, transport=transport,
+                   config=RingConfig(overlap=overlap), runtime=runtime, **topology)  # fmt: skip
     if check_memory:  # list form: what forward leaves alive holds no copy of the expert weights
         grown = torch.cuda.memory_allocated(dev) - before
         weights = EL * 3 * H * I * 2
@@ -116,52 +126,60 @@ TRANSPORTS, RING_MODES = ("nccl", "copy_engine"), ("expert", "token")
 
 
 def uneven_tokens(rank, world, group):
+    rt = _runtime(group)
     for t in TRANSPORTS:
         for m in RING_MODES:
-            _case(rank, transport=t, mode=m, tokens=[3000, 1234], seed=1)
+            _case(rank, runtime=rt, transport=t, mode=m, tokens=[3000, 1234], seed=1)
 
 
 def zero_tokens_no_overlap(rank, world, group):
+    rt = _runtime(group)
     for t in TRANSPORTS:
         for m in RING_MODES:
-            _case(rank, transport=t, mode=m, tokens=[0, 2001], overlap=False, route="skew", seed=2)
+            _case(rank, runtime=rt, transport=t, mode=m, tokens=[0, 2001], overlap=False,
+                  route="skew", seed=2)  # fmt: skip
 
 
 def list_forms(rank, world, group):  # per-expert parameters: correct, no stacked copy kept alive
+    rt = _runtime(group)
     for t in TRANSPORTS:
         for m in RING_MODES:
             for f in ("reversed", "interleaved", "separate"):
-                _case(rank, transport=t, mode=m, tokens=[1500, 700], seed=3, form=f,
+                _case(rank, runtime=rt, transport=t, mode=m, tokens=[1500, 700], seed=3, form=f,
                       check_memory=t == "nccl")  # fmt: skip
     # bitwise equal to the tensor form where rows are used in expert order
     for m, f in (("expert", "reversed"), ("token", "separate")):
-        a = _case(rank, transport="nccl", mode=m, tokens=[900, 700], seed=6)
-        b = _case(rank, transport="nccl", mode=m, tokens=[900, 700], seed=6, form=f)
+        a = _case(rank, runtime=rt, transport="nccl", mode=m, tokens=[900, 700], seed=6)
+        b = _case(rank, runtime=rt, transport="nccl", mode=m, tokens=[900, 700], seed=6, form=f)
         _assert_bitwise_equal(a, b, (m, f))
 
 
 def timeline(rank, world, group):
     from relaymoe.ring import record_timeline
 
-    with record_timeline() as tl:
-        _case(rank, transport="copy_engine", mode="expert", tokens=[512, 512])
+    rt = _runtime(group)
+    with record_timeline(rt) as tl:
+        _case(rank, runtime=rt, transport="copy_engine", mode="expert", tokens=[512, 512])
     phases = {(t.phase, t.hop) for t in tl}
     assert {("fwd", 0), ("fwd", 1), ("bwd", 0), ("bwd", 1), ("bwd", 2)} <= phases, phases
     assert all(t.compute_ms >= 0 and t.hop_ms > 0 for t in tl), tl
 
 
 def determinism(rank, world, group):
+    rt = _runtime(group)
     for t in TRANSPORTS:
-        a = _case(rank, transport=t, mode="token", tokens=[900, 700], seed=5)
-        b = _case(rank, transport=t, mode="token", tokens=[900, 700], seed=5)
+        a = _case(rank, runtime=rt, transport=t, mode="token", tokens=[900, 700], seed=5)
+        b = _case(rank, runtime=rt, transport=t, mode="token", tokens=[900, 700], seed=5)
         _assert_bitwise_equal(a, b, t)
 
 
 def two_level_one_gpu_per_node(rank, world, group):  # issue #18: the two-level path at EP=2
+    rt = _runtime(group)
     for t in TRANSPORTS:
         for m in RING_MODES:
-            a = _case(rank, transport=t, mode=m, tokens=[900, 700], seed=7, schedule="flat")
-            b = _case(rank, transport=t, mode=m, tokens=[900, 700], seed=7,
+            a = _case(rank, runtime=rt, transport=t, mode=m, tokens=[900, 700], seed=7,
+                      schedule="flat")  # fmt: skip
+            b = _case(rank, runtime=rt, transport=t, mode=m, tokens=[900, 700], seed=7,
                       schedule="two_level", gpus_per_node=1)  # fmt: skip
             _assert_bitwise_equal(a, b, (t, m))
 
@@ -169,9 +187,10 @@ def two_level_one_gpu_per_node(rank, world, group):  # issue #18: the two-level 
 def node_batched_one_and_two_nodes(rank, world, group):  # issue #18: node-batched over NCCL
     """One node of two GPUs (one round: the row all-gather and reduce-scatter) and two nodes of
     one GPU (the column ring, no row): bf16 against the float64 oracle, a zero-token rank."""
+    rt = _runtime(group)
     for gpn in (2, 1):
         for tokens in ([900, 700], [0, 1200]):
-            _case(rank, transport="nccl", mode="expert", tokens=tokens, seed=9,
+            _case(rank, runtime=rt, transport="nccl", mode="expert", tokens=tokens, seed=9,
                   schedule="node_batched", gpus_per_node=gpn)  # fmt: skip
 
 
@@ -182,6 +201,7 @@ def nonfinite(rank, world, group):
     from tests.lib import test_ring_nonfinite as nf
 
     dev = torch.device("cuda", rank)
+    rt = _runtime(group)
     rows, experts = nf._slices(rank)
     failures = []
 
@@ -195,7 +215,9 @@ def nonfinite(rank, world, group):
         w13 = pb["w13"][experts].bfloat16().requires_grad_()
         w2 = pb["w2"][experts].bfloat16().requires_grad_()
         probs = pb["probs"][rows].float().requires_grad_()
-        out = ring_moe(x, w13, w2, pb["idx"][rows], probs, mode=mode, transport=transport)
+        out = ring_moe(
+            x, w13, w2, pb["idx"][rows], probs, mode=mode, transport=transport, runtime=rt
+        )
         out.backward(pb["dy"][rows].bfloat16())
         got = {"out": out, "dx": x.grad, "dprobs": probs.grad, "dw13": w13.grad, "dw2": w2.grad}
         for k, v in got.items():
@@ -218,6 +240,7 @@ def bad_input(rank, world, group):
     from relaymoe.ring import ring_moe
 
     dev = torch.device("cuda", rank)
+    rt = _runtime(group)
     x = torch.randn(8, H, device=dev, dtype=torch.bfloat16)
     w13 = torch.randn(EL, 2 * I, H, device=dev, dtype=torch.bfloat16)
     w2 = torch.randn(EL, H, I, device=dev, dtype=torch.bfloat16)
@@ -225,12 +248,12 @@ def bad_input(rank, world, group):
     if rank == 1:
         idx[3, 0] = 2 * EL  # out of range on rank 1 only
     try:
-        ring_moe(x, w13, w2, idx, torch.ones(8, 1, device=dev), transport="copy_engine")
+        ring_moe(x, w13, w2, idx, torch.ones(8, 1, device=dev), transport="copy_engine", runtime=rt)
     except ValueError as err:
         assert "rank 1" in str(err), err
     else:
         raise AssertionError("no ValueError")
-    _case(rank, transport="copy_engine", mode="expert", tokens=[64, 64], seed=9)
+    _case(rank, runtime=rt, transport="copy_engine", mode="expert", tokens=[64, 64], seed=9)
 
 
 SCENARIOS = [uneven_tokens, zero_tokens_no_overlap, list_forms, timeline, determinism,
