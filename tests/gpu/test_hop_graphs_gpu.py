@@ -5,7 +5,9 @@ replayed steps are read at their address (bitwise eager again); the cache's stat
 no weights or weight gradients (bound by address); and a replayed step adds no host sync.
 
 World of one (no process group), qwen3-like widths (H 2048, I 768, K 8, SwiGLU, bf16) at small
-T, the Triton backend, trusted calls (pair buffers from the bound).
+T, the Triton backend, trusted calls (pair buffers from the bound). Each test keeps one
+``RingRuntime`` for its eager and its captured steps (the agreements and the recorded hops live
+there) and passes ``RingConfig(capture_hops=True)`` to the captured ones.
 """
 
 from __future__ import annotations
@@ -39,12 +41,21 @@ def _leaves(inputs):
     return [t.detach().clone().requires_grad_() for t in (x, w13, w2, probs)]
 
 
-def _step(mode, inputs, *, leaves=None, sync_check=False):
-    """One trusted forward + backward; returns host copies of (out, dx, dprobs, dw13, dw2).
-    ``leaves``: the (x, w13, w2, probs) to compute with, kept by the caller (their gradients
-    are taken and reset, as an optimizer's ``zero_grad(set_to_none=True)``); default fresh
-    ones. Nothing of the step stays on the GPU, so the next step of the same shapes meets the
-    same caching-allocator state."""
+def _runtime():
+    """A test's ``RingRuntime`` (world of one): every step of the test runs on it."""
+    from relaymoe.ring import RingRuntime
+
+    return RingRuntime()
+
+
+def _step(mode, inputs, runtime, *, capture=False, leaves=None, sync_check=False):
+    """One trusted forward + backward on ``runtime``; returns host copies of (out, dx, dprobs,
+    dw13, dw2). ``capture``: the call's ``RingConfig.capture_hops`` (its hops recorded and
+    replayed through ``runtime``'s cache). ``leaves``: the (x, w13, w2, probs) to compute with,
+    kept by the caller (their gradients are taken and reset, as an optimizer's
+    ``zero_grad(set_to_none=True)``); default fresh ones. Nothing of the step stays on the GPU,
+    so the next step of the same shapes meets the same caching-allocator state."""
+    from relaymoe.options import RingConfig
     from relaymoe.ring import ring_moe
 
     _, _, _, idx, _, dy = inputs
@@ -54,7 +65,8 @@ def _step(mode, inputs, *, leaves=None, sync_check=False):
         torch.cuda.set_sync_debug_mode("error")
     try:
         out = ring_moe(leaves[0], leaves[1], leaves[2], idx, leaves[3], mode=mode,
-                       backend="triton", trusted=True)  # fmt: skip
+                       backend="triton", trusted=True, config=RingConfig(capture_hops=capture),
+                       runtime=runtime)  # fmt: skip
         out.backward(dy)
     finally:
         if sync_check:
@@ -66,28 +78,22 @@ def _step(mode, inputs, *, leaves=None, sync_check=False):
     return tuple(t.detach().cpu() for t in (out, xg, pg, w13g, w2g))
 
 
-def _capture_on():
-    from relaymoe import options
-
-    return options.installed(options.defaults().replace(capture_hops=True))
-
-
-def _cache():
-    from relaymoe.ring import hop_graphs
-
-    return hop_graphs.caches()[("cuda_graph", torch.device("cuda", 0))]
+def _cache(runtime):
+    """``runtime``'s recorded hops on the GPU (``RingRuntime.hop_graphs``: CUDA graphs, device
+    0)."""
+    return runtime.hop_graphs[("cuda_graph", torch.device("cuda", 0))]
 
 
-def _steady(mode, inputs, leaves):
-    """Captured steps of ``leaves`` (results dropped) until one records no entry: every bound
-    tensor then sits where it sat the step before, so steps of the same shapes replay. Bounded:
-    each hop records at most ``max_variants`` entries of bound addresses and one copied entry.
-    Returns the cache."""
-    _step(mode, inputs, leaves=leaves)
-    cache = _cache()
+def _steady(mode, inputs, leaves, runtime):
+    """Captured steps of ``leaves`` on ``runtime`` (results dropped) until one records no entry:
+    every bound tensor then sits where it sat the step before, so steps of the same shapes
+    replay. Bounded: each hop records at most ``max_variants`` entries of bound addresses and
+    one copied entry. Returns the cache."""
+    _step(mode, inputs, runtime, capture=True, leaves=leaves)
+    cache = _cache(runtime)
     n = len(cache.entries)
     for _ in range(len(cache.variants) * cache.max_variants + 2):
-        _step(mode, inputs, leaves=leaves)
+        _step(mode, inputs, runtime, capture=True, leaves=leaves)
         if len(cache.entries) == n:
             return cache
         n = len(cache.entries)
@@ -102,18 +108,19 @@ def _same(want, have, what):
 @pytest.mark.parametrize("mode", ["expert", "token"])
 def test_replayed_hops_equal_eager_bitwise_for_two_routings(mode):
     steps = [_inputs(0, 1), _inputs(0, 2)]  # same tokens and weights, another routing
-    eager = [_step(mode, s) for s in steps]
-    eager.append(_step(mode, steps[0]))
+    rt = _runtime()
+    eager = [_step(mode, s, rt) for s in steps]
+    eager.append(_step(mode, steps[0], rt))
     for a, b in zip(eager[0], eager[2], strict=True):  # the eager ring is deterministic
         assert torch.equal(a, b)
     assert not torch.equal(eager[0][0], eager[1][0])
-    with _capture_on():
-        got = [_step(mode, s) for s in steps]
-        cache = _cache()
-        hops = len(cache.variants)
-        assert hops == 2  # a forward and a backward hop (world of one)
-        got.append(_step(mode, steps[0]))  # replayed again: the first routing once more
-        assert len(cache.variants) == hops  # no new hop (an entry per set of bound addresses)
+    assert not rt.hop_graphs  # eager steps record nothing
+    got = [_step(mode, s, rt, capture=True) for s in steps]
+    cache = _cache(rt)
+    hops = len(cache.variants)
+    assert hops == 2  # a forward and a backward hop (world of one)
+    got.append(_step(mode, steps[0], rt, capture=True))  # replayed: the first routing once more
+    assert len(cache.variants) == hops  # no new hop (an entry per set of bound addresses)
     for step, (want, have) in enumerate(zip([eager[0], eager[1], eager[0]], got, strict=True)):
         _same(want, have, f"{mode} step {step}")
 
@@ -132,21 +139,21 @@ def test_weights_updated_in_place_between_replays_equal_eager(mode):
             leaves[1].add_(deltas[0])
             leaves[2].add_(deltas[1])
 
+    rt = _runtime()
     kept = _leaves(first)
-    want1 = _step(mode, first, leaves=kept)
+    want1 = _step(mode, first, rt, leaves=kept)
     update(kept)
-    want2 = _step(mode, second, leaves=kept)
+    want2 = _step(mode, second, rt, leaves=kept)
     assert not torch.equal(want1[0], want2[0])
-    with _capture_on():
-        kept = _leaves(first)
-        cache = _steady(mode, first, kept)
-        n = len(cache.entries)
-        ptrs = [t.data_ptr() for t in kept]
-        got1 = _step(mode, first, leaves=kept)
-        update(kept)
-        got2 = _step(mode, second, leaves=kept)
-        assert [t.data_ptr() for t in kept] == ptrs
-        assert len(cache.entries) == n  # both steps replayed: nothing recorded after the update
+    kept = _leaves(first)
+    cache = _steady(mode, first, kept, rt)
+    n = len(cache.entries)
+    ptrs = [t.data_ptr() for t in kept]
+    got1 = _step(mode, first, rt, capture=True, leaves=kept)
+    update(kept)
+    got2 = _step(mode, second, rt, capture=True, leaves=kept)
+    assert [t.data_ptr() for t in kept] == ptrs
+    assert len(cache.entries) == n  # both steps replayed: nothing recorded after the update
     _same(want1, got1, f"{mode} before the update")
     _same(want2, got2, f"{mode} after the in-place update")
 
@@ -159,14 +166,13 @@ def test_static_buffers_exclude_the_weights(mode):
     from relaymoe.ring.hop_graphs import BOUND
 
     inputs = _inputs(0, 8)
-    with _capture_on():
-        cache = _steady(mode, inputs, _leaves(inputs))
-        names = {k[0] for k in cache.buffers}
-        assert not names & BOUND, sorted(names)
-        d = cost.Dims(T=T, H=H, I=I, El=E, K=K, R=1, b=2, pb=4)
-        assert cache.static_bytes() == cost.captured_hop_bytes(mode, d)
-        weights = inputs[1].nbytes + inputs[2].nbytes
-        assert cache.static_bytes() < weights // 10, (cache.static_bytes(), weights)
+    cache = _steady(mode, inputs, _leaves(inputs), _runtime())
+    names = {k[0] for k in cache.buffers}
+    assert not names & BOUND, sorted(names)
+    d = cost.Dims(T=T, H=H, I=I, El=E, K=K, R=1, b=2, pb=4)
+    assert cache.static_bytes() == cost.captured_hop_bytes(mode, d)
+    weights = inputs[1].nbytes + inputs[2].nbytes
+    assert cache.static_bytes() < weights // 10, (cache.static_bytes(), weights)
 
 
 @pytest.mark.parametrize("mode", ["expert", "token"])
@@ -176,15 +182,15 @@ def test_replayed_step_adds_no_host_sync(mode):
     weights are kept across steps (a model's) and the recorded hops steady first, so the
     checked step replays: a recording synchronises."""
     first, second = _inputs(0, 3), _inputs(0, 4)
-    _step(mode, first)  # the trusted agreement of this signature (one host sync), cached
+    rt = _runtime()
+    _step(mode, first, rt)  # the trusted agreement of this signature (one host sync), kept in rt
     try:
-        _step(mode, first, sync_check=True)
+        _step(mode, first, rt, sync_check=True)
     except RuntimeError as err:
         pytest.skip(f"the eager trusted step already syncs the host: {err}")
-    with _capture_on():
-        kept = _leaves(first)
-        _steady(mode, first, kept)  # records the graphs (recording itself synchronises)
-        _step(mode, second, leaves=kept, sync_check=True)
+    kept = _leaves(first)
+    _steady(mode, first, kept, rt)  # records the graphs (recording itself synchronises)
+    _step(mode, second, rt, capture=True, leaves=kept, sync_check=True)
 
 
 LAYERS = 10  # more than the cache's variant cap once was (8)
@@ -196,29 +202,31 @@ def test_layers_reach_a_steady_replay_equal_to_eager(mode):
     """A model of ``LAYERS`` MoE layers, each with its own experts, trained ``STEPS`` steps (an
     in-place SGD update of every layer's weights after each): every layer of every step equals
     eager bitwise; the recorded entries stop growing once the steps' allocations repeat (the
-    last step records nothing) and no layer's weights fall back to copies."""
+    last step records nothing) and no layer's weights fall back to copies. The layers share one
+    runtime (as layers handed one ``runtime=`` do): its one cache holds every layer's
+    entries."""
     layers = [_inputs(10 + j, 50 + j) for j in range(LAYERS)]
 
     def train(capture: bool):
+        rt = _runtime()
         kept = [_leaves(inp) for inp in layers]
         got, counts = [], []
         for _ in range(STEPS):
             step = []
             for inp, leaves in zip(layers, kept, strict=True):
-                res = _step(mode, inp, leaves=leaves)
+                res = _step(mode, inp, rt, capture=capture, leaves=leaves)
                 with torch.no_grad():  # the weights' gradients: res[3], res[4] (host copies)
                     leaves[1].sub_(1e-2 * res[3].to(leaves[1].device))
                     leaves[2].sub_(1e-2 * res[4].to(leaves[2].device))
                 step.append(res)
             got.append(step)
             if capture:
-                counts.append(len(_cache().entries))
-        return got, counts
+                counts.append(len(_cache(rt).entries))
+        names = {k[0] for k in _cache(rt).buffers} if capture else set()
+        return got, counts, names
 
-    want, _ = train(False)
-    with _capture_on():
-        have, counts = train(True)
-        names = {k[0] for k in _cache().buffers}
+    want, _, _ = train(False)
+    have, counts, names = train(True)
     for s in range(STEPS):
         for j in range(LAYERS):
             _same(want[s][j], have[s][j], f"{mode} step {s} layer {j}")
