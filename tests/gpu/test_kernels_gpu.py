@@ -3,7 +3,8 @@
 Skipped without CUDA; run by ``scripts/gpu_suite.sh``. bf16 relative-error bound 1e-2
 (CONTRIBUTING.md); outputs poisoned (NaN) where the kernels write them.
 
-Every test pins each kernel's first config (``RELAYMOE_AUTOTUNE=0``): correctness does not
+Every test pins each kernel's first config (``RELAYMOE_AUTOTUNE=0``, read by ``use_env`` into
+the ``KernelOptions`` the test passes as ``kernels=``): correctness does not
 depend on the config, and autotuning compiles and times every config of every kernel per shape
 key (on 2026-11-30 the file then overran its limit). The autotuned path, with its own hazard
 (kernels that write in place re-run per config), is checked where it runs: ``bench_experts.py``
@@ -58,11 +59,11 @@ def _run(fn, x, w13, w2, idx, probs, dy, dtype):
     return [y.detach()] + [v.grad for v in ins]
 
 
-def _assert_bf16_matches_oracle(x, w13, w2, idx, probs, recompute):
-    """moe_experts (Triton, bf16) within BF16_BOUND of the float64 oracle in the output and
-    every gradient; returns its (out, dx, dw13, dw2, dprobs)."""
+def _assert_bf16_matches_oracle(x, w13, w2, idx, probs, recompute, kernels):
+    """moe_experts (Triton, bf16, ``kernels``: a ``KernelOptions``) within BF16_BOUND of the
+    float64 oracle in the output and every gradient; returns its (out, dx, dw13, dw2, dprobs)."""
     dy = torch.randn_like(x)
-    got = _run(lambda *a: moe_experts(*a, recompute=recompute, backend="triton"),
+    got = _run(lambda *a: moe_experts(*a, recompute=recompute, backend="triton", kernels=kernels),
                x, w13, w2, idx, probs, dy, torch.bfloat16)  # fmt: skip
     ref = _run(moe_experts_reference, x, w13, w2, idx, probs, dy, torch.float64)
     for name, a, b in zip(("out", "dx", "dw13", "dw2", "dprobs"), got, ref, strict=True):
@@ -73,25 +74,26 @@ def _assert_bf16_matches_oracle(x, w13, w2, idx, probs, recompute):
 @pytest.mark.parametrize("recompute", ["act", "fc1"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_bf16_matches_float64_oracle(case, recompute, monkeypatch):
-    use_env(monkeypatch, RELAYMOE_AUTOTUNE="0")
-    got = _assert_bf16_matches_oracle(*_problem(*case, seed=sum(case[:5])), recompute)
+    kernels = use_env(monkeypatch, RELAYMOE_AUTOTUNE="0").kernels
+    got = _assert_bf16_matches_oracle(*_problem(*case, seed=sum(case[:5])), recompute, kernels)
     if case[-1] == "empty":
         assert torch.equal(got[2][-1], torch.zeros_like(got[2][-1]))
         assert torch.equal(got[3][-1], torch.zeros_like(got[3][-1]))
 
 
 def test_ranges_sum_to_full_and_are_deterministic(monkeypatch):
-    use_env(monkeypatch, RELAYMOE_AUTOTUNE="0")
+    k_opts = use_env(monkeypatch, RELAYMOE_AUTOTUNE="0").kernels
     t, h, i, e, k = 2048, 1024, 512, 32, 4
     x, w13, w2, idx, probs = _problem(t, h, i, e, k, "skewed", seed=7)
     x, w13, w2, probs = (v.to(torch.bfloat16) for v in (x, w13, w2, probs))
     index = build_routing_index(idx, e)
     dy = torch.randn_like(x)
-    full_out, full_h = expert_hop_forward(x, w13, w2, probs, index, backend="triton")
-    again_out, again_h = expert_hop_forward(x, w13, w2, probs, index, backend="triton")
+    tri = {"backend": "triton", "kernels": k_opts}
+    full_out, full_h = expert_hop_forward(x, w13, w2, probs, index, **tri)
+    again_out, again_h = expert_hop_forward(x, w13, w2, probs, index, **tri)
     assert torch.equal(full_out, again_out) and torch.equal(full_h, again_h)
-    full = expert_hop_backward(dy, x, w13, w2, probs, index, saved_h=full_h, backend="triton")
-    again = expert_hop_backward(dy, x, w13, w2, probs, index, saved_h=full_h, backend="triton")
+    full = expert_hop_backward(dy, x, w13, w2, probs, index, saved_h=full_h, **tri)
+    again = expert_hop_backward(dy, x, w13, w2, probs, index, saved_h=full_h, **tri)
     for a, b in zip(full, again, strict=True):
         assert torch.equal(a, b)
     out = torch.zeros_like(x)
@@ -100,7 +102,7 @@ def test_ranges_sum_to_full_and_are_deterministic(monkeypatch):
     dw2 = torch.full_like(w2, float("nan"))
     for e0, e1 in [(0, 5), (5, 5), (5, 31), (31, 32)]:
         part = (w13[e0:e1], w2[e0:e1], probs, index)  # the range's weights, then the routing
-        kw = {"expert_range": (e0, e1), "backend": "triton"}
+        kw = {"expert_range": (e0, e1), **tri}
         _, h_part = expert_hop_forward(x, *part, out_TH=out, **kw)
         d = expert_hop_backward(dy, x, *part, saved_h=h_part, dx_TH=dx, dprobs_TK=dp, **kw)
         dw13[e0:e1], dw2[e0:e1] = d[2], d[3]
@@ -122,23 +124,20 @@ def test_backend_switches_match_oracle(dense, chunk_mib, wgrad, tma, monkeypatch
     by torch._grouped_mm over gathered column chunks, up_swiglu's weight tiles by TMA) against
     float64 at the qwen3 widths, with pinned configs: each variant autotuned would tune new shape
     keys."""
-    use_env(monkeypatch, RELAYMOE_AUTOTUNE="0")
-    use_env(monkeypatch, RELAYMOE_TMA=tma)
-    use_env(monkeypatch, RELAYMOE_WGRAD=wgrad)
-    use_env(monkeypatch, RELAYMOE_DENSE_GEMM=dense)
-    use_env(monkeypatch, RELAYMOE_PAIR_BUFFER_MIB=chunk_mib)
+    kernels = use_env(monkeypatch, RELAYMOE_AUTOTUNE="0", RELAYMOE_TMA=tma, RELAYMOE_WGRAD=wgrad,
+                      RELAYMOE_DENSE_GEMM=dense,
+                      RELAYMOE_PAIR_BUFFER_MIB=chunk_mib).kernels  # fmt: skip
     case = (4096, 2048, 768, 128, 8, "skewed")
-    _assert_bf16_matches_oracle(*_problem(*case, seed=99), recompute="act")
+    _assert_bf16_matches_oracle(*_problem(*case, seed=99), recompute="act", kernels=kernels)
 
 
 @pytest.mark.parametrize("recompute", ["act", "fc1"])
 def test_rows_gather_copy_matches_oracle(recompute, monkeypatch):
     """RELAYMOE_ROWS_GATHER=copy (x and dy gathered into one copy, torch._grouped_mm, the
     separate SwiGLU pass) against float64 at the qwen3 widths, bf16."""
-    use_env(monkeypatch, RELAYMOE_AUTOTUNE="0")
-    use_env(monkeypatch, RELAYMOE_ROWS_GATHER="copy")
+    kernels = use_env(monkeypatch, RELAYMOE_AUTOTUNE="0", RELAYMOE_ROWS_GATHER="copy").kernels
     case = (4096, 2048, 768, 128, 8, "skewed")
-    _assert_bf16_matches_oracle(*_problem(*case, seed=98), recompute=recompute)
+    _assert_bf16_matches_oracle(*_problem(*case, seed=98), recompute=recompute, kernels=kernels)
 
 
 @pytest.mark.parametrize("num_experts", [6, 128])  # the one-hot and the pairwise tile rank
