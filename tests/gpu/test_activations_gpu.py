@@ -99,11 +99,11 @@ COMBOS = [(name, bias) for name in EXPERT_ACTIVATIONS for bias in BIASES]
 def test_bf16_matches_float64_oracle(name, bias, gluon, monkeypatch):
     """Each activation x bias, with ``gather_ws`` on (default) and off; the recompute mode
     alternates between the combos."""
-    use_env(monkeypatch, RELAYMOE_AUTOTUNE="0")
+    config = use_env(monkeypatch, RELAYMOE_AUTOTUNE="0")
     i = COMBOS.index((name, bias))
     pb = _problem(name, bias, seed=300 + i)
-    _assert_matches_oracle(pb, recompute="act" if i % 2 else "fc1",
-                           kernels=KernelOptions(gather_ws=gluon))  # fmt: skip
+    kernels = config.replace(kernels={"gather_ws": gluon}).kernels
+    _assert_matches_oracle(pb, recompute="act" if i % 2 else "fc1", kernels=kernels)
 
 
 @pytest.mark.parametrize("recompute", ["act", "fc1"])
@@ -111,9 +111,10 @@ def test_bf16_matches_float64_oracle(name, bias, gluon, monkeypatch):
 def test_rows_gather_copy_matches_oracle(name, recompute, monkeypatch):
     """h made by ``torch._grouped_mm`` over one gathered copy, the fc1 bias and the activation
     in the memory pass (in the forward and the fc1 recompute), both biases given."""
-    use_env(monkeypatch, RELAYMOE_AUTOTUNE="0")
+    config = use_env(monkeypatch, RELAYMOE_AUTOTUNE="0")
     pb = _problem(name, "both", seed=400 + len(name))
-    _assert_matches_oracle(pb, recompute=recompute, kernels=KernelOptions(rows_gather="copy"))
+    kernels = config.replace(kernels={"rows_gather": "copy"}).kernels
+    _assert_matches_oracle(pb, recompute=recompute, kernels=kernels)
 
 
 def test_gluon_up_projection_takes_swiglu_without_bias_only():

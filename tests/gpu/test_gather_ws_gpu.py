@@ -101,7 +101,7 @@ def test_grouped_dispatch_and_triton_agree(monkeypatch):
 
     t, i, k = QWEN[0], QWEN[2], QWEN[4]
     x, w13, index, offs = _qwen_up_problem(seed=6)
-    use_env(monkeypatch, RELAYMOE_GATHER_WS=None)
+    assert use_env(monkeypatch, RELAYMOE_GATHER_WS=None).kernels == KernelOptions()
     assert select.gather_ws_for("up_swiglu", x, w13, k=KernelOptions()) is gather_ws
     h32 = torch.empty(t * k, 2 * i, device="cuda")  # an fp32 output: the Triton kernel's
     assert select.gather_ws_for("up_swiglu", x, w13, h32, None, k=KernelOptions()) is None
@@ -112,9 +112,10 @@ def test_grouped_dispatch_and_triton_agree(monkeypatch):
     monkeypatch.setattr(select, "GATHER_WS_UNBUILT", {})
     outs = {}
     for mode in ("auto", "0"):
-        use_env(monkeypatch, RELAYMOE_GATHER_WS=mode)
+        kernels = use_env(monkeypatch, RELAYMOE_GATHER_WS=mode).kernels
         out = torch.full((t * k, 2 * i), float("nan"), device="cuda", dtype=torch.bfloat16)
-        grouped.up_swiglu(x, w13, index.expert_token_indices, offs, None, out, None)
+        grouped.up_swiglu(x, w13, index.expert_token_indices, offs, None, out, None,
+                          kernels=kernels)  # fmt: skip
         outs[mode] = out
     assert select.gather_ws_for("up_swiglu", x, w13, k=KernelOptions()) is None
     assert torch.equal(outs["auto"], outs["0"])

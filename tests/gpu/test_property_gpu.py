@@ -4,8 +4,8 @@ kernels), the ring on one GPU and, with two GPUs, over NCCL. Each case matches t
 oracle within its dtype's bound or raises a ``ValueError`` from relaymoe.
 
 Skipped without CUDA; run by ``scripts/gpu_suite.sh``. Kernels pinned to their first config
-(``RELAYMOE_AUTOTUNE=0``): correctness does not depend on it, and tuning every shape would
-compile for minutes.
+(``RELAYMOE_AUTOTUNE=0``, read into the ``KernelOptions`` every case is passed): correctness
+does not depend on it, and tuning every shape would compile for minutes.
 """
 
 from __future__ import annotations
@@ -24,9 +24,18 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _first_config(monkeypatch):
-    use_env(monkeypatch, RELAYMOE_AUTOTUNE="0")
+@pytest.fixture
+def first_config(monkeypatch):
+    """The ``KernelOptions`` of ``RELAYMOE_AUTOTUNE=0``: each kernel's first config."""
+    return use_env(monkeypatch, RELAYMOE_AUTOTUNE="0").kernels
+
+
+def _first_config_kernels():
+    """The same, in a spawned rank (no fixture there): what the environment's entry point would
+    hand down with ``RELAYMOE_AUTOTUNE=0``."""
+    from relaymoe.options import from_env
+
+    return from_env({"RELAYMOE_AUTOTUNE": "0"}).kernels
 
 
 def _tally(results) -> collections.Counter:
@@ -34,9 +43,10 @@ def _tally(results) -> collections.Counter:
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_moe_experts_cuda(backend):
+def test_moe_experts_cuda(backend, first_config):
     n = 200
-    tally = _tally(P.run_moe_case(c, "cuda") for c in P.moe_cases(n, seed=21, backends=(backend,)))
+    cases = P.moe_cases(n, seed=21, backends=(backend,))
+    tally = _tally(P.run_moe_case(c, "cuda", kernels=first_config) for c in cases)
     assert tally["valid"] >= n // 3 and tally["refused"] >= n // 20, tally
 
 
@@ -47,16 +57,19 @@ def test_linear_cross_entropy_cuda(impl):
     assert tally["valid"] >= n // 2 and tally["refused"] >= n // 20, tally
 
 
-def test_ring_moe_one_gpu():
+def test_ring_moe_one_gpu(first_config):
     n = 40
     cases = P.ring_cases(n, seed=23, world=1, backends=("auto", "triton"))
-    tally = _tally(P.run_ring_case(c, 0, 1, None, device="cuda") for c in cases)
+    tally = _tally(P.run_ring_case(c, 0, 1, None, device="cuda", kernels=first_config)
+                   for c in cases)  # fmt: skip
     assert tally["valid"] >= n // 3, tally
 
 
 def _ring_nccl(rank, world, group):
     cases = P.ring_cases(24, seed=24, world=world, backends=("auto", "triton"))
-    tally = _tally(P.run_ring_case(c, rank, world, group, device=f"cuda:{rank}") for c in cases)
+    kernels = _first_config_kernels()
+    tally = _tally(P.run_ring_case(c, rank, world, group, device=f"cuda:{rank}", kernels=kernels)
+                   for c in cases)  # fmt: skip
     assert tally["valid"] >= len(cases) // 3, tally
 
 

@@ -224,9 +224,10 @@ def moe_expect_valid(c: MoECase, t: dict, other: torch.Tensor) -> bool:
     return not (c.index == "other" and not torch.equal(other, t["idx"].long()))
 
 
-def run_moe_case(c: MoECase, device="cpu") -> str:
+def run_moe_case(c: MoECase, device="cpu", kernels=None) -> str:
     """Run one case; returns ``"valid"`` or ``"refused"``; raises AssertionError naming the case
-    when the rule is broken."""
+    when the rule is broken. ``kernels``: ``moe_experts``' (a ``KernelOptions``; None: the
+    defaults)."""
     from relaymoe.experts import moe_experts
     from relaymoe.routing import build_routing_index
 
@@ -238,7 +239,7 @@ def run_moe_case(c: MoECase, device="cpu") -> str:
     ws2 = [leaf(w) for w in w2.detach().unbind(0)] if c.listed else w2
     out = t["out"] if (c.with_out and c.dtype in FLOATS) else None
     out0 = out.detach().double().clone() if out is not None else None
-    kw = dict(recompute=c.recompute, backend=c.backend, out=out)
+    kw = dict(recompute=c.recompute, backend=c.backend, out=out, kernels=kernels)
 
     def call():
         if c.index == "same":
@@ -502,8 +503,9 @@ def ring_expect_valid(c: RingCase) -> bool:
     return not (c.backend == "triton" and c.dtype == torch.float64)
 
 
-def run_ring_case(c: RingCase, rank: int, world: int, group, device="cpu") -> str:
-    """One rank's share of a ring case (every rank of ``group`` runs it)."""
+def run_ring_case(c: RingCase, rank: int, world: int, group, device="cpu", kernels=None) -> str:
+    """One rank's share of a ring case (every rank of ``group`` runs it). ``kernels``:
+    ``ring_moe``'s (a ``KernelOptions``; None: the defaults)."""
     from relaymoe.ring import ring_moe
 
     E, total = c.El * world, sum(c.tokens)
@@ -530,7 +532,7 @@ def run_ring_case(c: RingCase, rank: int, world: int, group, device="cpu") -> st
 
     def call():
         y = ring_moe(xl, ws13, ws2, mine["idx"], pl, group=group, mode=c.mode,
-                     backend=c.backend)  # fmt: skip
+                     backend=c.backend, kernels=kernels)  # fmt: skip
         y.backward(mine["dy"].to(y.dtype))
         return y
 
