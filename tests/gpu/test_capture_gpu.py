@@ -38,13 +38,14 @@ def _inputs(seed, route="uniform"):
     )  # fmt: skip
 
 
-def _step(t):
-    """Output and the gradients of x, probs, w13, w2 (fresh tensors: autograd.grad)."""
+def _step(t, runtime):
+    """Output and the gradients of x, probs, w13, w2 (fresh tensors: autograd.grad), on
+    ``runtime`` (the captured call finds the agreement its eager warm-up made there)."""
     from relaymoe.ring import ring_moe
 
     leaves = [t[k].requires_grad_() for k in ("x", "probs", "w13", "w2")]
     out = ring_moe(t["x"], t["w13"], t["w2"], t["idx"], t["probs"], trusted=True,
-                   capturable=True)  # fmt: skip
+                   capturable=True, runtime=runtime)  # fmt: skip
     grads = torch.autograd.grad(out, leaves, t["dy"])
     return (out.detach(), *grads)
 
@@ -54,17 +55,20 @@ def _static(t):
 
 
 def test_ring_moe_captured_replays_equal_eager_and_the_oracle():
+    from relaymoe.ring import RingRuntime
+
+    rt = RingRuntime()  # every call's, eager and captured
     _, first = _inputs(0)
     static = _static(first)
-    _step(_static(first))  # the eager call that agrees (and compiles the kernels)
+    _step(_static(first), rt)  # the eager call that agrees (and compiles the kernels)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        _step(static)  # warm-up on the capture's stream, as torch recommends
+        _step(static, rt)  # warm-up on the capture's stream, as torch recommends
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = _step(static)
+        captured = _step(static, rt)
     names = ("out", "dx", "dprobs", "dw13", "dw2")
     for step in range(20):
         route = "one" if step == 19 else "uniform"  # the last: every token's first pick is E-1
@@ -72,7 +76,7 @@ def test_ring_moe_captured_replays_equal_eager_and_the_oracle():
         for k, v in t.items():
             static[k].copy_(v)
         graph.replay()
-        eager = _step(_static(t))
+        eager = _step(_static(t), rt)
         torch.cuda.synchronize()
         for name, a, b in zip(names, captured, eager, strict=True):
             assert torch.equal(a, b), f"step {step} ({route}): captured {name} != eager"
