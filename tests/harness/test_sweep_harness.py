@@ -21,7 +21,7 @@ def test_sweep_rows_cover_every_variant_and_agree(monkeypatch):
     monkeypatch.setattr(sweep_kernels, "bench_ms", lambda fn, **_: (fn(), 1.0)[1])
     # 256-column chunks: two for H=264, the second 8 columns wide (H just past one chunk: the
     # interpreter's time grows with H's tiles)
-    use_env(monkeypatch, RELAYMOE_PAIR_BUFFER_MIB="0")
+    kernels = use_env(monkeypatch, RELAYMOE_PAIR_BUFFER_MIB="0").kernels
     # two configurations (the kernels' own tile edges are tested in tests/lib/test_kernels.py):
     # tiles as large as still cross the edges of H (264 = 8*32 + 8 = 4*64 + 8) or I (24)
     cfgs = [
@@ -29,7 +29,7 @@ def test_sweep_rows_cover_every_variant_and_agree(monkeypatch):
         {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 16, "num_warps": 4, "num_stages": 2},
     ]
     rows = sweep_kernels.sweep("tiny", cfgs, dims=(37, 5, 2, 264, 24), device="cpu",
-                               dtype=torch.float32)  # fmt: skip
+                               dtype=torch.float32, kernels=kernels)  # fmt: skip
     assert not [r for r in rows if "error" in r]
     seen = {(r["kernel"], r["variant"]) for r in rows}
     variants = (
