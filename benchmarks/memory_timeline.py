@@ -130,15 +130,21 @@ def main(argv=None) -> int:
     for prov in args.providers.split(","):
         try:
             if prov == "relaymoe_ring":
-                from relaymoe import ring_moe
+                from benchmarks import ENV_CONFIG
+                from relaymoe.ring import RingRuntime, ring_moe
 
                 xs = x.detach().requires_grad_()
                 w13p = w13.detach().requires_grad_()
                 w2p = w2.detach().requires_grad_()
                 pr = probs.detach().requires_grad_()
+                # one runtime for every step, as a dispatcher keeps one (transport "auto" then
+                # takes the copy engines within a node, their workspace kept across steps)
+                runtime = RingRuntime(group)
 
-                def fwd(xs=xs, w13p=w13p, w2p=w2p, pr=pr):
-                    return ring_moe(xs, w13p, w2p, idx, pr, group=group)
+                def fwd(xs=xs, w13p=w13p, w2p=w2p, pr=pr, runtime=runtime):
+                    return ring_moe(
+                        xs, w13p, w2p, idx, pr, group=group, config=ENV_CONFIG, runtime=runtime
+                    )
 
             elif prov == "mcore_alltoall":
                 layer = build_mcore_alltoall(shape, world)

@@ -25,7 +25,6 @@ import torch  # noqa: E402
 
 from benchmarks.common import JsonlWriter, environment  # noqa: E402
 from benchmarks.lab import hop_cost, hop_library  # noqa: E402
-from relaymoe.ring import hop_graphs  # noqa: E402
 
 BINS = ((0, 2), (2, 5), (5, 20), (20, 100), (100, float("inf")))
 
@@ -90,8 +89,7 @@ def main(argv=None) -> int:
     writer = JsonlWriter(a.out or f"benchmarks/results/chain_gaps_{env['date']}.jsonl", env=env)
     group = hop_cost._init_group()
     for case in hop_cost.cases(a):
-        hop_graphs.forget()
-        ring = hop_cost.Ring(case, group=group)
+        ring = hop_cost.Ring(case, group=group)  # its own runtime: no case's hops in another's
         run = partial(ring.run, a.direction)
         with hop_library.capturing(ring) if not a.eager else contextlib.nullcontext():
             run()

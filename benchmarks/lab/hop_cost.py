@@ -1,6 +1,6 @@
 """One ring pass's hop bodies on one GPU, the transfer left out: what a hop costs the host and
 the GPU, so the gain of cheaper hops (CUDA graphs, fused prologues) is known before two GPUs are
-lent (issue #34 item 5).
+lent.
 
     python benchmarks/lab/hop_cost.py [--quick] [--captured] [--library] [--out PATH.jsonl]
         [--dry-run] [--ep 2 8 64] [--tokens 4096 8192 32768] [--modes expert token] [--passes 5]
@@ -10,8 +10,10 @@ Rank 0 of an EP-rank ring, emulated in one process: the library's own passes
 (``expert_mode.expert_forward``/``expert_backward``, ``token_mode.token_forward``/
 ``token_backward``) run through the real executor (``executor.relay``: slots, the communication
 stream, the trail scratch adds, the bounded-wait bookkeeping) with a transport that moves
-nothing (``passes.transport_of`` patched for the pass). Each hop computes what rank 0's hop
-computes at that EP: its tokens against the visiting slice of E/EP experts (expert mode, one
+nothing (``passes.transport_of`` patched for the pass), the passes' state in one
+``RingRuntime`` per case (their ``RingCall`` made of the case's ``RingConfig``: the
+environment's, ``benchmarks.ENV_CONFIG``). Each hop computes what rank 0's hop computes at that
+EP: its tokens against the visiting slice of E/EP experts (expert mode, one
 routing index over all E experts, the pairs routed to that slice), or a visiting partition of T
 tokens against rank 0's own E/EP experts (token mode, the partition's routing index built in the
 hop; backward reuses it), with the pair buffers sized as the trusted ring sizes them (the bound
@@ -95,19 +97,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks import ENV_CONFIG  # noqa: E402
 from benchmarks.common import JsonlWriter, busy_us, environment, print_table  # noqa: E402
 from benchmarks.lab import hop_library  # noqa: E402
 from relaymoe.activation import SWIGLU  # noqa: E402
 from relaymoe.cost import grad_accum_bytes  # noqa: E402
 from relaymoe.experts import expert_hop_backward, expert_hop_forward  # noqa: E402
-from relaymoe.kernels.select import kernel_options  # noqa: E402
-from relaymoe.options import defaults  # noqa: E402
-from relaymoe.ring import executor, hop_graphs, passes  # noqa: E402
+from relaymoe.options import RingConfig  # noqa: E402
+from relaymoe.ring import executor, passes  # noqa: E402
 from relaymoe.ring.agree import _bounded, _pairs_per_owner  # noqa: E402
 from relaymoe.ring.expert_mode import expert_backward, expert_forward  # noqa: E402
 from relaymoe.ring.passes import (  # noqa: E402
     IDX,
-    Hop,
     bias_grads,
     expert_plans,
     mlp,
@@ -117,6 +118,7 @@ from relaymoe.ring.passes import (  # noqa: E402
     weights_layout,
 )
 from relaymoe.ring.problem import RingProblem  # noqa: E402
+from relaymoe.ring.runtime import Hop, RingCall, RingRuntime  # noqa: E402
 from relaymoe.ring.token_mode import token_backward, token_forward  # noqa: E402
 from relaymoe.ring.transport import Transport  # noqa: E402
 from relaymoe.ring.weights import FORWARD, LocalExperts  # noqa: E402
@@ -195,17 +197,17 @@ def expert_slice(data: dict, case: Case, p: int) -> dict:
     return {"w13": data["w13"][s], "w2": data["w2"][s]}
 
 
-def problem(case: Case, data: dict | None) -> RingProblem:
+def problem(case: Case, data: dict | None, config: RingConfig = ENV_CONFIG) -> RingProblem:
     """Rank 0's agreed problem of an EP-rank ring (``agree.py``'s result for a trusted call):
-    pair buffers from the bound under ``pair_buffer_mib``, else the exact counts (``data``
-    None: the problem before that choice, pairs None, for the plan)."""
+    pair buffers from the bound under ``config.kernels.pair_buffer_mib``, else the exact counts
+    (``data`` None: the problem before that choice, pairs None, for the plan)."""
     R, dt = case.ep, case.dtype
     grad = torch.float32 if grad_accum_bytes("auto", R, dt) > dt.itemsize else dt
     prob = RingProblem(
         rank=0, world_size=R, num_local_experts=case.El, hidden=case.H, ffn=case.I,
         topk=case.K, dtype=dt, prob_dtype=dt, tokens=(case.tokens,) * R, mode=case.mode,
         transport="nccl", needs_grad=True, pairs=None, grad_dtype=grad,
-        pair_buffer_mib=defaults().kernels.pair_buffer_mib, activation=SWIGLU,
+        pair_buffer_mib=config.kernels.pair_buffer_mib, activation=SWIGLU,
     )  # fmt: skip
     if data is None or _bounded(prob):
         return prob
@@ -255,8 +257,9 @@ class Emulated(Transport):
         self._slots: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def watch_view(self) -> dict:
-        if isinstance(self.group, str):  # no process group: PeerWatch without one
-            return {"rank": 0, "ranks": tuple(range(self.plan.world_size)), "timeout_s": 60.0}
+        if isinstance(self.group, str):  # no process group: PeerWatch without one (the call's
+            # timeout is set then: Ring)
+            return {"rank": 0, "ranks": tuple(range(self.plan.world_size))}
         return {}
 
     def slots(self, capacity, device):
@@ -350,14 +353,24 @@ class _Span:
 # ---------------------------------------------------------------------------------------------
 class Ring:
     """Rank 0's forward and backward pass of one case, through the library's pass functions;
-    ``check=True``: distinct token partitions and the loopback transport (the CPU check)."""
+    ``check=True``: distinct token partitions and the loopback transport (the CPU check).
 
-    def __init__(self, case: Case, *, group=None, check: bool = False, seed: int = 0):
+    ``config``: the case's options (default the environment's, ``benchmarks.ENV_CONFIG``);
+    ``runtime``: the case's ``RingRuntime`` (its recorded hops, streams, lag watch: a fresh one
+    per ring, so no case's recorded hops or static buffers count in another's); ``call``: the
+    ``RingCall`` its passes get, rebuilt when ``how`` (its ``Hop``) is set."""
+
+    def __init__(self, case: Case, *, group=None, check: bool = False, seed: int = 0,
+                 config: RingConfig = ENV_CONFIG):  # fmt: skip
         self.case, self.check = case, check
         self.dev = torch.device(case.device)
+        if group is None and config.timeout_s is None:  # no group to take a timeout from
+            config = config.replace(timeout_s=60.0)
+        self.group, self.config = group, config
+        self.runtime = RingRuntime(group)
         self.data = make_data(case, distinct=check, seed=seed)
-        self.prob = prob = problem(case, self.data)
-        self.how = Hop(case.backend, kernel_options(None))
+        self.prob = prob = problem(case, self.data, config)
+        self.how = Hop(case.backend, config.kernels)
         own = expert_slice(self.data, case, 0)
         self.experts = LocalExperts(own["w13"], own["w2"])
         self.mine = part_of(self.data, 0)
@@ -377,31 +390,39 @@ class Ring:
             self.index = build_routing_index(self.mine["idx"], case.E, validate=False)
         self.indices = None  # token mode: each visiting partition's, from a forward
 
+    @property
+    def how(self) -> Hop:
+        """How the passes' hops compute (``hop_library.capturing`` sets ``capture``)."""
+        return self.call.hop
+
+    @how.setter
+    def how(self, hop: Hop) -> None:
+        self.call = RingCall.of(self.group, self.runtime, hop, self.config)
+
     @contextlib.contextmanager
     def _transport(self, direction: str):
         tr = self.transports[direction]
-        with mock.patch.object(passes, "transport_of", lambda prob, group: tr):
+        with mock.patch.object(passes, "transport_of", lambda prob, call: tr):
             yield tr
 
     def forward(self):
-        m, prob, how = self.mine, self.prob, self.how
+        m, prob, call = self.mine, self.prob, self.call
         with self._transport("fwd"):
             if self.case.mode == "expert":
-                return expert_forward(prob, None, how, True, m["x"], self.experts, m["probs"],
-                                      self.index, FORWARD)  # fmt: skip
-            out, self.indices = token_forward(prob, None, how, True, m["x"], self.experts,
-                                              m["probs"], m["idx"], FORWARD)  # fmt: skip
+                return expert_forward(prob, call, m["x"], self.experts, m["probs"], self.index,
+                                      FORWARD)  # fmt: skip
+            out, self.indices = token_forward(prob, call, m["x"], self.experts, m["probs"],
+                                              m["idx"], FORWARD)  # fmt: skip
             return out
 
     def backward(self):
-        m, prob, how = self.mine, self.prob, self.how
+        m, prob, call = self.mine, self.prob, self.call
         if self.case.mode == "token" and self.indices is None:
             self.forward()
         index = self.index if self.case.mode == "expert" else self.indices
         fn = expert_backward if self.case.mode == "expert" else token_backward
         with self._transport("bwd"):
-            return fn(prob, None, how, True, m["dy"], m["x"], self.experts, m["probs"], index,
-                      FORWARD)  # fmt: skip
+            return fn(prob, call, m["dy"], m["x"], self.experts, m["probs"], index, FORWARD)
 
     def run(self, direction: str):
         return self.forward() if direction == "fwd" else self.backward()
@@ -849,7 +870,7 @@ def print_plan(plan: list[Case], a) -> None:
     print(f"[hop_cost] {len(plan)} cases x {len(DIRECTIONS)} directions"
           f"{' (+ ' + ', '.join(extra) + ')' if extra else ''}; {a.warmup} warm-up, "
           f"{a.passes} timed, {a.profile_passes} profiled passes each")  # fmt: skip
-    mib = defaults().kernels.pair_buffer_mib
+    mib = ENV_CONFIG.kernels.pair_buffer_mib
     bounded = {c: _bounded(problem(c, None)) for c in plan}  # the library's own test
     refused = {c: hop_library.plan_note(c, bounded[c]) for c in plan}
     for c in plan:
@@ -907,7 +928,7 @@ def merged(timed_row: dict, profiled_row: dict) -> dict:
 
 
 def _release() -> None:
-    hop_graphs.forget()
+    """After a case's ``Ring`` (and its runtime: recorded hops, static buffers) is dropped."""
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
@@ -948,8 +969,7 @@ def main(argv=None) -> int:
     # Every case's timed passes first, then the profiled ones (measure_pass: a finished
     # profiler session slows the host for the rest of the process)
     timed: dict[tuple, dict] = {}
-    for case in plan:
-        hop_graphs.forget()  # no case's recorded hops or static buffers count in another's
+    for case in plan:  # a Ring's own runtime: no case's recorded hops count in another's
         ring = Ring(case, group=group)
         for direction in DIRECTIONS:
             timed[case, direction, "eager"] = measure_pass(ring, direction, a, profiled=False)
@@ -959,7 +979,6 @@ def main(argv=None) -> int:
         _release()
     rows = []
     for case in plan:
-        hop_graphs.forget()
         ring = Ring(case, group=group)
         pairs = hop_pairs(case, ring.data)
         tag = {"bench": "hop_cost", "shape": "tiny" if a.tiny else "qwen3_30b_a3b",

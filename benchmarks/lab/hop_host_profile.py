@@ -260,8 +260,7 @@ def main(argv=None) -> int:
                          env=env)  # fmt: skip
     group = hop_cost._init_group()
     for case in plan:
-        hop_graphs.forget()
-        ring = hop_cost.Ring(case, group=group)
+        ring = hop_cost.Ring(case, group=group)  # its own runtime: no case's hops in another's
         for direction, gc_on in itertools.product(hop_cost.DIRECTIONS, GC_MODES[a.gc]):
             for _ in range(a.eager_first):
                 ring.run(direction)

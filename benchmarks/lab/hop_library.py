@@ -38,8 +38,8 @@ while timed or profiled (``graphs_recorded_timed``, 0 expected on a GPU).
   default 512: 768 needed, which ``--dry-run`` prints; the torch backend on CUDA); or a pass
   that recorded nothing; or what failed (``capture_error_at``).
 
-The cache is dropped between cases (``hop_graphs.forget``), so no case's buffers count in
-another's.
+The cache is the ring's runtime's (``hop_cost.Ring.runtime``: ``RingRuntime.hop_graphs``), one
+per case, so no case's buffers count in another's.
 """
 
 from __future__ import annotations
@@ -84,9 +84,9 @@ def capturing(ring):
         ring.how = how
 
 
-def held() -> tuple[int, int]:
-    """``(entries, static bytes)`` of this process's hop-graph caches."""
-    caches = hop_graphs.caches().values()
+def held(ring) -> tuple[int, int]:
+    """``(entries, static bytes)`` of ``ring``'s hop-graph caches (its runtime's)."""
+    caches = ring.runtime.hop_graphs.values()
     return sum(len(c.entries) for c in caches), sum(c.static_bytes() for c in caches)
 
 
@@ -156,9 +156,9 @@ def settle(ring, direction: str, limit: int) -> int:
     and accumulators, recur once the allocator has seen a pass or two), at most ``limit``;
     returns how many ran. The timed passes then replay what a training step would."""
     for n in range(1, limit + 1):
-        before, _ = held()
+        before, _ = held(ring)
         ring.run(direction)
-        if held()[0] == before:
+        if held(ring)[0] == before:
             return n
     return limit
 
@@ -174,13 +174,13 @@ def library_row(ring, direction: str, a, measure, views, *, compare: bool = True
                 "capture_error_at": "relaymoe/ring/hop_graphs.py (refusal)"}  # fmt: skip
     cuda = ring.dev.type == "cuda"
     want = outputs(ring, direction, views) if compare else None  # eager
-    entries0, _ = held()
+    entries0, _ = held(ring)
     mem0 = torch.cuda.memory_allocated(ring.dev) if cuda else None
     with capturing(ring):
         ring.run(direction)  # the recording pass: every key of the pass on first use
         if cuda:
             torch.cuda.synchronize()
-        entries1, _ = held()
+        entries1, _ = held(ring)
         if entries1 == entries0:
             return {"capture_error": "no hop was recorded: the pass ran its hops eagerly"}
         held_mib = (torch.cuda.memory_allocated(ring.dev) - mem0) / MiB if cuda else None
@@ -190,10 +190,10 @@ def library_row(ring, direction: str, a, measure, views, *, compare: bool = True
             diff = compared(want, got)
             del want, got
         steady = settle(ring, direction, STEADY_PASSES)
-        settled, _ = held()  # what the timed passes record is counted from here
+        settled, _ = held(ring)  # what the timed passes record is counted from here
         row = measure(ring, direction, a)
-    entries2, static = held()
-    backend = {c.backend.name for c in hop_graphs.caches().values()}
+    entries2, static = held(ring)
+    backend = {c.backend.name for c in ring.runtime.hop_graphs.values()}
     return {
         **row,
         "capture_error": None,

@@ -27,9 +27,10 @@ def main(argv=None) -> None:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile, schedule
 
+    from benchmarks import ENV_CONFIG
     from benchmarks._dist import init_dist, make_inputs, qwen3
     from benchmarks.common import JsonlWriter, busy_us, host_syncs
-    from relaymoe.ring import ring_moe
+    from relaymoe.ring import RingRuntime, ring_moe
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=4096, help="tokens per GPU (default 4k)")
@@ -56,9 +57,13 @@ def main(argv=None) -> None:
     w2.requires_grad_()
     probs.requires_grad_()
     dy = torch.randn_like(x)
+    # one runtime for every step, as a dispatcher keeps one: a trusted call's agreement is
+    # reused, and the copy engines' workspace kept (transport "auto" takes them within a node)
+    runtime = RingRuntime(group)
 
     def step():
-        out = ring_moe(x, w13, w2, idx, probs, group=group, mode=args.mode, trusted=args.trusted)
+        out = ring_moe(x, w13, w2, idx, probs, group=group, mode=args.mode, trusted=args.trusted,
+                       config=ENV_CONFIG, runtime=runtime)  # fmt: skip
         out.backward(dy)
         for t in (x, w13, w2, probs):
             t.grad = None
