@@ -16,8 +16,6 @@ point from the environment), else the field's documented default. Nothing here i
 state. The ``RELAYMOE_*`` environment is read only by :func:`from_env`, which entry points call
 (Megatron's argument parsing, the CLI, the benchmarks, the test suite) and which returns a
 ``RingConfig``: nothing deeper reads the environment.
-
-History: docs/lab-notes/library_history.md#options
 """
 
 from __future__ import annotations
@@ -79,7 +77,7 @@ SCHEDULE_CHOICES = (AUTO, *SCHEDULES, NODE_BATCHED)
 # with their weights; token mode: the local ones every hop adds to): "param" (the weights' own,
 # bf16), "fp32", or "auto": fp32 from FP32_GRAD_ACCUM_MIN_EP ranks. Each hop adds one rounding
 # in a 16-bit accumulator, so the ring's weight-gradient error grows with EP while an all-to-all's
-# single GEMM does not (benchmarks/numerics.py measures it).
+# single GEMM does not.
 GRAD_ACCUMS = ("param", "fp32")
 GRAD_ACCUM_CHOICES = (AUTO, *GRAD_ACCUMS)
 FP32_GRAD_ACCUM_MIN_EP = 16
@@ -259,18 +257,18 @@ class RingConfig:
         f"fp32 from {FP32_GRAD_ACCUM_MIN_EP} EP ranks (auto), where bf16 sums rounded once a hop "
         "would take the error past twice an all-to-all's",
     )  # fmt: skip
-    # False only for the ablation (benchmarks/ablation.py, bench_ring.py's sequential rows):
-    # no Megatron flag; a caller passes RingConfig(overlap=False)
+    # False runs each hop's transfer after its compute: the sequential ring that an ablation
+    # compares the overlapped one with, not a training setting; so no Megatron flag: a caller
+    # passes RingConfig(overlap=False)
     overlap: bool = _opt(True, why="each hop's transfer overlaps its compute (False: after it)")
     capture_hops: bool = _opt(
         False, flag="--relaymoe-capture-hops",
         why="experimental: record each ring hop's compute once per shape in a CUDA graph and "
         "replay it (this rank's: it changes how a hop is issued, not which collectives run)",
-        help="experimental, measured on one GPU only (benchmarks/hop_cost.py --library): "
-        "record each ring hop's "
-        "expert compute once per hop shape in a CUDA graph and replay it with the step's "
-        "tokens and routing copied into static buffers and the weights and their gradients "
-        "read in place at their addresses (less host time per hop at small token counts; "
+        help="experimental, measured on one GPU only: record each ring hop's expert compute "
+        "once per hop shape in a CUDA graph and replay it with the step's tokens and routing "
+        "copied into static buffers and the weights and their gradients read in place at "
+        "their addresses (less host time per hop at small token counts; "
         "needs trusted ring calls with pair buffers sized from the bound and the Triton "
         "backend, else the hops run eagerly, logged once)",
     )  # fmt: skip

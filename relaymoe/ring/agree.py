@@ -67,8 +67,9 @@ from relaymoe.ring.problem import RingProblem, RingRequest
 from relaymoe.ring.topology import _host_hash, nodes_from_hosts, resolve_schedule
 from relaymoe.ring.transport import copy_engine_available, copy_engine_works
 
-# RingProblem, RingRequest (problem.py) and nodes_from_hosts, resolve_schedule (topology.py)
-# are importable from here too, where they were defined before the split
+# The agreement's request and result (RingRequest, RingProblem: problem.py) and the schedule
+# resolution it applies (nodes_from_hosts, resolve_schedule: topology.py) are importable from
+# here too: what a caller of agree() reads and passes, from the module it calls
 __all__ = [
     "RingProblem",
     "RingRequest",

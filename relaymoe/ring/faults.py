@@ -26,12 +26,12 @@ Where the host waits (``RingConfig.host_wait``):
   named at the end of the next ring pass, and the last pass of a backward when the backward
   ends (an autograd callback: one host sync a backward call); a pass that nothing follows is
   watched by a thread that logs its error past the timeout (``lagwait.py``). ``lag`` is the
-  default. With ``off`` there is no host sync (a ring call in steady state has none, issue #13),
+  default. With ``off`` there is no host sync (a trusted ring call in steady state makes none),
   and a hang is bounded by NCCL's watchdog and the copy engines' device-side barrier timeout,
   without the ring's diagnosis (most NCCL fault cases then read aborted buffers or fault).
   ``lag`` costs no throughput against ``off``; ``pass`` costs some (the host no longer runs ahead
-  of the GPU); with ``lag`` and with ``pass`` every NCCL fault case of ``benchmarks/fault.py``
-  raises RingPeerError within the timeout.
+  of the GPU); with ``lag`` and with ``pass`` a peer that dies or stalls at any point of a call
+  over NCCL raises RingPeerError within the timeout.
 
 The timeout is the group's own (``timeout=`` of ``init_process_group``/``new_group``), on NCCL
 less ``min(5 s, 25%)`` so the ring's error comes before the watchdog acts (:func:`ring_timeout_s`),
@@ -39,8 +39,6 @@ or ``RingConfig.timeout_s`` seconds when set. The host wait is ``RingConfig.host
 are the call's (its ``RingConfig``, built by the caller or by an entry point from
 ``RELAYMOE_RING_TIMEOUT_S`` / ``RELAYMOE_RING_HOST_WAIT`` or Megatron's flags), and the lag
 wait's pending passes are its runtime's (``RingRuntime.lag``).
-
-History: docs/lab-notes/library_history.md#ring-faults
 """
 
 from __future__ import annotations

@@ -15,8 +15,6 @@ process.
 Entries hold the pass's ``PeerWatch`` (its ``error`` and ``timeout_s``), the works it deferred
 (``(work, peers, op, hop)``, c10d works: ``is_completed``) and its events (``(event, op, hop)``,
 CUDA events: ``query``). Nothing here calls a CUDA API that blocks.
-
-History: docs/lab-notes/library_history.md#ring-lagwait
 """
 
 from __future__ import annotations

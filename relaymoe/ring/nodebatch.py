@@ -1,12 +1,12 @@
-"""Node-batched rounds of the expert ring (``schedule="node_batched"``, issue #18): experimental.
+"""Node-batched rounds of the expert ring (``schedule="node_batched"``): experimental.
 
 Experimental: ``schedule="auto"`` never picks it (``auto`` resolves to ``flat`` or
 ``two_level``, ``agree.resolve_schedule``), so it runs only when asked for by name, in expert
 mode: ``ring_moe(..., schedule="node_batched", gpus_per_node=G)``,
 ``RingConfig(schedule="node_batched")`` or Megatron's ``--relaymoe-schedule node_batched``.
 It is tested over gloo on CPU and has run on GPUs only inside one node (two GPUs, ``G = 1``
-and ``2``); it has never run across nodes, where its gain is simulated only
-(``benchmarks/scaling_sim.py``).
+and ``2``); it has never run across nodes, where its gain is simulated only (the cost model's
+multi-node clusters).
 
 The flat and two-level orders make ``R - 1`` hops a pass, and every hop pays the ring's fixed
 host cost once (launches, index slices, Python). Across nodes this schedule pays it once per
@@ -39,8 +39,6 @@ gradients added into zeros, as the hop primitives add them).
 Waits: on CPU each exchange is waited for, bounded by the group's timeout (``RingPeerError``
 names the peers); on CUDA the works are stream-ordered and handed to the pass's host wait
 (``faults.PeerWatch.finish``).
-
-History: docs/lab-notes/library_history.md#ring-nodebatch
 """
 
 from __future__ import annotations

@@ -34,8 +34,6 @@ neighbour, or the reverse), so a hop has up to two sends and two receives (``Leg
 comes from the per-partition byte counts known to all ranks, so every rank can compute every
 other rank's layout: a receiver knows exactly how many bytes arrive and where a pulling transport
 finds them on the sender.
-
-History: docs/lab-notes/library_history.md#ring-schedule
 """
 
 from __future__ import annotations

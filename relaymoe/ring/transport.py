@@ -27,8 +27,6 @@ which torch's barrier kernel gives up and traps (a CUDA error the executor's bou
 pass's events turns into ``RingPeerError``); a torch whose barrier takes no timeout spins on, and
 then only the host side is bounded (the poll raises, the GPU keeps spinning until the process
 ends). Neither is exercised on CPU.
-
-History: docs/lab-notes/library_history.md#ring-transport
 """
 
 from __future__ import annotations
