@@ -106,11 +106,12 @@ def test_up_swiglu_weight_tiles_through_a_tensor_descriptor(case, cfg, monkeypat
     idx_P = s["index"].expert_token_indices
     got = {}
     for tma in ("0", "1"):
-        use_env(monkeypatch, RELAYMOE_TMA=tma)
+        kernels = use_env(monkeypatch, RELAYMOE_TMA=tma).kernels
         h = torch.full((n, 2 * ffn), float("nan"))
         a = torch.full((n, ffn), float("nan"))
         w13 = s["w13"].float().contiguous()
-        grouped.up_swiglu(s["x"].float(), w13, idx_P, s["offs"], prob_P, h, a, config=cfg)
+        grouped.up_swiglu(s["x"].float(), w13, idx_P, s["offs"], prob_P, h, a, config=cfg,
+                          kernels=kernels)  # fmt: skip
         got[tma] = (h, a)
     assert select.tma_weights(s["w13"].float().contiguous(), KernelOptions(tma="on")) == (
         case[1] != 30
@@ -195,7 +196,7 @@ def test_descriptor_allocator_is_set_in_every_thread():
 def test_wgrads(cfg, tma, monkeypatch):
     """Both weight gradients, write and accumulate modes, an empty expert; with ``tma=1`` the
     contiguous operand's full blocks come through a tensor descriptor."""
-    use_env(monkeypatch, RELAYMOE_TMA=tma)
+    kernels = use_env(monkeypatch, RELAYMOE_TMA=tma).kernels
     s = _setup(31, 20, 24, 6, 2, "empty", 1, 6, seed=1)  # last expert (local 4) gets no pair
     c = s["cast"]
     ffn = s["w2"].shape[2]
@@ -213,7 +214,7 @@ def test_wgrads(cfg, tma, monkeypatch):
     # wgrads: write mode into NaN, then accumulate mode onto a base
     dw2 = torch.full(s["w2"].shape, float("nan"))
     grouped.wgrad(c(dy), a, idx_P, s["offs"], dw2, a_gather=True, b_gather=False,
-                  accumulate=False, config=cfg)  # fmt: skip
+                  accumulate=False, config=cfg, kernels=kernels)  # fmt: skip
     dw2_ref = torch.zeros_like(s["w2"]).index_add_(
         0, s["expert"], torch.einsum("nh,ni->nhi", dy[s["tok"]], act * p)
     )
@@ -222,7 +223,7 @@ def test_wgrads(cfg, tma, monkeypatch):
     base = torch.randn(s["w13"].shape)
     dw13 = base.clone()
     grouped.wgrad(dh, c(s["x"]), idx_P, s["offs"], dw13, a_gather=False, b_gather=True,
-                  accumulate=True, config=cfg)  # fmt: skip
+                  accumulate=True, config=cfg, kernels=kernels)  # fmt: skip
     dw13_ref = base.double().index_add(
         0, s["expert"], torch.einsum("nj,nh->njh", dh_ref, s["x"][s["tok"]])
     )
@@ -235,7 +236,7 @@ def test_wgrad_never_reads_the_next_experts_rows(tma, monkeypatch):
     """An expert's last, partial block of pairs must not read the next expert's rows of the
     contiguous operand (a masked load, not a full tile): a non-finite row of expert 1 leaves
     expert 0's gradient finite and exact (inf * 0 would be NaN)."""
-    use_env(monkeypatch, RELAYMOE_TMA=tma)
+    kernels = use_env(monkeypatch, RELAYMOE_TMA=tma).kernels
     s = _setup(40, 16, 16, 3, 1, "uniform", 0, 3, seed=2)
     offs = s["offs"]
     lo1 = int(offs[1])
@@ -245,7 +246,7 @@ def test_wgrad_never_reads_the_next_experts_rows(tma, monkeypatch):
     a[lo1:] = float("inf")  # every row of experts 1 and 2
     dw2 = torch.full((3, 16, 16), float("nan"))
     grouped.wgrad(dy, a, s["index"].expert_token_indices, offs, dw2, a_gather=True,
-                  b_gather=False, accumulate=False, config=CFG_A)  # fmt: skip
+                  b_gather=False, accumulate=False, config=CFG_A, kernels=kernels)  # fmt: skip
     ref0 = dy[s["tok"][:lo1]].double().T @ a[:lo1].double()
     assert torch.isfinite(dw2[0]).all()
     assert rel_err(dw2[0], ref0) < F32
@@ -365,14 +366,15 @@ def _grads(fn, x, w13, w2, idx, probs, g, dtype):
     return [y.detach()] + [t.grad for t in ins]
 
 
-def check_triton_vs_oracle(case, seed: int, recompute: str) -> None:
-    """fp32 ``moe_experts(backend="triton")`` vs the float64 oracle on a fresh problem of
-    ``case``: output and the four gradients within ``F32``; empty experts get exact zeros."""
+def check_triton_vs_oracle(case, seed: int, recompute: str, kernels=None) -> None:
+    """fp32 ``moe_experts(backend="triton", kernels=kernels)`` vs the float64 oracle on a fresh
+    problem of ``case``: output and the four gradients within ``F32``; empty experts get exact
+    zeros."""
     t, h, i, e, k, kind = case
     gen = torch.Generator().manual_seed(seed)
     x, w13, w2, idx, probs = random_problem(t, h, i, e, k, gen=gen, kind=kind)
     g = torch.randn(t, h, generator=gen, dtype=torch.float64)
-    fn = lambda *a: moe_experts(*a, recompute=recompute, backend="triton")  # noqa: E731
+    fn = lambda *a: moe_experts(*a, recompute=recompute, backend="triton", kernels=kernels)  # noqa: E731
     got = _grads(fn, x, w13, w2, idx, probs, g, torch.float32)
     ref = _grads(moe_experts_reference, x, w13, w2, idx, probs, g, torch.float64)
     for name, a, b in zip(("out", "dx", "dw13", "dw2", "dprobs"), got, ref, strict=True):
@@ -397,14 +399,13 @@ def test_wgrad_gmm_path_matches_oracle(case, chunk_mib, monkeypatch):
     """RELAYMOE_WGRAD=gmm: weight gradients by torch._grouped_mm over the pairs (torch's CPU
     implementation here) equal the oracle's, empty experts get exact zeros, and the Triton wgrad
     is never called. (Several column chunks: the next test.)"""
-    use_env(monkeypatch, RELAYMOE_WGRAD="gmm")
-    use_env(monkeypatch, RELAYMOE_PAIR_BUFFER_MIB=chunk_mib)
+    kernels = use_env(monkeypatch, RELAYMOE_WGRAD="gmm", RELAYMOE_PAIR_BUFFER_MIB=chunk_mib).kernels
 
     def no_triton_wgrad(*a, **k):
         raise AssertionError("the Triton wgrad ran")
 
     monkeypatch.setattr(grouped, "wgrad", no_triton_wgrad)
-    check_triton_vs_oracle(case, sum(case[:5]) + 3, "act")
+    check_triton_vs_oracle(case, sum(case[:5]) + 3, "act", kernels)
 
 
 @pytest.mark.parametrize("recompute", ["act", "fc1"])
@@ -417,7 +418,7 @@ def test_rows_gather_copy_matches_oracle(case, recompute, monkeypatch):
     backward by one gathered copy and torch._grouped_mm (torch's CPU implementation here) plus
     the separate SwiGLU pass: the oracle's output and gradients, and neither gather-on-load
     kernel runs. With a budget the copy cannot fit, the index kernels run instead."""
-    use_env(monkeypatch, RELAYMOE_ROWS_GATHER="copy")
+    kernels = use_env(monkeypatch, RELAYMOE_ROWS_GATHER="copy").kernels
     calls = []
 
     def refuse(name):
@@ -436,14 +437,14 @@ def test_rows_gather_copy_matches_oracle(case, recompute, monkeypatch):
         return rows(*a, **k)
 
     monkeypatch.setattr(grouped, "rows_gemm", contiguous_rows_only)
-    check_triton_vs_oracle(case, sum(case[:5]) + 5, recompute)
+    check_triton_vs_oracle(case, sum(case[:5]) + 5, recompute, kernels)
     assert not calls
     monkeypatch.setattr(grouped, "up_swiglu", up)
     monkeypatch.setattr(grouped, "rows_gemm", rows)
-    use_env(monkeypatch, RELAYMOE_PAIR_BUFFER_MIB="0")
+    kernels = use_env(monkeypatch, RELAYMOE_PAIR_BUFFER_MIB="0").kernels  # and rows_gather copy
     used = []
     monkeypatch.setattr(grouped, "up_swiglu", lambda *a, **k: (used.append(1), up(*a, **k)))
-    check_triton_vs_oracle(case, sum(case[:5]) + 6, recompute)
+    check_triton_vs_oracle(case, sum(case[:5]) + 6, recompute, kernels)
     assert used
 
 
@@ -464,8 +465,7 @@ def test_wgrad_gmm_ranges_accumulate_and_wide_rows_chunk(monkeypatch):
     slices; H = 264 with a 0 MiB budget gathers x and dy in two 256-column chunks (the second 8
     wide: H just past one chunk, as the interpreter's time grows with H's tiles). Odd widths
     (H not a multiple of 16 bytes) fall back to the Triton kernel, still exact."""
-    use_env(monkeypatch, RELAYMOE_WGRAD="gmm")
-    use_env(monkeypatch, RELAYMOE_PAIR_BUFFER_MIB="0")
+    kernels = use_env(monkeypatch, RELAYMOE_WGRAD="gmm", RELAYMOE_PAIR_BUFFER_MIB="0").kernels
     real, calls = torch._grouped_mm, []
 
     def counted(*a, **k):
@@ -487,10 +487,11 @@ def test_wgrad_gmm_ranges_accumulate_and_wide_rows_chunk(monkeypatch):
         dw13, dw2 = torch.full_like(w13, float("nan")), torch.full_like(w2, float("nan"))
         for e0, e1 in [(0, 2), (2, 2), (2, 6)]:
             _, h_part = expert_hop_forward(x, w13[e0:e1], w2[e0:e1], probs, index,
-                                           expert_range=(e0, e1), backend="triton")  # fmt: skip
+                                           expert_range=(e0, e1), backend="triton",
+                                           kernels=kernels)  # fmt: skip
             d = expert_hop_backward(dy, x, w13[e0:e1], w2[e0:e1], probs, index,
                                     expert_range=(e0, e1), saved_h=h_part, dx_TH=dx,
-                                    dprobs_TK=dp, backend="triton")  # fmt: skip
+                                    dprobs_TK=dp, backend="triton", kernels=kernels)  # fmt: skip
             dw13[e0:e1], dw2[e0:e1] = d[2], d[3]
         ins = [v.double().requires_grad_() for v in (x, w13, w2, probs)]
         moe_experts_reference(ins[0], ins[1], ins[2], idx, ins[3]).backward(dy.double())
@@ -527,7 +528,7 @@ def test_fp16_ranges_accumulate_weight_gradients_in_fp32(wgrad, monkeypatch):
     """The ring's fp32 accumulators (``grad_accum``): fp16 operands, fp32 dw buffers that
     several expert ranges add into, with either weight-gradient path, equal the float64 oracle
     within fp16 rounding of the inputs; the buffers stay fp32."""
-    use_env(monkeypatch, RELAYMOE_WGRAD=wgrad)
+    kernels = use_env(monkeypatch, RELAYMOE_WGRAD=wgrad).kernels
     gen = torch.Generator().manual_seed(13)
     x, w13, w2, idx, probs = random_problem(37, 32, 16, 6, 2, gen=gen, kind="skewed")
     dy = torch.randn(37, 32, generator=gen, dtype=torch.float64)
@@ -540,7 +541,7 @@ def test_fp16_ranges_accumulate_weight_gradients_in_fp32(wgrad, monkeypatch):
             expert_hop_backward(
                 h16[3], h16[0], h16[1][e0:e1], h16[2][e0:e1], probs.float(), index,
                 expert_range=(e0, e1), dw13=dw13[e0:e1], dw2=dw2[e0:e1], backend="triton",
-                max_pairs=37 * 2,
+                max_pairs=37 * 2, kernels=kernels,
             )  # fmt: skip
     ref = _grads(moe_experts_reference, *(t.double() for t in h16[:3]), idx, probs, h16[3].double(),
                  torch.float64)  # fmt: skip
@@ -602,7 +603,7 @@ def test_ranges_with_bound_sized_buffers_match_exact_counts(wgrad, monkeypatch):
     """The ring's form (``max_pairs``: buffers sized from a bound, the count read on the device)
     gives the exact-count results, with either weight-gradient path; the bound past the index's
     last pair (the gmm gathers clamp their rows there) included."""
-    use_env(monkeypatch, RELAYMOE_WGRAD=wgrad)
+    kernels = use_env(monkeypatch, RELAYMOE_WGRAD=wgrad).kernels
     x, w13, w2, idx, probs, index, dy = _f32_problem(8, 31, 16, 8, 6, 3)
     for e0, e1 in [(0, 2), (2, 5), (5, 6)]:
         start, stop = index.pair_range(e0, e1)
@@ -610,9 +611,10 @@ def test_ranges_with_bound_sized_buffers_match_exact_counts(wgrad, monkeypatch):
         for kw in ({"n_pairs": stop - start}, {"max_pairs": 31 * 3}):
             w13r, w2r = w13[e0:e1], w2[e0:e1]
             out, _ = expert_hop_forward(x, w13r, w2r, probs, index, expert_range=(e0, e1),
-                                        save="none", backend="triton", **kw)  # fmt: skip
+                                        save="none", backend="triton", kernels=kernels,
+                                        **kw)  # fmt: skip
             grads = expert_hop_backward(dy, x, w13r, w2r, probs, index, expert_range=(e0, e1),
-                                        backend="triton", **kw)  # fmt: skip
+                                        backend="triton", kernels=kernels, **kw)  # fmt: skip
             got.append((out, *grads))
         for name, a, b in zip(("out", "dx", "dprobs", "dw13", "dw2"), *got, strict=True):
             assert rel_err(a, b) < F32, (e0, e1, name)
