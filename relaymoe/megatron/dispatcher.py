@@ -43,7 +43,13 @@ from relaymoe.megatron.validate import check_ring_config
 from relaymoe.options import RingConfig
 from relaymoe.ring import RingRuntime, ring_moe
 
-__all__ = ["RingDispatcher", "ep_ranks_per_node", "routing_map_to_topk"]
+__all__ = [
+    "RingDispatcher",
+    "ep_ranks_per_node",
+    "ModelRuntimes",
+    "model_runtime",
+    "routing_map_to_topk",
+]
 
 
 def ep_ranks_per_node(global_ranks: list[int], gpus_per_node: int | None) -> int | None:
@@ -88,13 +94,52 @@ def routing_map_to_topk(routing_map: Tensor, probs: Tensor, topk: int) -> tuple[
     return idx, topk_probs
 
 
+# the attribute of a TransformerConfig holding its model's runtimes (model_runtime)
+CONFIG_RUNTIMES = "relaymoe_runtimes"
+
+
+class ModelRuntimes(dict):
+    """The runtimes of one model by (EP group, ring config), held on its ``TransformerConfig``.
+    A copy of the config (Megatron deep-copies configs for some submodules) shares them: they
+    are the model's, and streams and symmetric memory cannot be copied; a pickled config
+    carries none (runtimes are made again on first use)."""
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        return (ModelRuntimes, ())
+
+
+def model_runtime(config, group, ring_config: RingConfig) -> RingRuntime:
+    """The ``RingRuntime`` every ring layer of one model shares: one per (EP group, ring config),
+    held on the model's ``TransformerConfig`` (which every layer of the model holds), made on
+    first use. Shared because what it keeps is the model's, not a layer's: the copy-engine
+    workspace is sized by the largest layer's pass (one per layer would hold L of them), and the
+    layers' equal shapes need one agreement. Another model (another config object) or other ring
+    options get their own."""
+    runtimes = getattr(config, CONFIG_RUNTIMES, None)
+    if runtimes is None:
+        runtimes = ModelRuntimes()
+        setattr(config, CONFIG_RUNTIMES, runtimes)
+    key = (getattr(group, "group_name", None) or id(group), ring_config)
+    if key not in runtimes:
+        runtimes[key] = RingRuntime(group)
+    return runtimes[key]
+
+
 class RingDispatcher(MoETokenDispatcher):
     """Token dispatcher for ``moe_token_dispatcher_type == "ring"`` (built by ``register()``).
 
     ``ring_config``: the ring's options (default: ``settings.ring_config_of(config)``, the
     object attached to the ``TransformerConfig`` or built from Megatron's arguments, else
-    ``RingConfig()``). ``runtime``: what its calls keep (default: a fresh ``RingRuntime`` over
-    the EP group, this dispatcher's own)."""
+    ``RingConfig()``). ``runtime``: what its calls keep (default: the ``RingRuntime`` of the
+    model: one per EP group and ring config, shared by every dispatcher built from the same
+    ``TransformerConfig``, as the layers share their copy-engine workspace, the agreements of
+    equal shapes and the communication stream; ``model_runtime``)."""
 
     def __init__(
         self,
@@ -135,7 +180,9 @@ class RingDispatcher(MoETokenDispatcher):
                 "relaymoe.options.RingConfig (relaymoe.megatron.configure(config, ring=...))"
             )
         group = self.ep_group if dist.is_initialized() else None
-        self.runtime = runtime if runtime is not None else RingRuntime(group)
+        self.runtime = (
+            runtime if runtime is not None else model_runtime(config, group, self.ring_config)
+        )
         ranks = dist.get_process_group_ranks(self.ep_group) if dist.is_initialized() else [0]
         self.ep_per_node = ep_ranks_per_node(ranks, self.ring_config.gpus_per_node)
         self.hidden_shape = None

@@ -697,6 +697,10 @@ def run_two_dispatchers(rank, world) -> None:
     assert disp["token"].ring_config is configs["token"]  # building the second changed nothing
     assert disp["expert"].ring_config is configs["expert"]
     assert disp["token"].runtime is not disp["expert"].runtime
+    # the layers of one model (one TransformerConfig) share its runtime: one workspace, one
+    # agreement of equal shapes (relaymoe.megatron.dispatcher.model_runtime)
+    twin = build_layer(layers["token"].config, ProcessGroupCollection.use_mpu_process_groups())
+    assert twin.token_dispatcher.runtime is disp["token"].runtime
 
     seen = []
     real_agree, real_apply = engine.agree, engine._RingMoE.apply
@@ -794,3 +798,24 @@ def test_ring_moelayer_with_context_parallel(world, gloo_worlds):
 @pytest.mark.parametrize("world", _params([1, 2]))
 def test_two_dispatchers_with_different_options_each_run_as_their_own(world, gloo_worlds):
     gloo_worlds.run(two_dispatchers, world, timeout=420)
+
+
+def test_model_runtime_is_the_models_one_per_group_and_options():
+    """``model_runtime``: one runtime per (EP group, ring config) on a model's config; a copy of
+    the config shares them, a pickled one carries none, another config has its own."""
+    import copy
+    import pickle
+    import types
+
+    from relaymoe.megatron.dispatcher import CONFIG_RUNTIMES, ModelRuntimes, model_runtime
+    from relaymoe.options import RingConfig
+
+    cfg, other = types.SimpleNamespace(), types.SimpleNamespace()
+    a = model_runtime(cfg, None, RingConfig())
+    assert model_runtime(cfg, None, RingConfig()) is a  # equal options: the same runtime
+    assert model_runtime(cfg, None, RingConfig(mode="token")) is not a
+    assert model_runtime(other, None, RingConfig()) is not a
+    assert model_runtime(copy.deepcopy(cfg), None, RingConfig()) is a
+    held = getattr(cfg, CONFIG_RUNTIMES)
+    assert isinstance(held, ModelRuntimes) and len(held) == 2
+    assert pickle.loads(pickle.dumps(held)) == {}
