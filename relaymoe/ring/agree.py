@@ -54,17 +54,17 @@ from relaymoe.kernels import check_problem_limits
 from relaymoe.options import AGREE_CHOICES, GRAD_ACCUM_CHOICES, NODE_BATCHED, SCHEDULE_CHOICES
 from relaymoe.ring.capture import check_captured
 from relaymoe.ring.checks import (
-    _DEVICE_TYPES,
-    _FLOATS,
+    DEVICE_TYPES,
+    FLOATS,
     MODES,
     TRANSPORTS,
-    _local_check,
-    _weight_meta,
+    local_check,
+    weight_meta,
 )
 from relaymoe.ring.expert_mlp import activation_fields, bias_code, same_expert_mlp
 from relaymoe.ring.faults import all_reduce_checked, check_markers
 from relaymoe.ring.problem import RingProblem, RingRequest
-from relaymoe.ring.topology import _host_hash, nodes_from_hosts, resolve_schedule
+from relaymoe.ring.topology import host_hash, nodes_from_hosts, resolve_schedule
 from relaymoe.ring.transport import copy_engine_available, copy_engine_works
 
 # The agreement's request and result (RingRequest, RingProblem: problem.py) and the schedule
@@ -164,17 +164,17 @@ def _agree_collective(
     the call's ``RingConfig.timeout_s``."""
     x, w13, w2, topk_idx, topk_probs, *biases = inputs
     b13, b2 = biases or (None, None)
-    code, msg = _local_check(x, w13, w2, topk_idx, topk_probs, req, world, validate_ids, b13, b2)
+    code, msg = local_check(x, w13, w2, topk_idx, topk_probs, req, world, validate_ids, b13, b2)
     keeps = runtime is not None and runtime.persistent  # a workspace that outlives the call
     row = [0] * NUM_FIELDS
     row[F_ERR] = code
     if code == 0:
-        m2 = _weight_meta("w2", w2, "")[0]
+        m2 = weight_meta("w2", w2, "")[0]
         row[F_EL], row[F_I], row[F_H] = m2.shape[0], m2.shape[2], x.shape[1]
         row[F_K], row[F_T] = topk_idx.shape[1], x.shape[0]
-        row[F_DTYPE] = _FLOATS.index(x.dtype) + 1
-        row[F_PDTYPE] = _FLOATS.index(topk_probs.dtype) + 1
-        row[F_DEV] = _DEVICE_TYPES.index(x.device.type) + 1
+        row[F_DTYPE] = FLOATS.index(x.dtype) + 1
+        row[F_PDTYPE] = FLOATS.index(topk_probs.dtype) + 1
+        row[F_DEV] = DEVICE_TYPES.index(x.device.type) + 1
         row[F_MODE] = MODES.index(req.mode) + 1
         row[F_TRANSPORT] = TRANSPORTS.index(req.transport) + 1
         row[F_GRAD] = int(req.needs_grad) + 1
@@ -187,7 +187,7 @@ def _agree_collective(
         row[F_ACT_FN : F_ACT_OFFSET + 1] = activation_fields(req.activation)
         row[F_BIAS] = bias_code(b13 is not None, b2 is not None)
         row[F_CAPTURE] = int(req.capturable) + 1
-    row[F_HOST] = _host_hash()
+    row[F_HOST] = host_hash()
     row[F_LIVE] = 1  # the validity marker: a sum missing a rank's row lacks its 1
     counts = _pairs_per_owner(topk_idx, row[F_EL], world) if code == 0 and with_pairs else None
     if group is not None and world > 1:
@@ -229,13 +229,13 @@ def _agree_collective(
     if len(set(dcodes)) != 1:
         raise ValueError(
             "ring_moe: the x/w13/w2 dtype differs across ranks: "
-            f"{[str(_FLOATS[c - 1]) for c in dcodes]}; use one dtype on every rank"
+            f"{[str(FLOATS[c - 1]) for c in dcodes]}; use one dtype on every rank"
         )
     pcodes = [rw[F_PDTYPE] for rw in rows]
     if len(set(pcodes)) != 1:
         raise ValueError(
             "ring_moe: the topk_probs dtype differs across ranks: "
-            f"{[str(_FLOATS[c - 1]) for c in pcodes]}; use one dtype on every rank"
+            f"{[str(FLOATS[c - 1]) for c in pcodes]}; use one dtype on every rank"
         )
     same(F_DEV, "the device type (1 cpu, 2 cuda)", "put every rank's inputs on the same kind")
     same(F_MODE, "the requested mode (1 auto, 2 expert, 3 token, 4 alltoall)", "pass the same mode")
@@ -260,7 +260,7 @@ def _agree_collective(
     )
 
     r0 = rows[0]
-    dtype, prob_dtype = _FLOATS[r0[F_DTYPE] - 1], _FLOATS[r0[F_PDTYPE] - 1]
+    dtype, prob_dtype = FLOATS[r0[F_DTYPE] - 1], FLOATS[r0[F_PDTYPE] - 1]
     tokens = tuple(rw[F_T] for rw in rows)
     needs = r0[F_GRAD] == 2
     n_local, hidden, ffn, topk = r0[F_EL], r0[F_H], r0[F_I], r0[F_K]

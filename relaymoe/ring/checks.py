@@ -25,8 +25,8 @@ from relaymoe.routing import validate_topk_idx
 
 MODES = MODE_CHOICES  # the names live in relaymoe.options
 TRANSPORTS = TRANSPORT_CHOICES
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_DEVICE_TYPES = ("cpu", "cuda")
+FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+DEVICE_TYPES = ("cpu", "cuda")
 
 
 class _Meta:
@@ -40,7 +40,7 @@ class _Meta:
         return len(self.shape)
 
 
-def _weight_meta(name: str, w, want: str, ndim: int = 2) -> tuple[_Meta | None, str]:
+def weight_meta(name: str, w, want: str, ndim: int = 2) -> tuple[_Meta | None, str]:
     """(meta, "") of a weight (``ndim=2`` per expert) or bias (``ndim=1``) input, or (None,
     error message)."""
     if isinstance(w, Tensor):
@@ -66,7 +66,7 @@ def _weight_meta(name: str, w, want: str, ndim: int = 2) -> tuple[_Meta | None, 
     return _Meta((len(w), *w0.shape), w0.dtype, w0.device), ""
 
 
-def _local_check(
+def local_check(
     x,
     w13,
     w2,
@@ -85,10 +85,10 @@ def _local_check(
     for name, t in tensors.items():
         if not isinstance(t, Tensor):
             return 1, f"{name} must be a torch.Tensor, got {type(t).__name__}"
-    m13, msg = _weight_meta("w13", w13, "(El, J, H)")
+    m13, msg = weight_meta("w13", w13, "(El, J, H)")
     if m13 is None:
         return 1, msg
-    m2, msg = _weight_meta("w2", w2, "(El, H, I)")
+    m2, msg = weight_meta("w2", w2, "(El, H, I)")
     if m2 is None:
         return 1, msg
     if isinstance(w13, Tensor) != isinstance(w2, Tensor):
@@ -97,7 +97,7 @@ def _local_check(
     for name, b, want in (("b13", b13, "(El, J)"), ("b2", b2, "(El, H)")):
         if b is None:
             continue
-        meta, msg = _weight_meta(name, b, want, ndim=1)
+        meta, msg = weight_meta(name, b, want, ndim=1)
         if meta is None:
             return 1, msg
         if isinstance(b, Tensor) != isinstance(w13, Tensor):
@@ -164,21 +164,21 @@ def _local_check(
             f"topk_probs shape {tuple(topk_probs.shape)} must equal topk_idx's "
             f"{tuple(topk_idx.shape)}"
         )
-    if x.dtype not in _FLOATS or not (x.dtype == m13.dtype == m2.dtype):
+    if x.dtype not in FLOATS or not (x.dtype == m13.dtype == m2.dtype):
         return 4, (
-            f"x, w13, w2 must share one float dtype of {_FLOATS}; got {x.dtype}, {m13.dtype}, "
+            f"x, w13, w2 must share one float dtype of {FLOATS}; got {x.dtype}, {m13.dtype}, "
             f"{m2.dtype}"
         )
     for name, meta in biases.items():
         if meta.dtype != x.dtype:
             return 4, f"{name} must have the weights' dtype {x.dtype}, got {meta.dtype}"
-    if topk_probs.dtype not in _FLOATS:
+    if topk_probs.dtype not in FLOATS:
         return 4, f"topk_probs must be a float tensor, got {topk_probs.dtype}"
     devices = {t.device for t in tensors.values()} | {m13.device, m2.device}
     devices |= {meta.device for meta in biases.values()}
     if len(devices) != 1:
         return 5, f"inputs are on different devices: {sorted(map(str, devices))}; move them to one"
-    if x.device.type not in _DEVICE_TYPES:
+    if x.device.type not in DEVICE_TYPES:
         return 7, f"ring_moe runs on cpu or cuda tensors, got {x.device}"
     try:
         resolve_backend(req.backend, x.device, x.dtype)
