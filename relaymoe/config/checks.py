@@ -11,14 +11,14 @@ from dataclasses import fields
 from typing import Any
 
 
-def _check_keys(sec: str, raw: dict, cls) -> None:
+def check_keys(sec: str, raw: dict, cls) -> None:
     known = [f.name for f in fields(cls)]
     for k in raw:
         if k not in known:
             raise ValueError(f"unknown key {sec}.{k!r}; known keys of {sec}: {', '.join(known)}")
 
 
-def _coerce(sec: str, raw: dict, cls) -> dict:
+def coerce(sec: str, raw: dict, cls) -> dict:
     """Type checks (YAML gives int/float/bool/str/list); lists become tuples."""
     types = {f.name: f.type for f in fields(cls)}
     out = {}
@@ -70,6 +70,6 @@ def _check_sequence(name: str, v: Any, t: str) -> None:
         raise ValueError(f"{name}={v!r} must be {form}")
 
 
-def _check_pos_int(name: str, v: Any) -> None:
+def check_pos_int(name: str, v: Any) -> None:
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError(f"{name}={v!r} must be a positive integer")

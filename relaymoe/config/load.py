@@ -12,8 +12,8 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from relaymoe.config.checks import _check_keys, _coerce
-from relaymoe.config.schema import _SECTIONS, Config
+from relaymoe.config.checks import check_keys, coerce
+from relaymoe.config.schema import SECTIONS, Config
 
 # shipped with the package (the checkout's configs/ links here), so bare names resolve in a wheel
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -54,32 +54,32 @@ def load_config(path_or_name: str | os.PathLike) -> Config:
         raise ValueError(f"{path}: {e}") from None
 
 
-# The sections every config has; the others of _SECTIONS (relaymoe:) are optional.
+# The sections every config has; the others of SECTIONS (relaymoe:) are optional.
 REQUIRED_SECTIONS = ("model", "parallel", "training")
 
 
 def config_from_dict(data: Any, name: str = "") -> Config:
     if not isinstance(data, dict):
-        raise ValueError(f"a config is a mapping with sections {sorted(_SECTIONS)}, got {data!r}")
-    unknown = set(data) - set(_SECTIONS)
+        raise ValueError(f"a config is a mapping with sections {sorted(SECTIONS)}, got {data!r}")
+    unknown = set(data) - set(SECTIONS)
     if unknown:
-        raise ValueError(f"unknown config section(s) {sorted(unknown)}; known: {sorted(_SECTIONS)}")
+        raise ValueError(f"unknown config section(s) {sorted(unknown)}; known: {sorted(SECTIONS)}")
     missing = [sec for sec in REQUIRED_SECTIONS if sec not in data]
     if missing:
-        optional = [sec for sec in _SECTIONS if sec not in REQUIRED_SECTIONS]
+        optional = [sec for sec in SECTIONS if sec not in REQUIRED_SECTIONS]
         raise ValueError(
             f"config has no {', '.join(map(repr, missing))} section{'s' * (len(missing) > 1)}; "
             f"add {'it' if len(missing) == 1 else 'them'} (required: "
             f"{', '.join(REQUIRED_SECTIONS)}; optional: {', '.join(optional)})"
         )
     kw = {}
-    for sec, cls in _SECTIONS.items():
+    for sec, cls in SECTIONS.items():
         raw = data.get(sec) or {}
         if not isinstance(raw, dict):
             raise ValueError(f"section {sec!r} must be a mapping, got {raw!r}")
         if sec == "model":
             raw = {_MODEL_ALIASES.get(k, k): v for k, v in raw.items()}
-        _check_keys(sec, raw, cls)
+        check_keys(sec, raw, cls)
         missing = [
             f.name
             for f in fields(cls)
@@ -89,5 +89,5 @@ def config_from_dict(data: Any, name: str = "") -> Config:
         ]
         if missing:
             raise ValueError(f"section {sec!r} misses required key(s) {missing}")
-        kw[sec] = cls(**_coerce(sec, raw, cls))
+        kw[sec] = cls(**coerce(sec, raw, cls))
     return Config(name=name, **kw)

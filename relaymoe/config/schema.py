@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from relaymoe.config.checks import _check_keys, _check_pos_int, _coerce
+from relaymoe.config.checks import check_keys, check_pos_int, coerce
 from relaymoe.config.layout import validate_layout
 from relaymoe.options import RingConfig, check_field
 
@@ -77,7 +77,7 @@ class ModelConfig:
             "moe_ffn_hidden_size",
             "vocab_size",
         ):
-            _check_pos_int(f"model.{name}", getattr(self, name))
+            check_pos_int(f"model.{name}", getattr(self, name))
         for name in (
             "ffn_hidden_size",
             "num_query_groups",
@@ -88,7 +88,7 @@ class ModelConfig:
         ):
             v = getattr(self, name)
             if v is not None:
-                _check_pos_int(f"model.{name}", v)
+                check_pos_int(f"model.{name}", v)
         if self.moe_router_topk > self.num_experts:
             raise ValueError(
                 f"model.moe_router_topk={self.moe_router_topk} exceeds model.num_experts="
@@ -136,7 +136,7 @@ class ModelConfig:
                         f"(one per layer), got {list(v)}"
                     )
             elif v is not None:
-                _check_pos_int(f"model.{name}", v)
+                check_pos_int(f"model.{name}", v)
         if self.moe_layer_pattern.count(0) and self.ffn_hidden_size is None:
             raise ValueError(
                 "model.moe_layer_freq makes some layers dense but model.ffn_hidden_size is unset; "
@@ -200,9 +200,9 @@ class ParallelConfig:
 
     def __post_init__(self):
         for name in ("tp", "cp", "pp", "ep", "etp", "dp"):
-            _check_pos_int(f"parallel.{name}", getattr(self, name))
+            check_pos_int(f"parallel.{name}", getattr(self, name))
         if self.gpus_per_node is not None:
-            _check_pos_int("parallel.gpus_per_node", self.gpus_per_node)
+            check_pos_int("parallel.gpus_per_node", self.gpus_per_node)
             G, span = self.gpus_per_node, self.ep * self.etp
             # Megatron lays an EP group over ep*etp consecutive ranks (members etp apart)
             if span > G and (span % G or (G % self.etp and self.etp % G)):
@@ -213,7 +213,7 @@ class ParallelConfig:
                     f"most {G} so that the group fits in one node"
                 )
         if self.vpp is not None:
-            _check_pos_int("parallel.vpp", self.vpp)
+            check_pos_int("parallel.vpp", self.vpp)
             if self.pp == 1 and self.vpp > 1:
                 raise ValueError(
                     f"parallel.vpp={self.vpp} needs parallel.pp > 1 (virtual stages interleave "
@@ -255,7 +255,7 @@ class TrainingConfig:
     normalization_impl: str = "fused"
 
     def __post_init__(self):
-        _check_pos_int("training.seq_length", self.seq_length)
+        check_pos_int("training.seq_length", self.seq_length)
         if self.normalization_impl not in NORMALIZATION_IMPLS:
             raise ValueError(
                 f"training.normalization_impl={self.normalization_impl!r}; known: "
@@ -263,9 +263,9 @@ class TrainingConfig:
                 "or apex, torch: megatron-core's torch fallback, torch_composite: that fallback "
                 "on a torch without the fused RMSNorm kernel)"
             )
-        _check_pos_int("training.micro_batch_size", self.micro_batch_size)
+        check_pos_int("training.micro_batch_size", self.micro_batch_size)
         if self.global_batch_size is not None:
-            _check_pos_int("training.global_batch_size", self.global_batch_size)
+            check_pos_int("training.global_batch_size", self.global_batch_size)
         if self.precision not in ("bf16", "fp16", "fp32"):
             raise ValueError(
                 f"training.precision={self.precision!r}; known: 'bf16', 'fp16', 'fp32'"
@@ -281,7 +281,7 @@ class TrainingConfig:
                     f"training.recompute_method={self.recompute_method!r}: full recompute "
                     "needs 'uniform' or 'block'"
                 )
-            _check_pos_int("training.recompute_num_layers", self.recompute_num_layers)
+            check_pos_int("training.recompute_num_layers", self.recompute_num_layers)
         elif self.recompute_method is not None or self.recompute_num_layers is not None:
             raise ValueError(
                 "training.recompute_method / recompute_num_layers apply only to "
@@ -383,15 +383,15 @@ class Config:
         re-validated."""
         kw = {}
         for sec, changes in section_overrides.items():
-            if sec not in _SECTIONS:
-                raise ValueError(f"unknown config section {sec!r}; known: {sorted(_SECTIONS)}")
-            cls = _SECTIONS[sec]
-            _check_keys(sec, changes, cls)
-            kw[sec] = dataclasses.replace(getattr(self, sec), **_coerce(sec, changes, cls))
+            if sec not in SECTIONS:
+                raise ValueError(f"unknown config section {sec!r}; known: {sorted(SECTIONS)}")
+            cls = SECTIONS[sec]
+            check_keys(sec, changes, cls)
+            kw[sec] = dataclasses.replace(getattr(self, sec), **coerce(sec, changes, cls))
         return dataclasses.replace(self, name=self.name if name is None else name, **kw)
 
     def to_dict(self) -> dict[str, Any]:
-        out = {sec: dataclasses.asdict(getattr(self, sec)) for sec in _SECTIONS}
+        out = {sec: dataclasses.asdict(getattr(self, sec)) for sec in SECTIONS}
         for sec in out.values():
             for k, v in sec.items():
                 if isinstance(v, tuple):
@@ -399,7 +399,7 @@ class Config:
         return out
 
 
-_SECTIONS = {
+SECTIONS = {
     "model": ModelConfig,
     "parallel": ParallelConfig,
     "training": TrainingConfig,

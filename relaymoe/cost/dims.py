@@ -138,17 +138,17 @@ def dims(
                 grad_accum_bytes(grad_accum, world, b), gated, b13, b2)  # fmt: skip
 
 
-def _check_mode(mode: str, allowed: Sequence[str] = MODES) -> None:
+def check_mode(mode: str, allowed: Sequence[str] = MODES) -> None:
     if mode not in allowed:
         raise ValueError(f"cost model: mode {mode!r} is not one of {tuple(allowed)}")
 
 
-def _check_transport(transport: str) -> None:
+def check_transport(transport: str) -> None:
     if transport not in TRANSPORTS:
         raise ValueError(f"cost model: transport {transport!r} is not one of {TRANSPORTS}")
 
 
-def _packed(*segments: int) -> int:
+def packed_bytes(*segments: int) -> int:
     """Bytes of segments packed as ``relaymoe.ring.layout.Layout`` does (each start aligned,
     the total ends at the last segment's end)."""
     offset = end = 0

@@ -5,14 +5,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from relaymoe.cost.dims import Dims, _check_mode, _check_transport, _packed
+from relaymoe.cost.dims import Dims, check_mode, check_transport, packed_bytes
 from relaymoe.cost.links import (
     INDEX_BYTES,
     ROUTING_INDEX_BYTES_PER_PAIR,
     SYMM_GRANULE,
     align_up,
 )
-from relaymoe.cost.order import _check_nodes
+from relaymoe.cost.order import check_nodes
 from relaymoe.cost.traffic import alltoall_rows
 from relaymoe.options import RING_MODES
 
@@ -34,13 +34,13 @@ def _pass_slots(mode: str, d: Dims) -> tuple[int, int]:
     """(forward, backward) slot bytes with the engine's layouts (ring/engine.py)."""
     T, H, K, b, pb = d.T, d.H, d.K, d.b, d.pb
     if mode == "expert":
-        w = _packed(*d.weight_segments(b))  # w13 | w2 [| b13] [| b2]
-        dw = _packed(*d.weight_segments(d.gb))  # their gradients, in the accumulators' dtype
+        w = packed_bytes(*d.weight_segments(b))  # w13 | w2 [| b13] [| b2]
+        dw = packed_bytes(*d.weight_segments(d.gb))  # their gradients, in the accumulators' dtype
         return _slot(w, 0), _slot(w, dw)
-    fwd_lead = _packed(T * H * b, T * K * INDEX_BYTES, T * K * pb)  # x | idx | probs
-    bwd_lead = _packed(T * H * b, T * K * pb, T * H * b)  # x | probs | dy
+    fwd_lead = packed_bytes(T * H * b, T * K * INDEX_BYTES, T * K * pb)  # x | idx | probs
+    bwd_lead = packed_bytes(T * H * b, T * K * pb, T * H * b)  # x | probs | dy
     fwd_trail = T * H * b  # out
-    bwd_trail = _packed(T * H * b, T * K * pb)  # dx | dprobs
+    bwd_trail = packed_bytes(T * H * b, T * K * pb)  # dx | dprobs
     return _slot(fwd_lead, fwd_trail), _slot(bwd_lead, bwd_trail)
 
 
@@ -48,7 +48,7 @@ def slot_capacity(mode: str, d: Dims, *, training: bool = True) -> int:
     """Bytes of one of the two ring slots (``RingPlan.capacity``): the larger of the passes
     that run, since a forward that a backward follows reserves the backward's size at once.
     0 for a world of one (nothing travels) and for alltoall mode (no slots)."""
-    _check_mode(mode)
+    check_mode(mode)
     if d.R == 1 or mode == "alltoall":
         return 0
     fwd, bwd = _pass_slots(mode, d)
@@ -60,7 +60,7 @@ def symmetric_workspace_bytes(mode: str, d: Dims, *, training: bool = True) -> i
     ``capacity`` bytes rounded up to ``SYMM_GRANULE``, per (group, device), shared by all
     layers (so counted once per GPU, not per layer); at least one granule each, even when the
     slots are empty. 0 for a world of one and for alltoall mode (no slots)."""
-    _check_mode(mode)
+    check_mode(mode)
     if d.R == 1 or mode not in RING_MODES:
         return 0
     cap = slot_capacity(mode, d, training=training)
@@ -71,7 +71,7 @@ def packed_index_bytes(P: int, E: int) -> int:
     """Bytes of a routing index of ``P`` pairs over ``E`` experts built into one buffer (a
     recorded token forward's, ``hop_index.index_layout``): its four arrays back to back, each
     starting ``ALIGN``-aligned, in field order (int32 ids, int64 offsets, int32 ids, the map)."""
-    return _packed(4 * P, 8 * (E + 1), 4 * P, (8 if P >= 2**31 else 4) * P)
+    return packed_bytes(4 * P, 8 * (E + 1), 4 * P, (8 if P >= 2**31 else 4) * P)
 
 
 def captured_hop_bytes(mode: str, d: Dims, *, training: bool = True) -> int:
@@ -97,7 +97,7 @@ def captured_hop_bytes(mode: str, d: Dims, *, training: bool = True) -> int:
     freed after each hop) and what a body returns from it (token mode's routing index of a
     visiting partition, held once per entry: a model of L layers records about 2L of them), whose
     size the allocator decides."""
-    _check_mode(mode)
+    check_mode(mode)
     if mode not in RING_MODES:
         return 0
     THb, TKp = d.T * d.H * d.b, d.T * d.K * d.pb
@@ -170,8 +170,8 @@ def memory_bytes(
     Alltoall mode: see ``_alltoall_memory`` (plain allocations, no symmetric memory).
     A world of one: plain local compute whatever the mode.
     """
-    _check_mode(mode)
-    _check_transport(transport)
+    check_mode(mode)
+    check_transport(transport)
     Wb = d.W * d.b
 
     def out(fwd: int, bwd: int, saved: int, workspace: int = 0) -> MemoryBytes:
@@ -216,7 +216,7 @@ def node_batched_memory_bytes(d: Dims, *, gpus_per_node: int, training: bool = T
     gradient's cast (``W*b`` when ``gb != b``). Checked against a measured peak at ``G = 2``
     (history in the module docstring)."""
     R = d.R
-    G = _check_nodes(R, gpus_per_node)
+    G = check_nodes(R, gpus_per_node)
     if G == 1:
         return memory_bytes("expert", d, training=training, transport="nccl")
     Wb, Wg = d.W * d.b, d.W * d.gb

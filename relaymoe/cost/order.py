@@ -5,14 +5,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from relaymoe.cost.dims import Dims, _check_mode, _check_transport
+from relaymoe.cost.dims import Dims, check_mode, check_transport
 from relaymoe.cost.links import INTER_NODE_BYTES_PER_S
-from relaymoe.cost.time import DEFAULT_TIME_MODEL, TimeModel, _compute_seconds, _exposed
+from relaymoe.cost.time import DEFAULT_TIME_MODEL, TimeModel, compute_seconds, exposed_seconds
 from relaymoe.cost.traffic import hop_bytes
 from relaymoe.options import AUTO, NODE_BATCHED, RING_MODES, SCHEDULE_CHOICES, SCHEDULES
 
 
-def _check_nodes(world: int, gpus_per_node: int | None) -> int:
+def check_nodes(world: int, gpus_per_node: int | None) -> int:
     """Ranks of the group per node (``world`` when ``None``: one node)."""
     if gpus_per_node is None:
         return world
@@ -65,7 +65,7 @@ def schedule_rank(
     a partition moves ``g -> g+1`` inside a round and to the same local rank of the next node
     between rounds."""
     _check_schedule(schedule)
-    G = _order_width(schedule, world, _check_nodes(world, gpus_per_node))
+    G = _order_width(schedule, world, check_nodes(world, gpus_per_node))
     return order_rank(step, partition, world, G)
 
 
@@ -77,7 +77,7 @@ def choose_schedule(*, world: int, gpus_per_node: int | None = None, requested: 
     around a node crossing send over the slow links, each over its own GPU's NIC."""
     if requested not in SCHEDULE_CHOICES:
         raise ValueError(f"cost model: schedule {requested!r} is not one of {SCHEDULE_CHOICES}")
-    G = _check_nodes(world, gpus_per_node)
+    G = check_nodes(world, gpus_per_node)
     if requested != AUTO:
         return requested
     return "two_level" if 1 < G < world else "flat"
@@ -155,16 +155,16 @@ def ring_hop_times(
     nodes runs all of them over NCCL (the copy engine needs the whole group on one node), the
     two-level ring keeps ``transport`` inside its nodes. Between nodes, one NIC per GPU at
     ``inter_bytes_per_s`` over NCCL. In one node both schedules give ``step_seconds``."""
-    _check_mode(mode, RING_MODES)
+    check_mode(mode, RING_MODES)
     _check_schedule(schedule)
-    _check_transport(transport)
+    check_transport(transport)
     R = d.R
-    G = _check_nodes(R, gpus_per_node)
+    G = check_nodes(R, gpus_per_node)
     if not inter_bytes_per_s > 0:
         raise ValueError(f"cost model: inter_bytes_per_s={inter_bytes_per_s!r} must be > 0")
     passes = (False, True) if training else (False,)
     host = model.call_fixed_s + len(passes) * R * model.hop_fixed_s
-    device = sum(_compute_seconds(d, model, bwd) for bwd in passes)
+    device = sum(compute_seconds(d, model, bwd) for bwd in passes)
     spans = G < R
     intra_transport = "nccl" if spans and schedule == "flat" else transport
     hide_intra = model.nccl_hide if intra_transport == "nccl" else model.hide
@@ -175,7 +175,7 @@ def ring_hop_times(
     h = hop_bytes(mode, d)
     for bwd in passes:
         lead, trail = (h.bwd_lead, h.bwd_trail) if bwd else (h.fwd_lead, h.fwd_trail)
-        c_hop = _compute_seconds(d, model, bwd) / R
+        c_hop = compute_seconds(d, model, bwd) / R
         c_max = max(c_max, c_hop)
         if R == 1:
             continue  # nothing travels
@@ -194,7 +194,7 @@ def ring_hop_times(
                     inter |= crosses
                     x = nbytes / (inter_bytes_per_s if crosses else model.link_bytes_per_s)
                     hide = model.nccl_hide if crosses else hide_intra
-                    e = x if home else _exposed(x, c, hide)
+                    e = x if home else exposed_seconds(x, c, hide)
                     worst_exposed, worst_x = max(worst_exposed, e), max(worst_x, x)
             if home and worst_x == 0.0:
                 continue  # nothing trails: no hop home
@@ -226,21 +226,21 @@ def node_batched_hop_times(
     this GPU's NIC under the compute; backward, the round's gradients are reduce-scattered in
     the node after it (not hidden). Every hop is ``inter`` when there are several nodes."""
     R = d.R
-    G = _check_nodes(R, gpus_per_node)
+    G = check_nodes(R, gpus_per_node)
     N = R // G
     passes = (False, True) if training else (False,)
     host = model.call_fixed_s + len(passes) * N * model.hop_fixed_s
     h = hop_bytes("expert", d)
     device, c_max, hop_max, row_max, x_max = 0.0, 0.0, 0.0, 0.0, 0.0
     for bwd in passes:
-        c = _compute_seconds(d, model, bwd) * G / R
+        c = compute_seconds(d, model, bwd) * G / R
         lead, trail = (h.bwd_lead, h.bwd_trail) if bwd else (h.fwd_lead, 0)
         row = (G - 1) * (lead + trail) / model.link_bytes_per_s  # gather (+ reduce-scatter)
         for j in range(N + (1 if bwd and N > 1 else 0)):  # backward: the gradients home
             nbytes = (lead if j < N - 1 else 0) + (trail if 0 < j else 0)
             x = nbytes / inter_bytes_per_s if N > 1 else 0.0
             comp = c if j < N else 0.0
-            e = _exposed(x, comp, model.nccl_hide) if comp else x
+            e = exposed_seconds(x, comp, model.nccl_hide) if comp else x
             hop = (row if j < N else 0.0) + comp + e
             device += hop
             hop_max, x_max = max(hop_max, hop), max(x_max, x)

@@ -6,7 +6,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from relaymoe.cost.dims import Dims, _check_mode, _check_transport, dims
+from relaymoe.cost.dims import Dims, check_mode, check_transport, dims
 from relaymoe.cost.traffic import hop_bytes, step_bytes
 from relaymoe.options import MODES
 
@@ -70,13 +70,13 @@ class TimeModel:
 DEFAULT_TIME_MODEL = TimeModel()
 
 
-def _compute_seconds(d: Dims, model: TimeModel, backward: bool) -> float:
+def compute_seconds(d: Dims, model: TimeModel, backward: bool) -> float:
     """One pass over all of the rank's pairs: ``2*T*K*H*(J + I)`` FLOPs forward (fc1 and fc2;
     6*T*K*H*I with SwiGLU), twice that backward."""
     return (4.0 if backward else 2.0) * d.P * d.H * (d.J + d.I) / model.expert_tflops
 
 
-def _exposed(transfer_s: float, compute_s: float, hide: float) -> float:
+def exposed_seconds(transfer_s: float, compute_s: float, hide: float) -> float:
     """What a hop's compute leaves of its transfer: the part beyond ``hide`` x the compute,
     and never less than ``1 - hide`` of the transfer (contention). Monotone in the transfer."""
     return max(transfer_s - hide * compute_s, (1.0 - hide) * transfer_s)
@@ -89,7 +89,7 @@ def _ring_pass_exposed(
     trail, hop R-1 the trail, each under its hop's compute; the trail's return home after the
     last hop has no compute to hide under."""
     sent = [lead] + [lead + trail] * (R - 2) + [trail]
-    exposed = sum(_exposed(n / bytes_per_s, hop_compute_s, hide) for n in sent)
+    exposed = sum(exposed_seconds(n / bytes_per_s, hop_compute_s, hide) for n in sent)
     return exposed + trail / bytes_per_s
 
 
@@ -108,10 +108,10 @@ def step_seconds(
     exposed parts. Alltoall: host ``alltoall_fixed`` (half without a backward); device the
     compute plus link bytes / ``alltoall_bytes_per_s`` (no overlap).
     """
-    _check_mode(mode)
-    _check_transport(transport)
+    check_mode(mode)
+    check_transport(transport)
     passes = (False, True) if training else (False,)
-    compute = sum(_compute_seconds(d, model, bwd) for bwd in passes)
+    compute = sum(compute_seconds(d, model, bwd) for bwd in passes)
     if mode == "alltoall":
         host = model.alltoall_fixed_s * (1.0 if training else 0.5)
         device = compute + step_bytes(mode, d, training=training).step / model.alltoall_bytes_per_s
@@ -123,7 +123,7 @@ def step_seconds(
         h = hop_bytes(mode, d)
         for bwd in passes:
             lead, trail = (h.bwd_lead, h.bwd_trail) if bwd else (h.fwd_lead, h.fwd_trail)
-            c_hop = _compute_seconds(d, model, bwd) / d.R
+            c_hop = compute_seconds(d, model, bwd) / d.R
             device += _ring_pass_exposed(lead, trail, c_hop, d.R, hide, model.link_bytes_per_s)
     return math.hypot(host, device)
 
@@ -154,12 +154,12 @@ def choose_mode_for(
     modes: Sequence[str] = MODES,
 ) -> str:
     """:func:`choose_mode` for sizes already held as ``Dims`` (the planner's shapes)."""
-    _check_transport(transport)
+    check_transport(transport)
     wanted = tuple(modes)
     if not wanted:
         raise ValueError(f"choose_mode: modes is empty; pass a subset of {MODES}")
     for m in wanted:
-        _check_mode(m)
+        check_mode(m)
     if d.R == 1:
         return "expert"
     best, best_s = None, math.inf

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from relaymoe.cost.dims import Dims, _check_mode
+from relaymoe.cost.dims import Dims, check_mode
 from relaymoe.cost.links import INDEX_BYTES
 from relaymoe.options import RING_MODES
 
@@ -36,7 +36,7 @@ def hop_bytes(mode: str, d: Dims) -> HopBytes:
     """Per-hop bytes of a ring mode (RelayMoE Table 2). Expert mode: the local experts' ``W``
     elements (weights and the biases they carry) lead, and their gradients trail in ``d.gb``
     bytes an element."""
-    _check_mode(mode, RING_MODES)
+    check_mode(mode, RING_MODES)
     if mode == "expert":
         w = d.W
         return HopBytes(fwd_lead=w * d.b, fwd_trail=0, bwd_lead=w * d.b, bwd_trail=w * d.gb)
@@ -70,7 +70,7 @@ def step_bytes(mode: str, d: Dims, *, training: bool = True) -> StepBytes:
     """Link bytes of one layer step on one rank. Ring: the lead ``R-1`` times and the trail
     ``R`` times per pass (the schedule in the module docstring). Alltoall: the ``(R-1)/R`` of
     the ``S`` rows that leave the rank, out and back."""
-    _check_mode(mode)
+    check_mode(mode)
     R = d.R
     if R == 1:
         return StepBytes(0.0, 0.0)

@@ -15,17 +15,17 @@ from pathlib import Path
 from relaymoe.data.errors import DataError
 from relaymoe.data.inputs import TEXT_MODES, input_format, plan_chunks
 from relaymoe.data.parts import (
-    _WORKER,
     FORMAT_VERSION,
     Settings,
-    _make_part_star,
-    _part_prefix,
-    _same,
-    _worker_init,
     make_part,
+    make_part_star,
     part_done,
+    part_prefix,
+    same_json,
+    worker_init,
+    worker_tokenizer,
 )
-from relaymoe.data.progress import _Progress
+from relaymoe.data.progress import Progress
 from relaymoe.data.tokenizer import resolve_tokenizer, tokenizer_fingerprint
 
 
@@ -86,8 +86,7 @@ def prepare(
     prefix = str(Path(output_prefix).resolve())
     Path(prefix).parent.mkdir(parents=True, exist_ok=True)
     tok_dir = resolve_tokenizer(tokenizer, output_prefix=prefix, eod_token=eod_token)
-    _worker_init(tok_dir, None)
-    tok = _WORKER["tokenizer"]
+    tok = worker_tokenizer(tok_dir)
     eod = tok.eod if append_eod else None
     if append_eod and eod is None:
         raise DataError(
@@ -141,7 +140,7 @@ def _complete(outputs: dict, manifest: dict) -> bool:
             recorded = json.loads(m.read_text())
         except json.JSONDecodeError:
             return False
-        if not _same({k: recorded.get(k) for k in manifest}, manifest):
+        if not same_json({k: recorded.get(k) for k in manifest}, manifest):
             return False
     return True
 
@@ -149,13 +148,13 @@ def _complete(outputs: dict, manifest: dict) -> bool:
 def _run_parts(parts_dir, todo, chunks, settings, workers, progress) -> None:
     total = sum(c.end - c.start for c in chunks)
     done_before = total - sum(c.end - c.start for c in todo)
-    bar = _Progress(total, done_before, enabled=progress)
+    bar = Progress(total, done_before, enabled=progress)
     try:
         if workers == 1 or len(todo) <= 1:
             import multiprocessing as mp
 
             counter = mp.Value("q", 0)
-            _worker_init(settings.tokenizer_dir, counter)
+            worker_init(settings.tokenizer_dir, counter)
             for c in todo:
                 make_part(str(parts_dir), c, settings)
                 bar.update(counter.value)
@@ -169,10 +168,10 @@ def _run_parts(parts_dir, todo, chunks, settings, workers, progress) -> None:
         ctx = mp.get_context("spawn")
         counter = ctx.Value("q", 0)
         with ctx.Pool(
-            min(workers, len(todo)), _worker_init, (settings.tokenizer_dir, counter)
+            min(workers, len(todo)), worker_init, (settings.tokenizer_dir, counter)
         ) as pool:
             jobs = [(str(parts_dir), c, settings) for c in todo]
-            pending = pool.imap_unordered(_make_part_star, jobs)
+            pending = pool.imap_unordered(make_part_star, jobs)
             for _ in range(len(jobs)):
                 while True:
                     try:
@@ -200,7 +199,7 @@ def _merge(parts_dir, chunks, outputs, settings, manifest, docs, tokens) -> None
         gc.freeze()
         try:
             for c in chunks:
-                builder.add_index(str(_part_prefix(parts_dir, c, k)))
+                builder.add_index(str(part_prefix(parts_dir, c, k)))
         finally:
             gc.unfreeze()
         builder.finalize(f"{tmp}.idx")

@@ -34,11 +34,11 @@ def _sidecar(chunk: Chunk, settings: Settings) -> dict:
     return {"format": FORMAT_VERSION, "chunk": asdict(chunk), "settings": asdict(settings)}
 
 
-def _same(a: dict, b: dict) -> bool:
+def same_json(a: dict, b: dict) -> bool:
     return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
 
 
-def _part_prefix(parts_dir: Path, chunk: Chunk, key: str) -> Path:
+def part_prefix(parts_dir: Path, chunk: Chunk, key: str) -> Path:
     return parts_dir / f"{chunk.name}_{key}"
 
 
@@ -50,10 +50,12 @@ def part_done(parts_dir: Path, chunk: Chunk, settings: Settings) -> bool:
         recorded = json.loads(meta.read_text())
     except json.JSONDecodeError:
         return False
-    if not _same({k: v for k, v in recorded.items() if k != "stats"}, _sidecar(chunk, settings)):
+    if not same_json(
+        {k: v for k, v in recorded.items() if k != "stats"}, _sidecar(chunk, settings)
+    ):
         return False
     return all(
-        Path(f"{_part_prefix(parts_dir, chunk, k)}{ext}").is_file()
+        Path(f"{part_prefix(parts_dir, chunk, k)}{ext}").is_file()
         for k in settings.keys
         for ext in (".bin", ".idx")
     )
@@ -62,11 +64,17 @@ def part_done(parts_dir: Path, chunk: Chunk, settings: Settings) -> bool:
 _WORKER: dict = {}
 
 
-def _worker_init(tokenizer_dir: str, counter) -> None:
+def worker_init(tokenizer_dir: str, counter) -> None:
     if _WORKER.get("tokenizer_dir") != tokenizer_dir:  # loaded once per process
         _WORKER["tokenizer"] = build_megatron_tokenizer(tokenizer_dir)
         _WORKER["tokenizer_dir"] = tokenizer_dir
     _WORKER["counter"] = counter
+
+
+def worker_tokenizer(tokenizer_dir: str):
+    """This process's tokenizer of ``tokenizer_dir`` (loaded once per process), with no counter."""
+    worker_init(tokenizer_dir, None)
+    return _WORKER["tokenizer"]
 
 
 def make_part(parts_dir: str, chunk: Chunk, settings: Settings) -> dict:
@@ -75,12 +83,12 @@ def make_part(parts_dir: str, chunk: Chunk, settings: Settings) -> dict:
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     if _WORKER.get("tokenizer_dir") != settings.tokenizer_dir:
-        _worker_init(settings.tokenizer_dir, _WORKER.get("counter"))
+        worker_init(settings.tokenizer_dir, _WORKER.get("counter"))
     tok = _WORKER["tokenizer"]
     counter = _WORKER.get("counter")
     dtype = getattr(numpy, settings.dtype)
     folder = Path(parts_dir)
-    tmp = {k: Path(f"{_part_prefix(folder, chunk, k)}.tmp{os.getpid()}") for k in settings.keys}
+    tmp = {k: Path(f"{part_prefix(folder, chunk, k)}.tmp{os.getpid()}") for k in settings.keys}
     builders = {k: IndexedDatasetBuilder(f"{tmp[k]}.bin", dtype=dtype) for k in settings.keys}
     stats = {"documents": 0, "empty": 0, "tokens": {k: 0 for k in settings.keys}}
     last = chunk.start
@@ -109,7 +117,7 @@ def make_part(parts_dir: str, chunk: Chunk, settings: Settings) -> dict:
             counter.value += chunk.end - last
     for k, b in builders.items():
         b.finalize(f"{tmp[k]}.idx")
-        final = _part_prefix(folder, chunk, k)
+        final = part_prefix(folder, chunk, k)
         os.replace(f"{tmp[k]}.bin", f"{final}.bin")
         os.replace(f"{tmp[k]}.idx", f"{final}.idx")
     meta = dict(_sidecar(chunk, settings), stats=stats)
@@ -119,5 +127,5 @@ def make_part(parts_dir: str, chunk: Chunk, settings: Settings) -> dict:
     return stats
 
 
-def _make_part_star(args):
+def make_part_star(args):
     return make_part(*args)

@@ -6,7 +6,7 @@ import sys
 import time
 
 
-class _Progress:
+class Progress:
     """A tqdm bar over input bytes when tqdm is installed and stderr is a terminal, else a
     line every 10 s (logs of batch jobs)."""
 

@@ -12,9 +12,9 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from relaymoe.loss.chunk import _accumulate_wgrad, _combine, _grad, _stats
-from relaymoe.loss.inputs import _check_labels, _make_setup, _Setup
-from relaymoe.loss.tp import _agree_tp, refuse_on_every_rank
+from relaymoe.loss.chunk import accumulate_wgrad, chunk_grad, chunk_stats, combine_stats
+from relaymoe.loss.inputs import LossSetup, check_labels, make_setup
+from relaymoe.loss.tp import agree_tp, refuse_on_every_rank
 
 Impl = Literal["auto", "torch", "triton"]
 # the device-side refusal of a captured backward whose upstream gradient is not uniform
@@ -77,7 +77,7 @@ def linear_cross_entropy(
     Trusted always: that every rank passes the same ``hidden_TH`` values.
     """
     try:
-        setup = _make_setup(
+        setup = make_setup(
             hidden_TH, weight_VH, labels_T, tp_group, chunk_tokens, ignore_index,
             label_smoothing, impl,
         )  # fmt: skip
@@ -87,9 +87,9 @@ def linear_cross_entropy(
         raise
     labels_T = labels_T.long()
     if validate and setup.world > 1:
-        _agree_tp(hidden_TH, labels_T, setup)
+        agree_tp(hidden_TH, labels_T, setup)
     elif validate:
-        _check_labels(labels_T, setup)
+        check_labels(labels_T, setup)
     grad_on = torch.is_grad_enabled()
     need_dh = grad_on and hidden_TH.requires_grad
     need_dw = grad_on and weight_VH.requires_grad
@@ -99,7 +99,7 @@ def linear_cross_entropy(
     return _LinearCrossEntropy.apply(hidden_TH, weight_VH, labels_T, setup, need_dh, need_dw)
 
 
-def _targets(labels_T: Tensor, setup: _Setup) -> tuple[Tensor, Tensor]:
+def _targets(labels_T: Tensor, setup: LossSetup) -> tuple[Tensor, Tensor]:
     """``(tgt_T, valid_T)``: the label's local column (-1 when ignored or on another rank) and
     whether the token counts."""
     valid = labels_T != setup.ignore_index
@@ -108,7 +108,7 @@ def _targets(labels_T: Tensor, setup: _Setup) -> tuple[Tensor, Tensor]:
     return torch.where(here, local, -1), valid
 
 
-def _forward(hidden, weight, labels, setup: _Setup, need_dh: bool, need_dw: bool):
+def _forward(hidden, weight, labels, setup: LossSetup, need_dh: bool, need_dw: bool):
     tokens, hid = hidden.shape
     dev = hidden.device
     loss = torch.zeros(tokens, dtype=setup.work, device=dev)
@@ -124,21 +124,21 @@ def _forward(hidden, weight, labels, setup: _Setup, need_dh: bool, need_dw: bool
             e = min(s + setup.chunk, tokens)
             h = hidden[s:e]
             logits = torch.mm(h, w_t, out=buf[: e - s])
-            stats = _stats(logits, tgt[s:e], setup)
-            loss_c, lse[s:e] = _combine(*stats, tgt[s:e] >= 0, setup)
+            stats = chunk_stats(logits, tgt[s:e], setup)
+            loss_c, lse[s:e] = combine_stats(*stats, tgt[s:e] >= 0, setup)
             loss[s:e] = torch.where(valid[s:e], loss_c, 0.0)
             if need_dh or need_dw:
                 scale = valid[s:e].to(setup.work)
-                dlogits = _grad(logits, tgt[s:e], lse[s:e], scale, setup)
+                dlogits = chunk_grad(logits, tgt[s:e], lse[s:e], scale, setup)
                 if need_dh:
                     torch.mm(dlogits, weight, out=dh_unit[s:e])
                 if need_dw:
-                    _accumulate_wgrad(dw_unit, dlogits, h)
+                    accumulate_wgrad(dw_unit, dlogits, h)
         del buf
     return loss, lse, tgt, valid, dh_unit, dw_unit
 
 
-def _recompute_wgrad(hidden, weight, tgt, lse, scale, setup: _Setup) -> Tensor:
+def _recompute_wgrad(hidden, weight, tgt, lse, scale, setup: LossSetup) -> Tensor:
     """``sum_t scale[t] * dlogits[t].T @ h[t]`` by chunks again (the backward's exact path)."""
     tokens, hid = hidden.shape
     acc = torch.zeros(setup.vocab_local, hid, dtype=setup.work, device=hidden.device)
@@ -148,8 +148,8 @@ def _recompute_wgrad(hidden, weight, tgt, lse, scale, setup: _Setup) -> Tensor:
     for s in range(0, tokens, setup.chunk):
         e = min(s + setup.chunk, tokens)
         logits = torch.mm(hidden[s:e], w_t, out=buf[: e - s])
-        dlogits = _grad(logits, tgt[s:e], lse[s:e], scale[s:e].contiguous(), setup)
-        _accumulate_wgrad(acc, dlogits, hidden[s:e])
+        dlogits = chunk_grad(logits, tgt[s:e], lse[s:e], scale[s:e].contiguous(), setup)
+        accumulate_wgrad(acc, dlogits, hidden[s:e])
     return acc
 
 

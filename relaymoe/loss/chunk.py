@@ -2,7 +2,7 @@
 
 The statistics and the logits gradient run in torch or in the Triton row kernels
 (``relaymoe.kernels.cross_entropy``, imported on first use); the combine makes Megatron's
-all-reduces; the weight gradient accumulates in fp32 (``_accumulate_wgrad``).
+all-reduces; the weight gradient accumulates in fp32 (``accumulate_wgrad``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from relaymoe.loss.inputs import _Setup
+from relaymoe.loss.inputs import LossSetup
 
 
 def _stats_torch(logits_CV: Tensor, tgt_C: Tensor, want_sum: bool, work: torch.dtype):
@@ -35,7 +35,7 @@ def _grad_torch(logits_CV, tgt_C, lse_C, scale_C, smooth, target_weight, work):
     return logits_CV.copy_(p)
 
 
-def _stats(logits_CV, tgt_C, setup: _Setup):
+def chunk_stats(logits_CV, tgt_C, setup: LossSetup):
     want_sum = setup.smoothing > 0
     if setup.impl == "triton":
         from relaymoe.kernels.cross_entropy import row_stats
@@ -44,7 +44,7 @@ def _stats(logits_CV, tgt_C, setup: _Setup):
     return _stats_torch(logits_CV, tgt_C, want_sum, setup.work)
 
 
-def _grad(logits_CV, tgt_C, lse_C, scale_C, setup: _Setup) -> Tensor:
+def chunk_grad(logits_CV, tgt_C, lse_C, scale_C, setup: LossSetup) -> Tensor:
     """The chunk's logits gradient, written over ``logits_CV`` (returned)."""
     smooth = setup.smoothing / setup.vocab_local
     target_weight = 1.0 - setup.smoothing
@@ -56,7 +56,7 @@ def _grad(logits_CV, tgt_C, lse_C, scale_C, setup: _Setup) -> Tensor:
     return _grad_torch(logits_CV, tgt_C, lse_C, scale_C, smooth, target_weight, setup.work)
 
 
-def _combine(rowmax, sumexp, target, rowsum, has_target, setup: _Setup):
+def combine_stats(rowmax, sumexp, target, rowsum, has_target, setup: LossSetup):
     """Global ``(loss_C, lse_C)`` from this rank's per-row statistics: the all-reduces Megatron
     makes (max; then sum-exp and target logit, here in one call)."""
     gmax = rowmax
@@ -102,7 +102,7 @@ def _mixed_wgrad_mode(device: torch.device) -> str:
     return "upcast"
 
 
-def _accumulate_wgrad(acc_VH: Tensor, dlogits_CV: Tensor, h_CH: Tensor) -> None:
+def accumulate_wgrad(acc_VH: Tensor, dlogits_CV: Tensor, h_CH: Tensor) -> None:
     """``acc_VH += dlogits_CV.T @ h_CH`` with the product accumulated in ``acc_VH``'s dtype."""
     a = dlogits_CV.t()
     if dlogits_CV.dtype == acc_VH.dtype:

@@ -1,6 +1,6 @@
 """The checks of ``linear_cross_entropy``'s arguments, and the validated setup of one call.
 
-Every refusal is a ``ValueError`` naming the value, the limit and the fix; ``_check_labels`` is
+Every refusal is a ``ValueError`` naming the value, the limit and the fix; ``check_labels`` is
 the label range check of a call without tensor parallelism (one host sync).
 """
 
@@ -16,7 +16,7 @@ from relaymoe.lossmodel import default_chunk_tokens
 
 
 @dataclass(frozen=True)
-class _Setup:
+class LossSetup:
     """What one call needs besides its tensors (validated)."""
 
     vocab_local: int
@@ -31,7 +31,7 @@ class _Setup:
     work: torch.dtype  # statistics dtype: fp32, or fp64 for fp64 inputs
 
 
-def _make_setup(hidden, weight, labels, group, chunk_tokens, ignore_index, smoothing, impl):
+def make_setup(hidden, weight, labels, group, chunk_tokens, ignore_index, smoothing, impl):
     name = "linear_cross_entropy"
     if not isinstance(hidden, Tensor) or hidden.dim() != 2:
         raise ValueError(f"{name}: hidden_TH must be a 2-D (T, H) tensor, got {_desc(hidden)}")
@@ -46,7 +46,7 @@ def _make_setup(hidden, weight, labels, group, chunk_tokens, ignore_index, smoot
         )
     if vocab_local < 1:
         raise ValueError(f"{name}: weight_VH has {vocab_local} rows; each rank needs >= 1")
-    if hidden.dtype not in _FLOATS or hidden.dtype != weight.dtype:
+    if hidden.dtype not in FLOATS or hidden.dtype != weight.dtype:
         raise ValueError(
             f"{name}: hidden_TH ({hidden.dtype}) and weight_VH ({weight.dtype}) must share one "
             "float dtype of float16, bfloat16, float32, float64; cast one of them"
@@ -101,7 +101,7 @@ def _make_setup(hidden, weight, labels, group, chunk_tokens, ignore_index, smoot
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         if world > 1:
             pg = group
-    return _Setup(
+    return LossSetup(
         vocab_local=vocab_local,
         vocab_start=rank * vocab_local,
         world=world,
@@ -115,7 +115,7 @@ def _make_setup(hidden, weight, labels, group, chunk_tokens, ignore_index, smoot
     )
 
 
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1  # the labels' range (widened to int64)
 
 
@@ -143,7 +143,7 @@ def _resolve_impl(impl: str, device: torch.device) -> str:
     return "triton" if usable and device.type == "cuda" else "torch"
 
 
-def _check_labels(labels: Tensor, setup: _Setup) -> None:
+def check_labels(labels: Tensor, setup: LossSetup) -> None:
     vocab = setup.vocab_local * setup.world
     bad = ((labels < 0) | (labels >= vocab)) & (labels != setup.ignore_index)
     if bad.any():  # host sync

@@ -2,7 +2,7 @@
 
 The ranks of ``tp_group`` must pass one T, H, Vl, chunk size, dtype, ignore_index, label
 smoothing and the same labels; each writes a row of integers and every rank reads every row,
-so ranks that break the contract all raise the same ``ValueError`` (see ``_agree_tp``). A rank
+so ranks that break the contract all raise the same ``ValueError`` (see ``agree_tp``). A rank
 whose own arguments fail their checks enters the same all-reduce with its message
 (``refuse_on_every_rank``): every rank raises it, none waits.
 """
@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from relaymoe.loss.inputs import _FLOATS, _Setup
+from relaymoe.loss.inputs import FLOATS, LossSetup
 
-# The tensor-parallel contract, one row per rank (see ``_agree_tp``); ``refused``: this rank's
+# The tensor-parallel contract, one row per rank (see ``agree_tp``); ``refused``: this rank's
 # arguments failed their checks, the message's UTF-8 bytes in the last _MSG_COLS columns
 _TP_FIELDS = ("T", "H", "Vl", "chunk", "dtype", "ignore_index", "smoothing", "labels", "bad",
               "first_bad", "live", "refused")  # fmt: skip
@@ -39,7 +39,7 @@ _TP_WHAT = {
 }  # fmt: skip
 
 
-def _agree_tp(hidden: Tensor, labels: Tensor, setup: _Setup) -> None:
+def agree_tp(hidden: Tensor, labels: Tensor, setup: LossSetup) -> None:
     """Check, on every rank of ``tp_group`` at once, the contract the chunk loop's collectives
     rely on: one T, H, Vl, chunk size, dtype, ignore_index, smoothing and labels on every rank,
     and every label in range. Each rank writes one row of integers (its own values, a checksum
@@ -56,7 +56,7 @@ def _agree_tp(hidden: Tensor, labels: Tensor, setup: _Setup) -> None:
     vocab = setup.vocab_local * world
     bad = ((labels < 0) | (labels >= vocab)) & (labels != setup.ignore_index)
     weights = torch.arange(1, tokens + 1, dtype=torch.int64, device=dev)
-    host = [tokens, hid, setup.vocab_local, setup.chunk, _FLOATS.index(hidden.dtype) + 1,
+    host = [tokens, hid, setup.vocab_local, setup.chunk, FLOATS.index(hidden.dtype) + 1,
             setup.ignore_index, _float_bits(setup.smoothing_arg), 0, 0, 0, 1]  # fmt: skip
     host += [0] * (cols - len(host))
     mat = torch.zeros(world, cols, dtype=torch.int64, device=dev)
@@ -82,7 +82,7 @@ def _agree_tp(hidden: Tensor, labels: Tensor, setup: _Setup) -> None:
 
 def refuse_on_every_rank(err: ValueError, hidden, group) -> None:
     """This rank's arguments failed their checks (``err``): at TP > 1, enter the contract's
-    all-reduce that its peers enter (``_agree_tp``) with the message in this rank's row, so
+    all-reduce that its peers enter (``agree_tp``) with the message in this rank's row, so
     that every rank raises the same ``ValueError`` instead of leaving the peers waiting. A
     group of one, or no initialised ``torch.distributed``, returns (the caller raises ``err``
     alone: nobody waits)."""

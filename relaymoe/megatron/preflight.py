@@ -104,9 +104,9 @@ def parser_problems(argv: list[str]) -> list[str]:
         from megatron.training import arguments
 
         parser = arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
-        from relaymoe.megatron.pretrain import _extra_args
+        from relaymoe.megatron.pretrain import extra_args
 
-        _extra_args(parser)
+        extra_args(parser)
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):

@@ -32,7 +32,7 @@ import torch
 _REPORT = {"path": None, "t0": None, "tokens": 0, "step": 0}
 
 
-def _extra_args(parser):
+def extra_args(parser):
     group = parser.add_argument_group(title="relaymoe pretrain")
     group.add_argument(
         "--relaymoe-report",
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron.training.arguments import parse_and_validate_args
 
     args = parse_and_validate_args(
-        extra_args_provider=_extra_args, args_defaults={"tokenizer_type": "NullTokenizer"}
+        extra_args_provider=extra_args, args_defaults={"tokenizer_type": "NullTokenizer"}
     )
     if args.relaymoe_weights_digest and not args.relaymoe_report:
         raise SystemExit(

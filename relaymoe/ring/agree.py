@@ -54,17 +54,17 @@ from relaymoe.kernels import check_problem_limits
 from relaymoe.options import AGREE_CHOICES, GRAD_ACCUM_CHOICES, NODE_BATCHED, SCHEDULE_CHOICES
 from relaymoe.ring.capture import check_captured
 from relaymoe.ring.checks import (
-    _DEVICE_TYPES,
-    _FLOATS,
+    DEVICE_TYPES,
+    FLOATS,
     MODES,
     TRANSPORTS,
-    _local_check,
-    _weight_meta,
+    local_check,
+    weight_meta,
 )
 from relaymoe.ring.expert_mlp import activation_fields, bias_code, same_expert_mlp
 from relaymoe.ring.faults import all_reduce_checked, check_markers
 from relaymoe.ring.problem import RingProblem, RingRequest
-from relaymoe.ring.topology import _host_hash, nodes_from_hosts, resolve_schedule
+from relaymoe.ring.topology import host_hash, nodes_from_hosts, resolve_schedule
 from relaymoe.ring.transport import copy_engine_available, copy_engine_works
 
 # The agreement's request and result (RingRequest, RingProblem: problem.py) and the schedule
@@ -164,17 +164,60 @@ def _agree_collective(
     the call's ``RingConfig.timeout_s``."""
     x, w13, w2, topk_idx, topk_probs, *biases = inputs
     b13, b2 = biases or (None, None)
-    code, msg = _local_check(x, w13, w2, topk_idx, topk_probs, req, world, validate_ids, b13, b2)
+    code, msg = local_check(x, w13, w2, topk_idx, topk_probs, req, world, validate_ids, b13, b2)
     keeps = runtime is not None and runtime.persistent  # a workspace that outlives the call
+    row = _encode_row(code, x, w2, topk_idx, topk_probs, req, b13, b2, keeps)
+    counts = _pairs_per_owner(topk_idx, row[F_EL], world) if code == 0 and with_pairs else None
+    rows = _exchange_rows(row, counts, x, group=group, rank=rank, world=world, req=req,
+                          timeout_s=timeout_s)  # fmt: skip
+    _raise_input_errors(rows, rank, code, msg)
+    act, has_b13, has_b2 = _check_same_across_ranks(rows)
+    mode, batched = _resolve_mode(rows, world, act, has_b13, has_b2)
+    _check_limits(rows, mode)
+    transport = _resolve_transport(rows, world, mode, batched, group, x, runtime, timeout_s)
+    schedule, gpus_per_node = "flat", None
+    if world > 1 and mode != "alltoall":
+        requested = SCHEDULE_CHOICES[rows[0][F_SCHED] - 1]
+        hosts = [rw[F_HOST] for rw in rows]
+        schedule, gpus_per_node = resolve_schedule(requested, rows[0][F_GPN] or None, hosts)
+    return RingProblem(
+        rank=rank,
+        world_size=world,
+        num_local_experts=rows[0][F_EL],
+        hidden=rows[0][F_H],
+        ffn=rows[0][F_I],
+        topk=rows[0][F_K],
+        dtype=FLOATS[rows[0][F_DTYPE] - 1],
+        prob_dtype=FLOATS[rows[0][F_PDTYPE] - 1],
+        tokens=tuple(rw[F_T] for rw in rows),
+        mode=mode,
+        transport=transport,
+        needs_grad=rows[0][F_GRAD] == 2,
+        pairs=tuple(tuple(rw[NUM_FIELDS:]) for rw in rows) if with_pairs else None,
+        schedule=schedule,
+        gpus_per_node=gpus_per_node,
+        grad_dtype=_grad_dtype(rows[0], world),
+        pair_buffer_mib=rows[0][F_PAIRBUF],
+        activation=act,
+        has_b13=has_b13,
+        has_b2=has_b2,
+    )
+
+
+def _encode_row(code: int, x, w2, topk_idx, topk_probs, req: RingRequest, b13, b2,
+                keeps: bool) -> list[int]:  # fmt: skip
+    """This rank's row of the agreement: its error code, and when its inputs are valid, their
+    sizes, dtypes, device and the requested options; always its host and validity marker.
+    ``keeps``: the call's runtime outlives it (a copy-engine workspace can persist)."""
     row = [0] * NUM_FIELDS
     row[F_ERR] = code
     if code == 0:
-        m2 = _weight_meta("w2", w2, "")[0]
+        m2 = weight_meta("w2", w2, "")[0]
         row[F_EL], row[F_I], row[F_H] = m2.shape[0], m2.shape[2], x.shape[1]
         row[F_K], row[F_T] = topk_idx.shape[1], x.shape[0]
-        row[F_DTYPE] = _FLOATS.index(x.dtype) + 1
-        row[F_PDTYPE] = _FLOATS.index(topk_probs.dtype) + 1
-        row[F_DEV] = _DEVICE_TYPES.index(x.device.type) + 1
+        row[F_DTYPE] = FLOATS.index(x.dtype) + 1
+        row[F_PDTYPE] = FLOATS.index(topk_probs.dtype) + 1
+        row[F_DEV] = DEVICE_TYPES.index(x.device.type) + 1
         row[F_MODE] = MODES.index(req.mode) + 1
         row[F_TRANSPORT] = TRANSPORTS.index(req.transport) + 1
         row[F_GRAD] = int(req.needs_grad) + 1
@@ -187,34 +230,47 @@ def _agree_collective(
         row[F_ACT_FN : F_ACT_OFFSET + 1] = activation_fields(req.activation)
         row[F_BIAS] = bias_code(b13 is not None, b2 is not None)
         row[F_CAPTURE] = int(req.capturable) + 1
-    row[F_HOST] = _host_hash()
+    row[F_HOST] = host_hash()
     row[F_LIVE] = 1  # the validity marker: a sum missing a rank's row lacks its 1
-    counts = _pairs_per_owner(topk_idx, row[F_EL], world) if code == 0 and with_pairs else None
-    if group is not None and world > 1:
-        mat = torch.zeros(
-            world, NUM_FIELDS + world, dtype=torch.int64, device=_comm_device(group, x)
-        )
-        mat[rank, :NUM_FIELDS] = torch.tensor(row, dtype=torch.int64)
-        if counts is not None:
-            mat[rank, NUM_FIELDS:] = counts.to(mat.device)
-        # completes within the timeout or raises RingPeerError (the buffer is then never read)
-        watch = all_reduce_checked(
-            mat, group, mode=_mode_name(req.mode), phase="agree", timeout_s=timeout_s
-        )
-        rows = mat.tolist()  # host sync
-        check_markers(watch, [rw[F_LIVE] for rw in rows], what="the agreement's all-reduce")
-    else:
-        rows = [row + (counts.tolist() if counts is not None else [0] * world)]  # host sync
+    return row
 
+
+def _exchange_rows(row: list[int], counts: Tensor | None, x, *, group, rank: int, world: int,
+                   req: RingRequest, timeout_s: float | None) -> list[list[int]]:  # fmt: skip
+    """Every rank's row followed by its pairs per expert owner (zeros without ``counts``): one
+    all-reduce of the ``(R, F + R)`` matrix, read once every rank's marker is in."""
+    if group is None or world <= 1:
+        return [row + (counts.tolist() if counts is not None else [0] * world)]  # host sync
+    mat = torch.zeros(world, NUM_FIELDS + world, dtype=torch.int64, device=_comm_device(group, x))
+    mat[rank, :NUM_FIELDS] = torch.tensor(row, dtype=torch.int64)
+    if counts is not None:
+        mat[rank, NUM_FIELDS:] = counts.to(mat.device)
+    # completes within the timeout or raises RingPeerError (the buffer is then never read)
+    watch = all_reduce_checked(
+        mat, group, mode=_mode_name(req.mode), phase="agree", timeout_s=timeout_s
+    )
+    rows = mat.tolist()  # host sync
+    check_markers(watch, [rw[F_LIVE] for rw in rows], what="the agreement's all-reduce")
+    return rows
+
+
+def _raise_input_errors(rows: list[list[int]], rank: int, code: int, msg: str) -> None:
+    """A rank whose inputs are invalid raises its own message; the others name it."""
     bad = [(r, rw[F_ERR]) for r, rw in enumerate(rows) if rw[F_ERR]]
-    if bad:
-        if code:
-            raise ValueError(f"ring_moe: invalid input on rank {rank}: {msg}")
-        r0, c0 = bad[0]
-        raise ValueError(
-            f"ring_moe: invalid input on rank {r0}: {_ERRORS.get(c0, 'unknown error')}; "
-            f"see rank {r0}'s error for the details (every rank raises)"
-        )
+    if not bad:
+        return
+    if code:
+        raise ValueError(f"ring_moe: invalid input on rank {rank}: {msg}")
+    r0, c0 = bad[0]
+    raise ValueError(
+        f"ring_moe: invalid input on rank {r0}: {_ERRORS.get(c0, 'unknown error')}; "
+        f"see rank {r0}'s error for the details (every rank raises)"
+    )
+
+
+def _check_same_across_ranks(rows: list[list[int]]):
+    """The sizes, dtypes, device and options every rank must share; returns the agreed expert
+    MLP ``(activation, has_b13, has_b2)``."""
 
     def same(field: int, what: str, fix: str) -> None:
         vals = [rw[field] for rw in rows]
@@ -229,13 +285,13 @@ def _agree_collective(
     if len(set(dcodes)) != 1:
         raise ValueError(
             "ring_moe: the x/w13/w2 dtype differs across ranks: "
-            f"{[str(_FLOATS[c - 1]) for c in dcodes]}; use one dtype on every rank"
+            f"{[str(FLOATS[c - 1]) for c in dcodes]}; use one dtype on every rank"
         )
     pcodes = [rw[F_PDTYPE] for rw in rows]
     if len(set(pcodes)) != 1:
         raise ValueError(
             "ring_moe: the topk_probs dtype differs across ranks: "
-            f"{[str(_FLOATS[c - 1]) for c in pcodes]}; use one dtype on every rank"
+            f"{[str(FLOATS[c - 1]) for c in pcodes]}; use one dtype on every rank"
         )
     same(F_DEV, "the device type (1 cpu, 2 cuda)", "put every rank's inputs on the same kind")
     same(F_MODE, "the requested mode (1 auto, 2 expert, 3 token, 4 alltoall)", "pass the same mode")
@@ -255,28 +311,35 @@ def _agree_collective(
                   lambda v: v)  # fmt: skip
     same(F_CAPTURE, "capturable (1 no, 2 yes: the step is captured in a CUDA graph)",
          "every rank must capture its step, or none")  # fmt: skip
-    act, has_b13, has_b2 = same_expert_mlp(
+    return same_expert_mlp(
         [rw[F_ACT_FN : F_ACT_OFFSET + 1] for rw in rows], [rw[F_BIAS] for rw in rows]
     )
 
+
+def _grad_dtype(r0: list[int], world: int) -> torch.dtype:
+    """The weight gradients' dtype: fp32 where the agreed grad_accum accumulates wider."""
+    dtype = FLOATS[r0[F_DTYPE] - 1]
+    grad_accum = GRAD_ACCUM_CHOICES[r0[F_GACC] - 1]
+    return torch.float32 if grad_accum_bytes(grad_accum, world, dtype) > dtype.itemsize else dtype
+
+
+def _resolve_mode(rows: list[list[int]], world: int, act, has_b13: bool,
+                  has_b2: bool) -> tuple[str, bool]:  # fmt: skip
+    """The agreed mode (``auto``: the time model's choice, the same floats on every rank) and
+    whether the node-batched schedule runs (expert mode over the group's P2P only)."""
     r0 = rows[0]
-    dtype, prob_dtype = _FLOATS[r0[F_DTYPE] - 1], _FLOATS[r0[F_PDTYPE] - 1]
-    tokens = tuple(rw[F_T] for rw in rows)
-    needs = r0[F_GRAD] == 2
-    n_local, hidden, ffn, topk = r0[F_EL], r0[F_H], r0[F_I], r0[F_K]
     mode_req, tr_req = MODES[r0[F_MODE] - 1], TRANSPORTS[r0[F_TRANSPORT] - 1]
-    gacc = GRAD_ACCUM_CHOICES[r0[F_GACC] - 1]
-    grad_dtype = torch.float32 if grad_accum_bytes(gacc, world, dtype) > dtype.itemsize else dtype
-    if mode_req == "auto":  # the time model (relaymoe.cost), the same floats on every rank
-        mode_res = choose_mode(
-            tokens=tokens, hidden=hidden, ffn=ffn, num_local_experts=n_local, topk=topk,
-            world=world, act_bytes=dtype.itemsize, prob_bytes=prob_dtype.itemsize,
-            training=needs, transport="nccl" if tr_req == "nccl" else "copy_engine",
-            grad_accum=gacc, gated=act.gated, b13=has_b13, b2=has_b2,
-            modes=RING_MODES if r0[F_CAPTURE] == 2 else options.MODES,
+    mode = mode_req
+    if mode_req == "auto":  # the time model (relaymoe.cost)
+        dtype, prob_dtype = FLOATS[r0[F_DTYPE] - 1], FLOATS[r0[F_PDTYPE] - 1]
+        mode = choose_mode(
+            tokens=tuple(rw[F_T] for rw in rows), hidden=r0[F_H], ffn=r0[F_I],
+            num_local_experts=r0[F_EL], topk=r0[F_K], world=world, act_bytes=dtype.itemsize,
+            prob_bytes=prob_dtype.itemsize, training=r0[F_GRAD] == 2,
+            transport="nccl" if tr_req == "nccl" else "copy_engine",
+            grad_accum=GRAD_ACCUM_CHOICES[r0[F_GACC] - 1], gated=act.gated, b13=has_b13,
+            b2=has_b2, modes=RING_MODES if r0[F_CAPTURE] == 2 else options.MODES,
         )  # fmt: skip
-    else:
-        mode_res = mode_req
     sched_req = SCHEDULE_CHOICES[r0[F_SCHED] - 1]
     batched = sched_req == NODE_BATCHED and world > 1 and mode_req != "alltoall"
     if batched:
@@ -290,14 +353,23 @@ def _agree_collective(
                 "ring_moe: schedule='node_batched' exchanges over the group's P2P (NCCL), not "
                 "the copy engine; use transport='nccl' (or 'auto')"
             )
-        mode_res = "expert"  # "auto": the schedule's only mode
-    _check_limits(rows, mode_res)
+        mode = "expert"  # "auto": the schedule's only mode
+    return mode, batched
+
+
+def _resolve_transport(rows: list[list[int]], world: int, mode: str, batched: bool, group, x,
+                       runtime, timeout_s: float | None) -> str:  # fmt: skip
+    """The agreed transport: ``copy_engine`` only for CUDA ranks on one host whose runtimes
+    keep a workspace (``auto``: where the copy engines also work, probed collectively); the
+    all-to-all mode and the node-batched schedule use the group's own P2P."""
+    r0 = rows[0]
+    tr_req = TRANSPORTS[r0[F_TRANSPORT] - 1]
     on_cuda = r0[F_DEV] == 2
     one_host = len({rw[F_HOST] for rw in rows}) == 1
     ce_ok = on_cuda and one_host and all(rw[F_CE] == 2 for rw in rows)
     if world == 1:
-        tr_res = "local"
-    elif tr_req == "copy_engine":
+        return "local"
+    if tr_req == "copy_engine":
         if not ce_ok:
             why = (
                 "inputs are not on CUDA"
@@ -311,42 +383,14 @@ def _agree_collective(
                 f"ring_moe: transport='copy_engine' needs CUDA ranks on one node with symmetric "
                 f"memory, but {why}; use transport='nccl' (or 'auto')"
             )
-        tr_res = "copy_engine" if mode_res != "alltoall" else "nccl"
-    elif mode_res == "alltoall":  # collectives over the group's own backend
-        tr_res = "nccl"
-    elif batched:
-        tr_res = "nccl"
-    elif tr_req == "auto":
+        return "copy_engine" if mode != "alltoall" else "nccl"
+    if mode == "alltoall" or batched:  # collectives over the group's own backend
+        return "nccl"
+    if tr_req == "auto":
         g = group if group is not None else dist.group.WORLD
         ok = ce_ok and copy_engine_works(g, x.device, runtime, timeout_s)
-        tr_res = "copy_engine" if ok else "nccl"
-    else:
-        tr_res = "nccl"
-    sched, gpn = "flat", None
-    if world > 1 and mode_res != "alltoall":
-        sched, gpn = resolve_schedule(sched_req, r0[F_GPN] or None, [rw[F_HOST] for rw in rows])
-    return RingProblem(
-        rank=rank,
-        world_size=world,
-        num_local_experts=n_local,
-        hidden=hidden,
-        ffn=ffn,
-        topk=topk,
-        dtype=dtype,
-        prob_dtype=prob_dtype,
-        tokens=tokens,
-        mode=mode_res,
-        transport=tr_res,
-        needs_grad=needs,
-        pairs=tuple(tuple(rw[NUM_FIELDS:]) for rw in rows) if with_pairs else None,
-        schedule=sched,
-        gpus_per_node=gpn,
-        grad_dtype=grad_dtype,
-        pair_buffer_mib=r0[F_PAIRBUF],
-        activation=act,
-        has_b13=has_b13,
-        has_b2=has_b2,
-    )
+        return "copy_engine" if ok else "nccl"
+    return "nccl"
 
 
 def _same_setting(rows, field: int, name: str, decode) -> None:

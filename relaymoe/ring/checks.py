@@ -25,8 +25,8 @@ from relaymoe.routing import validate_topk_idx
 
 MODES = MODE_CHOICES  # the names live in relaymoe.options
 TRANSPORTS = TRANSPORT_CHOICES
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_DEVICE_TYPES = ("cpu", "cuda")
+FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+DEVICE_TYPES = ("cpu", "cuda")
 
 
 class _Meta:
@@ -40,7 +40,7 @@ class _Meta:
         return len(self.shape)
 
 
-def _weight_meta(name: str, w, want: str, ndim: int = 2) -> tuple[_Meta | None, str]:
+def weight_meta(name: str, w, want: str, ndim: int = 2) -> tuple[_Meta | None, str]:
     """(meta, "") of a weight (``ndim=2`` per expert) or bias (``ndim=1``) input, or (None,
     error message)."""
     if isinstance(w, Tensor):
@@ -66,7 +66,7 @@ def _weight_meta(name: str, w, want: str, ndim: int = 2) -> tuple[_Meta | None, 
     return _Meta((len(w), *w0.shape), w0.dtype, w0.device), ""
 
 
-def _local_check(
+def local_check(
     x,
     w13,
     w2,
@@ -80,31 +80,56 @@ def _local_check(
 ) -> tuple[int, str]:
     """(error code, message) of this rank's inputs; (0, "") when they are fine. ``b13``/``b2``:
     the optional expert biases, in the weights' form (tensors, or lists of per-expert 1-D
-    tensors)."""
-    tensors = dict(x=x, topk_idx=topk_idx, topk_probs=topk_probs)
-    for name, t in tensors.items():
+    tensors). The checks run in order, the first failure is the answer: the inputs' forms
+    (code 1), the request's options (9, 10, 2), shapes (3), dtypes and devices (4, 5, 7), the
+    hop backend (8), the expert ids (4, 6)."""
+    m13, m2, biases, failed = _input_forms(x, w13, w2, topk_idx, topk_probs, b13, b2)
+    if failed is not None:
+        return failed
+    return (
+        _check_request(req)
+        or _check_shapes(x, m13, m2, biases, topk_idx, topk_probs, req.activation)
+        or _check_dtypes_devices(x, m13, m2, biases, topk_idx, topk_probs, req.backend)
+        or _check_ids(topk_idx, m13.shape[0], world, validate_ids)
+        or (0, "")
+    )
+
+
+def _input_forms(x, w13, w2, topk_idx, topk_probs, b13, b2):
+    """``(m13, m2, biases, None)``: the weights' metas and the given biases' by name, or
+    ``(None, None, None, (1, message))`` when an input is not in an accepted form."""
+    for name, t in (("x", x), ("topk_idx", topk_idx), ("topk_probs", topk_probs)):
         if not isinstance(t, Tensor):
-            return 1, f"{name} must be a torch.Tensor, got {type(t).__name__}"
-    m13, msg = _weight_meta("w13", w13, "(El, J, H)")
+            return None, None, None, (1, f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    m13, msg = weight_meta("w13", w13, "(El, J, H)")
     if m13 is None:
-        return 1, msg
-    m2, msg = _weight_meta("w2", w2, "(El, H, I)")
+        return None, None, None, (1, msg)
+    m2, msg = weight_meta("w2", w2, "(El, H, I)")
     if m2 is None:
-        return 1, msg
+        return None, None, None, (1, msg)
     if isinstance(w13, Tensor) != isinstance(w2, Tensor):
-        return 1, "w13 and w2 must both be tensors or both be lists of per-expert tensors"
+        return None, None, None, (
+            1, "w13 and w2 must both be tensors or both be lists of per-expert tensors"
+        )  # fmt: skip
     biases = {}
     for name, b, want in (("b13", b13, "(El, J)"), ("b2", b2, "(El, H)")):
         if b is None:
             continue
-        meta, msg = _weight_meta(name, b, want, ndim=1)
+        meta, msg = weight_meta(name, b, want, ndim=1)
         if meta is None:
-            return 1, msg
+            return None, None, None, (1, msg)
         if isinstance(b, Tensor) != isinstance(w13, Tensor):
             form, fix = ("tensors", f"a tensor {want}") if isinstance(w13, Tensor) else (
                 "lists of per-expert tensors", "a list of E_local 1-D tensors")  # fmt: skip
-            return 1, f"{name} must come in the weights' form: w13/w2 are {form}, pass {fix}"
+            return None, None, None, (
+                1, f"{name} must come in the weights' form: w13/w2 are {form}, pass {fix}"
+            )  # fmt: skip
         biases[name] = meta
+    return m13, m2, biases, None
+
+
+def _check_request(req: RingRequest) -> tuple[int, str] | None:
+    """The request's activation, kernels and ring options (None: fine)."""
     if isinstance(req.activation, str):  # request_activation's message of a bad activation
         return 9, req.activation
     if isinstance(req.kernels, str):  # request_kernels' message of a bad kernels=
@@ -134,13 +159,18 @@ def _local_check(
             f"gpus_per_node must be an int in [1, {INT64_MAX}] (the GPUs of one node in the EP "
             f"group) or None (from the ranks' hosts), got {gpus_per_node!r}"
         )
+    return None
+
+
+def _check_shapes(x, m13, m2, biases, topk_idx, topk_probs, act) -> tuple[int, str] | None:
+    """x, the weights (w13's rows against the activation), the biases and the routing agree
+    in shape (None: fine)."""
     if x.dim() != 2 or m13.dim() != 3 or m2.dim() != 3:
         return 3, (
             f"x must be (T, H), w13 (E_local, J, H), w2 (E_local, H, I); got x "
             f"{tuple(x.shape)}, w13 {m13.shape}, w2 {m2.shape}"
         )
     num_tokens, hidden = x.shape
-    act = req.activation
     n_local, rows, h13 = m13.shape
     ffn = m2.shape[2]
     J = act.fc1_rows(ffn)
@@ -164,34 +194,46 @@ def _local_check(
             f"topk_probs shape {tuple(topk_probs.shape)} must equal topk_idx's "
             f"{tuple(topk_idx.shape)}"
         )
-    if x.dtype not in _FLOATS or not (x.dtype == m13.dtype == m2.dtype):
+    return None
+
+
+def _check_dtypes_devices(x, m13, m2, biases, topk_idx, topk_probs,
+                          backend) -> tuple[int, str] | None:  # fmt: skip
+    """One float dtype for x, the weights and biases, one device, and a hop backend that runs
+    them (None: fine)."""
+    if x.dtype not in FLOATS or not (x.dtype == m13.dtype == m2.dtype):
         return 4, (
-            f"x, w13, w2 must share one float dtype of {_FLOATS}; got {x.dtype}, {m13.dtype}, "
+            f"x, w13, w2 must share one float dtype of {FLOATS}; got {x.dtype}, {m13.dtype}, "
             f"{m2.dtype}"
         )
     for name, meta in biases.items():
         if meta.dtype != x.dtype:
             return 4, f"{name} must have the weights' dtype {x.dtype}, got {meta.dtype}"
-    if topk_probs.dtype not in _FLOATS:
+    if topk_probs.dtype not in FLOATS:
         return 4, f"topk_probs must be a float tensor, got {topk_probs.dtype}"
-    devices = {t.device for t in tensors.values()} | {m13.device, m2.device}
+    devices = {t.device for t in (x, topk_idx, topk_probs)} | {m13.device, m2.device}
     devices |= {meta.device for meta in biases.values()}
     if len(devices) != 1:
         return 5, f"inputs are on different devices: {sorted(map(str, devices))}; move them to one"
-    if x.device.type not in _DEVICE_TYPES:
+    if x.device.type not in DEVICE_TYPES:
         return 7, f"ring_moe runs on cpu or cuda tensors, got {x.device}"
     try:
-        resolve_backend(req.backend, x.device, x.dtype)
+        resolve_backend(backend, x.device, x.dtype)
     except ValueError as err:
         return 8, str(err)
+    return None
+
+
+def _check_ids(topk_idx, n_local: int, world: int, validate_ids: bool) -> tuple[int, str] | None:
+    """The expert ids: integer, K in [1, E]; validated in full (a host sync) unless trusted."""
     if not validate_ids:  # a trusted caller (a router): shapes only, no host sync
         if topk_idx.dtype.is_floating_point or topk_idx.dtype == torch.bool:
             return 4, f"topk_idx must hold integer expert ids, got dtype {topk_idx.dtype}"
         if not 1 <= topk_idx.shape[1] <= n_local * world:
             return 6, f"top-k K={topk_idx.shape[1]} must be in [1, E={n_local * world}]"
-        return 0, ""
+        return None
     try:
         validate_topk_idx(topk_idx, n_local * world)  # host sync
     except ValueError as err:
         return 6, f"{err} (E = E_local * world_size = {n_local} * {world})"
-    return 0, ""
+    return None

@@ -382,48 +382,67 @@ def relay(
     nothing to compute for: a recorded hop zeroes inside its graph, one host launch less a hop.
     """
     R, rank = plan.world_size, plan.rank
-    has_trail = trail_layout is not None
     if R == 1:
-        trail = None
-        if has_trail:
-            lay = trail_layout(rank)
-            buf = torch.empty(lay.nbytes, dtype=torch.uint8, device=device)
-            trail = _zero_views(lay, buf) if zero_trail else lay.views(buf)
-        if prepare is not None:
-            prepare(0, rank, None)
-        compute(0, rank, None, trail)
-        return trail
-
+        return _relay_alone(rank, own_lead=own_lead, trail_layout=trail_layout, compute=compute,
+                            device=device, prepare=prepare, zero_trail=zero_trail)  # fmt: skip
     ex = RingExecutor(transport, plan, device, call=call, mode=mode, phase=phase, capacity=capacity)
-    overlap = call.overlap
+    views_of, runs_of, own_views = _pass_views(ex, lead_layout, own_lead, trail_layout, device)
+    _hops(ex, views_of, runs_of, own_views, lead_layout=lead_layout, trail_layout=trail_layout,
+          compute=compute, prepare=prepare, overlap=call.overlap, zero_trail=zero_trail,
+          hop_name=f"relaymoe.{mode}.{phase}.hop")  # fmt: skip
+    result = None
+    if trail_layout is not None:
+        result = _trail_home(ex, trail_layout(rank), device)
+    ex.finish()
+    return result
+
+
+def _relay_alone(rank: int, *, own_lead, trail_layout, compute, device, prepare, zero_trail):
+    """A world of one: the compute gets the local tensors (no lead views) and a fresh trail."""
+    trail = None
+    if trail_layout is not None:
+        lay = trail_layout(rank)
+        buf = torch.empty(lay.nbytes, dtype=torch.uint8, device=device)
+        trail = _zero_views(lay, buf) if zero_trail else lay.views(buf)
+    if prepare is not None:
+        prepare(0, rank, None)
+    compute(0, rank, None, trail)
+    return trail
+
+
+def _cached(make: Callable, bufs: list[Tensor], flats: list[dict], slot_store: dict | None):
+    """``make(layout, buffer, base, flats)`` (``Layout.views`` or ``Layout.runs``) by
+    (layout, buffer, base), made once per pass, and once for all passes where the slots
+    persist (``slot_store``, the memo's): a view is the same at every hop that asks for it
+    again (equal layouts of the partitions, the same slot and offset). The scratch's
+    (buffer 2) are this pass's."""
+    store: dict[tuple[Layout, int, int], object] = {}
+    slots_store = store if slot_store is None else slot_store
+
+    def get(layout: Layout, buf: int, base: int = 0):
+        key = (layout, buf, base)
+        mine = slots_store if buf < 2 else store
+        out = mine.get(key)
+        if out is None:
+            out = mine[key] = make(layout, bufs[buf], base, flats[buf])
+        return out
+
+    return get
+
+
+def _pass_views(ex: RingExecutor, lead_layout, own_lead, trail_layout, device: torch.device):
+    """The pass's set-up: ``(views_of, runs_of, own_views)``, the cached typed views and runs
+    of the two slots and the trail scratch (allocated here, buffer 2), and this rank's lead
+    packed into slot 0."""
+    R, rank = ex.plan.world_size, ex.plan.rank
     slots, memo = ex.slots, ex.memo
     bufs = [slots[0], slots[1]]  # and the trail scratch (buffer 2), below
     # each buffer's typed flat views, shared by its layouts (persistent slots': the memo's)
     flats: list[dict] = [{}, {}, {}] if memo is None else [*memo["flats"], {}]
-
-    def cached(make: Callable, slot_store: dict | None) -> Callable:
-        """``make(layout, buffer, base, flats)`` (``Layout.views`` or ``Layout.runs``) by
-        (layout, buffer, base), made once per pass, and once for all passes where the slots
-        persist (``slot_store``, the memo's): a view is the same at every hop that asks for it
-        again (equal layouts of the partitions, the same slot and offset). The scratch's
-        (buffer 2) are this pass's."""
-        store: dict[tuple[Layout, int, int], object] = {}
-        slots_store = store if slot_store is None else slot_store
-
-        def get(layout: Layout, buf: int, base: int = 0):
-            key = (layout, buf, base)
-            mine = slots_store if buf < 2 else store
-            out = mine.get(key)
-            if out is None:
-                out = mine[key] = make(layout, bufs[buf], base, flats[buf])
-            return out
-
-        return get
-
-    views_of = cached(Layout.views, None if memo is None else memo["views"])
+    views_of = _cached(Layout.views, bufs, flats, None if memo is None else memo["views"])
     # A trail's runs (``Layout.runs``), which its zeroing and the adds go over; the compute
     # gets its named views (views_of) only where it writes: the scratch, and hop 0's region
-    runs_of = cached(Layout.runs, None if memo is None else memo["runs"])
+    runs_of = _cached(Layout.runs, bufs, flats, None if memo is None else memo["runs"])
 
     own_views = views_of(lead_layout(rank), 0)
     if callable(own_lead):
@@ -431,17 +450,24 @@ def relay(
     else:
         for name, view in own_views.items():
             view.copy_(own_lead[name])
-    if has_trail:
+    if trail_layout is not None:
         scratch_buf = torch.empty(
             max(trail_layout(p).nbytes for p in range(R)) or 1, dtype=torch.uint8, device=device
         )
         bufs.append(scratch_buf)
-    table = plan.pass_table()
+    return views_of, runs_of, own_views
+
+
+def _hops(ex: RingExecutor, views_of, runs_of, own_views, *, lead_layout, trail_layout, compute,
+          prepare, overlap: bool, zero_trail: bool, hop_name: str) -> None:  # fmt: skip
+    """The hop loop: at each hop, the next transfer issued, the visiting partition computed
+    (into its trail share), and what arrived of the trail added to."""
+    has_trail = trail_layout is not None
+    table = ex.plan.pass_table()
     partitions, trail_offsets = table.partitions, table.trail_offsets
     recording, mark, start, wait = ex._recording, ex.mark, ex.start, ex.wait
-    hop_name = f"relaymoe.{mode}.{phase}.hop"
     part = dst_runs = part_runs = None
-    for h in range(R):
+    for h in range(ex.plan.world_size):
         p = partitions[h]
         with _hop_range(hop_name):  # host time per hop
             if recording:
@@ -478,14 +504,14 @@ def relay(
                     dst_runs[0].add_(part_runs[0])
             if recording:
                 mark(h, "h1")
-    result = None
-    if has_trail:
-        lay = trail_layout(rank)
-        final = torch.empty(max(lay.nbytes, 1), dtype=torch.uint8, device=device)
-        ex.mark(R, "h0")
-        pending = ex.start(R, recv_into=final)
-        ex.wait(pending, R)
-        ex.mark(R, "h1")
-        result = lay.views(final)
-    ex.finish()
-    return result
+
+
+def _trail_home(ex: RingExecutor, lay: Layout, device: torch.device) -> dict[str, Tensor]:
+    """The trail's return (hop ``R``): this rank's complete accumulator, in a fresh buffer."""
+    R = ex.plan.world_size
+    final = torch.empty(max(lay.nbytes, 1), dtype=torch.uint8, device=device)
+    ex.mark(R, "h0")
+    pending = ex.start(R, recv_into=final)
+    ex.wait(pending, R)
+    ex.mark(R, "h1")
+    return lay.views(final)

@@ -1,6 +1,6 @@
 """The ranks' hosts: this host's id in the agreement, nodes from the hosts, the schedule they run.
 
-Pure Python, no torch: the agreement (``agree.py``) exchanges every rank's ``_host_hash`` and
+Pure Python, no torch: the agreement (``agree.py``) exchanges every rank's ``host_hash`` and
 resolves the schedule from them on every rank alike.
 """
 
@@ -11,10 +11,10 @@ import socket
 
 from relaymoe.options import NODE_BATCHED
 
-__all__ = ["nodes_from_hosts", "resolve_schedule"]
+__all__ = ["host_hash", "nodes_from_hosts", "resolve_schedule"]
 
 
-def _host_hash() -> int:
+def host_hash() -> int:
     digest = hashlib.blake2b(socket.gethostname().encode(), digest_size=7).digest()
     return int.from_bytes(digest, "little")
 

@@ -28,9 +28,9 @@ def test_tune_harness_shapes_winners_and_merge(monkeypatch, tmp_path):
         tk.parse_extra("H2048,I2048,E64")
     # the autotuners' caches: key values, then the tensor dtypes Triton appends
     cfg = triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4, num_stages=4)
-    for tuner in (grouped.up._up_tuned, grouped.weight_grads._wgrad_tuned):
+    for tuner in (grouped.up.up_tuned, grouped.weight_grads.wgrad_tuned):
         monkeypatch.setattr(tuner, "cache", {})
-    monkeypatch.setattr(grouped.rows._rows_tuned, "cache", {
+    monkeypatch.setattr(grouped.rows.rows_tuned, "cache", {
         (768, 2048, 64, True, "torch.bfloat16", "torch.bfloat16", "torch.int32"): cfg})  # fmt: skip
     found = tk.winners()
     b = tuned.bucket({"N": 768, "K": 2048, "n_experts": 64, "A_GATHER": True}, torch.bfloat16)

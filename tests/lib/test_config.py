@@ -341,10 +341,10 @@ def test_every_field_of_every_yaml_type_loads_or_names_the_value():
     or raises ValueError naming the key (issue #32: ``recompute_modules: 5`` was a TypeError)."""
     from dataclasses import fields
 
-    from relaymoe.config.schema import _SECTIONS
+    from relaymoe.config.schema import SECTIONS
 
     values = [0, -1, 3, 2.5, "x", True, [1], ["a"], [], {"a": 1}, None]
-    for sec, cls in _SECTIONS.items():
+    for sec, cls in SECTIONS.items():
         for f in fields(cls):
             for v in values:
                 try:

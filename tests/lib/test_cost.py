@@ -65,10 +65,10 @@ def test_expert_mlp_by_hand():
     assert cost.slot_capacity("expert", biased, training=False) == 1056
     assert cost.slot_capacity("expert", plain, training=False) == 256 + 192
     model = cost.DEFAULT_TIME_MODEL
-    from relaymoe.cost.time import _compute_seconds
+    from relaymoe.cost.time import compute_seconds
 
-    assert _compute_seconds(plain, model, False) == pytest.approx(
-        _compute_seconds(TINY, model, False) * 2 / 3
+    assert compute_seconds(plain, model, False) == pytest.approx(
+        compute_seconds(TINY, model, False) * 2 / 3
     )
     with pytest.raises(ValueError, match="gated=1 must be a bool"):
         dataclasses.replace(TINY, gated=1)

@@ -84,10 +84,10 @@ def test_pretrain_help_works():
     from megatron.training import arguments
 
     from relaymoe.megatron import register
-    from relaymoe.megatron.pretrain import _extra_args
+    from relaymoe.megatron.pretrain import extra_args
 
     register()
-    parser = _extra_args(arguments.add_megatron_arguments(argparse.ArgumentParser()))
+    parser = extra_args(arguments.add_megatron_arguments(argparse.ArgumentParser()))
     text = parser.format_help()
     assert "--moe-paged-stash-buffer-size-factor-cuda" in text and "= 10%)" in text
     assert "--relaymoe-mode" in text and "--relaymoe-report" in text

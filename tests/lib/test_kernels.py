@@ -172,7 +172,7 @@ def test_descriptor_allocator_is_set_in_every_thread():
             if preset is not None:
                 triton.set_allocator(preset)
             seen[name, "before"] = grouped.configs._triton_allocator()
-            grouped.configs._set_descriptor_allocator()
+            grouped.configs.set_descriptor_allocator()
             seen[name, "after"] = grouped.configs._triton_allocator()
 
         t = threading.Thread(target=body)

@@ -7,7 +7,7 @@ import argparse
 
 import torch
 
-from relaymoe.megatron.pretrain import _extra_args, weights_digest
+from relaymoe.megatron.pretrain import extra_args, weights_digest
 
 
 def _modules(seed: int = 0) -> list[torch.nn.Module]:
@@ -30,7 +30,7 @@ def test_weights_digest_sees_one_bit_a_dtype_and_the_order():
 
 
 def test_pretrain_parses_the_digest_flag():
-    a = _extra_args(argparse.ArgumentParser()).parse_args(
+    a = extra_args(argparse.ArgumentParser()).parse_args(
         ["--relaymoe-report", "r.jsonl", "--relaymoe-weights-digest"]
     )
     assert a.relaymoe_report == "r.jsonl" and a.relaymoe_weights_digest is True

@@ -104,12 +104,12 @@ def _refusals(rank, world, group):
     with pytest.raises(ValueError, match="schedule='node_batched' needs nodes"):
         import relaymoe.ring.agree as agree_mod
 
-        real = agree_mod._host_hash
+        real = agree_mod.host_hash
         try:
-            agree_mod._host_hash = lambda: 1000 + rank % 2  # interleaved placement
+            agree_mod.host_hash = lambda: 1000 + rank % 2  # interleaved placement
             _resolved(rank, world, group, schedule="node_batched")
         finally:
-            agree_mod._host_hash = real
+            agree_mod.host_hash = real
 
 
 def _slice(pb, rank):

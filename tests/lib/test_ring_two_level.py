@@ -56,7 +56,7 @@ def _fake_hosts(hosts):
     import relaymoe.ring.agree as agree_mod
 
     rank = dist.get_rank()
-    agree_mod._host_hash = lambda: 1000 + hosts[rank]
+    agree_mod.host_hash = lambda: 1000 + hosts[rank]
 
 
 def _two_level(rank, world, group):
@@ -83,7 +83,7 @@ def _one_gpu_per_node_is_the_flat_ring(rank, world, group):
 def _nodes_from_hosts(rank, world, group):
     import relaymoe.ring.agree as agree_mod
 
-    real = agree_mod._host_hash
+    real = agree_mod.host_hash
     try:
         G = 2 if world == 4 else 3
         _fake_hosts([r // G for r in range(world)])  # node by node: auto runs two levels
@@ -100,7 +100,7 @@ def _nodes_from_hosts(rank, world, group):
         prob = _resolved(rank, world, group, gpus_per_node=2)
         assert (prob.schedule, prob.gpus_per_node) == ("two_level", 2)
     finally:
-        agree_mod._host_hash = real
+        agree_mod.host_hash = real
     # one host: one node, the flat ring (nothing to split)
     assert _resolved(rank, world, group).schedule == "flat"
 

@@ -85,11 +85,13 @@ def test_pick_uses_the_shipped_config_then_the_autotuner(monkeypatch):
     found = {}
     monkeypatch.setattr(grouped.configs, "shipped_config", lambda name, key, dtype: found.get(name))
     key = {"N": 768, "K": 2048, "n_experts": 64, "A_GATHER": True}
-    raw, auto = grouped.rows._rows_gemm_kernel, grouped.rows._rows_tuned
+    raw, auto = grouped.rows._rows_gemm_kernel, grouped.rows.rows_tuned
 
     def pick():
         k = options.from_env().kernels  # the environment use_env set, as an entry point reads it
-        return grouped.configs._pick(auto, raw, None, 2048, "rows_gemm", key, torch.bfloat16, k)
+        return grouped.configs.pick_config(
+            auto, raw, None, 2048, "rows_gemm", key, torch.bfloat16, k
+        )
 
     use_env(monkeypatch, RELAYMOE_AUTOTUNE=None)
     assert pick() == (auto, {})  # nothing shipped: search
@@ -116,15 +118,15 @@ def test_the_ungated_up_projection_takes_its_own_config_or_the_gated_one_twice_a
     holds as many outputs, registers and x reuse as the gated tile's two halves). A passed config,
     the search and the interpreter are left alone."""
     up = grouped.up
-    assert [c.kwargs["BLOCK_N"] for c in up._UP_SINGLE_CONFIGS] == [
-        2 * c.kwargs["BLOCK_N"] for c in grouped.configs._UP_CONFIGS]  # fmt: skip
+    assert [c.kwargs["BLOCK_N"] for c in up.UP_SINGLE_CONFIGS] == [
+        2 * c.kwargs["BLOCK_N"] for c in grouped.configs.UP_CONFIGS]  # fmt: skip
 
     def rest(configs):
         return [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages)
                 for c in configs]  # fmt: skip
 
-    assert rest(up._UP_SINGLE_CONFIGS) == rest(grouped.configs._UP_CONFIGS)
-    assert grouped.TUNED_KERNELS["up_single"][0] is up._up_single_tuned
+    assert rest(up.UP_SINGLE_CONFIGS) == rest(grouped.configs.UP_CONFIGS)
+    assert grouped.TUNED_KERNELS["up_single"][0] is up.up_single_tuned
     found = {}
     monkeypatch.setattr(up, "shipped_config", lambda name, key, dtype: found.get(name))
     monkeypatch.setattr(up, "interpret_mode", lambda: False)

@@ -63,8 +63,8 @@ __all__ = [
 # argument names). The tuner that writes ``tuned_configs.json`` reads their caches; a launcher's
 # ``config=`` runs one configuration explicitly (to time each alone).
 TUNED_KERNELS = {
-    "up_swiglu": (_up._up_tuned, configs._UP_KEY),
-    "up_single": (_up._up_single_tuned, configs._UP_KEY),
-    "rows_gemm": (_rows._rows_tuned, configs._ROWS_KEY),
-    "wgrad": (_weight_grads._wgrad_tuned, configs._WGRAD_KEY),
+    "up_swiglu": (_up.up_tuned, configs.UP_KEY),
+    "up_single": (_up.up_single_tuned, configs.UP_KEY),
+    "rows_gemm": (_rows.rows_tuned, configs.ROWS_KEY),
+    "wgrad": (_weight_grads.wgrad_tuned, configs.WGRAD_KEY),
 }

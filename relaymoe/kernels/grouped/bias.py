@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from relaymoe.kernels import interpret_mode
-from relaymoe.kernels.grouped.tiles import _check_rows
+from relaymoe.kernels.grouped.tiles import check_rows
 
 __all__ = ["add_bias_dprobs", "segment_sum"]
 
@@ -67,7 +67,7 @@ def segment_sum(src, offs, out_EN, *, idx_P=None, scale_P=None) -> None:
     if n_experts == 0 or ncols == 0:
         return
     if idx_P is None:
-        _check_rows(src.shape[0], "segment_sum")
+        check_rows(src.shape[0], "segment_sum")
     if interpret_mode():
         br, bc, warps = 16, 16, 4
     else:  # 32 rows x 128 columns a step at 4 warps: 32 fp32 accumulators a thread

@@ -9,7 +9,7 @@ import torch
 import triton
 
 from relaymoe.kernels import interpret_mode
-from relaymoe.kernels.grouped.tiles import _row_group_m
+from relaymoe.kernels.grouped.tiles import row_group_m
 from relaymoe.kernels.tuned import shipped_config
 
 
@@ -19,7 +19,7 @@ def _cfg(bm, bn, bk, warps, stages):
 
 
 # Short lists that fit H100/H200 shared memory (228 KB); autotune time counts on the device.
-_UP_CONFIGS = [
+UP_CONFIGS = [
     _cfg(128, 128, 64, 8, 3),
     _cfg(128, 64, 64, 4, 4),
     _cfg(64, 128, 64, 4, 4),
@@ -29,18 +29,18 @@ _UP_CONFIGS = [
 # doubled, so a tile holds as many outputs and registers and reuses each gathered x tile for as
 # many MMA columns as the gated tile's two halves do (the gated tiles on the one-accumulator
 # kernel leave each x tile half as reused, and the gather is what this kernel pays for)
-_UP_SINGLE_CONFIGS = [
+UP_SINGLE_CONFIGS = [
     _cfg(c.kwargs["BLOCK_M"], 2 * c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps,
          c.num_stages)
-    for c in _UP_CONFIGS
+    for c in UP_CONFIGS
 ]  # fmt: skip
-_ROWS_CONFIGS = [
+ROWS_CONFIGS = [
     _cfg(128, 128, 64, 4, 4),
     _cfg(128, 256, 64, 8, 3),
     _cfg(128, 128, 64, 8, 4),
     _cfg(64, 128, 64, 4, 4),
 ]
-_WGRAD_CONFIGS = [
+WGRAD_CONFIGS = [
     # the fastest weight-gradient configuration, each timed alone, first (128x128x64, 8 warps,
     # 5 stages); larger tiles and 128- or 32-pair steps were slower and are left out
     _cfg(128, 128, 64, 8, 5),
@@ -54,20 +54,20 @@ _INTERP_CFG = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}
 
 
 # autotune keys: the shipped configurations (tuned.py) are looked up by the same names
-_UP_KEY = ("H", "I", "n_experts", "SAVE_H", "SCALE")
-_ROWS_KEY = ("N", "K", "n_experts", "A_GATHER")
-_WGRAD_KEY = ("M", "N", "A_GATHER", "B_GATHER", "ACCUMULATE")
+UP_KEY = ("H", "I", "n_experts", "SAVE_H", "SCALE")
+ROWS_KEY = ("N", "K", "n_experts", "A_GATHER")
+WGRAD_KEY = ("M", "N", "A_GATHER", "B_GATHER", "ACCUMULATE")
 
 
 def single_tile_config(gated_config: dict | None) -> dict | None:
     """The up-projection's configuration without a gate, from the gated kernel's for the same
-    key: BLOCK_N doubled (``_UP_SINGLE_CONFIGS``' rule), the rest kept; None stays None."""
+    key: BLOCK_N doubled (``UP_SINGLE_CONFIGS``' rule), the rest kept; None stays None."""
     if gated_config is None:
         return None
     return {**gated_config, "BLOCK_N": 2 * gated_config["BLOCK_N"]}
 
 
-def _pick(tuned, raw, config, kdim, name: str, key: dict, dtype, k, ncols: int | None = None):
+def pick_config(tuned, raw, config, kdim, name: str, key: dict, dtype, k, ncols: int | None = None):
     """The kernel and its meta-parameters. On GPU: the shipped configuration of (GPU, ``name``,
     bucket of the autotune ``key``) when ``kernels/tuned_configs.json`` has one, else the
     autotuner (``k.autotune``, ``tuned.py``). A fixed config (EVEN_K derived) under the
@@ -90,11 +90,11 @@ def _pick(tuned, raw, config, kdim, name: str, key: dict, dtype, k, ncols: int |
     if kdim is not None:
         meta["EVEN_K"] = kdim % meta["BLOCK_K"] == 0
     if ncols is not None:
-        meta["GROUP_M"] = cfg.get("GROUP_M", _row_group_m(ncols, meta["BLOCK_N"]))
+        meta["GROUP_M"] = cfg.get("GROUP_M", row_group_m(ncols, meta["BLOCK_N"]))
     return raw, meta
 
 
-def _set_descriptor_allocator() -> None:
+def set_descriptor_allocator() -> None:
     """Give Triton an allocator for the descriptors' scratch in this thread, unless one is set.
 
     Triton keeps its allocator in a ``ContextVar``: one set in the forward's thread is not seen by

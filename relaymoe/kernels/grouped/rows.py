@@ -6,16 +6,16 @@ import triton
 import triton.language as tl
 
 from relaymoe.kernels import select
-from relaymoe.kernels.grouped.configs import _ROWS_CONFIGS, _ROWS_KEY, _pick
+from relaymoe.kernels.grouped.configs import ROWS_CONFIGS, ROWS_KEY, pick_config
 from relaymoe.kernels.grouped.tiles import (
-    _block_e,
-    _check_expert_span,
-    _even_k,
-    _group_m,
-    _ieee,
-    _row_col_tile,
-    _row_gemm_loop,
-    _row_grid,
+    check_expert_span,
+    even_k,
+    exact_fp32,
+    expert_block_size,
+    group_m,
+    row_col_tile,
+    row_gemm_loop,
+    row_grid,
 )
 
 
@@ -30,7 +30,7 @@ def _rows_gemm_kernel(
 ):  # fmt: skip
     """c[q] = A[q] @ B[e] for the range's pairs (B[e] is (K, N) through strides). A's row is
     ``tok[q]`` when ``A_GATHER`` (a (T, K) operand read through the index), else ``q - offs[0]``."""
-    e, row0, row_end, pid_n = _row_col_tile(N, offs_ptr, n_experts, BLOCK_M, BLOCK_N, BLOCK_E,
+    e, row0, row_end, pid_n = row_col_tile(N, offs_ptr, n_experts, BLOCK_M, BLOCK_N, BLOCK_E,
                                             GROUP_M)  # fmt: skip
     if e >= n_experts:
         return
@@ -44,7 +44,7 @@ def _rows_gemm_kernel(
         a_rows = lrows
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    acc = _row_gemm_loop(
+    acc = row_gemm_loop(
         a_rows, a_ptr, stride_ap, b_ptr + e.to(tl.int64) * stride_be, stride_bk, stride_bn,
         cols, col_ok, K, IEEE, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
@@ -52,8 +52,8 @@ def _rows_gemm_kernel(
     tl.store(cp, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-_rows_tuned = triton.autotune(_ROWS_CONFIGS, key=list(_ROWS_KEY))(
-    triton.heuristics({"EVEN_K": _even_k("K"), "GROUP_M": _group_m("N")})(_rows_gemm_kernel)
+rows_tuned = triton.autotune(ROWS_CONFIGS, key=list(ROWS_KEY))(
+    triton.heuristics({"EVEN_K": even_k("K"), "GROUP_M": group_m("N")})(_rows_gemm_kernel)
 )
 
 
@@ -67,7 +67,7 @@ def rows_gemm(a_PK, b_EKN, offs, c_PN, *, a_idx=None, config=None, kernels=None)
     n_pairs = c_PN.shape[0]
     if n_pairs == 0 or n_experts == 0:
         return
-    _check_expert_span(b_EKN, "the weight operand", "rows_gemm")
+    check_expert_span(b_EKN, "the weight operand", "rows_gemm")
     k = select.kernel_options(kernels)
     gathered = a_idx is not None and config is None
     ws = select.gather_ws_for("rows_gemm", a_PK, b_EKN, c_PN, k=k) if gathered else None
@@ -75,12 +75,12 @@ def rows_gemm(a_PK, b_EKN, offs, c_PN, *, a_idx=None, config=None, kernels=None)
         "rows_gemm", lambda: ws.rows_gemm(a_PK, b_EKN, a_idx, offs, c_PN)
     ):
         return
-    key = dict(zip(_ROWS_KEY, (ncols, kdim, n_experts, a_idx is not None), strict=True))
-    kernel, meta = _pick(_rows_tuned, _rows_gemm_kernel, config, kdim, "rows_gemm", key,
+    key = dict(zip(ROWS_KEY, (ncols, kdim, n_experts, a_idx is not None), strict=True))
+    kernel, meta = pick_config(rows_tuned, _rows_gemm_kernel, config, kdim, "rows_gemm", key,
                          a_PK.dtype, k, ncols=ncols)  # fmt: skip
-    kernel[_row_grid(n_pairs, n_experts, ncols)](
+    kernel[row_grid(n_pairs, n_experts, ncols)](
         a_PK, b_EKN, a_idx if a_idx is not None else offs, offs, c_PN,
         n_experts, ncols, kdim,
         a_PK.stride(0), b_EKN.stride(0), b_EKN.stride(1), b_EKN.stride(2), c_PN.stride(0),
-        A_GATHER=a_idx is not None, IEEE=_ieee(a_PK), BLOCK_E=_block_e(n_experts), **meta,
+        A_GATHER=a_idx is not None, IEEE=exact_fp32(a_PK), BLOCK_E=expert_block_size(n_experts), **meta,
     )  # fmt: skip

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from relaymoe.kernels import interpret_mode
 from relaymoe.kernels.grouped.activation import act_bwd, act_fwd, act_meta
-from relaymoe.kernels.grouped.tiles import _block_e, _check_rows, _row_expert
+from relaymoe.kernels.grouped.tiles import check_rows, expert_block_size, row_expert
 
 
 @triton.jit
@@ -45,7 +45,7 @@ def _pair_rows(n_pairs, offs_ptr, n_experts, BLOCK_R: tl.constexpr, HAS_BIAS: tl
     r64 = rows.to(tl.int64)
     e_R = rows
     if HAS_BIAS:
-        e_R = _row_expert(r64 + tl.load(offs_ptr), offs_ptr, n_experts, BLOCK_E)
+        e_R = row_expert(r64 + tl.load(offs_ptr), offs_ptr, n_experts, BLOCK_E)
     return rows, rows < n_pairs, r64, e_R
 
 
@@ -132,7 +132,7 @@ def _bias_args(b13_EJ, offs, where: str, unused) -> tuple:
     if offs is None:
         raise ValueError(f"{where}: b13 needs the range's offs (each row's expert)")
     n_experts = offs.shape[0] - 1
-    return b13_EJ, offs, n_experts, b13_EJ.stride(0), True, _block_e(n_experts)
+    return b13_EJ, offs, n_experts, b13_EJ.stride(0), True, expert_block_size(n_experts)
 
 
 def swiglu_backward(h_PJ, g_PI, prob_P, dh_PJ, dprob_P, *, block_rows=None, block_cols=None,
@@ -144,7 +144,7 @@ def swiglu_backward(h_PJ, g_PI, prob_P, dh_PJ, dprob_P, *, block_rows=None, bloc
     n_pairs, ffn = g_PI.shape
     if n_pairs == 0:
         return
-    _check_rows(n_pairs, "swiglu_backward")  # row ids are int32 in the kernel
+    check_rows(n_pairs, "swiglu_backward")  # row ids are int32 in the kernel
     if ffn == 0:
         dprob_P.zero_()
         return
@@ -173,7 +173,7 @@ def swiglu_forward(h_PJ, prob_P, a_PI, *, activation=None, b13_EJ=None, offs=Non
     n_pairs, ffn = a_PI.shape
     if n_pairs == 0 or ffn == 0:
         return
-    _check_rows(n_pairs, "swiglu_forward")
+    check_rows(n_pairs, "swiglu_forward")
     b, o, n_experts, stride_be, has_bias, block_e = _bias_args(b13_EJ, offs, "swiglu_forward", h_PJ)
     if interpret_mode():
         br, bc, warps = 16, 16, 4

@@ -30,7 +30,7 @@ def _expert_tile(pid_m, offs_ptr, n_experts, BLOCK_M: tl.constexpr, BLOCK_E: tl.
 
 
 @triton.jit
-def _row_expert(grows, offs_ptr, n_experts, BLOCK_E: tl.constexpr):
+def row_expert(grows, offs_ptr, n_experts, BLOCK_E: tl.constexpr):
     """Local expert of each global pair row ``grows`` (the number of expert ends ``offs[j+1]``
     not above it): ``n_experts`` for a row past the range (a bound-sized buffer's tail)."""
     j = tl.arange(0, BLOCK_E)
@@ -40,12 +40,12 @@ def _row_expert(grows, offs_ptr, n_experts, BLOCK_E: tl.constexpr):
 
 
 @triton.jit
-def _row_col_tile(
+def row_col_tile(
     n_cols, offs_ptr, n_experts, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """``_expert_tile`` of this program plus its N tile, on a grid of (M tiles) x
-    ``cdiv(n_cols, BLOCK_N)`` programs (``_row_grid``) taken in groups of ``GROUP_M`` M tiles,
+    ``cdiv(n_cols, BLOCK_N)`` programs (``row_grid``) taken in groups of ``GROUP_M`` M tiles,
     M fastest inside a group (``relaymoe.kernels.tile_group_m``; 1: N tiles fastest)."""
     pid = tl.program_id(0)
     n_tiles_n = tl.cdiv(n_cols, BLOCK_N)
@@ -59,14 +59,14 @@ def _row_col_tile(
 
 
 @triton.jit
-def _mma(a, b, acc, IEEE: tl.constexpr):
+def mma(a, b, acc, IEEE: tl.constexpr):
     if IEEE:
         return tl.dot(a, b, acc, input_precision="ieee")
     return tl.dot(a, b, acc)
 
 
 @triton.jit
-def _row_gemm_loop(
+def row_gemm_loop(
     a_rows,  # (BLOCK_M,) int64 row ids into a_ptr (already valid addresses)
     a_ptr,
     stride_a,
@@ -94,13 +94,13 @@ def _row_gemm_loop(
             k_ok = ks < K - k0
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = _mma(a, b, acc, IEEE)
+        acc = mma(a, b, acc, IEEE)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_bk
     return acc
 
 
-def _even_k(kdim):
+def even_k(kdim):
     return lambda meta: meta[kdim] % meta["BLOCK_K"] == 0
 
 
@@ -109,19 +109,19 @@ def _even_k(kdim):
 ROW_GROUP_M = 8
 
 
-def _row_group_m(ncols: int, block_n: int) -> int:
+def row_group_m(ncols: int, block_n: int) -> int:
     return tile_group_m(triton.cdiv(ncols, block_n), ROW_GROUP_M)
 
 
-def _group_m(ncols):
-    return lambda meta: _row_group_m(meta[ncols], meta["BLOCK_N"])
+def group_m(ncols):
+    return lambda meta: row_group_m(meta[ncols], meta["BLOCK_N"])
 
 
-def _block_e(n_experts: int) -> int:
+def expert_block_size(n_experts: int) -> int:
     return max(16, triton.next_power_of_2(n_experts))
 
 
-def _row_grid(n_pairs: int, n_experts: int, ncols: int):
+def row_grid(n_pairs: int, n_experts: int, ncols: int):
     def grid(meta):
         tiles_m = triton.cdiv(n_pairs, meta["BLOCK_M"]) + n_experts
         n = tiles_m * triton.cdiv(ncols, meta["BLOCK_N"])
@@ -138,7 +138,7 @@ def _row_grid(n_pairs: int, n_experts: int, ncols: int):
 _FIX_WEIGHT = "shard the expert FFN (tensor parallelism on the experts) to shrink each expert"
 
 
-def _check_expert_span(t: torch.Tensor, name: str, where: str) -> None:
+def check_expert_span(t: torch.Tensor, name: str, where: str) -> None:
     """The largest element offset inside one expert of an (E, M, N) operand is computed in
     int32 by the kernels (index times stride)."""
     span = sum((d - 1) * abs(st) for d, st in zip(t.shape[1:], t.stride()[1:], strict=True))
@@ -146,11 +146,11 @@ def _check_expert_span(t: torch.Tensor, name: str, where: str) -> None:
                 where=where, fix=_FIX_WEIGHT)  # fmt: skip
 
 
-def _check_rows(n_rows: int, where: str) -> None:
+def check_rows(n_rows: int, where: str) -> None:
     check_int32(f"the pair rows of the expert range ({n_rows})", n_rows, where=where,
                 fix="use fewer tokens per call, or fewer experts per rank")  # fmt: skip
 
 
-def _ieee(t: torch.Tensor) -> bool:
+def exact_fp32(t: torch.Tensor) -> bool:
     """fp32 inputs use exact fp32 products (no TF32), so fp32 results meet fp32 bounds."""
     return t.dtype == torch.float32

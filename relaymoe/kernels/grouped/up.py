@@ -10,22 +10,22 @@ import triton.language as tl
 from relaymoe.kernels import interpret_mode, select
 from relaymoe.kernels.grouped.activation import act_fwd, act_meta
 from relaymoe.kernels.grouped.configs import (
-    _UP_CONFIGS,
-    _UP_KEY,
-    _UP_SINGLE_CONFIGS,
-    _pick,
-    _set_descriptor_allocator,
+    UP_CONFIGS,
+    UP_KEY,
+    UP_SINGLE_CONFIGS,
+    pick_config,
+    set_descriptor_allocator,
     single_tile_config,
 )
 from relaymoe.kernels.grouped.tiles import (
-    _block_e,
-    _check_expert_span,
-    _even_k,
-    _group_m,
-    _ieee,
-    _mma,
-    _row_col_tile,
-    _row_grid,
+    check_expert_span,
+    even_k,
+    exact_fp32,
+    expert_block_size,
+    group_m,
+    mma,
+    row_col_tile,
+    row_grid,
 )
 from relaymoe.kernels.tuned import shipped_config
 
@@ -53,7 +53,7 @@ def _up_swiglu_kernel(
     (TMA on sm90; the launcher checks contiguity and 16-byte strides). A gate tile that runs
     past row I reads up rows (or the next expert's) and an up tile past the last expert reads
     zeros: those columns are masked at the store, as the pointer path's clamped columns are."""
-    e, row0, row_end, pid_n = _row_col_tile(I, offs_ptr, n_experts, BLOCK_M, BLOCK_N, BLOCK_E,
+    e, row0, row_end, pid_n = row_col_tile(I, offs_ptr, n_experts, BLOCK_M, BLOCK_N, BLOCK_E,
                                             GROUP_M)  # fmt: skip
     if e >= n_experts:
         return
@@ -99,9 +99,9 @@ def _up_swiglu_kernel(
             wg = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
             if GATED:
                 wu = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
-        acc_g = _mma(xa, wg, acc_g, IEEE)
+        acc_g = mma(xa, wg, acc_g, IEEE)
         if GATED:
-            acc_u = _mma(xa, wu, acc_u, IEEE)
+            acc_u = mma(xa, wu, acc_u, IEEE)
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K * stride_wk
         if GATED:
@@ -150,13 +150,13 @@ def _epilogue_halves(act_fn: str, gated: bool, block_n: int) -> bool:
     return not gated and act_fn not in ("relu", "squared_relu") and block_n >= EPI_HALVES_MIN_N
 
 
-_up_tuned = triton.autotune(_UP_CONFIGS, key=list(_UP_KEY))(
-    triton.heuristics({"EVEN_K": _even_k("H"), "GROUP_M": _group_m("I")})(_up_swiglu_kernel)
+up_tuned = triton.autotune(UP_CONFIGS, key=list(UP_KEY))(
+    triton.heuristics({"EVEN_K": even_k("H"), "GROUP_M": group_m("I")})(_up_swiglu_kernel)
 )
 # not gated: its own candidates and cache (shipped under the name ``up_single``)
-_up_single_tuned = triton.autotune(_UP_SINGLE_CONFIGS, key=list(_UP_KEY))(
+up_single_tuned = triton.autotune(UP_SINGLE_CONFIGS, key=list(UP_KEY))(
     triton.heuristics({
-        "EVEN_K": _even_k("H"), "GROUP_M": _group_m("I"),
+        "EVEN_K": even_k("H"), "GROUP_M": group_m("I"),
         "EPI_HALVES": lambda a: _epilogue_halves(a["ACT_FN"], a["GATED"], a["BLOCK_N"]),
     })(_up_swiglu_kernel)
 )  # fmt: skip
@@ -192,7 +192,7 @@ def up_swiglu(x_TH, w13_EJH, idx_P, offs, prob_P, h_PJ, a_PI, *, config=None, ke
     n_pairs = (a_PI if a_PI is not None else h_PJ).shape[0]
     if n_pairs == 0 or n_experts == 0:
         return
-    _check_expert_span(w13_EJH, "w13", "up_swiglu")
+    check_expert_span(w13_EJH, "w13", "up_swiglu")
     k = select.kernel_options(kernels)
     ws = None
     if config is None:
@@ -202,14 +202,14 @@ def up_swiglu(x_TH, w13_EJH, idx_P, offs, prob_P, h_PJ, a_PI, *, config=None, ke
         "up_swiglu", lambda: ws.up_swiglu(x_TH, w13_EJH, idx_P, offs, prob_P, h_PJ, a_PI)
     ):
         return
-    key = dict(zip(_UP_KEY, (hidden, ffn, n_experts, h_PJ is not None, prob_P is not None),
+    key = dict(zip(UP_KEY, (hidden, ffn, n_experts, h_PJ is not None, prob_P is not None),
                    strict=True))  # fmt: skip
     if meta_act["GATED"]:
-        kernel, meta = _pick(_up_tuned, _up_swiglu_kernel, config, hidden, "up_swiglu", key,
+        kernel, meta = pick_config(up_tuned, _up_swiglu_kernel, config, hidden, "up_swiglu", key,
                              x_TH.dtype, k, ncols=ffn)  # fmt: skip
     else:
         config = _single_config(config, key, x_TH.dtype, k)
-        kernel, meta = _pick(_up_single_tuned, _up_swiglu_kernel, config, hidden, "up_single",
+        kernel, meta = pick_config(up_single_tuned, _up_swiglu_kernel, config, hidden, "up_single",
                              key, x_TH.dtype, k, ncols=ffn)  # fmt: skip
         if meta:  # a fixed configuration (the autotuned kernel's heuristic decides otherwise)
             meta["EPI_HALVES"] = _epilogue_halves(meta_act["ACT_FN"], False, meta["BLOCK_N"])
@@ -219,13 +219,13 @@ def up_swiglu(x_TH, w13_EJH, idx_P, offs, prob_P, h_PJ, a_PI, *, config=None, ke
     b = b13_EJ if b13_EJ is not None else a  # an unused pointer without a bias
     tma = select.tma_weights(w13_EJH, k)
     if tma and w13_EJH.is_cuda:
-        _set_descriptor_allocator()
-    kernel[_row_grid(n_pairs, n_experts, ffn)](
+        set_descriptor_allocator()
+    kernel[row_grid(n_pairs, n_experts, ffn)](
         x_TH, w13_EJH, idx_P, offs, p, h, a, b,
         n_experts, hidden, ffn,
         x_TH.stride(0), w13_EJH.stride(0), w13_EJH.stride(1), w13_EJH.stride(2),
         h.stride(0), a.stride(0), b.stride(0),
-        SAVE_H=h_PJ is not None, SCALE=prob_P is not None, IEEE=_ieee(x_TH),
-        BLOCK_E=_block_e(n_experts), TMA_W=tma, SAVE_A=a_PI is not None,
+        SAVE_H=h_PJ is not None, SCALE=prob_P is not None, IEEE=exact_fp32(x_TH),
+        BLOCK_E=expert_block_size(n_experts), TMA_W=tma, SAVE_A=a_PI is not None,
         HAS_BIAS=b13_EJ is not None, **meta_act, **meta,
     )  # fmt: skip

@@ -9,12 +9,12 @@ import triton.language as tl
 
 from relaymoe.kernels import select
 from relaymoe.kernels.grouped.configs import (
-    _WGRAD_CONFIGS,
-    _WGRAD_KEY,
-    _pick,
-    _set_descriptor_allocator,
+    WGRAD_CONFIGS,
+    WGRAD_KEY,
+    pick_config,
+    set_descriptor_allocator,
 )
-from relaymoe.kernels.grouped.tiles import _check_expert_span, _ieee, _mma
+from relaymoe.kernels.grouped.tiles import check_expert_span, exact_fp32, mma
 
 
 @triton.jit
@@ -47,7 +47,7 @@ def _wgrad_tile(
         b_mask = q_ok[:, None] & b_mask
     at = tl.load(a_ptr + a_rows[:, None] * stride_a + rm[None, :], mask=a_mask, other=0.0)
     bt = tl.load(b_ptr + b_rows[:, None] * stride_b + rn[None, :], mask=b_mask, other=0.0)
-    return _mma(tl.trans(at), bt, acc, IEEE)
+    return mma(tl.trans(at), bt, acc, IEEE)
 
 
 @triton.jit
@@ -112,7 +112,7 @@ def _wgrad_kernel(
             else:
                 bt = tl.load(b_ptr + tok[:, None] * stride_b + rn[None, :], mask=n_ok[None, :],
                              other=0.0)  # fmt: skip
-            acc = _mma(tl.trans(at), bt, acc, IEEE)
+            acc = mma(tl.trans(at), bt, acc, IEEE)
     else:
         for q0 in range(lo, q_full, BLOCK_K):
             acc = _wgrad_tile(acc, q0, None, a_ptr, b_ptr, idx_ptr, base, rm, rn, m_ok, n_ok,
@@ -128,9 +128,9 @@ def _wgrad_kernel(
     tl.store(cp, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
-_wgrad_tuned = triton.autotune(
-    _WGRAD_CONFIGS,
-    key=list(_WGRAD_KEY),
+wgrad_tuned = triton.autotune(
+    WGRAD_CONFIGS,
+    key=list(WGRAD_KEY),
     restore_value=["c_ptr"],  # accumulating launches must not add once per tried config
 )(_wgrad_kernel)
 
@@ -143,14 +143,14 @@ def wgrad(a, b, idx_P, offs, c_EMN, *, a_gather: bool, b_gather: bool, accumulat
     n_experts, m, n = c_EMN.shape
     if n_experts == 0 or m == 0 or n == 0:
         return
-    _check_expert_span(c_EMN, "the weight gradient", "wgrad")
-    key = dict(zip(_WGRAD_KEY, (m, n, a_gather, b_gather, accumulate), strict=True))
+    check_expert_span(c_EMN, "the weight gradient", "wgrad")
+    key = dict(zip(WGRAD_KEY, (m, n, a_gather, b_gather, accumulate), strict=True))
     k = select.kernel_options(kernels)
-    kernel, meta = _pick(_wgrad_tuned, _wgrad_kernel, config, None, "wgrad", key, a.dtype, k)
+    kernel, meta = pick_config(wgrad_tuned, _wgrad_kernel, config, None, "wgrad", key, a.dtype, k)
     tma_a = not a_gather and select.tma_operand(a, k)
     tma_b = not b_gather and select.tma_operand(b, k)
     if (tma_a or tma_b) and a.is_cuda:
-        _set_descriptor_allocator()
+        set_descriptor_allocator()
     n_rows = b.shape[0] if a_gather else a.shape[0]
 
     def grid(meta_):
@@ -160,6 +160,6 @@ def wgrad(a, b, idx_P, offs, c_EMN, *, a_gather: bool, b_gather: bool, accumulat
         a, b, idx_P, offs, c_EMN,
         m, n, n_rows,
         a.stride(0), b.stride(0), c_EMN.stride(0), c_EMN.stride(1), c_EMN.stride(2),
-        A_GATHER=a_gather, B_GATHER=b_gather, ACCUMULATE=accumulate, IEEE=_ieee(a),
+        A_GATHER=a_gather, B_GATHER=b_gather, ACCUMULATE=accumulate, IEEE=exact_fp32(a),
         TMA_A=tma_a, TMA_B=tma_b, **meta,
     )  # fmt: skip
