@@ -231,6 +231,18 @@ RING_GRAPHED_FLAGS = ("--cuda-graph-impl", FULL_ITERATION, "--no-check-for-nan-i
 # alltoall then has static shapes and no device-to-host copy, which is what its MoE CUDA graphs
 # need (transformer_config.py asserts "moe cuda graph is only supported with drop-padding MoE").
 # Tokens over an expert's capacity are dropped: not the same model as the dropless runs.
+# The ring with megatron-core's per-layer graphs over attention and the whole MoE layer (TE's
+# make_graphed_callables), dropless: megatron-core's drop-and-pad assertion is lifted for the
+# ring only (relaymoe/megatron/patches.py)
+RING_LAYER_GRAPH_FLAGS = (
+    "--cuda-graph-impl",
+    "transformer_engine",
+    "--cuda-graph-modules",
+    "attn",
+    "moe",
+    "--cuda-graph-warmup-steps",
+    str(GRAPH_WARMUP_STEPS),
+)
 DROP_FLAGS = ("--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity")
 DROP_GRAPH_FLAGS = ("--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules", "attn",
                     "moe")  # fmt: skip
@@ -272,6 +284,10 @@ PROVIDERS = {
                  about="the ring, eager (with the kept attention graphs on anchor shapes)"),
         Provider("relaymoe_ring_graphed", "ring", graph_flags=RING_GRAPHED_FLAGS,
                  about="the ring under megatron-core's whole-iteration CUDA graph, dropless"),
+        Provider("relaymoe_ring_layer_graphs", "ring", te=True,
+                 graph_flags=RING_LAYER_GRAPH_FLAGS,
+                 about="the ring under megatron-core's per-layer graphs over attention and the "
+                       "whole MoE layer (TE), dropless"),
         Provider("mcore_alltoall", "alltoall", te=False,
                  about="megatron-core's alltoall (shapes without TE)"),
         Provider("mcore_alltoall_te", "alltoall", te=True,

@@ -39,7 +39,7 @@ from relaymoe.activation import SWIGLU
 from relaymoe.megatron.activation_map import expert_activation_of
 from relaymoe.megatron.expert_weights import expert_bias_lists, expert_param_lists
 from relaymoe.megatron.settings import ring_config_of
-from relaymoe.megatron.validate import check_ring_config
+from relaymoe.megatron.validate import check_ring_config, ring_graph_capture
 from relaymoe.options import RingConfig
 from relaymoe.ring import RingRuntime, ring_moe
 
@@ -170,9 +170,10 @@ class RingDispatcher(MoETokenDispatcher):
         self.num_experts = config.num_moe_experts
         self.topk = config.moe_router_topk
         self.activation = expert_activation_of(config)  # what Megatron's experts would compute
-        # megatron-core captures the whole step in a CUDA graph: every call runs the ring's
-        # capturable path, the eager warm-up steps too (relaymoe/ring/capture.py)
-        self.capturable = getattr(config, "cuda_graph_impl", "none") == "full_iteration"
+        # megatron-core captures the whole step, or each layer's MoE, in a CUDA graph: every
+        # call runs the ring's capturable path, the eager warm-up steps too
+        # (relaymoe/ring/capture.py), so eager and replayed steps compute alike
+        self.capturable = ring_graph_capture(config) is not None
         self.ring_config = ring_config if ring_config is not None else ring_config_of(config)
         if not isinstance(self.ring_config, RingConfig):
             raise ValueError(

@@ -13,6 +13,8 @@
 3. ``TransformerConfig.__post_init__``: the refusals at config time (before Megatron's own
    checks, so the user reads our message and its fix rather than an unrelated assertion).
    ``TransformerConfig`` only types the field as a ``Literal``; it checks no value itself.
+   With per-layer CUDA graphs over the MoE layer, megatron-core's drop-and-pad assertion is
+   lifted for the ring only (``shown_as_drop_and_pad`` says why).
 4. ``MoELayer.__init__`` / ``MoELayer.routed_experts_compute``: with ``ring`` the layer is
    built as ``allgather`` (which communicates nothing at build time), its dispatcher replaced
    by a ``RingDispatcher`` and its experts' parameters re-homed contiguously; the experts call
@@ -33,6 +35,7 @@ Each patched callable carries ``__relaymoe_patched__`` so a second ``register()`
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -301,14 +304,39 @@ def patch_transformer_config() -> None:
 
     @functools.wraps(original)
     def __post_init__(self):
-        if getattr(self, "moe_token_dispatcher_type", None) == "ring":
-            from relaymoe.megatron.validate import check_ring_config
+        if getattr(self, "moe_token_dispatcher_type", None) != "ring":
+            return original(self)
+        from relaymoe.megatron.validate import check_ring_config, ring_graph_capture
 
-            if getattr(self, "num_moe_experts", None) is not None:
-                check_ring_config(self)
-        return original(self)
+        if getattr(self, "num_moe_experts", None) is None:
+            return original(self)
+        check_ring_config(self)
+        if ring_graph_capture(self) != "per_layer":
+            return original(self)
+        with shown_as_drop_and_pad(self):
+            return original(self)
 
     TransformerConfig.__post_init__ = _mark(__post_init__, original)
+
+
+@contextlib.contextmanager
+def shown_as_drop_and_pad(config):
+    """Let megatron-core 0.19 build a ring config whose per-layer CUDA graphs hold the MoE layer.
+
+    ``TransformerConfig.__post_init__`` asserts "moe cuda graph is only supported with
+    drop-padding MoE": its own dispatchers size each expert's buffer from token counts copied to
+    the host, and only capacity-and-pad fixes those sizes. The ring needs neither: under capture
+    it sizes every hop from ``T * min(K, E_local)`` pairs, a bound no routing can exceed (a
+    token's K experts are distinct), so it captures dropless (``relaymoe/ring/capture.py``).
+    For the ring only, and only while the original ``__post_init__`` runs, the config shows
+    capacity 1.0 with padding; both fields are put back afterwards, so the model built is the
+    dropless ring. ``check_ring_config`` has already run on the real values."""
+    saved = config.moe_expert_capacity_factor, config.moe_pad_expert_input_to_capacity
+    config.moe_expert_capacity_factor, config.moe_pad_expert_input_to_capacity = 1.0, True
+    try:
+        yield config
+    finally:
+        config.moe_expert_capacity_factor, config.moe_pad_expert_input_to_capacity = saved
 
 
 # --------------------------------------------------------------------------- MoELayer

@@ -22,7 +22,13 @@ Why each refusal:
   bf16/fp16/fp32 from the experts' own bf16 parameters. Plain fp8 recipes are accepted: TE runs
   attention and the dense layers in fp8 and the ring runs the experts in bf16
   (``fp8_expert_notice`` says so once at start).
-* CUDA graphs over the MoE: the ring's per-hop token counts are data dependent.
+* CUDA graphs over part of the MoE layer (``--cuda-graph-modules moe_router`` or
+  ``moe_preprocess``): megatron-core then replays dispatcher state the ring does not keep. The
+  whole MoE layer (``moe``, or an empty scope: the whole layer) and the whole step
+  (``full_iteration``) are accepted: the ring runs captured there (``relaymoe/ring/capture.py``),
+  sized by a bound no routing can exceed, so nothing is dropped. Under capture the all-to-all
+  mode (sized on the host), Sinkhorn routing (its iteration count is decided on the host) and a
+  start without an eager warm-up step (the ranks agree on each layer's shapes there) are refused.
 * expert MLPs whose function the ring cannot name (``activation_map.py`` maps Megatron's
   ``activation_func``, ``gated_linear_unit``, clamp and offset to one ``ExpertActivation``:
   silu/gelu/gelu_tanh/relu/squared_relu/quick_gelu, gated or not, with or without biases):
@@ -57,6 +63,7 @@ refuses is refused there too.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Iterable
 
 from relaymoe.megatron.activation_map import expert_activation_problems
@@ -65,13 +72,16 @@ __all__ = [
     "check_ring_config",
     "check_ring_args",
     "ring_config_problems",
+    "ring_graph_capture",
     "fused_loss_problems",
     "check_fused_loss_config",
     "check_fused_loss_args",
     "fp8_expert_notice",
 ]
 
-_MOE_GRAPH_MODULES = {"moe", "moe_router", "moe_preprocess", "full"}
+# cuda_graph_modules of a per-layer graph: the whole MoE layer captured, or only its front
+_WHOLE_MOE_SCOPES = frozenset({"moe", "full"})
+_PARTIAL_MOE_SCOPES = frozenset({"moe_router", "moe_preprocess"})
 # offload_modules entries that offload expert activations (the ring never materialises them)
 _EXPERT_OFFLOADS = frozenset({"expert_fc1", "moe_act", "fused_group_mlp"})
 
@@ -83,6 +93,78 @@ def _names(value) -> list[str]:
     if isinstance(value, str) or not isinstance(value, Iterable):
         value = [value]
     return [getattr(v, "name", str(v)) for v in value]
+
+
+def _graph_impl(g) -> str:
+    """The CUDA-graph implementation, the deprecated switches mapped as Megatron maps them."""
+    impl = g("cuda_graph_impl", "none") or "none"
+    if g("enable_cuda_graph", False):
+        impl = "local" if impl == "none" else impl
+    if g("external_cuda_graph", False):
+        impl = "transformer_engine" if impl == "none" else impl
+    return impl
+
+
+def ring_graph_capture(c) -> str | None:
+    """How CUDA graphs hold the ring's MoE layer under config or arguments ``c``:
+    ``"whole_step"`` (``--cuda-graph-impl full_iteration``), ``"per_layer"`` (a per-layer graph
+    of ``local`` or ``transformer_engine`` over the whole MoE layer: ``--cuda-graph-modules moe``,
+    or no modules, which captures the whole layer), or None (the MoE layer runs eagerly).
+    The dispatcher runs ``ring_moe(capturable=True)`` whenever this is not None."""
+    g = lambda name, default=None: getattr(c, name, default)  # noqa: E731
+    impl = _graph_impl(g)
+    if impl == "full_iteration":
+        return "whole_step"
+    if impl in ("local", "transformer_engine"):
+        modules = _names(g("cuda_graph_modules", None)) or ["full"]
+        if any(m in _WHOLE_MOE_SCOPES for m in modules):
+            return "per_layer"
+    return None
+
+
+def _graph_problems(g) -> list[str]:
+    """The CUDA-graph settings the ring cannot run captured (``g(name, default)`` reads one)."""
+    impl = _graph_impl(g)
+    modules = _names(g("cuda_graph_modules", None)) or ["full"]
+    partial = [m for m in modules if m in _PARTIAL_MOE_SCOPES]
+    if impl in ("local", "transformer_engine") and partial and "moe" not in modules:
+        return [
+            f"per-layer CUDA graphs over part of the MoE layer (cuda_graph_impl={impl!r}, "
+            f"cuda_graph_modules={modules}): megatron-core then replays its dispatcher's state "
+            f"around the graph, which the ring does not keep; fix: capture the whole MoE layer "
+            f"(--cuda-graph-modules attn moe) or the whole step (--cuda-graph-impl "
+            f"full_iteration): the ring runs captured in both, dropless"
+        ]
+    scope = ring_graph_capture(types.SimpleNamespace(
+        cuda_graph_impl=impl, cuda_graph_modules=g("cuda_graph_modules", None)))  # fmt: skip
+    if scope is None:
+        return []
+    where = (f"--cuda-graph-impl {impl}" if scope == "whole_step" else
+             f"--cuda-graph-impl {impl} --cuda-graph-modules {' '.join(modules)}")  # fmt: skip
+    problems = []
+    if g("relaymoe_mode") == "alltoall":
+        problems.append(
+            f"--relaymoe-mode alltoall with {where}: the all-to-all mode sizes its messages on "
+            f"the host, which a captured graph cannot replay; fix: --relaymoe-mode auto (it then "
+            f"picks among the ring modes), expert or token"
+        )
+    warm_up = g("cuda_graph_warmup_steps", 1)
+    if warm_up is not None and warm_up < 1:
+        problems.append(
+            f"cuda_graph_warmup_steps={warm_up} with {where}: the ring's ranks agree on each "
+            f"layer's shapes in an eager step before the capture; fix: "
+            f"--cuda-graph-warmup-steps 1 or more"
+        )
+    balancing = g("moe_router_load_balancing_type", None)
+    balancing = balancing if isinstance(balancing, list | tuple) else [balancing]
+    if "sinkhorn" in balancing:
+        problems.append(
+            f"moe_router_load_balancing_type='sinkhorn' with {where}: Sinkhorn routing iterates "
+            f"until a tolerance read on the host, which a captured graph cannot replay; fix: "
+            f"aux_loss, seq_aux_loss, global_aux_loss or none, or run without CUDA graphs over "
+            f"the MoE layer"
+        )
+    return problems
 
 
 def ring_config_problems(c, *, ep_size: int | None = None, args_style: bool = False) -> list[str]:
@@ -167,34 +249,7 @@ def ring_config_problems(c, *, ep_size: int | None = None, args_style: bool = Fa
                 "tensors, which the ring's bf16 expert kernels do not read; fix: remove "
                 "--fp8-param-gather (attention and dense layers still compute in fp8)"
             )
-    impl = g("cuda_graph_impl", "none") or "none"
-    if g("enable_cuda_graph", False) or g("external_cuda_graph", False):
-        impl = "local" if impl == "none" else impl
-    if impl == "full_iteration":
-        # the ring's captured path (relaymoe/ring/capture.py): no host sync, hops sized from
-        # the worst case, dropless; megatron-core runs the warm-up steps eagerly, which agree
-        if g("relaymoe_mode") == "alltoall":
-            problems.append(
-                "--relaymoe-mode alltoall with --cuda-graph-impl full_iteration: the all-to-all "
-                "mode sizes its messages on the host, which a captured step cannot replay; fix: "
-                "--relaymoe-mode auto (it then picks among the ring modes), expert or token"
-            )
-        if g("cuda_graph_warmup_steps", 1) is not None and g("cuda_graph_warmup_steps", 1) < 1:
-            problems.append(
-                f"cuda_graph_warmup_steps={g('cuda_graph_warmup_steps')} with --cuda-graph-impl "
-                f"full_iteration: the ring's ranks agree on each layer's shapes in an eager "
-                f"step before the capture; fix: --cuda-graph-warmup-steps 1 or more"
-            )
-    elif impl != "none":
-        modules = _names(g("cuda_graph_modules", None)) or ["full"]
-        if any(m in _MOE_GRAPH_MODULES for m in modules):
-            problems.append(
-                f"per-layer CUDA graphs over the MoE layer (cuda_graph_impl={impl!r}, "
-                f"cuda_graph_modules={modules}): megatron-core captures its MoE modules only "
-                f"with drop-and-pad; fix: capture the whole step, dropless, with "
-                f"--cuda-graph-impl full_iteration (the ring runs captured there), or capture "
-                f"only attn/mlp (--cuda-graph-modules attn)"
-            )
+    problems += _graph_problems(g)
     if g("transformer_impl") == "inference_optimized":
         problems.append(
             "transformer_impl='inference_optimized' uses its own inference dispatcher; "

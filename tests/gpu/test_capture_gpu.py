@@ -7,11 +7,15 @@
   graph: the eager result bitwise (the hops are sized for the worst case, nothing drops);
 * Megatron's whole-iteration graph (``--cuda-graph-impl full_iteration``) with the ring: 20 steps
   of the tiny Qwen3-style GPT from one seed give the eager run's losses bitwise, and the same
-  weights at the end (their sha256), with and without the fused loss.
+  weights at the end (their sha256), with and without the fused loss;
+* megatron-core's per-layer graphs over the whole MoE layer (``--cuda-graph-impl local
+  --cuda-graph-modules attn moe``, and ``transformer_engine`` where TE imports), dropless, with
+  the drop-and-pad assertion lifted for the ring (``relaymoe/megatron/patches.py``): the same.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import tempfile
@@ -86,14 +90,14 @@ def test_ring_moe_captured_replays_equal_eager_and_the_oracle():
             assert rel_err(a, b) < 2e-2, f"step {step} ({route}): {name} vs the oracle"
 
 
-def _pretrain(extra, steps, workdir, name):
+def _pretrain(extra, steps, workdir, name, impl="local"):
     from benchmarks.e2e import pretrain_args, run_pretrain
 
     workdir = os.path.join(workdir, name)
     os.makedirs(workdir)
     flags = pretrain_args("tiny_qwen3", gpus=1, steps=steps, dispatcher="ring", seed=1234,
                           extra=[*extra, "--relaymoe-weights-digest"],
-                          transformer_impl="local")  # fmt: skip
+                          transformer_impl=impl)  # fmt: skip
     run = run_pretrain(flags, gpus=1, timeout_s=400, workdir=workdir)
     assert run.returncode == 0 and len(run.steps) == steps, (
         f"{name}: rc={run.returncode}\n{run.command}\n{run.log_tail}"
@@ -104,14 +108,40 @@ def _pretrain(extra, steps, workdir, name):
     return run.losses, digest
 
 
-@pytest.mark.parametrize("fused_loss", [False, True], ids=["megatron_loss", "fused_loss"])
-def test_megatron_full_iteration_graph_equals_eager_bitwise(fused_loss):
+GRAPHS = {
+    "full_iteration": ["--cuda-graph-impl", "full_iteration"],
+    "local_attn_moe": ["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn", "moe"],
+}
+NO_NAN_CHECK = ["--no-check-for-nan-in-loss-and-grad"]  # full_iteration refuses the check
+
+
+@functools.cache
+def _eager(fused_loss: bool, impl: str):
+    """The eager run every graphed run of the same loss and layers is compared with (once)."""
     extra = ["--relaymoe-fused-loss"] if fused_loss else []
-    graphed = [*extra, "--cuda-graph-impl", "full_iteration", "--cuda-graph-warmup-steps", "2",
-               "--no-check-for-nan-in-loss-and-grad"]  # fmt: skip
+    return _pretrain([*extra, *NO_NAN_CHECK], 20, tempfile.mkdtemp(), "eager", impl=impl)
+
+
+def _graphed(fused_loss: bool, impl: str, graphs: list[str]):
+    extra = ["--relaymoe-fused-loss"] if fused_loss else []
+    flags = [*extra, *graphs, "--cuda-graph-warmup-steps", "2", *NO_NAN_CHECK]
     with tempfile.TemporaryDirectory() as tmp:
-        eager_losses, eager_w = _pretrain([*extra, "--no-check-for-nan-in-loss-and-grad"], 20,
-                                          tmp, "eager")  # fmt: skip
-        graph_losses, graph_w = _pretrain(graphed, 20, tmp, "graphed")
+        return _pretrain(flags, 20, tmp, "graphed", impl=impl)
+
+
+@pytest.mark.parametrize("graphs", sorted(GRAPHS))
+@pytest.mark.parametrize("fused_loss", [False, True], ids=["megatron_loss", "fused_loss"])
+def test_megatron_graphed_steps_equal_eager_bitwise(fused_loss, graphs):
+    eager_losses, eager_w = _eager(fused_loss, "local")
+    graph_losses, graph_w = _graphed(fused_loss, "local", GRAPHS[graphs])
+    assert graph_losses == eager_losses, list(zip(eager_losses, graph_losses, strict=True))
+    assert graph_w == eager_w, "the weights after 20 steps differ"
+
+
+def test_megatron_te_layer_graphs_over_the_moe_equal_eager_bitwise():
+    pytest.importorskip("transformer_engine", reason="needs TE")
+    eager_losses, eager_w = _eager(False, "transformer_engine")
+    graphs = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules", "attn", "moe"]
+    graph_losses, graph_w = _graphed(False, "transformer_engine", graphs)
     assert graph_losses == eager_losses, list(zip(eager_losses, graph_losses, strict=True))
     assert graph_w == eager_w, "the weights after 20 steps differ"

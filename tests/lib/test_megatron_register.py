@@ -219,9 +219,10 @@ REFUSALS = [
     (dict(moe_hybridep_num_sms=20), "remove --moe-hybridep-num-sms"),
     (dict(fp8="e4m3", fp8_param=True), "--fp8-param-gather"),
     (dict(fp4="e2m1"), "fp4='e2m1'"),
-    (dict(cuda_graph_impl="transformer_engine"), "per-layer CUDA graphs over the MoE"),
+    (dict(cuda_graph_impl="transformer_engine", cuda_graph_modules=["attn", "moe_router"]),
+     "per-layer CUDA graphs over part of the MoE layer"),
     (dict(cuda_graph_impl="local", cuda_graph_modules=["moe_router"]),
-     "--cuda-graph-impl full_iteration (the ring runs captured there)"),
+     "the ring runs captured in both, dropless"),
     (dict(num_moe_experts=6, expert_model_parallel_size=4), "not divisible by the expert-parallel"),
     (dict(activation_func=torch.tanh), "activation_func=torch.tanh is not one"),
     (dict(gated_linear_unit=False, activation_func=F.gelu, activation_func_clamp_value=7.0),
@@ -335,6 +336,67 @@ def test_whole_step_graph_accepted_and_its_refusals(mcore):
         bad = types.SimpleNamespace(**{**vars(ns), field: value})
         with pytest.raises(ValueError, match=message):
             check_ring_args(bad)
+
+
+@pytest.mark.parametrize(
+    "modules", [["attn", "moe"], ["moe"], []], ids=["attn_moe", "moe", "layer"]
+)
+def test_per_layer_moe_graph_builds_for_the_ring_only(mcore, modules):
+    """A per-layer CUDA graph over the ring's whole MoE layer builds (megatron-core's
+    drop-and-pad assertion lifted for the ring only), the config keeps the ring dropless, and
+    the dispatcher runs the capturable path; the same config for megatron-core's own alltoall
+    still meets megatron-core's assertion."""
+    from relaymoe.megatron.validate import ring_graph_capture
+
+    cfg = _config(cuda_graph_impl="local", cuda_graph_modules=list(modules),
+                  cuda_graph_warmup_steps=2)  # fmt: skip
+    assert (cfg.moe_expert_capacity_factor, cfg.moe_pad_expert_input_to_capacity) == (None, False)
+    assert ring_graph_capture(cfg) == "per_layer"
+    assert ring_graph_capture(_config()) is None
+    assert ring_graph_capture(_config(cuda_graph_impl="full_iteration")) == "whole_step"
+    assert ring_graph_capture(_config(cuda_graph_impl="local",
+                                      cuda_graph_modules=["attn"])) is None  # fmt: skip
+    if "moe" in modules:  # megatron-core asserts only where the scope names the MoE layer
+        with pytest.raises(AssertionError, match="drop-padding"):
+            _config(cuda_graph_impl="local", cuda_graph_modules=list(modules),
+                    moe_token_dispatcher_type="alltoall")  # fmt: skip
+
+
+def test_per_layer_moe_graph_refusals(mcore):
+    """Under a per-layer MoE graph: part of the MoE layer, the all-to-all mode, Sinkhorn and no
+    eager warm-up are refused by name, on the config and on the arguments."""
+    from relaymoe.megatron.validate import check_ring_args
+
+    ns = types.SimpleNamespace(moe_token_dispatcher_type="ring", num_experts=8,
+                               expert_model_parallel_size=2, swiglu=True, add_bias_linear=False,
+                               cuda_graph_impl="transformer_engine",
+                               cuda_graph_modules=["attn", "moe"], cuda_graph_warmup_steps=2,
+                               relaymoe_mode="auto",
+                               moe_router_load_balancing_type="aux_loss")  # fmt: skip
+    check_ring_args(ns)
+    for field, value, message in (
+        ("cuda_graph_modules", ["attn", "moe_router"], "part of the MoE layer"),
+        ("cuda_graph_modules", ["moe_router", "moe_preprocess"], "--cuda-graph-modules attn moe"),
+        ("relaymoe_mode", "alltoall", "sizes its messages on the host"),
+        ("cuda_graph_warmup_steps", 0, "--cuda-graph-warmup-steps 1"),
+        ("moe_router_load_balancing_type", "sinkhorn", "Sinkhorn"),
+    ):
+        bad = types.SimpleNamespace(**{**vars(ns), field: value})
+        with pytest.raises(ValueError, match=message):
+            check_ring_args(bad)
+    with pytest.raises(ValueError, match="Sinkhorn"):
+        check_ring_args(
+            types.SimpleNamespace(
+                **{
+                    **vars(ns),
+                    "cuda_graph_impl": "full_iteration",
+                    "cuda_graph_modules": [],
+                    "moe_router_load_balancing_type": "sinkhorn",
+                }
+            )
+        )
+    with pytest.raises(ValueError, match="part of the MoE layer"):
+        _config(cuda_graph_impl="local", cuda_graph_modules=["moe_router"])
 
 
 def test_recompute_plan_applied_once(mcore, monkeypatch, capsys):
