@@ -1,7 +1,8 @@
 """``relaymoe plan``: what fits per GPU, alltoall vs ring, each with Megatron's loss or the fused
 one, and the Megatron flags to paste; ``relaymoe flags``; ``relaymoe data`` (tokenise a corpus
-into Megatron's indexed dataset) and ``relaymoe convert-hf`` (a Hugging Face Qwen3-MoE checkpoint
-to a Megatron ``torch_dist`` one), whose code is in ``relaymoe/megatron/``."""
+into Megatron's indexed dataset); ``relaymoe convert-hf`` / ``export-hf`` (a Hugging Face
+Qwen3-MoE checkpoint to a Megatron ``torch_dist`` one and back) and ``relaymoe check-hf`` (both
+give the same logits?), each in its own package beside this module."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from relaymoe.config import DISPATCHERS
 from relaymoe.options import MODE_CHOICES, TRANSPORT_CHOICES
 
 DEFAULT_CONFIG = "qwen3_30b_a3b"
+# the Hugging Face subcommands -> their package (each has add_parser and main)
+HF_TOOLS = {"convert-hf": "convert_hf", "export-hf": "export_hf", "check-hf": "check_hf"}
 _PAR = {"tp": "tp", "cp": "cp", "pp": "pp", "vpp": "vpp", "ep": "ep", "etp": "etp", "dp": "dp"}
 # The other whole-number overrides of ``plan`` and ``flags``: (flag, help), in --help order.
 _INT_OVERRIDES = (
@@ -111,10 +114,11 @@ def _add_overrides(q: argparse.ArgumentParser, dispatchers: tuple[str, ...]) -> 
 def _add_tool_parsers(sub) -> None:
     """Subcommands that live beside the code they run (their modules import nothing heavy at
     import time; megatron-core is imported when the command runs)."""
-    from relaymoe import convert_hf, data
+    from relaymoe import check_hf, convert_hf, data, export_hf
 
     data.add_parser(sub)
-    convert_hf.add_parser(sub)
+    for tool in (convert_hf, export_hf, check_hf):  # Hugging Face in, out, and the check
+        tool.add_parser(sub)
 
 
 def build_config(ns):
@@ -410,10 +414,10 @@ def main(argv: list[str] | None = None) -> int:
         from relaymoe import data
 
         return data.main(ns)
-    if ns.command == "convert-hf":
-        from relaymoe import convert_hf
+    if ns.command in HF_TOOLS:
+        import importlib
 
-        return convert_hf.main(ns)
+        return importlib.import_module(f"relaymoe.{HF_TOOLS[ns.command]}").main(ns)
     from relaymoe.config import to_megatron_args
     from relaymoe.planner import plan
 

@@ -69,3 +69,40 @@ class _GroupSuffix:
 
 def pytest_configure(config):
     config.pluginmanager.register(_GroupSuffix(), "relaymoe-xdist-group-suffix")
+
+
+# ------------------------------------------------------------- Hugging Face checkpoints, tiny
+# Built once per session (the test files that use them share an xdist_group, so one worker
+# builds them): tests/lib/test_convert_hf.py and tests/lib/test_export_hf.py.
+@pytest.fixture(scope="session")
+def tiny_hf(tmp_path_factory):
+    """(folder, model): a tiny random Hugging Face Qwen3-MoE (``tests.fixtures.tiny_qwen3_moe``,
+    untied, every layer MoE) in several safetensors shards."""
+    from tests.fixtures import tiny_qwen3_moe
+
+    folder = tmp_path_factory.mktemp("hf") / "hf"
+    return folder, tiny_qwen3_moe(folder)
+
+
+@pytest.fixture(scope="session")
+def converted_local(tiny_hf):
+    """(checkpoint, model flags): ``tiny_hf`` converted by two processes at PP 2 (each writes its
+    layer's tensors to its own file) in the local spec's keys, fp32."""
+    from tests.fixtures import convert_hf
+
+    ckpt = tiny_hf[0].parent / "ckpt_local_pp2"
+    flags = convert_hf(tiny_hf[0], ckpt, "--transformer-impl", "local", "--pp", "2", world=2)
+    assert flags[-2:] == ["--transformer-impl", "local"], flags
+    return ckpt, flags
+
+
+@pytest.fixture(scope="session")
+def converted_te_ep2(tiny_hf):
+    """(checkpoint, model flags): ``tiny_hf`` converted by two processes at EP 2 (each writes its
+    half of the experts to its own file) in the TE spec's keys (convert-hf's default), fp32."""
+    from tests.fixtures import convert_hf
+
+    ckpt = tiny_hf[0].parent / "ckpt_te_ep2"
+    flags = convert_hf(tiny_hf[0], ckpt, "--ep", "2", world=2)
+    assert flags[-2:] == ["--transformer-impl", "transformer_engine"], flags
+    return ckpt, flags

@@ -331,3 +331,114 @@ dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_s
 from relaymoe.megatron import register
 register()
 """
+
+
+# ---------------------------------------------------------------------------------------------
+# A tiny Hugging Face Qwen3-MoE, and Python (relaymoe's CLI, a script) in worlds of processes
+# ---------------------------------------------------------------------------------------------
+# 2 layers, hidden 64, 4 query heads in 2 KV groups, 4 experts top-2, vocabulary 256, untied
+TINY_QWEN3_MOE = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_experts=4,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    tie_word_embeddings=False,
+    rope_theta=1e6,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-6,
+)
+
+
+def tiny_qwen3_moe(folder, *, seed: int = 7, **config):
+    """transformers' ``Qwen3MoeForCausalLM`` of ``TINY_QWEN3_MOE`` (``config`` overrides keys),
+    initialised at random (every norm weight too, around 1 and each entry different, so that a
+    swapped q/k norm or input/post-attention norm shows), saved with ``save_pretrained`` in
+    ``folder`` in several safetensors shards; returns the model (eval mode)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**TINY_QWEN3_MOE, **config})).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0, 0.2 if "gate.weight" in name else 0.08)
+    model.save_pretrained(str(folder), max_shard_size="60KB")
+    return model
+
+
+def safetensors_tensors(folder) -> dict:
+    """Every tensor of a Hugging Face folder's safetensors files, by name."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            out.update({k: h.get_tensor(k) for k in h.keys()})
+    return out
+
+
+def host_env(**extra) -> dict:
+    """This process's environment for a host-only child (no GPU, one thread) that imports
+    relaymoe from this checkout, plus ``extra``."""
+    import os
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    path = os.environ.get("PYTHONPATH")
+    return dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
+                PYTHONPATH=root + (os.pathsep + path if path else ""), **extra)  # fmt: skip
+
+
+def run_world(args, world: int, *, cwd, timeout: float = 300) -> list[tuple[int, str, str]]:
+    """``python ARGS`` in ``world`` processes as ``torchrun --nproc-per-node WORLD`` starts them
+    (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); (exit code, stdout, stderr) of each rank. One
+    deadline for all: past it every process is killed and ``subprocess.TimeoutExpired`` raised."""
+    import subprocess
+
+    port = free_port()
+    procs = [start_python(list(args), cwd=cwd, env=host_env(
+        RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port))) for r in range(world)]  # fmt: skip
+    out = []
+    for p in procs:
+        try:
+            o, e = p.communicate(timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        out.append((p.returncode, o, e))
+    return out
+
+
+def run_relaymoe(*args: str, cwd, world: int = 1, timeout: float = 300) -> tuple[int, str, str]:
+    """``python -m relaymoe ARGS`` (one process, or a torchrun-like world of them): rank 0's
+    (exit code, stdout, stderr), after asserting that every other rank exited as rank 0 did."""
+    ranks = run_world(["-m", "relaymoe", *args], world, cwd=cwd, timeout=timeout)
+    for r, (rc, _, err) in enumerate(ranks[1:], 1):
+        assert rc == ranks[0][0] or rc == 0, f"rank {r}: exit {rc}\n{err[-3000:]}"
+    return ranks[0]
+
+
+def convert_hf(hf, ckpt, *extra: str, world: int = 1) -> list[str]:
+    """``relaymoe convert-hf --hf HF --out CKPT --dtype fp32 EXTRA`` in ``world`` processes (add
+    ``--ep``/``--pp`` to match); the model flags it wrote beside the checkpoint."""
+    from pathlib import Path
+
+    ckpt = Path(ckpt)
+    rc, out, err = run_relaymoe("convert-hf", "--hf", str(hf), "--out", str(ckpt), "--dtype",
+                                "fp32", *extra, cwd=ckpt.parent, world=world)  # fmt: skip
+    assert rc == 0, out[-2000:] + err[-4000:]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "release"
+    return [f for f in (ckpt / "megatron_model_flags.txt").read_text().split("\n") if f]

@@ -115,6 +115,34 @@ def megatron_model_flags(cfg: dict) -> list[str]:
     return flags
 
 
+def architecture(cfg: dict) -> dict:
+    """What decides the function a Qwen3-MoE ``config.json`` describes, in one form whatever
+    transformers generation wrote it (``num_experts`` or ``num_local_experts``, ``rope_theta`` or
+    ``rope_parameters``, a sparse step or ``mlp_only_layers``): two checkpoints of equal
+    ``architecture`` hold tensors of the same names and shapes that compute the same way."""
+    heads = cfg["num_attention_heads"]
+    pattern = moe_layer_pattern(cfg)
+    arch = {
+        "num_hidden_layers": cfg["num_hidden_layers"],
+        "hidden_size": cfg["hidden_size"],
+        "num_attention_heads": heads,
+        "num_key_value_heads": cfg.get("num_key_value_heads") or heads,
+        "head_dim": cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        "num_experts": cfg.get("num_experts", cfg.get("num_local_experts")),
+        "num_experts_per_tok": cfg["num_experts_per_tok"],
+        "moe_intermediate_size": cfg["moe_intermediate_size"],
+        "vocab_size": cfg["vocab_size"],
+        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+        "norm_topk_prob": bool(cfg.get("norm_topk_prob", True)),
+        "rope_theta": float(_rope(cfg).get("rope_theta", 10000)),
+        "rms_norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
+        "moe_layer_pattern": pattern,
+    }
+    if 0 in pattern:  # only dense layers use it
+        arch["intermediate_size"] = cfg["intermediate_size"]
+    return arch
+
+
 # relaymoe config model keys -> what a Qwen3-MoE config.json says about them
 def _hf_model_fields(cfg: dict) -> dict:
     heads = cfg["num_attention_heads"]

@@ -6,8 +6,6 @@ megatron-core's ``save_checkpoint`` as a ``torch_dist`` release checkpoint, weig
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 
 from relaymoe.convert_hf.errors import ConvertError
@@ -16,37 +14,20 @@ from relaymoe.convert_hf.hf_config import (
     megatron_model_flags,
     read_hf_config,
 )
+from relaymoe.convert_hf.host import (
+    PRECISION_FLAGS,
+    TRANSFORMER_IMPLS,
+    build_model,
+    cpu_only_megatron,
+    host_argv,
+    init_distributed,
+    use_keys_of,
+)
 from relaymoe.convert_hf.mapping import hf_tensor
 from relaymoe.convert_hf.shards import SafetensorsCheckpoint
 
 FLAGS_FILE = "megatron_model_flags.txt"  # the model flags to train with, one per line
-DTYPES = ("bf16", "fp32", "fp16")
-# the layer spec the checkpoint's keys follow: Megatron's default first
-TRANSFORMER_IMPLS = ("transformer_engine", "local")
-
-
-def _init_distributed() -> None:
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        return
-    if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:  # torchrun
-        dist.init_process_group("gloo")
-    else:
-        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
-
-
-def _cpu_only_megatron() -> None:
-    """The CUDA queries megatron-core makes while parsing, building and saving, answered for a
-    host-only process (nothing here runs on a GPU)."""
-    import torch
-
-    if torch.cuda.is_available():
-        return
-    torch.cuda.get_device_capability = lambda *a, **k: (9, 0)  # validate_args asks for it
-    torch.cuda.current_device = lambda: "cpu"  # RoPE puts its frequencies there
-    torch.cuda.get_rng_state = lambda *a, **k: torch.ByteTensor()  # save_checkpoint collects it
-    torch.cuda.synchronize = lambda *a, **k: None  # the torch_dist writer waits for the device
+DTYPES = tuple(PRECISION_FLAGS)
 
 
 def convert(
@@ -86,52 +67,21 @@ def convert(
         )
     import torch
 
-    _cpu_only_megatron()
-    _init_distributed()
+    cpu_only_megatron()
+    init_distributed()
     world = torch.distributed.get_world_size()
     if pp * ep != world:
         raise ConvertError(
             f"--pp {pp} x --ep {ep} = {pp * ep} processes, but {world} run; fix: torchrun "
             f"--nproc-per-node {pp * ep} (or --pp 1 --ep 1 alone)"
         )
-    from relaymoe.megatron import register
-    from relaymoe.megatron.pretrain import use_prebuilt_dataset_helpers
-
-    register()
-    use_prebuilt_dataset_helpers()
-    from megatron.core import parallel_state as ps
-    from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.training.argument_utils import gpt_config_from_args
-    from megatron.training.arguments import parse_and_validate_args
     from megatron.training.checkpointing import save_checkpoint
-    from megatron.training.models.gpt import GPTModelBuilder
 
     seq = min(4096, int(cfg.get("max_position_embeddings", 4096)))
-    precision = {"bf16": ["--bf16"], "fp16": ["--fp16"], "fp32": []}[dtype]
-    argv = [
-        *model_flags,
-        "--seq-length", str(seq), "--micro-batch-size", "1",
-        "--global-batch-size", str(world // pp),  # one micro-batch per data-parallel rank
-        "--pipeline-model-parallel-size", str(pp), "--expert-model-parallel-size", str(ep),
-        "--moe-token-dispatcher-type", "ring",
-        "--transformer-impl", "local", "--no-rope-fusion", "--no-persist-layer-norm",
-        "--no-masked-softmax-fusion", "--no-gradient-accumulation-fusion",
-        "--use-cpu-initialization", "--tokenizer-type", "NullTokenizer", "--mock-data",
-        "--train-iters", "1", "--lr", "1e-4",
-        "--save", str(out), "--save-interval", "1", "--ckpt-format", "torch_dist",
-        "--no-save-optim", "--no-save-rng",
-        "--distributed-backend", "gloo", *precision, *extra,
-    ]  # fmt: skip
-    old_argv = sys.argv
-    sys.argv = ["relaymoe convert-hf", *argv]
-    try:
-        args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
-    finally:
-        sys.argv = old_argv
-    ps.initialize_model_parallel(1, pp, expert_model_parallel_size=ep)
-    model = GPTModelBuilder(gpt_config_from_args(args)).build_model(
-        ProcessGroupCollection.use_mpu_process_groups()
-    )
+    argv = [*host_argv(model_flags, world=world, pp=pp, ep=ep, seq=seq, dtype=dtype),
+            "--save", str(out), "--save-interval", "1", "--no-save-optim", "--no-save-rng",
+            *extra]  # fmt: skip
+    model, args = build_model(argv, prog="relaymoe convert-hf", pp=pp, ep=ep)
     _load_hf_weights(model, hf, cfg)
     hf.close()
     _write_as(model, args, transformer_impl)
@@ -150,32 +100,16 @@ def convert(
 
 
 def _write_as(model, args, transformer_impl: str) -> None:
-    """Make the local-layer model save the keys of ``transformer_impl``'s spec.
-
-    The local spec maps each layer's ``pre_mlp_layernorm.`` to ``mlp.linear_fc1.layer_norm_``
-    (where a dense TE layer fuses that norm into its first linear); the TE spec keeps it as
-    ``pre_mlp_layernorm.`` in MoE layers, whose grouped experts cannot fuse it. Dropping that
-    one entry of an MoE layer's key map writes the TE spec's key. The saved arguments name the
-    implementation, so that a resume with the other one is refused by name
-    (``checkpoint_compat.impl_mismatch``), and mark the conversion: the local layers write no TE
-    ``_extra_state``, which a TE model's load then leaves at its fresh values
-    (``checkpoint_compat.drop_absent_extra_state``)."""
-    import dataclasses
-
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-
+    """Make the local-layer model save the keys of ``transformer_impl``'s spec
+    (``host.use_keys_of``). The saved arguments name the implementation, so that a resume with
+    the other one is refused by name (``checkpoint_compat.impl_mismatch``), and mark the
+    conversion: the local layers write no TE ``_extra_state``, which a TE model's load then
+    leaves at its fresh values (``checkpoint_compat.drop_absent_extra_state``)."""
     from relaymoe.megatron.checkpoint_compat import CONVERTED_MARK
 
     args.transformer_impl = transformer_impl
     setattr(args, CONVERTED_MARK, True)  # no TE _extra_state here: a TE load leaves it fresh
-    if transformer_impl == "local":
-        return
-    for layer in model.decoder.layers:
-        if isinstance(layer.mlp, MoELayer):
-            sub = layer.submodules_config
-            keys = {k: v for k, v in sub.sharded_state_dict_keys_map.items()
-                    if k != "pre_mlp_layernorm."}  # fmt: skip
-            layer.submodules_config = dataclasses.replace(sub, sharded_state_dict_keys_map=keys)
+    use_keys_of(model, transformer_impl)
 
 
 def _load_hf_weights(model, hf: SafetensorsCheckpoint, cfg: dict) -> None:

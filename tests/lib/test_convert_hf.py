@@ -1,14 +1,14 @@
 """``relaymoe convert-hf``: a Hugging Face Qwen3-MoE checkpoint -> Megatron ``torch_dist`` -> the
 same logits.
 
-A tiny Qwen3-MoE (2 layers, hidden 64, 4 query heads in 2 KV groups, 4 experts top-2, vocab 256,
-untied) is initialised at random (every norm weight too, so that a swapped q/k norm or
-input/post-attention norm shows) with transformers' ``Qwen3MoeForCausalLM`` and saved with
-``save_pretrained`` in several safetensors shards. ``python -m relaymoe convert-hf`` turns it into
-a Megatron checkpoint (fp32). Then separate processes build the Megatron GPT model the way
-``relaymoe.megatron.pretrain`` builds it (Megatron's parser and ``GPTModelBuilder``, local
-layers, gloo on CPU), ``--load`` the checkpoint through Megatron's ``load_checkpoint`` and run one
-batch forward:
+A tiny random Qwen3-MoE (``tests.fixtures.tiny_qwen3_moe``: 2 layers, hidden 64, 4 query heads
+in 2 KV groups, 4 experts top-2, vocab 256, untied; the ``tiny_hf`` fixture of
+``tests/conftest.py``) is converted by ``python -m relaymoe convert-hf`` (fp32; the
+``converted_local`` fixture: two processes at PP 2, local keys; ``converted_te_ep2``: two
+processes at EP 2, TE keys). Then separate processes build the
+Megatron GPT model the way ``relaymoe.megatron.pretrain`` builds it, load the checkpoint through
+Megatron's ``load_checkpoint`` and run fixed prompts forward, through the library's
+``relaymoe.check_hf.megatron_logits`` (what ``relaymoe check-hf`` runs):
 
 * one process, TP = EP = 1: ring, then megatron-core's own allgather dispatcher (alltoall
   creates a CUDA stream when built, so it cannot be built on the host; dispatchers own no
@@ -16,226 +16,100 @@ batch forward:
   checkpoint keys are the same; ``tests/gpu/test_e2e_gpu.py`` loads a converted checkpoint with
   alltoall and ring on a GPU);
 * two processes, ring at EP = 2 (each rank loads its half of the experts: torch_dist reshards
-  the EP = 1 checkpoint). TP > 1 cannot be built on the host: MoE needs sequence parallelism
+  the PP = 2 checkpoint). TP > 1 cannot be built on the host: MoE needs sequence parallelism
   there, which megatron-core's torch norms refuse without TransformerEngine or Apex; the GPU
   test (``tests/gpu/test_e2e_gpu.py``) loads at TP = 2 where TransformerEngine is installed.
 
 Each must give transformers' logits on the same tokens within fp32 noise (relative 1e-5; a
-wrong head order, a swapped gate/up or a transposed router gives errors of order 1). The
-router's ``gating`` is replaced by the same linear on the host (megatron moves the router
-weight to CUDA there), as in ``tests/lib/test_megatron_layer.py``, and so is ``load_checkpoint``'s
-reading of the tracker file (it all-reduces the iteration in a CUDA tensor).
+wrong head order, a swapped gate/up or a transposed router gives errors of order 1).
+The way back (``relaymoe export-hf``) and the user's check (``relaymoe check-hf``):
+``tests/lib/test_export_hf.py``.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.fixtures import free_port, needs, start_python
+from tests.fixtures import TINY_QWEN3_MOE, needs, run_world
 
-# one worker (xdist_group) and a session-scoped conversion: built once although pytest-xdist
-# runs other files' tests between these (a module-scoped one is torn down and built again then)
+# one worker (xdist_group) for the session-scoped conversions of tests/conftest.py, which
+# tests/lib/test_export_hf.py shares: built once although pytest-xdist runs other files' tests
+# between these
 pytestmark = [pytest.mark.slow, needs("transformers", "safetensors", "megatron.training"),
-              pytest.mark.xdist_group("convert_hf")]  # fmt: skip
-ROOT = Path(__file__).resolve().parents[2]
-SEQ, BATCH = 16, 2
+              pytest.mark.xdist_group("hf_checkpoints")]  # fmt: skip
+SEQ = 16
 
-HF_CONFIG = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=96,
-    moe_intermediate_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    num_experts=4,
-    num_experts_per_tok=2,
-    norm_topk_prob=True,
-    tie_word_embeddings=False,
-    rope_theta=1e6,
-    max_position_embeddings=64,
-    rms_norm_eps=1e-6,
-)
+# Megatron's logits of fixed prompts, per dispatcher, through relaymoe check-hf's own function;
+# the dispatcher each model built is recorded from the model itself
+_LOAD = """
+import json, sys
+from pathlib import Path
+import torch
+from relaymoe.check_hf.megatron_logits import megatron_logits
+from relaymoe.convert_hf import host
+built = []
+build_model = host.build_model
+def recording(*a, **k):
+    model, args = build_model(*a, **k)
+    built.append(type(model.decoder.layers[0].mlp.token_dispatcher).__name__)
+    return model, args
+host.build_model = recording
+folder, flags, prompts, out, dispatchers, ep = sys.argv[1:7]
+results = {}
+for dispatcher in dispatchers.split(","):
+    logits = megatron_logits(Path(folder), json.loads(flags), json.loads(prompts),
+                             transformer_impl="local", ep=int(ep), dispatcher=dispatcher)
+    results[dispatcher] = (built[-1], logits)
+if torch.distributed.get_rank() == 0:
+    torch.save(results, out)
+print("LOADED")
+"""
 
-_LOAD = textwrap.dedent(
-    """
-    import contextlib, json, os, sys, warnings
-    warnings.filterwarnings("ignore")
-    import torch, torch.distributed as dist
-    import torch.nn.functional as F
-    torch.cuda.get_device_capability = lambda *a: (9, 0)
-    torch.cuda.current_device = lambda: "cpu"
-    dist.init_process_group("gloo")
-    ckpt, flags, out, dispatchers, tp, ep = sys.argv[1:7]
-    tp, ep, world = int(tp), int(ep), dist.get_world_size()
-    from relaymoe.megatron import register
-    from relaymoe.megatron.pretrain import use_prebuilt_dataset_helpers
-    register(); use_prebuilt_dataset_helpers()
-    from megatron.core.transformer.moe.router import TopKRouter
-    TopKRouter.gating = lambda self, x: F.linear(x, self.weight)  # megatron moves it to CUDA
-    from megatron.core import parallel_state as ps, tensor_parallel
-    from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
-    from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.training import checkpointing
-    from megatron.training.argument_utils import gpt_config_from_args
-    from megatron.training.arguments import parse_and_validate_args
-    from megatron.training.checkpointing import load_checkpoint
-    from megatron.training.global_vars import unset_global_variables
-    from megatron.training.models.gpt import GPTModelBuilder
-    def read_metadata(path):  # Megatron's all-reduces the iteration on a CUDA tensor
-        text = open(path).read().strip()
-        return (0, True) if text == "release" else (int(text), False)
-    checkpointing.read_metadata = read_metadata
-    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+
+def prompts(n: int = 2, seq: int = SEQ) -> list[list[int]]:
     g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, 256, (%(batch)d, %(seq)d), generator=g)
-    pos = torch.arange(%(seq)d).unsqueeze(0).expand_as(tokens)
-    mask = torch.tril(torch.ones(%(seq)d, %(seq)d, dtype=torch.bool)).logical_not().view(
-        1, 1, %(seq)d, %(seq)d)
-    results = {"tokens": tokens}
-    for dispatcher in dispatchers.split(","):
-        sys.argv = ["load", *json.loads(flags),
-            "--tensor-model-parallel-size", str(tp), "--expert-model-parallel-size", str(ep),
-            "--expert-tensor-parallel-size", "1", "--moe-token-dispatcher-type", dispatcher,
-            "--seq-length", "%(seq)d", "--micro-batch-size", "1",
-            "--global-batch-size", str(world // tp), "--transformer-impl", "local",
-            "--no-rope-fusion", "--no-persist-layer-norm", "--no-masked-softmax-fusion",
-            "--no-gradient-accumulation-fusion", "--use-cpu-initialization", "--mock-data",
-            "--tokenizer-type", "NullTokenizer", "--train-iters", "1", "--lr", "1e-4",
-            "--load", ckpt, "--ckpt-format", "torch_dist", "--distributed-backend", "gloo",
-            *(["--sequence-parallel"] if tp > 1 else [])]
-        args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
-        ps.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep,
-                                     expert_tensor_parallel_size=1)
-        model = GPTModelBuilder(gpt_config_from_args(args)).build_model(
-            ProcessGroupCollection.use_mpu_process_groups())
-        load_checkpoint([model], None, None, strict=True)
-        model.eval()
-        with torch.no_grad():
-            logits = model(tokens, pos, mask)
-        if tp > 1:  # vocab-parallel output: gather the columns
-            parts = [torch.empty_like(logits) for _ in range(tp)]
-            dist.all_gather(parts, logits.contiguous(),
-                            group=ps.get_tensor_model_parallel_group())
-            logits = torch.cat(parts, dim=-1)
-        name = type(model.decoder.layers[0].mlp.token_dispatcher).__name__
-        results[dispatcher] = (name, logits)
-        ps.destroy_model_parallel(); unset_global_variables()
-        destroy_num_microbatches_calculator()
-    if dist.get_rank() == 0:
-        torch.save(results, out)
-    print("LOADED")
-    dist.destroy_process_group()
-    """
-) % {"seq": SEQ, "batch": BATCH}
+    return torch.randint(0, TINY_QWEN3_MOE["vocab_size"], (n, seq), generator=g).tolist()
 
 
-def _env() -> dict:
-    path = os.environ.get("PYTHONPATH")
-    return dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
-                PYTHONPATH=str(ROOT) + (os.pathsep + path if path else ""))  # fmt: skip
-
-
-def _hf_model(folder: Path):
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    torch.manual_seed(7)
-    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**HF_CONFIG)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim == 1:  # norms: around 1, each entry different
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0, 0.2 if "gate.weight" in name else 0.08)
-    model.save_pretrained(str(folder), max_shard_size="60KB")
-    assert len(list(folder.glob("*.safetensors"))) > 2  # several shards
-    return model
-
-
-def _convert(root: Path, ckpt: Path, *extra: str) -> list[str]:
-    p = subprocess.run(
-        [sys.executable, "-m", "relaymoe", "convert-hf", "--hf", str(root / "hf"), "--out",
-         str(ckpt), "--dtype", "fp32", *extra],
-        capture_output=True, text=True, timeout=300, env=_env(), cwd=root,
-    )  # fmt: skip
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
-    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "release"
-    flags = (ckpt / "megatron_model_flags.txt").read_text().split("\n")
-    return [f for f in flags if f]
-
-
-@pytest.fixture(scope="session")
-def converted(tmp_path_factory):
-    """The checkpoint in the local spec's keys: the host builds the model with local layers."""
-    root = tmp_path_factory.mktemp("hf")
-    hf = _hf_model(root / "hf")
-    ckpt = root / "ckpt"
-    flags = _convert(root, ckpt, "--transformer-impl", "local")
-    assert flags[-2:] == ["--transformer-impl", "local"], flags
-    return root, hf, ckpt, flags
-
-
-def _load(root: Path, ckpt: Path, flags, dispatchers: str, tp: int, ep: int) -> dict:
-    world = max(tp, ep)
-    script = root / "load.py"
-    script.write_text(_LOAD)
-    out = root / f"logits_tp{tp}_ep{ep}.pt"
-    port = free_port()
-    procs = []
-    for rank in range(world):
-        env = dict(_env(), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
-        procs.append(start_python(
-            [str(script), str(ckpt), json.dumps(flags), str(out), dispatchers, str(tp), str(ep)],
-            env=env, cwd=root,
-        ))  # fmt: skip
-    logs = []
-    for p in procs:
-        try:
-            o, e = p.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        logs.append((p.returncode, o, e))
-    for rc, o, e in logs:
+def megatron_logits(ckpt: Path, flags, dispatchers: str, ep: int) -> dict:
+    """dispatcher -> (its class, the logits of each of ``prompts()``), from ``ep`` processes."""
+    root = ckpt.parent
+    (root / "load.py").write_text(_LOAD)
+    out = root / f"logits_ep{ep}.pt"
+    args = [str(root / "load.py"), str(ckpt / "release"), json.dumps(flags),
+            json.dumps(prompts()), str(out), dispatchers, str(ep)]  # fmt: skip
+    for rc, o, e in run_world(args, ep, cwd=root):
         assert rc == 0 and "LOADED" in o, o[-2000:] + e[-5000:]
     return torch.load(out)
 
 
-def _hf_logits(hf, tokens):
+def hf_logits(model, ids: list[list[int]]) -> list:
     with torch.no_grad():
-        return hf(input_ids=tokens).logits
+        return [model(input_ids=torch.tensor([p])).logits[0] for p in ids]
 
 
-def _rel(a, b) -> float:
+def rel(a, b) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-@pytest.mark.parametrize(
-    "dispatchers,tp,ep",
-    [("ring,allgather", 1, 1), ("ring", 1, 2)],
-    ids=["one-process", "ep2"],
-)
-def test_megatron_logits_match_transformers(converted, dispatchers, tp, ep):
-    root, hf, ckpt, flags = converted
-    got = _load(root, ckpt, flags, dispatchers, tp, ep)
-    ref = _hf_logits(hf, got["tokens"])
+@pytest.mark.parametrize("dispatchers,ep", [("ring,allgather", 1), ("ring", 2)],
+                         ids=["one-process", "ep2"])  # fmt: skip
+def test_megatron_logits_match_transformers(tiny_hf, converted_local, dispatchers, ep):
+    _, hf = tiny_hf
+    ckpt, flags = converted_local
+    got = megatron_logits(ckpt, flags, dispatchers, ep)
+    ref = hf_logits(hf, prompts())
     for dispatcher in dispatchers.split(","):
         kind, logits = got[dispatcher]
         assert kind == ("RingDispatcher" if dispatcher == "ring" else "MoEAllGatherTokenDispatcher")
-        assert logits.shape == ref.shape, (logits.shape, ref.shape)
-        err = _rel(logits, ref)
-        assert err < 1e-5, f"{dispatcher} TP={tp} EP={ep}: relative logits error {err:.3g}"
+        for k, (a, b) in enumerate(zip(logits, ref, strict=True)):
+            assert a.shape == b.shape, (a.shape, b.shape)
+            err = rel(a, b)
+            assert err < 1e-5, f"{dispatcher} EP={ep} prompt {k}: relative logits error {err:.3g}"
 
 
 def test_qkv_interleave_round_trips_and_is_per_group():
@@ -263,7 +137,7 @@ def test_refusals_name_the_problem(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(c.ConvertError, match="model_type 'llama'"):
         c.read_hf_config(str(tmp_path))
-    cfg = dict(HF_CONFIG, model_type="qwen3_moe", attention_bias=True)
+    cfg = dict(TINY_QWEN3_MOE, model_type="qwen3_moe", attention_bias=True)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(c.ConvertError, match="attention_bias=True"):
         c.read_hf_config(str(tmp_path))
@@ -285,15 +159,17 @@ def _tensors(ckpt: Path) -> dict:
             if isinstance(v, torch.Tensor)}  # fmt: skip
 
 
-def test_default_writes_the_transformer_engine_keys(converted):
+def test_default_writes_the_transformer_engine_keys(converted_local, converted_te_ep2):
     """By default (Megatron's --transformer-impl transformer_engine) each MoE layer's pre-MLP
     norm is saved under the TE spec's ``pre_mlp_layernorm.weight``, not the local spec's
     ``mlp.linear_fc1.layer_norm_weight``; every other key and every value is the local
-    conversion's, and the saved arguments name the implementation (what a resume checks)."""
-    root, _, local_ckpt, local_flags = converted
-    te_ckpt = root / "ckpt_te"
-    flags = _convert(root, te_ckpt)
+    conversion's (that one at PP 2, this one at EP 2: each process wrote its own layer, or its
+    own experts, to its own file), and the saved arguments name the implementation (what a
+    resume checks)."""
+    local_ckpt, local_flags = converted_local
+    te_ckpt, flags = converted_te_ep2
     assert flags == [*local_flags[:-1], "transformer_engine"], flags
+    assert len(list((te_ckpt / "release").glob("*.distcp"))) == 2  # one file per process
     local, te = _tensors(local_ckpt), _tensors(te_ckpt)
     # torch_dist stacks the layers: one key for every layer's tensor
     renamed = {"decoder.layers.mlp.linear_fc1.layer_norm_weight":

@@ -36,7 +36,7 @@ def test_version_matches_the_package_metadata():
 def test_help_lists_every_subcommand_and_imports_nothing_heavy():
     p = _run("-m", "relaymoe", "--help")
     assert p.returncode == 0
-    for cmd in ("plan", "flags", "data", "convert-hf"):
+    for cmd in ("plan", "flags", "data", "convert-hf", "export-hf", "check-hf"):
         assert cmd in p.stdout, p.stdout
     code = (
         "import sys, relaymoe.cli; relaymoe.cli._parser();"

@@ -1,12 +1,13 @@
 """Dependencies in relaymoe/ point one way: kernels <- ops <- ring <- megatron <- the entry points
-(cli, convert_hf), with the torch-free modules (options, cost, planner, config, lossmodel, data)
-and the oracle beside the stack.
+(cli, convert_hf, export_hf, check_hf), with the torch-free modules (options, cost, planner,
+config, lossmodel, data) and the oracle beside the stack.
 
-Megatron (the ``megatron`` package) is imported by three parts only: ``megatron/`` (the
+Megatron (the ``megatron`` package) is imported by five parts only: ``megatron/`` (the
 integration), ``data/`` (megatron-core's tokenizer and ``IndexedDatasetBuilder``: the dataset is
-Megatron's format, written by Megatron's own code) and ``convert_hf/`` (the model built as
-pretrain builds it). ``data/`` and ``convert_hf/`` import it inside functions only, so their
-subcommands' parsers, and ``import relaymoe``, need no Megatron.
+Megatron's format, written by Megatron's own code), ``convert_hf/`` and ``check_hf/`` (the model
+built as pretrain builds it) and ``export_hf/`` (megatron-core's reader of a checkpoint's saved
+arguments). All but ``megatron/`` import it inside functions only, so their subcommands'
+parsers, and ``import relaymoe``, need no Megatron.
 
 Every import in every module is read from its source (function-level lazy imports included), so
 an upward import fails here even when no test happens to execute it.
@@ -29,11 +30,12 @@ LEVELS = {
     "routing": 2, "experts": 2, "expert_inputs": 2, "loss": 2,
     "ring": 3,
     "megatron": 4,
-    "cli": 5, "convert_hf": 5, "__main__": 5, "__init__": 5,
+    "cli": 5, "convert_hf": 5, "export_hf": 5, "check_hf": 5, "__main__": 5, "__init__": 5,
 }  # fmt: skip
 TORCH_FREE = ("options", "activation", "cost", "lossmodel", "config", "planner", "data")
 # the parts that may import Megatron, and whether at import time (False: inside functions only)
-MEGATRON_IMPORTERS = {"megatron": True, "data": False, "convert_hf": False}
+MEGATRON_IMPORTERS = {"megatron": True, "data": False, "convert_hf": False, "export_hf": False,
+                      "check_hf": False}  # fmt: skip
 
 
 def _part(rel: Path) -> str:

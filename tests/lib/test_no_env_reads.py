@@ -18,7 +18,8 @@ PACKAGE = ROOT / "relaymoe"
 # the entry points that may read the environment, and why
 READERS = {
     "relaymoe/options.py": "from_env: the RELAYMOE_* variables, called by the entry points",
-    "relaymoe/convert_hf/run.py": "torchrun detection (WORLD_SIZE, MASTER_ADDR)",
+    "relaymoe/convert_hf/host.py": "torchrun detection (WORLD_SIZE, MASTER_ADDR) for convert-hf "
+    "and check-hf",
 }
 
 _MUTATORS = {"setdefault", "update", "pop", "popitem", "clear", "__setitem__", "__delitem__"}
