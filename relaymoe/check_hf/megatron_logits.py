@@ -15,6 +15,8 @@ import io
 import sys
 from pathlib import Path
 
+from relaymoe.check_hf.errors import CheckError
+
 
 def megatron_logits(
     folder: Path,
@@ -57,6 +59,11 @@ def _forward(folder, model_flags, prompts, transformer_impl, ep, dispatcher) -> 
     from megatron.training.checkpointing import load_checkpoint
 
     world = torch.distributed.get_world_size()
+    if world != ep:
+        raise CheckError(
+            f"--ep {ep} but {world} process(es) run; fix: torchrun --nproc-per-node {ep} -m "
+            f"relaymoe check-hf ... --ep {ep} (or --ep 1 in one process)"
+        )
     seq = max(len(p) for p in prompts)
     argv = [
         *host_argv(model_flags, world=world, ep=ep, seq=seq, dispatcher=dispatcher),

@@ -32,6 +32,9 @@ from relaymoe.export_hf.checkpoint import TorchDistCheckpoint
 from relaymoe.export_hf.errors import ExportError
 
 LAYERS = "decoder.layers."
+# keys of the training state saved beside the model (Adam's moments, fp32 main weights), which a
+# Hugging Face folder has no place for and needs none of: ``optimizer.`` or ``chained_N.``
+TRAINING_STATE = ("optimizer.", "chained_")
 EXPERT_KEYS = (EXPERTS_FC1, EXPERTS_FC2)
 # what an unknown tensor key most likely is, by a piece of its name
 _HINTS = (
@@ -52,14 +55,16 @@ def _unknown(key: str) -> ExportError:
 
 class Layout:
     """Where each tensor of the checkpoint is: ``globals`` (Megatron name -> key) and
-    ``layers[i]`` (name inside layer ``i`` -> (key, global offsets, sizes, stacked)). Refuses a
-    key that maps to no Qwen3-MoE tensor, and a tensor some of whose layers or experts no saved
-    chunk holds (naming them)."""
+    ``layers[i]`` (name inside layer ``i`` -> (key, global offsets, sizes, stacked)); the
+    optimizer's state is left out. Refuses a key that maps to no Qwen3-MoE tensor, and a tensor
+    some of whose layers or experts no saved chunk holds (naming them)."""
 
     def __init__(self, ckpt: TorchDistCheckpoint, num_layers: int, num_experts: int):
         self.globals: dict[str, str] = {}
         self.layers: list[dict[str, tuple]] = [{} for _ in range(num_layers)]
         for key, md in ckpt.tensors.items():
+            if key.startswith(TRAINING_STATE):
+                continue
             size = tuple(md.size)
             if key in GLOBAL_TENSORS:
                 self.globals[key] = key

@@ -371,3 +371,25 @@ def test_prompts_come_from_the_folders_tokenizer(tmp_path):
     assert ids[0] == tok.encode(TEXTS[0]).ids
     again, source = prompts(str(tmp_path), vocab_size=len(words) - 1)  # an id too large
     assert source == "seed" and again == prompts(str(tmp_path / "none"), len(words) - 1)[0]
+
+
+def test_optimizer_state_is_left_out_and_unknown_tensors_refused(
+    capsys, tiny_hf, converted_local, tmp_path
+):
+    """A training run's checkpoint also holds the optimizer's state (``optimizer.…``, or
+    ``chained_N.optimizer.…`` with separate expert optimizers): the export leaves it out and
+    gives the model's tensors alone. A tensor of a layer kind Qwen3-MoE lacks is refused by its
+    key (here a multi-token-prediction layer's)."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(converted_local[0], ckpt)
+    meta_path = ckpt / "release" / ".metadata"
+    meta = pickle.loads(meta_path.read_bytes())
+    router = meta.state_dict_metadata["decoder.layers.mlp.router.weight"]
+    for prefix in ("optimizer.state.exp_avg.", "chained_1.optimizer.state.fp32_param."):
+        meta.state_dict_metadata[prefix + "decoder.layers.mlp.router.weight"] = router
+    meta_path.write_bytes(pickle.dumps(meta))
+    assert_same_folder(export(capsys, ckpt, tmp_path / "out"), tiny_hf[0])
+    meta.state_dict_metadata["mtp.layers.0.mlp.router.weight"] = router
+    meta_path.write_bytes(pickle.dumps(meta))
+    rc, err = relaymoe(capsys, "export-hf", "--load", str(ckpt), "--out", str(tmp_path / "o2"))
+    assert_one_line_error(rc, err, "'mtp.layers.0.mlp.router.weight' (multi-token prediction)")
