@@ -1,7 +1,8 @@
 """The tests' one fixture module: shared inputs (routings of every kind, random MoE problems,
-the ring tests' global problems and their float64 oracle), tiny model configs, and the spawn
-helpers (ports, spawned worlds, the persistent worlds the ring scenarios run in: defined in
-``tests/worlds.py``, re-exported here).
+the ring tests' global problems and their float64 oracle), tiny model configs (a tiny Hugging
+Face Qwen3-MoE among them), and the spawn helpers (ports, spawned worlds, the persistent worlds
+the ring scenarios run in: defined in ``tests/worlds.py``, re-exported here; Python and
+relaymoe's CLI in a torchrun-like world of processes).
 
 Library tests (``tests/lib``) import nothing from ``benchmarks``, and neither does this module:
 the benchmarks keep their own spawn helpers (``benchmarks/numerics.py``), which import nothing
