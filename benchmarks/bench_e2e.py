@@ -299,7 +299,7 @@ PROVIDERS = {
     )
 }  # fmt: skip
 GBS_PROVIDERS = ("relaymoe_ring", "relaymoe_ring_graphed", "mcore_alltoall_te",
-                 "mcore_alltoall_te_drop")  # fmt: skip
+                 "mcore_alltoall_te_drop", "relaymoe_ring_layer_graphs")  # fmt: skip
 
 
 def anchor_provider(shape: E2EShape) -> str:
@@ -1165,8 +1165,8 @@ def main(argv: list[str] | None = None) -> int:
         "--providers",
         default=None,
         help=f"comma-separated providers of every shape's runs: {', '.join(PROVIDERS)} "
-        "(default: the shape's own; the gbs shapes run the first four but mcore_alltoall, the "
-        "others ring and alltoall)",
+        "(default: the shape's own; the gbs shapes run GBS_PROVIDERS, every one but "
+        "mcore_alltoall, the others ring and alltoall)",
     )
     p.add_argument(
         "--repeats",

@@ -88,7 +88,7 @@ def test_plan_on_one_gpu_and_full(tmp_path):
 
 
 def test_the_gradient_accumulation_rows_are_one_step_on_one_gpu(tmp_path):
-    """Issue #49's global-batch-16 rows: one GPU, the four providers of bench_e2e (the same
+    """Issue #49's global-batch-16 rows: one GPU, the providers of bench_e2e (the same
     list), a profiled step a run, rows in the run folder, bounded inside the step's limit."""
     from benchmarks import bench_e2e
 
