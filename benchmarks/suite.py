@@ -131,8 +131,10 @@ _E2E_SLOW = (  # --quick leaves these to the e2e step (the same run, measured) a
 _QUICK_EXPERTS = ("--providers", "relaymoe_act", "naive", "relaymoe_fc1")
 
 # bench_e2e.py's GBS_PROVIDERS (written out: the suite imports no torch)
-E2E_GBS_PROVIDERS = ("relaymoe_ring,relaymoe_ring_graphed,mcore_alltoall_te,mcore_alltoall_te_drop,"
-                     "relaymoe_ring_layer_graphs")
+E2E_GBS_PROVIDERS = (
+    "relaymoe_ring,relaymoe_ring_graphed,mcore_alltoall_te,mcore_alltoall_te_drop,"
+    "relaymoe_ring_layer_graphs"
+)
 
 # Phases: 1 the untimed steps (correctness, memory) side by side, where sharing a GPU is
 # harmless: the tests gate a green run, so they come first; 2 the timed 2-GPU steps alone on the
