@@ -227,6 +227,12 @@ STEPS: tuple[Step, ...] = (
                "--gpus", "1", "--steps", "15", "--profile-busy", "--budget-s", "530",
                "--out", "{out}/e2e_gbs16.jsonl"),
          outputs=("e2e_gbs16.jsonl",)),
+    # the same without TE (megatron-core's local layers; its alltoall without TE's fusions):
+    # four runs, about 300 s on 1x H100 by estimate: --full, or --only e2e_gbs16_local
+    Step("e2e_gbs16_local", "benchmarks/bench_e2e.py", "gpu0", 3, 0, 560, full_only=True,
+         args=("--shapes", "qwen3_slice_s4k_gbs16", "--gpus", "1", "--steps", "15",
+               "--profile-busy", "--budget-s", "530", "--out", "{out}/e2e_gbs16_local.jsonl"),
+         outputs=("e2e_gbs16_local.jsonl",)),
     Step("routing", "benchmarks/bench_routing.py", "gpu0", 3, 25, 240,
          args=("--rep-ms", "50", "--out", "{out}/routing.jsonl"), quick=("--quick",),
          outputs=("routing.jsonl",)),
