@@ -105,7 +105,7 @@ from relaymoe.cost import grad_accum_bytes  # noqa: E402
 from relaymoe.experts import expert_hop_backward, expert_hop_forward  # noqa: E402
 from relaymoe.options import RingConfig  # noqa: E402
 from relaymoe.ring import executor, passes  # noqa: E402
-from relaymoe.ring.agree import _bounded, _pairs_per_owner  # noqa: E402
+from relaymoe.ring.agreement import _bounded, _pairs_per_owner  # noqa: E402
 from relaymoe.ring.expert_mode import expert_backward, expert_forward  # noqa: E402
 from relaymoe.ring.passes import (  # noqa: E402
     IDX,

@@ -34,7 +34,7 @@ from benchmarks.numerics import free_port  # noqa: E402
 from relaymoe.ring.executor import relay  # noqa: E402
 from relaymoe.ring.layout import Layout  # noqa: E402
 from relaymoe.ring.runtime import Hop, RingCall, RingRuntime  # noqa: E402
-from relaymoe.ring.schedule import RingPlan  # noqa: E402
+from relaymoe.ring.plan import RingPlan  # noqa: E402
 from relaymoe.ring.transport import Transport  # noqa: E402
 
 

@@ -30,7 +30,7 @@ Modes (``relaymoe.options.MODES``):
   has an expert on a given rank under uniform routing (``alltoall_rows``); ``1/R`` of them stay
   home, and a rank receives as many rows as it sends (in expectation).
 
-The ring's schedule (``relaymoe/ring/schedule.py``): a pass has ``R`` hops; the lead is sent at
+The ring's schedule (``relaymoe/ring/plan.py``): a pass has ``R`` hops; the lead is sent at
 hops ``0..R-2``, the trail (when there is one) at hops ``1..R-1`` merged with the lead, and once
 more after the last hop to return home.
 

@@ -17,7 +17,7 @@ from relaymoe.ring.executor import HopTiming, record_timeline
 from relaymoe.ring.faults import RingPeerError
 from relaymoe.ring.problem import RingProblem
 from relaymoe.ring.runtime import RingRuntime
-from relaymoe.ring.schedule import RingPlan
+from relaymoe.ring.plan import RingPlan
 from relaymoe.ring.transport import CopyEngineTransport, P2PTransport, copy_engine_available
 
 __all__ = [

@@ -79,7 +79,7 @@ from torch import Tensor
 
 from relaymoe.activation import ExpertActivation
 from relaymoe.options import NODE_BATCHED, KernelOptions, RingConfig
-from relaymoe.ring.agree import RingProblem, agree
+from relaymoe.ring.agreement import RingProblem, agree
 from relaymoe.ring.alltoall import alltoall_backward, alltoall_forward
 from relaymoe.ring.capture import capturing
 from relaymoe.ring.expert_mode import expert_backward, expert_forward

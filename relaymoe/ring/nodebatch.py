@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from relaymoe.experts import expert_hop_backward, expert_hop_forward
-from relaymoe.ring.agree import RingProblem
+from relaymoe.ring.agreement import RingProblem
 from relaymoe.ring.executor import relay
 from relaymoe.ring.passes import (
     bias_grads,
@@ -60,7 +60,7 @@ from relaymoe.ring.passes import (
     pack_own,
     weights_layout,
 )
-from relaymoe.ring.schedule import HopTransfer, Leg, RingPlan
+from relaymoe.ring.plan import HopTransfer, Leg, RingPlan
 from relaymoe.ring.transport import P2PTransport
 from relaymoe.ring.weights import FORWARD
 

@@ -22,7 +22,7 @@ from relaymoe.ring.hop_graphs import HopGraphs, graphs_for
 from relaymoe.ring.layout import Layout
 from relaymoe.ring.problem import RingProblem
 from relaymoe.ring.runtime import RingCall
-from relaymoe.ring.schedule import RingPlan
+from relaymoe.ring.plan import RingPlan
 from relaymoe.ring.transport import CopyEngineTransport, P2PTransport, Transport
 from relaymoe.ring.weights import LocalExperts
 

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from relaymoe.experts import expert_hop_backward, expert_hop_forward
-from relaymoe.ring.agree import RingProblem
+from relaymoe.ring.agreement import RingProblem
 from relaymoe.ring.hop_graphs import run_hop
 from relaymoe.ring.hop_index import (
     INDEX_FIELDS,

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from relaymoe.ring.faults import PeerWatch, all_reduce_checked, ring_timeout_s
-from relaymoe.ring.schedule import HopTransfer
+from relaymoe.ring.plan import HopTransfer
 
 __all__ = [
     "CopyEngineTransport",

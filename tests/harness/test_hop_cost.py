@@ -367,7 +367,7 @@ def test_dry_run_names_the_library_refusals(capsys):
     assert len(refused) == 4 and all("T  32768" in ln and ">= 768" in ln for ln in refused)
     assert all(" EP  64 " not in ln for ln in refused)
     assert "RELAYMOE_PAIR_BUFFER_MIB=768" in lines[-1]
-    from relaymoe.ring.agree import _bounded
+    from relaymoe.ring.agreement import _bounded
 
     for ep in hc.FULL["ep"]:
         for T in hc.FULL["tokens"]:

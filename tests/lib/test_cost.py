@@ -401,7 +401,7 @@ def test_schedule_order_visits_every_rank_once_and_crosses_nodes_rarely():
 
 
 def test_schedule_order_is_the_runtimes():
-    from relaymoe.ring.schedule import RingPlan
+    from relaymoe.ring.plan import RingPlan
 
     for R, G in ((4, 2), (6, 3), (6, 2), (16, 4)):
         plan_ = RingPlan(0, R, [1] * R, None, gpus_per_node=G)

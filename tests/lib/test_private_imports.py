@@ -73,7 +73,7 @@ def private_imports(path: Path, source: str | None = None) -> list[str]:
         if not (isinstance(node, ast.Attribute) and _private(node.attr)):
             continue
         base = node.value
-        while isinstance(base, ast.Attribute):  # relaymoe.ring.agree._x
+        while isinstance(base, ast.Attribute):  # relaymoe.ring.agreement._x
             base = base.value
         if isinstance(base, ast.Name) and base.id in modules:
             found.append(f"{node.lineno}: {ast.unparse(node)}")
@@ -93,13 +93,13 @@ def test_no_cross_module_private_import():
 @pytest.mark.parametrize(
     "where,source",
     [
-        ("relaymoe/ring/agree.py", "from relaymoe.ring.checks import _local_check\n"),
-        ("relaymoe/ring/agree.py", "from .checks import FLOATS, _weight_meta\n"),
+        ("relaymoe/ring/agreement.py", "from relaymoe.ring.checks import _local_check\n"),
+        ("relaymoe/ring/agreement.py", "from .checks import FLOATS, _weight_meta\n"),
         ("relaymoe/loss/__init__.py", "from . import _private\n"),
-        ("relaymoe/ring/agree.py", "from relaymoe.ring import checks\nchecks._local_check()\n"),
-        ("relaymoe/ring/agree.py", "import relaymoe.ring.checks as c\nc._FLOATS\n"),
-        ("relaymoe/ring/agree.py", "import relaymoe.ring.checks\nrelaymoe.ring.checks._x\n"),
-        ("relaymoe/ring/agree.py", "def f():\n    from relaymoe.ring.topology import _h\n"),
+        ("relaymoe/ring/agreement.py", "from relaymoe.ring import checks\nchecks._local_check()\n"),
+        ("relaymoe/ring/agreement.py", "import relaymoe.ring.checks as c\nc._FLOATS\n"),
+        ("relaymoe/ring/agreement.py", "import relaymoe.ring.checks\nrelaymoe.ring.checks._x\n"),
+        ("relaymoe/ring/agreement.py", "def f():\n    from relaymoe.ring.topology import _h\n"),
     ],
 )
 def test_the_check_sees_each_form(where, source):
@@ -117,4 +117,4 @@ def test_the_check_sees_each_form(where, source):
     ],
 )
 def test_the_check_passes_public_names(source):
-    assert not private_imports(ROOT / "relaymoe/ring/agree.py", source), source
+    assert not private_imports(ROOT / "relaymoe/ring/agreement.py", source), source

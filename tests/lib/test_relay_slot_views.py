@@ -9,7 +9,7 @@ import torch
 
 from relaymoe.ring.executor import relay
 from relaymoe.ring.layout import Layout
-from relaymoe.ring.schedule import RingPlan
+from relaymoe.ring.plan import RingPlan
 from relaymoe.ring.transport import Transport
 
 CPU = torch.device("cpu")

@@ -664,7 +664,7 @@ def _trusted_steady_state(rank, world, group):
     communicating (the runtime's cache), a new signature or another runtime agrees again, a
     call without a runtime agrees every time, and ``agree="every_call"`` (RELAYMOE_RING_AGREE)
     turns the cache off; the results stay oracle-exact throughout."""
-    import relaymoe.ring.agree as agree_mod
+    import relaymoe.ring.agreement as agree_mod
     from relaymoe.ring import RingRuntime
 
     calls = []

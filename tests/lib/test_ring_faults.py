@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from relaymoe.options import RingConfig
-from relaymoe.ring import agree as agree_mod
+from relaymoe.ring import agreement as agree_mod
 from relaymoe.ring import faults, lagwait
 from relaymoe.ring import transport as transport_mod
 from relaymoe.ring.faults import PeerWatch, RingPeerError

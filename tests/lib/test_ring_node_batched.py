@@ -102,7 +102,7 @@ def _refusals(rank, world, group):
         )  # fmt: skip
     # one host and no node size: nodes unknown, refused by name
     with pytest.raises(ValueError, match="schedule='node_batched' needs nodes"):
-        import relaymoe.ring.agree as agree_mod
+        import relaymoe.ring.agreement as agree_mod
 
         real = agree_mod.host_hash
         try:

@@ -53,7 +53,7 @@ def _resolved(rank, world, group, **kw):
 
 def _fake_hosts(hosts):
     """Make the agreement see host ``hosts[rank]`` on each rank."""
-    import relaymoe.ring.agree as agree_mod
+    import relaymoe.ring.agreement as agree_mod
 
     rank = dist.get_rank()
     agree_mod.host_hash = lambda: 1000 + hosts[rank]
@@ -81,7 +81,7 @@ def _one_gpu_per_node_is_the_flat_ring(rank, world, group):
 
 
 def _nodes_from_hosts(rank, world, group):
-    import relaymoe.ring.agree as agree_mod
+    import relaymoe.ring.agreement as agree_mod
 
     real = agree_mod.host_hash
     try:
