@@ -107,17 +107,17 @@ from relaymoe.options import RingConfig  # noqa: E402
 from relaymoe.ring import executor, passes  # noqa: E402
 from relaymoe.ring.agreement import _bounded, _pairs_per_owner  # noqa: E402
 from relaymoe.ring.expert_mode import expert_backward, expert_forward  # noqa: E402
-from relaymoe.ring.passes import (  # noqa: E402
+from relaymoe.ring.passes import bias_grads, mlp  # noqa: E402
+from relaymoe.ring.plan import (  # noqa: E402
     IDX,
-    bias_grads,
+    RingProblem,
     expert_plans,
-    mlp,
     pair_rows,
     token_lead,
     token_plans,
+    token_trail,
     weights_layout,
 )
-from relaymoe.ring.problem import RingProblem  # noqa: E402
 from relaymoe.ring.runtime import Hop, RingCall, RingRuntime  # noqa: E402
 from relaymoe.ring.token_mode import token_backward, token_forward  # noqa: E402
 from relaymoe.ring.transport import Transport  # noqa: E402
@@ -451,7 +451,7 @@ def trail_views(case: Case, prob: RingProblem, direction: str, buf: torch.Tensor
     forward), ``dx``/``dprobs`` (token backward)."""
     if case.mode == "expert":
         return weights_layout(prob, "d").views(buf)
-    return passes.token_trail(prob, case.tokens, direction == "bwd").views(buf)
+    return token_trail(prob, case.tokens, direction == "bwd").views(buf)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ import torch  # noqa: E402
 from benchmarks.common import JsonlWriter, environment  # noqa: E402
 from benchmarks.lab import hop_cost, hop_library  # noqa: E402
 from relaymoe.ring import executor, expert_mode, hop_graphs, token_mode  # noqa: E402
-from relaymoe.ring.layout import Layout  # noqa: E402
+from relaymoe.ring.plan import Layout  # noqa: E402
 from relaymoe.routing import RoutingIndex  # noqa: E402
 
 # A part's name -> (the object and attribute its timer wraps). Where a module imported the

@@ -149,7 +149,7 @@ def check_transport(transport: str) -> None:
 
 
 def packed_bytes(*segments: int) -> int:
-    """Bytes of segments packed as ``relaymoe.ring.layout.Layout`` does (each start aligned,
+    """Bytes of segments packed as ``relaymoe.ring.plan.Layout`` does (each start aligned,
     the total ends at the last segment's end)."""
     offset = end = 0
     for s in segments:

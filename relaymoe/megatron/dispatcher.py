@@ -58,7 +58,7 @@ def ep_ranks_per_node(global_ranks: list[int], gpus_per_node: int | None) -> int
     torchrun's node-major numbering). None when not given: the ring reads the ranks' hosts."""
     if gpus_per_node is None:
         return None
-    from relaymoe.ring.topology import nodes_from_hosts
+    from relaymoe.ring.plan import nodes_from_hosts
 
     per_node = nodes_from_hosts([r // gpus_per_node for r in global_ranks])
     if per_node is None:

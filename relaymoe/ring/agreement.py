@@ -63,21 +63,10 @@ from relaymoe.ring.checks import (
 )
 from relaymoe.ring.expert_mlp import activation_fields, bias_code, same_expert_mlp
 from relaymoe.ring.faults import all_reduce_checked, check_markers
-from relaymoe.ring.problem import RingProblem, RingRequest
-from relaymoe.ring.topology import host_hash, nodes_from_hosts, resolve_schedule
+from relaymoe.ring.plan import RingProblem, RingRequest, host_hash, resolve_schedule
 from relaymoe.ring.transport import copy_engine_available, copy_engine_works
 
-# The agreement's request and result (RingRequest, RingProblem: problem.py) and the schedule
-# resolution it applies (nodes_from_hosts, resolve_schedule: topology.py) are importable from
-# here too: what a caller of agree() reads and passes, from the module it calls
-__all__ = [
-    "RingProblem",
-    "RingRequest",
-    "agree",
-    "nodes_from_hosts",
-    "pair_counts",
-    "resolve_schedule",
-]
+__all__ = ["agree", "pair_counts"]
 
 # Row fields
 (

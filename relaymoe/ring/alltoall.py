@@ -46,7 +46,7 @@ from torch import Tensor
 from relaymoe.experts import expert_hop_backward, expert_hop_forward, resolve_backend
 from relaymoe.ring.faults import PeerWatch, check_markers
 from relaymoe.ring.passes import bias_grads, home_grads, local_parts, mlp
-from relaymoe.ring.problem import RingProblem
+from relaymoe.ring.plan import RingProblem
 from relaymoe.ring.weights import REVERSED, LocalExperts, reverse_local_ids
 from relaymoe.routing import RoutingIndex, build_routing_index
 

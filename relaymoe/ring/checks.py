@@ -20,7 +20,7 @@ from relaymoe.options import (
     SCHEDULE_CHOICES,
     TRANSPORT_CHOICES,
 )
-from relaymoe.ring.problem import RingRequest
+from relaymoe.ring.plan import RingRequest
 from relaymoe.routing import validate_topk_idx
 
 MODES = MODE_CHOICES  # the names live in relaymoe.options

@@ -79,13 +79,12 @@ from torch import Tensor
 
 from relaymoe.activation import ExpertActivation
 from relaymoe.options import NODE_BATCHED, KernelOptions, RingConfig
-from relaymoe.ring.agreement import RingProblem, agree
+from relaymoe.ring.agreement import agree
 from relaymoe.ring.alltoall import alltoall_backward, alltoall_forward
 from relaymoe.ring.capture import capturing
 from relaymoe.ring.expert_mode import expert_backward, expert_forward
 from relaymoe.ring.nodebatch import batched_expert_backward, batched_expert_forward
-from relaymoe.ring.passes import IDX
-from relaymoe.ring.problem import ring_request
+from relaymoe.ring.plan import IDX, RingProblem, ring_request
 from relaymoe.ring.runtime import Hop, RingCall, RingRuntime
 from relaymoe.ring.token_mode import token_backward, token_forward
 from relaymoe.ring.weights import FORWARD, REVERSED, LocalExperts, reverse_local_ids

@@ -37,8 +37,7 @@ import torch
 from torch import Tensor
 
 from relaymoe.ring.faults import RingPeerError, host_wait_enabled
-from relaymoe.ring.layout import Layout
-from relaymoe.ring.plan import HopTransfer, RingPlan
+from relaymoe.ring.plan import HopTransfer, Layout, RingPlan
 from relaymoe.ring.transport import Transport
 
 __all__ = ["HopTiming", "RingExecutor", "record_timeline", "relay"]

@@ -21,8 +21,6 @@ from relaymoe.ring.hop_index import (
 )
 from relaymoe.ring.passes import (
     bias_grads,
-    capacity,
-    expert_plans,
     home_grads,
     hop_graphs_of,
     hop_head,
@@ -30,11 +28,10 @@ from relaymoe.ring.passes import (
     local_parts,
     mlp,
     pack_own,
-    pair_rows,
     present,
     ring_pass,
-    weights_layout,
 )
+from relaymoe.ring.plan import capacity, expert_plans, pair_rows, weights_layout
 
 
 def range_offsets(index, El: int) -> tuple:

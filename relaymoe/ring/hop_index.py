@@ -14,7 +14,7 @@ from typing import NamedTuple
 from torch import Tensor
 
 from relaymoe.kernels.index_arrays import index_arrays_like
-from relaymoe.ring.layout import Layout
+from relaymoe.ring.plan import Layout
 from relaymoe.routing import RoutingIndex
 
 __all__ = [

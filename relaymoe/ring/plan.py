@@ -1,9 +1,24 @@
-"""The ring schedule: pure Python, no torch (RelayMoE §3.1, Fig. 5), flat or two-level. The
-order itself is ``relaymoe.cost.order_partition`` / ``order_rank`` (the planner's too).
+"""The plan of one ring call: what the ranks agreed to run, the order of its hops, and the bytes
+each hop moves.
 
-Every rank computes every partition once, one per step ``s = 0..R-1``, its own at step 0;
-``partition(s, r)`` says which, and ``who(s, p)`` which rank computes ``p`` at step ``s``. Two
-orders exist (``options.SCHEDULES``):
+Shape legend as in ``engine.py``.
+
+**The problem.** :class:`RingRequest` is what the caller of one ``ring_moe`` call asks for: its
+``RingConfig`` with the call's keywords applied, plus what only the call knows (whether a
+backward follows, the backend, the activation); its collective-deciding options (``agree``,
+``pair_buffer_mib``) are written into every agreement's row (``agreement.py``).
+:class:`RingProblem` is what every rank agreed on: the sizes of every partition and the resolved
+execution. Both are frozen: the layouts and plans below are functions of the problem.
+
+**The nodes.** Every rank's ``host_hash`` travels in the agreement's row; the ranks' hosts give
+the GPUs per node (:func:`nodes_from_hosts`), and with them the schedule a ring runs
+(:func:`resolve_schedule`), the same on every rank.
+
+**The hop order** (:class:`RingPlan`; RelayMoE §3.1, Fig. 5), flat or two-level. The order itself
+is ``relaymoe.cost.order_partition`` / ``order_rank`` (the planner's too). Every rank computes
+every partition once, one per step ``s = 0..R-1``, its own at step 0; ``partition(s, r)`` says
+which, and ``who(s, p)`` which rank computes ``p`` at step ``s``. Two orders exist
+(``options.SCHEDULES``):
 
 * **flat**: one ring over the group: rank ``r`` computes ``(r - s) mod R``, so every hop each rank
   sends to ``r+1``. Across nodes every hop then crosses the slow link at one rank per node.
@@ -34,21 +49,286 @@ neighbour, or the reverse), so a hop has up to two sends and two receives (``Leg
 comes from the per-partition byte counts known to all ranks, so every rank can compute every
 other rank's layout: a receiver knows exactly how many bytes arrive and where a pulling transport
 finds them on the sender.
+
+**The bytes** (:class:`Layout`). A partition and its travelling accumulator hold tensors of
+several dtypes (bf16 activations, fp32 probabilities, int32 expert ids). They are packed into one
+``uint8`` buffer, each segment starting at an ``ALIGN``-byte boundary so that its typed view is
+aligned for vector loads, and moved as one contiguous range: one send and one receive per hop.
+
+**A problem's layouts and pass plans** (:func:`weights_layout`, :func:`expert_plans`,
+:func:`token_plans`, ...) are memoised by the (frozen, hashable) problem
+(``functools.lru_cache``: a pure function of the problem, no state any call could change): every
+pass of every layer asks for them, and building them again (a layout per partition and
+direction, a plan's tables) was a tenth of a recorded pass's host time.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+import hashlib
+import socket
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
 
+import torch
+from torch import Tensor
+
+from relaymoe import options
+from relaymoe.activation import SWIGLU, ExpertActivation, as_activation
 from relaymoe.cost import order_partition, order_rank
-from relaymoe.cost.links import align_up
+from relaymoe.cost.links import ALIGN, align_up
+from relaymoe.options import NODE_BATCHED
 
-__all__ = ["ByteRange", "HopTransfer", "Leg", "PassTable", "RingPlan", "SlotLayout"]
+__all__ = [
+    "ALIGN",
+    "IDX",
+    "ByteRange",
+    "HopTransfer",
+    "Layout",
+    "Leg",
+    "PassTable",
+    "RingPlan",
+    "RingProblem",
+    "RingRequest",
+    "Segment",
+    "SlotLayout",
+    "capacity",
+    "expert_plans",
+    "host_hash",
+    "nodes_from_hosts",
+    "pair_rows",
+    "request_activation",
+    "request_kernels",
+    "resolve_schedule",
+    "ring_plan",
+    "ring_request",
+    "token_layouts",
+    "token_lead",
+    "token_plans",
+    "token_trail",
+    "weights_layout",
+]
 
 
+# ---------------------------------------------------------------------------------------------
+# the request and the agreed problem
+# ---------------------------------------------------------------------------------------------
+def request_activation(value) -> ExpertActivation | str:
+    """``value`` (``ring_moe``'s ``activation=``) as the request holds it: the
+    ``ExpertActivation``, or the message of ``as_activation``'s ``ValueError`` when it is not
+    one. Not raised here: the agreement reports it (``checks.py``, code 9) on every rank at
+    once, so a rank with a bad activation fails its peers instead of leaving them waiting."""
+    try:
+        return as_activation(value)
+    except ValueError as err:
+        return str(err)
+
+
+@dataclass(frozen=True)
+class RingRequest:
+    """What the caller of one ``ring_moe`` call asks for; every rank must ask the same (the
+    agreement checks it). Made by :func:`ring_request` from the call's ``RingConfig`` (whose
+    fields of the same names define each option, its choices and its default), each keyword
+    given overriding its field; held unchecked, so that the agreement reports a bad value on
+    every rank at once. ``needs_grad``: a backward follows."""
+
+    mode: str
+    transport: str
+    schedule: str
+    gpus_per_node: int | None  # None: from the ranks' hosts
+    needs_grad: bool
+    grad_accum: str  # the weight-gradient accumulators
+    # the collective-deciding options (RingConfig.agree, KernelOptions.pair_buffer_mib): agreed
+    # in the row, so ranks launched with different values all raise
+    agree: str
+    pair_buffer_mib: int
+    backend: str = "auto"  # the hop primitives' backend on this rank (not compared across ranks)
+    # the expert MLP (request_activation: an ExpertActivation, or the message of a bad one)
+    activation: ExpertActivation | str = SWIGLU
+    # the call is (also) captured in a CUDA graph: "auto" picks among the ring modes, and the
+    # all-to-all (host-sized messages) is refused (``capture.py``)
+    capturable: bool = False
+    # the hop kernels' options (request_kernels: a KernelOptions, or the message of a bad value;
+    # None: not given). This rank's choice: not compared across ranks, nor part of a trusted
+    # call's cached signature (its validity is: agree.py)
+    kernels: options.KernelOptions | str | None = field(default=None, compare=False)
+
+
+def request_kernels(value, config: options.RingConfig) -> options.KernelOptions | str:
+    """``value`` (``ring_moe``'s ``kernels=``) as the request holds it: ``config.kernels`` for
+    None, the ``KernelOptions`` itself, or the message of a bad value. Not raised here: the
+    agreement reports it (``checks.py``, code 10) on every rank at once."""
+    if value is None:
+        return config.kernels
+    if isinstance(value, options.KernelOptions):
+        return value
+    return (
+        f"kernels={value!r} must be a relaymoe.options.KernelOptions or None (None: the "
+        "call's config's, RingConfig.kernels); pass KernelOptions(...)"
+    )
+
+
+def ring_request(
+    config: options.RingConfig,
+    *,
+    mode: str | None = None,
+    transport: str | None = None,
+    schedule: str | None = None,
+    gpus_per_node: int | None = None,
+    needs_grad: bool = True,
+    grad_accum: str | None = None,
+    backend: str = "auto",
+    activation=None,
+    kernels=None,
+    capturable: bool = False,
+) -> RingRequest:
+    """The request of one call: each of ``mode``, ``transport``, ``schedule``,
+    ``gpus_per_node``, ``grad_accum`` and ``kernels`` given (not None) overrides ``config``
+    (the call's ``RingConfig``), None takes ``config``'s value; a ``gpus_per_node`` of None in
+    both reads the nodes from the hosts. Values are checked by the agreement, on every rank at
+    once."""
+
+    def pick(value, configured):
+        return configured if value is None else value
+
+    return RingRequest(
+        pick(mode, config.mode), pick(transport, config.transport),
+        pick(schedule, config.schedule), pick(gpus_per_node, config.gpus_per_node), needs_grad,
+        pick(grad_accum, config.grad_accum), config.agree, config.kernels.pair_buffer_mib,
+        backend, request_activation(activation), bool(capturable),
+        request_kernels(kernels, config),
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RingProblem:
+    """What every rank agreed on: sizes of every partition and the resolved execution."""
+
+    rank: int
+    world_size: int
+    num_local_experts: int
+    hidden: int
+    ffn: int
+    topk: int
+    dtype: torch.dtype
+    prob_dtype: torch.dtype
+    tokens: tuple[int, ...]  # T of every rank's token partition
+    mode: str  # "expert" | "token"
+    transport: str  # "nccl" | "copy_engine" | "local"
+    needs_grad: bool
+    # pairs[r][q]: pairs of rank r's tokens whose expert rank q owns, read in the same all-reduce
+    # as the sizes, so a hop knows its pair count without a host sync of its own. None: the hops
+    # size their buffers from the bound ``pair_bound`` (trusted callers, small T).
+    pairs: tuple[tuple[int, ...], ...] | None
+    # the hop order (schedule.RingPlan): "flat", or "two_level" over nodes of gpus_per_node
+    # consecutive ranks (None for flat); or "node_batched" (expert mode, nodebatch.py)
+    schedule: str = "flat"
+    gpus_per_node: int | None = None
+    # dtype of the weight-gradient accumulators (expert mode's travelling trail, token mode's
+    # local sums): ``dtype`` or fp32 (cost.grad_accum_bytes)
+    grad_dtype: torch.dtype | None = None
+    # KernelOptions.pair_buffer_mib as agreed by every rank (``_bounded`` decides from it)
+    pair_buffer_mib: int = 512
+    # the expert MLP every rank computes, and which biases every rank's experts carry (they
+    # travel with their weights in expert mode: ``passes.weights_layout``)
+    activation: ExpertActivation = SWIGLU
+    has_b13: bool = False
+    has_b2: bool = False
+
+    @property
+    def accum_dtype(self) -> torch.dtype:
+        return self.grad_dtype or self.dtype
+
+    @property
+    def fc1_rows(self) -> int:
+        """J: rows of one expert's fc1 weight (``w13[e]``), ``activation.fc1_rows(ffn)``."""
+        return self.activation.fc1_rows(self.ffn)
+
+    @property
+    def num_experts(self) -> int:
+        return self.num_local_experts * self.world_size
+
+    def hop_pairs(self, tokens_rank: int, experts_rank: int) -> int:
+        """Rows of the pair buffers of one hop: rank ``tokens_rank``'s tokens against rank
+        ``experts_rank``'s experts; exact when the counts were agreed, else the upper bound."""
+        if self.pairs is not None:
+            return self.pairs[tokens_rank][experts_rank]
+        return self.tokens[tokens_rank] * min(self.topk, self.num_local_experts)
+
+    @property
+    def expert_range(self) -> tuple[int, int]:
+        """This rank's experts ``[rank*E_local, (rank+1)*E_local)``."""
+        return self.rank * self.num_local_experts, (self.rank + 1) * self.num_local_experts
+
+
+# ---------------------------------------------------------------------------------------------
+# the nodes of the ranks' hosts, and the schedule they run
+# ---------------------------------------------------------------------------------------------
+def host_hash() -> int:
+    digest = hashlib.blake2b(socket.gethostname().encode(), digest_size=7).digest()
+    return int.from_bytes(digest, "little")
+
+
+def nodes_from_hosts(hosts: list) -> int | None:
+    """GPUs per node when the ranks form equal blocks of consecutive ranks, one host per block
+    and a different host for each block (rank ``n*G + g`` on node ``n``); None otherwise."""
+    blocks = [1]
+    for a, b in zip(hosts, hosts[1:], strict=False):
+        if a == b:
+            blocks[-1] += 1
+        else:
+            blocks.append(1)
+    starts = [0]
+    for n in blocks[:-1]:
+        starts.append(starts[-1] + n)
+    block_hosts = [hosts[s] for s in starts]
+    if len(set(blocks)) != 1 or len(set(block_hosts)) != len(block_hosts):
+        return None
+    return blocks[0]
+
+
+def resolve_schedule(
+    requested: str, gpus_per_node: int | None, hosts: list
+) -> tuple[str, int | None]:
+    """``(schedule, gpus_per_node)`` a ring of ``len(hosts)`` ranks runs (the same on every rank:
+    the inputs are agreed). ``gpus_per_node`` None: from the ranks' hosts. ``auto`` and
+    ``two_level`` run two levels when there are several nodes of several GPUs; one node, or one
+    GPU per node, is the flat order anyway."""
+    R = len(hosts)
+    G = gpus_per_node if gpus_per_node is not None else nodes_from_hosts(hosts)
+    if gpus_per_node is not None and gpus_per_node < R and R % gpus_per_node:
+        raise ValueError(
+            f"ring_moe: gpus_per_node={gpus_per_node} does not divide the EP group's {R} ranks; "
+            "the two-level ring needs nodes of equally many consecutive ranks: pass the GPUs "
+            "per node of the group (a divisor of its size), or schedule='flat'"
+        )
+    if requested == "flat":
+        return "flat", None
+    if G is None:
+        if requested in ("two_level", NODE_BATCHED):
+            raise ValueError(
+                f"ring_moe: schedule={requested!r} needs nodes of equally many consecutive ranks, "
+                f"but the EP group's hosts by rank are {_host_runs(hosts)}; pass gpus_per_node "
+                "(and order the ranks node by node), or use schedule='flat'"
+            )
+        return "flat", None  # auto: an irregular placement runs the flat ring
+    if requested == NODE_BATCHED:  # any node size: G = 1 is the flat ring, G = R one round
+        return NODE_BATCHED, min(G, R)
+    if 1 < G < R:
+        return "two_level", G
+    return "flat", None
+
+
+def _host_runs(hosts: list) -> str:
+    names = {}
+    labels = [names.setdefault(h, f"host{len(names)}") for h in hosts]
+    return "[" + ", ".join(labels) + "]"
+
+
+# ---------------------------------------------------------------------------------------------
+# the hop order of a pass (pure Python)
+# ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ByteRange:
     slot: int  # 0 or 1 (the double buffer); -1 for the fresh buffer of the final return
@@ -308,3 +588,236 @@ def _pass_hops(R: int, G: int, lead: tuple, trail: tuple | None, rank: int) -> P
         ranges=tuple(index),
         legs=legs,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# byte layouts of what a hop moves
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Segment:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # bytes from the layout's base
+
+    @cached_property
+    def nbytes(self) -> int:
+        """Bytes of the segment (computed once: ``views`` asks for every segment per hop)."""
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Segments packed back to back (aligned); ``nbytes`` ends at the last segment's end."""
+
+    segments: tuple[Segment, ...]
+    nbytes: int
+
+    @staticmethod
+    def of(*specs: tuple[str, torch.dtype, tuple[int, ...]]) -> Layout:
+        segments, offset, end = [], 0, 0
+        for name, dtype, shape in specs:
+            seg = Segment(name, dtype, tuple(int(s) for s in shape), offset)
+            segments.append(seg)
+            end = offset + seg.nbytes
+            offset = align_up(end)
+        return Layout(tuple(segments), end)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The segments' names, in layout order."""
+        return tuple(seg.name for seg in self.segments)
+
+    def views(self, buf_u8: Tensor, base: int = 0, flats: dict | None = None) -> dict[str, Tensor]:
+        """Typed views of the segments inside ``buf_u8[base:]`` (no copy).
+
+        ``flats``: a dict the caller keeps for ``buf_u8`` (and only for it), which holds the
+        buffer's typed flat views by dtype; layouts viewed in the same buffer share them instead
+        of making them again (the ring views the same slots with several layouts per pass).
+        """
+        self._check(buf_u8, base)
+        if flats is None:
+            flats = {}
+        out = {}
+        for name, start, dtype, shape, stride in self._spans:
+            flat, first = flats.get(dtype) or _flat(flats, buf_u8, dtype)
+            out[name] = flat.as_strided(shape, stride, first + (base + start) // dtype.itemsize)
+        return out
+
+    def runs(self, buf_u8: Tensor, base: int = 0, flats: dict | None = None) -> list[Tensor]:
+        """The segments inside ``buf_u8[base:]`` as few 1-D typed views as cover exactly their
+        elements: adjacent segments of one dtype with no alignment gap between them share one.
+        For elementwise work over a whole layout (zeroing it, adding one copy into another),
+        which then takes one operation per run instead of one per segment. ``flats`` as in
+        :meth:`views`."""
+        self._check(buf_u8, base)
+        if flats is None:
+            flats = {}
+        out = []
+        for start, numel, dtype in self._runs:
+            flat, first = flats.get(dtype) or _flat(flats, buf_u8, dtype)
+            out.append(flat.as_strided((numel,), (1,), first + (base + start) // dtype.itemsize))
+        return out
+
+    def _check(self, buf_u8: Tensor, base: int) -> None:
+        if base % ALIGN:
+            raise ValueError(f"layout base {base} must be a multiple of {ALIGN} bytes")
+        if base + self.nbytes > (size := buf_u8.numel()):
+            raise ValueError(
+                f"layout of {self.nbytes} bytes at base {base} overflows a {size}-byte buffer"
+            )
+
+    def __hash__(self) -> int:
+        """The dataclass's hash of the fields, computed once (the executor keys its views by
+        layout, every hop)."""
+        return self._hash
+
+    @cached_property
+    def _hash(self) -> int:
+        return hash((self.segments, self.nbytes))
+
+    def __getstate__(self) -> dict:
+        """Pickled without the cached hash: it is this process's (string hashes are salted)."""
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
+    @cached_property
+    def _spans(self) -> tuple[tuple[str, int, torch.dtype, tuple[int, ...], tuple[int, ...]], ...]:
+        """``(name, start, dtype, shape, contiguous strides)`` of each segment, ``start`` in bytes
+        from the base, for ``views`` (the ring asks for views every pass; the segments never
+        change)."""
+        return tuple(
+            (seg.name, seg.offset, seg.dtype, seg.shape, _strides(seg.shape))
+            for seg in self.segments
+        )
+
+    @cached_property
+    def _runs(self) -> tuple[tuple[int, int, torch.dtype], ...]:
+        """``(start byte, elements, dtype)`` of each run of :meth:`runs`."""
+        runs: list[list] = []
+        for seg in self.segments:
+            last = runs[-1] if runs else None
+            if (
+                last
+                and last[2] == seg.dtype
+                and last[0] + last[1] * seg.dtype.itemsize == seg.offset
+            ):
+                last[1] += seg.nbytes // seg.dtype.itemsize
+            else:
+                runs.append([seg.offset, seg.nbytes // seg.dtype.itemsize, seg.dtype])
+        return tuple((start, numel, dtype) for start, numel, dtype in runs if numel)
+
+
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Row-major strides of ``shape``, in elements."""
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(out))
+
+
+def _flat(flats: dict, buf_u8: Tensor, dtype: torch.dtype) -> tuple[Tensor, int]:
+    """``buf_u8`` viewed as ``dtype`` (its whole elements) and that view's storage offset in
+    elements, stored in ``flats``: what the segments' views are cut from."""
+    numel = buf_u8.numel()
+    whole = numel - numel % dtype.itemsize
+    flat = (buf_u8 if whole == numel else buf_u8[:whole]).view(dtype)
+    flats[dtype] = entry = (flat, flat.storage_offset())
+    return entry
+
+
+# ---------------------------------------------------------------------------------------------
+# a problem's layouts and pass plans
+# ---------------------------------------------------------------------------------------------
+IDX = torch.int32  # expert ids travel as int32
+
+
+@functools.lru_cache(maxsize=256)  # per problem: every pass asks (module doc)
+def weights_layout(prob: RingProblem, prefix: str = "") -> Layout:
+    """The experts' weights and biases, or with ``prefix="d"`` their gradient accumulators (in
+    ``prob.accum_dtype``: fp32 for a long ring of 16-bit weights, see options.GRAD_ACCUMS):
+    ``w13 (El, J, H) | w2 (El, H, I) [| b13 (El, J)] [| b2 (El, H)]``. The biases sit in the
+    weights' partition, so the one transfer of a hop carries them (and their gradients trail
+    with the weights' gradients); absent biases have no segment."""
+    El, H, I, J = prob.num_local_experts, prob.hidden, prob.ffn, prob.fc1_rows
+    dt = prob.accum_dtype if prefix == "d" else prob.dtype
+    shapes = {"w13": (El, J, H), "w2": (El, H, I), "b13": (El, J), "b2": (El, H)}
+    present = ("w13", "w2") + ("b13",) * prob.has_b13 + ("b2",) * prob.has_b2
+    return Layout.of(*((prefix + n, dt, shapes[n]) for n in present))
+
+
+@functools.lru_cache(maxsize=256)  # per problem: every pass asks (module doc)
+def token_lead(prob: RingProblem, T: int, backward: bool) -> Layout:
+    """A visiting token partition: x, ids and probabilities forward; x, probabilities and dy
+    backward (the forward kept each partition's routing index, so no ids travel)."""
+    H, K = prob.hidden, prob.topk
+    if backward:
+        return Layout.of(
+            ("x", prob.dtype, (T, H)),
+            ("probs", prob.prob_dtype, (T, K)),
+            ("dy", prob.dtype, (T, H)),
+        )
+    return Layout.of(
+        ("x", prob.dtype, (T, H)), ("idx", IDX, (T, K)), ("probs", prob.prob_dtype, (T, K))
+    )
+
+
+@functools.lru_cache(maxsize=256)  # per problem: every pass asks (module doc)
+def token_trail(prob: RingProblem, T: int, backward: bool) -> Layout:
+    H, K = prob.hidden, prob.topk
+    if backward:
+        return Layout.of(("dx", prob.dtype, (T, H)), ("dprobs", prob.prob_dtype, (T, K)))
+    return Layout.of(("out", prob.dtype, (T, H)))
+
+
+def ring_plan(prob: RingProblem, lead: list[int], trail: list[int] | None) -> RingPlan:
+    return RingPlan(prob.rank, prob.world_size, lead, trail, gpus_per_node=prob.gpus_per_node)
+
+
+@functools.lru_cache(maxsize=256)  # per problem: every pass asks (module doc)
+def expert_plans(prob: RingProblem) -> tuple[RingPlan, RingPlan]:
+    R = prob.world_size
+    w, dw = weights_layout(prob).nbytes, weights_layout(prob, "d").nbytes
+    return ring_plan(prob, [w] * R, None), ring_plan(prob, [w] * R, [dw] * R)
+
+
+def token_layouts(prob: RingProblem, backward: bool) -> dict:
+    """A token-mode pass's ``lead_layout``/``trail_layout`` roles (partition ``p`` holds
+    ``prob.tokens[p]`` tokens). Each layout is built once per token count and returned again
+    after: the pass asks for them every hop, and the executor keys its views by them."""
+    Ts = prob.tokens
+    lead = functools.cache(lambda T: token_lead(prob, T, backward))
+    trail = functools.cache(lambda T: token_trail(prob, T, backward))
+    return {"lead_layout": lambda p: lead(Ts[p]), "trail_layout": lambda p: trail(Ts[p])}
+
+
+@functools.lru_cache(maxsize=256)  # per problem: every pass asks (module doc)
+def token_plans(prob: RingProblem) -> tuple[RingPlan, RingPlan]:
+    Ts = prob.tokens
+    fwd = ring_plan(
+        prob,
+        [token_lead(prob, t, False).nbytes for t in Ts],
+        [token_trail(prob, t, False).nbytes for t in Ts],
+    )
+    bwd = ring_plan(
+        prob,
+        [token_lead(prob, t, True).nbytes for t in Ts],
+        [token_trail(prob, t, True).nbytes for t in Ts],
+    )
+    return fwd, bwd
+
+
+def capacity(fwd: RingPlan, bwd: RingPlan, prob: RingProblem) -> int:
+    """Reserve the backward's slot size at forward when a backward follows (one allocation
+    of the persistent copy-engine workspace instead of two)."""
+    return max(fwd.capacity(), bwd.capacity()) if prob.needs_grad else fwd.capacity()
+
+
+def pair_rows(prob: RingProblem, tokens_rank: int, experts_rank: int) -> dict[str, int]:
+    """The hop primitives' pair-count keyword for one hop: the agreed count, else its bound."""
+    if prob.pairs is not None:
+        return {"n_pairs": prob.pairs[tokens_rank][experts_rank]}
+    return {"max_pairs": prob.hop_pairs(tokens_rank, experts_rank)}

@@ -12,7 +12,6 @@ import torch
 from torch import Tensor
 
 from relaymoe.experts import expert_hop_backward, expert_hop_forward
-from relaymoe.ring.agreement import RingProblem
 from relaymoe.ring.hop_graphs import run_hop
 from relaymoe.ring.hop_index import (
     INDEX_FIELDS,
@@ -25,19 +24,16 @@ from relaymoe.ring.hop_index import (
 )
 from relaymoe.ring.passes import (
     bias_grads,
-    capacity,
     home_grads,
     hop_graphs_of,
     hop_head,
     hop_key,
     local_parts,
     mlp,
-    pair_rows,
     present,
     ring_pass,
-    token_layouts,
-    token_plans,
 )
+from relaymoe.ring.plan import RingProblem, capacity, pair_rows, token_layouts, token_plans
 from relaymoe.ring.weights import REVERSED, reverse_local_ids
 from relaymoe.routing import build_routing_index
 

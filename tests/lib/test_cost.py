@@ -228,10 +228,10 @@ def test_alltoall_rows_match_random_routing(E, K, R):
 def test_slots_match_the_engine_layouts():
     """slot_capacity / symmetric_workspace_bytes against the engine's own RingPlans."""
     from relaymoe.activation import ExpertActivation
-    from relaymoe.ring import layout, passes, transport
-    from relaymoe.ring.problem import RingProblem
+    from relaymoe.ring import plan, transport
+    from relaymoe.ring.plan import RingProblem
 
-    assert cost.ALIGN == layout.ALIGN and cost.SYMM_GRANULE == transport._SYMM_GRANULE
+    assert cost.ALIGN == plan.ALIGN and cost.SYMM_GRANULE == transport._SYMM_GRANULE
     mlps = [(True, False, False), (False, True, True), (True, True, False), (False, False, True)]
     for (T, H, I, El, K, R), dt, pdt, grad, (gated, b13, b2) in itertools.product(
         [(4, 8, 6, 2, 2, 2), (37, 64, 24, 3, 2, 4), (1000, 96, 40, 1, 1, 3), (0, 16, 8, 2, 2, 2)],
@@ -249,12 +249,12 @@ def test_slots_match_the_engine_layouts():
         d = cost.Dims(T=T, H=H, I=I, El=El, K=K, R=R, b=dt.itemsize, pb=pdt.itemsize,
                       gated=gated, b13=b13, b2=b2)  # fmt: skip
         # what travels in expert mode is exactly the layout's payload
-        w, dw = passes.weights_layout(prob), passes.weights_layout(prob, "d")
+        w, dw = plan.weights_layout(prob), plan.weights_layout(prob, "d")
         payload = sum(seg.nbytes for seg in w.segments)
         assert cost.hop_bytes("expert", d).fwd_lead == payload
         assert cost.hop_bytes("expert", d).bwd_trail == sum(seg.nbytes for seg in dw.segments)
-        for mode, plans in (("expert", passes.expert_plans), ("token", passes.token_plans)):
-            cap = passes.capacity(*plans(prob), prob)
+        for mode, plans in (("expert", plan.expert_plans), ("token", plan.token_plans)):
+            cap = plan.capacity(*plans(prob), prob)
             assert cost.slot_capacity(mode, d, training=grad) == cap, (mode, d, grad)
             granule = cost.SYMM_GRANULE
             want = 2 * max(granule, -(-cap // granule) * granule)

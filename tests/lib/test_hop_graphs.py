@@ -396,7 +396,7 @@ def test_cache_keeps_no_bound_tensor_alive():
 
 
 def test_refusal_names_exact_pair_counts_and_the_torch_backend():
-    from relaymoe.ring.agreement import RingProblem
+    from relaymoe.ring.plan import RingProblem
     from relaymoe.ring.hop_graphs import refusal
 
     prob = RingProblem(rank=0, world_size=2, num_local_experts=2, hidden=H, ffn=I, topk=2,

@@ -82,7 +82,7 @@ def private_imports(path: Path, source: str | None = None) -> list[str]:
 
 def test_no_cross_module_private_import():
     files = sorted(PACKAGE.rglob("*.py"))
-    assert len(files) > 100, files
+    assert len(files) > 80, files
     bad = {str(f.relative_to(ROOT)): hits for f in files if (hits := private_imports(f))}
     assert not bad, (
         "private names used across modules; make the name public (and list it in the module's "
@@ -99,7 +99,7 @@ def test_no_cross_module_private_import():
         ("relaymoe/ring/agreement.py", "from relaymoe.ring import checks\nchecks._local_check()\n"),
         ("relaymoe/ring/agreement.py", "import relaymoe.ring.checks as c\nc._FLOATS\n"),
         ("relaymoe/ring/agreement.py", "import relaymoe.ring.checks\nrelaymoe.ring.checks._x\n"),
-        ("relaymoe/ring/agreement.py", "def f():\n    from relaymoe.ring.topology import _h\n"),
+        ("relaymoe/ring/agreement.py", "def f():\n    from relaymoe.ring.plan import _h\n"),
     ],
 )
 def test_the_check_sees_each_form(where, source):

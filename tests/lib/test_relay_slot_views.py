@@ -8,8 +8,7 @@ from __future__ import annotations
 import torch
 
 from relaymoe.ring.executor import relay
-from relaymoe.ring.layout import Layout
-from relaymoe.ring.plan import RingPlan
+from relaymoe.ring.plan import Layout, RingPlan
 from relaymoe.ring.transport import Transport
 
 CPU = torch.device("cpu")

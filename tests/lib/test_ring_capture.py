@@ -184,7 +184,7 @@ def test_ring_capture_gloo(world, scenario, gloo_worlds):
 def test_guard_sees_a_library_host_read_and_lets_others_through():
     """The guard itself: a read made by relaymoe's code raises, one made here does not."""
     from relaymoe.ring.agreement import pair_counts
-    from relaymoe.ring.problem import RingProblem
+    from relaymoe.ring.plan import RingProblem
 
     t = torch.ones(3)
     with no_host_reads():

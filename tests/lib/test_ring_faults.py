@@ -19,7 +19,7 @@ from relaymoe.ring import agreement as agree_mod
 from relaymoe.ring import faults, lagwait
 from relaymoe.ring import transport as transport_mod
 from relaymoe.ring.faults import PeerWatch, RingPeerError
-from relaymoe.ring.problem import ring_request
+from relaymoe.ring.plan import ring_request
 from relaymoe.ring.runtime import RingRuntime
 from tests.fixtures import use_env
 
