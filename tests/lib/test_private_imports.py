@@ -93,12 +93,12 @@ def test_no_cross_module_private_import():
 @pytest.mark.parametrize(
     "where,source",
     [
-        ("relaymoe/ring/agreement.py", "from relaymoe.ring.checks import _local_check\n"),
-        ("relaymoe/ring/agreement.py", "from .checks import FLOATS, _weight_meta\n"),
+        ("relaymoe/ring/agreement.py", "from relaymoe.ring.plan import _capacity\n"),
+        ("relaymoe/ring/agreement.py", "from .plan import IDX, _pass_hops\n"),
         ("relaymoe/loss/__init__.py", "from . import _private\n"),
-        ("relaymoe/ring/agreement.py", "from relaymoe.ring import checks\nchecks._local_check()\n"),
-        ("relaymoe/ring/agreement.py", "import relaymoe.ring.checks as c\nc._FLOATS\n"),
-        ("relaymoe/ring/agreement.py", "import relaymoe.ring.checks\nrelaymoe.ring.checks._x\n"),
+        ("relaymoe/ring/agreement.py", "from relaymoe.ring import plan\nplan._capacity()\n"),
+        ("relaymoe/ring/agreement.py", "import relaymoe.ring.plan as p\np._flat\n"),
+        ("relaymoe/ring/agreement.py", "import relaymoe.ring.plan\nrelaymoe.ring.plan._x\n"),
         ("relaymoe/ring/agreement.py", "def f():\n    from relaymoe.ring.plan import _h\n"),
     ],
 )
@@ -110,9 +110,9 @@ def test_the_check_sees_each_form(where, source):
     "source",
     [
         "from relaymoe import __version__\n",
-        "from relaymoe.ring.checks import local_check as _local\n",  # a private local alias
+        "from relaymoe.ring.plan import ring_plan as _local\n",  # a private local alias
         "from torch import _C\nimport torch\ntorch._grouped_mm\n",  # not ours
-        "from relaymoe.ring import checks\nchecks.local_check().__class__\n",
+        "from relaymoe.ring import plan\nplan.ring_plan().__class__\n",
         "def _own(): pass\n_own()\n",
     ],
 )

@@ -395,7 +395,7 @@ def test_expert_mlp_row_fields_round_trip_and_refusals():
     """The agreement row carries every field of the activation exactly (float bits), and the
     group refuses a rank whose activation or biases differ, naming each rank's value."""
     from relaymoe.activation import NAMES, ExpertActivation
-    from relaymoe.ring.expert_mlp import (
+    from relaymoe.ring.agreement import (
         activation_fields,
         activation_of,
         bias_code,
