@@ -50,7 +50,7 @@ import math
 import torch
 
 from relaymoe.activation import SWIGLU
-from relaymoe.ring import hop_graphs, hop_index
+from relaymoe.ring import hop_graphs
 
 MiB = 2**20
 
@@ -137,7 +137,7 @@ def outputs(ring, direction: str, views) -> dict[str, torch.Tensor]:
     if ring.case.mode == "token" and direction == "fwd":
         for p, index in sorted(ring.indices.items()):
             index = getattr(index, "index", index)  # a recorded forward's PackedIndex
-            got.update({f"index{p}.{k}": getattr(index, k) for k in hop_index.INDEX_FIELDS})
+            got.update({f"index{p}.{k}": getattr(index, k) for k in hop_graphs.INDEX_FIELDS})
     out = {k: v.clone() for k, v in got.items()}
     for p, buf in sorted(tr.trails.items()):  # the transport's clones already
         out.update({f"trail{p}.{k}": v

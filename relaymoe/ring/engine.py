@@ -81,8 +81,8 @@ from relaymoe.activation import ExpertActivation
 from relaymoe.options import NODE_BATCHED, KernelOptions, RingConfig
 from relaymoe.ring.agreement import agree
 from relaymoe.ring.alltoall import alltoall_backward, alltoall_forward
-from relaymoe.ring.capture import capturing
 from relaymoe.ring.expert_mode import expert_backward, expert_forward
+from relaymoe.ring.hop_graphs import capturing
 from relaymoe.ring.nodebatch import batched_expert_backward, batched_expert_forward
 from relaymoe.ring.plan import IDX, RingProblem, ring_request
 from relaymoe.ring.runtime import Hop, RingCall, RingRuntime

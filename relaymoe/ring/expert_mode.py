@@ -11,20 +11,21 @@ from __future__ import annotations
 import torch
 
 from relaymoe.experts import expert_hop_backward, expert_hop_forward
-from relaymoe.ring.hop_graphs import run_hop, stage_pass
-from relaymoe.ring.hop_index import (
+from relaymoe.ring.hop_graphs import (
+    hop_graphs_of,
+    hop_head,
+    hop_key,
     index_from,
     index_inputs,
     index_sizes,
     range_window,
+    run_hop,
+    stage_pass,
     window_fits,
 )
 from relaymoe.ring.passes import (
     bias_grads,
     home_grads,
-    hop_graphs_of,
-    hop_head,
-    hop_key,
     local_parts,
     mlp,
     pack_own,

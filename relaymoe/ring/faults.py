@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from relaymoe.options import HOST_WAIT_CHOICES
-from relaymoe.ring.capture import capturing
+from relaymoe.ring.hop_graphs import capturing
 
 __all__ = [
     "HOST_WAITS",

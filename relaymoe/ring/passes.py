@@ -12,39 +12,13 @@ direction, a plan's tables) was a tenth of a recorded pass's host time.
 
 from __future__ import annotations
 
-import functools
-
-import torch
 from torch import Tensor
 
 from relaymoe.ring.executor import relay
-from relaymoe.ring.hop_graphs import HopGraphs, graphs_for
-from relaymoe.ring.runtime import RingCall
 from relaymoe.ring.plan import RingPlan, RingProblem
+from relaymoe.ring.runtime import RingCall
 from relaymoe.ring.transport import CopyEngineTransport, P2PTransport, Transport
 from relaymoe.ring.weights import LocalExperts
-
-def hop_graphs_of(prob: RingProblem, call: RingCall, device) -> HopGraphs | None:
-    """The cache of recorded hop bodies a pass runs its hops through (the call's runtime's),
-    or None (eager)."""
-    how = call.hop
-    return graphs_for(prob, how.backend, device, call.runtime) if how.capture else None
-
-
-def hop_head(prob: RingProblem, call: RingCall, phase: str) -> tuple[str, str, int]:
-    """The first part of a pass's recorded hops' keys, made once a pass: ``(mode, phase, n)``,
-    ``n`` a small int standing for the backend, kernel options and activation (equal ones, one
-    int, numbered by the call's runtime), so that the cache's lookup at every hop hashes no
-    options object."""
-    ids = call.runtime.kernel_choice_ids
-    n = ids.setdefault((call.hop.backend, call.hop.kernels, prob.activation), len(ids))
-    return prob.mode, phase, n
-
-
-def hop_key(head: tuple, expert_range: tuple[int, int], rows: dict) -> tuple:
-    """The host values a recorded hop keeps (its tensors' shapes are added by the cache):
-    :func:`hop_head`'s, the hop's expert range and its pair-count keyword."""
-    return (*head, expert_range, *rows.items())
 
 
 def present(parts: dict[str, Tensor | None]) -> dict[str, Tensor]:

@@ -12,22 +12,22 @@ import torch
 from torch import Tensor
 
 from relaymoe.experts import expert_hop_backward, expert_hop_forward
-from relaymoe.ring.hop_graphs import run_hop
-from relaymoe.ring.hop_index import (
+from relaymoe.ring.hop_graphs import (
     INDEX_FIELDS,
     PackedIndex,
+    hop_graphs_of,
+    hop_head,
+    hop_key,
     index_from,
     index_inputs,
     index_layout,
     index_sizes,
     packed_index,
+    run_hop,
 )
 from relaymoe.ring.passes import (
     bias_grads,
     home_grads,
-    hop_graphs_of,
-    hop_head,
-    hop_key,
     local_parts,
     mlp,
     present,

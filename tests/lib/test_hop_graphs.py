@@ -396,8 +396,8 @@ def test_cache_keeps_no_bound_tensor_alive():
 
 
 def test_refusal_names_exact_pair_counts_and_the_torch_backend():
-    from relaymoe.ring.plan import RingProblem
     from relaymoe.ring.hop_graphs import refusal
+    from relaymoe.ring.plan import RingProblem
 
     prob = RingProblem(rank=0, world_size=2, num_local_experts=2, hidden=H, ffn=I, topk=2,
                        dtype=torch.bfloat16, prob_dtype=torch.float32, tokens=(4, 4),
