@@ -16,7 +16,7 @@ A runtime holds:
   agreement its eager warm-up made here, so both must run with the same runtime;
 * the recorded hop graphs and their static buffers (``hop_graphs.py``, ``capture_hops``);
 * the lag watch: the pending pass of each device, and the waits queued at a backward's end
-  (``faults.py``, ``lagwait.py``);
+  (``faults.py``);
 * the per-hop timeline recorders open on it (:meth:`record_timeline`, ``executor.py``), and the
   bytes of expert weights its calls copied (``copied_weight_bytes``, ``weights.py``: a training
   step's difference of it is what the step copies of its experts).
@@ -42,8 +42,7 @@ import torch
 import torch.distributed as dist
 
 from relaymoe.options import KernelOptions, RingConfig
-from relaymoe.ring.faults import PeerWatch, ring_timeout_s
-from relaymoe.ring.lagwait import LagWatch
+from relaymoe.ring.faults import LagWatch, PeerWatch, ring_timeout_s
 
 __all__ = ["Hop", "RingCall", "RingRuntime"]
 
@@ -86,7 +85,7 @@ class RingRuntime:
         self.workspaces: dict[tuple[str, int | None], tuple] = {}
         self.copy_engine_ok: dict[str, bool] = {}
         self.barrier_takes_timeout: bool | None = None
-        # faults.py / lagwait.py: the pending pass per device, the waits queued at a backward's
+        # faults.py: the pending pass per device, the waits queued at a backward's
         # end by (graph task, device)
         self.lag = LagWatch()
         self.backward_waits: set[tuple[int, tuple[str, int | None]]] = set()

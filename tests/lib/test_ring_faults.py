@@ -16,7 +16,7 @@ import torch
 
 from relaymoe.options import RingConfig
 from relaymoe.ring import agreement as agree_mod
-from relaymoe.ring import faults, lagwait
+from relaymoe.ring import faults
 from relaymoe.ring import transport as transport_mod
 from relaymoe.ring.faults import PeerWatch, RingPeerError
 from relaymoe.ring.plan import ring_request
@@ -196,7 +196,7 @@ def test_lag_waits_for_a_backwards_last_pass_when_the_backward_ends(monkeypatch)
     later sync reading aborted buffers. One wait per backward call; a pass that finished passes."""
     cuda = torch.device("cuda", 0)
     runtime = RingRuntime()
-    monkeypatch.setattr(lagwait, "POLL_S", 60.0)  # the watchdog thread stays out of this test
+    monkeypatch.setattr(faults, "POLL_S", 60.0)  # the watchdog thread stays out of this test
 
     class TwoPasses(torch.autograd.Function):
         @staticmethod
@@ -232,7 +232,7 @@ def test_lag_watchdog_logs_a_last_pass_that_never_finished(monkeypatch):
     import logging
 
     runtime = RingRuntime()
-    monkeypatch.setattr(lagwait, "POLL_S", 0.01)
+    monkeypatch.setattr(faults, "POLL_S", 0.01)
     records: list[logging.LogRecord] = []
     handler = logging.Handler(level=logging.ERROR)
     handler.emit = records.append
