@@ -119,7 +119,7 @@ class Spec:
 def _arm_victim(spec: Spec, store, state: dict) -> None:
     """Hooks that make this process fail at the case's point of the armed (third) call."""
     from relaymoe.ring import alltoall as a2a_mod
-    from relaymoe.ring.transport import CopyEngineTransport, P2PTransport
+    from relaymoe.ring.executor import CopyEngineTransport, P2PTransport
 
     def fail():
         store.set("fault/at", repr(time.time()))

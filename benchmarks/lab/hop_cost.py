@@ -10,7 +10,7 @@ Rank 0 of an EP-rank ring, emulated in one process: the library's own passes
 (``expert_mode.expert_forward``/``expert_backward``, ``token_mode.token_forward``/
 ``token_backward``) run through the real executor (``executor.relay``: slots, the communication
 stream, the trail scratch adds, the bounded-wait bookkeeping) with a transport that moves
-nothing (``passes.transport_of`` patched for the pass), the passes' state in one
+nothing (``executor.transport_of`` patched for the pass), the passes' state in one
 ``RingRuntime`` per case (their ``RingCall`` made of the case's ``RingConfig``: the
 environment's, ``benchmarks.ENV_CONFIG``). Each hop computes what rank 0's hop computes at that
 EP: its tokens against the visiting slice of E/EP experts (expert mode, one
@@ -104,7 +104,7 @@ from relaymoe.activation import SWIGLU  # noqa: E402
 from relaymoe.cost import grad_accum_bytes  # noqa: E402
 from relaymoe.experts import expert_hop_backward, expert_hop_forward  # noqa: E402
 from relaymoe.options import RingConfig  # noqa: E402
-from relaymoe.ring import executor, passes  # noqa: E402
+from relaymoe.ring import executor  # noqa: E402
 from relaymoe.ring.agreement import _bounded, _pairs_per_owner  # noqa: E402
 from relaymoe.ring.expert_mode import expert_backward, expert_forward  # noqa: E402
 from relaymoe.ring.passes import bias_grads, mlp  # noqa: E402
@@ -120,7 +120,6 @@ from relaymoe.ring.plan import (  # noqa: E402
 )
 from relaymoe.ring.runtime import Hop, RingCall, RingRuntime  # noqa: E402
 from relaymoe.ring.token_mode import token_backward, token_forward  # noqa: E402
-from relaymoe.ring.transport import Transport  # noqa: E402
 from relaymoe.ring.weights import FORWARD, LocalExperts  # noqa: E402
 from relaymoe.routing import build_routing_index  # noqa: E402
 
@@ -234,7 +233,7 @@ def hop_pairs(case: Case, data: dict) -> float:
 # ---------------------------------------------------------------------------------------------
 # the transport that moves nothing (or, for the CPU check, what the peers would have sent)
 # ---------------------------------------------------------------------------------------------
-class Emulated(Transport):
+class Emulated(executor.Transport):
     """Rank 0's transport in a ring of ``plan.world_size`` ranks, without the peers.
 
     ``issue`` moves nothing (``leads`` None), or, for the check, writes what the ring would
@@ -402,7 +401,7 @@ class Ring:
     @contextlib.contextmanager
     def _transport(self, direction: str):
         tr = self.transports[direction]
-        with mock.patch.object(passes, "transport_of", lambda prob, call: tr):
+        with mock.patch.object(executor, "transport_of", lambda prob, call: tr):
             yield tr
 
     def forward(self):

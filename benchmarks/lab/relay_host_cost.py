@@ -31,10 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks import ENV_CONFIG  # noqa: E402
 from benchmarks.common import environment  # noqa: E402
 from benchmarks.numerics import free_port  # noqa: E402
-from relaymoe.ring.executor import relay  # noqa: E402
+from relaymoe.ring.executor import Transport, relay  # noqa: E402
 from relaymoe.ring.plan import Layout, RingPlan  # noqa: E402
 from relaymoe.ring.runtime import Hop, RingCall, RingRuntime  # noqa: E402
-from relaymoe.ring.transport import Transport  # noqa: E402
 
 
 class _NoTransfer(Transport):

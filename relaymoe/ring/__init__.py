@@ -13,11 +13,16 @@ See ``engine.py`` for the modes and the memory bound of each.
 """
 
 from relaymoe.ring.engine import resolved_problem, ring_moe
-from relaymoe.ring.executor import HopTiming, record_timeline
+from relaymoe.ring.executor import (
+    CopyEngineTransport,
+    HopTiming,
+    P2PTransport,
+    copy_engine_available,
+    record_timeline,
+)
 from relaymoe.ring.faults import RingPeerError
 from relaymoe.ring.plan import RingPlan, RingProblem
 from relaymoe.ring.runtime import RingRuntime
-from relaymoe.ring.transport import CopyEngineTransport, P2PTransport, copy_engine_available
 
 __all__ = [
     "CopyEngineTransport",

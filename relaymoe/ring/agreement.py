@@ -78,10 +78,10 @@ from relaymoe.options import (
     SCHEDULE_CHOICES,
     TRANSPORT_CHOICES,
 )
+from relaymoe.ring.executor import copy_engine_available, copy_engine_works
 from relaymoe.ring.faults import all_reduce_checked, check_markers
 from relaymoe.ring.hop_graphs import check_captured
 from relaymoe.ring.plan import RingProblem, RingRequest, host_hash, resolve_schedule
-from relaymoe.ring.transport import copy_engine_available, copy_engine_works
 from relaymoe.routing import validate_topk_idx
 
 __all__ = [

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from relaymoe.experts import expert_hop_backward, expert_hop_forward
+from relaymoe.ring.executor import ring_pass
 from relaymoe.ring.hop_graphs import (
     hop_graphs_of,
     hop_head,
@@ -30,7 +31,6 @@ from relaymoe.ring.passes import (
     mlp,
     pack_own,
     present,
-    ring_pass,
 )
 from relaymoe.ring.plan import capacity, expert_plans, pair_rows, weights_layout
 

@@ -50,10 +50,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from relaymoe.experts import expert_hop_backward, expert_hop_forward
-from relaymoe.ring.executor import relay
+from relaymoe.ring.executor import P2PTransport, relay
 from relaymoe.ring.passes import bias_grads, home_grads, local_parts, mlp, pack_own
 from relaymoe.ring.plan import HopTransfer, Leg, RingPlan, RingProblem, weights_layout
-from relaymoe.ring.transport import P2PTransport
 from relaymoe.ring.weights import FORWARD
 
 __all__ = [

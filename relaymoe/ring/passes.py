@@ -14,40 +14,13 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from relaymoe.ring.executor import relay
-from relaymoe.ring.plan import RingPlan, RingProblem
-from relaymoe.ring.runtime import RingCall
-from relaymoe.ring.transport import CopyEngineTransport, P2PTransport, Transport
+from relaymoe.ring.plan import RingProblem
 from relaymoe.ring.weights import LocalExperts
 
 
 def present(parts: dict[str, Tensor | None]) -> dict[str, Tensor]:
     """``parts`` without the absent (None) ones."""
     return {k: v for k, v in parts.items() if v is not None}
-
-
-def transport_of(prob: RingProblem, call: RingCall) -> Transport | None:
-    """The transport of the call's agreed ``prob.transport`` (None in a world of one)."""
-    if prob.transport == "copy_engine":
-        return CopyEngineTransport(call.group, call.runtime, call.timeout_s)
-    if prob.transport == "nccl":
-        return P2PTransport(call.group)
-    return None
-
-
-def ring_pass(prob: RingProblem, call: RingCall, device, phase: str, plan: RingPlan, **roles):
-    """One ``relay`` pass of this call: the transport, device, call and labels every pass
-    shares; ``roles``: the pass's own ``lead_layout``/``own_lead``/``trail_layout``/``compute``
-    (and ``capacity``)."""
-    return relay(
-        plan,
-        transport=transport_of(prob, call),
-        device=device,
-        call=call,
-        mode=prob.mode,
-        phase=phase,
-        **roles,
-    )
 
 
 def local_parts(experts: LocalExperts, order: str) -> dict[str, Tensor | None]:

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from relaymoe.experts import expert_hop_backward, expert_hop_forward
+from relaymoe.ring.executor import ring_pass
 from relaymoe.ring.hop_graphs import (
     INDEX_FIELDS,
     PackedIndex,
@@ -31,7 +32,6 @@ from relaymoe.ring.passes import (
     local_parts,
     mlp,
     present,
-    ring_pass,
 )
 from relaymoe.ring.plan import RingProblem, capacity, pair_rows, token_layouts, token_plans
 from relaymoe.ring.weights import REVERSED, reverse_local_ids

@@ -228,10 +228,10 @@ def test_alltoall_rows_match_random_routing(E, K, R):
 def test_slots_match_the_engine_layouts():
     """slot_capacity / symmetric_workspace_bytes against the engine's own RingPlans."""
     from relaymoe.activation import ExpertActivation
-    from relaymoe.ring import plan, transport
+    from relaymoe.ring import executor, plan
     from relaymoe.ring.plan import RingProblem
 
-    assert cost.ALIGN == plan.ALIGN and cost.SYMM_GRANULE == transport._SYMM_GRANULE
+    assert cost.ALIGN == plan.ALIGN and cost.SYMM_GRANULE == executor._SYMM_GRANULE
     mlps = [(True, False, False), (False, True, True), (True, True, False), (False, False, True)]
     for (T, H, I, El, K, R), dt, pdt, grad, (gated, b13, b2) in itertools.product(
         [(4, 8, 6, 2, 2, 2), (37, 64, 24, 3, 2, 4), (1000, 96, 40, 1, 1, 3), (0, 16, 8, 2, 2, 2)],

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from relaymoe.ring.executor import relay
+from relaymoe.ring.executor import Transport, relay
 from relaymoe.ring.plan import Layout, RingPlan
-from relaymoe.ring.transport import Transport
 
 CPU = torch.device("cpu")
 R = 3

@@ -16,8 +16,7 @@ import torch
 
 from relaymoe.options import RingConfig
 from relaymoe.ring import agreement as agree_mod
-from relaymoe.ring import faults
-from relaymoe.ring import transport as transport_mod
+from relaymoe.ring import executor, faults
 from relaymoe.ring.faults import PeerWatch, RingPeerError
 from relaymoe.ring.plan import ring_request
 from relaymoe.ring.runtime import RingRuntime
@@ -309,12 +308,12 @@ def test_copy_engine_barrier_gets_the_timeout(monkeypatch):
         def barrier(self, channel=0):
             calls.append(("old", channel))
 
-    transport_mod._barrier(RingRuntime(), NewHandle(), 2.5)
+    executor._barrier(RingRuntime(), NewHandle(), 2.5)
     assert calls == [("new", 0, 2500)]
     calls.clear()
     runtime = RingRuntime()
-    transport_mod._barrier(runtime, OldHandle(), 2.5)  # learns once: no timeout argument
-    transport_mod._barrier(runtime, OldHandle(), 2.5)
+    executor._barrier(runtime, OldHandle(), 2.5)  # learns once: no timeout argument
+    executor._barrier(runtime, OldHandle(), 2.5)
     assert calls == [("old", 0), ("old", 0)]
 
 
