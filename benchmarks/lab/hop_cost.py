@@ -107,7 +107,6 @@ from relaymoe.options import RingConfig  # noqa: E402
 from relaymoe.ring import executor  # noqa: E402
 from relaymoe.ring.agreement import _bounded, _pairs_per_owner  # noqa: E402
 from relaymoe.ring.expert_mode import expert_backward, expert_forward  # noqa: E402
-from relaymoe.ring.passes import bias_grads, mlp  # noqa: E402
 from relaymoe.ring.plan import (  # noqa: E402
     IDX,
     RingProblem,
@@ -120,7 +119,7 @@ from relaymoe.ring.plan import (  # noqa: E402
 )
 from relaymoe.ring.runtime import Hop, RingCall, RingRuntime  # noqa: E402
 from relaymoe.ring.token_mode import token_backward, token_forward  # noqa: E402
-from relaymoe.ring.weights import FORWARD, LocalExperts  # noqa: E402
+from relaymoe.ring.weights import FORWARD, LocalExperts, bias_grads, mlp  # noqa: E402
 from relaymoe.routing import build_routing_index  # noqa: E402
 
 QWEN3 = dict(H=2048, I=768, E=128, K=8)

@@ -71,7 +71,7 @@ class Dims:
 
     def weight_segments(self, elt: int) -> tuple[int, ...]:
         """Bytes of the local experts' segments at ``elt`` bytes an element, in the ring's
-        layout order (``relaymoe.ring.passes.weights_layout``): w13, w2, then b13, b2 as
+        layout order (``relaymoe.ring.plan.weights_layout``): w13, w2, then b13, b2 as
         carried."""
         El, H, I, J = self.El, self.H, self.I, self.J
         segs = [El * J * H * elt, El * H * I * elt]

@@ -45,9 +45,16 @@ from torch import Tensor
 
 from relaymoe.experts import expert_hop_backward, expert_hop_forward, resolve_backend
 from relaymoe.ring.faults import PeerWatch, check_markers
-from relaymoe.ring.passes import bias_grads, home_grads, local_parts, mlp
 from relaymoe.ring.plan import RingProblem
-from relaymoe.ring.weights import REVERSED, LocalExperts, reverse_local_ids
+from relaymoe.ring.weights import (
+    REVERSED,
+    LocalExperts,
+    bias_grads,
+    home_grads,
+    local_parts,
+    mlp,
+    reverse_local_ids,
+)
 from relaymoe.routing import RoutingIndex, build_routing_index
 
 __all__ = ["Dispatch", "alltoall_backward", "alltoall_forward"]

@@ -24,7 +24,8 @@ from relaymoe.ring.hop_graphs import (
     stage_pass,
     window_fits,
 )
-from relaymoe.ring.passes import (
+from relaymoe.ring.plan import capacity, expert_plans, pair_rows, weights_layout
+from relaymoe.ring.weights import (
     bias_grads,
     home_grads,
     local_parts,
@@ -32,7 +33,6 @@ from relaymoe.ring.passes import (
     pack_own,
     present,
 )
-from relaymoe.ring.plan import capacity, expert_plans, pair_rows, weights_layout
 
 
 def range_offsets(index, El: int) -> tuple:

@@ -51,9 +51,8 @@ from torch import Tensor
 
 from relaymoe.experts import expert_hop_backward, expert_hop_forward
 from relaymoe.ring.executor import P2PTransport, relay
-from relaymoe.ring.passes import bias_grads, home_grads, local_parts, mlp, pack_own
 from relaymoe.ring.plan import HopTransfer, Leg, RingPlan, RingProblem, weights_layout
-from relaymoe.ring.weights import FORWARD
+from relaymoe.ring.weights import FORWARD, bias_grads, home_grads, local_parts, mlp, pack_own
 
 __all__ = [
     "ColumnTransport",

@@ -26,15 +26,16 @@ from relaymoe.ring.hop_graphs import (
     packed_index,
     run_hop,
 )
-from relaymoe.ring.passes import (
+from relaymoe.ring.plan import RingProblem, capacity, pair_rows, token_layouts, token_plans
+from relaymoe.ring.weights import (
+    REVERSED,
     bias_grads,
     home_grads,
     local_parts,
     mlp,
     present,
+    reverse_local_ids,
 )
-from relaymoe.ring.plan import RingProblem, capacity, pair_rows, token_layouts, token_plans
-from relaymoe.ring.weights import REVERSED, reverse_local_ids
 from relaymoe.routing import build_routing_index
 
 # What a recorded hop binds by address besides the weights (hop_graphs.run_hop): the visiting

@@ -27,6 +27,11 @@ experts compute at every hop; a world of one), :meth:`LocalExperts.stacked` retu
 In expert mode the rank's own experts are packed into ring slot 0 at the start of every pass
 (:meth:`LocalExperts.pack`, per element, in expert order) and hop 0 computes from that slot, so
 the list form costs nothing extra there.
+
+What a pass hands the hop primitives from them is here too: the local experts' parts by name
+(:func:`local_parts`), the expert-MLP keywords of a partition (:func:`mlp`, :func:`bias_grads`),
+the rank's own experts packed into slot 0 (:func:`pack_own`) and its gradients returned home in
+the weights' dtype (:func:`home_grads`).
 """
 
 from __future__ import annotations
@@ -36,9 +41,17 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from relaymoe.ring.plan import RingProblem
+
 __all__ = [
     "LocalExperts",
+    "bias_grads",
+    "home_grads",
     "layout_order",
+    "local_parts",
+    "mlp",
+    "pack_own",
+    "present",
     "reverse_local_ids",
     "stacked_view",
 ]
@@ -205,3 +218,45 @@ class LocalExperts:
             rows = list(grads[n].unbind(0))
             out += rows[::-1] if order == REVERSED else rows
         return tuple(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# what a pass hands the hop primitives
+# ---------------------------------------------------------------------------------------------
+def present(parts: dict[str, Tensor | None]) -> dict[str, Tensor]:
+    """``parts`` without the absent (None) ones."""
+    return {k: v for k, v in parts.items() if v is not None}
+
+
+def local_parts(experts: LocalExperts, order: str) -> dict[str, Tensor | None]:
+    """The local experts' ``(El, ...)`` forms by part name (``w13``, ``w2``, ``b13``, ``b2``;
+    None for an absent bias) in ``order``'s rows, for a pass that computes with them directly
+    (token mode, all-to-all mode, a world of one): views, or stacks for this pass only."""
+    w13, w2, _ = experts.stacked(order)
+    b13, b2 = experts.biases(order)
+    return {"w13": w13, "w2": w2, "b13": b13, "b2": b2}
+
+
+def mlp(prob: RingProblem, parts: dict[str, Tensor | None]) -> dict:
+    """The hop primitives' expert-MLP keywords: the agreed activation and the biases of
+    ``parts`` (a partition's views by name, or :func:`local_parts`; None when absent)."""
+    return {"activation": prob.activation, "b13": parts.get("b13"), "b2": parts.get("b2")}
+
+
+def bias_grads(grads: dict[str, Tensor | None]) -> dict:
+    """The hop backward's bias-gradient buffers among ``grads`` (a trail's views, or local
+    accumulators keyed ``db13``/``db2``): the present biases' only."""
+    return {"db13": grads.get("db13"), "db2": grads.get("db2")}
+
+
+def home_grads(prob: RingProblem, grads: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The weight and bias gradients of this rank's experts by part name (``w13``, ...), from
+    accumulators keyed ``dw13``, ... (any dtype), in the weights' dtype."""
+    return {name[1:]: g.to(prob.dtype) for name, g in grads.items()}
+
+
+def pack_own(experts: LocalExperts, views: dict[str, Tensor]) -> None:
+    """The rank's own experts (weights and biases) into slot 0, in expert order (per element
+    in list form)."""
+    for name, view in views.items():
+        experts.pack(name, view)
