@@ -80,13 +80,21 @@ from torch import Tensor
 from relaymoe.activation import ExpertActivation
 from relaymoe.options import NODE_BATCHED, KernelOptions, RingConfig
 from relaymoe.ring.agreement import agree
-from relaymoe.ring.alltoall import alltoall_backward, alltoall_forward
-from relaymoe.ring.expert_mode import expert_backward, expert_forward
+from relaymoe.ring.expert_mode import (
+    batched_expert_backward,
+    batched_expert_forward,
+    expert_backward,
+    expert_forward,
+)
 from relaymoe.ring.hop_graphs import capturing
-from relaymoe.ring.nodebatch import batched_expert_backward, batched_expert_forward
 from relaymoe.ring.plan import IDX, RingProblem, ring_request
 from relaymoe.ring.runtime import Hop, RingCall, RingRuntime
-from relaymoe.ring.token_mode import token_backward, token_forward
+from relaymoe.ring.token_mode import (
+    alltoall_backward,
+    alltoall_forward,
+    token_backward,
+    token_forward,
+)
 from relaymoe.ring.weights import FORWARD, REVERSED, LocalExperts, reverse_local_ids
 from relaymoe.routing import build_routing_index
 

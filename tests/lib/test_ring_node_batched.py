@@ -59,8 +59,8 @@ def _node_batched(rank, world, group):
 def _errors_name_the_column(rank, world, group):
     """The column plan's peers are node indices: an error names them as group ranks, the whole
     EP group, and the hop's neighbours in the column."""
+    from relaymoe.ring.expert_mode import ColumnTransport
     from relaymoe.ring.faults import PeerWatch
-    from relaymoe.ring.nodebatch import ColumnTransport
 
     G = 2
     n, g = divmod(rank, G)
