@@ -33,7 +33,7 @@ from benchmarks.common import environment  # noqa: E402
 from benchmarks.numerics import free_port  # noqa: E402
 from relaymoe.ring.executor import Transport, relay  # noqa: E402
 from relaymoe.ring.plan import Layout, RingPlan  # noqa: E402
-from relaymoe.ring.runtime import Hop, RingCall, RingRuntime  # noqa: E402
+from relaymoe.ring.runtime import KernelChoice, RingCall, RingRuntime  # noqa: E402
 
 
 class _NoTransfer(Transport):
@@ -83,7 +83,9 @@ def main(argv=None) -> int:
     transport = _NoTransfer(group, persistent=a.persistent_slots)
     # every pass one call's view of one runtime (its lag watch and slot memo kept across passes,
     # as a dispatcher's), with the environment's host wait and timeout; the hop computes nothing
-    call = RingCall.of(group, RingRuntime(group), Hop("torch", ENV_CONFIG.kernels), ENV_CONFIG)
+    call = RingCall.of(
+        group, RingRuntime(group), KernelChoice("torch", ENV_CONFIG.kernels), ENV_CONFIG
+    )
 
     def one_pass():
         relay(plan, lead_layout=lambda p: lead, own_lead=own, trail_layout=lambda p: trail,

@@ -300,11 +300,11 @@ def _check_shapes(x, m13, m2, biases, topk_idx, topk_probs, act) -> tuple[int, s
     ffn = m2.shape[2]
     J = act.fc1_rows(ffn)
     if n_local < 1 or m2.shape[:2] != (n_local, hidden) or (rows, h13) != (J, hidden):
-        how = "2I: gated" if act.gated else "I: not gated"
+        fc1_rule = "2I: gated" if act.gated else "I: not gated"
         return 3, (
             f"shapes disagree: x {tuple(x.shape)}, w2 {m2.shape} (want (E_local >= 1, "
             f"{hidden}, I)), w13 {m13.shape} (want ({n_local}, J={J}, {hidden}): J is "
-            f"{how}, activation {act})"
+            f"{fc1_rule}, activation {act})"
         )
     for name, want in (("b13", (n_local, J)), ("b2", (n_local, hidden))):
         if name in biases and biases[name].shape != want:
@@ -737,29 +737,31 @@ def _signature(x, w13, w2, topk_idx, topk_probs, req: RingRequest, b13=None, b2=
             meta(b13), meta(b2), isinstance(req.kernels, str))  # fmt: skip
 
 
-def _bounded(prob: RingProblem) -> bool:
+def _bounded(problem: RingProblem) -> bool:
     """Whether every hop's pair buffers fit the budget when sized from the bound (the largest is
     the backward's pre-activation, ``(P, J)`` in the activations' dtype). The budget is the
     agreed ``pair_buffer_mib``, the same on every rank: this decides a collective."""
-    budget = prob.pair_buffer_mib * 2**20
-    esize = torch.empty((), dtype=prob.dtype).element_size()
-    bound = max(prob.tokens) * min(prob.topk, prob.num_local_experts)
-    return bound * prob.fc1_rows * esize <= budget
+    budget = problem.pair_buffer_mib * 2**20
+    esize = torch.empty((), dtype=problem.dtype).element_size()
+    bound = max(problem.tokens) * min(problem.topk, problem.num_local_experts)
+    return bound * problem.fc1_rows * esize <= budget
 
 
 def pair_counts(
-    topk_idx: Tensor, prob: RingProblem, group, timeout_s: float | None = None
+    topk_idx: Tensor, problem: RingProblem, group, timeout_s: float | None = None
 ) -> tuple[tuple[int, ...], ...]:
     """Every rank's pairs per expert owner (one all-reduce and a host sync): ``pairs[r][q]``.
     Column ``R`` of the reduced matrix is the validity marker (as in the agreement)."""
-    R = prob.world_size
-    counts = _pairs_per_owner(topk_idx, prob.num_local_experts, R)
+    R = problem.world_size
+    counts = _pairs_per_owner(topk_idx, problem.num_local_experts, R)
     if group is None or R == 1:
         return (tuple(counts.tolist()),)  # host sync
     mat = torch.zeros(R, R + 1, dtype=torch.int64, device=_comm_device(group, topk_idx))
-    mat[prob.rank, :R] = counts.to(mat.device)
-    mat[prob.rank, R] = 1
-    watch = all_reduce_checked(mat, group, mode=prob.mode, phase="pair counts", timeout_s=timeout_s)
+    mat[problem.rank, :R] = counts.to(mat.device)
+    mat[problem.rank, R] = 1
+    watch = all_reduce_checked(
+        mat, group, mode=problem.mode, phase="pair counts", timeout_s=timeout_s
+    )
     rows = mat.tolist()  # host sync
     check_markers(watch, [r[R] for r in rows], what="the pair counts' all-reduce")
     return tuple(tuple(r[:R]) for r in rows)
@@ -803,8 +805,8 @@ def agree(
         key = (getattr(group, "group_name", None) or id(group), rank, world,
                _signature(*args[:5], request, b13, b2))  # fmt: skip
         cache = runtime.agreements
-        prob = cache.get(key)
-        if prob is None:
+        problem = cache.get(key)
+        if problem is None:
             if captured:
                 raise ValueError(
                     "ring_moe is being captured into a CUDA graph before any eager call with "
@@ -813,9 +815,9 @@ def agree(
                     "first with the same runtime (ring_moe's runtime=; Megatron: "
                     "--cuda-graph-warmup-steps 1 or more)"
                 )
-            prob = _agree_collective(args, **where, validate_ids=False, with_pairs=False)
-            cache[key] = prob
-        if captured and prob.mode == "alltoall":
+            problem = _agree_collective(args, **where, validate_ids=False, with_pairs=False)
+            cache[key] = problem
+        if captured and problem.mode == "alltoall":
             raise ValueError(
                 "ring_moe is being captured into a CUDA graph, but its agreed mode is 'alltoall' "
                 "(messages sized on the host); fix: capturable=True (Megatron's dispatcher "
@@ -823,7 +825,7 @@ def agree(
             )
         # the bound is a proof for a captured call (capture.py), and a capturable call's eager
         # steps run the captured one's code
-        if captured or request.capturable or _bounded(prob):
-            return prob
-        return replace(prob, pairs=pair_counts(topk_idx, prob, group, timeout_s))
+        if captured or request.capturable or _bounded(problem):
+            return problem
+        return replace(problem, pairs=pair_counts(topk_idx, problem, group, timeout_s))
     return _agree_collective(args, **where, validate_ids=True, with_pairs=True)

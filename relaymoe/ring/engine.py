@@ -88,7 +88,7 @@ from relaymoe.ring.expert_mode import (
 )
 from relaymoe.ring.hop_graphs import capturing
 from relaymoe.ring.plan import IDX, RingProblem, ring_request
-from relaymoe.ring.runtime import Hop, RingCall, RingRuntime
+from relaymoe.ring.runtime import KernelChoice, RingCall, RingRuntime
 from relaymoe.ring.token_mode import (
     alltoall_backward,
     alltoall_forward,
@@ -109,9 +109,9 @@ PASSES = {
 }
 
 
-def _passes(prob: RingProblem):
-    kind = NODE_BATCHED if prob.schedule == NODE_BATCHED else "ring"
-    return PASSES[prob.mode, kind]
+def _passes(problem: RingProblem):
+    kind = NODE_BATCHED if problem.schedule == NODE_BATCHED else "ring"
+    return PASSES[problem.mode, kind]
 
 
 def _resolve_group(group, runtime: RingRuntime | None = None):
@@ -145,41 +145,43 @@ SECOND_ORDER_ERROR = (
 )
 
 
-# autograd inputs before the experts' tensors: x, probs, topk_idx, prob, call, listed
+# autograd inputs before the experts' tensors: x, probs, topk_idx, problem, call, listed
 N_LEADING = 6
 
 
 class _RingMoE(torch.autograd.Function):
-    """Inputs ``(x, probs, topk_idx, prob, call, listed, *ws)`` (``call``: the
+    """Inputs ``(x, probs, topk_idx, problem, call, listed, *ws)`` (``call``: the
     :class:`~relaymoe.ring.runtime.RingCall`: group, runtime, how a hop computes, this rank's
     options; kept until the backward) with ``ws``
     ``(w13, w2[, b13][, b2])`` (tensor form) or ``(*w13_list, *w2_list[, *b13_list][,
-    *b2_list])`` (list form; which biases: ``prob.has_b13``/``has_b2``). Saves x, probs, the
+    *b2_list])`` (list form; which biases: ``problem.has_b13``/``has_b2``). Saves x, probs, the
     int32 ids and ``ws`` themselves (list form: the caller's tensors, no copy)."""
 
     @staticmethod
-    def forward(ctx, x, probs, topk_idx, prob, call, listed, *ws):
+    def forward(ctx, x, probs, topk_idx, problem, call, listed, *ws):
         x, probs = x.contiguous(), probs.contiguous()
         if not listed:
             ws = tuple(w.contiguous() for w in ws)
-        experts = LocalExperts.from_inputs(listed, ws, prob.has_b13, prob.has_b2, call.runtime)
+        experts = LocalExperts.from_inputs(
+            listed, ws, problem.has_b13, problem.has_b2, call.runtime
+        )
         idx32 = topk_idx.to(IDX).contiguous()
-        ctx.prob, ctx.call = prob, call
+        ctx.problem, ctx.call = problem, call
         ctx.listed = listed
         # the row order of the local experts' stacked form where a pass uses it (token mode, a
         # world of one); expert mode with R > 1 packs slot 0 in expert order and needs none
         order = experts.preferred_order()
         ctx.order = order
-        if prob.mode == "alltoall":
-            out, ctx.index = alltoall_forward(prob, call, x, experts, probs, idx32, order)
-        elif prob.mode == "expert":  # one routing index over every expert, built once a call
+        if problem.mode == "alltoall":
+            out, ctx.index = alltoall_forward(problem, call, x, experts, probs, idx32, order)
+        elif problem.mode == "expert":  # one routing index over every expert, built once a call
             ids = idx32
-            if prob.world_size == 1 and order == REVERSED:
-                ids = reverse_local_ids(idx32, prob.num_local_experts)
-            ctx.index = build_routing_index(ids, prob.num_experts, validate=False)
-            out = _passes(prob)[0](prob, call, x, experts, probs, ctx.index, order)
+            if problem.world_size == 1 and order == REVERSED:
+                ids = reverse_local_ids(idx32, problem.num_local_experts)
+            ctx.index = build_routing_index(ids, problem.num_experts, validate=False)
+            out = _passes(problem)[0](problem, call, x, experts, probs, ctx.index, order)
         else:  # token mode builds the index of each visiting partition
-            out, ctx.index = _passes(prob)[0](prob, call, x, experts, probs, idx32, order)
+            out, ctx.index = _passes(problem)[0](problem, call, x, experts, probs, idx32, order)
         ctx.save_for_backward(x, probs, idx32, *ws)
         return out
 
@@ -188,22 +190,22 @@ class _RingMoE(torch.autograd.Function):
         if torch.is_grad_enabled():  # only under create_graph=True: refused before any transfer
             raise NotImplementedError(SECOND_ORDER_ERROR)
         x, probs, idx32, *ws = ctx.saved_tensors
-        prob, order = ctx.prob, ctx.order
+        problem, order = ctx.problem, ctx.order
         experts = LocalExperts.from_inputs(
-            ctx.listed, ws, prob.has_b13, prob.has_b2, ctx.call.runtime
+            ctx.listed, ws, problem.has_b13, problem.has_b2, ctx.call.runtime
         )
-        dy = dy.to(prob.dtype).contiguous()
-        if prob.mode == "alltoall":
+        dy = dy.to(problem.dtype).contiguous()
+        if problem.mode == "alltoall":
             dx, dprobs, g = alltoall_backward(
-                prob, ctx.call, dy, x, experts, probs, ctx.index, order
+                problem, ctx.call, dy, x, experts, probs, ctx.index, order
             )
         else:
-            dx, dprobs, g = _passes(prob)[1](
-                prob, ctx.call, dy, x, experts, probs, ctx.index, order
+            dx, dprobs, g = _passes(problem)[1](
+                problem, ctx.call, dy, x, experts, probs, ctx.index, order
             )
         # the weight gradients' rows: expert mode over several ranks packs slot 0 in expert
         # order; token mode and a world of one use the stacked form's order
-        rows = FORWARD if prob.mode == "expert" and prob.world_size > 1 else order
+        rows = FORWARD if problem.mode == "expert" and problem.world_size > 1 else order
         need = ctx.needs_input_grad
         # views of the returned gradients, no copy
         wgrads = experts.split(g["w13"], g["w2"], rows, g.get("b13"), g.get("b2"))
@@ -369,16 +371,16 @@ def ring_moe(
                        backend=backend, activation=activation, kernels=kernels,
                        capturable=capturable)  # fmt: skip
     with torch.profiler.record_function("relaymoe.agree"):
-        prob = agree(
+        problem = agree(
             x, w13, w2, topk_idx, topk_probs, group=group, rank=rank, world=world, request=req,
             runtime=runtime, trusted=trusted, b13=b13, b2=b2, captured=captured,
             timeout_s=config.timeout_s,
         )  # fmt: skip
     # req.kernels is valid: agreed above; a captured step already holds every hop, so no hop
     # graphs are recorded inside it
-    hop = Hop(backend, req.kernels, config.capture_hops and not captured)
-    call = RingCall.of(group, runtime, hop, config)
-    return _RingMoE.apply(x, topk_probs, topk_idx, prob, call, listed, *ws)
+    kernel_choice = KernelChoice(backend, req.kernels, config.capture_hops and not captured)
+    call = RingCall.of(group, runtime, kernel_choice, config)
+    return _RingMoE.apply(x, topk_probs, topk_idx, problem, call, listed, *ws)
 
 
 def resolved_problem(*args, **kwargs) -> RingProblem:

@@ -783,25 +783,25 @@ def _trail_home(ex: RingExecutor, lay: Layout, device: torch.device) -> dict[str
 # ---------------------------------------------------------------------------------------------
 # a problem's pass: its transport, and the relay every pass runs
 # ---------------------------------------------------------------------------------------------
-def transport_of(prob: RingProblem, call: RingCall) -> Transport | None:
-    """The transport of the call's agreed ``prob.transport`` (None in a world of one)."""
-    if prob.transport == "copy_engine":
+def transport_of(problem: RingProblem, call: RingCall) -> Transport | None:
+    """The transport of the call's agreed ``problem.transport`` (None in a world of one)."""
+    if problem.transport == "copy_engine":
         return CopyEngineTransport(call.group, call.runtime, call.timeout_s)
-    if prob.transport == "nccl":
+    if problem.transport == "nccl":
         return P2PTransport(call.group)
     return None
 
 
-def ring_pass(prob: RingProblem, call: RingCall, device, phase: str, plan: RingPlan, **roles):
+def ring_pass(problem: RingProblem, call: RingCall, device, phase: str, plan: RingPlan, **roles):
     """One ``relay`` pass of this call: the transport, device, call and labels every pass
     shares; ``roles``: the pass's own ``lead_layout``/``own_lead``/``trail_layout``/``compute``
     (and ``capacity``)."""
     return relay(
         plan,
-        transport=transport_of(prob, call),
+        transport=transport_of(problem, call),
         device=device,
         call=call,
-        mode=prob.mode,
+        mode=problem.mode,
         phase=phase,
         **roles,
     )

@@ -110,26 +110,26 @@ def range_offsets(index, El: int) -> tuple:
     return index.expert_token_offsets.unfold(0, El + 1, El).unbind(0)
 
 
-def expert_forward(prob, call, x, experts, probs, index, order):
-    how = call.hop
-    El = prob.num_local_experts
+def expert_forward(problem, call, x, experts, probs, index, order):
+    kernel_choice = call.kernel_choice
+    El = problem.num_local_experts
     out = torch.zeros_like(x)
     T = x.shape[0]
-    local = local_parts(experts, order) if prob.world_size == 1 else None
+    local = local_parts(experts, order) if problem.world_size == 1 else None
 
-    graphs = hop_graphs_of(prob, call, x.device)
+    graphs = hop_graphs_of(problem, call, x.device)
     own, sizes = {"x": x, "probs": probs, **index_inputs(index)}, index_sizes(index)
     # Recorded hops share one graph for every expert range (range_window): a GPU given many
     # distinct graphs back to back idles between them, one graph per range would be R of them
-    any_range = graphs is not None and window_fits(prob)
-    head = graphs and hop_head(prob, call, "fwd")
+    any_range = graphs is not None and window_fits(problem)
+    head = graphs and hop_head(problem, call, "fwd")
     offsets = range_offsets(index, El) if any_range else None
 
     def compute(hop, part, lead, trail):
         if T == 0:
             return
         w = local if lead is None else lead
-        rng, rows = (part * El, (part + 1) * El), pair_rows(prob, prob.rank, part)
+        rng, rows = (part * El, (part + 1) * El), pair_rows(problem, problem.rank, part)
         inputs = {**own, **present(w)}
         if any_range:  # the range's pair offsets reach the graph as an input, copied each hop
             inputs["range_offsets"] = offsets[part]
@@ -140,41 +140,41 @@ def expert_forward(prob, call, x, experts, probs, index, order):
                 full, rng)  # fmt: skip
             expert_hop_forward(
                 t["x"], t["w13"], t["w2"], t["probs"], hop_index,
-                expert_range=hop_range, out_TH=t["out"], save="none", backend=how.backend,
-                kernels=how.kernels, **rows, **mlp(prob, t),
+                expert_range=hop_range, out_TH=t["out"], save="none", backend=kernel_choice.backend,
+                kernels=kernel_choice.kernels, **rows, **mlp(problem, t),
             )  # fmt: skip
 
         # only a cache reads the key; shared by every range when the window serves them
         key = graphs and hop_key(head, (0, El) if any_range else rng, rows) + (any_range,)
         run_hop(graphs, key, body, inputs, {"out": out})
 
-    fwd, bwd = expert_plans(prob)
-    w = weights_layout(prob)  # every partition's, built once: the executor's views recur
+    fwd, bwd = expert_plans(problem)
+    w = weights_layout(problem)  # every partition's, built once: the executor's views recur
     with stage_pass(graphs, own, {"out": out}):  # recorded hops: copied once a pass, not a hop
         ring_pass(
-            prob, call, x.device, "fwd", fwd,
+            problem, call, x.device, "fwd", fwd,
             lead_layout=lambda p: w, own_lead=lambda views: pack_own(experts, views),
-            trail_layout=None, compute=compute, capacity=capacity(fwd, bwd, prob),
+            trail_layout=None, compute=compute, capacity=capacity(fwd, bwd, problem),
         )  # fmt: skip
     return out
 
 
-def expert_backward(prob, call, dy, x, experts, probs, index, order):
+def expert_backward(problem, call, dy, x, experts, probs, index, order):
     """Returns ``(dx, dprobs, grads)``, ``grads`` this rank's experts' gradients by part name
     (``w13``, ``w2``, and the biases'); their rows are in the row order the compute used:
     expert order for ``R > 1`` (slot 0 is packed in expert order), ``order`` in a world of
     one."""
-    how = call.hop
-    El = prob.num_local_experts
+    kernel_choice = call.kernel_choice
+    El = problem.num_local_experts
     dx = torch.zeros_like(x)
     dprobs = torch.zeros_like(probs)
     T = x.shape[0]
-    local = local_parts(experts, order) if prob.world_size == 1 else None
+    local = local_parts(experts, order) if problem.world_size == 1 else None
 
-    graphs = hop_graphs_of(prob, call, x.device)
+    graphs = hop_graphs_of(problem, call, x.device)
     own, sizes = {"dy": dy, "x": x, "probs": probs, **index_inputs(index)}, index_sizes(index)
-    any_range = graphs is not None and window_fits(prob)  # one body for every range, as forward
-    head = graphs and hop_head(prob, call, "bwd")
+    any_range = graphs is not None and window_fits(problem)  # one body for every range, as forward
+    head = graphs and hop_head(problem, call, "bwd")
     offsets = range_offsets(index, El) if any_range else None
 
     # The trail reaches compute as it is (relay's zero_trail=False): each hop writes its weight
@@ -187,7 +187,7 @@ def expert_backward(prob, call, dy, x, experts, probs, index, order):
                 v.zero_()
             return
         w = local if lead is None else lead
-        rng, rows = (part * El, (part + 1) * El), pair_rows(prob, prob.rank, part)
+        rng, rows = (part * El, (part + 1) * El), pair_rows(problem, problem.rank, part)
         inputs = {**own, **present(w)}
         if any_range:
             inputs["range_offsets"] = offsets[part]
@@ -200,24 +200,38 @@ def expert_backward(prob, call, dy, x, experts, probs, index, order):
             hop_index, hop_range = range_window(full, t["range_offsets"]) if any_range else (
                 full, rng)  # fmt: skip
             expert_hop_backward(
-                t["dy"], t["x"], t["w13"], t["w2"], t["probs"], hop_index,
-                expert_range=hop_range, saved_h=None, dx_TH=t["dx"], dprobs_TK=t["dprobs"],
-                dw13=t["dw13"], dw2=t["dw2"], backend=how.backend, kernels=how.kernels,
-                dw_accumulate=False, **rows, **mlp(prob, t), **bias_grads(t),
-            )  # fmt: skip
+                t["dy"],
+                t["x"],
+                t["w13"],
+                t["w2"],
+                t["probs"],
+                hop_index,
+                expert_range=hop_range,
+                saved_h=None,
+                dx_TH=t["dx"],
+                dprobs_TK=t["dprobs"],
+                dw13=t["dw13"],
+                dw2=t["dw2"],
+                backend=kernel_choice.backend,
+                kernels=kernel_choice.kernels,
+                dw_accumulate=False,
+                **rows,
+                **mlp(problem, t),
+                **bias_grads(t),
+            )
 
         key = graphs and hop_key(head, (0, El) if any_range else rng, rows) + (any_range,)
         run_hop(graphs, key, body, inputs, {"dx": dx, "dprobs": dprobs, **trail})
 
-    _, bwd = expert_plans(prob)
-    w, dw = weights_layout(prob), weights_layout(prob, "d")  # built once, as forward
+    _, bwd = expert_plans(problem)
+    w, dw = weights_layout(problem), weights_layout(problem, "d")  # built once, as forward
     with stage_pass(graphs, own, {"dx": dx, "dprobs": dprobs}):
         grads = ring_pass(
-            prob, call, x.device, "bwd", bwd,
+            problem, call, x.device, "bwd", bwd,
             lead_layout=lambda p: w, own_lead=lambda views: pack_own(experts, views),
             trail_layout=lambda p: dw, compute=compute, zero_trail=False,
         )  # fmt: skip
-    return dx, dprobs, home_grads(prob, grads)
+    return dx, dprobs, home_grads(problem, grads)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -315,46 +329,52 @@ def row_exchange(
 # ---------------------------------------------------------------------------------------------
 # the expert passes in node-batched rounds
 # ---------------------------------------------------------------------------------------------
-def _node_pairs(prob: RingProblem, node: int) -> dict[str, int]:
+def _node_pairs(problem: RingProblem, node: int) -> dict[str, int]:
     """The pair-count keyword of one round: this rank's tokens against node ``node``'s experts."""
-    G, T = prob.gpus_per_node, prob.tokens[prob.rank]
-    if prob.pairs is not None:
-        return {"n_pairs": sum(prob.pairs[prob.rank][node * G : (node + 1) * G])}
-    return {"max_pairs": T * min(prob.topk, G * prob.num_local_experts)}
+    G, T = problem.gpus_per_node, problem.tokens[problem.rank]
+    if problem.pairs is not None:
+        return {"n_pairs": sum(problem.pairs[problem.rank][node * G : (node + 1) * G])}
+    return {"max_pairs": T * min(problem.topk, G * problem.num_local_experts)}
 
 
-def _node_experts(prob: RingProblem, call, lead, local, device, phase) -> dict[str, Tensor]:
+def _node_experts(problem: RingProblem, call, lead, local, device, phase) -> dict[str, Tensor]:
     """The round's ``G*El`` experts by part name (``w13``, ``w2`` and the biases): this rank's
     visiting partition (``lead``, or ``local`` in a column of one) and its node peers',
     all-gathered over the row (the biases in the same exchange as their weights)."""
-    G, El, g = prob.gpus_per_node, prob.num_local_experts, prob.rank % prob.gpus_per_node
+    G, El, g = (
+        problem.gpus_per_node,
+        problem.num_local_experts,
+        problem.rank % problem.gpus_per_node,
+    )
     src = local if lead is None else lead
-    mine = {n: src[n] for n in weights_layout(prob).names}
+    mine = {n: src[n] for n in weights_layout(problem).names}
     if G == 1:  # the node is this rank: its partition as it is, no copy
         return mine
     node = {n: t.new_empty((G * El, *t.shape[1:])) for n, t in mine.items()}
     for n, t in mine.items():
         node[n][g * El : (g + 1) * El].copy_(t)
     row_exchange(
-        call, prob.rank, G, lambda q: list(mine.values()),
+        call, problem.rank, G, lambda q: list(mine.values()),
         lambda q: [t[q * El : (q + 1) * El] for t in node.values()],
-        mode=prob.mode, phase=phase, device=device,
+        mode=problem.mode, phase=phase, device=device,
     )  # fmt: skip
     return node
 
 
-def _batched_pass(prob, call, device, phase, compute, experts, backward):
+def _batched_pass(problem, call, device, phase, compute, experts, backward):
     """One column pass; the hop's experts are all-gathered over the row before the hop's column
     transfer is issued (``relay``'s ``prepare``) and handed to ``compute(node, parts,
     trail)`` (``parts``: the round's experts by part name)."""
-    G = prob.gpus_per_node
-    w, dw = weights_layout(prob), weights_layout(prob, "d")
-    plan = column_plan(prob.rank, prob.world_size, G, w.nbytes, dw.nbytes if backward else None)
+    G = problem.gpus_per_node
+    w, dw = weights_layout(problem), weights_layout(problem, "d")
+    plan = column_plan(
+        problem.rank, problem.world_size, G, w.nbytes, dw.nbytes if backward else None
+    )
     local = local_parts(experts, FORWARD) if plan.world_size == 1 else None  # a column of one
     gathered = {}
 
     def prepare(hop, node, lead):
-        gathered["w"] = _node_experts(prob, call, lead, local, device, phase)
+        gathered["w"] = _node_experts(problem, call, lead, local, device, phase)
 
     def run(hop, node, lead, trail):
         compute(node, gathered.pop("w"), trail)
@@ -362,45 +382,70 @@ def _batched_pass(prob, call, device, phase, compute, experts, backward):
     return relay(
         plan, lead_layout=lambda p: w, own_lead=lambda views: pack_own(experts, views),
         trail_layout=(lambda p: dw) if backward else None, compute=run, prepare=prepare,
-        transport=ColumnTransport(call.group, prob.rank, G), device=device, call=call,
-        mode=prob.mode, phase=phase,
+        transport=ColumnTransport(call.group, problem.rank, G), device=device, call=call,
+        mode=problem.mode, phase=phase,
     )  # fmt: skip
 
 
-def batched_expert_forward(prob, call, x, experts, probs, index, order):
-    how = call.hop
-    G, El = prob.gpus_per_node, prob.num_local_experts
+def batched_expert_forward(problem, call, x, experts, probs, index, order):
+    kernel_choice = call.kernel_choice
+    G, El = problem.gpus_per_node, problem.num_local_experts
     out = torch.zeros_like(x)
 
     def compute(node, parts, trail):
         if x.shape[0] == 0:
             return
         expert_hop_forward(
-            x, parts["w13"], parts["w2"], probs, index,
-            expert_range=(node * G * El, (node + 1) * G * El), out_TH=out, save="none",
-            backend=how.backend, kernels=how.kernels, **_node_pairs(prob, node),
-            **mlp(prob, parts),
-        )  # fmt: skip
+            x,
+            parts["w13"],
+            parts["w2"],
+            probs,
+            index,
+            expert_range=(node * G * El, (node + 1) * G * El),
+            out_TH=out,
+            save="none",
+            backend=kernel_choice.backend,
+            kernels=kernel_choice.kernels,
+            **_node_pairs(problem, node),
+            **mlp(problem, parts),
+        )
 
-    _batched_pass(prob, call, x.device, "fwd", compute, experts, False)
+    _batched_pass(problem, call, x.device, "fwd", compute, experts, False)
     return out
 
 
-def batched_expert_backward(prob, call, dy, x, experts, probs, index, order):
+def batched_expert_backward(problem, call, dy, x, experts, probs, index, order):
     """As ``expert_backward``; the gradients' rows in expert order."""
-    how = call.hop
-    G, El, g = prob.gpus_per_node, prob.num_local_experts, prob.rank % prob.gpus_per_node
+    kernel_choice = call.kernel_choice
+    G, El, g = (
+        problem.gpus_per_node,
+        problem.num_local_experts,
+        problem.rank % problem.gpus_per_node,
+    )
     dx, dprobs = torch.zeros_like(x), torch.zeros_like(probs)
 
     def compute(node, parts, trail):
         def grads(d: dict):
             return expert_hop_backward(
-                dy, x, parts["w13"], parts["w2"], probs, index,
-                expert_range=(node * G * El, (node + 1) * G * El), saved_h=None, dx_TH=dx,
-                dprobs_TK=dprobs, dw13=d["dw13"], dw2=d["dw2"], backend=how.backend,
-                kernels=how.kernels, grad_dtype=prob.accum_dtype, **_node_pairs(prob, node),
-                **mlp(prob, parts), **bias_grads(d),
-            )  # fmt: skip
+                dy,
+                x,
+                parts["w13"],
+                parts["w2"],
+                probs,
+                index,
+                expert_range=(node * G * El, (node + 1) * G * El),
+                saved_h=None,
+                dx_TH=dx,
+                dprobs_TK=dprobs,
+                dw13=d["dw13"],
+                dw2=d["dw2"],
+                backend=kernel_choice.backend,
+                kernels=kernel_choice.kernels,
+                grad_dtype=problem.accum_dtype,
+                **_node_pairs(problem, node),
+                **mlp(problem, parts),
+                **bias_grads(d),
+            )
 
         if G == 1:  # no row: the gradients go straight into the trail, as in the flat ring
             if x.shape[0] > 0:
@@ -410,24 +455,24 @@ def batched_expert_backward(prob, call, dy, x, experts, probs, index, order):
         # bias gradients are added into zeros (the hop primitives' contract), and a rank with
         # no tokens sends zero shares (its peers wait for them)
         d = {"dw13": None, "dw2": None}
-        d |= {"d" + n: torch.zeros_like(t, dtype=prob.accum_dtype)
+        d |= {"d" + n: torch.zeros_like(t, dtype=problem.accum_dtype)
               for n, t in parts.items() if n.startswith("b")}  # fmt: skip
         if x.shape[0] > 0:
             _, _, d["dw13"], d["dw2"] = grads(d)
         else:
-            d["dw13"] = torch.zeros_like(parts["w13"], dtype=prob.accum_dtype)
-            d["dw2"] = torch.zeros_like(parts["w2"], dtype=prob.accum_dtype)
+            d["dw13"] = torch.zeros_like(parts["w13"], dtype=problem.accum_dtype)
+            d["dw2"] = torch.zeros_like(parts["w2"], dtype=problem.accum_dtype)
         names = list(trail)  # the trail's order: dw13, dw2, then the biases'
         # reduce-scatter over the row: partition (node, q)'s share to local rank q
         got = {q: [torch.empty_like(d[n][g * El : (g + 1) * El]) for n in names]
                for q in range(G) if q != g}  # fmt: skip
         row_exchange(
-            call, prob.rank, G, lambda q: [d[n][q * El : (q + 1) * El] for n in names],
-            lambda q: got[q], mode=prob.mode, phase="bwd", device=x.device,
+            call, problem.rank, G, lambda q: [d[n][q * El : (q + 1) * El] for n in names],
+            lambda q: got[q], mode=problem.mode, phase="bwd", device=x.device,
         )  # fmt: skip
         for shares in ([d[n][g * El : (g + 1) * El] for n in names], *got.values()):
             for n, share in zip(names, shares, strict=True):
                 trail[n].add_(share)
 
-    grads = _batched_pass(prob, call, x.device, "bwd", compute, experts, True)
-    return dx, dprobs, home_grads(prob, grads)
+    grads = _batched_pass(problem, call, x.device, "bwd", compute, experts, True)
+    return dx, dprobs, home_grads(problem, grads)

@@ -339,14 +339,14 @@ class PeerWatch:
         or none (``off``)."""
         deferred, events = self._deferred, self._events
         self._deferred, self._events = [], []
-        how = host_wait_mode(device, self.host_wait)
-        if how == "lag" and self.runtime is None:  # no lag watch to hand the pass to
-            how = "pass"
-        if how == "off" or capturing(device):
+        wait_mode = host_wait_mode(device, self.host_wait)
+        if wait_mode == "lag" and self.runtime is None:  # no lag watch to hand the pass to
+            wait_mode = "pass"
+        if wait_mode == "off" or capturing(device):
             # a captured pass is replayed without the host: nothing to wait for here, and its
             # events cannot be queried (``capture.py``)
             return
-        if how == "lag":
+        if wait_mode == "lag":
             key = (device.type, device.index)
             previous = self.runtime.lag.swap(key, self, deferred, events)
             _wait_at_end_of_backward(key, self.runtime)

@@ -388,19 +388,19 @@ def _copy_all(dsts: list[Tensor], srcs: list[Tensor]) -> None:
         dsts[0].copy_(srcs[0])
 
 
-def refusal(prob, backend: str, device: torch.device) -> str | None:
+def refusal(problem, backend: str, device: torch.device) -> str | None:
     """Why this call's hops cannot be recorded, or None when they can: exact pair counts
     anywhere (what the hop computes would depend on host integers of one step), and on CUDA a
     hop backend that reads the routing on the host."""
-    if prob.pairs is not None:
+    if problem.pairs is not None:
         return (
             "the hops' pair counts are exact host integers of this step's routing (an untrusted "
             "call, or pair buffers whose bound exceeds pair_buffer_mib="
-            f"{prob.pair_buffer_mib}); a graph would keep them: call with trusted=True and a "
+            f"{problem.pair_buffer_mib}); a graph would keep them: call with trusted=True and a "
             "pair_buffer_mib (RELAYMOE_PAIR_BUFFER_MIB) that holds the bound, or leave "
             "capture_hops off"
         )
-    if device.type == "cuda" and resolve_backend(backend, device, prob.dtype) != "triton":
+    if device.type == "cuda" and resolve_backend(backend, device, problem.dtype) != "triton":
         return (
             "the torch hop backend reads each expert's pair offsets on the host; use "
             "backend='triton' (or 'auto' with a dtype the kernels take)"
@@ -432,11 +432,11 @@ def stage_pass(graphs: HopGraphs | None, inputs: dict[str, Tensor], inouts: dict
     return contextlib.nullcontext() if graphs is None else graphs.staging(inputs, inouts)
 
 
-def graphs_for(prob, backend: str, device: torch.device, runtime) -> HopGraphs | None:
+def graphs_for(problem, backend: str, device: torch.device, runtime) -> HopGraphs | None:
     """``runtime``'s cache (a ``RingRuntime``: ``runtime.hop_graphs``) for a call on ``device``
     with capture on: the CUDA-graph one, the eager plumbing without CUDA, or None (eager, logged
     once per runtime) when :func:`refusal` names why."""
-    why = refusal(prob, backend, device)
+    why = refusal(problem, backend, device)
     if why is not None:
         runtime.log_once(log, f"relaymoe capture_hops: hops run eagerly: {why}")
         return None
@@ -456,21 +456,22 @@ def graphs_for(prob, backend: str, device: torch.device, runtime) -> HopGraphs |
 # ---------------------------------------------------------------------------------------------
 # a pass's recorded hops: the cache, and the keys of its entries
 # ---------------------------------------------------------------------------------------------
-def hop_graphs_of(prob: RingProblem, call: RingCall, device) -> HopGraphs | None:
+def hop_graphs_of(problem: RingProblem, call: RingCall, device) -> HopGraphs | None:
     """The cache of recorded hop bodies a pass runs its hops through (the call's runtime's),
     or None (eager)."""
-    how = call.hop
-    return graphs_for(prob, how.backend, device, call.runtime) if how.capture else None
+    choice = call.kernel_choice
+    return graphs_for(problem, choice.backend, device, call.runtime) if choice.capture else None
 
 
-def hop_head(prob: RingProblem, call: RingCall, phase: str) -> tuple[str, str, int]:
+def hop_head(problem: RingProblem, call: RingCall, phase: str) -> tuple[str, str, int]:
     """The first part of a pass's recorded hops' keys, made once a pass: ``(mode, phase, n)``,
     ``n`` a small int standing for the backend, kernel options and activation (equal ones, one
     int, numbered by the call's runtime), so that the cache's lookup at every hop hashes no
     options object."""
     ids = call.runtime.kernel_choice_ids
-    n = ids.setdefault((call.hop.backend, call.hop.kernels, prob.activation), len(ids))
-    return prob.mode, phase, n
+    choice = call.kernel_choice
+    n = ids.setdefault((choice.backend, choice.kernels, problem.activation), len(ids))
+    return problem.mode, phase, n
 
 
 def hop_key(head: tuple, expert_range: tuple[int, int], rows: dict) -> tuple:
@@ -545,12 +546,12 @@ def index_from(tensors: dict[str, Tensor], sizes: tuple[int, int, int],
     return RoutingIndex(*(tensors[prefix + f] for f in INDEX_FIELDS), *sizes)
 
 
-def window_fits(prob) -> bool:
+def window_fits(problem) -> bool:
     """Whether one recorded expert-mode hop (forward or backward) can serve every expert range
     through :func:`range_window`: a ring of more than one, and no fc2 bias (the forward's
     combine and the backward's router gradient read ``b2`` at ``e - e0``, ``e0`` a host value
     of the range)."""
-    return prob.world_size > 1 and not prob.has_b2
+    return problem.world_size > 1 and not problem.has_b2
 
 
 def range_window(index: RoutingIndex, offsets: Tensor) -> tuple[RoutingIndex, tuple[int, int]]:

@@ -736,88 +736,90 @@ IDX = torch.int32  # expert ids travel as int32
 
 
 @functools.lru_cache(maxsize=256)  # per problem: every pass asks (module doc)
-def weights_layout(prob: RingProblem, prefix: str = "") -> Layout:
+def weights_layout(problem: RingProblem, prefix: str = "") -> Layout:
     """The experts' weights and biases, or with ``prefix="d"`` their gradient accumulators (in
-    ``prob.accum_dtype``: fp32 for a long ring of 16-bit weights, see options.GRAD_ACCUMS):
+    ``problem.accum_dtype``: fp32 for a long ring of 16-bit weights, see options.GRAD_ACCUMS):
     ``w13 (El, J, H) | w2 (El, H, I) [| b13 (El, J)] [| b2 (El, H)]``. The biases sit in the
     weights' partition, so the one transfer of a hop carries them (and their gradients trail
     with the weights' gradients); absent biases have no segment."""
-    El, H, I, J = prob.num_local_experts, prob.hidden, prob.ffn, prob.fc1_rows
-    dt = prob.accum_dtype if prefix == "d" else prob.dtype
+    El, H, I, J = problem.num_local_experts, problem.hidden, problem.ffn, problem.fc1_rows
+    dt = problem.accum_dtype if prefix == "d" else problem.dtype
     shapes = {"w13": (El, J, H), "w2": (El, H, I), "b13": (El, J), "b2": (El, H)}
-    present = ("w13", "w2") + ("b13",) * prob.has_b13 + ("b2",) * prob.has_b2
+    present = ("w13", "w2") + ("b13",) * problem.has_b13 + ("b2",) * problem.has_b2
     return Layout.of(*((prefix + n, dt, shapes[n]) for n in present))
 
 
 @functools.lru_cache(maxsize=256)  # per problem: every pass asks (module doc)
-def token_lead(prob: RingProblem, T: int, backward: bool) -> Layout:
+def token_lead(problem: RingProblem, T: int, backward: bool) -> Layout:
     """A visiting token partition: x, ids and probabilities forward; x, probabilities and dy
     backward (the forward kept each partition's routing index, so no ids travel)."""
-    H, K = prob.hidden, prob.topk
+    H, K = problem.hidden, problem.topk
     if backward:
         return Layout.of(
-            ("x", prob.dtype, (T, H)),
-            ("probs", prob.prob_dtype, (T, K)),
-            ("dy", prob.dtype, (T, H)),
+            ("x", problem.dtype, (T, H)),
+            ("probs", problem.prob_dtype, (T, K)),
+            ("dy", problem.dtype, (T, H)),
         )
     return Layout.of(
-        ("x", prob.dtype, (T, H)), ("idx", IDX, (T, K)), ("probs", prob.prob_dtype, (T, K))
+        ("x", problem.dtype, (T, H)), ("idx", IDX, (T, K)), ("probs", problem.prob_dtype, (T, K))
     )
 
 
 @functools.lru_cache(maxsize=256)  # per problem: every pass asks (module doc)
-def token_trail(prob: RingProblem, T: int, backward: bool) -> Layout:
-    H, K = prob.hidden, prob.topk
+def token_trail(problem: RingProblem, T: int, backward: bool) -> Layout:
+    H, K = problem.hidden, problem.topk
     if backward:
-        return Layout.of(("dx", prob.dtype, (T, H)), ("dprobs", prob.prob_dtype, (T, K)))
-    return Layout.of(("out", prob.dtype, (T, H)))
+        return Layout.of(("dx", problem.dtype, (T, H)), ("dprobs", problem.prob_dtype, (T, K)))
+    return Layout.of(("out", problem.dtype, (T, H)))
 
 
-def ring_plan(prob: RingProblem, lead: list[int], trail: list[int] | None) -> RingPlan:
-    return RingPlan(prob.rank, prob.world_size, lead, trail, gpus_per_node=prob.gpus_per_node)
+def ring_plan(problem: RingProblem, lead: list[int], trail: list[int] | None) -> RingPlan:
+    return RingPlan(
+        problem.rank, problem.world_size, lead, trail, gpus_per_node=problem.gpus_per_node
+    )
 
 
 @functools.lru_cache(maxsize=256)  # per problem: every pass asks (module doc)
-def expert_plans(prob: RingProblem) -> tuple[RingPlan, RingPlan]:
-    R = prob.world_size
-    w, dw = weights_layout(prob).nbytes, weights_layout(prob, "d").nbytes
-    return ring_plan(prob, [w] * R, None), ring_plan(prob, [w] * R, [dw] * R)
+def expert_plans(problem: RingProblem) -> tuple[RingPlan, RingPlan]:
+    R = problem.world_size
+    w, dw = weights_layout(problem).nbytes, weights_layout(problem, "d").nbytes
+    return ring_plan(problem, [w] * R, None), ring_plan(problem, [w] * R, [dw] * R)
 
 
-def token_layouts(prob: RingProblem, backward: bool) -> dict:
+def token_layouts(problem: RingProblem, backward: bool) -> dict:
     """A token-mode pass's ``lead_layout``/``trail_layout`` roles (partition ``p`` holds
-    ``prob.tokens[p]`` tokens). Each layout is built once per token count and returned again
+    ``problem.tokens[p]`` tokens). Each layout is built once per token count and returned again
     after: the pass asks for them every hop, and the executor keys its views by them."""
-    Ts = prob.tokens
-    lead = functools.cache(lambda T: token_lead(prob, T, backward))
-    trail = functools.cache(lambda T: token_trail(prob, T, backward))
+    Ts = problem.tokens
+    lead = functools.cache(lambda T: token_lead(problem, T, backward))
+    trail = functools.cache(lambda T: token_trail(problem, T, backward))
     return {"lead_layout": lambda p: lead(Ts[p]), "trail_layout": lambda p: trail(Ts[p])}
 
 
 @functools.lru_cache(maxsize=256)  # per problem: every pass asks (module doc)
-def token_plans(prob: RingProblem) -> tuple[RingPlan, RingPlan]:
-    Ts = prob.tokens
+def token_plans(problem: RingProblem) -> tuple[RingPlan, RingPlan]:
+    Ts = problem.tokens
     fwd = ring_plan(
-        prob,
-        [token_lead(prob, t, False).nbytes for t in Ts],
-        [token_trail(prob, t, False).nbytes for t in Ts],
+        problem,
+        [token_lead(problem, t, False).nbytes for t in Ts],
+        [token_trail(problem, t, False).nbytes for t in Ts],
     )
     bwd = ring_plan(
-        prob,
-        [token_lead(prob, t, True).nbytes for t in Ts],
-        [token_trail(prob, t, True).nbytes for t in Ts],
+        problem,
+        [token_lead(problem, t, True).nbytes for t in Ts],
+        [token_trail(problem, t, True).nbytes for t in Ts],
     )
     return fwd, bwd
 
 
-def capacity(fwd: RingPlan, bwd: RingPlan, prob: RingProblem) -> int:
+def capacity(fwd: RingPlan, bwd: RingPlan, problem: RingProblem) -> int:
     """Reserve the backward's slot size at forward when a backward follows (one allocation
     of the persistent copy-engine workspace instead of two)."""
-    return max(fwd.capacity(), bwd.capacity()) if prob.needs_grad else fwd.capacity()
+    return max(fwd.capacity(), bwd.capacity()) if problem.needs_grad else fwd.capacity()
 
 
-def pair_rows(prob: RingProblem, tokens_rank: int, experts_rank: int) -> dict[str, int]:
+def pair_rows(problem: RingProblem, tokens_rank: int, experts_rank: int) -> dict[str, int]:
     """The hop primitives' pair-count keyword for one hop: the agreed count, else its bound."""
-    if prob.pairs is not None:
-        return {"n_pairs": prob.pairs[tokens_rank][experts_rank]}
-    return {"max_pairs": prob.hop_pairs(tokens_rank, experts_rank)}
+    if problem.pairs is not None:
+        return {"n_pairs": problem.pairs[tokens_rank][experts_rank]}
+    return {"max_pairs": problem.hop_pairs(tokens_rank, experts_rank)}

@@ -44,12 +44,13 @@ import torch.distributed as dist
 from relaymoe.options import KernelOptions, RingConfig
 from relaymoe.ring.faults import LagWatch, PeerWatch, ring_timeout_s
 
-__all__ = ["Hop", "RingCall", "RingRuntime"]
+__all__ = ["KernelChoice", "RingCall", "RingRuntime"]
 
 
-class Hop(NamedTuple):
+class KernelChoice(NamedTuple):
     """How a hop's compute runs: the hop primitives' backend and their kernel options, and
-    whether it is recorded and replayed (``RingConfig.capture_hops``, ``hop_graphs.py``)."""
+    whether it is recorded and replayed (``RingConfig.capture_hops``, ``hop_graphs.py``). The
+    same for every hop of a call."""
 
     backend: str
     kernels: KernelOptions
@@ -142,14 +143,18 @@ class RingCall:
 
     group: dist.ProcessGroup | None
     runtime: RingRuntime
-    hop: Hop
+    kernel_choice: KernelChoice
     overlap: bool = True
     host_wait: str = "lag"
     timeout_s: float | None = None
 
     @classmethod
-    def of(cls, group, runtime: RingRuntime, hop: Hop, config: RingConfig) -> RingCall:
-        return cls(group, runtime, hop, config.overlap, config.host_wait, config.timeout_s)
+    def of(
+        cls, group, runtime: RingRuntime, kernel_choice: KernelChoice, config: RingConfig
+    ) -> RingCall:
+        return cls(
+            group, runtime, kernel_choice, config.overlap, config.host_wait, config.timeout_s
+        )
 
     def watch(self, *, mode: str, phase: str, group=None, **view) -> PeerWatch:
         """A :class:`PeerWatch` of this call over ``group`` (default: the call's), with the

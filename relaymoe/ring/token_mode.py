@@ -3,7 +3,7 @@ passes, and the all-to-all.
 
 **The token ring** (``mode="token"``): the tokens travel with their routing metadata, hop by hop
 around the ring (``engine.py`` describes the passes). The experts' biases stay with them and
-their gradients accumulate here, beside the weights' (in ``prob.accum_dtype``). A hop's compute
+their gradients accumulate here, beside the weights' (in ``problem.accum_dtype``). A hop's compute
 is a body over named tensors (``run_hop``), called on the live ones or replayed from
 ``hop_graphs.py``'s cache with ``RingConfig.capture_hops``.
 
@@ -106,37 +106,37 @@ def _arrays(index) -> tuple[Tensor, ...]:
     return tuple(getattr(index, f) for f in INDEX_FIELDS)
 
 
-def token_ids(ids: Tensor, prob: RingProblem, order: str) -> Tensor:
+def token_ids(ids: Tensor, problem: RingProblem, order: str) -> Tensor:
     """A visiting partition's expert ids in the row order of the local stacked experts."""
-    return reverse_local_ids(ids, prob.num_local_experts) if order == REVERSED else ids
+    return reverse_local_ids(ids, problem.num_local_experts) if order == REVERSED else ids
 
 
-def token_forward(prob, call, x, experts, probs, idx32, order):
+def token_forward(problem, call, x, experts, probs, idx32, order):
     """Returns ``(out, indices)``: ``indices[p]`` is the routing index of partition ``p``'s
     tokens (built once, when it visits; the backward reuses it), a ``PackedIndex`` where the
     hops are recorded."""
-    how = call.hop
-    E, Ts, own = prob.num_experts, prob.tokens, prob.expert_range
+    kernel_choice = call.kernel_choice
+    E, Ts, own = problem.num_experts, problem.tokens, problem.expert_range
     # local experts compute every hop: their (El, ...) form for this pass only (a zero-copy view
     # when the list form is back to back, else a transient stack dropped when the pass ends)
     local = local_parts(experts, order)
     indices: dict[int, object] = {}
-    graphs = hop_graphs_of(prob, call, x.device)
+    graphs = hop_graphs_of(problem, call, x.device)
     weights = present(local)
-    head = graphs and hop_head(prob, call, "fwd")
+    head = graphs and hop_head(problem, call, "fwd")
 
     def compute(hop, part, lead, trail):
         if Ts[part] == 0:
             return
         xs, ids, ps = (x, idx32, probs) if lead is None else (lead["x"], lead["idx"], lead["probs"])
-        rows = pair_rows(prob, part, prob.rank)
-        sizes = (Ts[part], prob.topk, E)
+        rows = pair_rows(problem, part, problem.rank)
+        sizes = (Ts[part], problem.topk, E)
         lay = index_layout(sizes)
 
         def body(t):  # the index is built in the hop: it is among what the body returns
             if graphs is not None:  # the trail share, zeroed in the graph (zero_trail=False)
                 t["out"].zero_()
-            ids = token_ids(t["idx"], prob, order)
+            ids = token_ids(t["idx"], problem, order)
             if graphs is None:
                 index = build_routing_index(ids, E, validate=False)
             else:  # recorded: built into one buffer, returned (and cloned) as one tensor
@@ -145,8 +145,8 @@ def token_forward(prob, call, x, experts, probs, idx32, order):
                 build_routing_index(ids, E, validate=False, out=_arrays(index))
             expert_hop_forward(
                 t["x"], t["w13"], t["w2"], t["probs"], index,
-                expert_range=own, out_TH=t["out"], save="none", backend=how.backend,
-                kernels=how.kernels, **rows, **mlp(prob, t),
+                expert_range=own, out_TH=t["out"], save="none", backend=kernel_choice.backend,
+                kernels=kernel_choice.kernels, **rows, **mlp(problem, t),
             )  # fmt: skip
             return index_inputs(index)
 
@@ -156,23 +156,23 @@ def token_forward(prob, call, x, experts, probs, idx32, order):
         packed = made.get("index.packed")  # recorded: the arrays' views only where read
         indices[part] = index_from(made, sizes) if packed is None else PackedIndex(packed, sizes)
 
-    fwd, bwd = token_plans(prob)
+    fwd, bwd = token_plans(problem)
     result = ring_pass(
-        prob, call, x.device, "fwd", fwd, own_lead={"x": x, "idx": idx32, "probs": probs},
-        compute=compute, capacity=capacity(fwd, bwd, prob), zero_trail=graphs is None,
-        **token_layouts(prob, False),
+        problem, call, x.device, "fwd", fwd, own_lead={"x": x, "idx": idx32, "probs": probs},
+        compute=compute, capacity=capacity(fwd, bwd, problem), zero_trail=graphs is None,
+        **token_layouts(problem, False),
     )  # fmt: skip
     return result["out"], indices
 
 
-def token_backward(prob, call, dy, x, experts, probs, indices, order):
+def token_backward(problem, call, dy, x, experts, probs, indices, order):
     """Returns ``(dx, dprobs, grads)``, ``grads`` this rank's experts' gradients by part name
     (rows in ``order``). ``indices``: the forward's routing index of every visiting partition."""
-    how = call.hop
-    Ts, own = prob.tokens, prob.expert_range
+    kernel_choice = call.kernel_choice
+    Ts, own = problem.tokens, problem.expert_range
     local = local_parts(experts, order)  # again for this pass only
     w13, w2 = local["w13"], local["w2"]
-    graphs = hop_graphs_of(prob, call, x.device)
+    graphs = hop_graphs_of(problem, call, x.device)
     # Eager, the first hop with pairs writes the local weight gradients and later hops add (no
     # zero fill). Accumulators wider than the weights start as zeros that every hop adds to.
     # Recorded hops get their accumulators bound (added into at their address: nothing of their
@@ -181,17 +181,20 @@ def token_backward(prob, call, dy, x, experts, probs, indices, order):
     # same sums bitwise. The bias gradients are added into (the hop primitives' contract):
     # zeros from the start.
     dw: dict[str, Tensor | None] = {"dw13": None, "dw2": None}
-    wide = prob.accum_dtype != prob.dtype
+    wide = problem.accum_dtype != problem.dtype
     if wide or graphs is not None:
         new = torch.zeros_like if wide else torch.empty_like
-        dw = {"dw13": new(w13, dtype=prob.accum_dtype), "dw2": new(w2, dtype=prob.accum_dtype)}
+        dw = {
+            "dw13": new(w13, dtype=problem.accum_dtype),
+            "dw2": new(w2, dtype=problem.accum_dtype),
+        }
     written = [wide]  # whether dw holds a sum yet (zeros count as one)
     for name in ("b13", "b2"):
         if local[name] is not None:
-            dw["d" + name] = torch.zeros_like(local[name], dtype=prob.accum_dtype)
+            dw["d" + name] = torch.zeros_like(local[name], dtype=problem.accum_dtype)
 
     weights = present(local)
-    head = graphs and hop_head(prob, call, "bwd")
+    head = graphs and hop_head(problem, call, "bwd")
 
     def compute(hop, part, lead, trail):
         if Ts[part] == 0:
@@ -200,7 +203,7 @@ def token_backward(prob, call, dy, x, experts, probs, indices, order):
             xs, ps, dys = x, probs, dy
         else:
             xs, ps, dys = lead["x"], lead["probs"], lead["dy"]
-        rows, first = pair_rows(prob, part, prob.rank), dw["dw13"] is None
+        rows, first = pair_rows(problem, part, problem.rank), dw["dw13"] is None
         over = not written[0]  # this hop's weight gradients write over the accumulators
         written[0] = True
         sizes = index_sizes(indices[part])
@@ -212,8 +215,9 @@ def token_backward(prob, call, dy, x, experts, probs, indices, order):
             _, _, dw13, dw2 = expert_hop_backward(
                 t["dy"], t["x"], t["w13"], t["w2"], t["probs"], index_from(t, sizes),
                 expert_range=own, saved_h=None, dx_TH=t["dx"], dprobs_TK=t["dprobs"],
-                dw13=t.get("dw13"), dw2=t.get("dw2"), backend=how.backend, kernels=how.kernels,
-                dw_accumulate=not over, **rows, **mlp(prob, t), **bias_grads(t),
+                dw13=t.get("dw13"), dw2=t.get("dw2"), backend=kernel_choice.backend,
+                kernels=kernel_choice.kernels, dw_accumulate=not over, **rows,
+                **mlp(problem, t), **bias_grads(t),
             )  # fmt: skip
             return {"dw13": dw13, "dw2": dw2} if first else None
 
@@ -223,17 +227,17 @@ def token_backward(prob, call, dy, x, experts, probs, indices, order):
                        () if lead is None else BWD_TRAVELLING)  # fmt: skip
         dw.update(made)
 
-    _, bwd = token_plans(prob)
+    _, bwd = token_plans(problem)
     result = ring_pass(
-        prob, call, x.device, "bwd", bwd, own_lead={"x": x, "probs": probs, "dy": dy},
-        compute=compute, zero_trail=graphs is None, **token_layouts(prob, True),
+        problem, call, x.device, "bwd", bwd, own_lead={"x": x, "probs": probs, "dy": dy},
+        compute=compute, zero_trail=graphs is None, **token_layouts(problem, True),
     )  # fmt: skip
     if dw["dw13"] is None:  # no hop had pairs
         dw["dw13"], dw["dw2"] = torch.zeros_like(w13), torch.zeros_like(w2)
     elif not written[0]:  # recorded hops' accumulators, and no hop had pairs to write them
         dw["dw13"].zero_()
         dw["dw2"].zero_()
-    return result["dx"], result["dprobs"], home_grads(prob, dw)
+    return result["dx"], result["dprobs"], home_grads(problem, dw)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -308,13 +312,13 @@ def _columns_as(rows_NB: Tensor, lo: int, hi: int, dtype: torch.dtype) -> Tensor
 
 
 def alltoall_forward(
-    prob: RingProblem, call, x: Tensor, experts: LocalExperts, probs: Tensor,
+    problem: RingProblem, call, x: Tensor, experts: LocalExperts, probs: Tensor,
     idx32: Tensor, order: str,
 ) -> tuple[Tensor, Dispatch]:  # fmt: skip
     """``(out (T, H), dispatch)`` of this rank's tokens; see the module doc. ``call``: the
     ``RingCall`` (group, runtime, ``hop``: backend and kernels, waits)."""
-    group, how = call.group, call.hop
-    R, El, K = prob.world_size, prob.num_local_experts, prob.topk
+    group, kernel_choice = call.group, call.kernel_choice
+    R, El, K = problem.world_size, problem.num_local_experts, problem.topk
     T, dev = x.shape[0], x.device
     local = local_parts(experts, order)
     watch = _watch(call, R, "fwd")
@@ -350,16 +354,25 @@ def alltoall_forward(
     index = None
     y_N = x_N.new_empty(N, x.shape[1])
     if N > 0:  # every received row has a pair here: the output writes every row
-        ids_NK = token_ids(ids_NK, prob, order)
-        index = build_routing_index(ids_NK, prob.num_experts, validate=False)
+        ids_NK = token_ids(ids_NK, problem, order)
+        index = build_routing_index(ids_NK, problem.num_experts, validate=False)
         y_N, _ = expert_hop_forward(
-            x_N, local["w13"], local["w2"], probs_NK, index, expert_range=prob.expert_range,
-            out_TH=None, save="none", backend=how.backend, kernels=how.kernels, n_pairs=n_pairs,
-            **mlp(prob, local),
-        )  # fmt: skip
+            x_N,
+            local["w13"],
+            local["w2"],
+            probs_NK,
+            index,
+            expert_range=problem.expert_range,
+            out_TH=None,
+            save="none",
+            backend=kernel_choice.backend,
+            kernels=kernel_choice.kernels,
+            n_pairs=n_pairs,
+            **mlp(problem, local),
+        )
     del x_N, meta_N
     back_S = _exchange(y_N, recv_rows, send_rows, group, R, watch)
-    be = resolve_backend(how.backend, dev, x.dtype)
+    be = resolve_backend(kernel_choice.backend, dev, x.dtype)
     out = _gather_sum(back_S, pos_TR, torch.empty_like(x), be)
     if watch is not None:
         watch.finish(dev)
@@ -367,16 +380,16 @@ def alltoall_forward(
 
 
 def alltoall_backward(
-    prob: RingProblem, call, dy: Tensor, x: Tensor, experts: LocalExperts,
+    problem: RingProblem, call, dy: Tensor, x: Tensor, experts: LocalExperts,
     probs: Tensor, d: Dispatch, order: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """``(dx, dprobs, grads)``, ``grads`` this rank's experts' gradients by part name (rows in
-    ``order``; the biases' summed in ``prob.accum_dtype``)."""
-    group, how = call.group, call.hop
-    R = prob.world_size
+    ``order``; the biases' summed in ``problem.accum_dtype``)."""
+    group, kernel_choice = call.group, call.kernel_choice
+    R = problem.world_size
     local = local_parts(experts, order)
     w13, w2 = local["w13"], local["w2"]
-    dw = {"d" + n: torch.zeros_like(local[n], dtype=prob.accum_dtype)
+    dw = {"d" + n: torch.zeros_like(local[n], dtype=problem.accum_dtype)
           for n in ("b13", "b2") if local[n] is not None}  # fmt: skip
     watch = _watch(call, R, "bwd")
     x_N = _exchange(x.index_select(0, d.tok_S), d.send_rows, d.recv_rows, group, R, watch)
@@ -384,19 +397,29 @@ def alltoall_backward(
     N = x_N.shape[0]
     if N > 0:
         dx_N, dp_NK, dw["dw13"], dw["dw2"] = expert_hop_backward(
-            dy_N, x_N, w13, w2, d.probs_NK, d.index, expert_range=prob.expert_range,
-            saved_h=None, backend=how.backend, kernels=how.kernels, n_pairs=d.n_pairs,
-            **mlp(prob, local), **bias_grads(dw),
-        )  # fmt: skip
+            dy_N,
+            x_N,
+            w13,
+            w2,
+            d.probs_NK,
+            d.index,
+            expert_range=problem.expert_range,
+            saved_h=None,
+            backend=kernel_choice.backend,
+            kernels=kernel_choice.kernels,
+            n_pairs=d.n_pairs,
+            **mlp(problem, local),
+            **bias_grads(dw),
+        )
     else:
-        dx_N, dp_NK = x_N.new_empty(0, x.shape[1]), d.probs_NK.new_empty(0, prob.topk)
+        dx_N, dp_NK = x_N.new_empty(0, x.shape[1]), d.probs_NK.new_empty(0, problem.topk)
         dw["dw13"], dw["dw2"] = torch.zeros_like(w13), torch.zeros_like(w2)
     del x_N, dy_N
-    be = resolve_backend(how.backend, x.device, x.dtype)
+    be = resolve_backend(kernel_choice.backend, x.device, x.dtype)
     back_dx = _exchange(dx_N, d.recv_rows, d.send_rows, group, R, watch)
     back_dp = _exchange(dp_NK.to(probs.dtype), d.recv_rows, d.send_rows, group, R, watch)
     dx = _gather_sum(back_dx, d.pos_TR, torch.empty_like(x), be)
     dprobs = _gather_sum(back_dp, d.pos_TR, torch.empty_like(probs), be)
     if watch is not None:
         watch.finish(x.device)
-    return dx, dprobs, home_grads(prob, dw)
+    return dx, dprobs, home_grads(problem, dw)

@@ -237,10 +237,10 @@ def local_parts(experts: LocalExperts, order: str) -> dict[str, Tensor | None]:
     return {"w13": w13, "w2": w2, "b13": b13, "b2": b2}
 
 
-def mlp(prob: RingProblem, parts: dict[str, Tensor | None]) -> dict:
+def mlp(problem: RingProblem, parts: dict[str, Tensor | None]) -> dict:
     """The hop primitives' expert-MLP keywords: the agreed activation and the biases of
     ``parts`` (a partition's views by name, or :func:`local_parts`; None when absent)."""
-    return {"activation": prob.activation, "b13": parts.get("b13"), "b2": parts.get("b2")}
+    return {"activation": problem.activation, "b13": parts.get("b13"), "b2": parts.get("b2")}
 
 
 def bias_grads(grads: dict[str, Tensor | None]) -> dict:
@@ -249,10 +249,10 @@ def bias_grads(grads: dict[str, Tensor | None]) -> dict:
     return {"db13": grads.get("db13"), "db2": grads.get("db2")}
 
 
-def home_grads(prob: RingProblem, grads: dict[str, Tensor]) -> dict[str, Tensor]:
+def home_grads(problem: RingProblem, grads: dict[str, Tensor]) -> dict[str, Tensor]:
     """The weight and bias gradients of this rank's experts by part name (``w13``, ...), from
     accumulators keyed ``dw13``, ... (any dtype), in the weights' dtype."""
-    return {name[1:]: g.to(prob.dtype) for name, g in grads.items()}
+    return {name[1:]: g.to(problem.dtype) for name, g in grads.items()}
 
 
 def pack_own(experts: LocalExperts, views: dict[str, Tensor]) -> None:

@@ -240,7 +240,7 @@ def test_slots_match_the_engine_layouts():
         (True, False),
         mlps,
     ):  # fmt: skip
-        prob = RingProblem(
+        problem = RingProblem(
             rank=0, world_size=R, num_local_experts=El, hidden=H, ffn=I, topk=K, dtype=dt,
             prob_dtype=pdt, tokens=(T,) * R, mode="expert", transport="copy_engine",
             needs_grad=grad, pairs=None, activation=ExpertActivation(fn="gelu", gated=gated),
@@ -249,12 +249,12 @@ def test_slots_match_the_engine_layouts():
         d = cost.Dims(T=T, H=H, I=I, El=El, K=K, R=R, b=dt.itemsize, pb=pdt.itemsize,
                       gated=gated, b13=b13, b2=b2)  # fmt: skip
         # what travels in expert mode is exactly the layout's payload
-        w, dw = plan.weights_layout(prob), plan.weights_layout(prob, "d")
+        w, dw = plan.weights_layout(problem), plan.weights_layout(problem, "d")
         payload = sum(seg.nbytes for seg in w.segments)
         assert cost.hop_bytes("expert", d).fwd_lead == payload
         assert cost.hop_bytes("expert", d).bwd_trail == sum(seg.nbytes for seg in dw.segments)
         for mode, plans in (("expert", plan.expert_plans), ("token", plan.token_plans)):
-            cap = plan.capacity(*plans(prob), prob)
+            cap = plan.capacity(*plans(problem), problem)
             assert cost.slot_capacity(mode, d, training=grad) == cap, (mode, d, grad)
             granule = cost.SYMM_GRANULE
             want = 2 * max(granule, -(-cap // granule) * granule)

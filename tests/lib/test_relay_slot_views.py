@@ -55,9 +55,9 @@ def _pass(transport, own, *, capacity=None, zero_trail=True, runtime=None):
 
 def _call(runtime=None):
     from relaymoe.options import KernelOptions
-    from relaymoe.ring.runtime import Hop, RingCall, RingRuntime
+    from relaymoe.ring.runtime import KernelChoice, RingCall, RingRuntime
 
-    return RingCall(None, runtime or RingRuntime(), Hop("auto", KernelOptions()))
+    return RingCall(None, runtime or RingRuntime(), KernelChoice("auto", KernelOptions()))
 
 
 def _own(seed):

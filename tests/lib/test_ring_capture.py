@@ -189,7 +189,7 @@ def test_guard_sees_a_library_host_read_and_lets_others_through():
     t = torch.ones(3)
     with no_host_reads():
         assert t.sum().item() == 3.0  # this file's read: not the library's
-    prob = RingProblem(0, 1, 2, 4, 4, 1, torch.float32, torch.float32, (3,), "expert", "local",
+    problem = RingProblem(0, 1, 2, 4, 4, 1, torch.float32, torch.float32, (3,), "expert", "local",
                        True, None)  # fmt: skip
     with no_host_reads(), pytest.raises(HostRead, match="tolist"):
-        pair_counts(torch.zeros(3, 1, dtype=torch.int32), prob, None)
+        pair_counts(torch.zeros(3, 1, dtype=torch.int32), problem, None)

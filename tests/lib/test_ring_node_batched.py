@@ -44,9 +44,13 @@ def _cases(R: int, G: int) -> list[dict]:
 
 def _node_batched(rank, world, group):
     for G in {4: [2, 1, 4], 6: [2, 3]}[world]:
-        prob = _resolved(rank, world, group, gpus_per_node=G, schedule="node_batched")
-        assert (prob.schedule, prob.gpus_per_node, prob.mode) == ("node_batched", G, "expert")
-        assert prob.transport == "nccl", prob
+        problem = _resolved(rank, world, group, gpus_per_node=G, schedule="node_batched")
+        assert (problem.schedule, problem.gpus_per_node, problem.mode) == (
+            "node_batched",
+            G,
+            "expert",
+        )
+        assert problem.transport == "nccl", problem
         for c in _cases(world, G):
             _run_case(rank, world, group, **c)
     if world == 4 and triton_available():  # the fused hop kernels (interpreter on CPU): G*El
