@@ -119,7 +119,13 @@ from relaymoe.ring.plan import (  # noqa: E402
 )
 from relaymoe.ring.runtime import KernelChoice, RingCall, RingRuntime  # noqa: E402
 from relaymoe.ring.token_mode import token_backward, token_forward  # noqa: E402
-from relaymoe.ring.weights import FORWARD, LocalExperts, bias_grads, mlp  # noqa: E402
+from relaymoe.ring.weights import (  # noqa: E402
+    FORWARD,
+    LocalExperts,
+    biases,
+    hop_grads,
+    hop_options,
+)
 from relaymoe.routing import build_routing_index  # noqa: E402
 
 QWEN3 = dict(H=2048, I=768, E=128, K=8)
@@ -667,11 +673,11 @@ def hop_body(ring: Ring, direction: str):
     case, choice = ring.case, ring.kernel_choice
     problem = replace(ring.problem, pairs=None)
     p = problem.world_size - 1  # hop 1's partition of rank 0 (flat ring)
-    kw = dict(backend=choice.backend, kernels=choice.kernels)
     if case.mode == "expert":
         m, w = ring.mine, expert_slice(ring.data, case, p)
         rng = (p * case.El, (p + 1) * case.El)
-        kw.update(expert_range=rng, **pair_rows(problem, 0, p), **mlp(problem, w))
+        kw = dict(expert_range=rng, **biases(w),
+                  options=hop_options(problem, choice, pair_rows(problem, 0, p)))  # fmt: skip
         if direction == "fwd":
             out = torch.zeros_like(m["x"])
 
@@ -687,14 +693,13 @@ def hop_body(ring: Ring, direction: str):
 
         def body():  # the trail's weight gradients written over, as the pass's hops do
             expert_hop_backward(m["dy"], m["x"], w["w13"], w["w2"], m["probs"], ring.index,
-                                saved_h=None, dx_TH=o["dx"], dprobs_TK=o["dprobs"],
-                                dw13=o["dw13"], dw2=o["dw2"], dw_accumulate=False,
-                                **bias_grads(o), **kw)  # fmt: skip
+                                grads=hop_grads(o, dw_accumulate=False), **kw)  # fmt: skip
 
         return body, o
     s, local = p, expert_slice(ring.data, case, 0)
     part = part_of(ring.data, s)
-    kw.update(expert_range=problem.expert_range, **pair_rows(problem, s, 0), **mlp(problem, local))
+    kw = dict(expert_range=problem.expert_range, **biases(local),
+              options=hop_options(problem, choice, pair_rows(problem, s, 0)))  # fmt: skip
     if direction == "fwd":
         out = torch.zeros_like(part["x"])
 
@@ -712,8 +717,7 @@ def hop_body(ring: Ring, direction: str):
 
     def body():  # a hop after the first: the local weight gradients are added into
         expert_hop_backward(part["dy"], part["x"], local["w13"], local["w2"], part["probs"],
-                            index, saved_h=None, dx_TH=o["dx"], dprobs_TK=o["dprobs"],
-                            dw13=o["dw13"], dw2=o["dw2"], **bias_grads({}), **kw)  # fmt: skip
+                            index, grads=hop_grads(o), **kw)  # fmt: skip
 
     return body, o
 

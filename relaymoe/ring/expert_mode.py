@@ -82,10 +82,11 @@ from relaymoe.ring.plan import (
 )
 from relaymoe.ring.weights import (
     FORWARD,
-    bias_grads,
+    biases,
     home_grads,
+    hop_grads,
+    hop_options,
     local_parts,
-    mlp,
     pack_own,
     present,
 )
@@ -139,9 +140,9 @@ def expert_forward(problem, call, x, experts, probs, index, order):
             hop_index, hop_range = range_window(full, t["range_offsets"]) if any_range else (
                 full, rng)  # fmt: skip
             expert_hop_forward(
-                t["x"], t["w13"], t["w2"], t["probs"], hop_index,
-                expert_range=hop_range, out_TH=t["out"], save="none", backend=kernel_choice.backend,
-                kernels=kernel_choice.kernels, **rows, **mlp(problem, t),
+                t["x"], t["w13"], t["w2"], t["probs"], hop_index, expert_range=hop_range,
+                **biases(t), out_TH=t["out"], save="none",
+                options=hop_options(problem, kernel_choice, rows),
             )  # fmt: skip
 
         # only a cache reads the key; shared by every range when the window serves them
@@ -200,25 +201,10 @@ def expert_backward(problem, call, dy, x, experts, probs, index, order):
             hop_index, hop_range = range_window(full, t["range_offsets"]) if any_range else (
                 full, rng)  # fmt: skip
             expert_hop_backward(
-                t["dy"],
-                t["x"],
-                t["w13"],
-                t["w2"],
-                t["probs"],
-                hop_index,
-                expert_range=hop_range,
-                saved_h=None,
-                dx_TH=t["dx"],
-                dprobs_TK=t["dprobs"],
-                dw13=t["dw13"],
-                dw2=t["dw2"],
-                backend=kernel_choice.backend,
-                kernels=kernel_choice.kernels,
-                dw_accumulate=False,
-                **rows,
-                **mlp(problem, t),
-                **bias_grads(t),
-            )
+                t["dy"], t["x"], t["w13"], t["w2"], t["probs"], hop_index,
+                expert_range=hop_range, **biases(t), grads=hop_grads(t, dw_accumulate=False),
+                options=hop_options(problem, kernel_choice, rows),
+            )  # fmt: skip
 
         key = graphs and hop_key(head, (0, El) if any_range else rng, rows) + (any_range,)
         run_hop(graphs, key, body, inputs, {"dx": dx, "dprobs": dprobs, **trail})
@@ -396,19 +382,10 @@ def batched_expert_forward(problem, call, x, experts, probs, index, order):
         if x.shape[0] == 0:
             return
         expert_hop_forward(
-            x,
-            parts["w13"],
-            parts["w2"],
-            probs,
-            index,
-            expert_range=(node * G * El, (node + 1) * G * El),
-            out_TH=out,
-            save="none",
-            backend=kernel_choice.backend,
-            kernels=kernel_choice.kernels,
-            **_node_pairs(problem, node),
-            **mlp(problem, parts),
-        )
+            x, parts["w13"], parts["w2"], probs, index,
+            expert_range=(node * G * El, (node + 1) * G * El), **biases(parts), out_TH=out,
+            save="none", options=hop_options(problem, kernel_choice, _node_pairs(problem, node)),
+        )  # fmt: skip
 
     _batched_pass(problem, call, x.device, "fwd", compute, experts, False)
     return out
@@ -426,26 +403,13 @@ def batched_expert_backward(problem, call, dy, x, experts, probs, index, order):
 
     def compute(node, parts, trail):
         def grads(d: dict):
+            rows = _node_pairs(problem, node)
             return expert_hop_backward(
-                dy,
-                x,
-                parts["w13"],
-                parts["w2"],
-                probs,
-                index,
-                expert_range=(node * G * El, (node + 1) * G * El),
-                saved_h=None,
-                dx_TH=dx,
-                dprobs_TK=dprobs,
-                dw13=d["dw13"],
-                dw2=d["dw2"],
-                backend=kernel_choice.backend,
-                kernels=kernel_choice.kernels,
-                grad_dtype=problem.accum_dtype,
-                **_node_pairs(problem, node),
-                **mlp(problem, parts),
-                **bias_grads(d),
-            )
+                dy, x, parts["w13"], parts["w2"], probs, index,
+                expert_range=(node * G * El, (node + 1) * G * El), **biases(parts),
+                grads=hop_grads({**d, "dx": dx, "dprobs": dprobs}),
+                options=hop_options(problem, kernel_choice, rows, problem.accum_dtype),
+            )  # fmt: skip
 
         if G == 1:  # no row: the gradients go straight into the trail, as in the flat ring
             if x.shape[0] > 0:

@@ -75,10 +75,11 @@ from relaymoe.ring.plan import RingProblem, capacity, pair_rows, token_layouts, 
 from relaymoe.ring.weights import (
     REVERSED,
     LocalExperts,
-    bias_grads,
+    biases,
     home_grads,
+    hop_grads,
+    hop_options,
     local_parts,
-    mlp,
     present,
     reverse_local_ids,
 )
@@ -144,9 +145,8 @@ def token_forward(problem, call, x, experts, probs, idx32, order):
                 index = packed_index(buf, sizes)
                 build_routing_index(ids, E, validate=False, out=_arrays(index))
             expert_hop_forward(
-                t["x"], t["w13"], t["w2"], t["probs"], index,
-                expert_range=own, out_TH=t["out"], save="none", backend=kernel_choice.backend,
-                kernels=kernel_choice.kernels, **rows, **mlp(problem, t),
+                t["x"], t["w13"], t["w2"], t["probs"], index, expert_range=own, **biases(t),
+                out_TH=t["out"], save="none", options=hop_options(problem, kernel_choice, rows),
             )  # fmt: skip
             return index_inputs(index)
 
@@ -214,10 +214,8 @@ def token_backward(problem, call, dy, x, experts, probs, indices, order):
                 t["dprobs"].zero_()
             _, _, dw13, dw2 = expert_hop_backward(
                 t["dy"], t["x"], t["w13"], t["w2"], t["probs"], index_from(t, sizes),
-                expert_range=own, saved_h=None, dx_TH=t["dx"], dprobs_TK=t["dprobs"],
-                dw13=t.get("dw13"), dw2=t.get("dw2"), backend=kernel_choice.backend,
-                kernels=kernel_choice.kernels, dw_accumulate=not over, **rows,
-                **mlp(problem, t), **bias_grads(t),
+                expert_range=own, **biases(t), grads=hop_grads(t, dw_accumulate=not over),
+                options=hop_options(problem, kernel_choice, rows),
             )  # fmt: skip
             return {"dw13": dw13, "dw2": dw2} if first else None
 
@@ -357,19 +355,10 @@ def alltoall_forward(
         ids_NK = token_ids(ids_NK, problem, order)
         index = build_routing_index(ids_NK, problem.num_experts, validate=False)
         y_N, _ = expert_hop_forward(
-            x_N,
-            local["w13"],
-            local["w2"],
-            probs_NK,
-            index,
-            expert_range=problem.expert_range,
-            out_TH=None,
-            save="none",
-            backend=kernel_choice.backend,
-            kernels=kernel_choice.kernels,
-            n_pairs=n_pairs,
-            **mlp(problem, local),
-        )
+            x_N, local["w13"], local["w2"], probs_NK, index, expert_range=problem.expert_range,
+            **biases(local), out_TH=None, save="none",
+            options=hop_options(problem, kernel_choice, {"n_pairs": n_pairs}),
+        )  # fmt: skip
     del x_N, meta_N
     back_S = _exchange(y_N, recv_rows, send_rows, group, R, watch)
     be = resolve_backend(kernel_choice.backend, dev, x.dtype)
@@ -397,20 +386,10 @@ def alltoall_backward(
     N = x_N.shape[0]
     if N > 0:
         dx_N, dp_NK, dw["dw13"], dw["dw2"] = expert_hop_backward(
-            dy_N,
-            x_N,
-            w13,
-            w2,
-            d.probs_NK,
-            d.index,
-            expert_range=problem.expert_range,
-            saved_h=None,
-            backend=kernel_choice.backend,
-            kernels=kernel_choice.kernels,
-            n_pairs=d.n_pairs,
-            **mlp(problem, local),
-            **bias_grads(dw),
-        )
+            dy_N, x_N, w13, w2, d.probs_NK, d.index, expert_range=problem.expert_range,
+            **biases(local), grads=hop_grads(dw),
+            options=hop_options(problem, kernel_choice, {"n_pairs": d.n_pairs}),
+        )  # fmt: skip
     else:
         dx_N, dp_NK = x_N.new_empty(0, x.shape[1]), d.probs_NK.new_empty(0, problem.topk)
         dw["dw13"], dw["dw2"] = torch.zeros_like(w13), torch.zeros_like(w2)

@@ -29,7 +29,8 @@ In expert mode the rank's own experts are packed into ring slot 0 at the start o
 the list form costs nothing extra there.
 
 What a pass hands the hop primitives from them is here too: the local experts' parts by name
-(:func:`local_parts`), the expert-MLP keywords of a partition (:func:`mlp`, :func:`bias_grads`),
+(:func:`local_parts`), a hop's options, biases and gradient buffers (:func:`hop_options`,
+:func:`biases`, :func:`hop_grads`),
 the rank's own experts packed into slot 0 (:func:`pack_own`) and its gradients returned home in
 the weights' dtype (:func:`home_grads`).
 """
@@ -41,15 +42,18 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from relaymoe.experts import HopGrads, HopOptions
 from relaymoe.ring.plan import RingProblem
+from relaymoe.ring.runtime import KernelChoice
 
 __all__ = [
     "LocalExperts",
-    "bias_grads",
+    "biases",
     "home_grads",
+    "hop_grads",
+    "hop_options",
     "layout_order",
     "local_parts",
-    "mlp",
     "pack_own",
     "present",
     "reverse_local_ids",
@@ -237,16 +241,34 @@ def local_parts(experts: LocalExperts, order: str) -> dict[str, Tensor | None]:
     return {"w13": w13, "w2": w2, "b13": b13, "b2": b2}
 
 
-def mlp(problem: RingProblem, parts: dict[str, Tensor | None]) -> dict:
-    """The hop primitives' expert-MLP keywords: the agreed activation and the biases of
-    ``parts`` (a partition's views by name, or :func:`local_parts`; None when absent)."""
-    return {"activation": problem.activation, "b13": parts.get("b13"), "b2": parts.get("b2")}
+def biases(parts: dict[str, Tensor | None]) -> dict[str, Tensor | None]:
+    """The hop primitives' bias keywords: the biases among ``parts`` (a partition's views by
+    name, or :func:`local_parts`; None when absent)."""
+    return {"b13": parts.get("b13"), "b2": parts.get("b2")}
 
 
-def bias_grads(grads: dict[str, Tensor | None]) -> dict:
-    """The hop backward's bias-gradient buffers among ``grads`` (a trail's views, or local
-    accumulators keyed ``db13``/``db2``): the present biases' only."""
-    return {"db13": grads.get("db13"), "db2": grads.get("db2")}
+def hop_options(
+    problem: RingProblem, kernel_choice: KernelChoice, rows: dict[str, int] | None = None,
+    grad_dtype: torch.dtype | None = None,
+) -> HopOptions:  # fmt: skip
+    """The hop primitives' options of one hop: the call's backend and kernels, the agreed
+    activation, the hop's pair count (``rows``: ``plan.pair_rows``' keyword, ``n_pairs`` or
+    ``max_pairs``) and the dtype of the weight gradients a backward allocates."""
+    return HopOptions(
+        backend=kernel_choice.backend, kernels=kernel_choice.kernels,
+        activation=problem.activation, grad_dtype=grad_dtype, **(rows or {}),
+    )  # fmt: skip
+
+
+def hop_grads(named: dict[str, Tensor | None], dw_accumulate: bool = True) -> HopGrads:
+    """The hop backward's gradient buffers among ``named`` (a trail's views, local
+    accumulators, ...: ``dx``, ``dprobs``, ``dw13``, ``dw2``, ``db13``, ``db2``; an absent name
+    is allocated by the primitive, a bias's is required with its bias)."""
+    return HopGrads(
+        dx_TH=named.get("dx"), dprobs_TK=named.get("dprobs"), dw13=named.get("dw13"),
+        dw2=named.get("dw2"), db13=named.get("db13"), db2=named.get("db2"),
+        dw_accumulate=dw_accumulate,
+    )  # fmt: skip
 
 
 def home_grads(problem: RingProblem, grads: dict[str, Tensor]) -> dict[str, Tensor]:
