@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks import ENV_CONFIG  # noqa: E402
 from benchmarks.common import environment  # noqa: E402
 from benchmarks.numerics import free_port  # noqa: E402
-from relaymoe.ring.executor import Transport, relay  # noqa: E402
+from relaymoe.ring.executor import PassWork, Transport, relay  # noqa: E402
 from relaymoe.ring.plan import Layout, RingPlan  # noqa: E402
 from relaymoe.ring.runtime import KernelChoice, RingCall, RingRuntime  # noqa: E402
 
@@ -88,9 +88,10 @@ def main(argv=None) -> int:
     )
 
     def one_pass():
-        relay(plan, lead_layout=lambda p: lead, own_lead=own, trail_layout=lambda p: trail,
-              compute=lambda *args: None, transport=transport, device=torch.device("cpu"),
-              call=call, mode="expert", phase="bwd")  # fmt: skip
+        work = PassWork(lead_layout=lambda p: lead, own_lead=own, compute=lambda *args: None,
+                        trail_layout=lambda p: trail)  # fmt: skip
+        relay(plan, work, transport=transport, device=torch.device("cpu"), call=call,
+              mode="expert", phase="bwd")  # fmt: skip
 
     for _ in range(20):
         one_pass()

@@ -86,6 +86,7 @@ __all__ = [
     "CopyEngineTransport",
     "HopTiming",
     "P2PTransport",
+    "PassWork",
     "RingExecutor",
     "Transport",
     "copy_engine_available",
@@ -611,65 +612,75 @@ def _zero_views(layout: Layout, buf: Tensor, base: int = 0) -> dict[str, Tensor]
     return views
 
 
-def relay(
-    plan: RingPlan,
-    *,
-    lead_layout: Callable[[int], Layout],
-    own_lead: dict[str, Tensor] | Callable[[dict[str, Tensor]], None],
-    trail_layout: Callable[[int], Layout] | None,
-    compute: Callable[[int, int, dict[str, Tensor] | None, dict[str, Tensor] | None], None],
-    transport: Transport | None,
-    device: torch.device,
-    call,
-    mode: str = "",
-    phase: str = "",
-    capacity: int | None = None,
-    prepare: Callable[[int, int, dict[str, Tensor] | None], None] | None = None,
-    zero_trail: bool = True,
-) -> dict[str, Tensor] | None:
-    """One ring pass. Returns the views of this rank's complete trail (None without a trail).
+@dataclass(frozen=True)
+class PassWork:
+    """What one pass moves and computes at each hop, handed to :func:`relay` as one object.
 
-    ``own_lead``: this rank's partition, packed into slot 0 before hop 0: tensors by segment
-    name, or a callable that fills the typed views of slot 0 itself (e.g. per-expert copies).
+    ``lead_layout(p)``: the layout of partition ``p``'s lead. ``own_lead``: this rank's
+    partition, packed into slot 0 before hop 0: tensors by segment name, or a callable that fills
+    the typed views of slot 0 itself (e.g. per-expert copies).
     ``compute(hop, partition, lead, trail)``: ``lead`` are typed views of the visiting partition
     in its slot (at hop 0 the rank's own partition in slot 0), None only in a world of one (use
     the local tensors; nothing is packed); ``trail`` are zero-initialised views to ADD this
     rank's share of ``partition``'s accumulator into (None without a trail).
-    ``call``: the ``RingCall`` (runtime, overlap, host wait, timeout).
-    ``capacity``: reserve at least this many bytes per slot (e.g. the backward's, at forward).
+    ``trail_layout(p)``: the layout of partition ``p``'s trail (None: nothing trails).
     ``prepare(hop, partition, lead)``: called before the hop's transfer is issued, with the lead
     already in place (e.g. node-batched rounds exchange it inside the node there, so that on
     NCCL that exchange is not queued behind the hop's transfer, which overlaps the compute).
+    ``capacity``: reserve at least this many bytes per slot (e.g. the backward's, at forward).
     ``zero_trail=False``: the trail views reach ``compute`` as they are, and ``compute`` writes
     its whole share (zeroing first what it adds into, or writing over), also at a hop it has
     nothing to compute for: a recorded hop zeroes inside its graph, one host launch less a hop.
     """
+
+    lead_layout: Callable[[int], Layout]
+    own_lead: dict[str, Tensor] | Callable[[dict[str, Tensor]], None]
+    compute: Callable[[int, int, dict[str, Tensor] | None, dict[str, Tensor] | None], None]
+    trail_layout: Callable[[int], Layout] | None = None
+    prepare: Callable[[int, int, dict[str, Tensor] | None], None] | None = None
+    capacity: int | None = None
+    zero_trail: bool = True
+
+
+def relay(
+    plan: RingPlan,
+    work: PassWork,
+    *,
+    transport: Transport | None,
+    device: torch.device,
+    call: RingCall,
+    mode: str = "",
+    phase: str = "",
+) -> dict[str, Tensor] | None:
+    """One ring pass of ``work`` (:class:`PassWork`) over ``plan``'s hops, its transfers through
+    ``transport`` (None in a world of one). Returns the views of this rank's complete trail
+    (None without a trail). ``call``: the ``RingCall`` (runtime, overlap, host wait, timeout);
+    ``mode``/``phase``: the pass's labels (timeline, profiler ranges, errors)."""
     R, rank = plan.world_size, plan.rank
     if R == 1:
-        return _relay_alone(rank, own_lead=own_lead, trail_layout=trail_layout, compute=compute,
-                            device=device, prepare=prepare, zero_trail=zero_trail)  # fmt: skip
-    ex = RingExecutor(transport, plan, device, call=call, mode=mode, phase=phase, capacity=capacity)
-    views_of, runs_of, own_views = _pass_views(ex, lead_layout, own_lead, trail_layout, device)
-    _hops(ex, views_of, runs_of, own_views, lead_layout=lead_layout, trail_layout=trail_layout,
-          compute=compute, prepare=prepare, overlap=call.overlap, zero_trail=zero_trail,
+        return _relay_alone(rank, work, device)
+    ex = RingExecutor(transport, plan, device, call=call, mode=mode, phase=phase,
+                      capacity=work.capacity)  # fmt: skip
+    views_of, runs_of, own_views = _pass_views(ex, work, device)
+    _hops(ex, work, views_of, runs_of, own_views, overlap=call.overlap,
           hop_name=f"relaymoe.{mode}.{phase}.hop")  # fmt: skip
     result = None
-    if trail_layout is not None:
-        result = _trail_home(ex, trail_layout(rank), device)
+    if work.trail_layout is not None:
+        result = _trail_home(ex, work.trail_layout(rank), device)
     ex.finish()
     return result
 
 
-def _relay_alone(rank: int, *, own_lead, trail_layout, compute, device, prepare, zero_trail):
+def _relay_alone(rank: int, work: PassWork, device: torch.device):
     """A world of one: the compute gets the local tensors (no lead views) and a fresh trail."""
     trail = None
-    if trail_layout is not None:
-        lay = trail_layout(rank)
+    if work.trail_layout is not None:
+        lay = work.trail_layout(rank)
         buf = torch.empty(lay.nbytes, dtype=torch.uint8, device=device)
-        trail = _zero_views(lay, buf) if zero_trail else lay.views(buf)
-    if prepare is not None:
-        prepare(0, rank, None)
-    compute(0, rank, None, trail)
+        trail = _zero_views(lay, buf) if work.zero_trail else lay.views(buf)
+    if work.prepare is not None:
+        work.prepare(0, rank, None)
+    work.compute(0, rank, None, trail)
     return trail
 
 
@@ -693,7 +704,7 @@ def _cached(make: Callable, bufs: list[Tensor], flats: list[dict], slot_store: d
     return get
 
 
-def _pass_views(ex: RingExecutor, lead_layout, own_lead, trail_layout, device: torch.device):
+def _pass_views(ex: RingExecutor, work: PassWork, device: torch.device):
     """The pass's set-up: ``(views_of, runs_of, own_views)``, the cached typed views and runs
     of the two slots and the trail scratch (allocated here, buffer 2), and this rank's lead
     packed into slot 0."""
@@ -707,7 +718,8 @@ def _pass_views(ex: RingExecutor, lead_layout, own_lead, trail_layout, device: t
     # gets its named views (views_of) only where it writes: the scratch, and hop 0's region
     runs_of = _cached(Layout.runs, bufs, flats, None if memo is None else memo["runs"])
 
-    own_views = views_of(lead_layout(rank), 0)
+    own_lead, trail_layout = work.own_lead, work.trail_layout
+    own_views = views_of(work.lead_layout(rank), 0)
     if callable(own_lead):
         own_lead(own_views)
     else:
@@ -721,10 +733,12 @@ def _pass_views(ex: RingExecutor, lead_layout, own_lead, trail_layout, device: t
     return views_of, runs_of, own_views
 
 
-def _hops(ex: RingExecutor, views_of, runs_of, own_views, *, lead_layout, trail_layout, compute,
-          prepare, overlap: bool, zero_trail: bool, hop_name: str) -> None:  # fmt: skip
+def _hops(ex: RingExecutor, work: PassWork, views_of, runs_of, own_views, *, overlap: bool,
+          hop_name: str) -> None:  # fmt: skip
     """The hop loop: at each hop, the next transfer issued, the visiting partition computed
     (into its trail share), and what arrived of the trail added to."""
+    lead_layout, trail_layout, compute = work.lead_layout, work.trail_layout, work.compute
+    prepare, zero_trail = work.prepare, work.zero_trail
     has_trail = trail_layout is not None
     table = ex.plan.pass_table()
     partitions, trail_offsets = table.partitions, table.trail_offsets
@@ -792,16 +806,10 @@ def transport_of(problem: RingProblem, call: RingCall) -> Transport | None:
     return None
 
 
-def ring_pass(problem: RingProblem, call: RingCall, device, phase: str, plan: RingPlan, **roles):
-    """One ``relay`` pass of this call: the transport, device, call and labels every pass
-    shares; ``roles``: the pass's own ``lead_layout``/``own_lead``/``trail_layout``/``compute``
-    (and ``capacity``)."""
-    return relay(
-        plan,
-        transport=transport_of(problem, call),
-        device=device,
-        call=call,
-        mode=problem.mode,
-        phase=phase,
-        **roles,
-    )
+def ring_pass(
+    problem: RingProblem, call: RingCall, device, phase: str, plan: RingPlan, work: PassWork
+):
+    """One :func:`relay` pass of ``work`` in this call: the transport, device, call and labels
+    every pass of a problem shares."""
+    return relay(plan, work, transport=transport_of(problem, call), device=device, call=call,
+                 mode=problem.mode, phase=phase)  # fmt: skip

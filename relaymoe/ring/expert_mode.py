@@ -51,13 +51,14 @@ names the peers); on CUDA the works are stream-ordered and handed to the pass's 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from relaymoe.experts import expert_hop_backward, expert_hop_forward
-from relaymoe.ring.executor import P2PTransport, relay, ring_pass
+from relaymoe.ring.executor import P2PTransport, PassWork, relay, ring_pass
 from relaymoe.ring.hop_graphs import (
     hop_graphs_of,
     hop_head,
@@ -152,11 +153,9 @@ def expert_forward(problem, call, x, experts, probs, index, order):
     fwd, bwd = expert_plans(problem)
     w = weights_layout(problem)  # every partition's, built once: the executor's views recur
     with stage_pass(graphs, own, {"out": out}):  # recorded hops: copied once a pass, not a hop
-        ring_pass(
-            problem, call, x.device, "fwd", fwd,
-            lead_layout=lambda p: w, own_lead=lambda views: pack_own(experts, views),
-            trail_layout=None, compute=compute, capacity=capacity(fwd, bwd, problem),
-        )  # fmt: skip
+        work = PassWork(lead_layout=lambda p: w, own_lead=partial(pack_own, experts),
+                        compute=compute, capacity=capacity(fwd, bwd, problem))  # fmt: skip
+        ring_pass(problem, call, x.device, "fwd", fwd, work)
     return out
 
 
@@ -212,11 +211,9 @@ def expert_backward(problem, call, dy, x, experts, probs, index, order):
     _, bwd = expert_plans(problem)
     w, dw = weights_layout(problem), weights_layout(problem, "d")  # built once, as forward
     with stage_pass(graphs, own, {"dx": dx, "dprobs": dprobs}):
-        grads = ring_pass(
-            problem, call, x.device, "bwd", bwd,
-            lead_layout=lambda p: w, own_lead=lambda views: pack_own(experts, views),
-            trail_layout=lambda p: dw, compute=compute, zero_trail=False,
-        )  # fmt: skip
+        work = PassWork(lead_layout=lambda p: w, own_lead=partial(pack_own, experts),
+                        compute=compute, trail_layout=lambda p: dw, zero_trail=False)  # fmt: skip
+        grads = ring_pass(problem, call, x.device, "bwd", bwd, work)
     return dx, dprobs, home_grads(problem, grads)
 
 
@@ -365,12 +362,10 @@ def _batched_pass(problem, call, device, phase, compute, experts, backward):
     def run(hop, node, lead, trail):
         compute(node, gathered.pop("w"), trail)
 
-    return relay(
-        plan, lead_layout=lambda p: w, own_lead=lambda views: pack_own(experts, views),
-        trail_layout=(lambda p: dw) if backward else None, compute=run, prepare=prepare,
-        transport=ColumnTransport(call.group, problem.rank, G), device=device, call=call,
-        mode=problem.mode, phase=phase,
-    )  # fmt: skip
+    work = PassWork(lead_layout=lambda p: w, own_lead=partial(pack_own, experts), compute=run,
+                    trail_layout=(lambda p: dw) if backward else None, prepare=prepare)  # fmt: skip
+    return relay(plan, work, transport=ColumnTransport(call.group, problem.rank, G),
+                 device=device, call=call, mode=problem.mode, phase=phase)  # fmt: skip
 
 
 def batched_expert_forward(problem, call, x, experts, probs, index, order):

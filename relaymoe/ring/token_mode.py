@@ -56,7 +56,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from relaymoe.experts import expert_hop_backward, expert_hop_forward, resolve_backend
-from relaymoe.ring.executor import ring_pass
+from relaymoe.ring.executor import PassWork, ring_pass
 from relaymoe.ring.faults import PeerWatch, check_markers
 from relaymoe.ring.hop_graphs import (
     INDEX_FIELDS,
@@ -157,11 +157,11 @@ def token_forward(problem, call, x, experts, probs, idx32, order):
         indices[part] = index_from(made, sizes) if packed is None else PackedIndex(packed, sizes)
 
     fwd, bwd = token_plans(problem)
-    result = ring_pass(
-        problem, call, x.device, "fwd", fwd, own_lead={"x": x, "idx": idx32, "probs": probs},
+    work = PassWork(
+        **token_layouts(problem, False), own_lead={"x": x, "idx": idx32, "probs": probs},
         compute=compute, capacity=capacity(fwd, bwd, problem), zero_trail=graphs is None,
-        **token_layouts(problem, False),
     )  # fmt: skip
+    result = ring_pass(problem, call, x.device, "fwd", fwd, work)
     return result["out"], indices
 
 
@@ -226,10 +226,11 @@ def token_backward(problem, call, dy, x, experts, probs, indices, order):
         dw.update(made)
 
     _, bwd = token_plans(problem)
-    result = ring_pass(
-        problem, call, x.device, "bwd", bwd, own_lead={"x": x, "probs": probs, "dy": dy},
-        compute=compute, zero_trail=graphs is None, **token_layouts(problem, True),
+    work = PassWork(
+        **token_layouts(problem, True), own_lead={"x": x, "probs": probs, "dy": dy},
+        compute=compute, zero_trail=graphs is None,
     )  # fmt: skip
+    result = ring_pass(problem, call, x.device, "bwd", bwd, work)
     if dw["dw13"] is None:  # no hop had pairs
         dw["dw13"], dw["dw2"] = torch.zeros_like(w13), torch.zeros_like(w2)
     elif not written[0]:  # recorded hops' accumulators, and no hop had pairs to write them
