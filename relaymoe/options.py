@@ -70,7 +70,7 @@ TRANSPORT_CHOICES = (AUTO, *LINK_TRANSPORTS)
 SCHEDULES = ("flat", "two_level")
 # Expert mode only, asked for by name (not yet measured, so "auto" never picks it): rounds of a
 # whole node's experts, all-gathered inside the node, the column of each local rank a ring
-# across nodes (relaymoe/ring/nodebatch.py): one hop per node instead of per rank.
+# across nodes (relaymoe/ring/expert_mode.py): one hop per node instead of per rank.
 NODE_BATCHED = "node_batched"
 SCHEDULE_CHOICES = (AUTO, *SCHEDULES, NODE_BATCHED)
 # The dtype of the ring's weight-gradient accumulators (expert mode: the gradients that travel

@@ -202,7 +202,7 @@ def expert_slice(data: dict, case: Case, p: int) -> dict:
 
 
 def agreed_problem(case: Case, data: dict | None, config: RingConfig = ENV_CONFIG) -> RingProblem:
-    """Rank 0's agreed problem of an EP-rank ring (``agree.py``'s result for a trusted call):
+    """Rank 0's agreed problem of an EP-rank ring (``agreement.py``'s result for a trusted call):
     pair buffers from the bound under ``config.kernels.pair_buffer_mib``, else the exact counts
     (``data`` None: the problem before that choice, pairs None, for the plan)."""
     R, dt = case.ep, case.dtype

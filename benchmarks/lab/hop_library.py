@@ -57,7 +57,7 @@ MiB = 2**20
 
 def needed_mib(case) -> int:
     """The ``pair_buffer_mib`` a case needs for its pair buffers to be sized from the bound
-    (``agree._bounded``: the backward's ``(T * min(K, E/EP), J)`` pre-activation), below which
+    (``agreement._bounded``: the backward's ``(T * min(K, E/EP), J)`` pre-activation), below which
     a call counts its pairs exactly and ``hop_graphs.refusal`` refuses to record its hops."""
     return math.ceil(case.pair_bound * SWIGLU.fc1_rows(case.I) * case.dtype.itemsize / MiB)
 

@@ -22,7 +22,7 @@ Modes (``relaymoe.options.MODES``):
   output ``T*H*b``; backward ``T*(2*H*b + K*pb)`` lead (x, dy, probabilities: the forward kept
   every partition's routing index, so no ids travel) plus the trailing dx and dprobs
   ``T*(H*b + K*pb)``.
-* ``alltoall`` (``relaymoe/ring/alltoall.py``): every rank sends each token once to every rank
+* ``alltoall`` (``relaymoe/ring/token_mode.py``): every rank sends each token once to every rank
   owning at least one of its K experts (x with its ids and probabilities); the owner computes
   all its pairs in one call and returns the partial outputs. The backward sends x and dy again
   (the forward's routing index and probabilities of the received rows are kept, no ids travel)

@@ -220,7 +220,7 @@ def node_batched_hop_times(
     inter_bytes_per_s: float = INTER_NODE_BYTES_PER_S,
 ) -> RingHopTimes:
     """Hop times of the expert ring's node-batched rounds (``NODE_BATCHED``,
-    ``relaymoe/ring/nodebatch.py``): ``N = R/G`` hops a pass, each over ``G/R`` of the rank's
+    ``relaymoe/ring/expert_mode.py``): ``N = R/G`` hops a pass, each over ``G/R`` of the rank's
     pairs, after an all-gather of the node's ``G-1`` other partitions over NVLink (not hidden);
     the next partition (backward with the travelling gradients) crosses to the next node on
     this GPU's NIC under the compute; backward, the round's gradients are reduce-scattered in

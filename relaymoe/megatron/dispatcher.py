@@ -171,7 +171,7 @@ class RingDispatcher(MoETokenDispatcher):
         self.topk = config.moe_router_topk
         self.activation = expert_activation_of(config)  # what Megatron's experts would compute
         # megatron-core captures the whole step in a CUDA graph: every call runs the ring's
-        # capturable path, the eager warm-up steps too (relaymoe/ring/capture.py)
+        # capturable path, the eager warm-up steps too (relaymoe/ring/hop_graphs.py)
         self.capturable = getattr(config, "cuda_graph_impl", "none") == "full_iteration"
         self.ring_config = ring_config if ring_config is not None else ring_config_of(config)
         if not isinstance(self.ring_config, RingConfig):

@@ -171,7 +171,7 @@ def ring_config_problems(c, *, ep_size: int | None = None, args_style: bool = Fa
     if g("enable_cuda_graph", False) or g("external_cuda_graph", False):
         impl = "local" if impl == "none" else impl
     if impl == "full_iteration":
-        # the ring's captured path (relaymoe/ring/capture.py): no host sync, hops sized from
+        # the ring's captured path (relaymoe/ring/hop_graphs.py): no host sync, hops sized from
         # the worst case, dropless; megatron-core runs the warm-up steps eagerly, which agree
         if g("relaymoe_mode") == "alltoall":
             problems.append(

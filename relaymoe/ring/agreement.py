@@ -1,8 +1,9 @@
-"""Input validation that every rank agrees on before any P2P (so nothing hangs).
+"""The agreement protocol: every rank validates its inputs and agrees on the problem before any
+P2P (so nothing hangs).
 
 Each rank checks its own inputs without raising, writes a row of integers (error code, sizes,
 dtypes, device, requested mode/transport, host, a validity marker, the expert MLP (every field of
-the activation, which biases the experts carry: ``expert_mlp.py``), then its pair count per
+the activation, which biases the experts carry: see below), then its pair count per
 expert owner) into an ``(R, F + R)`` matrix and one all-reduce (sum) gives every rank every row.
 Every rank then applies the same checks to the same matrix and raises the same ``ValueError``, or
 returns the same :class:`RingProblem`: the sizes of all partitions, the resolved mode and
@@ -131,7 +132,7 @@ DEVICE_TYPES = ("cpu", "cuda")
     F_CAPTURE,
 ) = range(27)
 NUM_FIELDS = 27
-RING_MODES = ("expert", "token")  # the modes a captured call can run (``capture.py``)
+RING_MODES = ("expert", "token")  # the modes a captured call can run (``hop_graphs.py``)
 
 _ERRORS = {
     1: "an input is not a tensor (or, for w13/w2/b13/b2, not a list of per-expert tensors; a bias "
@@ -792,7 +793,7 @@ def agree(
     call's ``RingRuntime``; ids not validated).
     ``b13``/``b2``: the experts' optional biases (their presence is agreed, their shapes
     checked); the activation is the request's. ``captured``: the call is being captured in a
-    CUDA graph (``capture.py``): the agreement of an eager call with the same signature, the
+    CUDA graph (``hop_graphs.py``): the agreement of an eager call with the same signature, the
     hops sized from the worst-case bound, no collective and no host read here.
     ``timeout_s``: the call's ``RingConfig.timeout_s`` (None: the group's).
     """
@@ -823,7 +824,7 @@ def agree(
                 "(messages sized on the host); fix: capturable=True (Megatron's dispatcher "
                 "passes it when the step is captured), or mode='expert'/'token'"
             )
-        # the bound is a proof for a captured call (capture.py), and a capturable call's eager
+        # the bound is a proof for a captured call (hop_graphs.py), and a capturable call's eager
         # steps run the captured one's code
         if captured or request.capturable or _bounded(problem):
             return problem

@@ -46,14 +46,14 @@ or 4 with fp32 accumulators: ``grad_accum``), ``Tm`` the largest T of the group,
   index of every visiting partition (``12*T*K`` bytes each: built once per call, no ids travel
   backward), nothing else.
 
-**Node-batched rounds** (``schedule="node_batched"``, expert mode, ``nodebatch.py``): the
+**Node-batched rounds** (``schedule="node_batched"``, expert mode, ``expert_mode.py``): the
 expert pass over the column ring of each local rank (``N`` nodes, one hop per node); each hop
 all-gathers the node's ``G`` partitions and computes the node's ``G*El`` experts at once, and
 the backward reduce-scatters their gradients inside the node before they travel. Memory: the
 gathered experts (and their gradients) of one hop, ``G`` times a flat hop's, on top of the
 expert bounds above.
 
-**All-to-all mode** (``mode="alltoall"``, ``alltoall.py``): the same hop primitives behind one
+**All-to-all mode** (``mode="alltoall"``, ``token_mode.py``): the same hop primitives behind one
 all-to-all of index-dispatched tokens, for the small-T regime where the ring's per-hop host cost
 dominates. ``mode="auto"`` picks among the three with ``relaymoe.cost.choose_mode`` (a time
 model calibrated on measured rows), identically on every rank.
@@ -101,7 +101,7 @@ from relaymoe.routing import build_routing_index
 __all__ = ["ring_moe", "resolved_problem"]
 
 # The ring modes' passes by (mode, schedule kind): (forward, backward). All-to-all mode is one
-# exchange each way (``alltoall.py``), not a ring pass.
+# exchange each way (``token_mode.alltoall_forward``/``alltoall_backward``), not a ring pass.
 PASSES = {
     ("expert", "ring"): (expert_forward, expert_backward),
     ("expert", NODE_BATCHED): (batched_expert_forward, batched_expert_backward),
@@ -291,11 +291,11 @@ def ring_moe(
     (False runs each hop's transfer after its compute: the ablation's sequential ring) are
     ``config``'s, and so is ``capture_hops`` (each hop's compute recorded once per shape and
     replayed: ``hop_graphs.py``).
-    ``schedule``: the hop order (``schedule.py``): ``"flat"`` (one ring), ``"two_level"`` (rings
+    ``schedule``: the hop order (``plan.py``): ``"flat"`` (one ring), ``"two_level"`` (rings
     inside each node of ``gpus_per_node`` consecutive ranks, joined by hops that every GPU of a
     node makes to the same local rank of the next node at once) or ``"auto"`` (two-level when the
     group spans several nodes of several GPUs); or ``"node_batched"`` (expert mode, asked for by
-    name: one hop per node over the node's experts, all-gathered inside it; ``nodebatch.py``).
+    name: one hop per node over the node's experts, all-gathered inside it; ``expert_mode.py``).
     ``gpus_per_node``: the GPUs per node of the group; None (in ``config`` too) reads the nodes
     from the ranks' hosts (exchanged in the agreement).
     ``grad_accum``: the dtype of the ring's weight-gradient accumulators: ``"param"`` (the
@@ -315,14 +315,14 @@ def ring_moe(
     worst-case bound in eager calls too, so eager and captured steps run the same code. A call
     made while its stream is captured needs ``trusted=True`` and an eager call of the same
     signature before it, made with the same ``runtime``; it then makes no host sync and no host
-    wait (``capture.py``).
+    wait (``hop_graphs.py``).
 
     ``trusted=True`` (Megatron's dispatcher): ``topk_idx`` comes from a router and is not
     validated, and every rank changes its input signature (shapes, dtypes, mode, transport,
     whether a backward follows, the collective-deciding options ``agree`` and
     ``pair_buffer_mib``) in the same call; the ranks' agreement is then reused per
     signature (in ``runtime``), so a call in steady state has no host synchronisation
-    (``agree.py``).
+    (``agreement.py``).
 
     Dtypes: x, w13 and w2 share one of float16, bfloat16, float32, float64 (float64 runs on the
     torch hops: ``backend="triton"`` refuses it, ``"auto"`` keeps it); topk_probs any of those;
@@ -332,7 +332,7 @@ def ring_moe(
     contiguous ones), topk_idx is converted to contiguous int32 (T*K elements).
 
     Validated on every rank before any P2P, the same ``ValueError`` raised on every rank
-    (``agree.py``): types, shapes, dtypes and devices of every input on every rank, and their
+    (``agreement.py``): types, shapes, dtypes and devices of every input on every rank, and their
     agreement across ranks (E_local, H, I, K, dtypes, device type, mode, transport, schedule,
     gpus_per_node, grad_accum, whether a backward follows, the settings above, every field of
     the activation, which biases are given; w13's rows against the activation); that the hop

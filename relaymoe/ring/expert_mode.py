@@ -11,9 +11,9 @@ is a body over named tensors (``run_hop``): called on the live ones, or replayed
 resolves to ``flat`` or ``two_level``, ``plan.resolve_schedule``), so they run only when asked for
 by name, in expert mode: ``ring_moe(..., schedule="node_batched", gpus_per_node=G)``,
 ``RingConfig(schedule="node_batched")`` or Megatron's ``--relaymoe-schedule node_batched``.
-They are tested over gloo on CPU and has run on GPUs only inside one node (two GPUs, ``G = 1``
-and ``2``); it has never run across nodes, where its gain is simulated only (the cost model's
-multi-node clusters).
+They are tested over gloo on CPU and have run on GPUs only inside one node (two GPUs, ``G = 1``
+and ``2``); they have never run across nodes, where their gain is simulated only (the cost
+model's multi-node clusters).
 
 The flat and two-level orders make ``R - 1`` hops a pass, and every hop pays the ring's fixed
 host cost once (launches, index slices, Python). Across nodes the node-batched schedule pays it

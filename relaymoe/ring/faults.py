@@ -344,7 +344,7 @@ class PeerWatch:
             wait_mode = "pass"
         if wait_mode == "off" or capturing(device):
             # a captured pass is replayed without the host: nothing to wait for here, and its
-            # events cannot be queried (``capture.py``)
+            # events cannot be queried (``hop_graphs.capturing``)
             return
         if wait_mode == "lag":
             key = (device.type, device.index)

@@ -62,7 +62,7 @@ A key is the caller's (mode, direction, expert range, pair bound, backend, kerne
 activation, ...) plus the name, shape and dtype of every copied tensor and the address and
 layout of every bound one: a hop of another shape (a token partition of another T) builds its
 own entry, one of the same shape at the same addresses reuses it. Expert mode leaves the range
-out of its key where ``hop_index.range_window`` serves every range (its offsets copied in), forward
+out of its key where :func:`range_window` serves every range (its offsets copied in), forward
 and backward: queued back to back, distinct graphs leave the GPU idle between them, one does
 not.
 
@@ -91,7 +91,7 @@ wait for, during the step cannot happen at replay. So a ``ring_moe`` call that i
 runs the one path of the ring that needs no host at all, and refuses, by name, what would need it:
 
 * **The agreement comes from an eager call.** The ranks agree once per input signature
-  (``agree.py``, ``trusted=True``): an eager step with the same shapes (Megatron's
+  (``agreement.py``, ``trusted=True``): an eager step with the same shapes (Megatron's
   ``--cuda-graph-warmup-steps``, at least 1) must precede the capture. A captured call never
   enters the agreement's all-reduce; an untrusted call (its ids are validated on the host) or an
   uncached signature raises ``ValueError``.

@@ -117,8 +117,9 @@ __all__ = [
 def request_activation(value) -> ExpertActivation | str:
     """``value`` (``ring_moe``'s ``activation=``) as the request holds it: the
     ``ExpertActivation``, or the message of ``as_activation``'s ``ValueError`` when it is not
-    one. Not raised here: the agreement reports it (``checks.py``, code 9) on every rank at
-    once, so a rank with a bad activation fails its peers instead of leaving them waiting."""
+    one. Not raised here: the agreement reports it (``agreement.local_check``, code 9) on every
+    rank at once, so a rank with a bad activation fails its peers instead of leaving them
+    waiting."""
     try:
         return as_activation(value)
     except ValueError as err:
@@ -147,18 +148,18 @@ class RingRequest:
     # the expert MLP (request_activation: an ExpertActivation, or the message of a bad one)
     activation: ExpertActivation | str = SWIGLU
     # the call is (also) captured in a CUDA graph: "auto" picks among the ring modes, and the
-    # all-to-all (host-sized messages) is refused (``capture.py``)
+    # all-to-all (host-sized messages) is refused (``hop_graphs.py``)
     capturable: bool = False
     # the hop kernels' options (request_kernels: a KernelOptions, or the message of a bad value;
     # None: not given). This rank's choice: not compared across ranks, nor part of a trusted
-    # call's cached signature (its validity is: agree.py)
+    # call's cached signature (its validity is: agreement.py)
     kernels: options.KernelOptions | str | None = field(default=None, compare=False)
 
 
 def request_kernels(value, config: options.RingConfig) -> options.KernelOptions | str:
     """``value`` (``ring_moe``'s ``kernels=``) as the request holds it: ``config.kernels`` for
     None, the ``KernelOptions`` itself, or the message of a bad value. Not raised here: the
-    agreement reports it (``checks.py``, code 10) on every rank at once."""
+    agreement reports it (``agreement.local_check``, code 10) on every rank at once."""
     if value is None:
         return config.kernels
     if isinstance(value, options.KernelOptions):
@@ -221,8 +222,8 @@ class RingProblem:
     # as the sizes, so a hop knows its pair count without a host sync of its own. None: the hops
     # size their buffers from the bound ``pair_bound`` (trusted callers, small T).
     pairs: tuple[tuple[int, ...], ...] | None
-    # the hop order (schedule.RingPlan): "flat", or "two_level" over nodes of gpus_per_node
-    # consecutive ranks (None for flat); or "node_batched" (expert mode, nodebatch.py)
+    # the hop order (RingPlan): "flat", or "two_level" over nodes of gpus_per_node
+    # consecutive ranks (None for flat); or "node_batched" (expert mode, expert_mode.py)
     schedule: str = "flat"
     gpus_per_node: int | None = None
     # dtype of the weight-gradient accumulators (expert mode's travelling trail, token mode's
@@ -231,7 +232,7 @@ class RingProblem:
     # KernelOptions.pair_buffer_mib as agreed by every rank (``_bounded`` decides from it)
     pair_buffer_mib: int = 512
     # the expert MLP every rank computes, and which biases every rank's experts carry (they
-    # travel with their weights in expert mode: ``passes.weights_layout``)
+    # travel with their weights in expert mode: :func:`weights_layout`)
     activation: ExpertActivation = SWIGLU
     has_b13: bool = False
     has_b2: bool = False

@@ -10,8 +10,8 @@ A runtime holds:
 
 * the group it serves, and one communication stream per CUDA device (``executor.py``);
 * the copy engines' symmetric-memory slots per (group, device) and whether the copy engines
-  work over a group (``transport.py``), and the views a pass cuts of those slots (the slot memo);
-* the agreements of trusted calls by input signature (``agree.py``): a call in steady state
+  work over a group (``executor.py``), and the views a pass cuts of those slots (the slot memo);
+* the agreements of trusted calls by input signature (``agreement.py``): a call in steady state
   neither communicates nor synchronises there. A call captured into a CUDA graph finds the
   agreement its eager warm-up made here, so both must run with the same runtime;
 * the recorded hop graphs and their static buffers (``hop_graphs.py``, ``capture_hops``);
@@ -24,10 +24,10 @@ A runtime holds:
 What a call without a runtime loses: the agreement is made again at every call (a collective
 and a host sync; a captured call refuses, naming ``runtime=``), recorded hops are recorded again,
 and the copy engines' workspace is set up again (``transport="auto"`` then takes NCCL; see
-``agree.py``). The results are the same.
+``agreement.py``). The results are the same.
 
 :class:`RingCall` is one call's view: its group and runtime, and the options this rank's passes
-read (how a hop computes, overlap, the host wait, the timeout).
+read (how a hop computes, its :class:`KernelChoice`; overlap, the host wait, the timeout).
 """
 
 from __future__ import annotations
@@ -68,12 +68,12 @@ class RingRuntime:
     def __init__(self, group: dist.ProcessGroup | None = None, *, persistent: bool = True):
         self.group = group
         self.persistent = persistent
-        # agree.py: RingProblem by (group, rank, world, input signature)
+        # agreement.py: RingProblem by (group, rank, world, input signature)
         self.agreements: dict[tuple, object] = {}
         # hop_graphs.py: HopGraphs by (replay kind, device); the lines logged once
         self.hop_graphs: dict[tuple[str, torch.device], object] = {}
         self.logged: set[str] = set()
-        # passes.py: a small int per (backend, kernel options, activation) of recorded hops
+        # hop_graphs.py: a small int per (backend, kernel options, activation) of recorded hops
         self.kernel_choice_ids: dict[tuple, int] = {}
         # executor.py: the communication stream per device index; the views of persistent
         # slots per device: (the slots' addresses and sizes, the memo)
@@ -81,7 +81,7 @@ class RingRuntime:
         self.slot_memos: dict[torch.device, tuple[tuple, dict]] = {}
         self.recorders: list[list] = []
         self.copied_weight_bytes = 0  # weights.py: stacks and slot packs of expert weights
-        # transport.py: (buffer, handle, capacity) per (group name, device index); whether the
+        # executor.py: (buffer, handle, capacity) per (group name, device index); whether the
         # copy engines work per group name; whether the barrier takes a timeout (None: unknown)
         self.workspaces: dict[tuple[str, int | None], tuple] = {}
         self.copy_engine_ok: dict[str, bool] = {}

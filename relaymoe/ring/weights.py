@@ -30,9 +30,8 @@ the list form costs nothing extra there.
 
 What a pass hands the hop primitives from them is here too: the local experts' parts by name
 (:func:`local_parts`), a hop's options, biases and gradient buffers (:func:`hop_options`,
-:func:`biases`, :func:`hop_grads`),
-the rank's own experts packed into slot 0 (:func:`pack_own`) and its gradients returned home in
-the weights' dtype (:func:`home_grads`).
+:func:`biases`, :func:`hop_grads`), the rank's own experts packed into slot 0
+(:func:`pack_own`) and its gradients returned home in the weights' dtype (:func:`home_grads`).
 """
 
 from __future__ import annotations

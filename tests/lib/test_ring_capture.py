@@ -1,9 +1,10 @@
-"""The ring inside a whole-step CUDA graph (relaymoe/ring/capture.py), on CPU over gloo.
+"""The ring inside a whole-step CUDA graph (relaymoe/ring/hop_graphs.py), on CPU over gloo.
 
 A captured call is simulated by telling the ring its stream is being captured
-(``relaymoe.ring.capture.capturing`` patched to True where the ring asks it). Then, at worlds
-1-4, in expert and token mode, on the Triton hop kernels (interpreter, fp32): after one eager
-call of the same shapes, the captured forward and backward read nothing on the host
+(``capturing`` patched to True in ``relaymoe.ring.engine`` and ``faults``, where the ring asks
+it). Then, at worlds 1-4, in expert and token mode, on the Triton hop kernels (interpreter,
+fp32): after one eager call of the same shapes, the captured forward and backward read nothing
+on the host
 (``tests.host_sync``: no ``.item()``/``.tolist()``/``.cpu()``/``nonzero``/... from relaymoe's
 code), enter no collective but the hops' P2P, and give the eager call's results bitwise, which
 are the float64 oracle's within fp32 rounding, for uniform, skewed (empty experts) and
