@@ -25,7 +25,7 @@ Why each refusal:
 * CUDA graphs over part of the MoE layer (``--cuda-graph-modules moe_router`` or
   ``moe_preprocess``): megatron-core then replays dispatcher state the ring does not keep. The
   whole MoE layer (``moe``, or an empty scope: the whole layer) and the whole step
-  (``full_iteration``) are accepted: the ring runs captured there (``relaymoe/ring/capture.py``),
+  (``full_iteration``) are accepted: the ring runs captured there (``relaymoe/ring/hop_graphs.py``),
   sized by a bound no routing can exceed, so nothing is dropped. Under capture the all-to-all
   mode (sized on the host), Sinkhorn routing (its iteration count is decided on the host) and a
   start without an eager warm-up step (the ranks agree on each layer's shapes there) are refused.
