@@ -5,14 +5,17 @@
 * train.sh parses (``bash -n``), and refuses before launching anything: a config whose layout
   does not fill NNODES x GPUS_PER_NODE (reported once, as itself), CP > 1 without
   TransformerEngine, a missing Python, NODE_RANK >= NNODES, a DATA_PATH without its files, an
-  extra argument Megatron's parser refuses. A stand-in ``PYTHON`` logs every call and answers
-  the launch itself, so that "nothing was launched" is observed, not assumed. With
+  extra argument Megatron's parser refuses, several nodes without MASTER_ADDR, a real launch
+  on a host without GPUs (the last two: one line, nothing left behind; issue #52). A stand-in
+  ``PYTHON`` logs every call, answers the count of visible GPUs and the launch itself, so that
+  "nothing was launched" is observed, not assumed. With
   ``DRY_RUN=1`` it prints the command, whose flags Megatron's parser accepts, and what the run
   needs (TransformerEngine for CP 4) without having it; with real data it passes the dataset,
   the tokenizer and the config's vocabulary; with SAVE_DIR and no TE it adds what resuming
   needs;
-* table3.sh exits non-zero when a run fails; slurm.sbatch refuses to run outside SLURM and
-  passes extra arguments through srun unchanged (spaces included).
+* table3.sh exits non-zero when a run fails; slurm.sbatch refuses to run outside SLURM,
+  passes extra arguments through srun unchanged (spaces included) and takes GPUS_PER_NODE
+  from the allocation unless it is set.
 """
 
 from __future__ import annotations
