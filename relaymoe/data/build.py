@@ -91,10 +91,16 @@ def prepare(
     with PrefixLock(prefix):
         _remove_temporaries(prefix, keys)  # of a run that was killed before it could
         try:
-            return _prepare_locked(
-                inputs, prefix, tokenizer, keys, input_format_name, text_mode, append_eod,
-                eod_token, workers, chunk_mib, keep_parts, progress, worker_setup,
-            )  # fmt: skip
+            chunks = plan_chunks(list(inputs), input_format_name, text_mode,
+                                 int(chunk_mib * 2**20))  # fmt: skip
+            if not any(c.size for c in chunks):
+                raise DataError(
+                    f"--input {' '.join(inputs)}: empty (0 bytes), nothing to tokenise; Megatron "
+                    "cannot train on an empty dataset; fix: pass the corpus files"
+                )
+            settings = _settings(tokenizer, prefix, keys, text_mode, append_eod, eod_token)
+            return _make(prefix, inputs, chunks, settings, workers, keep_parts, progress,
+                         worker_setup)  # fmt: skip
         except BaseException:
             _remove_temporaries(prefix, keys)
             raise
@@ -121,17 +127,9 @@ def _checked_settings(inputs, json_keys, input_format_name, text_mode, workers, 
     return keys
 
 
-def _prepare_locked(
-    inputs, prefix, tokenizer, keys, input_format_name, text_mode, append_eod, eod_token,
-    workers, chunk_mib, keep_parts, progress, worker_setup,
-) -> Result:  # fmt: skip
-    """``prepare`` once the prefix is locked: the chunks, the tokenizer, the parts, the merge."""
-    chunks = plan_chunks(list(inputs), input_format_name, text_mode, int(chunk_mib * 2**20))
-    if not any(c.size for c in chunks):
-        raise DataError(
-            f"--input {' '.join(inputs)}: empty (0 bytes), nothing to tokenise; Megatron cannot "
-            "train on an empty dataset; fix: pass the corpus files"
-        )
+def _settings(tokenizer, prefix, keys, text_mode, append_eod, eod_token) -> Settings:
+    """What every part is made with: the tokenizer folder (a bare ``tokenizer.json`` made into
+    one beside the output), its fingerprint, EOD and vocabulary, and the settings."""
     tok_dir = resolve_tokenizer(tokenizer, output_prefix=prefix, eod_token=eod_token)
     tok = worker_tokenizer(tok_dir)
     eod = tok.eod if append_eod else None
@@ -142,7 +140,7 @@ def _prepare_locked(
         )
     from megatron.core.datasets.indexed_dataset import DType
 
-    settings = Settings(
+    return Settings(
         keys=keys,
         text_mode=text_mode,
         append_eod=append_eod,
@@ -152,6 +150,11 @@ def _prepare_locked(
         vocab_size=int(tok.vocab_size),
         dtype=DType.optimal_dtype(tok.vocab_size).__name__,
     )
+
+
+def _make(prefix, inputs, chunks, settings, workers, keep_parts, progress, worker_setup) -> Result:
+    """The outputs of ``chunks``: kept when complete, else the missing parts, then the merge."""
+    keys, tok_dir = settings.keys, settings.tokenizer_dir
     outputs = {k: f"{prefix}_{k}_document" for k in keys}
     manifest = {
         "format": FORMAT_VERSION,

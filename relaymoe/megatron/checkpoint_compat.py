@@ -172,8 +172,9 @@ def resume_layout_problem(ckpt_args, content: dict | None, args, *, release: boo
         return None
     if getattr(args, "no_load_optim", False) or getattr(ckpt_args, "no_save_optim", False):
         return None
-    if not getattr(args, "use_distributed_optimizer", False):
-        return None
+    if not (getattr(args, "use_distributed_optimizer", False)
+            and getattr(ckpt_args, "use_distributed_optimizer", False)):  # fmt: skip
+        return None  # no distributed-optimizer state on one side: nothing laid out per rank
     sharding = (content or {}).get("distrib_optim_sharding_type", "dp_reshardable")
     if sharding in FULLY_RESHARDABLE:
         return None
