@@ -61,10 +61,11 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--json", action="store_true", help="print one JSON object")
     f = sub.add_parser(
         "flags",
-        help="the Megatron flags of a config, one per line (what examples/qwen3/train.sh passes)",
+        help="the Megatron flags of a config, one flag with its values per line (what "
+        "examples/qwen3/train.sh passes)",
         description="Prints a config's model, parallelism, batch and relaymoe flags for "
-        "Megatron, one per line; with --world, first checks that the config's layout fills "
-        "exactly that many GPUs.",
+        "Megatron, one flag with its values per line, after the launch's own checks on them; "
+        "with --world, first checks that the config's layout fills exactly that many GPUs.",
     )
     f.add_argument("--config", default=DEFAULT_CONFIG, help="YAML path or a name in configs/")
     _add_overrides(f, dispatchers=DISPATCHERS)
