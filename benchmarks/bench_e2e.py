@@ -243,6 +243,16 @@ RING_LAYER_GRAPH_FLAGS = (
     "--cuda-graph-warmup-steps",
     str(GRAPH_WARMUP_STEPS),
 )
+# the same without TransformerEngine (megatron-core's local layers), for a machine without TE
+RING_LAYER_GRAPH_LOCAL_FLAGS = (
+    "--cuda-graph-impl",
+    "local",
+    "--cuda-graph-modules",
+    "attn",
+    "moe",
+    "--cuda-graph-warmup-steps",
+    str(GRAPH_WARMUP_STEPS),
+)
 DROP_FLAGS = ("--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity")
 DROP_GRAPH_FLAGS = ("--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules", "attn",
                     "moe")  # fmt: skip
@@ -288,6 +298,10 @@ PROVIDERS = {
                  graph_flags=RING_LAYER_GRAPH_FLAGS,
                  about="the ring under megatron-core's per-layer graphs over attention and the "
                        "whole MoE layer (TE), dropless"),
+        Provider("relaymoe_ring_layer_graphs_local", "ring", te=False,
+                 graph_flags=RING_LAYER_GRAPH_LOCAL_FLAGS,
+                 about="the ring under megatron-core's local per-layer graphs over attention "
+                       "and the whole MoE layer (shapes without TE), dropless"),
         Provider("mcore_alltoall", "alltoall", te=False,
                  about="megatron-core's alltoall (shapes without TE)"),
         Provider("mcore_alltoall_te", "alltoall", te=True,
@@ -299,7 +313,9 @@ PROVIDERS = {
     )
 }  # fmt: skip
 GBS_PROVIDERS = ("relaymoe_ring", "relaymoe_ring_graphed", "mcore_alltoall_te",
-                 "mcore_alltoall_te_drop")  # fmt: skip
+                 "mcore_alltoall_te_drop", "relaymoe_ring_layer_graphs")  # fmt: skip
+LOCAL_GBS_PROVIDERS = ("relaymoe_ring", "relaymoe_ring_graphed", "mcore_alltoall",
+                       "relaymoe_ring_layer_graphs_local")  # fmt: skip
 
 
 def anchor_provider(shape: E2EShape) -> str:
@@ -410,6 +426,10 @@ SHAPES = {
                      anchor=True, providers=GBS_PROVIDERS)
             for gbs in (16, 64)
         ),
+        # the same comparison where TE is absent: megatron-core's local layers, its alltoall
+        # as it runs there (no TE fusions or graphs to keep)
+        E2EShape("qwen3_slice_s4k_gbs16", "qwen3_slice", seq_length=4096, micro_batch_size=1,
+                 global_batch_size=16, transformer_impl="local", providers=LOCAL_GBS_PROVIDERS),
         E2EShape("qwen3_slice_s16k_gbs8_te", "qwen3_slice", seq_length=16384, micro_batch_size=1,
                  global_batch_size=8, recompute_modules=("core_attn",), transformer_impl=TE_IMPL,
                  anchor=True, providers=GBS_PROVIDERS),
@@ -1165,8 +1185,8 @@ def main(argv: list[str] | None = None) -> int:
         "--providers",
         default=None,
         help=f"comma-separated providers of every shape's runs: {', '.join(PROVIDERS)} "
-        "(default: the shape's own; the gbs shapes run the first four but mcore_alltoall, the "
-        "others ring and alltoall)",
+        "(default: the shape's own; the gbs shapes run GBS_PROVIDERS, every one but "
+        "mcore_alltoall, the others ring and alltoall)",
     )
     p.add_argument(
         "--repeats",

@@ -191,13 +191,13 @@ def main(argv=None) -> int:
         def step():
             bwd(fwd())
 
-        prob = resolved_problem(layer.x, layer.w13, layer.w2, layer.idx, layer.probs,
+        problem = resolved_problem(layer.x, layer.w13, layer.w2, layer.idx, layer.probs,
                                 group=group, mode=mode, transport=transport,
                                 trusted=True, config=config, runtime=runtime,
                                 **topo)  # fmt: skip
         step()  # first call allocates the copy-engine workspace (persistent, reported below)
         saved, peak_alloc = _memory(fwd, bwd)
-        symm = runtime.workspace_bytes() / MiB if prob.transport == "copy_engine" else 0.0
+        symm = runtime.workspace_bytes() / MiB if problem.transport == "copy_engine" else 0.0
         peak = round(peak_alloc + symm, 1)
         ms = _timed(step, warmup, reps)
         with torch.no_grad():
@@ -207,17 +207,17 @@ def main(argv=None) -> int:
             tflops_fwd_bwd=round(moe_flops_fwd_bwd(shape.T, shape.K, shape.H, shape.I) / ms / 1e9,
                                  1),
             saved_for_bwd_MiB=saved, peak_over_inputs_MiB=peak, peak_alloc_MiB=peak_alloc,
-            mode=prob.mode, transport=prob.transport, overlap=overlap,
-            symm_workspace_MiB=round(symm, 1), schedule=topo.get("schedule", prob.schedule),
-            gpus_per_node=topo.get("gpus_per_node", prob.gpus_per_node),
+            mode=problem.mode, transport=problem.transport, overlap=overlap,
+            symm_workspace_MiB=round(symm, 1), schedule=topo.get("schedule", problem.schedule),
+            gpus_per_node=topo.get("gpus_per_node", problem.gpus_per_node),
             host_wait=host_wait_mode(layer.x.device, config.host_wait),
         )  # fmt: skip
-        if overlap and world > 1 and prob.mode != "alltoall":
+        if overlap and world > 1 and problem.mode != "alltoall":
             with record_timeline(runtime) as tl_o:
                 step()
             with record_timeline(runtime) as tl_s:
                 bwd(ring_moe(layer.x, layer.w13, layer.w2, layer.idx, layer.probs, group=group,
-                             mode=prob.mode, transport=prob.transport, trusted=True,
+                             mode=problem.mode, transport=problem.transport, trusted=True,
                              config=overlapping(False), runtime=runtime, **topo))  # fmt: skip
             row.update(_summarize_timeline(tl_o, tl_s))
         row.update(extra or {})

@@ -118,8 +118,8 @@ class Spec:
 # ---------------------------------------------------------------------------------------------
 def _arm_victim(spec: Spec, store, state: dict) -> None:
     """Hooks that make this process fail at the case's point of the armed (third) call."""
-    from relaymoe.ring import alltoall as a2a_mod
-    from relaymoe.ring.transport import CopyEngineTransport, P2PTransport
+    from relaymoe.ring import token_mode
+    from relaymoe.ring.executor import CopyEngineTransport, P2PTransport
 
     def fail():
         store.set("fault/at", repr(time.time()))
@@ -140,7 +140,7 @@ def _arm_victim(spec: Spec, store, state: dict) -> None:
         return real_issue(self, xfer, send, recv)
 
     cls.issue = issue
-    real_exchange = a2a_mod._exchange
+    real_exchange = token_mode._exchange
     # the forward exchanges counts, x rows, metadata, outputs; the backward x, dy, dx, dprobs
     target_call = 5 if spec.case == "mid_bwd" else 2
 
@@ -151,11 +151,11 @@ def _arm_victim(spec: Spec, store, state: dict) -> None:
                 fail()
         return real_exchange(*args, **kwargs)
 
-    a2a_mod._exchange = exchange
+    token_mode._exchange = exchange
     if spec.schedule == "node_batched":  # the row's all-gather (forward) / reduce-scatter (bwd)
-        from relaymoe.ring import nodebatch
+        from relaymoe.ring import expert_mode
 
-        real_row = nodebatch.row_exchange
+        real_row = expert_mode.row_exchange
         phase = "bwd" if spec.case == "mid_bwd" else "fwd"
 
         def row_exchange(*args, **kwargs):
@@ -163,7 +163,7 @@ def _arm_victim(spec: Spec, store, state: dict) -> None:
                 fail()
             return real_row(*args, **kwargs)
 
-        nodebatch.row_exchange = row_exchange
+        expert_mode.row_exchange = row_exchange
 
 
 def _inputs(spec: Spec, group_rank: int, device, step: int):

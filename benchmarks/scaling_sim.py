@@ -95,7 +95,7 @@ def extrapolate(cm, *, variants, eps, gpus_per_node, intra_GBps=None):
                         else:
                             row["speedup_vs_flat"] = round(flat[m].ms_fwd_bwd / r.ms_fwd_bwd, 3)
                         rows.append(row)
-                # expert mode only, asked for by name (relaymoe/ring/nodebatch.py)
+                # expert mode only, asked for by name (relaymoe/ring/expert_mode.py)
                 nb = simulate_node_batched(shape, cl, cm)
                 rows.append({**common, "provider": "sim_ring_expert", "schedule": NODE_BATCHED,
                              **_times(nb, a2a),

@@ -131,7 +131,10 @@ _E2E_SLOW = (  # --quick leaves these to the e2e step (the same run, measured) a
 _QUICK_EXPERTS = ("--providers", "relaymoe_act", "naive", "relaymoe_fc1")
 
 # bench_e2e.py's GBS_PROVIDERS (written out: the suite imports no torch)
-E2E_GBS_PROVIDERS = "relaymoe_ring,relaymoe_ring_graphed,mcore_alltoall_te,mcore_alltoall_te_drop"
+E2E_GBS_PROVIDERS = (
+    "relaymoe_ring,relaymoe_ring_graphed,mcore_alltoall_te,mcore_alltoall_te_drop,"
+    "relaymoe_ring_layer_graphs"
+)
 
 # Phases: 1 the untimed steps (correctness, memory) side by side, where sharing a GPU is
 # harmless: the tests gate a green run, so they come first; 2 the timed 2-GPU steps alone on the
@@ -216,14 +219,20 @@ STEPS: tuple[Step, ...] = (
          args=("--shapes", "tiny_qwen3_pp2,tiny_qwen3_pp2_vpp2", "--noise-run", "--out",
                "{out}/e2e_pp.jsonl"), outputs=("e2e_pp.jsonl",)),
     # issue #49 on one GPU: the qwen3 slice at global batch 16 (16 micro-batches a step), each of
-    # the four providers once, one profiled step a run (gpu_busy_frac); about 300 s on 1x H100
-    # by estimate (four Megatron start-ups of ~40 s, 15 steps of 1-3 s): --full, or
+    # the five providers once, one profiled step a run (gpu_busy_frac); about 400 s on 1x H100
+    # by estimate (five Megatron start-ups of ~40 s, 15 steps of 1-3 s): --full, or
     # --only e2e_gbs16 (one call, handed back as one archive with --handoff)
     Step("e2e_gbs16", "benchmarks/bench_e2e.py", "gpu0", 3, 0, 560, full_only=True,
          args=("--shapes", "qwen3_slice_s4k_gbs16_te", "--providers", E2E_GBS_PROVIDERS,
                "--gpus", "1", "--steps", "15", "--profile-busy", "--budget-s", "530",
                "--out", "{out}/e2e_gbs16.jsonl"),
          outputs=("e2e_gbs16.jsonl",)),
+    # the same without TE (megatron-core's local layers; its alltoall without TE's fusions):
+    # four runs, about 300 s on 1x H100 by estimate: --full, or --only e2e_gbs16_local
+    Step("e2e_gbs16_local", "benchmarks/bench_e2e.py", "gpu0", 3, 0, 560, full_only=True,
+         args=("--shapes", "qwen3_slice_s4k_gbs16", "--gpus", "1", "--steps", "15",
+               "--profile-busy", "--budget-s", "530", "--out", "{out}/e2e_gbs16_local.jsonl"),
+         outputs=("e2e_gbs16_local.jsonl",)),
     Step("routing", "benchmarks/bench_routing.py", "gpu0", 3, 25, 240,
          args=("--rep-ms", "50", "--out", "{out}/routing.jsonl"), quick=("--quick",),
          outputs=("routing.jsonl",)),

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
 import sys
 
 from relaymoe.config import DISPATCHERS
@@ -62,10 +64,11 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--json", action="store_true", help="print one JSON object")
     f = sub.add_parser(
         "flags",
-        help="the Megatron flags of a config, one per line (what examples/qwen3/train.sh passes)",
+        help="the Megatron flags of a config, one flag with its values per line (what "
+        "examples/qwen3/train.sh passes)",
         description="Prints a config's model, parallelism, batch and relaymoe flags for "
-        "Megatron, one per line; with --world, first checks that the config's layout fills "
-        "exactly that many GPUs.",
+        "Megatron, one flag with its values per line, after the launch's own checks on them; "
+        "with --world, first checks that the config's layout fills exactly that many GPUs.",
     )
     f.add_argument("--config", default=DEFAULT_CONFIG, help="YAML path or a name in configs/")
     _add_overrides(f, dispatchers=DISPATCHERS)
@@ -374,22 +377,15 @@ def check_launch(flags: list[str]) -> None:
     parsed arguments) applied to ``flags``, as one line: a layout the launch would refuse is
     refused here, with every reason and its fix."""
     from relaymoe.config import megatron_namespace
-    from relaymoe.megatron.validate import check_fused_loss_args, check_ring_args
+    from relaymoe.megatron.validate import launch_refusal
 
-    args = megatron_namespace(flags)
-    try:
-        check_ring_args(args)
-        check_fused_loss_args(args)
-    except ValueError as e:
-        head, *problems = str(e).splitlines()
-        raise ValueError(
-            f"{head.rstrip(':')} (the launch refuses it): "
-            + "; ".join(p.strip().removeprefix("- ") for p in problems)
-        ) from None
+    why = launch_refusal(megatron_namespace(flags))
+    if why is not None:
+        raise ValueError(why)
 
 
 def _flags(ns) -> int:
-    from relaymoe.config import to_megatron_args
+    from relaymoe.config import flag_groups, to_megatron_args
 
     try:
         cfg, notes = build_config(ns)
@@ -402,12 +398,45 @@ def _flags(ns) -> int:
         return 2
     for n in notes:  # stderr: stdout stays one flag per line for the launch scripts
         print(f"relaymoe flags: note: {n}", file=sys.stderr)
-    print("\n".join(args))
+    for words in flag_groups(args):
+        print(shlex.join(words))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``relaymoe`` command: one line and exit status 2 for a refused argument or file, no
+    traceback; 130 on Ctrl-C; quiet when its output's reader goes away (``relaymoe flags |
+    head``). The host warnings that ask nothing of the user are silenced first
+    (``relaymoe.host_warnings``)."""
+    from relaymoe.host_warnings import quiet_host_warnings
+
+    quiet_host_warnings()
     ns = _parser().parse_args(argv)
+    try:
+        rc = _run(ns)
+        sys.stdout.flush()  # a closed pipe shows here, not at exit
+        return rc
+    except BrokenPipeError:
+        # the reader stopped reading (head): nothing more to say, and nowhere to say it
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as a shell tool killed by it
+    except KeyboardInterrupt:
+        print(f"relaymoe {ns.command}: interrupted", file=sys.stderr)
+        return 130
+    except OSError as e:  # a file or folder the command cannot read or write
+        print(f"relaymoe {ns.command}: error: {_os_error(e)}", file=sys.stderr)
+        return 2
+
+
+def _os_error(e: OSError) -> str:
+    """An ``OSError`` as one line: what failed, on which path."""
+    what = e.strerror or str(e)
+    paths = [str(p) for p in (e.filename, e.filename2) if p is not None]
+    return f"{what}: {' -> '.join(paths)}" if paths else what
+
+
+def _run(ns) -> int:
     if ns.command == "flags":
         return _flags(ns)
     if ns.command == "data":

@@ -302,13 +302,13 @@ def check_bias_grads(b13, b2, db13, db2) -> None:
     for name, b, db in (("b13", b13, db13), ("b2", b2, db2)):
         if b is not None and db is None:
             raise ValueError(
-                f"expert_hop_backward: {name} is given but d{name} is None; pass a buffer "
-                f"shaped like {name} {tuple(b.shape)} (any float dtype, e.g. an fp32 "
-                f"torch.zeros) that the gradient is added into"
+                f"expert_hop_backward: {name} is given but grads.d{name} is None; pass a "
+                f"buffer shaped like {name} {tuple(b.shape)} (any float dtype, e.g. an fp32 "
+                f"torch.zeros) that the gradient is added into: HopGrads(d{name}=...)"
             )
         if b is not None and db.shape != b.shape:
             raise ValueError(
-                f"expert_hop_backward: d{name} has shape {tuple(db.shape)}, want {name}'s "
+                f"expert_hop_backward: grads.d{name} has shape {tuple(db.shape)}, want {name}'s "
                 f"{tuple(b.shape)}"
             )
 

@@ -9,7 +9,10 @@ squared ReLU, GPT-OSS's clamped SwiGLU, ...) with optional fc1/fc2 biases, as Me
 
 Two layers:
 - hop primitives ``expert_hop_forward`` / ``expert_hop_backward`` (no autograd): compute the
-  pairs of an expert range and accumulate into caller-owned buffers; a ring hop calls these.
+  pairs of an expert range and accumulate into caller-owned buffers; a ring hop calls these. Their
+  tensors are arguments of their own; how they compute (backend, kernels, activation, pair count,
+  gradient dtype) is one :class:`HopOptions`, and the backward's gradient buffers one
+  :class:`HopGrads`.
 - ``moe_experts``: an ``autograd.Function`` over the hop primitives with the oracle's semantics.
 
 Backends: ``"triton"`` (``relaymoe.kernels.experts``: gather-on-load grouped GEMMs, fused SwiGLU,
@@ -22,6 +25,7 @@ reference-speed path, not the memory-lean one; its activation backward is
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Literal
 
 import torch
@@ -38,17 +42,27 @@ from relaymoe.expert_inputs import (
     stack_experts,
 )
 from relaymoe.kernels import unit_cols
+from relaymoe.kernels.experts import HopGrads, HopOptions
 from relaymoe.kernels.select import kernel_options
 from relaymoe.options import KernelOptions
 from relaymoe.routing import RoutingIndex, build_routing_index
 
-__all__ = ["moe_experts", "expert_hop_forward", "expert_hop_backward", "resolve_backend"]
+__all__ = [
+    "HopGrads",
+    "HopOptions",
+    "expert_hop_backward",
+    "expert_hop_forward",
+    "moe_experts",
+    "resolve_backend",
+]
 
 Backend = Literal["auto", "triton", "torch"]
 Recompute = Literal["act", "act_retain", "fc1"]
 Save = Literal["act", "none"]
 RECOMPUTES = ("act", "act_retain", "fc1")
 SAVES = ("act", "none")
+HOP_DEFAULTS = HopOptions()  # a hop call without options
+GRAD_DEFAULTS = HopGrads()  # a hop backward that allocates every gradient
 # What the Triton kernels compute in: fp32 accumulation of 16-bit or fp32 operands. float64
 # cannot be honoured there; the torch backend keeps it (the oracle comparisons run on it).
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -146,11 +160,13 @@ def _torch_hop_forward(x_TH, w13, w2, probs_TK, index, e0, e1, out_TH, save, act
 
 
 def _torch_hop_backward(
-    dy_TH, x_TH, w13, w2, probs_TK, index, e0, e1, saved_h, dx, dprobs, dw13, dw2,
-    act, b13, b2, db13, db2,
-):  # fmt: skip
-    """Per-expert loop; every sum is a GEMM or a reduction of one expert's rows, in a fixed
-    order (no atomics): ``db2[e] = sum p * dy[tok]``, ``db13[e] = sum dh``."""
+    dy_TH, x_TH, w13, w2, probs_TK, index, e0, e1, saved_h, grads: HopGrads, act, b13, b2
+):
+    """Per-expert loop into ``grads`` (every buffer given, the bias gradients' with their
+    biases); every sum is a GEMM or a reduction of one expert's rows, in a fixed order (no
+    atomics): ``db2[e] = sum p * dy[tok]``, ``db13[e] = sum dh``."""
+    dx, dprobs, dw13, dw2 = grads.dx_TH, grads.dprobs_TK, grads.dw13, grads.dw2
+    db13, db2 = grads.db13, grads.db2
     offs = index.expert_token_offsets[e0 : e1 + 1].tolist()  # host sync (torch path only)
     start, stop = offs[0], offs[-1]
     if stop == start:
@@ -200,45 +216,39 @@ def expert_hop_forward(
     index: RoutingIndex,
     *,
     expert_range: tuple[int, int] | None = None,
-    out_TH: Tensor | None = None,
-    save: Save = "act",
-    backend: Backend = "auto",
-    n_pairs: int | None = None,
-    max_pairs: int | None = None,
-    kernels: KernelOptions | None = None,
-    activation: ExpertActivation | str | None = None,
     b13: Tensor | None = None,
     b2: Tensor | None = None,
+    out_TH: Tensor | None = None,
+    save: Save = "act",
+    options: HopOptions | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Add the pairs of experts ``expert_range=(e0, e1)`` (default: all) into ``out_TH``.
 
     ``w13_ElJH`` (El, J, H) / ``w2_ElHI`` (El, H, I) hold exactly experts ``[e0, e1)``; J is
-    ``activation.fc1_rows(I)`` (2I gated, I not). Returns ``(out_TH, saved)``: the range's
-    pre-activation ``h (P, J)`` (fc1 bias included) in expert-grouped order when
-    ``save="act"``; None when ``save="none"`` (the backward then recomputes it from ``x``,
-    ``w13`` and ``b13``).
-    ``n_pairs``: the range's pair count when the caller knows it (``offsets[e1] - offsets[e0]``);
-    it spares the Triton backend the host sync that sizes a partial range's buffers. Else
-    ``max_pairs``: an upper bound on it, which does the same (buffers sized from the bound;
-    ``save="act"`` needs the exact count). ``kernels``: how the Triton backend's kernels run
-    (``relaymoe.options.KernelOptions``; default: ``KernelOptions()``).
-    ``activation``: an ``ExpertActivation`` or a name (``relaymoe.activation.as_activation``;
-    None: SwiGLU). ``b13 (El, J)``, ``b2 (El, H)``: the range's fc1/fc2 biases, w13's dtype
-    (None: none); ``out[t] += p * (a @ w2[e]^T + b2[e])``.
+    ``activation.fc1_rows(I)`` (2I gated, I not). ``b13 (El, J)``, ``b2 (El, H)``: the range's
+    fc1/fc2 biases, w13's dtype (None: none); ``out[t] += p * (a @ w2[e]^T + b2[e])``. Returns
+    ``(out_TH, saved)``: the range's pre-activation ``h (P, J)`` (fc1 bias included) in
+    expert-grouped order when ``save="act"``; None when ``save="none"`` (the backward then
+    recomputes it from ``x``, ``w13`` and ``b13``).
+    ``options``: how it computes (:class:`HopOptions`; None: the defaults): the backend, the
+    Triton kernels' options, the activation (None: SwiGLU), and the range's pair count
+    (``n_pairs``, ``offsets[e1] - offsets[e0]``, when the caller knows it: it spares the Triton
+    backend the host sync that sizes a partial range's buffers; else ``max_pairs``, an upper
+    bound, which does the same: ``save="act"`` needs the exact count).
     """
     if save not in SAVES:
         raise ValueError(f"save must be one of {SAVES}, got {save!r}")
-    act = as_activation(activation)
+    options = HOP_DEFAULTS if options is None else options
+    act = as_activation(options.activation)
     check_fc1_rows("expert_hop_forward", w13_ElJH, w2_ElHI, act)
     e0, e1 = _range(expert_range, index)
-    if resolve_backend(backend, x_TH.device, x_TH.dtype) == "triton":
+    if resolve_backend(options.backend, x_TH.device, x_TH.dtype) == "triton":
         from relaymoe.kernels.experts import triton_hop_forward
 
         # out_TH=None: the combine writes every row (no zero fill, no read of zeros)
         return triton_hop_forward(
             x_TH, w13_ElJH, w2_ElHI, probs_TK, index, e0, e1, out_TH, save == "act",
-            n_pairs=n_pairs, max_pairs=max_pairs, kernels=kernels,
-            activation=act, b13=b13, b2=b2,
+            b13=b13, b2=b2, options=options,
         )  # fmt: skip
     if out_TH is None:
         out_TH = torch.zeros_like(x_TH)
@@ -257,70 +267,69 @@ def expert_hop_backward(
     index: RoutingIndex,
     *,
     expert_range: tuple[int, int] | None = None,
-    saved_h: Tensor | None = None,
-    dx_TH: Tensor | None = None,
-    dprobs_TK: Tensor | None = None,
-    dw13: Tensor | None = None,
-    dw2: Tensor | None = None,
-    backend: Backend = "auto",
-    consume_saved_h: bool = False,
-    n_pairs: int | None = None,
-    max_pairs: int | None = None,
-    grad_dtype: torch.dtype | None = None,
-    kernels: KernelOptions | None = None,
-    activation: ExpertActivation | str | None = None,
     b13: Tensor | None = None,
     b2: Tensor | None = None,
-    db13: Tensor | None = None,
-    db2: Tensor | None = None,
-    dw_accumulate: bool = True,
+    saved_h: Tensor | None = None,
+    consume_saved_h: bool = False,
+    grads: HopGrads | None = None,
+    options: HopOptions | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Gradients of the pairs of ``expert_range``; ADDS into the given buffers (zeros otherwise).
+    """Gradients of the pairs of ``expert_range``; ADDS into the buffers of ``grads`` (zeros
+    otherwise). Returns ``(dx_TH, dprobs_TK, dw13, dw2)``.
 
     Recomputes the pre-activation from ``x``, ``w13`` and ``b13`` when ``saved_h`` is None (the
-    activation is always recomputed from the pre-activation). Returns
-    ``(dx_TH, dprobs_TK, dw13, dw2)``.
+    activation is always recomputed from the pre-activation).
     ``consume_saved_h=True`` lets the Triton backend overwrite ``saved_h`` with its gradient
     (one (P, J) buffer less at the backward's peak); ``saved_h`` is garbage afterwards.
-    ``n_pairs``, ``max_pairs``, ``kernels``, ``activation``, ``b13``, ``b2``: as in
-    :func:`expert_hop_forward` (the same as its forward's). ``grad_dtype``: the dtype of the
-    weight gradients allocated here when ``dw13``/``dw2`` are None (default the weights').
-    ``db13 (El, J)`` / ``db2 (El, H)``: the bias gradients are ADDED into these caller-owned
-    buffers (any float dtype, e.g. fp32 accumulators); each is required when its bias is given
-    (``ValueError`` otherwise). ``db2[e] = sum over e's pairs of p * dy[tok]``, ``db13[e] =
-    sum of the pre-activation gradients dh`` (the probability included), and each pair's router
-    gradient gains ``dy[tok] . b2[e]``. ``dw_accumulate=False``: the given ``dw13``/``dw2`` are
-    written over instead of added into (their old values never read), bitwise what fresh
-    buffers would get: a recorded ring hop's first weight gradient into a bound buffer.
+    ``b13``, ``b2`` and ``options``: as in :func:`expert_hop_forward` (the same as its
+    forward's); ``options.grad_dtype``: the dtype of the weight gradients allocated here when
+    ``grads.dw13``/``dw2`` are None (default the weights').
+    ``grads`` (:class:`HopGrads`; None: every gradient allocated): ``dx_TH``, ``dprobs_TK``,
+    ``dw13``, ``dw2`` are added into; ``db13 (El, J)`` / ``db2 (El, H)``: the bias gradients
+    are ADDED into these caller-owned buffers (any float dtype, e.g. fp32 accumulators); each is
+    required when its bias is given (``ValueError`` otherwise). ``db2[e] = sum over e's pairs of
+    p * dy[tok]``, ``db13[e] = sum of the pre-activation gradients dh`` (the probability
+    included), and each pair's router gradient gains ``dy[tok] . b2[e]``.
+    ``grads.dw_accumulate=False``: the given ``dw13``/``dw2`` are written over instead of added
+    into (their old values never read), bitwise what fresh buffers would get: a recorded ring
+    hop's first weight gradient into a bound buffer.
     """
-    act = as_activation(activation)
-    check_bias_grads(b13, b2, db13, db2)
+    options = HOP_DEFAULTS if options is None else options
+    grads = GRAD_DEFAULTS if grads is None else grads
+    act = as_activation(options.activation)
+    check_bias_grads(b13, b2, grads.db13, grads.db2)
     check_fc1_rows("expert_hop_backward", w13_ElJH, w2_ElHI, act)
     e0, e1 = _range(expert_range, index)
-    if resolve_backend(backend, x_TH.device, x_TH.dtype) == "triton":
+    if resolve_backend(options.backend, x_TH.device, x_TH.dtype) == "triton":
         from relaymoe.kernels.experts import triton_hop_backward
 
         # buffers passed as None are allocated and written by the kernels (no zero fill)
         return triton_hop_backward(
-            dy_TH, x_TH, w13_ElJH, w2_ElHI, probs_TK, index, e0, e1,
-            saved_h, dx_TH, dprobs_TK, dw13, dw2, consume_saved_h=consume_saved_h,
-            n_pairs=n_pairs, max_pairs=max_pairs, grad_dtype=grad_dtype, kernels=kernels,
-            activation=act, b13=b13, b2=b2, db13=db13, db2=db2, dw_accumulate=dw_accumulate,
+            dy_TH, x_TH, w13_ElJH, w2_ElHI, probs_TK, index, e0, e1, saved_h, b13=b13, b2=b2,
+            consume_saved_h=consume_saved_h, grads=grads, options=options,
         )  # fmt: skip
-    if not dw_accumulate:  # the torch path adds into zeros, as into fresh buffers
-        for dw in (dw13, dw2):
+    grads = _torch_grads(grads, x_TH, w13_ElJH, w2_ElHI, probs_TK, options.grad_dtype)
+    _torch_hop_backward(
+        dy_TH, x_TH, w13_ElJH, w2_ElHI, probs_TK, index, e0, e1, saved_h, grads, act, b13, b2
+    )
+    return grads.dx_TH, grads.dprobs_TK, grads.dw13, grads.dw2
+
+
+def _torch_grads(grads: HopGrads, x_TH, w13, w2, probs_TK, grad_dtype) -> HopGrads:
+    """``grads`` with every buffer the torch backward adds into: zeros where none was given,
+    and the given weight gradients zeroed when written over (``dw_accumulate=False``: the torch
+    path adds into zeros, as into fresh buffers)."""
+    if not grads.dw_accumulate:
+        for dw in (grads.dw13, grads.dw2):
             if dw is not None:
                 dw.zero_()
-    dx_TH = torch.zeros_like(x_TH) if dx_TH is None else dx_TH
-    if dprobs_TK is None:
-        dprobs_TK = torch.zeros(probs_TK.shape, dtype=probs_TK.dtype, device=probs_TK.device)
-    dw13 = torch.zeros_like(w13_ElJH, dtype=grad_dtype) if dw13 is None else dw13
-    dw2 = torch.zeros_like(w2_ElHI, dtype=grad_dtype) if dw2 is None else dw2
-    _torch_hop_backward(
-        dy_TH, x_TH, w13_ElJH, w2_ElHI, probs_TK, index, e0, e1,
-        saved_h, dx_TH, dprobs_TK, dw13, dw2, act, b13, b2, db13, db2,
-    )  # fmt: skip
-    return dx_TH, dprobs_TK, dw13, dw2
+    dx = torch.zeros_like(x_TH) if grads.dx_TH is None else grads.dx_TH
+    dprobs = grads.dprobs_TK
+    if dprobs is None:
+        dprobs = torch.zeros(probs_TK.shape, dtype=probs_TK.dtype, device=probs_TK.device)
+    dw13 = torch.zeros_like(w13, dtype=grad_dtype) if grads.dw13 is None else grads.dw13
+    dw2 = torch.zeros_like(w2, dtype=grad_dtype) if grads.dw2 is None else grads.dw2
+    return replace(grads, dx_TH=dx, dprobs_TK=dprobs, dw13=dw13, dw2=dw2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -347,16 +356,15 @@ class _MoEExperts(torch.autograd.Function):
             # copied here, once, and the copy is what the backward reads (no second copy there)
             x, probs = unit_cols(x), probs.contiguous()
         save = "none" if recompute == "fc1" else "act"
+        options = HopOptions(backend=backend, kernels=kernels, activation=act)
         with torch.no_grad():
             result, saved_h = expert_hop_forward(
-                x, w13, w2, probs, index,
-                expert_range=expert_range, out_TH=out, save=save, backend=backend,
-                kernels=kernels, activation=act, b13=b13, b2=b2,
+                x, w13, w2, probs, index, expert_range=expert_range, b13=b13, b2=b2, out_TH=out,
+                save=save, options=options,
             )  # fmt: skip
         if out is not None:
             ctx.mark_dirty(out)
-        ctx.index, ctx.expert_range, ctx.backend = index, expert_range, backend
-        ctx.kernels, ctx.act = kernels, act
+        ctx.index, ctx.expert_range, ctx.options = index, expert_range, options
         # recompute="act" on Triton: the backward overwrites h with dh (a (P, J) buffer less at
         # the peak), so a second backward through the same graph must refuse.
         ctx.consume_h = recompute == "act" and backend == "triton"
@@ -375,16 +383,15 @@ class _MoEExperts(torch.autograd.Function):
                 "(first-order gradients) use recompute='act_retain' (keeps it) or 'fc1'"
             )
         x, w13, w2, probs, saved_h, b13, b2 = ctx.saved_tensors
-        if ctx.backend == "triton":
+        if ctx.options.backend == "triton":
             dy = unit_cols(dy)  # an expanded or transposed upstream gradient: one copy
         # bias gradients summed in fp32 or wider, returned in the biases' dtype
         db13 = None if b13 is None else torch.zeros_like(b13, dtype=_acc_dtype(b13.dtype))
         db2 = None if b2 is None else torch.zeros_like(b2, dtype=_acc_dtype(b2.dtype))
         dx, dprobs, dw13, dw2 = expert_hop_backward(
-            dy, x, w13, w2, probs, ctx.index,
-            expert_range=ctx.expert_range, saved_h=saved_h, backend=ctx.backend,
-            consume_saved_h=ctx.consume_h, kernels=ctx.kernels,
-            activation=ctx.act, b13=b13, b2=b2, db13=db13, db2=db2,
+            dy, x, w13, w2, probs, ctx.index, expert_range=ctx.expert_range, b13=b13, b2=b2,
+            saved_h=saved_h, consume_saved_h=ctx.consume_h, grads=HopGrads(db13=db13, db2=db2),
+            options=ctx.options,
         )  # fmt: skip
         ctx.h_consumed = ctx.consume_h and saved_h is not None
         d_out = dy if ctx.needs_input_grad[0] else None

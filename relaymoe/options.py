@@ -64,13 +64,13 @@ LINK_TRANSPORTS = ("nccl", "copy_engine")  # what a world of more than one rank 
 TRANSPORTS = ("local", *LINK_TRANSPORTS)  # as resolved by the runtime (local: a world of 1)
 MODE_CHOICES = (AUTO, *MODES)  # what a caller may ask for (ring_moe, flags, configs)
 TRANSPORT_CHOICES = (AUTO, *LINK_TRANSPORTS)
-# How the ring's ranks are ordered into hops (relaymoe/ring/schedule.py): one ring over the
+# How the ring's ranks are ordered into hops (relaymoe/ring/plan.py): one ring over the
 # group ("flat"), or rings inside each node joined by one hop to the next node that every GPU
 # of the node makes at once ("two_level"); "auto": two_level when the group spans nodes.
 SCHEDULES = ("flat", "two_level")
 # Expert mode only, asked for by name (not yet measured, so "auto" never picks it): rounds of a
 # whole node's experts, all-gathered inside the node, the column of each local rank a ring
-# across nodes (relaymoe/ring/nodebatch.py): one hop per node instead of per rank.
+# across nodes (relaymoe/ring/expert_mode.py): one hop per node instead of per rank.
 NODE_BATCHED = "node_batched"
 SCHEDULE_CHOICES = (AUTO, *SCHEDULES, NODE_BATCHED)
 # The dtype of the ring's weight-gradient accumulators (expert mode: the gradients that travel

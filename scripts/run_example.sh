@@ -16,7 +16,8 @@ Next (examples/qwen3/README.md walks through both):
      (makes a corpus, a tokenizer and the indexed dataset with 'relaymoe data'; trains ring and
      alltoall on it with a GPU, prints the training command without one)
   2. see the multi-node Qwen3-30B-A3B launch and what it needs, launching nothing:
-     DRY_RUN=1 NNODES=4 GPUS_PER_NODE=8 bash examples/qwen3/train.sh qwen3_30b_a3b
+     DRY_RUN=1 NNODES=4 GPUS_PER_NODE=8 MASTER_ADDR=10.0.0.1 bash examples/qwen3/train.sh qwen3_30b_a3b
+     (MASTER_ADDR: node 0's address; required with more than one node)
 NEXT
 }
 ngpu=$("$PY" -c 'import torch; print(torch.cuda.device_count())')

@@ -12,13 +12,21 @@ export TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS="${OMP_NUM_THR
 # tests (they check that a dead peer is named within a wall-clock timeout, so they run with no
 # other test beside them), serially. Exit status 5 (nothing collected) in one phase is fine as
 # long as the other ran tests.
+# The last line sums up both phases (each phase's own summary line, from its log).
+LOGS="$(mktemp -d)"; trap 'rm -rf "$LOGS"' EXIT
 set +e
 "$PY" -m pytest -q -ra --durations=15 -n "${RELAYMOE_TEST_WORKERS:-2}" --dist loadgroup \
-  -m "not alone" "$@"
-rc1=$?
-"$PY" -m pytest -q -ra -p no:xdist -m alone "$@"
-rc2=$?
+  -m "not alone" "$@" 2>&1 | tee "$LOGS/1"
+rc1=${PIPESTATUS[0]}
+"$PY" -m pytest -q -ra -p no:xdist -m alone "$@" 2>&1 | tee "$LOGS/2"
+rc2=${PIPESTATUS[0]}
 set -e
+summary() {  # pytest's last summary line of a phase ("N passed, M skipped ... in S s")
+  grep -E '^(=+ )?([0-9]+ [a-z]+|no tests ran).* in [0-9.]+s' "$1" | tail -n 1 \
+    | sed -E 's/^=+ //; s/ =+$//'
+}
+echo "[relaymoe] CPU suite: $(summary "$LOGS/1") (all but the 'alone' tests); \
+$(summary "$LOGS/2") (the 'alone' tests, on their own)"
 if [ "$rc1" -eq 5 ] && [ "$rc2" -eq 5 ]; then
   echo "pytest collected no tests: that is a failure" >&2
   exit 1

@@ -10,7 +10,7 @@ Rank 0 of an EP-rank ring, emulated in one process: the library's own passes
 (``expert_mode.expert_forward``/``expert_backward``, ``token_mode.token_forward``/
 ``token_backward``) run through the real executor (``executor.relay``: slots, the communication
 stream, the trail scratch adds, the bounded-wait bookkeeping) with a transport that moves
-nothing (``passes.transport_of`` patched for the pass), the passes' state in one
+nothing (``executor.transport_of`` patched for the pass), the passes' state in one
 ``RingRuntime`` per case (their ``RingCall`` made of the case's ``RingConfig``: the
 environment's, ``benchmarks.ENV_CONFIG``). Each hop computes what rank 0's hop computes at that
 EP: its tokens against the visiting slice of E/EP experts (expert mode, one
@@ -104,24 +104,28 @@ from relaymoe.activation import SWIGLU  # noqa: E402
 from relaymoe.cost import grad_accum_bytes  # noqa: E402
 from relaymoe.experts import expert_hop_backward, expert_hop_forward  # noqa: E402
 from relaymoe.options import RingConfig  # noqa: E402
-from relaymoe.ring import executor, passes  # noqa: E402
-from relaymoe.ring.agree import _bounded, _pairs_per_owner  # noqa: E402
+from relaymoe.ring import executor  # noqa: E402
+from relaymoe.ring.agreement import _bounded, _pairs_per_owner  # noqa: E402
 from relaymoe.ring.expert_mode import expert_backward, expert_forward  # noqa: E402
-from relaymoe.ring.passes import (  # noqa: E402
+from relaymoe.ring.plan import (  # noqa: E402
     IDX,
-    bias_grads,
+    RingProblem,
     expert_plans,
-    mlp,
     pair_rows,
     token_lead,
     token_plans,
+    token_trail,
     weights_layout,
 )
-from relaymoe.ring.problem import RingProblem  # noqa: E402
-from relaymoe.ring.runtime import Hop, RingCall, RingRuntime  # noqa: E402
+from relaymoe.ring.runtime import KernelChoice, RingCall, RingRuntime  # noqa: E402
 from relaymoe.ring.token_mode import token_backward, token_forward  # noqa: E402
-from relaymoe.ring.transport import Transport  # noqa: E402
-from relaymoe.ring.weights import FORWARD, LocalExperts  # noqa: E402
+from relaymoe.ring.weights import (  # noqa: E402
+    FORWARD,
+    LocalExperts,
+    biases,
+    hop_grads,
+    hop_options,
+)
 from relaymoe.routing import build_routing_index  # noqa: E402
 
 QWEN3 = dict(H=2048, I=768, E=128, K=8)
@@ -197,21 +201,21 @@ def expert_slice(data: dict, case: Case, p: int) -> dict:
     return {"w13": data["w13"][s], "w2": data["w2"][s]}
 
 
-def problem(case: Case, data: dict | None, config: RingConfig = ENV_CONFIG) -> RingProblem:
-    """Rank 0's agreed problem of an EP-rank ring (``agree.py``'s result for a trusted call):
+def agreed_problem(case: Case, data: dict | None, config: RingConfig = ENV_CONFIG) -> RingProblem:
+    """Rank 0's agreed problem of an EP-rank ring (``agreement.py``'s result for a trusted call):
     pair buffers from the bound under ``config.kernels.pair_buffer_mib``, else the exact counts
     (``data`` None: the problem before that choice, pairs None, for the plan)."""
     R, dt = case.ep, case.dtype
     grad = torch.float32 if grad_accum_bytes("auto", R, dt) > dt.itemsize else dt
-    prob = RingProblem(
+    problem = RingProblem(
         rank=0, world_size=R, num_local_experts=case.El, hidden=case.H, ffn=case.I,
         topk=case.K, dtype=dt, prob_dtype=dt, tokens=(case.tokens,) * R, mode=case.mode,
         transport="nccl", needs_grad=True, pairs=None, grad_dtype=grad,
         pair_buffer_mib=config.kernels.pair_buffer_mib, activation=SWIGLU,
     )  # fmt: skip
-    if data is None or _bounded(prob):
-        return prob
-    return replace(prob, pairs=pair_matrix(case, data))
+    if data is None or _bounded(problem):
+        return problem
+    return replace(problem, pairs=pair_matrix(case, data))
 
 
 def pair_matrix(case: Case, data: dict) -> tuple[tuple[int, ...], ...]:
@@ -234,7 +238,7 @@ def hop_pairs(case: Case, data: dict) -> float:
 # ---------------------------------------------------------------------------------------------
 # the transport that moves nothing (or, for the CPU check, what the peers would have sent)
 # ---------------------------------------------------------------------------------------------
-class Emulated(Transport):
+class Emulated(executor.Transport):
     """Rank 0's transport in a ring of ``plan.world_size`` ranks, without the peers.
 
     ``issue`` moves nothing (``leads`` None), or, for the check, writes what the ring would
@@ -310,12 +314,12 @@ def packed(layout, tensors: dict, device) -> torch.Tensor:
     return buf
 
 
-def lead_of(case: Case, prob: RingProblem, data: dict, direction: str, p: int):
+def lead_of(case: Case, problem: RingProblem, data: dict, direction: str, p: int):
     """``(layout, tensors)`` of partition ``p``'s lead in ``direction``'s pass."""
     if case.mode == "expert":
-        return weights_layout(prob), expert_slice(data, case, p)
+        return weights_layout(problem), expert_slice(data, case, p)
     part = part_of(data, p)
-    lay = token_lead(prob, case.tokens, direction == "bwd")
+    lay = token_lead(problem, case.tokens, direction == "bwd")
     return lay, {n: part[n] for n in lay.names}
 
 
@@ -358,7 +362,7 @@ class Ring:
     ``config``: the case's options (default the environment's, ``benchmarks.ENV_CONFIG``);
     ``runtime``: the case's ``RingRuntime`` (its recorded hops, streams, lag watch: a fresh one
     per ring, so no case's recorded hops or static buffers count in another's); ``call``: the
-    ``RingCall`` its passes get, rebuilt when ``how`` (its ``Hop``) is set."""
+    ``RingCall`` its passes get, rebuilt when its ``kernel_choice`` is set."""
 
     def __init__(self, case: Case, *, group=None, check: bool = False, seed: int = 0,
                  config: RingConfig = ENV_CONFIG):  # fmt: skip
@@ -369,20 +373,20 @@ class Ring:
         self.group, self.config = group, config
         self.runtime = RingRuntime(group)
         self.data = make_data(case, distinct=check, seed=seed)
-        self.prob = prob = problem(case, self.data, config)
-        self.how = Hop(case.backend, config.kernels)
+        self.problem = problem = agreed_problem(case, self.data, config)
+        self.kernel_choice = KernelChoice(case.backend, config.kernels)
         own = expert_slice(self.data, case, 0)
         self.experts = LocalExperts(own["w13"], own["w2"])
         self.mine = part_of(self.data, 0)
-        fwd, bwd = expert_plans(prob) if case.mode == "expert" else token_plans(prob)
+        fwd, bwd = expert_plans(problem) if case.mode == "expert" else token_plans(problem)
         self.transports = {}
         for direction, plan in (("fwd", fwd), ("bwd", bwd)):
             if check:
-                leads = {p: packed(*lead_of(case, prob, self.data, direction, p), self.dev)
+                leads = {p: packed(*lead_of(case, problem, self.data, direction, p), self.dev)
                          for p in range(case.ep)}  # fmt: skip
                 tr = Emulated(group, plan, leads=leads)
             else:
-                lay, tensors = lead_of(case, prob, self.data, direction, plan.partition(1))
+                lay, tensors = lead_of(case, problem, self.data, direction, plan.partition(1))
                 tr = Emulated(group, plan, prefill=lambda s, lay=lay, t=tensors: _fill(lay, s, t))
             self.transports[direction] = tr
         self.index = None
@@ -391,38 +395,38 @@ class Ring:
         self.indices = None  # token mode: each visiting partition's, from a forward
 
     @property
-    def how(self) -> Hop:
+    def kernel_choice(self) -> KernelChoice:
         """How the passes' hops compute (``hop_library.capturing`` sets ``capture``)."""
-        return self.call.hop
+        return self.call.kernel_choice
 
-    @how.setter
-    def how(self, hop: Hop) -> None:
-        self.call = RingCall.of(self.group, self.runtime, hop, self.config)
+    @kernel_choice.setter
+    def kernel_choice(self, choice: KernelChoice) -> None:
+        self.call = RingCall.of(self.group, self.runtime, choice, self.config)
 
     @contextlib.contextmanager
     def _transport(self, direction: str):
         tr = self.transports[direction]
-        with mock.patch.object(passes, "transport_of", lambda prob, call: tr):
+        with mock.patch.object(executor, "transport_of", lambda problem, call: tr):
             yield tr
 
     def forward(self):
-        m, prob, call = self.mine, self.prob, self.call
+        m, problem, call = self.mine, self.problem, self.call
         with self._transport("fwd"):
             if self.case.mode == "expert":
-                return expert_forward(prob, call, m["x"], self.experts, m["probs"], self.index,
+                return expert_forward(problem, call, m["x"], self.experts, m["probs"], self.index,
                                       FORWARD)  # fmt: skip
-            out, self.indices = token_forward(prob, call, m["x"], self.experts, m["probs"],
+            out, self.indices = token_forward(problem, call, m["x"], self.experts, m["probs"],
                                               m["idx"], FORWARD)  # fmt: skip
             return out
 
     def backward(self):
-        m, prob, call = self.mine, self.prob, self.call
+        m, problem, call = self.mine, self.problem, self.call
         if self.case.mode == "token" and self.indices is None:
             self.forward()
         index = self.index if self.case.mode == "expert" else self.indices
         fn = expert_backward if self.case.mode == "expert" else token_backward
         with self._transport("bwd"):
-            return fn(prob, call, m["dy"], m["x"], self.experts, m["probs"], index, FORWARD)
+            return fn(problem, call, m["dy"], m["x"], self.experts, m["probs"], index, FORWARD)
 
     def run(self, direction: str):
         return self.forward() if direction == "fwd" else self.backward()
@@ -441,17 +445,17 @@ def hop_outputs(case: Case, seed: int = 0) -> dict:
     out = ring.forward()
     fwd_trails = dict(ring.transports["fwd"].trails)
     dx, dprobs, grads = ring.backward()
-    return {"ring": ring, "data": ring.data, "prob": ring.prob, "out": out, "dx": dx,
+    return {"ring": ring, "data": ring.data, "problem": ring.problem, "out": out, "dx": dx,
             "dprobs": dprobs, "grads": grads, "fwd_trails": fwd_trails,
             "bwd_trails": dict(ring.transports["bwd"].trails)}  # fmt: skip
 
 
-def trail_views(case: Case, prob: RingProblem, direction: str, buf: torch.Tensor) -> dict:
+def trail_views(case: Case, problem: RingProblem, direction: str, buf: torch.Tensor) -> dict:
     """A captured trail's typed views: ``dw13``/``dw2`` (expert backward), ``out`` (token
     forward), ``dx``/``dprobs`` (token backward)."""
     if case.mode == "expert":
-        return weights_layout(prob, "d").views(buf)
-    return passes.token_trail(prob, case.tokens, direction == "bwd").views(buf)
+        return weights_layout(problem, "d").views(buf)
+    return token_trail(problem, case.tokens, direction == "bwd").views(buf)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -666,14 +670,14 @@ def hop_body(ring: Ring, direction: str):
     """``(body, outputs)``: hop 1's compute of the pass, as the pass's compute calls the hop
     primitives, on static buffers (pair buffers from the bound: ``pairs=None``), and the
     buffers it adds into."""
-    case, how = ring.case, ring.how
-    prob = replace(ring.prob, pairs=None)
-    p = prob.world_size - 1  # hop 1's partition of rank 0 (flat ring)
-    kw = dict(backend=how.backend, kernels=how.kernels)
+    case, choice = ring.case, ring.kernel_choice
+    problem = replace(ring.problem, pairs=None)
+    p = problem.world_size - 1  # hop 1's partition of rank 0 (flat ring)
     if case.mode == "expert":
         m, w = ring.mine, expert_slice(ring.data, case, p)
         rng = (p * case.El, (p + 1) * case.El)
-        kw.update(expert_range=rng, **pair_rows(prob, 0, p), **mlp(prob, w))
+        kw = dict(expert_range=rng, **biases(w),
+                  options=hop_options(problem, choice, pair_rows(problem, 0, p)))  # fmt: skip
         if direction == "fwd":
             out = torch.zeros_like(m["x"])
 
@@ -682,21 +686,20 @@ def hop_body(ring: Ring, direction: str):
                                    out_TH=out, save="none", **kw)  # fmt: skip
 
             return body, {"out": out}
-        dw = weights_layout(prob, "d").views(
-            torch.zeros(weights_layout(prob, "d").nbytes, dtype=torch.uint8, device=ring.dev)
+        dw = weights_layout(problem, "d").views(
+            torch.zeros(weights_layout(problem, "d").nbytes, dtype=torch.uint8, device=ring.dev)
         )
         o = {"dx": torch.zeros_like(m["x"]), "dprobs": torch.zeros_like(m["probs"]), **dw}
 
         def body():  # the trail's weight gradients written over, as the pass's hops do
             expert_hop_backward(m["dy"], m["x"], w["w13"], w["w2"], m["probs"], ring.index,
-                                saved_h=None, dx_TH=o["dx"], dprobs_TK=o["dprobs"],
-                                dw13=o["dw13"], dw2=o["dw2"], dw_accumulate=False,
-                                **bias_grads(o), **kw)  # fmt: skip
+                                grads=hop_grads(o, dw_accumulate=False), **kw)  # fmt: skip
 
         return body, o
     s, local = p, expert_slice(ring.data, case, 0)
     part = part_of(ring.data, s)
-    kw.update(expert_range=prob.expert_range, **pair_rows(prob, s, 0), **mlp(prob, local))
+    kw = dict(expert_range=problem.expert_range, **biases(local),
+              options=hop_options(problem, choice, pair_rows(problem, s, 0)))  # fmt: skip
     if direction == "fwd":
         out = torch.zeros_like(part["x"])
 
@@ -707,15 +710,14 @@ def hop_body(ring: Ring, direction: str):
 
         return body, {"out": out}
     index = build_routing_index(part["idx"], case.E, validate=False)
-    acc = prob.accum_dtype
+    acc = problem.accum_dtype
     o = {"dx": torch.zeros_like(part["x"]), "dprobs": torch.zeros_like(part["probs"]),
          "dw13": torch.zeros_like(local["w13"], dtype=acc),
          "dw2": torch.zeros_like(local["w2"], dtype=acc)}  # fmt: skip
 
     def body():  # a hop after the first: the local weight gradients are added into
         expert_hop_backward(part["dy"], part["x"], local["w13"], local["w2"], part["probs"],
-                            index, saved_h=None, dx_TH=o["dx"], dprobs_TK=o["dprobs"],
-                            dw13=o["dw13"], dw2=o["dw2"], **bias_grads({}), **kw)  # fmt: skip
+                            index, grads=hop_grads(o), **kw)  # fmt: skip
 
     return body, o
 
@@ -871,7 +873,7 @@ def print_plan(plan: list[Case], a) -> None:
           f"{' (+ ' + ', '.join(extra) + ')' if extra else ''}; {a.warmup} warm-up, "
           f"{a.passes} timed, {a.profile_passes} profiled passes each")  # fmt: skip
     mib = ENV_CONFIG.kernels.pair_buffer_mib
-    bounded = {c: _bounded(problem(c, None)) for c in plan}  # the library's own test
+    bounded = {c: _bounded(agreed_problem(c, None)) for c in plan}  # the library's own test
     refused = {c: hop_library.plan_note(c, bounded[c]) for c in plan}
     for c in plan:
         print(f"  {c.mode:6s} EP {c.ep:3d} T {c.tokens:6d}: {c.ep} hops of {c.El} experts, "
@@ -985,11 +987,11 @@ def main(argv=None) -> int:
                "mode": case.mode, "ep": case.ep, "tokens": case.tokens,
                "experts_per_hop": case.El, "pairs_per_hop": round(pairs, 1),
                "pair_bound": case.pair_bound,
-               "pair_buffers": "bound" if ring.prob.pairs is None else "exact",
+               "pair_buffers": "bound" if ring.problem.pairs is None else "exact",
                "hops": case.ep, "H": case.H, "I": case.I, "E": case.E, "K": case.K,
                "dtype": str(case.dtype).removeprefix("torch."), "backend": case.backend,
-               "grad_dtype": str(ring.prob.accum_dtype).removeprefix("torch."),
-               "pair_buffer_mib": ring.prob.pair_buffer_mib}  # fmt: skip
+               "grad_dtype": str(ring.problem.accum_dtype).removeprefix("torch."),
+               "pair_buffer_mib": ring.problem.pair_buffer_mib}  # fmt: skip
         for direction in DIRECTIONS:
             head = {**tag, "direction": direction}
             r = merged(timed[case, direction, "eager"],

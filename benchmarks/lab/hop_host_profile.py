@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import dataclasses
 import gc
 import itertools
 import os
@@ -43,7 +44,7 @@ import torch  # noqa: E402
 from benchmarks.common import JsonlWriter, environment  # noqa: E402
 from benchmarks.lab import hop_cost, hop_library  # noqa: E402
 from relaymoe.ring import executor, expert_mode, hop_graphs, token_mode  # noqa: E402
-from relaymoe.ring.layout import Layout  # noqa: E402
+from relaymoe.ring.plan import Layout  # noqa: E402
 from relaymoe.routing import RoutingIndex  # noqa: E402
 
 # A part's name -> (the object and attribute its timer wraps). Where a module imported the
@@ -65,8 +66,8 @@ PARTS = {
     "layout.runs": (Layout, "runs"),
     "offsets_for": (RoutingIndex, "offsets_for"),
 }
-# A part that is a callback a function is given: name -> (owner, function, keyword) (each mode's
-# hop compute, which ``ring_pass`` hands to ``executor.relay``)
+# A part that is a callback of the pass a function is given: name -> (owner, function, the
+# ``PassWork`` field) (each mode's hop compute, which ``ring_pass`` hands to ``executor.relay``)
 ARG_PARTS = {
     "compute.token": (token_mode, "ring_pass", "compute"),
     "compute.expert": (expert_mode, "ring_pass", "compute"),
@@ -153,12 +154,14 @@ class _PartTimers:
 
         return timed
 
-    def wrap_arg(self, name: str, fn, keyword: str):
-        """``fn`` with its ``keyword`` argument wrapped as :meth:`wrap` wraps a part."""
+    def wrap_arg(self, name: str, fn, field: str):
+        """``fn`` with the ``field`` callback of its ``PassWork`` argument (its last positional
+        one) wrapped as :meth:`wrap` wraps a part."""
 
         def given(*args, **kw):
-            kw[keyword] = self.wrap(name, kw[keyword])
-            return fn(*args, **kw)
+            work = args[-1]
+            work = dataclasses.replace(work, **{field: self.wrap(name, getattr(work, field))})
+            return fn(*args[:-1], work, **kw)
 
         return given
 
@@ -172,8 +175,8 @@ def parts(ring, direction: str, n: int) -> dict:
             stack.enter_context(
                 mock.patch.object(owner, attr, timers.wrap(name, getattr(owner, attr)))
             )
-        for name, (owner, attr, keyword) in ARG_PARTS.items():
-            wrapped = timers.wrap_arg(name, getattr(owner, attr), keyword)
+        for name, (owner, attr, field) in ARG_PARTS.items():
+            wrapped = timers.wrap_arg(name, getattr(owner, attr), field)
             stack.enter_context(mock.patch.object(owner, attr, wrapped))
         for _ in range(n):
             if ring.dev.type == "cuda":

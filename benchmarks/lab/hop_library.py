@@ -1,7 +1,7 @@
 """hop_cost.py's library rows (``--library``): a pass with the library's own recorded hops.
 
 The row (``captured: True``, ``capture_path: "library"``) of the whole pass as hop_cost's eager
-row runs it, with ``RingConfig.capture_hops`` on (``Hop(..., capture=True)``: each hop's
+row runs it, with ``RingConfig.capture_hops`` on (``KernelChoice(..., capture=True)``: each hop's
 compute through ``relaymoe/ring/hop_graphs.py``'s cache, recorded once per key and replayed),
 measured exactly as the eager row (``hop_cost.measure_pass``) after a recording pass and the
 passes that settle it: the cache records an entry on the first use of its key and addresses
@@ -50,14 +50,14 @@ import math
 import torch
 
 from relaymoe.activation import SWIGLU
-from relaymoe.ring import hop_graphs, hop_index
+from relaymoe.ring import hop_graphs
 
 MiB = 2**20
 
 
 def needed_mib(case) -> int:
     """The ``pair_buffer_mib`` a case needs for its pair buffers to be sized from the bound
-    (``agree._bounded``: the backward's ``(T * min(K, E/EP), J)`` pre-activation), below which
+    (``agreement._bounded``: the backward's ``(T * min(K, E/EP), J)`` pre-activation), below which
     a call counts its pairs exactly and ``hop_graphs.refusal`` refuses to record its hops."""
     return math.ceil(case.pair_bound * SWIGLU.fc1_rows(case.I) * case.dtype.itemsize / MiB)
 
@@ -75,13 +75,13 @@ def plan_note(case, bounded: bool) -> str | None:
 
 @contextlib.contextmanager
 def capturing(ring):
-    """``ring``'s passes with the library's capture on (``Hop.capture``), for the block."""
-    how = ring.how
-    ring.how = how._replace(capture=True)
+    """``ring``'s passes with the library's capture on (``KernelChoice.capture``), for the block."""
+    choice = ring.kernel_choice
+    ring.kernel_choice = choice._replace(capture=True)
     try:
         yield ring
     finally:
-        ring.how = how
+        ring.kernel_choice = choice
 
 
 def held(ring) -> tuple[int, int]:
@@ -137,11 +137,11 @@ def outputs(ring, direction: str, views) -> dict[str, torch.Tensor]:
     if ring.case.mode == "token" and direction == "fwd":
         for p, index in sorted(ring.indices.items()):
             index = getattr(index, "index", index)  # a recorded forward's PackedIndex
-            got.update({f"index{p}.{k}": getattr(index, k) for k in hop_index.INDEX_FIELDS})
+            got.update({f"index{p}.{k}": getattr(index, k) for k in hop_graphs.INDEX_FIELDS})
     out = {k: v.clone() for k, v in got.items()}
     for p, buf in sorted(tr.trails.items()):  # the transport's clones already
-        out.update({f"trail{p}.{k}": v
-                    for k, v in views(ring.case, ring.prob, direction, buf).items()})  # fmt: skip
+        trail = views(ring.case, ring.problem, direction, buf)
+        out.update({f"trail{p}.{k}": v for k, v in trail.items()})
     tr.trails = {}
     if ring.dev.type == "cuda":
         torch.cuda.synchronize()
@@ -168,7 +168,7 @@ def library_row(ring, direction: str, a, measure, views, *, compare: bool = True
     ``hop_cost.measure_pass`` (or a partial of it), ``views`` ``hop_cost.trail_views``: the
     eager pass's :func:`outputs` against a replayed pass's (``compare=False``: not compared,
     for the profiled half of a row whose timed half compared them)."""
-    why = hop_graphs.refusal(ring.prob, ring.how.backend, ring.dev)
+    why = hop_graphs.refusal(ring.problem, ring.kernel_choice.backend, ring.dev)
     if why is not None:
         return {"capture_error": f"refused (hop_graphs.refusal): {why}",
                 "capture_error_at": "relaymoe/ring/hop_graphs.py (refusal)"}  # fmt: skip

@@ -31,11 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks import ENV_CONFIG  # noqa: E402
 from benchmarks.common import environment  # noqa: E402
 from benchmarks.numerics import free_port  # noqa: E402
-from relaymoe.ring.executor import relay  # noqa: E402
-from relaymoe.ring.layout import Layout  # noqa: E402
-from relaymoe.ring.runtime import Hop, RingCall, RingRuntime  # noqa: E402
-from relaymoe.ring.schedule import RingPlan  # noqa: E402
-from relaymoe.ring.transport import Transport  # noqa: E402
+from relaymoe.ring.executor import PassWork, Transport, relay  # noqa: E402
+from relaymoe.ring.plan import Layout, RingPlan  # noqa: E402
+from relaymoe.ring.runtime import KernelChoice, RingCall, RingRuntime  # noqa: E402
 
 
 class _NoTransfer(Transport):
@@ -85,12 +83,15 @@ def main(argv=None) -> int:
     transport = _NoTransfer(group, persistent=a.persistent_slots)
     # every pass one call's view of one runtime (its lag watch and slot memo kept across passes,
     # as a dispatcher's), with the environment's host wait and timeout; the hop computes nothing
-    call = RingCall.of(group, RingRuntime(group), Hop("torch", ENV_CONFIG.kernels), ENV_CONFIG)
+    call = RingCall.of(
+        group, RingRuntime(group), KernelChoice("torch", ENV_CONFIG.kernels), ENV_CONFIG
+    )
 
     def one_pass():
-        relay(plan, lead_layout=lambda p: lead, own_lead=own, trail_layout=lambda p: trail,
-              compute=lambda *args: None, transport=transport, device=torch.device("cpu"),
-              call=call, mode="expert", phase="bwd")  # fmt: skip
+        work = PassWork(lead_layout=lambda p: lead, own_lead=own, compute=lambda *args: None,
+                        trail_layout=lambda p: trail)  # fmt: skip
+        relay(plan, work, transport=transport, device=torch.device("cpu"), call=call,
+              mode="expert", phase="bwd")  # fmt: skip
 
     for _ in range(20):
         one_pass()

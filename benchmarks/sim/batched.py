@@ -1,5 +1,5 @@
 """Node-batched rounds of the expert ring (``schedule="node_batched"``, ``relaymoe/ring/
-nodebatch.py``) in the simulator: ``N = EP/G`` hops a pass instead of ``EP - 1``.
+expert_mode.py``) in the simulator: ``N = EP/G`` hops a pass instead of ``EP - 1``.
 
 A round on GPU ``(n, g)``, as the runtime runs it: the node all-gathers its G partitions over
 NVLink (each GPU receives ``G - 1`` partitions; before the round's compute, not hidden), then the

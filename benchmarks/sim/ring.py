@@ -86,7 +86,7 @@ def hop_payloads(
 
 def _routes(cluster: Cluster, schedule: str) -> list[list[int]]:
     """``part[s][r]``: the partition rank ``r`` computes at step ``s`` (``cost.schedule_rank``
-    inverted; the order of ``relaymoe/ring/schedule.py``)."""
+    inverted; the order of ``relaymoe/ring/plan.py``)."""
     R, G = cluster.ep, cluster.gpus_per_node
     part = [[0] * R for _ in range(R)]
     for s in range(R):

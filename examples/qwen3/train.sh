@@ -6,7 +6,8 @@
 #
 # One invocation per node (torchrun), or under SLURM via examples/qwen3/slurm.sbatch.
 # examples/qwen3/README.md is the walk-through. Environment:
-#   NNODES (4), GPUS_PER_NODE (8), NODE_RANK (0; SLURM_NODEID under srun), MASTER_ADDR, MASTER_PORT
+#   NNODES (4), GPUS_PER_NODE (8), NODE_RANK (0; SLURM_NODEID under srun), MASTER_ADDR (node 0's
+#                 address: required when NNODES > 1; localhost on one node), MASTER_PORT (29500)
 #   DATA_PATH     Megatron indexed dataset prefix(es) ("/data/qwen_text_document", or weighted
 #                 "0.7 /data/a_text_document 0.3 /data/b_text_document"); unset: mock data
 #   TOKENIZER     with DATA_PATH: the local Hugging Face tokenizer folder the data was made with
@@ -19,7 +20,9 @@
 #   TRAIN_ITERS (500), PYTHON (default: the project's .venv/bin/python, made by scripts/test.sh)
 #   DRY_RUN=1     check everything, print the launch command and what the run needs; launch nothing
 # The paper's setup (RelayMoE §4): 32 GPUs, TP=2 (+SP), CP=4, PP=4, EP=8, ETP=1 -- it is in the configs.
-# Every check runs before anything is launched; a failed one stops here with a non-zero exit.
+# Every check runs before anything is launched (relaymoe/megatron/preflight.py: the cluster, the
+# data, the tokenizer, the checkpoint the run reads, the options); a failed one stops here with
+# exit status 2 and one line per problem, its fix included.
 set -euo pipefail
 CONFIG="${1:?usage: train.sh CONFIG [extra megatron args]}"; shift
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -27,6 +30,7 @@ ROOT="$(cd "$HERE/../.." && pwd)"
 PY="${PYTHON:-$ROOT/.venv/bin/python}"
 NNODES="${NNODES:-4}"; GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
 NODE_RANK="${NODE_RANK:-${SLURM_NODEID:-0}}"
+MASTER_GIVEN="${MASTER_ADDR:-}"  # required across nodes (the preflight checks it)
 MASTER_ADDR="${MASTER_ADDR:-localhost}"; MASTER_PORT="${MASTER_PORT:-29500}"
 DISPATCHER="${DISPATCHER:-ring}"
 TRAIN_ITERS="${TRAIN_ITERS:-500}"
@@ -43,6 +47,7 @@ command -v "$PY" >/dev/null 2>&1 || die "no Python at $PY: run 'bash scripts/tes
   || die "NODE_RANK=$NODE_RANK must be an integer in [0, NNODES=$NNODES) (this node's index)"
 [[ "$TRAIN_ITERS" =~ ^[1-9][0-9]*$ && "$SAVE_INTERVAL" =~ ^[1-9][0-9]*$ ]] \
   || die "TRAIN_ITERS=$TRAIN_ITERS and SAVE_INTERVAL=$SAVE_INTERVAL must be positive integers"
+[[ "$MASTER_PORT" =~ ^[1-9][0-9]*$ ]] || die "MASTER_PORT=$MASTER_PORT must be a port number"
 WORLD=$((NNODES * GPUS_PER_NODE))
 [ -f "$CONFIG" ] && CONFIG="$(cd "$(dirname "$CONFIG")" && pwd)/$(basename "$CONFIG")"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # relaymoe from this checkout
@@ -50,13 +55,15 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # relaymoe from this check
 # Model, parallelism and batch flags come from the config; `relaymoe flags --world` refuses a
 # layout that does not fill NNODES*GPUS_PER_NODE. Captured in a plain assignment (not inside
 # `mapfile < <(...)`, whose failure bash ignores) so that a refusal stops the script; its
-# message is the error, reported once.
+# message is the error, reported once. One flag and its values per line (no value has a space).
 ERRF="$(mktemp)"; trap 'rm -f "$ERRF"' EXIT
 if ! FLAGS="$("$PY" -m relaymoe flags --config "$CONFIG" --dispatcher "$DISPATCHER" \
     --world "$WORLD" 2>"$ERRF")"; then
   die "$(sed -e 's/^relaymoe flags: error: //' "$ERRF")"
 fi
-mapfile -t MODEL_ARGS <<<"$FLAGS"
+MODEL_ARGS=()
+while read -r -a WORDS; do MODEL_ARGS+=("${WORDS[@]}"); done <<<"$FLAGS"
+NOTES=()  # printed once the checks pass
 
 flag_value() {  # flag_value --name: its value in MODEL_ARGS (1 when absent)
   local i
@@ -74,19 +81,11 @@ TRAIN_ARGS=(--train-iters "$TRAIN_ITERS" --lr 3e-4 --min-lr 3e-5 --lr-decay-styl
             --log-throughput --distributed-backend nccl)
 HAVE_TE=1
 "$PY" -c "import transformer_engine" >/dev/null 2>&1 || HAVE_TE=0
-if [ "$HAVE_TE" = 0 ]; then
-  if [ "$CP" -gt 1 ] && [ "$DRY" != 1 ]; then
-    die "config $CONFIG uses context parallelism (CP=$CP), which Megatron runs only with \
-TransformerEngine, and $PY cannot import transformer_engine; fix: install it into that \
-environment ('$PY -m pip install -e \"$ROOT[te]\"', or transformer-engine[pytorch] matching \
-your CUDA and torch), or use a config with parallel.cp: 1"
-  fi
-  if [ "$CP" -eq 1 ]; then
-    echo "[relaymoe] TransformerEngine not found: using --transformer-impl local" >&2
-    TRAIN_ARGS+=(--transformer-impl local --no-rope-fusion --no-persist-layer-norm
-                --no-masked-softmax-fusion)
-  fi  # CP > 1 in a dry run: the command is the TE one, and the checks say what it needs
-fi
+if [ "$HAVE_TE" = 0 ] && [ "$CP" -eq 1 ]; then
+  NOTES+=("TransformerEngine not found: using --transformer-impl local")
+  TRAIN_ARGS+=(--transformer-impl local --no-rope-fusion --no-persist-layer-norm
+              --no-masked-softmax-fusion)
+fi  # CP > 1 without TE: the command is the TE one; the preflight refuses it (a dry run says so)
 
 DATA_ARGS=()
 if [ -n "${DATA_PATH:-}" ]; then
@@ -111,8 +110,8 @@ if [ -n "${SAVE_DIR:-}" ]; then
   if [ "$HAVE_TE" = 0 ] && printf '%s\n' "${MODEL_ARGS[@]}" | grep -qx -- --use-distributed-optimizer \
      && ! "$PY" -c "import apex" >/dev/null 2>&1; then
     # megatron-core 0.19.2's distributed optimizer cannot load its own state without TE or Apex
-    echo "[relaymoe] no TransformerEngine or Apex: a resumed run loads the weights, iteration \
-and RNG state but not the optimizer state (--no-load-optim; Adam's moments restart)" >&2
+    NOTES+=("no TransformerEngine or Apex: a resumed run loads the weights, iteration and RNG \
+state but not the optimizer state (--no-load-optim; Adam's moments restart)")
     CKPT_ARGS+=(--no-load-optim)
   fi
 elif [ -n "${PRETRAINED:-}" ]; then
@@ -130,14 +129,22 @@ CMD=("$PY" -m torch.distributed.run --nnodes "$NNODES" --nproc-per-node "$GPUS_P
      --node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
      "${ENTRY[@]}" "${ARGS[@]}")
 
-# The data, the tokenizer, a checkpoint to start from, the whole command line through
-# Megatron's own parser, and what the run needs (relaymoe/megatron/preflight.py).
-CHECK=(--vocab-size "$VOCAB" --have-te "$HAVE_TE")
+# The cluster, the data, the tokenizer, the checkpoint the run reads, the whole command line
+# through Megatron's own parser and the launch's option checks, and what the run needs
+# (relaymoe/megatron/preflight.py); each problem is one line on stderr, then exit status 2.
+CHECK=(--vocab-size "$VOCAB" --have-te "$HAVE_TE" --nnodes "$NNODES"
+       --gpus-per-node "$GPUS_PER_NODE" --master-addr "$MASTER_GIVEN" --master-port "$MASTER_PORT")
 [ -n "${DATA_PATH:-}" ] && CHECK+=(--data-path "$DATA_PATH" --tokenizer "$TOKENIZER")
 [ -n "${PRETRAINED:-}" ] && CHECK+=(--pretrained "$PRETRAINED")
-[ "$DRY" = 1 ] && CHECK+=(--dry-run)
-"$PY" -m relaymoe.megatron.preflight "${CHECK[@]}" -- "${ARGS[@]}" \
-  || die "the checks above failed"
+[ -n "${SAVE_DIR:-}" ] && CHECK+=(--save-dir "$SAVE_DIR")
+if [ "$DRY" = 1 ]; then
+  CHECK+=(--dry-run)
+else  # the GPUs torchrun's processes will see on this node
+  GPUS_SEEN="$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)"
+  CHECK+=(--visible-gpus "${GPUS_SEEN:-0}")
+fi
+"$PY" -m relaymoe.megatron.preflight "${CHECK[@]}" -- "${ARGS[@]}" || exit 2
+for note in "${NOTES[@]}"; do echo "[relaymoe] $note" >&2; done
 
 if [ "$DRY" = 1 ]; then
   {

@@ -35,9 +35,11 @@ elif [ "$DATA" = real ]; then
     echo "[relaymoe] preparing the real-data corpus in $WORKDIR" >&2
     "$PY" examples/tiny_qwen3/make_corpus.py "$WORKDIR"
   fi
-  # a completed output is kept (relaymoe data checks its manifest), an interrupted one resumed
+  # a completed output is kept (relaymoe data checks its manifest), an interrupted one resumed;
+  # its report and the flags it prints (after its "Megatron flags" header) go to stderr, this
+  # script's stdout being the training command
   "$PY" -m relaymoe data --input "$WORKDIR/corpus.jsonl" --output-prefix "$WORKDIR/stdlib" \
-    --tokenizer "$WORKDIR/tokenizer" --workers 2 >/dev/null
+    --tokenizer "$WORKDIR/tokenizer" --workers 2 >&2
   DATA_ARGS=(--data-path "$WORKDIR/stdlib_text_document" --tokenizer "$WORKDIR/tokenizer")
 elif [ "$DATA" != mock ]; then
   die "DATA=$DATA: known: mock (default), real"

@@ -17,6 +17,7 @@ Megatron flags).
 from relaymoe.config.layout import validate_layout
 from relaymoe.config.load import CONFIG_DIR, config_from_dict, load_config, resolve_config_path
 from relaymoe.config.megatron_args import (
+    flag_groups,
     max_positions,
     megatron_namespace,
     megatron_notes,
@@ -45,6 +46,7 @@ __all__ = [
     "RelayMoEConfig",
     "TrainingConfig",
     "config_from_dict",
+    "flag_groups",
     "load_config",
     "max_positions",
     "megatron_namespace",

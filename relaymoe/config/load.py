@@ -60,7 +60,8 @@ REQUIRED_SECTIONS = ("model", "parallel", "training")
 
 def config_from_dict(data: Any, name: str = "") -> Config:
     if not isinstance(data, dict):
-        raise ValueError(f"a config is a mapping with sections {sorted(SECTIONS)}, got {data!r}")
+        shown = repr(data) if len(repr(data)) <= 80 else repr(data)[:77] + "..."
+        raise ValueError(f"a config is a mapping with sections {sorted(SECTIONS)}, got {shown}")
     unknown = set(data) - set(SECTIONS)
     if unknown:
         raise ValueError(f"unknown config section(s) {sorted(unknown)}; known: {sorted(SECTIONS)}")

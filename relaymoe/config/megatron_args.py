@@ -121,20 +121,27 @@ def megatron_namespace(flags: list[str]) -> SimpleNamespace:
     several values a list, a bare flag True (``--disable-bias-linear``: ``add_bias_linear``
     False). Arguments no flag sets are absent (the checks read Megatron's defaults for them)."""
     out: dict = {}
-    i = 0
-    while i < len(flags):
-        name = flags[i][2:].replace("-", "_")
-        j = i + 1
-        while j < len(flags) and not flags[j].startswith("--"):
-            j += 1
-        values = [_parsed(v) for v in flags[i + 1 : j]]
+    for flag, *words in flag_groups(flags):
+        name = flag[2:].replace("-", "_")
+        values = [_parsed(v) for v in words]
         if not values:
             name, value = _STORE_FALSE.get(name, name), name not in _STORE_FALSE
         else:
             value = values[0] if len(values) == 1 else values
         out[name] = value
-        i = j
     return SimpleNamespace(**out)
+
+
+def flag_groups(flags: list[str]) -> list[list[str]]:
+    """``flags`` cut into one list per flag: the flag, then its values (the words up to the
+    next ``--`` word), as ``relaymoe flags`` prints them, one flag per line."""
+    groups: list[list[str]] = []
+    for word in flags:
+        if word.startswith("--") or not groups:
+            groups.append([word])
+        else:
+            groups[-1].append(word)
+    return groups
 
 
 def _parsed(text: str):

@@ -21,7 +21,13 @@ def read_hf_config(hf_dir: str) -> dict:
             f"--hf {hf_dir}: no config.json; pass the folder of a downloaded Hugging Face "
             "checkpoint (config.json + *.safetensors), e.g. Qwen/Qwen3-30B-A3B"
         )
-    cfg = json.loads(path.read_text())
+    try:
+        cfg = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConvertError(f"{path}: not JSON ({e}); pass the folder of a Hugging Face "
+                           "checkpoint as downloaded") from None  # fmt: skip
+    if not isinstance(cfg, dict):
+        raise ConvertError(f"{path}: a JSON {type(cfg).__name__}, not a model config object")
     kind = cfg.get("model_type")
     if kind not in SUPPORTED_MODEL_TYPES:
         raise ConvertError(
@@ -168,7 +174,10 @@ def check_against_config(cfg: dict, config_name: str) -> None:
     """ConvertError unless the relaymoe config's model is the checkpoint's architecture."""
     from relaymoe.config import load_config
 
-    model = load_config(config_name).model
+    try:
+        model = load_config(config_name).model
+    except ValueError as e:  # no such config, or not a valid one
+        raise ConvertError(f"--config {config_name}: {e}") from None
     bad = []
     for key, want in _hf_model_fields(cfg).items():
         have = getattr(model, key)

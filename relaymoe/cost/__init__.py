@@ -22,7 +22,7 @@ Modes (``relaymoe.options.MODES``):
   output ``T*H*b``; backward ``T*(2*H*b + K*pb)`` lead (x, dy, probabilities: the forward kept
   every partition's routing index, so no ids travel) plus the trailing dx and dprobs
   ``T*(H*b + K*pb)``.
-* ``alltoall`` (``relaymoe/ring/alltoall.py``): every rank sends each token once to every rank
+* ``alltoall`` (``relaymoe/ring/token_mode.py``): every rank sends each token once to every rank
   owning at least one of its K experts (x with its ids and probabilities); the owner computes
   all its pairs in one call and returns the partial outputs. The backward sends x and dy again
   (the forward's routing index and probabilities of the received rows are kept, no ids travel)
@@ -30,7 +30,7 @@ Modes (``relaymoe.options.MODES``):
   has an expert on a given rank under uniform routing (``alltoall_rows``); ``1/R`` of them stay
   home, and a rank receives as many rows as it sends (in expectation).
 
-The ring's schedule (``relaymoe/ring/schedule.py``): a pass has ``R`` hops; the lead is sent at
+The ring's schedule (``relaymoe/ring/plan.py``): a pass has ``R`` hops; the lead is sent at
 hops ``0..R-2``, the trail (when there is one) at hops ``1..R-1`` merged with the lead, and once
 more after the last hop to return home.
 

@@ -71,7 +71,7 @@ class Dims:
 
     def weight_segments(self, elt: int) -> tuple[int, ...]:
         """Bytes of the local experts' segments at ``elt`` bytes an element, in the ring's
-        layout order (``relaymoe.ring.passes.weights_layout``): w13, w2, then b13, b2 as
+        layout order (``relaymoe.ring.plan.weights_layout``): w13, w2, then b13, b2 as
         carried."""
         El, H, I, J = self.El, self.H, self.I, self.J
         segs = [El * J * H * elt, El * H * I * elt]
@@ -149,7 +149,7 @@ def check_transport(transport: str) -> None:
 
 
 def packed_bytes(*segments: int) -> int:
-    """Bytes of segments packed as ``relaymoe.ring.layout.Layout`` does (each start aligned,
+    """Bytes of segments packed as ``relaymoe.ring.plan.Layout`` does (each start aligned,
     the total ends at the last segment's end)."""
     offset = end = 0
     for s in segments:

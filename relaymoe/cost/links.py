@@ -13,8 +13,8 @@ INTER_NODE_BYTES_PER_S = NIC_EFFICIENCY * NIC_BYTES_PER_S
 
 INDEX_BYTES = 4  # expert ids travel as int32
 ROUTING_INDEX_BYTES_PER_PAIR = 12  # expert_token_indices, token_expert_indices, token_index_map
-ALIGN = 256  # every segment of a travelling buffer starts aligned (relaymoe/ring/layout.py)
-SYMM_GRANULE = 2 * 1024 * 1024  # the copy-engine workspace grows in these (ring/transport.py)
+ALIGN = 256  # every segment of a travelling buffer starts aligned (relaymoe/ring/plan.py)
+SYMM_GRANULE = 2 * 1024 * 1024  # the copy-engine workspace grows in these (ring/executor.py)
 
 
 def align_up(nbytes: int, align: int = ALIGN) -> int:

@@ -26,7 +26,7 @@ MCORE_A2A_BUFFERS_EP = 5.5
 
 def _slot(lead: int, trail: int) -> int:
     """Largest slot of a pass: ``[lead | trail]``, the trail at an aligned offset (a hop with
-    both exists once R >= 2; ring/schedule.py ``SlotLayout``)."""
+    both exists once R >= 2; ring/plan.py ``SlotLayout``)."""
     return align_up(lead) + trail if trail else lead
 
 
@@ -69,7 +69,7 @@ def symmetric_workspace_bytes(mode: str, d: Dims, *, training: bool = True) -> i
 
 def packed_index_bytes(P: int, E: int) -> int:
     """Bytes of a routing index of ``P`` pairs over ``E`` experts built into one buffer (a
-    recorded token forward's, ``hop_index.index_layout``): its four arrays back to back, each
+    recorded token forward's, ``hop_graphs.index_layout``): its four arrays back to back, each
     starting ``ALIGN``-aligned, in field order (int32 ids, int64 offsets, int32 ids, the map)."""
     return packed_bytes(4 * P, 8 * (E + 1), 4 * P, (8 if P >= 2**31 else 4) * P)
 
@@ -86,7 +86,7 @@ def captured_hop_bytes(mode: str, d: Dims, *, training: bool = True) -> int:
     expert mode's forward and backward and of token mode's backward (its forward builds it in the
     hop); token mode's forward also copies the visiting ids ``T*K*INDEX_BYTES``, and expert
     mode in a ring of ``R > 1`` without fc2 bias its range's ``El+1`` int64 offsets (one
-    recorded hop of each direction for every range, ``hop_index.range_window``; one buffer,
+    recorded hop of each direction for every range, ``hop_graphs.range_window``; one buffer,
     forward and backward alike). In a ring of
     ``R > 1`` token mode binds its visiting partition and trail by address too (views of the
     ring's slots and trail scratch, which recur hop to hop): only the routing index is copied.
@@ -233,7 +233,7 @@ def node_batched_memory_bytes(d: Dims, *, gpus_per_node: int, training: bool = T
 
 
 def _alltoall_memory(d: Dims, weights_copy: bool) -> tuple[int, int, int]:
-    """(fwd, bwd, saved) of alltoall mode, phase by phase as ``relaymoe/ring/alltoall.py``
+    """(fwd, bwd, saved) of alltoall mode, phase by phase as ``relaymoe/ring/token_mode.py``
     allocates and frees; a rank receives as many rows as it sends (``S``, in expectation) and
     computes its ``T*K`` pairs in one call.
 

@@ -41,7 +41,7 @@ def order_partition(step: int, rank: int, world: int, width: int) -> int:
     """The partition ``rank`` computes at ``step`` in the ring order whose level-one rings have
     ``width`` ranks (``world``: flat; ``G``: two-level over ``world/G`` nodes): round
     ``j = step // width`` brings node ``n - j``'s partitions, step ``i = step % width`` of it the
-    one of local rank ``g - i + j``. The one definition of the order (``relaymoe/ring/schedule.py``
+    one of local rank ``g - i + j``. The one definition of the order (``relaymoe/ring/plan.py``
     runs it; no checks here: it is on the ring's per-hop path)."""
     n, g = divmod(rank, width)
     j, i = divmod(step, width)
@@ -59,7 +59,7 @@ def schedule_rank(
     schedule: str, step: int, partition: int, world: int, gpus_per_node: int | None = None
 ) -> int:
     """The rank that computes ``partition`` at ``step`` (``0..world-1``); the order of
-    ``relaymoe/ring/schedule.py`` (``RingPlan.who``). Flat: ``(partition + step) mod R``.
+    ``relaymoe/ring/plan.py`` (``RingPlan.who``). Flat: ``(partition + step) mod R``.
     Two-level, ``G`` ranks per node, ``N = R/G`` nodes: round ``j = step // G`` runs on node
     ``partition's node + j``, step ``i = step % G`` of it on local rank ``g + i - j`` (mod G), so
     a partition moves ``g -> g+1`` inside a round and to the same local rank of the next node
@@ -220,7 +220,7 @@ def node_batched_hop_times(
     inter_bytes_per_s: float = INTER_NODE_BYTES_PER_S,
 ) -> RingHopTimes:
     """Hop times of the expert ring's node-batched rounds (``NODE_BATCHED``,
-    ``relaymoe/ring/nodebatch.py``): ``N = R/G`` hops a pass, each over ``G/R`` of the rank's
+    ``relaymoe/ring/expert_mode.py``): ``N = R/G`` hops a pass, each over ``G/R`` of the rank's
     pairs, after an all-gather of the node's ``G-1`` other partitions over NVLink (not hidden);
     the next partition (backward with the travelling gradients) crosses to the next node on
     this GPU's NIC under the compute; backward, the round's gradients are reduce-scattered in

@@ -20,14 +20,18 @@ matches, nothing is redone.
 
 The modules: ``tokenizer`` (training's tokenizer and its fingerprint), ``inputs`` (the chunks of
 the inputs and their documents), ``parts`` (one chunk's part dataset, made by a worker),
-``build`` (``prepare``: the parts, then the merge), ``progress``, ``cli`` (the subcommand).
+``build`` (``prepare``: the parts, then the merge), ``lock`` (one run per output prefix),
+``progress``, ``cli`` (the subcommand), ``check`` (what training needs of a dataset: train.sh's
+preflight runs it).
 
 Megatron-core (its tokenizer and ``IndexedDatasetBuilder``) is imported by the functions, never
-at import time, so the ``relaymoe`` CLI stays cheap; nothing else of relaymoe is imported, and
-``relaymoe.megatron``'s preflight checks use the tokenizer from here.
+at import time, so the ``relaymoe`` CLI stays cheap; of the rest of relaymoe only
+``host_warnings`` is imported (by the subcommand), and ``relaymoe.megatron``'s preflight checks
+use the tokenizer and ``dataset_problems`` from here.
 """
 
 from relaymoe.data.build import Result, prepare
+from relaymoe.data.check import dataset_problems
 from relaymoe.data.cli import add_parser, main
 from relaymoe.data.errors import DataError
 from relaymoe.data.inputs import (
@@ -55,6 +59,7 @@ __all__ = [
     "Settings",
     "add_parser",
     "build_megatron_tokenizer",
+    "dataset_problems",
     "documents",
     "input_format",
     "main",

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
+import signal
 import sys
 import time
+from pathlib import Path
 
 from relaymoe.data.build import prepare
 from relaymoe.data.errors import DataError
@@ -80,8 +83,13 @@ def add_parser(sub) -> None:
 
 
 def main(ns) -> int:
-    """Run ``relaymoe data`` from its parsed arguments; 0 on success, 2 on a refused input."""
+    """Run ``relaymoe data`` from its parsed arguments: 0 on success; 2 on a refused input,
+    one line; 130 on Ctrl-C or SIGTERM, one line saying that a rerun continues (the parts
+    made so far are kept, the temporary files removed)."""
+    from relaymoe.host_warnings import quiet_host_warnings
+
     t0 = time.perf_counter()
+    previous = signal.signal(signal.SIGTERM, _stop)
     try:
         r = prepare(
             ns.input,
@@ -96,10 +104,32 @@ def main(ns) -> int:
             chunk_mib=ns.chunk_mib,
             keep_parts=ns.keep_parts,
             progress=not ns.no_progress,
+            worker_setup=quiet_host_warnings,
         )
     except DataError as e:
         print(f"relaymoe data: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        parts = f"{ns.output_prefix}.parts"
+        kept = (f"the parts made so far are kept in {parts}/: rerun the same command to "
+                "continue from them") if Path(parts).is_dir() else (
+                "no part was complete yet: rerun the same command to start again")  # fmt: skip
+        print(f"relaymoe data: interrupted; {kept}", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    _report(r, time.perf_counter() - t0)
+    return 0
+
+
+def _stop(signum, frame) -> None:
+    """SIGTERM (a job's end, ``kill``) stops a run as Ctrl-C does: temporaries removed, the
+    completed parts kept for a rerun."""
+    raise KeyboardInterrupt
+
+
+def _report(r, seconds: float) -> None:
+    """What was made (stderr), and the flags to train with (stdout, one flag per line)."""
     err = sys.stderr
     if r.skipped:
         print("[relaymoe data] the output is complete already (same inputs, tokenizer and "
@@ -107,12 +137,12 @@ def main(ns) -> int:
     else:
         print(f"[relaymoe data] {r.documents} documents, tokens {r.tokens}; parts made "
               f"{r.parts_made}, kept from an earlier run {r.parts_kept}; "
-              f"{time.perf_counter() - t0:.1f} s", file=err)  # fmt: skip
+              f"{seconds:.1f} s", file=err)  # fmt: skip
     for k, prefix in r.outputs.items():
         print(f"[relaymoe data] {k}: {prefix}.bin / .idx", file=err)
     paths = " ".join(r.outputs.values())
     print(f"[relaymoe data] with examples/qwen3/train.sh: DATA_PATH='{paths}' "
           f"TOKENIZER='{r.tokenizer_dir}'", file=err)  # fmt: skip
-    print("[relaymoe data] Megatron flags (stdout, one per line):", file=err)
-    print("\n".join(r.megatron_flags()))
-    return 0
+    print("[relaymoe data] Megatron flags (stdout, one flag per line):", file=err)
+    for words in r.megatron_flag_groups():
+        print(shlex.join(words))

@@ -117,7 +117,7 @@ def documents(chunk: Chunk, keys: tuple[str, ...], text_mode: str):
             if k not in row:
                 raise DataError(
                     f"{chunk.path}: the line at byte {pos - len(line)} has no key {k!r} "
-                    f"(it has {sorted(row)[:8]}); fix: --json-keys {' '.join(sorted(row)[:1])}"
+                    f"(it has {sorted(row)[:8]}); {_keys_hint(row)}"
                 )
             if not isinstance(row[k], str):
                 raise DataError(
@@ -126,6 +126,16 @@ def documents(chunk: Chunk, keys: tuple[str, ...], text_mode: str):
                 )
             out[k] = row[k]
         yield out, pos
+
+
+def _keys_hint(row: dict) -> str:
+    """The fix for a missing key: the line's text fields, the only ones that can be tokenised."""
+    texts = sorted(k for k, v in row.items() if isinstance(v, str))
+    if not texts:
+        return "fix: no field of that line is a string (text to tokenise); check the input"
+    return f"fix: --json-keys {texts[0]}" + (
+        f" (its text fields: {', '.join(texts[:8])})" if len(texts) > 1 else ""
+    )
 
 
 def _paragraphs(text: str) -> list[str]:

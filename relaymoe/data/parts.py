@@ -64,7 +64,12 @@ def part_done(parts_dir: Path, chunk: Chunk, settings: Settings) -> bool:
 _WORKER: dict = {}
 
 
-def worker_init(tokenizer_dir: str, counter) -> None:
+def worker_init(tokenizer_dir: str, counter, setup=None) -> None:
+    """A process that makes parts: ``setup()`` first (the caller's, e.g. its warning filters),
+    then the tokenizer of ``tokenizer_dir``, loaded once per process; ``counter``: the shared
+    count of input bytes done (for the progress), or None."""
+    if setup is not None:
+        setup()
     if _WORKER.get("tokenizer_dir") != tokenizer_dir:  # loaded once per process
         _WORKER["tokenizer"] = build_megatron_tokenizer(tokenizer_dir)
         _WORKER["tokenizer_dir"] = tokenizer_dir

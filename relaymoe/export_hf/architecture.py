@@ -2,15 +2,18 @@
 
 The inverse of ``relaymoe.convert_hf.hf_config.megatron_model_flags``: what that function turns
 into Megatron flags, ``hf_config`` turns back (a round trip through both gives the same
-``architecture``, which the tests check). A checkpoint whose arguments ask for something a
-Qwen3-MoE model does not have (another activation, biases, shared experts, another router, ...)
-is refused by the argument's name: transformers' ``Qwen3MoeForCausalLM`` would load such a
-folder and compute something else.
+``architecture``, which the tests check). The model the arguments describe, with Megatron's
+defaults for what they leave out, is ``relaymoe.megatron.checkpoint_compat.model_settings``'s,
+the reading train.sh's preflight compares checkpoints by. A checkpoint whose arguments ask for
+something a Qwen3-MoE model does not have (another activation, biases, shared experts, another
+router, ...) is refused by the argument's name: transformers' ``Qwen3MoeForCausalLM`` would
+load such a folder and compute something else.
 """
 
 from __future__ import annotations
 
 from relaymoe.export_hf.errors import ExportError
+from relaymoe.megatron.checkpoint_compat import model_settings
 
 
 def _off(value) -> bool:
@@ -70,15 +73,6 @@ def refusal(args) -> str | None:
     return None
 
 
-def moe_pattern(args) -> list[int]:
-    """1 for an MoE layer, 0 for a dense one, from ``--moe-layer-freq`` (an int k: every k-th
-    layer from the first, as megatron-core builds it; or a list of 0/1)."""
-    freq = getattr(args, "moe_layer_freq", 1)
-    if isinstance(freq, int):
-        return [1 if i % freq == 0 else 0 for i in range(args.num_layers)]
-    return [int(x) for x in freq]
-
-
 def hf_config(args, vocab_rows: int, dtype: str) -> dict:
     """The ``config.json`` (Hub layout, as Qwen/Qwen3-30B-A3B's) of the model the saved
     arguments ``args`` describe, with ``vocab_rows`` rows of the embedding and ``dtype`` the
@@ -90,12 +84,12 @@ def hf_config(args, vocab_rows: int, dtype: str) -> dict:
             f"the checkpoint is not a Qwen3-MoE model: {why}; export-hf writes "
             "Qwen3-MoE folders only"
         )
-    heads = args.num_attention_heads
-    pattern = moe_pattern(args)
-    if len(pattern) != args.num_layers:
+    m = model_settings(args)  # Megatron's derived defaults (KV groups, head size) filled in
+    pattern = m["moe_layer_pattern"]
+    if len(pattern) != m["num_layers"]:
         raise ExportError(
-            f"--moe-layer-freq {args.moe_layer_freq} has {len(pattern)} entries "
-            f"for {args.num_layers} layers"
+            f"--moe-layer-freq {args.moe_layer_freq} has {len(pattern)} entries for "
+            f"{m['num_layers']} layers"
         )
     padded = getattr(args, "padded_vocab_size", None)
     if padded is not None and padded != vocab_rows:
@@ -111,28 +105,28 @@ def hf_config(args, vocab_rows: int, dtype: str) -> dict:
         "attention_bias": False,
         "attention_dropout": 0.0,
         "decoder_sparse_step": 1,
-        "head_dim": args.kv_channels or args.hidden_size // heads,
+        "head_dim": m["kv_channels"],
         "hidden_act": "silu",
-        "hidden_size": args.hidden_size,
+        "hidden_size": m["hidden_size"],
         "initializer_range": float(getattr(args, "init_method_std", 0.02)),
-        "intermediate_size": args.ffn_hidden_size,
+        "intermediate_size": m["ffn_hidden_size"],
         "max_position_embeddings": args.max_position_embeddings,
-        "max_window_layers": args.num_layers,
+        "max_window_layers": m["num_layers"],
         "mlp_only_layers": [i for i, sparse in enumerate(pattern) if not sparse],
-        "moe_intermediate_size": args.moe_ffn_hidden_size or args.ffn_hidden_size,
+        "moe_intermediate_size": m["moe_ffn_hidden_size"] or m["ffn_hidden_size"],
         "norm_topk_prob": not getattr(args, "moe_router_pre_softmax", False),
-        "num_attention_heads": heads,
-        "num_experts": args.num_experts,
-        "num_experts_per_tok": args.moe_router_topk,
-        "num_hidden_layers": args.num_layers,
-        "num_key_value_heads": (args.num_query_groups if args.group_query_attention else heads),
+        "num_attention_heads": m["num_attention_heads"],
+        "num_experts": m["num_experts"],
+        "num_experts_per_tok": m["moe_router_topk"],
+        "num_hidden_layers": m["num_layers"],
+        "num_key_value_heads": m["num_query_groups"],
         "output_router_logits": False,
         "rms_norm_eps": float(eps),
         "rope_scaling": None,
-        "rope_theta": float(args.rotary_base),
+        "rope_theta": float(m["rotary_base"]),
         "router_aux_loss_coef": float(aux[0] if isinstance(aux, list | tuple) else aux),
         "sliding_window": None,
-        "tie_word_embeddings": not args.untie_embeddings_and_output_weights,
+        "tie_word_embeddings": not m["untie_embeddings_and_output_weights"],
         "torch_dtype": dtype,
         "use_cache": True,
         "use_sliding_window": False,

@@ -9,9 +9,11 @@ them alike: that is how megatron-core reshards on load, and what ``read`` does h
 (one layer, one expert) so that an export holds one layer at a time.
 
 ``TorchDistCheckpoint`` finds the iteration folder (``latest_checkpointed_iteration.txt``, or
-``--iteration``), refuses what is not a ``torch_dist`` checkpoint, checks that every file the
-metadata names is there and long enough, reads the saving run's arguments (megatron-core's
-``load_common_state_dict``) and says which parts of a tensor no chunk holds (``unsaved``).
+``--iteration``, or the folder itself), refuses what is not a ``torch_dist`` checkpoint, checks
+that every file the metadata names is there and long enough, reads the saving run's arguments
+(megatron-core's ``load_common_state_dict``, as ``relaymoe.megatron.checkpoint_info`` reads the
+newest checkpoint's for train.sh's preflight) and says which parts of a tensor no chunk holds
+(``unsaved``).
 """
 
 from __future__ import annotations
@@ -23,8 +25,7 @@ import warnings
 from pathlib import Path
 
 from relaymoe.export_hf.errors import ExportError
-
-TRACKER = "latest_checkpointed_iteration.txt"  # Megatron's: "release" or the newest iteration
+from relaymoe.megatron.checkpoint_info import TRACKER  # "release" or the newest iteration
 
 
 def iteration_folder(load: str, iteration: int | None = None) -> Path:

@@ -26,21 +26,68 @@ projection and of the dgrad are produced in column chunks of at most ``pair_buff
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from relaymoe.activation import SWIGLU, ExpertActivation
+from relaymoe.activation import ExpertActivation, as_activation
 from relaymoe.kernels import check_int32, grouped, pairs, select, unit_cols
 from relaymoe.options import KernelOptions
 
 __all__ = [
+    "HopGrads",
     "HopGroups",
+    "HopOptions",
     "gathered_rows_times_weight",
     "triton_hop_backward",
     "triton_hop_forward",
     "wgrad_gmm",
 ]
+
+
+@dataclass(frozen=True)
+class HopOptions:
+    """How one call of a hop primitive computes, besides its tensors: one object for the options
+    that travel together from the caller to the kernels (the same for a hop's forward and its
+    backward, but for the pair count of its range).
+
+    ``backend``: ``"auto"``, ``"triton"`` or ``"torch"`` (``relaymoe.experts.resolve_backend``;
+    the Triton primitives here ignore it). ``kernels``: how the Triton kernels run (None:
+    ``KernelOptions()``). ``activation``: an ``ExpertActivation`` or a name (None: SwiGLU).
+    ``n_pairs``: the range's pair count when the caller knows it (it spares the host sync that
+    sizes a partial range's buffers); else ``max_pairs``: an upper bound on it, which does the
+    same (buffers sized from the bound, rows past the count never read). ``grad_dtype``: the
+    dtype of the weight gradients a backward allocates (None: the weights')."""
+
+    backend: str = "auto"
+    kernels: KernelOptions | None = None
+    activation: ExpertActivation | str | None = None
+    n_pairs: int | None = None
+    max_pairs: int | None = None
+    grad_dtype: torch.dtype | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class HopGrads:
+    """The buffers a hop backward writes its gradients into, by name (None: allocated and
+    written). ``dx_TH``, ``dprobs_TK``, ``dw13``, ``dw2`` are ADDED into, unless
+    ``dw_accumulate=False``: then ``dw13``/``dw2`` are written over (their old values never
+    read), bitwise what fresh buffers would get. ``db13``/``db2``: the bias gradients, ADDED into
+    (any float dtype), each required when its bias is given. Compared by identity: it holds
+    tensors."""
+
+    dx_TH: Tensor | None = None
+    dprobs_TK: Tensor | None = None
+    dw13: Tensor | None = None
+    dw2: Tensor | None = None
+    db13: Tensor | None = None
+    db2: Tensor | None = None
+    dw_accumulate: bool = True
+
+
+HOP_DEFAULTS = HopOptions()  # a call without options
+GRAD_DEFAULTS = HopGrads()  # a backward that allocates every gradient
 
 
 def _pair_count(
@@ -60,13 +107,13 @@ def _pair_count(
     return stop - start, True
 
 
-def _hop_inputs(where: str, w13, w2, activation, kernels, b13, b2) -> tuple:
-    """``(act, k, b13, b2)`` of a hop call: the activation (None: SwiGLU), the
-    ``KernelOptions`` (None: ``KernelOptions()``), and the biases at unit column stride (a copy only
-    for other strides), shapes checked against the range's weights: ``b13 (El, J)``,
+def _hop_inputs(where: str, w13, w2, options: HopOptions, b13, b2) -> tuple:
+    """``(act, k, b13, b2)`` of a hop call: the options' activation (None: SwiGLU) and
+    ``KernelOptions`` (None: ``KernelOptions()``), and the biases at unit column stride (a copy
+    only for other strides), shapes checked against the range's weights: ``b13 (El, J)``,
     ``b2 (El, H)``."""
-    act = SWIGLU if activation is None else activation
-    k = select.kernel_options(kernels)
+    act = as_activation(options.activation)
+    k = select.kernel_options(options.kernels)
     for name, b, want in (("b13", b13, w13.shape[:2]), ("b2", b2, w2.shape[:2])):
         if b is not None and tuple(b.shape) != tuple(want):
             raise ValueError(f"{where}: {name} has shape {tuple(b.shape)}, want {tuple(want)}")
@@ -223,23 +270,20 @@ def triton_hop_forward(
     out_TH: Tensor | None,
     save_act: bool,
     *,
-    n_pairs: int | None = None,
-    max_pairs: int | None = None,
-    kernels=None,
-    activation: ExpertActivation | None = None,
     b13: Tensor | None = None,
     b2: Tensor | None = None,
+    options: HopOptions | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Add experts ``[e0, e1)``'s pairs into ``out_TH`` (written, not added, when None).
 
     Returns ``(out_TH, h_PJ)``; ``h_PJ`` is the range's pre-activation (fc1 bias included) when
-    ``save_act``. ``n_pairs``: the range's pair count; else ``max_pairs``: an upper bound on it
-    (buffers sized from it, no host sync); else read from the index (a host sync for a partial
-    range). ``kernels``: the ``KernelOptions`` (default: ``KernelOptions()``). ``activation``,
-    ``b13 (El, J)``, ``b2 (El, H)``: as ``relaymoe.experts.expert_hop_forward``'s (None:
-    SwiGLU, no bias).
+    ``save_act``. ``b13 (El, J)``, ``b2 (El, H)``: as ``relaymoe.experts.expert_hop_forward``'s
+    (None: no bias). ``options`` (:class:`HopOptions`, None: the defaults): the kernels, the
+    activation and the pair count (``n_pairs``; else ``max_pairs``, an upper bound: buffers
+    sized from it, no host sync; else read from the index, a host sync for a partial range).
     """
-    act, k, b13, b2 = _hop_inputs("triton_hop_forward", w13, w2, activation, kernels, b13, b2)
+    options = HOP_DEFAULTS if options is None else options
+    act, k, b13, b2 = _hop_inputs("triton_hop_forward", w13, w2, options, b13, b2)
     num_tokens = x_TH.shape[0]
     n_local, rows_e, _ = w13.shape
     ffn = w2.shape[2]
@@ -248,7 +292,7 @@ def triton_hop_forward(
     if out_TH is None:  # row-major whatever x's strides (the combine writes every row)
         out_TH = x_TH.new_empty(x_TH.shape)
     offs = index.offsets_for(e0, e1)
-    n_pairs, exact = _pair_count(index, e0, e1, n_pairs, max_pairs)
+    n_pairs, exact = _pair_count(index, e0, e1, options.n_pairs, options.max_pairs)
     _check_sizes(num_tokens, n_pairs, "triton_hop_forward")
     if save_act and not exact:
         raise ValueError("save_act needs the exact pair count (n_pairs), not max_pairs")
@@ -293,44 +337,37 @@ def triton_hop_backward(
     e0: int,
     e1: int,
     saved_h: Tensor | None,
-    dx_TH: Tensor | None,
-    dprobs_TK: Tensor | None,
-    dw13: Tensor | None,
-    dw2: Tensor | None,
     *,
-    consume_saved_h: bool = False,
-    n_pairs: int | None = None,
-    max_pairs: int | None = None,
-    grad_dtype: torch.dtype | None = None,
-    kernels=None,
-    activation: ExpertActivation | None = None,
     b13: Tensor | None = None,
     b2: Tensor | None = None,
-    db13: Tensor | None = None,
-    db2: Tensor | None = None,
-    dw_accumulate: bool = True,
+    consume_saved_h: bool = False,
+    grads: HopGrads | None = None,
+    options: HopOptions | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Gradients of experts ``[e0, e1)``'s pairs, ADDED into the given buffers; a buffer passed
-    as None is allocated and written (no zero fill). Returns ``(dx, dprobs, dw13, dw2)``.
-    ``dw_accumulate=False``: the given ``dw13``/``dw2`` are written over, as fresh ones would be
-    (their old values never read: a recorded hop's first weight gradient, bitwise the eager one).
-    ``n_pairs`` / ``max_pairs``: as in :func:`triton_hop_forward`.
+    """Gradients of experts ``[e0, e1)``'s pairs into ``grads`` (:class:`HopGrads`: ADDED into
+    the buffers given, or written over with ``dw_accumulate=False``); a buffer left None is
+    allocated and written (no zero fill). Returns ``(dx, dprobs, dw13, dw2)``.
 
     ``consume_saved_h=True`` lets the kernel overwrite ``saved_h`` with its gradient (saves a
-    (P, J) buffer); the caller must not use ``saved_h`` afterwards. ``grad_dtype``: the dtype of
-    weight-gradient buffers allocated here (default the weights'; e.g. fp32 accumulators).
-    ``kernels``: the ``KernelOptions`` (default: ``KernelOptions()``). ``activation``, ``b13``, ``b2``,
-    ``db13``, ``db2``: as ``relaymoe.experts.expert_hop_backward``'s (bias gradients ADDED into
-    ``db13``/``db2``, each required with its bias).
+    (P, J) buffer); the caller must not use ``saved_h`` afterwards. ``b13``, ``b2`` and the bias
+    gradients ``grads.db13``/``db2``: as ``relaymoe.experts.expert_hop_backward``'s (each
+    gradient buffer required with its bias). ``options``: as :func:`triton_hop_forward`'s, and
+    ``options.grad_dtype`` the dtype of weight-gradient buffers allocated here (default the
+    weights'; e.g. fp32 accumulators).
     """
-    act, k, b13, b2 = _hop_inputs("triton_hop_backward", w13, w2, activation, kernels, b13, b2)
+    options = HOP_DEFAULTS if options is None else options
+    grads = GRAD_DEFAULTS if grads is None else grads
+    act, k, b13, b2 = _hop_inputs("triton_hop_backward", w13, w2, options, b13, b2)
+    dx_TH, dprobs_TK, dw13, dw2 = grads.dx_TH, grads.dprobs_TK, grads.dw13, grads.dw2
+    db13, db2, dw_accumulate = grads.db13, grads.db2, grads.dw_accumulate
+    grad_dtype = options.grad_dtype
     num_tokens = x_TH.shape[0]
     n_local, rows_e, _ = w13.shape
     ffn = w2.shape[2]
     for name, b, db in (("b13", b13, db13), ("b2", b2, db2)):
         if b is not None and (db is None or db.shape != b.shape):
             got = None if db is None else tuple(db.shape)
-            raise ValueError(f"triton_hop_backward: {name} is given, so d{name} must be a "
+            raise ValueError(f"triton_hop_backward: {name} is given, so grads.d{name} must be a "
                              f"buffer shaped {tuple(b.shape)} (got {got})")  # fmt: skip
     x_TH, dy_TH = unit_cols(x_TH), unit_cols(dy_TH)  # no copy for row-major operands
     acc_dx = dx_TH is not None
@@ -338,7 +375,9 @@ def triton_hop_backward(
     if dprobs_TK is None:  # contiguous: the dprob kernel adds at flat (t*K + k)
         dprobs_TK = torch.zeros(probs_TK.shape, dtype=probs_TK.dtype, device=probs_TK.device)
     offs = index.offsets_for(e0, e1)
-    n_pairs, exact = _pair_count(index, e0, e1, n_pairs, max_pairs) if n_local > 0 else (0, True)
+    n_pairs, exact = (
+        _pair_count(index, e0, e1, options.n_pairs, options.max_pairs) if n_local > 0 else (0, True)
+    )
     _check_sizes(num_tokens, n_pairs, "triton_hop_backward")
     idx_P = index.expert_token_indices
     if n_pairs == 0 or num_tokens == 0 or x_TH.shape[1] == 0:  # H = 0: every gradient is 0

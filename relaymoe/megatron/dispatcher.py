@@ -58,7 +58,7 @@ def ep_ranks_per_node(global_ranks: list[int], gpus_per_node: int | None) -> int
     torchrun's node-major numbering). None when not given: the ring reads the ranks' hosts."""
     if gpus_per_node is None:
         return None
-    from relaymoe.ring.topology import nodes_from_hosts
+    from relaymoe.ring.plan import nodes_from_hosts
 
     per_node = nodes_from_hosts([r // gpus_per_node for r in global_ranks])
     if per_node is None:
@@ -172,7 +172,7 @@ class RingDispatcher(MoETokenDispatcher):
         self.activation = expert_activation_of(config)  # what Megatron's experts would compute
         # megatron-core captures the whole step, or each layer's MoE, in a CUDA graph: every
         # call runs the ring's capturable path, the eager warm-up steps too
-        # (relaymoe/ring/capture.py), so eager and replayed steps compute alike
+        # (relaymoe/ring/hop_graphs.py), so eager and replayed steps compute alike
         self.capturable = ring_graph_capture(config) is not None
         self.ring_config = ring_config if ring_config is not None else ring_config_of(config)
         if not isinstance(self.ring_config, RingConfig):

@@ -327,7 +327,7 @@ def shown_as_drop_and_pad(config):
     drop-padding MoE": its own dispatchers size each expert's buffer from token counts copied to
     the host, and only capacity-and-pad fixes those sizes. The ring needs neither: under capture
     it sizes every hop from ``T * min(K, E_local)`` pairs, a bound no routing can exceed (a
-    token's K experts are distinct), so it captures dropless (``relaymoe/ring/capture.py``).
+    token's K experts are distinct), so it captures dropless (``relaymoe/ring/hop_graphs.py``).
     For the ring only, and only while the original ``__post_init__`` runs, the config shows
     capacity 1.0 with padding; both fields are put back afterwards, so the model built is the
     dropless ring. ``check_ring_config`` has already run on the real values."""

@@ -25,7 +25,7 @@ Why each refusal:
 * CUDA graphs over part of the MoE layer (``--cuda-graph-modules moe_router`` or
   ``moe_preprocess``): megatron-core then replays dispatcher state the ring does not keep. The
   whole MoE layer (``moe``, or an empty scope: the whole layer) and the whole step
-  (``full_iteration``) are accepted: the ring runs captured there (``relaymoe/ring/capture.py``),
+  (``full_iteration``) are accepted: the ring runs captured there (``relaymoe/ring/hop_graphs.py``),
   sized by a bound no routing can exceed, so nothing is dropped. Under capture the all-to-all
   mode (sized on the host), Sinkhorn routing (its iteration count is decided on the host) and a
   start without an eager warm-up step (the ranks agree on each layer's shapes there) are refused.
@@ -77,6 +77,7 @@ __all__ = [
     "check_fused_loss_config",
     "check_fused_loss_args",
     "fp8_expert_notice",
+    "launch_refusal",
 ]
 
 # cuda_graph_modules of a per-layer graph: the whole MoE layer captured, or only its front
@@ -386,3 +387,20 @@ def check_fused_loss_args(args) -> None:
     """The same checks on Megatron's parsed arguments, when ``--relaymoe-fused-loss`` is set."""
     if getattr(args, "relaymoe_fused_loss", False):
         _raise("--relaymoe-fused-loss", fused_loss_problems(args), "these arguments")
+
+
+# ------------------------------------------------------------------------------ one line
+def launch_refusal(args) -> str | None:
+    """What the launch refuses in Megatron's parsed ``args`` (``check_ring_args``, then
+    ``check_fused_loss_args``: what ``register()``'s patched ``validate_args`` runs), as one
+    line with every reason and its fix; None when it accepts them. ``relaymoe plan``/``flags``
+    and train.sh's preflight report it so, before anything is launched."""
+    try:
+        check_ring_args(args)
+        check_fused_loss_args(args)
+    except ValueError as e:
+        head, *problems = str(e).splitlines()
+        return f"{head.rstrip(':')} (the launch refuses it): " + "; ".join(
+            p.strip().removeprefix("- ") for p in problems
+        )
+    return None

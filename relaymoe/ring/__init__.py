@@ -3,9 +3,9 @@
 Public: :func:`ring_moe` (the autograd op; expert weights as stacked tensors or as lists of
 per-expert tensors, ``weights.py``; its per-hop bytes, memory and the time model behind
 ``mode="auto"`` are :mod:`relaymoe.cost`'s), :func:`record_timeline` / :class:`HopTiming`
-(per-hop compute vs transfer, of one runtime's calls),
-:class:`RingPlan` (the schedule), the transports, and
-:class:`RingProblem` / :func:`resolved_problem` (what the ranks agreed on), and
+(per-hop compute vs transfer, of one runtime's calls, ``executor.py``),
+:class:`RingPlan` (the hop order, ``plan.py``), the transports (``executor.py``), and
+:class:`RingProblem` / :func:`resolved_problem` (what the ranks agreed on, ``agreement.py``), and
 :class:`RingPeerError` (a peer that died or stalled, ``faults.py``), and
 :class:`RingRuntime` (what the ring keeps from call to call, held by its owner: ``runtime.py``).
 A call's options are one :class:`relaymoe.options.RingConfig` (``ring_moe(..., config=)``).
@@ -13,12 +13,16 @@ See ``engine.py`` for the modes and the memory bound of each.
 """
 
 from relaymoe.ring.engine import resolved_problem, ring_moe
-from relaymoe.ring.executor import HopTiming, record_timeline
+from relaymoe.ring.executor import (
+    CopyEngineTransport,
+    HopTiming,
+    P2PTransport,
+    copy_engine_available,
+    record_timeline,
+)
 from relaymoe.ring.faults import RingPeerError
-from relaymoe.ring.problem import RingProblem
+from relaymoe.ring.plan import RingPlan, RingProblem
 from relaymoe.ring.runtime import RingRuntime
-from relaymoe.ring.schedule import RingPlan
-from relaymoe.ring.transport import CopyEngineTransport, P2PTransport, copy_engine_available
 
 __all__ = [
     "CopyEngineTransport",

@@ -46,14 +46,14 @@ or 4 with fp32 accumulators: ``grad_accum``), ``Tm`` the largest T of the group,
   index of every visiting partition (``12*T*K`` bytes each: built once per call, no ids travel
   backward), nothing else.
 
-**Node-batched rounds** (``schedule="node_batched"``, expert mode, ``nodebatch.py``): the
+**Node-batched rounds** (``schedule="node_batched"``, expert mode, ``expert_mode.py``): the
 expert pass over the column ring of each local rank (``N`` nodes, one hop per node); each hop
 all-gathers the node's ``G`` partitions and computes the node's ``G*El`` experts at once, and
 the backward reduce-scatters their gradients inside the node before they travel. Memory: the
 gathered experts (and their gradients) of one hop, ``G`` times a flat hop's, on top of the
 expert bounds above.
 
-**All-to-all mode** (``mode="alltoall"``, ``alltoall.py``): the same hop primitives behind one
+**All-to-all mode** (``mode="alltoall"``, ``token_mode.py``): the same hop primitives behind one
 all-to-all of index-dispatched tokens, for the small-T regime where the ring's per-hop host cost
 dominates. ``mode="auto"`` picks among the three with ``relaymoe.cost.choose_mode`` (a time
 model calibrated on measured rows), identically on every rank.
@@ -79,22 +79,29 @@ from torch import Tensor
 
 from relaymoe.activation import ExpertActivation
 from relaymoe.options import NODE_BATCHED, KernelOptions, RingConfig
-from relaymoe.ring.agree import RingProblem, agree
-from relaymoe.ring.alltoall import alltoall_backward, alltoall_forward
-from relaymoe.ring.capture import capturing
-from relaymoe.ring.expert_mode import expert_backward, expert_forward
-from relaymoe.ring.nodebatch import batched_expert_backward, batched_expert_forward
-from relaymoe.ring.passes import IDX
-from relaymoe.ring.problem import ring_request
-from relaymoe.ring.runtime import Hop, RingCall, RingRuntime
-from relaymoe.ring.token_mode import token_backward, token_forward
+from relaymoe.ring.agreement import agree
+from relaymoe.ring.expert_mode import (
+    batched_expert_backward,
+    batched_expert_forward,
+    expert_backward,
+    expert_forward,
+)
+from relaymoe.ring.hop_graphs import capturing
+from relaymoe.ring.plan import IDX, RingProblem, ring_request
+from relaymoe.ring.runtime import KernelChoice, RingCall, RingRuntime
+from relaymoe.ring.token_mode import (
+    alltoall_backward,
+    alltoall_forward,
+    token_backward,
+    token_forward,
+)
 from relaymoe.ring.weights import FORWARD, REVERSED, LocalExperts, reverse_local_ids
 from relaymoe.routing import build_routing_index
 
 __all__ = ["ring_moe", "resolved_problem"]
 
 # The ring modes' passes by (mode, schedule kind): (forward, backward). All-to-all mode is one
-# exchange each way (``alltoall.py``), not a ring pass.
+# exchange each way (``token_mode.alltoall_forward``/``alltoall_backward``), not a ring pass.
 PASSES = {
     ("expert", "ring"): (expert_forward, expert_backward),
     ("expert", NODE_BATCHED): (batched_expert_forward, batched_expert_backward),
@@ -102,9 +109,9 @@ PASSES = {
 }
 
 
-def _passes(prob: RingProblem):
-    kind = NODE_BATCHED if prob.schedule == NODE_BATCHED else "ring"
-    return PASSES[prob.mode, kind]
+def _passes(problem: RingProblem):
+    kind = NODE_BATCHED if problem.schedule == NODE_BATCHED else "ring"
+    return PASSES[problem.mode, kind]
 
 
 def _resolve_group(group, runtime: RingRuntime | None = None):
@@ -138,41 +145,43 @@ SECOND_ORDER_ERROR = (
 )
 
 
-# autograd inputs before the experts' tensors: x, probs, topk_idx, prob, call, listed
+# autograd inputs before the experts' tensors: x, probs, topk_idx, problem, call, listed
 N_LEADING = 6
 
 
 class _RingMoE(torch.autograd.Function):
-    """Inputs ``(x, probs, topk_idx, prob, call, listed, *ws)`` (``call``: the
+    """Inputs ``(x, probs, topk_idx, problem, call, listed, *ws)`` (``call``: the
     :class:`~relaymoe.ring.runtime.RingCall`: group, runtime, how a hop computes, this rank's
     options; kept until the backward) with ``ws``
     ``(w13, w2[, b13][, b2])`` (tensor form) or ``(*w13_list, *w2_list[, *b13_list][,
-    *b2_list])`` (list form; which biases: ``prob.has_b13``/``has_b2``). Saves x, probs, the
+    *b2_list])`` (list form; which biases: ``problem.has_b13``/``has_b2``). Saves x, probs, the
     int32 ids and ``ws`` themselves (list form: the caller's tensors, no copy)."""
 
     @staticmethod
-    def forward(ctx, x, probs, topk_idx, prob, call, listed, *ws):
+    def forward(ctx, x, probs, topk_idx, problem, call, listed, *ws):
         x, probs = x.contiguous(), probs.contiguous()
         if not listed:
             ws = tuple(w.contiguous() for w in ws)
-        experts = LocalExperts.from_inputs(listed, ws, prob.has_b13, prob.has_b2, call.runtime)
+        experts = LocalExperts.from_inputs(
+            listed, ws, problem.has_b13, problem.has_b2, call.runtime
+        )
         idx32 = topk_idx.to(IDX).contiguous()
-        ctx.prob, ctx.call = prob, call
+        ctx.problem, ctx.call = problem, call
         ctx.listed = listed
         # the row order of the local experts' stacked form where a pass uses it (token mode, a
         # world of one); expert mode with R > 1 packs slot 0 in expert order and needs none
         order = experts.preferred_order()
         ctx.order = order
-        if prob.mode == "alltoall":
-            out, ctx.index = alltoall_forward(prob, call, x, experts, probs, idx32, order)
-        elif prob.mode == "expert":  # one routing index over every expert, built once a call
+        if problem.mode == "alltoall":
+            out, ctx.index = alltoall_forward(problem, call, x, experts, probs, idx32, order)
+        elif problem.mode == "expert":  # one routing index over every expert, built once a call
             ids = idx32
-            if prob.world_size == 1 and order == REVERSED:
-                ids = reverse_local_ids(idx32, prob.num_local_experts)
-            ctx.index = build_routing_index(ids, prob.num_experts, validate=False)
-            out = _passes(prob)[0](prob, call, x, experts, probs, ctx.index, order)
+            if problem.world_size == 1 and order == REVERSED:
+                ids = reverse_local_ids(idx32, problem.num_local_experts)
+            ctx.index = build_routing_index(ids, problem.num_experts, validate=False)
+            out = _passes(problem)[0](problem, call, x, experts, probs, ctx.index, order)
         else:  # token mode builds the index of each visiting partition
-            out, ctx.index = _passes(prob)[0](prob, call, x, experts, probs, idx32, order)
+            out, ctx.index = _passes(problem)[0](problem, call, x, experts, probs, idx32, order)
         ctx.save_for_backward(x, probs, idx32, *ws)
         return out
 
@@ -181,22 +190,22 @@ class _RingMoE(torch.autograd.Function):
         if torch.is_grad_enabled():  # only under create_graph=True: refused before any transfer
             raise NotImplementedError(SECOND_ORDER_ERROR)
         x, probs, idx32, *ws = ctx.saved_tensors
-        prob, order = ctx.prob, ctx.order
+        problem, order = ctx.problem, ctx.order
         experts = LocalExperts.from_inputs(
-            ctx.listed, ws, prob.has_b13, prob.has_b2, ctx.call.runtime
+            ctx.listed, ws, problem.has_b13, problem.has_b2, ctx.call.runtime
         )
-        dy = dy.to(prob.dtype).contiguous()
-        if prob.mode == "alltoall":
+        dy = dy.to(problem.dtype).contiguous()
+        if problem.mode == "alltoall":
             dx, dprobs, g = alltoall_backward(
-                prob, ctx.call, dy, x, experts, probs, ctx.index, order
+                problem, ctx.call, dy, x, experts, probs, ctx.index, order
             )
         else:
-            dx, dprobs, g = _passes(prob)[1](
-                prob, ctx.call, dy, x, experts, probs, ctx.index, order
+            dx, dprobs, g = _passes(problem)[1](
+                problem, ctx.call, dy, x, experts, probs, ctx.index, order
             )
         # the weight gradients' rows: expert mode over several ranks packs slot 0 in expert
         # order; token mode and a world of one use the stacked form's order
-        rows = FORWARD if prob.mode == "expert" and prob.world_size > 1 else order
+        rows = FORWARD if problem.mode == "expert" and problem.world_size > 1 else order
         need = ctx.needs_input_grad
         # views of the returned gradients, no copy
         wgrads = experts.split(g["w13"], g["w2"], rows, g.get("b13"), g.get("b2"))
@@ -282,11 +291,11 @@ def ring_moe(
     (False runs each hop's transfer after its compute: the ablation's sequential ring) are
     ``config``'s, and so is ``capture_hops`` (each hop's compute recorded once per shape and
     replayed: ``hop_graphs.py``).
-    ``schedule``: the hop order (``schedule.py``): ``"flat"`` (one ring), ``"two_level"`` (rings
+    ``schedule``: the hop order (``plan.py``): ``"flat"`` (one ring), ``"two_level"`` (rings
     inside each node of ``gpus_per_node`` consecutive ranks, joined by hops that every GPU of a
     node makes to the same local rank of the next node at once) or ``"auto"`` (two-level when the
     group spans several nodes of several GPUs); or ``"node_batched"`` (expert mode, asked for by
-    name: one hop per node over the node's experts, all-gathered inside it; ``nodebatch.py``).
+    name: one hop per node over the node's experts, all-gathered inside it; ``expert_mode.py``).
     ``gpus_per_node``: the GPUs per node of the group; None (in ``config`` too) reads the nodes
     from the ranks' hosts (exchanged in the agreement).
     ``grad_accum``: the dtype of the ring's weight-gradient accumulators: ``"param"`` (the
@@ -306,14 +315,14 @@ def ring_moe(
     worst-case bound in eager calls too, so eager and captured steps run the same code. A call
     made while its stream is captured needs ``trusted=True`` and an eager call of the same
     signature before it, made with the same ``runtime``; it then makes no host sync and no host
-    wait (``capture.py``).
+    wait (``hop_graphs.py``).
 
     ``trusted=True`` (Megatron's dispatcher): ``topk_idx`` comes from a router and is not
     validated, and every rank changes its input signature (shapes, dtypes, mode, transport,
     whether a backward follows, the collective-deciding options ``agree`` and
     ``pair_buffer_mib``) in the same call; the ranks' agreement is then reused per
     signature (in ``runtime``), so a call in steady state has no host synchronisation
-    (``agree.py``).
+    (``agreement.py``).
 
     Dtypes: x, w13 and w2 share one of float16, bfloat16, float32, float64 (float64 runs on the
     torch hops: ``backend="triton"`` refuses it, ``"auto"`` keeps it); topk_probs any of those;
@@ -323,7 +332,7 @@ def ring_moe(
     contiguous ones), topk_idx is converted to contiguous int32 (T*K elements).
 
     Validated on every rank before any P2P, the same ``ValueError`` raised on every rank
-    (``agree.py``): types, shapes, dtypes and devices of every input on every rank, and their
+    (``agreement.py``): types, shapes, dtypes and devices of every input on every rank, and their
     agreement across ranks (E_local, H, I, K, dtypes, device type, mode, transport, schedule,
     gpus_per_node, grad_accum, whether a backward follows, the settings above, every field of
     the activation, which biases are given; w13's rows against the activation); that the hop
@@ -362,16 +371,16 @@ def ring_moe(
                        backend=backend, activation=activation, kernels=kernels,
                        capturable=capturable)  # fmt: skip
     with torch.profiler.record_function("relaymoe.agree"):
-        prob = agree(
+        problem = agree(
             x, w13, w2, topk_idx, topk_probs, group=group, rank=rank, world=world, request=req,
             runtime=runtime, trusted=trusted, b13=b13, b2=b2, captured=captured,
             timeout_s=config.timeout_s,
         )  # fmt: skip
     # req.kernels is valid: agreed above; a captured step already holds every hop, so no hop
     # graphs are recorded inside it
-    hop = Hop(backend, req.kernels, config.capture_hops and not captured)
-    call = RingCall.of(group, runtime, hop, config)
-    return _RingMoE.apply(x, topk_probs, topk_idx, prob, call, listed, *ws)
+    kernel_choice = KernelChoice(backend, req.kernels, config.capture_hops and not captured)
+    call = RingCall.of(group, runtime, kernel_choice, config)
+    return _RingMoE.apply(x, topk_probs, topk_idx, problem, call, listed, *ws)
 
 
 def resolved_problem(*args, **kwargs) -> RingProblem:

@@ -1,8 +1,9 @@
-"""The ring executor: double-buffered slots, a communication stream, and the relay loop.
+"""The ring's executor and its transports: double-buffered slots, a communication stream, the
+relay loop, and what moves a hop's bytes between ranks.
 
-``relay`` runs one pass (forward or backward) of the ring for any mode: a *lead* (the partition
-needed by the next hop) and an optional *trail* (an accumulator every rank adds into, one hop
-behind its partition; see ``schedule.py``). Per hop ``h`` on rank ``r``:
+**The relay.** ``relay`` runs one pass (forward or backward) of the ring for any mode: a *lead*
+(the partition needed by the next hop) and an optional *trail* (an accumulator every rank adds
+into, one hop behind its partition; see ``plan.py``). Per hop ``h`` on rank ``r``:
 
 1. ``start(h)``: the communication stream waits for everything the compute stream queued so far
    (the slot being sent is final, the slot being received into is no longer read), then issues
@@ -23,26 +24,289 @@ this pass returns; ``off`` never).
 
 Memory: two slots of ``plan.capacity()`` bytes, one trail scratch, and whatever one hop's
 compute allocates; the caller's accumulators. The returned trail lives in a fresh buffer.
+
+**The transports** move one hop's byte ranges between ranks (``plan.HopTransfer``: up to two
+sends and two receives, each with its own peer; one of each in a flat ring).
+
+* ``nccl`` (:class:`P2PTransport`): ``dist.batch_isend_irecv`` with the hop's sends and receives
+  in one group, in the same order on every rank. The same code runs over gloo on CPU and over NCCL
+  within and across nodes. On CUDA it is issued from the executor's communication stream.
+* ``copy_engine`` (:class:`CopyEngineTransport`, CUDA within one node): both slots live in one
+  persistent ``torch.distributed._symmetric_memory`` allocation per (group, device), held by the
+  call's runtime (``RingRuntime.workspaces``); each rank
+  *pulls* the visiting range straight from its neighbour's slot with a device-to-device copy of
+  peer-mapped memory, which the GPU's copy engines execute without SMs, so more of a transfer hides
+  under a grouped GEMM than with NCCL, whose kernels compete for SMs. A group-wide barrier on the
+  signal pads precedes every pull, on the communication stream. After barrier ``h`` every rank has
+  (a) finished writing the slot it sends at hop ``h`` (the executor orders that before the barrier)
+  and (b) finished its pull of hop ``h-1``, i.e. stopped reading the slot its sender overwrites at
+  hop ``h``. So nothing is read before it is written nor overwritten while read. One more barrier at
+  the start of every pass keeps a pass from overwriting slots a peer still reads from the previous
+  pass.
+
+Both are issued on the current stream (the executor's communication stream on CUDA).
+
+**The transports' bounded waits** (``faults.py``). ``issue`` returns the hop's works with the
+peers each one depends on; the executor waits for them with the group's timeout (per hop on CPU,
+at the end of the pass on CUDA), so a dead neighbour raises ``RingPeerError`` naming it. The copy
+engines' barrier is a kernel spinning on a peer's signal: it gets the timeout as ``timeout_ms``,
+after which torch's barrier kernel gives up and traps (a CUDA error the executor's bounded poll of
+the pass's events turns into ``RingPeerError``); a torch whose barrier takes no timeout spins on,
+and then only the host side is bounded (the poll raises, the GPU keeps spinning until the process
+ends). Neither is exercised on CPU.
 """
 
 from __future__ import annotations
 
+import abc
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-from relaymoe.ring.faults import RingPeerError, host_wait_enabled
-from relaymoe.ring.layout import Layout
-from relaymoe.ring.schedule import HopTransfer, RingPlan
-from relaymoe.ring.transport import Transport
+from relaymoe.ring.faults import (
+    PeerWatch,
+    RingPeerError,
+    all_reduce_checked,
+    host_wait_enabled,
+    ring_timeout_s,
+)
+from relaymoe.ring.plan import HopTransfer, Layout, RingPlan, RingProblem
 
-__all__ = ["HopTiming", "RingExecutor", "record_timeline", "relay"]
+if TYPE_CHECKING:
+    from relaymoe.ring.runtime import RingCall
 
+__all__ = [
+    "CopyEngineTransport",
+    "HopTiming",
+    "P2PTransport",
+    "PassWork",
+    "RingExecutor",
+    "Transport",
+    "copy_engine_available",
+    "copy_engine_works",
+    "record_timeline",
+    "relay",
+    "ring_pass",
+    "transport_of",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# the transports: a hop's sends and receives
+# ---------------------------------------------------------------------------------------------
+# The persistent symmetric slots live in the runtime (``RingRuntime.workspaces``), per (group
+# name, device index): (tensor (2*cap,), handle, cap), grown in steps of this many bytes.
+_SYMM_GRANULE = 2 * 1024 * 1024
+
+
+class Transport(abc.ABC):
+    """Interface: ``slots`` gives the two slot buffers, ``issue`` one hop's transfer."""
+
+    name = "base"
+    # whether ``slots`` returns the same memory every pass (the executor then keeps its views
+    # of them from pass to pass instead of cutting them again)
+    persistent_slots = False
+    needs_entry_sync = False
+
+    @abc.abstractmethod
+    def slots(self, capacity: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        """The two slot buffers of at least ``capacity`` bytes each."""
+
+    def watch_view(self) -> dict:
+        """``PeerWatch`` keywords when the plan's ring is not the whole group (``ring``: its
+        group ranks in order); empty: the group's own."""
+        return {}
+
+    def group_peers(self, peers) -> set[int]:
+        """The group ranks of a plan's peers (the plan's own numbering)."""
+        return set(peers)
+
+    def entry_sync(self) -> None:  # noqa: B027 (optional hook: most transports need none)
+        """Called once per pass before the first hop when ``needs_entry_sync``."""
+
+    @abc.abstractmethod
+    def issue(self, xfer: HopTransfer, sends: list[Tensor], recvs: list[Tensor]) -> list:
+        """Start the transfer on the current stream (``sends``/``recvs``: the byte views of
+        ``xfer.sends``/``xfer.recvs``, in order); returns ``(work, peers)`` pairs: the works
+        to wait for (bounded) before the data is read on CPU, or at the end of the pass on CUDA
+        (already ordered on the stream), and the group ranks each depends on."""
+
+
+class P2PTransport(Transport):
+    """``batch_isend_irecv`` (NCCL on CUDA, gloo on CPU): a hop's sends and receives at once."""
+
+    name = "nccl"
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+
+    def slots(self, capacity: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        # Fresh per pass: they return to the caching allocator when the pass ends.
+        return (
+            torch.empty(capacity, dtype=torch.uint8, device=device),
+            torch.empty(capacity, dtype=torch.uint8, device=device),
+        )
+
+    def issue(self, xfer: HopTransfer, sends: list[Tensor], recvs: list[Tensor]) -> list:
+        # Same order on every rank: the sends first, then the receives. No two messages of one
+        # hop share a (sender, receiver) pair, so the order cannot mismatch them.
+        ops = [
+            dist.P2POp(dist.isend, t, group=self.group, group_peer=leg.peer)
+            for leg, t in zip(xfer.sends, sends, strict=True)
+        ]
+        ops += [
+            dist.P2POp(dist.irecv, t, group=self.group, group_peer=leg.peer)
+            for leg, t in zip(xfer.recvs, recvs, strict=True)
+        ]
+        if not ops:
+            return []
+        works = dist.batch_isend_irecv(ops)
+        if ops[0].tensor.is_cuda:
+            # Non-blocking for the host: the current (communication) stream waits for NCCL's.
+            for w in works:
+                w.wait()
+        peers = [op.group_peer for op in ops]
+        if len(works) == len(ops):  # one work per op (gloo): the failing one names its peer
+            return [(w, (p,)) for w, p in zip(works, peers, strict=True)]
+        return [(w, tuple(peers)) for w in works]  # coalesced (NCCL): either neighbour
+
+
+def copy_engine_available() -> bool:
+    """This process can use symmetric memory on its current CUDA device."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import importlib
+
+        importlib.import_module("torch.distributed._symmetric_memory")
+    except Exception:  # torch built without symmetric memory
+        return False
+    return True
+
+
+class CopyEngineTransport(Transport):
+    """Pull from the neighbour's persistent symmetric-memory slot with the copy engines."""
+
+    name = "copy_engine"
+    persistent_slots = True  # one symmetric-memory buffer per (group, device) and runtime
+    needs_entry_sync = True
+
+    def __init__(self, group: dist.ProcessGroup, runtime, timeout_s: float | None = None):
+        """``runtime``: the ``RingRuntime`` whose workspace the slots are; ``timeout_s``: the
+        call's ``RingConfig.timeout_s`` (None: the group's)."""
+        self.group, self.runtime = group, runtime
+        self._buf: Tensor | None = None
+        self._hdl = None
+        self._cap = 0
+        self.timeout_s = ring_timeout_s(group, timeout_s)
+
+    def slots(self, capacity: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        key = (self.group.group_name, device.index)
+        workspaces = self.runtime.workspaces
+        entry = workspaces.get(key)
+        if entry is None or entry[2] < capacity:
+            # Collective: every rank computes the same capacity from the agreed sizes, so all
+            # ranks grow (and rendezvous) together.
+            cap = max(_SYMM_GRANULE, -(-capacity // _SYMM_GRANULE) * _SYMM_GRANULE)
+            if entry is not None:
+                _barrier(self.runtime, entry[1], self.timeout_s)  # no peer reads the old slots
+                done = torch.cuda.Event()
+                done.record()
+                # the barrier waits on peers: bounded here, so a dead one raises RingPeerError
+                # instead of hanging the synchronize below (which then waits for local work only)
+                watch = PeerWatch(self.group, mode="ring", phase="workspace regrowth",
+                                  timeout_s=self.timeout_s)  # fmt: skip
+                watch.wait_event(done, op="copy-engine barrier")
+                torch.cuda.synchronize(device)
+                del workspaces[key]
+                entry = None
+            buf = symm_mem.empty(2 * cap, dtype=torch.uint8, device=device)
+            # By name: the form every torch with symmetric memory accepts.
+            hdl = symm_mem.rendezvous(buf, self.group.group_name)
+            entry = (buf, hdl, cap)
+            workspaces[key] = entry
+        self._buf, self._hdl, self._cap = entry
+        return self._buf[: self._cap], self._buf[self._cap : 2 * self._cap]
+
+    def entry_sync(self) -> None:
+        _barrier(self.runtime, self._hdl, self.timeout_s)
+
+    def issue(self, xfer: HopTransfer, sends: list[Tensor], recvs: list[Tensor]) -> list:
+        _barrier(self.runtime, self._hdl, self.timeout_s)
+        for leg, recv in zip(xfer.recvs, recvs, strict=True):
+            src = leg.src
+            # Byte offset of the sender's range inside its allocation (slot + range start).
+            offset = int(getattr(self._hdl, "offset", 0)) + src.slot * self._cap + src.start
+            peer = self._hdl.get_buffer(leg.peer, (src.nbytes,), torch.uint8, offset)
+            recv.copy_(peer)  # device-to-device memcpy of peer memory: copy engines, no SMs
+        return []
+
+
+def _barrier(runtime, hdl, timeout_s: float) -> None:
+    """The symmetric-memory barrier on the current stream, bounded on the device by
+    ``timeout_s`` where torch's barrier takes a timeout (see the module doc); whether it does
+    is learned once per runtime (``RingRuntime.barrier_takes_timeout``)."""
+    if runtime.barrier_takes_timeout is not False:
+        try:
+            hdl.barrier(channel=0, timeout_ms=max(1, int(timeout_s * 1000)))
+            runtime.barrier_takes_timeout = True
+            return
+        except TypeError:  # an older signature: barrier(channel) only
+            runtime.barrier_takes_timeout = False
+    hdl.barrier(channel=0)
+
+
+def copy_engine_works(
+    group: dist.ProcessGroup, device: torch.device, runtime, timeout_s: float | None = None
+) -> bool:
+    """Collective, cached per group in ``runtime`` (``RingRuntime.copy_engine_ok``): every rank
+    set up and pulled through symmetric memory (the runtime's workspace).
+
+    ``transport="auto"`` asks this before choosing the copy engines, so a torch whose symmetric
+    memory API differs (or a machine without peer access) falls back to NCCL on every rank
+    together instead of failing mid-pass. All ranks of ``group`` must call it.
+    """
+    name = group.group_name
+    known = runtime.copy_engine_ok
+    if name not in known:
+        ok = 1
+        try:
+            ce = CopyEngineTransport(group, runtime, timeout_s)
+            ce.slots(1, device)
+            ce.entry_sync()
+            peer = (dist.get_rank(group) - 1) % dist.get_world_size(group)
+            probe = ce._hdl.get_buffer(peer, (1,), torch.uint8, int(getattr(ce._hdl, "offset", 0)))
+            torch.empty(1, dtype=torch.uint8, device=device).copy_(probe)
+            torch.cuda.synchronize(device)
+        except Exception:  # any failure here means: use NCCL (decided jointly below)
+            ok = 0
+        # [ranks that succeeded, ranks that answered]: a sum missing a rank is never read as "ok"
+        flag = torch.tensor([ok, 1], dtype=torch.int64, device=device)
+        watch = all_reduce_checked(
+            flag, group, mode="ring", phase="copy-engine probe", timeout_s=timeout_s
+        )
+        ok_ranks, live = flag.tolist()  # host sync, once per group
+        world = dist.get_world_size(group)
+        if live != world:
+            raise watch.error(
+                f"the probe's all-reduce counted {live} of {world} ranks", op="all_reduce"
+            )
+        known[name] = ok_ranks == world
+    return known[name]
+
+
+# ---------------------------------------------------------------------------------------------
+# the executor: slots, streams, the per-hop order of work
+# ---------------------------------------------------------------------------------------------
 # The views a pass cuts of persistent slots (Transport.persistent_slots) are kept for the next
 # pass over the same slots, in the runtime (``RingRuntime.slot_memos``): by device, (the slots'
 # addresses and sizes, the memo). Slots at other addresses (a regrown workspace, another group's)
@@ -348,65 +612,75 @@ def _zero_views(layout: Layout, buf: Tensor, base: int = 0) -> dict[str, Tensor]
     return views
 
 
-def relay(
-    plan: RingPlan,
-    *,
-    lead_layout: Callable[[int], Layout],
-    own_lead: dict[str, Tensor] | Callable[[dict[str, Tensor]], None],
-    trail_layout: Callable[[int], Layout] | None,
-    compute: Callable[[int, int, dict[str, Tensor] | None, dict[str, Tensor] | None], None],
-    transport: Transport | None,
-    device: torch.device,
-    call,
-    mode: str = "",
-    phase: str = "",
-    capacity: int | None = None,
-    prepare: Callable[[int, int, dict[str, Tensor] | None], None] | None = None,
-    zero_trail: bool = True,
-) -> dict[str, Tensor] | None:
-    """One ring pass. Returns the views of this rank's complete trail (None without a trail).
+@dataclass(frozen=True)
+class PassWork:
+    """What one pass moves and computes at each hop, handed to :func:`relay` as one object.
 
-    ``own_lead``: this rank's partition, packed into slot 0 before hop 0: tensors by segment
-    name, or a callable that fills the typed views of slot 0 itself (e.g. per-expert copies).
+    ``lead_layout(p)``: the layout of partition ``p``'s lead. ``own_lead``: this rank's
+    partition, packed into slot 0 before hop 0: tensors by segment name, or a callable that fills
+    the typed views of slot 0 itself (e.g. per-expert copies).
     ``compute(hop, partition, lead, trail)``: ``lead`` are typed views of the visiting partition
     in its slot (at hop 0 the rank's own partition in slot 0), None only in a world of one (use
     the local tensors; nothing is packed); ``trail`` are zero-initialised views to ADD this
     rank's share of ``partition``'s accumulator into (None without a trail).
-    ``call``: the ``RingCall`` (runtime, overlap, host wait, timeout).
-    ``capacity``: reserve at least this many bytes per slot (e.g. the backward's, at forward).
+    ``trail_layout(p)``: the layout of partition ``p``'s trail (None: nothing trails).
     ``prepare(hop, partition, lead)``: called before the hop's transfer is issued, with the lead
     already in place (e.g. node-batched rounds exchange it inside the node there, so that on
     NCCL that exchange is not queued behind the hop's transfer, which overlaps the compute).
+    ``capacity``: reserve at least this many bytes per slot (e.g. the backward's, at forward).
     ``zero_trail=False``: the trail views reach ``compute`` as they are, and ``compute`` writes
     its whole share (zeroing first what it adds into, or writing over), also at a hop it has
     nothing to compute for: a recorded hop zeroes inside its graph, one host launch less a hop.
     """
+
+    lead_layout: Callable[[int], Layout]
+    own_lead: dict[str, Tensor] | Callable[[dict[str, Tensor]], None]
+    compute: Callable[[int, int, dict[str, Tensor] | None, dict[str, Tensor] | None], None]
+    trail_layout: Callable[[int], Layout] | None = None
+    prepare: Callable[[int, int, dict[str, Tensor] | None], None] | None = None
+    capacity: int | None = None
+    zero_trail: bool = True
+
+
+def relay(
+    plan: RingPlan,
+    work: PassWork,
+    *,
+    transport: Transport | None,
+    device: torch.device,
+    call: RingCall,
+    mode: str = "",
+    phase: str = "",
+) -> dict[str, Tensor] | None:
+    """One ring pass of ``work`` (:class:`PassWork`) over ``plan``'s hops, its transfers through
+    ``transport`` (None in a world of one). Returns the views of this rank's complete trail
+    (None without a trail). ``call``: the ``RingCall`` (runtime, overlap, host wait, timeout);
+    ``mode``/``phase``: the pass's labels (timeline, profiler ranges, errors)."""
     R, rank = plan.world_size, plan.rank
     if R == 1:
-        return _relay_alone(rank, own_lead=own_lead, trail_layout=trail_layout, compute=compute,
-                            device=device, prepare=prepare, zero_trail=zero_trail)  # fmt: skip
-    ex = RingExecutor(transport, plan, device, call=call, mode=mode, phase=phase, capacity=capacity)
-    views_of, runs_of, own_views = _pass_views(ex, lead_layout, own_lead, trail_layout, device)
-    _hops(ex, views_of, runs_of, own_views, lead_layout=lead_layout, trail_layout=trail_layout,
-          compute=compute, prepare=prepare, overlap=call.overlap, zero_trail=zero_trail,
+        return _relay_alone(rank, work, device)
+    ex = RingExecutor(transport, plan, device, call=call, mode=mode, phase=phase,
+                      capacity=work.capacity)  # fmt: skip
+    views_of, runs_of, own_views = _pass_views(ex, work, device)
+    _hops(ex, work, views_of, runs_of, own_views, overlap=call.overlap,
           hop_name=f"relaymoe.{mode}.{phase}.hop")  # fmt: skip
     result = None
-    if trail_layout is not None:
-        result = _trail_home(ex, trail_layout(rank), device)
+    if work.trail_layout is not None:
+        result = _trail_home(ex, work.trail_layout(rank), device)
     ex.finish()
     return result
 
 
-def _relay_alone(rank: int, *, own_lead, trail_layout, compute, device, prepare, zero_trail):
+def _relay_alone(rank: int, work: PassWork, device: torch.device):
     """A world of one: the compute gets the local tensors (no lead views) and a fresh trail."""
     trail = None
-    if trail_layout is not None:
-        lay = trail_layout(rank)
+    if work.trail_layout is not None:
+        lay = work.trail_layout(rank)
         buf = torch.empty(lay.nbytes, dtype=torch.uint8, device=device)
-        trail = _zero_views(lay, buf) if zero_trail else lay.views(buf)
-    if prepare is not None:
-        prepare(0, rank, None)
-    compute(0, rank, None, trail)
+        trail = _zero_views(lay, buf) if work.zero_trail else lay.views(buf)
+    if work.prepare is not None:
+        work.prepare(0, rank, None)
+    work.compute(0, rank, None, trail)
     return trail
 
 
@@ -430,7 +704,7 @@ def _cached(make: Callable, bufs: list[Tensor], flats: list[dict], slot_store: d
     return get
 
 
-def _pass_views(ex: RingExecutor, lead_layout, own_lead, trail_layout, device: torch.device):
+def _pass_views(ex: RingExecutor, work: PassWork, device: torch.device):
     """The pass's set-up: ``(views_of, runs_of, own_views)``, the cached typed views and runs
     of the two slots and the trail scratch (allocated here, buffer 2), and this rank's lead
     packed into slot 0."""
@@ -444,7 +718,8 @@ def _pass_views(ex: RingExecutor, lead_layout, own_lead, trail_layout, device: t
     # gets its named views (views_of) only where it writes: the scratch, and hop 0's region
     runs_of = _cached(Layout.runs, bufs, flats, None if memo is None else memo["runs"])
 
-    own_views = views_of(lead_layout(rank), 0)
+    own_lead, trail_layout = work.own_lead, work.trail_layout
+    own_views = views_of(work.lead_layout(rank), 0)
     if callable(own_lead):
         own_lead(own_views)
     else:
@@ -458,10 +733,12 @@ def _pass_views(ex: RingExecutor, lead_layout, own_lead, trail_layout, device: t
     return views_of, runs_of, own_views
 
 
-def _hops(ex: RingExecutor, views_of, runs_of, own_views, *, lead_layout, trail_layout, compute,
-          prepare, overlap: bool, zero_trail: bool, hop_name: str) -> None:  # fmt: skip
+def _hops(ex: RingExecutor, work: PassWork, views_of, runs_of, own_views, *, overlap: bool,
+          hop_name: str) -> None:  # fmt: skip
     """The hop loop: at each hop, the next transfer issued, the visiting partition computed
     (into its trail share), and what arrived of the trail added to."""
+    lead_layout, trail_layout, compute = work.lead_layout, work.trail_layout, work.compute
+    prepare, zero_trail = work.prepare, work.zero_trail
     has_trail = trail_layout is not None
     table = ex.plan.pass_table()
     partitions, trail_offsets = table.partitions, table.trail_offsets
@@ -515,3 +792,24 @@ def _trail_home(ex: RingExecutor, lay: Layout, device: torch.device) -> dict[str
     ex.wait(pending, R)
     ex.mark(R, "h1")
     return lay.views(final)
+
+
+# ---------------------------------------------------------------------------------------------
+# a problem's pass: its transport, and the relay every pass runs
+# ---------------------------------------------------------------------------------------------
+def transport_of(problem: RingProblem, call: RingCall) -> Transport | None:
+    """The transport of the call's agreed ``problem.transport`` (None in a world of one)."""
+    if problem.transport == "copy_engine":
+        return CopyEngineTransport(call.group, call.runtime, call.timeout_s)
+    if problem.transport == "nccl":
+        return P2PTransport(call.group)
+    return None
+
+
+def ring_pass(
+    problem: RingProblem, call: RingCall, device, phase: str, plan: RingPlan, work: PassWork
+):
+    """One :func:`relay` pass of ``work`` in this call: the transport, device, call and labels
+    every pass of a problem shares."""
+    return relay(plan, work, transport=transport_of(problem, call), device=device, call=call,
+                 mode=problem.mode, phase=phase)  # fmt: skip

@@ -25,7 +25,7 @@ Where the host waits (``RingConfig.host_wait``):
   device), so it stays at most one pass ahead of the GPU rather than draining it: a dead peer is
   named at the end of the next ring pass, and the last pass of a backward when the backward
   ends (an autograd callback: one host sync a backward call); a pass that nothing follows is
-  watched by a thread that logs its error past the timeout (``lagwait.py``). ``lag`` is the
+  watched by a thread that logs its error past the timeout (the lag wait, below). ``lag`` is the
   default. With ``off`` there is no host sync (a trusted ring call in steady state makes none),
   and a hang is bounded by NCCL's watchdog and the copy engines' device-side barrier timeout,
   without the ring's diagnosis (most NCCL fault cases then read aborted buffers or fault).
@@ -39,22 +39,41 @@ or ``RingConfig.timeout_s`` seconds when set. The host wait is ``RingConfig.host
 are the call's (its ``RingConfig``, built by the caller or by an entry point from
 ``RELAYMOE_RING_TIMEOUT_S`` / ``RELAYMOE_RING_HOST_WAIT`` or Megatron's flags), and the lag
 wait's pending passes are its runtime's (``RingRuntime.lag``).
+
+**The lag wait** (:class:`LagWatch`, one per runtime: ``RingRuntime.lag``). At the end of each
+ring pass the host waits, bounded, for the pass before it on the same device, never for its own,
+so it stays one pass ahead of the GPU instead of draining it. The last pass of a backward has no
+later pass to wait for it, and the step's own syncs (the loss, the gradient norm) would block on
+its dead transfer until NCCL's watchdog aborts the communicator (long past the ring's timeout),
+then read the aborted buffers. So a backward pass also queues, once per backward call, an
+autograd callback that runs when the backward ends and waits for the device's pending pass: the
+error reaches the caller of ``backward()``. A pass outside any backward (evaluation, a forward
+whose backward never comes) is watched by a daemon thread that logs its ``RingPeerError`` past
+the ring's timeout (logger ``relaymoe.ring``), so the log names the dead peer before NCCL's
+watchdog ends the process. The watch's entries hold the pass's ``PeerWatch`` (its ``error`` and
+``timeout_s``), the works it deferred (``(work, peers, op, hop)``, c10d works: ``is_completed``)
+and its events (``(event, op, hop)``, CUDA events: ``query``); the thread calls no CUDA API that
+blocks.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from relaymoe.options import HOST_WAIT_CHOICES
-from relaymoe.ring.capture import capturing
+from relaymoe.ring.hop_graphs import capturing
 
 __all__ = [
     "HOST_WAITS",
+    "LagWatch",
     "PeerWatch",
     "RingPeerError",
     "all_reduce_checked",
@@ -320,14 +339,14 @@ class PeerWatch:
         or none (``off``)."""
         deferred, events = self._deferred, self._events
         self._deferred, self._events = [], []
-        how = host_wait_mode(device, self.host_wait)
-        if how == "lag" and self.runtime is None:  # no lag watch to hand the pass to
-            how = "pass"
-        if how == "off" or capturing(device):
+        wait_mode = host_wait_mode(device, self.host_wait)
+        if wait_mode == "lag" and self.runtime is None:  # no lag watch to hand the pass to
+            wait_mode = "pass"
+        if wait_mode == "off" or capturing(device):
             # a captured pass is replayed without the host: nothing to wait for here, and its
-            # events cannot be queried (``capture.py``)
+            # events cannot be queried (``hop_graphs.capturing``)
             return
-        if how == "lag":
+        if wait_mode == "lag":
             key = (device.type, device.index)
             previous = self.runtime.lag.swap(key, self, deferred, events)
             _wait_at_end_of_backward(key, self.runtime)
@@ -389,7 +408,7 @@ class _Issuing:
 def _wait_at_end_of_backward(key: tuple[str, int | None], runtime) -> None:
     """Inside a backward, queue (once per backward call, device and runtime) the wait for the
     device's last pending pass of ``runtime`` when the backward ends (``lag``; see
-    ``lagwait.py``). Its RingPeerError is raised to the caller of ``backward()``."""
+    :class:`LagWatch`). Its RingPeerError is raised to the caller of ``backward()``."""
     task = torch._C._current_graph_task_id()
     queued = runtime.backward_waits  # (task, device) of the waits queued and not yet run
     if task < 0 or (task, key) in queued:
@@ -446,3 +465,103 @@ def _cause(cause: object) -> str:
         text = str(cause)
     text = " ".join(text.split())
     return text if len(text) <= 400 else text[:397] + "..."
+
+
+# ---------------------------------------------------------------------------------------------
+# the lag wait: one pending pass a device, per runtime
+# ---------------------------------------------------------------------------------------------
+log = logging.getLogger("relaymoe.ring")
+POLL_S = 0.25  # how often the watchdog looks at the pending passes
+
+
+@dataclass
+class _Pending:
+    watch: PeerWatch
+    deferred: list
+    events: list
+    deadline: float  # time.monotonic() past which an unfinished pass is reported
+    settled: bool = field(default=False)  # finished, or reported once
+
+
+class LagWatch:
+    """The pending pass of each device, and the daemon thread that watches those no later pass
+    waits for. One per :class:`~relaymoe.ring.runtime.RingRuntime`: the passes of one runtime
+    wait for each other, another runtime's are its own. The thread runs only while a pass is
+    unsettled: it reports a pass still unfinished past its deadline, and ends when none is left
+    (a runtime made for one call leaves no thread behind once its passes are waited for)."""
+
+    def __init__(self) -> None:
+        self._pending: dict[tuple[str, int | None], _Pending] = {}
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def swap(self, key: tuple[str, int | None], watch, deferred: list, events: list):
+        """Make this pass the device's pending one; return the pass before it (the caller waits
+        for it) or None."""
+        entry = _Pending(watch, deferred, events, time.monotonic() + watch.timeout_s)
+        with self._lock:
+            previous = self._pending.get(key)
+            self._pending[key] = entry
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._watchdog, name="relaymoe-lag", daemon=True
+                )
+                self._thread.start()
+        if previous is not None:
+            previous.settled = True  # the caller waits for it now
+        return previous
+
+    def take(self, key: tuple[str, int | None]) -> _Pending | None:
+        """Remove and return the device's pending pass (the caller waits for it), or None."""
+        with self._lock:
+            entry = self._pending.pop(key, None)
+        if entry is not None:
+            entry.settled = True
+        return entry
+
+    def pending(self) -> dict[tuple[str, int | None], _Pending]:
+        """The pending pass of each device (a copy; tests)."""
+        with self._lock:
+            return dict(self._pending)
+
+    def _watchdog(self) -> None:
+        while True:
+            time.sleep(POLL_S)
+            now = time.monotonic()
+            with self._lock:
+                live = [e for e in self._pending.values() if not e.settled]
+                if not live:  # nothing to watch: the next swap starts a new thread
+                    self._thread = None
+                    return
+            # only past its deadline is a pass queried (never while a step may be captured
+            # into a CUDA graph on another thread, in the normal run of things)
+            for entry in (e for e in live if now > e.deadline):
+                pending = _first_unfinished(entry)
+                entry.settled = True
+                if pending is None:
+                    continue
+                op, hop = pending
+                waited = now - entry.deadline + entry.watch.timeout_s
+                err = entry.watch.error(
+                    "no later ring pass came to wait for it (relaymoe's lag watchdog); its "
+                    "transfers are still pending", op=op, hop=hop, waited_s=waited,
+                )  # fmt: skip
+                log.error("%s", err)
+
+
+def _first_unfinished(entry: _Pending) -> tuple[str, int | None] | None:
+    """``(op, hop)`` of the first transfer of ``entry`` not finished yet, else None. A query
+    that raises (a failed work, a sticky CUDA error) counts as unfinished."""
+    for work, _peers, op, hop in entry.deferred:
+        try:
+            if not work.is_completed():
+                return op, hop
+        except Exception:
+            return op, hop
+    for ev, op, hop in entry.events:
+        try:
+            if not ev.query():
+                return op, hop
+        except Exception:
+            return op, hop
+    return None

@@ -1,4 +1,8 @@
-"""A cache of captured hop bodies: one recorded hop compute per key, replayed on fixed addresses.
+"""CUDA graphs of the ring: hop bodies recorded once and replayed, and the ring inside a
+caller's whole-step graph.
+
+**Recorded hops.** A cache of captured hop bodies: one recorded hop compute per key, replayed on
+fixed addresses.
 
 At small T the ring is host-bound: issuing a hop's kernels takes the host about as long as the
 GPU takes to run them. With ``RingConfig.capture_hops`` a hop's compute (the hop primitive call
@@ -58,7 +62,7 @@ A key is the caller's (mode, direction, expert range, pair bound, backend, kerne
 activation, ...) plus the name, shape and dtype of every copied tensor and the address and
 layout of every bound one: a hop of another shape (a token partition of another T) builds its
 own entry, one of the same shape at the same addresses reuses it. Expert mode leaves the range
-out of its key where ``hop_index.range_window`` serves every range (its offsets copied in), forward
+out of its key where :func:`range_window` serves every range (its offsets copied in), forward
 and backward: queued back to back, distinct graphs leave the GPU idle between them, one does
 not.
 
@@ -73,6 +77,45 @@ integers from this step's routing, which a graph would keep) and, on CUDA, the t
 (it reads each expert's offsets on the host). Without CUDA the cache runs the same plumbing
 with :class:`EagerReplay` (the body called on the record-time tensors, no graph), which is what
 the CPU tests exercise.
+
+**A hop's routing index as a recorded hop's input.** Its four arrays are packed into one buffer
+(:func:`packed_index`: one copy a hop, not four; one tensor a recorded token forward builds and
+returns), and one expert-mode body serves every expert range of a ring, forward and backward
+(:func:`range_window`: the range's offsets an input, views made once a pass).
+
+**The ring inside a whole-step CUDA graph** (megatron-core's ``--cuda-graph-impl full_iteration``,
+or any ``torch.cuda.graph`` around a training step).
+
+A captured step is replayed without the host: whatever the host would read from the device, or
+wait for, during the step cannot happen at replay. So a ``ring_moe`` call that is being captured
+runs the one path of the ring that needs no host at all, and refuses, by name, what would need it:
+
+* **The agreement comes from an eager call.** The ranks agree once per input signature
+  (``agreement.py``, ``trusted=True``): an eager step with the same shapes (Megatron's
+  ``--cuda-graph-warmup-steps``, at least 1) must precede the capture. A captured call never
+  enters the agreement's all-reduce; an untrusted call (its ids are validated on the host) or an
+  uncached signature raises ``ValueError``.
+* **Every hop's buffers are sized for the worst case, and that is a proof, not a guess.** A
+  token's K expert ids are distinct (a router's top-k), so at most ``min(K, E_local)`` of them
+  fall in any one rank's experts: a hop over ``T`` tokens never has more than
+  ``T * min(K, E_local)`` pairs. The captured call sizes its pair buffers from that bound, never
+  from counts read on the host, so no routing, however skewed (every token to one expert, one
+  rank's experts never used), drops or overflows anything. The kernels find each expert's rows on
+  the device (``kernels/grouped/tiles.py``). The pair-buffer budget (``pair_buffer_mib``) does not
+  apply under capture: its exact-count path is a host read.
+* **Only the ring modes.** ``mode="alltoall"`` sizes its messages on the host; a captured call
+  whose agreed mode is the all-to-all raises. ``capturable=True`` (Megatron's dispatcher passes it
+  whenever the model's step is captured) keeps ``mode="auto"`` among the ring modes, in the eager
+  calls too, so that the eager warm-up and the captured step run the same code.
+* **No host wait.** The bounded host waits that name a dead peer (``faults.py``) are skipped while
+  capturing: a dead or stalled peer of a replayed step is left to NCCL's watchdog.
+* **No hop graphs inside.** ``capture_hops`` (each hop recorded in a graph of its own) is off for a
+  captured call: the step's graph already holds every hop.
+
+Allocations made while capturing come from the graph's private memory pool and are the same
+addresses at every replay (torch's capture semantics), so the ring needs no static buffers of its
+own. A copy-engine transport's workspace must already be large enough: it is sized by the largest
+pass of the eager steps, whose shapes a captured step repeats.
 """
 
 from __future__ import annotations
@@ -81,21 +124,43 @@ import contextlib
 import functools
 import logging
 from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
 
 from relaymoe.experts import resolve_backend
+from relaymoe.kernels.index_arrays import index_arrays_like
+from relaymoe.ring.plan import Layout, RingProblem
+from relaymoe.routing import RoutingIndex
+
+if TYPE_CHECKING:
+    from relaymoe.ring.runtime import RingCall
 
 __all__ = [
     "BOUND",
+    "INDEX_FIELDS",
     "CudaGraphReplay",
     "EagerReplay",
     "HopGraphs",
+    "PackedIndex",
+    "capturing",
+    "check_captured",
     "graphs_for",
+    "hop_graphs_of",
+    "hop_head",
+    "hop_key",
+    "index_from",
+    "index_inputs",
+    "index_layout",
+    "index_sizes",
+    "packed_index",
+    "range_window",
     "refusal",
     "run_hop",
     "stage_pass",
+    "window_fits",
 ]
 
 log = logging.getLogger("relaymoe.ring")
@@ -323,19 +388,19 @@ def _copy_all(dsts: list[Tensor], srcs: list[Tensor]) -> None:
         dsts[0].copy_(srcs[0])
 
 
-def refusal(prob, backend: str, device: torch.device) -> str | None:
+def refusal(problem, backend: str, device: torch.device) -> str | None:
     """Why this call's hops cannot be recorded, or None when they can: exact pair counts
     anywhere (what the hop computes would depend on host integers of one step), and on CUDA a
     hop backend that reads the routing on the host."""
-    if prob.pairs is not None:
+    if problem.pairs is not None:
         return (
             "the hops' pair counts are exact host integers of this step's routing (an untrusted "
             "call, or pair buffers whose bound exceeds pair_buffer_mib="
-            f"{prob.pair_buffer_mib}); a graph would keep them: call with trusted=True and a "
+            f"{problem.pair_buffer_mib}); a graph would keep them: call with trusted=True and a "
             "pair_buffer_mib (RELAYMOE_PAIR_BUFFER_MIB) that holds the bound, or leave "
             "capture_hops off"
         )
-    if device.type == "cuda" and resolve_backend(backend, device, prob.dtype) != "triton":
+    if device.type == "cuda" and resolve_backend(backend, device, problem.dtype) != "triton":
         return (
             "the torch hop backend reads each expert's pair offsets on the host; use "
             "backend='triton' (or 'auto' with a dtype the kernels take)"
@@ -367,11 +432,11 @@ def stage_pass(graphs: HopGraphs | None, inputs: dict[str, Tensor], inouts: dict
     return contextlib.nullcontext() if graphs is None else graphs.staging(inputs, inouts)
 
 
-def graphs_for(prob, backend: str, device: torch.device, runtime) -> HopGraphs | None:
+def graphs_for(problem, backend: str, device: torch.device, runtime) -> HopGraphs | None:
     """``runtime``'s cache (a ``RingRuntime``: ``runtime.hop_graphs``) for a call on ``device``
     with capture on: the CUDA-graph one, the eager plumbing without CUDA, or None (eager, logged
     once per runtime) when :func:`refusal` names why."""
-    why = refusal(prob, backend, device)
+    why = refusal(problem, backend, device)
     if why is not None:
         runtime.log_once(log, f"relaymoe capture_hops: hops run eagerly: {why}")
         return None
@@ -386,3 +451,148 @@ def graphs_for(prob, backend: str, device: torch.device, runtime) -> HopGraphs |
     if cache is None:
         cache = runtime.hop_graphs[key] = HopGraphs(kind())
     return cache
+
+
+# ---------------------------------------------------------------------------------------------
+# a pass's recorded hops: the cache, and the keys of its entries
+# ---------------------------------------------------------------------------------------------
+def hop_graphs_of(problem: RingProblem, call: RingCall, device) -> HopGraphs | None:
+    """The cache of recorded hop bodies a pass runs its hops through (the call's runtime's),
+    or None (eager)."""
+    choice = call.kernel_choice
+    return graphs_for(problem, choice.backend, device, call.runtime) if choice.capture else None
+
+
+def hop_head(problem: RingProblem, call: RingCall, phase: str) -> tuple[str, str, int]:
+    """The first part of a pass's recorded hops' keys, made once a pass: ``(mode, phase, n)``,
+    ``n`` a small int standing for the backend, kernel options and activation (equal ones, one
+    int, numbered by the call's runtime), so that the cache's lookup at every hop hashes no
+    options object."""
+    ids = call.runtime.kernel_choice_ids
+    choice = call.kernel_choice
+    n = ids.setdefault((choice.backend, choice.kernels, problem.activation), len(ids))
+    return problem.mode, phase, n
+
+
+def hop_key(head: tuple, expert_range: tuple[int, int], rows: dict) -> tuple:
+    """The host values a recorded hop keeps (its tensors' shapes are added by the cache):
+    :func:`hop_head`'s, the hop's expert range and its pair-count keyword."""
+    return (*head, expert_range, *rows.items())
+
+
+# ---------------------------------------------------------------------------------------------
+# a hop's routing index as a recorded hop's input
+# ---------------------------------------------------------------------------------------------
+INDEX_FIELDS = ("expert_token_indices", "expert_token_offsets", "token_expert_indices",
+                "token_index_map")  # fmt: skip
+
+
+def index_inputs(index: RoutingIndex | PackedIndex, prefix: str = "index.") -> dict[str, Tensor]:
+    """The routing index's arrays as inputs of :meth:`HopGraphs.run`: its one packed buffer
+    when it has one (:func:`packed_index`: one copy a hop, not four), else the four arrays."""
+    if index.packed is not None:
+        return {prefix + "packed": index.packed}
+    return {prefix + f: getattr(index, f) for f in INDEX_FIELDS}
+
+
+@functools.cache
+def index_layout(sizes: tuple[int, int, int]) -> Layout:
+    """The four arrays of a routing index of ``sizes`` (:func:`index_sizes`) in one buffer."""
+    T, K, E = sizes
+    arrays = index_arrays_like(T * K, E)
+    return Layout.of(*((f, dt, shape) for f, (shape, dt) in zip(INDEX_FIELDS, arrays, strict=True)))
+
+
+def packed_index(buf: Tensor, sizes: tuple[int, int, int]) -> RoutingIndex:
+    """The routing index whose arrays are views of ``buf`` (uint8, :func:`index_layout`):
+    what a recorded token forward builds into one buffer, so that the hop returns it as one
+    tensor (one clone after the replay) and the backward copies it in as one."""
+    views = index_layout(sizes).views(buf)
+    return RoutingIndex(*(views[f] for f in INDEX_FIELDS), *sizes, packed=buf)
+
+
+class PackedIndex(NamedTuple):
+    """A routing index kept as its packed buffer (:func:`index_layout`) and sizes: what a
+    recorded token forward returns for each visiting partition. The backward copies the buffer
+    into its hop as one tensor and never needs the arrays on the host, so their views are made
+    only where read (:attr:`index`), not every hop."""
+
+    packed: Tensor
+    sizes: tuple[int, int, int]
+
+    @property
+    def index(self) -> RoutingIndex:
+        """The :class:`RoutingIndex` whose arrays are views of :attr:`packed`."""
+        return packed_index(self.packed, self.sizes)
+
+    num_tokens = property(lambda self: self.sizes[0])
+    topk = property(lambda self: self.sizes[1])
+    num_experts = property(lambda self: self.sizes[2])
+
+
+def index_sizes(index: RoutingIndex | PackedIndex) -> tuple[int, int, int]:
+    """``(num_tokens, topk, num_experts)`` of ``index``: what :func:`index_from` rebuilds it of
+    (a body keeps these host sizes, never the index of the call that recorded it)."""
+    return index.num_tokens, index.topk, index.num_experts
+
+
+def index_from(tensors: dict[str, Tensor], sizes: tuple[int, int, int],
+               prefix: str = "index.") -> RoutingIndex:  # fmt: skip
+    """A routing index over the arrays ``tensors[prefix + field]`` of ``sizes``
+    (:func:`index_sizes`), or over the packed buffer ``tensors[prefix + "packed"]``."""
+    buf = tensors.get(prefix + "packed")
+    if buf is not None:
+        return packed_index(buf, sizes)
+    return RoutingIndex(*(tensors[prefix + f] for f in INDEX_FIELDS), *sizes)
+
+
+def window_fits(problem) -> bool:
+    """Whether one recorded expert-mode hop (forward or backward) can serve every expert range
+    through :func:`range_window`: a ring of more than one, and no fc2 bias (the forward's
+    combine and the backward's router gradient read ``b2`` at ``e - e0``, ``e0`` a host value
+    of the range)."""
+    return problem.world_size > 1 and not problem.has_b2
+
+
+def range_window(index: RoutingIndex, offsets: Tensor) -> tuple[RoutingIndex, tuple[int, int]]:
+    """``(index, range)`` for a hop body recorded once for every expert range of one size:
+    ``offsets (El+1,)`` are experts ``[e0, e0+El)``'s entries of ``index``'s offsets (global
+    positions, an input of the hop copied into its static buffer each replay), and the result's
+    range ``(0, El)`` reads them where the kernels read a range's offsets
+    (``offsets_for(0, El)``). The kernels then depend on ``e0`` only through that device data;
+    the pair count comes from the caller's bound (``max_pairs``), never from the range. The
+    expert ids (``token_expert_indices``) stay global: only a hop without fc2 bias reads no
+    expert id by range (:func:`window_fits`), forward or backward."""
+    El = offsets.shape[0] - 1
+    return replace(index, expert_token_offsets=offsets, packed=None), (0, El)
+
+
+# ---------------------------------------------------------------------------------------------
+# the ring inside a caller's whole-step CUDA graph
+# ---------------------------------------------------------------------------------------------
+def capturing(where: Tensor | torch.device) -> bool:
+    """Whether the current CUDA stream is being captured into a graph, for a call on ``where``
+    (a tensor or a device; False off CUDA, and where no GPU is present)."""
+    device = where.device if isinstance(where, Tensor) else where
+    return (
+        device.type == "cuda"
+        and torch.cuda.is_available()
+        and torch.cuda.is_current_stream_capturing()
+    )
+
+
+def check_captured(*, trusted: bool, agree_mode: str) -> None:
+    """Refuse, before anything runs, a captured call that would need the host."""
+    if not trusted:
+        raise ValueError(
+            "ring_moe is being captured into a CUDA graph with trusted=False: an untrusted call "
+            "validates its expert ids on the host, which a replayed graph cannot; fix: pass "
+            "trusted=True (ids from a router, the same shapes on every rank) and run one eager "
+            "call with the same shapes first"
+        )
+    if agree_mode == "every_call":
+        raise ValueError(
+            "ring_moe is being captured into a CUDA graph with RingConfig.agree='every_call' "
+            "(RELAYMOE_RING_AGREE): every call would all-reduce and read the agreement on the "
+            "host, which a replayed graph cannot; fix: agree='cached' (the default)"
+        )

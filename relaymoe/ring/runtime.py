@@ -10,13 +10,13 @@ A runtime holds:
 
 * the group it serves, and one communication stream per CUDA device (``executor.py``);
 * the copy engines' symmetric-memory slots per (group, device) and whether the copy engines
-  work over a group (``transport.py``), and the views a pass cuts of those slots (the slot memo);
-* the agreements of trusted calls by input signature (``agree.py``): a call in steady state
+  work over a group (``executor.py``), and the views a pass cuts of those slots (the slot memo);
+* the agreements of trusted calls by input signature (``agreement.py``): a call in steady state
   neither communicates nor synchronises there. A call captured into a CUDA graph finds the
   agreement its eager warm-up made here, so both must run with the same runtime;
 * the recorded hop graphs and their static buffers (``hop_graphs.py``, ``capture_hops``);
 * the lag watch: the pending pass of each device, and the waits queued at a backward's end
-  (``faults.py``, ``lagwait.py``);
+  (``faults.py``);
 * the per-hop timeline recorders open on it (:meth:`record_timeline`, ``executor.py``), and the
   bytes of expert weights its calls copied (``copied_weight_bytes``, ``weights.py``: a training
   step's difference of it is what the step copies of its experts).
@@ -24,10 +24,10 @@ A runtime holds:
 What a call without a runtime loses: the agreement is made again at every call (a collective
 and a host sync; a captured call refuses, naming ``runtime=``), recorded hops are recorded again,
 and the copy engines' workspace is set up again (``transport="auto"`` then takes NCCL; see
-``agree.py``). The results are the same.
+``agreement.py``). The results are the same.
 
 :class:`RingCall` is one call's view: its group and runtime, and the options this rank's passes
-read (how a hop computes, overlap, the host wait, the timeout).
+read (how a hop computes, its :class:`KernelChoice`; overlap, the host wait, the timeout).
 """
 
 from __future__ import annotations
@@ -42,15 +42,15 @@ import torch
 import torch.distributed as dist
 
 from relaymoe.options import KernelOptions, RingConfig
-from relaymoe.ring.faults import PeerWatch, ring_timeout_s
-from relaymoe.ring.lagwait import LagWatch
+from relaymoe.ring.faults import LagWatch, PeerWatch, ring_timeout_s
 
-__all__ = ["Hop", "RingCall", "RingRuntime"]
+__all__ = ["KernelChoice", "RingCall", "RingRuntime"]
 
 
-class Hop(NamedTuple):
+class KernelChoice(NamedTuple):
     """How a hop's compute runs: the hop primitives' backend and their kernel options, and
-    whether it is recorded and replayed (``RingConfig.capture_hops``, ``hop_graphs.py``)."""
+    whether it is recorded and replayed (``RingConfig.capture_hops``, ``hop_graphs.py``). The
+    same for every hop of a call."""
 
     backend: str
     kernels: KernelOptions
@@ -68,12 +68,12 @@ class RingRuntime:
     def __init__(self, group: dist.ProcessGroup | None = None, *, persistent: bool = True):
         self.group = group
         self.persistent = persistent
-        # agree.py: RingProblem by (group, rank, world, input signature)
+        # agreement.py: RingProblem by (group, rank, world, input signature)
         self.agreements: dict[tuple, object] = {}
         # hop_graphs.py: HopGraphs by (replay kind, device); the lines logged once
         self.hop_graphs: dict[tuple[str, torch.device], object] = {}
         self.logged: set[str] = set()
-        # passes.py: a small int per (backend, kernel options, activation) of recorded hops
+        # hop_graphs.py: a small int per (backend, kernel options, activation) of recorded hops
         self.kernel_choice_ids: dict[tuple, int] = {}
         # executor.py: the communication stream per device index; the views of persistent
         # slots per device: (the slots' addresses and sizes, the memo)
@@ -81,12 +81,12 @@ class RingRuntime:
         self.slot_memos: dict[torch.device, tuple[tuple, dict]] = {}
         self.recorders: list[list] = []
         self.copied_weight_bytes = 0  # weights.py: stacks and slot packs of expert weights
-        # transport.py: (buffer, handle, capacity) per (group name, device index); whether the
+        # executor.py: (buffer, handle, capacity) per (group name, device index); whether the
         # copy engines work per group name; whether the barrier takes a timeout (None: unknown)
         self.workspaces: dict[tuple[str, int | None], tuple] = {}
         self.copy_engine_ok: dict[str, bool] = {}
         self.barrier_takes_timeout: bool | None = None
-        # faults.py / lagwait.py: the pending pass per device, the waits queued at a backward's
+        # faults.py: the pending pass per device, the waits queued at a backward's
         # end by (graph task, device)
         self.lag = LagWatch()
         self.backward_waits: set[tuple[int, tuple[str, int | None]]] = set()
@@ -143,14 +143,18 @@ class RingCall:
 
     group: dist.ProcessGroup | None
     runtime: RingRuntime
-    hop: Hop
+    kernel_choice: KernelChoice
     overlap: bool = True
     host_wait: str = "lag"
     timeout_s: float | None = None
 
     @classmethod
-    def of(cls, group, runtime: RingRuntime, hop: Hop, config: RingConfig) -> RingCall:
-        return cls(group, runtime, hop, config.overlap, config.host_wait, config.timeout_s)
+    def of(
+        cls, group, runtime: RingRuntime, kernel_choice: KernelChoice, config: RingConfig
+    ) -> RingCall:
+        return cls(
+            group, runtime, kernel_choice, config.overlap, config.host_wait, config.timeout_s
+        )
 
     def watch(self, *, mode: str, phase: str, group=None, **view) -> PeerWatch:
         """A :class:`PeerWatch` of this call over ``group`` (default: the call's), with the

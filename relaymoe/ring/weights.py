@@ -27,6 +27,11 @@ experts compute at every hop; a world of one), :meth:`LocalExperts.stacked` retu
 In expert mode the rank's own experts are packed into ring slot 0 at the start of every pass
 (:meth:`LocalExperts.pack`, per element, in expert order) and hop 0 computes from that slot, so
 the list form costs nothing extra there.
+
+What a pass hands the hop primitives from them is here too: the local experts' parts by name
+(:func:`local_parts`), a hop's options, biases and gradient buffers (:func:`hop_options`,
+:func:`biases`, :func:`hop_grads`), the rank's own experts packed into slot 0
+(:func:`pack_own`) and its gradients returned home in the weights' dtype (:func:`home_grads`).
 """
 
 from __future__ import annotations
@@ -36,9 +41,20 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from relaymoe.experts import HopGrads, HopOptions
+from relaymoe.ring.plan import RingProblem
+from relaymoe.ring.runtime import KernelChoice
+
 __all__ = [
     "LocalExperts",
+    "biases",
+    "home_grads",
+    "hop_grads",
+    "hop_options",
     "layout_order",
+    "local_parts",
+    "pack_own",
+    "present",
     "reverse_local_ids",
     "stacked_view",
 ]
@@ -205,3 +221,63 @@ class LocalExperts:
             rows = list(grads[n].unbind(0))
             out += rows[::-1] if order == REVERSED else rows
         return tuple(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# what a pass hands the hop primitives
+# ---------------------------------------------------------------------------------------------
+def present(parts: dict[str, Tensor | None]) -> dict[str, Tensor]:
+    """``parts`` without the absent (None) ones."""
+    return {k: v for k, v in parts.items() if v is not None}
+
+
+def local_parts(experts: LocalExperts, order: str) -> dict[str, Tensor | None]:
+    """The local experts' ``(El, ...)`` forms by part name (``w13``, ``w2``, ``b13``, ``b2``;
+    None for an absent bias) in ``order``'s rows, for a pass that computes with them directly
+    (token mode, all-to-all mode, a world of one): views, or stacks for this pass only."""
+    w13, w2, _ = experts.stacked(order)
+    b13, b2 = experts.biases(order)
+    return {"w13": w13, "w2": w2, "b13": b13, "b2": b2}
+
+
+def biases(parts: dict[str, Tensor | None]) -> dict[str, Tensor | None]:
+    """The hop primitives' bias keywords: the biases among ``parts`` (a partition's views by
+    name, or :func:`local_parts`; None when absent)."""
+    return {"b13": parts.get("b13"), "b2": parts.get("b2")}
+
+
+def hop_options(
+    problem: RingProblem, kernel_choice: KernelChoice, rows: dict[str, int] | None = None,
+    grad_dtype: torch.dtype | None = None,
+) -> HopOptions:  # fmt: skip
+    """The hop primitives' options of one hop: the call's backend and kernels, the agreed
+    activation, the hop's pair count (``rows``: ``plan.pair_rows``' keyword, ``n_pairs`` or
+    ``max_pairs``) and the dtype of the weight gradients a backward allocates."""
+    return HopOptions(
+        backend=kernel_choice.backend, kernels=kernel_choice.kernels,
+        activation=problem.activation, grad_dtype=grad_dtype, **(rows or {}),
+    )  # fmt: skip
+
+
+def hop_grads(named: dict[str, Tensor | None], dw_accumulate: bool = True) -> HopGrads:
+    """The hop backward's gradient buffers among ``named`` (a trail's views, local
+    accumulators, ...: ``dx``, ``dprobs``, ``dw13``, ``dw2``, ``db13``, ``db2``; an absent name
+    is allocated by the primitive, a bias's is required with its bias)."""
+    return HopGrads(
+        dx_TH=named.get("dx"), dprobs_TK=named.get("dprobs"), dw13=named.get("dw13"),
+        dw2=named.get("dw2"), db13=named.get("db13"), db2=named.get("db2"),
+        dw_accumulate=dw_accumulate,
+    )  # fmt: skip
+
+
+def home_grads(problem: RingProblem, grads: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The weight and bias gradients of this rank's experts by part name (``w13``, ...), from
+    accumulators keyed ``dw13``, ... (any dtype), in the weights' dtype."""
+    return {name[1:]: g.to(problem.dtype) for name, g in grads.items()}
+
+
+def pack_own(experts: LocalExperts, views: dict[str, Tensor]) -> None:
+    """The rank's own experts (weights and biases) into slot 0, in expert order (per element
+    in list form)."""
+    for name, view in views.items():
+        experts.pack(name, view)

@@ -1,4 +1,4 @@
-"""The ring captured whole in a CUDA graph (relaymoe/ring/capture.py) on one GPU.
+"""The ring captured whole in a CUDA graph (relaymoe/ring/hop_graphs.py) on one GPU.
 
 * ``ring_moe`` forward + backward captured once in ``torch.cuda.graph`` after one eager call,
   then replayed over 20 steps of fresh inputs copied into the graph's static buffers: every

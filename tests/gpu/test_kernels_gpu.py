@@ -17,7 +17,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from relaymoe.experts import expert_hop_backward, expert_hop_forward, moe_experts
+from relaymoe.experts import (
+    HopGrads,
+    HopOptions,
+    expert_hop_backward,
+    expert_hop_forward,
+    moe_experts,
+)
 from relaymoe.reference import moe_experts_reference
 from relaymoe.routing import build_routing_index
 from tests.fixtures import random_routing, rel_err, use_env
@@ -88,7 +94,7 @@ def test_ranges_sum_to_full_and_are_deterministic(monkeypatch):
     x, w13, w2, probs = (v.to(torch.bfloat16) for v in (x, w13, w2, probs))
     index = build_routing_index(idx, e)
     dy = torch.randn_like(x)
-    tri = {"backend": "triton", "kernels": k_opts}
+    tri = {"options": HopOptions(backend="triton", kernels=k_opts)}
     full_out, full_h = expert_hop_forward(x, w13, w2, probs, index, **tri)
     again_out, again_h = expert_hop_forward(x, w13, w2, probs, index, **tri)
     assert torch.equal(full_out, again_out) and torch.equal(full_h, again_h)
@@ -104,7 +110,8 @@ def test_ranges_sum_to_full_and_are_deterministic(monkeypatch):
         part = (w13[e0:e1], w2[e0:e1], probs, index)  # the range's weights, then the routing
         kw = {"expert_range": (e0, e1), **tri}
         _, h_part = expert_hop_forward(x, *part, out_TH=out, **kw)
-        d = expert_hop_backward(dy, x, *part, saved_h=h_part, dx_TH=dx, dprobs_TK=dp, **kw)
+        grads = HopGrads(dx_TH=dx, dprobs_TK=dp)
+        d = expert_hop_backward(dy, x, *part, saved_h=h_part, grads=grads, **kw)
         dw13[e0:e1], dw2[e0:e1] = d[2], d[3]
     ref = moe_experts_reference(*(v.double() for v in (x, w13, w2)), idx, probs.double())
     assert rel_err(out, ref) < BF16_BOUND

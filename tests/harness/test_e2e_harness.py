@@ -72,15 +72,38 @@ GBS_SHAPES = {  # issue #49: name -> (sequence, global batch, recompute)
     "qwen3_slice_v152k_s4k_gbs16_fused_loss_te": (4096, 16, "full"),
     "qwen3_slice_v152k_s4k_gbs64_fused_loss_te": (4096, 64, "full"),
 }
-QWEN_SHAPES = [n for n in bench_e2e.SHAPES if n.startswith("qwen3_slice") and n not in GBS_SHAPES]
+LOCAL_GBS_SHAPES = {"qwen3_slice_s4k_gbs16"}  # the gbs comparison without TE
+QWEN_SHAPES = [
+    n
+    for n in bench_e2e.SHAPES
+    if n.startswith("qwen3_slice") and n not in {*GBS_SHAPES, *LOCAL_GBS_SHAPES}
+]
 PP_SHAPES = [n for n in bench_e2e.SHAPES if "_pp2" in n]
 EXPERT_MLP_SHAPES = {"tiny_qwen3_gelu": "gelu", "tiny_qwen3_squared_relu": "squared_relu"}
 
 
 def test_every_shape_is_checked_below():
-    assert set(QWEN_SHAPES) | set(PP_SHAPES) | set(EXPERT_MLP_SHAPES) | set(GBS_SHAPES) == set(
-        bench_e2e.SHAPES
-    )
+    assert set(QWEN_SHAPES) | set(PP_SHAPES) | set(EXPERT_MLP_SHAPES) | set(GBS_SHAPES) | set(
+        LOCAL_GBS_SHAPES
+    ) == set(bench_e2e.SHAPES)
+
+
+def test_the_gbs_shape_without_te_runs_local_layers_and_local_graphs():
+    """``qwen3_slice_s4k_gbs16``: the ring eager, under the whole-step graph and under local
+    per-layer graphs over the whole MoE layer, against megatron-core's alltoall, all with
+    megatron-core's local layers and no TE flag."""
+    plans = _plans("qwen3_slice_s4k_gbs16")
+    assert [p.provider for p in plans] == list(bench_e2e.LOCAL_GBS_PROVIDERS)
+    g = {p.provider: _groups(p.flags) for p in plans}
+    for name, f in g.items():
+        assert _v(f, "--transformer-impl") == "local" and _v(f, "--global-batch-size") == "16"
+        assert "--moe-permute-fusion" not in f and "--moe-expert-capacity-factor" not in f, name
+    assert _v(g["relaymoe_ring_graphed"], "--cuda-graph-impl") == "full_iteration"
+    layers = g["relaymoe_ring_layer_graphs_local"]
+    assert _v(layers, "--cuda-graph-impl") == "local"
+    assert layers["--cuda-graph-modules"] == ["attn", "moe"]
+    assert "--cuda-graph-impl" not in g["relaymoe_ring"]
+    assert "--cuda-graph-impl" not in g["mcore_alltoall"]
     assert PP_SHAPES
 
 
@@ -881,7 +904,8 @@ def test_trace_summary_counts_only_steps_holding_gpu_work(tmp_path):
 
 
 # ------------------------------------------- issue #49: gradient accumulation, providers, fields
-FOUR = ("relaymoe_ring", "relaymoe_ring_graphed", "mcore_alltoall_te", "mcore_alltoall_te_drop")
+FIVE = ("relaymoe_ring", "relaymoe_ring_graphed", "mcore_alltoall_te", "mcore_alltoall_te_drop",
+        "relaymoe_ring_layer_graphs")  # fmt: skip
 
 
 def _plans(shape, gpus=1, **kw):
@@ -892,12 +916,12 @@ def _plans(shape, gpus=1, **kw):
 @pytest.mark.parametrize("shape", sorted(GBS_SHAPES))
 @pytest.mark.parametrize("gpus", [1, 2])
 def test_gbs_shapes_plan_each_provider(shape, gpus):
-    """Each gradient-accumulation shape runs the four providers in order; their flags are the
+    """Each gradient-accumulation shape runs the five providers in order; their flags are the
     shape's (sequence, global batch, recompute, TE with the anchor's fusions) and differ only in
     what each provider is: the dispatcher, the CUDA graphs and the drop-and-pad capacity."""
     seq, gbs, recompute = GBS_SHAPES[shape]
     plans = _plans(shape, gpus=gpus)
-    assert [(p.label, p.provider, p.repeat) for p in plans] == [(n, n, 0) for n in FOUR]
+    assert [(p.label, p.provider, p.repeat) for p in plans] == [(n, n, 0) for n in FIVE]
     g = {p.provider: _groups(p.flags) for p in plans}
     for name, f in g.items():
         assert _v(f, "--seq-length") == str(seq) and _v(f, "--micro-batch-size") == "1"
@@ -914,7 +938,7 @@ def test_gbs_shapes_plan_each_provider(shape, gpus):
         dropping = name == "mcore_alltoall_te_drop"
         assert ("--moe-expert-capacity-factor" in f) == dropping, name
         assert ("--moe-pad-expert-input-to-capacity" in f) == dropping, name
-        assert bench_e2e.tokens_dropped(plans[FOUR.index(name)].flags) == (True if dropping else 0)
+        assert bench_e2e.tokens_dropped(plans[FIVE.index(name)].flags) == (True if dropping else 0)
     graphed = g["relaymoe_ring_graphed"]
     assert _v(graphed, "--cuda-graph-impl") == "full_iteration"
     assert "--cuda-graph-modules" not in graphed  # megatron-core: empty with full_iteration
@@ -931,6 +955,10 @@ def test_gbs_shapes_plan_each_provider(shape, gpus):
             "attn", "moe_router", "moe_preprocess"]  # fmt: skip
         assert _v(drop, "--cuda-graph-impl") == "transformer_engine"
         assert drop["--cuda-graph-modules"] == ["attn", "moe"]
+        layers = g["relaymoe_ring_layer_graphs"]  # the same graphs, dropless (the ring)
+        assert _v(layers, "--cuda-graph-impl") == "transformer_engine"
+        assert layers["--cuda-graph-modules"] == ["attn", "moe"]
+        assert "--moe-expert-capacity-factor" not in layers
     # everything else is the same flag for flag
     provider_flags = {"--moe-token-dispatcher-type", "--relaymoe-mode", "--relaymoe-fused-loss",
                       "--cuda-graph-impl", "--cuda-graph-modules", "--cuda-graph-warmup-steps",
@@ -977,19 +1005,19 @@ def test_repeats_interleave_the_providers_and_the_noise_run_ends_them():
 
 
 def test_dry_run_of_the_gbs16_shape_prints_the_four_providers(capsys):
-    argv = ["--shapes", "qwen3_slice_s4k_gbs16_te", "--providers", ",".join(FOUR),
+    argv = ["--shapes", "qwen3_slice_s4k_gbs16_te", "--providers", ",".join(FIVE),
             "--steps", "15", "--gpus", "1", "--dry-run"]  # fmt: skip
     assert bench_e2e.main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
     heads = [ln for ln in lines if ln.startswith("# ")]
-    assert [h.split()[2] for h in heads] == list(FOUR)
+    assert [h.split()[2] for h in heads] == list(FIVE)
     assert all("global batch 16 = 16 micro-batches a rank" in h for h in heads)
     assert "CUDA graphs full_iteration, tokens dropped 0" in heads[1]
     assert "CUDA graphs transformer_engine, tokens dropped True" in heads[3]
     assert "--cuda-graph-impl full_iteration" in lines[lines.index(heads[1]) + 1]
     assert bench_e2e.main(argv[:4] + ["--dry-run"]) == 0  # the shape's own providers: the four
     assert [h.split()[2] for h in capsys.readouterr().out.splitlines() if h.startswith("# ")] == [
-        *FOUR]  # fmt: skip
+        *FIVE]  # fmt: skip
     with pytest.raises(SystemExit):
         bench_e2e.main([*argv, "--profile-busy", "--profile-steps", "8", "9"])
     assert "exclude each other" in capsys.readouterr().err
@@ -1018,10 +1046,10 @@ def test_provider_rows_carry_batch_graphs_drops_and_model_flops(monkeypatch):
     monkeypatch.setattr(bench_e2e, "te_version", lambda: "2.20.2")
     for gpus, micro_batches in ((1, 16), (2, 8)):
         plans = _plans("qwen3_slice_s4k_gbs16_te", gpus=gpus, noise_run=True)
-        tps = dict(zip(FOUR, (48_000.0, 96_000.0, 24_000.0, 80_000.0), strict=True))
+        tps = dict(zip(FIVE, (48_000.0, 96_000.0, 24_000.0, 80_000.0, 64_000.0), strict=True))
         rows = bench_e2e.provider_rows(plans, _fake_runs(plans, tps), gpus=gpus, steps=15, seed=1)
         by = {r["label"]: r for r in rows}
-        assert list(by) == [*FOUR, "mcore_alltoall_te_noise"]
+        assert list(by) == [*FIVE, "mcore_alltoall_te_noise"]
         fpt = shape_flops_per_token("qwen3_slice", 4096)
         for r in rows:
             assert (r["gbs"], r["global_batch_size"], r["micro_batches"]) == (16, 16, micro_batches)
@@ -1030,13 +1058,15 @@ def test_provider_rows_carry_batch_graphs_drops_and_model_flops(monkeypatch):
                 tps[r["provider"]] * fpt / gpus / 1e12
             )
             assert r["anchor_provider"] == "mcore_alltoall_te" and r["repeats"] == 1
-        assert [by[n]["cuda_graph_impl"] for n in FOUR] == [
+        assert [by[n]["cuda_graph_impl"] for n in FIVE] == [
             "transformer_engine",
             "full_iteration",
             "transformer_engine",
             "transformer_engine",
+            "transformer_engine",
         ]
-        assert [by[n]["tokens_dropped"] for n in FOUR] == [0, 0, 0, True]
+        assert [by[n]["tokens_dropped"] for n in FIVE] == [0, 0, 0, True, 0]
+        assert by["relaymoe_ring_layer_graphs"]["cuda_graph_modules"] == ["attn", "moe"]
         assert by["relaymoe_ring_graphed"]["cuda_graph_modules"] is None
         assert by["mcore_alltoall_te_drop"]["cuda_graph_modules"] == ["attn", "moe"]
         assert by["relaymoe_ring_graphed"]["speedup_vs_anchor"] == pytest.approx(4.0)
@@ -1070,7 +1100,7 @@ def test_profile_busy_profiles_one_step_of_every_run_and_leaves_it_out_of_tokens
     busy = {"relaymoe_ring": 0.5, "relaymoe_ring_graphed": 0.9, "mcore_alltoall_te": 0.25}
     start, end = bench_e2e.profile_busy_steps(15)
     assert (start, end) == (14, 15) and bench_e2e.profiler_slowed_steps((start, end)) == {13, 14}
-    tps = dict(zip(FOUR, (48_000.0, 96_000.0, 24_000.0, 80_000.0), strict=True))
+    tps = dict(zip(FIVE, (48_000.0, 96_000.0, 24_000.0, 80_000.0, 64_000.0), strict=True))
 
     def runner(flags, *, gpus, label, timeout_s, workdir=None):
         seen[label] = list(flags)
@@ -1085,7 +1115,7 @@ def test_profile_busy_profiles_one_step_of_every_run_and_leaves_it_out_of_tokens
     rows, ok = bench_e2e.run_shapes([bench_e2e.SHAPES["qwen3_slice_s4k_gbs16_te"]], gpus=1,
                                     steps=15, seed=1, noise_run=True, writer=w, runner=runner,
                                     profile_busy=True, repeats=2)  # fmt: skip
-    assert ok and len(rows) == 9
+    assert ok and len(rows) == 2 * len(FIVE) + 1  # two passes and the anchor's noise run
     for label, flags in seen.items():
         i = flags.index("--profile-step-start")
         assert flags[i + 1 : i + 4] == ["14", "--profile-step-end", "15"], label
@@ -1098,7 +1128,7 @@ def test_profile_busy_profiles_one_step_of_every_run_and_leaves_it_out_of_tokens
         assert r["tokens_per_s"] == pytest.approx(tps[r["provider"]] * 1.0085), r["label"]
         assert r["tokens_per_s_excluded_steps"] == [13, 14] and r["profile_steps"] == [14, 15]
     prof = [r for r in w.rows if r["bench"] == "e2e_profile"]
-    assert len(prof) == 9 and prof[1]["cuda_graph_impl"] == "full_iteration"
+    assert len(prof) == 2 * len(FIVE) + 1 and prof[1]["cuda_graph_impl"] == "full_iteration"
     assert prof[3]["failure"].startswith("no trace at")
 
 

@@ -5,14 +5,17 @@
 * train.sh parses (``bash -n``), and refuses before launching anything: a config whose layout
   does not fill NNODES x GPUS_PER_NODE (reported once, as itself), CP > 1 without
   TransformerEngine, a missing Python, NODE_RANK >= NNODES, a DATA_PATH without its files, an
-  extra argument Megatron's parser refuses. A stand-in ``PYTHON`` logs every call and answers
-  the launch itself, so that "nothing was launched" is observed, not assumed. With
+  extra argument Megatron's parser refuses, several nodes without MASTER_ADDR, a real launch
+  on a host without GPUs (the last two: one line, nothing left behind; issue #52). A stand-in
+  ``PYTHON`` logs every call, answers the count of visible GPUs and the launch itself, so that
+  "nothing was launched" is observed, not assumed. With
   ``DRY_RUN=1`` it prints the command, whose flags Megatron's parser accepts, and what the run
   needs (TransformerEngine for CP 4) without having it; with real data it passes the dataset,
   the tokenizer and the config's vocabulary; with SAVE_DIR and no TE it adds what resuming
   needs;
-* table3.sh exits non-zero when a run fails; slurm.sbatch refuses to run outside SLURM and
-  passes extra arguments through srun unchanged (spaces included).
+* table3.sh exits non-zero when a run fails; slurm.sbatch refuses to run outside SLURM,
+  passes extra arguments through srun unchanged (spaces included) and takes GPUS_PER_NODE
+  from the allocation unless it is set.
 """
 
 from __future__ import annotations
@@ -50,6 +53,10 @@ def _env(**kw) -> dict:
         "SLURM_JOB_NUM_NODES",
         "SLURM_JOB_NODELIST",
         "SLURM_NODEID",
+        "SLURM_GPUS_ON_NODE",
+        "SLURM_GPUS_PER_NODE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
     ):
         env.pop(k, None)
     env.update({k: str(v) for k, v in kw.items()})
@@ -108,9 +115,10 @@ def test_train_sh_parses():
     subprocess.run(["bash", "-n", str(TRAIN)], check=True)
 
 
-def _shim(tmp_path: Path, *, te: bool) -> tuple[Path, Path]:
-    """A PYTHON that logs its arguments, answers ``import transformer_engine`` as told, reports
-    a launch instead of doing it, and runs everything else with this interpreter."""
+def _shim(tmp_path: Path, *, te: bool, gpus: int = 0) -> tuple[Path, Path]:
+    """A PYTHON that logs its arguments, answers ``import transformer_engine`` and the count of
+    visible GPUs as told, reports a launch instead of doing it, and runs everything else with
+    this interpreter."""
     log = tmp_path / "calls.log"
     shim = tmp_path / "python"
     shim.write_text(
@@ -118,6 +126,7 @@ def _shim(tmp_path: Path, *, te: bool) -> tuple[Path, Path]:
         f'echo "$*" >> {shlex.quote(str(log))}\n'
         'if [ "$1" = -c ] && [[ "$2" == *transformer_engine* ]]; then exit '
         f"{0 if te else 1}; fi\n"
+        f'if [ "$1" = -c ] && [[ "$2" == *device_count* ]]; then echo {gpus}; exit 0; fi\n'
         f'if [ "$1" = -m ] && [ "$2" = {LAUNCH} ]; then echo LAUNCHED; exit 0; fi\n'
         f'exec {shlex.quote(sys.executable)} "$@"\n'
     )
@@ -125,8 +134,8 @@ def _shim(tmp_path: Path, *, te: bool) -> tuple[Path, Path]:
     return shim, log
 
 
-def _train(tmp_path, config, *extra, te=False, **env):
-    shim, log = _shim(tmp_path, te=te)
+def _train(tmp_path, config, *extra, te=False, gpus=0, **env):
+    shim, log = _shim(tmp_path, te=te, gpus=gpus)
     p = subprocess.run(["bash", str(TRAIN), config, *extra], capture_output=True, text=True,
                        timeout=120, env=_env(PYTHON=shim, **env), cwd=tmp_path)  # fmt: skip
     calls = log.read_text().splitlines() if log.exists() else []
@@ -143,16 +152,18 @@ def test_train_sh_refuses_a_world_that_does_not_match_before_launching(tmp_path)
 
 
 def test_train_sh_refuses_cp_without_transformer_engine_with_the_fix(tmp_path):
-    p, calls = _train(tmp_path, "qwen3_30b_a3b", te=False, NNODES=4, GPUS_PER_NODE=8)
-    assert p.returncode != 0
-    assert "CP=4" in p.stderr and "TransformerEngine" in p.stderr and "fix:" in p.stderr
+    p, calls = _train(tmp_path, "qwen3_30b_a3b", te=False, gpus=8, NNODES=4, GPUS_PER_NODE=8,
+                      MASTER_ADDR="10.0.0.1")  # fmt: skip
+    assert p.returncode == 2
+    assert "(CP 4)" in p.stderr and "TransformerEngine" in p.stderr and "fix:" in p.stderr
     assert "[te]" in p.stderr and "parallel.cp: 1" in p.stderr, p.stderr
     assert "LAUNCHED" not in p.stdout and not any(LAUNCH in c for c in calls), calls
 
 
 def test_train_sh_launches_when_the_checks_pass(tmp_path):
     """The positive control of the refusals: same stand-in, a matching world, TE present."""
-    p, calls = _train(tmp_path, "qwen3_30b_a3b", te=True, NNODES=4, GPUS_PER_NODE=8)
+    p, calls = _train(tmp_path, "qwen3_30b_a3b", te=True, gpus=8, NNODES=4, GPUS_PER_NODE=8,
+                      MASTER_ADDR="10.0.0.1")  # fmt: skip
     assert p.returncode == 0 and "LAUNCHED" in p.stdout, p.stderr
     launch = [c for c in calls if LAUNCH in c]
     assert len(launch) == 1 and "--context-parallel-size 4" in launch[0]
@@ -204,7 +215,8 @@ def test_train_sh_refuses_a_node_rank_outside_the_job(tmp_path):
 def test_dry_run_without_te_prints_the_command_and_what_it_needs(tmp_path):
     """CP 4 without TransformerEngine: the dry run still shows the launch (the TE command) and
     says what it needs, exit 0; the real run refuses (test above)."""
-    p, calls = _train(tmp_path, "qwen3_30b_a3b", te=False, NNODES=4, GPUS_PER_NODE=8, DRY_RUN=1)
+    p, calls = _train(tmp_path, "qwen3_30b_a3b", te=False, NNODES=4, GPUS_PER_NODE=8, DRY_RUN=1,
+                      MASTER_ADDR="10.0.0.1")  # fmt: skip
     assert p.returncode == 0, p.stderr[-3000:]
     assert "this run needs TransformerEngine (CP 4)" in p.stderr, p.stderr[-3000:]
     argv = shlex.split(p.stdout)
@@ -261,6 +273,29 @@ def test_dry_run_with_real_data_and_resume_on_the_fallback(tmp_path):
     assert "--mock-data" not in flags
 
 
+def _one_refusal(p, calls, tmp_path, *words):
+    """A refused launch (issue #52): exit 2, one line naming the problem and the fix, nothing
+    on stdout, nothing launched, nothing left in the working folder but the stand-in's files."""
+    assert p.returncode == 2, p.stderr[-3000:]
+    lines = p.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].endswith("; nothing was launched"), lines
+    assert all(w in lines[0] for w in (*words, "fix:")), lines[0]
+    assert p.stdout == "" and not any(LAUNCH in c for c in calls), calls
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["calls.log", "python"]
+
+
+def test_a_multi_node_launch_without_master_addr_is_refused(tmp_path):
+    """Item 3: NNODES=4 printed --master-addr localhost without a word."""
+    p, calls = _train(tmp_path, "qwen3_30b_a3b", NNODES=4, GPUS_PER_NODE=8, DRY_RUN=1)
+    _one_refusal(p, calls, tmp_path, "MASTER_ADDR is not set and NNODES=4")
+
+
+def test_a_launch_on_a_host_without_gpus_is_refused_before_torchrun(tmp_path):
+    """Item 8: it passed every check, then died in torchrun ("Found no NVIDIA driver")."""
+    p, calls = _train(tmp_path, "tiny_qwen3", gpus=0, NNODES=1, GPUS_PER_NODE=1, TRAIN_ITERS=2)
+    _one_refusal(p, calls, tmp_path, "no GPU is visible here", "GPUS_PER_NODE=1", "DRY_RUN=1")
+
+
 def test_table3_exits_non_zero_when_a_run_fails(tmp_path):
     script = ROOT / "examples" / "qwen3" / "table3.sh"
     p = subprocess.run(["bash", str(script), "k4"], capture_output=True, text=True, timeout=60,
@@ -280,8 +315,8 @@ def test_slurm_sbatch_refuses_outside_slurm_and_quotes_its_arguments(tmp_path):
     (repo / "examples" / "qwen3").mkdir(parents=True)
     bin_dir.mkdir()
     fake_train = repo / "examples" / "qwen3" / "train.sh"
-    fake_train.write_text('#!/usr/bin/env bash\necho "NODE_RANK=$NODE_RANK NNODES=$NNODES"\n'
-                          'printf "%s\\n" "$@"\n')  # fmt: skip
+    fake_train.write_text('#!/usr/bin/env bash\necho "NODE_RANK=$NODE_RANK NNODES=$NNODES '
+                          'GPUS_PER_NODE=$GPUS_PER_NODE"\nprintf "%s\\n" "$@"\n')  # fmt: skip
     (bin_dir / "srun").write_text('#!/usr/bin/env bash\nwhile [[ "$1" == --* ]]; do shift; done\n'
                                   'SLURM_NODEID=0 exec "$@"\n')  # fmt: skip
     (bin_dir / "scontrol").write_text("#!/usr/bin/env bash\necho node-a\necho node-b\n")
@@ -294,4 +329,15 @@ def test_slurm_sbatch_refuses_outside_slurm_and_quotes_its_arguments(tmp_path):
                        text=True, timeout=30, env=env)  # fmt: skip
     assert p.returncode == 0, p.stderr
     lines = p.stdout.splitlines()
-    assert lines[0] == "NODE_RANK=0 NNODES=2" and lines[1:] == ["qwen3_30b_a3b", *extra], lines
+    assert lines[0] == "NODE_RANK=0 NNODES=2 GPUS_PER_NODE=8", lines  # the file's --gpus-per-node
+    assert lines[1:] == ["qwen3_30b_a3b", *extra], lines
+    # item 6 of issue #52: the allocation's GPUs per node, unless GPUS_PER_NODE says otherwise
+    cases = (
+        ({"SLURM_GPUS_ON_NODE": "4"}, "GPUS_PER_NODE=4"),
+        ({"SLURM_GPUS_PER_NODE": "h100:4"}, "GPUS_PER_NODE=4"),
+        ({"SLURM_GPUS_ON_NODE": "4", "GPUS_PER_NODE": "2"}, "GPUS_PER_NODE=2"),
+    )
+    for given, first in cases:
+        p = subprocess.run(["bash", str(script), "qwen3_30b_a3b"], capture_output=True,
+                           text=True, timeout=30, env=dict(env, **given))  # fmt: skip
+        assert p.returncode == 0 and p.stdout.splitlines()[0].endswith(first), (given, p.stdout)

@@ -142,7 +142,7 @@ def test_each_hop_computes_its_slice(device, mode, ep, backend):
     case = hc.Case(mode, ep, 16 if device == "cpu" else 96, **dims, dtype=torch.float32,
                    device=device, backend=backend)  # fmt: skip
     got = hc.hop_outputs(case, seed=1)
-    data, prob, El = got["data"], got["prob"], case.El
+    data, problem, El = got["data"], got["problem"], case.El
     w13, w2 = data["w13"], data["w2"]
     if mode == "expert":
         m = data["parts"][0]
@@ -152,7 +152,7 @@ def test_each_hop_computes_its_slice(device, mode, ep, backend):
         _close(got["dprobs"], dprobs, "dprobs")
         assert sorted(got["bwd_trails"]) == list(range(ep))
         for p, buf in got["bwd_trails"].items():
-            v = hc.trail_views(case, prob, "bwd", buf)
+            v = hc.trail_views(case, problem, "bwd", buf)
             s = slice(p * El, (p + 1) * El)
             _close(v["dw13"], dw13[s], f"hop of partition {p}: dw13")
             _close(v["dw2"], dw2[s], f"hop of partition {p}: dw2")
@@ -174,23 +174,25 @@ def test_each_hop_computes_its_slice(device, mode, ep, backend):
         own = (part["idx"] < El).to(part["probs"].dtype)  # rank 0 owns experts [0, El)
         probs = part["probs"] * own
         out, dx, dprobs, dw13, dw2 = _oracle(part["x"], w13, w2, part["idx"], probs, part["dy"])
-        fwd = hc.trail_views(case, prob, "fwd", got["fwd_trails"][s])
-        bwd = hc.trail_views(case, prob, "bwd", got["bwd_trails"][s])
+        fwd = hc.trail_views(case, problem, "fwd", got["fwd_trails"][s])
+        bwd = hc.trail_views(case, problem, "bwd", got["bwd_trails"][s])
         _close(fwd["out"], out, f"hop of partition {s}: out")
         _close(bwd["dx"], dx, f"hop of partition {s}: dx")
         _close(bwd["dprobs"], dprobs * own, f"hop of partition {s}: dprobs")
         assert torch.all(bwd["dprobs"][own == 0] == 0)  # other ranks' pairs untouched
         assert dw13[El:].abs().max() == 0  # the oracle's own-experts restriction
         sum13, sum2 = sum13 + dw13[:El], sum2 + dw2[:El]
-    _close(got["out"], hc.trail_views(case, prob, "fwd", got["fwd_trails"][0])["out"], "out")
+    _close(got["out"], hc.trail_views(case, problem, "fwd", got["fwd_trails"][0])["out"], "out")
     _close(got["grads"]["w13"], sum13, "local dw13 (every partition's)")
     _close(got["grads"]["w2"], sum2, "local dw2 (every partition's)")
     # the captured hop (--captured): hop 1's body alone, partition R-1's tokens
     p = ep - 1
     body = _body_once(got["ring"], "fwd")
-    _close(body["out"], hc.trail_views(case, prob, "fwd", got["fwd_trails"][p])["out"], "body out")
+    _close(
+        body["out"], hc.trail_views(case, problem, "fwd", got["fwd_trails"][p])["out"], "body out"
+    )
     body = _body_once(got["ring"], "bwd")
-    bwd = hc.trail_views(case, prob, "bwd", got["bwd_trails"][p])
+    bwd = hc.trail_views(case, problem, "bwd", got["bwd_trails"][p])
     _close(body["dx"], bwd["dx"], "hop body: dx")
     _close(body["dprobs"], bwd["dprobs"], "hop body: dprobs")
     part = data["parts"][p]
@@ -367,15 +369,15 @@ def test_dry_run_names_the_library_refusals(capsys):
     assert len(refused) == 4 and all("T  32768" in ln and ">= 768" in ln for ln in refused)
     assert all(" EP  64 " not in ln for ln in refused)
     assert "RELAYMOE_PAIR_BUFFER_MIB=768" in lines[-1]
-    from relaymoe.ring.agree import _bounded
+    from relaymoe.ring.agreement import _bounded
 
     for ep in hc.FULL["ep"]:
         for T in hc.FULL["tokens"]:
             c = hc.Case("expert", ep, T, **hc.QWEN3, dtype=torch.bfloat16, device="cuda",
                         backend="triton")  # fmt: skip
-            prob = hc.problem(c, None)
+            problem = hc.agreed_problem(c, None)
             for mib in (512, hop_library.needed_mib(c) - 1, hop_library.needed_mib(c)):
-                want = _bounded(dataclasses.replace(prob, pair_buffer_mib=mib))
+                want = _bounded(dataclasses.replace(problem, pair_buffer_mib=mib))
                 assert want == (hop_library.needed_mib(c) <= mib), (ep, T, mib)
 
 

@@ -61,7 +61,7 @@ def test_plan_on_two_gpus_quick(tmp_path):
     # the issue-#17 GPU steps fill a call each, and the longer GPU tests: --full only
     full_only = {s.name for s in suite.STEPS if s.full_only}
     assert full_only == {"fault_nccl", "host_wait", "determinism", "soak", "e2e_pp",
-                         "gpu_tests_more", "e2e_gbs16"}  # fmt: skip
+                         "gpu_tests_more", "e2e_gbs16", "e2e_gbs16_local"}  # fmt: skip
     assert not full_only & set(planned)
     text = suite.describe(list(planned.values()), deadline_s=540)
     assert "deadline 540 s" in text and "SKIP (needs 3 GPUs, found 2)" in text
@@ -88,7 +88,7 @@ def test_plan_on_one_gpu_and_full(tmp_path):
 
 
 def test_the_gradient_accumulation_rows_are_one_step_on_one_gpu(tmp_path):
-    """Issue #49's global-batch-16 rows: one GPU, the four providers of bench_e2e (the same
+    """Issue #49's global-batch-16 rows: one GPU, the providers of bench_e2e (the same
     list), a profiled step a run, rows in the run folder, bounded inside the step's limit."""
     from benchmarks import bench_e2e
 

@@ -8,7 +8,14 @@ import torch
 
 from relaymoe.activation import NAMES, SWIGLU, ExpertActivation, as_activation
 from relaymoe.activation_torch import activation_backward, activation_forward
-from relaymoe.experts import RECOMPUTES, expert_hop_backward, expert_hop_forward, moe_experts
+from relaymoe.experts import (
+    RECOMPUTES,
+    HopGrads,
+    HopOptions,
+    expert_hop_backward,
+    expert_hop_forward,
+    moe_experts,
+)
 from relaymoe.reference import moe_experts_reference, reference_activation
 from relaymoe.routing import build_routing_index
 from tests.fixtures import (
@@ -280,12 +287,12 @@ def test_expert_ranges_sum_to_the_whole(name):
     db2 = torch.ones(b2.shape, dtype=torch.float32)
     for (e0, e1), save in zip([(0, 2), (2, 5), (5, 6)], ["act", "none", "act"], strict=True):
         r = slice(e0, e1)
-        kw = dict(expert_range=(e0, e1), backend="torch", activation=pb["act"], b13=b13[r],
-                  b2=b2[r])  # fmt: skip
+        options = HopOptions(backend="torch", activation=pb["act"])
+        kw = dict(expert_range=(e0, e1), b13=b13[r], b2=b2[r], options=options)
         _, saved = expert_hop_forward(x, w13[r], w2[r], probs, index, out_TH=out, save=save, **kw)
-        expert_hop_backward(dy, x, w13[r], w2[r], probs, index, saved_h=saved, dx_TH=dx,
-                            dprobs_TK=dprobs, dw13=dw13[r], dw2=dw2[r], db13=db13[r],
-                            db2=db2[r], **kw)  # fmt: skip
+        grads = HopGrads(dx_TH=dx, dprobs_TK=dprobs, dw13=dw13[r], dw2=dw2[r], db13=db13[r],
+                         db2=db2[r])  # fmt: skip
+        expert_hop_backward(dy, x, w13[r], w2[r], probs, index, saved_h=saved, grads=grads, **kw)
     got = dict(out=out, dx=dx, dw13=dw13, dw2=dw2, dprobs=dprobs)
     assert_all_close(got, {n: ref[n] for n in got}, F64_TOL)
     assert_close("db13", db13.double() - 1, ref["db13"], 1e-6)
@@ -333,14 +340,15 @@ def test_hop_backward_needs_bias_grad_buffers():
     a = _args("geglu")
     x, w13, w2, probs = a["x"], a["w13"], a["w2"], a["topk_probs"]
     index = build_routing_index(a["topk_idx"], 4)
-    kw = dict(backend="torch", activation="geglu", b13=a["b13"], b2=a["b2"])
-    with pytest.raises(ValueError, match=r"b13 is given but db13 is None; pass a buffer"):
-        expert_hop_backward(x, x, w13, w2, probs, index, db2=torch.zeros_like(a["b2"]), **kw)
-    with pytest.raises(ValueError, match=r"b2 is given but db2 is None"):
-        expert_hop_backward(x, x, w13, w2, probs, index, db13=torch.zeros_like(a["b13"]), **kw)
-    with pytest.raises(ValueError, match=r"db2 has shape \(4, 7\), want b2's \(4, 8\)"):
-        expert_hop_backward(x, x, w13, w2, probs, index, db13=torch.zeros_like(a["b13"]),
-                            db2=a["b2"][:, 1:].clone(), **kw)  # fmt: skip
+    kw = dict(options=HopOptions(backend="torch", activation="geglu"), b13=a["b13"], b2=a["b2"])
+    db13, db2 = torch.zeros_like(a["b13"]), torch.zeros_like(a["b2"])
+    with pytest.raises(ValueError, match=r"b13 is given but grads.db13 is None; pass a buffer"):
+        expert_hop_backward(x, x, w13, w2, probs, index, grads=HopGrads(db2=db2), **kw)
+    with pytest.raises(ValueError, match=r"b2 is given but grads.db2 is None"):
+        expert_hop_backward(x, x, w13, w2, probs, index, grads=HopGrads(db13=db13), **kw)
+    with pytest.raises(ValueError, match=r"grads.db2 has shape \(4, 7\), want b2's \(4, 8\)"):
+        grads = HopGrads(db13=db13, db2=a["b2"][:, 1:].clone())
+        expert_hop_backward(x, x, w13, w2, probs, index, grads=grads, **kw)
 
 
 def test_triton_hop_backward_needs_bias_grad_buffers():
@@ -351,20 +359,21 @@ def test_triton_hop_backward_needs_bias_grad_buffers():
     a = _args("geglu")
     x, w13, w2, probs, b2 = (a[n].float() for n in ("x", "w13", "w2", "topk_probs", "b2"))
     index = build_routing_index(a["topk_idx"], 4)
-    with pytest.raises(ValueError, match=r"b2 is given, so db2 must be a buffer shaped \(4, 8\)"):
-        triton_hop_backward(x, x, w13, w2, probs, index, 0, 4, None, None, None, None, None,
-                            activation=expert_activation("geglu"), b2=b2)  # fmt: skip
+    geglu = HopOptions(activation=expert_activation("geglu"))
+    with pytest.raises(ValueError, match=r"b2 is given, so grads.db2 must be a buffer shaped"):
+        triton_hop_backward(x, x, w13, w2, probs, index, 0, 4, None, b2=b2, options=geglu)
     with pytest.raises(ValueError, match=r"b13 has shape \(4, 5\), want \(4, 12\)"):
-        triton_hop_backward(x, x, w13, w2, probs, index, 0, 4, None, None, None, None, None,
-                            b13=b2[:, :5], db13=b2[:, :5])  # fmt: skip
+        triton_hop_backward(x, x, w13, w2, probs, index, 0, 4, None, b13=b2[:, :5],
+                            grads=HopGrads(db13=b2[:, :5]))  # fmt: skip
 
 
 def test_hop_primitives_refuse_w13_rows_that_are_not_the_activations():
     """A w13 built for another activation is a ValueError at the hop, not a read past it."""
     pb = activation_problem(9, 8, 6, 3, 2, "squared_relu", bias="none")  # w13 (3, 6, 8)
+    on_torch = HopOptions(backend="torch")  # the default activation, SwiGLU: 12 rows
     index = build_routing_index(pb["idx"], 3)
     with pytest.raises(ValueError, match="w13 has 6 rows per expert but activation swiglu"):
-        expert_hop_forward(pb["x"], pb["w13"], pb["w2"], pb["probs"], index, backend="torch")
+        expert_hop_forward(pb["x"], pb["w13"], pb["w2"], pb["probs"], index, options=on_torch)
     with pytest.raises(ValueError, match="needs 12"):
         expert_hop_backward(pb["dy"], pb["x"], pb["w13"], pb["w2"], pb["probs"], index,
-                            backend="torch")  # fmt: skip
+                            options=on_torch)  # fmt: skip

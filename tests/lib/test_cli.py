@@ -183,9 +183,14 @@ def test_flags_command(capsys):
 
     rc, out, err = run(capsys, "flags", "--config", "tiny_qwen3", "--world", "1")
     assert rc == 0, err
-    assert out.splitlines() == to_megatron_args(load_config("tiny_qwen3"))
+    flags = to_megatron_args(load_config("tiny_qwen3"))
+    assert out.split() == flags
+    # one flag per line, with its values (issue #52: it was one word per line)
+    lines = out.splitlines()
+    assert all(ln.startswith("--") for ln in lines) and len(lines) < len(flags), lines
+    assert "--num-layers 4" in lines and "--swiglu" in lines and "--seq-length 512" in lines
     rc, out, _ = run(capsys, "flags", "--config", "tiny_qwen3", "--dispatcher", "alltoall")
-    assert "--moe-token-dispatcher-type\nalltoall\n" in out and "relaymoe" not in out
+    assert "--moe-token-dispatcher-type alltoall\n" in out and "relaymoe" not in out
     rc, out, err = run(capsys, "flags", "--config", "qwen3_30b_a3b", "--world", "16")
     assert rc == 2 and out == "" and "Traceback" not in err
     assert "needs tp*cp*pp*dp = 2*4*4*1 = 32 GPUs, but the job has 16" in err, err
@@ -224,7 +229,7 @@ def test_plan_schedule_with_gpus_per_node(capsys):
 def _flag_lines(capsys, *argv):
     rc, out, err = run(capsys, "flags", *argv)
     assert rc == 0, err
-    return out.splitlines(), err
+    return out.split(), err
 
 
 def test_plan_and_flags_print_the_same_flags(capsys):

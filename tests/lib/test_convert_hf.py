@@ -205,3 +205,35 @@ def test_qwen3_30b_config_matches_the_shipped_config():
     flags = c.megatron_model_flags(hub)
     assert "--moe-router-pre-softmax" not in flags and "--moe-layer-freq" not in flags
     assert flags[flags.index("--padded-vocab-size") + 1] == "151936"
+
+
+def test_preflight_refuses_what_the_run_could_not_load(converted_local, converted_te_ep2, capsys):
+    """Issue #52, items 1-2, on real conversions: train.sh's preflight passes the local
+    checkpoint for a run of its own flags, and refuses in one line, before anything is
+    launched, the TE-keyed one for a local run (convert again with --transformer-impl local)
+    and the local one for qwen3_30b_a3b's flags (another model)."""
+    from relaymoe.config import load_config, to_megatron_args
+    from relaymoe.megatron import preflight
+
+    local_ckpt, flags = converted_local
+    te_ckpt, _ = converted_te_ep2
+    train = ["--seq-length", str(SEQ), "--micro-batch-size", "1", "--global-batch-size", "1",
+             "--moe-token-dispatcher-type", "ring", "--mock-data", "--tokenizer-type",
+             "NullTokenizer", "--train-iters", "1", "--lr", "1e-4"]  # fmt: skip
+
+    def check(ckpt, argv):
+        rc = preflight.main(["--dry-run", "--pretrained", str(ckpt), "--", *argv, "--load",
+                             str(ckpt), "--ckpt-format", "torch_dist"])  # fmt: skip
+        return rc, capsys.readouterr().err.splitlines()
+
+    assert check(local_ckpt, [*flags, *train]) == (0, [])
+    rc, err = check(te_ckpt, [*flags, *train])  # the local run, as train.sh without TE
+    assert rc == 2 and len(err) == 1, err
+    assert "saved with --transformer-impl transformer_engine and this run builds " in err[0]
+    assert "convert it again for this run" in err[0] and "--transformer-impl local'" in err[0]
+    qwen3 = [*to_megatron_args(load_config("qwen3_30b_a3b")), "--transformer-impl", "local",
+             "--padded-vocab-size", "151936", *train[6:]]  # fmt: skip
+    rc, err = check(local_ckpt, qwen3)
+    assert rc == 2 and len(err) == 1, err
+    assert f"PRETRAINED={local_ckpt} holds another model than this run builds" in err[0]
+    assert "num_layers: checkpoint 2, this run 48" in err[0]

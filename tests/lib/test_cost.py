@@ -228,10 +228,10 @@ def test_alltoall_rows_match_random_routing(E, K, R):
 def test_slots_match_the_engine_layouts():
     """slot_capacity / symmetric_workspace_bytes against the engine's own RingPlans."""
     from relaymoe.activation import ExpertActivation
-    from relaymoe.ring import layout, passes, transport
-    from relaymoe.ring.problem import RingProblem
+    from relaymoe.ring import executor, plan
+    from relaymoe.ring.plan import RingProblem
 
-    assert cost.ALIGN == layout.ALIGN and cost.SYMM_GRANULE == transport._SYMM_GRANULE
+    assert cost.ALIGN == plan.ALIGN and cost.SYMM_GRANULE == executor._SYMM_GRANULE
     mlps = [(True, False, False), (False, True, True), (True, True, False), (False, False, True)]
     for (T, H, I, El, K, R), dt, pdt, grad, (gated, b13, b2) in itertools.product(
         [(4, 8, 6, 2, 2, 2), (37, 64, 24, 3, 2, 4), (1000, 96, 40, 1, 1, 3), (0, 16, 8, 2, 2, 2)],
@@ -240,7 +240,7 @@ def test_slots_match_the_engine_layouts():
         (True, False),
         mlps,
     ):  # fmt: skip
-        prob = RingProblem(
+        problem = RingProblem(
             rank=0, world_size=R, num_local_experts=El, hidden=H, ffn=I, topk=K, dtype=dt,
             prob_dtype=pdt, tokens=(T,) * R, mode="expert", transport="copy_engine",
             needs_grad=grad, pairs=None, activation=ExpertActivation(fn="gelu", gated=gated),
@@ -249,12 +249,12 @@ def test_slots_match_the_engine_layouts():
         d = cost.Dims(T=T, H=H, I=I, El=El, K=K, R=R, b=dt.itemsize, pb=pdt.itemsize,
                       gated=gated, b13=b13, b2=b2)  # fmt: skip
         # what travels in expert mode is exactly the layout's payload
-        w, dw = passes.weights_layout(prob), passes.weights_layout(prob, "d")
+        w, dw = plan.weights_layout(problem), plan.weights_layout(problem, "d")
         payload = sum(seg.nbytes for seg in w.segments)
         assert cost.hop_bytes("expert", d).fwd_lead == payload
         assert cost.hop_bytes("expert", d).bwd_trail == sum(seg.nbytes for seg in dw.segments)
-        for mode, plans in (("expert", passes.expert_plans), ("token", passes.token_plans)):
-            cap = passes.capacity(*plans(prob), prob)
+        for mode, plans in (("expert", plan.expert_plans), ("token", plan.token_plans)):
+            cap = plan.capacity(*plans(problem), problem)
             assert cost.slot_capacity(mode, d, training=grad) == cap, (mode, d, grad)
             granule = cost.SYMM_GRANULE
             want = 2 * max(granule, -(-cap // granule) * granule)
@@ -401,7 +401,7 @@ def test_schedule_order_visits_every_rank_once_and_crosses_nodes_rarely():
 
 
 def test_schedule_order_is_the_runtimes():
-    from relaymoe.ring.schedule import RingPlan
+    from relaymoe.ring.plan import RingPlan
 
     for R, G in ((4, 2), (6, 3), (6, 2), (16, 4)):
         plan_ = RingPlan(0, R, [1] * R, None, gpus_per_node=G)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -220,9 +221,162 @@ def test_cli_prints_the_flags_to_train_with(corpus, capsys):
     out, err = capsys.readouterr()
     assert rc == 0, err
     prefix = str((root / "out/cli_text_document").resolve())
-    assert out.split() == ["--data-path", prefix, "--tokenizer-type", "HuggingFaceTokenizer",
-                           "--tokenizer-model", str(tok_dir.resolve())]  # fmt: skip
+    assert out.splitlines() == [
+        f"--data-path {prefix}",
+        "--tokenizer-type HuggingFaceTokenizer",
+        f"--tokenizer-model {tok_dir.resolve()}",
+    ]  # one flag a line
     assert f"DATA_PATH='{prefix}'" in err and "300 documents" in err
     rc = main(["data", "--input", str(root / "missing.jsonl"), "--output-prefix",
                str(root / "x"), "--tokenizer", str(tok_dir)])  # fmt: skip
     assert rc == 2 and "relaymoe data: error: --input" in capsys.readouterr().err
+
+
+# ------------------------------------------------ refusals, locking, cleaning up (issue #52)
+def _files(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+def test_an_empty_corpus_is_refused_and_leaves_nothing(corpus, tmp_path):
+    """Item 4: no 0-byte ``.bin`` (Megatron cannot memory-map it), nothing left behind."""
+    _, _, tok_dir = corpus
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "blank.jsonl").write_text('\n{"text": "  "}\n\n')
+    out = tmp_path / "o"
+    with pytest.raises(data.DataError, match=r"empty \(0 bytes\), nothing to tokenise"):
+        data.prepare([str(tmp_path / "empty.jsonl")], str(out / "e"), str(tok_dir))
+    with pytest.raises(data.DataError, match="no document .every line or field is empty"):
+        data.prepare([str(tmp_path / "blank.jsonl")], str(out / "b"), str(tok_dir),
+                     progress=False)  # fmt: skip
+    assert _files(out) == []
+
+
+def test_the_dataset_check_refuses_an_empty_bin_and_another_tokenizer(corpus, tmp_path):
+    """Items 4-5, the dry run's side: ``dataset_problems`` (train.sh's preflight) refuses an
+    empty ``.bin`` and a TOKENIZER other than the one the manifest records; a copy of the same
+    tokenizer elsewhere passes (the files decide, not the path)."""
+    import shutil
+
+    root, texts, tok_dir = corpus
+    prefix = _prepare(root, tok_dir, "out/chk").outputs["text"]
+    assert data.dataset_problems(prefix, str(tok_dir)) == []
+    shutil.copytree(tok_dir, tmp_path / "copy")
+    assert data.dataset_problems(prefix, str(tmp_path / "copy")) == []
+    other = _train_tokenizer(tmp_path / "tok300", texts, vocab=300)
+    (p,) = data.dataset_problems(prefix, str(other))
+    assert p.startswith(f"TOKENIZER={other} is not the tokenizer DATA_PATH {prefix} was made")
+    assert f"fix: TOKENIZER={tok_dir.resolve()}" in p
+    empty = tmp_path / "e_text_document"
+    Path(f"{empty}.bin").write_bytes(b"")
+    Path(f"{empty}.idx").write_bytes(Path(prefix + ".idx").read_bytes())
+    (p,) = data.dataset_problems(str(empty), None)
+    assert f"DATA_PATH: {empty}.bin is empty (no token)" in p and "fix:" in p
+    (p,) = data.dataset_problems(str(tmp_path / "x"), None)
+    assert f"no {tmp_path}/x.bin or {tmp_path}/x.idx" in p
+
+
+def test_an_output_prefix_that_cannot_be_written_is_one_line(corpus, tmp_path, capsys):
+    """Item 9: NotADirectoryError / FileNotFoundError became one line and exit status 2."""
+    from relaymoe.cli import main
+
+    root, _, tok_dir = corpus
+    (tmp_path / "afile").write_text("x")
+    bad = [str(tmp_path / "afile" / "sub" / "x")]
+    if Path("/proc/self").is_dir():
+        bad.append("/proc/relaymoe_x")
+    for prefix in bad:
+        rc = main(["data", "--input", str(root / "corpus.jsonl"), "--output-prefix", prefix,
+                   "--tokenizer", str(tok_dir)])  # fmt: skip
+        err = capsys.readouterr().err
+        assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+        assert err.startswith("relaymoe data: error: --output-prefix") and "fix:" in err, err
+
+
+def test_a_second_run_on_one_prefix_is_refused_while_the_first_runs(corpus, tmp_path):
+    """Item 11: an exclusive lock on the prefix, naming the run that holds it."""
+    import os
+
+    from relaymoe.data.lock import PrefixLock
+
+    root, _, tok_dir = corpus
+    prefix = str((tmp_path / "o").resolve())
+    with PrefixLock(prefix):
+        with pytest.raises(data.DataError, match=rf"another relaymoe data run \(process "
+                           rf"{os.getpid()}\) is writing this output prefix"):  # fmt: skip
+            _prepare(root, tok_dir, tmp_path / "o")
+    assert not Path(f"{prefix}.lock").exists()
+    r = _prepare(root, tok_dir, tmp_path / "o")
+    assert r.documents == 300 and not Path(f"{prefix}.lock").exists()
+
+
+def test_a_failed_run_leaves_no_temporary_file(corpus, tmp_path):
+    """Item 12: a run that stops on a bad line keeps its completed parts and removes the part
+    it was writing (``.tmpPID.bin``), and those a killed run left."""
+    root, _, tok_dir = corpus
+    lines = (root / "corpus.jsonl").read_text().splitlines()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join([*lines[:150], "not json", *lines[150:]]) + "\n")
+    parts = tmp_path / "o.parts"
+    parts.mkdir()
+    (parts / "000000_text.tmp999.bin").write_bytes(b"left by a killed run")
+    with pytest.raises(data.DataError, match="is not JSON"):
+        data.prepare([str(bad)], str(tmp_path / "o"), str(tok_dir), chunk_mib=0.004,
+                     progress=False)  # fmt: skip
+    left = _files(tmp_path)
+    assert not [f for f in left if ".tmp" in f or f.endswith(".lock")], left
+    assert "o.parts/000000.json" in left  # the completed parts, for a rerun
+
+
+def test_the_json_keys_hint_names_only_text_fields(corpus, tmp_path):
+    """Item 13: the fix suggested for a missing key is a string field, never ``id``."""
+    _, _, tok_dir = corpus
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"id": 7, "body": "some text", "score": 1.5}\n')
+    with pytest.raises(data.DataError, match=r"has no key 'text' .*; fix: --json-keys body$"):
+        data.prepare([str(rows)], str(tmp_path / "o"), str(tok_dir), progress=False)
+    rows.write_text('{"id": 7}\n')
+    with pytest.raises(data.DataError, match="no field of that line is a string"):
+        data.prepare([str(rows)], str(tmp_path / "o"), str(tok_dir), progress=False)
+
+
+@pytest.mark.slow
+def test_ctrl_c_is_one_line_saying_a_rerun_continues(tmp_path):
+    """Item 10: Ctrl-C (SIGINT to the whole process group, as a terminal sends it) during a
+    2-worker run, once a part is made: exit status 130 and one line on stderr, saying that a
+    rerun continues; no traceback from the command or its workers, and none of the host
+    warnings they printed when importing megatron-core (item 14); no temporary file, the
+    completed parts kept (``test_interrupted_run_continues_and_matches`` reruns such a run).
+    Its own tokenizer and corpus, not the module's: pytest-xdist may then run it beside them."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    texts = _corpus(300, seed=1)
+    tok_dir = _train_tokenizer(tmp_path / "tok", texts)
+    big = tmp_path / "big.jsonl"
+    big.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts) * 20)  # ~37 parts
+    prefix = tmp_path / "o"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    p = subprocess.Popen(
+        [sys.executable, "-m", "relaymoe", "data", "--input", str(big), "--output-prefix",
+         str(prefix), "--tokenizer", str(tok_dir), "--workers", "2", "--chunk-mib", "0.016",
+         "--no-progress"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
+    parts = Path(f"{prefix}.parts")
+    t0 = time.monotonic()
+    while not list(parts.glob("*.json")) and p.poll() is None and time.monotonic() - t0 < 240:
+        time.sleep(0.02)
+    os.killpg(p.pid, signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 130, (p.returncode, err)  # 0: it finished before the signal
+    assert err.splitlines() == [
+        f"relaymoe data: interrupted; the parts made so far are kept in {prefix}.parts/: rerun "
+        "the same command to continue from them"
+    ], err
+    left = _files(tmp_path)
+    assert not [f for f in left if ".tmp" in f or f.endswith(".lock")], left
+    assert [f for f in left if re.fullmatch(r"o\.parts/\d+\.json", f)], left

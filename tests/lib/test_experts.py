@@ -5,7 +5,13 @@ import zlib
 import pytest
 import torch
 
-from relaymoe.experts import expert_hop_backward, expert_hop_forward, moe_experts
+from relaymoe.experts import (
+    HopGrads,
+    HopOptions,
+    expert_hop_backward,
+    expert_hop_forward,
+    moe_experts,
+)
 from relaymoe.reference import moe_experts_reference
 from relaymoe.routing import build_routing_index
 from tests.fixtures import random_problem, rel_err
@@ -80,18 +86,20 @@ def test_hop_backward_accumulates_into_buffers():
     x, w13, w2, idx, probs = random_problem(30, 8, 6, 4, 2, gen=gen)
     index = build_routing_index(idx, 4)
     dy = torch.randn_like(x)
-    full = expert_hop_backward(dy, x, w13, w2, probs, index, backend="torch")
+    on_torch = HopOptions(backend="torch")
+    full = expert_hop_backward(dy, x, w13, w2, probs, index, options=on_torch)
     dx, dp = torch.zeros_like(x), torch.zeros_like(probs)
     dw13, dw2 = torch.zeros_like(w13), torch.zeros_like(w2)
     for e0, e1 in [(0, 1), (1, 4)]:
         expert_hop_backward(
-            dy, x, w13[e0:e1], w2[e0:e1], probs, index, expert_range=(e0, e1), dx_TH=dx,
-            dprobs_TK=dp, dw13=dw13[e0:e1], dw2=dw2[e0:e1], backend="torch",
+            dy, x, w13[e0:e1], w2[e0:e1], probs, index, expert_range=(e0, e1),
+            grads=HopGrads(dx_TH=dx, dprobs_TK=dp, dw13=dw13[e0:e1], dw2=dw2[e0:e1]),
+            options=on_torch,
         )  # fmt: skip
     for a, b in zip((dx, dp, dw13, dw2), full, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
-    _, saved = expert_hop_forward(x, w13, w2, probs, index, save="act", backend="torch")
-    again = expert_hop_backward(dy, x, w13, w2, probs, index, saved_h=saved, backend="torch")
+    _, saved = expert_hop_forward(x, w13, w2, probs, index, save="act", options=on_torch)
+    again = expert_hop_backward(dy, x, w13, w2, probs, index, saved_h=saved, options=on_torch)
     for a, b in zip(again, full, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
@@ -110,10 +118,11 @@ def test_hop_backward_allocates_gradients_in_grad_dtype(backend):
     x, w13, w2, probs = (t.to(torch.float16) for t in (x, w13, w2, probs))
     index = build_routing_index(idx, 5)
     dy = torch.randn(x.shape, generator=gen).to(torch.float16)
-    got = expert_hop_backward(dy, x, w13, w2, probs, index, backend=backend,
-                              grad_dtype=torch.float32)  # fmt: skip
+    options = HopOptions(backend=backend, grad_dtype=torch.float32)
+    got = expert_hop_backward(dy, x, w13, w2, probs, index, options=options)
     z13, z2 = torch.zeros_like(w13, dtype=torch.float32), torch.zeros_like(w2, dtype=torch.float32)
-    ref = expert_hop_backward(dy, x, w13, w2, probs, index, backend=backend, dw13=z13, dw2=z2)
+    ref = expert_hop_backward(dy, x, w13, w2, probs, index, grads=HopGrads(dw13=z13, dw2=z2),
+                              options=HopOptions(backend=backend))  # fmt: skip
     for a, b in zip(got[2:], ref[2:], strict=True):
         assert a.dtype == torch.float32
         assert torch.equal(a, b)
@@ -122,9 +131,9 @@ def test_hop_backward_allocates_gradients_in_grad_dtype(backend):
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_hop_backward_writes_over_given_gradients(backend):
-    """``dw_accumulate=False``: given weight-gradient buffers full of garbage are written over,
-    bitwise what fresh ones get (experts without pairs exact zeros); the other gradients are
-    still added into; a range with no pairs gives zeros."""
+    """``HopGrads(dw_accumulate=False)``: given weight-gradient buffers full of garbage are
+    written over, bitwise what fresh ones get (experts without pairs exact zeros); the other
+    gradients are still added into; a range with no pairs gives zeros."""
     from relaymoe.kernels import interpret_mode
 
     if backend == "triton" and not interpret_mode():
@@ -134,17 +143,18 @@ def test_hop_backward_writes_over_given_gradients(backend):
     x, w13, w2, probs = (t.float() for t in (x, w13, w2, probs))
     index = build_routing_index(idx, 5)
     dy = torch.randn(x.shape, generator=gen)
-    want = expert_hop_backward(dy, x, w13, w2, probs, index, backend=backend)
+    options = HopOptions(backend=backend)
+    want = expert_hop_backward(dy, x, w13, w2, probs, index, options=options)
     g13, g2 = torch.full_like(w13, 7.0), torch.full_like(w2, -3.0)
-    got = expert_hop_backward(dy, x, w13, w2, probs, index, backend=backend, dw13=g13, dw2=g2,
-                              dw_accumulate=False)  # fmt: skip
+    over = HopGrads(dw13=g13, dw2=g2, dw_accumulate=False)
+    got = expert_hop_backward(dy, x, w13, w2, probs, index, grads=over, options=options)
     assert got[2] is g13 and got[3] is g2
     for name, a, b in zip(("dx", "dprobs", "dw13", "dw2"), got, want, strict=True):
         assert torch.equal(a, b), name
     assert torch.equal(g13[-1], torch.zeros_like(g13[-1]))  # "empty": the last expert
     g13.fill_(5.0)
     expert_hop_backward(dy[:0], x[:0], w13, w2, probs[:0], build_routing_index(idx[:0], 5),
-                        backend=backend, dw13=g13, dw2=g2, dw_accumulate=False)  # fmt: skip
+                        grads=over, options=options)  # fmt: skip
     assert not g13.any() and not g2.any()
 
 
@@ -154,11 +164,12 @@ def test_save_and_recompute_names_are_checked():
     gen = torch.Generator().manual_seed(6)
     x, w13, w2, idx, probs = random_problem(17, 8, 6, 4, 2, gen=gen)
     index = build_routing_index(idx, 4)
-    _, saved = expert_hop_forward(x, w13, w2, probs, index, save="none", backend="torch")
+    on_torch = HopOptions(backend="torch")
+    _, saved = expert_hop_forward(x, w13, w2, probs, index, save="none", options=on_torch)
     assert saved is None
     for bad in ("all", "fc1"):
         with pytest.raises(ValueError, match=f"save must be one of .* got '{bad}'"):
-            expert_hop_forward(x, w13, w2, probs, index, save=bad, backend="torch")
+            expert_hop_forward(x, w13, w2, probs, index, save=bad, options=on_torch)
     with pytest.raises(ValueError, match="recompute must be one of .* got 'none'"):
         moe_experts(x, w13, w2, idx, probs, recompute="none", backend="torch")
 

@@ -33,7 +33,7 @@ def long_functions(source: str, limit: int = MAX_LINES) -> dict[str, int]:
 
 def test_no_function_over_80_lines_in_ring():
     files = sorted(RING.rglob("*.py"))
-    assert len(files) > 15, files
+    assert len(files) > 6, files
     bad = {}
     for path in files:
         where = str(path.relative_to(ROOT))

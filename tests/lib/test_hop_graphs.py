@@ -396,15 +396,15 @@ def test_cache_keeps_no_bound_tensor_alive():
 
 
 def test_refusal_names_exact_pair_counts_and_the_torch_backend():
-    from relaymoe.ring.agree import RingProblem
     from relaymoe.ring.hop_graphs import refusal
+    from relaymoe.ring.plan import RingProblem
 
-    prob = RingProblem(rank=0, world_size=2, num_local_experts=2, hidden=H, ffn=I, topk=2,
+    problem = RingProblem(rank=0, world_size=2, num_local_experts=2, hidden=H, ffn=I, topk=2,
                        dtype=torch.bfloat16, prob_dtype=torch.float32, tokens=(4, 4),
                        mode="expert", transport="nccl", needs_grad=True, pairs=None)  # fmt: skip
-    assert refusal(prob, "torch", torch.device("cpu")) is None  # the eager plumbing
-    assert "torch hop backend" in refusal(prob, "torch", torch.device("cuda"))
-    counted = RingProblem(**{**prob.__dict__, "pairs": ((3, 5), (4, 4))})
+    assert refusal(problem, "torch", torch.device("cpu")) is None  # the eager plumbing
+    assert "torch hop backend" in refusal(problem, "torch", torch.device("cuda"))
+    counted = RingProblem(**{**problem.__dict__, "pairs": ((3, 5), (4, 4))})
     why = refusal(counted, "triton", torch.device("cuda"))
     assert "exact host integers" in why and "trusted=True" in why
 

@@ -12,7 +12,13 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from relaymoe.experts import expert_hop_backward, expert_hop_forward, moe_experts
+from relaymoe.experts import (
+    HopGrads,
+    HopOptions,
+    expert_hop_backward,
+    expert_hop_forward,
+    moe_experts,
+)
 from relaymoe.kernels import grouped, interpret_mode, pairs, select
 from relaymoe.options import KernelOptions
 from relaymoe.reference import moe_experts_reference
@@ -485,13 +491,14 @@ def test_wgrad_gmm_ranges_accumulate_and_wide_rows_chunk(monkeypatch):
         dy = torch.randn(t, h, generator=gen)
         dx, dp = torch.zeros_like(x), torch.zeros_like(probs)
         dw13, dw2 = torch.full_like(w13, float("nan")), torch.full_like(w2, float("nan"))
+        options = HopOptions(backend="triton", kernels=kernels)
         for e0, e1 in [(0, 2), (2, 2), (2, 6)]:
             _, h_part = expert_hop_forward(x, w13[e0:e1], w2[e0:e1], probs, index,
-                                           expert_range=(e0, e1), backend="triton",
-                                           kernels=kernels)  # fmt: skip
+                                           expert_range=(e0, e1), options=options)  # fmt: skip
             d = expert_hop_backward(dy, x, w13[e0:e1], w2[e0:e1], probs, index,
-                                    expert_range=(e0, e1), saved_h=h_part, dx_TH=dx,
-                                    dprobs_TK=dp, backend="triton", kernels=kernels)  # fmt: skip
+                                    expert_range=(e0, e1), saved_h=h_part,
+                                    grads=HopGrads(dx_TH=dx, dprobs_TK=dp),
+                                    options=options)  # fmt: skip
             dw13[e0:e1], dw2[e0:e1] = d[2], d[3]
         ins = [v.double().requires_grad_() for v in (x, w13, w2, probs)]
         moe_experts_reference(ins[0], ins[1], ins[2], idx, ins[3]).backward(dy.double())
@@ -540,8 +547,8 @@ def test_fp16_ranges_accumulate_weight_gradients_in_fp32(wgrad, monkeypatch):
         for e0, e1 in [(0, 2), (2, 6)]:
             expert_hop_backward(
                 h16[3], h16[0], h16[1][e0:e1], h16[2][e0:e1], probs.float(), index,
-                expert_range=(e0, e1), dw13=dw13[e0:e1], dw2=dw2[e0:e1], backend="triton",
-                max_pairs=37 * 2, kernels=kernels,
+                expert_range=(e0, e1), grads=HopGrads(dw13=dw13[e0:e1], dw2=dw2[e0:e1]),
+                options=HopOptions(backend="triton", max_pairs=37 * 2, kernels=kernels),
             )  # fmt: skip
     ref = _grads(moe_experts_reference, *(t.double() for t in h16[:3]), idx, probs, h16[3].double(),
                  torch.float64)  # fmt: skip
@@ -561,8 +568,9 @@ def _f32_problem(seed: int, t: int, h: int, i: int, e: int, k: int):
 
 def test_ranges_sum_to_full_touch_nothing_else_and_are_deterministic():
     x, w13, w2, idx, probs, index, dy = _f32_problem(4, 40, 20, 12, 7, 3)
-    full_out, full_h = expert_hop_forward(x, w13, w2, probs, index, backend="triton")
-    full = expert_hop_backward(dy, x, w13, w2, probs, index, saved_h=full_h, backend="triton")
+    tri = HopOptions(backend="triton")
+    full_out, full_h = expert_hop_forward(x, w13, w2, probs, index, options=tri)
+    full = expert_hop_backward(dy, x, w13, w2, probs, index, saved_h=full_h, options=tri)
     base = torch.randn_like(x)
     out = base.clone()
     dx, dp = base.clone(), torch.zeros_like(probs)
@@ -571,12 +579,13 @@ def test_ranges_sum_to_full_touch_nothing_else_and_are_deterministic():
     for e0, e1 in [(0, 3), (3, 3), (3, 6), (6, 7)]:
         _, h_part = expert_hop_forward(
             x, w13[e0:e1], w2[e0:e1], probs, index, expert_range=(e0, e1), out_TH=out,
-            backend="triton",
+            options=tri,
         )  # fmt: skip
         assert h_part.shape[0] == index.pair_range(e0, e1)[1] - index.pair_range(e0, e1)[0]
         _, _, g13, g2 = expert_hop_backward(
             dy, x, w13[e0:e1], w2[e0:e1], probs, index, expert_range=(e0, e1),
-            saved_h=h_part if e0 != 3 else None, dx_TH=dx, dprobs_TK=dp, backend="triton",
+            saved_h=h_part if e0 != 3 else None, grads=HopGrads(dx_TH=dx, dprobs_TK=dp),
+            options=tri,
         )  # fmt: skip
         dw13[e0:e1], dw2[e0:e1] = g13, g2
     ref = moe_experts_reference(*(v.double() for v in (x, w13, w2)), idx, probs.double())
@@ -587,13 +596,13 @@ def test_ranges_sum_to_full_touch_nothing_else_and_are_deterministic():
     # one range alone only touches tokens that have a pair in it
     part = base.clone()
     expert_hop_forward(x, w13[3:6], w2[3:6], probs, index, expert_range=(3, 6), out_TH=part,
-                       backend="triton")  # fmt: skip
+                       options=tri)  # fmt: skip
     untouched = ~((idx >= 3) & (idx < 6)).any(1)
     assert torch.equal(part[untouched], base[untouched])
     # bitwise determinism
-    again_out, again_h = expert_hop_forward(x, w13, w2, probs, index, backend="triton")
+    again_out, again_h = expert_hop_forward(x, w13, w2, probs, index, options=tri)
     assert torch.equal(again_out, full_out) and torch.equal(again_h, full_h)
-    again = expert_hop_backward(dy, x, w13, w2, probs, index, saved_h=full_h, backend="triton")
+    again = expert_hop_backward(dy, x, w13, w2, probs, index, saved_h=full_h, options=tri)
     for a, b in zip(again, full, strict=True):
         assert torch.equal(a, b)
 
@@ -610,11 +619,11 @@ def test_ranges_with_bound_sized_buffers_match_exact_counts(wgrad, monkeypatch):
         got = []
         for kw in ({"n_pairs": stop - start}, {"max_pairs": 31 * 3}):
             w13r, w2r = w13[e0:e1], w2[e0:e1]
+            options = HopOptions(backend="triton", kernels=kernels, **kw)
             out, _ = expert_hop_forward(x, w13r, w2r, probs, index, expert_range=(e0, e1),
-                                        save="none", backend="triton", kernels=kernels,
-                                        **kw)  # fmt: skip
+                                        save="none", options=options)  # fmt: skip
             grads = expert_hop_backward(dy, x, w13r, w2r, probs, index, expert_range=(e0, e1),
-                                        backend="triton", kernels=kernels, **kw)  # fmt: skip
+                                        options=options)  # fmt: skip
             got.append((out, *grads))
         for name, a, b in zip(("out", "dx", "dprobs", "dw13", "dw2"), *got, strict=True):
             assert rel_err(a, b) < F32, (e0, e1, name)
@@ -638,11 +647,12 @@ def test_consumed_saved_h_and_errors():
     y.sum().backward()
     assert torch.equal(xk.grad, 2 * once) and once.norm() > 0
     index = build_routing_index(idx, 3)
+    tri = HopOptions(backend="triton")
     with pytest.raises(ValueError, match="saved_h has shape"):
         expert_hop_backward(torch.ones_like(x), x, w13, w2, probs, index,
-                            saved_h=torch.zeros(5, 12), backend="triton")  # fmt: skip
+                            saved_h=torch.zeros(5, 12), options=tri)  # fmt: skip
     # zero tokens: empty outputs, zero weight gradients
     z = torch.zeros(0, 8)
     out, saved = expert_hop_forward(z, w13, w2, torch.zeros(0, 2), build_routing_index(
-        torch.zeros(0, 2, dtype=torch.long), 3), backend="triton")  # fmt: skip
+        torch.zeros(0, 2, dtype=torch.long), 3), options=tri)  # fmt: skip
     assert out.shape == (0, 8) and saved.shape == (0, 12)

@@ -1,6 +1,6 @@
 """Dependencies in relaymoe/ point one way: kernels <- ops <- ring <- megatron <- the entry points
 (cli, convert_hf, export_hf, check_hf), with the torch-free modules (options, cost, planner,
-config, lossmodel, data) and the oracle beside the stack.
+config, lossmodel, data, host_warnings) and the oracle beside the stack.
 
 Megatron (the ``megatron`` package) is imported by five parts only: ``megatron/`` (the
 integration), ``data/`` (megatron-core's tokenizer and ``IndexedDatasetBuilder``: the dataset is
@@ -25,14 +25,23 @@ PKG = Path(__file__).resolve().parents[2] / "relaymoe"
 # level of each top-level part of relaymoe; a module may import only parts of its level or below
 LEVELS = {
     "options": 0, "activation": 0, "cost": 0, "lossmodel": 0, "config": 0, "planner": 0,
-    "reference": 0, "data": 0,
+    "reference": 0, "data": 0, "host_warnings": 0,
     "kernels": 1, "activation_torch": 1,
     "routing": 2, "experts": 2, "expert_inputs": 2, "loss": 2,
     "ring": 3,
     "megatron": 4,
     "cli": 5, "convert_hf": 5, "export_hf": 5, "check_hf": 5, "__main__": 5, "__init__": 5,
 }  # fmt: skip
-TORCH_FREE = ("options", "activation", "cost", "lossmodel", "config", "planner", "data")
+TORCH_FREE = (
+    "options",
+    "activation",
+    "cost",
+    "lossmodel",
+    "config",
+    "planner",
+    "data",
+    "host_warnings",
+)
 # the parts that may import Megatron, and whether at import time (False: inside functions only)
 MEGATRON_IMPORTERS = {"megatron": True, "data": False, "convert_hf": False, "export_hf": False,
                       "check_hf": False}  # fmt: skip

@@ -706,9 +706,9 @@ def run_two_dispatchers(rank, world) -> None:
     real_agree, real_apply = engine.agree, engine._RingMoE.apply
 
     def agree(*args, runtime, **kw):
-        prob = real_agree(*args, runtime=runtime, **kw)
-        seen.append(("agree", runtime, prob.mode))
-        return prob
+        problem = real_agree(*args, runtime=runtime, **kw)
+        seen.append(("agree", runtime, problem.mode))
+        return problem
 
     def apply(*args):
         seen.append(("call", args[4].runtime, (args[4].overlap, args[4].host_wait)))

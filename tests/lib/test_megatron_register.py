@@ -318,9 +318,10 @@ def test_refused_on_megatron_args(mcore):
 
 
 def test_whole_step_graph_accepted_and_its_refusals(mcore):
-    """``--cuda-graph-impl full_iteration`` runs the ring captured (``relaymoe/ring/capture.py``):
-    accepted on a config and on the arguments; refused with the all-to-all mode (host-sized
-    messages) and without an eager warm-up step (the ranks agree there)."""
+    """``--cuda-graph-impl full_iteration`` runs the ring captured
+    (``relaymoe/ring/hop_graphs.py``): accepted on a config and on the arguments; refused with
+    the all-to-all mode (host-sized messages) and without an eager warm-up step (the ranks agree
+    there)."""
     from relaymoe.megatron.validate import check_ring_args, ring_config_problems
 
     assert ring_config_problems(_config(cuda_graph_impl="full_iteration")) == []

@@ -1,16 +1,14 @@
 """The executor's views of the ring's slots: kept from pass to pass where the transport's slots
 persist (``Transport.persistent_slots``, the copy engines' workspace), cut again for slots at
 other addresses and for slots fresh every pass; and the trail handed to a compute that writes
-it itself (``relay(zero_trail=False)``) as it is."""
+it itself (``PassWork(zero_trail=False)``) as it is."""
 
 from __future__ import annotations
 
 import torch
 
-from relaymoe.ring.executor import relay
-from relaymoe.ring.layout import Layout
-from relaymoe.ring.schedule import RingPlan
-from relaymoe.ring.transport import Transport
+from relaymoe.ring.executor import PassWork, Transport, relay
+from relaymoe.ring.plan import Layout, RingPlan
 
 CPU = torch.device("cpu")
 R = 3
@@ -49,17 +47,23 @@ def _pass(transport, own, *, capacity=None, zero_trail=True, runtime=None):
         trail["g"].fill_(1.0)
 
     plan = RingPlan(0, R, [LEAD.nbytes] * R, [TRAIL.nbytes] * R)
-    relay(plan, lead_layout=lambda p: LEAD, own_lead=own, trail_layout=lambda p: TRAIL,
-          compute=compute, transport=transport, device=CPU, capacity=capacity,
-          zero_trail=zero_trail, call=_call(runtime or transport.runtime))  # fmt: skip
+    work = PassWork(
+        lead_layout=lambda p: LEAD,
+        own_lead=own,
+        compute=compute,
+        trail_layout=lambda p: TRAIL,
+        capacity=capacity,
+        zero_trail=zero_trail,
+    )
+    relay(plan, work, transport=transport, device=CPU, call=_call(runtime or transport.runtime))
     return seen
 
 
 def _call(runtime=None):
     from relaymoe.options import KernelOptions
-    from relaymoe.ring.runtime import Hop, RingCall, RingRuntime
+    from relaymoe.ring.runtime import KernelChoice, RingCall, RingRuntime
 
-    return RingCall(None, runtime or RingRuntime(), Hop("auto", KernelOptions()))
+    return RingCall(None, runtime or RingRuntime(), KernelChoice("auto", KernelOptions()))
 
 
 def _own(seed):

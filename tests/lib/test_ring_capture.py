@@ -1,9 +1,10 @@
-"""The ring inside a whole-step CUDA graph (relaymoe/ring/capture.py), on CPU over gloo.
+"""The ring inside a whole-step CUDA graph (relaymoe/ring/hop_graphs.py), on CPU over gloo.
 
 A captured call is simulated by telling the ring its stream is being captured
-(``relaymoe.ring.capture.capturing`` patched to True where the ring asks it). Then, at worlds
-1-4, in expert and token mode, on the Triton hop kernels (interpreter, fp32): after one eager
-call of the same shapes, the captured forward and backward read nothing on the host
+(``capturing`` patched to True in ``relaymoe.ring.engine`` and ``faults``, where the ring asks
+it). Then, at worlds 1-4, in expert and token mode, on the Triton hop kernels (interpreter,
+fp32): after one eager call of the same shapes, the captured forward and backward read nothing
+on the host
 (``tests.host_sync``: no ``.item()``/``.tolist()``/``.cpu()``/``nonzero``/... from relaymoe's
 code), enter no collective but the hops' P2P, and give the eager call's results bitwise, which
 are the float64 oracle's within fp32 rounding, for uniform, skewed (empty experts) and
@@ -183,13 +184,13 @@ def test_ring_capture_gloo(world, scenario, gloo_worlds):
 
 def test_guard_sees_a_library_host_read_and_lets_others_through():
     """The guard itself: a read made by relaymoe's code raises, one made here does not."""
-    from relaymoe.ring.agree import pair_counts
-    from relaymoe.ring.problem import RingProblem
+    from relaymoe.ring.agreement import pair_counts
+    from relaymoe.ring.plan import RingProblem
 
     t = torch.ones(3)
     with no_host_reads():
         assert t.sum().item() == 3.0  # this file's read: not the library's
-    prob = RingProblem(0, 1, 2, 4, 4, 1, torch.float32, torch.float32, (3,), "expert", "local",
+    problem = RingProblem(0, 1, 2, 4, 4, 1, torch.float32, torch.float32, (3,), "expert", "local",
                        True, None)  # fmt: skip
     with no_host_reads(), pytest.raises(HostRead, match="tolist"):
-        pair_counts(torch.zeros(3, 1, dtype=torch.int32), prob, None)
+        pair_counts(torch.zeros(3, 1, dtype=torch.int32), problem, None)

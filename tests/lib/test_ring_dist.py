@@ -295,13 +295,13 @@ def _activations(rank, world, group):
               trusted=True, overlap=False, **{**base, "dtype": torch.float32})  # fmt: skip
     pb = _problem(82, [3] * R, 2, 2, R, act="squared_relu", bias="b13")
     lo, e0 = 3 * rank, 2 * rank
-    prob = resolved_problem(
+    problem = resolved_problem(
         pb["x"][lo : lo + 3], pb["w13"][e0 : e0 + 2], pb["w2"][e0 : e0 + 2],
         pb["idx"][lo : lo + 3], pb["probs"][lo : lo + 3], group=group,
         activation="squared_relu", b13=pb["b13"][e0 : e0 + 2],
     )  # fmt: skip
-    assert (prob.activation, prob.fc1_rows, prob.has_b13, prob.has_b2) == (pb["act"], I, True,
-                                                                            False)  # fmt: skip
+    got = (problem.activation, problem.fc1_rows, problem.has_b13, problem.has_b2)
+    assert got == (pb["act"], I, True, False)
 
 
 def _triton_backend(rank, world, group):
@@ -454,21 +454,21 @@ def _modes_agree_and_auto(rank, world, group):
             w2 = torch.zeros((), dtype=torch.bfloat16).expand(El, h, ffn)
             idx = (torch.arange(T * K) % (El * world)).view(T, K)
             probs = torch.zeros((), dtype=pdtype).expand(T, K)
-            prob = resolved_problem(x, w13, w2, idx, probs, group=group, trusted=True,
+            problem = resolved_problem(x, w13, w2, idx, probs, group=group, trusted=True,
                                     transport="nccl")  # fmt: skip
             sh = Shapes(b=1, s=T, h=h, tp=1, cp=1, T_a=T, T=T, K=K, E=El * world, El=El, I=ffn,
                         R=world, e=2)  # fmt: skip
             want = ring_mode(sh, "auto", transport="nccl")
-            assert prob.mode == want, (T, h, ffn, El, K, world, prob.mode, want)
-            seen.add(prob.mode)
+            assert problem.mode == want, (T, h, ffn, El, K, world, problem.mode, want)
+            seen.add(problem.mode)
     assert world == 1 or len(seen) > 1, f"the grid exercises one mode only: {seen}"
     pb = _problem(21, [4] * world, 2, 2, world)
     lo, hi = 4 * rank, 4 * rank + 4
     args = (pb["x"][lo:hi], pb["w13"][2 * rank : 2 * rank + 2], pb["w2"][2 * rank : 2 * rank + 2],
             pb["idx"][lo:hi], pb["probs"][lo:hi])  # fmt: skip
-    prob = resolved_problem(*args, group=group)
-    assert prob.transport == ("local" if world == 1 else "nccl")
-    assert prob.tokens == (4,) * world
+    problem = resolved_problem(*args, group=group)
+    assert problem.transport == ("local" if world == 1 else "nccl")
+    assert problem.tokens == (4,) * world
 
 
 def _bad_inputs(rank, world, group):
@@ -664,7 +664,7 @@ def _trusted_steady_state(rank, world, group):
     communicating (the runtime's cache), a new signature or another runtime agrees again, a
     call without a runtime agrees every time, and ``agree="every_call"`` (RELAYMOE_RING_AGREE)
     turns the cache off; the results stay oracle-exact throughout."""
-    import relaymoe.ring.agree as agree_mod
+    import relaymoe.ring.agreement as agree_mod
     from relaymoe.ring import RingRuntime
 
     calls = []

@@ -15,11 +15,10 @@ import pytest
 import torch
 
 from relaymoe.options import RingConfig
-from relaymoe.ring import agree as agree_mod
-from relaymoe.ring import faults, lagwait
-from relaymoe.ring import transport as transport_mod
+from relaymoe.ring import agreement as agree_mod
+from relaymoe.ring import executor, faults
 from relaymoe.ring.faults import PeerWatch, RingPeerError
-from relaymoe.ring.problem import ring_request
+from relaymoe.ring.plan import ring_request
 from relaymoe.ring.runtime import RingRuntime
 from tests.fixtures import use_env
 
@@ -196,7 +195,7 @@ def test_lag_waits_for_a_backwards_last_pass_when_the_backward_ends(monkeypatch)
     later sync reading aborted buffers. One wait per backward call; a pass that finished passes."""
     cuda = torch.device("cuda", 0)
     runtime = RingRuntime()
-    monkeypatch.setattr(lagwait, "POLL_S", 60.0)  # the watchdog thread stays out of this test
+    monkeypatch.setattr(faults, "POLL_S", 60.0)  # the watchdog thread stays out of this test
 
     class TwoPasses(torch.autograd.Function):
         @staticmethod
@@ -232,7 +231,7 @@ def test_lag_watchdog_logs_a_last_pass_that_never_finished(monkeypatch):
     import logging
 
     runtime = RingRuntime()
-    monkeypatch.setattr(lagwait, "POLL_S", 0.01)
+    monkeypatch.setattr(faults, "POLL_S", 0.01)
     records: list[logging.LogRecord] = []
     handler = logging.Handler(level=logging.ERROR)
     handler.emit = records.append
@@ -309,12 +308,12 @@ def test_copy_engine_barrier_gets_the_timeout(monkeypatch):
         def barrier(self, channel=0):
             calls.append(("old", channel))
 
-    transport_mod._barrier(RingRuntime(), NewHandle(), 2.5)
+    executor._barrier(RingRuntime(), NewHandle(), 2.5)
     assert calls == [("new", 0, 2500)]
     calls.clear()
     runtime = RingRuntime()
-    transport_mod._barrier(runtime, OldHandle(), 2.5)  # learns once: no timeout argument
-    transport_mod._barrier(runtime, OldHandle(), 2.5)
+    executor._barrier(runtime, OldHandle(), 2.5)  # learns once: no timeout argument
+    executor._barrier(runtime, OldHandle(), 2.5)
     assert calls == [("old", 0), ("old", 0)]
 
 

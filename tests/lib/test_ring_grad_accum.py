@@ -74,8 +74,8 @@ def _resolution_and_refusals(rank, world, group):
             pb["w2"][experts].bfloat16(), pb["idx"][rows], pb["probs"][rows].float()]  # fmt: skip
     for acc, want in (("param", torch.bfloat16), ("fp32", torch.float32),
                       ("auto", torch.bfloat16)):  # auto: fp32 from 16 ranks  # fmt: skip
-        prob = resolved_problem(*args, group=group, mode="expert", grad_accum=acc)
-        assert prob.accum_dtype == want, (acc, prob.accum_dtype)
+        problem = resolved_problem(*args, group=group, mode="expert", grad_accum=acc)
+        assert problem.accum_dtype == want, (acc, problem.accum_dtype)
     with pytest.raises(ValueError, match="grad_accum must be one of"):
         resolved_problem(*args, group=group, grad_accum="fp16")
     with pytest.raises(ValueError, match="grad_accum .* differs across ranks"):

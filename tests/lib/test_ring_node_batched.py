@@ -44,9 +44,13 @@ def _cases(R: int, G: int) -> list[dict]:
 
 def _node_batched(rank, world, group):
     for G in {4: [2, 1, 4], 6: [2, 3]}[world]:
-        prob = _resolved(rank, world, group, gpus_per_node=G, schedule="node_batched")
-        assert (prob.schedule, prob.gpus_per_node, prob.mode) == ("node_batched", G, "expert")
-        assert prob.transport == "nccl", prob
+        problem = _resolved(rank, world, group, gpus_per_node=G, schedule="node_batched")
+        assert (problem.schedule, problem.gpus_per_node, problem.mode) == (
+            "node_batched",
+            G,
+            "expert",
+        )
+        assert problem.transport == "nccl", problem
         for c in _cases(world, G):
             _run_case(rank, world, group, **c)
     if world == 4 and triton_available():  # the fused hop kernels (interpreter on CPU): G*El
@@ -59,8 +63,8 @@ def _node_batched(rank, world, group):
 def _errors_name_the_column(rank, world, group):
     """The column plan's peers are node indices: an error names them as group ranks, the whole
     EP group, and the hop's neighbours in the column."""
+    from relaymoe.ring.expert_mode import ColumnTransport
     from relaymoe.ring.faults import PeerWatch
-    from relaymoe.ring.nodebatch import ColumnTransport
 
     G = 2
     n, g = divmod(rank, G)
@@ -102,7 +106,7 @@ def _refusals(rank, world, group):
         )  # fmt: skip
     # one host and no node size: nodes unknown, refused by name
     with pytest.raises(ValueError, match="schedule='node_batched' needs nodes"):
-        import relaymoe.ring.agree as agree_mod
+        import relaymoe.ring.agreement as agree_mod
 
         real = agree_mod.host_hash
         try:

@@ -42,25 +42,25 @@ def _inputs(rank=0, world=1, dtype=torch.float64, T=5, El=2, K=2):
 
 @pytest.fixture
 def seen(monkeypatch):
-    """What ``ring_moe`` hands on: the request it agrees on, the ``Hop`` of its hops and the
-    ``RingCall`` its passes run with."""
-    record = {"req": [], "hop": [], "call": []}
-    real_agree, real_hop, real_apply = engine.agree, engine.Hop, engine._RingMoE.apply
+    """What ``ring_moe`` hands on: the request it agrees on, the ``KernelChoice`` of its hops and
+    the ``RingCall`` its passes run with."""
+    record = {"req": [], "kernel_choice": [], "call": []}
+    real_agree, real_choice, real_apply = engine.agree, engine.KernelChoice, engine._RingMoE.apply
 
     def agree(*args, request, **kw):
         record["req"].append(request)
         return real_agree(*args, request=request, **kw)
 
-    def hop(*args):
-        record["hop"].append(real_hop(*args))
-        return record["hop"][-1]
+    def kernel_choice(*args):
+        record["kernel_choice"].append(real_choice(*args))
+        return record["kernel_choice"][-1]
 
     def apply(*args):
-        record["call"].append(args[4])  # x, probs, topk_idx, prob, call, ...
+        record["call"].append(args[4])  # x, probs, topk_idx, problem, call, ...
         return real_apply(*args)
 
     monkeypatch.setattr(engine, "agree", agree)
-    monkeypatch.setattr(engine, "Hop", hop)
+    monkeypatch.setattr(engine, "KernelChoice", kernel_choice)
     monkeypatch.setattr(engine._RingMoE, "apply", apply)
     return record
 
@@ -84,24 +84,24 @@ def test_configured_option_reaches_the_request_and_a_keyword_overrides_it(
 
 def test_configured_mode_and_grad_accum_change_the_agreed_problem():
     args, _ = _inputs(dtype=torch.float16)
-    prob = resolved_problem(*args, mode="expert")
-    assert prob.mode == "expert" and prob.grad_dtype == torch.float16
+    problem = resolved_problem(*args, mode="expert")
+    assert problem.mode == "expert" and problem.grad_dtype == torch.float16
     config = RingConfig(mode="token", grad_accum="fp32")
-    prob = resolved_problem(*args, config=config)
-    assert prob.mode == "token" and prob.grad_dtype == torch.float32
-    prob = resolved_problem(*args, config=config, mode="alltoall", grad_accum="param")
-    assert prob.mode == "alltoall" and prob.grad_dtype == torch.float16
+    problem = resolved_problem(*args, config=config)
+    assert problem.mode == "token" and problem.grad_dtype == torch.float32
+    problem = resolved_problem(*args, config=config, mode="alltoall", grad_accum="param")
+    assert problem.mode == "alltoall" and problem.grad_dtype == torch.float16
 
 
 def test_configured_kernels_reach_the_hops_and_a_keyword_overrides_them(seen):
     args, pb = _inputs()
     mine, other = KernelOptions(pair_buffer_mib=7), KernelOptions(pair_buffer_mib=9)
     ring_moe(*args)
-    assert seen["hop"][-1].kernels == KernelOptions()
+    assert seen["kernel_choice"][-1].kernels == KernelOptions()
     out = ring_moe(*args, config=RingConfig(kernels=mine))
-    assert seen["hop"][-1].kernels is mine
+    assert seen["kernel_choice"][-1].kernels is mine
     ring_moe(*args, config=RingConfig(kernels=mine), kernels=other)
-    assert seen["hop"][-1].kernels is other
+    assert seen["kernel_choice"][-1].kernels is other
     ref = moe_experts_reference(pb["x"][:5], pb["w13"][:2], pb["w2"][:2], pb["idx"][:5],
                                 pb["probs"][:5])  # fmt: skip
     assert torch.allclose(out, ref, rtol=1e-12, atol=1e-12)
@@ -113,14 +113,14 @@ def test_this_ranks_options_reach_the_call(seen):
     args, _ = _inputs()
     ring_moe(*args)
     call, req = seen["call"][-1], seen["req"][-1]
-    assert (call.overlap, call.hop.capture, call.host_wait, call.timeout_s) == (
+    assert (call.overlap, call.kernel_choice.capture, call.host_wait, call.timeout_s) == (
         True, False, "lag", None)  # fmt: skip
     assert (req.agree, req.pair_buffer_mib) == ("cached", 512)
     config = RingConfig(overlap=False, capture_hops=True, host_wait="pass", timeout_s=3.5,
                         agree="every_call", kernels=KernelOptions(pair_buffer_mib=3))  # fmt: skip
     ring_moe(*args, config=config)
     call, req = seen["call"][-1], seen["req"][-1]
-    assert (call.overlap, call.hop.capture, call.host_wait, call.timeout_s) == (
+    assert (call.overlap, call.kernel_choice.capture, call.host_wait, call.timeout_s) == (
         False, True, "pass", 3.5)  # fmt: skip
     assert (req.agree, req.pair_buffer_mib) == ("every_call", 3)
 

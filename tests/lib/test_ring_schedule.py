@@ -11,7 +11,7 @@ import torch
 from relaymoe import cost
 from relaymoe.options import RING_MODES
 from relaymoe.ring import RingPlan
-from relaymoe.ring.layout import ALIGN, Layout
+from relaymoe.ring.plan import ALIGN, Layout
 
 # (R, G): flat rings (G None) and two-level rings of N = R/G nodes (2x2, 3x2, 2x3, 2x4, 4x2, ...)
 _TOPOLOGIES = [(R, None) for R in (1, 2, 3, 4, 5)] + [
@@ -395,7 +395,7 @@ def test_expert_mlp_row_fields_round_trip_and_refusals():
     """The agreement row carries every field of the activation exactly (float bits), and the
     group refuses a rank whose activation or biases differ, naming each rank's value."""
     from relaymoe.activation import NAMES, ExpertActivation
-    from relaymoe.ring.expert_mlp import (
+    from relaymoe.ring.agreement import (
         activation_fields,
         activation_of,
         bias_code,

@@ -53,7 +53,7 @@ def _resolved(rank, world, group, **kw):
 
 def _fake_hosts(hosts):
     """Make the agreement see host ``hosts[rank]`` on each rank."""
-    import relaymoe.ring.agree as agree_mod
+    import relaymoe.ring.agreement as agree_mod
 
     rank = dist.get_rank()
     agree_mod.host_hash = lambda: 1000 + hosts[rank]
@@ -62,8 +62,8 @@ def _fake_hosts(hosts):
 def _two_level(rank, world, group):
     nodes = {4: [2], 6: [2, 3]}[world]
     for G in nodes:
-        prob = _resolved(rank, world, group, gpus_per_node=G)
-        assert (prob.schedule, prob.gpus_per_node) == ("two_level", G), prob
+        problem = _resolved(rank, world, group, gpus_per_node=G)
+        assert (problem.schedule, problem.gpus_per_node) == ("two_level", G), problem
         for c in _cases(world, G):
             _run_case(rank, world, group, **c)
 
@@ -81,14 +81,14 @@ def _one_gpu_per_node_is_the_flat_ring(rank, world, group):
 
 
 def _nodes_from_hosts(rank, world, group):
-    import relaymoe.ring.agree as agree_mod
+    import relaymoe.ring.agreement as agree_mod
 
     real = agree_mod.host_hash
     try:
         G = 2 if world == 4 else 3
         _fake_hosts([r // G for r in range(world)])  # node by node: auto runs two levels
-        prob = _resolved(rank, world, group)
-        assert (prob.schedule, prob.gpus_per_node) == ("two_level", G), prob
+        problem = _resolved(rank, world, group)
+        assert (problem.schedule, problem.gpus_per_node) == ("two_level", G), problem
         _run_case(rank, world, group, mode="expert", seed=41, tokens=[2, 5, 0, 3, 4, 1][:world],
                   El=2, K=2, dtype=F64)  # fmt: skip
         assert _resolved(rank, world, group, schedule="flat").schedule == "flat"
@@ -97,8 +97,8 @@ def _nodes_from_hosts(rank, world, group):
         with pytest.raises(ValueError, match=r"hosts by rank are \[host0, host1, host0"):
             _resolved(rank, world, group, schedule="two_level")
         # an explicit node size wins over the hosts
-        prob = _resolved(rank, world, group, gpus_per_node=2)
-        assert (prob.schedule, prob.gpus_per_node) == ("two_level", 2)
+        problem = _resolved(rank, world, group, gpus_per_node=2)
+        assert (problem.schedule, problem.gpus_per_node) == ("two_level", 2)
     finally:
         agree_mod.host_hash = real
     # one host: one node, the flat ring (nothing to split)

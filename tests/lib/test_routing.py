@@ -147,7 +147,7 @@ IMPLS = ["torch"] + (["triton"] if interpret_mode() else [])
 def test_build_into_one_buffer_equals_the_fresh_build(impl, num_tokens, num_experts, topk):
     """``out=``: the arrays written in place into views of one buffer (what a recorded ring hop
     builds) are the fresh build's, and the index holds exactly those views."""
-    from relaymoe.ring.hop_index import INDEX_FIELDS, index_layout, packed_index
+    from relaymoe.ring.hop_graphs import INDEX_FIELDS, index_layout, packed_index
 
     idx = random_routing(num_tokens, num_experts, topk, gen=torch.Generator().manual_seed(3))
     want = build_routing_index(idx, num_experts, impl=impl)

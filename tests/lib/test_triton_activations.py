@@ -9,7 +9,14 @@ import torch
 
 from relaymoe.activation import SWIGLU, ExpertActivation
 from relaymoe.activation_torch import activation_backward, activation_forward
-from relaymoe.experts import RECOMPUTES, expert_hop_backward, expert_hop_forward, moe_experts
+from relaymoe.experts import (
+    RECOMPUTES,
+    HopGrads,
+    HopOptions,
+    expert_hop_backward,
+    expert_hop_forward,
+    moe_experts,
+)
 from relaymoe.kernels import grouped, interpret_mode, select
 from relaymoe.options import KernelOptions
 from relaymoe.reference import moe_experts_reference
@@ -83,18 +90,17 @@ def test_ranges_with_bound_sized_buffers_sum_to_the_whole(name):
     for e0, e1 in [(0, 2), (2, 4), (4, 5)]:
         r = slice(e0, e1)
         bound = {"max_pairs": x.shape[0] * SHAPE[4]} if e0 == 2 else {}
-        kw = dict(expert_range=(e0, e1), backend="triton", activation=pb["act"], b13=b13[r],
-                  b2=b2[r], **bound)  # fmt: skip
+        options = HopOptions(backend="triton", activation=pb["act"], **bound)
+        kw = dict(expert_range=(e0, e1), b13=b13[r], b2=b2[r], options=options)
         save = "none" if bound else "act"
         _, saved = expert_hop_forward(x, w13[r], w2[r], probs, index, out_TH=out, save=save, **kw)
-        grads = dict(dw13=dw13[r], dw2=dw2[r], db13=db13[r], db2=db2[r])
-        expert_hop_backward(dy, x, w13[r], w2[r], probs, index, saved_h=saved, dx_TH=dx,
-                            dprobs_TK=dprobs, **grads, **kw)  # fmt: skip
+        grads = HopGrads(dx_TH=dx, dprobs_TK=dprobs, dw13=dw13[r], dw2=dw2[r], db13=db13[r],
+                         db2=db2[r])  # fmt: skip
+        expert_hop_backward(dy, x, w13[r], w2[r], probs, index, saved_h=saved, grads=grads, **kw)
         if bound:  # again into fresh buffers: the bias gradients bitwise the same
-            again = dict(dw13=None, dw2=None, db13=torch.ones_like(b13[r]),
-                         db2=torch.ones_like(b2[r]))  # fmt: skip
-            expert_hop_backward(dy, x, w13[r], w2[r], probs, index, **again, **kw)
-            assert torch.equal(again["db13"], db13[r]) and torch.equal(again["db2"], db2[r])
+            again = HopGrads(db13=torch.ones_like(b13[r]), db2=torch.ones_like(b2[r]))
+            expert_hop_backward(dy, x, w13[r], w2[r], probs, index, grads=again, **kw)
+            assert torch.equal(again.db13, db13[r]) and torch.equal(again.db2, db2[r])
     ref = run_with_grads(moe_experts_reference, pb, torch.float64)
     got = dict(out=out, dx=dx, dw13=dw13, dw2=dw2, dprobs=dprobs, db13=db13 - 1, db2=db2 - 1)
     assert_all_close(got, {n: ref[n] for n in got}, F32)

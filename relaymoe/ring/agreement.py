@@ -1,8 +1,9 @@
-"""Input validation that every rank agrees on before any P2P (so nothing hangs).
+"""The agreement protocol: every rank validates its inputs and agrees on the problem before any
+P2P (so nothing hangs).
 
 Each rank checks its own inputs without raising, writes a row of integers (error code, sizes,
 dtypes, device, requested mode/transport, host, a validity marker, the expert MLP (every field of
-the activation, which biases the experts carry: ``expert_mlp.py``), then its pair count per
+the activation, which biases the experts carry: see below), then its pair count per
 expert owner) into an ``(R, F + R)`` matrix and one all-reduce (sum) gives every rank every row.
 Every rank then applies the same checks to the same matrix and raises the same ``ValueError``, or
 returns the same :class:`RingProblem`: the sizes of all partitions, the resolved mode and
@@ -36,12 +37,28 @@ call with other values agrees again. The call decides from the agreed values
 (``RingProblem.pair_buffer_mib``); the expert kernels' own column chunks follow the call's
 ``KernelOptions``: a local choice no peer depends on.
 
-The pieces it agrees on live beside it: the request and the agreed problem (``problem.py``),
-each rank's own input checks (``checks.py``) and the hosts' topology (``topology.py``).
+**Each rank's own checks** (:func:`local_check`) return an error code and a message, never a
+raise: the agreement writes the code into this rank's row, so that every rank raises the same
+``ValueError`` for the first rank whose inputs fail. J, the fc1 rows of one expert
+(``activation.fc1_rows(I)``: 2I for a gated activation, I otherwise), is checked against the
+request's activation.
+
+**The expert MLP in the row.** Every rank computes every expert (expert mode: the visiting
+experts; token mode: the visiting tokens on its own experts), so a rank whose activation or bias
+presence differs from its peers' would compute another layer, and in expert mode send a weight
+partition of another layout. Each rank writes its activation (every field of it,
+:func:`activation_fields`) and its bias presence (:func:`bias_code`) into its row as integers, and
+a difference is refused with a ``ValueError`` naming each rank's value
+(:func:`same_expert_mlp`), raised the same on every rank before any P2P.
+
+What the ranks agree on, the request and the problem, is ``plan.py``'s (:class:`RingRequest`,
+:class:`RingProblem`), and so is the schedule they resolve from the hosts
+(:func:`~relaymoe.ring.plan.resolve_schedule`).
 """
 
 from __future__ import annotations
 
+import struct
 from dataclasses import replace
 
 import torch
@@ -49,35 +66,40 @@ import torch.distributed as dist
 from torch import Tensor
 
 from relaymoe import options
+from relaymoe.activation import FNS, ExpertActivation
 from relaymoe.cost import choose_mode, grad_accum_bytes
+from relaymoe.experts import resolve_backend
 from relaymoe.kernels import check_problem_limits
-from relaymoe.options import AGREE_CHOICES, GRAD_ACCUM_CHOICES, NODE_BATCHED, SCHEDULE_CHOICES
-from relaymoe.ring.capture import check_captured
-from relaymoe.ring.checks import (
-    DEVICE_TYPES,
-    FLOATS,
-    MODES,
-    TRANSPORTS,
-    local_check,
-    weight_meta,
+from relaymoe.options import (
+    AGREE_CHOICES,
+    GRAD_ACCUM_CHOICES,
+    INT64_MAX,
+    MODE_CHOICES,
+    NODE_BATCHED,
+    SCHEDULE_CHOICES,
+    TRANSPORT_CHOICES,
 )
-from relaymoe.ring.expert_mlp import activation_fields, bias_code, same_expert_mlp
+from relaymoe.ring.executor import copy_engine_available, copy_engine_works
 from relaymoe.ring.faults import all_reduce_checked, check_markers
-from relaymoe.ring.problem import RingProblem, RingRequest
-from relaymoe.ring.topology import host_hash, nodes_from_hosts, resolve_schedule
-from relaymoe.ring.transport import copy_engine_available, copy_engine_works
+from relaymoe.ring.hop_graphs import check_captured
+from relaymoe.ring.plan import RingProblem, RingRequest, host_hash, resolve_schedule
+from relaymoe.routing import validate_topk_idx
 
-# The agreement's request and result (RingRequest, RingProblem: problem.py) and the schedule
-# resolution it applies (nodes_from_hosts, resolve_schedule: topology.py) are importable from
-# here too: what a caller of agree() reads and passes, from the module it calls
 __all__ = [
-    "RingProblem",
-    "RingRequest",
+    "activation_fields",
+    "activation_of",
     "agree",
-    "nodes_from_hosts",
+    "bias_code",
+    "local_check",
     "pair_counts",
-    "resolve_schedule",
+    "same_expert_mlp",
+    "weight_meta",
 ]
+
+MODES = MODE_CHOICES  # the names live in relaymoe.options
+TRANSPORTS = TRANSPORT_CHOICES
+FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+DEVICE_TYPES = ("cpu", "cuda")
 
 # Row fields
 (
@@ -110,7 +132,7 @@ __all__ = [
     F_CAPTURE,
 ) = range(27)
 NUM_FIELDS = 27
-RING_MODES = ("expert", "token")  # the modes a captured call can run (``capture.py``)
+RING_MODES = ("expert", "token")  # the modes a captured call can run (``hop_graphs.py``)
 
 _ERRORS = {
     1: "an input is not a tensor (or, for w13/w2/b13/b2, not a list of per-expert tensors; a bias "
@@ -130,6 +152,282 @@ _ERRORS = {
 }
 
 
+# ---------------------------------------------------------------------------------------------
+# each rank's own checks: an error code and a message, never a raise
+# ---------------------------------------------------------------------------------------------
+class _Meta:
+    """Shape/dtype/device of an expert-weight input in either form (tensor, or a list of
+    per-expert tensors read as ``(len, *element_shape)``)."""
+
+    def __init__(self, shape, dtype, device):
+        self.shape, self.dtype, self.device = tuple(shape), dtype, device
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+
+def weight_meta(name: str, w, want: str, ndim: int = 2) -> tuple[_Meta | None, str]:
+    """(meta, "") of a weight (``ndim=2`` per expert) or bias (``ndim=1``) input, or (None,
+    error message)."""
+    if isinstance(w, Tensor):
+        return _Meta(w.shape, w.dtype, w.device), ""
+    if not isinstance(w, (list, tuple)):
+        return None, (
+            f"{name} must be a torch.Tensor {want.replace('El', 'E_local')} or a list of E_local "
+            f"per-expert tensors, got {type(w).__name__}"
+        )
+    if len(w) == 0:
+        return None, f"{name} is an empty list; pass E_local >= 1 per-expert tensors"
+    for j, t in enumerate(w):
+        if not isinstance(t, Tensor):
+            return None, f"{name}[{j}] must be a torch.Tensor, got {type(t).__name__}"
+    w0 = w[0]
+    for j, t in enumerate(w):
+        if t.dim() != ndim or t.shape != w0.shape or t.dtype != w0.dtype or t.device != w0.device:
+            return None, (
+                f"{name} list elements must all be {ndim}-D with one shape, dtype and device; "
+                f"element 0 is {tuple(w0.shape)} {w0.dtype} {w0.device}, element {j} is "
+                f"{tuple(t.shape)} {t.dtype} {t.device}"
+            )
+    return _Meta((len(w), *w0.shape), w0.dtype, w0.device), ""
+
+
+def local_check(
+    x,
+    w13,
+    w2,
+    topk_idx,
+    topk_probs,
+    req: RingRequest,
+    world: int,
+    validate_ids: bool = True,
+    b13=None,
+    b2=None,
+) -> tuple[int, str]:
+    """(error code, message) of this rank's inputs; (0, "") when they are fine. ``b13``/``b2``:
+    the optional expert biases, in the weights' form (tensors, or lists of per-expert 1-D
+    tensors). The checks run in order, the first failure is the answer: the inputs' forms
+    (code 1), the request's options (9, 10, 2), shapes (3), dtypes and devices (4, 5, 7), the
+    hop backend (8), the expert ids (4, 6)."""
+    m13, m2, biases, failed = _input_forms(x, w13, w2, topk_idx, topk_probs, b13, b2)
+    if failed is not None:
+        return failed
+    return (
+        _check_request(req)
+        or _check_shapes(x, m13, m2, biases, topk_idx, topk_probs, req.activation)
+        or _check_dtypes_devices(x, m13, m2, biases, topk_idx, topk_probs, req.backend)
+        or _check_ids(topk_idx, m13.shape[0], world, validate_ids)
+        or (0, "")
+    )
+
+
+def _input_forms(x, w13, w2, topk_idx, topk_probs, b13, b2):
+    """``(m13, m2, biases, None)``: the weights' metas and the given biases' by name, or
+    ``(None, None, None, (1, message))`` when an input is not in an accepted form."""
+    for name, t in (("x", x), ("topk_idx", topk_idx), ("topk_probs", topk_probs)):
+        if not isinstance(t, Tensor):
+            return None, None, None, (1, f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    m13, msg = weight_meta("w13", w13, "(El, J, H)")
+    if m13 is None:
+        return None, None, None, (1, msg)
+    m2, msg = weight_meta("w2", w2, "(El, H, I)")
+    if m2 is None:
+        return None, None, None, (1, msg)
+    if isinstance(w13, Tensor) != isinstance(w2, Tensor):
+        return None, None, None, (
+            1, "w13 and w2 must both be tensors or both be lists of per-expert tensors"
+        )  # fmt: skip
+    biases = {}
+    for name, b, want in (("b13", b13, "(El, J)"), ("b2", b2, "(El, H)")):
+        if b is None:
+            continue
+        meta, msg = weight_meta(name, b, want, ndim=1)
+        if meta is None:
+            return None, None, None, (1, msg)
+        if isinstance(b, Tensor) != isinstance(w13, Tensor):
+            form, fix = ("tensors", f"a tensor {want}") if isinstance(w13, Tensor) else (
+                "lists of per-expert tensors", "a list of E_local 1-D tensors")  # fmt: skip
+            return None, None, None, (
+                1, f"{name} must come in the weights' form: w13/w2 are {form}, pass {fix}"
+            )  # fmt: skip
+        biases[name] = meta
+    return m13, m2, biases, None
+
+
+def _check_request(req: RingRequest) -> tuple[int, str] | None:
+    """The request's activation, kernels and ring options (None: fine)."""
+    if isinstance(req.activation, str):  # request_activation's message of a bad activation
+        return 9, req.activation
+    if isinstance(req.kernels, str):  # request_kernels' message of a bad kernels=
+        return 10, req.kernels
+    mode, transport, schedule, gpus_per_node = (
+        req.mode, req.transport, req.schedule, req.gpus_per_node
+    )  # fmt: skip
+    if mode not in MODES:
+        return 2, f"mode must be one of {MODES}, got {mode!r}"
+    if req.capturable and mode == "alltoall":
+        return 2, (
+            "mode='alltoall' sizes its messages on the host, which a captured CUDA graph cannot "
+            "replay (capturable=True); use mode 'expert', 'token' or 'auto' (the ring modes)"
+        )
+    if transport not in TRANSPORTS:
+        return 2, f"transport must be one of {TRANSPORTS}, got {transport!r}"
+    if schedule not in SCHEDULE_CHOICES:
+        return 2, f"schedule must be one of {SCHEDULE_CHOICES}, got {schedule!r}"
+    if req.grad_accum not in GRAD_ACCUM_CHOICES:
+        return 2, f"grad_accum must be one of {GRAD_ACCUM_CHOICES}, got {req.grad_accum!r}"
+    if gpus_per_node is not None and (
+        isinstance(gpus_per_node, bool)
+        or not isinstance(gpus_per_node, int)
+        or not 1 <= gpus_per_node <= INT64_MAX
+    ):
+        return 2, (
+            f"gpus_per_node must be an int in [1, {INT64_MAX}] (the GPUs of one node in the EP "
+            f"group) or None (from the ranks' hosts), got {gpus_per_node!r}"
+        )
+    return None
+
+
+def _check_shapes(x, m13, m2, biases, topk_idx, topk_probs, act) -> tuple[int, str] | None:
+    """x, the weights (w13's rows against the activation), the biases and the routing agree
+    in shape (None: fine)."""
+    if x.dim() != 2 or m13.dim() != 3 or m2.dim() != 3:
+        return 3, (
+            f"x must be (T, H), w13 (E_local, J, H), w2 (E_local, H, I); got x "
+            f"{tuple(x.shape)}, w13 {m13.shape}, w2 {m2.shape}"
+        )
+    num_tokens, hidden = x.shape
+    n_local, rows, h13 = m13.shape
+    ffn = m2.shape[2]
+    J = act.fc1_rows(ffn)
+    if n_local < 1 or m2.shape[:2] != (n_local, hidden) or (rows, h13) != (J, hidden):
+        fc1_rule = "2I: gated" if act.gated else "I: not gated"
+        return 3, (
+            f"shapes disagree: x {tuple(x.shape)}, w2 {m2.shape} (want (E_local >= 1, "
+            f"{hidden}, I)), w13 {m13.shape} (want ({n_local}, J={J}, {hidden}): J is "
+            f"{fc1_rule}, activation {act})"
+        )
+    for name, want in (("b13", (n_local, J)), ("b2", (n_local, hidden))):
+        if name in biases and biases[name].shape != want:
+            return 3, (
+                f"{name} has shape {biases[name].shape}, want {want} (E_local, "
+                f"{'J' if name == 'b13' else 'H'}) for w13 {m13.shape} and w2 {m2.shape}"
+            )
+    if topk_idx.dim() != 2 or topk_idx.shape[0] != num_tokens:
+        return 3, f"topk_idx must be (T={num_tokens}, K), got {tuple(topk_idx.shape)}"
+    if topk_probs.shape != topk_idx.shape:
+        return 3, (
+            f"topk_probs shape {tuple(topk_probs.shape)} must equal topk_idx's "
+            f"{tuple(topk_idx.shape)}"
+        )
+    return None
+
+
+def _check_dtypes_devices(x, m13, m2, biases, topk_idx, topk_probs,
+                          backend) -> tuple[int, str] | None:  # fmt: skip
+    """One float dtype for x, the weights and biases, one device, and a hop backend that runs
+    them (None: fine)."""
+    if x.dtype not in FLOATS or not (x.dtype == m13.dtype == m2.dtype):
+        return 4, (
+            f"x, w13, w2 must share one float dtype of {FLOATS}; got {x.dtype}, {m13.dtype}, "
+            f"{m2.dtype}"
+        )
+    for name, meta in biases.items():
+        if meta.dtype != x.dtype:
+            return 4, f"{name} must have the weights' dtype {x.dtype}, got {meta.dtype}"
+    if topk_probs.dtype not in FLOATS:
+        return 4, f"topk_probs must be a float tensor, got {topk_probs.dtype}"
+    devices = {t.device for t in (x, topk_idx, topk_probs)} | {m13.device, m2.device}
+    devices |= {meta.device for meta in biases.values()}
+    if len(devices) != 1:
+        return 5, f"inputs are on different devices: {sorted(map(str, devices))}; move them to one"
+    if x.device.type not in DEVICE_TYPES:
+        return 7, f"ring_moe runs on cpu or cuda tensors, got {x.device}"
+    try:
+        resolve_backend(backend, x.device, x.dtype)
+    except ValueError as err:
+        return 8, str(err)
+    return None
+
+
+def _check_ids(topk_idx, n_local: int, world: int, validate_ids: bool) -> tuple[int, str] | None:
+    """The expert ids: integer, K in [1, E]; validated in full (a host sync) unless trusted."""
+    if not validate_ids:  # a trusted caller (a router): shapes only, no host sync
+        if topk_idx.dtype.is_floating_point or topk_idx.dtype == torch.bool:
+            return 4, f"topk_idx must hold integer expert ids, got dtype {topk_idx.dtype}"
+        if not 1 <= topk_idx.shape[1] <= n_local * world:
+            return 6, f"top-k K={topk_idx.shape[1]} must be in [1, E={n_local * world}]"
+        return None
+    try:
+        validate_topk_idx(topk_idx, n_local * world)  # host sync
+    except ValueError as err:
+        return 6, f"{err} (E = E_local * world_size = {n_local} * {world})"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# the expert MLP in the row
+# ---------------------------------------------------------------------------------------------
+_BIAS_NAMES = {1: "none", 2: "b13", 3: "b2", 4: "b13 and b2"}
+
+
+def _float_bits(v: float) -> int:
+    """The IEEE-754 bits of ``v`` as an int64: an agreement row holds integers, and its sum
+    (one nonzero row per rank) moves them exactly."""
+    return struct.unpack("<q", struct.pack("<d", v))[0]
+
+
+def _bits_float(n: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", n))[0]
+
+
+def activation_fields(act: ExpertActivation) -> list[int]:
+    """Every field of ``act`` as five row integers: fn (1-based in ``FNS``), gated (1 no, 2
+    yes), the bits of alpha, of limit (0: None; a limit is > 0, so its bits are not 0) and of
+    linear_offset."""
+    limit = 0 if act.limit is None else _float_bits(act.limit)
+    return [FNS.index(act.fn) + 1, int(act.gated) + 1, _float_bits(act.alpha), limit,
+            _float_bits(act.linear_offset)]  # fmt: skip
+
+
+def activation_of(fields) -> ExpertActivation:
+    """The ``ExpertActivation`` of :func:`activation_fields`' five integers."""
+    fn, gated, alpha, limit, offset = fields
+    return ExpertActivation(fn=FNS[fn - 1], gated=gated == 2, alpha=_bits_float(alpha),
+                            limit=None if limit == 0 else _bits_float(limit),
+                            linear_offset=_bits_float(offset))  # fmt: skip
+
+
+def bias_code(has_b13: bool, has_b2: bool) -> int:
+    """The row integer of a rank's bias presence: 1 none, 2 b13, 3 b2, 4 both."""
+    return 1 + int(has_b13) + 2 * int(has_b2)
+
+
+def same_expert_mlp(act_fields, bias_codes) -> tuple[ExpertActivation, bool, bool]:
+    """``(activation, has_b13, has_b2)`` of the group from every rank's
+    :func:`activation_fields` and :func:`bias_code`; ``ValueError`` naming each rank's value
+    when they differ."""
+    acts = [activation_of(f) for f in act_fields]
+    if len(set(acts)) != 1:
+        shown = ", ".join(f"rank {r}: {a} = {a!r}" for r, a in enumerate(acts))
+        raise ValueError(
+            f"ring_moe: the expert activation differs across ranks ({shown}); every rank of "
+            "the group computes every expert, so pass the same activation= on every rank"
+        )
+    if len(set(bias_codes)) != 1:
+        shown = ", ".join(f"rank {r}: {_BIAS_NAMES[c]}" for r, c in enumerate(bias_codes))
+        raise ValueError(
+            f"ring_moe: the expert biases differ across ranks ({shown}); every rank's experts "
+            "must carry the same biases (Megatron's add_bias_linear): pass the same of b13/b2 "
+            "on every rank"
+        )
+    code = bias_codes[0]
+    return acts[0], code in (2, 4), code in (3, 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# the protocol: one all-reduce of every rank's row, the same answer everywhere
+# ---------------------------------------------------------------------------------------------
 def _pairs_per_owner(topk_idx: Tensor, num_local_experts: int, world: int) -> Tensor:
     """(R,) int64 on topk_idx's device: this rank's pairs per expert owner (no host sync;
     ``bincount`` would sync to size its output)."""
@@ -440,29 +738,31 @@ def _signature(x, w13, w2, topk_idx, topk_probs, req: RingRequest, b13=None, b2=
             meta(b13), meta(b2), isinstance(req.kernels, str))  # fmt: skip
 
 
-def _bounded(prob: RingProblem) -> bool:
+def _bounded(problem: RingProblem) -> bool:
     """Whether every hop's pair buffers fit the budget when sized from the bound (the largest is
     the backward's pre-activation, ``(P, J)`` in the activations' dtype). The budget is the
     agreed ``pair_buffer_mib``, the same on every rank: this decides a collective."""
-    budget = prob.pair_buffer_mib * 2**20
-    esize = torch.empty((), dtype=prob.dtype).element_size()
-    bound = max(prob.tokens) * min(prob.topk, prob.num_local_experts)
-    return bound * prob.fc1_rows * esize <= budget
+    budget = problem.pair_buffer_mib * 2**20
+    esize = torch.empty((), dtype=problem.dtype).element_size()
+    bound = max(problem.tokens) * min(problem.topk, problem.num_local_experts)
+    return bound * problem.fc1_rows * esize <= budget
 
 
 def pair_counts(
-    topk_idx: Tensor, prob: RingProblem, group, timeout_s: float | None = None
+    topk_idx: Tensor, problem: RingProblem, group, timeout_s: float | None = None
 ) -> tuple[tuple[int, ...], ...]:
     """Every rank's pairs per expert owner (one all-reduce and a host sync): ``pairs[r][q]``.
     Column ``R`` of the reduced matrix is the validity marker (as in the agreement)."""
-    R = prob.world_size
-    counts = _pairs_per_owner(topk_idx, prob.num_local_experts, R)
+    R = problem.world_size
+    counts = _pairs_per_owner(topk_idx, problem.num_local_experts, R)
     if group is None or R == 1:
         return (tuple(counts.tolist()),)  # host sync
     mat = torch.zeros(R, R + 1, dtype=torch.int64, device=_comm_device(group, topk_idx))
-    mat[prob.rank, :R] = counts.to(mat.device)
-    mat[prob.rank, R] = 1
-    watch = all_reduce_checked(mat, group, mode=prob.mode, phase="pair counts", timeout_s=timeout_s)
+    mat[problem.rank, :R] = counts.to(mat.device)
+    mat[problem.rank, R] = 1
+    watch = all_reduce_checked(
+        mat, group, mode=problem.mode, phase="pair counts", timeout_s=timeout_s
+    )
     rows = mat.tolist()  # host sync
     check_markers(watch, [r[R] for r in rows], what="the pair counts' all-reduce")
     return tuple(tuple(r[:R]) for r in rows)
@@ -493,7 +793,7 @@ def agree(
     call's ``RingRuntime``; ids not validated).
     ``b13``/``b2``: the experts' optional biases (their presence is agreed, their shapes
     checked); the activation is the request's. ``captured``: the call is being captured in a
-    CUDA graph (``capture.py``): the agreement of an eager call with the same signature, the
+    CUDA graph (``hop_graphs.py``): the agreement of an eager call with the same signature, the
     hops sized from the worst-case bound, no collective and no host read here.
     ``timeout_s``: the call's ``RingConfig.timeout_s`` (None: the group's).
     """
@@ -506,8 +806,8 @@ def agree(
         key = (getattr(group, "group_name", None) or id(group), rank, world,
                _signature(*args[:5], request, b13, b2))  # fmt: skip
         cache = runtime.agreements
-        prob = cache.get(key)
-        if prob is None:
+        problem = cache.get(key)
+        if problem is None:
             if captured:
                 raise ValueError(
                     "ring_moe is being captured into a CUDA graph before any eager call with "
@@ -516,17 +816,17 @@ def agree(
                     "first with the same runtime (ring_moe's runtime=; Megatron: "
                     "--cuda-graph-warmup-steps 1 or more)"
                 )
-            prob = _agree_collective(args, **where, validate_ids=False, with_pairs=False)
-            cache[key] = prob
-        if captured and prob.mode == "alltoall":
+            problem = _agree_collective(args, **where, validate_ids=False, with_pairs=False)
+            cache[key] = problem
+        if captured and problem.mode == "alltoall":
             raise ValueError(
                 "ring_moe is being captured into a CUDA graph, but its agreed mode is 'alltoall' "
                 "(messages sized on the host); fix: capturable=True (Megatron's dispatcher "
                 "passes it when the step is captured), or mode='expert'/'token'"
             )
-        # the bound is a proof for a captured call (capture.py), and a capturable call's eager
+        # the bound is a proof for a captured call (hop_graphs.py), and a capturable call's eager
         # steps run the captured one's code
-        if captured or request.capturable or _bounded(prob):
-            return prob
-        return replace(prob, pairs=pair_counts(topk_idx, prob, group, timeout_s))
+        if captured or request.capturable or _bounded(problem):
+            return problem
+        return replace(problem, pairs=pair_counts(topk_idx, problem, group, timeout_s))
     return _agree_collective(args, **where, validate_ids=True, with_pairs=True)
