@@ -59,11 +59,12 @@ def main(argv=None) -> int:
         w13p, w2p = w13.detach().requires_grad_(), w2.detach().requires_grad_()
         pr = probs.detach().requires_grad_()
 
-        config, runtime = ENV_CONFIG.replace(overlap=overlap), RingRuntime(group)
+        config = ENV_CONFIG.replace(overlap=overlap, mode=args.mode)
+        runtime = RingRuntime(group)
 
         def fwd_bwd(xs=xs, w13p=w13p, w2p=w2p, pr=pr, kw=kw, config=config, runtime=runtime):
-            out = ring_moe(xs, w13p, w2p, idx, pr, group=group, mode=args.mode, config=config,
-                           runtime=runtime, **kw)  # fmt: skip
+            out = ring_moe(xs, w13p, w2p, idx, pr, group=group, config=config, runtime=runtime,
+                           **kw)  # fmt: skip
             out.backward(dy)
             xs.grad = w13p.grad = w2p.grad = pr.grad = None
 

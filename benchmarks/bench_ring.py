@@ -4,9 +4,9 @@ Providers (one run, same inputs, bf16, qwen3-30b-a3b layer with T tokens per GPU
 
 * ``relaymoe_ring_<mode>[_nooverlap][_<transport>]``: ``ring_moe`` with mode expert / token /
   auto and transport nccl / copy_engine (no suffix: ``transport="auto"``);
-* ``a2a_same_kernel``: ``ring_moe(mode="alltoall")``: the same fused kernels behind one
-  all-to-all of index-dispatched tokens (a token goes once to each rank owning one of its
-  experts), the partial outputs back, a deterministic gather-reduce;
+* ``a2a_same_kernel``: ``ring_moe`` with ``RingConfig(mode="alltoall")``: the same fused
+  kernels behind one all-to-all of index-dispatched tokens (a token goes once to each rank
+  owning one of its experts), the partial outputs back, a deterministic gather-reduce;
 * ``mcore_alltoall``: megatron-core ``MoELayer``, alltoall dispatcher, SequentialMLP experts,
   router included (as in the anchor: 44.3 ms, 7486 MiB peak over inputs on 2x H200).
 
@@ -177,12 +177,11 @@ def main(argv=None) -> int:
 
     def _ring_row(shape, layer, provider, mode, transport, overlap, extra, topo):
         topo = topo or {}
-        config = overlapping(overlap)
+        config = overlapping(overlap).replace(mode=mode, transport=transport, **topo)
 
         def fwd():
             return ring_moe(layer.x, layer.w13, layer.w2, layer.idx, layer.probs, group=group,
-                            mode=mode, transport=transport, trusted=True, config=config,
-                            runtime=runtime, **topo)  # fmt: skip
+                            trusted=True, config=config, runtime=runtime)  # fmt: skip
 
         def bwd(out):
             out.backward(layer.dy)
@@ -192,9 +191,8 @@ def main(argv=None) -> int:
             bwd(fwd())
 
         problem = resolved_problem(layer.x, layer.w13, layer.w2, layer.idx, layer.probs,
-                                group=group, mode=mode, transport=transport,
-                                trusted=True, config=config, runtime=runtime,
-                                **topo)  # fmt: skip
+                                   group=group, trusted=True, config=config,
+                                   runtime=runtime)  # fmt: skip
         step()  # first call allocates the copy-engine workspace (persistent, reported below)
         saved, peak_alloc = _memory(fwd, bwd)
         symm = runtime.workspace_bytes() / MiB if problem.transport == "copy_engine" else 0.0
@@ -215,10 +213,11 @@ def main(argv=None) -> int:
         if overlap and world > 1 and problem.mode != "alltoall":
             with record_timeline(runtime) as tl_o:
                 step()
+            sequential = config.replace(mode=problem.mode, transport=problem.transport,
+                                        overlap=False)  # fmt: skip
             with record_timeline(runtime) as tl_s:
                 bwd(ring_moe(layer.x, layer.w13, layer.w2, layer.idx, layer.probs, group=group,
-                             mode=problem.mode, transport=problem.transport, trusted=True,
-                             config=overlapping(False), runtime=runtime, **topo))  # fmt: skip
+                             trusted=True, config=sequential, runtime=runtime))  # fmt: skip
             row.update(_summarize_timeline(tl_o, tl_s))
         row.update(extra or {})
         emit(row)

@@ -91,7 +91,7 @@ class Spec:
     ffn: int = 8
     experts_per_rank: int = 2
     topk: int = 2
-    schedule: str = "auto"  # ring_moe's schedule; "node_batched" also arms its row exchanges
+    schedule: str = "auto"  # RingConfig.schedule; "node_batched" also arms its row exchanges
     gpus_per_node: int | None = None
     # RingConfig.capture_hops on every rank: the hops replay recorded bodies (trusted calls only,
     # so every case of a capturing spec calls trusted, as Megatron does)
@@ -188,9 +188,7 @@ def _step(spec: Spec, group, group_rank: int, device, step: int, trusted: bool, 
     from relaymoe.ring import ring_moe
 
     x, w13, w2, idx, probs = _inputs(spec, group_rank, device, step)
-    out = ring_moe(x, w13, w2, idx, probs, group=group, mode=spec.mode,
-                   transport=spec.transport, trusted=trusted, schedule=spec.schedule,
-                   gpus_per_node=spec.gpus_per_node, **ring)  # fmt: skip
+    out = ring_moe(x, w13, w2, idx, probs, group=group, trusted=trusted, **ring)
     out.backward(torch.ones_like(out))
     return out
 
@@ -228,10 +226,13 @@ def rank_main(spec: Spec, rank: int, group, store, device, outdir: str) -> None:
     from relaymoe.ring.faults import RingPeerError
 
     res: dict = {"rank": rank, "victim": rank == spec.victim}
-    # this rank's entry point: its case's environment (and the spec's capture_hops), and one
+    # this rank's entry point: its case's environment with the spec's ring options, and one
     # runtime for its steps (a trusted call's cached agreement, as a dispatcher's)
-    ring = {"config": options.from_env().replace(capture_hops=spec.capture_hops),
-            "runtime": RingRuntime(group)}  # fmt: skip
+    config = options.from_env().replace(
+        mode=spec.mode, transport=spec.transport, schedule=spec.schedule,
+        gpus_per_node=spec.gpus_per_node, capture_hops=spec.capture_hops,
+    )  # fmt: skip
+    ring = {"config": config, "runtime": RingRuntime(group)}
     out_path = Path(outdir, f"rank{rank}.json")
     if rank not in spec.group_ranks:  # a bystander of a sub-group case
         res["bystander"] = True

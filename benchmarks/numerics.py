@@ -177,6 +177,7 @@ def _case_name(routing: str, seed: int, dtype: str, mode: str) -> str:
 
 def _run_rank(rank: int, world: int, group, cfg: Config, outdir: Path) -> None:
     import relaymoe
+    from relaymoe.options import RingConfig
     from relaymoe.ring import ring_moe
 
     pinned = os.environ.get(_PIN_ENV)
@@ -194,11 +195,9 @@ def _run_rank(rank: int, world: int, group, cfg: Config, outdir: Path) -> None:
                     w13 = pb["w13"][experts].clone().requires_grad_()
                     w2 = pb["w2"][experts].clone().requires_grad_()
                     probs = pb["probs"][rows].clone().requires_grad_()
-                    out = ring_moe(
-                        x, w13, w2, pb["idx"][rows], probs,
-                        group=group, mode=mode, transport="nccl", backend="torch",
-                        grad_accum=cfg.grad_accum,
-                    )  # fmt: skip
+                    ring = RingConfig(mode=mode, transport="nccl", grad_accum=cfg.grad_accum)
+                    out = ring_moe(x, w13, w2, pb["idx"][rows], probs, group=group,
+                                   backend="torch", config=ring)  # fmt: skip
                     out.backward(pb["dy"][rows])
                     # clones: the ring's gradients may be views of one byte buffer
                     got = {k: v.detach().clone() for k, v in dict(

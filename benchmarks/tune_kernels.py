@@ -86,7 +86,7 @@ def run_shape(s: dict, tokens: int, dtype, config) -> None:
         moe_experts(x, w13, w2, idx, probs, recompute=recompute,
                     kernels=config.kernels).backward(dy)  # fmt: skip
     for mode in ("expert", "token"):
-        ring_moe(x, w13, w2, idx, probs, mode=mode, config=config).backward(dy)
+        ring_moe(x, w13, w2, idx, probs, config=config.replace(mode=mode)).backward(dy)
     torch.cuda.synchronize()
 
 

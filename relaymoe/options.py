@@ -8,9 +8,10 @@ One frozen object holds every knob, validated once when it is built, and is hand
   the GEMM backends, the row gathers, tensor descriptors, the Gluon kernels, autotuning, the
   pair-buffer budget.
 
-Each field's name is the option's one name: the key of a config's ``relaymoe:`` section, the
-``ring_moe`` keyword where one overrides it, and, for the fields with ``flag`` metadata,
-Megatron's ``--relaymoe-<name>`` flag. Two levels only: the value the caller passes (a
+Each field's name is the option's one name: the key of a config's ``relaymoe:`` section and,
+for the fields with ``flag`` metadata, Megatron's ``--relaymoe-<name>`` flag. ``ring_moe`` takes
+the options in this one object (``config=``), no keyword of its own for any of them. Two levels
+only: the value the caller passes (a
 ``RingConfig`` built by the caller, by Megatron's dispatcher from its flags, or by an entry
 point from the environment), else the field's documented default. Nothing here is process
 state. The ``RELAYMOE_*`` environment is read only by :func:`from_env`, which entry points call

@@ -117,6 +117,7 @@ def check_triton_experts() -> list[Check]:
 def _ring_rank(rank: int, port: int, outdir: str) -> None:
     import torch.distributed as dist
 
+    from relaymoe.options import RingConfig
     from relaymoe.reference import moe_experts_reference
     from relaymoe.ring import ring_moe
 
@@ -135,7 +136,8 @@ def _ring_rank(rank: int, port: int, outdir: str) -> None:
     results = {}
     for mode in ("expert", "token"):
         leaves = [t.detach().float().requires_grad_() for t in (x, w13[mine], w2[mine], probs)]
-        y = ring_moe(leaves[0], leaves[1], leaves[2], idx, leaves[3], mode=mode)
+        config = RingConfig(mode=mode)
+        y = ring_moe(leaves[0], leaves[1], leaves[2], idx, leaves[3], config=config)
         y.backward(dy.float())
         # the oracle over all ranks' tokens with all experts, in float64
         ref_leaves = [w13.clone().requires_grad_(), w2.clone().requires_grad_()]

@@ -60,10 +60,11 @@ def main(argv=None) -> None:
     # one runtime for every step, as a dispatcher keeps one: a trusted call's agreement is
     # reused, and the copy engines' workspace kept (transport "auto" takes them within a node)
     runtime = RingRuntime(group)
+    config = ENV_CONFIG.replace(mode=args.mode)
 
     def step():
-        out = ring_moe(x, w13, w2, idx, probs, group=group, mode=args.mode, trusted=args.trusted,
-                       config=ENV_CONFIG, runtime=runtime)  # fmt: skip
+        out = ring_moe(x, w13, w2, idx, probs, group=group, trusted=args.trusted, config=config,
+                       runtime=runtime)  # fmt: skip
         out.backward(dy)
         for t in (x, w13, w2, probs):
             t.grad = None

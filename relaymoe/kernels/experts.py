@@ -358,84 +358,110 @@ def triton_hop_backward(
     options = HOP_DEFAULTS if options is None else options
     grads = GRAD_DEFAULTS if grads is None else grads
     act, k, b13, b2 = _hop_inputs("triton_hop_backward", w13, w2, options, b13, b2)
-    dx_TH, dprobs_TK, dw13, dw2 = grads.dx_TH, grads.dprobs_TK, grads.dw13, grads.dw2
-    db13, db2, dw_accumulate = grads.db13, grads.db2, grads.dw_accumulate
-    grad_dtype = options.grad_dtype
-    num_tokens = x_TH.shape[0]
-    n_local, rows_e, _ = w13.shape
-    ffn = w2.shape[2]
-    for name, b, db in (("b13", b13, db13), ("b2", b2, db2)):
+    _check_bias_grads(b13, b2, grads)
+    x_TH, dy_TH = unit_cols(x_TH), unit_cols(dy_TH)  # no copy for row-major operands
+    acc_dx = grads.dx_TH is not None
+    dx_TH = x_TH.new_empty(x_TH.shape) if grads.dx_TH is None else grads.dx_TH  # row-major
+    dprobs_TK = grads.dprobs_TK
+    if dprobs_TK is None:  # contiguous: the dprob kernel adds at flat (t*K + k)
+        dprobs_TK = torch.zeros(probs_TK.shape, dtype=probs_TK.dtype, device=probs_TK.device)
+    offs = index.offsets_for(e0, e1)
+    n_pairs, exact = (_pair_count(index, e0, e1, options.n_pairs, options.max_pairs)
+                      if w13.shape[0] > 0 else (0, True))  # fmt: skip
+    _check_sizes(x_TH.shape[0], n_pairs, "triton_hop_backward")
+    if n_pairs == 0 or x_TH.shape[0] == 0 or x_TH.shape[1] == 0:  # H = 0: every gradient is 0
+        if not acc_dx:
+            dx_TH.zero_()
+        return (dx_TH, dprobs_TK, *_zero_weight_grads(w13, w2, grads, options.grad_dtype))
+    prob_P = pairs.pair_probs(probs_TK, index.token_index_map, offs, n_pairs)
+    groups = HopGroups(index.expert_token_indices, offs, n_pairs, exact)
+    h_PJ, dh_PJ, h_bias = _backward_pre_activation(x_TH, w13, b13, saved_h, consume_saved_h,
+                                                   groups, act, k, (e0, e1))  # fmt: skip
+    pa_PI, dprob_P = _activation_backward(x_TH, dy_TH, w2, h_PJ, dh_PJ, h_bias, prob_P, groups,
+                                          act, k)  # fmt: skip
+    pairs.add_pair_dprobs(dprob_P, index.token_index_map, offs, dprobs_TK)
+    if b2 is not None:  # y = a @ w2^T + b2: dprob += dy[tok] . b2[e], db2[e] += sum p * dy[tok]
+        _add_bias_dprobs(dy_TH, b2, index, offs, e0, dprobs_TK)
+        _segment_sum(dy_TH, offs, grads.db2, idx_P=groups.idx_P, scale_P=prob_P)
+    # dw2[e] (H, I) = sum_q dy[tok]^T (p*a)[q]
+    dw2 = _wgrad(dy_TH, pa_PI, groups.idx_P, offs, grads.dw2, groups, a_gather=True,
+                 b_gather=False, like=w2, grad_dtype=options.grad_dtype, k=k,
+                 accumulate=grads.dw_accumulate)  # fmt: skip
+    del pa_PI
+    if b13 is not None:  # db13[e] += sum of e's dh rows
+        _segment_sum(dh_PJ, offs, grads.db13)
+    # dw13[e] (J, H) = sum_q dh[q]^T x[tok]
+    dw13 = _wgrad(dh_PJ, x_TH, groups.idx_P, offs, grads.dw13, groups, a_gather=False,
+                  b_gather=True, like=w13, grad_dtype=options.grad_dtype, k=k,
+                  accumulate=grads.dw_accumulate)  # fmt: skip
+    _combine_pair_products(dh_PJ, w13, index, offs, dx_TH, acc_dx, groups, k)
+    return dx_TH, dprobs_TK, dw13, dw2
+
+
+def _check_bias_grads(b13, b2, grads: HopGrads) -> None:
+    """A backward with a bias needs its gradient's buffer (``grads.db13``/``db2``), shaped as
+    the bias: the bias gradients are only ever added into a caller's buffer."""
+    for name, b, db in (("b13", b13, grads.db13), ("b2", b2, grads.db2)):
         if b is not None and (db is None or db.shape != b.shape):
             got = None if db is None else tuple(db.shape)
             raise ValueError(f"triton_hop_backward: {name} is given, so grads.d{name} must be a "
                              f"buffer shaped {tuple(b.shape)} (got {got})")  # fmt: skip
-    x_TH, dy_TH = unit_cols(x_TH), unit_cols(dy_TH)  # no copy for row-major operands
-    acc_dx = dx_TH is not None
-    dx_TH = x_TH.new_empty(x_TH.shape) if dx_TH is None else dx_TH  # row-major
-    if dprobs_TK is None:  # contiguous: the dprob kernel adds at flat (t*K + k)
-        dprobs_TK = torch.zeros(probs_TK.shape, dtype=probs_TK.dtype, device=probs_TK.device)
-    offs = index.offsets_for(e0, e1)
-    n_pairs, exact = (
-        _pair_count(index, e0, e1, options.n_pairs, options.max_pairs) if n_local > 0 else (0, True)
-    )
-    _check_sizes(num_tokens, n_pairs, "triton_hop_backward")
-    idx_P = index.expert_token_indices
-    if n_pairs == 0 or num_tokens == 0 or x_TH.shape[1] == 0:  # H = 0: every gradient is 0
-        if not acc_dx:
-            dx_TH.zero_()
-        dw13 = torch.zeros_like(w13, dtype=grad_dtype) if dw13 is None else dw13
-        dw2 = torch.zeros_like(w2, dtype=grad_dtype) if dw2 is None else dw2
-        if not dw_accumulate:
-            dw13.zero_()
-            dw2.zero_()
-        return dx_TH, dprobs_TK, dw13, dw2
-    prob_P = pairs.pair_probs(probs_TK, index.token_index_map, offs, n_pairs)
-    groups = HopGroups(idx_P, offs, n_pairs, exact)
-    if saved_h is not None and not exact:
+
+
+def _zero_weight_grads(w13, w2, grads: HopGrads, grad_dtype) -> tuple[Tensor, Tensor]:
+    """``(dw13, dw2)`` of a range without pairs (or without tokens, or H = 0): zeros, allocated
+    where ``grads`` gives no buffer, written over a given one with ``dw_accumulate=False``,
+    left as they are (nothing added) otherwise."""
+    dw13 = torch.zeros_like(w13, dtype=grad_dtype) if grads.dw13 is None else grads.dw13
+    dw2 = torch.zeros_like(w2, dtype=grad_dtype) if grads.dw2 is None else grads.dw2
+    if not grads.dw_accumulate:
+        dw13.zero_()
+        dw2.zero_()
+    return dw13, dw2
+
+
+def _backward_pre_activation(x_TH, w13, b13, saved_h, consume_saved_h: bool,
+                             groups: HopGroups, act, k, experts: tuple[int, int]) -> tuple:  # fmt: skip
+    """``(h_PJ, dh_PJ, h_bias)`` of a backward: the pre-activation ``h`` (the forward's saved
+    one, or rebuilt from x and w13 with ``recompute="fc1"``), the (P, J) buffer its gradient is
+    written into (``h`` itself where it may be consumed), and ``b13`` where the rebuilt ``h``
+    lacks it (the grouped GEMM path: the activation backward adds it on load), else None."""
+    n_pairs, rows_e = groups.n_pairs, w13.shape[1]
+    if saved_h is not None and not groups.exact:
         raise ValueError("saved_h needs the exact pair count (n_pairs), not max_pairs")
-    h_bias = None  # b13 when h is made below without it (added on load by the memory pass)
     if saved_h is None:  # recompute="fc1": rebuild h alone (a comes from it below)
         w13_EHJ = w13.transpose(1, 2)
         if select.gather_then_gmm(x_TH, w13_EHJ, n_pairs, k):
             h_PJ = gathered_rows_times_weight(x_TH, w13_EHJ, groups)
-            h_bias = b13
-        else:
-            h_PJ = x_TH.new_empty(n_pairs, rows_e)
-            grouped.up_swiglu(x_TH, w13, idx_P, offs, None, h_PJ, None, kernels=k,
-                              activation=act, b13_EJ=b13)  # fmt: skip
-        dh_PJ = h_PJ
-    else:
-        if saved_h.shape != (n_pairs, rows_e):
-            raise ValueError(
-                f"saved_h has shape {tuple(saved_h.shape)}, expected ({n_pairs}, {rows_e}) for "
-                f"experts [{e0}, {e1}); pass the h returned by the forward of the same range"
-            )
-        h_PJ = saved_h
-        dh_PJ = saved_h if consume_saved_h else torch.empty_like(saved_h)
-    # g = dy[tok] @ w2[e] into a_PI, then one memory pass turns it into p*a (dh, dprob out)
+            return h_PJ, h_PJ, b13
+        h_PJ = x_TH.new_empty(n_pairs, rows_e)
+        grouped.up_swiglu(x_TH, w13, groups.idx_P, groups.offs, None, h_PJ, None, kernels=k,
+                          activation=act, b13_EJ=b13)  # fmt: skip
+        return h_PJ, h_PJ, None
+    if saved_h.shape != (n_pairs, rows_e):
+        e0, e1 = experts
+        raise ValueError(
+            f"saved_h has shape {tuple(saved_h.shape)}, expected ({n_pairs}, {rows_e}) for "
+            f"experts [{e0}, {e1}); pass the h returned by the forward of the same range"
+        )
+    return saved_h, (saved_h if consume_saved_h else torch.empty_like(saved_h)), None
+
+
+def _activation_backward(x_TH, dy_TH, w2, h_PJ, dh_PJ, h_bias, prob_P, groups: HopGroups, act,
+                         k) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """``(pa_PI, dprob_P)``: ``g = dy[tok] @ w2[e]`` into a (P, I) buffer (x's dtype), then one
+    memory pass turns it into ``p*a`` (the activation recomputed from ``h``; ``h_bias`` added on
+    load), writes ``dh`` into ``dh_PJ`` and returns each pair's probability gradient (fp32)."""
+    n_pairs = groups.n_pairs
     if select.gather_then_gmm(dy_TH, w2, n_pairs, k):
-        a_PI = gathered_rows_times_weight(dy_TH, w2, groups)
+        pa_PI = gathered_rows_times_weight(dy_TH, w2, groups)
     else:
-        a_PI = x_TH.new_empty(n_pairs, ffn)
-        grouped.rows_gemm(dy_TH, w2, offs, a_PI, a_idx=idx_P, kernels=k)
+        pa_PI = x_TH.new_empty(n_pairs, w2.shape[2])
+        grouped.rows_gemm(dy_TH, w2, groups.offs, pa_PI, a_idx=groups.idx_P, kernels=k)
     dprob_P = torch.empty(n_pairs, dtype=torch.float32, device=x_TH.device)
-    grouped.swiglu_backward(h_PJ, a_PI, prob_P, dh_PJ, dprob_P, activation=act, b13_EJ=h_bias,
-                            offs=offs)  # fmt: skip
-    pairs.add_pair_dprobs(dprob_P, index.token_index_map, offs, dprobs_TK)
-    if b2 is not None:  # y = a @ w2^T + b2: dprob += dy[tok] . b2[e], db2[e] += sum p * dy[tok]
-        _add_bias_dprobs(dy_TH, b2, index, offs, e0, dprobs_TK)
-        _segment_sum(dy_TH, offs, db2, idx_P=idx_P, scale_P=prob_P)
-    # dw2[e] (H, I) = sum_q dy[tok]^T (p*a)[q]
-    dw2 = _wgrad(dy_TH, a_PI, idx_P, offs, dw2, groups, a_gather=True, b_gather=False, like=w2,
-                 grad_dtype=grad_dtype, k=k, accumulate=dw_accumulate)  # fmt: skip
-    del a_PI
-    if b13 is not None:  # db13[e] += sum of e's dh rows
-        _segment_sum(dh_PJ, offs, db13)
-    # dw13[e] (J, H) = sum_q dh[q]^T x[tok]
-    dw13 = _wgrad(dh_PJ, x_TH, idx_P, offs, dw13, groups, a_gather=False, b_gather=True,
-                  like=w13, grad_dtype=grad_dtype, k=k, accumulate=dw_accumulate)  # fmt: skip
-    _combine_pair_products(dh_PJ, w13, index, offs, dx_TH, acc_dx, groups, k)
-    return dx_TH, dprobs_TK, dw13, dw2
+    grouped.swiglu_backward(h_PJ, pa_PI, prob_P, dh_PJ, dprob_P, activation=act,
+                            b13_EJ=h_bias, offs=groups.offs)  # fmt: skip
+    return pa_PI, dprob_P
 
 
 def _add_bias_dprobs(dy_TH, b2_EH, index, offs, e0: int, dprobs_TK) -> None:

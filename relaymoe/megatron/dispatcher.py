@@ -22,7 +22,8 @@ routed_experts_compute -> combine -> postprocess):
 
 Each dispatcher holds its configuration and its state, as Megatron's own dispatchers hold
 ``config`` and ``pg_collection``: ``ring_config`` (a ``relaymoe.options.RingConfig``, read once
-at build: ``settings.ring_config_of``) and ``runtime`` (a ``relaymoe.ring.RingRuntime`` over the
+at build: ``settings.ring_config_of``; its calls pass ``call_config``, the same with
+``gpus_per_node`` counted in EP ranks) and ``runtime`` (a ``relaymoe.ring.RingRuntime`` over the
 EP group, kept for the dispatcher's lifetime: the agreements of its calls, the copy engines'
 workspace, its recorded hops, its lag watch). Building a layer changes no process state, and two
 layers (or two models) with different options in one process each run with their own.
@@ -186,6 +187,11 @@ class RingDispatcher(MoETokenDispatcher):
         )
         ranks = dist.get_process_group_ranks(self.ep_group) if dist.is_initialized() else [0]
         self.ep_per_node = ep_ranks_per_node(ranks, self.ring_config.gpus_per_node)
+        # what its ring calls run with: the configured options, with gpus_per_node the EP
+        # group's ranks per node (the configured value counts the cluster's GPUs per node)
+        self.call_config = self.ring_config
+        if self.ep_per_node != self.ring_config.gpus_per_node:
+            self.call_config = self.ring_config.replace(gpus_per_node=self.ep_per_node)
         self.hidden_shape = None
         self.topk_idx = None
 
@@ -230,9 +236,8 @@ class RingDispatcher(MoETokenDispatcher):
             idx_TK,
             probs_TK,
             group=self.runtime.group,
-            config=self.ring_config,
+            config=self.call_config,
             runtime=self.runtime,
-            gpus_per_node=self.ep_per_node,  # the EP group's, from the cluster's
             trusted=True,  # ids from Megatron's router; every EP rank runs the same shapes
             capturable=self.capturable,
             **self._expert_mlp(b13, b2),

@@ -148,7 +148,6 @@ _ERRORS = {
     8: "the hop backend cannot run these inputs (backend='triton' needs CUDA or "
     "TRITON_INTERPRET=1, and float16, bfloat16 or float32)",
     9: "the activation is not an ExpertActivation nor one of its names",
-    10: "kernels is not a relaymoe.options.KernelOptions (nor None)",
 }
 
 
@@ -255,11 +254,9 @@ def _input_forms(x, w13, w2, topk_idx, topk_probs, b13, b2):
 
 
 def _check_request(req: RingRequest) -> tuple[int, str] | None:
-    """The request's activation, kernels and ring options (None: fine)."""
+    """The request's activation and ring options (None: fine)."""
     if isinstance(req.activation, str):  # request_activation's message of a bad activation
         return 9, req.activation
-    if isinstance(req.kernels, str):  # request_kernels' message of a bad kernels=
-        return 10, req.kernels
     mode, transport, schedule, gpus_per_node = (
         req.mode, req.transport, req.schedule, req.gpus_per_node
     )  # fmt: skip
@@ -453,26 +450,24 @@ def _agree_collective(
     validate_ids: bool,
     with_pairs: bool,
     runtime=None,
-    timeout_s: float | None = None,
 ) -> RingProblem:
     """Validate on every rank at once; raise the same ``ValueError`` everywhere or agree.
     ``inputs``: ``(x, w13, w2, topk_idx, topk_probs)`` as ``ring_moe`` got them, optionally
     followed by ``(b13, b2)`` (None: no bias). ``runtime``: the call's ``RingRuntime`` (its
-    copy-engine probe; None, or one made for this call only: no copy engines); ``timeout_s``:
-    the call's ``RingConfig.timeout_s``."""
+    copy-engine probe; None, or one made for this call only: no copy engines). The
+    collectives wait ``req.timeout_s`` for a peer (None: the group's timeout)."""
     x, w13, w2, topk_idx, topk_probs, *biases = inputs
     b13, b2 = biases or (None, None)
     code, msg = local_check(x, w13, w2, topk_idx, topk_probs, req, world, validate_ids, b13, b2)
     keeps = runtime is not None and runtime.persistent  # a workspace that outlives the call
     row = _encode_row(code, x, w2, topk_idx, topk_probs, req, b13, b2, keeps)
     counts = _pairs_per_owner(topk_idx, row[F_EL], world) if code == 0 and with_pairs else None
-    rows = _exchange_rows(row, counts, x, group=group, rank=rank, world=world, req=req,
-                          timeout_s=timeout_s)  # fmt: skip
+    rows = _exchange_rows(row, counts, x, group=group, rank=rank, world=world, req=req)
     _raise_input_errors(rows, rank, code, msg)
     act, has_b13, has_b2 = _check_same_across_ranks(rows)
     mode, batched = _resolve_mode(rows, world, act, has_b13, has_b2)
     _check_limits(rows, mode)
-    transport = _resolve_transport(rows, world, mode, batched, group, x, runtime, timeout_s)
+    transport = _resolve_transport(rows, world, mode, batched, group, x, runtime, req.timeout_s)
     schedule, gpus_per_node = "flat", None
     if world > 1 and mode != "alltoall":
         requested = SCHEDULE_CHOICES[rows[0][F_SCHED] - 1]
@@ -534,7 +529,7 @@ def _encode_row(code: int, x, w2, topk_idx, topk_probs, req: RingRequest, b13, b
 
 
 def _exchange_rows(row: list[int], counts: Tensor | None, x, *, group, rank: int, world: int,
-                   req: RingRequest, timeout_s: float | None) -> list[list[int]]:  # fmt: skip
+                   req: RingRequest) -> list[list[int]]:  # fmt: skip
     """Every rank's row followed by its pairs per expert owner (zeros without ``counts``): one
     all-reduce of the ``(R, F + R)`` matrix, read once every rank's marker is in."""
     if group is None or world <= 1:
@@ -545,7 +540,7 @@ def _exchange_rows(row: list[int], counts: Tensor | None, x, *, group, rank: int
         mat[rank, NUM_FIELDS:] = counts.to(mat.device)
     # completes within the timeout or raises RingPeerError (the buffer is then never read)
     watch = all_reduce_checked(
-        mat, group, mode=_mode_name(req.mode), phase="agree", timeout_s=timeout_s
+        mat, group, mode=_mode_name(req.mode), phase="agree", timeout_s=req.timeout_s
     )
     rows = mat.tolist()  # host sync
     check_markers(watch, [rw[F_LIVE] for rw in rows], what="the agreement's all-reduce")
@@ -732,10 +727,10 @@ def _signature(x, w13, w2, topk_idx, topk_probs, req: RingRequest, b13=None, b2=
             return (len(t), tuple(t[0].shape), t[0].dtype, t[0].device.type)
         return (type(t).__name__,)  # not an input the agreement accepts: it raises there
 
-    # the kernels' options are this rank's (not in ``req``'s comparison), their validity is not;
-    # the collective-deciding options are in ``req``
+    # the collective-deciding options are in ``req`` (the kernels' options and the timeout are
+    # this rank's: not in its comparison)
     return (meta(x), meta(w13), meta(w2), meta(topk_idx), meta(topk_probs), req,
-            meta(b13), meta(b2), isinstance(req.kernels, str))  # fmt: skip
+            meta(b13), meta(b2))  # fmt: skip
 
 
 def _bounded(problem: RingProblem) -> bool:
@@ -784,7 +779,6 @@ def agree(
     b13=None,
     b2=None,
     captured: bool = False,
-    timeout_s: float | None = None,
 ) -> RingProblem:
     """The :class:`RingProblem` every rank agrees on, or the same ``ValueError`` on every rank.
 
@@ -795,11 +789,11 @@ def agree(
     checked); the activation is the request's. ``captured``: the call is being captured in a
     CUDA graph (``hop_graphs.py``): the agreement of an eager call with the same signature, the
     hops sized from the worst-case bound, no collective and no host read here.
-    ``timeout_s``: the call's ``RingConfig.timeout_s`` (None: the group's).
+    ``request`` carries the call's options (its ``RingConfig``'s, ``plan.ring_request``),
+    its collectives' timeout among them.
     """
     args = (x, w13, w2, topk_idx, topk_probs, b13, b2)
-    where = dict(group=group, rank=rank, world=world, req=request, runtime=runtime,
-                 timeout_s=timeout_s)  # fmt: skip
+    where = dict(group=group, rank=rank, world=world, req=request, runtime=runtime)
     if captured:
         check_captured(trusted=trusted, agree_mode=request.agree)
     if trusted and request.agree != "every_call":
@@ -828,5 +822,5 @@ def agree(
         # steps run the captured one's code
         if captured or request.capturable or _bounded(problem):
             return problem
-        return replace(problem, pairs=pair_counts(topk_idx, problem, group, timeout_s))
+        return replace(problem, pairs=pair_counts(topk_idx, problem, group, request.timeout_s))
     return _agree_collective(args, **where, validate_ids=True, with_pairs=True)

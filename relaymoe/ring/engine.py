@@ -64,7 +64,7 @@ With ``transport="copy_engine"`` the two slots are a persistent symmetric-memory
 it makes), sized by the largest pass so far.
 
 **Options and state.** A call's options are one ``RingConfig`` (``config=``; default
-``RingConfig()``), each per-call keyword overriding its field; what a call keeps for the next
+``RingConfig()``, the documented defaults), read from nothing else; what a call keeps for the next
 (agreements, workspace, recorded hops, the lag watch) is its ``RingRuntime`` (``runtime=``;
 default: a fresh one for this call and its backward). Nothing is read from process state.
 """
@@ -78,7 +78,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from relaymoe.activation import ExpertActivation
-from relaymoe.options import NODE_BATCHED, KernelOptions, RingConfig
+from relaymoe.options import NODE_BATCHED, RingConfig
 from relaymoe.ring.agreement import agree
 from relaymoe.ring.expert_mode import (
     batched_expert_backward,
@@ -226,14 +226,8 @@ def ring_moe(
     topk_probs: Tensor,
     *,
     group: dist.ProcessGroup | None = None,
-    mode: str | None = None,
-    transport: str | None = None,
     backend: str = "auto",
     trusted: bool = False,
-    schedule: str | None = None,
-    gpus_per_node: int | None = None,
-    grad_accum: str | None = None,
-    kernels: KernelOptions | None = None,
     activation: ExpertActivation | str | None = None,
     b13: Tensor | Sequence[Tensor] | None = None,
     b2: Tensor | Sequence[Tensor] | None = None,
@@ -256,8 +250,9 @@ def ring_moe(
     ``out[t] = sum_k p * (act(x @ w13[e]^T + b13[e]) @ w2[e]^T + b2[e])``. Every rank must pass
     the same activation and the same biases (the agreement refuses otherwise, naming each
     rank's). Expert mode: the biases travel in their weights' partition (one transfer per hop)
-    and their gradients trail home with the weight gradients (``grad_accum``'s dtype); token and
-    all-to-all modes: they stay with their experts and their gradients accumulate there.
+    and their gradients trail home with the weight gradients (``config.grad_accum``'s dtype);
+    token and all-to-all modes: they stay with their experts and their gradients accumulate
+    there.
 
     ``w13``/``w2`` may instead be lists (or tuples) of ``E_local`` per-expert tensors ``(J, H)``
     / ``(H, I)`` (e.g. a Megatron experts module's parameters), each differentiable on its own,
@@ -267,10 +262,37 @@ def ring_moe(
     zero-copy view (elements back to back in one storage, in list order or in reverse list
     order) or a stack that lives for one pass only (token mode). See ``weights.py``.
 
-    ``config``: the call's options, a ``relaymoe.options.RingConfig`` (None: ``RingConfig()``,
-    every field's documented default). ``mode``, ``transport``, ``schedule``, ``gpus_per_node``,
-    ``grad_accum``, ``kernels``: None (the default) takes ``config``'s field of that name; a
-    value passed overrides it for this call.
+    ``config``: the call's options, one ``relaymoe.options.RingConfig`` (None: ``RingConfig()``,
+    every field's documented default); no keyword of this function overrides a field of it (to
+    change one option for a call, pass ``config.replace(mode="token")`` or
+    ``dataclasses.replace(config, ...)``). Its fields, each defined in ``options.py``:
+
+    * ``mode``: ``"expert"``, ``"token"``, ``"alltoall"`` or ``"auto"`` (the fastest by
+      :func:`relaymoe.cost.choose_mode`, identical on every rank);
+    * ``transport``: ``"nccl"`` (``batch_isend_irecv``; gloo on CPU; the all-to-all mode always
+      uses the group's collectives), ``"copy_engine"`` (symmetric-memory pulls, CUDA within a
+      node) or ``"auto"`` (copy engine when every rank is a CUDA device of one node with
+      symmetric memory, else nccl);
+    * ``schedule``: the hop order (``plan.py``): ``"flat"`` (one ring), ``"two_level"`` (rings
+      inside each node of ``gpus_per_node`` consecutive ranks, joined by hops that every GPU of
+      a node makes to the same local rank of the next node at once) or ``"auto"`` (two-level
+      when the group spans several nodes of several GPUs); or ``"node_batched"`` (expert mode,
+      asked for by name: one hop per node over the node's experts, all-gathered inside it;
+      ``expert_mode.py``);
+    * ``gpus_per_node``: the GPUs per node of the group; None reads the nodes from the ranks'
+      hosts (exchanged in the agreement);
+    * ``grad_accum``: the dtype of the ring's weight-gradient accumulators: ``"param"`` (the
+      weights'), ``"fp32"``, or ``"auto"`` (fp32 from ``options.FP32_GRAD_ACCUM_MIN_EP`` ranks,
+      where the per-hop rounding of 16-bit accumulators would take the weight-gradient error
+      past twice an all-to-all's; in expert mode the travelling gradients then cost 2x the
+      bytes);
+    * ``kernels``: how the hop primitives' kernels run (a ``relaymoe.options.KernelOptions``;
+      this rank's choice, except ``pair_buffer_mib``, which is agreed);
+    * ``agree`` (how often trusted ranks agree), ``host_wait`` and ``timeout_s`` (how the host
+      waits for a peer, ``faults.py``), ``overlap`` (False runs each hop's transfer after its
+      compute: the ablation's sequential ring) and ``capture_hops`` (each hop's compute
+      recorded once per shape and replayed: ``hop_graphs.py``).
+
     ``runtime``: what the ring keeps from call to call (a ``relaymoe.ring.RingRuntime``: the
     agreements of trusted calls, the copy engines' workspace, recorded hops, the lag watch;
     ``runtime.py``). Pass the same one to every call of a layer or model (Megatron's dispatcher
@@ -278,36 +300,15 @@ def ring_moe(
     agrees at every call, records hops again and leaves the copy engines out of
     ``transport="auto"`` (an explicit ``"copy_engine"`` then raises, naming ``runtime=``).
     ``group``: the EP group (default: the runtime's group, else the default group; without an
-    initialized process group a world of one). ``mode``: ``"expert"``, ``"token"``,
-    ``"alltoall"`` or ``"auto"`` (the fastest by :func:`relaymoe.cost.choose_mode`, identical on
-    every rank).
-    ``transport``: ``"nccl"`` (``batch_isend_irecv``; gloo on CPU; the all-to-all mode always
-    uses the group's collectives), ``"copy_engine"`` (symmetric-memory pulls, CUDA within
-    a node) or ``"auto"`` (copy engine when every rank is a CUDA device of one node with
-    symmetric memory, else nccl).
-    ``backend``: the hop primitives' backend (``"auto"``, ``"triton"``, ``"torch"``);
-    ``kernels``: how their kernels run (``relaymoe.options.KernelOptions``; default:
-    ``config.kernels``). The host wait, the timeout, how often the ranks agree and ``overlap``
-    (False runs each hop's transfer after its compute: the ablation's sequential ring) are
-    ``config``'s, and so is ``capture_hops`` (each hop's compute recorded once per shape and
-    replayed: ``hop_graphs.py``).
-    ``schedule``: the hop order (``plan.py``): ``"flat"`` (one ring), ``"two_level"`` (rings
-    inside each node of ``gpus_per_node`` consecutive ranks, joined by hops that every GPU of a
-    node makes to the same local rank of the next node at once) or ``"auto"`` (two-level when the
-    group spans several nodes of several GPUs); or ``"node_batched"`` (expert mode, asked for by
-    name: one hop per node over the node's experts, all-gathered inside it; ``expert_mode.py``).
-    ``gpus_per_node``: the GPUs per node of the group; None (in ``config`` too) reads the nodes
-    from the ranks' hosts (exchanged in the agreement).
-    ``grad_accum``: the dtype of the ring's weight-gradient accumulators: ``"param"`` (the
-    weights'), ``"fp32"``, or ``"auto"`` (fp32 from ``options.FP32_GRAD_ACCUM_MIN_EP`` ranks,
-    where the per-hop rounding of 16-bit accumulators would take the weight-gradient error past
-    twice an all-to-all's; in expert mode the travelling gradients then cost 2x the bytes).
+    initialized process group a world of one).
+    ``backend``: the hop primitives' backend (``"auto"``, ``"triton"``, ``"torch"``).
 
-    Every rank of the group must call it (and its backward) with the same mode/transport; bad
-    input raises ``ValueError`` on every rank before any P2P. Ranks may mix the two weight forms.
-    A peer that dies or stalls raises :class:`relaymoe.ring.faults.RingPeerError` (naming the
-    call, the group, the peer and the timeout) on the surviving ranks within the group's timeout;
-    no data is returned from a failed transfer (``faults.py``).
+    Every rank of the group must call it (and its backward) with the same agreed options (those
+    ``RingConfig``'s docstring names); bad input raises ``ValueError`` on every rank before any
+    P2P. Ranks may mix the two weight forms. A peer that dies or stalls raises
+    :class:`relaymoe.ring.faults.RingPeerError` (naming the call, the group, the peer and the
+    timeout) on the surviving ranks within the group's timeout; no data is returned from a
+    failed transfer (``faults.py``).
 
     ``capturable=True``: the caller captures this call (and its backward) in a CUDA graph, in
     some steps or all (megatron-core's ``--cuda-graph-impl full_iteration``): ``mode="auto"``
@@ -334,12 +335,13 @@ def ring_moe(
     Validated on every rank before any P2P, the same ``ValueError`` raised on every rank
     (``agreement.py``): types, shapes, dtypes and devices of every input on every rank, and their
     agreement across ranks (E_local, H, I, K, dtypes, device type, mode, transport, schedule,
-    gpus_per_node, grad_accum, whether a backward follows, the settings above, every field of
-    the activation, which biases are given; w13's rows against the activation); that the hop
-    backend can run the inputs; ``kernels`` (a ``KernelOptions`` or None); the int32 limits;
-    the expert ids (in ``[0, E)``, distinct per row: one host sync). ``trusted=True`` skips the
-    id check and, for a signature already agreed, the whole agreement: inputs that change
-    without the signature changing are not checked again.
+    gpus_per_node, grad_accum, agree, kernels.pair_buffer_mib, whether a backward follows, every
+    field of the activation, which biases are given; w13's rows against the activation); that
+    the hop backend can run the inputs; the int32 limits; the expert ids (in ``[0, E)``,
+    distinct per row: one host sync). ``config`` itself was validated when it was made
+    (``RingConfig``); one that is not a ``RingConfig`` raises ``ValueError`` on this rank.
+    ``trusted=True`` skips the id check and, for a signature already agreed, the whole
+    agreement: inputs that change without the signature changing are not checked again.
     """
     config = RingConfig() if config is None else config
     if not isinstance(config, RingConfig):
@@ -366,35 +368,46 @@ def ring_moe(
     needs_grad = torch.is_grad_enabled() and any(
         isinstance(t, Tensor) and t.requires_grad for t in (x, topk_probs, *ws)
     )
-    req = ring_request(config, mode=mode, transport=transport, schedule=schedule,
-                       gpus_per_node=gpus_per_node, needs_grad=needs_grad, grad_accum=grad_accum,
-                       backend=backend, activation=activation, kernels=kernels,
+    req = ring_request(config, needs_grad=needs_grad, backend=backend, activation=activation,
                        capturable=capturable)  # fmt: skip
     with torch.profiler.record_function("relaymoe.agree"):
         problem = agree(
             x, w13, w2, topk_idx, topk_probs, group=group, rank=rank, world=world, request=req,
             runtime=runtime, trusted=trusted, b13=b13, b2=b2, captured=captured,
-            timeout_s=config.timeout_s,
         )  # fmt: skip
-    # req.kernels is valid: agreed above; a captured step already holds every hop, so no hop
-    # graphs are recorded inside it
-    kernel_choice = KernelChoice(backend, req.kernels, config.capture_hops and not captured)
+    # a captured step already holds every hop, so no hop graphs are recorded inside it
+    kernel_choice = KernelChoice(backend, config.kernels, config.capture_hops and not captured)
     call = RingCall.of(group, runtime, kernel_choice, config)
     return _RingMoE.apply(x, topk_probs, topk_idx, problem, call, listed, *ws)
 
 
-def resolved_problem(*args, **kwargs) -> RingProblem:
+def resolved_problem(
+    x: Tensor,
+    w13: Tensor | Sequence[Tensor],
+    w2: Tensor | Sequence[Tensor],
+    topk_idx: Tensor,
+    topk_probs: Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    backend: str = "auto",
+    trusted: bool = False,
+    activation: ExpertActivation | str | None = None,
+    b13: Tensor | Sequence[Tensor] | None = None,
+    b2: Tensor | Sequence[Tensor] | None = None,
+    capturable: bool = False,
+    config: RingConfig | None = None,
+    runtime: RingRuntime | None = None,
+    needs_grad: bool = True,
+) -> RingProblem:
     """The agreed :class:`RingProblem` (mode, transport, sizes, expert MLP) ``ring_moe`` would
-    run; keywords as ``ring_moe``'s (``needs_grad`` instead of the inputs' requires_grad;
-    ``config=`` and ``runtime=`` too: a runtime passed keeps a trusted call's agreement)."""
-    config = kwargs.pop("config", None) or RingConfig()
-    runtime = kwargs.pop("runtime", None)
-    group, rank, world = _resolve_group(kwargs.pop("group", None), runtime)
+    run with these arguments (``ring_moe``'s, options in ``config``), without running it:
+    ``needs_grad`` says whether a backward follows instead of the inputs' requires_grad. A
+    ``runtime`` passed keeps a trusted call's agreement, as in ``ring_moe``."""
+    config = RingConfig() if config is None else config
+    group, rank, world = _resolve_group(group, runtime)
     if runtime is None:
         runtime = RingRuntime(group, persistent=False)
-    trusted = kwargs.pop("trusted", False)
-    b13, b2 = kwargs.pop("b13", None), kwargs.pop("b2", None)
-    # mode, transport, schedule, gpus_per_node, needs_grad, grad_accum, backend, activation
-    req = ring_request(config, **kwargs)
-    return agree(*args, group=group, rank=rank, world=world, request=req, runtime=runtime,
-                 trusted=trusted, b13=b13, b2=b2, timeout_s=config.timeout_s)  # fmt: skip
+    req = ring_request(config, needs_grad=needs_grad, backend=backend, activation=activation,
+                       capturable=capturable)  # fmt: skip
+    return agree(x, w13, w2, topk_idx, topk_probs, group=group, rank=rank, world=world,
+                 request=req, runtime=runtime, trusted=trusted, b13=b13, b2=b2)  # fmt: skip

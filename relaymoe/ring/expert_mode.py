@@ -9,8 +9,8 @@ is a body over named tensors (``run_hop``): called on the live ones, or replayed
 **Node-batched rounds** (``schedule="node_batched"``, :func:`batched_expert_forward`,
 :func:`batched_expert_backward`) are experimental: ``schedule="auto"`` never picks them (``auto``
 resolves to ``flat`` or ``two_level``, ``plan.resolve_schedule``), so they run only when asked for
-by name, in expert mode: ``ring_moe(..., schedule="node_batched", gpus_per_node=G)``,
-``RingConfig(schedule="node_batched")`` or Megatron's ``--relaymoe-schedule node_batched``.
+by name, in expert mode: ``ring_moe(..., config=RingConfig(schedule="node_batched"))`` (with
+``gpus_per_node=G`` or the hosts' nodes) or Megatron's ``--relaymoe-schedule node_batched``.
 They are tested over gloo on CPU and have run on GPUs only inside one node (two GPUs, ``G = 1``
 and ``2``); they have never run across nodes, where their gain is simulated only (the cost
 model's multi-node clusters).

@@ -4,9 +4,9 @@ each hop moves.
 Shape legend as in ``engine.py``.
 
 **The problem.** :class:`RingRequest` is what the caller of one ``ring_moe`` call asks for: its
-``RingConfig`` with the call's keywords applied, plus what only the call knows (whether a
-backward follows, the backend, the activation); its collective-deciding options (``agree``,
-``pair_buffer_mib``) are written into every agreement's row (``agreement.py``).
+``RingConfig``'s options, plus what only the call knows (whether a backward follows, the
+backend, the activation); its collective-deciding options (``agree``, ``pair_buffer_mib``) are
+written into every agreement's row (``agreement.py``).
 :class:`RingProblem` is what every rank agreed on: the sizes of every partition and the resolved
 execution. Both are frozen: the layouts and plans below are functions of the problem.
 
@@ -99,7 +99,6 @@ __all__ = [
     "nodes_from_hosts",
     "pair_rows",
     "request_activation",
-    "request_kernels",
     "resolve_schedule",
     "ring_plan",
     "ring_request",
@@ -130,9 +129,9 @@ def request_activation(value) -> ExpertActivation | str:
 class RingRequest:
     """What the caller of one ``ring_moe`` call asks for; every rank must ask the same (the
     agreement checks it). Made by :func:`ring_request` from the call's ``RingConfig`` (whose
-    fields of the same names define each option, its choices and its default), each keyword
-    given overriding its field; held unchecked, so that the agreement reports a bad value on
-    every rank at once. ``needs_grad``: a backward follows."""
+    fields of the same names define each option, its choices and its default) and what only the
+    call knows; the activation held unchecked, so that the agreement reports a bad one on every
+    rank at once. ``needs_grad``: a backward follows."""
 
     mode: str
     transport: str
@@ -150,55 +149,30 @@ class RingRequest:
     # the call is (also) captured in a CUDA graph: "auto" picks among the ring modes, and the
     # all-to-all (host-sized messages) is refused (``hop_graphs.py``)
     capturable: bool = False
-    # the hop kernels' options (request_kernels: a KernelOptions, or the message of a bad value;
-    # None: not given). This rank's choice: not compared across ranks, nor part of a trusted
-    # call's cached signature (its validity is: agreement.py)
-    kernels: options.KernelOptions | str | None = field(default=None, compare=False)
-
-
-def request_kernels(value, config: options.RingConfig) -> options.KernelOptions | str:
-    """``value`` (``ring_moe``'s ``kernels=``) as the request holds it: ``config.kernels`` for
-    None, the ``KernelOptions`` itself, or the message of a bad value. Not raised here: the
-    agreement reports it (``agreement.local_check``, code 10) on every rank at once."""
-    if value is None:
-        return config.kernels
-    if isinstance(value, options.KernelOptions):
-        return value
-    return (
-        f"kernels={value!r} must be a relaymoe.options.KernelOptions or None (None: the "
-        "call's config's, RingConfig.kernels); pass KernelOptions(...)"
-    )
+    # the hop kernels' options (RingConfig.kernels). This rank's choice: not compared across
+    # ranks, nor part of a trusted call's cached signature (agreement.py)
+    kernels: options.KernelOptions = field(default_factory=options.KernelOptions, compare=False)
+    # how long the agreement's collectives wait for a peer (RingConfig.timeout_s; None: the
+    # group's timeout). This rank's, as ``kernels``
+    timeout_s: float | None = field(default=None, compare=False)
 
 
 def ring_request(
     config: options.RingConfig,
     *,
-    mode: str | None = None,
-    transport: str | None = None,
-    schedule: str | None = None,
-    gpus_per_node: int | None = None,
     needs_grad: bool = True,
-    grad_accum: str | None = None,
     backend: str = "auto",
     activation=None,
-    kernels=None,
     capturable: bool = False,
 ) -> RingRequest:
-    """The request of one call: each of ``mode``, ``transport``, ``schedule``,
-    ``gpus_per_node``, ``grad_accum`` and ``kernels`` given (not None) overrides ``config``
-    (the call's ``RingConfig``), None takes ``config``'s value; a ``gpus_per_node`` of None in
-    both reads the nodes from the hosts. Values are checked by the agreement, on every rank at
-    once."""
-
-    def pick(value, configured):
-        return configured if value is None else value
-
+    """The request of one call: the options of ``config`` (the call's ``RingConfig``, validated
+    when it was made) with what only the call knows: whether a backward follows, this rank's hop
+    backend, the expert activation (checked by the agreement, on every rank at once) and whether
+    the call is captured in a CUDA graph."""
     return RingRequest(
-        pick(mode, config.mode), pick(transport, config.transport),
-        pick(schedule, config.schedule), pick(gpus_per_node, config.gpus_per_node), needs_grad,
-        pick(grad_accum, config.grad_accum), config.agree, config.kernels.pair_buffer_mib,
-        backend, request_activation(activation), bool(capturable),
-        request_kernels(kernels, config),
+        config.mode, config.transport, config.schedule, config.gpus_per_node, needs_grad,
+        config.grad_accum, config.agree, config.kernels.pair_buffer_mib, backend,
+        request_activation(activation), bool(capturable), config.kernels, config.timeout_s,
     )  # fmt: skip
 
 

@@ -64,9 +64,9 @@ def _step(mode, inputs, runtime, *, capture=False, leaves=None, sync_check=False
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
     try:
-        out = ring_moe(leaves[0], leaves[1], leaves[2], idx, leaves[3], mode=mode,
-                       backend="triton", trusted=True, config=RingConfig(capture_hops=capture),
-                       runtime=runtime)  # fmt: skip
+        config = RingConfig(mode=mode, capture_hops=capture)
+        out = ring_moe(leaves[0], leaves[1], leaves[2], idx, leaves[3], backend="triton",
+                       trusted=True, config=config, runtime=runtime)  # fmt: skip
         out.backward(dy)
     finally:
         if sync_check:

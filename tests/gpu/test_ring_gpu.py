@@ -75,7 +75,8 @@ def _runtime(group):
 def _case(rank, *, runtime, transport, mode, tokens, overlap=True, route="uniform", seed=0,
           form="tensor", check_memory=False, **topology):  # fmt: skip
     """One ring_moe call and its backward on ``runtime`` (its group's ranks make the same call),
-    checked against the float64 oracle; ``overlap`` is the call's ``RingConfig.overlap``."""
+    checked against the float64 oracle; ``transport``, ``mode``, ``overlap`` and ``topology``
+    (``schedule``, ``gpus_per_node``) are the call's ``RingConfig``'s."""
     from relaymoe.options import RingConfig
     from relaymoe.ring import ring_moe
 
@@ -93,8 +94,8 @@ def _case(rank, *, runtime, transport, mode, tokens, overlap=True, route="unifor
             f"rank={rank}")  # fmt: skip
     torch.cuda.synchronize(dev)
     before = torch.cuda.memory_allocated(dev)
-    out = ring_moe(x, w13, w2, pb["idx"][lo:hi], probs, mode=mode, transport=transport,
-                   config=RingConfig(overlap=overlap), runtime=runtime, **topology)  # fmt: skip
+    config = RingConfig(mode=mode, transport=transport, overlap=overlap, **topology)
+    out = ring_moe(x, w13, w2, pb["idx"][lo:hi], probs, config=config, runtime=runtime)
     if check_memory:  # list form: what forward leaves alive holds no copy of the expert weights
         grown = torch.cuda.memory_allocated(dev) - before
         weights = EL * 3 * H * I * 2
@@ -197,6 +198,7 @@ def node_batched_one_and_two_nodes(rank, world, group):  # issue #18: node-batch
 def nonfinite(rank, world, group):
     """Issue #17 item 4 on the GPU: NaN/Inf in x, probabilities or weights reaches exactly what
     the float64 oracle's reaches (bf16, both transports, all three modes), then a clean call."""
+    from relaymoe.options import RingConfig
     from relaymoe.ring import ring_moe
     from tests.lib import test_ring_nonfinite as nf
 
@@ -215,9 +217,8 @@ def nonfinite(rank, world, group):
         w13 = pb["w13"][experts].bfloat16().requires_grad_()
         w2 = pb["w2"][experts].bfloat16().requires_grad_()
         probs = pb["probs"][rows].float().requires_grad_()
-        out = ring_moe(
-            x, w13, w2, pb["idx"][rows], probs, mode=mode, transport=transport, runtime=rt
-        )
+        config = RingConfig(mode=mode, transport=transport)
+        out = ring_moe(x, w13, w2, pb["idx"][rows], probs, config=config, runtime=rt)
         out.backward(pb["dy"][rows].bfloat16())
         got = {"out": out, "dx": x.grad, "dprobs": probs.grad, "dw13": w13.grad, "dw2": w2.grad}
         for k, v in got.items():
@@ -237,6 +238,7 @@ def nonfinite(rank, world, group):
 
 
 def bad_input(rank, world, group):
+    from relaymoe.options import RingConfig
     from relaymoe.ring import ring_moe
 
     dev = torch.device("cuda", rank)
@@ -248,7 +250,8 @@ def bad_input(rank, world, group):
     if rank == 1:
         idx[3, 0] = 2 * EL  # out of range on rank 1 only
     try:
-        ring_moe(x, w13, w2, idx, torch.ones(8, 1, device=dev), transport="copy_engine", runtime=rt)
+        ring_moe(x, w13, w2, idx, torch.ones(8, 1, device=dev),
+                 config=RingConfig(transport="copy_engine"), runtime=rt)  # fmt: skip
     except ValueError as err:
         assert "rank 1" in str(err), err
     else:

@@ -504,8 +504,9 @@ def ring_expect_valid(c: RingCase) -> bool:
 
 
 def run_ring_case(c: RingCase, rank: int, world: int, group, device="cpu", kernels=None) -> str:
-    """One rank's share of a ring case (every rank of ``group`` runs it). ``kernels``:
-    ``ring_moe``'s (a ``KernelOptions``; None: the defaults)."""
+    """One rank's share of a ring case (every rank of ``group`` runs it). ``kernels``: the
+    call's ``RingConfig.kernels`` (a ``KernelOptions``; None: the defaults)."""
+    from relaymoe.options import RingConfig
     from relaymoe.ring import ring_moe
 
     E, total = c.El * world, sum(c.tokens)
@@ -530,9 +531,12 @@ def run_ring_case(c: RingCase, rank: int, world: int, group, device="cpu", kerne
     ws13 = [leaf(w) for w in w13l.detach().unbind(0)] if c.listed else w13l
     ws2 = [leaf(w) for w in w2l.detach().unbind(0)] if c.listed else w2l
 
+    config = RingConfig(mode=c.mode)
+    config = config if kernels is None else config.replace(kernels=kernels)
+
     def call():
-        y = ring_moe(xl, ws13, ws2, mine["idx"], pl, group=group, mode=c.mode,
-                     backend=c.backend, kernels=kernels)  # fmt: skip
+        y = ring_moe(xl, ws13, ws2, mine["idx"], pl, group=group, backend=c.backend,
+                     config=config)  # fmt: skip
         y.backward(mine["dy"].to(y.dtype))
         return y
 

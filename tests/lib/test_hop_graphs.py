@@ -54,10 +54,11 @@ def _ring_step(rank, world, group, *, seed, tokens, El, K, mode, backend="torch"
     x = pb["x"][lo:hi].float().requires_grad_()
     probs = pb["probs"][lo:hi].float().requires_grad_()
     w = {n: t.detach().requires_grad_() for n, t in weights.items()}
-    capture = dict(config=CAPTURE_ON, runtime=_ON[-1]) if _ON else {}  # inside _capture_on()
-    out = ring_moe(x, w["w13"], w["w2"], pb["idx"][lo:hi], probs, group=group, mode=mode,
+    # inside _capture_on(): its config and runtime
+    config, runtime = (CAPTURE_ON, _ON[-1]) if _ON else (RingConfig(), None)
+    out = ring_moe(x, w["w13"], w["w2"], pb["idx"][lo:hi], probs, group=group,
                    backend=backend, trusted=trusted, b13=w.get("b13"), b2=w.get("b2"),
-                   **capture)  # fmt: skip
+                   config=config.replace(mode=mode), runtime=runtime)  # fmt: skip
     out.backward(pb["dy"][lo:hi].float())
     grads = [w[n].grad for n in ("w13", "w2", "b13", "b2") if n in w]
     return tuple(t.detach() for t in (out, x.grad, probs.grad, *grads))

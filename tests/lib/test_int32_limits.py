@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from relaymoe.kernels import INT32_LIMIT, check_problem_limits
+from relaymoe.options import RingConfig
 from relaymoe.routing import build_routing_index
 
 LIMIT = 2**31
@@ -72,7 +73,7 @@ def test_ring_moe_refuses_before_allocating_anything():
     w13, w2 = torch.zeros(El, 2 * I, H), torch.zeros(El, H, I)
     for mode in ("expert", "token", "alltoall"):
         with pytest.raises(ValueError, match=r"ring_moe \(mode='.*'.*T \(tokens of one partition"):
-            ring_moe(x, w13, w2, idx, probs, mode=mode, trusted=True)
+            ring_moe(x, w13, w2, idx, probs, trusted=True, config=RingConfig(mode=mode))
 
 
 def _meta(shape, stride=None):

@@ -126,20 +126,17 @@ def standin_ring_moe(
     topk_probs,
     *,
     group=None,
-    mode="auto",
-    transport="auto",
+    backend="auto",
     trusted=False,
-    schedule="auto",
-    gpus_per_node=None,
-    grad_accum="auto",
-    kernels=None,
     activation=None,
     b13=None,
     b2=None,
+    capturable=False,
     config=None,
     runtime=None,
-    capturable=False,
 ):
+    """``ring_moe``'s signature (options only in ``config``: a dispatcher passing one of the
+    removed option keywords raises TypeError here, as it would there) over an all-gather."""
     from relaymoe.activation import ExpertActivation
     from relaymoe.options import (
         GRAD_ACCUM_CHOICES,
@@ -150,12 +147,12 @@ def standin_ring_moe(
     )
     from relaymoe.ring import RingRuntime
 
-    # the dispatcher hands its config and its runtime down, the per-call keywords left unset
+    # the dispatcher hands its config and its runtime down: every option in the config
     assert isinstance(config, RingConfig) and isinstance(runtime, RingRuntime), (config, runtime)
-    assert (mode, transport, schedule, grad_accum, kernels) == ("auto", "auto", "auto", "auto",
-                                                                  None)  # fmt: skip
+    assert trusted and backend == "auto", (trusted, backend)
     assert config.mode in MODE_CHOICES and config.transport in TRANSPORT_CHOICES, config
-    assert config.schedule in SCHEDULE_CHOICES and gpus_per_node is None, config
+    # one node, no --relaymoe-gpus-per-node: the ring reads the hosts
+    assert config.schedule in SCHEDULE_CHOICES and config.gpus_per_node is None, config
     assert config.grad_accum in GRAD_ACCUM_CHOICES, config
     assert activation is None or isinstance(activation, ExpertActivation), activation
     STANDIN_CALLS[0] += 1
@@ -696,6 +693,8 @@ def run_two_dispatchers(rank, world) -> None:
     disp = {m: layer.token_dispatcher for m, layer in layers.items()}
     assert disp["token"].ring_config is configs["token"]  # building the second changed nothing
     assert disp["expert"].ring_config is configs["expert"]
+    # what their calls pass: the config itself (no --relaymoe-gpus-per-node to count in EP ranks)
+    assert all(d.call_config is d.ring_config for d in disp.values())
     assert disp["token"].runtime is not disp["expert"].runtime
     # the layers of one model (one TransformerConfig) share its runtime: one workspace, one
     # agreement of equal shapes (relaymoe.megatron.dispatcher.model_runtime)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from relaymoe.options import RingConfig
 from relaymoe.reference import moe_experts_reference
 from relaymoe.ring import ring_moe
 from tests.fixtures import activation_problem, rel_err
@@ -36,11 +37,11 @@ def test_ring_of_one_on_triton_matches_the_oracle(activation, bias, mode):
         ins["w2"],
         pb["idx"],
         ins["probs"],
-        mode=mode,
         backend="triton",
         activation=pb["act"],
         b13=ins.get("b13"),
         b2=ins.get("b2"),
+        config=RingConfig(mode=mode),
     )
     got = torch.autograd.grad(y, [ins[n] for n in names], pb["dy"])
     ref_in = {n: pb[n].double().requires_grad_() for n in names}

@@ -62,7 +62,9 @@ def _slice(pb, rank, tokens):
 def _step(rank, world, group, pb, tokens, El, *, mode, runtime, config=None, capturable=True,
           trusted=True):  # fmt: skip
     """ring_moe forward + backward of this rank's slice (fp32 leaves) with ``runtime`` and
-    ``config``; returns the output and the gradients of x, probs and this rank's w13, w2."""
+    ``config`` (None: the defaults) in ``mode``; returns the output and the gradients of x,
+    probs and this rank's w13, w2."""
+    from relaymoe.options import RingConfig
     from relaymoe.ring import ring_moe
 
     lo, hi = _slice(pb, rank, tokens)
@@ -71,8 +73,9 @@ def _step(rank, world, group, pb, tokens, El, *, mode, runtime, config=None, cap
     probs = pb["probs"][lo:hi].float().requires_grad_()
     w13 = pb["w13"][e0:e1].float().requires_grad_()
     w2 = pb["w2"][e0:e1].float().requires_grad_()
-    out = ring_moe(x, w13, w2, pb["idx"][lo:hi], probs, group=group, mode=mode,
-                   backend="triton", trusted=trusted, capturable=capturable, config=config,
+    config = (RingConfig() if config is None else config).replace(mode=mode)
+    out = ring_moe(x, w13, w2, pb["idx"][lo:hi], probs, group=group, backend="triton",
+                   trusted=trusted, capturable=capturable, config=config,
                    runtime=runtime)  # fmt: skip
     out.backward(pb["dy"][lo:hi].float())
     return tuple(t.detach() for t in (out, x.grad, probs.grad, w13.grad, w2.grad))
@@ -139,18 +142,20 @@ def _captured_refusals(rank, world, group):
         with _captured(), pytest.raises(ValueError, match=match):
             ring_moe(*inputs, **{**call, **kw})
 
+    expert, token, alltoall = (RingConfig(mode=m) for m in ("expert", "token", "alltoall"))
     refused("trusted=False", trusted=False)
-    refused("before any eager call", trusted=True, mode="token")  # this signature: never eager
+    refused("before any eager call", trusted=True, config=token)  # this signature: never eager
     refused("agree='every_call'", trusted=True, config=RingConfig(agree="every_call"))
-    ring_moe(*inputs, trusted=True, mode="expert", **call)  # eager: agreed in `runtime`
-    refused("without a runtime", trusted=True, mode="expert", runtime=None)
-    refused("before any eager call", trusted=True, mode="expert", runtime=RingRuntime(group))
+    ring_moe(*inputs, trusted=True, config=expert, **call)  # eager: agreed in `runtime`
+    refused("without a runtime", trusted=True, config=expert, runtime=None)
+    refused("before any eager call", trusted=True, config=expert, runtime=RingRuntime(group))
     with _captured():  # the runtime the eager call agreed in: runs
-        ring_moe(*inputs, trusted=True, mode="expert", **call)
+        ring_moe(*inputs, trusted=True, config=expert, **call)
     with pytest.raises(ValueError, match="alltoall"):  # eager, agreed on every rank
-        ring_moe(*inputs, mode="alltoall", trusted=True, **call)
+        ring_moe(*inputs, config=alltoall, trusted=True, **call)
     if world > 1:  # a world of one has no all-to-all to agree on
-        plain = dict(group=group, backend="triton", mode="alltoall", trusted=True, runtime=runtime)
+        plain = dict(group=group, backend="triton", config=alltoall, trusted=True,
+                     runtime=runtime)  # fmt: skip
         ring_moe(*inputs, **plain)
         with _captured(), pytest.raises(ValueError, match="agreed mode is 'alltoall'"):
             ring_moe(*inputs, **plain)

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from relaymoe.activation import SWIGLU, ExpertActivation
+from relaymoe.options import RingConfig
 from relaymoe.reference import moe_experts_reference
 from tests.fixtures import expert_activation, ring_problem, scenario_params
 
@@ -146,8 +147,8 @@ def _run_case(rank, world, group, *, seed, tokens, El, K, dtype, prob_dtype=None
               runtime=None):  # fmt: skip
     """ring_moe on this rank's slice vs the oracle; returns the ring's (out, grads). ``act``
     and ``bias``: the expert MLP (``_problem``; the biases' gradients are checked too);
-    ``config``/``runtime``: ring_moe's (``overlap=False`` sets ``config.overlap``)."""
-    from relaymoe.options import RingConfig
+    ``config``/``runtime``: ring_moe's, ``config`` (None: the defaults) with this helper's
+    ``mode``, ``transport``, ``schedule``, ``gpus_per_node`` and ``overlap``."""
     from relaymoe.ring import ring_moe
 
     pb = _problem(seed, tokens, El, K, world, route, act, bias, hidden, ffn)
@@ -163,8 +164,11 @@ def _run_case(rank, world, group, *, seed, tokens, El, K, dtype, prob_dtype=None
               for n in ("b13", "b2")}  # fmt: skip
     mlp = {} if act is None and bias == "none" else {
         "activation": pb["act"], "b13": biases["b13"][0], "b2": biases["b2"][0]}  # fmt: skip
-    # overlap is the config's (RingConfig.overlap), not a ring_moe keyword
-    config = (config or RingConfig()).replace(**({} if overlap else {"overlap": False}))
+    # the ring options travel in the config, not as ring_moe keywords
+    config = (config or RingConfig()).replace(
+        mode=mode, transport=transport, schedule=schedule, gpus_per_node=gpus_per_node,
+        **({} if overlap else {"overlap": False}),
+    )  # fmt: skip
     out = ring_moe(
         x,
         w13,
@@ -172,12 +176,8 @@ def _run_case(rank, world, group, *, seed, tokens, El, K, dtype, prob_dtype=None
         idx,
         probs,
         group=group,
-        mode=mode,
-        transport=transport,
         backend=backend,
         trusted=trusted,
-        schedule=schedule,
-        gpus_per_node=gpus_per_node,
         config=config,
         runtime=runtime,
         **mlp,
@@ -409,7 +409,7 @@ def _no_persistent_copy(rank, world, group):
     sizes = {w13.numel(), w2.numel()}
     budget = x.numel() + 2 * probs.numel() + w13.numel() + w2.numel()  # x, probs, ids, params
     for mode in ("expert", "token"):
-        kw = dict(group=group, mode=mode)
+        kw = dict(group=group, config=RingConfig(mode=mode))
         for form in FORMS[1:]:
             fc1, fc2, _ = _weights(w13, w2, form)
             out, copies, saved = saved_weight_copies(
@@ -455,7 +455,7 @@ def _modes_agree_and_auto(rank, world, group):
             idx = (torch.arange(T * K) % (El * world)).view(T, K)
             probs = torch.zeros((), dtype=pdtype).expand(T, K)
             problem = resolved_problem(x, w13, w2, idx, probs, group=group, trusted=True,
-                                    transport="nccl")  # fmt: skip
+                                       config=RingConfig(transport="nccl"))  # fmt: skip
             sh = Shapes(b=1, s=T, h=h, tp=1, cp=1, T_a=T, T=T, K=K, E=El * world, El=El, I=ffn,
                         R=world, e=2)  # fmt: skip
             want = ring_mode(sh, "auto", transport="nccl")
@@ -512,7 +512,6 @@ def _bad_inputs(rank, world, group):
             {},
             "topk_idx",
         ),  # fmt: skip
-        "bad mode": (inputs, {"mode": "experts"}, "mode"),
         "w13 list with a misshapen element": (
             lambda: (
                 [good[0], list(good[1].unbind(0)), list(good[2].unbind(0)), *good[3:]]
@@ -572,16 +571,20 @@ def _bad_inputs(rank, world, group):
         )
         cases["H differs"] = (lambda: inputs(h=H + 8 if rank == last else H), {}, "hidden")
         cases["I differs"] = (lambda: inputs(i=I + 4 if rank == last else I), {}, "FFN width")
-        cases["mode differs"] = (inputs, {"mode": "token" if rank == last else "expert"}, "mode")
+        mode = "token" if rank == last else "expert"
+        cases["mode differs"] = (inputs, {"config": RingConfig(mode=mode)}, "mode")
         cases["dtype differs"] = (
             lambda: inputs(dtype=torch.float64 if rank == last else torch.float32),
             {},
             "dtype",
         )
-    cases["copy_engine on cpu"] = (inputs, {"transport": "copy_engine"}, "copy_engine" if world > 1
-                                   else None)  # fmt: skip
+    cases["copy_engine on cpu"] = (inputs, {"config": RingConfig(transport="copy_engine")},
+                                   "copy_engine" if world > 1 else None)  # fmt: skip
     import re
 
+    # a bad option value never reaches a call: the config refuses it where it is made
+    with pytest.raises(ValueError, match="RingConfig.mode='experts' is not one of"):
+        RingConfig(mode="experts")
     for name, (make, kw, pattern) in cases.items():
         a = make()
         if pattern is None:  # a world of one has nothing to transfer: no error
@@ -644,7 +647,8 @@ def _one_f_one_b(rank, world, group, mode, form, El=2, K=2):
         if step[0] == "F":
             x = pbs[m]["x"][lo:hi].clone().requires_grad_()
             probs = pbs[m]["probs"][lo:hi].clone().requires_grad_()
-            out = ring_moe(x, w13, w2, pbs[m]["idx"][lo:hi], probs, group=group, mode=mode)
+            out = ring_moe(x, w13, w2, pbs[m]["idx"][lo:hi], probs, group=group,
+                           config=RingConfig(mode=mode))  # fmt: skip
             assert _rel(out, refs[m][0][lo:hi]) < 1e-11, f"out {what}"
             live[m] = (out, x, probs)
         else:
@@ -760,7 +764,7 @@ def test_ring_moe_without_process_group_is_a_world_of_one():
     w2 = pb["w2"].clone().requires_grad_()
     probs = pb["probs"].clone().requires_grad_()
     for mode in ("expert", "token"):
-        out = ring_moe(x, w13, w2, pb["idx"], probs, mode=mode)
+        out = ring_moe(x, w13, w2, pb["idx"], probs, config=RingConfig(mode=mode))
         assert _rel(out, ref_out) < 1e-12
         out.backward(pb["dy"])
         for got, key in ((x, "x"), (w13, "w13"), (w2, "w2"), (probs, "probs")):
@@ -781,7 +785,8 @@ def test_list_form_world_of_one_partial_grads(form):
     fc1, fc2, _ = _weights(pb["w13"], pb["w2"], form)
     fc2[1].requires_grad_(False)
     for mode in ("expert", "token"):
-        out = ring_moe(pb["x"], fc1, fc2, pb["idx"], pb["probs"], mode=mode, backend="torch")
+        out = ring_moe(pb["x"], fc1, fc2, pb["idx"], pb["probs"], backend="torch",
+                       config=RingConfig(mode=mode))  # fmt: skip
         assert _rel(out, ref_out) < 1e-12, mode
         out.backward(pb["dy"])
         for j in range(3):

@@ -1,4 +1,4 @@
-"""The ring's weight-gradient accumulators (``ring_moe(grad_accum=...)``, options.GRAD_ACCUMS).
+"""The ring's weight-gradient accumulators (``RingConfig.grad_accum``, options.GRAD_ACCUMS).
 
 Over spawned gloo worlds: with 16-bit weights, ``fp32`` accumulators (the travelling gradients
 of expert mode, the local sums of token mode) bring the ring's weight-gradient error back to the
@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from relaymoe.options import RingConfig
 from tests.fixtures import oracle, rel_err, ring_problem, scenario_params
 
 pytestmark = pytest.mark.slow
@@ -27,8 +28,9 @@ def _grads(rank, world, group, pb, mode, grad_accum, dtype):
     w13 = pb["w13"][experts].to(dtype).requires_grad_()
     w2 = pb["w2"][experts].to(dtype).requires_grad_()
     probs = pb["probs"][rows].float().requires_grad_()
-    out = ring_moe(x, w13, w2, pb["idx"][rows], probs, group=group, mode=mode, backend="torch",
-                   grad_accum=grad_accum)  # fmt: skip
+    config = RingConfig(mode=mode, grad_accum=grad_accum)
+    out = ring_moe(x, w13, w2, pb["idx"][rows], probs, group=group, backend="torch",
+                   config=config)  # fmt: skip
     out.backward(pb["dy"][rows].to(dtype))
     assert w13.grad.dtype == dtype and w2.grad.dtype == dtype  # back in the weights' dtype
     return {"dw13": w13.grad.detach().clone(), "dw2": w2.grad.detach().clone()}
@@ -74,12 +76,14 @@ def _resolution_and_refusals(rank, world, group):
             pb["w2"][experts].bfloat16(), pb["idx"][rows], pb["probs"][rows].float()]  # fmt: skip
     for acc, want in (("param", torch.bfloat16), ("fp32", torch.float32),
                       ("auto", torch.bfloat16)):  # auto: fp32 from 16 ranks  # fmt: skip
-        problem = resolved_problem(*args, group=group, mode="expert", grad_accum=acc)
+        config = RingConfig(mode="expert", grad_accum=acc)
+        problem = resolved_problem(*args, group=group, config=config)
         assert problem.accum_dtype == want, (acc, problem.accum_dtype)
-    with pytest.raises(ValueError, match="grad_accum must be one of"):
-        resolved_problem(*args, group=group, grad_accum="fp16")
+    with pytest.raises(ValueError, match="RingConfig.grad_accum='fp16' is not one of"):
+        RingConfig(grad_accum="fp16")  # refused where it is made, before any call
+    mine = RingConfig(grad_accum="fp32" if rank == 0 else "param")
     with pytest.raises(ValueError, match="grad_accum .* differs across ranks"):
-        resolved_problem(*args, group=group, grad_accum="fp32" if rank == 0 else "param")
+        resolved_problem(*args, group=group, config=mine)
     # fp32 weights: the accumulators are fp32 either way, the results bitwise equal
     a = _grads(rank, world, group, pb, "expert", "param", torch.float32)
     b = _grads(rank, world, group, pb, "expert", "fp32", torch.float32)
@@ -116,8 +120,9 @@ def _biased_bf16(rank, world, group, mode, listed=False):
     if listed:
         ws = {k: [w.detach().requires_grad_() for w in v] for k, v in ws.items()}
     out = ring_moe(pb["x"][rows].bfloat16(), ws["w13"], ws["w2"], pb["idx"][rows],
-                   pb["probs"][rows].float(), group=group, mode=mode, backend="torch",
-                   grad_accum="fp32", activation="geglu", b13=ws["b13"], b2=ws["b2"])  # fmt: skip
+                   pb["probs"][rows].float(), group=group, backend="torch",
+                   activation="geglu", b13=ws["b13"], b2=ws["b2"],
+                   config=RingConfig(mode=mode, grad_accum="fp32"))  # fmt: skip
     out.backward(pb["dy"][rows].bfloat16())
     for k, w in ws.items():
         grad = torch.stack([e.grad for e in w]) if listed else w.grad
@@ -145,8 +150,8 @@ def test_world_of_one_and_list_form_with_fp32_accumulators(mode):
     w13 = [w.bfloat16().requires_grad_() for w in pb["w13"]]
     w2 = [w.bfloat16().requires_grad_() for w in pb["w2"]]
     x = pb["x"].bfloat16().requires_grad_()
-    out = ring_moe(x, w13, w2, pb["idx"], pb["probs"].float(), mode=mode, backend="torch",
-                   grad_accum="fp32")  # fmt: skip
+    out = ring_moe(x, w13, w2, pb["idx"], pb["probs"].float(), backend="torch",
+                   config=RingConfig(mode=mode, grad_accum="fp32"))  # fmt: skip
     out.backward(pb["dy"].bfloat16())
     assert all(w.grad.dtype == torch.bfloat16 for w in (*w13, *w2))
     assert rel_err(torch.stack([w.grad for w in w13]), ref["dw13"]) < 1e-2

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from relaymoe.kernels import triton_available
+from relaymoe.options import RingConfig
 from tests.fixtures import scenario_params
 from tests.lib.test_ring_dist import TRITON_H, TRITON_I, _run_case
 from tests.lib.test_ring_two_level import _resolved
@@ -96,13 +97,14 @@ def _refusals(rank, world, group):
 
     with pytest.raises(ValueError, match=r"node_batched.*\(expert mode only\)"):
         resolved_problem(
-            *_slice(_problem(31, [3] * world, 2, 2, world), rank), group=group, mode="token",
-            schedule="node_batched", gpus_per_node=2,
+            *_slice(_problem(31, [3] * world, 2, 2, world), rank), group=group,
+            config=RingConfig(mode="token", schedule="node_batched", gpus_per_node=2),
         )  # fmt: skip
     with pytest.raises(ValueError, match="node_batched.* not the copy engine"):
         resolved_problem(
-            *_slice(_problem(31, [3] * world, 2, 2, world), rank), group=group, mode="expert",
-            transport="copy_engine", schedule="node_batched", gpus_per_node=2,
+            *_slice(_problem(31, [3] * world, 2, 2, world), rank), group=group,
+            config=RingConfig(mode="expert", transport="copy_engine", schedule="node_batched",
+                              gpus_per_node=2),
         )  # fmt: skip
     # one host and no node size: nodes unknown, refused by name
     with pytest.raises(ValueError, match="schedule='node_batched' needs nodes"):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from relaymoe.options import RingConfig
 from tests.fixtures import oracle, ring_problem
 
 pytestmark = pytest.mark.slow
@@ -73,7 +74,8 @@ def _run(rank, group, pb, mode, backend, dtype):
     w13 = pb["w13"][experts].to(dtype).requires_grad_()
     w2 = pb["w2"][experts].to(dtype).requires_grad_()
     probs = pb["probs"][rows].to(dtype).requires_grad_()
-    out = ring_moe(x, w13, w2, pb["idx"][rows], probs, group=group, mode=mode, backend=backend)
+    out = ring_moe(x, w13, w2, pb["idx"][rows], probs, group=group, backend=backend,
+                   config=RingConfig(mode=mode))  # fmt: skip
     out.backward(pb["dy"][rows].to(dtype))
     return {"out": out, "dx": x.grad, "dprobs": probs.grad, "dw13": w13.grad, "dw2": w2.grad}
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from relaymoe.options import RingConfig
 from tests.fixtures import scenario_params
 from tests.lib.test_ring_dist import _problem, _rel, _run_case
 
@@ -39,7 +40,8 @@ def _cases(R: int, G: int) -> list[dict]:
     ]  # fmt: skip
 
 
-def _resolved(rank, world, group, **kw):
+def _resolved(rank, world, group, **options):
+    """The problem every rank agrees on for ``RingConfig(mode="expert", **options)``."""
     from relaymoe.ring import resolved_problem
 
     pb = _problem(31, [3] * world, 2, 2, world)
@@ -47,7 +49,7 @@ def _resolved(rank, world, group, **kw):
     e0, e1 = 2 * rank, 2 * rank + 2
     return resolved_problem(
         pb["x"][lo:hi], pb["w13"][e0:e1], pb["w2"][e0:e1], pb["idx"][lo:hi], pb["probs"][lo:hi],
-        group=group, mode="expert", **kw,
+        group=group, config=RingConfig(**{"mode": "expert", **options}),
     )  # fmt: skip
 
 
@@ -109,13 +111,13 @@ def _bad_topologies(rank, world, group):
     bad = 4 if world == 6 else 3
     with pytest.raises(ValueError, match=f"gpus_per_node={bad} does not divide the EP group's"):
         _resolved(rank, world, group, gpus_per_node=bad)
-    with pytest.raises(ValueError, match="schedule must be one of"):
-        _resolved(rank, world, group, schedule="tree")
-    for absurd in (0, 2**63):  # 2**63 overflowed the agreement's int64 row on one rank
-        with pytest.raises(ValueError, match=r"gpus_per_node must be an int in \[1, 9223372036"):
-            _resolved(rank, world, group, gpus_per_node=absurd)
-    with pytest.raises(ValueError, match=r"invalid input on rank 0: .*gpus_per_node"):
-        _resolved(rank, world, group, gpus_per_node=2**63 if rank == 0 else None)
+    # a value no ring can run is refused where the config is made, on the rank that makes it,
+    # before any call (2**63 overflowed the agreement's int64 row when a keyword carried it)
+    with pytest.raises(ValueError, match="RingConfig.schedule='tree' is not one of"):
+        RingConfig(schedule="tree")
+    for absurd in (0, 2**63):
+        with pytest.raises(ValueError, match=rf"gpus_per_node={absurd} must be an int in \[1, "):
+            RingConfig(gpus_per_node=absurd)
     if rank == 0:  # ranks that disagree get the same error everywhere, before any P2P
         kw = dict(gpus_per_node=2)
     else:
