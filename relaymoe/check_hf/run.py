@@ -22,7 +22,11 @@ from dataclasses import dataclass
 
 from relaymoe.check_hf.errors import CheckError
 from relaymoe.convert_hf.errors import ConvertError
-from relaymoe.convert_hf.hf_config import architecture, megatron_model_flags, read_hf_config
+from relaymoe.convert_hf.hf_config import (
+    architecture_differences,
+    megatron_model_flags,
+    read_hf_config,
+)
 from relaymoe.export_hf.architecture import hf_config
 from relaymoe.export_hf.checkpoint import TRACKER, TorchDistCheckpoint
 from relaymoe.export_hf.errors import ExportError
@@ -84,12 +88,7 @@ def check(
         raise CheckError(str(e)) from None
     except KeyError as e:
         raise CheckError(f"{load}: the checkpoint has no tensor {e}: not a GPT model's") from None
-    have, want = architecture(cfg), architecture(ckpt_cfg)
-    diff = [
-        f"{k}: checkpoint {want.get(k)!r}, config.json {have.get(k)!r}"
-        for k in sorted(set(have) | set(want))
-        if have.get(k) != want.get(k)
-    ]
+    diff = architecture_differences(ckpt_cfg, cfg, ("checkpoint", "config.json"))
     if diff:
         raise CheckError(
             f"{hf_dir} is not the checkpoint's architecture ({'; '.join(diff)}); "

@@ -149,6 +149,17 @@ def architecture(cfg: dict) -> dict:
     return arch
 
 
+def architecture_differences(first: dict, second: dict, names: tuple[str, str]) -> list[str]:
+    """Each field where two ``config.json`` files describe different functions, as
+    ``"field: <names[0]> value, <names[1]> value"`` (empty when they describe the same)."""
+    a, b = architecture(first), architecture(second)
+    return [
+        f"{k}: {names[0]} {a.get(k)!r}, {names[1]} {b.get(k)!r}"
+        for k in sorted(set(a) | set(b))
+        if a.get(k) != b.get(k)
+    ]
+
+
 # relaymoe config model keys -> what a Qwen3-MoE config.json says about them
 def _hf_model_fields(cfg: dict) -> dict:
     heads = cfg["num_attention_heads"]

@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 
 from relaymoe.convert_hf.errors import ConvertError
-from relaymoe.convert_hf.hf_config import architecture, read_hf_config
+from relaymoe.convert_hf.hf_config import architecture_differences, read_hf_config
 from relaymoe.convert_hf.mapping import GLOBAL_TENSORS, hf_names
 from relaymoe.export_hf.architecture import hf_config
 from relaymoe.export_hf.checkpoint import TorchDistCheckpoint
@@ -114,12 +114,7 @@ def _base_config(base: str, cfg: dict) -> dict:
         raw = read_hf_config(base)
     except ConvertError as e:
         raise ExportError(f"--base: {e}") from None
-    have, want = architecture(raw), architecture(cfg)
-    diff = [
-        f"{k}: base {have.get(k)!r}, checkpoint {want.get(k)!r}"
-        for k in sorted(set(have) | set(want))
-        if have.get(k) != want.get(k)
-    ]
+    diff = architecture_differences(raw, cfg, ("base", "checkpoint"))
     if diff:
         raise ExportError(
             f"--base {base} is not the checkpoint's architecture ({'; '.join(diff)});"
