@@ -6,6 +6,7 @@ Megatron flags to train with); when it matches, nothing is redone.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -81,29 +82,43 @@ def prepare(
     line passes ``relaymoe.host_warnings.quiet_host_warnings``)."""
     keys = _checked_settings(inputs, json_keys, input_format_name, text_mode, workers, chunk_mib)
     prefix = str(Path(output_prefix).resolve())
+    chunks = plan_chunks(list(inputs), input_format_name, text_mode, int(chunk_mib * 2**20))
+    if not any(c.size for c in chunks):
+        raise DataError(
+            f"--input {' '.join(inputs)}: empty (0 bytes), nothing to tokenise; Megatron "
+            "cannot train on an empty dataset; fix: pass the corpus files"
+        )
+    folder = Path(prefix).parent
+    made = _made_folder(folder, output_prefix)
     try:
-        Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+        with PrefixLock(prefix):
+            _remove_temporaries(prefix, keys)  # of a run that was killed before it could
+            try:
+                settings = _settings(tokenizer, prefix, keys, text_mode, append_eod, eod_token)
+                return _make(prefix, inputs, chunks, settings, workers, keep_parts, progress,
+                             worker_setup)  # fmt: skip
+            except BaseException:
+                _remove_temporaries(prefix, keys)
+                raise
+    except BaseException:
+        if made is not None:  # a failed run leaves no folder it made (when nothing is in it)
+            for path in [folder, *folder.parents][: len(folder.parents) - len(made.parents) + 1]:
+                with contextlib.suppress(OSError):
+                    path.rmdir()
+        raise
+
+
+def _made_folder(folder: Path, output_prefix: str) -> Path | None:
+    """Create the output ``folder``; the topmost folder this created (None: it existed)."""
+    missing = next((p for p in reversed([folder, *folder.parents]) if not p.exists()), None)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise DataError(
-            f"--output-prefix {output_prefix}: cannot create the folder {Path(prefix).parent} "
+            f"--output-prefix {output_prefix}: cannot create the folder {folder} "
             f"({e.strerror}); fix: a prefix in a folder you can write"
         ) from None
-    with PrefixLock(prefix):
-        _remove_temporaries(prefix, keys)  # of a run that was killed before it could
-        try:
-            chunks = plan_chunks(list(inputs), input_format_name, text_mode,
-                                 int(chunk_mib * 2**20))  # fmt: skip
-            if not any(c.size for c in chunks):
-                raise DataError(
-                    f"--input {' '.join(inputs)}: empty (0 bytes), nothing to tokenise; Megatron "
-                    "cannot train on an empty dataset; fix: pass the corpus files"
-                )
-            settings = _settings(tokenizer, prefix, keys, text_mode, append_eod, eod_token)
-            return _make(prefix, inputs, chunks, settings, workers, keep_parts, progress,
-                         worker_setup)  # fmt: skip
-        except BaseException:
-            _remove_temporaries(prefix, keys)
-            raise
+    return missing
 
 
 def _checked_settings(inputs, json_keys, input_format_name, text_mode, workers, chunk_mib):

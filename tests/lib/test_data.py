@@ -251,6 +251,22 @@ def test_an_empty_corpus_is_refused_and_leaves_nothing(corpus, tmp_path):
     assert _files(out) == []
 
 
+def test_a_refused_run_leaves_no_folder_it_made(corpus, tmp_path):
+    """Bad input leaves nothing behind: not even the output folders the run created for its
+    prefix (a folder that existed before stays)."""
+    root, _, _ = corpus
+    src = str(next(root.glob("*.jsonl")))
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "kept").mkdir()
+    for prefix in (tmp_path / "new" / "deep" / "p", tmp_path / "kept" / "sub" / "p"):
+        with pytest.raises(data.DataError, match="no such file or directory"):
+            data.prepare([src], str(prefix), str(tmp_path / "no_tokenizer"), progress=False)
+        with pytest.raises(data.DataError, match=r"empty \(0 bytes\)"):
+            data.prepare([str(tmp_path / "empty.jsonl")], str(prefix), str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.jsonl", "kept"]
+    assert list((tmp_path / "kept").iterdir()) == []
+
+
 def test_the_dataset_check_refuses_an_empty_bin_and_another_tokenizer(corpus, tmp_path):
     """Items 4-5, the dry run's side: ``dataset_problems`` (train.sh's preflight) refuses an
     empty ``.bin`` and a TOKENIZER other than the one the manifest records; a copy of the same
