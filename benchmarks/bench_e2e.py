@@ -612,6 +612,43 @@ def _run_extras(flags, fields: dict, *, gpus: int, fpt: float, profile: dict | N
     }
 
 
+def _shape_fields(plans: list[PlannedRun], *, gpus: int, steps: int, seed: int, fpt: float) -> dict:
+    """The fields that name a shape's runs (parallelism, batch, model flops, seed, regime): the
+    same in ``shape_rows`` and ``provider_rows``, read from the shape's first plan, whose sizes
+    every run of the shape shares."""
+    shape, flags = plans[0].shape, plans[0].flags
+    return {
+        "bench": "e2e",
+        "shape": shape.shape_label,
+        "config": shape.config,
+        "ep": int(_flag(flags, "--expert-model-parallel-size")),
+        "pp": int(_flag(flags, "--pipeline-model-parallel-size")),
+        "gpus": gpus,
+        "seq_length": int(_flag(flags, "--seq-length")),
+        "micro_batch_size": int(_flag(flags, "--micro-batch-size")),
+        "global_batch_size": int(_flag(flags, "--global-batch-size")),
+        **batch_fields(flags, gpus),
+        "flops_per_token": fpt,
+        "recompute": list(shape.recompute_modules) or None,
+        "steps_requested": steps,
+        "seed": seed,
+        "ring_host_wait": os.environ.get(HOST_WAIT_ENV, HOST_WAITS[0]),  # the ring inherits it
+        **REGIMES[plans[0].regime].row_fields(steps),
+    }
+
+
+def _stack_fields(shape: E2EShape, warm_up_steps: int) -> dict:
+    """The software stack and precision of a shape's runs (TE version, fp8, anchor flags) and
+    their warm-up: the same in ``shape_rows`` and ``provider_rows``."""
+    return {
+        "te_version": te_version(),
+        "fp8_format": shape.fp8[0] if shape.fp8 else None,
+        "fp8_recipe": shape.fp8[1] if shape.fp8 else None,
+        "anchor_flags": list(ANCHOR_FLAGS) if shape.anchor else None,
+        "warm_up_steps": warm_up_steps,
+    }
+
+
 def shape_rows(
     plans: list[PlannedRun],
     results: dict[str, RunResult],
@@ -629,27 +666,11 @@ def shape_rows(
     par = loss_parity(
         results["ring"], results["alltoall"], results.get("alltoall_repeat"), steps=steps
     )
-    mbs = int(_flag(plans[0].flags, "--micro-batch-size"))
     flags_of = {p.label: p.flags for p in plans}
     fpt = shape_flops(shape, plans[0].flags)
     exclude = _profiled_steps(profiles)
     common = {
-        "bench": "e2e",
-        "shape": shape.shape_label,
-        "config": shape.config,
-        "ep": int(_flag(plans[0].flags, "--expert-model-parallel-size")),
-        "pp": int(_flag(plans[0].flags, "--pipeline-model-parallel-size")),
-        "gpus": gpus,
-        "seq_length": int(_flag(plans[0].flags, "--seq-length")),
-        "micro_batch_size": mbs,
-        "global_batch_size": int(_flag(plans[0].flags, "--global-batch-size")),
-        **batch_fields(plans[0].flags, gpus),
-        "flops_per_token": fpt,
-        "recompute": list(shape.recompute_modules) or None,
-        "steps_requested": steps,
-        "seed": seed,
-        "ring_host_wait": os.environ.get(HOST_WAIT_ENV, HOST_WAITS[0]),  # the ring inherits it
-        **REGIMES[plans[0].regime].row_fields(steps),
+        **_shape_fields(plans, gpus=gpus, steps=steps, seed=seed, fpt=fpt),
         "max_abs_loss_diff_vs_other": par["max_abs_loss_diff"],
         "mean_abs_loss_diff_vs_other": par["mean_abs_loss_diff"],
         "noise_max_abs_loss_diff": par["noise_max_abs_loss_diff"],
@@ -660,12 +681,8 @@ def shape_rows(
         "partial_steps": par["partial_steps"],
         "partial_max_abs_loss_diff": par["partial_max_abs_loss_diff"],
         "partial_noise_max_abs_loss_diff": par["partial_noise_max_abs_loss_diff"],
-        "te_version": te_version(),
-        "fp8_format": shape.fp8[0] if shape.fp8 else None,
-        "fp8_recipe": shape.fp8[1] if shape.fp8 else None,
-        "anchor_flags": list(ANCHOR_FLAGS) if shape.anchor else None,
+        **_stack_fields(shape, warm_up_steps),
         "anchor_kept": kept_in(flags_of["alltoall"], "alltoall") if shape.anchor else None,
-        "warm_up_steps": warm_up_steps,
     }
     rows = []
     for label in ("ring", "alltoall"):
@@ -721,33 +738,14 @@ def provider_rows(
     noise_par = (loss_parity(anchor0, anchor0, noise, steps=steps)
                  if anchor0 is not None and noise is not None else {})  # fmt: skip
     common = {
-        "bench": "e2e",
-        "shape": shape.shape_label,
-        "config": shape.config,
-        "ep": int(_flag(plans[0].flags, "--expert-model-parallel-size")),
-        "pp": int(_flag(plans[0].flags, "--pipeline-model-parallel-size")),
-        "gpus": gpus,
-        "seq_length": int(_flag(plans[0].flags, "--seq-length")),
-        "micro_batch_size": int(_flag(plans[0].flags, "--micro-batch-size")),
-        "global_batch_size": int(_flag(plans[0].flags, "--global-batch-size")),
-        **batch_fields(plans[0].flags, gpus),
-        "flops_per_token": fpt,
-        "recompute": list(shape.recompute_modules) or None,
-        "steps_requested": steps,
-        "seed": seed,
-        "ring_host_wait": os.environ.get(HOST_WAIT_ENV, HOST_WAITS[0]),
-        **REGIMES[plans[0].regime].row_fields(steps),
+        **_shape_fields(plans, gpus=gpus, steps=steps, seed=seed, fpt=fpt),
         "providers": list(dict.fromkeys(p.provider for p in plans)),
         "repeats": 1 + max(p.repeat for p in plans),
         "anchor_provider": anchor,
         "noise_run": noise is not None,
         "noise_max_abs_loss_diff": noise_par.get("noise_max_abs_loss_diff"),
         "noise_mean_abs_loss_diff": noise_par.get("noise_mean_abs_loss_diff"),
-        "te_version": te_version(),
-        "fp8_format": shape.fp8[0] if shape.fp8 else None,
-        "fp8_recipe": shape.fp8[1] if shape.fp8 else None,
-        "anchor_flags": list(ANCHOR_FLAGS) if shape.anchor else None,
-        "warm_up_steps": warm_up_steps,
+        **_stack_fields(shape, warm_up_steps),
     }
     rows = []
     for p in plans:
