@@ -63,7 +63,6 @@ refuses is refused there too.
 
 from __future__ import annotations
 
-import types
 from collections.abc import Iterable
 
 from relaymoe.megatron.activation_map import expert_activation_problems
@@ -123,8 +122,9 @@ def ring_graph_capture(c) -> str | None:
     return None
 
 
-def _graph_problems(g) -> list[str]:
-    """The CUDA-graph settings the ring cannot run captured (``g(name, default)`` reads one)."""
+def _graph_problems(c) -> list[str]:
+    """The CUDA-graph settings of config or arguments ``c`` the ring cannot run captured."""
+    g = lambda name, default=None: getattr(c, name, default)  # noqa: E731
     impl = _graph_impl(g)
     modules = _names(g("cuda_graph_modules", None)) or ["full"]
     partial = [m for m in modules if m in _PARTIAL_MOE_SCOPES]
@@ -136,8 +136,7 @@ def _graph_problems(g) -> list[str]:
             f"(--cuda-graph-modules attn moe) or the whole step (--cuda-graph-impl "
             f"full_iteration): the ring runs captured in both, dropless"
         ]
-    scope = ring_graph_capture(types.SimpleNamespace(
-        cuda_graph_impl=impl, cuda_graph_modules=g("cuda_graph_modules", None)))  # fmt: skip
+    scope = ring_graph_capture(c)
     if scope is None:
         return []
     where = (f"--cuda-graph-impl {impl}" if scope == "whole_step" else
@@ -250,7 +249,7 @@ def ring_config_problems(c, *, ep_size: int | None = None, args_style: bool = Fa
                 "tensors, which the ring's bf16 expert kernels do not read; fix: remove "
                 "--fp8-param-gather (attention and dense layers still compute in fp8)"
             )
-    problems += _graph_problems(g)
+    problems += _graph_problems(c)
     if g("transformer_impl") == "inference_optimized":
         problems.append(
             "transformer_impl='inference_optimized' uses its own inference dispatcher; "
