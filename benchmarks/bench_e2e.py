@@ -243,16 +243,6 @@ RING_LAYER_GRAPH_FLAGS = (
     "--cuda-graph-warmup-steps",
     str(GRAPH_WARMUP_STEPS),
 )
-# the same without TransformerEngine (megatron-core's local layers), for a machine without TE
-RING_LAYER_GRAPH_LOCAL_FLAGS = (
-    "--cuda-graph-impl",
-    "local",
-    "--cuda-graph-modules",
-    "attn",
-    "moe",
-    "--cuda-graph-warmup-steps",
-    str(GRAPH_WARMUP_STEPS),
-)
 DROP_FLAGS = ("--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity")
 DROP_GRAPH_FLAGS = ("--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules", "attn",
                     "moe")  # fmt: skip
@@ -298,10 +288,6 @@ PROVIDERS = {
                  graph_flags=RING_LAYER_GRAPH_FLAGS,
                  about="the ring under megatron-core's per-layer graphs over attention and the "
                        "whole MoE layer (TE), dropless"),
-        Provider("relaymoe_ring_layer_graphs_local", "ring", te=False,
-                 graph_flags=RING_LAYER_GRAPH_LOCAL_FLAGS,
-                 about="the ring under megatron-core's local per-layer graphs over attention "
-                       "and the whole MoE layer (shapes without TE), dropless"),
         Provider("mcore_alltoall", "alltoall", te=False,
                  about="megatron-core's alltoall (shapes without TE)"),
         Provider("mcore_alltoall_te", "alltoall", te=True,
@@ -314,8 +300,8 @@ PROVIDERS = {
 }  # fmt: skip
 GBS_PROVIDERS = ("relaymoe_ring", "relaymoe_ring_graphed", "mcore_alltoall_te",
                  "mcore_alltoall_te_drop", "relaymoe_ring_layer_graphs")  # fmt: skip
-LOCAL_GBS_PROVIDERS = ("relaymoe_ring", "relaymoe_ring_graphed", "mcore_alltoall",
-                       "relaymoe_ring_layer_graphs_local")  # fmt: skip
+# no local per-layer graphs: relaymoe refuses them for the ring (relaymoe.megatron.validate)
+LOCAL_GBS_PROVIDERS = ("relaymoe_ring", "relaymoe_ring_graphed", "mcore_alltoall")
 
 
 def anchor_provider(shape: E2EShape) -> str:

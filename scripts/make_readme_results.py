@@ -159,6 +159,11 @@ HEADLINE = [
      "the CUDA graphs its sweep kept; the faster of its two runs)", "e2e",
      {"shape": "qwen3_slice_s4k_te", "provider": "relaymoe_ring"},
      {"shape": "qwen3_slice_s4k_te", "provider": "mcore_alltoall_te"}, "tokens_per_s"),
+    ("GPT training with gradient accumulation, tokens/s (the slice, sequence 4k, global batch "
+     "16, 1 GPU; the ring dropless under megatron-core's full_iteration CUDA graph; baseline "
+     "megatron-core with TE at its best, dropless, as above)", "e2e",
+     {"shape": "qwen3_slice_s4k_gbs16_te", "provider": "relaymoe_ring_graphed"},
+     {"shape": "qwen3_slice_s4k_gbs16_te", "provider": "mcore_alltoall_te"}, "tokens_per_s"),
     ("GPT training, tokens/s (the slice with Qwen3's 152k vocabulary, sequence 4k, 1 GPU, ring + "
      "fused loss; baseline as above, without CUDA graphs: megatron-core refuses them under this "
      "shape's full recompute)", "e2e",
@@ -422,6 +427,17 @@ def _ratio(x: float) -> str:
     return f"{x:.2f}x" if x >= 0.1 else f"{x:.2g}x"
 
 
+def _card(*rows: dict) -> str:
+    """The GPU model the rows ran on ("NVIDIA H100 80GB HBM3" -> "H100"), one name per row."""
+    names = []
+    for r in rows:
+        g = str(r.get("gpu") or "?")
+        short = next((w for w in g.replace("NVIDIA", "").split() if w[:1] in "HABL"), g)
+        if short not in names:
+            names.append(short)
+    return " / ".join(names)
+
+
 def headline(items: list[tuple[str, dict, str]]) -> str:
     """README.md's generated section: relaymoe vs the Megatron baseline, newest rows."""
     lines, srcs, commits = [], set(), set()
@@ -433,7 +449,8 @@ def headline(items: list[tuple[str, dict, str]]) -> str:
         if key == "tokens_per_s" and b[1].get("repeat_tokens_per_s"):
             base_v = max(base_v, b[1]["repeat_tokens_per_s"])  # the anchor's faster run
         ratio = a[1][key] / base_v
-        lines.append(f"| {what} | {_num(a[1][key])} | {_num(base_v)} | {_ratio(ratio)} |")
+        card = _card(a[1], b[1])
+        lines.append(f"| {what} | {card} | {_num(a[1][key])} | {_num(base_v)} | {_ratio(ratio)} |")
         for s, r in (a, b):
             srcs.add(s)
             commits.add(str(r.get("commit")))
@@ -457,7 +474,8 @@ def headline(items: list[tuple[str, dict, str]]) -> str:
             lower = ">= " if best.get("bracket_open") else ""
             lines.append(
                 f"| Longest sequence that trains, tokens (`{best.get('config', '')}`, EP=2, ring + "
-                f"fused loss vs alltoall) | {lower}{_num(best['max_seq'])} | {base_txt} | "
+                f"fused loss vs alltoall) | {_card(best, b)} | {lower}{_num(best['max_seq'])} | "
+                f"{base_txt} | "
                 f"{lower}{_ratio(best['max_seq'] / b['max_seq'])} |"
             )
             for s, r in ((s_best, best), base):
@@ -465,8 +483,8 @@ def headline(items: list[tuple[str, dict, str]]) -> str:
                 commits.add(str(r.get("commit")))
     if not lines:
         return "\n"
-    head = ["", "| measurement | relaymoe | Megatron baseline | relaymoe / baseline |",
-            "| --- | --- | --- | --- |"]  # fmt: skip
+    head = ["", "| measurement | GPU | relaymoe | Megatron baseline | relaymoe / baseline |",
+            "| --- | --- | --- | --- | --- |"]  # fmt: skip
     tail = ["", "_rows: " + ", ".join(f"`{s}`" for s in sorted(srcs)) + " · commit: "
             + ", ".join(f"`{c}`" for c in sorted(commits)) + "_", ""]  # fmt: skip
     return "\n".join(head + lines + tail)

@@ -18,10 +18,11 @@ from relaymoe.loss.tp import agree_tp, refuse_on_every_rank
 
 Impl = Literal["auto", "torch", "triton"]
 # the device-side refusal of a captured backward whose upstream gradient is not uniform
+# (torch._assert_async takes at most 254 characters: tests/lib/test_device_asserts.py)
 _NOT_UNIFORM = (
-    "linear_cross_entropy captured in a CUDA graph: the loss's upstream gradient differs between "
-    "counted tokens, and a captured backward computes dW only for a uniform one (a loss averaged "
-    "or summed over the counted tokens); fix: run this loss eagerly, or average it uniformly"
+    "linear_cross_entropy in a CUDA graph: the upstream gradient differs between counted "
+    "tokens; a captured backward needs a uniform one (a mean or sum over counted tokens). "
+    "Fix: run this loss eagerly or average it uniformly"
 )
 
 

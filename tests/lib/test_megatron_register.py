@@ -349,7 +349,7 @@ def test_per_layer_moe_graph_builds_for_the_ring_only(mcore, modules):
     still meets megatron-core's assertion."""
     from relaymoe.megatron.validate import ring_graph_capture
 
-    cfg = _config(cuda_graph_impl="local", cuda_graph_modules=list(modules),
+    cfg = _config(cuda_graph_impl="transformer_engine", cuda_graph_modules=list(modules),
                   cuda_graph_warmup_steps=2)  # fmt: skip
     assert (cfg.moe_expert_capacity_factor, cfg.moe_pad_expert_input_to_capacity) == (None, False)
     assert ring_graph_capture(cfg) == "per_layer"
@@ -359,8 +359,11 @@ def test_per_layer_moe_graph_builds_for_the_ring_only(mcore, modules):
                                       cuda_graph_modules=["attn"])) is None  # fmt: skip
     if "moe" in modules:  # megatron-core asserts only where the scope names the MoE layer
         with pytest.raises(AssertionError, match="drop-padding"):
-            _config(cuda_graph_impl="local", cuda_graph_modules=list(modules),
+            _config(cuda_graph_impl="transformer_engine", cuda_graph_modules=list(modules),
                     moe_token_dispatcher_type="alltoall")  # fmt: skip
+    with pytest.raises(ValueError, match="local per-layer graphs"):
+        _config(cuda_graph_impl="local", cuda_graph_modules=list(modules),
+                cuda_graph_warmup_steps=2)  # fmt: skip
 
 
 def test_per_layer_moe_graph_refusals(mcore):
@@ -381,6 +384,7 @@ def test_per_layer_moe_graph_refusals(mcore):
         ("relaymoe_mode", "alltoall", "sizes its messages on the host"),
         ("cuda_graph_warmup_steps", 0, "--cuda-graph-warmup-steps 1"),
         ("moe_router_load_balancing_type", "sinkhorn", "Sinkhorn"),
+        ("cuda_graph_impl", "local", "transformer_engine --cuda-graph-modules attn moe"),
     ):
         bad = types.SimpleNamespace(**{**vars(ns), field: value})
         with pytest.raises(ValueError, match=message):
