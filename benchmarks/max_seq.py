@@ -1450,7 +1450,7 @@ def print_summary(rows: list[dict]) -> None:
                     f"{other}'s longest sequence ({why})")  # fmt: skip
             tps, tps0 = r.get("tokens_per_s_at_anchor_seq"), base.get("tokens_per_s_at_anchor_seq")
             if why == "anchor" and tps and tps0:
-                line += f"; {tps / tps0:.2f}x its tokens/s at its longest sequence"
+                line += f"; {tps / tps0:.2f}x its tokens/s at the anchor's longest sequence"
             print(line)
 
 

@@ -164,13 +164,15 @@ STEPS: tuple[Step, ...] = (
          quick=("--timeout", "60"), full=("--timeout", "300"), quick_env=_NO_TUNE,
          outputs=("gpu_tests_kernels.xml",)),
     # the bf16 GPU tests of every activation and bias, the property sweep, the Gluon gather
-    # kernels, the recorded hops and megatron-core's own MoE-layer tests with the ring (those
-    # need .megatron_lm/ carried; about 5 min on 1x H200): --full, or --only gpu_tests_more
-    Step("gpu_tests_more", "-m pytest", "gpu0", 1, 0, 420, full_only=True,
+    # kernels, the recorded hops, megatron-core's own MoE-layer tests with the ring (those
+    # need .megatron_lm/ carried; about 5 min on 1x H200) and max_seq's TE trials (four tiny
+    # Megatron runs, about 3 min by estimate): --full, or --only gpu_tests_more
+    Step("gpu_tests_more", "-m pytest", "gpu0", 1, 0, 580, full_only=True,
          args=("-q", "-ra", "-p", "no:cacheprovider", "tests/gpu/test_activations_gpu.py",
                "tests/gpu/test_property_gpu.py", "tests/gpu/test_gather_ws_gpu.py",
                "tests/gpu/test_hop_graphs_gpu.py", "tests/gpu/test_mcore_moe_layer_gpu.py",
-               "tests/gpu/test_capture_gpu.py", "--junitxml={out}/gpu_tests_more.xml"),
+               "tests/gpu/test_capture_gpu.py", "tests/gpu/test_max_seq_gpu.py",
+               "--junitxml={out}/gpu_tests_more.xml"),
          full=("--timeout", "300"), outputs=("gpu_tests_more.xml",)),
     Step("memory_model", "benchmarks/validate_memory_model.py", "gpu0", 1, 100, 300,
          args=("--out", "{out}/memory_model.jsonl"), quick=("--quick",), quick_env=_NO_TUNE,

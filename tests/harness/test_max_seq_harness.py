@@ -480,6 +480,20 @@ def test_main_rejects_bad_arguments(capsys):
     assert "bogus" in capsys.readouterr().err
 
 
+def job_result(ok: bool, workdir, *, steps, log: str, wall_s: float = 120.0) -> dict:
+    """What ``launch`` returns for a fake trial."""
+    return {"returncode": 0 if ok else 1, "timed_out": False, "wall_s": wall_s, "steps": steps,
+            "log": log, "command": "torchrun ...", "log_dir": str(workdir)}  # fmt: skip
+
+
+def fake_machine(monkeypatch, launch, *, gpu="FAKE H200", count=2, total=150 * 10**9):
+    """``launch`` in place of the GPU jobs, on ``count`` GPUs of ``total`` bytes, all free."""
+    facts = {"count": count, "gpu": gpu, "free_bytes": total - 10**9, "total_bytes": total}
+    monkeypatch.setattr(ms, "launch", launch)
+    monkeypatch.setattr(ms, "device_facts", lambda n: facts)
+    monkeypatch.setattr(ms, "wait_gpus_free", lambda gpus, **kw: None)
+
+
 def test_a_whole_run_writes_one_row_per_provider(monkeypatch, tmp_path):
     """Everything but the GPU jobs: planner, search, classification and rows."""
     truth = {
@@ -500,20 +514,9 @@ def test_a_whole_run_writes_one_row_per_provider(monkeypatch, tmp_path):
         ok = seq <= truth[name]
         steps = OK_STEPS if ok else OK_STEPS[:1]
         log = ms.SDPA_MARKER + "\n" + ("" if ok else OOM_LOG)
-        return {
-            "returncode": 0 if ok else 1,
-            "timed_out": False,
-            "wall_s": 120.0,
-            "steps": steps,
-            "log": log,
-            "command": "torchrun ...",
-            "log_dir": str(workdir),
-        }
+        return job_result(ok, workdir, steps=steps, log=log)
 
-    facts = {"count": 2, "gpu": "FAKE H200", "free_bytes": 149 * 10**9, "total_bytes": 150 * 10**9}
-    monkeypatch.setattr(ms, "launch", fake_launch)
-    monkeypatch.setattr(ms, "device_facts", lambda gpus: facts)
-    monkeypatch.setattr(ms, "wait_gpus_free", lambda gpus, **kw: None)
+    fake_machine(monkeypatch, fake_launch)
     out = tmp_path / "rows.jsonl"
     rc = ms.main(["--out", str(out), "--workdir", str(tmp_path / "w"), "--budget-s", "1e9"])
     assert rc == 0
@@ -560,14 +563,10 @@ def test_a_capped_run_plans_for_the_smaller_gpu_and_needs_the_cap_marker(
         caps.append(cap_bytes)
         ok = int(_group(flags, "--seq-length")[0]) <= truth
         log = ms.SDPA_MARKER + "\n" + (MARKER + "\n" if cap_marker else "")
-        return {"returncode": 0 if ok else 1, "timed_out": False, "wall_s": 10.0,
-                "steps": OK_STEPS if ok else OK_STEPS[:1], "log": log + ("" if ok else OOM_LOG),
-                "command": "torchrun ...", "log_dir": str(workdir)}  # fmt: skip
+        return job_result(ok, workdir, steps=OK_STEPS if ok else OK_STEPS[:1],
+                          log=log + ("" if ok else OOM_LOG), wall_s=10.0)  # fmt: skip
 
-    facts = {"count": 2, "gpu": "FAKE H200", "free_bytes": 149 * 10**9, "total_bytes": 150 * 10**9}
-    monkeypatch.setattr(ms, "launch", fake_launch)
-    monkeypatch.setattr(ms, "device_facts", lambda gpus: facts)
-    monkeypatch.setattr(ms, "wait_gpus_free", lambda gpus, **kw: None)
+    fake_machine(monkeypatch, fake_launch)
     out = tmp_path / "rows.jsonl"
     argv = ["--out", str(out), "--workdir", str(tmp_path / "w"), "--memory-cap", "h100-80gb",
             "--providers", "relaymoe_ring_fused_loss", "--growth", "0.03"]  # fmt: skip
@@ -717,8 +716,10 @@ _BUILD = MEGATRON_CPU_PRELUDE + textwrap.dedent(
     from benchmarks.max_seq import trial_flags
     from benchmarks.sdpa_attention import SdpaCoreAttention
     S = 48
-    # fp32 (not the trials' bf16) so that the two attentions can be compared tightly
-    flags = [f for f in trial_flags("tiny_qwen3", "relaymoe_ring", S, gpus=1) if f != "--bf16"]
+    # fp32 (not the trials' bf16) so that the two attentions can be compared tightly; no
+    # recompute (its checkpoints save the CUDA generator's state, which a CPU has not)
+    flags = trial_flags("tiny_qwen3", "relaymoe_ring", S, gpus=1, policy="none")
+    flags = [f for f in flags if f != "--bf16"]
     sys.argv = ["pretrain", *flags, "--use-cpu-initialization"]
     args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
     assert not args.create_attention_mask_in_dataloader
@@ -826,14 +827,10 @@ def test_a_te_run_of_every_policy_on_two_lanes(monkeypatch, tmp_path):
                  for s in (OK_STEPS if ok else OK_STEPS[:1])]  # fmt: skip
         with lock:
             del busy[job]
-        return {"returncode": 0 if ok else 1, "timed_out": False, "wall_s": 60.0,
-                "steps": steps, "log": ("" if ok else OOM_LOG) + CAP_LOG,
-                "command": "torchrun ...", "log_dir": str(workdir)}  # fmt: skip
+        return job_result(ok, workdir, steps=steps, log=("" if ok else OOM_LOG) + CAP_LOG,
+                          wall_s=60.0)  # fmt: skip
 
-    facts = {"count": 2, "gpu": "FAKE H100", "free_bytes": 84 * 10**9, "total_bytes": 85 * 10**9}
-    monkeypatch.setattr(ms, "launch", fake_launch)
-    monkeypatch.setattr(ms, "device_facts", lambda n: facts)
-    monkeypatch.setattr(ms, "wait_gpus_free", lambda gpus, **kw: None)
+    fake_machine(monkeypatch, fake_launch, gpu="FAKE H100", total=85 * 10**9)
     out = tmp_path / "rows.jsonl"
     argv = ["--out", str(out), "--workdir", str(tmp_path / "w"), "--providers",
             ",".join(ms.TE_PROVIDERS), "--policies", "full,selective,none", "--gpus", "1",
@@ -902,15 +899,10 @@ def test_an_anchor_from_earlier_rows(monkeypatch, tmp_path):
         seq = int(_group(flags, "--seq-length")[0])
         seqs.append((workdir.name, seq))
         ok = seq <= 60_000
-        return {"returncode": 0, "timed_out": False, "wall_s": 60.0,
-                "steps": [{**s, "tokens_per_s": 7.0} for s in OK_STEPS] if ok else [],
-                "log": ("" if ok else OOM_LOG) + CAP_LOG, "command": "x",
-                "log_dir": str(workdir)}  # fmt: skip
+        steps = [{**s, "tokens_per_s": 7.0} for s in OK_STEPS] if ok else []
+        return job_result(ok, workdir, steps=steps, log=("" if ok else OOM_LOG) + CAP_LOG)
 
-    facts = {"count": 1, "gpu": "FAKE H100", "free_bytes": 84 * 10**9, "total_bytes": 85 * 10**9}
-    monkeypatch.setattr(ms, "launch", fake_launch)
-    monkeypatch.setattr(ms, "device_facts", lambda n: facts)
-    monkeypatch.setattr(ms, "wait_gpus_free", lambda gpus, **kw: None)
+    fake_machine(monkeypatch, fake_launch, gpu="FAKE H100", count=1, total=85 * 10**9)
     earlier = tmp_path / "earlier.jsonl"
     base = {"bench": "max_seq", "config": ms.DEFAULT_CONFIG, "gpus": 1,
             "memory_cap_gpu": "h100-80gb", "provider": ms.ANCHOR_TE}  # fmt: skip

@@ -140,3 +140,70 @@ def test_pretrain_parses_the_memory_phases_flag():
         ["--relaymoe-report", "r.jsonl", "--relaymoe-memory-phases"]
     )
     assert a.relaymoe_memory_phases is True
+
+
+def test_the_step_report_writes_each_steps_phases(monkeypatch, tmp_path):
+    """``pretrain``'s step report with ``--relaymoe-memory-phases``, around a fake Megatron
+    ``train_step`` (the CUDA counters faked): one line a step, each with that step's phases
+    (the second step's base holds the optimizer states the first one made)."""
+    import json
+    from types import SimpleNamespace
+
+    from megatron.training import training
+
+    from relaymoe.megatron import pretrain
+
+    mem = FakeAllocator(100)
+    for name, fn in (("memory_allocated", lambda *a: mem.now),
+                     ("max_memory_allocated", lambda *a: mem.peak),
+                     ("synchronize", lambda *a: None)):  # fmt: skip
+        monkeypatch.setattr(torch.cuda, name, fn)
+
+    def reset(*a):
+        mem.peak = mem.now
+
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda *a: 0)
+    model = torch.nn.Sequential(Gpt(mem))
+
+    class Optimizer:
+        param_groups = [{"lr": 1e-3}]
+        states = 0
+
+        def step(self):
+            if not self.states:
+                self.states = 40
+                mem.alloc(40)  # Adam's states, made by the first step
+            return True
+
+    def train_step(fwd, data, model, optimizer, *rest):
+        model[0](torch.ones(2))
+        mem.alloc(30)
+        mem.free(33)
+        optimizer.step()
+        loss = torch.tensor([2.5, 1.0])
+        return {"lm loss": loss}, 0, 0
+
+    monkeypatch.setattr(training, "train_step", train_step)
+    report = tmp_path / "r.jsonl"
+    args = SimpleNamespace(relaymoe_report=str(report), relaymoe_memory_phases=True,
+                           relaymoe_weights_digest=False, global_batch_size=1, seq_length=8,
+                           train_iters=2, moe_token_dispatcher_type="alltoall")  # fmt: skip
+    pretrain._install_step_report(args)
+    opt = Optimizer()
+    for _ in range(2):
+        training.train_step(None, None, [model], opt, None)
+    lines = [json.loads(x) for x in report.read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2] and lines[0]["loss"] == 2.5
+    first, second = (x["memory_phases"] for x in lines)
+    assert first["marks"]["forward_start"] == [100, 100]
+    assert first["peak_phase"] == "optimizer" and first["terms"]["optimizer_step"] == 40
+    assert second["marks"]["forward_start"] == [140, 140]  # this step's, not the first one's
+    assert second["peak_phase"] == "backward" and second["terms"]["model_states"] == 140
+    assert second["terms"]["layer_working_set"] == 30 and lines[1]["peak_MiB"] * 2**20 == 173
+    args.relaymoe_memory_phases = False  # without the flag: no phases in the line
+    report.unlink()
+    monkeypatch.setattr(training, "train_step", train_step)
+    pretrain._install_step_report(args)
+    training.train_step(None, None, [model], opt, None)
+    assert "memory_phases" not in json.loads(report.read_text())
