@@ -1256,6 +1256,8 @@ class Campaign:
         elif not seq:
             note = ("the anchor trained no sequence" if seq == 0 else
                     "the anchor was not run (add it, or pass --anchor-rows)")  # fmt: skip
+        elif res.stop_reason == "error":
+            note = "not run: the search stopped on an error"
         elif res.first_oom_seq is not None and res.first_oom_seq <= seq:
             note = f"out of memory at {res.first_oom_seq} <= the anchor's {seq}"
         else:

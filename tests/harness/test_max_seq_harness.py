@@ -921,6 +921,18 @@ def test_an_anchor_from_earlier_rows(monkeypatch, tmp_path):
     (r,) = map(json.loads, (tmp_path / "b").read_text().splitlines())
     assert r["anchor_max_seq"] is None and "--anchor-rows" in r["anchor_seq_note"]
     assert r["tokens_per_s_at_anchor_seq"] is None
+    # a search that stopped on an error is not timed at the anchor's length either
+    calls = []
+
+    def broken(flags, *, workdir, **kw):
+        calls.append(workdir.name)
+        return job_result(False, workdir, steps=[], log="error: unrecognized arguments: --x")
+
+    monkeypatch.setattr(ms, "launch", broken)
+    assert ms.main([*argv, "--anchor-rows", str(earlier), "--out", str(tmp_path / "c")]) == 1
+    (r,) = map(json.loads, (tmp_path / "c").read_text().splitlines())
+    assert r["stop_reason"] == "error" and r["anchor_seq_note"].endswith("on an error")
+    assert r["anchor_seq_trial"] is None and calls == ["s57344"]
 
 
 def test_lane_queue_runs_tasks_in_order_on_free_lanes_and_reraises():
