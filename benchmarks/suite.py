@@ -136,6 +136,11 @@ E2E_GBS_PROVIDERS = (
     "relaymoe_ring_layer_graphs"
 )
 
+# benchmarks/max_seq.py's TE_PROVIDERS (written out: the suite imports no torch)
+MAX_SEQ_TE_PROVIDERS = (
+    "mcore_alltoall_te,mcore_alltoall_te_fused_loss,relaymoe_ring_te,relaymoe_ring_te_fused_loss"
+)
+
 # Phases: 1 the untimed steps (correctness, memory) side by side, where sharing a GPU is
 # harmless: the tests gate a green run, so they come first; 2 the timed 2-GPU steps alone on the
 # machine (more than 2 GPUs: the ring again at EP = every GPU), most important first so that a
@@ -159,13 +164,15 @@ STEPS: tuple[Step, ...] = (
          quick=("--timeout", "60"), full=("--timeout", "300"), quick_env=_NO_TUNE,
          outputs=("gpu_tests_kernels.xml",)),
     # the bf16 GPU tests of every activation and bias, the property sweep, the Gluon gather
-    # kernels, the recorded hops and megatron-core's own MoE-layer tests with the ring (those
-    # need .megatron_lm/ carried; about 5 min on 1x H200): --full, or --only gpu_tests_more
-    Step("gpu_tests_more", "-m pytest", "gpu0", 1, 0, 420, full_only=True,
+    # kernels, the recorded hops, megatron-core's own MoE-layer tests with the ring (those
+    # need .megatron_lm/ carried; about 5 min on 1x H200) and max_seq's TE trials (four tiny
+    # Megatron runs, about 3 min by estimate): --full, or --only gpu_tests_more
+    Step("gpu_tests_more", "-m pytest", "gpu0", 1, 0, 580, full_only=True,
          args=("-q", "-ra", "-p", "no:cacheprovider", "tests/gpu/test_activations_gpu.py",
                "tests/gpu/test_property_gpu.py", "tests/gpu/test_gather_ws_gpu.py",
                "tests/gpu/test_hop_graphs_gpu.py", "tests/gpu/test_mcore_moe_layer_gpu.py",
-               "tests/gpu/test_capture_gpu.py", "--junitxml={out}/gpu_tests_more.xml"),
+               "tests/gpu/test_capture_gpu.py", "tests/gpu/test_max_seq_gpu.py",
+               "--junitxml={out}/gpu_tests_more.xml"),
          full=("--timeout", "300"), outputs=("gpu_tests_more.xml",)),
     Step("memory_model", "benchmarks/validate_memory_model.py", "gpu0", 1, 100, 300,
          args=("--out", "{out}/memory_model.jsonl"), quick=("--quick",), quick_env=_NO_TUNE,
@@ -233,6 +240,21 @@ STEPS: tuple[Step, ...] = (
          args=("--shapes", "qwen3_slice_s4k_gbs16", "--gpus", "1", "--steps", "15",
                "--profile-busy", "--budget-s", "530", "--out", "{out}/e2e_gbs16_local.jsonl"),
          outputs=("e2e_gbs16_local.jsonl",)),
+    # issue #53: the longest sequence at EP 1 under TransformerEngine, the four providers
+    # (MAX_SEQ_TE_PROVIDERS) x the recompute policies full, selective, none, each trial capped at
+    # an H100 80GB's usable bytes (--memory-cap h100-80gb: the planner's 74.2 GiB, the same rows
+    # on an H100 or an H200). One job (provider x policy) per GPU at a time (--lanes all): on 8
+    # GPUs one call (12 searches of at most 180 s, eight at once, the anchors first, then the
+    # timed trials at the anchors' lengths; --budget-s 540). On fewer GPUs split the jobs over
+    # calls with --extra max_seq_te='--policies P --providers ...' (benchmarks/README.md).
+    # --full, or --full --only max_seq_te
+    Step("max_seq_te", "benchmarks/max_seq.py", ALL, 2, 0, 580, full_only=True,
+         args=("--providers", MAX_SEQ_TE_PROVIDERS, "--policies", "full,selective,none",
+               "--gpus", "1", "--lanes", "all", "--memory-cap", "h100-80gb", "--growth", "0.03",
+               "--budget-s", "540", "--search-budget-s", "180", "--max-trial-s", "170",
+               "--min-trial-s", "45", "--anchor-rows", "{out}/max_seq_te.jsonl",
+               "--out", "{out}/max_seq_te.jsonl"),
+         outputs=("max_seq_te.jsonl",)),
     Step("routing", "benchmarks/bench_routing.py", "gpu0", 3, 25, 240,
          args=("--rep-ms", "50", "--out", "{out}/routing.jsonl"), quick=("--quick",),
          outputs=("routing.jsonl",)),

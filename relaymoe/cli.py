@@ -14,6 +14,7 @@ import sys
 
 from relaymoe.config import DISPATCHERS
 from relaymoe.options import MODE_CHOICES, TRANSPORT_CHOICES
+from relaymoe.planner.memory import TE_IMPL, TRANSFORMER_IMPLS
 
 DEFAULT_CONFIG = "qwen3_30b_a3b"
 # the Hugging Face subcommands -> their package (each has add_parser and main)
@@ -61,6 +62,13 @@ def _parser() -> argparse.ArgumentParser:
         "(e.g. 85899345920 or 80GiB); default %(default)s",
     )
     _add_overrides(q, dispatchers=("ring", "alltoall"))
+    q.add_argument(
+        "--transformer-impl",
+        choices=TRANSFORMER_IMPLS,
+        default=TE_IMPL,
+        help="Megatron's --transformer-impl the per-policy longest sequences are predicted for "
+        "(default %(default)s)",
+    )
     q.add_argument("--json", action="store_true", help="print one JSON object")
     f = sub.add_parser(
         "flags",
@@ -211,12 +219,41 @@ LABEL = {
 
 
 def _binding(p, v) -> str:
-    """The largest term of the worst stage at the variant's longest sequence."""
+    """The term that binds the variant's longest sequence (``recompute.binding_term``: the
+    largest term that grows with the sequence) on the worst stage there."""
+    from relaymoe.planner.recompute import binding_term
+
     at = p.max_seq_breakdown.get(v)
-    if not at:
+    term = binding_term(at["terms"]) if at else None
+    if term is None:
         return "-"
-    term, b = max(at["terms"].items(), key=lambda kv: kv[1])
-    return f"{term} {_gib(b)} GiB on stage {at['stage']}"
+    return f"{term} {_gib(at['terms'][term])} GiB on stage {at['stage']}"
+
+
+def policy_lines(p) -> list[str]:
+    """Each variant's longest sequence under each recompute policy (``Plan.policies``) and the
+    term that binds it; then, where the config's dispatcher is alltoall, megatron-core's own
+    memory flags as the alternative to the ring."""
+    from relaymoe.planner.policies import POLICIES
+
+    impl = "TransformerEngine" if p.transformer_impl == TE_IMPL else "local layers"
+    lines = [
+        f"Longest sequence per recompute policy ({impl}; full: every layer, selective: "
+        "megatron-core's memory set for alltoall, the recompute plan for the ring; binds):"
+    ]
+    w = max(len(LABEL[v]) for v in ORDER)
+    for v in ORDER:
+        cells = []
+        for policy in POLICIES:
+            r = p.policies[v][policy]
+            cells.append(f"{policy} {r['max_seq']:>8} ({r['binding_term'] or '-'})")
+        lines.append(f"  {LABEL[v]:<{w}}  " + "  ".join(cells))
+    if p.mcore_memory_flags:
+        lines.append(
+            "megatron-core's own memory flags (the alternative with the alltoall dispatcher; "
+            "the selective row above): " + " ".join(p.mcore_memory_flags)
+        )
+    return lines
 
 
 RECOMPUTE_COLUMNS = (
@@ -269,7 +306,7 @@ def _print_rich(cfg, p) -> None:
     con.print(
         f"[bold]What fits[/], full recompute (max seq length at micro-batch "
         f"{t.micro_batch_size}, max micro-batch at seq {t.seq_length}; binds: the worst "
-        "stage's largest term at that length):"
+        "stage's largest term that grows with the sequence, at that length):"
     )
     w = max(len(LABEL[v]) for v in ORDER)
     for v in ORDER:  # plain lines: greppable, and not squeezed by a narrow terminal
@@ -281,6 +318,8 @@ def _print_rich(cfg, p) -> None:
             soft_wrap=True,
             highlight=False,
         )
+    for line in policy_lines(p):
+        con.print(line, soft_wrap=True, highlight=False)
     hop, sm = p.per_hop_bytes, p.step_model
     model = ", ".join(
         f"{m} {sm[m]['seconds'] * 1e3:.2f} ms / "
@@ -453,7 +492,7 @@ def _run(ns) -> int:
     try:
         cfg, notes = build_config(ns)
         check_launch(to_megatron_args(cfg))
-        p = plan(cfg, ns.gpu, notes=notes)
+        p = plan(cfg, ns.gpu, notes=notes, transformer_impl=ns.transformer_impl)
     except ValueError as e:
         print(f"relaymoe plan: error: {e}", file=sys.stderr)
         return 2

@@ -17,6 +17,8 @@ end-to-end benchmarks').
 With ``--relaymoe-weights-digest`` every rank also writes ``PATH.weights.rank<R>.json`` after the
 last iteration: a SHA-256 of its model parameters (names, dtypes, shapes and bytes), so two runs
 can be compared for bitwise identical weights without saving checkpoints.
+With ``--relaymoe-memory-phases`` each line also carries ``memory_phases``: where the step's
+memory peak fell and its breakdown in the planner's terms (``relaymoe/megatron/memory_phases.py``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,13 @@ def extra_args(parser):
         "--relaymoe-report",
         default=None,
         help="write one JSON line per training step (loss, tokens/s, peak memory) here",
+    )
+    group.add_argument(
+        "--relaymoe-memory-phases",
+        action="store_true",
+        help="with --relaymoe-report PATH: each step's line also carries memory_phases, the "
+        "allocator's counters at the step's phase boundaries and the breakdown of its peak "
+        "in the planner's terms (relaymoe/megatron/memory_phases.py)",
     )
     group.add_argument(
         "--relaymoe-weights-digest",
@@ -244,10 +253,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_and_validate_args(
         extra_args_provider=extra_args, args_defaults={"tokenizer_type": "NullTokenizer"}
     )
-    if args.relaymoe_weights_digest and not args.relaymoe_report:
-        raise SystemExit(
-            "--relaymoe-weights-digest writes beside the step report: add --relaymoe-report PATH"
-        )
+    for flag in ("weights_digest", "memory_phases"):
+        if getattr(args, f"relaymoe_{flag}") and not args.relaymoe_report:
+            raise SystemExit(
+                f"--relaymoe-{flag.replace('_', '-')} writes with the step report: add "
+                "--relaymoe-report PATH"
+            )
     if args.relaymoe_report:
         _install_step_report(args)
     full = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
@@ -274,8 +285,11 @@ def _install_step_report(args) -> None:
     from megatron.core import parallel_state as ps
     from megatron.training import training
 
+    from relaymoe.megatron.memory_phases import PhaseRecorder
+
     original = training.train_step
     path = args.relaymoe_report
+    phases = PhaseRecorder() if args.relaymoe_memory_phases else None
 
     def train_step(*a, **kw):
         torch.cuda.synchronize()
@@ -286,7 +300,11 @@ def _install_step_report(args) -> None:
         torch.cuda.reset_peak_memory_stats()
         model = a[2] if len(a) > 2 else kw["model"]
         copied0 = ring_copied_weight_bytes(model)
+        if phases is not None:
+            phases.attach(model, a[3] if len(a) > 3 else kw["optimizer"])
+            phases.start()
         result = original(*a, **kw)
+        memory = phases.finish() if phases is not None else None
         torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         iteration = getattr(args, "curr_iteration", _REPORT["step"]) + 1
@@ -322,6 +340,7 @@ def _install_step_report(args) -> None:
                                 # expert-weight bytes the ring copied this step (ring runs)
                                 "ring_weight_copy_bytes": ring_copied_weight_bytes(model) - copied0,
                                 "dispatcher": args.moe_token_dispatcher_type,
+                                **({"memory_phases": memory} if memory is not None else {}),
                             }
                         )
                         + "\n"

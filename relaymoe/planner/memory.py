@@ -444,3 +444,70 @@ def inflight_microbatches(cfg: Config, stage: int) -> float:
     if p.vpp and p.vpp > 1 and stage == 0:
         inflight = min(n_mb, p.pp) * (1 + (p.pp - 1) / (p.pp * p.vpp))
     return inflight
+
+
+# -- megatron-core's selective recompute ----------------------------------------------------------
+
+TE_IMPL = "transformer_engine"  # Megatron's --transformer-impl default
+LOCAL_IMPL = "local"
+TRANSFORMER_IMPLS = (TE_IMPL, LOCAL_IMPL)
+
+
+def selective_layer_bytes(
+    cfg: Config,
+    sh: Shapes,
+    layer: int,
+    dispatcher: str,
+    ring_mode: str,
+    moe_peak: int,
+    modules: frozenset[str],
+    transformer_impl: str = TE_IMPL,
+) -> tuple[int, int]:
+    """``(r, x)`` of one layer under megatron-core's selective recompute of ``modules``
+    (``--recompute-granularity selective --recompute-modules ...``): what the layer retains
+    through the forward, and what its backward adds on top (``recompute.stage_peak``'s terms).
+
+    From megatron-core 0.19's layer: ``core_attn`` checkpoints the core attention, whose inputs
+    (q, k, v) stay saved and whose output stays saved by the output projection: only the
+    softmax statistics (``lse``) go, and come back in the backward with the output.
+    ``layernorm`` discards the outputs of ``input_layernorm`` and ``pre_mlp_layernorm`` and
+    recomputes them; under TransformerEngine the input norm is fused into the QKV projection
+    (``input_layernorm`` is an identity there), so only the pre-MLP norm's output goes.
+    ``moe`` checkpoints the whole MoE layer: it keeps only its input (the pre-MLP norm's
+    output, itself discarded with ``layernorm``), and its backward rematerialises the block's
+    whole working set (``moe_peak``), as a fully recomputed layer's. ``moe_act`` discards the
+    expert activation's output (fc2's input, ``(P, I)``), which ``moe`` makes moot."""
+    bad = sorted(set(modules) - {"core_attn", "layernorm", "moe", "moe_act"})
+    if bad:
+        raise ValueError(
+            f"recompute modules {bad}: the planner models core_attn, layernorm, moe and moe_act "
+            "(megatron-core's memory set for this model); drop the others"
+        )
+    if transformer_impl not in TRANSFORMER_IMPLS:
+        raise ValueError(f"transformer_impl={transformer_impl!r}; known: {TRANSFORMER_IMPLS}")
+    m, e = cfg.model, sh.e
+    full_attn = m.attention_layer_pattern[layer]
+    lse = 4 * sh.T_a * (m.num_attention_heads // sh.tp) if full_attn else 0
+    row = e * sh.T * sh.h  # one (T, h) activation
+    attn = attention_keep_bytes(cfg, sh, layer)
+    attn_x = attention_backward_transient_bytes(cfg, sh, layer)
+    if "core_attn" in modules and full_attn:
+        attn -= lse
+        attn_x += lse + e * sh.T_a * (m.num_attention_heads // sh.tp) * m.head_dim
+    if "layernorm" in modules and transformer_impl == LOCAL_IMPL:
+        attn -= row + norm_extra_per_element(cfg) * sh.T * sh.h
+        attn_x += row
+    inner = mlp_inner_keep_bytes(cfg, sh, layer, dispatcher, ring_mode)
+    moe_layer = m.moe_layer_pattern[layer]
+    norm_out = 0 if "layernorm" in modules else row + norm_extra_bytes(cfg, sh, "mlp")
+    if "moe" in modules and moe_layer:
+        mlp = row + norm_out  # the norm's input, and its output as the checkpoint's input
+        mlp_x = max(moe_peak, inner) + (row if "layernorm" in modules else 0)
+    else:
+        kept_inner = inner
+        if "moe_act" in modules and moe_layer and dispatcher != "ring":
+            kept_inner -= e * sh.P * sh.I  # recomputed in the backward, within the MoE peak
+        mlp = row + norm_out + kept_inner
+        peak = max(moe_peak, inner) if moe_layer else inner
+        mlp_x = peak - kept_inner + (row if "layernorm" in modules else 0)
+    return attn + mlp, max(attn_x, mlp_x)

@@ -16,7 +16,13 @@ from relaymoe.config import Config, config_from_dict, recompute_args, to_megatro
 from relaymoe.options import MODES, RING_MODES
 from relaymoe.planner import memory as mm
 from relaymoe.planner import mode as pm
-from relaymoe.planner.recompute import RecomputePlan, plan_recompute, worst_stage_peak
+from relaymoe.planner import policies as pol
+from relaymoe.planner.recompute import (
+    RecomputePlan,
+    binding_term,
+    plan_recompute,
+    worst_stage_peak,
+)
 
 GiB = 2**30
 MiB = 2**20
@@ -130,6 +136,12 @@ class Plan:
     gpus_per_node: int | None = None  # the cluster's (parallel.gpus_per_node; None: one node)
     hop_times: dict = field(default_factory=dict)  # per schedule: cost.ring_hop_times
     planned_recompute_flags: tuple[str, ...] = ()  # the planner's recompute for ``chosen``
+    transformer_impl: str = mm.TE_IMPL  # what ``policies`` is predicted for
+    # per variant and recompute policy (``policies.POLICIES``): max_seq, binding_term, terms
+    policies: dict = field(default_factory=dict)
+    # megatron-core's own memory flags (``policies.mcore_memory_flags``), the alternative
+    # printed where the config's dispatcher is alltoall (empty for the ring)
+    mcore_memory_flags: tuple[str, ...] = ()
 
     @property
     def chosen(self) -> str:
@@ -195,6 +207,58 @@ def max_seq_length(cfg: Config, dispatcher: str, usable: int, ring_mode=None, **
     return _largest(fits, SEQ_LIMIT // q) * q
 
 
+def policy_max_seq(
+    cfg: Config,
+    dispatcher: str,
+    policy: str,
+    usable: int,
+    *,
+    fused_loss: bool | None = None,
+    transformer_impl: str = mm.TE_IMPL,
+) -> int:
+    """Longest multiple of ``seq_quantum`` whose peak under recompute ``policy``
+    (``policies.POLICIES``) fits ``usable`` bytes (0: none fits). The ring's selective policy
+    (the recompute plan) fits exactly where full recompute does: the plan keeps layers only
+    within the budget full recompute leaves."""
+    pol.check_policy(policy)
+    q = seq_quantum(cfg)
+    if policy == "selective" and dispatcher == "ring":
+        policy = "full"
+
+    def fits(n: int) -> bool:
+        pk = pol.policy_peak(
+            cfg, dispatcher, policy, usable=usable, seq=n * q, fused_loss=fused_loss,
+            transformer_impl=transformer_impl,
+        )  # fmt: skip
+        return pk is not None and pk.total <= usable
+
+    return _largest(fits, SEQ_LIMIT // q) * q
+
+
+def policy_report(cfg: Config, usable: int, transformer_impl: str = mm.TE_IMPL) -> dict:
+    """Per variant and recompute policy: ``max_seq`` (``policy_max_seq``), the ``binding_term``
+    there and the peak's ``terms`` (None where nothing fits)."""
+    out: dict[str, dict] = {}
+    for name, (disp, fused) in VARIANTS.items():
+        out[name] = {}
+        for policy in pol.POLICIES:
+            n = policy_max_seq(
+                cfg, disp, policy, usable, fused_loss=fused, transformer_impl=transformer_impl
+            )
+            pk = None
+            if n:
+                pk = pol.policy_peak(
+                    cfg, disp, policy, usable=usable, seq=n, fused_loss=fused,
+                    transformer_impl=transformer_impl,
+                )  # fmt: skip
+            out[name][policy] = {
+                "max_seq": n,
+                "binding_term": binding_term(pk.terms) if pk else None,
+                "terms": pk.terms if pk else None,
+            }
+    return out
+
+
 def max_micro_batch(cfg: Config, dispatcher: str, usable: int, ring_mode=None, **kw) -> int:
     def fits(b):
         pk = full_recompute_peak(cfg, dispatcher, mbs=b, ring_mode=ring_mode, **kw)
@@ -220,7 +284,13 @@ def _largest(fits, hi: int) -> int:
     return lo
 
 
-def plan(cfg: Config, gpu_bytes: int | str = DEFAULT_GPU, *, notes: Sequence[str] = ()) -> Plan:
+def plan(
+    cfg: Config,
+    gpu_bytes: int | str = DEFAULT_GPU,
+    *,
+    notes: Sequence[str] = (),
+    transformer_impl: str = mm.TE_IMPL,
+) -> Plan:
     """Plans ``cfg`` on GPUs of ``gpu_bytes`` (bytes or a preset name). Raises ValueError
     (one clear message) when the config's dispatcher cannot fit even with full recompute.
 
@@ -229,7 +299,9 @@ def plan(cfg: Config, gpu_bytes: int | str = DEFAULT_GPU, *, notes: Sequence[str
     resolved by the runtime, with the same cost model that gives ``routing_mode``) and the
     config's recompute. The planner's recompute is ``planned_recompute_flags``; a note says
     when it differs from the config's and how to use it. ``notes``: lines to print first (the
-    command line's override notes)."""
+    command line's override notes). ``Plan.policies``: each variant's longest sequence under
+    each recompute policy (``policies.py``) with Megatron's ``transformer_impl``; where the
+    config's dispatcher is alltoall, ``Plan.mcore_memory_flags`` are megatron-core's own."""
     gpu = parse_gpu(gpu_bytes)
     usable = usable_bytes(gpu)
     sh = mm.shapes(cfg)
@@ -321,6 +393,9 @@ def plan(cfg: Config, gpu_bytes: int | str = DEFAULT_GPU, *, notes: Sequence[str
         megatron_flags=flags,
         planned_recompute_flags=tuple(planned),
         notes=tuple(notes),
+        transformer_impl=transformer_impl,
+        policies=policy_report(cfg, usable, transformer_impl),
+        mcore_memory_flags=tuple(pol.mcore_memory_flags() if chosen_disp == "alltoall" else ()),
     )
 
 
@@ -471,6 +546,9 @@ def plan_from_megatron_args(args, gpu_bytes: int | str | None = None) -> Plan:
                 "gpu_bytes (for --relaymoe-recompute-planner: set RELAYMOE_GPU_BYTES)"
             )
         gpu_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    impl = getattr(args, "transformer_impl", None) or mm.TE_IMPL
     return plan(
-        config_from_megatron_args(args), int(gpu_bytes) if str(gpu_bytes).isdigit() else gpu_bytes
+        config_from_megatron_args(args),
+        int(gpu_bytes) if str(gpu_bytes).isdigit() else gpu_bytes,
+        transformer_impl=impl if impl in mm.TRANSFORMER_IMPLS else mm.TE_IMPL,
     )

@@ -83,8 +83,13 @@ def stage_peak(
     logits: bool = True,
     fused_loss: bool | None = None,
     capture_hops: bool = False,
+    recompute_modules: tuple[str, ...] | None = None,
+    transformer_impl: str = mm.TE_IMPL,
 ) -> StagePeak:
     """Peak bytes of one pipeline stage's GPU; ``kept`` layers are not recomputed.
+    ``recompute_modules``: megatron-core's selective recompute of these modules on every layer
+    (``--recompute-granularity selective``; ``kept`` is then moot), under ``transformer_impl``
+    (``memory.selective_layer_bytes``).
     ``ring_mode`` / ``transport``: default the config's; ``auto`` is what the runtime picks
     at this sequence length and micro-batch (``relaymoe.planner.ring_mode``). ``fused_loss``:
     the last stage runs ``relaymoe.linear_cross_entropy`` (default the config's
@@ -119,17 +124,15 @@ def stage_peak(
     # final norm + logits).
     r, x = [], []
     for i in layers:
-        attn = mm.attention_keep_bytes(cfg, sh, i)
-        norm = mm.mlp_norm_keep_bytes(cfg, sh)
-        inner = mm.mlp_inner_keep_bytes(cfg, sh, i, dispatcher, ring_mode)
-        peak = max(moe_peak, inner) if cfg.model.moe_layer_pattern[i] else inner
-        if i in kept:
-            r.append(attn + norm + inner)
-            x.append(max(peak - inner, mm.attention_backward_transient_bytes(cfg, sh, i)))
+        if recompute_modules is not None:
+            ri, xi = mm.selective_layer_bytes(
+                cfg, sh, i, dispatcher, ring_mode, moe_peak, frozenset(recompute_modules),
+                transformer_impl,
+            )  # fmt: skip
         else:
-            inp = mm.layer_input_bytes(sh)
-            r.append(inp)
-            x.append(attn + norm + peak - inp)
+            ri, xi = layer_bytes(cfg, sh, i, dispatcher, ring_mode, moe_peak, i in kept)
+        r.append(ri)
+        x.append(xi)
     per_mb = sum(r)
     retained = int(inflight * per_mb)
     # backward of layer j of the newest microbatch: the other in-flight microbatches keep all,
@@ -158,6 +161,56 @@ def stage_peak(
     }
     total = sum(states.values()) + workspace + captured + retained + transient
     return StagePeak(stage=stage, total=total, terms=terms)
+
+
+def layer_bytes(
+    cfg: Config,
+    sh: mm.Shapes,
+    layer: int,
+    dispatcher: str,
+    ring_mode: str,
+    moe_peak: int,
+    kept: bool,
+) -> tuple[int, int]:
+    """``(r, x)`` of one layer, fully recomputed or kept (``stage_peak``'s comment says why)."""
+    attn = mm.attention_keep_bytes(cfg, sh, layer)
+    norm = mm.mlp_norm_keep_bytes(cfg, sh)
+    inner = mm.mlp_inner_keep_bytes(cfg, sh, layer, dispatcher, ring_mode)
+    peak = max(moe_peak, inner) if cfg.model.moe_layer_pattern[layer] else inner
+    if kept:
+        return attn + norm + inner, max(
+            peak - inner, mm.attention_backward_transient_bytes(cfg, sh, layer)
+        )
+    inp = mm.layer_input_bytes(sh)
+    return inp, attn + norm + peak - inp
+
+
+# The terms of a stage's peak that grow with the sequence, in ``StagePeak.terms``' names: what a
+# longer sequence runs out of. The model states (params, grads, optimizer) are fixed; the MoE
+# block's peak is part of the layer working set. ``benchmarks/max_seq.py`` names its measured
+# breakdown the same way.
+SEQUENCE_TERMS = ("activations_retained", "layer_working_set", "logits_loss")
+MODEL_STATE_TERMS = ("params", "grads", "optimizer")
+
+
+def comparable_terms(terms: dict) -> dict:
+    """A stage peak's ``terms`` in the measured breakdown's names: ``model_states`` (params,
+    grads and optimizer together, what the allocator holds before a step's forward), the
+    ``SEQUENCE_TERMS``, and ``persistent_buffers`` (the ring's symmetric workspace and recorded
+    hop buffers)."""
+    out = {"model_states": sum(terms.get(k, 0) for k in MODEL_STATE_TERMS)}
+    out.update({k: terms.get(k) for k in SEQUENCE_TERMS})
+    out["persistent_buffers"] = terms.get("symmetric_workspace", 0) + terms.get(
+        "captured_hop_buffers", 0
+    )
+    return out
+
+
+def binding_term(terms: dict) -> str | None:
+    """The largest of the ``SEQUENCE_TERMS`` in ``terms`` (None or absent ones left out): the
+    term that binds the longest sequence. None when none is known."""
+    known = [(terms[k], k) for k in SEQUENCE_TERMS if terms.get(k) is not None]
+    return max(known)[1] if known else None
 
 
 def worst_stage_peak(cfg: Config, dispatcher: str, kept=frozenset(), **kw) -> StagePeak:

@@ -376,23 +376,76 @@ def _group(flags, name):
     return flags[i + 1 : j]
 
 
+H100 = 81_559 * 2**20  # the planner's h100-80gb
+
+
+@pytest.mark.parametrize("policy", ms.POLICIES)
 @pytest.mark.parametrize("provider", list(ms.PROVIDERS))
-def test_trial_flags(provider):
+def test_trial_flags(provider, policy):
     p = ms.PROVIDERS[provider]
-    f = ms.trial_flags(ms.DEFAULT_CONFIG, provider, 122_880, gpus=2)
+    f = ms.trial_flags(ms.DEFAULT_CONFIG, provider, 122_880, gpus=2, policy=policy,
+                       gpu_bytes=H100, check_te=False)  # fmt: skip
     assert _group(f, "--seq-length") == ["122880"] and _group(f, "--micro-batch-size") == ["1"]
     assert _group(f, "--max-position-embeddings") == ["122880"]
     assert _group(f, "--expert-model-parallel-size") == ["2"]
     assert _group(f, "--global-batch-size") == ["2"] and _group(f, "--train-iters") == ["2"]
     assert _group(f, "--vocab-size") == ["151936"]
-    assert _group(f, "--recompute-granularity") == ["full"]
-    assert _group(f, "--recompute-method") == ["uniform"]
-    assert _group(f, "--recompute-num-layers") == ["1"]
     assert _group(f, "--moe-token-dispatcher-type") == [p.dispatcher]
     assert ("--relaymoe-fused-loss" in f) == p.fused_loss
     assert "--no-create-attention-mask-in-dataloader" in f
-    if not ms._have_te():
+    # megatron-core's fused cross-entropy where Megatron's loss runs under forced TE
+    assert ("--cross-entropy-loss-fusion" in f) == p.ce_fusion
+    if p.ce_fusion:
+        assert _group(f, "--cross-entropy-fusion-impl") == ["native"]  # 0.19 refuses "te"
+    if p.transformer_impl == ms.TE_IMPL:
+        assert _group(f, "--transformer-impl") == ["transformer_engine"] and "--spec" not in f
+    elif not ms._have_te():
         assert _group(f, "--spec") == ["benchmarks.sdpa_attention", "sdpa_decoder_spec"]
+    # the policy's recompute flags, once each, at the end
+    rc = {g[0]: g[1:] for g in ms.flag_groups(f) if g[0] in ms.RECOMPUTE_FLAGS}
+    assert sum(w in ms.RECOMPUTE_FLAGS for w in f) == len(rc)
+    if policy == "full":
+        assert rc == {"--recompute-granularity": ["full"], "--recompute-method": ["uniform"],
+                      "--recompute-num-layers": ["1"]}  # fmt: skip
+    elif policy == "none":
+        assert rc == {}
+    elif p.dispatcher == "alltoall":
+        assert rc == {
+            "--recompute-granularity": ["selective"],
+            "--recompute-modules": ["moe_act", "layernorm", "core_attn", "moe"],
+        }
+    else:  # the ring: the plan `relaymoe plan` prints for that GPU at that length (block),
+        # or full recompute where the plan itself does not fit (uniform)
+        assert rc == {} or rc["--recompute-granularity"] == ["full"], rc
+        assert rc.get("--recompute-method", ["block"]) in (["block"], ["uniform"])
+        assert f[len(f) - sum(len(v) + 1 for v in rc.values()) :] == [
+            w for k, v in rc.items() for w in (k, *v)
+        ]
+
+
+def test_the_rings_selective_policy_is_the_plan_for_the_gpu_at_that_length():
+    """Short sequences keep layers, long ones recompute them: the planner's own flags (the
+    plan's ``planned_recompute_flags``), and full recompute where even that does not fit."""
+    from relaymoe.planner import plan
+
+    def flags(seq, provider="relaymoe_ring_te_fused_loss", gpus=1):
+        f = ms.trial_flags(ms.DEFAULT_CONFIG, provider, seq, gpus=gpus, policy="selective",
+                           gpu_bytes=H100, check_te=False)  # fmt: skip
+        return [w for g in ms.flag_groups(f) if g[0] in ms.RECOMPUTE_FLAGS for w in g]
+
+    cfg = ms.planner_config(ms.DEFAULT_CONFIG, 1, "relaymoe_ring_te_fused_loss").replace(
+        training={"seq_length": 98304}, relaymoe={"fused_loss": True}
+    )
+    want = list(plan(cfg, H100).planned_recompute_flags)
+    assert flags(98304) == want and want[:4] == ["--recompute-granularity", "full",
+                                                 "--recompute-method", "block"]  # fmt: skip
+    assert 0 < int(want[-1]) < 4  # some layers kept, some recomputed
+    assert flags(65536) == []  # everything kept
+    assert flags(139264)[-1] == "4"  # the longest the planner predicts: all recomputed
+    assert flags(400_000) == ms.policy_flags("full", "ring")  # beyond: the plan refuses
+    with pytest.raises(ValueError, match="give its memory"):
+        ms.trial_flags(ms.DEFAULT_CONFIG, "relaymoe_ring_te", 8192, gpus=1, policy="selective",
+                       check_te=False)  # fmt: skip
 
 
 def test_dry_run_prints_predictions_and_plan_and_launches_nothing(monkeypatch, tmp_path, capsys):
@@ -404,13 +457,15 @@ def test_dry_run_prints_predictions_and_plan_and_launches_nothing(monkeypatch, t
     out = tmp_path / "rows.jsonl"
     assert ms.main(["--dry-run", "--gpu-bytes", "150GB", "--out", str(out)]) == 0
     text = capsys.readouterr().out
-    pred = ms.predict(ms.planner_config(ms.DEFAULT_CONFIG, 2), 150 * 10**9, ms.DEFAULT_PROVIDERS)
-    for name in ms.DEFAULT_PROVIDERS:
-        first = ms.first_trial(pred.max_seq[name], 32768)
-        assert f"== {name}: planner predicts {pred.max_seq[name]} " in text
+    jobs = ms.jobs_of(ms.DEFAULT_PROVIDERS, ["full"])
+    pred = ms.predict(ms.DEFAULT_CONFIG, 2, 150 * 10**9, jobs)
+    for job in jobs:
+        first = ms.first_trial(pred.max_seq[job], 32768)
+        assert f"== {job.name}: planner predicts {pred.max_seq[job]} " in text
         assert f"first trial {first} (est " in text
         assert f"--seq-length {first} " in text
     assert "--relaymoe-fused-loss" in text and "--no-create-attention-mask-in-dataloader" in text
+    assert "--relaymoe-memory-phases" in text
     assert "usable" in text and not out.exists()
 
 
@@ -418,10 +473,25 @@ def test_main_rejects_bad_arguments(capsys):
     for argv in (["--providers", "mcore_alltoall,bogus"], ["--steps", "1"],
                  ["--gpu-bytes", "lots"], ["--limit-seq", "100"], ["--growth", "0"],
                  ["--memory-cap", "h100-80gb", "--gpu-bytes", "80GB"],
-                 ["--memory-cap", "tiny"]):  # fmt: skip
+                 ["--memory-cap", "tiny"], ["--policies", "full,some"],
+                 ["--lanes", "0"]):  # fmt: skip
         with pytest.raises(SystemExit):
             ms.main(["--dry-run", *argv])
     assert "bogus" in capsys.readouterr().err
+
+
+def job_result(ok: bool, workdir, *, steps, log: str, wall_s: float = 120.0) -> dict:
+    """What ``launch`` returns for a fake trial."""
+    return {"returncode": 0 if ok else 1, "timed_out": False, "wall_s": wall_s, "steps": steps,
+            "log": log, "command": "torchrun ...", "log_dir": str(workdir)}  # fmt: skip
+
+
+def fake_machine(monkeypatch, launch, *, gpu="FAKE H200", count=2, total=150 * 10**9):
+    """``launch`` in place of the GPU jobs, on ``count`` GPUs of ``total`` bytes, all free."""
+    facts = {"count": count, "gpu": gpu, "free_bytes": total - 10**9, "total_bytes": total}
+    monkeypatch.setattr(ms, "launch", launch)
+    monkeypatch.setattr(ms, "device_facts", lambda n: facts)
+    monkeypatch.setattr(ms, "wait_gpus_free", lambda gpus, **kw: None)
 
 
 def test_a_whole_run_writes_one_row_per_provider(monkeypatch, tmp_path):
@@ -433,8 +503,8 @@ def test_a_whole_run_writes_one_row_per_provider(monkeypatch, tmp_path):
     }
     launched = []
 
-    def fake_launch(flags, *, gpus, timeout_s, workdir, alloc_conf, cap_bytes):
-        assert alloc_conf == ms.ALLOC_CONF and cap_bytes is None
+    def fake_launch(flags, *, gpus, timeout_s, workdir, alloc_conf, cap_bytes, **kw):
+        assert alloc_conf == ms.ALLOC_CONF and cap_bytes is None and kw["devices"] is None
         seq = int(_group(flags, "--seq-length")[0])
         fused = "--relaymoe-fused-loss" in flags
         disp = _group(flags, "--moe-token-dispatcher-type")[0]
@@ -444,38 +514,36 @@ def test_a_whole_run_writes_one_row_per_provider(monkeypatch, tmp_path):
         ok = seq <= truth[name]
         steps = OK_STEPS if ok else OK_STEPS[:1]
         log = ms.SDPA_MARKER + "\n" + ("" if ok else OOM_LOG)
-        return {
-            "returncode": 0 if ok else 1,
-            "timed_out": False,
-            "wall_s": 120.0,
-            "steps": steps,
-            "log": log,
-            "command": "torchrun ...",
-            "log_dir": str(workdir),
-        }
+        return job_result(ok, workdir, steps=steps, log=log)
 
-    facts = {"count": 2, "gpu": "FAKE H200", "free_bytes": 149 * 10**9, "total_bytes": 150 * 10**9}
-    monkeypatch.setattr(ms, "launch", fake_launch)
-    monkeypatch.setattr(ms, "device_facts", lambda gpus: facts)
-    monkeypatch.setattr(ms, "wait_gpus_free", lambda gpus: None)
+    fake_machine(monkeypatch, fake_launch)
     out = tmp_path / "rows.jsonl"
     rc = ms.main(["--out", str(out), "--workdir", str(tmp_path / "w"), "--budget-s", "1e9"])
     assert rc == 0
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert [r["provider"] for r in rows] == list(ms.DEFAULT_PROVIDERS)
-    pred = ms.predict(ms.planner_config(ms.DEFAULT_CONFIG, 2), 150 * 10**9, ms.DEFAULT_PROVIDERS)
-    for r in rows:
+    jobs = ms.jobs_of(ms.DEFAULT_PROVIDERS, ["full"])
+    pred = ms.predict(ms.DEFAULT_CONFIG, 2, 150 * 10**9, jobs)
+    for r, job in zip(rows, jobs, strict=True):
         want = truth[r["provider"]] // STEP * STEP
         assert r["bench"] == "max_seq" and r["gpu"] == "FAKE H200" and r["commit"]
         assert r["max_seq"] == want and r["first_oom_seq"] == want + STEP
         assert r["bracket_open"] is False and r["stop_reason"] == "converged"
-        assert r["predicted_max_seq"] == pred.max_seq[r["provider"]]
+        assert r["predicted_max_seq"] == pred.max_seq[job] and r["recompute_policy"] == "full"
         assert r["planner_gpu_bytes"] == 150 * 10**9 and r["gpu_total_bytes"] == 150 * 10**9
         assert r["peak_MiB_at_max_seq"] == 121_000.5 and r["planner_peak_at_max_seq_MiB"] > 0
         assert r["trials"][0]["seq"] == ms.first_trial(r["predicted_max_seq"], 32768)
         for t in r["trials"]:
             assert {"seq", "ok", "reason", "wall_s", "peak_MiB"} <= set(t)
-        assert r["n_trials"] == len([x for x in launched if x[0] == r["provider"]])
+        second = r["anchor_seq_note"] == "a second, timed trial"  # at the anchor's length
+        assert r["n_trials"] + second == len([x for x in launched if x[0] == r["provider"]])
+        assert r["anchor"] == "mcore_alltoall" and r["anchor_max_seq"] == 98304
+        if r["provider"] == "mcore_alltoall":
+            assert r["anchor_seq_note"] == "the anchor itself" and not second
+        else:  # each trains the anchor's length: timed there (once more, or by its search)
+            assert r["anchor_seq_trial"]["seq"] == 98304 and r["anchor_seq_trial"]["ok"]
+            assert second or r["anchor_seq_note"] == "a trial of the search at that length"
+            assert r["tokens_per_s_at_anchor_seq"] is None  # the fake report has none
         assert r["alloc_conf"] == ms.ALLOC_CONF and r["memory_cap_bytes"] is None
 
 
@@ -486,23 +554,19 @@ def test_a_capped_run_plans_for_the_smaller_gpu_and_needs_the_cap_marker(
     from benchmarks.capped_pretrain import MARKER
     from relaymoe.planner.plan import parse_gpu
 
-    cfg = ms.planner_config(ms.DEFAULT_CONFIG, 2)
-    small = ms.predict(cfg, parse_gpu("h100-80gb"), ["relaymoe_ring_fused_loss"])
-    truth = small.max_seq["relaymoe_ring_fused_loss"] // STEP * STEP
+    (job,) = ms.jobs_of(["relaymoe_ring_fused_loss"], ["full"])
+    small = ms.predict(ms.DEFAULT_CONFIG, 2, parse_gpu("h100-80gb"), [job])
+    truth = small.max_seq[job] // STEP * STEP
     caps = []
 
-    def fake_launch(flags, *, gpus, timeout_s, workdir, alloc_conf, cap_bytes):
+    def fake_launch(flags, *, gpus, timeout_s, workdir, alloc_conf, cap_bytes, **kw):
         caps.append(cap_bytes)
         ok = int(_group(flags, "--seq-length")[0]) <= truth
         log = ms.SDPA_MARKER + "\n" + (MARKER + "\n" if cap_marker else "")
-        return {"returncode": 0 if ok else 1, "timed_out": False, "wall_s": 10.0,
-                "steps": OK_STEPS if ok else OK_STEPS[:1], "log": log + ("" if ok else OOM_LOG),
-                "command": "torchrun ...", "log_dir": str(workdir)}  # fmt: skip
+        return job_result(ok, workdir, steps=OK_STEPS if ok else OK_STEPS[:1],
+                          log=log + ("" if ok else OOM_LOG), wall_s=10.0)  # fmt: skip
 
-    facts = {"count": 2, "gpu": "FAKE H200", "free_bytes": 149 * 10**9, "total_bytes": 150 * 10**9}
-    monkeypatch.setattr(ms, "launch", fake_launch)
-    monkeypatch.setattr(ms, "device_facts", lambda gpus: facts)
-    monkeypatch.setattr(ms, "wait_gpus_free", lambda gpus: None)
+    fake_machine(monkeypatch, fake_launch)
     out = tmp_path / "rows.jsonl"
     argv = ["--out", str(out), "--workdir", str(tmp_path / "w"), "--memory-cap", "h100-80gb",
             "--providers", "relaymoe_ring_fused_loss", "--growth", "0.03"]  # fmt: skip
@@ -510,7 +574,7 @@ def test_a_capped_run_plans_for_the_smaller_gpu_and_needs_the_cap_marker(
     (row,) = [json.loads(x) for x in out.read_text().splitlines()]
     assert set(caps) == {small.usable_bytes} and row["memory_cap_bytes"] == small.usable_bytes
     assert row["memory_cap_gpu"] == "h100-80gb" and row["planner_gpu_bytes"] == small.gpu_bytes
-    assert row["predicted_max_seq"] == small.max_seq["relaymoe_ring_fused_loss"]
+    assert row["predicted_max_seq"] == small.max_seq[job]
     if cap_marker:
         assert rc == 0 and row["max_seq"] == truth and row["stop_reason"] == "converged"
         assert row["n_trials"] == 3  # the prediction, one move up, one bisection
@@ -652,8 +716,10 @@ _BUILD = MEGATRON_CPU_PRELUDE + textwrap.dedent(
     from benchmarks.max_seq import trial_flags
     from benchmarks.sdpa_attention import SdpaCoreAttention
     S = 48
-    # fp32 (not the trials' bf16) so that the two attentions can be compared tightly
-    flags = [f for f in trial_flags("tiny_qwen3", "relaymoe_ring", S, gpus=1) if f != "--bf16"]
+    # fp32 (not the trials' bf16) so that the two attentions can be compared tightly; no
+    # recompute (its checkpoints save the CUDA generator's state, which a CPU has not)
+    flags = trial_flags("tiny_qwen3", "relaymoe_ring", S, gpus=1, policy="none")
+    flags = [f for f in flags if f != "--bf16"]
     sys.argv = ["pretrain", *flags, "--use-cpu-initialization"]
     args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
     assert not args.create_attention_mask_in_dataloader
@@ -705,3 +771,294 @@ def test_harness_flags_build_a_gpt_with_sdpa_attention_matching_megatrons_local_
     p = run_python(["-c", _BUILD], timeout=240, env=env, cwd=ROOT)
     assert p.returncode == 0 and "MATCH" in p.stdout, p.stdout[-3000:] + p.stderr[-5000:]
     assert sa.MARKER in p.stdout and ms.SDPA_MARKER == sa.MARKER
+
+
+# -- issue #53: TE providers x recompute policies, lanes, anchors, the measured breakdown --------
+
+GiB = 2**30
+
+
+def phases_for(seq: int) -> dict:
+    """A step's memory phases (``relaymoe.megatron.memory_phases.breakdown``) as a fake report
+    line carries them: 52 GiB of states, 30 KiB a token kept, a backward peak of 100 KiB a
+    token over it."""
+    from relaymoe.megatron.memory_phases import MARKS, breakdown
+
+    s, kept, ws = 52 * GiB, 30 * 1024 * seq, 100 * 1024 * seq
+    pairs = [(s, s), (s + kept, s + kept), (s + kept, s + kept + 1), (s, s + kept + ws),
+             (s, s + kept + ws)]  # fmt: skip
+    return breakdown(dict(zip(MARKS, pairs, strict=True)))
+
+
+def te_truth(provider: str, policy: str) -> int:
+    """The fake GPU's longest sequence of each job."""
+    base = {"mcore_alltoall_te": 24_000, "mcore_alltoall_te_fused_loss": 90_000,
+            "relaymoe_ring_te": 25_000,
+            "relaymoe_ring_te_fused_loss": 130_000}[provider]  # fmt: skip
+    return int(base * {"full": 1.0, "selective": 0.8, "none": 0.5}[policy])
+
+
+def test_a_te_run_of_every_policy_on_two_lanes(monkeypatch, tmp_path):
+    """The four TE providers x three policies on two one-GPU lanes: each job on one lane at a
+    time, the anchors' searches first, each other job timed once more at its anchor's longest
+    sequence, and rows with the policy, the exact flags, TE, the peak, tokens/s at both lengths,
+    the measured breakdown beside the planner's and the binding terms."""
+    import threading
+
+    from benchmarks import e2e
+
+    monkeypatch.setattr(ms, "_have_te", lambda: True)
+    monkeypatch.setattr(e2e, "_have_te", lambda: True)
+    busy, lock, order = {}, threading.Lock(), []
+
+    def fake_launch(flags, *, gpus, timeout_s, workdir, alloc_conf, cap_bytes, devices, cancel):
+        seq = int(_group(flags, "--seq-length")[0])
+        job = workdir.parent.name  # <provider>_<policy>
+        provider, policy = job.rsplit("_", 1)
+        with lock:  # one trial a lane at a time, never two lanes on one GPU
+            assert devices not in busy.values() and gpus == 1 and cap_bytes is not None
+            busy[job] = devices
+            order.append((provider, policy, seq, workdir.name))
+        assert _group(flags, "--transformer-impl") == ["transformer_engine"]
+        assert "--spec" not in flags and not cancel.is_set()
+        time.sleep(0.01)
+        ok = seq <= te_truth(provider, policy)
+        steps = [{**s, "tokens_per_s": 1e6 / seq, "memory_phases": phases_for(seq)}
+                 for s in (OK_STEPS if ok else OK_STEPS[:1])]  # fmt: skip
+        with lock:
+            del busy[job]
+        return job_result(ok, workdir, steps=steps, log=("" if ok else OOM_LOG) + CAP_LOG,
+                          wall_s=60.0)  # fmt: skip
+
+    fake_machine(monkeypatch, fake_launch, gpu="FAKE H100", total=85 * 10**9)
+    out = tmp_path / "rows.jsonl"
+    argv = ["--out", str(out), "--workdir", str(tmp_path / "w"), "--providers",
+            ",".join(ms.TE_PROVIDERS), "--policies", "full,selective,none", "--gpus", "1",
+            "--lanes", "all", "--memory-cap", "h100-80gb", "--growth", "0.03"]  # fmt: skip
+    assert ms.main(argv) == 0
+    rows = {(r["provider"], r["recompute_policy"]): r
+            for r in map(json.loads, out.read_text().splitlines())}  # fmt: skip
+    assert len(rows) == 12
+    # the three anchors' searches start first, on the two lanes
+    firsts = [(p, pol) for p, pol, _, _ in order]
+    assert {firsts[0], firsts[1]} <= {(ms.ANCHOR_TE, pol) for pol in ms.POLICIES}
+    for (provider, policy), r in rows.items():
+        want = te_truth(provider, policy) // STEP * STEP
+        anchor = rows[(ms.ANCHOR_TE, policy)]
+        assert r["max_seq"] == want and r["stop_reason"] == "converged", r["trials"]
+        assert (
+            r["transformer_impl"] == "transformer_engine"
+            and r["attention"] == r["transformer_impl"]
+        )
+        assert r["flags"] == ms.trial_flags(ms.DEFAULT_CONFIG, provider, want, gpus=1,
+                                            policy=policy, gpu_bytes=H100)  # fmt: skip
+        assert r["peak_MiB_at_max_seq"] == 121_000.5
+        assert r["tokens_per_s_at_max_seq"] == pytest.approx(1e6 / want)
+        assert r["anchor"] == ms.ANCHOR_TE and r["anchor_max_seq"] == anchor["max_seq"]
+        assert r["tokens_per_s_at_anchor_seq"] == pytest.approx(1e6 / anchor["max_seq"])
+        if provider != ms.ANCHOR_TE:  # a second run at the anchor's length, after its search
+            n = anchor["max_seq"]
+            assert r["anchor_seq_trial"]["seq"] == n
+            again = (provider, policy, n, f"anchor_s{n}") in order
+            reused = any(t["seq"] == n and t["ok"] for t in r["trials"])
+            assert again != reused, (again, reused)  # one or the other, never both
+        # the measured breakdown at the longest sequence beside the planner's, same names
+        m, pl = r["measured_breakdown"], r["planner_breakdown_at_max_seq"]
+        assert m == phases_for(want) and r["binding_term"] == "layer_working_set"
+        assert m["terms"]["activations_retained"] == 30 * 1024 * want
+        assert set(pl["terms"]) >= set(m["terms"]) - {"optimizer_step"}
+        assert pl["seq"] == want and r["planner_binding_term"] == pl["binding_term"]
+        assert r["planner_peak_at_max_seq_MiB"] == pytest.approx(pl["total"] / 2**20)
+        (at_max,) = [t for t in r["trials"] if t["ok"] and t["seq"] == want]
+        assert r["recompute"] == " ".join(at_max["recompute"])
+        n = len(at_max["recompute"])
+        assert r["flags"][len(r["flags"]) - n :] == at_max["recompute"]  # the flags' last ones
+    # the planner: full recompute binds on the working set, no recompute on what layers keep
+    assert rows[("relaymoe_ring_te_fused_loss", "full")]["planner_binding_term"] == (
+        "layer_working_set"
+    )
+    assert rows[("mcore_alltoall_te_fused_loss", "none")]["planner_binding_term"] == (
+        "activations_retained"
+    )
+    assert rows[("mcore_alltoall_te", "full")]["planner_binding_term"] == "logits_loss"
+
+
+CAP_LOG = "\n[capped_pretrain] allocator capped at 1 of 2 bytes on cuda:0\n"
+
+
+def test_an_anchor_from_earlier_rows(monkeypatch, tmp_path):
+    """A provider whose anchor is not run here is timed at the anchor's length from
+    ``--anchor-rows`` (same policy, config, GPUs and cap); without them, the row says so."""
+    from benchmarks import e2e
+
+    monkeypatch.setattr(ms, "_have_te", lambda: True)
+    monkeypatch.setattr(e2e, "_have_te", lambda: True)
+    seqs = []
+
+    def fake_launch(flags, *, workdir, **kw):
+        seq = int(_group(flags, "--seq-length")[0])
+        seqs.append((workdir.name, seq))
+        ok = seq <= 60_000
+        steps = [{**s, "tokens_per_s": 7.0} for s in OK_STEPS] if ok else []
+        return job_result(ok, workdir, steps=steps, log=("" if ok else OOM_LOG) + CAP_LOG)
+
+    fake_machine(monkeypatch, fake_launch, gpu="FAKE H100", count=1, total=85 * 10**9)
+    earlier = tmp_path / "earlier.jsonl"
+    base = {"bench": "max_seq", "config": ms.DEFAULT_CONFIG, "gpus": 1,
+            "memory_cap_gpu": "h100-80gb", "provider": ms.ANCHOR_TE}  # fmt: skip
+    earlier.write_text("\n".join(json.dumps({**base, **kw}) for kw in (
+        {"recompute_policy": "none", "max_seq": 12288},
+        {"recompute_policy": "full", "max_seq": 24576},
+        {"recompute_policy": "full", "max_seq": 20480, "gpus": 2},
+    )) + "\n")  # fmt: skip
+    argv = ["--providers", "mcore_alltoall_te_fused_loss", "--gpus", "1", "--memory-cap",
+            "h100-80gb", "--workdir", str(tmp_path / "w"), "--start-seq", "57344"]  # fmt: skip
+    assert ms.main([*argv, "--anchor-rows", str(earlier), "--out", str(tmp_path / "a")]) == 0
+    (r,) = map(json.loads, (tmp_path / "a").read_text().splitlines())
+    assert r["anchor_max_seq"] == 24576 and ("anchor_s24576", 24576) in seqs
+    assert r["tokens_per_s_at_anchor_seq"] == 7.0 and r["max_seq"] == 57344
+    assert ms.main([*argv, "--out", str(tmp_path / "b")]) == 0
+    (r,) = map(json.loads, (tmp_path / "b").read_text().splitlines())
+    assert r["anchor_max_seq"] is None and "--anchor-rows" in r["anchor_seq_note"]
+    assert r["tokens_per_s_at_anchor_seq"] is None
+    # a search that stopped on an error is not timed at the anchor's length either
+    calls = []
+
+    def broken(flags, *, workdir, **kw):
+        calls.append(workdir.name)
+        return job_result(False, workdir, steps=[], log="error: unrecognized arguments: --x")
+
+    monkeypatch.setattr(ms, "launch", broken)
+    assert ms.main([*argv, "--anchor-rows", str(earlier), "--out", str(tmp_path / "c")]) == 1
+    (r,) = map(json.loads, (tmp_path / "c").read_text().splitlines())
+    assert r["stop_reason"] == "error" and r["anchor_seq_note"].endswith("on an error")
+    assert r["anchor_seq_trial"] is None and calls == ["s57344"]
+
+
+def test_lane_queue_runs_tasks_in_order_on_free_lanes_and_reraises():
+    import threading
+
+    from benchmarks.lanes import LaneQueue, lane_devices
+
+    assert lane_devices(3, 2) == [(0, 1), (2, 3), (4, 5)]
+    with pytest.raises(ValueError, match="lanes=0"):
+        lane_devices(0, 1)
+    q, seen, lock = LaneQueue(lane_devices(2, 1)), [], threading.Lock()
+    gate = threading.Barrier(2, timeout=10)
+
+    def task(name, then=None):
+        def run(lane):
+            if name in ("a", "b"):
+                gate.wait()  # a and b run at once, one on each lane
+            with lock:
+                seen.append((name, lane))
+            if then:
+                q.put(then)
+            if name == "boom":
+                raise RuntimeError("boom")
+
+        return run
+
+    q.put(task("a", then=task("c")))
+    q.put(task("b"))
+    q.put(task("boom"))
+    with pytest.raises(RuntimeError, match="boom"):
+        q.run()
+    assert {n for n, _ in seen} == {"a", "b", "c", "boom"}
+    assert {lane for n, lane in seen if n in "ab"} == {(0,), (1,)}
+    one = LaneQueue([(0,)])
+    one.put(lambda lane: seen.append(("inline", threading.current_thread())))
+    one.run()
+    assert seen[-1] == ("inline", threading.main_thread())
+
+
+def test_launch_pins_the_lanes_gpus(monkeypatch, tmp_path):
+    code = "import os; print('CVD=' + os.environ.get('CUDA_VISIBLE_DEVICES', '-'))"
+    monkeypatch.setattr(ms, "trial_command", lambda flags, **kw: [sys.executable, "-c", code])
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    r = ms.launch([], gpus=1, timeout_s=60, workdir=tmp_path / "a", devices=(3,))
+    assert "CVD=3" in r["log"] and "CUDA_VISIBLE_DEVICES=3 " in r["command"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6,7")  # the lanes index what we see
+    r = ms.launch([], gpus=2, timeout_s=60, workdir=tmp_path / "b", devices=(1, 2))
+    assert "CVD=6,7" in r["log"]
+    with pytest.raises(ValueError, match="only 3 visible"):
+        ms.visible_devices((3,), {"CUDA_VISIBLE_DEVICES": "4,6,7"})
+    assert ms.wait_gpus_free(1, devices=(1,), probe=lambda: [90_000.0, 10.0]) is None
+    assert "GPU 0" in ms.wait_gpus_free(1, devices=(0,), wait_s=0, probe=lambda: [9e4, 1.0])
+
+
+_PARSE_TE = MEGATRON_CPU_PRELUDE + textwrap.dedent(
+    """
+    import contextlib, io, json, traceback
+    from megatron.training.argument_utils import gpt_config_from_args
+    from megatron.training.arguments import parse_and_validate_args
+    from megatron.training.global_vars import unset_global_variables
+    KEYS = ("transformer_impl", "recompute_granularity", "recompute_method",
+            "recompute_num_layers", "recompute_modules", "fine_grained_activation_offloading",
+            "cross_entropy_loss_fusion", "cross_entropy_fusion_impl", "moe_token_dispatcher_type")
+    env = dict(os.environ)
+    for i, flags in enumerate(json.loads(sys.stdin.read())):
+        sys.argv, err = ["pretrain", *flags], io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err):
+                a = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
+                c = gpt_config_from_args(a)  # TransformerConfig.__post_init__'s checks
+            print("ARGS " + json.dumps([i, {k: getattr(c, k, getattr(a, k, None))
+                                            for k in KEYS}]), flush=True)
+        except BaseException:
+            print("ERROR " + json.dumps([i, err.getvalue() + traceback.format_exc()]), flush=True)
+        finally:
+            unset_global_variables()
+            os.environ.clear()
+            os.environ.update(env)
+    """
+)
+
+
+def test_megatron_accepts_each_te_provider_and_policys_flags_and_refuses_the_offloading():
+    """Megatron's own parser and ``TransformerConfig`` take every TE provider's flags under
+    every policy at EP 1 (with ``--no-rope-fusion`` added: TE's fused RoPE, which this CPU
+    lacks, is the only TE piece that validation asks for, after the recompute checks); the
+    offloading the issue names is refused beside ``--recompute-modules ... moe`` by
+    megatron-core 0.19, which is why the selective policy passes none."""
+    from relaymoe.planner.policies import MCORE_OFFLOAD_MODULES
+
+    jobs = [(p, pol) for p in ms.TE_PROVIDERS for pol in ms.POLICIES]
+    # lengths near each one's longest on an H100, where the ring's plan recomputes by blocks
+    seq = lambda p: 98304 if ms.PROVIDERS[p].fused_loss else 24576  # noqa: E731
+    flagsets = [ms.trial_flags(ms.DEFAULT_CONFIG, p, seq(p), gpus=1, policy=pol,
+                               gpu_bytes=H100, check_te=False) + ["--no-rope-fusion"]
+                for p, pol in jobs]  # fmt: skip
+    offload = ["--fine-grained-activation-offloading", "--offload-modules", "expert_fc1",
+               "moe_act"]  # fmt: skip
+    flagsets.append(flagsets[jobs.index((ms.ANCHOR_TE, "selective"))] + offload)
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))  # fmt: skip
+    p = run_python(["-c", _PARSE_TE], timeout=240, env=env, cwd=ROOT, input=json.dumps(flagsets))
+    got = {}
+    for ln in p.stdout.splitlines():
+        if ln.startswith(("ARGS ", "ERROR ")):
+            i, v = json.loads(ln.split(" ", 1)[1])
+            got[i] = v if ln.startswith("ARGS ") else "refused: " + v
+    assert len(got) == len(flagsets), p.stdout[-2000:] + p.stderr[-4000:]
+    for i, (provider, policy) in enumerate(jobs):
+        a, prov = got[i], ms.PROVIDERS[provider]
+        assert isinstance(a, dict), (provider, policy, a)
+        assert a["transformer_impl"] == "transformer_engine"
+        assert a["moe_token_dispatcher_type"] == prov.dispatcher
+        assert a["cross_entropy_loss_fusion"] == prov.ce_fusion
+        assert not a["fine_grained_activation_offloading"]
+        if policy == "full":
+            assert (a["recompute_granularity"], a["recompute_method"],
+                    a["recompute_num_layers"]) == ("full", "uniform", 1)  # fmt: skip
+        elif policy == "none":
+            assert a["recompute_granularity"] is None
+        elif prov.dispatcher == "alltoall":
+            assert a["recompute_granularity"] == "selective"
+            assert a["recompute_modules"] == ["moe_act", "layernorm", "core_attn", "moe"]
+        else:  # the ring's plan for an H100 at that length: recompute the first N by blocks
+            assert (a["recompute_granularity"], a["recompute_method"]) == ("full", "block")
+            assert 0 < a["recompute_num_layers"] <= 4
+    refused = got[len(jobs)]
+    assert MCORE_OFFLOAD_MODULES == ()
+    assert isinstance(refused, str) and "while recomputing the entire MoE layer" in refused

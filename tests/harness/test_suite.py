@@ -61,7 +61,8 @@ def test_plan_on_two_gpus_quick(tmp_path):
     # the issue-#17 GPU steps fill a call each, and the longer GPU tests: --full only
     full_only = {s.name for s in suite.STEPS if s.full_only}
     assert full_only == {"fault_nccl", "host_wait", "determinism", "soak", "e2e_pp",
-                         "gpu_tests_more", "e2e_gbs16", "e2e_gbs16_local"}  # fmt: skip
+                         "gpu_tests_more", "e2e_gbs16", "e2e_gbs16_local",
+                         "max_seq_te"}  # fmt: skip
     assert not full_only & set(planned)
     text = suite.describe(list(planned.values()), deadline_s=540)
     assert "deadline 540 s" in text and "SKIP (needs 3 GPUs, found 2)" in text
@@ -101,6 +102,27 @@ def test_the_gradient_accumulation_rows_are_one_step_on_one_gpu(tmp_path):
     assert cmd[cmd.index("--out") + 1] == f"{tmp_path}/e2e_gbs16.jsonl"
     assert float(cmd[cmd.index("--budget-s") + 1]) < p.limit_s
     assert bench_e2e.main([*cmd[2:-2], "--dry-run"]) == 0  # bench_e2e takes the arguments
+
+
+def test_the_te_max_seq_step_runs_every_provider_and_policy_within_one_call(tmp_path, capsys):
+    """Issue #53's step: max_seq.py's four TE providers (the same list) x three policies at
+    EP 1, capped at an H100's usable bytes, one job per GPU; its own budget inside the step's
+    limit, which fits one 10-minute call; max_seq takes the arguments (its dry run)."""
+    from benchmarks import max_seq
+
+    assert suite.MAX_SEQ_TE_PROVIDERS.split(",") == list(max_seq.TE_PROVIDERS)
+    (p,) = suite.plan(suite.STEPS, gpus=8, quick=False, out=tmp_path, only=["max_seq_te"])
+    cmd = list(p.command)
+    assert p.skip is None and p.lane == "all" and "torch.distributed.run" not in cmd
+    value = {cmd[i]: cmd[i + 1] for i in range(2, len(cmd) - 1) if cmd[i].startswith("--")}
+    assert value["--policies"] == "full,selective,none" and value["--gpus"] == "1"
+    assert value["--lanes"] == "all" and value["--memory-cap"] == "h100-80gb"
+    assert float(value["--budget-s"]) + 30 <= p.limit_s <= 600
+    assert float(value["--search-budget-s"]) < float(value["--budget-s"])
+    assert value["--out"] == f"{tmp_path}/max_seq_te.jsonl"
+    assert max_seq.main([*cmd[2:], "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("== ") == 12 and "mcore_alltoall_te/full: planner predicts" in out
 
 
 def test_plan_refuses_unknown_names(tmp_path):

@@ -350,3 +350,33 @@ def test_megatron_namespace_reads_the_flags_as_megatron_parses_them():
     assert ns.add_bias_linear is False and not hasattr(ns, "disable_bias_linear")
     assert ns.normalization == "RMSNorm" and ns.bf16 is True
     assert ns.recompute_modules == ["core_attn", "moe_act"]
+
+
+def test_plan_prints_each_policys_longest_sequence_and_megatrons_flags_for_alltoall(capsys):
+    """Issue #53: the longest sequence per recompute policy under TE (or local layers), and,
+    for an alltoall user, megatron-core's own memory flags as the alternative."""
+    from relaymoe.planner.policies import POLICIES, mcore_memory_flags
+
+    args = ("plan", "--config", "qwen3_slice_v152k", "--ep", "1", "--dp", "1")
+    rc, out, err = run(capsys, *args, "--dispatcher", "alltoall", "--fused-loss")
+    assert rc == 0, err
+    rc, js, _ = run(capsys, *args, "--dispatcher", "alltoall", "--fused-loss", "--json")
+    d = json.loads(js)
+    assert "Longest sequence per recompute policy (TransformerEngine" in out
+    lines = {ln.split("  full")[0].strip(): ln for ln in out.splitlines() if "  full " in ln}
+    for label, v in (("alltoall + fused loss", "alltoall_fused_loss"),
+                     ("ring + fused loss", "ring_fused_loss")):  # fmt: skip
+        for policy in POLICIES:
+            r = d["policies"][v][policy]
+            assert f"{policy} {r['max_seq']:>8} ({r['binding_term']})" in lines[label]
+    alt = " ".join(mcore_memory_flags())
+    assert "megatron-core's own memory flags" in out and alt in out.replace("\n", " ")
+    assert d["mcore_memory_flags"] == mcore_memory_flags()
+    rc, out, _ = run(capsys, *args)  # the ring's user: no alternative printed
+    assert rc == 0 and "megatron-core's own memory flags" not in out
+    rc, js, _ = run(capsys, *args, "--transformer-impl", "local", "--json")
+    local = json.loads(js)
+    assert local["transformer_impl"] == "local"
+    # local layers' input norm is its own module: megatron-core's layernorm recompute saves more
+    sel = lambda p: p["policies"]["alltoall_fused_loss"]["selective"]["max_seq"]  # noqa: E731
+    assert sel(local) > sel(d)

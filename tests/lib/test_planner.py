@@ -556,3 +556,108 @@ def test_a_gpu_too_small_for_the_reserves_is_refused():
         parse_gpu("2GiB")
     with pytest.raises(ValueError, match="--gpu 1000 is"):
         parse_gpu(1000)
+
+
+# -- recompute policies (issue #53): megatron-core's selective set, none, the ring's plan ------
+
+
+def test_selective_recompute_terms_hand_computed():
+    """megatron-core's selective modules on small_config's layer 0 (alltoall): what each
+    module takes off what the layer keeps, and what its backward brings back."""
+    cfg = small_config()
+    sh = mm.shapes(cfg)
+    moe_peak = mm.moe_peak_alltoall(sh)  # 419840 (test_terms_hand_computed)
+    row = 2 * 256 * 64  # one (T, h) bf16 activation
+
+    def rx(*modules, impl=mm.TE_IMPL):
+        return mm.selective_layer_bytes(cfg, sh, 0, "alltoall", None, moe_peak,
+                                        frozenset(modules), impl)  # fmt: skip
+
+    kept = 167936 + 2 * row + 174080  # attention + the pre-MLP norm + alltoall's inner keep
+    assert rx() == (kept, moe_peak - 174080)  # nothing recomputed: the kept layer's numbers
+    # core_attn: the lse (4*256*4) goes; back in the backward with the output (2*256*4*16),
+    # beside flash's gradients (131072); the MoE's rest (245760) is the larger
+    assert rx("core_attn") == (kept - 4096, max(131072 + 4096 + 32768, moe_peak - 174080))
+    # layernorm: the pre-MLP norm's output goes; under local layers the input norm's as well
+    assert rx("layernorm")[0] == kept - row
+    assert rx("layernorm", impl=mm.LOCAL_IMPL)[0] == kept - 2 * row
+    # moe_act: the expert activation's output (P, I) = 2*512*32 goes, recomputed in backward
+    assert rx("moe_act") == (kept - 32768, moe_peak - 174080 + 32768)
+    # moe: the MoE layer keeps its input only; its backward rebuilds the block's working set
+    r, x = rx("moe_act", "layernorm", "core_attn", "moe")
+    assert r == 167936 - 4096 + row and x == moe_peak + row
+    # the whole stage: both layers keep that much, and the last one's backward adds x
+    pk = stage_peak(cfg, 0, "alltoall", recompute_modules=("moe_act", "layernorm", "core_attn",
+                                                           "moe"))  # fmt: skip
+    assert pk.terms["activations_retained"] == 2 * r and pk.terms["layer_working_set"] == x
+    full = stage_peak(cfg, 0, "alltoall")
+    assert pk.total > full.total  # the attention activations it keeps outweigh full recompute
+    with pytest.raises(ValueError, match="mlp"):
+        rx("mlp")
+    with pytest.raises(ValueError, match="transformer_impl"):
+        rx("moe", impl="inference_optimized")
+
+
+def test_policy_predictions_under_te_on_one_h100():
+    """qwen3_slice_v152k at EP 1 on an H100 80GB: each variant's longest sequence per policy
+    (the planner's, TE) and the term that binds it."""
+    from relaymoe.planner import policies as pol
+    from relaymoe.planner.plan import policy_max_seq, policy_report
+
+    cfg = load_config("qwen3_slice_v152k").replace(
+        parallel={"ep": 1, "dp": 1}, training={"global_batch_size": None}
+    )
+    usable = usable_bytes(parse_gpu("h100-80gb"))
+    rep = policy_report(cfg, usable)
+    seq = {v: {p: rep[v][p]["max_seq"] for p in pol.POLICIES} for v in VARIANTS}
+    for v, (disp, fused) in VARIANTS.items():
+        s = seq[v]
+        assert s["none"] < s["full"] and 0 < s["none"], (v, s)
+        assert s["full"] == max_seq_length_of(cfg, disp, usable, fused)  # the old full column
+        assert policy_max_seq(cfg, disp, "full", usable, fused_loss=fused) == s["full"]
+        if disp == "ring":  # the plan fits exactly where full recompute does
+            assert s["selective"] == s["full"]
+        else:  # megatron-core's set keeps the attention activations: less than full
+            assert s["none"] < s["selective"] < s["full"]
+    # what binds: the logits with Megatron's loss; with the fused loss the layers' working set
+    # under full recompute and what the layers keep without recompute
+    assert {rep[v][p]["binding_term"] for v in ("alltoall", "ring") for p in pol.POLICIES} == {
+        "logits_loss"
+    }
+    for v in ("alltoall_fused_loss", "ring_fused_loss"):
+        assert rep[v]["full"]["binding_term"] == "layer_working_set"
+        assert rep[v]["none"]["binding_term"] == "activations_retained"
+    # the ring's gain over alltoall at equal (fused) loss grows without recompute
+    gain = {p: seq["ring_fused_loss"][p] / seq["alltoall_fused_loss"][p] for p in pol.POLICIES}
+    assert 1.3 < gain["full"] < gain["none"], gain
+    # one planner: the Plan carries the report, and megatron-core's own flags for alltoall
+    p = plan(cfg.replace(relaymoe={"dispatcher": "alltoall"}), "h100-80gb")
+    assert p.policies == rep and p.transformer_impl == mm.TE_IMPL
+    assert list(p.mcore_memory_flags) == pol.mcore_memory_flags()
+    assert plan(cfg, "h100-80gb").mcore_memory_flags == ()  # the ring's user: none
+
+
+def max_seq_length_of(cfg, disp, usable, fused):
+    from relaymoe.planner.plan import max_seq_length
+
+    return max_seq_length(cfg, disp, usable, fused_loss=fused)
+
+
+def test_policy_flags_are_written_once():
+    from relaymoe.planner import policies as pol
+
+    assert pol.policy_flags("full", "ring") == pol.policy_flags("full", "alltoall") == [
+        "--recompute-granularity", "full", "--recompute-method", "uniform",
+        "--recompute-num-layers", "1",
+    ]  # fmt: skip
+    assert pol.policy_flags("none", "alltoall") == []
+    assert pol.policy_flags("selective", "alltoall") == [
+        "--recompute-granularity", "selective", "--recompute-modules", "moe_act", "layernorm",
+        "core_attn", "moe",
+    ]  # fmt: skip
+    assert pol.policy_flags("selective", "ring", ("--x",)) == ["--x"]
+    with pytest.raises(ValueError, match="planned_recompute_flags"):
+        pol.policy_flags("selective", "ring")
+    with pytest.raises(ValueError, match="known: full, selective, none"):
+        pol.policy_flags("some", "ring")
+    assert pol.mcore_memory_flags()[-3:] == list(pol.MCORE_FUSED_CE_FLAGS)
