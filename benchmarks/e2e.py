@@ -372,9 +372,9 @@ def pretrain_args(
         "--seed", str(seed),
         "--log-interval", "1",
         "--split", "100,0,0" if data is None else "99,1,0",
-        # every run: Megatron's own output layer (ColumnParallelLinear, TE or not) fuses the
-        # gradient accumulation only through apex's extension, which these machines lack
-        "--no-gradient-accumulation-fusion",
+        # gradient-accumulation fusion stays on (Megatron's default, and what users of NVIDIA's
+        # containers with apex run): relaymoe.megatron.pretrain supplies a torch stand-in for
+        # apex's extension where it is missing (relaymoe/megatron/wgrad_fallback.py)
         "--distributed-backend", "nccl",
     ]  # fmt: skip
     if resolve_impl(transformer_impl, check=check_te) == LOCAL_IMPL:

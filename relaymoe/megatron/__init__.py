@@ -5,12 +5,14 @@ that its argument parser accepts ``ring`` plus relaymoe's own flags, ``Transform
 refuses what the ring cannot run, and ``MoELayer`` builds a ``RingDispatcher`` whose experts run
 through ``relaymoe.ring.ring_moe`` with the layer's own expert parameters; with
 ``--relaymoe-fused-loss`` ``GPTModel`` computes its output layer + loss through
-``relaymoe.linear_cross_entropy`` without the logits. See ``relaymoe/megatron/patches.py`` for
-exactly what is patched. The ring's options are one ``relaymoe.options.RingConfig`` per
-dispatcher, built from Megatron's arguments (``--relaymoe-*`` flags over the ``RELAYMOE_*``
-environment, read once when the arguments are validated) or attached to a ``TransformerConfig``
-by ``configure(config, ring=..., fused_loss=...)`` (``settings.py``); registering changes no
-option.
+``relaymoe.linear_cross_entropy`` without the logits; where apex is not installed, Megatron's
+``--gradient-accumulation-fusion`` (its default) runs through a torch stand-in for apex's
+extension (``wgrad_fallback.py``) instead of refusing to build. See
+``relaymoe/megatron/patches.py`` for exactly what is patched. The ring's options are one
+``relaymoe.options.RingConfig`` per dispatcher, built from Megatron's arguments
+(``--relaymoe-*`` flags over the ``RELAYMOE_*`` environment, read once when the arguments are
+validated) or attached to a ``TransformerConfig`` by ``configure(config, ring=...,
+fused_loss=...)`` (``settings.py``); registering changes no option.
 
 Entry points: ``python -m relaymoe.megatron.launch PATH/pretrain_gpt.py <args>`` (registers,
 then runs your script) and ``python -m relaymoe.megatron.pretrain <args>`` (self-contained).
@@ -62,8 +64,9 @@ def register() -> None:
             f"relaymoe.megatron needs megatron-core >= 0.19, found {version}; "
             f"fix: pip install 'megatron-core>=0.19'"
         )
-    from relaymoe.megatron import patches
+    from relaymoe.megatron import patches, wgrad_fallback
 
+    wgrad_fallback.install()  # only where apex's extension is missing (its docstring: why)
     patches.patch_transformer_config()
     patches.patch_moe_layer()
     patches.patch_gpt_model()

@@ -53,6 +53,11 @@ _SCRIPT = MEGATRON_CPU_PRELUDE + textwrap.dedent(
     from megatron.core import tensor_parallel
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
     model = model.to(torch.bfloat16)
+    # what Megatron's DDP gives each parameter: the flags keep gradient-accumulation fusion on
+    # (relaymoe's stand-in for apex where it is missing), which adds into main_grad
+    for p in model.parameters():
+        p.main_grad = torch.zeros(p.shape, dtype=torch.float32)
+        p.grad_added_to_main_grad = False
     s, b = args.seq_length, args.micro_batch_size
     tokens = torch.randint(0, args.padded_vocab_size, (b, s))
     pos = torch.arange(s).unsqueeze(0).expand(b, s)
@@ -60,6 +65,9 @@ _SCRIPT = MEGATRON_CPU_PRELUDE + textwrap.dedent(
     loss = model(tokens, pos, mask, labels=tokens).float().mean()
     loss.backward()
     assert torch.isfinite(loss), loss
+    fused = [n for n, p in model.named_parameters() if p.grad_added_to_main_grad]
+    assert fused and all(p.main_grad.abs().sum() > 0 for n, p in model.named_parameters()
+                         if p.grad_added_to_main_grad), fused
     print("FWD_BWD", float(loss))
     # the mock-data path of relaymoe.megatron.pretrain (dataset config, prebuilt index helpers)
     from relaymoe.megatron.pretrain import datasets_provider, use_prebuilt_dataset_helpers
