@@ -19,7 +19,8 @@ the patch (``relaymoe/megatron/patches.py``) passes the model's ``FusedOutputPro
 * with ``gradient_accumulation_fusion`` the weight gradient is added to ``weight.main_grad``
   and the parameter marked ``grad_added_to_main_grad`` with the dummy gradient Megatron's linear
   returns; without it the gradient is a plain ``.grad`` for Megatron's DDP to pick up. An fp32
-  ``main_grad`` (bf16 training) takes the loss's accumulate mode: the loss adds into it
+  ``main_grad`` (bf16 training), with fusion or under Megatron's DDP (whose hook adds ``.grad``
+  into ``main_grad``: the same end), takes the loss's accumulate mode: the loss adds into it
   directly (no fp32 ``(V/TP, H)`` buffer of its own), during the forward with the upstream
   gradient guessed from the previous micro-batch's (``GradGuess``; the backward corrects it
   exactly where the guess was wrong), and the mark and dummy reach the weight only after the
@@ -217,13 +218,12 @@ def output_layer_loss(
         labels_SB = labels_SB.masked_fill(loss_mask_BS.t() == 0, IGNORE_INDEX)  # a copy
     hidden_TH, labels_T = hidden_SBH.reshape(s * b, h), labels_SB.reshape(s * b)
     accumulate = {}
-    if weight.requires_grad and output_layer.gradient_accumulation_fusion:
-        if _accumulates_into_main_grad(weight):
-            hidden_TH = _MainGradMark.apply(hidden_TH, weight)
-            accumulate = _speculation(output_layer, weight, labels_T, guess)
-            weight = weight.detach()  # its gradient goes to main_grad, the mark to autograd
-        else:
-            weight = _IntoMainGrad.apply(weight)
+    if weight.requires_grad and _accumulates_into_main_grad(weight, output_layer):
+        hidden_TH = _MainGradMark.apply(hidden_TH, weight)
+        accumulate = _speculation(output_layer, weight, labels_T, guess)
+        weight = weight.detach()  # its gradient goes to main_grad, the mark to autograd
+    elif weight.requires_grad and output_layer.gradient_accumulation_fusion:
+        weight = _IntoMainGrad.apply(weight)
     observe = accumulate.pop("observe", None)
     loss_T = _linear_cross_entropy()(
         hidden_TH,
@@ -244,13 +244,20 @@ def output_layer_loss(
     return loss_T.view(s, b).t().contiguous()
 
 
-def _accumulates_into_main_grad(weight) -> bool:
+def _accumulates_into_main_grad(weight, output_layer) -> bool:
     """Whether the loss adds the weight gradient into ``main_grad`` itself (its accumulate mode,
     no fp32 ``(V/TP, H)`` buffer of its own): grad mode on, an fp32 ``main_grad`` (Megatron's for
-    bf16 training), not Megatron-FSDP's (whose buffer is copied into, not added to)."""
+    bf16 training), not Megatron-FSDP's (copied into, not added to), and either
+    ``gradient_accumulation_fusion`` or Megatron's DDP marking the parameter
+    (``grad_added_to_main_grad``): its backward hook adds ``.grad`` into ``main_grad`` anyway,
+    so adding there directly, with the mark and the dummy that fusion hands it, ends the same
+    (without Apex, whose kernel the output layer's own fusion needs, runs must turn fusion off)."""
     grad = getattr(weight, "main_grad", None)
     return (
         torch.is_grad_enabled()
+        and (
+            output_layer.gradient_accumulation_fusion or hasattr(weight, "grad_added_to_main_grad")
+        )
         and not hasattr(weight, "__fsdp_param__")
         and isinstance(grad, torch.Tensor)
         and grad.dtype == torch.float32

@@ -223,9 +223,11 @@ def output_weight(model):
     return model.output_layer.weight
 
 
-def check_main_grad(tag, cfg, vocab, device, tol, *, tied: bool, ddp_mark: bool):
-    """Gradient accumulation fusion over three micro-batches: the output weight's gradient
-    lands in ``main_grad`` (fp32: the loss's accumulate mode). The first micro-batch has no
+def check_main_grad(tag, cfg, vocab, device, tol, *, tied: bool, ddp_mark: bool,
+                    fusion: bool = True):  # fmt: skip
+    """Gradient accumulation fusion (or, without it, Megatron's DDP marking the parameter)
+    over three micro-batches: the output weight's gradient lands in ``main_grad`` (fp32: the
+    loss's accumulate mode). The first micro-batch has no
     guess of its upstream gradient (the backward computes the weight gradient: one backward
     pass); the second's guess, the first's gradient rescaled by the token counts, is right (no
     backward pass); the third's loss is weighted, so the guess is wrong and corrected. Then a
@@ -240,7 +242,7 @@ def check_main_grad(tag, cfg, vocab, device, tol, *, tied: bool, ddp_mark: bool)
              for k, obj in enumerate(("megatron", "megatron", "weighted"))]  # fmt: skip
     want = sum(loss_and_grads(ref, b, obj, seed=k)[2][name].float()
                for k, (b, obj) in enumerate(micro))  # fmt: skip
-    fus.output_layer.gradient_accumulation_fusion = True  # (Megatron's own needs Apex)
+    fus.output_layer.gradient_accumulation_fusion = fusion  # (Megatron's own needs Apex)
     w = output_weight(fus)
     start = torch.randn(w.shape, generator=torch.Generator().manual_seed(9)).to(device)
     w.main_grad = start.clone()  # fp32, as Megatron's DDP buffers are
@@ -428,6 +430,8 @@ def worker(rank: int, world: int, port: int, device: str = "cpu") -> None:
         for tied in (False, True):
             tag = f"[TP={tp} SP={sp} tied={tied} main_grad]"
             check_main_grad(tag, cfg, vocab, device, tol, tied=tied, ddp_mark=tied)
+        tag = f"[TP={tp} SP={sp} main_grad, DDP's mark, no fusion]"
+        check_main_grad(tag, cfg, vocab, device, tol, tied=False, ddp_mark=True, fusion=False)
         check_label_smoothing(f"[TP={tp} SP={sp}]", cfg, vocab, device, tol)
     if tp == 1:
         dispatchers = ["allgather", "ring"] + (["alltoall"] if device != "cpu" else [])
