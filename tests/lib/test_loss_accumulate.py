@@ -245,3 +245,25 @@ def test_bad_accumulate_arguments_name_the_value_and_the_fix():
     for kw, pattern in bad:
         with pytest.raises(ValueError, match=pattern):
             linear_cross_entropy(h, w, y, **kw)
+
+
+def test_the_loss_model_of_each_mode():
+    """``relaymoe.lossmodel.fused_loss_bytes``: what each mode keeps, returns and adds (issue
+    #53's shape: the default mode's transient holds the fp32 dW, the accumulate mode's one
+    chunk)."""
+    from relaymoe.lossmodel import fused_loss_bytes
+
+    T_, H_, V_, C_, MB = 65536, 4096, 151936, 2304, 2**20
+    chunk, dh, dw32, dw = C_ * V_ * 2, T_ * H_ * 2, V_ * H_ * 4, V_ * H_ * 2
+    kept = fused_loss_bytes(T_, H_, V_, chunk_tokens=C_, impl="triton")
+    assert (kept.chunk, kept.dhidden, kept.dweight) == (chunk, dh, dw32)
+    assert kept.total == chunk + dh + dw32  # the forward's peak, what the planner counts
+    assert kept.peak == dh + dw32 + dh + dw  # the backward: kept + returned gradients
+    assert kept.transient == dh + dw32 + dw and round(kept.transient / MB) == 4073
+    acc = fused_loss_bytes(T_, H_, V_, chunk_tokens=C_, impl="triton", wgrad="accumulate")
+    assert (acc.dweight, acc.total, acc.transient) == (0, chunk + dh, chunk)
+    rec = fused_loss_bytes(T_, H_, V_, chunk_tokens=C_, impl="triton", wgrad="recompute")
+    assert (rec.total, rec.peak, rec.transient) == (chunk, chunk + dh, chunk)
+    assert fused_loss_bytes(T_, H_, V_, chunk_tokens=C_).chunk == C_ * V_ * 6  # torch path
+    with pytest.raises(ValueError, match="wgrad='fp32'; use one of"):
+        fused_loss_bytes(T_, H_, V_, wgrad="fp32")
