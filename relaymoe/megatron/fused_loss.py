@@ -307,7 +307,9 @@ class FusedOutputProcessor:
         )
         grad = getattr(weight, "main_grad", None)
         if loss.requires_grad and isinstance(grad, torch.Tensor):
-            self.accumulators.setdefault(id(grad), weakref.ref(grad))
+            known = self.accumulators.get(id(grad))
+            if known is None or known() is not grad:
+                self.accumulators[id(grad)] = weakref.ref(grad)
             self._guard_finalize(output_layer.config)
         return loss
 
