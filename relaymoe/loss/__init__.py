@@ -29,6 +29,13 @@ Peak extra memory: one chunk's working set plus ``dh_unit`` (T, H, activations' 
 ``dW_unit`` (Vl, H, fp32), see ``relaymoe.lossmodel``. Deterministic: fixed chunk order, no
 atomics.
 
+The accumulate mode (``weight_grad_into=``, ``relaymoe.loss.accumulate``) keeps no ``dW_unit``:
+the weight gradient goes into the caller's accumulator (Megatron's ``main_grad``), during the
+forward when the caller gives the upstream gradient it expects (``expected_grad``; the backward
+corrects it exactly where the real one differs), else in the backward. Its transient is one
+chunk's working set. ``check_settled`` and ``reset_ledger`` (``relaymoe.loss.ledger``) guard a
+forward whose backward never ran.
+
 Tensor parallelism. Every rank of ``tp_group`` passes the same ``hidden`` and ``labels`` (same
 T) and its own shard of the weight. The hidden gradient returned is this rank's part
 ``dlogits_local @ W_local``; the caller sums it over the group, as Megatron's column-parallel
@@ -41,11 +48,13 @@ Label smoothing follows Megatron's formula (``smoothing = a * Vl / (Vl - 1)``, l
 different losses, exactly as Megatron's do. At TP = 1 it equals ``torch.nn.functional
 .cross_entropy(label_smoothing=a * V / (V - 1))``.
 
-The modules: ``autograd`` (``linear_cross_entropy``, the loop over the chunks and the autograd
-function), ``inputs`` (the checks of the arguments, the call's setup), ``tp`` (the
-tensor-parallel contract, agreed in one all-reduce), ``chunk`` (what one chunk computes).
+The modules: ``autograd`` (``linear_cross_entropy`` and the default mode's autograd function),
+``accumulate`` (the accumulate mode), ``ledger`` (its speculative contributions), ``passes``
+(the loops over the chunks), ``inputs`` (the checks of the arguments, the call's setup), ``tp``
+(the tensor-parallel contract, agreed in one all-reduce), ``chunk`` (what one chunk computes).
 """
 
 from relaymoe.loss.autograd import linear_cross_entropy
+from relaymoe.loss.ledger import check_settled, reset_ledger
 
-__all__ = ["linear_cross_entropy"]
+__all__ = ["check_settled", "linear_cross_entropy", "reset_ledger"]

@@ -1,8 +1,9 @@
-"""``linear_cross_entropy``: the autograd op, its loop over the chunks and the backward's recompute.
+"""``linear_cross_entropy``: the public op, and its default mode's autograd function.
 
-The forward applies each chunk's gradient at once (``dh_unit``, ``dW_unit``); the backward
-scales them by the upstream gradient, or recomputes the weight gradient when that gradient is
-not uniform over the counted tokens (see the package doc, ``relaymoe.loss``).
+The default mode's forward applies each chunk's gradient at once (``dh_unit``, ``dW_unit``);
+the backward scales them by the upstream gradient, or recomputes the weight gradient when that
+gradient is not uniform over the counted tokens (see the package doc, ``relaymoe.loss``). With
+``weight_grad_into`` the accumulate mode (``relaymoe.loss.accumulate``) runs instead.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from relaymoe.loss.chunk import accumulate_wgrad, chunk_grad, chunk_stats, combine_stats
-from relaymoe.loss.inputs import LossSetup, check_labels, make_setup
+from relaymoe.loss.accumulate import AccumulateInto, AccumulateLinearCrossEntropy
+from relaymoe.loss.inputs import LossSetup, check_accumulate_args, check_labels, make_setup
+from relaymoe.loss.ledger import check_not_abandoned
+from relaymoe.loss.passes import backward_chunks, forward_chunks, refuse_second_order, targets
 from relaymoe.loss.tp import agree_tp, refuse_on_every_rank
 
 Impl = Literal["auto", "torch", "triton"]
@@ -37,6 +40,8 @@ def linear_cross_entropy(
     label_smoothing: float = 0.0,
     impl: Impl = "auto",
     validate: bool = True,
+    weight_grad_into: Tensor | None = None,
+    expected_grad: float | Tensor | None = None,
 ) -> Tensor:
     """Per-token cross-entropy of ``hidden_TH @ weight_full.T`` without materialising the logits.
 
@@ -52,10 +57,29 @@ def linear_cross_entropy(
         impl: ``"triton"`` (row kernels, CUDA or ``TRITON_INTERPRET=1``), ``"torch"``, or
             ``"auto"`` (Triton on CUDA when it imports).
         validate: check the labels and, at TP > 1, the tensor-parallel contract (below).
+        weight_grad_into: an accumulator of the weight's shape (float32, or the weight's dtype),
+            contiguous, outside autograd (Megatron's ``main_grad``): the weight gradient is
+            ADDED into it and none is returned to autograd (the accumulate mode,
+            ``relaymoe.loss.accumulate``: no ``(Vl, H)`` buffer of the loss's own). It is
+            computed whenever a gradient pass runs (grad mode on and ``hidden_TH`` or
+            ``weight_VH`` requiring grad), whatever ``weight_VH.requires_grad``: pass
+            ``weight.detach()`` to keep autograd away from the weight. A half-precision
+            accumulator rounds at every addition (once per chunk and pass; a correction's
+            passes add more of them): prefer fp32. Every call with it raises
+            ``RuntimeError`` once a speculative forward into it was dropped without its
+            backward (``relaymoe.loss.ledger``).
+        expected_grad: with ``weight_grad_into``, the upstream gradient the caller's loss will
+            send to every counted token (a Python float, finite and non-zero, or a 0-dim
+            tensor on the activations' device, read once here): the forward then adds
+            ``expected_grad * dW`` into the accumulator at once (three GEMMs a chunk, as the
+            default mode) and the backward only corrects it where the real gradient differs
+            (exact; two more GEMMs a chunk then). ``None``: the backward computes both
+            gradients (four GEMMs a chunk in all).
 
     Returns:
         loss_T: (T,) float32 (float64 for float64 inputs). Differentiable into ``hidden_TH``
-        (this rank's part, see the module doc) and ``weight_VH``.
+        (this rank's part, see the module doc) and ``weight_VH`` (into ``weight_grad_into``
+        when given).
 
     Layouts: any strides for ``hidden_TH``, ``weight_VH``, ``labels_T`` and the upstream
     gradient (transposed, sliced, expanded); the GEMMs read them in place and the row kernels
@@ -82,7 +106,11 @@ def linear_cross_entropy(
             hidden_TH, weight_VH, labels_T, tp_group, chunk_tokens, ignore_index,
             label_smoothing, impl,
         )  # fmt: skip
-    except ValueError as err:
+        acc, expected = check_accumulate_args(weight_grad_into, expected_grad, hidden_TH,
+                                              weight_VH)  # fmt: skip
+        if acc is not None:
+            check_not_abandoned(acc)  # RuntimeError: a dropped speculative forward
+    except (ValueError, RuntimeError) as err:
         if validate:  # at TP > 1 the peers wait in the contract's all-reduce: they raise too
             refuse_on_every_rank(err, hidden_TH, tp_group)
         raise
@@ -93,64 +121,34 @@ def linear_cross_entropy(
         check_labels(labels_T, setup)
     grad_on = torch.is_grad_enabled()
     need_dh = grad_on and hidden_TH.requires_grad
-    need_dw = grad_on and weight_VH.requires_grad
+    need_dw = grad_on and (weight_VH.requires_grad or (acc is not None and need_dh))
     if not (need_dh or need_dw):  # eval: statistics only, no gradient pass, nothing kept
         with torch.no_grad():
             return _forward(hidden_TH, weight_VH, labels_T, setup, False, False)[0]
+    if acc is not None:
+        into = AccumulateInto(acc, expected)
+        return AccumulateLinearCrossEntropy.apply(hidden_TH, weight_VH, labels_T, setup, need_dh,
+                                                  into)  # fmt: skip
     return _LinearCrossEntropy.apply(hidden_TH, weight_VH, labels_T, setup, need_dh, need_dw)
 
 
-def _targets(labels_T: Tensor, setup: LossSetup) -> tuple[Tensor, Tensor]:
-    """``(tgt_T, valid_T)``: the label's local column (-1 when ignored or on another rank) and
-    whether the token counts."""
-    valid = labels_T != setup.ignore_index
-    local = labels_T - setup.vocab_start
-    here = valid & (local >= 0) & (local < setup.vocab_local)
-    return torch.where(here, local, -1), valid
-
-
 def _forward(hidden, weight, labels, setup: LossSetup, need_dh: bool, need_dw: bool):
-    tokens, hid = hidden.shape
-    dev = hidden.device
-    loss = torch.zeros(tokens, dtype=setup.work, device=dev)
-    lse = torch.empty(tokens, dtype=setup.work, device=dev)
-    tgt, valid = _targets(labels, setup)
+    tgt, valid = targets(labels, setup)
     dh_unit = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_dh else None
-    dw_unit = torch.zeros(setup.vocab_local, hid, dtype=setup.work, device=dev) if need_dw else None
-    if tokens:
-        buf = torch.empty(min(setup.chunk, tokens), setup.vocab_local, dtype=hidden.dtype,
-                          device=dev)  # fmt: skip
-        w_t = weight.t()
-        for s in range(0, tokens, setup.chunk):
-            e = min(s + setup.chunk, tokens)
-            h = hidden[s:e]
-            logits = torch.mm(h, w_t, out=buf[: e - s])
-            stats = chunk_stats(logits, tgt[s:e], setup)
-            loss_c, lse[s:e] = combine_stats(*stats, tgt[s:e] >= 0, setup)
-            loss[s:e] = torch.where(valid[s:e], loss_c, 0.0)
-            if need_dh or need_dw:
-                scale = valid[s:e].to(setup.work)
-                dlogits = chunk_grad(logits, tgt[s:e], lse[s:e], scale, setup)
-                if need_dh:
-                    torch.mm(dlogits, weight, out=dh_unit[s:e])
-                if need_dw:
-                    accumulate_wgrad(dw_unit, dlogits, h)
-        del buf
+    dw_unit = None
+    if need_dw:
+        dw_unit = torch.zeros(setup.vocab_local, hidden.shape[1], dtype=setup.work,
+                              device=hidden.device)  # fmt: skip
+    scale = valid.to(setup.work) if need_dh or need_dw else None
+    loss, lse = forward_chunks(hidden, weight, tgt, valid, setup, scale_T=scale, dh_out=dh_unit,
+                               wgrad_into=dw_unit)  # fmt: skip
     return loss, lse, tgt, valid, dh_unit, dw_unit
 
 
 def _recompute_wgrad(hidden, weight, tgt, lse, scale, setup: LossSetup) -> Tensor:
     """``sum_t scale[t] * dlogits[t].T @ h[t]`` by chunks again (the backward's exact path)."""
-    tokens, hid = hidden.shape
-    acc = torch.zeros(setup.vocab_local, hid, dtype=setup.work, device=hidden.device)
-    buf = torch.empty(min(setup.chunk, tokens), setup.vocab_local, dtype=hidden.dtype,
-                      device=hidden.device)  # fmt: skip
-    w_t = weight.t()
-    for s in range(0, tokens, setup.chunk):
-        e = min(s + setup.chunk, tokens)
-        logits = torch.mm(hidden[s:e], w_t, out=buf[: e - s])
-        dlogits = chunk_grad(logits, tgt[s:e], lse[s:e], scale[s:e].contiguous(), setup)
-        accumulate_wgrad(acc, dlogits, hidden[s:e])
+    acc = torch.zeros(setup.vocab_local, hidden.shape[1], dtype=setup.work, device=hidden.device)
+    backward_chunks(hidden, weight, tgt, lse, scale, setup, wgrad_into=acc)
     return acc
 
 
@@ -167,15 +165,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_T):
-        # grad mode is on here only under create_graph=True, whose gradients would leave this
-        # function out of their graph (a penalty's term silently dropped): refused at once
-        if torch.is_grad_enabled():
-            raise NotImplementedError(
-                "linear_cross_entropy: second-order gradients (create_graph=True: a gradient "
-                "penalty, a Hessian-vector product) are not supported: its backward is "
-                "hand-written. Take first-order gradients without create_graph=True, or "
-                "compute that term with torch.nn.functional.cross_entropy on the logits"
-            )
+        refuse_second_order()
         hidden, weight, lse, tgt, valid, dh_unit, dw_unit = ctx.saved_tensors
         setup = ctx.setup
         g = torch.where(valid, g_T.to(setup.work), 0.0)  # ignored tokens: zero, even if g is NaN

@@ -6,6 +6,7 @@ the label range check of a call without tensor parallelism (one host sync).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -153,3 +154,65 @@ def check_labels(labels: Tensor, setup: LossSetup) -> None:
             f"{setup.vocab_local} x TP {setup.world}) and is not ignore_index="
             f"{setup.ignore_index}; fix the labels or mark those tokens with ignore_index"
         )
+
+
+def check_accumulate_args(acc, expected, hidden: Tensor, weight: Tensor):
+    """The accumulate mode's arguments (``weight_grad_into``, ``expected_grad``), checked:
+    ``(acc, expected)`` with a Python number as a float."""
+    name = "linear_cross_entropy"
+    if acc is None:
+        if expected is not None:
+            raise ValueError(
+                f"{name}: expected_grad={_desc(expected)} was given without weight_grad_into; "
+                "the expectation is that of the weight gradient added into an accumulator: pass "
+                "weight_grad_into=the (Vl, H) accumulator, or drop expected_grad"
+            )
+        return None, None
+    if not isinstance(acc, Tensor) or tuple(acc.shape) != tuple(weight.shape):
+        raise ValueError(
+            f"{name}: weight_grad_into must be a tensor of the weight's shape "
+            f"{tuple(weight.shape)}, got {_desc(acc)}; pass the weight's gradient accumulator "
+            "(Megatron: weight.main_grad)"
+        )
+    if acc.dtype not in (torch.float32, weight.dtype) or acc.device != weight.device:
+        raise ValueError(
+            f"{name}: weight_grad_into is {acc.dtype} on {acc.device}; it must be float32 or "
+            f"the weight's dtype ({weight.dtype}), on the weight's device ({weight.device})"
+        )
+    if acc.requires_grad or not acc.is_contiguous():
+        raise ValueError(
+            f"{name}: weight_grad_into must be a contiguous buffer outside autograd (requires_grad "
+            f"{acc.requires_grad}, strides {acc.stride()}); pass a plain contiguous gradient "
+            "buffer, such as Megatron's main_grad"
+        )
+    if acc.data_ptr() == weight.data_ptr() and acc.numel():
+        raise ValueError(f"{name}: weight_grad_into is the weight itself; pass its gradient buffer")
+    return acc, _check_expected(expected, hidden)
+
+
+def _check_expected(expected, hidden: Tensor):
+    name = "linear_cross_entropy"
+    if expected is None:
+        return None
+    if isinstance(expected, Tensor):
+        if expected.numel() != 1 or expected.dim() != 0 or not expected.is_floating_point():
+            raise ValueError(
+                f"{name}: expected_grad must be a Python float or a 0-dim floating tensor, got "
+                f"{_desc(expected)}"
+            )
+        if expected.device != hidden.device:
+            raise ValueError(
+                f"{name}: expected_grad is on {expected.device}, hidden_TH on {hidden.device}: "
+                "keep the expectation on the activations' device (no host sync to read it)"
+            )
+        return expected
+    if isinstance(expected, bool) or not isinstance(expected, int | float):
+        raise ValueError(
+            f"{name}: expected_grad={expected!r} must be a Python float or a 0-dim tensor"
+        )
+    if not math.isfinite(expected) or expected == 0:
+        raise ValueError(
+            f"{name}: expected_grad={expected!r} must be finite and non-zero (the gradient the "
+            "loss will send to every counted token); pass None when it is not known"
+        )
+    return float(expected)

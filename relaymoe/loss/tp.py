@@ -80,7 +80,7 @@ def agree_tp(hidden: Tensor, labels: Tensor, setup: LossSetup) -> None:
     _same_on_every_rank("labels", [r[_TP_FIELDS.index("labels")] for r in rows])
 
 
-def refuse_on_every_rank(err: ValueError, hidden, group) -> None:
+def refuse_on_every_rank(err: Exception, hidden, group) -> None:
     """This rank's arguments failed their checks (``err``): at TP > 1, enter the contract's
     all-reduce that its peers enter (``agree_tp``) with the message in this rank's row, so
     that every rank raises the same ``ValueError`` instead of leaving the peers waiting. A

@@ -7,7 +7,7 @@ own ``output_processor`` and gathered logits at TP > 1 take Megatron's path unto
 
 It plugs into Megatron's own hook: ``GPTModel._postprocess`` calls an ``output_processor``
 after the MTP block with the final hidden states, the output layer and the tied output weight;
-the patch (``relaymoe/megatron/patches.py``) passes ``fused_output_processor`` there.
+the patch (``relaymoe/megatron/patches.py``) passes the model's ``FusedOutputProcessor`` there.
 
 ``output_layer_loss`` reproduces ``ColumnParallelLinear`` + ``compute_language_model_loss``:
 
@@ -18,7 +18,15 @@ the patch (``relaymoe/megatron/patches.py``) passes ``fused_output_processor`` t
   all-reduced (each rank's vocabulary shard contributes a part of it);
 * with ``gradient_accumulation_fusion`` the weight gradient is added to ``weight.main_grad``
   and the parameter marked ``grad_added_to_main_grad`` with the dummy gradient Megatron's linear
-  returns; without it the gradient is a plain ``.grad`` for Megatron's DDP to pick up;
+  returns; without it the gradient is a plain ``.grad`` for Megatron's DDP to pick up. An fp32
+  ``main_grad`` (bf16 training), with fusion or under Megatron's DDP (whose hook adds ``.grad``
+  into ``main_grad``: the same end), takes the loss's accumulate mode: the loss adds into it
+  directly (no fp32 ``(V/TP, H)`` buffer of its own), during the forward with the upstream
+  gradient guessed from the previous micro-batch's (``GradGuess``; the backward corrects it
+  exactly where the guess was wrong), and the mark and dummy reach the weight only after the
+  loss's whole backward (``_MainGradMark``). With tied embeddings the embedding's own gradient
+  still arrives through ``.grad`` beside the zeroed dummy (Megatron sets ``zero_out_wgrad``
+  there) and DDP adds it to ``main_grad`` as before;
 * where ``loss_mask == 0`` a copy of the labels gets ``IGNORE_INDEX``: the loss there is 0 (the
   loss function multiplies it by 0 anyway), and the upstream gradient Megatron's loss function
   gives is then a constant on every other token, the case the fused backward is fast for;
@@ -31,15 +39,17 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 
 import torch
 
 logger = logging.getLogger("relaymoe.megatron")
 
-__all__ = ["IGNORE_INDEX", "output_layer_loss", "fused_output_processor", "install"]
+__all__ = ["IGNORE_INDEX", "FusedOutputProcessor", "GradGuess", "install", "output_layer_loss"]
 
 IGNORE_INDEX = -100
 ATTR = "_relaymoe_fused_loss"  # on a GPTModel: its output processor, set by install()
+GUARD = "__relaymoe_settled_guard__"  # on a wrapped finalize_model_grads_func: its processor
 
 
 def _linear_cross_entropy():
@@ -62,9 +72,31 @@ def _log_once(key: str, message: str) -> None:
         print(f"[relaymoe] {message}", flush=True)
 
 
+def _handed_to_ddp(weight, dtype):
+    """What the weight's own gradient slot receives once its gradient is in ``main_grad``: the
+    dummy Megatron's linear returns under ``gradient_accumulation_fusion``, with the mark that
+    tells Megatron's DDP hook it is already there (None where no DDP marks the parameter)."""
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    # Megatron's DDP hooks run on the main thread only when a gradient arrives: hand them a
+    # dummy, and the mark that tells them it is already in main_grad.
+    weight.grad_added_to_main_grad = True
+    from megatron.core.tensor_parallel import layers
+
+    zero = getattr(weight, "zero_out_wgrad", False)  # tied embeddings: their own grad adds up
+    shape = list(weight.main_grad.shape)
+    if getattr(layers, "HAVE_TE", False):
+        if zero:
+            return layers.get_dummy_wgrad(shape, dtype, zero=True)
+        return layers.get_dummy_wgrad(shape, dtype)
+    make = torch.zeros if zero else torch.empty
+    return make(shape, dtype=dtype, device=weight.main_grad.device)
+
+
 class _IntoMainGrad(torch.autograd.Function):
     """Identity on the weight; backward adds the weight's gradient to ``main_grad`` and returns
-    what Megatron's linear returns under ``gradient_accumulation_fusion``."""
+    what Megatron's linear returns under ``gradient_accumulation_fusion`` (the loss's default
+    mode: a ``main_grad`` that is not fp32, or Megatron-FSDP's)."""
 
     @staticmethod
     def forward(ctx, weight_VH):
@@ -79,21 +111,59 @@ class _IntoMainGrad(torch.autograd.Function):
             weight.main_grad.copy_(grad_VH)
         else:
             weight.main_grad.add_(grad_VH)
-        if not hasattr(weight, "grad_added_to_main_grad"):
-            return None
-        # Megatron's DDP hooks run on the main thread only when a gradient arrives: hand them a
-        # dummy, and the mark that tells them it is already in main_grad.
-        weight.grad_added_to_main_grad = True
-        from megatron.core.tensor_parallel import layers
+        return _handed_to_ddp(weight, grad_VH.dtype)
 
-        zero = getattr(weight, "zero_out_wgrad", False)
-        shape = list(weight.main_grad.shape)
-        if getattr(layers, "HAVE_TE", False):
-            if zero:
-                return layers.get_dummy_wgrad(shape, grad_VH.dtype, zero=True)
-            return layers.get_dummy_wgrad(shape, grad_VH.dtype)
-        make = torch.zeros if zero else torch.empty
-        return make(shape, dtype=grad_VH.dtype, device=weight.main_grad.device)
+
+class _MainGradMark(torch.autograd.Function):
+    """Identity on the hidden states that ties the weight to them in the graph: the loss adds
+    the weight's gradient into ``main_grad`` itself (its accumulate mode) and returns none, and
+    this node, upstream of the loss, runs its backward after the loss's whole backward: only
+    then does the weight receive the dummy and the mark Megatron's DDP hook reads (its bucket
+    may start reducing ``main_grad`` from that hook)."""
+
+    @staticmethod
+    def forward(ctx, hidden_TH, weight_VH):
+        ctx.weight = weight_VH
+        return hidden_TH.view_as(hidden_TH)
+
+    @staticmethod
+    def backward(ctx, grad_TH):
+        return grad_TH, _handed_to_ddp(ctx.weight, ctx.weight.dtype)
+
+
+class GradGuess:
+    """The upstream gradient the next micro-batch's loss will send each counted token, guessed
+    from the last one observed (device scalars: no host sync), for the fused loss's speculative
+    weight gradient. Megatron's schedule divides a micro-batch's summed loss by its counted
+    tokens ``n`` unless ``config.calculate_per_token_loss`` (then by the total at the end): the
+    guess is kept as ``g * n`` and divided by the next ``n``, so a new token count costs
+    nothing; a change of loss scale, of micro-batch count, or a weighted loss mask costs the
+    backward's correction, never the gradient's exactness. One per output processor (one model),
+    never global."""
+
+    def __init__(self):
+        # g (per-token loss) or g * n of the last observation, 0-dim fp32, updated in place (a
+        # CUDA graph that captured the update keeps updating the tensor the next forward reads)
+        self.scaled = None
+
+    def expected(self, counted_n, per_token_loss: bool):
+        """This micro-batch's guess (None before any observation)."""
+        if self.scaled is None:
+            return None
+        return self.scaled if per_token_loss else self.scaled / counted_n.clamp_min(1)
+
+    def observe(self, valid_T, counted_n, per_token_loss: bool):
+        """A hook for the loss tensor: records the gradient one counted token receives."""
+
+        def hook(g_T):
+            g = g_T.reshape(-1)[valid_T.to(torch.int8).argmax()].float()
+            value = g if per_token_loss else g * counted_n.clamp_min(1)
+            ok = valid_T.any() & torch.isfinite(value) & (value != 0)
+            if self.scaled is None:
+                self.scaled = value.new_full((), float("nan"))
+            self.scaled.copy_(torch.where(ok, value, self.scaled))
+
+        return hook
 
 
 def output_layer_loss(
@@ -105,13 +175,16 @@ def output_layer_loss(
     loss_mask_BS: torch.Tensor | None = None,
     chunk_tokens: int | None = None,
     label_smoothing: float = 0.0,
+    guess: GradGuess | None = None,
 ) -> torch.Tensor:
     """Megatron's ``output_layer`` (a ``ColumnParallelLinear``) followed by its vocab-parallel
     cross-entropy, fused. Returns ``loss_BS`` float32.
 
     ``hidden_SBH``: the final hidden states ``(S/TP if sequence parallel else S, B, H)``;
     ``labels_BS`` and ``loss_mask_BS``: ``(B, S)``; ``weight``: ``(V/TP, H)``, the layer's own
-    when ``None``. Suffixes: S sequence, B micro-batch, H hidden, V vocabulary, T = S*B tokens.
+    when ``None``; ``guess``: the processor's upstream-gradient guess (the speculative weight
+    gradient; without one the accumulate mode computes it in the backward). Suffixes: S
+    sequence, B micro-batch, H hidden, V vocabulary, T = S*B tokens.
     """
     from megatron.core.tensor_parallel import (
         copy_to_tensor_model_parallel_region,
@@ -143,12 +216,19 @@ def output_layer_loss(
     labels_SB = labels_BS.t()
     if loss_mask_BS is not None:
         labels_SB = labels_SB.masked_fill(loss_mask_BS.t() == 0, IGNORE_INDEX)  # a copy
-    if weight.requires_grad and output_layer.gradient_accumulation_fusion:
+    hidden_TH, labels_T = hidden_SBH.reshape(s * b, h), labels_SB.reshape(s * b)
+    accumulate = {}
+    if weight.requires_grad and _accumulates_into_main_grad(weight, output_layer):
+        hidden_TH = _MainGradMark.apply(hidden_TH, weight)
+        accumulate = _speculation(output_layer, weight, labels_T, guess)
+        weight = weight.detach()  # its gradient goes to main_grad, the mark to autograd
+    elif weight.requires_grad and output_layer.gradient_accumulation_fusion:
         weight = _IntoMainGrad.apply(weight)
+    observe = accumulate.pop("observe", None)
     loss_T = _linear_cross_entropy()(
-        hidden_SBH.reshape(s * b, h),
+        hidden_TH,
         weight,
-        labels_SB.reshape(s * b),
+        labels_T,
         tp_group=group if tp > 1 else None,
         chunk_tokens=chunk_tokens,
         ignore_index=IGNORE_INDEX,
@@ -157,23 +237,103 @@ def output_layer_loss(
         # host sync to check their range; an out-of-range label gets Megatron's own behaviour
         # (no target logit on any shard)
         validate=False,
+        **accumulate,
     )
+    if observe is not None and loss_T.requires_grad:
+        loss_T.register_hook(observe)
     return loss_T.view(s, b).t().contiguous()
 
 
-def fused_output_processor(
-    *, hidden_states, output_layer, output_weight, labels, loss_mask, chunk_tokens=None, **_
-):
-    """An ``output_processor`` for ``GPTModel._postprocess`` (keyword arguments as it passes
-    them): the loss ``(B, S)`` fp32 from the final hidden states and the labels."""
-    return output_layer_loss(
-        output_layer,
-        hidden_states,
-        labels,
-        weight=output_weight,
-        loss_mask_BS=loss_mask,
-        chunk_tokens=chunk_tokens,
+def _accumulates_into_main_grad(weight, output_layer) -> bool:
+    """Whether the loss adds the weight gradient into ``main_grad`` itself (its accumulate mode,
+    no fp32 ``(V/TP, H)`` buffer of its own): grad mode on, an fp32 ``main_grad`` (Megatron's for
+    bf16 training), not Megatron-FSDP's (copied into, not added to), and either
+    ``gradient_accumulation_fusion`` or Megatron's DDP marking the parameter
+    (``grad_added_to_main_grad``): its backward hook adds ``.grad`` into ``main_grad`` anyway,
+    so adding there directly, with the mark and the dummy that fusion hands it, ends the same
+    (without Apex, whose kernel the output layer's own fusion needs, runs must turn fusion off)."""
+    grad = getattr(weight, "main_grad", None)
+    return (
+        torch.is_grad_enabled()
+        and (
+            output_layer.gradient_accumulation_fusion or hasattr(weight, "grad_added_to_main_grad")
+        )
+        and not hasattr(weight, "__fsdp_param__")
+        and isinstance(grad, torch.Tensor)
+        and grad.dtype == torch.float32
+        and tuple(grad.shape) == tuple(weight.shape)
+        and grad.is_contiguous()
     )
+
+
+def _speculation(output_layer, weight, labels_T, guess: GradGuess | None) -> dict:
+    """The accumulate mode's keyword arguments, and the hook that feeds ``guess`` (``observe``)."""
+    args = {"weight_grad_into": weight.main_grad}
+    if guess is None or (weight.is_cuda and torch.cuda.is_current_stream_capturing()):
+        # a captured backward could not check a guess without a host branch (the op would
+        # assert on the device instead): the backward computes the weight gradient itself
+        return args
+    per_token = bool(getattr(output_layer.config, "calculate_per_token_loss", False))
+    valid = labels_T != IGNORE_INDEX
+    counted = valid.sum()
+    args["expected_grad"] = guess.expected(counted, per_token)
+    args["observe"] = guess.observe(valid, counted, per_token)
+    return args
+
+
+class FusedOutputProcessor:
+    """An ``output_processor`` for ``GPTModel._postprocess`` (called with the keyword arguments
+    it passes): the loss ``(B, S)`` fp32 from the final hidden states and the labels. It keeps
+    what one model's loss carries from micro-batch to micro-batch: the upstream-gradient guess,
+    and the accumulators its speculative forwards added into, which Megatron's finalize point
+    (``config.finalize_model_grads_func``, wrapped at the first such forward) checks settled
+    before the gradients are reduced (``relaymoe.loss.check_settled``)."""
+
+    def __init__(self, chunk_tokens: int | None = None):
+        self.chunk_tokens = chunk_tokens
+        self.guess = GradGuess()
+        self.accumulators: dict[int, weakref.ref] = {}
+
+    def __call__(self, *, hidden_states, output_layer, output_weight, labels, loss_mask, **_):
+        weight = output_layer.weight if output_weight is None else output_weight
+        loss = output_layer_loss(
+            output_layer,
+            hidden_states,
+            labels,
+            weight=output_weight,
+            loss_mask_BS=loss_mask,
+            chunk_tokens=self.chunk_tokens,
+            guess=self.guess,
+        )
+        grad = getattr(weight, "main_grad", None)
+        if loss.requires_grad and isinstance(grad, torch.Tensor):
+            known = self.accumulators.get(id(grad))
+            if known is None or known() is not grad:
+                self.accumulators[id(grad)] = weakref.ref(grad)
+            self._guard_finalize(output_layer.config)
+        return loss
+
+    def check_settled(self) -> None:
+        """Raise when a speculative forward's contribution in an accumulator is unsettled."""
+        from relaymoe.loss import check_settled
+
+        for ref in list(self.accumulators.values()):
+            acc = ref()
+            if acc is not None:
+                check_settled(acc)
+
+    def _guard_finalize(self, config) -> None:
+        finalize = getattr(config, "finalize_model_grads_func", None)
+        if finalize is None or getattr(finalize, GUARD, None) is self:
+            return
+
+        @functools.wraps(finalize)
+        def guarded(*args, **kwargs):
+            self.check_settled()
+            return finalize(*args, **kwargs)
+
+        setattr(guarded, GUARD, self)
+        config.finalize_model_grads_func = guarded
 
 
 def takes_fused_path(model, arguments: dict) -> bool:
@@ -253,7 +413,7 @@ def install(model, *, chunk_tokens: int | None = None) -> None:
             "--relaymoe-fused-loss replaces the loss that --cross-entropy-loss-fusion would "
             "fuse (the same cross-entropy): that flag has no effect on GPTModel's loss",
         )
-    setattr(model, ATTR, functools.partial(fused_output_processor, chunk_tokens=chunk_tokens))
+    setattr(model, ATTR, FusedOutputProcessor(chunk_tokens))
     chunk = "default" if chunk_tokens is None else f"{chunk_tokens} tokens"
     _log_once(
         "active",

@@ -27,6 +27,7 @@ from torch.overrides import TorchFunctionMode
 
 import relaymoe
 import relaymoe.loss.autograd as loss_mod
+import relaymoe.loss.passes as passes
 from relaymoe.loss import linear_cross_entropy
 from relaymoe.lossmodel import default_chunk_tokens
 from tests.fixtures import free_port, rel_err, run_spawned
@@ -160,16 +161,18 @@ def test_custom_ignore_index_inside_the_vocabulary(impl):
 # which backward path runs, and what is skipped
 # ---------------------------------------------------------------------------------------------
 class _Calls:
-    def __init__(self, monkeypatch, *names):
+    """Counts calls of functions of ``module`` (``relaymoe.loss.autograd`` by default)."""
+
+    def __init__(self, monkeypatch, *names, module=loss_mod):
         self.n = dict.fromkeys(names, 0)
         for name in names:
-            real = getattr(loss_mod, name)
+            real = getattr(module, name)
 
             def spy(*a, _real=real, _name=name, **kw):
                 self.n[_name] += 1
                 return _real(*a, **kw)
 
-            monkeypatch.setattr(loss_mod, name, spy)
+            monkeypatch.setattr(module, name, spy)
 
 
 @pytest.mark.parametrize("kind,recomputes", [("uniform", 0), ("nonuniform", 1)])
@@ -183,7 +186,7 @@ def test_backward_recomputes_only_for_a_nonuniform_gradient(kind, recomputes, mo
 
 
 def test_eval_and_frozen_weight_skip_gradient_work(monkeypatch):
-    calls = _Calls(monkeypatch, "chunk_grad", "accumulate_wgrad")
+    calls = _Calls(monkeypatch, "chunk_grad", "accumulate_wgrad", module=passes)
     h, w, y = _problem(6, 19, 5, 13)
     ref = _oracle(h, w, y, _upstream(19, y, "nonuniform"))
     hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
@@ -372,6 +375,26 @@ def _tp_scenarios(rank, world, group):
              kind="nonuniform", impl="torch", megatron=False)  # fmt: skip
 
 
+def _tp_accumulate(rank, world, group):
+    """The accumulate mode at TP > 1: each rank's shard gradient added into its accumulator
+    (pre-filled), for the expected upstream gradient, another uniform one, and a non-uniform
+    one, against the float64 model of Megatron's semantics."""
+    Vl = 7
+    h, w, y = _problem(14, 23, 9, Vl * world)
+    shard = slice(rank * Vl, (rank + 1) * Vl)
+    for expected, kind in ((0.37, "uniform"), (0.2, "uniform"), (0.37, "nonuniform")):
+        up = _upstream(23, y, kind)
+        start = torch.randn(Vl, 9, dtype=torch.float64)
+        acc = start.clone()
+        hl = h.clone().requires_grad_()
+        loss = linear_cross_entropy(hl, w[shard], y, tp_group=group, chunk_tokens=5,
+                                    weight_grad_into=acc, expected_grad=expected)  # fmt: skip
+        loss.backward(up)
+        got = (loss.detach(), hl.grad, acc - start)
+        _check(got, _shard_oracle(h, w, y, up, 0.0, rank, world), 1e-12,
+               f"accumulate {expected} {kind}")  # fmt: skip
+
+
 def _tp_contract(rank, world, group):
     """Issue #32: ranks that break the tensor-parallel contract (vocabulary shards of different
     sizes, different T, chunk sizes or labels, a bad label on one rank) all raise the same
@@ -443,6 +466,7 @@ def _tp_worker(rank, world, port, outdir):
                                 world_size=world, timeout=timedelta(seconds=60))  # fmt: skip
         group = dist.new_group(list(range(world)))  # an explicit group, not the default
         _tp_scenarios(rank, world, group)
+        _tp_accumulate(rank, world, group)
         _tp_contract(rank, world, group)
         dist.destroy_process_group()
     except Exception:

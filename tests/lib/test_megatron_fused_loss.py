@@ -223,30 +223,64 @@ def output_weight(model):
     return model.output_layer.weight
 
 
-def check_main_grad(tag, cfg, vocab, device, tol, *, tied: bool, ddp_mark: bool):
-    """Gradient accumulation fusion: the output weight's gradient lands in ``main_grad``."""
+def check_main_grad(tag, cfg, vocab, device, tol, *, tied: bool, ddp_mark: bool,
+                    fusion: bool = True):  # fmt: skip
+    """Gradient accumulation fusion (or, without it, Megatron's DDP marking the parameter)
+    over three micro-batches: the output weight's gradient lands in ``main_grad`` (fp32: the
+    loss's accumulate mode). The first micro-batch has no
+    guess of its upstream gradient (the backward computes the weight gradient: one backward
+    pass); the second's guess, the first's gradient rescaled by the token counts, is right (no
+    backward pass); the third's loss is weighted, so the guess is wrong and corrected. Then a
+    forward whose backward never runs is refused at Megatron's finalize point and at the next
+    call."""
+    import relaymoe.loss
+    import relaymoe.loss.accumulate as acc_mod
+
     ref, fus = pair(cfg, tied=tied, vocab=vocab, device=device)
-    b = batch(vocab, device, seed=5, masked=True)
-    _, _, grads_r = loss_and_grads(ref, b, "megatron", seed=0)
-    fus.output_layer.gradient_accumulation_fusion = True  # (Megatron's own needs Apex)
+    name = "embedding.word_embeddings.weight" if tied else "output_layer.weight"
+    micro = [(batch(vocab, device, seed=5 + k, masked=True), obj)
+             for k, obj in enumerate(("megatron", "megatron", "weighted"))]  # fmt: skip
+    want = sum(loss_and_grads(ref, b, obj, seed=k)[2][name].float()
+               for k, (b, obj) in enumerate(micro))  # fmt: skip
+    fus.output_layer.gradient_accumulation_fusion = fusion  # (Megatron's own needs Apex)
     w = output_weight(fus)
     start = torch.randn(w.shape, generator=torch.Generator().manual_seed(9)).to(device)
     w.main_grad = start.clone()  # fp32, as Megatron's DDP buffers are
     if ddp_mark:
         w.grad_added_to_main_grad = False
         w.zero_out_wgrad = True
-    CALLS[0] = 0
-    loss_and_grads(fus, b, "megatron", seed=0)
-    assert CALLS[0] == 1
-    name = "embedding.word_embeddings.weight" if tied else "output_layer.weight"
-    want = grads_r[name].float()
-    got = w.main_grad - start
-    if ddp_mark:
-        assert w.grad_added_to_main_grad is True, f"{tag}: parameter not marked"
-        got = got + w.grad.float()  # the embedding's own gradient plus the zeroed dummy
-    else:
-        assert w.grad is None, f"{tag}: a gradient reached .grad besides main_grad"
-    close(f"{tag} main_grad", got, want, tol)
+    finalized = []
+    fus.config.finalize_model_grads_func = lambda *a, **k: finalized.append(a)
+    real, passes = acc_mod.backward_chunks, []
+    acc_mod.backward_chunks = lambda *a, **k: passes.append(1) or real(*a, **k)
+    try:
+        via_grad, runs = torch.zeros_like(start), []
+        for k, (b, obj) in enumerate(micro):
+            CALLS[0], before = 0, len(passes)
+            loss_and_grads(fus, b, obj, seed=k)
+            assert CALLS[0] == 1
+            runs.append(len(passes) - before)
+            if ddp_mark:
+                assert w.grad_added_to_main_grad is True, f"{tag}: parameter not marked"
+                via_grad += w.grad.float()  # the embedding's own gradient plus the zeroed dummy
+            else:
+                assert w.grad is None, f"{tag}: a gradient reached .grad besides main_grad"
+    finally:
+        acc_mod.backward_chunks = real
+    assert runs[:2] == [1, 0] and runs[2] >= 1, f"{tag}: backward passes {runs}"
+    fus.config.finalize_model_grads_func("chunks")  # the guard passes, then Megatron's runs
+    assert finalized == [("chunks",)], finalized
+    close(f"{tag} main_grad", w.main_grad - start + via_grad, want, tol)
+    tokens, pos, causal, labels, mask = micro[0][0]
+    fus(tokens, pos, causal, labels=labels, loss_mask=mask)  # dropped: its backward never runs
+    with pytest.raises(RuntimeError, match="their backward never ran"):
+        fus.config.finalize_model_grads_func("chunks")
+    with pytest.raises(RuntimeError, match=r"reset_ledger\(accumulator\)"):
+        fus(tokens, pos, causal, labels=labels, loss_mask=mask)
+    relaymoe.loss.reset_ledger(w.main_grad)
+    with torch.no_grad():  # evaluation: nothing speculative
+        fus(tokens, pos, causal, labels=labels, loss_mask=mask)
+    fus.config.finalize_model_grads_func("chunks")
 
 
 def check_label_smoothing(tag, cfg, vocab, device, tol, smoothing=0.1):
@@ -320,7 +354,7 @@ def check_args_wiring(cfg, vocab, device):
     finally:
         set_args(None)
     processor = getattr(model, "_relaymoe_fused_loss", None)
-    assert processor is not None and processor.keywords["chunk_tokens"] == 5, processor
+    assert processor is not None and processor.chunk_tokens == 5, processor
     tokens, pos, causal, labels, mask = batch(vocab, device, seed=4, masked=True)
     CALLS[0] = 0
     model(tokens, pos, causal, labels=labels, loss_mask=mask).sum().backward()
@@ -396,6 +430,8 @@ def worker(rank: int, world: int, port: int, device: str = "cpu") -> None:
         for tied in (False, True):
             tag = f"[TP={tp} SP={sp} tied={tied} main_grad]"
             check_main_grad(tag, cfg, vocab, device, tol, tied=tied, ddp_mark=tied)
+        tag = f"[TP={tp} SP={sp} main_grad, DDP's mark, no fusion]"
+        check_main_grad(tag, cfg, vocab, device, tol, tied=False, ddp_mark=True, fusion=False)
         check_label_smoothing(f"[TP={tp} SP={sp}]", cfg, vocab, device, tol)
     if tp == 1:
         dispatchers = ["allgather", "ring"] + (["alltoall"] if device != "cpu" else [])
