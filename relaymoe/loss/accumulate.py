@@ -60,12 +60,10 @@ __all__ = ["EXPECTED_RTOL", "WELL_CONDITIONED", "AccumulateInto", "AccumulateLin
 EXPECTED_RTOL = {torch.float32: 1e-6, torch.float64: 1e-12}
 # sum(c^2 + (g - c)^2) / sum(g^2) beyond which the forward's contribution is taken back
 WELL_CONDITIONED = 2.0
-_NOT_EXPECTED = (
-    "linear_cross_entropy captured in a CUDA graph with expected_grad: the loss's upstream "
-    "gradient differs from expected_grad on counted tokens, and a captured backward cannot "
-    "branch to correct the weight gradient it added in the forward; fix: pass the exact "
-    "expected_grad (a device tensor the graph reads), pass none (the backward then computes "
-    "the weight gradient itself), or run this loss eagerly"
+_NOT_EXPECTED = (  # at most 254 characters (torch._assert_async)
+    "linear_cross_entropy in a CUDA graph: the upstream gradient differs from expected_grad, "
+    "and a captured backward cannot correct the dW added in the forward. Fix: pass the exact "
+    "expected_grad, pass none, or run this loss eagerly"
 )
 
 

@@ -251,7 +251,7 @@ def _accumulates_into_main_grad(weight, output_layer) -> bool:
     ``gradient_accumulation_fusion`` or Megatron's DDP marking the parameter
     (``grad_added_to_main_grad``): its backward hook adds ``.grad`` into ``main_grad`` anyway,
     so adding there directly, with the mark and the dummy that fusion hands it, ends the same
-    (without Apex, whose kernel the output layer's own fusion needs, runs must turn fusion off)."""
+    with ``--no-gradient-accumulation-fusion`` too."""
     grad = getattr(weight, "main_grad", None)
     return (
         torch.is_grad_enabled()
