@@ -404,10 +404,13 @@ def logits_bytes(cfg: Config, sh: Shapes) -> int:
 
 def fused_loss_bytes(cfg: Config, sh: Shapes) -> int:
     """Last stage with the fused loss: ``relaymoe.linear_cross_entropy``'s peak over its input
-    during its forward (one chunk's working set + the hidden and fp32 weight gradients it
-    keeps), at the ``T_a`` tokens the output layer sees after the sequence-parallel gather."""
-    fl = lossmodel.fused_loss_bytes(sh.T_a, sh.h, vocab_local(cfg, sh), act_bytes=sh.e)
-    return fl.total
+    (one chunk's working set + the hidden gradient it keeps), at the ``T_a`` tokens the output
+    layer sees after the sequence-parallel gather. Under Megatron's DDP the loss adds its
+    weight gradient straight into the fp32 ``main_grad`` (its accumulate mode,
+    ``relaymoe/megatron/fused_loss.py``), so no ``(V/TP, h)`` buffer of its own is counted."""
+    fl = lossmodel.fused_loss_bytes(sh.T_a, sh.h, vocab_local(cfg, sh), act_bytes=sh.e,
+                                    wgrad="accumulate")  # fmt: skip
+    return fl.peak
 
 
 def output_gather_bytes(sh: Shapes) -> int:

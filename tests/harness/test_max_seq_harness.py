@@ -722,6 +722,7 @@ _BUILD = MEGATRON_CPU_PRELUDE + textwrap.dedent(
     flags = [f for f in flags if f != "--bf16"]
     sys.argv = ["pretrain", *flags, "--use-cpu-initialization"]
     args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
+    args.gradient_accumulation_fusion = False  # no DDP here: the gradients compared are .grad
     assert not args.create_attention_mask_in_dataloader
     set_args(args)
     ps.initialize_model_parallel(1, 1, expert_model_parallel_size=1)

@@ -366,26 +366,27 @@ def test_fused_loss_term_is_lossmodels():
     cfg = small_config()
     sh = mm.shapes(cfg)
     # T_a = 256 tokens, h = 64, V/tp = 128, bf16: the op's own model, nothing restated here
-    fl = lossmodel.fused_loss_bytes(256, 64, 128, act_bytes=2)
-    assert mm.fused_loss_bytes(cfg, sh) == fl.total
-    assert mm.loss_bytes(cfg, sh, True) == fl.total  # tp=1: nothing gathered
+    # under Megatron's DDP the loss adds its weight gradient into main_grad (accumulate mode)
+    fl = lossmodel.fused_loss_bytes(256, 64, 128, act_bytes=2, wgrad="accumulate")
+    assert mm.fused_loss_bytes(cfg, sh) == fl.peak
+    assert mm.loss_bytes(cfg, sh, True) == fl.peak  # tp=1: nothing gathered
     assert mm.loss_bytes(cfg, sh, False) == mm.logits_bytes(cfg, sh) == 6 * 256 * 128
     # The loss peaks in its forward, on top of what the stage keeps: with both layers kept
     # the loss phase (final norm 65536 + the fused loss) is above the layers' working set.
     st = sum(mm.model_state_bytes(cfg, 0).values())
     for c, kw in ((cfg, {"fused_loss": True}), (small_config(relaymoe={"fused_loss": True}), {})):
         pk = stage_peak(c, 0, "alltoall", frozenset({0, 1}), **kw)
-        assert pk.terms["logits_loss"] == 65536 + fl.total
+        assert pk.terms["logits_loss"] == 65536 + fl.peak
         assert pk.terms["logits_loss"] > pk.terms["layer_working_set"]
-        assert pk.total == st + pk.terms["activations_retained"] + 65536 + fl.total
+        assert pk.total == st + pk.terms["activations_retained"] + 65536 + fl.peak
     # the config's switch is the default; the keyword overrides it
     on = small_config(relaymoe={"fused_loss": True})
     assert stage_peak(on, 0, "ring").total == stage_peak(cfg, 0, "ring", fused_loss=True).total
     assert stage_peak(on, 0, "ring", fused_loss=False).total == stage_peak(cfg, 0, "ring").total
     # fp32 activations: the hidden gradient in fp32
     f32 = small_config(training={"precision": "fp32"})
-    fl32 = lossmodel.fused_loss_bytes(256, 64, 128, act_bytes=4)
-    assert mm.fused_loss_bytes(f32, mm.shapes(f32)) == fl32.total != fl.total
+    fl32 = lossmodel.fused_loss_bytes(256, 64, 128, act_bytes=4, wgrad="accumulate")
+    assert mm.fused_loss_bytes(f32, mm.shapes(f32)) == fl32.peak != fl.peak
 
 
 def test_fused_loss_sees_the_gathered_sequence():
@@ -396,12 +397,12 @@ def test_fused_loss_sees_the_gathered_sequence():
     assert (sh.T_a, sh.T) == (128, 64)
     v = cfg.model.padded_vocab_size(2) // 2
     assert v == 128  # 128 padded to a multiple of 128 * tp = 256, over tp = 2
-    fl = lossmodel.fused_loss_bytes(128, 64, v, act_bytes=2)
-    assert mm.fused_loss_bytes(cfg, sh) == fl.total
+    fl = lossmodel.fused_loss_bytes(128, 64, v, act_bytes=2, wgrad="accumulate")
+    assert mm.fused_loss_bytes(cfg, sh) == fl.peak
     assert mm.output_gather_bytes(sh) == 2 * 128 * 64
-    assert mm.loss_bytes(cfg, sh, True) == fl.total + 2 * 128 * 64
+    assert mm.loss_bytes(cfg, sh, True) == fl.peak + 2 * 128 * 64
     pk = stage_peak(cfg, 0, "ring", frozenset({0, 1}), fused_loss=True)
-    assert pk.terms["logits_loss"] == mm.final_norm_bytes(cfg, sh) + fl.total + 2 * 128 * 64
+    assert pk.terms["logits_loss"] == mm.final_norm_bytes(cfg, sh) + fl.peak + 2 * 128 * 64
 
 
 def test_fused_loss_only_on_the_last_stage():
