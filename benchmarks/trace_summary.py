@@ -3,9 +3,11 @@ rows (``bench_e2e.py --profile-steps``, the trace Megatron's ``--use-pytorch-pro
 
 Per trace: the profiled steps' wall time (``ProfilerStep#N`` spans), the GPU's busy time (union of
 its kernel and memcpy intervals, so overlapping streams count once) and so its idle fraction,
-the kernel time by category (``CATEGORIES``: a first-match regex on the kernel name) and the
-``top`` kernels by time. Pure Python on the trace JSON: testable on CPU, run on the GPU machine
-where the trace is written (it is too large to bring back).
+the kernel time by category (``CATEGORIES``: a first-match regex on the kernel name), the
+``top`` kernels by time, and the GPU's idle gaps with the host events that overlap them
+(``idle_host_ops``: what to look at when the GPU waits on the host). Pure Python on the trace
+JSON: testable on CPU, run on the GPU machine where the trace is written (it is too large to
+bring back).
 """
 
 from __future__ import annotations
@@ -63,13 +65,61 @@ def _union_us(spans: list[tuple[float, float]]) -> float:
     return total
 
 
+_HOST_CATS = {"cpu_op", "user_annotation", "python_function", "cuda_runtime", "cuda_driver"}
+
+
+def _gaps(busy: list[tuple[float, float]], lo: float, hi: float) -> list[tuple[float, float]]:
+    """The parts of ``[lo, hi)`` that no span of ``busy`` covers, in order."""
+    out, t = [], lo
+    for a, b in sorted(busy):
+        if b <= t:
+            continue
+        if a >= hi:
+            break
+        if a > t:
+            out.append((t, a))
+        t = max(t, b)
+    if t < hi:
+        out.append((t, hi))
+    return out
+
+
+def idle_host_ops(events: list[dict], gaps: list[tuple[float, float]], *, top: int) -> list:
+    """What the host was inside while the GPU idled: per host event name (torch ops, Megatron's
+    and relaymoe's annotations, CUDA runtime calls), the time its spans overlap ``gaps``. Nested
+    spans each count (an optimizer step and the ops inside it both show), so read it as a
+    profile's inclusive times, largest first; ``ProfilerStep`` itself is left out."""
+    import bisect
+
+    starts = [a for a, _ in gaps]
+    by: dict[str, list[float]] = {}
+    for e in events:
+        name = str(e.get("name", "?"))
+        if e.get("cat") not in _HOST_CATS or name.startswith("ProfilerStep#"):
+            continue
+        a, b = float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))
+        i = max(bisect.bisect_right(starts, a) - 1, 0)
+        over = 0.0
+        while i < len(gaps) and gaps[i][0] < b:
+            over += max(0.0, min(b, gaps[i][1]) - max(a, gaps[i][0]))
+            i += 1
+        if over > 0:
+            acc = by.setdefault(name, [0.0, 0.0])
+            acc[0] += over
+            acc[1] += 1
+    ranked = sorted(by.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"name": n[:160], "us": v[0], "calls": v[1]} for n, v in ranked]
+
+
 def summarise(trace: dict, *, top: int = 25) -> dict:
     """The summary of one trace (times in ms per profiled step): ``steps``, ``step_ms``,
     ``gpu_busy_ms``, ``gpu_busy_frac`` (the union of the GPU's kernel, memcpy and memset
     intervals over the steps' wall time) and ``gpu_idle_frac`` (one minus it), ``by_category``
     ``{cat: ms}``, ``top_kernels`` ``[{name, category, ms, calls}]``, ``cuda_graph_launches``
-    (per step, over the ``ProfilerStep`` spans holding GPU events). GPU events outside those
-    spans are left out; without ``ProfilerStep`` spans the whole trace is one step."""
+    (per step, over the ``ProfilerStep`` spans holding GPU events), ``gpu_idle_gaps`` and
+    ``gpu_idle_max_gap_ms`` (the steps' intervals no GPU event covers), ``idle_host_ops``
+    ``[{name, ms, calls}]`` (``idle_host_ops``). GPU events outside those spans are left out;
+    without ``ProfilerStep`` spans the whole trace is one step."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
     steps = [(e["ts"], e["ts"] + e["dur"]) for e in events
              if str(e.get("name", "")).startswith("ProfilerStep#")]  # fmt: skip
@@ -101,6 +151,9 @@ def summarise(trace: dict, *, top: int = 25) -> dict:
     step_us = sum(b - a for a, b in steps)
     busy_us = _union_us([(e["ts"], e["ts"] + e["dur"]) for e in gpu])
     ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    spans = [(e["ts"], e["ts"] + e["dur"]) for e in gpu]
+    gaps = [g for a, b in steps for g in _gaps(spans, a, b)]
+    host = idle_host_ops(events, gaps, top=top)
     return {
         "steps": len(steps),
         "step_ms": step_us / n / 1e3,
@@ -120,6 +173,12 @@ def summarise(trace: dict, *, top: int = 25) -> dict:
             }
             for name, d in ranked
         ],  # fmt: skip
+        # the GPU's idle time: its gaps, and what the host was inside during them
+        "gpu_idle_gaps": len(gaps) / n,
+        "gpu_idle_max_gap_ms": max((b - a for a, b in gaps), default=0.0) / 1e3,
+        "idle_host_ops": [
+            {"name": h["name"], "ms": h["us"] / n / 1e3, "calls": h["calls"] / n} for h in host
+        ],
     }
 
 

@@ -900,6 +900,30 @@ def test_trace_summary_counts_only_steps_holding_gpu_work(tmp_path):
     assert s["gpu_idle_frac"] == pytest.approx(0.5) and s["cuda_graph_launches"] == 0
 
 
+def test_trace_summary_names_what_the_host_did_while_the_gpu_idled():
+    """Issue #49: the graphed step's idle time is attributed to the host events overlapping the
+    GPU's gaps (inclusive, nested spans each counted; ProfilerStep itself left out)."""
+    from benchmarks.trace_summary import summarise
+
+    ev = [{"ph": "X", "name": "ProfilerStep#0", "cat": "cpu_op", "ts": 0, "dur": 1000}]
+    ev += [{"ph": "X", "name": n, "cat": "kernel", "ts": a, "dur": d}
+           for n, a, d in (("k1", 0, 300), ("k2", 200, 200), ("k3", 700, 100))]  # fmt: skip
+    # GPU gaps: [400, 700) and [800, 1000)
+    ev += [
+        {"ph": "X", "name": "Optimizer.step", "cat": "user_annotation", "ts": 350, "dur": 400},
+        {"ph": "X", "name": "aten::item", "cat": "cpu_op", "ts": 500, "dur": 50},
+        {"ph": "X", "name": "cudaStreamSynchronize", "cat": "cuda_runtime", "ts": 850, "dur": 300},
+        {"ph": "X", "name": "aten::mm", "cat": "cpu_op", "ts": 0, "dur": 200},  # GPU busy then
+        {"ph": "X", "name": "k1", "cat": "kernel_like_but_not_host", "ts": 400, "dur": 100},
+    ]
+    s = summarise({"traceEvents": ev})
+    assert s["gpu_idle_gaps"] == 2 and s["gpu_idle_max_gap_ms"] == pytest.approx(0.3)
+    host = {h["name"]: h["ms"] for h in s["idle_host_ops"]}
+    assert host == pytest.approx({"Optimizer.step": 0.3, "aten::item": 0.05,
+                                  "cudaStreamSynchronize": 0.15})  # fmt: skip
+    assert [h["name"] for h in s["idle_host_ops"]][0] == "Optimizer.step"
+
+
 # ------------------------------------------- issue #49: gradient accumulation, providers, fields
 FIVE = ("relaymoe_ring", "relaymoe_ring_graphed", "mcore_alltoall_te", "mcore_alltoall_te_drop",
         "relaymoe_ring_layer_graphs")  # fmt: skip
