@@ -251,10 +251,14 @@ def _accumulates_into_main_grad(weight, output_layer) -> bool:
     ``gradient_accumulation_fusion`` or Megatron's DDP marking the parameter
     (``grad_added_to_main_grad``): its backward hook adds ``.grad`` into ``main_grad`` anyway,
     so adding there directly, with the mark and the dummy that fusion hands it, ends the same
-    with ``--no-gradient-accumulation-fusion`` too."""
+    with ``--no-gradient-accumulation-fusion`` too. Not while a CUDA graph is being captured: a
+    captured backward cannot branch on the guess, and without one the mode recomputes the
+    logits (a fourth GEMM); the kept mode's three GEMMs, with its device-side check that the
+    upstream gradient is uniform, are what a graphed step replays."""
     grad = getattr(weight, "main_grad", None)
     return (
         torch.is_grad_enabled()
+        and not (weight.is_cuda and torch.cuda.is_current_stream_capturing())
         and (
             output_layer.gradient_accumulation_fusion or hasattr(weight, "grad_added_to_main_grad")
         )
@@ -269,9 +273,7 @@ def _accumulates_into_main_grad(weight, output_layer) -> bool:
 def _speculation(output_layer, weight, labels_T, guess: GradGuess | None) -> dict:
     """The accumulate mode's keyword arguments, and the hook that feeds ``guess`` (``observe``)."""
     args = {"weight_grad_into": weight.main_grad}
-    if guess is None or (weight.is_cuda and torch.cuda.is_current_stream_capturing()):
-        # a captured backward could not check a guess without a host branch (the op would
-        # assert on the device instead): the backward computes the weight gradient itself
+    if guess is None:  # the backward computes the weight gradient itself
         return args
     per_token = bool(getattr(output_layer.config, "calculate_per_token_loss", False))
     valid = labels_T != IGNORE_INDEX
