@@ -21,7 +21,14 @@ from relaymoe.fp8_recipe import BLOCK, Fp8Recipe, as_fp8_recipe
 from relaymoe.kernels.fp8.scaling import scaling_for
 from relaymoe.kernels.fp8.weights import Fp8ExpertWeights, quantize_expert_weights
 
-__all__ = ["FP8_DTYPES_IN", "Fp8State", "check_fp8_call", "resolve_fp8", "weights_key"]
+__all__ = [
+    "FP8_DTYPES_IN",
+    "Fp8State",
+    "capability_problem",
+    "check_fp8_call",
+    "resolve_fp8",
+    "weights_key",
+]
 
 # what the fp8 kernels quantise from (and compute h, a, the outputs and gradients in)
 FP8_DTYPES_IN = (torch.bfloat16, torch.float16, torch.float32)
@@ -111,14 +118,22 @@ def _check_device(x: Tensor) -> None:
         return
     if x.device.type != "cuda":
         raise ValueError(f"fp8 experts need a CUDA device (Hopper), the inputs are on {x.device}")
-    cap = torch.cuda.get_device_capability(x.device)
-    if cap < MIN_CAPABILITY:
-        name = torch.cuda.get_device_name(x.device)
-        raise ValueError(
-            f"fp8 experts need a Hopper GPU (compute capability 9.0, sm90) or newer: {name} has "
-            f"capability {cap[0]}.{cap[1]} (sm{cap[0]}{cap[1]}), without the fp8 tensor cores the "
-            "kernels use; use fp8=None (bf16)"
-        )
+    problem = capability_problem(
+        torch.cuda.get_device_capability(x.device), torch.cuda.get_device_name(x.device)
+    )
+    if problem is not None:
+        raise ValueError(problem)
+
+
+def capability_problem(cap: tuple[int, int], name: str) -> str | None:
+    """Why a GPU of compute capability ``cap`` cannot run the fp8 kernels (None: it can)."""
+    if tuple(cap) >= MIN_CAPABILITY:
+        return None
+    return (
+        f"fp8 experts need a Hopper GPU (compute capability 9.0, sm90) or newer: {name} has "
+        f"capability {cap[0]}.{cap[1]} (sm{cap[0]}{cap[1]}), without the fp8 tensor cores the "
+        "kernels use; use fp8=None (bf16)"
+    )
 
 
 def check_fp8_call(state: Fp8State, x: Tensor, w13: Tensor, w2: Tensor, *, backend: str,

@@ -46,14 +46,16 @@ def _round_even(v, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
     """``v`` (fp32, within the format's range) rounded to the nearest even value of a format of
     ``MANT`` mantissa bits whose normal exponents start at ``MIN_EXP`` (subnormals below it):
     scaled by its ulp (a power of two: exact), rounded to an integer by the 1.5 * 2^23 addition
-    (|v / ulp| < 2^(MANT+1)), scaled back."""
+    (|v / ulp| < 2^(MANT+1)), scaled back, with v's sign (a negative value that rounds to zero
+    is -0, as the hardware's cast gives)."""
     bits = v.to(tl.int32, bitcast=True)
     exp = ((bits >> 23) & 0xFF) - 127
     ulp_exp = tl.maximum(exp, MIN_EXP) - MANT
     ulp = ((ulp_exp + 127) << 23).to(tl.float32, bitcast=True)
     inv_ulp = ((127 - ulp_exp) << 23).to(tl.float32, bitcast=True)
     magic = 12582912.0  # 1.5 * 2^23
-    return ((v * inv_ulp + magic) - magic) * ulp
+    r = (((v * inv_ulp + magic) - magic) * ulp).to(tl.int32, bitcast=True)
+    return ((r & 0x7FFFFFFF) | (bits & -0x80000000)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -70,7 +72,7 @@ def to_fp8(v, dtype: tl.constexpr, FMT: tl.constexpr, EXACT: tl.constexpr):
 def block_scale(amax, FMT: tl.constexpr, POW2: tl.constexpr):
     """``s`` of blocks whose largest magnitudes are ``amax`` (fp32, any shape)."""
     fmax, _, _ = _fmt_consts(FMT)
-    s = tl.math.div_rn(tl.zeros_like(amax) + fmax, amax)
+    s = tl.math.div_rn(tl.zeros_like(amax) + fmax, tl.where(amax == 0.0, 1.0, amax))
     s = tl.where(s > _FLT_MAX, _FLT_MAX, s)
     s = tl.where(amax == 0.0, 1.0, s)
     if POW2:
