@@ -68,6 +68,7 @@ def test_up_projection_against_float64_on_its_fp8_operands(recipe):
     r = Fp8Recipe(recipe)
     h_dim, i_dim = (128, 128) if r.blockwise else (72, 40)
     x, w13, w2, idx, probs = _problem(29, h_dim, i_dim, 5, 2, "skewed", seed=3)
+    w13[:, i_dim:] *= 4.0  # the up half's blocks scaled apart from the gate half's
     index = build_routing_index(idx, 5)
     tok, expert, offs = _pair_layout(index)
     n = tok.shape[0]
@@ -105,6 +106,7 @@ def test_row_gemm_against_float64_on_its_fp8_operands(recipe, gather):
     r = Fp8Recipe(recipe)
     h_dim, i_dim = (256, 128) if r.blockwise else (72, 40)
     x, w13, w2, idx, _ = _problem(23, h_dim, i_dim, 4, 3, "empty", seed=4)
+    w2[:, h_dim // 2 :] *= 8.0  # its second 128-row block of H scaled apart from the first
     index = build_routing_index(idx, 4)
     tok, expert, offs = _pair_layout(index)
     n = tok.shape[0]
@@ -158,6 +160,8 @@ def test_activation_backward_fp8_outputs_are_the_quantisers_of_what_it_stores():
     g = torch.Generator().manual_seed(6)
     n, i_dim = 37, 256
     h, g_in = torch.randn(n, 2 * i_dim, generator=g), torch.randn(n, i_dim, generator=g)
+    h[:, :i_dim] *= 3.0  # a large gate, a small up: the up half of dh holds its amax
+    h[:, i_dim:] *= 0.05
     prob = torch.rand(n, generator=g)
     plain = (torch.empty_like(h), g_in.clone(), torch.empty(n))
     swiglu_backward(h, plain[1], prob, plain[0], plain[2], block_cols=128)  # as the fp8 pass
@@ -251,6 +255,11 @@ def test_weights_are_quantised_once_per_step():
     other = w13.detach().clone()  # a new tensor of the same values is another weight
     moe_experts(x, other, w2, idx, probs, backend="triton", fp8=state)
     assert state.quantizations == 5
+    # so is another tensor object at the same storage and version: a freed weight's address
+    # and version 0 come back with the next stacked copy, so identity is part of the key
+    alias = other.detach()
+    moe_experts(x, alias, w2, idx, probs, backend="triton", fp8=state)
+    assert state.quantizations == 6
 
 
 def test_fp8_calls_the_kernels_cannot_honour_are_refused(monkeypatch):
