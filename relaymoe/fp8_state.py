@@ -142,8 +142,10 @@ def check_fp8_call(state: Fp8State, x: Tensor, w13: Tensor, w2: Tensor, *, backe
     honour: the backend, the device (CPU without the interpreter, a GPU before Hopper), the
     dtype, biases, and for blockwise H and I not multiples of 128."""
     if backend == "torch":
-        raise ValueError("fp8 experts run on the Triton kernels; backend='torch' computes in "
-                         "the inputs' dtype: use backend='auto' or 'triton', or fp8=None")  # fmt: skip
+        raise ValueError(
+            "fp8 experts run on the Triton kernels; backend='torch' computes in the inputs' "
+            "dtype: use backend='auto' or 'triton', or fp8=None"
+        )
     _check_device(x)
     if x.dtype not in FP8_DTYPES_IN:
         raise ValueError(

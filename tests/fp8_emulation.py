@@ -65,7 +65,20 @@ def _pairs(idx, num_experts):
 
 def _per_expert(bounds, fn):
     """``fn(e, rows)`` for each expert's slice of the pair rows, in expert order."""
-    return [fn(e, slice(lo, hi)) for e, (lo, hi) in enumerate(zip(bounds, bounds[1:]))]
+    spans = enumerate(zip(bounds, bounds[1:], strict=False))
+    return [fn(e, slice(lo, hi)) for e, (lo, hi) in spans]
+
+
+def run_layer(x, w13, w2, idx, probs, dy, **kw) -> dict:
+    """``{"out", "dx", "dw13", "dw2", "dprobs"}`` of ``moe_experts`` (Triton backend, ``kw``:
+    its options, ``fp8`` among them) on copies of the inputs, for upstream gradient ``dy``."""
+    from relaymoe.experts import moe_experts
+
+    ins = [v.detach().clone().requires_grad_() for v in (x, w13, w2, probs)]
+    out = moe_experts(ins[0], ins[1], ins[2], idx, ins[3], backend="triton", **kw)
+    out.backward(dy)
+    return {"out": out.detach(), "dx": ins[0].grad, "dw13": ins[1].grad, "dw2": ins[2].grad,
+            "dprobs": ins[3].grad}  # fmt: skip
 
 
 def fp8_emulation(x, wq: Fp8ExpertWeights, idx, probs, dy, recipe: Fp8Recipe, activation=None):

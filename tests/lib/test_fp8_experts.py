@@ -31,7 +31,7 @@ from relaymoe.options import KernelOptions
 from relaymoe.reference import moe_experts_reference, reference_activation
 from relaymoe.routing import build_routing_index
 from tests.fixtures import random_routing, rel_err
-from tests.fp8_emulation import dequant_input, dequant_weights, fp8_emulation
+from tests.fp8_emulation import dequant_input, dequant_weights, fp8_emulation, run_layer
 
 pytestmark = pytest.mark.skipif(
     not interpret_mode(), reason="CPU tests run the kernels under TRITON_INTERPRET=1"
@@ -119,8 +119,10 @@ def test_row_gemm_against_float64_on_its_fp8_operands(recipe, gather):
         a_src, b, inv_idx = torch.randn(n, i_dim), wq.w2.transpose(1, 2), (0, 1, 2)
         b_ref = w2d.transpose(1, 2)
     fmt = "e5m2" if gather else "e4m3"
-    a_q, a_inv = (quantize_rows(a_src, fmt) if r.blockwise else (
-        quantize_rows(a_src, fmt, scale=torch.tensor([3.0]))[0], torch.tensor([1 / 3.0])))  # fmt: skip
+    if r.blockwise:
+        a_q, a_inv = quantize_rows(a_src, fmt)
+    else:
+        a_q, a_inv = quantize_rows(a_src, fmt, scale=torch.tensor([3.0]))[0], torch.tensor([1 / 3])
     ad = (qt.dequantize_rows(a_q, a_inv) if r.blockwise else a_q.float() * a_inv).to(F64)
     strides = None
     if r.blockwise:
@@ -151,8 +153,9 @@ def test_weight_gradients_against_float64_on_their_fp8_operands():
     assert rel_err(dw, ref) < ACC
     assert torch.equal(dw[3], torch.zeros_like(dw[3]))  # the expert without pairs: zeros
     before = dw.clone()
+    # the other operand gathered, into a strided view
     fp8_wgrad(xq, 1 / s_x, cq, 1 / s_c, index.expert_token_indices, offs, dw.transpose(1, 2),
-              a_gather=True, accumulate=True)  # the other operand gathered, into a strided view
+              a_gather=True, accumulate=True)  # fmt: skip
     assert rel_err(dw, before + ref) < ACC
 
 
@@ -178,14 +181,6 @@ def test_activation_backward_fp8_outputs_are_the_quantisers_of_what_it_stores():
     assert torch.equal(blocks[1], want_inv)
 
 
-def _run(x, w13, w2, idx, probs, dy, **kw):
-    ins = [v.detach().clone().requires_grad_() for v in (x, w13, w2, probs)]
-    out = moe_experts(ins[0], ins[1], ins[2], idx, ins[3], backend="triton", **kw)
-    out.backward(dy)
-    return {"out": out.detach(), "dx": ins[0].grad, "dw13": ins[1].grad, "dw2": ins[2].grad,
-            "dprobs": ins[3].grad}  # fmt: skip
-
-
 CASES = [
     # (recipe, (T, H, I, E, K, routing), recompute)
     ("tensorwise", (24, 40, 24, 4, 2, "uniform"), "act"),
@@ -202,7 +197,7 @@ def test_moe_experts_fp8_matches_its_float64_emulation(recipe, case, recompute):
     x, w13, w2, idx, probs = _problem(*dims, kind=kind, seed=sum(dims))
     dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
     state = Fp8State(recipe)
-    got = _run(x, w13, w2, idx, probs, dy, fp8=state, recompute=recompute, kernels=GMM)
+    got = run_layer(x, w13, w2, idx, probs, dy, fp8=state, recompute=recompute, kernels=GMM)
     want = fp8_emulation(x, state.expert_weights(w13, w2), idx, probs, dy, state.recipe)
     for name in got:
         assert rel_err(got[name], want[name]) < EMU, (name, rel_err(got[name], want[name]))
@@ -217,7 +212,7 @@ def test_delayed_scaling_uses_the_history_and_bf16_weight_gradients_on_request()
     x, w13, w2, idx, probs = _problem(24, 40, 24, 4, 2, seed=7)
     dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(2))
     state = Fp8State(Fp8Recipe("delayed", amax_history_len=4))
-    calls = [_run(x, w13, w2, idx, probs, dy, fp8=state) for _ in range(3)]
+    calls = [run_layer(x, w13, w2, idx, probs, dy, fp8=state) for _ in range(3)]
     # each call scales a tensor by the amax its previous call saw (the first call by 1): x and
     # dy at once, a, dh and p*a once the call before had x and dy scaled so: from the third
     # call on, the same inputs get current scaling's scales (hybrid, as tensorwise)
@@ -227,7 +222,7 @@ def test_delayed_scaling_uses_the_history_and_bf16_weight_gradients_on_request()
     assert rel_err(calls[0]["out"], want["out"]) > 1e-3  # the first call's scales were 1
     assert set(state.scales.history) == {"x", "a", "dy", "dh", "pa"}
     bf16_w = Fp8Recipe("tensorwise", fp8_wgrad=False)
-    got = _run(x, w13, w2, idx, probs, dy, fp8=bf16_w, kernels=GMM)
+    got = run_layer(x, w13, w2, idx, probs, dy, fp8=bf16_w, kernels=GMM)
     want = fp8_emulation(x, quantize_expert_weights(w13, w2, bf16_w), idx, probs, dy, bf16_w)
     for name in got:
         assert rel_err(got[name], want[name]) < EMU, name

@@ -22,9 +22,10 @@ from relaymoe.kernels import interpret_mode
 from relaymoe.kernels.grouped.tiles import (
     check_expert_span,
     expert_block_size,
-    row_col_tile,
+    load_k_step,
     row_grid,
     row_group_m,
+    row_tile,
 )
 
 __all__ = ["fp8_rows_gemm", "scaled_dot"]
@@ -55,20 +56,11 @@ def _fp8_rows_kernel(
 ):  # fmt: skip
     """c[q] = dequant(A[q]) @ dequant(B[e]) for the range's pairs; A's row is ``tok[q]`` with
     ``A_GATHER``, else ``q - offs[0]``. Blockwise needs ``BLOCK_K == 128``."""
-    e, row0, row_end, pid_n = row_col_tile(N, offs_ptr, n_experts, BLOCK_M, BLOCK_N, BLOCK_E,
-                                            GROUP_M)  # fmt: skip
+    e, pid_n, row_ok, lrows, a_rows, cols, col_ok = row_tile(
+        N, offs_ptr, idx_ptr, n_experts, A_GATHER, BLOCK_M, BLOCK_N, BLOCK_E, GROUP_M
+    )
     if e >= n_experts:
         return
-    base = tl.load(offs_ptr)
-    rows = row0 + tl.arange(0, BLOCK_M)
-    row_ok = rows < row_end
-    lrows = tl.where(row_ok, rows - base, 0).to(tl.int64)
-    if A_GATHER:
-        a_rows = tl.load(idx_ptr + rows, mask=row_ok, other=0).to(tl.int64)
-    else:
-        a_rows = lrows
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
     e64 = e.to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None] * stride_ap + ks[None, :]
@@ -79,13 +71,7 @@ def _fp8_rows_kernel(
     sb = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
-        else:
-            k_ok = ks < K - k0
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        a, b = load_k_step(a_ptrs, b_ptrs, ks, k0, K, col_ok, EVEN_K)
         if BLOCKWISE:
             sa = tl.load(sa_ptrs + k0 // 128)
             sb = tl.load(sb_ptrs + (k0 // 128) * stride_sbk)

@@ -22,9 +22,9 @@ from relaymoe.kernels.grouped.activation import act_fwd, act_meta
 from relaymoe.kernels.grouped.tiles import (
     check_expert_span,
     expert_block_size,
-    row_col_tile,
     row_grid,
     row_group_m,
+    row_tile,
 )
 
 __all__ = ["DTYPE_NAMES", "fp8_up", "round_to"]
@@ -61,16 +61,11 @@ def _fp8_up_kernel(
     """h[q] = dequant(xq[tok[q]]) @ dequant(w13[e])^T (gate and up tiles when ``GATED``);
     a = act(h) (* p with ``SCALE``). The fc1 accumulates in the tensor core (TE's fast fprop)
     when tensor-scaled; blockwise promotes each 128-wide K block with its scales."""
-    e, row0, row_end, pid_n = row_col_tile(I, offs_ptr, n_experts, BLOCK_M, BLOCK_N, BLOCK_E,
-                                            GROUP_M)  # fmt: skip
+    e, pid_n, row_ok, lrows, tok, cols, col_ok = row_tile(
+        I, offs_ptr, idx_ptr, n_experts, True, BLOCK_M, BLOCK_N, BLOCK_E, GROUP_M
+    )
     if e >= n_experts:
         return
-    rows = row0 + tl.arange(0, BLOCK_M)
-    row_ok = rows < row_end
-    tok = tl.load(idx_ptr + rows, mask=row_ok, other=0).to(tl.int64)
-    base = tl.load(offs_ptr)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < I
     cols_c = tl.where(col_ok, cols, 0).to(tl.int64)
     e64 = e.to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
@@ -113,7 +108,6 @@ def _fp8_up_kernel(
         s = tl.load(sx_ptr) * tl.load(sw_ptr + e64 * stride_swe)
         acc_g = acc_g * s
         acc_u = acc_u * s
-    lrows = tl.where(row_ok, rows - base, 0).to(tl.int64)
     mask = row_ok[:, None] & col_ok[None, :]
     if SAVE_H:
         hp = h_ptr + lrows[:, None] * stride_hp + cols[None, :]
