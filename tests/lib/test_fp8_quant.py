@@ -132,3 +132,26 @@ def test_current_and_delayed_scaling():
     other = DelayedScaling(history_len=4, algo="max")
     other.load_state_dict(recent.state_dict())
     assert other.scale("dy", torch.tensor(3.0), "e5m2").item() == 57344.0  # most recent: 1.0
+
+
+@pytestmark_interp
+@pytest.mark.parametrize(
+    "recipe,shape", [("tensorwise", (3, 40, 72)), ("blockwise", (2, 256, 384))]
+)
+def test_weights_quantiser_matches_torch_in_both_layouts(recipe, shape):
+    from relaymoe.kernels.fp8.weights import quantize_expert_weights
+
+    g = torch.Generator().manual_seed(3)
+    w13 = torch.randn(*shape, generator=g)
+    w13[0, :, : shape[2] // 2] *= 50.0  # experts and blocks of other scales
+    w2 = torch.randn(shape[0], shape[2], shape[1] // 2, generator=g)
+    got = quantize_expert_weights(w13, w2, Fp8Recipe(recipe))
+    for q, q_t, inv, w in ((got.w13, got.w13_t, got.inv13, w13), (got.w2, got.w2_t, got.inv2, w2)):
+        if recipe == "blockwise":
+            want_q, want_inv = qt.quantize_blocks(w, "e4m3")
+        else:
+            s = qt.scale_from_amax(w.abs().amax(dim=(1, 2)), "e4m3")
+            want_q, want_inv = qt.quantize_with(w, s[:, None, None], "e4m3"), 1.0 / s
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+        assert torch.equal(q_t, q.transpose(1, 2)) and q_t.is_contiguous()
+        assert torch.equal(inv, want_inv)

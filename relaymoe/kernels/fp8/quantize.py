@@ -95,13 +95,15 @@ def quantize_row_blocks(v, dtype: tl.constexpr, FMT: tl.constexpr, POW2: tl.cons
 @triton.jit
 def quantize_rows_kernel(
     x_ptr, q_ptr, s_ptr, inv_ptr,
-    R, C,
-    stride_x, stride_q, stride_inv,
+    R, C, rows_per_s,
+    stride_x, stride_q, stride_inv, stride_sr, stride_sc,
     BLOCKWISE: tl.constexpr, FMT: tl.constexpr, POW2: tl.constexpr, EXACT: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    """q = fp8(x * s): ``s`` the scalar at ``s_ptr`` (tensor-scaled), or with ``BLOCKWISE`` each
-    row's 128-wide blocks' own (``BLOCK_C`` a multiple of 128), their ``1 / s`` into ``inv``."""
+    """q = fp8(x * s): ``s`` given, element (r, c) scaled by ``s_ptr[(r // rows_per_s) *
+    stride_sr + (c // 128) * stride_sc]`` (one value: strides 0; one an expert of a weight's
+    rows; one a 128x128 block), or with ``BLOCKWISE`` each row's 128-wide blocks' own
+    (``BLOCK_C`` a multiple of 128), their ``1 / s`` into ``inv``."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     row_ok = rows < R
@@ -116,14 +118,20 @@ def quantize_rows_kernel(
         inv_mask = row_ok[:, None] & (bcols < tl.cdiv(C, 128))[None, :]
         tl.store(inv_ptr + r64[:, None] * stride_inv + bcols[None, :], inv, mask=inv_mask)
     else:
-        q = to_fp8(x * tl.load(s_ptr), q_ptr.dtype.element_ty, FMT, EXACT)
+        s_idx = (rows // rows_per_s).to(tl.int64)[:, None] * stride_sr + (cols // 128)[
+            None, :] * stride_sc  # fmt: skip
+        s = tl.load(s_ptr + s_idx, mask=mask, other=1.0)
+        q = to_fp8(x * s, q_ptr.dtype.element_ty, FMT, EXACT)
     tl.store(q_ptr + r64[:, None] * stride_q + cols[None, :], q, mask=mask)
 
 
-def quantize_rows_into(x_RC, q_RC, fmt: str, *, scale=None, inv_RB=None, pow2: bool = True):
-    """Quantise ``x_RC`` (unit column stride) into ``q_RC`` (fp8 of ``fmt``): with ``scale`` (a
-    one-element fp32 tensor on the device) every value by it; else each row's 1x128 blocks by
-    their own scale, whose inverses go into ``inv_RB`` (R, ceil(C/128)) fp32."""
+def quantize_rows_into(x_RC, q_RC, fmt: str, *, scale=None, inv_RB=None, pow2: bool = True,
+                       rows_per_scale: int = 1, scale_strides: tuple[int, int] = (0, 0)):  # fmt: skip
+    """Quantise ``x_RC`` (unit column stride) into ``q_RC`` (fp8 of ``fmt``): with ``scale`` (fp32
+    on the device) each value by its scale: one value (the defaults), or the scale of row
+    ``r // rows_per_scale`` and column block ``c // 128`` through ``scale_strides`` (a weight's
+    experts or 128x128 blocks); else each row's 1x128 blocks by their own scale, whose inverses
+    go into ``inv_RB`` (R, ceil(C/128)) fp32."""
     rows, cols = x_RC.shape
     if rows == 0 or cols == 0:
         return
@@ -141,8 +149,9 @@ def quantize_rows_into(x_RC, q_RC, fmt: str, *, scale=None, inv_RB=None, pow2: b
     grid = (triton.cdiv(rows, block_r), triton.cdiv(cols, block_c))
     quantize_rows_kernel[grid](
         x_RC, q_RC, scale if scale is not None else dummy, inv_RB if inv_RB is not None else dummy,
-        rows, cols,
+        rows, cols, rows_per_scale,
         x_RC.stride(0), q_RC.stride(0), inv_RB.stride(0) if inv_RB is not None else 0,
+        *scale_strides,
         BLOCKWISE=blockwise, FMT=fmt, POW2=pow2, EXACT=interp,
         BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4,
     )  # fmt: skip

@@ -17,8 +17,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from relaymoe.fp8_recipe import Fp8Recipe
-from relaymoe.kernels.fp8.quant_torch import quantize_blocks, quantize_with, scale_from_amax
+from relaymoe.fp8_recipe import BLOCK, Fp8Recipe
+from relaymoe.kernels.fp8.quant_torch import (
+    fp8_dtype,
+    quantize_blocks,
+    quantize_with,
+    scale_from_amax,
+)
 
 __all__ = ["Fp8ExpertWeights", "quantize_expert_weights"]
 
@@ -45,16 +50,40 @@ class Fp8ExpertWeights:
 
 
 def _quantize_one(w: Tensor, recipe: Fp8Recipe) -> tuple[Tensor, Tensor, Tensor]:
-    """(q, q transposed, inv) of one (El, M, N) weight in e4m3."""
+    """(q, q transposed, inv) of one (El, M, N) weight in e4m3: the amax in one pass
+    (``vector_norm``, no temporary), then one Triton pass that scales and casts (where Triton
+    runs and, blockwise, M and N are multiples of 128), else ``quant_torch``'s quantisers (the
+    same values, with fp32 temporaries of the weight's size)."""
+    n_experts, m, n = w.shape
     with torch.no_grad():
         if recipe.blockwise:
-            q, inv = quantize_blocks(w, "e4m3", pow2=recipe.power_2_scales)
+            if not (_triton_runs(w) and m % BLOCK == 0 and n % BLOCK == 0 and w.numel()):
+                q, inv = quantize_blocks(w, "e4m3", pow2=recipe.power_2_scales)
+                return q, q.transpose(1, 2).contiguous(), inv
+            tiles = w.reshape(n_experts, m // BLOCK, BLOCK, n // BLOCK, BLOCK)
+            amax = torch.linalg.vector_norm(tiles, float("inf"), dim=(2, 4))
+            s = scale_from_amax(amax, "e4m3", pow2=recipe.power_2_scales)
+            rows_per_scale, strides = BLOCK, (n // BLOCK, 1)
         else:
-            amax = w.detach().abs().amax(dim=(1, 2)) if w.numel() else w.new_zeros(w.shape[0])
+            amax = torch.linalg.vector_norm(w.reshape(n_experts, -1), float("inf"), dim=1) if (
+                w.numel()) else w.new_zeros(n_experts)  # fmt: skip
             s = scale_from_amax(amax, "e4m3")
+            rows_per_scale, strides = max(1, m), (1, 0)
+        if _triton_runs(w) and w.numel():
+            from relaymoe.kernels.fp8.quantize import quantize_rows_into
+
+            q = torch.empty(w.shape, dtype=fp8_dtype("e4m3"), device=w.device)
+            quantize_rows_into(w.reshape(-1, n), q.view(-1, n), "e4m3", scale=s.contiguous(),
+                               rows_per_scale=rows_per_scale, scale_strides=strides)  # fmt: skip
+        else:
             q = quantize_with(w, s[:, None, None], "e4m3")
-            inv = 1.0 / s
-        return q, q.transpose(1, 2).contiguous(), inv
+        return q, q.transpose(1, 2).contiguous(), 1.0 / s
+
+
+def _triton_runs(w: Tensor) -> bool:
+    from relaymoe.kernels import interpret_mode, triton_available
+
+    return triton_available() and (w.is_cuda or (w.device.type == "cpu" and interpret_mode()))
 
 
 def quantize_expert_weights(w13: Tensor, w2: Tensor, recipe: Fp8Recipe) -> Fp8ExpertWeights:
