@@ -279,3 +279,16 @@ def test_fp8_calls_the_kernels_cannot_honour_are_refused(monkeypatch):
     problem = capability_problem((8, 0), "NVIDIA A100-SXM4-80GB")
     assert "A100" in problem and "capability 8.0 (sm80)" in problem and "Hopper" in problem
     assert capability_problem((9, 0), "H100") is None
+
+
+def test_blockwise_expert_ranges_add_up_and_out_accumulates():
+    """Blockwise scales are local (x's and a's rows, weight blocks): ranges of experts computed
+    apart add up to the whole layer (the ring's hops), and ``out=`` is added into."""
+    x, w13, w2, idx, probs = _problem(20, 128, 128, 4, 2, seed=9)
+    index = build_routing_index(idx, 4)
+    kw = {"fp8": "blockwise", "backend": "triton", "index": index}
+    whole = moe_experts(x, w13, w2, idx, probs, **kw)
+    parts = torch.ones_like(x)
+    for e0, e1 in [(0, 1), (1, 4)]:
+        moe_experts(x, w13[e0:e1], w2[e0:e1], idx, probs, expert_range=(e0, e1), out=parts, **kw)
+    assert rel_err(parts - 1.0, whole) < ACC
