@@ -141,7 +141,7 @@ def quantize_rows_into(x_RC, q_RC, fmt: str, *, scale=None, inv_RB=None, pow2: b
     if blockwise and inv_RB is None:
         raise ValueError("quantize_rows_into: blockwise quantisation needs inv_RB")
     interp = interpret_mode()
-    block_r = 16 if interp else 32
+    block_r = 64 if interp else 32  # the interpreter: fewer, larger programs
     block_c = BLOCK if interp else 4 * BLOCK
     if not blockwise and not interp:
         block_c = min(block_c, max(BLOCK, triton.next_power_of_2(cols)))

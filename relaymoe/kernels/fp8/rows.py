@@ -87,9 +87,11 @@ def _fp8_rows_kernel(
 def _config(blockwise: bool) -> dict:
     """Tile configuration: 128x128 output tiles with 128-wide K steps on the GPU (the fp8 tiles
     of one stage are 32 KiB; a blockwise partial doubles the fp32 registers, so one stage
-    less); small tiles under the interpreter, so odd shapes cross tile edges."""
+    less); small tiles under the interpreter, so odd shapes cross tile edges (blockwise sizes
+    are multiples of 128: its tiles are as wide, fewer programs to interpret)."""
     if interpret_mode():
-        return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": BLOCK if blockwise else 32}
+        return {"BLOCK_M": 16, "BLOCK_N": BLOCK if blockwise else 32,
+                "BLOCK_K": BLOCK if blockwise else 32}  # fmt: skip
     return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": BLOCK, "num_warps": 8,
             "num_stages": 3 if blockwise else 4}  # fmt: skip
 
