@@ -16,6 +16,15 @@ grad, as in ``../shared/anchors``):
 - ``te_grouped``: megatron-core's own expert path with TransformerEngine, when TE imports
   (``benchmarks/te_grouped.py``): TE's fused permute, ``TEGroupedMLP`` (grouped GEMMs, fused
   weighted SwiGLU) and TE's fused unpermute, weights copied from the same inputs.
+- fp8 (issue #55; rows carry ``fp8``, the recipe name, absent for bf16):
+  ``relaymoe_fp8_tensorwise``, ``relaymoe_fp8_blockwise``, ``relaymoe_fp8_delayed`` and
+  ``relaymoe_fp8_tensorwise_bf16wgrad``
+  (``moe_experts(fp8=...)`` with an ``Fp8State`` kept across steps: the fp8 weights are cached,
+  as in the micro-batches of one optimizer step; the rows' ``ms_weight_quant`` times the
+  once-per-step weight quantisation alone), and ``te_grouped_fp8_tensorwise`` /
+  ``te_grouped_fp8_blockwise`` (``te_grouped`` under megatron-core's fp8 autocast). fp8 rows are
+  checked against naive's bf16 with ``FP8_AGREE_BOUND`` (their quantisation error is a few
+  percent; the bound catches a wrong scale or layout, not precision).
 
 Before timing a shape, the output and all gradients of every other provider are checked against
 naive's (``err_*`` keys of relaymoe's rows); a relative error above ``AGREE_BOUND`` makes the run
@@ -118,23 +127,52 @@ def make_inputs(num_tokens, num_experts, topk, hidden, ffn, seed=0, activation=S
 # Two bf16 implementations of the same layer differ by ~6e-3 relative (each ~4e-3 from float64,
 # tests/gpu); beyond this something is wrong, and the run exits non-zero after writing its rows.
 AGREE_BOUND = 2e-2
+# An fp8 layer against bf16: 5-10% (e4m3 keeps 3 mantissa bits, e5m2 2: tests/gpu/
+# test_fp8_experts_gpu.py); beyond this a scale or a layout is wrong.
+FP8_AGREE_BOUND = 0.25
+FP8_PROVIDERS = {  # key -> (recipe name, Fp8Recipe fields beyond the name)
+    "relaymoe_fp8_tensorwise": ("tensorwise", {}),
+    "relaymoe_fp8_blockwise": ("blockwise", {}),
+    "relaymoe_fp8_delayed": ("delayed", {}),
+    "relaymoe_fp8_tensorwise_bf16wgrad": ("tensorwise", {"fp8_wgrad": False}),
+    "te_grouped_fp8_tensorwise": ("tensorwise", {}),
+    "te_grouped_fp8_blockwise": ("blockwise", {}),
+}
 
 
-def relaymoe_fn(recompute: str, kernels: dict | None = None, activation=SWIGLU):
+def relaymoe_fn(recompute: str, kernels: dict | None = None, activation=SWIGLU, fp8=None):
     """moe_experts of ``activation`` with these ``KernelOptions`` fields for this call and the
     backward that follows (the environment's, ``benchmarks.ENV_CONFIG``, when ``kernels`` is
-    empty: torch._grouped_mm on sm90)."""
+    empty: torch._grouped_mm on sm90). ``fp8``: None, or an ``Fp8Recipe``: one ``Fp8State``
+    serves every call (its fp8 weights quantised on the first, as a step's micro-batches)."""
     from benchmarks import ENV_CONFIG
 
     k = ENV_CONFIG.kernels
     k = dataclasses.replace(k, **kernels) if kernels else k
+    state = None
+    if fp8 is not None:
+        from relaymoe.fp8_state import Fp8State
+
+        state = Fp8State(fp8)
 
     def fn(x, w13, w2, idx, probs):
         index = build_routing_index(idx, w13.shape[0], validate=False)
         return moe_experts(x, w13, w2, idx, probs, index=index, recompute=recompute,
-                           backend="triton", kernels=k, activation=activation)  # fmt: skip
+                           backend="triton", kernels=k, activation=activation,
+                           fp8=state)  # fmt: skip
 
+    # delayed scaling's first call scales by 1 and its second by amaxes its first call's
+    # scales produced: the check against naive looks at the third, as a run past its start
+    fn.warm_calls = 2 if state is not None and state.recipe.recipe == "delayed" else 0
     return fn
+
+
+def weight_quant_ms(w13, w2, recipe) -> float:
+    """Time of one quantisation of the layer's weights for ``recipe`` (once per optimizer step:
+    both fp8 layouts of w13 and w2, their scales)."""
+    from relaymoe.kernels.fp8.weights import quantize_expert_weights
+
+    return bench_ms(lambda: quantize_expert_weights(w13, w2, recipe), warmup_ms=10, rep_ms=50)
 
 
 def first_call_seconds(shape: str, autotune: str, timeout_s: float = 900.0) -> float | None:
@@ -192,15 +230,20 @@ def liger_fn():
     return lambda x, w13, w2, idx, probs: LigerFusedMoEFunction.apply(x, w13, w2, idx, probs)
 
 
-def te_grouped_provider(inputs, topk: int):
-    """megatron-core's TEGroupedMLP path on this shape's weights, or None (reason printed)."""
+def te_grouped_provider(inputs, topk: int, fp8: str | None = None):
+    """megatron-core's TEGroupedMLP path on this shape's weights (under its fp8 autocast of
+    recipe ``fp8``), or None (reason printed)."""
     from benchmarks.te_grouped import TEGroupedExperts, unavailable
 
     why = unavailable()
     if why is not None:
         print(f"[bench_experts] te_grouped unavailable: {why}")
         return None
-    return TEGroupedExperts(inputs[1].detach(), inputs[2].detach(), topk)
+    try:
+        return TEGroupedExperts(inputs[1].detach(), inputs[2].detach(), topk, fp8=fp8)
+    except Exception as exc:  # a TE without the recipe: its rows are skipped with the reason
+        print(f"[bench_experts] te_grouped fp8={fp8} unavailable: {exc!r}")
+        return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -259,7 +302,9 @@ def measure(fn, inputs, flops, quick: bool, accumulate_grads: bool = False) -> d
 
 
 def check_against_naive(inputs, fns: dict, naive=naive_fn) -> dict:
-    """Output and all gradients of each provider vs ``naive`` on the full shape (bf16)."""
+    """Output and all gradients of each provider vs ``naive`` on the full shape (bf16). A
+    competitor that raises (a TE without an fp8 recipe, say) gets ``{"error": ...}`` instead,
+    and is not timed; relaymoe's own providers raise."""
     dy = torch.randn_like(inputs[0])
 
     def run(fn):
@@ -275,7 +320,17 @@ def check_against_naive(inputs, fns: dict, naive=naive_fn) -> dict:
     names = ("out", "dx", "dw13", "dw2", "dprobs")
     checks = {}
     for key, fn in fns.items():
-        got = run(fn)
+        try:
+            for _ in range(getattr(fn, "warm_calls", 0)):
+                run(fn)
+            got = run(fn)
+        except Exception as exc:
+            if key.startswith("relaymoe"):
+                raise
+            print(f"[bench_experts] {key} failed its check: {exc!r}", flush=True)
+            checks[key] = {"error": repr(exc)[:300]}
+            torch.cuda.empty_cache()
+            continue
         checks[key] = {
             f"err_{n}": round(rel_err(a, b), 5) for n, a, b in zip(names, got, ref, strict=True)
         }
@@ -353,9 +408,8 @@ def _measure_activation(args, writer, shape: str, act, providers: dict, wanted: 
     dims = SHAPES[shape]
     flops = moe_flops_fwd_bwd(dims[0], dims[2], dims[3], dims[4], act.fc1_rows(dims[4]))
     inputs = make_inputs(*dims, activation=act)
-    if "te_grouped" in wanted and act == SWIGLU:
-        providers["te_grouped"] = ("te_grouped", None, te_grouped_provider(inputs, dims[2]))
-    skipped = [k for k in wanted if providers[k][2] is None and k in ("liger", "te_grouped")]
+    _te_providers(providers, wanted, inputs, dims[2], act)
+    skipped = [k for k in wanted if providers[k][2] is None and k.startswith(("liger", "te_"))]
     if skipped and act != SWIGLU:
         print(f"[bench_experts] {skipped} compute SwiGLU only: skipped for {act.name}")
     # every provider's output and gradients against naive first: a competitor whose
@@ -365,12 +419,11 @@ def _measure_activation(args, writer, shape: str, act, providers: dict, wanted: 
         naive=providers["naive"][2],
     )  # fmt: skip
     print(f"[bench_experts] {shape} {act.name} vs naive: {checks}", flush=True)
-    wrong = [f"{shape} {act.name} {k} {n}={v}" for k, c in checks.items() for n, v in c.items()
-             if not v <= AGREE_BOUND]  # fmt: skip
+    wrong = _disagreements(shape, act, checks)
     shape_rows = []
     for key in wanted:
         provider, recompute, fn = providers[key]
-        if fn is None:
+        if fn is None or "error" in checks.get(key, {}):
             continue
         try:
             r = measure(fn, inputs, flops, args.quick, args.accumulate_grads)
@@ -384,7 +437,9 @@ def _measure_activation(args, writer, shape: str, act, providers: dict, wanted: 
             row["recompute"] = recompute
         if provider.startswith("relaymoe"):
             row["variant"] = key
+        if provider.startswith("relaymoe") or key in FP8_PROVIDERS:
             row.update(checks[key])
+        row.update(_fp8_row_fields(key, inputs))
         if args.first_call and key == "relaymoe_act" and act == SWIGLU:
             from relaymoe.kernels.tuned import load_table
 
@@ -401,12 +456,68 @@ def _measure_activation(args, writer, shape: str, act, providers: dict, wanted: 
                "tflops_fwd_bwd", "saved_for_bwd_MiB", "peak_over_inputs_MiB"]  # fmt: skip
     print_table(shape_rows, columns)
     comp = [r["ms_fwd_bwd"] for r in shape_rows
-            if r["provider"] in ("naive", "liger", "te_grouped")]  # fmt: skip
+            if r["provider"] in ("naive", "liger", "te_grouped") and "fp8" not in r]  # fmt: skip
     for r in shape_rows:
-        if r["provider"].startswith("relaymoe") and comp:
+        if r["provider"].startswith("relaymoe") and comp and "fp8" not in r:
             print(f"{shape} {act.name} {r['variant']}: {min(comp) / r['ms_fwd_bwd']:.2f}x the "
                   f"faster competitor ({min(comp):.2f} ms)", flush=True)  # fmt: skip
+    _print_fp8_ratios(shape, act, shape_rows)
     return shape_rows, wrong
+
+
+def _te_providers(providers: dict, wanted: list, inputs, topk: int, act) -> None:
+    """The wanted ``te_grouped`` providers of this shape (bf16 and fp8), built on its weights
+    (SwiGLU only)."""
+    if act != SWIGLU:
+        return
+    for key in wanted:
+        if key == "te_grouped":
+            providers[key] = ("te_grouped", None, te_grouped_provider(inputs, topk))
+        elif key.startswith("te_grouped_fp8_"):
+            fp8 = FP8_PROVIDERS[key][0]
+            providers[key] = ("te_grouped", None, te_grouped_provider(inputs, topk, fp8=fp8))
+
+
+def _disagreements(shape: str, act, checks: dict) -> list[str]:
+    """Errors against naive beyond the provider's bound (``FP8_AGREE_BOUND`` for fp8)."""
+    out = []
+    for key, errs in checks.items():
+        bound = FP8_AGREE_BOUND if key in FP8_PROVIDERS else AGREE_BOUND
+        out += [f"{shape} {act.name} {key} {n}={v}" for n, v in errs.items()
+                if n != "error" and not v <= bound]  # fmt: skip
+    return out
+
+
+def _fp8_row_fields(key: str, inputs) -> dict:
+    """An fp8 row's ``fp8`` (the recipe name) and, for relaymoe's, ``fp8_wgrad`` and
+    ``ms_weight_quant`` (the once-per-step weight quantisation, timed alone); none for bf16."""
+    if key not in FP8_PROVIDERS:
+        return {}
+    name, fields = FP8_PROVIDERS[key]
+    row = {"fp8": name}
+    if key.startswith("relaymoe"):
+        from relaymoe.fp8_recipe import Fp8Recipe
+
+        recipe = Fp8Recipe(name, **fields)
+        row["fp8_wgrad"] = recipe.fp8_wgrad
+        ms = weight_quant_ms(inputs[1].detach(), inputs[2].detach(), recipe)
+        row["ms_weight_quant"] = round(ms, 3)
+    return row
+
+
+def _print_fp8_ratios(shape: str, act, shape_rows: list) -> None:
+    """Each relaymoe fp8 row against relaymoe's bf16 (``recompute="act"``) and TE's fp8 rows of
+    the same recipe (issue #55's targets)."""
+    bf16 = [r["ms_fwd_bwd"] for r in shape_rows if r.get("variant") == "relaymoe_act"]
+    for r in shape_rows:
+        if "fp8" not in r or not r["provider"].startswith("relaymoe"):
+            continue
+        te = [t["ms_fwd_bwd"] for t in shape_rows
+              if t["provider"] == "te_grouped" and t.get("fp8") == r["fp8"]]  # fmt: skip
+        parts = [f"{bf16[0] / r['ms_fwd_bwd']:.2f}x relaymoe bf16"] if bf16 else []
+        parts += [f"{te[0] / r['ms_fwd_bwd']:.2f}x te_grouped fp8 {r['fp8']}"] if te else []
+        print(f"{shape} {act.name} {r['variant']} ({r['ms_fwd_bwd']:.2f} ms): "
+              f"{', '.join(parts) or 'no baseline row'}", flush=True)  # fmt: skip
 
 
 def main(argv=None) -> int:
@@ -420,7 +531,9 @@ def main(argv=None) -> int:
         default=None,
         help="relaymoe_act relaymoe_fc1 relaymoe_act_wgradtriton relaymoe_act_tritongemm "
         "relaymoe_act_tma relaymoe_act_ptr relaymoe_act_rowscopy relaymoe_act_tritonup "
-        "relaymoe_fc1_tritonup naive liger te_grouped (relaymoe_act: the default tma, "
+        "relaymoe_fc1_tritonup naive liger te_grouped, and fp8: relaymoe_fp8_tensorwise "
+        "relaymoe_fp8_blockwise relaymoe_fp8_delayed relaymoe_fp8_tensorwise_bf16wgrad "
+        "te_grouped_fp8_tensorwise te_grouped_fp8_blockwise (relaymoe_act: the default tma, "
         "tensor descriptors on sm90; _tma forces them, _ptr the pointer loads; _rowscopy: "
         "rows_gather='copy'; _tritonup: gather_ws='off', the Triton up-projection)",
     )
@@ -476,6 +589,11 @@ def main(argv=None) -> int:
         def rm(recompute, kernels=None):
             return relaymoe_fn(recompute, kernels, activation=act)
 
+        def rm_fp8(name, fields):
+            from relaymoe.fp8_recipe import Fp8Recipe
+
+            return relaymoe_fn("act", None, activation=act, fp8=Fp8Recipe(name, **fields))
+
         return {
             "relaymoe_act": ("relaymoe", "act", rm("act")),
             "relaymoe_fc1": ("relaymoe", "fc1", rm("fc1")),
@@ -489,6 +607,10 @@ def main(argv=None) -> int:
                 "relaymoe_rowscopy", "act", rm("act", {"rows_gather": "copy"})),
             "relaymoe_act_tritonup": ("relaymoe_tritonup", "act", rm("act", {"gather_ws": "off"})),
             "relaymoe_fc1_tritonup": ("relaymoe_tritonup", "fc1", rm("fc1", {"gather_ws": "off"})),
+            **{key: ("relaymoe", "act", rm_fp8(name, fields))
+               for key, (name, fields) in FP8_PROVIDERS.items() if key.startswith("relaymoe")},
+            **{key: ("te_grouped", None, None)  # built per shape, from its weights
+               for key in FP8_PROVIDERS if key.startswith("te_grouped")},
             "naive": ("naive", None, naive_fn if swiglu else partial(naive_fn, activation=act)),
             "liger": ("liger", None, liger if swiglu else None),
             "te_grouped": ("te_grouped", None, None),  # built per shape, from its weights

@@ -13,6 +13,12 @@ The router's ``(T, E)`` routing map is what megatron-core hands to ``permute``; 
 the ``(T, K)`` ids once per routing (cached: the router makes it, the dispatcher does not), the
 ``(T, E)`` probabilities each call from the differentiable ``(T, K)`` ones. Needs CUDA, TE and
 megatron-core; ``unavailable()`` says why not.
+
+``fp8``: a recipe name (``tensorwise``, ``delayed``, ``blockwise``): the experts run under
+megatron-core's own fp8 context (``fp8_utils.get_fp8_context``: TE's autocast with the recipe
+megatron-core builds from ``--fp8-format``/``--fp8-recipe``, TE's default format of the recipe:
+hybrid for the tensor-scaled ones, e4m3 for blockwise), as a megatron-core fp8 run computes its
+experts; TEGroupedMLP pads each expert's rows for fp8 itself.
 """
 
 from __future__ import annotations
@@ -36,6 +42,20 @@ def unavailable() -> str | None:
     return None
 
 
+def _fp8_fields(fp8: str | None) -> dict:
+    """The TransformerConfig fields of an fp8 recipe (``--fp8-format`` TE's default for it)."""
+    if fp8 is None:
+        return {}
+    return {"fp8": "e4m3" if fp8 == "blockwise" else "hybrid", "fp8_recipe": fp8}
+
+
+def _fp8_context(config):
+    """A factory of megatron-core's fp8 autocast for ``config`` (a fresh context each call)."""
+    from megatron.core.fp8_utils import get_fp8_context
+
+    return lambda: get_fp8_context(config)
+
+
 def _init_megatron() -> None:
     """One-rank NCCL world and megatron-core's parallel state (EP 1), with its RNG tracker."""
     from megatron.core import parallel_state as ps
@@ -54,7 +74,8 @@ class TEGroupedExperts:
     TEGroupedMLP -> unpermute with the weights given at construction (``w13``/``w2`` passed to
     the call only for the provider signature: shapes are checked, values are not read)."""
 
-    def __init__(self, w13_E2IH: torch.Tensor, w2_EHI: torch.Tensor, topk: int):
+    def __init__(self, w13_E2IH: torch.Tensor, w2_EHI: torch.Tensor, topk: int,
+                 fp8: str | None = None):  # fmt: skip
         import torch.nn.functional as F
         from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
         from megatron.core.process_groups_config import ProcessGroupCollection
@@ -83,6 +104,7 @@ class TEGroupedExperts:
             params_dtype=w13_E2IH.dtype,
             moe_router_load_balancing_type="none",
             moe_router_pre_softmax=topk == 1,  # megatron-core asks for it at top-1
+            **_fp8_fields(fp8),
         )
         build = TESpecProvider().grouped_mlp_modules(True)
         pgs = ProcessGroupCollection.use_mpu_process_groups()
@@ -95,6 +117,7 @@ class TEGroupedExperts:
                 self.fc2[e].copy_(w2_EHI[e])
         self._map_key = None
         self._map = None
+        self._fp8_context = _fp8_context(config) if fp8 else None
 
     def _routing_map(self, idx_TK: torch.Tensor) -> torch.Tensor:
         key = (idx_TK.data_ptr(), tuple(idx_TK.shape), idx_TK._version)
@@ -118,7 +141,11 @@ class TEGroupedExperts:
         px, pprobs, order, _, _ = permute(
             x, routing_map, probs=probs_TE, num_out_tokens=x.shape[0] * self.topk, fused=True
         )
-        out, _ = self.experts(px, routing_map.sum(0), pprobs)
+        if self._fp8_context is None:
+            out, _ = self.experts(px, routing_map.sum(0), pprobs)
+        else:
+            with self._fp8_context():
+                out, _ = self.experts(px, routing_map.sum(0), pprobs)
         return unpermute(out, order, restore_shape=x.shape, routing_map=routing_map, fused=True)
 
     def weight_grads(self) -> tuple[torch.Tensor, torch.Tensor]:

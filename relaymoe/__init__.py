@@ -2,7 +2,8 @@
 
 Public API (imported lazily so ``import relaymoe`` stays cheap and never imports Megatron):
 ``build_routing_index``, ``RoutingIndex``, ``moe_experts``, ``ring_moe``,
-``moe_experts_reference``, ``linear_cross_entropy``, ``ExpertActivation``. The submodules
+``moe_experts_reference``, ``linear_cross_entropy``, ``ExpertActivation``, ``Fp8Recipe``,
+``Fp8State`` (``moe_experts(..., fp8=...)``). The submodules
 (``relaymoe.reference``, ``relaymoe.config``, ``relaymoe.megatron``, ...) are reachable as
 attributes after a plain ``import relaymoe`` too; each is imported on first use.
 """
@@ -16,6 +17,8 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "ExpertActivation": "relaymoe.activation",
+    "Fp8Recipe": "relaymoe.fp8_recipe",
+    "Fp8State": "relaymoe.fp8_state",
     "RoutingIndex": "relaymoe.routing",
     "build_routing_index": "relaymoe.routing",
     "moe_experts_reference": "relaymoe.reference",

@@ -41,6 +41,7 @@ from relaymoe.expert_inputs import (
     expert_range_of,
     stack_experts,
 )
+from relaymoe.fp8_state import check_fp8_call, resolve_fp8
 from relaymoe.kernels import unit_cols
 from relaymoe.kernels.experts import HopGrads, HopOptions
 from relaymoe.kernels.select import kernel_options
@@ -416,6 +417,7 @@ def moe_experts(
     activation: ExpertActivation | str | None = None,
     b13: Tensor | Sequence[Tensor] | None = None,
     b2: Tensor | Sequence[Tensor] | None = None,
+    fp8=None,
 ) -> Tensor:
     """Expert MLPs with the oracle's semantics, differentiable in x, w13, w2, topk_probs, b13, b2.
 
@@ -459,6 +461,14 @@ def moe_experts(
     columns are not at unit stride is written through one row-major (T, chunk) buffer per
     column chunk; the torch backend reads and writes any strides directly.
 
+    ``fp8``: None (the GEMMs in the inputs' dtype), or the expert GEMMs in fp8 on a Hopper GPU
+    (``relaymoe.fp8_recipe``): a recipe name (``"tensorwise"``, ``"blockwise"``), a
+    ``relaymoe.Fp8Recipe``, or a ``relaymoe.Fp8State`` the caller keeps across calls (its
+    cached fp8 weights are quantised once per optimizer step; ``"delayed"`` scaling needs one:
+    its amax history). Refused with ``ValueError``: a GPU before Hopper (its capability named),
+    a CPU without ``TRITON_INTERPRET=1``, ``backend="torch"``, dtypes other than bfloat16,
+    float16, float32, biases, and for ``"blockwise"`` H or I not a multiple of 128.
+
     Validated at call time (``ValueError`` naming the value, the limit and the fix): types,
     shapes, dtypes and devices of every argument (w13's rows against the activation, the
     biases against the weights); the activation; ``out`` (shape, dtype, device, not
@@ -474,17 +484,26 @@ def moe_experts(
     if recompute not in RECOMPUTES:
         raise ValueError(f"moe_experts: recompute must be one of {RECOMPUTES}, got {recompute!r}")
     act = as_activation(activation)
+    originals = (w13, w2)
     w13 = stack_experts("w13", w13, "(E, J, H)")
     w2 = stack_experts("w2", w2, "(E, H, I)")
     b13 = None if b13 is None else stack_experts("b13", b13, "(E, J)", ndim=1)
     b2 = None if b2 is None else stack_experts("b2", b2, "(E, H)", ndim=1)
     expert_range = expert_range_of(expert_range)
     check_moe_inputs(x, w13, w2, topk_idx, topk_probs, index, expert_range, out, act, b13, b2)
+    fp8_state = resolve_fp8(fp8)
+    if fp8_state is not None:
+        check_fp8_call(fp8_state, x, w13, w2, backend=backend, b13=b13, b2=b2)
     resolved = resolve_backend(backend, x.device, x.dtype)
     kernels = kernel_options(kernels)
     if index is None:
         index = build_routing_index(topk_idx, w13.shape[0])
     else:
         check_index(index, topk_idx)
+    if fp8_state is not None:
+        from relaymoe.experts_fp8 import fp8_experts
+
+        return fp8_experts(out, x, w13, w2, topk_probs, index, expert_range, recompute, kernels,
+                           act, fp8_state, originals)  # fmt: skip
     return _MoEExperts.apply(out, x, w13, w2, topk_probs, b13, b2, index, expert_range,
                              recompute, resolved, kernels, act)  # fmt: skip

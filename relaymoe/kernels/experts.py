@@ -39,10 +39,15 @@ __all__ = [
     "HopGrads",
     "HopGroups",
     "HopOptions",
+    "check_hop_sizes",
+    "combine_chunks",
     "gathered_rows_times_weight",
+    "hop_wgrad",
+    "pair_count",
     "triton_hop_backward",
     "triton_hop_forward",
     "wgrad_gmm",
+    "zero_weight_grads",
 ]
 
 
@@ -90,7 +95,7 @@ HOP_DEFAULTS = HopOptions()  # a call without options
 GRAD_DEFAULTS = HopGrads()  # a backward that allocates every gradient
 
 
-def _pair_count(
+def pair_count(
     index, e0: int, e1: int, known: int | None = None, bound: int | None = None
 ) -> tuple[int, bool]:
     """``(rows, exact)``: rows of the range's pair buffers and whether that is the pair count.
@@ -121,7 +126,7 @@ def _hop_inputs(where: str, w13, w2, options: HopOptions, b13, b2) -> tuple:
     return act, k, b13, (None if b2 is None else unit_cols(b2))
 
 
-def _check_sizes(num_tokens: int, n_pairs: int, where: str) -> None:
+def check_hop_sizes(num_tokens: int, n_pairs: int, where: str) -> None:
     """int32 limits of a hop (see ``relaymoe.kernels.INT32_LIMIT``): token ids in the routing
     index, and the range's pair count (torch._grouped_mm's int32 group ends, row ids)."""
     check_int32("T (tokens)", num_tokens, where=where,
@@ -187,7 +192,7 @@ def wgrad_gmm(a, b, c_EMN, groups: HopGroups, *, a_gather: bool, accumulate: boo
     return c_EMN
 
 
-def _wgrad(a, b, idx_P, offs, c_EMN, groups: HopGroups, *, a_gather, b_gather, like: Tensor,
+def hop_wgrad(a, b, idx_P, offs, c_EMN, groups: HopGroups, *, a_gather, b_gather, like: Tensor,
            grad_dtype: torch.dtype | None, k, accumulate: bool = True) -> Tensor:  # fmt: skip
     """Weight gradient of the range: torch's grouped GEMM over gathered chunks where
     ``select.wgrad_by_gmm`` takes it, else the Triton kernel. Added into ``c_EMN`` (written
@@ -227,21 +232,20 @@ def _pair_rows_times_weight(a_PK: Tensor, b_EKN: Tensor, offs: Tensor, groups: H
     return out_PN
 
 
-def _combine_pair_products(
-    a_PK: Tensor, b_EKN: Tensor, index, offs: Tensor, out_TH: Tensor, accumulate: bool,
-    groups: HopGroups, k, bias=None,
-) -> None:  # fmt: skip
+def combine_chunks(product, n_pairs: int, elt: int, index, offs: Tensor, out_TH: Tensor,
+                   accumulate: bool, k, bias=None) -> None:  # fmt: skip
     """Write (add, with ``accumulate``) into ``out_TH[t]`` the sum over token t's pairs q of
-    ``a[q] @ b[e]``; the (P, H) products are made and reduced in column chunks (at most
-    ``k.pair_buffer_mib`` alive). The forward's down projection and the dgrad. ``bias``: None
-    or ``(b2_EH, probs_TK, e0)``: the combine also adds ``p * b2[e]`` for every pair.
+    ``product(c0, c1)[q]``, the (P, c1 - c0) products of one column chunk, made and reduced
+    chunk by chunk (at most ``k.pair_buffer_mib`` alive; ``elt`` bytes a product element).
+    The forward's down projection and the dgrad. ``bias``: None or ``(b2_EH, probs_TK, e0)``:
+    the combine also adds ``p * b2[e]`` for every pair.
 
     The combine kernel stores rows at unit column stride. An ``out_TH`` with other column
     strides (a caller's transposed buffer) is written through one row-major (T, chunk) buffer
     per chunk, then copied or added into it once; a row-major ``out_TH`` is written directly."""
     direct = unit_cols(out_TH) is out_TH
-    for c0, c1 in select.col_chunks(a_PK.shape[0], out_TH.shape[1], a_PK.element_size(), k):
-        y_PH = _pair_rows_times_weight(a_PK, b_EKN[:, :, c0:c1], offs, groups, k)
+    for c0, c1 in select.col_chunks(n_pairs, out_TH.shape[1], elt, k):
+        y_PH = product(c0, c1)
         dst = out_TH[:, c0:c1]
         chunk_bias = None
         if bias is not None:
@@ -257,6 +261,19 @@ def _combine_pair_products(
             dst.add_(rows) if accumulate else dst.copy_(rows)
             del rows
         del y_PH
+
+
+def _combine_pair_products(
+    a_PK: Tensor, b_EKN: Tensor, index, offs: Tensor, out_TH: Tensor, accumulate: bool,
+    groups: HopGroups, k, bias=None,
+) -> None:  # fmt: skip
+    """:func:`combine_chunks` of ``a[q] @ b[e]`` (a contiguous in expert order)."""
+
+    def product(c0, c1):
+        return _pair_rows_times_weight(a_PK, b_EKN[:, :, c0:c1], offs, groups, k)
+
+    combine_chunks(product, a_PK.shape[0], a_PK.element_size(), index, offs, out_TH, accumulate,
+                   k, bias)  # fmt: skip
 
 
 def triton_hop_forward(
@@ -292,8 +309,8 @@ def triton_hop_forward(
     if out_TH is None:  # row-major whatever x's strides (the combine writes every row)
         out_TH = x_TH.new_empty(x_TH.shape)
     offs = index.offsets_for(e0, e1)
-    n_pairs, exact = _pair_count(index, e0, e1, options.n_pairs, options.max_pairs)
-    _check_sizes(num_tokens, n_pairs, "triton_hop_forward")
+    n_pairs, exact = pair_count(index, e0, e1, options.n_pairs, options.max_pairs)
+    check_hop_sizes(num_tokens, n_pairs, "triton_hop_forward")
     if save_act and not exact:
         raise ValueError("save_act needs the exact pair count (n_pairs), not max_pairs")
     if n_pairs == 0 or n_local == 0 or num_tokens == 0 or x_TH.shape[1] == 0:
@@ -366,13 +383,13 @@ def triton_hop_backward(
     if dprobs_TK is None:  # contiguous: the dprob kernel adds at flat (t*K + k)
         dprobs_TK = torch.zeros(probs_TK.shape, dtype=probs_TK.dtype, device=probs_TK.device)
     offs = index.offsets_for(e0, e1)
-    n_pairs, exact = (_pair_count(index, e0, e1, options.n_pairs, options.max_pairs)
+    n_pairs, exact = (pair_count(index, e0, e1, options.n_pairs, options.max_pairs)
                       if w13.shape[0] > 0 else (0, True))  # fmt: skip
-    _check_sizes(x_TH.shape[0], n_pairs, "triton_hop_backward")
+    check_hop_sizes(x_TH.shape[0], n_pairs, "triton_hop_backward")
     if n_pairs == 0 or x_TH.shape[0] == 0 or x_TH.shape[1] == 0:  # H = 0: every gradient is 0
         if not acc_dx:
             dx_TH.zero_()
-        return (dx_TH, dprobs_TK, *_zero_weight_grads(w13, w2, grads, options.grad_dtype))
+        return (dx_TH, dprobs_TK, *zero_weight_grads(w13, w2, grads, options.grad_dtype))
     prob_P = pairs.pair_probs(probs_TK, index.token_index_map, offs, n_pairs)
     groups = HopGroups(index.expert_token_indices, offs, n_pairs, exact)
     h_PJ, dh_PJ, h_bias = _backward_pre_activation(x_TH, w13, b13, saved_h, consume_saved_h,
@@ -384,14 +401,14 @@ def triton_hop_backward(
         _add_bias_dprobs(dy_TH, b2, index, offs, e0, dprobs_TK)
         _segment_sum(dy_TH, offs, grads.db2, idx_P=groups.idx_P, scale_P=prob_P)
     # dw2[e] (H, I) = sum_q dy[tok]^T (p*a)[q]
-    dw2 = _wgrad(dy_TH, pa_PI, groups.idx_P, offs, grads.dw2, groups, a_gather=True,
+    dw2 = hop_wgrad(dy_TH, pa_PI, groups.idx_P, offs, grads.dw2, groups, a_gather=True,
                  b_gather=False, like=w2, grad_dtype=options.grad_dtype, k=k,
                  accumulate=grads.dw_accumulate)  # fmt: skip
     del pa_PI
     if b13 is not None:  # db13[e] += sum of e's dh rows
         _segment_sum(dh_PJ, offs, grads.db13)
     # dw13[e] (J, H) = sum_q dh[q]^T x[tok]
-    dw13 = _wgrad(dh_PJ, x_TH, groups.idx_P, offs, grads.dw13, groups, a_gather=False,
+    dw13 = hop_wgrad(dh_PJ, x_TH, groups.idx_P, offs, grads.dw13, groups, a_gather=False,
                   b_gather=True, like=w13, grad_dtype=options.grad_dtype, k=k,
                   accumulate=grads.dw_accumulate)  # fmt: skip
     _combine_pair_products(dh_PJ, w13, index, offs, dx_TH, acc_dx, groups, k)
@@ -408,7 +425,7 @@ def _check_bias_grads(b13, b2, grads: HopGrads) -> None:
                              f"buffer shaped {tuple(b.shape)} (got {got})")  # fmt: skip
 
 
-def _zero_weight_grads(w13, w2, grads: HopGrads, grad_dtype) -> tuple[Tensor, Tensor]:
+def zero_weight_grads(w13, w2, grads: HopGrads, grad_dtype) -> tuple[Tensor, Tensor]:
     """``(dw13, dw2)`` of a range without pairs (or without tokens, or H = 0): zeros, allocated
     where ``grads`` gives no buffer, written over a given one with ``dw_accumulate=False``,
     left as they are (nothing added) otherwise."""

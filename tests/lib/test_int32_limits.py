@@ -115,9 +115,9 @@ def test_kernel_checks_pass_just_under_the_limits():
 
     grouped.tiles.check_rows(LIMIT - 1, "test")
     grouped.tiles.check_expert_span(_meta((2, 2**16, 2**15 - 1)), "w13", "test")
-    kexperts._check_sizes(LIMIT - 1, LIMIT - 1, "test")
+    kexperts.check_hop_sizes(LIMIT - 1, LIMIT - 1, "test")
     with pytest.raises(ValueError, match="pairs of the expert range"):
-        kexperts._check_sizes(10, LIMIT, "test")
+        kexperts.check_hop_sizes(10, LIMIT, "test")
     # the row kernels' grid: tiles of the pairs times tiles of the columns
     grid = grouped.tiles.row_grid(2**30, 4, 2**12)
     assert grid({"BLOCK_M": 128, "BLOCK_N": 128}) == ((2**23 + 4) * 32,)

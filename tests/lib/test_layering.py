@@ -25,9 +25,9 @@ PKG = Path(__file__).resolve().parents[2] / "relaymoe"
 # level of each top-level part of relaymoe; a module may import only parts of its level or below
 LEVELS = {
     "options": 0, "activation": 0, "cost": 0, "lossmodel": 0, "config": 0, "planner": 0,
-    "reference": 0, "data": 0, "host_warnings": 0,
+    "reference": 0, "data": 0, "host_warnings": 0, "fp8_recipe": 0,
     "kernels": 1, "activation_torch": 1,
-    "routing": 2, "experts": 2, "expert_inputs": 2, "loss": 2,
+    "routing": 2, "experts": 2, "expert_inputs": 2, "loss": 2, "fp8_state": 2, "experts_fp8": 2,
     "ring": 3,
     "megatron": 4,
     "cli": 5, "convert_hf": 5, "export_hf": 5, "check_hf": 5, "__main__": 5, "__init__": 5,
@@ -41,6 +41,7 @@ TORCH_FREE = (
     "planner",
     "data",
     "host_warnings",
+    "fp8_recipe",
 )
 # the parts that may import Megatron, and whether at import time (False: inside functions only)
 MEGATRON_IMPORTERS = {"megatron": True, "data": False, "convert_hf": False, "export_hf": False,

@@ -13,9 +13,9 @@ from relaymoe.kernels.grouped.tiles import (
     exact_fp32,
     expert_block_size,
     group_m,
-    row_col_tile,
     row_gemm_loop,
     row_grid,
+    row_tile,
 )
 
 
@@ -30,20 +30,11 @@ def _rows_gemm_kernel(
 ):  # fmt: skip
     """c[q] = A[q] @ B[e] for the range's pairs (B[e] is (K, N) through strides). A's row is
     ``tok[q]`` when ``A_GATHER`` (a (T, K) operand read through the index), else ``q - offs[0]``."""
-    e, row0, row_end, pid_n = row_col_tile(N, offs_ptr, n_experts, BLOCK_M, BLOCK_N, BLOCK_E,
-                                            GROUP_M)  # fmt: skip
+    e, pid_n, row_ok, lrows, a_rows, cols, col_ok = row_tile(
+        N, offs_ptr, idx_ptr, n_experts, A_GATHER, BLOCK_M, BLOCK_N, BLOCK_E, GROUP_M
+    )
     if e >= n_experts:
         return
-    base = tl.load(offs_ptr)
-    rows = row0 + tl.arange(0, BLOCK_M)
-    row_ok = rows < row_end
-    lrows = tl.where(row_ok, rows - base, 0).to(tl.int64)
-    if A_GATHER:
-        a_rows = tl.load(idx_ptr + rows, mask=row_ok, other=0).to(tl.int64)
-    else:
-        a_rows = lrows
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
     acc = row_gemm_loop(
         a_rows, a_ptr, stride_ap, b_ptr + e.to(tl.int64) * stride_be, stride_bk, stride_bn,
         cols, col_ok, K, IEEE, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,

@@ -59,6 +59,43 @@ def row_col_tile(
 
 
 @triton.jit
+def row_tile(
+    n_cols, offs_ptr, idx_ptr, n_experts, GATHER: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """This program's tile of a gathered-row GEMM (``row_col_tile``): ``(e, pid_n, row_ok,
+    lrows, a_rows, cols, col_ok)``: its expert (``n_experts``: no tile, the caller returns),
+    which rows are the expert's, their rows in the range's pair buffers (int64, 0 past the
+    end), the operand row each reads (the pair's token with ``GATHER``, through the routing
+    index ``idx_ptr``, else its pair row), and the N tile's columns."""
+    e, row0, row_end, pid_n = row_col_tile(n_cols, offs_ptr, n_experts, BLOCK_M, BLOCK_N, BLOCK_E,
+                                            GROUP_M)  # fmt: skip
+    rows = row0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < row_end
+    lrows = tl.where(row_ok, rows - tl.load(offs_ptr), 0).to(tl.int64)
+    if GATHER:
+        a_rows = tl.load(idx_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    else:
+        a_rows = lrows
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return e, pid_n, row_ok, lrows, a_rows, cols, cols < n_cols
+
+
+@triton.jit
+def load_k_step(a_ptrs, b_ptrs, ks, k0, K, col_ok, EVEN_K: tl.constexpr):
+    """One K step's A (BLOCK_M, BLOCK_K) and B (BLOCK_K, BLOCK_N) tiles at ``k0`` (the K tail
+    masked unless ``EVEN_K``; B's columns past the end masked)."""
+    if EVEN_K:
+        a = tl.load(a_ptrs)
+        b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
+    else:
+        k_ok = ks < K - k0
+        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+    return a, b
+
+
+@triton.jit
 def mma(a, b, acc, IEEE: tl.constexpr):
     if IEEE:
         return tl.dot(a, b, acc, input_precision="ieee")
@@ -87,13 +124,7 @@ def row_gemm_loop(
     b_ptrs = b_ptr + cols[None, :] * stride_bn + ks[:, None] * stride_bk
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
-        else:
-            k_ok = ks < K - k0
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        a, b = load_k_step(a_ptrs, b_ptrs, ks, k0, K, col_ok, EVEN_K)
         acc = mma(a, b, acc, IEEE)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_bk
