@@ -160,7 +160,7 @@ STEPS: tuple[Step, ...] = (
     Step("gpu_tests_kernels", "-m pytest", "gpu0", 1, 160, 400,
          args=("-q", "-ra", "-p", "no:cacheprovider", "tests/gpu/test_kernels_gpu.py",
                "tests/gpu/test_loss_gpu.py", "tests/gpu/test_large_offsets_gpu.py",
-               "--junitxml={out}/gpu_tests_kernels.xml"),
+               "tests/gpu/test_main_grads_gpu.py", "--junitxml={out}/gpu_tests_kernels.xml"),
          quick=("--timeout", "60"), full=("--timeout", "300"), quick_env=_NO_TUNE,
          outputs=("gpu_tests_kernels.xml",)),
     # the bf16 GPU tests of every activation and bias, the property sweep, the Gluon gather

@@ -165,7 +165,8 @@ def _torch_hop_backward(
 ):
     """Per-expert loop into ``grads`` (every buffer given, the bias gradients' with their
     biases); every sum is a GEMM or a reduction of one expert's rows, in a fixed order (no
-    atomics): ``db2[e] = sum p * dy[tok]``, ``db13[e] = sum dh``."""
+    atomics): ``db2[e] = sum p * dy[tok]``, ``db13[e] = sum dh``. The weight gradients' row of
+    expert ``e0 + j`` is ``j``, or ``El-1-j`` with ``grads.dw_reversed``."""
     dx, dprobs, dw13, dw2 = grads.dx_TH, grads.dprobs_TK, grads.dw13, grads.dw2
     db13, db2 = grads.db13, grads.db2
     offs = index.expert_token_offsets[e0 : e1 + 1].tolist()  # host sync (torch path only)
@@ -193,11 +194,12 @@ def _torch_hop_backward(
             dprob = dprob + dy_n.to(acc) @ b2[j].to(acc)
             db2[j] += dy_p.sum(0).to(db2.dtype)
         dprob_P[lo:hi] = dprob
-        dw2[j] += (dy_p.t() @ a).to(dw2.dtype)
+        row = e1 - e0 - 1 - j if grads.dw_reversed else j
+        dw2[row] += (dy_p.t() @ a).to(dw2.dtype)
         if b13 is not None:
             db13[j] += dh_acc.sum(0).to(db13.dtype)
         dh = dh_acc.to(x_TH.dtype)
-        dw13[j] += (dh.t().to(acc) @ x_n.to(acc)).to(dw13.dtype)
+        dw13[row] += (dh.t().to(acc) @ x_n.to(acc)).to(dw13.dtype)
         dx.index_add_(0, tok, (dh @ w13[j]).to(dx.dtype))
     if dprobs.is_contiguous():
         dprobs.view(-1).index_add_(0, pair, dprob_P.to(dprobs.dtype))
@@ -293,7 +295,9 @@ def expert_hop_backward(
     included), and each pair's router gradient gains ``dy[tok] . b2[e]``.
     ``grads.dw_accumulate=False``: the given ``dw13``/``dw2`` are written over instead of added
     into (their old values never read), bitwise what fresh buffers would get: a recorded ring
-    hop's first weight gradient into a bound buffer.
+    hop's first weight gradient into a bound buffer. ``grads.dw_reversed``: the given
+    ``dw13``/``dw2`` hold the range's experts in reverse row order (a caller's accumulators in
+    reverse expert order, e.g. Megatron's ``main_grad``), added into (or written) in place.
     """
     options = HOP_DEFAULTS if options is None else options
     grads = GRAD_DEFAULTS if grads is None else grads

@@ -218,6 +218,55 @@ def assert_all_close(got: dict, ref: dict, tol: float) -> None:
         assert_close(name, got[name], ref[name], tol)
 
 
+# ---------------------------------------------------------------------------------------------
+# Megatron DDP's layouts and hook, without DDP (its buffers need CUDA and a model)
+# ---------------------------------------------------------------------------------------------
+def back_to_back(tensors, dtype=None) -> list[torch.Tensor]:
+    """Views of one new buffer holding ``tensors``' values back to back in list order (DDP's
+    param and grad buffers hold parameters in reverse registration order: pass them reversed)."""
+    dtype = tensors[0].dtype if dtype is None else dtype
+    buf = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=tensors[0].device)
+    views, at = [], 0
+    for t in tensors:
+        views.append(buf[at : at + t.numel()].view(t.shape))
+        at += t.numel()
+    with torch.no_grad():
+        for v, t in zip(views, tensors, strict=True):
+            v.copy_(t)
+    return views
+
+
+def rehome(params) -> None:
+    """``p.data`` of every parameter moved into one buffer, back to back in list order."""
+    for p, view in zip(params, back_to_back([p.data for p in params]), strict=True):
+        p.data = view
+
+
+def attach_main_grads(params, generator, device="cpu") -> None:
+    """Megatron DDP's attributes on ``params``: ``main_grad`` fp32 views of one buffer, back to
+    back in list order, prefilled with ``generator``'s normal values (gradients of earlier
+    micro-batches), and ``grad_added_to_main_grad`` False."""
+    filled = [torch.randn(p.shape, generator=generator, device=device) for p in params]
+    for p, view in zip(params, back_to_back(filled, torch.float32), strict=True):
+        p.main_grad, p.grad_added_to_main_grad = view, False
+
+
+def ddp_main_grad_hooks(params, keep: list) -> None:
+    """Megatron DDP's hook on each parameter's gradient accumulator, buckets aside: it adds
+    ``p.grad`` into ``main_grad`` unless the layer marked ``grad_added_to_main_grad``, then
+    drops ``p.grad``. ``keep`` holds the accumulators (as DDP does, or the hooks go)."""
+    for p in params:
+        acc = p.expand_as(p).grad_fn.next_functions[0][0]
+
+        def hook(*_, p=p):
+            if p.grad is not None and not p.grad_added_to_main_grad:
+                p.main_grad.add_(p.grad.data)
+            p.grad = None
+
+        acc.register_hook(hook)
+        keep.append(acc)
+
+
 def use_env(monkeypatch, **env):
     """Set (a value) or unset (None) ``RELAYMOE_*`` variables for this test (and any process it
     starts) and return the ``RingConfig`` they give, as an entry point would build it: pass it

@@ -79,8 +79,10 @@ class HopGrads:
     written). ``dx_TH``, ``dprobs_TK``, ``dw13``, ``dw2`` are ADDED into, unless
     ``dw_accumulate=False``: then ``dw13``/``dw2`` are written over (their old values never
     read), bitwise what fresh buffers would get. ``db13``/``db2``: the bias gradients, ADDED into
-    (any float dtype), each required when its bias is given. Compared by identity: it holds
-    tensors."""
+    (any float dtype), each required when its bias is given. ``dw_reversed``: the given
+    ``dw13``/``dw2`` hold the range's experts in reverse row order (expert ``e0 + j`` at row
+    ``El-1-j``), as a caller's accumulators laid out in reverse expert order do (Megatron's
+    ``main_grad``); written there in place. Compared by identity: it holds tensors."""
 
     dx_TH: Tensor | None = None
     dprobs_TK: Tensor | None = None
@@ -89,6 +91,7 @@ class HopGrads:
     db13: Tensor | None = None
     db2: Tensor | None = None
     dw_accumulate: bool = True
+    dw_reversed: bool = False
 
 
 HOP_DEFAULTS = HopOptions()  # a call without options
@@ -157,7 +160,8 @@ class HopGroups:
 
 
 def wgrad_gmm(a, b, c_EMN, groups: HopGroups, *, a_gather: bool, accumulate: bool,
-              k: KernelOptions | None = None, out_like: Tensor | None = None) -> Tensor:  # fmt: skip
+              k: KernelOptions | None = None, out_like: Tensor | None = None,
+              reverse: bool = False) -> Tensor:  # fmt: skip
     """``c[e] (+)= sum_q a[row]^T b[row]`` as one K-grouped ``torch._grouped_mm`` per column
     chunk of the gathered operand: the chunk (P, <= k.pair_buffer_mib) is gathered through
     the pair indices, never the whole (P, H), and the (El, M, chunk) result is added into ``c``.
@@ -166,7 +170,9 @@ def wgrad_gmm(a, b, c_EMN, groups: HopGroups, *, a_gather: bool, accumulate: boo
     Returns the gradient: ``c_EMN`` written (added into with ``accumulate``), or with ``c_EMN``
     None a new one shaped and typed like ``out_like`` (a meta tensor will do). That new one is
     torch's result itself when one chunk covers it in the gradient's dtype: no copy, and no
-    second (El, M, N) buffer at the peak. ``k``: the ``KernelOptions`` (default: ``KernelOptions()``)."""
+    second (El, M, N) buffer at the peak. ``k``: the ``KernelOptions`` (default: ``KernelOptions()``).
+    ``reverse``: ``c_EMN``'s rows hold the experts in reverse order (each chunk's result is
+    flipped over the experts before it is added: one transient copy of the chunk)."""
     k = select.kernel_options(k)
     ref = c_EMN if c_EMN is not None else out_like
     _, m, n = ref.shape
@@ -184,6 +190,8 @@ def wgrad_gmm(a, b, c_EMN, groups: HopGroups, *, a_gather: bool, accumulate: boo
         if c_EMN is None:
             c_EMN = torch.empty(ref.shape, dtype=ref.dtype, device=a.device)
         dst = c_EMN[:, c0:c1, :] if a_gather else c_EMN[:, :, c0:c1]
+        if reverse:
+            res = res.flip(0)
         if accumulate:
             dst.add_(res)
         else:
@@ -193,12 +201,15 @@ def wgrad_gmm(a, b, c_EMN, groups: HopGroups, *, a_gather: bool, accumulate: boo
 
 
 def hop_wgrad(a, b, idx_P, offs, c_EMN, groups: HopGroups, *, a_gather, b_gather, like: Tensor,
-           grad_dtype: torch.dtype | None, k, accumulate: bool = True) -> Tensor:  # fmt: skip
+              grad_dtype: torch.dtype | None, k, accumulate: bool = True,
+              reverse: bool = False) -> Tensor:  # fmt: skip
     """Weight gradient of the range: torch's grouped GEMM over gathered chunks where
     ``select.wgrad_by_gmm`` takes it, else the Triton kernel. Added into ``c_EMN`` (written
-    over with ``accumulate=False``); with None, a new gradient shaped like ``like`` in
-    ``grad_dtype`` (default ``like``'s). Returns it."""
+    over with ``accumulate=False``; its rows in reverse expert order with ``reverse``); with
+    None, a new gradient shaped like ``like`` in ``grad_dtype`` (default ``like``'s). Returns
+    it."""
     accumulate = accumulate and c_EMN is not None
+    reverse = reverse and c_EMN is not None
     if c_EMN is None:  # a shape and dtype to check and allocate from
         c_ref = torch.empty(like.shape, dtype=grad_dtype or like.dtype, device="meta")
     else:
@@ -206,11 +217,11 @@ def hop_wgrad(a, b, idx_P, offs, c_EMN, groups: HopGroups, *, a_gather, b_gather
     if select.wgrad_by_gmm(a, b, c_ref, groups.n_pairs, a_gather=a_gather, b_gather=b_gather,
                            k=k):  # fmt: skip
         return wgrad_gmm(a, b, c_EMN, groups, a_gather=a_gather, accumulate=accumulate, k=k,
-                          out_like=c_ref)  # fmt: skip
+                          out_like=c_ref, reverse=reverse)  # fmt: skip
     if c_EMN is None:
         c_EMN = torch.empty(c_ref.shape, dtype=c_ref.dtype, device=a.device)
     grouped.wgrad(a, b, idx_P, offs, c_EMN, a_gather=a_gather, b_gather=b_gather,
-                  accumulate=accumulate, kernels=k)  # fmt: skip
+                  accumulate=accumulate, kernels=k, reverse=reverse)  # fmt: skip
     return c_EMN
 
 
@@ -403,14 +414,14 @@ def triton_hop_backward(
     # dw2[e] (H, I) = sum_q dy[tok]^T (p*a)[q]
     dw2 = hop_wgrad(dy_TH, pa_PI, groups.idx_P, offs, grads.dw2, groups, a_gather=True,
                  b_gather=False, like=w2, grad_dtype=options.grad_dtype, k=k,
-                 accumulate=grads.dw_accumulate)  # fmt: skip
+                 accumulate=grads.dw_accumulate, reverse=grads.dw_reversed)  # fmt: skip
     del pa_PI
     if b13 is not None:  # db13[e] += sum of e's dh rows
         _segment_sum(dh_PJ, offs, grads.db13)
     # dw13[e] (J, H) = sum_q dh[q]^T x[tok]
     dw13 = hop_wgrad(dh_PJ, x_TH, groups.idx_P, offs, grads.dw13, groups, a_gather=False,
                   b_gather=True, like=w13, grad_dtype=options.grad_dtype, k=k,
-                  accumulate=grads.dw_accumulate)  # fmt: skip
+                  accumulate=grads.dw_accumulate, reverse=grads.dw_reversed)  # fmt: skip
     _combine_pair_products(dh_PJ, w13, index, offs, dx_TH, acc_dx, groups, k)
     return dx_TH, dprobs_TK, dw13, dw2
 

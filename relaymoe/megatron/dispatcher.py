@@ -15,8 +15,11 @@ routed_experts_compute -> combine -> postprocess):
   experts module's own parameters passed as per-expert lists (``ring_moe``'s list form: no
   stacked copy of the experts is kept from forward to backward; ``expert_weights.py``), their
   biases likewise, and the activation the config names (``activation_map.py``, read once at
-  build). The ring's output holds the fc2 bias scaled by the probabilities, as Megatron's
-  experts' output does, and the wrapper returns no separate bias: Megatron adds none again;
+  build). With ``gradient_accumulation_fusion`` and DDP's ``main_grad`` on the expert weights
+  (read at each call: DDP wraps the model after it is built), the ring adds their gradients
+  into ``main_grad`` itself and hands autograd Megatron's dummies (``main_grad.py``). The
+  ring's output holds the fc2 bias scaled by the probabilities, as Megatron's experts' output
+  does, and the wrapper returns no separate bias: Megatron adds none again;
 * ``combine_postprocess`` restores ``[S/TP, B, H]``; ``MoELayer.postprocess`` then adds the
   shared experts' output, computed outside the ring as usual.
 
@@ -39,6 +42,7 @@ from torch import Tensor
 from relaymoe.activation import SWIGLU
 from relaymoe.megatron.activation_map import expert_activation_of
 from relaymoe.megatron.expert_weights import expert_bias_lists, expert_param_lists
+from relaymoe.megatron.main_grad import fused_main_grads
 from relaymoe.megatron.settings import ring_config_of
 from relaymoe.megatron.validate import check_ring_config, ring_graph_capture
 from relaymoe.options import RingConfig
@@ -240,6 +244,8 @@ class RingDispatcher(MoETokenDispatcher):
             runtime=self.runtime,
             trusted=True,  # ids from Megatron's router; every EP rank runs the same shapes
             capturable=self.capturable,
+            # gradient_accumulation_fusion under DDP: the weight gradients go into main_grad
+            main_grads=fused_main_grads(self.config, fc1, fc2),
             **self._expert_mlp(b13, b2),
         )
 

@@ -7,7 +7,9 @@ per-expert tensors, ``weights.py``; its per-hop bytes, memory and the time model
 :class:`RingPlan` (the hop order, ``plan.py``), the transports (``executor.py``), and
 :class:`RingProblem` / :func:`resolved_problem` (what the ranks agreed on, ``agreement.py``), and
 :class:`RingPeerError` (a peer that died or stalled, ``faults.py``), and
-:class:`RingRuntime` (what the ring keeps from call to call, held by its owner: ``runtime.py``).
+:class:`RingRuntime` (what the ring keeps from call to call, held by its owner: ``runtime.py``),
+and :class:`MainGrads` (a caller's accumulators of the expert weight gradients, e.g. Megatron's
+``main_grad``: ``main_grads.py``).
 A call's options are one :class:`relaymoe.options.RingConfig` (``ring_moe(..., config=)``).
 See ``engine.py`` for the modes and the memory bound of each.
 """
@@ -21,12 +23,14 @@ from relaymoe.ring.executor import (
     record_timeline,
 )
 from relaymoe.ring.faults import RingPeerError
+from relaymoe.ring.main_grads import MainGrads
 from relaymoe.ring.plan import RingPlan, RingProblem
 from relaymoe.ring.runtime import RingRuntime
 
 __all__ = [
     "CopyEngineTransport",
     "HopTiming",
+    "MainGrads",
     "P2PTransport",
     "RingPlan",
     "RingPeerError",

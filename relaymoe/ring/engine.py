@@ -87,6 +87,7 @@ from relaymoe.ring.expert_mode import (
     expert_forward,
 )
 from relaymoe.ring.hop_graphs import capturing
+from relaymoe.ring.main_grads import MainGrads, check_main_grads, handed_back
 from relaymoe.ring.plan import IDX, RingProblem, ring_request
 from relaymoe.ring.runtime import KernelChoice, RingCall, RingRuntime
 from relaymoe.ring.token_mode import (
@@ -145,20 +146,22 @@ SECOND_ORDER_ERROR = (
 )
 
 
-# autograd inputs before the experts' tensors: x, probs, topk_idx, problem, call, listed
-N_LEADING = 6
+# autograd inputs before the experts' tensors: x, probs, topk_idx, problem, call, listed,
+# main_grads
+N_LEADING = 7
 
 
 class _RingMoE(torch.autograd.Function):
-    """Inputs ``(x, probs, topk_idx, problem, call, listed, *ws)`` (``call``: the
+    """Inputs ``(x, probs, topk_idx, problem, call, listed, main_grads, *ws)`` (``call``: the
     :class:`~relaymoe.ring.runtime.RingCall`: group, runtime, how a hop computes, this rank's
-    options; kept until the backward) with ``ws``
+    options; kept until the backward; ``main_grads``: the caller's accumulators of the weight
+    gradients, or None) with ``ws``
     ``(w13, w2[, b13][, b2])`` (tensor form) or ``(*w13_list, *w2_list[, *b13_list][,
     *b2_list])`` (list form; which biases: ``problem.has_b13``/``has_b2``). Saves x, probs, the
     int32 ids and ``ws`` themselves (list form: the caller's tensors, no copy)."""
 
     @staticmethod
-    def forward(ctx, x, probs, topk_idx, problem, call, listed, *ws):
+    def forward(ctx, x, probs, topk_idx, problem, call, listed, main_grads, *ws):
         x, probs = x.contiguous(), probs.contiguous()
         if not listed:
             ws = tuple(w.contiguous() for w in ws)
@@ -167,7 +170,7 @@ class _RingMoE(torch.autograd.Function):
         )
         idx32 = topk_idx.to(IDX).contiguous()
         ctx.problem, ctx.call = problem, call
-        ctx.listed = listed
+        ctx.listed, ctx.main_grads = listed, main_grads
         # the row order of the local experts' stacked form where a pass uses it (token mode, a
         # world of one); expert mode with R > 1 packs slot 0 in expert order and needs none
         order = experts.preferred_order()
@@ -195,20 +198,25 @@ class _RingMoE(torch.autograd.Function):
             ctx.listed, ws, problem.has_b13, problem.has_b2, ctx.call.runtime
         )
         dy = dy.to(problem.dtype).contiguous()
+        need = ctx.needs_input_grad
+        n_weights = 2 * experts.num_local if ctx.listed else 2  # w13's then w2's inputs
+        # the weights' gradients go into the caller's accumulators (main_grads.py)
+        into = ctx.main_grads if any(need[N_LEADING : N_LEADING + n_weights]) else None
         if problem.mode == "alltoall":
             dx, dprobs, g = alltoall_backward(
-                problem, ctx.call, dy, x, experts, probs, ctx.index, order
+                problem, ctx.call, dy, x, experts, probs, ctx.index, order, into
             )
         else:
             dx, dprobs, g = _passes(problem)[1](
-                problem, ctx.call, dy, x, experts, probs, ctx.index, order
+                problem, ctx.call, dy, x, experts, probs, ctx.index, order, into
             )
         # the weight gradients' rows: expert mode over several ranks packs slot 0 in expert
         # order; token mode and a world of one use the stacked form's order
         rows = FORWARD if problem.mode == "expert" and problem.world_size > 1 else order
-        need = ctx.needs_input_grad
-        # views of the returned gradients, no copy
-        wgrads = experts.split(g["w13"], g["w2"], rows, g.get("b13"), g.get("b2"))
+        # views of the returned gradients, no copy (None for the weights' with ``into``)
+        wgrads = experts.split(g.get("w13"), g.get("w2"), rows, g.get("b13"), g.get("b2"))
+        if into is not None:  # what autograd gets instead: the caller's (Megatron's dummies)
+            wgrads = handed_back(into, tuple(ws[:n_weights])) + wgrads[n_weights:]
         wgrads = tuple(g if need[N_LEADING + j] else None for j, g in enumerate(wgrads))
         return (
             dx if need[0] else None,
@@ -234,6 +242,7 @@ def ring_moe(
     capturable: bool = False,
     config: RingConfig | None = None,
     runtime: RingRuntime | None = None,
+    main_grads: MainGrads | None = None,
 ) -> Tensor:
     """MoE experts over the expert-parallel ``group`` by ring execution (RelayMoE §3.1-3.3).
 
@@ -318,6 +327,15 @@ def ring_moe(
     signature before it, made with the same ``runtime``; it then makes no host sync and no host
     wait (``hop_graphs.py``).
 
+    ``main_grads``: the caller's accumulators of this rank's ``w13``/``w2`` gradients (a
+    :class:`relaymoe.ring.MainGrads`: Megatron's ``param.main_grad`` under
+    ``gradient_accumulation_fusion``); the backward ADDS the weights' gradients there, in the
+    weight-gradient kernel itself where the pass computes this rank's experts and the
+    accumulators are one span (forward or reverse expert order), else once they are complete,
+    and autograd gets ``main_grads.finish(weights)`` for the weights instead (None: nothing).
+    The biases' gradients are returned as without it. This rank's choice: ranks may differ
+    (``main_grads.py``).
+
     ``trusted=True`` (Megatron's dispatcher): ``topk_idx`` comes from a router and is not
     validated, and every rank changes its input signature (shapes, dtypes, mode, transport,
     whether a backward follows, the collective-deciding options ``agree`` and
@@ -375,10 +393,12 @@ def ring_moe(
             x, w13, w2, topk_idx, topk_probs, group=group, rank=rank, world=world, request=req,
             runtime=runtime, trusted=trusted, b13=b13, b2=b2, captured=captured,
         )  # fmt: skip
+    shapes = {"w13": (problem.fc1_rows, problem.hidden), "w2": (problem.hidden, problem.ffn)}
+    check_main_grads(main_grads, problem.num_local_experts, shapes, x.device)
     # a captured step already holds every hop, so no hop graphs are recorded inside it
     kernel_choice = KernelChoice(backend, config.kernels, config.capture_hops and not captured)
     call = RingCall.of(group, runtime, kernel_choice, config)
-    return _RingMoE.apply(x, topk_probs, topk_idx, problem, call, listed, *ws)
+    return _RingMoE.apply(x, topk_probs, topk_idx, problem, call, listed, main_grads, *ws)
 
 
 def resolved_problem(
@@ -397,12 +417,14 @@ def resolved_problem(
     capturable: bool = False,
     config: RingConfig | None = None,
     runtime: RingRuntime | None = None,
+    main_grads: MainGrads | None = None,
     needs_grad: bool = True,
 ) -> RingProblem:
     """The agreed :class:`RingProblem` (mode, transport, sizes, expert MLP) ``ring_moe`` would
     run with these arguments (``ring_moe``'s, options in ``config``), without running it:
     ``needs_grad`` says whether a backward follows instead of the inputs' requires_grad. A
-    ``runtime`` passed keeps a trusted call's agreement, as in ``ring_moe``."""
+    ``runtime`` passed keeps a trusted call's agreement, as in ``ring_moe``; ``main_grads``
+    decides nothing that is agreed (taken so that ``ring_moe``'s keywords pass as they are)."""
     config = RingConfig() if config is None else config
     group, rank, world = _resolve_group(group, runtime)
     if runtime is None:

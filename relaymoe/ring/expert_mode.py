@@ -71,6 +71,7 @@ from relaymoe.ring.hop_graphs import (
     stage_pass,
     window_fits,
 )
+from relaymoe.ring.main_grads import WEIGHTS, add_home, direct_targets
 from relaymoe.ring.plan import (
     HopTransfer,
     Leg,
@@ -159,17 +160,23 @@ def expert_forward(problem, call, x, experts, probs, index, order):
     return out
 
 
-def expert_backward(problem, call, dy, x, experts, probs, index, order):
+def expert_backward(problem, call, dy, x, experts, probs, index, order, into=None):
     """Returns ``(dx, dprobs, grads)``, ``grads`` this rank's experts' gradients by part name
     (``w13``, ``w2``, and the biases'); their rows are in the row order the compute used:
     expert order for ``R > 1`` (slot 0 is packed in expert order), ``order`` in a world of
-    one."""
+    one. ``into``: the call's ``MainGrads`` (None: none): the weight gradients are added there
+    and left out of ``grads`` (``main_grads.py``: a world of one adds them inside its hop where
+    the accumulators allow, a ring when they arrive home)."""
     kernel_choice = call.kernel_choice
     El = problem.num_local_experts
     dx = torch.zeros_like(x)
     dprobs = torch.zeros_like(probs)
     T = x.shape[0]
     local = local_parts(experts, order) if problem.world_size == 1 else None
+    # a world of one computes this rank's experts only: its hop adds into the targets in place
+    alone = problem.world_size == 1
+    direct = direct_targets(into, order, problem.accum_dtype) if alone and into else None
+    targets, reverse = direct or ({}, False)
 
     graphs = hop_graphs_of(problem, call, x.device)
     own, sizes = {"dy": dy, "x": x, "probs": probs, **index_inputs(index)}, index_sizes(index)
@@ -199,21 +206,25 @@ def expert_backward(problem, call, dy, x, experts, probs, index, order):
             full = index_from(t, sizes)
             hop_index, hop_range = range_window(full, t["range_offsets"]) if any_range else (
                 full, rng)  # fmt: skip
+            grads = hop_grads(t, dw_accumulate=direct is not None, dw_reversed=reverse)
             expert_hop_backward(
                 t["dy"], t["x"], t["w13"], t["w2"], t["probs"], hop_index,
-                expert_range=hop_range, **biases(t), grads=hop_grads(t, dw_accumulate=False),
+                expert_range=hop_range, **biases(t), grads=grads,
                 options=hop_options(problem, kernel_choice, rows),
             )  # fmt: skip
 
-        key = graphs and hop_key(head, (0, El) if any_range else rng, rows) + (any_range,)
-        run_hop(graphs, key, body, inputs, {"dx": dx, "dprobs": dprobs, **trail})
+        key = graphs and hop_key(head, (0, El) if any_range else rng, rows) + (
+            any_range, direct is not None, reverse)  # fmt: skip
+        run_hop(graphs, key, body, inputs, {"dx": dx, "dprobs": dprobs, **trail, **targets})
 
     _, bwd = expert_plans(problem)
-    w, dw = weights_layout(problem), weights_layout(problem, "d")  # built once, as forward
+    # built once, as forward; no accumulators for what goes into the targets in place
+    w, dw = weights_layout(problem), weights_layout(problem, "d", WEIGHTS if targets else ())
     with stage_pass(graphs, own, {"dx": dx, "dprobs": dprobs}):
         work = PassWork(lead_layout=lambda p: w, own_lead=partial(pack_own, experts),
                         compute=compute, trail_layout=lambda p: dw, zero_trail=False)  # fmt: skip
         grads = ring_pass(problem, call, x.device, "bwd", bwd, work)
+    add_home(into, grads, order if alone else FORWARD)
     return dx, dprobs, home_grads(problem, grads)
 
 
@@ -386,8 +397,9 @@ def batched_expert_forward(problem, call, x, experts, probs, index, order):
     return out
 
 
-def batched_expert_backward(problem, call, dy, x, experts, probs, index, order):
-    """As ``expert_backward``; the gradients' rows in expert order."""
+def batched_expert_backward(problem, call, dy, x, experts, probs, index, order, into=None):
+    """As ``expert_backward``; the gradients' rows in expert order (``into``'s added when
+    they arrive home)."""
     kernel_choice = call.kernel_choice
     G, El, g = (
         problem.gpus_per_node,
@@ -434,4 +446,5 @@ def batched_expert_backward(problem, call, dy, x, experts, probs, index, order):
                 trail[n].add_(share)
 
     grads = _batched_pass(problem, call, x.device, "bwd", compute, experts, True)
+    add_home(into, grads, FORWARD)
     return dx, dprobs, home_grads(problem, grads)

@@ -711,17 +711,18 @@ IDX = torch.int32  # expert ids travel as int32
 
 
 @functools.lru_cache(maxsize=256)  # per problem: every pass asks (module doc)
-def weights_layout(problem: RingProblem, prefix: str = "") -> Layout:
+def weights_layout(problem: RingProblem, prefix: str = "", skip: tuple[str, ...] = ()) -> Layout:
     """The experts' weights and biases, or with ``prefix="d"`` their gradient accumulators (in
     ``problem.accum_dtype``: fp32 for a long ring of 16-bit weights, see options.GRAD_ACCUMS):
     ``w13 (El, J, H) | w2 (El, H, I) [| b13 (El, J)] [| b2 (El, H)]``. The biases sit in the
     weights' partition, so the one transfer of a hop carries them (and their gradients trail
-    with the weights' gradients); absent biases have no segment."""
+    with the weights' gradients); absent biases have no segment, nor the parts named in
+    ``skip`` (a world of one adding its weight gradients into a caller's ``main_grad``)."""
     El, H, I, J = problem.num_local_experts, problem.hidden, problem.ffn, problem.fc1_rows
     dt = problem.accum_dtype if prefix == "d" else problem.dtype
     shapes = {"w13": (El, J, H), "w2": (El, H, I), "b13": (El, J), "b2": (El, H)}
     present = ("w13", "w2") + ("b13",) * problem.has_b13 + ("b2",) * problem.has_b2
-    return Layout.of(*((prefix + n, dt, shapes[n]) for n in present))
+    return Layout.of(*((prefix + n, dt, shapes[n]) for n in present if n not in skip))
 
 
 @functools.lru_cache(maxsize=256)  # per problem: every pass asks (module doc)

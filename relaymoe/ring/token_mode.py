@@ -71,6 +71,7 @@ from relaymoe.ring.hop_graphs import (
     packed_index,
     run_hop,
 )
+from relaymoe.ring.main_grads import add_home, direct_targets
 from relaymoe.ring.plan import RingProblem, capacity, pair_rows, token_layouts, token_plans
 from relaymoe.ring.weights import (
     REVERSED,
@@ -165,34 +166,51 @@ def token_forward(problem, call, x, experts, probs, idx32, order):
     return result["out"], indices
 
 
-def token_backward(problem, call, dy, x, experts, probs, indices, order):
-    """Returns ``(dx, dprobs, grads)``, ``grads`` this rank's experts' gradients by part name
-    (rows in ``order``). ``indices``: the forward's routing index of every visiting partition."""
-    kernel_choice = call.kernel_choice
-    Ts, own = problem.tokens, problem.expert_range
-    local = local_parts(experts, order)  # again for this pass only
+def _weight_accumulators(problem, local, graphs, into, order) -> tuple[dict, list, bool | None]:
+    """Token backward's accumulators of this rank's experts: ``(dw, written, into_rows)``.
+
+    Eager, the first hop with pairs writes the local weight gradients and later hops add (no
+    zero fill): ``dw13``/``dw2`` None until then. Accumulators wider than the weights start as
+    zeros that every hop adds to. Recorded hops get their accumulators bound (added into at
+    their address: nothing of their size is returned from the graphs' pool and cloned), and the
+    first hop with pairs writes over them (dw_accumulate=False) as the eager one writes fresh
+    ones: no zero fill, and the same sums bitwise. A caller's accumulators (``into``, where they
+    allow: ``main_grads.direct_targets``) are what every hop adds into: they hold the sum so
+    far (``into_rows``: whether their rows run opposite to ``order``; None when the accumulators
+    are not the caller's). The bias gradients are added into (the hop primitives' contract):
+    zeros from the start. ``written[0]``: whether ``dw`` holds a sum yet (zeros, or a caller's,
+    count as one)."""
     w13, w2 = local["w13"], local["w2"]
-    graphs = hop_graphs_of(problem, call, x.device)
-    # Eager, the first hop with pairs writes the local weight gradients and later hops add (no
-    # zero fill). Accumulators wider than the weights start as zeros that every hop adds to.
-    # Recorded hops get their accumulators bound (added into at their address: nothing of their
-    # size is returned from the graphs' pool and cloned), and the first hop with pairs writes
-    # over them (dw_accumulate=False) as the eager one writes fresh ones: no zero fill, and the
-    # same sums bitwise. The bias gradients are added into (the hop primitives' contract):
-    # zeros from the start.
-    dw: dict[str, Tensor | None] = {"dw13": None, "dw2": None}
     wide = problem.accum_dtype != problem.dtype
-    if wide or graphs is not None:
+    direct = direct_targets(into, order, problem.accum_dtype) if into is not None else None
+    dw: dict[str, Tensor | None] = {"dw13": None, "dw2": None}
+    if direct is not None:
+        dw = dict(direct[0])
+    elif wide or graphs is not None:
         new = torch.zeros_like if wide else torch.empty_like
         dw = {
             "dw13": new(w13, dtype=problem.accum_dtype),
             "dw2": new(w2, dtype=problem.accum_dtype),
         }
-    written = [wide]  # whether dw holds a sum yet (zeros count as one)
     for name in ("b13", "b2"):
         if local[name] is not None:
             dw["d" + name] = torch.zeros_like(local[name], dtype=problem.accum_dtype)
+    return dw, [wide or direct is not None], None if direct is None else direct[1]
 
+
+def token_backward(problem, call, dy, x, experts, probs, indices, order, into=None):
+    """Returns ``(dx, dprobs, grads)``, ``grads`` this rank's experts' gradients by part name
+    (rows in ``order``). ``indices``: the forward's routing index of every visiting partition.
+    ``into``: the call's ``MainGrads`` (None: none): the weight gradients are added there (by
+    every hop in place where the accumulators allow, ``main_grads.py``) and left out of
+    ``grads``."""
+    kernel_choice = call.kernel_choice
+    Ts, own = problem.tokens, problem.expert_range
+    local = local_parts(experts, order)  # again for this pass only
+    w13, w2 = local["w13"], local["w2"]
+    graphs = hop_graphs_of(problem, call, x.device)
+    dw, written, into_rows = _weight_accumulators(problem, local, graphs, into, order)
+    direct, reverse = into_rows is not None, bool(into_rows)
     weights = present(local)
     head = graphs and hop_head(problem, call, "bwd")
 
@@ -214,12 +232,13 @@ def token_backward(problem, call, dy, x, experts, probs, indices, order):
                 t["dprobs"].zero_()
             _, _, dw13, dw2 = expert_hop_backward(
                 t["dy"], t["x"], t["w13"], t["w2"], t["probs"], index_from(t, sizes),
-                expert_range=own, **biases(t), grads=hop_grads(t, dw_accumulate=not over),
+                expert_range=own, **biases(t),
+                grads=hop_grads(t, dw_accumulate=not over, dw_reversed=reverse),
                 options=hop_options(problem, kernel_choice, rows),
             )  # fmt: skip
             return {"dw13": dw13, "dw2": dw2} if first else None
 
-        key = graphs and hop_key(head, own, rows) + (over,)
+        key = graphs and hop_key(head, own, rows) + (over, reverse)
         inputs = {"dy": dys, "x": xs, "probs": ps, **index_inputs(indices[part]), **weights}
         made = run_hop(graphs, key, body, inputs, {**trail, **present(dw)},
                        () if lead is None else BWD_TRAVELLING)  # fmt: skip
@@ -231,11 +250,14 @@ def token_backward(problem, call, dy, x, experts, probs, indices, order):
         compute=compute, zero_trail=graphs is None,
     )  # fmt: skip
     result = ring_pass(problem, call, x.device, "bwd", bwd, work)
-    if dw["dw13"] is None:  # no hop had pairs
+    if direct:  # added in place: nothing to return (no pairs: nothing added)
+        del dw["dw13"], dw["dw2"]
+    elif dw["dw13"] is None:  # no hop had pairs
         dw["dw13"], dw["dw2"] = torch.zeros_like(w13), torch.zeros_like(w2)
     elif not written[0]:  # recorded hops' accumulators, and no hop had pairs to write them
         dw["dw13"].zero_()
         dw["dw2"].zero_()
+    add_home(into, dw, order)
     return result["dx"], result["dprobs"], home_grads(problem, dw)
 
 
@@ -371,16 +393,19 @@ def alltoall_forward(
 
 def alltoall_backward(
     problem: RingProblem, call, dy: Tensor, x: Tensor, experts: LocalExperts,
-    probs: Tensor, d: Dispatch, order: str,
+    probs: Tensor, d: Dispatch, order: str, into=None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """``(dx, dprobs, grads)``, ``grads`` this rank's experts' gradients by part name (rows in
-    ``order``; the biases' summed in ``problem.accum_dtype``)."""
+    ``order``; the biases' summed in ``problem.accum_dtype``). ``into``: as
+    :func:`token_backward`'s."""
     group, kernel_choice = call.group, call.kernel_choice
     R = problem.world_size
     local = local_parts(experts, order)
     w13, w2 = local["w13"], local["w2"]
     dw = {"d" + n: torch.zeros_like(local[n], dtype=problem.accum_dtype)
           for n in ("b13", "b2") if local[n] is not None}  # fmt: skip
+    direct = direct_targets(into, order, problem.accum_dtype) if into is not None else None
+    targets, reverse = direct or ({}, False)
     watch = _watch(call, R, "bwd")
     x_N = _exchange(x.index_select(0, d.tok_S), d.send_rows, d.recv_rows, group, R, watch)
     dy_N = _exchange(dy.index_select(0, d.tok_S), d.send_rows, d.recv_rows, group, R, watch)
@@ -388,12 +413,15 @@ def alltoall_backward(
     if N > 0:
         dx_N, dp_NK, dw["dw13"], dw["dw2"] = expert_hop_backward(
             dy_N, x_N, w13, w2, d.probs_NK, d.index, expert_range=problem.expert_range,
-            **biases(local), grads=hop_grads(dw),
+            **biases(local), grads=hop_grads({**dw, **targets}, dw_reversed=reverse),
             options=hop_options(problem, kernel_choice, {"n_pairs": d.n_pairs}),
         )  # fmt: skip
     else:
         dx_N, dp_NK = x_N.new_empty(0, x.shape[1]), d.probs_NK.new_empty(0, problem.topk)
         dw["dw13"], dw["dw2"] = torch.zeros_like(w13), torch.zeros_like(w2)
+    if direct is not None:  # added in place (no rows: nothing to add)
+        del dw["dw13"], dw["dw2"]
+    add_home(into, dw, order)
     del x_N, dy_N
     be = resolve_backend(kernel_choice.backend, x.device, x.dtype)
     back_dx = _exchange(dx_N, d.recv_rows, d.send_rows, group, R, watch)

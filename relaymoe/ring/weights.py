@@ -212,12 +212,16 @@ class LocalExperts:
         db2: Tensor | None = None,
     ) -> tuple[Tensor, ...]:  # fmt: skip
         """Gradients ``(El, ...)`` in ``order``'s row order -> one per autograd input (views),
-        in :meth:`inputs`' order; ``db13``/``db2`` those of the biases the experts carry."""
+        in :meth:`inputs`' order; ``db13``/``db2`` those of the biases the experts carry. A
+        weight gradient None (accumulated into a caller's targets) gives None for its inputs."""
         grads = dict(w13=dw13, w2=dw2, b13=db13, b2=db2)
         if not self.listed:
             return tuple(grads[n] for n in self.parts)
         out = []
         for n in self.parts:
+            if grads[n] is None:
+                out += [None] * len(getattr(self, n))
+                continue
             rows = list(grads[n].unbind(0))
             out += rows[::-1] if order == REVERSED else rows
         return tuple(out)
@@ -259,14 +263,17 @@ def hop_options(
     )  # fmt: skip
 
 
-def hop_grads(named: dict[str, Tensor | None], dw_accumulate: bool = True) -> HopGrads:
+def hop_grads(
+    named: dict[str, Tensor | None], dw_accumulate: bool = True, dw_reversed: bool = False
+) -> HopGrads:
     """The hop backward's gradient buffers among ``named`` (a trail's views, local
-    accumulators, ...: ``dx``, ``dprobs``, ``dw13``, ``dw2``, ``db13``, ``db2``; an absent name
-    is allocated by the primitive, a bias's is required with its bias)."""
+    accumulators, a caller's ``main_grad`` spans, ...: ``dx``, ``dprobs``, ``dw13``, ``dw2``,
+    ``db13``, ``db2``; an absent name is allocated by the primitive, a bias's is required with
+    its bias); ``dw_reversed``: the weight gradients' rows run in reverse expert order."""
     return HopGrads(
         dx_TH=named.get("dx"), dprobs_TK=named.get("dprobs"), dw13=named.get("dw13"),
         dw2=named.get("dw2"), db13=named.get("db13"), db2=named.get("db2"),
-        dw_accumulate=dw_accumulate,
+        dw_accumulate=dw_accumulate, dw_reversed=dw_reversed,
     )  # fmt: skip
 
 

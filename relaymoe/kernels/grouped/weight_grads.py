@@ -54,13 +54,15 @@ def _wgrad_tile(
 def _wgrad_kernel(
     a_ptr, b_ptr, idx_ptr, offs_ptr, c_ptr,
     M, N, n_rows,
-    stride_a, stride_b, stride_ce, stride_cm, stride_cn,
+    stride_a, stride_b, c_first, stride_ce, stride_cm, stride_cn,
     A_GATHER: tl.constexpr, B_GATHER: tl.constexpr, ACCUMULATE: tl.constexpr,
     IEEE: tl.constexpr, TMA_A: tl.constexpr = False, TMA_B: tl.constexpr = False,
     BLOCK_M: tl.constexpr = 64, BLOCK_N: tl.constexpr = 64, BLOCK_K: tl.constexpr = 32,
 ):  # fmt: skip
     """c[e] (M, N) (+)= sum_q A[q, :]^T B[q, :]; a gathered operand reads row tok[q], a
     contiguous one row q - offs[0]. An expert without pairs writes exact zeros (adds nothing).
+    Expert e's block starts at element ``c_first + e * stride_ce`` of ``c_ptr``: a negative
+    ``stride_ce`` from the last block (``c_first``) writes the experts in reverse memory order.
 
     The expert's full BLOCK_K blocks of pairs run without a row mask, its last partial block
     after them with one. ``TMA_A`` / ``TMA_B``: that operand is contiguous (``n_rows`` rows in
@@ -122,7 +124,8 @@ def _wgrad_kernel(
         acc = _wgrad_tile(acc, q_full, q_ok, a_ptr, b_ptr, idx_ptr, base, rm, rn, m_ok, n_ok,
                           stride_a, stride_b, A_GATHER, B_GATHER, IEEE, True, BLOCK_K)  # fmt: skip
     mask = m_ok[:, None] & n_ok[None, :]
-    cp = c_ptr + e.to(tl.int64) * stride_ce + rm[:, None] * stride_cm + rn[None, :] * stride_cn
+    c_e = c_ptr + (c_first + e.to(tl.int64) * stride_ce)  # expert e's block
+    cp = c_e + rm[:, None] * stride_cm + rn[None, :] * stride_cn
     if ACCUMULATE:
         acc += tl.load(cp, mask=mask, other=0.0).to(tl.float32)
     tl.store(cp, acc.to(c_ptr.dtype.element_ty), mask=mask)
@@ -136,10 +139,16 @@ wgrad_tuned = triton.autotune(
 
 
 def wgrad(a, b, idx_P, offs, c_EMN, *, a_gather: bool, b_gather: bool, accumulate: bool,
-          config=None, kernels=None):  # fmt: skip
+          config=None, kernels=None, reverse: bool = False):  # fmt: skip
     """c[e] (+)= sum over expert e's pairs of a[row]^T b[row] (gathered operands read tok[q]).
     A contiguous operand (in pair order) comes through a tensor descriptor where
-    ``kernels.tma`` asks for it and its strides allow (``select.tma_operand``)."""
+    ``kernels.tma`` asks for it and its strides allow (``select.tma_operand``).
+
+    ``reverse``: ``c_EMN``'s rows are the range's experts in reverse order (expert ``e`` of the
+    range at row ``El-1-e``: Megatron's gradient buffer holds a layer's experts in reverse
+    registration order), written through a negative expert stride from the last row, without
+    a reordered copy. The whole ``c_EMN`` is what the kernel is given (and what an
+    autotuning launch restores), whichever way its rows are walked."""
     n_experts, m, n = c_EMN.shape
     if n_experts == 0 or m == 0 or n == 0:
         return
@@ -156,10 +165,12 @@ def wgrad(a, b, idx_P, offs, c_EMN, *, a_gather: bool, b_gather: bool, accumulat
     def grid(meta_):
         return (n_experts * triton.cdiv(m, meta_["BLOCK_M"]) * triton.cdiv(n, meta_["BLOCK_N"]),)
 
+    c_first, stride_ce = ((n_experts - 1) * c_EMN.stride(0), -c_EMN.stride(0)) if reverse else (
+        0, c_EMN.stride(0))  # fmt: skip
     kernel[grid](
         a, b, idx_P, offs, c_EMN,
         m, n, n_rows,
-        a.stride(0), b.stride(0), c_EMN.stride(0), c_EMN.stride(1), c_EMN.stride(2),
+        a.stride(0), b.stride(0), c_first, stride_ce, c_EMN.stride(1), c_EMN.stride(2),
         A_GATHER=a_gather, B_GATHER=b_gather, ACCUMULATE=accumulate, IEEE=exact_fp32(a),
         TMA_A=tma_a, TMA_B=tma_b, **meta,
     )  # fmt: skip
