@@ -23,7 +23,8 @@ of two ways (:meth:`HopGraphs.run`):
   ends, not at every hop.
 * **bound** (:data:`BOUND`): the large, address-stable ones: the experts' weights and biases
   (expert mode the visiting slot's views or the local experts, token mode the local experts) and
-  the weight-gradient accumulators (expert mode's trail, token mode's local ones); in a ring of
+  the weight-gradient accumulators (expert mode's trail, token mode's local ones, a caller's
+  ``main_grad``: ``main_grads.py``); in a ring of
   more than one, token mode's visiting partition and trail too (``run_hop``'s ``travelling``:
   views of the ring's slots and trail scratch, at one of a few addresses). The body gets
   the live tensor itself: no static buffer, no copy (at qwen3 widths, EP 2, the copies were about
