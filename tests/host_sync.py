@@ -1,13 +1,13 @@
 """A guard that fails on any host read of a tensor made by relaymoe's own code.
 
-Inside ``no_host_reads()``, a torch call that would read device data on the host (``.item()``,
-``.tolist()``, ``.cpu()``, ``.numpy()``, ``bool``/``int``/``float`` of a tensor, ``nonzero``,
-``unique``, ``masked_select``, ``torch.equal``, ...; on a GPU each is a device-to-host sync, and
-inside a CUDA graph capture an error) raises ``HostRead`` when the Python frame that made it
-lives in the ``relaymoe`` package. Calls made by other packages (the Triton interpreter reads its
-tensors on the host to run a kernel on the CPU; torch's own helpers) are let through, so the
-guard runs the CPU suite's kernels as they are and still sees every read the library itself
-would make on a GPU.
+Inside ``no_host_reads()`` (backward passes included), a torch call that would read device
+data on the host (``.item()``, ``.tolist()``, ``.cpu()``, ``.numpy()``, ``bool``/``int``/
+``float`` of a tensor, ``nonzero``, ``unique``, ``masked_select``, ``torch.equal``, ...; on a
+GPU each is a device-to-host sync, and inside a CUDA graph capture an error) raises
+``HostRead`` when the Python frame that made it lives in the ``relaymoe`` package. Calls made
+by other packages (the Triton interpreter reads its tensors on the host to run a kernel on the
+CPU; torch's own helpers) are let through, so the guard runs the CPU suite's kernels as they
+are and still sees every read the library itself would make on a GPU.
 """
 
 from __future__ import annotations
@@ -91,7 +91,19 @@ def _is_cpu(a) -> bool:
 
 @contextlib.contextmanager
 def no_host_reads():
-    """Raise ``HostRead`` at the first host read relaymoe's code makes inside the block."""
+    """Raise ``HostRead`` at the first host read relaymoe's code makes inside the block, the
+    backward of its autograd functions included: autograd runs a custom function's backward
+    with no torch-function mode active, so the guard is entered again around each."""
+    from unittest import mock
+
+    from torch.autograd.function import BackwardCFunction
+
     guard = _Guard()
-    with guard:
+    backward = BackwardCFunction.apply
+
+    def guarded(node, *args):
+        with guard:
+            return backward(node, *args)
+
+    with guard, mock.patch.object(BackwardCFunction, "apply", guarded):
         yield guard

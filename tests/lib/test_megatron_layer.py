@@ -134,9 +134,11 @@ def standin_ring_moe(
     capturable=False,
     config=None,
     runtime=None,
+    main_grads=None,
 ):
     """``ring_moe``'s signature (options only in ``config``: a dispatcher passing one of the
-    removed option keywords raises TypeError here, as it would there) over an all-gather."""
+    removed option keywords raises TypeError here, as it would there) over an all-gather;
+    without gradient-accumulation fusion (``main_grads`` None: the gradients reach ``.grad``)."""
     from relaymoe.activation import ExpertActivation
     from relaymoe.options import (
         GRAD_ACCUM_CHOICES,
@@ -155,6 +157,7 @@ def standin_ring_moe(
     assert config.schedule in SCHEDULE_CHOICES and config.gpus_per_node is None, config
     assert config.grad_accum in GRAD_ACCUM_CHOICES, config
     assert activation is None or isinstance(activation, ExpertActivation), activation
+    assert main_grads is None, "the stand-in returns its gradients: no main_grad here"
     STANDIN_CALLS[0] += 1
     STANDIN_SEEN.append((activation, b13 is not None, b2 is not None))
 
