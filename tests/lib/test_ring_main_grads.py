@@ -108,7 +108,7 @@ class _Paths:
 
 
 def _run(pbs, rank, world, group, *, mode, form, layout, backend, dtype, finish=None,
-         slices=None):  # fmt: skip
+         slices=None, config=None):  # fmt: skip
     """Two micro-batches of ``ring_moe`` with ``main_grads`` on this rank's slice; returns the
     accumulators' totals minus their prefill (stacked, expert order), the weights, and the
     paths taken."""
@@ -127,7 +127,7 @@ def _run(pbs, rank, world, group, *, mode, form, layout, backend, dtype, finish=
         for p in pbs:
             out = ring_moe(p["x"][rows].to(dtype), w13, w2, p["idx"][rows],
                            p["probs"][rows].to(dtype), group=group, backend=backend,
-                           config=RingConfig(mode=mode),
+                           config=(config or RingConfig()).replace(mode=mode),
                            main_grads=MainGrads(t13, t2, finish))  # fmt: skip
             out.backward(p["dy"][rows].to(dtype))
     got = (_stacked(t13) - start[0], _stacked(t2) - start[1])
@@ -279,18 +279,24 @@ def _slices(rank, tokens, El):
 
 def _every_mode_over_the_ring(rank, world, group):
     """A rank of no tokens, experts of no tokens (skew), each mode with a forward, reversed and
-    interleaved layout in turn; expert mode adds at home, token and all-to-all in place."""
+    interleaved layout in turn; expert mode adds at home, token and all-to-all in place; on an
+    even world, node-batched rounds of two ranks a node too (added at home)."""
     El, tokens = 2, [0] + [5] * (world - 1)
     pbs = _problem(20 + world, tokens, El * world, route="skew")
     slices = _slices(rank, tokens, El)
-    for j, mode in enumerate(MODES):
-        for form, layout in (("reversed", LAYOUTS[(j + rank) % 3]), ("tensor", "tensor")):
-            tag = f"w{world} rank {rank} {mode} weights {form} targets {layout}"
-            got, _, seen = _run(pbs, rank, world, group, mode=mode, form=form, layout=layout,
-                                backend="torch", dtype=torch.float64,
-                                slices=slices)  # fmt: skip
-            _check(tag, got, pbs, slices[1], 1e-12)
-            assert seen == _want_path(mode, world, form, layout) * 2, (tag, seen)
+    runs = [(mode, form, LAYOUTS[(j + rank) % 3] if form == "reversed" else "tensor", None)
+            for j, mode in enumerate(MODES) for form in ("reversed", "tensor")]  # fmt: skip
+    if world % 2 == 0:
+        batched = RingConfig(schedule="node_batched", gpus_per_node=2)
+        runs.append(("expert", "reversed", LAYOUTS[rank % 3], batched))
+    for mode, form, layout, config in runs:
+        schedule = config and config.schedule
+        tag = f"w{world} rank {rank} {mode} {schedule} weights {form} targets {layout}"
+        got, _, seen = _run(pbs, rank, world, group, mode=mode, form=form, layout=layout,
+                            backend="torch", dtype=torch.float64, slices=slices,
+                            config=config)  # fmt: skip
+        _check(tag, got, pbs, slices[1], 1e-12)
+        assert seen == _want_path(mode, world, form, layout) * 2, (tag, seen)
 
 
 def _captured_with_accumulators_reads_nothing_on_the_host(rank, world, group):
