@@ -91,7 +91,7 @@ from relaymoe.ring.expert_mode import (
     expert_forward,
 )
 from relaymoe.ring.hop_graphs import capturing
-from relaymoe.ring.main_grads import MainGrads, check_main_grads, handed_back
+from relaymoe.ring.main_grads import MainGrads, handed_back, main_grads_problem
 from relaymoe.ring.plan import IDX, RingProblem, ring_request
 from relaymoe.ring.runtime import KernelChoice, RingCall, RingRuntime
 from relaymoe.ring.token_mode import (
@@ -358,7 +358,8 @@ def ring_moe(
     (``agreement.py``): types, shapes, dtypes and devices of every input on every rank, and their
     agreement across ranks (E_local, H, I, K, dtypes, device type, mode, transport, schedule,
     gpus_per_node, grad_accum, agree, kernels.pair_buffer_mib, whether a backward follows, every
-    field of the activation, which biases are given; w13's rows against the activation); that
+    field of the activation, which biases are given; w13's rows against the activation); this
+    rank's ``main_grads`` (their form, shapes, dtypes and device against its weights); that
     the hop backend can run the inputs; the int32 limits; the expert ids (in ``[0, E)``,
     distinct per row: one host sync). ``config`` itself was validated when it was made
     (``RingConfig``); one that is not a ``RingConfig`` raises ``ValueError`` on this rank.
@@ -396,9 +397,8 @@ def ring_moe(
         problem = agree(
             x, w13, w2, topk_idx, topk_probs, group=group, rank=rank, world=world, request=req,
             runtime=runtime, trusted=trusted, b13=b13, b2=b2, captured=captured,
+            main_grads_error=main_grads_problem(main_grads, w13, w2),
         )  # fmt: skip
-    shapes = {"w13": (problem.fc1_rows, problem.hidden), "w2": (problem.hidden, problem.ffn)}
-    check_main_grads(main_grads, problem.num_local_experts, shapes, x.device)
     # a captured step already holds every hop, so no hop graphs are recorded inside it
     kernel_choice = KernelChoice(backend, config.kernels, config.capture_hops and not captured)
     call = RingCall.of(group, runtime, kernel_choice, config)

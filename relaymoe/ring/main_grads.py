@@ -38,7 +38,7 @@ from torch import Tensor
 
 from relaymoe.ring.weights import REVERSED, layout_order, stacked_view
 
-__all__ = ["MainGrads", "add_home", "check_main_grads", "direct_targets", "handed_back"]
+__all__ = ["MainGrads", "add_home", "direct_targets", "handed_back", "main_grads_problem"]
 
 WEIGHTS = ("w13", "w2")  # the parts accumulated into a caller's targets
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -65,38 +65,49 @@ def _per_expert(t: Tensor | Sequence[Tensor]) -> list[Tensor]:
     return list(t.unbind(0)) if isinstance(t, Tensor) else list(t)
 
 
-def check_main_grads(main_grads, El: int, shapes: dict[str, tuple[int, ...]], device) -> None:
-    """``ValueError`` naming what is wrong with ``main_grads`` for ``El`` experts of part
-    shapes ``shapes`` (``w13``/``w2``: one expert's) on ``device``; None passes."""
+def main_grads_problem(main_grads, w13, w2) -> str | None:
+    """What is wrong with ``main_grads`` for this rank's weights ``w13``/``w2`` (``ring_moe``'s,
+    either form), or None: the accumulators' form, shapes, dtypes and device. Weights that are
+    themselves malformed are left to the agreement's checks (None here)."""
     if main_grads is None:
-        return
+        return None
     if not isinstance(main_grads, MainGrads):
-        raise ValueError(
-            f"ring_moe: main_grads={type(main_grads).__name__} must be a relaymoe.ring.MainGrads "
-            "(the accumulators of w13 and w2) or None"
+        return (
+            f"main_grads={type(main_grads).__name__} must be a relaymoe.ring.MainGrads (the "
+            "accumulators of w13 and w2) or None"
         )
     if main_grads.finish is not None and not callable(main_grads.finish):
-        raise ValueError("ring_moe: main_grads.finish must be callable or None")
-    for name in WEIGHTS:
-        t, shape = getattr(main_grads, name), shapes[name]
-        want = f"a ({El}, {', '.join(map(str, shape))}) tensor or {El} tensors {tuple(shape)}"
-        if isinstance(t, Tensor):
-            ok = t.dim() == len(shape) + 1 and tuple(t.shape) == (El, *shape)
-            parts = [t] if ok else []
-        else:
-            parts = list(t) if isinstance(t, (list, tuple)) else []
-            ok = len(parts) == El and all(
-                isinstance(p, Tensor) and tuple(p.shape) == tuple(shape) for p in parts
+        return "main_grads.finish must be callable or None"
+    for name, w in (("w13", w13), ("w2", w2)):
+        first = w if isinstance(w, Tensor) else (w[0] if isinstance(w, (list, tuple)) else None)
+        if not isinstance(first, Tensor) or not len(w):
+            return None  # the agreement names what is wrong with the weights
+        El, shape = len(w), tuple(first.shape[1:] if isinstance(w, Tensor) else first.shape)
+        problem = _targets_problem(name, getattr(main_grads, name), El, shape, first.device)
+        if problem:
+            return problem
+    return None
+
+
+def _targets_problem(name: str, t, El: int, shape: tuple, device) -> str | None:
+    want = f"a ({El}, {', '.join(map(str, shape))}) tensor or {El} tensors {shape}"
+    if isinstance(t, Tensor):
+        parts = [t] if tuple(t.shape) == (El, *shape) else []
+    else:
+        parts = list(t) if isinstance(t, (list, tuple)) else []
+        if len(parts) != El or not all(
+            isinstance(p, Tensor) and tuple(p.shape) == shape for p in parts
+        ):
+            parts = []
+    if not parts:
+        return f"main_grads.{name} must be {want}; fix: pass the accumulators of this rank's {name}"
+    for p in parts:
+        if p.dtype not in _DTYPES or p.device != device:
+            return (
+                f"main_grads.{name} is {p.dtype} on {p.device}; it must be one of float16, "
+                f"bfloat16, float32, float64 on the weights' device ({device})"
             )
-        if not ok:
-            raise ValueError(f"ring_moe: main_grads.{name} must be {want}; fix: pass the "
-                             f"accumulators of this rank's {name}")  # fmt: skip
-        for p in parts:
-            if p.dtype not in _DTYPES or p.device != device:
-                raise ValueError(
-                    f"ring_moe: main_grads.{name} is {p.dtype} on {p.device}; it must be one of "
-                    f"float16, bfloat16, float32, float64 on the weights' device ({device})"
-                )
+    return None
 
 
 def _span(t: Tensor | Sequence[Tensor], order: str) -> tuple[Tensor, bool] | None:

@@ -299,6 +299,20 @@ def _every_mode_over_the_ring(rank, world, group):
         assert seen == _want_path(mode, world, form, layout) * 2, (tag, seen)
 
 
+def _bad_accumulators_on_one_rank_raise_on_every_rank(rank, world, group):
+    """The last rank's accumulators do not fit: every rank raises naming it, before any P2P."""
+    from relaymoe.ring import MainGrads, ring_moe
+
+    pb = ring_problem(30, [3] * world, world, 1, H, I)
+    rows, experts = _slices(rank, [3] * world, 1)
+    w13, w2 = pb["w13"][experts].clone(), pb["w2"][experts].clone()
+    bad = MainGrads(torch.zeros_like(w13), torch.zeros(1, H, I + 1, dtype=torch.float64))
+    main = bad if rank == world - 1 else None
+    with pytest.raises(ValueError, match=f"invalid input on rank {world - 1}: main_grads"):
+        ring_moe(pb["x"][rows], w13, w2, pb["idx"][rows], pb["probs"][rows], group=group,
+                 backend="torch", main_grads=main)  # fmt: skip
+
+
 def _captured_with_accumulators_reads_nothing_on_the_host(rank, world, group):
     """Fusion on under the simulated capture (test_ring_capture.py's): no host read, no
     collective, and the accumulators gain what an eager call adds, bitwise."""
@@ -335,16 +349,20 @@ def _captured_with_accumulators_reads_nothing_on_the_host(rank, world, group):
         _check(f"captured {mode}", added[1], [pb], experts, 1e-4)
 
 
-SCENARIOS = (_every_mode_over_the_ring, _captured_with_accumulators_reads_nothing_on_the_host)
+SCENARIOS = (
+    _every_mode_over_the_ring,
+    _bad_accumulators_on_one_rank_raise_on_every_rank,
+    _captured_with_accumulators_reads_nothing_on_the_host,
+)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("world", "scenario"), scenario_params(SCENARIOS[:1], [2, 3, 4]))
+@pytest.mark.parametrize(("world", "scenario"), scenario_params(SCENARIOS[:2], [2, 3, 4]))
 def test_main_grads_over_gloo(world, scenario, gloo_worlds):
     gloo_worlds.run(scenario, world, timeout=300)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("world", "scenario"), scenario_params(SCENARIOS[1:], [1, 2]))
+@pytest.mark.parametrize(("world", "scenario"), scenario_params(SCENARIOS[2:], [1, 2]))
 def test_main_grads_captured_over_gloo(world, scenario, gloo_worlds):
     gloo_worlds.run(scenario, world, timeout=300)
