@@ -148,6 +148,7 @@ _ERRORS = {
     8: "the hop backend cannot run these inputs (backend='triton' needs CUDA or "
     "TRITON_INTERPRET=1, and float16, bfloat16 or float32)",
     9: "the activation is not an ExpertActivation nor one of its names",
+    10: "main_grads (the accumulators of the weight gradients) do not fit the weights",
 }
 
 
@@ -202,12 +203,14 @@ def local_check(
     validate_ids: bool = True,
     b13=None,
     b2=None,
+    main_grads_error: str | None = None,
 ) -> tuple[int, str]:
     """(error code, message) of this rank's inputs; (0, "") when they are fine. ``b13``/``b2``:
     the optional expert biases, in the weights' form (tensors, or lists of per-expert 1-D
     tensors). The checks run in order, the first failure is the answer: the inputs' forms
     (code 1), the request's options (9, 10, 2), shapes (3), dtypes and devices (4, 5, 7), the
-    hop backend (8), the expert ids (4, 6)."""
+    hop backend (8), the expert ids (4, 6), this rank's ``main_grads`` (10: the message of
+    ``main_grads.main_grads_problem``, checked by the caller)."""
     m13, m2, biases, failed = _input_forms(x, w13, w2, topk_idx, topk_probs, b13, b2)
     if failed is not None:
         return failed
@@ -216,6 +219,7 @@ def local_check(
         or _check_shapes(x, m13, m2, biases, topk_idx, topk_probs, req.activation)
         or _check_dtypes_devices(x, m13, m2, biases, topk_idx, topk_probs, req.backend)
         or _check_ids(topk_idx, m13.shape[0], world, validate_ids)
+        or ((10, main_grads_error) if main_grads_error else None)
         or (0, "")
     )
 
@@ -450,15 +454,18 @@ def _agree_collective(
     validate_ids: bool,
     with_pairs: bool,
     runtime=None,
+    main_grads_error: str | None = None,
 ) -> RingProblem:
     """Validate on every rank at once; raise the same ``ValueError`` everywhere or agree.
     ``inputs``: ``(x, w13, w2, topk_idx, topk_probs)`` as ``ring_moe`` got them, optionally
     followed by ``(b13, b2)`` (None: no bias). ``runtime``: the call's ``RingRuntime`` (its
     copy-engine probe; None, or one made for this call only: no copy engines). The
-    collectives wait ``req.timeout_s`` for a peer (None: the group's timeout)."""
+    collectives wait ``req.timeout_s`` for a peer (None: the group's timeout).
+    ``main_grads_error``: what is wrong with this rank's ``main_grads`` (None: nothing)."""
     x, w13, w2, topk_idx, topk_probs, *biases = inputs
     b13, b2 = biases or (None, None)
-    code, msg = local_check(x, w13, w2, topk_idx, topk_probs, req, world, validate_ids, b13, b2)
+    code, msg = local_check(x, w13, w2, topk_idx, topk_probs, req, world, validate_ids, b13, b2,
+                            main_grads_error)  # fmt: skip
     keeps = runtime is not None and runtime.persistent  # a workspace that outlives the call
     row = _encode_row(code, x, w2, topk_idx, topk_probs, req, b13, b2, keeps)
     counts = _pairs_per_owner(topk_idx, row[F_EL], world) if code == 0 and with_pairs else None
@@ -779,6 +786,7 @@ def agree(
     b13=None,
     b2=None,
     captured: bool = False,
+    main_grads_error: str | None = None,
 ) -> RingProblem:
     """The :class:`RingProblem` every rank agrees on, or the same ``ValueError`` on every rank.
 
@@ -789,11 +797,15 @@ def agree(
     checked); the activation is the request's. ``captured``: the call is being captured in a
     CUDA graph (``hop_graphs.py``): the agreement of an eager call with the same signature, the
     hops sized from the worst-case bound, no collective and no host read here.
+    ``main_grads_error``: what is wrong with this rank's ``main_grads`` (None: nothing): every
+    rank raises where the ranks agree; a trusted call whose agreement is cached raises it on
+    this rank alone (its peers then meet a ``RingPeerError``, as with a rank that dies).
     ``request`` carries the call's options (its ``RingConfig``'s, ``plan.ring_request``),
     its collectives' timeout among them.
     """
     args = (x, w13, w2, topk_idx, topk_probs, b13, b2)
-    where = dict(group=group, rank=rank, world=world, req=request, runtime=runtime)
+    where = dict(group=group, rank=rank, world=world, req=request, runtime=runtime,
+                 main_grads_error=main_grads_error)  # fmt: skip
     if captured:
         check_captured(trusted=trusted, agree_mode=request.agree)
     if trusted and request.agree != "every_call":
@@ -801,6 +813,8 @@ def agree(
                _signature(*args[:5], request, b13, b2))  # fmt: skip
         cache = runtime.agreements
         problem = cache.get(key)
+        if problem is not None and main_grads_error:
+            raise ValueError(f"ring_moe: invalid input on rank {rank}: {main_grads_error}")
         if problem is None:
             if captured:
                 raise ValueError(
