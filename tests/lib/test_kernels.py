@@ -268,6 +268,16 @@ def test_wgrad_adds_into_a_span_in_reverse_expert_order(gmm):
     assert torch.equal(buf[0], before[0]) and torch.equal(buf[-1], before[-1])
 
 
+def test_fp8_hop_refuses_weight_gradients_in_reverse_order():
+    """The fp8 hop's weight-gradient kernel writes expert order only: reverse order is refused
+    by name, not written in the wrong rows."""
+    from relaymoe.kernels.fp8.hop import fp8_hop_backward
+
+    with pytest.raises(NotImplementedError, match="dw_reversed"):
+        fp8_hop_backward(None, None, None, None, None, 0, 1, recipe=None,
+                         grads=HopGrads(dw_reversed=True))  # fmt: skip
+
+
 @pytest.mark.parametrize("tma", ["0", "1"])
 def test_wgrad_never_reads_the_next_experts_rows(tma, monkeypatch):
     """An expert's last, partial block of pairs must not read the next expert's rows of the

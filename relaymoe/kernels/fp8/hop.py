@@ -253,6 +253,11 @@ def fp8_hop_backward(dy_TH: Tensor, saved: Fp8Saved, wq: Fp8ExpertWeights, probs
     ``consume_saved_h``: dh may be written over the saved h."""
     options = HOP_DEFAULTS if options is None else options
     grads = GRAD_DEFAULTS if grads is None else grads
+    if grads.dw_reversed:  # the fp8 weight-gradient kernel writes rows in expert order only
+        raise NotImplementedError(
+            "fp8_hop_backward: grads.dw_reversed (weight gradients in reverse expert order) is "
+            "not supported; pass the gradient buffers in expert order"
+        )
     act, k = as_activation(options.activation), select.kernel_options(options.kernels)
     dy_TH = unit_cols(dy_TH)
     acc_dx = grads.dx_TH is not None
