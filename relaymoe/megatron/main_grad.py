@@ -26,8 +26,8 @@ resets the marks between steps outside the graph and nothing reads them during a
 Megatron-FSDP's parameters (``__fsdp_param__``) take their gradient through ``get_main_grad()``
 (:func:`add_to_main_grad`); the ring's experts do not fuse for them (:func:`fused_main_grads`).
 
-``relaymoe/megatron/fused_loss.py``'s output-layer weight follows the same protocol (its
-``_IntoMainGrad.backward`` is :func:`add_to_main_grad` then :func:`handed_back`).
+The output-layer weight of ``--relaymoe-fused-loss`` (``fused_loss.py``) follows the same
+protocol: :func:`add_to_main_grad`, then :func:`handed_back`.
 """
 
 from __future__ import annotations

@@ -67,7 +67,9 @@ def _ring_layer_adds_into_main_grad(rank, world, group):
                 generator=g)) for _ in range(2)]  # fmt: skip
     grads = {}
     for case in CASES:
-        cfg = make_config("ring", world)
+        fused = case in ("reversed", "interleaved")
+        # register() (in _init) lets megatron-core build with the flag where apex is missing
+        cfg = make_config("ring", world, gradient_accumulation_fusion=fused)
         layer = build_layer(cfg, ProcessGroupCollection.use_mpu_process_groups())
         load_weights(layer, w, ep_rank * el, el)
         assert expert_weights_layout(layer.experts) == ("forward", "forward")
@@ -76,8 +78,6 @@ def _ring_layer_adds_into_main_grad(rank, world, group):
         if case != "plain":
             start = _attach_main_grads(fc1, fc2, case, seed=rank)
             ddp_main_grad_hooks(fc1 + fc2, keep)
-        # set after the build: megatron-core's own linear layers would need Apex for it
-        cfg.gradient_accumulation_fusion = case in ("reversed", "interleaved")
         for x, dy in batches:
             out, _ = layer(x.requires_grad_(True))
             (out * dy).sum().backward()
@@ -85,7 +85,6 @@ def _ring_layer_adds_into_main_grad(rank, world, group):
         if case == "plain":
             grads[case] = [p.grad.clone() for p in fc1 + fc2]
             continue
-        fused = case != "flag_off"
         for j, p in enumerate(fc1 + fc2):
             assert p.grad is None, f"{tag} param {j}: a gradient stayed in .grad"
             assert p.grad_added_to_main_grad is fused, f"{tag} param {j}: mark"
