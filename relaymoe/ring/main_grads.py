@@ -79,8 +79,9 @@ def main_grads_problem(main_grads, w13, w2) -> str | None:
     if main_grads.finish is not None and not callable(main_grads.finish):
         return "main_grads.finish must be callable or None"
     for name, w in (("w13", w13), ("w2", w2)):
-        first = w if isinstance(w, Tensor) else (w[0] if isinstance(w, (list, tuple)) else None)
-        if not isinstance(first, Tensor) or not len(w):
+        listed = isinstance(w, (list, tuple)) and len(w) > 0
+        first = w if isinstance(w, Tensor) else (w[0] if listed else None)
+        if not isinstance(first, Tensor) or first.dim() == 0:
             return None  # the agreement names what is wrong with the weights
         El, shape = len(w), tuple(first.shape[1:] if isinstance(w, Tensor) else first.shape)
         problem = _targets_problem(name, getattr(main_grads, name), El, shape, first.device)
