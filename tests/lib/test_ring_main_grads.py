@@ -189,6 +189,33 @@ def test_world_of_one_triton_float32_in_place_and_reversed():
     _world_of_one("triton", torch.float32, 1e-5, combos)
 
 
+def test_recorded_hops_add_into_the_accumulators():
+    """``capture_hops`` (the CPU's eager replay of recorded hops): the accumulators are bound by
+    address and added into by every replay, warm-up runs undone; token and expert mode, two
+    micro-batches through the same recorded hops."""
+    from relaymoe.kernels import triton_available
+    from relaymoe.ring import MainGrads, RingRuntime, ring_moe
+
+    if not triton_available():
+        pytest.skip("needs triton")
+    pbs = _problem(12, [9], 4)
+    config = RingConfig(capture_hops=True)
+    for mode in ("expert", "token"):
+        runtime = RingRuntime()
+        fc1, fc2 = _weights(pbs[0]["w13"], pbs[0]["w2"], "separate", torch.float32)
+        t13, t2 = _targets(4, "reversed", torch.float32, seed=3)
+        start = (_stacked(t13), _stacked(t2))
+        for p in pbs:
+            call = dict(backend="triton", trusted=True, runtime=runtime,
+                        config=config.replace(mode=mode),
+                        main_grads=MainGrads(t13, t2))  # fmt: skip
+            out = ring_moe(p["x"].float(), fc1, fc2, p["idx"], p["probs"].float(), **call)
+            out.backward(p["dy"].float())
+        assert runtime.hop_graphs, f"{mode}: no hop was recorded"
+        got = (_stacked(t13) - start[0], _stacked(t2) - start[1])
+        _check(f"recorded {mode}", got, pbs, slice(0, 4), 1e-5)
+
+
 def test_without_finish_autograd_gets_nothing_and_the_biases_keep_their_gradients():
     """``finish=None``: no gradient reaches the weights; the fc1/fc2 biases' gradients are
     returned (as without accumulators), equal to the oracle's."""
