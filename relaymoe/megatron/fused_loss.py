@@ -43,6 +43,8 @@ import weakref
 
 import torch
 
+from relaymoe.megatron.main_grad import add_to_main_grad, handed_back
+
 logger = logging.getLogger("relaymoe.megatron")
 
 __all__ = ["IGNORE_INDEX", "FusedOutputProcessor", "GradGuess", "install", "output_layer_loss"]
@@ -72,27 +74,6 @@ def _log_once(key: str, message: str) -> None:
         print(f"[relaymoe] {message}", flush=True)
 
 
-def _handed_to_ddp(weight, dtype):
-    """What the weight's own gradient slot receives once its gradient is in ``main_grad``: the
-    dummy Megatron's linear returns under ``gradient_accumulation_fusion``, with the mark that
-    tells Megatron's DDP hook it is already there (None where no DDP marks the parameter)."""
-    if not hasattr(weight, "grad_added_to_main_grad"):
-        return None
-    # Megatron's DDP hooks run on the main thread only when a gradient arrives: hand them a
-    # dummy, and the mark that tells them it is already in main_grad.
-    weight.grad_added_to_main_grad = True
-    from megatron.core.tensor_parallel import layers
-
-    zero = getattr(weight, "zero_out_wgrad", False)  # tied embeddings: their own grad adds up
-    shape = list(weight.main_grad.shape)
-    if getattr(layers, "HAVE_TE", False):
-        if zero:
-            return layers.get_dummy_wgrad(shape, dtype, zero=True)
-        return layers.get_dummy_wgrad(shape, dtype)
-    make = torch.zeros if zero else torch.empty
-    return make(shape, dtype=dtype, device=weight.main_grad.device)
-
-
 class _IntoMainGrad(torch.autograd.Function):
     """Identity on the weight; backward adds the weight's gradient to ``main_grad`` and returns
     what Megatron's linear returns under ``gradient_accumulation_fusion`` (the loss's default
@@ -105,13 +86,8 @@ class _IntoMainGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_VH):
-        weight = ctx.weight
-        if hasattr(weight, "__fsdp_param__"):  # Megatron-FSDP: its buffer takes the gradient
-            weight.main_grad = weight.get_main_grad()
-            weight.main_grad.copy_(grad_VH)
-        else:
-            weight.main_grad.add_(grad_VH)
-        return _handed_to_ddp(weight, grad_VH.dtype)
+        add_to_main_grad(ctx.weight, grad_VH)
+        return handed_back([ctx.weight])[0]
 
 
 class _MainGradMark(torch.autograd.Function):
@@ -128,7 +104,7 @@ class _MainGradMark(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_TH):
-        return grad_TH, _handed_to_ddp(ctx.weight, ctx.weight.dtype)
+        return grad_TH, handed_back([ctx.weight])[0]
 
 
 class GradGuess:
