@@ -71,20 +71,31 @@ class Fp8State:
         """Forget the quantised weights (the next call quantises again)."""
         self._key, self._refs, self._weights = None, [], None
 
+    def cached(self, originals) -> Fp8ExpertWeights | None:
+        """The fp8 copy quantised from ``originals`` (the weights as the caller passes them:
+        ``(w13, w2)``, tensors or lists) when they are still the same tensors at the same
+        storage and version, else None: a caller holding per-expert lists stacks them only
+        when this misses."""
+        tensors = _flat(originals[0]) + _flat(originals[1])
+        alive = len(self._refs) == len(tensors) and all(
+            r() is t for r, t in zip(self._refs, tensors, strict=True)
+        )
+        if self._weights is None or not alive or weights_key(*originals) != self._key:
+            return None
+        return self._weights
+
     def expert_weights(self, w13: Tensor, w2: Tensor, originals=None) -> Fp8ExpertWeights:
         """The fp8 copy of ``w13``/``w2`` (stacked), cached while ``originals`` (the weights as
         the caller passed them: tensors or lists; default the stacked ones) are the same
         tensors at the same version."""
         originals = (w13, w2) if originals is None else originals
-        key = weights_key(*originals)
-        tensors = _flat(originals[0]) + _flat(originals[1])
-        alive = len(self._refs) == len(tensors) and all(
-            r() is t for r, t in zip(self._refs, tensors, strict=True)
-        )
-        if self._weights is None or key != self._key or not alive:
-            self._weights = quantize_expert_weights(w13.detach(), w2.detach(), self.recipe)
-            self._key, self._refs = key, [weakref.ref(t) for t in tensors]
-            self.quantizations += 1
+        hit = self.cached(originals)
+        if hit is not None:
+            return hit
+        self._weights = quantize_expert_weights(w13.detach(), w2.detach(), self.recipe)
+        self._key = weights_key(*originals)
+        self._refs = [weakref.ref(t) for t in _flat(originals[0]) + _flat(originals[1])]
+        self.quantizations += 1
         return self._weights
 
 
