@@ -17,6 +17,13 @@ a multiple of 128, expert biases (``--add-bias-linear``), and what the fp8 ring 
 the MoE layer). A GPU before Hopper is refused when the dispatcher is built (the device is
 known there). Each message names the value, the limit and both fixes (change it, or
 ``--relaymoe-fp8-experts off``).
+
+The layer's experts are quantised once per optimizer step (``Fp8State``'s cache, keyed on the
+weights' storage and version counter). Megatron's optimizers write the updated weights through
+``.data`` or a shared parameter buffer, which no version counter sees, so the patched
+``train_step`` (``patches.patch_train_step``) calls :func:`invalidate_fp8_weights` on its model
+before and after every step: the step's first forward quantises the weights it runs with, and an
+evaluation after it too. A training loop of one's own calls it after each optimizer step.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ __all__ = [
     "fp8_experts_option",
     "fp8_recipe_of",
     "fp8_requested",
+    "invalidate_fp8_weights",
     "layer_fp8_state",
 ]
 
@@ -135,3 +143,17 @@ def layer_fp8_state(config, option: str):
         if problem is not None:
             raise ValueError(f"{problem}; or pass --relaymoe-fp8-experts off")
     return Fp8State(recipe)
+
+
+def invalidate_fp8_weights(model) -> int:
+    """Drop the fp8 weight copies of every ring layer of ``model`` (a module or a list of
+    model chunks): their next forward quantises the weights again. Returns how many layers."""
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    count = 0
+    for chunk in chunks:
+        for m in chunk.modules():
+            state = getattr(getattr(m, "token_dispatcher", None), "fp8", None)
+            if state is not None:
+                state.invalidate()
+                count += 1
+    return count
