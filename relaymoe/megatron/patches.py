@@ -31,7 +31,9 @@
    (``checkpoint_compat.py``: megatron-core keys the pre-MoE norm differently per layer spec).
 7. ``megatron.training.training.train_step``: the ring layers' fp8 weight copies are dropped
    before and after every step (``fp8_experts.invalidate_fp8_weights``: Megatron's optimizer
-   writes the weights where no version counter sees it). Without fp8 experts it does nothing.
+   writes the weights where no version counter sees it), and delayed scaling's histories are
+   merged over each EP group after it (``fp8_checkpoint.py``). Without fp8 experts it does
+   nothing.
 
 Each patched callable carries ``__relaymoe_patched__`` so a second ``register()`` is a no-op.
 """
@@ -307,6 +309,7 @@ def patch_train_step() -> None:
 
     @functools.wraps(original)
     def train_step(*a, **kw):
+        from relaymoe.megatron.fp8_checkpoint import agree_fp8_histories
         from relaymoe.megatron.fp8_experts import invalidate_fp8_weights
 
         model = a[2] if len(a) > 2 else kw.get("model")
@@ -315,6 +318,7 @@ def patch_train_step() -> None:
         result = original(*a, **kw)
         if model is not None:
             invalidate_fp8_weights(model)  # the optimizer wrote the weights
+            agree_fp8_histories(model)  # delayed scaling: the same histories on every EP rank
         return result
 
     training.train_step = _mark(train_step, original)
@@ -378,6 +382,7 @@ def patch_moe_layer() -> None:
                 return original_init(self, config, *args, **kwargs)
             from relaymoe.megatron.dispatcher import RingDispatcher
             from relaymoe.megatron.expert_weights import make_expert_weights_contiguous
+            from relaymoe.megatron.fp8_checkpoint import attach_fp8_extra_state
 
             # Build as allgather (no communication at construction), then swap the dispatcher.
             # The config object is shared by all layers: restore it even if the build fails.
@@ -394,6 +399,7 @@ def patch_moe_layer() -> None:
             )
             self.token_dispatcher = dispatcher
             make_expert_weights_contiguous(self.experts)
+            attach_fp8_extra_state(self, dispatcher)  # delayed scaling's checkpointed state
 
         MoELayer.__init__ = _mark(__init__, original_init)
 

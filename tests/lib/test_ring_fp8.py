@@ -112,9 +112,46 @@ def _fp8_sends_half_the_16bit_bytes(rank, world, group):
     assert torch.equal(again["out"], got["out"])
 
 
+def _delayed_histories_agree_and_round_trip(rank, world, group):
+    """Delayed scaling over the ring: each rank's histories differ (its own tokens), agree on
+    their maximum after ``agree_histories``, and a checkpoint of them (the layer's
+    ``_extra_state``, ``megatron/fp8_checkpoint.py``) gives a fresh state the same scales."""
+    import torch.distributed as dist
+
+    from relaymoe import Fp8Recipe, Fp8State
+    from relaymoe.megatron.fp8_checkpoint import Fp8ExtraState
+    from relaymoe.ring import RingRuntime
+
+    pb = ring_problem(5 + rank, [T] * world, EL * world, K, 64, 32)  # other tokens per rank
+    recipe = Fp8Recipe("delayed", amax_history_len=4)
+    state = Fp8State(recipe)
+    for _ in range(2):
+        _ring(rank, group, pb, torch.float32, state, RingRuntime(group))
+    roles = state.roles()
+    mine = torch.stack([state.scales.history[r] for r in roles])
+    state.agree_histories(group, torch.device("cpu"))
+    merged = torch.stack([state.scales.history[r] for r in roles])
+    everyone = [torch.empty_like(merged) for _ in range(world)]
+    dist.all_gather(everyone, merged, group=group)
+    assert all(torch.equal(e, everyone[0]) for e in everyone)
+    assert torch.equal(merged, torch.maximum(mine, merged)) and (merged[:, :2] > 0).all()
+    saved = Fp8ExtraState(state).state_dict()
+    assert set(saved) == {"_extra_state"}
+    fresh = Fp8State(recipe)
+    Fp8ExtraState(fresh).load_state_dict(saved)
+    for r in roles:
+        assert torch.equal(fresh.scales.scales[r], state.scales.scales[r]), r
+    with pytest.raises(ValueError, match="resume with the saving run's --fp8-recipe"):
+        Fp8State("tensorwise").load_state_dict(saved["_extra_state"])
+
+
 SCENARIOS = (_blockwise_ring_is_one_call_over_all_experts, _fp8_sends_half_the_16bit_bytes)
 
 
-@pytest.mark.parametrize(("world", "scenario"), scenario_params(SCENARIOS, [2, 4]))
+@pytest.mark.parametrize(
+    ("world", "scenario"),
+    scenario_params(SCENARIOS, [2, 4])
+    + scenario_params([_delayed_histories_agree_and_round_trip], [2]),
+)
 def test_ring_fp8_gloo(world, scenario, gloo_worlds):
     gloo_worlds.run(scenario, world, timeout=400)
