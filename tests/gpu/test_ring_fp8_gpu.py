@@ -11,6 +11,8 @@ Skipped without an sm90 GPU (two for the second test).
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -74,9 +76,9 @@ def _ep2(rank, world, group):
     for transport in ("nccl", "copy_engine"):
         config = RingConfig(mode="expert", transport=transport)
         rt8, rt16 = RingRuntime(group), RingRuntime(group)
-        got = _run(lambda *a: ring_moe(*a, group=group, config=config, runtime=rt8,
-                                       fp8=Fp8State("blockwise")), *mine)  # fmt: skip
-        _run(lambda *a: ring_moe(*a, group=group, config=config, runtime=rt16), *mine)
+        got = _run(partial(ring_moe, group=group, config=config, runtime=rt8,
+                           fp8=Fp8State("blockwise")), *mine)  # fmt: skip
+        _run(partial(ring_moe, group=group, config=config, runtime=rt16), *mine)
         for name, a, b, sl in zip(("out", "dx", "dw13", "dw2", "dprobs"), got, want,
                                   (rows, rows, experts, experts, rows), strict=True):  # fmt: skip
             assert rel_err(a, b[sl]) < HOPS, (transport, name, rel_err(a, b[sl]))
