@@ -317,6 +317,20 @@ def test_fp8_experts_refused_at_config_time(mcore, kw, message):
     assert not [p for p in ring_config_problems(args, args_style=True) if "fp8 experts" in p]
 
 
+def test_fp8_experts_off_reaches_a_config_built_from_megatron_arguments(mcore, monkeypatch):
+    """A ``TransformerConfig`` carries no ``--relaymoe-*`` value: the option comes from the
+    model's ring config (Megatron's parsed arguments), so ``off`` lifts the fp8 refusals."""
+    from relaymoe.megatron import settings
+    from relaymoe.megatron.validate import ring_config_problems
+    from relaymoe.options import RingConfig
+
+    cfg = copy.copy(_config())
+    cfg.fp8, cfg.fp8_recipe, cfg.add_bias_linear = "hybrid", "tensorwise", True
+    assert any("fp8 experts take no biases" in p for p in ring_config_problems(cfg))
+    monkeypatch.setattr(settings, "ring_config_of", lambda c: RingConfig(fp8_experts="off"))
+    assert not any("fp8 experts" in p for p in ring_config_problems(cfg))
+
+
 def test_layer_fp8_state_refuses_a_gpu_before_hopper(mcore, monkeypatch):
     """The dispatcher's state: None without fp8 or with off; a pre-Hopper GPU named."""
     import torch
