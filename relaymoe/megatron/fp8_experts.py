@@ -47,12 +47,28 @@ def _get(c, name, default=None):
     return getattr(value, "value", value)  # megatron-core's enums are str enums
 
 
-def fp8_experts_option(c) -> str:
-    """``--relaymoe-fp8-experts`` of Megatron arguments or a ``TransformerConfig`` (the
-    ``RingConfig`` attached to it by ``relaymoe.megatron.configure``): ``auto`` unless set."""
+def _ring_option(c, name: str):
+    """The ring option ``name`` of Megatron arguments or a ``TransformerConfig``: the
+    ``RingConfig`` attached to it (``args.relaymoe_ring``, ``configure``), else the flag's
+    attribute (``relaymoe_<name>``), else the model's ``settings.ring_config_of`` (Megatron's
+    parsed arguments, or the default)."""
+    from relaymoe.options import RingConfig
+
     ring = getattr(c, "relaymoe_ring", None)
-    value = getattr(ring, "fp8_experts", None) or getattr(c, "relaymoe_fp8_experts", None)
-    return value or "auto"
+    if isinstance(ring, RingConfig):
+        return getattr(ring, name)
+    value = getattr(c, f"relaymoe_{name}", None)
+    if value is not None:
+        return value
+    from relaymoe.megatron.settings import ring_config_of
+
+    return getattr(ring_config_of(c), name)
+
+
+def fp8_experts_option(c) -> str:
+    """``--relaymoe-fp8-experts`` of Megatron arguments or a ``TransformerConfig``
+    (:func:`_ring_option`'s order): ``auto`` unless set."""
+    return _ring_option(c, "fp8_experts")
 
 
 def fp8_requested(c, option: str | None = None) -> bool:
@@ -109,12 +125,11 @@ def fp8_expert_problems(c, *, graph_capture: bool = False) -> list[str]:
     if _get(c, "add_bias_linear", False):
         problems.append(f"add_bias_linear=True: the fp8 experts take no biases; fix: pass "
                         f"--disable-bias-linear, {OFF_FIX}")  # fmt: skip
-    mode = _get(c, "relaymoe_mode") or getattr(getattr(c, "relaymoe_ring", None), "mode", None)
+    mode = _ring_option(c, "mode")
     if mode in ("token", "alltoall"):
         problems.append(f"relaymoe_mode={mode!r}: the fp8 experts run in expert mode; fix: pass "
                         f"--relaymoe-mode expert (or auto), {OFF_FIX}")  # fmt: skip
-    schedule = _get(c, "relaymoe_schedule") or getattr(
-        getattr(c, "relaymoe_ring", None), "schedule", None)  # fmt: skip
+    schedule = _ring_option(c, "schedule")
     if schedule == "node_batched":
         problems.append(f"relaymoe_schedule='node_batched': the fp8 experts run the flat or "
                         f"two-level ring; fix: --relaymoe-schedule auto, {OFF_FIX}")  # fmt: skip
