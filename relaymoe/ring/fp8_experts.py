@@ -15,10 +15,11 @@ Per call:
   lead's ``W`` bytes, instead of sending them;
 * the weight gradients trail in the accumulators' dtype as in the bf16 ring (``grad_accum``).
 
-What scales the intermediates (``a``, ``dh``, ``pa``) get: one per hop (the hop's expert range)
-under the tensor-scaled recipes, where ``moe_experts(fp8=...)`` takes one over all experts; the
-same values otherwise. Not supported here (refused): biases, CUDA-graph capture, node-batched
-rounds, token and all-to-all modes.
+What scales the intermediates (``a``, ``dh``, ``pa``) get: current scaling, one per hop (the
+hop's expert range), where ``moe_experts(fp8=...)`` takes one over all experts; delayed
+scaling, the role's current scale at every hop and one history entry per pass
+(:class:`OncePerPass`), as one call; blockwise, the same values. Not supported here (refused):
+biases, CUDA-graph capture, node-batched rounds, token and all-to-all modes.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from relaymoe.ring.plan import IDX, Layout, RingProblem, capacity, ring_plan, we
 from relaymoe.ring.weights import FORWARD, LocalExperts, home_grads, hop_grads
 from relaymoe.routing import build_routing_index
 
-__all__ = ["fp8_layout", "fp8_ring_config", "fp8_ring_moe"]
+__all__ = ["OncePerPass", "fp8_layout", "fp8_ring_config", "fp8_ring_moe"]
 
 
 def fp8_ring_config(config: RingConfig, state, *, x, w2, backend: str, capturable: bool,
@@ -106,6 +107,32 @@ def _hop_pairs(index, El: int, R: int) -> list[int]:
     return [offs[p + 1] - offs[p] for p in range(R)]
 
 
+class OncePerPass:
+    """The scale source a pass's hops quantise ``a``, dh and p*a with: under delayed scaling
+    every hop gets the role's current scale and the pass records one history entry per role
+    (the largest amax of its hops, :meth:`flush`), as one call over all experts would, instead
+    of one per hop (R per pass); any other source is asked directly."""
+
+    def __init__(self, scales):
+        self.scales = scales
+        self.delayed = hasattr(scales, "history")
+        self.seen: dict[str, tuple[Tensor, str]] = {}
+
+    def scale(self, role: str, amax: Tensor, fmt: str) -> Tensor:
+        if not self.delayed:
+            return self.scales.scale(role, amax, fmt)
+        amax = amax.detach().float().reshape(1)
+        old = self.seen.get(role)
+        self.seen[role] = (amax if old is None else torch.maximum(old[0], amax), fmt)
+        used = self.scales.scales.get(role)
+        return used if used is not None else torch.ones(1, device=amax.device)
+
+    def flush(self) -> None:
+        for role, (amax, fmt) in self.seen.items():
+            self.scales.scale(role, amax, fmt)
+        self.seen.clear()
+
+
 class _Fp8Call:
     """What one fp8 ring call's passes share."""
 
@@ -131,17 +158,20 @@ class _Fp8Call:
         p, s, El, x = self.problem, self.state, self.problem.num_local_experts, self.x
         out = torch.zeros_like(x)
 
+        scales = OncePerPass(s.scales)
+
         def compute(hop, part, lead, trail):
             if x.shape[0] == 0:
                 return
             w = self.wq if lead is None else _visiting(lead, self.wq, transposed=False)
             fp8_hop_forward(x, w, self.probs, self.index, part * El, (part + 1) * El, out, False,
-                            recipe=s.recipe, scales=s.scales, options=self.options(part),
+                            recipe=s.recipe, scales=scales, options=self.options(part),
                             x_fp8=self.x_fp8)  # fmt: skip
 
         work = PassWork(lead_layout=lambda q: self.layout, own_lead=self.own_lead(),
                         compute=compute, capacity=capacity(self.fwd, self.bwd, p))  # fmt: skip
         ring_pass(p, self.call, x.device, "fwd", self.fwd, work)
+        scales.flush()
         return out
 
     def backward(self, dy: Tensor):
@@ -149,6 +179,7 @@ class _Fp8Call:
         dx, dprobs = torch.zeros_like(x), torch.zeros_like(self.probs)
         dy_fp8 = quantize_input(dy, "dy", s.recipe.grad_format, s.recipe, s.scales)
         saved_x = None if s.recipe.fp8_wgrad else x  # the bf16 weight gradients read x
+        scales = OncePerPass(s.scales)
 
         def compute(hop, part, lead, trail):
             if x.shape[0] == 0:
@@ -156,7 +187,7 @@ class _Fp8Call:
             w = self.wq if lead is None else _visiting(lead, self.wq, transposed=True)
             saved = Fp8Saved(self.x_fp8[0], self.x_fp8[1], None, saved_x, x.dtype)
             fp8_hop_backward(dy, saved, w, self.probs, self.index, part * El, (part + 1) * El,
-                             recipe=s.recipe, scales=s.scales,
+                             recipe=s.recipe, scales=scales,
                              grads=hop_grads({"dx": dx, "dprobs": dprobs, **trail}),
                              options=self.options(part), dy_fp8=dy_fp8)  # fmt: skip
 
@@ -164,6 +195,7 @@ class _Fp8Call:
         work = PassWork(lead_layout=lambda q: self.layout, own_lead=self.own_lead(),
                         compute=compute, trail_layout=lambda q: dw)  # fmt: skip
         grads = ring_pass(p, self.call, x.device, "bwd", self.bwd, work)
+        scales.flush()
         return dx, dprobs, home_grads(p, grads)
 
 

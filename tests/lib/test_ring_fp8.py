@@ -113,7 +113,8 @@ def _fp8_sends_half_the_16bit_bytes(rank, world, group):
 
 
 def _delayed_histories_agree_and_round_trip(rank, world, group):
-    """Delayed scaling over the ring: each rank's histories differ (its own tokens), agree on
+    """Delayed scaling over the ring: one history entry per role and pass (not per hop), each
+    rank's histories differ (its own tokens), agree on
     their maximum after ``agree_histories``, and a checkpoint of them (the layer's
     ``_extra_state``, ``megatron/fp8_checkpoint.py``) gives a fresh state the same scales."""
     import torch.distributed as dist
@@ -129,6 +130,8 @@ def _delayed_histories_agree_and_round_trip(rank, world, group):
         _ring(rank, group, pb, torch.float32, state, RingRuntime(group))
     roles = state.roles()
     mine = torch.stack([state.scales.history[r] for r in roles])
+    # one entry per role and call (forward or backward), not one per hop
+    assert (mine[:, :2] > 0).all() and (mine[:, 2:] == 0).all(), mine
     state.agree_histories(group, torch.device("cpu"))
     merged = torch.stack([state.scales.history[r] for r in roles])
     everyone = [torch.empty_like(merged) for _ in range(world)]
