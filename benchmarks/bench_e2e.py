@@ -797,6 +797,13 @@ def _run_fields(r: RunResult, steps: int, exclude=()) -> dict:
         "ring_weight_copy_bytes_per_step": _max_after_warmup(r, "ring_weight_copy_bytes")
         if ok
         else None,
+        # expert-weight bytes the reporting rank sent its EP peers per step after the warm-up
+        # (max; 0 at EP 1): the fp8 experts' copies and scales, or the bf16 weights
+        "ring_weight_bytes_sent_per_step": _max_after_warmup(r, "ring_weight_bytes_sent")
+        if ok
+        else None,
+        # the ring's experts computed in fp8 (the step report's fp8_experts)
+        "fp8_experts": any(s.get("fp8_experts") for s in r.steps) if ok else None,
         "wall_s": r.seconds,
         "returncode": r.returncode,
     }

@@ -67,24 +67,89 @@ class Fp8State:
         self._refs: list = []
         self._weights: Fp8ExpertWeights | None = None
 
+    def roles(self) -> dict[str, str]:
+        """The tensors a delayed-scaling state keeps a history for, with their fp8 format
+        (``kernels/fp8/hop.py``: x and ``a`` e4m3, dy and dh the gradients' format, ``pa``
+        e4m3); empty for the recipes without state."""
+        if self.recipe.recipe != "delayed":
+            return {}
+        grad = self.recipe.grad_format
+        return {"x": "e4m3", "a": "e4m3", "dy": grad, "dh": grad, "pa": "e4m3"}
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps: the recipe's name and format, and delayed scaling's
+        histories (CPU fp32; empty for the other recipes, whose scales come from the tensors
+        themselves). The fp8 weight copies are not kept: they are quantised again."""
+        hist = {} if self.recipe.recipe != "delayed" else {
+            r: h.detach().cpu() for r, h in self.scales.history.items()}  # fmt: skip
+        return {"recipe": self.recipe.recipe, "fmt": self.recipe.fmt, "history": hist}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s histories (``ValueError`` for another recipe or a
+        history of another length); the next scales are computed from them."""
+        if (state.get("recipe"), state.get("fmt")) != (self.recipe.recipe, self.recipe.fmt):
+            raise ValueError(
+                f"fp8 state of recipe {state.get('recipe')!r}/{state.get('fmt')!r} cannot be "
+                f"loaded into a {self.recipe.recipe!r}/{self.recipe.fmt!r} layer: resume with "
+                "the saving run's --fp8-recipe and --fp8-format"
+            )
+        roles = self.roles()
+        for role, hist in state.get("history", {}).items():
+            if role not in roles or hist.shape != (self.recipe.amax_history_len,):
+                raise ValueError(
+                    f"fp8 state: history {role!r} of shape {tuple(hist.shape)}; this layer "
+                    f"keeps {tuple(roles)} of length {self.recipe.amax_history_len} "
+                    "(--fp8-amax-history-len): resume with the saving run's value"
+                )
+            self.scales.set_history(role, hist.float().clone(), roles[role])
+
+    def agree_histories(self, group, device) -> None:
+        """Delayed scaling: every history replaced by its maximum over ``group`` (one
+        all-reduce of every role's history, roles a rank has not seen yet as zeros), so the
+        ranks of an EP group hold the same histories and scales and a checkpoint of any one
+        resumes at any EP. A no-op for the other recipes."""
+        import torch.distributed as dist
+
+        roles = self.roles()
+        if not roles:
+            return
+        n = self.recipe.amax_history_len
+        hist = self.scales.history
+        stacked = torch.stack([hist[r].to(device) if r in hist else
+                               torch.zeros(n, device=device) for r in roles])  # fmt: skip
+        dist.all_reduce(stacked, op=dist.ReduceOp.MAX, group=group)
+        for j, (role, fmt) in enumerate(roles.items()):
+            self.scales.set_history(role, stacked[j].clone(), fmt)
+
     def invalidate(self) -> None:
         """Forget the quantised weights (the next call quantises again)."""
         self._key, self._refs, self._weights = None, [], None
+
+    def cached(self, originals) -> Fp8ExpertWeights | None:
+        """The fp8 copy quantised from ``originals`` (the weights as the caller passes them:
+        ``(w13, w2)``, tensors or lists) when they are still the same tensors at the same
+        storage and version, else None: a caller holding per-expert lists stacks them only
+        when this misses."""
+        tensors = _flat(originals[0]) + _flat(originals[1])
+        alive = len(self._refs) == len(tensors) and all(
+            r() is t for r, t in zip(self._refs, tensors, strict=True)
+        )
+        if self._weights is None or not alive or weights_key(*originals) != self._key:
+            return None
+        return self._weights
 
     def expert_weights(self, w13: Tensor, w2: Tensor, originals=None) -> Fp8ExpertWeights:
         """The fp8 copy of ``w13``/``w2`` (stacked), cached while ``originals`` (the weights as
         the caller passed them: tensors or lists; default the stacked ones) are the same
         tensors at the same version."""
         originals = (w13, w2) if originals is None else originals
-        key = weights_key(*originals)
-        tensors = _flat(originals[0]) + _flat(originals[1])
-        alive = len(self._refs) == len(tensors) and all(
-            r() is t for r, t in zip(self._refs, tensors, strict=True)
-        )
-        if self._weights is None or key != self._key or not alive:
-            self._weights = quantize_expert_weights(w13.detach(), w2.detach(), self.recipe)
-            self._key, self._refs = key, [weakref.ref(t) for t in tensors]
-            self.quantizations += 1
+        hit = self.cached(originals)
+        if hit is not None:
+            return hit
+        self._weights = quantize_expert_weights(w13.detach(), w2.detach(), self.recipe)
+        self._key = weights_key(*originals)
+        self._refs = [weakref.ref(t) for t in _flat(originals[0]) + _flat(originals[1])]
+        self.quantizations += 1
         return self._weights
 
 

@@ -30,6 +30,7 @@ __all__ = [
     "AUTO",
     "AUTOTUNE_CHOICES",
     "DENSE_GEMM_CHOICES",
+    "FP8_EXPERTS_CHOICES",
     "FP32_GRAD_ACCUM_MIN_EP",
     "GATHER_WS_CHOICES",
     "GRAD_ACCUMS",
@@ -97,6 +98,9 @@ ROWS_GATHER_CHOICES = ("index", "copy")  # gathered-row GEMMs: through the index
 TMA_CHOICES = ("auto", "on", "off")  # tensor descriptors for contiguous operands
 GATHER_WS_CHOICES = ("auto", "off")  # the persistent Gluon kernels on sm90
 AUTOTUNE_CHOICES = ("shipped", "search", "first")  # shipped configs, a full search, the first
+# The routed experts' GEMMs under Megatron's fp8 recipe (--fp8-format): in fp8 ("auto": whenever
+# a recipe is given; relaymoe.fp8_recipe) or in bf16 ("off")
+FP8_EXPERTS_CHOICES = ("auto", "off")
 
 
 # Bounds of the numeric options: an int option is at most INT64_MAX (the agreement's rows and
@@ -221,7 +225,8 @@ class RingConfig:
     agreed by every rank of the group before any transfer (a
     mismatch raises on every rank); ``kernels.pair_buffer_mib`` too, since it sizes the hops'
     pair buffers. ``overlap``, ``capture_hops``, ``host_wait`` and ``timeout_s`` are this
-    rank's."""
+    rank's. ``fp8_experts`` is read by Megatron's dispatcher, which hands ``ring_moe`` its
+    ``Fp8State`` (``fp8=``) when it is ``auto`` and the model has an fp8 recipe."""
 
     mode: str = _opt(
         AUTO, MODE_CHOICES, flag="--relaymoe-mode",
@@ -295,6 +300,15 @@ class RingConfig:
         env="RELAYMOE_RING_AGREE",
         why="agree once per call signature, or at every call",
     )
+    fp8_experts: str = _opt(
+        "auto", FP8_EXPERTS_CHOICES, flag="--relaymoe-fp8-experts",
+        why="the routed experts' GEMMs in fp8 under an fp8 recipe (auto), or in bf16 (off)",
+        help="with --fp8-format and --moe-token-dispatcher-type ring: the ring's routed experts "
+        "compute their GEMMs in fp8 with the same recipe (auto: fprop and dgrad in fp8, wgrad "
+        "as --fp8-wgrad and the recipe say; the experts' fp8 copies travel the ring, half the "
+        "bf16 bytes), or in bf16 while TransformerEngine runs the other layers in fp8 (off); "
+        "no effect without --fp8-format",
+    )  # fmt: skip
     kernels: KernelOptions = field(default_factory=KernelOptions)
 
     def __post_init__(self):

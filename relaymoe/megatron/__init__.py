@@ -73,6 +73,7 @@ def register() -> None:
     try:
         patches.patch_arguments()
         patches.patch_checkpoint_loading()
+        patches.patch_train_step()
     except ImportError:  # megatron.training absent (core-only install): nothing to parse or load
         pass
     setattr(mcore, _REGISTERED_MARK, True)

@@ -42,6 +42,7 @@ from torch import Tensor
 from relaymoe.activation import SWIGLU
 from relaymoe.megatron.activation_map import expert_activation_of
 from relaymoe.megatron.expert_weights import expert_bias_lists, expert_param_lists
+from relaymoe.megatron.fp8_experts import layer_fp8_state
 from relaymoe.megatron.main_grad import fused_main_grads
 from relaymoe.megatron.settings import ring_config_of
 from relaymoe.megatron.validate import check_ring_config, ring_graph_capture
@@ -196,6 +197,9 @@ class RingDispatcher(MoETokenDispatcher):
         self.call_config = self.ring_config
         if self.ep_per_node != self.ring_config.gpus_per_node:
             self.call_config = self.ring_config.replace(gpus_per_node=self.ep_per_node)
+        # the layer's fp8 state (None: bf16 experts), this layer's as its weights are: the
+        # recipe, delayed scaling's histories, the experts' fp8 copy (fp8_experts.py)
+        self.fp8 = layer_fp8_state(config, self.ring_config.fp8_experts)
         self.hidden_shape = None
         self.topk_idx = None
 
@@ -245,8 +249,10 @@ class RingDispatcher(MoETokenDispatcher):
             trusted=True,  # ids from Megatron's router; every EP rank runs the same shapes
             capturable=self.capturable,
             # gradient_accumulation_fusion under DDP: the weight gradients go into main_grad
-            main_grads=fused_main_grads(self.config, fc1, fc2),
+            # (the fp8 ring returns them to autograd, which DDP's hooks add into main_grad)
+            main_grads=None if self.fp8 is not None else fused_main_grads(self.config, fc1, fc2),
             **self._expert_mlp(b13, b2),
+            **({"fp8": self.fp8} if self.fp8 is not None else {}),
         )
 
     def _expert_mlp(self, b13, b2) -> dict:

@@ -1,4 +1,4 @@
-"""The six small, idempotent patches ``register()`` applies to megatron-core 0.19.
+"""The seven small, idempotent patches ``register()`` applies to megatron-core 0.19.
 
 1. ``megatron.training.arguments.add_megatron_arguments``: adds ``ring`` to the choices of
    ``--moe-token-dispatcher-type`` (built from ``TransformerConfig``'s ``Literal``) and adds the
@@ -29,6 +29,11 @@
 6. ``megatron.training.checkpointing._load_base_checkpoint``: a checkpoint saved with the other
    ``--transformer-impl`` of an MoE model is refused by name before any tensor is read
    (``checkpoint_compat.py``: megatron-core keys the pre-MoE norm differently per layer spec).
+7. ``megatron.training.training.train_step``: the ring layers' fp8 weight copies are dropped
+   before and after every step (``fp8_experts.invalidate_fp8_weights``: Megatron's optimizer
+   writes the weights where no version counter sees it), and delayed scaling's histories are
+   merged over each EP group after it (``fp8_checkpoint.py``). Without fp8 experts it does
+   nothing.
 
 Each patched callable carries ``__relaymoe_patched__`` so a second ``register()`` is a no-op.
 """
@@ -294,6 +299,31 @@ def patch_checkpoint_loading() -> None:
     checkpointing._load_base_checkpoint = _mark(_load_base_checkpoint, original)
 
 
+def patch_train_step() -> None:
+    """``train_step``: the fp8 experts' weight copies dropped around each optimizer step."""
+    from megatron.training import training
+
+    original = training.train_step
+    if getattr(original, MARK, False):
+        return
+
+    @functools.wraps(original)
+    def train_step(*a, **kw):
+        from relaymoe.megatron.fp8_checkpoint import agree_fp8_histories
+        from relaymoe.megatron.fp8_experts import invalidate_fp8_weights
+
+        model = a[2] if len(a) > 2 else kw.get("model")
+        if model is not None:
+            invalidate_fp8_weights(model)
+        result = original(*a, **kw)
+        if model is not None:
+            invalidate_fp8_weights(model)  # the optimizer wrote the weights
+            agree_fp8_histories(model)  # delayed scaling: the same histories on every EP rank
+        return result
+
+    training.train_step = _mark(train_step, original)
+
+
 # ------------------------------------------------------------------ TransformerConfig
 def patch_transformer_config() -> None:
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -352,6 +382,7 @@ def patch_moe_layer() -> None:
                 return original_init(self, config, *args, **kwargs)
             from relaymoe.megatron.dispatcher import RingDispatcher
             from relaymoe.megatron.expert_weights import make_expert_weights_contiguous
+            from relaymoe.megatron.fp8_checkpoint import attach_fp8_extra_state
 
             # Build as allgather (no communication at construction), then swap the dispatcher.
             # The config object is shared by all layers: restore it even if the build fails.
@@ -368,6 +399,7 @@ def patch_moe_layer() -> None:
             )
             self.token_dispatcher = dispatcher
             make_expert_weights_contiguous(self.experts)
+            attach_fp8_extra_state(self, dispatcher)  # delayed scaling's checkpointed state
 
         MoELayer.__init__ = _mark(__init__, original_init)
 
@@ -439,11 +471,11 @@ def _pg_collection_of(layer):
 
 
 def patched_everything() -> bool:
-    """True when all six patches are in place."""
+    """True when all seven patches are in place."""
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.transformer_config import TransformerConfig
-    from megatron.training import arguments, checkpointing
+    from megatron.training import arguments, checkpointing, training
 
     return all(
         getattr(f, MARK, False)
@@ -456,5 +488,6 @@ def patched_everything() -> bool:
             GPTModel.__init__,
             GPTModel._postprocess,
             checkpointing._load_base_checkpoint,
+            training.train_step,
         )
     )

@@ -11,9 +11,11 @@ Megatron-LM's own script): SFT, FIM, packed sequences, multi-token prediction, M
 
 Extra output (rank 0, ``--relaymoe-report PATH``): one JSON line per logged iteration with the
 loss, Megatron's iteration number, the learning rate, tokens/s, that step's peak memory and the
-bytes of expert weights the ring copied in it (``RingRuntime.copied_weight_bytes`` of every
-``RingDispatcher`` of the model): what a comparison of two runs reads (the examples' and the
-end-to-end benchmarks').
+bytes of expert weights the ring copied in it (``RingRuntime.copied_weight_bytes`` of the
+model's ring runtimes), the bytes of expert weights the reporting rank sent its EP peers in
+it (``ring_weight_bytes_sent``: ``RingRuntime.weight_bytes_sent``) and whether the experts ran
+in fp8 (``fp8_experts``): what a comparison of two runs reads (the examples' and the end-to-end
+benchmarks').
 With ``--relaymoe-weights-digest`` every rank also writes ``PATH.weights.rank<R>.json`` after the
 last iteration: a SHA-256 of its model parameters (names, dtypes, shapes and bytes), so two runs
 can be compared for bitwise identical weights without saving checkpoints.
@@ -266,18 +268,38 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def ring_copied_weight_bytes(model) -> int:
-    """Bytes of expert weights the ring has copied so far in ``model`` (a module or a list of
-    model chunks): the sum over its ``RingDispatcher``s' runtimes."""
+def ring_dispatchers(model) -> list:
+    """The ``RingDispatcher`` of every ring layer of ``model`` (a module or a list of model
+    chunks)."""
     from relaymoe.megatron.dispatcher import RingDispatcher
 
     chunks = model if isinstance(model, (list, tuple)) else [model]
-    return sum(
-        m.token_dispatcher.runtime.copied_weight_bytes
-        for chunk in chunks
-        for m in chunk.modules()
-        if isinstance(getattr(m, "token_dispatcher", None), RingDispatcher)
-    )
+    return [m.token_dispatcher for chunk in chunks for m in chunk.modules()
+            if isinstance(getattr(m, "token_dispatcher", None), RingDispatcher)]  # fmt: skip
+
+
+def _runtimes(model) -> list:
+    """The distinct runtimes of ``model``'s ring layers (the layers of a model share one per EP
+    group and ring config: ``dispatcher.model_runtime``), each counted once."""
+    return list({id(d.runtime): d.runtime for d in ring_dispatchers(model)}.values())
+
+
+def ring_copied_weight_bytes(model) -> int:
+    """Bytes of expert weights the ring has copied so far in ``model`` (a module or a list of
+    model chunks): the sum over its ring layers' runtimes."""
+    return sum(rt.copied_weight_bytes for rt in _runtimes(model))
+
+
+def ring_weight_bytes_sent(model) -> int:
+    """Bytes of expert weights this rank's ring layers have sent to their EP peers so far
+    (``RingRuntime.weight_bytes_sent``: bf16 weights, or their fp8 copies and scales)."""
+    return sum(rt.weight_bytes_sent for rt in _runtimes(model))
+
+
+def fp8_experts_ran(model) -> bool:
+    """Whether ``model``'s ring layers compute their experts in fp8 (each holds an
+    ``Fp8State``: ``fp8_experts.layer_fp8_state``)."""
+    return any(d.fp8 is not None for d in ring_dispatchers(model))
 
 
 def _install_step_report(args) -> None:
@@ -299,7 +321,7 @@ def _install_step_report(args) -> None:
         # benchmark buffers, NCCL/symmetric-memory setup) that steady training never sees again
         torch.cuda.reset_peak_memory_stats()
         model = a[2] if len(a) > 2 else kw["model"]
-        copied0 = ring_copied_weight_bytes(model)
+        copied0, sent0 = ring_copied_weight_bytes(model), ring_weight_bytes_sent(model)
         if phases is not None:
             phases.attach(model, a[3] if len(a) > 3 else kw["optimizer"])
             phases.start()
@@ -339,6 +361,9 @@ def _install_step_report(args) -> None:
                                 "peak_MiB": peak,
                                 # expert-weight bytes the ring copied this step (ring runs)
                                 "ring_weight_copy_bytes": ring_copied_weight_bytes(model) - copied0,
+                                # expert-weight bytes this rank sent its EP peers this step
+                                "ring_weight_bytes_sent": ring_weight_bytes_sent(model) - sent0,
+                                "fp8_experts": fp8_experts_ran(model),
                                 "dispatcher": args.moe_token_dispatcher_type,
                                 **({"memory_phases": memory} if memory is not None else {}),
                             }

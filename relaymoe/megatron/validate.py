@@ -18,10 +18,11 @@ Why each refusal:
   ``overlap_dispatch_backward_with_experts_wgrad``, ``delay_wgrad_compute``: these schedule
   around an all-to-all that the ring does not have; the ring overlaps its own P2P hops.
 * flex / DeepEP / HybridEP / NCCL-EP flags: those are other dispatchers.
-* fp4, and fp8 primary weights (``--fp8-param-gather``): the ring's expert kernels compute in
-  bf16/fp16/fp32 from the experts' own bf16 parameters. Plain fp8 recipes are accepted: TE runs
-  attention and the dense layers in fp8 and the ring runs the experts in bf16
-  (``fp8_expert_notice`` says so once at start).
+* fp4, and fp8 primary weights (``--fp8-param-gather``): the ring's expert kernels quantise
+  from the experts' own bf16 parameters. fp8 recipes are accepted: TE runs attention and the
+  dense layers in fp8 and the ring runs the experts' GEMMs in fp8 too (``fp8_experts.py``:
+  the recipe's mapping and its own refusals; ``--relaymoe-fp8-experts off`` keeps them in
+  bf16); ``fp8_expert_notice`` says which GEMMs run in fp8, once at start.
 * CUDA graphs over part of the MoE layer (``--cuda-graph-modules moe_router`` or
   ``moe_preprocess``): megatron-core then replays dispatcher state the ring does not keep. The
   whole MoE layer (``moe``, or an empty scope: the whole layer) and the whole step
@@ -66,6 +67,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from relaymoe.megatron.activation_map import expert_activation_problems
+from relaymoe.megatron.fp8_experts import fp8_expert_problems, fp8_recipe_of, fp8_requested
 
 __all__ = [
     "check_ring_config",
@@ -259,6 +261,7 @@ def ring_config_problems(c, *, ep_size: int | None = None, args_style: bool = Fa
                 "--fp8-param-gather (attention and dense layers still compute in fp8)"
             )
     problems += _graph_problems(c)
+    problems += fp8_expert_problems(c, graph_capture=ring_graph_capture(c) is not None)
     if g("transformer_impl") == "inference_optimized":
         problems.append(
             "transformer_impl='inference_optimized' uses its own inference dispatcher; "
@@ -316,16 +319,25 @@ def ring_config_problems(c, *, ep_size: int | None = None, args_style: bool = Fa
 
 def fp8_expert_notice(c) -> str | None:
     """The one line a ring run under an fp8 recipe prints at start (None without fp8): which
-    layers compute in fp8 and that the ring's experts do not."""
+    layers compute in fp8 and which of the ring's expert GEMMs do."""
     fmt = getattr(c, "fp8", None)
     if fmt in (None, False) or getattr(c, "moe_token_dispatcher_type", None) != "ring":
         return None
     recipe = getattr(c, "fp8_recipe", None)
     recipe = getattr(recipe, "value", recipe)
-    return (
-        f"[relaymoe] fp8 format {fmt}, recipe {recipe}: attention and dense layers compute in "
-        f"fp8 through TransformerEngine; the ring's routed experts compute in bf16 (relaymoe "
-        f"has no fp8 expert GEMMs)"
+    head = (f"[relaymoe] fp8 format {fmt}, recipe {recipe}: attention and dense layers compute "
+            f"in fp8 through TransformerEngine; ")  # fmt: skip
+    if not fp8_requested(c):
+        return head + ("the ring's routed experts compute in bf16 (--relaymoe-fp8-experts off)")
+    experts = fp8_recipe_of(c)
+    gemms = experts.gemms_in_fp8()
+    in_fp8 = [g for g in ("fprop", "dgrad", "wgrad") if gemms[g]]
+    in_bf16 = [g for g in ("fprop", "dgrad", "wgrad") if not gemms[g]]
+    return head + (
+        f"the ring's routed experts run {'/'.join(in_fp8)} in fp8 ({experts.recipe}, "
+        f"{experts.fmt}; gradients {experts.grad_format})"
+        + (f" and {'/'.join(in_bf16)} in bf16" if in_bf16 else "")
+        + "; their fp8 weight copies travel the ring (--relaymoe-fp8-experts off: bf16)"
     )
 
 

@@ -90,6 +90,7 @@ from relaymoe.ring.expert_mode import (
     expert_backward,
     expert_forward,
 )
+from relaymoe.ring.fp8_experts import fp8_ring_config, fp8_ring_moe
 from relaymoe.ring.hop_graphs import capturing
 from relaymoe.ring.main_grads import MainGrads, handed_back, main_grads_problem
 from relaymoe.ring.plan import IDX, RingProblem, ring_request
@@ -247,6 +248,7 @@ def ring_moe(
     config: RingConfig | None = None,
     runtime: RingRuntime | None = None,
     main_grads: MainGrads | None = None,
+    fp8=None,
 ) -> Tensor:
     """MoE experts over the expert-parallel ``group`` by ring execution (RelayMoE §3.1-3.3).
 
@@ -340,6 +342,13 @@ def ring_moe(
     The biases' gradients are returned as without it. This rank's choice: ranks may differ
     (``main_grads.py``).
 
+    ``fp8``: None (the GEMMs in the inputs' dtype), or a ``relaymoe.Fp8State`` (the layer's:
+    its recipe, delayed-scaling histories and the fp8 copy of this rank's experts, quantised once
+    per optimizer step): the expert GEMMs in fp8 and the experts' fp8 copies travelling instead
+    of their weights (``fp8_experts.py``: expert mode only, no biases, not captured, no
+    ``main_grads``). Every rank passes a state of the same recipe (not agreed: a trusted
+    caller's configuration).
+
     ``trusted=True`` (Megatron's dispatcher): ``topk_idx`` comes from a router and is not
     validated, and every rank changes its input signature (shapes, dtypes, mode, transport,
     whether a backward follows, the collective-deciding options ``agree`` and
@@ -383,6 +392,14 @@ def ring_moe(
                 "the captured one"
             )
         runtime = RingRuntime(group, persistent=False)  # this call's and its backward's
+    if fp8 is not None and main_grads is not None:
+        raise ValueError(
+            "ring_moe(fp8=..., main_grads=...): the fp8 ring returns the weight gradients to "
+            "autograd and does not add them into main_grads yet; pass main_grads=None"
+        )
+    if fp8 is not None:  # refused here on every rank; auto resolves to expert mode
+        config = fp8_ring_config(config, fp8, x=x, w2=w2, backend=backend, capturable=capturable,
+                                 b13=b13, b2=b2)  # fmt: skip
     listed = isinstance(w13, (list, tuple)) and isinstance(w2, (list, tuple))
     # the autograd inputs of the experts, weights then biases (LocalExperts.inputs' order);
     # a bias in the wrong form is refused by the agreement before they are used
@@ -402,6 +419,8 @@ def ring_moe(
     # a captured step already holds every hop, so no hop graphs are recorded inside it
     kernel_choice = KernelChoice(backend, config.kernels, config.capture_hops and not captured)
     call = RingCall.of(group, runtime, kernel_choice, config)
+    if fp8 is not None:
+        return fp8_ring_moe(x, topk_probs, topk_idx, problem, call, fp8, listed, ws)
     return _RingMoE.apply(x, topk_probs, topk_idx, problem, call, listed, main_grads, *ws)
 
 

@@ -664,6 +664,8 @@ def relay(
     views_of, runs_of, own_views = _pass_views(ex, work, device)
     _hops(ex, work, views_of, runs_of, own_views, overlap=call.overlap,
           hop_name=f"relaymoe.{mode}.{phase}.hop")  # fmt: skip
+    if mode == "expert":  # the leads of expert mode are the experts' weights (runtime.py)
+        call.runtime.weight_bytes_sent += plan.lead_bytes_sent()
     result = None
     if work.trail_layout is not None:
         result = _trail_home(ex, work.trail_layout(rank), device)

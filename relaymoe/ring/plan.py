@@ -492,6 +492,12 @@ class RingPlan:
                 recvs.append(Leg(src, rng, leg.range))
         return HopTransfer(hop, sends, tuple(recvs), sends_lead=lead, sends_trail=trail)
 
+    def lead_bytes_sent(self, rank: int | None = None) -> int:
+        """Bytes of leads ``rank`` (default this plan's) sends in one pass: the partition it
+        holds at each hop ``0..R-2``, forwarded once (expert mode: the experts' weights)."""
+        r = self.rank if rank is None else rank
+        return sum(self.slot_layout(h, r).lead_bytes for h in range(self.world_size - 1))
+
     def transfers(self) -> tuple[HopTransfer, ...]:
         """This rank's transfers of every hop, ``transfers()[h] == transfer(h)`` for ``h`` in
         ``0..R``. The executor asks once per pass instead of planning each hop on the host: cached

@@ -19,7 +19,10 @@ A runtime holds:
   (``faults.py``);
 * the per-hop timeline recorders open on it (:meth:`record_timeline`, ``executor.py``), and the
   bytes of expert weights its calls copied (``copied_weight_bytes``, ``weights.py``: a training
-  step's difference of it is what the step copies of its experts).
+  step's difference of it is what the step copies of its experts), and the bytes of expert
+  weights it sent to its peers (``weight_bytes_sent``: expert mode's leads, counted by
+  ``executor.relay`` per pass from the plan; bf16 weights, or their fp8 copies with scales under
+  ``ring_moe(fp8=...)``; the travelling gradients are not counted).
 
 What a call without a runtime loses: the agreement is made again at every call (a collective
 and a host sync; a captured call refuses, naming ``runtime=``), recorded hops are recorded again,
@@ -81,6 +84,8 @@ class RingRuntime:
         self.slot_memos: dict[torch.device, tuple[tuple, dict]] = {}
         self.recorders: list[list] = []
         self.copied_weight_bytes = 0  # weights.py: stacks and slot packs of expert weights
+        # executor.py: bytes of expert weights (expert mode's leads) this rank sent to a peer
+        self.weight_bytes_sent = 0
         # executor.py: (buffer, handle, capacity) per (group name, device index); whether the
         # copy engines work per group name; whether the barrier takes a timeout (None: unknown)
         self.workspaces: dict[tuple[str, int | None], tuple] = {}

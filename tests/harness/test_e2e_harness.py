@@ -828,6 +828,24 @@ def test_e2e_run_result_peaks_split_warmup_from_steady():
     assert short.peak_mib() == 42.0  # fewer steps than the warm-up: all of them
 
 
+def test_e2e_rows_carry_fp8_experts_and_the_weight_bytes_sent():
+    """A row says whether the experts ran in fp8 and the expert-weight bytes sent per step
+    after the warm-up (the step report's ``fp8_experts``/``ring_weight_bytes_sent``)."""
+    from benchmarks.e2e import RunResult
+
+    sent = [9, 9, 9, 9, 9, 100, 100, 100]
+    steps = [{"loss": 1.0, "peak_MiB": 1.0, "step_s": 1.0, "tokens_per_s": 1.0,
+              "ring_weight_bytes_sent": b, "fp8_experts": True} for b in sent]  # fmt: skip
+    fields = bench_e2e._run_fields(RunResult("ring", 0, steps=steps), len(steps))
+    assert fields["failure"] is None, fields["failure"]
+    assert fields["fp8_experts"] is True and fields["ring_weight_bytes_sent_per_step"] == 100
+    for s in steps:
+        s["fp8_experts"] = False
+    assert (
+        bench_e2e._run_fields(RunResult("ring", 0, steps=steps), len(steps))["fp8_experts"] is False
+    )
+
+
 def _trace(tmp_dir, kernels, steps=((0, 1000), (1000, 2000))):
     import gzip
     import json

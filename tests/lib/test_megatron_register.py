@@ -248,17 +248,30 @@ def test_refused_at_config_time(mcore, kw, message):
 
 
 @pytest.mark.parametrize("fmt", ["hybrid", "e4m3"])
-@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "blockwise", "mxfp8"])
-def test_fp8_recipes_accepted_with_a_notice(mcore, fmt, recipe):
-    """fp8 recipes run: TE computes attention and dense layers in fp8, the ring's experts stay
-    bf16 and say so in one line; only fp8 primary weights are refused (the ring reads bf16)."""
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "blockwise"])
+def test_fp8_recipes_run_the_experts_in_fp8_with_a_notice(mcore, fmt, recipe):
+    """fp8 recipes run: TE computes attention and dense layers in fp8 and the ring's experts
+    compute in fp8 too, saying which GEMMs; ``--relaymoe-fp8-experts off`` keeps them bf16;
+    fp8 primary weights are refused (the ring quantises from the bf16 parameters)."""
+    from relaymoe.megatron.fp8_experts import fp8_recipe_of
+    from relaymoe.megatron.settings import configure
     from relaymoe.megatron.validate import fp8_expert_notice, ring_config_problems
+    from relaymoe.options import RingConfig
 
     cfg = copy.copy(_config())
-    cfg.fp8, cfg.fp8_recipe = fmt, recipe
+    cfg.fp8, cfg.fp8_recipe, cfg.hidden_size, cfg.moe_ffn_hidden_size = fmt, recipe, 256, 128
     assert ring_config_problems(cfg) == []
     notice = fp8_expert_notice(cfg)
-    assert fmt in notice and recipe in notice and "experts compute in bf16" in notice
+    assert fmt in notice and recipe in notice, notice
+    wgrad = "wgrad in bf16" if recipe == "blockwise" else "fprop/dgrad/wgrad in fp8"
+    assert "routed experts run fprop/dgrad" in notice and wgrad.split(" in")[0] in notice, notice
+    assert ("and wgrad in bf16" in notice) == (recipe == "blockwise"), notice
+    r = fp8_recipe_of(cfg)
+    assert (r.recipe, r.fmt, r.fp8_wgrad) == (recipe, fmt, recipe != "blockwise")
+    cfg.fp8_wgrad = False  # --no-fp8-wgrad: every recipe's weight gradients in bf16
+    assert fp8_recipe_of(cfg).fp8_wgrad is False and "and wgrad in bf16" in fp8_expert_notice(cfg)
+    configure(cfg, ring=RingConfig(fp8_experts="off"))
+    assert fp8_recipe_of(cfg) is None and "experts compute in bf16" in fp8_expert_notice(cfg)
     cfg.fp8_param = True
     (problem,) = ring_config_problems(cfg)
     assert "--fp8-param-gather" in problem and "fix: remove" in problem
@@ -271,6 +284,73 @@ def test_fp8_recipes_accepted_with_a_notice(mcore, fmt, recipe):
     assert fp8_expert_notice(cfg) is None  # not the ring's to announce
 
 
+FP8_REFUSALS = [
+    ({"fp8_recipe": "mxfp8"}, "fp8_recipe='mxfp8'"),
+    (
+        {"fp8_recipe": "blockwise", "hidden_size": 192},
+        "hidden_size=192 with --fp8-recipe blockwise",
+    ),
+    ({"fp8_recipe": "blockwise", "moe_ffn_hidden_size": 96}, "moe_ffn_hidden_size=96 with"),
+    ({"add_bias_linear": True}, "add_bias_linear=True: the fp8 experts take no biases"),
+    ({"relaymoe_mode": "token"}, "relaymoe_mode='token': the fp8 experts run in expert mode"),
+    ({"relaymoe_schedule": "node_batched"}, "relaymoe_schedule='node_batched'"),
+    ({"cuda_graph_impl": "full_iteration"}, "the fp8 experts are not captured yet"),
+]
+
+
+@pytest.mark.parametrize("kw,message", FP8_REFUSALS, ids=[m[:24] for _, m in FP8_REFUSALS])
+def test_fp8_experts_refused_at_config_time(mcore, kw, message):
+    """What the fp8 experts cannot run is refused by name, with both fixes; off accepts it."""
+    from relaymoe.megatron.validate import ring_config_problems
+
+    args = types.SimpleNamespace(moe_token_dispatcher_type="ring", fp8="hybrid",
+                                 fp8_recipe="tensorwise", swiglu=True, hidden_size=256,
+                                 moe_ffn_hidden_size=128, **{"cuda_graph_modules": ["moe"]} if (
+                                     "cuda_graph_impl" in kw) else {})  # fmt: skip
+    for k, v in kw.items():
+        setattr(args, k, v)
+    problems = ring_config_problems(args, args_style=True)
+    hits = [p for p in problems if message in p]
+    assert hits, problems
+    assert "--relaymoe-fp8-experts off" in hits[0] and "fix" in hits[0]
+    args.relaymoe_fp8_experts = "off"
+    assert not [p for p in ring_config_problems(args, args_style=True) if "fp8 experts" in p]
+
+
+def test_fp8_experts_off_reaches_a_config_built_from_megatron_arguments(mcore, monkeypatch):
+    """A ``TransformerConfig`` carries no ``--relaymoe-*`` value: the option comes from the
+    model's ring config (Megatron's parsed arguments), so ``off`` lifts the fp8 refusals."""
+    from relaymoe.megatron import settings
+    from relaymoe.megatron.validate import ring_config_problems
+    from relaymoe.options import RingConfig
+
+    cfg = copy.copy(_config())
+    cfg.fp8, cfg.fp8_recipe, cfg.add_bias_linear = "hybrid", "tensorwise", True
+    assert any("fp8 experts take no biases" in p for p in ring_config_problems(cfg))
+    monkeypatch.setattr(settings, "ring_config_of", lambda c: RingConfig(fp8_experts="off"))
+    assert not any("fp8 experts" in p for p in ring_config_problems(cfg))
+
+
+def test_layer_fp8_state_refuses_a_gpu_before_hopper(mcore, monkeypatch):
+    """The dispatcher's state: None without fp8 or with off; a pre-Hopper GPU named."""
+    import torch
+
+    from relaymoe.megatron.fp8_experts import layer_fp8_state
+
+    args = types.SimpleNamespace(moe_token_dispatcher_type="ring", fp8="e4m3",
+                                 fp8_recipe="blockwise")  # fmt: skip
+    assert layer_fp8_state(args, "off") is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "NVIDIA A100")
+    with pytest.raises(ValueError, match="NVIDIA A100 has capability 8.0 .*fp8-experts off"):
+        layer_fp8_state(args, "auto")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d: (9, 0))
+    state = layer_fp8_state(args, "auto")
+    assert state.recipe.recipe == "blockwise" and state.recipe.fmt == "e4m3"
+
+
 def test_fp8_notice_printed_on_rank_0_only(mcore, capsys):
     """Megatron's argument validation (patched) prints the fp8 notice once, on rank 0."""
     from relaymoe.megatron.patches import announce_fp8_experts
@@ -278,10 +358,54 @@ def test_fp8_notice_printed_on_rank_0_only(mcore, capsys):
     ns = types.SimpleNamespace(moe_token_dispatcher_type="ring", fp8="hybrid",
                                fp8_recipe="tensorwise", rank=0)  # fmt: skip
     assert announce_fp8_experts(ns).startswith("[relaymoe] fp8 format hybrid, recipe tensorwise")
-    assert capsys.readouterr().out.count("routed experts compute in bf16") == 1
+    assert capsys.readouterr().out.count("routed experts run fprop/dgrad/wgrad in fp8") == 1
     ns.rank = 3
     announce_fp8_experts(ns)
     assert capsys.readouterr().out == ""
+
+
+def test_train_step_drops_the_fp8_weight_copies_around_each_step(mcore):
+    """Patch 7: every ring layer's fp8 state is invalidated before and after the step (the
+    optimizer writes the weights through ``.data``, which no version counter sees)."""
+    import torch
+    from megatron.training import training
+
+    from relaymoe.megatron import patches
+
+    events = []
+
+    class State:
+        def __init__(self, name):
+            self.name = name
+
+        def invalidate(self):
+            events.append(self.name)
+
+        def roles(self):  # no delayed-scaling histories to merge
+            return {}
+
+    class Layer(torch.nn.Module):
+        def __init__(self, name):
+            super().__init__()
+            self.token_dispatcher = types.SimpleNamespace(fp8=State(name))
+
+    def step(forward_step_func, data_iterator, model, optimizer):  # Megatron's order
+        events.append("step")
+        return "result"
+
+    model = [torch.nn.Sequential(Layer("a"), Layer("b"), torch.nn.Linear(2, 2))]
+    patched = training.train_step
+    assert getattr(patched, patches.MARK)  # register() installed it
+    training.train_step = step
+    try:
+        patches.patch_train_step()
+        assert training.train_step("f", "it", model, "opt") == "result"
+        assert events == ["a", "b", "step", "a", "b"]
+        events.clear()
+        training.train_step("f", "it", model=model, optimizer="opt")
+        assert events == ["a", "b", "step", "a", "b"]
+    finally:
+        training.train_step = patched
 
 
 def test_same_options_accepted_by_other_dispatchers(mcore):

@@ -118,10 +118,14 @@ def _forward_a(xq, x_inv, wq: Fp8ExpertWeights, groups, prob_P, h_PJ, x_dtype, a
 
 def fp8_hop_forward(x_TH: Tensor, wq: Fp8ExpertWeights, probs_TK: Tensor, index, e0: int,
                     e1: int, out_TH: Tensor | None, save_h: bool, *, recipe: Fp8Recipe,
-                    scales=None, options: HopOptions | None = None) -> tuple[Tensor, Fp8Saved]:  # fmt: skip
+                    scales=None, options: HopOptions | None = None,
+                    x_fp8: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Fp8Saved]:  # fmt: skip
     """Add experts ``[e0, e1)``'s pairs into ``out_TH`` (written when None), fp8 GEMMs.
     Returns ``(out_TH, saved)`` (:class:`Fp8Saved`; its ``h`` with ``save_h``). ``options``:
-    the activation and the pair count (``n_pairs``/``max_pairs``) as the Triton hop's."""
+    the activation and the pair count (``n_pairs``/``max_pairs``) as the Triton hop's.
+    ``x_fp8``: x already quantised, ``quantize_input(x_TH, "x", "e4m3", recipe, scales)``, for
+    a caller that runs several ranges over one x (the ring's hops): quantised once, one scale
+    (and one delayed-scaling history entry) for every range."""
     options = HOP_DEFAULTS if options is None else options
     act, k = as_activation(options.activation), select.kernel_options(options.kernels)
     x_TH = unit_cols(x_TH)
@@ -134,7 +138,7 @@ def fp8_hop_forward(x_TH: Tensor, wq: Fp8ExpertWeights, probs_TK: Tensor, index,
     check_hop_sizes(x_TH.shape[0], n_pairs, "fp8_hop_forward")
     if save_h and not exact:
         raise ValueError("save_h needs the exact pair count (n_pairs), not max_pairs")
-    xq, x_inv = quantize_input(x_TH, "x", "e4m3", recipe, scales)
+    xq, x_inv = x_fp8 if x_fp8 is not None else quantize_input(x_TH, "x", "e4m3", recipe, scales)
     saved = Fp8Saved(xq, x_inv, None, None if recipe.fp8_wgrad else x_TH, x_TH.dtype)
     if n_pairs == 0 or n_local == 0 or x_TH.shape[0] == 0 or x_TH.shape[1] == 0:
         if not accumulate:
@@ -246,11 +250,13 @@ def _weight_grads(dy_TH, dyq, dy_inv, saved: Fp8Saved, gr: _Grads, wq, groups, g
 def fp8_hop_backward(dy_TH: Tensor, saved: Fp8Saved, wq: Fp8ExpertWeights, probs_TK: Tensor,
                      index, e0: int, e1: int, *, recipe: Fp8Recipe, scales=None,
                      consume_saved_h: bool = False, grads: HopGrads | None = None,
-                     options: HopOptions | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+                     options: HopOptions | None = None,
+                     dy_fp8: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """Gradients of experts ``[e0, e1)``'s pairs from the forward's ``saved``, fp8 GEMMs where
     the recipe runs them; ``grads``: as ``triton_hop_backward``'s (ADDED into the buffers
     given; dw written over with ``dw_accumulate=False``). Returns ``(dx, dprobs, dw13, dw2)``;
-    ``consume_saved_h``: dh may be written over the saved h."""
+    ``consume_saved_h``: dh may be written over the saved h. ``dy_fp8``: dy already quantised
+    (``quantize_input(dy_TH, "dy", recipe.grad_format, recipe, scales)``), as ``x_fp8``."""
     options = HOP_DEFAULTS if options is None else options
     grads = GRAD_DEFAULTS if grads is None else grads
     if grads.dw_reversed:  # the fp8 weight-gradient kernel writes rows in expert order only
@@ -274,7 +280,8 @@ def fp8_hop_backward(dy_TH: Tensor, saved: Fp8Saved, wq: Fp8ExpertWeights, probs
             dx_TH.zero_()
         like = _meta_weights(wq)
         return (dx_TH, dprobs_TK, *zero_weight_grads(*like, grads, options.grad_dtype))
-    dyq, dy_inv = quantize_input(dy_TH, "dy", recipe.grad_format, recipe, scales)
+    dyq, dy_inv = dy_fp8 if dy_fp8 is not None else quantize_input(
+        dy_TH, "dy", recipe.grad_format, recipe, scales)  # fmt: skip
     prob_P = pairs.pair_probs(probs_TK, index.token_index_map, offs, n_pairs)
     groups = HopGroups(index.expert_token_indices, offs, n_pairs, exact)
     h, dh = _backward_h(saved, wq, groups, act, consume_saved_h)

@@ -48,11 +48,15 @@ class DelayedScaling:
         used = self.scales.get(role)
         if used is None:
             used = torch.ones(1, dtype=torch.float32, device=amax.device)
-        hist = torch.cat([amax, hist[:-1]])
+        self.set_history(role, torch.cat([amax, hist[:-1]]), fmt)
+        return used
+
+    def set_history(self, role: str, hist: Tensor, fmt: str) -> None:
+        """Make ``hist`` (newest first, ``history_len`` fp32) the role's history and compute the
+        scale its next quantisation uses from it (a history merged across ranks, or loaded)."""
         window = hist.amax() if self.algo == "max" else hist[0]
         self.history[role] = hist
         self.scales[role] = scale_from_amax(window, fmt, margin=self.margin).reshape(1)
-        return used
 
     def state_dict(self) -> dict:
         return {"history": dict(self.history), "scales": dict(self.scales)}
