@@ -112,32 +112,40 @@ class GradGuess:
     from the last one observed (device scalars: no host sync), for the fused loss's speculative
     weight gradient. Megatron's schedule divides a micro-batch's summed loss by its counted
     tokens ``n`` unless ``config.calculate_per_token_loss`` (then by the total at the end): the
-    guess is kept as ``g * n`` and divided by the next ``n``, so a new token count costs
-    nothing; a change of loss scale, of micro-batch count, or a weighted loss mask costs the
-    backward's correction, never the gradient's exactness. One per output processor (one model),
-    never global."""
+    guess is the last ``g`` (exact while ``n`` does not change), rescaled by ``n_last / n``
+    when it does, so a new token count costs nothing; a change of loss scale, of micro-batch
+    count, or a weighted loss mask costs the backward's correction, never the gradient's
+    exactness. One per output processor (one model), never global."""
 
     def __init__(self):
-        # g (per-token loss) or g * n of the last observation, 0-dim fp32, updated in place (a
-        # CUDA graph that captured the update keeps updating the tensor the next forward reads)
-        self.scaled = None
+        # the last observation's g and its counted tokens n, 0-dim, updated in place (a CUDA
+        # graph that captured the update keeps updating the tensors the next forward reads)
+        self.g = None
+        self.n = None
 
     def expected(self, counted_n, per_token_loss: bool):
-        """This micro-batch's guess (None before any observation)."""
-        if self.scaled is None:
+        """This micro-batch's guess (None before any observation): the last ``g`` itself when
+        the loss is per token or the count is unchanged (exact: the same value Megatron's
+        schedule computes again), else ``g * n_last / n``."""
+        if self.g is None:
             return None
-        return self.scaled if per_token_loss else self.scaled / counted_n.clamp_min(1)
+        if per_token_loss:
+            return self.g
+        n = counted_n.clamp_min(1)
+        return torch.where(n == self.n, self.g, self.g * self.n / n)
 
     def observe(self, valid_T, counted_n, per_token_loss: bool):
         """A hook for the loss tensor: records the gradient one counted token receives."""
 
         def hook(g_T):
             g = g_T.reshape(-1)[valid_T.to(torch.int8).argmax()].float()
-            value = g if per_token_loss else g * counted_n.clamp_min(1)
-            ok = valid_T.any() & torch.isfinite(value) & (value != 0)
-            if self.scaled is None:
-                self.scaled = value.new_full((), float("nan"))
-            self.scaled.copy_(torch.where(ok, value, self.scaled))
+            n = counted_n.clamp_min(1).float()
+            ok = valid_T.any() & torch.isfinite(g) & (g != 0)
+            if self.g is None:
+                self.g = g.new_full((), float("nan"))
+                self.n = n.new_ones(())
+            self.g.copy_(torch.where(ok, g, self.g))
+            self.n.copy_(torch.where(ok, n, self.n))
 
         return hook
 
@@ -227,14 +235,10 @@ def _accumulates_into_main_grad(weight, output_layer) -> bool:
     ``gradient_accumulation_fusion`` or Megatron's DDP marking the parameter
     (``grad_added_to_main_grad``): its backward hook adds ``.grad`` into ``main_grad`` anyway,
     so adding there directly, with the mark and the dummy that fusion hands it, ends the same
-    with ``--no-gradient-accumulation-fusion`` too. Not while a CUDA graph is being captured: a
-    captured backward cannot branch on the guess, and without one the mode recomputes the
-    logits (a fourth GEMM); the kept mode's three GEMMs, with its device-side check that the
-    upstream gradient is uniform, are what a graphed step replays."""
+    with ``--no-gradient-accumulation-fusion`` too."""
     grad = getattr(weight, "main_grad", None)
     return (
         torch.is_grad_enabled()
-        and not (weight.is_cuda and torch.cuda.is_current_stream_capturing())
         and (
             output_layer.gradient_accumulation_fusion or hasattr(weight, "grad_added_to_main_grad")
         )
@@ -249,7 +253,11 @@ def _accumulates_into_main_grad(weight, output_layer) -> bool:
 def _speculation(output_layer, weight, labels_T, guess: GradGuess | None) -> dict:
     """The accumulate mode's keyword arguments, and the hook that feeds ``guess`` (``observe``)."""
     args = {"weight_grad_into": weight.main_grad}
-    if guess is None:  # the backward computes the weight gradient itself
+    if guess is None or (weight.is_cuda and torch.cuda.is_current_stream_capturing()):
+        # without a guess the backward computes the weight gradient itself (one GEMM more).
+        # A captured backward could not branch on a guess that missed (the op would stop the
+        # device instead); its arithmetic equals the eager forward's whenever the eager guess
+        # was exact, so a graphed step stays bitwise equal to the eager one (GradGuess)
         return args
     per_token = bool(getattr(output_layer.config, "calculate_per_token_loss", False))
     valid = labels_T != IGNORE_INDEX

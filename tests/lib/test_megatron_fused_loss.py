@@ -543,3 +543,25 @@ def test_refused_on_megatron_args(rm):
     args = parser.parse_args(["--relaymoe-fused-loss", "--mtp-num-layers", "1"])
     with pytest.raises(ValueError, match="remove --mtp-num-layers"):
         arguments.validate_args(args)
+
+
+def test_grad_guess_is_exact_while_the_token_count_holds():
+    """The fused loss's guess of Megatron's upstream gradient: the last g itself while the
+    counted tokens do not change (exact, so the eager forward's speculative dW equals a captured
+    step's recomputed one bitwise), rescaled by n_last / n when they do, g for a per-token loss;
+    a non-finite or zero observation keeps the last guess."""
+    from relaymoe.megatron.fused_loss import GradGuess
+
+    guess = GradGuess()
+    n = torch.tensor(3)
+    g = torch.tensor(0.1234567)  # (g * 3) / 3 != g in fp32: a rescaled guess would miss
+    assert not torch.equal(g * 3 / 3, g)
+    valid = torch.ones(3, dtype=torch.bool)
+    assert guess.expected(n, False) is None
+    guess.observe(valid, n, False)(torch.full((3,), g.item()))
+    assert torch.equal(guess.expected(n, False), g)
+    assert torch.equal(guess.expected(n, True), g)
+    m = torch.tensor(3000)
+    assert torch.allclose(guess.expected(m, False), g * 3 / 3000, rtol=1e-6)
+    guess.observe(valid, n, False)(torch.full((3,), float("nan")))
+    assert torch.equal(guess.expected(n, False), g)
