@@ -267,3 +267,30 @@ def test_the_loss_model_of_each_mode():
     assert fused_loss_bytes(T_, H_, V_, chunk_tokens=C_).chunk == C_ * V_ * 6  # torch path
     with pytest.raises(ValueError, match="wgrad='fp32'; use one of"):
         fused_loss_bytes(T_, H_, V_, wgrad="fp32")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_exact_guess_equals_the_recompute_bitwise(dtype):
+    """A forward whose guess is exact adds the same bits into the accumulator (and returns the
+    same hidden gradient) as the mode without a guess, which computes everything in the
+    backward: what keeps a captured step (no guess, ``relaymoe/megatron/fused_loss.py``)
+    bitwise equal to the eager one."""
+    gen = torch.Generator().manual_seed(0)
+    t, h, v = 300, 32, 257
+    hid = torch.randn(t, h, generator=gen).to(dtype)
+    w = (torch.randn(v, h, generator=gen) * 0.1).to(dtype)
+    y = torch.randint(0, v, (t,), generator=gen)
+    y[::7] = -100
+    g = torch.tensor(1.0) / (y != -100).sum().float() / 16
+    prefill = torch.randn(v, h, generator=gen)
+    got = []
+    for expected in (g, None):
+        hh, ww = hid.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        acc = prefill.clone()
+        kw = {"weight_grad_into": acc, "impl": "torch", "chunk_tokens": 128}
+        if expected is not None:
+            kw["expected_grad"] = expected
+        loss = linear_cross_entropy(hh, ww, y, **kw)
+        (loss * torch.where(y != -100, g, 0.0)).sum().backward()
+        got.append((acc, hh.grad))
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
