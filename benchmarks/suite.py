@@ -172,7 +172,7 @@ STEPS: tuple[Step, ...] = (
                "tests/gpu/test_property_gpu.py", "tests/gpu/test_gather_ws_gpu.py",
                "tests/gpu/test_hop_graphs_gpu.py", "tests/gpu/test_mcore_moe_layer_gpu.py",
                "tests/gpu/test_capture_gpu.py", "tests/gpu/test_max_seq_gpu.py",
-               "tests/gpu/test_fp8_experts_gpu.py",
+               "tests/gpu/test_fp8_experts_gpu.py", "tests/gpu/test_ring_fp8_gpu.py",
                "--junitxml={out}/gpu_tests_more.xml"),
          full=("--timeout", "300"), outputs=("gpu_tests_more.xml",)),
     Step("memory_model", "benchmarks/validate_memory_model.py", "gpu0", 1, 100, 300,
