@@ -75,12 +75,9 @@ def fp8_requested(c, option: str | None = None) -> bool:
     """Whether a ring model of config or arguments ``c`` asks for fp8 experts: an fp8 format,
     the ring dispatcher and ``--relaymoe-fp8-experts auto`` (``option``: the value, when the
     caller holds the ``RingConfig``; default read from ``c``)."""
-    option = option or fp8_experts_option(c)
-    return (
-        _get(c, "fp8") not in (None, False)
-        and _get(c, "moe_token_dispatcher_type") == "ring"
-        and option != "off"
-    )
+    if _get(c, "fp8") in (None, False) or _get(c, "moe_token_dispatcher_type") != "ring":
+        return False  # decided without the option (whose lookup may import megatron.training)
+    return (option or fp8_experts_option(c)) != "off"
 
 
 def fp8_recipe_of(c, option: str | None = None) -> Fp8Recipe | None:
