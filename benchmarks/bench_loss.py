@@ -254,7 +254,7 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def _peak_over(run) -> int:
+def peak_over_bytes(run) -> int:
     """Bytes allocated at the peak of ``run()`` over what was allocated before it (CUDA)."""
     gc.collect()
     torch.cuda.synchronize()
@@ -277,13 +277,13 @@ def memory(p, h, w, upstream) -> dict:
 
     p.zero(w)
     h.grad = None
-    peak = _peak_over(step)
+    peak = peak_over_bytes(step)
     p.zero(w)
     h.grad = None
     p.preexisting(w)
-    transient = _peak_over(step) - h.grad.numel() * h.grad.element_size()
+    transient = peak_over_bytes(step) - h.grad.numel() * h.grad.element_size()
     with torch.no_grad():
-        chunk = _peak_over(lambda: p.forward(h.detach(), w.detach()))
+        chunk = peak_over_bytes(lambda: p.forward(h.detach(), w.detach()))
     p.zero(w)
     h.grad = None
     vals = (peak, transient, chunk, transient - chunk)

@@ -169,14 +169,11 @@ def _accumulate(h, w, y, up, acc, expected, **kw):
 
 
 def _transient(run, h) -> int:
-    """Peak bytes of ``run()`` over what existed before it, less the hidden gradient it returns."""
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    run()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base - h.numel() * h.element_size()
+    """Peak bytes of ``run()`` over what existed before it, less the hidden gradient it returns
+    (``bench_loss``'s measure, ``transient_MiB``)."""
+    from benchmarks.bench_loss import peak_over_bytes
+
+    return peak_over_bytes(run) - h.numel() * h.element_size()
 
 
 @pytest.mark.parametrize("impl", ["triton", "torch"])
