@@ -40,8 +40,8 @@ TABLES = [
     (
         "experts",
         "Fused expert kernels vs naive vs liger (1 GPU, fwd+bwd of one MoE layer)",
-        ("shape", "provider", "recompute", "dtype"),
-        ["shape", "provider", "recompute", "grads", "ms_fwd_bwd", "ms_fwd", "tflops_fwd_bwd",
+        ("shape", "provider", "recompute", "dtype", "fp8"),
+        ["shape", "provider", "fp8", "recompute", "grads", "ms_fwd_bwd", "ms_fwd", "tflops_fwd_bwd",
          "saved_for_bwd_MiB", "peak_over_inputs_MiB", "speedup_vs_naive", "speedup_vs_best"],
     ),
     (
@@ -74,8 +74,10 @@ TABLES = [
     (
         "max_seq",
         "Longest sequence that trains two steps (measured, full recompute; a search per row)",
-        ("config", "provider", "memory_cap_gpu", "alloc_conf", "max_seq"),
-        ["config", "provider", "memory_cap_gpu", "alloc_conf", "max_seq", "first_oom_seq",
+        ("config", "provider", "transformer_impl", "recompute_policy", "memory_cap_gpu",
+         "alloc_conf", "max_seq"),
+        ["config", "provider", "transformer_impl", "recompute_policy", "memory_cap_gpu",
+         "alloc_conf", "max_seq", "first_oom_seq",
          "bracket_open", "stop_reason", "predicted_max_seq", "peak_MiB_at_max_seq",
          "planner_peak_at_max_seq_MiB"],
     ),
@@ -402,13 +404,32 @@ def full_tables(items: list[tuple[str, dict, str]]) -> str:
     return "\n".join(out) if len(out) > 1 else "\n"
 
 
+def _newest_pair(items, bench: str, mine: dict, base: dict, key: str):
+    """The newest ``(mine, base)`` pair of rows of ``bench`` (each a ``(source, row)``) that
+    come from one run folder (one device call: one machine start, one commit) and both carry
+    ``key``; None if no run holds both. A ratio of rows from two machine starts would mix the
+    machines' drift into the comparison."""
+    for s, r, _ in reversed(items):
+        if r.get("bench") != bench or not isinstance(r.get(key), int | float):
+            continue
+        if _newest([(s, r, _)], bench, mine) is None:
+            continue
+        run = os.path.dirname(s)
+        same_run = [it for it in items if os.path.dirname(it[0]) == run]
+        b = _newest(same_run, bench, base)
+        if b and b[1].get(key):
+            return (s, r), b
+    return None
+
+
 def _newest(items, bench: str, match: dict):
     """The newest (source, row) of ``bench`` whose keys equal ``match``'s, or None. Rows of an
     expert activation other than SwiGLU (``bench_experts.py --activation``) have no competitor
-    rows: they never stand for a headline's row."""
+    rows: they never stand for a headline's row; nor do fp8 rows (the headline compares bf16
+    with bf16; fp8 rows have their own table lines)."""
     hit = None
     for s, r, _ in items:
-        if r.get("activation", "swiglu") != "swiglu":
+        if r.get("activation", "swiglu") != "swiglu" or r.get("fp8"):
             continue
         if r.get("bench") == bench and all(r.get(k) == v for k, v in match.items()):
             hit = (s, r)
@@ -439,12 +460,14 @@ def _card(*rows: dict) -> str:
 
 
 def headline(items: list[tuple[str, dict, str]]) -> str:
-    """README.md's generated section: relaymoe vs the Megatron baseline, newest rows."""
+    """README.md's generated section: relaymoe vs the Megatron baseline, the newest pair of rows
+    of one run for each line."""
     lines, srcs, commits = [], set(), set()
     for what, bench, mine, base, key in HEADLINE:
-        a, b = _newest(items, bench, mine), _newest(items, bench, base)
-        if not a or not b or not isinstance(a[1].get(key), int | float) or not b[1].get(key):
+        pair = _newest_pair(items, bench, mine, base, key)
+        if pair is None:
             continue
+        a, b = pair
         base_v = b[1][key]
         if key == "tokens_per_s" and b[1].get("repeat_tokens_per_s"):
             base_v = max(base_v, b[1]["repeat_tokens_per_s"])  # the anchor's faster run

@@ -344,3 +344,26 @@ def test_headline_rows_are_swiglu_rows():
     te = {**base, "provider": "te_grouped", "ms_fwd_bwd": 30.0}
     items = [("r/x.jsonl", r, "run") for r in (te, mine, other)]
     assert "| 15.00 | 30.00 | 0.50x |" in mrr.headline(items)
+
+
+def test_headline_pairs_rows_of_one_run_and_of_bf16():
+    """Each line's two rows come from one run folder (one machine start): a newer relaymoe row
+    whose run lacks the baseline falls back to the newest run holding both. fp8 rows (their own
+    table lines) never stand for the bf16 headline."""
+    base = {"bench": "loss", "shape": "T64k"}
+    old_ours = {**base, "provider": "relaymoe", "ms_fwd_bwd": 200.0}
+    old_mcore = {**base, "provider": "megatron", "ms_fwd_bwd": 400.0}
+    new_ours = {**base, "provider": "relaymoe", "ms_fwd_bwd": 100.0}
+    items = [("old/loss.jsonl", old_ours, "old"), ("old/loss.jsonl", old_mcore, "old"),
+             ("new/loss.jsonl", new_ours, "new")]  # fmt: skip
+    out = mrr.headline(items)
+    assert "| 200.0 | 400.0 | 0.50x |" in out and "old/loss.jsonl" in out
+    assert "new/loss.jsonl" not in out
+    new_mcore = {**base, "provider": "megatron", "ms_fwd_bwd": 300.0}
+    assert "| 100.0 | 300.0 | 0.33x |" in mrr.headline([*items, ("new/loss.jsonl", new_mcore, "new")])
+    ex = {"bench": "experts", "shape": "qwen3_30b_a3b_T32k", "recompute": "act"}
+    rows = [{**ex, "provider": "relaymoe", "ms_fwd_bwd": 15.0},
+            {**ex, "provider": "te_grouped", "ms_fwd_bwd": 30.0},
+            {**ex, "provider": "relaymoe", "ms_fwd_bwd": 9.0, "fp8": "blockwise"},
+            {**ex, "provider": "te_grouped", "ms_fwd_bwd": 40.0, "fp8": "blockwise"}]  # fmt: skip
+    assert "| 15.00 | 30.00 | 0.50x |" in mrr.headline([("r/x.jsonl", r, "r") for r in rows])
