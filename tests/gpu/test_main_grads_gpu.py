@@ -168,7 +168,27 @@ def test_ring_world_of_one_adds_into_main_grad(mode, params, grads):
 def test_captured_step_adds_into_main_grad_as_the_eager_step():
     """megatron-core's full_iteration, in small: forward, backward and DDP's hooks captured in
     one graph after eager steps; the replay from the same main_grad leaves it bitwise as the
-    eager step does."""
+    eager step does.
+
+    The streams as Megatron sets them: its training runs on a stream of its own (not the legacy
+    default one, which a capture may not wait on), and FullCudaGraphWrapper lets autograd nodes
+    made before the capture (DDP's gradient accumulators, kept alive by its hooks) run on the
+    capturing stream (``set_override_stale_capture_stream``, where torch has it)."""
+    side = torch.cuda.Stream()
+    override = getattr(torch.autograd.graph, "set_override_stale_capture_stream", None)
+    side.wait_stream(torch.cuda.current_stream())
+    try:
+        if override is not None:
+            override(True)
+        with torch.cuda.stream(side):
+            _captured_step_vs_eager(side)
+    finally:
+        if override is not None:
+            override(False)
+    torch.cuda.current_stream().wait_stream(side)
+
+
+def _captured_step_vs_eager(stream):
     from relaymoe.ring import MainGrads, RingRuntime, ring_moe
 
     _, t = _problem(7)
@@ -198,11 +218,11 @@ def test_captured_step_adds_into_main_grad_as_the_eager_step():
     reset()
     step()
     eager = _stack(fc1, fc2)
-    # as megatron-core's FullCudaGraphWrapper captures: after the eager steps, on a stream of
-    # its own, errors of this thread only
+    # as megatron-core's FullCudaGraphWrapper captures: after the eager steps, errors of this
+    # thread only
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=torch.cuda.Stream(), capture_error_mode="thread_local"):
+    with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
         step()
     torch.cuda.synchronize()
     reset()
