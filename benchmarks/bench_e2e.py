@@ -172,6 +172,12 @@ ANCHOR_CANDIDATES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "cross_entropy_te": (("--cross-entropy-fusion-impl", "te"),
                          ("--cross-entropy-fusion-impl", "te")),
     "te_activation": (("--use-te-activation-func",), ()),
+    # Megatron's default fuses each weight gradient into main_grad inside the GEMM; TE's
+    # GroupedLinear then runs one accumulating GEMM per expert, where without the fusion it runs
+    # grouped GEMMs and DDP adds (1x H100, global batch 16: 23,293 tokens/s with the fusion at
+    # ea4fbac, 31,933 without at 58d1370, two machine starts). The ring keeps the fusion (its
+    # weight-gradient kernel adds into main_grad).
+    "no_wgrad_fusion": (("--no-gradient-accumulation-fusion",), ()),
 }  # fmt: skip
 # Kept from the sweep at 54c58a750d7f on 1x H200 (run 2026-12-02_h200x1_06a6893c75f0, the
 # device's git named the session's first commit): base 13,378 and base_repeat 17,228 tokens/s,

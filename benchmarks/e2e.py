@@ -168,6 +168,11 @@ def run_impl(flags) -> str:
 # Without TE (or asked for): RoPE fusion is a TE kernel, the persistent LayerNorm (Megatron's
 # default) is apex's, and the fused masked softmax of the local attention is a CUDA extension that
 # the megatron-core wheel does not ship.
+# TE's attention builds the causal mask itself: the data loader's (seq x seq) boolean mask per
+# sample (Megatron's default) only costs the host, 16 MiB a 4k sample through the loader's
+# worker pipe, and a whole-iteration graph waits for every micro-batch's read. MoE training
+# scripts on TE commonly pass this.
+TE_DATA_FLAGS = ("--no-create-attention-mask-in-dataloader",)
 LOCAL_FLAGS = ("--transformer-impl", "local", "--no-rope-fusion", "--no-persist-layer-norm",
                "--no-masked-softmax-fusion")  # fmt: skip
 
@@ -380,7 +385,7 @@ def pretrain_args(
     if resolve_impl(transformer_impl, check=check_te) == LOCAL_IMPL:
         out += LOCAL_FLAGS
     else:
-        out += ["--transformer-impl", TE_IMPL]
+        out += ["--transformer-impl", TE_IMPL, *TE_DATA_FLAGS]
     return merge_flags(out, extra)
 
 

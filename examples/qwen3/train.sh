@@ -97,6 +97,8 @@ local tokenizer folder the data was made with ('relaymoe data' prints both)"
 else
   DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer)
 fi
+# TE's attention makes the causal mask itself: no (seq x seq) mask per sample from the loader
+[ "$HAVE_TE" = 1 ] && DATA_ARGS+=(--no-create-attention-mask-in-dataloader)
 # The embedding keeps the config's rows (Megatron would pad the tokenizer's length otherwise,
 # and a converted checkpoint has the config's vocab_size rows).
 [ -n "${DATA_PATH:-}${PRETRAINED:-}" ] && DATA_ARGS+=(--padded-vocab-size "$VOCAB")
