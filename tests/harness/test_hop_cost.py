@@ -314,6 +314,10 @@ def test_pass_fields_give_graph_kernels_to_their_hops(link, attrib):
     assert f["kernels_per_hop"] == 3.0 and f["gpu_us_per_pass"] == 145.0
     assert f["launches_per_hop"] == 2.0 and f["graph_launches_per_hop"] == 1.0
     assert f["launches_per_pass"] == 5.0 and f["hops_profiled"] == 2
+    # device time a pass by kernel: two hops' graph kernels and copies, the pack before them
+    by_kernel = f["gpu_us_per_pass_by_kernel"]
+    assert by_kernel["g1"] == by_kernel["g2"] == 60.0 and by_kernel["copy"] == 20.0
+    assert sum(by_kernel.values()) == f["gpu_us_per_pass"]
 
 
 def test_pass_fields_without_a_link_fall_back_to_the_pass():
@@ -420,3 +424,22 @@ def test_hop_host_profile_parts_time_named_parts_inside_hops(tmp_path):
             assert calls[name] == 1.0, (name, calls)  # once a hop
         assert all(0 < v <= hop for v in parts.values()), (parts, hop)
         assert parts["graphs.run"] <= parts["compute.token"]
+
+
+def test_baseline_tree_adds_the_kernel_field_to_an_old_hop_cost():
+    """benchmarks/lab/baseline_tree.py: an old hop_cost's pass row gains the per-kernel field
+    (and the function, appended); a source that has it stays as it is; an unknown one is
+    refused."""
+    from benchmarks.lab import baseline_tree
+
+    old = ("def pass_fields(events, n, hop_name, hops):\n    dev = [e for e in events]\n"
+           "    hop_ranges = []\n    return {\n        " + baseline_tree.ANCHOR
+           + "\n    }\n")  # fmt: skip
+    new = baseline_tree.with_kernel_times(old)
+    ns: dict = {}
+    exec(compile(new, "old_hop_cost", "exec"), ns)
+    assert ns["pass_fields"]([], 1, "hop", 2) == {"hops_profiled": 0,
+                                                  "gpu_us_per_pass_by_kernel": {}}  # fmt: skip
+    assert baseline_tree.with_kernel_times(new) == new
+    with pytest.raises(ValueError, match="no single pass row"):
+        baseline_tree.with_kernel_times("def pass_fields(): return {}\n")
