@@ -1040,16 +1040,23 @@ def sweep_plans(
     seed: int,
     regime: str | None = None,
     check_te: bool = True,
+    candidates: tuple[str, ...] | None = None,
 ) -> list[tuple[str, tuple[str, ...]]]:
     """The anchor sweep of one anchor shape: ``(label, flags)`` of its alltoall run as it is
-    (``base``), then with each of ``ANCHOR_CANDIDATES`` added alone, then ``base`` again (the
-    drift of the machine over the sweep)."""
+    (``base``), then with each of ``candidates`` (names of ``ANCHOR_CANDIDATES``; None: all)
+    added alone, then ``base`` again (the drift of the machine over the sweep)."""
     if not shape.anchor:
         raise ValueError(f"--anchor-sweep needs an anchor shape (with '_te'), got {shape.name!r}")
+    names = tuple(ANCHOR_CANDIDATES) if candidates is None else tuple(candidates)
+    unknown = [n for n in names if n not in ANCHOR_CANDIDATES]
+    if unknown or not names:
+        raise ValueError(f"--sweep-candidates {list(names)}: unknown {unknown}; name one or more "
+                         f"of {sorted(ANCHOR_CANDIDATES)}")  # fmt: skip
     flags = provider_run_flags(shape, ANCHOR_PROVIDER, gpus=gpus, steps=steps, seed=seed,
                                regime=regime or shape.regime, check_te=check_te)  # fmt: skip
     out = [("base", flags)]
-    for name, (extra, _ring) in ANCHOR_CANDIDATES.items():
+    for name in names:
+        extra = ANCHOR_CANDIDATES[name][0]
         out.append((name, tuple(merge_flags(list(flags), list(extra)))))
     out.append(("base_repeat", flags))
     return out
@@ -1067,6 +1074,7 @@ def run_anchor_sweep(
     run_timeout_s: float = 600,
     runner=run_pretrain,
     clock=time.monotonic,
+    candidates: tuple[str, ...] | None = None,
 ) -> list[dict]:
     """Time megatron-core's alltoall with each candidate option alone (``sweep_plans``); one row
     ``bench: e2e_anchor_sweep`` per run, with ``speedup_vs_base`` (tokens/s over the first base
@@ -1074,7 +1082,8 @@ def run_anchor_sweep(
     budget = _Budget(budget_s, run_timeout_s, clock)
     rows: list[dict] = []
     base_tps = None
-    for label, flags in sweep_plans(shape, gpus=gpus, steps=steps, seed=seed, regime=regime):
+    for label, flags in sweep_plans(shape, gpus=gpus, steps=steps, seed=seed, regime=regime,
+                                    candidates=candidates):  # fmt: skip
         left, timeout = budget.next_run()
         if timeout is None:
             r = RunResult("alltoall", -1, label=label, note=f"not started: {left:.0f} s left")
@@ -1140,6 +1149,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="with anchor shapes (*_te): time megatron-core's alltoall with each of "
         "ANCHOR_CANDIDATES added alone (rows bench=e2e_anchor_sweep) instead of ring vs alltoall",
+    )
+    p.add_argument(
+        "--sweep-candidates",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="with --anchor-sweep: only these ANCHOR_CANDIDATES (default: all)",
     )
     p.add_argument(
         "--regime", default=None, choices=sorted(REGIMES), help="default: the shape's own"
@@ -1231,7 +1247,7 @@ def main(argv: list[str] | None = None) -> int:
             profile_busy_steps(steps)
         sweeps = [
             sweep_plans(s, gpus=gpus, steps=steps, seed=a.seed, regime=a.regime,
-                        check_te=check_te)
+                        check_te=check_te, candidates=a.sweep_candidates)
             for s in shapes
         ] if a.anchor_sweep else []  # fmt: skip
         if a.warm_up_steps:
@@ -1276,7 +1292,8 @@ def main(argv: list[str] | None = None) -> int:
         for shape in shapes:
             rows = run_anchor_sweep(shape, gpus=gpus, steps=steps, seed=a.seed, writer=writer,
                                     regime=a.regime, budget_s=a.budget_s,
-                                    run_timeout_s=a.run_timeout_s)  # fmt: skip
+                                    run_timeout_s=a.run_timeout_s,
+                                    candidates=a.sweep_candidates)  # fmt: skip
             ok = ok and all(r["failure"] is None for r in rows if r["candidate"] == "base")
         print(f"rows appended to {a.out}; {time.perf_counter() - t0:.0f} s in all")
         return 0 if ok else 1

@@ -135,6 +135,8 @@ E2E_GBS_PROVIDERS = (
     "relaymoe_ring,relaymoe_ring_graphed,mcore_alltoall_te,mcore_alltoall_te_drop,"
     "relaymoe_ring_layer_graphs"
 )
+# issue #49's four row providers, the graphed ring first (a budget cut loses the eager ring)
+E2E_GBS_CORE = "relaymoe_ring_graphed,mcore_alltoall_te,mcore_alltoall_te_drop,relaymoe_ring"
 
 # benchmarks/max_seq.py's TE_PROVIDERS (written out: the suite imports no torch)
 MAX_SEQ_TE_PROVIDERS = (
@@ -235,6 +237,27 @@ STEPS: tuple[Step, ...] = (
                "--gpus", "1", "--steps", "15", "--profile-busy", "--budget-s", "530",
                "--out", "{out}/e2e_gbs16.jsonl"),
          outputs=("e2e_gbs16.jsonl",)),
+    # the anchor at its best at global batch 16: its run as kept, with Megatron's weight-gradient
+    # fusion off (TE's GroupedLinear then runs grouped GEMMs instead of one accumulating GEMM an
+    # expert), with attention graphs only, and again (the drift): four runs, --only
+    # e2e_sweep_gbs16
+    Step("e2e_sweep_gbs16", "benchmarks/bench_e2e.py", "gpu0", 3, 0, 560, full_only=True,
+         args=("--shapes", "qwen3_slice_s4k_gbs16_te", "--anchor-sweep", "--sweep-candidates",
+               "no_wgrad_fusion", "cuda_graph_attn", "--gpus", "1", "--steps", "10",
+               "--budget-s", "530", "--out", "{out}/e2e_sweep_gbs16.jsonl"),
+         outputs=("e2e_sweep_gbs16.jsonl",)),
+    # the other gradient-accumulation shapes of issue #49, four providers each, one call each:
+    # --only e2e_gbs64, --only e2e_s16k_gbs8
+    Step("e2e_gbs64", "benchmarks/bench_e2e.py", "gpu0", 3, 0, 560, full_only=True,
+         args=("--shapes", "qwen3_slice_s4k_gbs64_te", "--providers", E2E_GBS_CORE,
+               "--gpus", "1", "--steps", "8", "--profile-busy", "--budget-s", "530",
+               "--out", "{out}/e2e_gbs64.jsonl"),
+         outputs=("e2e_gbs64.jsonl",)),
+    Step("e2e_s16k_gbs8", "benchmarks/bench_e2e.py", "gpu0", 3, 0, 560, full_only=True,
+         args=("--shapes", "qwen3_slice_s16k_gbs8_te", "--providers", E2E_GBS_CORE,
+               "--gpus", "1", "--steps", "10", "--profile-busy", "--budget-s", "530",
+               "--out", "{out}/e2e_s16k_gbs8.jsonl"),
+         outputs=("e2e_s16k_gbs8.jsonl",)),
     # the same without TE (megatron-core's local layers; its alltoall without TE's fusions):
     # four runs, about 300 s on 1x H100 by estimate: --full, or --only e2e_gbs16_local
     Step("e2e_gbs16_local", "benchmarks/bench_e2e.py", "gpu0", 3, 0, 560, full_only=True,

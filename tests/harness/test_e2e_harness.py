@@ -816,6 +816,14 @@ def test_anchor_sweep_times_each_candidate_alone(capsys, monkeypatch):
     assert all(r["bench"] == "e2e_anchor_sweep" and r["provider"] == "mcore_alltoall_te"
                for r in rows)  # fmt: skip
     assert "no graph" in capsys.readouterr().err
+    some = bench_e2e.sweep_plans(spec, gpus=1, steps=25, seed=1, check_te=False,
+                                 candidates=("no_wgrad_fusion",))  # fmt: skip
+    assert [label for label, _ in some] == ["base", "no_wgrad_fusion", "base_repeat"]
+    assert "--no-gradient-accumulation-fusion" in some[1][1]
+    assert "--no-gradient-accumulation-fusion" not in some[0][1]
+    with pytest.raises(ValueError, match="unknown \\['nope'\\]"):
+        bench_e2e.sweep_plans(spec, gpus=1, steps=25, seed=1, check_te=False,
+                              candidates=("nope",))  # fmt: skip
 
 
 def test_e2e_run_result_peaks_split_warmup_from_steady():
