@@ -243,19 +243,19 @@ STEPS: tuple[Step, ...] = (
     # e2e_sweep_gbs16
     Step("e2e_sweep_gbs16", "benchmarks/bench_e2e.py", "gpu0", 3, 0, 560, full_only=True,
          args=("--shapes", "qwen3_slice_s4k_gbs16_te", "--anchor-sweep", "--sweep-candidates",
-               "no_wgrad_fusion", "cuda_graph_attn", "--gpus", "1", "--steps", "10",
+               "no_wgrad_fusion", "cuda_graph_attn", "--gpus", "1", "--steps", "12",
                "--budget-s", "530", "--out", "{out}/e2e_sweep_gbs16.jsonl"),
          outputs=("e2e_sweep_gbs16.jsonl",)),
     # the other gradient-accumulation shapes of issue #49, four providers each, one call each:
     # --only e2e_gbs64, --only e2e_s16k_gbs8
     Step("e2e_gbs64", "benchmarks/bench_e2e.py", "gpu0", 3, 0, 560, full_only=True,
          args=("--shapes", "qwen3_slice_s4k_gbs64_te", "--providers", E2E_GBS_CORE,
-               "--gpus", "1", "--steps", "8", "--profile-busy", "--budget-s", "530",
+               "--gpus", "1", "--steps", "12", "--profile-busy", "--budget-s", "530",
                "--out", "{out}/e2e_gbs64.jsonl"),
          outputs=("e2e_gbs64.jsonl",)),
     Step("e2e_s16k_gbs8", "benchmarks/bench_e2e.py", "gpu0", 3, 0, 560, full_only=True,
          args=("--shapes", "qwen3_slice_s16k_gbs8_te", "--providers", E2E_GBS_CORE,
-               "--gpus", "1", "--steps", "10", "--profile-busy", "--budget-s", "530",
+               "--gpus", "1", "--steps", "12", "--profile-busy", "--budget-s", "530",
                "--out", "{out}/e2e_s16k_gbs8.jsonl"),
          outputs=("e2e_s16k_gbs8.jsonl",)),
     # the same without TE (megatron-core's local layers; its alltoall without TE's fusions):
