@@ -258,6 +258,21 @@ STEPS: tuple[Step, ...] = (
                "--gpus", "1", "--steps", "12", "--profile-busy", "--budget-s", "530",
                "--out", "{out}/e2e_s16k_gbs8.jsonl"),
          outputs=("e2e_s16k_gbs8.jsonl",)),
+    # issue #49's loss parity: the graphed ring and the anchor over 50 steps at global batch 16,
+    # the anchor once more with its first run's flags (its same-seed noise, the parity bound),
+    # and the batch-1 rows of the graphed ring beside the anchor: --only e2e_parity_gbs16,
+    # --only e2e_graphed_gbs1
+    Step("e2e_parity_gbs16", "benchmarks/bench_e2e.py", "gpu0", 3, 0, 560, full_only=True,
+         args=("--shapes", "qwen3_slice_s4k_gbs16_te", "--providers",
+               "relaymoe_ring_graphed,mcore_alltoall_te", "--noise-run", "--gpus", "1",
+               "--steps", "50", "--budget-s", "530", "--out", "{out}/e2e_parity_gbs16.jsonl"),
+         outputs=("e2e_parity_gbs16.jsonl",)),
+    Step("e2e_graphed_gbs1", "benchmarks/bench_e2e.py", "gpu0", 3, 0, 560, full_only=True,
+         args=("--shapes", "qwen3_slice_s4k_te", "--providers",
+               "relaymoe_ring_graphed,mcore_alltoall_te,relaymoe_ring", "--gpus", "1",
+               "--steps", "30", "--profile-busy", "--budget-s", "530",
+               "--out", "{out}/e2e_graphed_gbs1.jsonl"),
+         outputs=("e2e_graphed_gbs1.jsonl",)),
     # the same without TE (megatron-core's local layers; its alltoall without TE's fusions):
     # four runs, about 300 s on 1x H100 by estimate: --full, or --only e2e_gbs16_local
     Step("e2e_gbs16_local", "benchmarks/bench_e2e.py", "gpu0", 3, 0, 560, full_only=True,

@@ -63,7 +63,7 @@ def test_plan_on_two_gpus_quick(tmp_path):
     assert full_only == {"fault_nccl", "host_wait", "determinism", "soak", "e2e_pp",
                          "gpu_tests_more", "e2e_gbs16", "e2e_gbs16_local",
                          "max_seq_te", "e2e_sweep_gbs16", "e2e_gbs64",
-                         "e2e_s16k_gbs8"}  # fmt: skip
+                         "e2e_s16k_gbs8", "e2e_parity_gbs16", "e2e_graphed_gbs1"}  # fmt: skip
     assert not full_only & set(planned)
     text = suite.describe(list(planned.values()), deadline_s=540)
     assert "deadline 540 s" in text and "SKIP (needs 3 GPUs, found 2)" in text
