@@ -2,14 +2,12 @@
 
 Providers (one process, same inputs; V=151936, TP=1; H=2048, or 4096 for ``T64k_H4k``):
 - ``relaymoe``: ``relaymoe.linear_cross_entropy`` in its default mode (chunked output layer +
-  cross-entropy, default chunk and ``impl="auto"``, i.e. the Triton row kernels on CUDA; the
-  weight gradient returned to autograd); masked tokens carry ``ignore_index``;
+  cross-entropy, ``impl="auto"``, i.e. the Triton row kernels on CUDA; the weight gradient
+  returned to autograd); masked tokens carry ``ignore_index``;
 - ``relaymoe_accumulate``: its accumulate mode, as Megatron's fused loss runs it under gradient
   accumulation fusion: the weight gradient added into an fp32 accumulator (``main_grad``) that
   exists before the call, ``expected_grad`` the upstream gradient the loss sends (a device
   scalar), so the backward has nothing to correct;
-- ``relaymoe_accumulate_fit512``: the same with the chunk that keeps its transient within 512
-  MiB (``fit_chunk``: a proposal, not the library's default);
 - ``relaymoe_accumulate_miss``: the same with ``expected_grad`` 0.8 times the real one (the
   backward's correction: two more GEMMs a chunk);
 - ``relaymoe_accumulate_noguess``: the accumulator without ``expected_grad`` (the backward
@@ -43,6 +41,10 @@ before the backward), ``ms_eval`` (forward under no_grad), ``chunk_tokens``, ``i
   beyond the chunk (the default mode: its fp32 ``dW_unit``, the returned ``dW``, ``dh_unit``);
 - ``predicted_peak_MiB`` / ``predicted_transient_MiB`` (relaymoe): ``relaymoe.lossmodel``.
 
+Every relaymoe provider runs the library's default chunk for its mode and impl
+(``relaymoe.lossmodel.default_chunk_tokens``; the accumulate modes' working set within
+``TRANSIENT_BUDGET_MiB``), passed explicitly so that the row's ``chunk_tokens`` is what ran.
+
 Timing: fresh gradients each step for the autograd providers (a training step's first
 micro-batch); the accumulate providers add into their standing accumulator. ``ms_fwd`` of a
 speculative provider forgets each forward's speculation (``reset_ledger``) to time it alone.
@@ -74,7 +76,12 @@ from benchmarks.common import (  # noqa: E402
     rel_err,
 )
 from relaymoe.loss import linear_cross_entropy, reset_ledger  # noqa: E402
-from relaymoe.lossmodel import CHUNK_QUANTUM, default_chunk_tokens, fused_loss_bytes  # noqa: E402
+from relaymoe.loss.inputs import resolve_impl  # noqa: E402
+from relaymoe.lossmodel import (  # noqa: E402
+    ACCUMULATE_CHUNK_BUDGET_BYTES,
+    default_chunk_tokens,
+    fused_loss_bytes,
+)
 
 VOCAB, HIDDEN = 151936, 2048
 SHAPES = {
@@ -88,11 +95,10 @@ MASKED_FRACTION = 0.03
 # bf16 against bf16: both round the logits and their gradient once; relaymoe accumulates the
 # weight gradient over chunks in fp32, Megatron in one GEMM. Beyond this something is wrong.
 AGREE_BOUND = 2e-2
-TRANSIENT_BUDGET_MiB = 512  # issue #53's target for transient_MiB
-FIT_MARGIN_MiB = 16  # beside the chunk: the per-token vectors (about 20 bytes a token)
+TRANSIENT_BUDGET_MiB = ACCUMULATE_CHUNK_BUDGET_BYTES // MiB  # issue #53's target, the library's
 FP32_REF_CHUNK = 4096  # tokens a chunk of the fp32 reference
-RELAYMOE = ("relaymoe", "relaymoe_torchimpl", "relaymoe_accumulate", "relaymoe_accumulate_fit512",
-            "relaymoe_accumulate_miss", "relaymoe_accumulate_noguess")  # fmt: skip
+RELAYMOE = ("relaymoe", "relaymoe_torchimpl", "relaymoe_accumulate", "relaymoe_accumulate_miss",
+            "relaymoe_accumulate_noguess")  # fmt: skip
 PROVIDERS = (*RELAYMOE, "megatron", "liger", "liger_fp32")
 DEFAULT_PROVIDERS = ("relaymoe", "relaymoe_accumulate", "megatron")
 
@@ -106,13 +112,6 @@ def make_inputs(tokens, vocab, hidden, device, dtype, seed=0):
     mask = torch.rand(tokens, device=device, generator=gen) >= MASKED_FRACTION
     upstream = mask.float() / mask.sum().clamp_min(1)  # loss-mask-times-constant
     return h, w, labels, mask, upstream
-
-
-def fit_chunk(vocab: int, budget_mib: int = TRANSIENT_BUDGET_MiB) -> int:
-    """The largest chunk (a multiple of ``CHUNK_QUANTUM``) whose bf16 logits, the accumulate
-    mode's whole transient on the Triton path, stay within ``budget_mib`` less a margin."""
-    fit = (budget_mib - FIT_MARGIN_MiB) * MiB // (vocab * 2)
-    return max(CHUNK_QUANTUM, fit // CHUNK_QUANTUM * CHUNK_QUANTUM)
 
 
 # --------------------------------------------------------------------------------------------
@@ -195,18 +194,24 @@ class Accumulate(Autograd):
         return out
 
 
+def wgrad_of(key: str) -> str:
+    """Where a relaymoe provider's weight gradient goes (``relaymoe.lossmodel.WGRAD_MODES``)."""
+    if key in ("relaymoe", "relaymoe_torchimpl"):
+        return "kept"
+    return "recompute" if key == "relaymoe_accumulate_noguess" else "accumulate"
+
+
 def relaymoe_provider(key, labels, mask, impl, chunk):
     labels_ign = torch.where(mask, labels, IGNORE)
-    if key in ("relaymoe", "relaymoe_torchimpl"):
+    mode = wgrad_of(key)
+    if mode == "kept":
         p = Autograd(lambda h, w: linear_cross_entropy(h, w, labels_ign, impl=impl,
                                                        chunk_tokens=chunk))  # fmt: skip
-        p.meta = {"wgrad": "kept", "expected_grad": None}
+        p.meta = {"wgrad": mode, "expected_grad": None}
         return p
     exact = 1.0 / mask.sum().clamp_min(1).float()  # the upstream every counted token gets
     expected = {"relaymoe_accumulate_miss": 0.8 * exact, "relaymoe_accumulate_noguess": None}
-    guess = expected.get(key, exact)
-    p = Accumulate(labels_ign, impl, chunk, guess)
-    mode = "recompute" if guess is None else "accumulate"
+    p = Accumulate(labels_ign, impl, chunk, expected.get(key, exact))
     what = {"relaymoe_accumulate_miss": "0.8x", "relaymoe_accumulate_noguess": None}
     p.meta = {"wgrad": mode, "expected_grad": what.get(key, "exact")}
     return p
@@ -397,10 +402,13 @@ def _one_rank_group():
     return dist.new_group([0]), True
 
 
-def _relaymoe_fields(key, p, tokens, vocab, hidden, chunk, device) -> dict:
-    from relaymoe.loss.inputs import _resolve_impl
+def _impl_of(key: str, device) -> str:
+    """The impl a relaymoe provider runs on ``device`` (``resolve_impl``)."""
+    return resolve_impl("torch" if key == "relaymoe_torchimpl" else "auto", torch.device(device))
 
-    impl = _resolve_impl("torch" if key == "relaymoe_torchimpl" else "auto", torch.device(device))
+
+def _relaymoe_fields(key, p, tokens, vocab, hidden, chunk, device) -> dict:
+    impl = _impl_of(key, device)
     model = fused_loss_bytes(tokens, hidden, vocab, chunk_tokens=chunk, wgrad=p.meta["wgrad"],
                              impl=impl)  # fmt: skip
     return {"impl": impl, "chunk_tokens": min(chunk, tokens), **p.meta,
@@ -408,14 +416,15 @@ def _relaymoe_fields(key, p, tokens, vocab, hidden, chunk, device) -> dict:
             "predicted_transient_MiB": round(model.transient / MiB, 1)}  # fmt: skip
 
 
-def _providers(wanted, labels, mask, tokens, vocab):
-    """{key: provider} and {key: why it is skipped}."""
-    chunks = {"relaymoe_accumulate_fit512": fit_chunk(vocab)}
+def make_providers(wanted, labels, mask, tokens, vocab, hidden_dtype):
+    """{key: provider} and {key: why it is skipped}; a relaymoe provider runs the library's
+    default chunk for its mode and impl."""
     made, skipped = {}, {}
     for key in wanted:
         if key in RELAYMOE:
-            impl = "torch" if key == "relaymoe_torchimpl" else "auto"
-            chunk = chunks.get(key, default_chunk_tokens(tokens, vocab))
+            impl = _impl_of(key, labels.device)
+            chunk = default_chunk_tokens(tokens, vocab, wgrad=wgrad_of(key), impl=impl,
+                                         act_bytes=hidden_dtype.itemsize)  # fmt: skip
             made[key] = relaymoe_provider(key, labels, mask, impl, chunk)
             made[key].chunk_tokens = chunk
         elif key.startswith("liger"):
@@ -443,8 +452,8 @@ def _summary(shape, shape_rows, vocab) -> None:
     if acc and acc.get("transient_chunk_MiB") and acc["transient_chunk_MiB"] > TRANSIENT_BUDGET_MiB:
         print(f"[bench_loss] {shape}: the default chunk's working set alone "
               f"({acc['transient_chunk_MiB']} MiB at {acc['chunk_tokens']} tokens) exceeds "
-              f"{TRANSIENT_BUDGET_MiB} MiB; proposed: chunk_tokens={fit_chunk(vocab)} "
-              "(relaymoe_accumulate_fit512's row)", flush=True)  # fmt: skip
+              f"{TRANSIENT_BUDGET_MiB} MiB, the budget its chunk is sized for at V={vocab}: "
+              "relaymoe.lossmodel.logit_bytes undercounts this run", flush=True)  # fmt: skip
 
 
 def main(argv=None) -> int:
@@ -477,7 +486,7 @@ def main(argv=None) -> int:
         for shape, (tokens, vocab, hidden) in shapes.items():
             h, w, labels, mask, upstream = make_inputs(tokens, vocab, hidden, device,
                                                        torch.bfloat16)  # fmt: skip
-            provs, skipped = _providers(wanted, labels, mask, tokens, vocab)
+            provs, skipped = make_providers(wanted, labels, mask, tokens, vocab, h.dtype)
             for key, why in skipped.items():
                 print(f"[bench_loss] {shape} {key} skipped: {why}", flush=True)
             ref_fn = megatron_fn(labels, group)

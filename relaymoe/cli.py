@@ -120,6 +120,14 @@ def _add_overrides(q: argparse.ArgumentParser, dispatchers: tuple[str, ...]) -> 
         help="override relaymoe.fused_loss: the flags and recompute plan are for the chunked "
         "output layer + cross-entropy (the capacities are printed for both anyway)",
     )
+    q.add_argument(
+        "--gradient-accumulation-fusion",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="override training.gradient_accumulation_fusion (Megatron's default: on; off is "
+        "--no-gradient-accumulation-fusion in the flags): with it the ring's experts add their "
+        "weight gradients into main_grad, and the plan counts no buffer for them",
+    )
 
 
 def _add_tool_parsers(sub) -> None:
@@ -148,6 +156,8 @@ def build_config(ns):
         tr["micro_batch_size"] = ns.mbs
     if ns.seq is not None:
         tr["seq_length"] = ns.seq
+    if ns.gradient_accumulation_fusion is not None:
+        tr["gradient_accumulation_fusion"] = ns.gradient_accumulation_fusion
     if ns.gbs is not None:
         tr["global_batch_size"] = ns.gbs
     elif ns.mbs is not None or "dp" in par:

@@ -104,6 +104,8 @@ def to_megatron_args(cfg: Config, *, dispatcher: str | None = None) -> list[str]
         args.append("--relaymoe-fused-loss")
     if t.precision in ("bf16", "fp16"):
         args.append(f"--{t.precision}")
+    if not t.gradient_accumulation_fusion:
+        args.append("--no-gradient-accumulation-fusion")
     args += recompute_args(
         t.recompute_granularity, t.recompute_method, t.recompute_num_layers, t.recompute_modules
     )
@@ -111,7 +113,10 @@ def to_megatron_args(cfg: Config, *, dispatcher: str | None = None) -> list[str]
 
 
 # Flags whose presence sets another argument to False (Megatron's store_false flags)
-_STORE_FALSE = {"disable_bias_linear": "add_bias_linear"}
+_STORE_FALSE = {
+    "disable_bias_linear": "add_bias_linear",
+    "no_gradient_accumulation_fusion": "gradient_accumulation_fusion",
+}
 
 
 def megatron_namespace(flags: list[str]) -> SimpleNamespace:
@@ -119,7 +124,8 @@ def megatron_namespace(flags: list[str]) -> SimpleNamespace:
     flags give them (an args-like object for ``relaymoe.megatron.validate``'s checks, without
     Megatron): ``--name value`` is ``name=value`` (an int or a float where the text is one),
     several values a list, a bare flag True (``--disable-bias-linear``: ``add_bias_linear``
-    False). Arguments no flag sets are absent (the checks read Megatron's defaults for them)."""
+    False; ``--no-gradient-accumulation-fusion``: ``gradient_accumulation_fusion`` False).
+    Arguments no flag sets are absent (the checks read Megatron's defaults for them)."""
     out: dict = {}
     for flag, *words in flag_groups(flags):
         name = flag[2:].replace("-", "_")

@@ -253,9 +253,18 @@ class TrainingConfig:
     # "torch_composite" = that fallback on a torch without the kernel, whose composite RMSNorm
     # keeps fp32 copies for backward (``relaymoe.planner.memory``).
     normalization_impl: str = "fused"
+    # Megatron's gradient-accumulation fusion (its default; false: --no-gradient-accumulation-
+    # fusion): layers add their weight gradients into DDP's main_grad themselves, the ring's
+    # experts inside their weight-gradient kernel (relaymoe.planner.memory counts no buffer)
+    gradient_accumulation_fusion: bool = True
 
     def __post_init__(self):
         check_pos_int("training.seq_length", self.seq_length)
+        if not isinstance(self.gradient_accumulation_fusion, bool):
+            raise ValueError(
+                "training.gradient_accumulation_fusion="
+                f"{self.gradient_accumulation_fusion!r} must be true or false"
+            )
         if self.normalization_impl not in NORMALIZATION_IMPLS:
             raise ValueError(
                 f"training.normalization_impl={self.normalization_impl!r}; known: "

@@ -151,6 +151,7 @@ def memory_bytes(
     training: bool = True,
     transport: str = "copy_engine",
     weights_copy: bool = False,
+    main_grads: bool = False,
 ) -> MemoryBytes:
     """The engine's memory bound of ``mode`` (ring/engine.py docstring, "Memory bound").
 
@@ -168,7 +169,14 @@ def memory_bytes(
       Saved: expert mode the own tokens' routing index; token mode the routing index of every
       visiting partition (built when it visits, reused by the backward: ``R`` of them).
     Alltoall mode: see ``_alltoall_memory`` (plain allocations, no symmetric memory).
-    A world of one: plain local compute whatever the mode.
+    A world of one: plain local compute whatever the mode; backward, the weight gradient
+    ``W*gb`` (and its cast).
+    ``main_grads``: the call adds this rank's weight gradients into the caller's accumulators
+    (``ring_moe(main_grads=)``, Megatron's ``main_grad`` under gradient-accumulation fusion),
+    laid out as one span each (``ring/main_grads.py``): inside the weight-gradient kernel in a
+    world of one, token mode and alltoall mode, so no weight-gradient accumulator and no cast
+    exist; expert mode over a ring still trails its gradients home (``W*gb``), then adds them
+    without the cast.
     """
     check_mode(mode)
     check_transport(transport)
@@ -179,21 +187,23 @@ def memory_bytes(
         return MemoryBytes(fwd, bwd if training else 0, saved if training else 0, workspace)
 
     own_index = ROUTING_INDEX_BYTES_PER_PAIR * d.P
+    cast = Wb if d.gb != d.b and not main_grads else 0  # the returned gradient's cast to b
+    # the local weight-gradient accumulator and its cast; none where the kernel adds in place
+    Wg = 0 if main_grads else d.W * d.gb + cast
     if d.R == 1:
         copy = Wb if weights_copy else 0
         fwd = _intermediates(d.P, d, False) + copy
-        return out(fwd, Wb + _intermediates(d.P, d, True) + copy, own_index)
+        return out(fwd, Wg + _intermediates(d.P, d, True) + copy, own_index)
     if mode == "alltoall":
-        return out(*_alltoall_memory(d, weights_copy))
+        return out(*_alltoall_memory(d, weights_copy, 0 if main_grads else Wb))
     cap = slot_capacity(mode, d, training=training)
     persistent = transport == "copy_engine"
     slots = 0 if persistent else 2 * cap
     workspace = symmetric_workspace_bytes(mode, d, training=training) if persistent else 0
     hop_pairs = -(-d.P // d.R)
-    Wg = d.W * d.gb + (Wb if d.gb != d.b else 0)  # an accumulator (and its cast to b)
-    if mode == "expert":
+    if mode == "expert":  # a scratch and the gradient arriving home, then (no targets) its cast
         fwd = slots + _intermediates(hop_pairs, d, False)
-        bwd = slots + d.W * d.gb + Wg + _intermediates(hop_pairs, d, True)
+        bwd = slots + 2 * d.W * d.gb + cast + _intermediates(hop_pairs, d, True)
     else:
         copy = Wb if weights_copy else 0
         fwd = slots + d.T * d.H * d.b + _intermediates(hop_pairs, d, False) + copy
@@ -203,7 +213,9 @@ def memory_bytes(
     return out(fwd, bwd, own_index, workspace)
 
 
-def node_batched_memory_bytes(d: Dims, *, gpus_per_node: int, training: bool = True) -> MemoryBytes:
+def node_batched_memory_bytes(
+    d: Dims, *, gpus_per_node: int, training: bool = True, main_grads: bool = False
+) -> MemoryBytes:
     """``memory_bytes`` of the expert ring's node-batched rounds (``NODE_BATCHED``, NCCL), as
     ``relaymoe/ring/engine.py`` holds them at once (uniform routing).
 
@@ -213,12 +225,14 @@ def node_batched_memory_bytes(d: Dims, *, gpus_per_node: int, training: bool = T
     pairs), then, the hop returned, with the ``G - 1`` gradient shares received by the
     reduce-scatter. Besides: the column's accumulator (``W*gb``; at home in a column of one
     node), over several nodes the column ring's two transfer slots, and at the end the returned
-    gradient's cast (``W*b`` when ``gb != b``). Checked against a measured peak at ``G = 2``
-    (history in the module docstring)."""
+    gradient's cast (``W*b`` when ``gb != b``; none with ``main_grads``: the gradient is added
+    into the caller's accumulators as it arrives home). Checked against a measured peak at
+    ``G = 2`` (history in the module docstring)."""
     R = d.R
     G = check_nodes(R, gpus_per_node)
     if G == 1:
-        return memory_bytes("expert", d, training=training, transport="nccl")
+        return memory_bytes("expert", d, training=training, transport="nccl",
+                            main_grads=main_grads)  # fmt: skip
     Wb, Wg = d.W * d.b, d.W * d.gb
     pairs = G * -(-d.P // R)
     slots = 2 * slot_capacity("expert", d, training=training) if R > G else 0
@@ -227,12 +241,12 @@ def node_batched_memory_bytes(d: Dims, *, gpus_per_node: int, training: bool = T
         return MemoryBytes(fwd, 0, 0, 0)
     hop = G * Wb + G * Wg + _intermediates(pairs, d, True)
     exchange = G * Wb + G * Wg + (G - 1) * Wg
-    cast = Wb if d.gb != d.b else 0
+    cast = Wb if d.gb != d.b and not main_grads else 0
     bwd = slots + Wg + max(hop, exchange, cast)
     return MemoryBytes(fwd, bwd, ROUTING_INDEX_BYTES_PER_PAIR * d.P, 0)
 
 
-def _alltoall_memory(d: Dims, weights_copy: bool) -> tuple[int, int, int]:
+def _alltoall_memory(d: Dims, weights_copy: bool, wgrad: int) -> tuple[int, int, int]:
     """(fwd, bwd, saved) of alltoall mode, phase by phase as ``relaymoe/ring/token_mode.py``
     allocates and frees; a rank receives as many rows as it sends (``S``, in expectation) and
     computes its ``T*K`` pairs in one call.
@@ -241,10 +255,11 @@ def _alltoall_memory(d: Dims, weights_copy: bool) -> tuple[int, int, int]:
     metadata), compute (received x and metadata, a copy of the ids, the expert output, one
     call's intermediates), combine (the expert output and the returned rows).
     Backward: dispatch (received x, sent and received dy), compute (received x and dy, dx and
-    dprobs rows, the weight gradient ``W*b``, intermediates), return (dx/dprobs rows sent and
-    received, the weight gradient). Saved: the received rows' routing index (over all K ids of
-    a row) and probabilities, the sent rows' token ids (int64), the (T, R) int32 row map.
-    ``weights_copy``: the call stacks list-form weights, ``W*b`` per pass.
+    dprobs rows, the weight gradient ``wgrad`` bytes, intermediates), return (dx/dprobs rows
+    sent and received, the weight gradient). Saved: the received rows' routing index (over all
+    K ids of a row) and probabilities, the sent rows' token ids (int64), the (T, R) int32 row
+    map. ``weights_copy``: the call stacks list-form weights, ``W*b`` per pass; ``wgrad``: the
+    weight gradient's bytes (``W*b``, 0 where it is added into the caller's accumulators).
     """
     S = math.ceil(alltoall_rows(d))
     Hb, m, Wb = d.H * d.b, d.m, d.W * d.b
@@ -258,8 +273,8 @@ def _alltoall_memory(d: Dims, weights_copy: bool) -> tuple[int, int, int]:
     )
     bwd = copy + max(
         3 * S * Hb,
-        3 * S * Hb + S * d.K * d.pb + Wb + _intermediates(d.P, d, True),
-        2 * S * (Hb + d.K * d.pb) + Wb,
+        3 * S * Hb + S * d.K * d.pb + wgrad + _intermediates(d.P, d, True),
+        2 * S * (Hb + d.K * d.pb) + wgrad,
     )
     saved = S * d.K * (ROUTING_INDEX_BYTES_PER_PAIR + d.pb) + 8 * S + 4 * d.T * d.R
     return fwd, bwd, saved

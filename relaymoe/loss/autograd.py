@@ -14,7 +14,13 @@ import torch
 from torch import Tensor
 
 from relaymoe.loss.accumulate import AccumulateInto, AccumulateLinearCrossEntropy
-from relaymoe.loss.inputs import LossSetup, check_accumulate_args, check_labels, make_setup
+from relaymoe.loss.inputs import (
+    LossSetup,
+    check_accumulate_args,
+    check_labels,
+    make_setup,
+    wgrad_mode,
+)
 from relaymoe.loss.ledger import check_not_abandoned
 from relaymoe.loss.passes import backward_chunks, forward_chunks, refuse_second_order, targets
 from relaymoe.loss.tp import agree_tp, refuse_on_every_rank
@@ -51,7 +57,9 @@ def linear_cross_entropy(
         labels_T: (T,) integer global token ids in ``[0, Vl * TP)``, or ``ignore_index``.
         tp_group: the tensor-parallel process group over which the vocabulary is split;
             ``None`` is a group of one (the whole vocabulary is ``weight_VH``).
-        chunk_tokens: tokens per chunk (default ``lossmodel.default_chunk_tokens(T, Vl)``).
+        chunk_tokens: tokens per chunk (default ``lossmodel.default_chunk_tokens`` for this
+            call's mode, impl and dtype: within 512 MiB of working set with
+            ``weight_grad_into``).
         ignore_index: label (an int) whose tokens get loss 0 and zero gradients.
         label_smoothing: Megatron's label smoothing ``a`` in ``[0, 1)`` (see the module doc).
         impl: ``"triton"`` (row kernels, CUDA or ``TRITON_INTERPRET=1``), ``"torch"``, or
@@ -104,7 +112,7 @@ def linear_cross_entropy(
     try:
         setup = make_setup(
             hidden_TH, weight_VH, labels_T, tp_group, chunk_tokens, ignore_index,
-            label_smoothing, impl,
+            label_smoothing, impl, wgrad_mode(weight_grad_into, expected_grad),
         )  # fmt: skip
         acc, expected = check_accumulate_args(weight_grad_into, expected_grad, hidden_TH,
                                               weight_VH)  # fmt: skip

@@ -32,7 +32,10 @@ class LossSetup:
     work: torch.dtype  # statistics dtype: fp32, or fp64 for fp64 inputs
 
 
-def make_setup(hidden, weight, labels, group, chunk_tokens, ignore_index, smoothing, impl):
+def make_setup(hidden, weight, labels, group, chunk_tokens, ignore_index, smoothing, impl,
+               wgrad="kept"):  # fmt: skip
+    """The validated setup of one call; ``wgrad``: where its weight gradient goes
+    (``lossmodel.WGRAD_MODES``), which with the impl decides the default chunk."""
     name = "linear_cross_entropy"
     if not isinstance(hidden, Tensor) or hidden.dim() != 2:
         raise ValueError(f"{name}: hidden_TH must be a 2-D (T, H) tensor, got {_desc(hidden)}")
@@ -64,8 +67,10 @@ def make_setup(hidden, weight, labels, group, chunk_tokens, ignore_index, smooth
             f"{name}: hidden_TH ({hidden.device}), weight_VH ({weight.device}) and labels_T "
             f"({labels.device}) must be on one device"
         )
+    resolved = resolve_impl(impl, hidden.device)
     if chunk_tokens is None:
-        chunk = default_chunk_tokens(tokens, vocab_local)
+        chunk = default_chunk_tokens(tokens, vocab_local, wgrad=wgrad, impl=resolved,
+                                     act_bytes=hidden.element_size())  # fmt: skip
     elif isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise ValueError(
             f"{name}: chunk_tokens={chunk_tokens!r} must be a positive int (or None for "
@@ -111,7 +116,7 @@ def make_setup(hidden, weight, labels, group, chunk_tokens, ignore_index, smooth
         ignore_index=int(ignore_index),
         smoothing=float(smoothing) * vocab_local / (vocab_local - 1) if smoothing > 0 else 0.0,
         smoothing_arg=float(smoothing),
-        impl=_resolve_impl(impl, hidden.device),
+        impl=resolved,
         work=torch.float64 if hidden.dtype == torch.float64 else torch.float32,
     )
 
@@ -126,7 +131,9 @@ def _desc(x) -> str:
     return f"{type(x).__name__}"
 
 
-def _resolve_impl(impl: str, device: torch.device) -> str:
+def resolve_impl(impl: str, device: torch.device) -> str:
+    """The impl a call with ``impl`` runs on ``device``: ``"auto"`` is Triton on CUDA where it
+    imports, else torch; ``"triton"`` where Triton cannot run raises ``ValueError``."""
     if impl not in ("auto", "torch", "triton"):
         raise ValueError(f"linear_cross_entropy: impl={impl!r}; use 'auto', 'torch' or 'triton'")
     from relaymoe.kernels import interpret_mode, triton_available
@@ -142,6 +149,13 @@ def _resolve_impl(impl: str, device: torch.device) -> str:
     if impl == "triton":
         return impl
     return "triton" if usable and device.type == "cuda" else "torch"
+
+
+def wgrad_mode(weight_grad_into, expected_grad) -> str:
+    """Where a call's weight gradient goes (``lossmodel.WGRAD_MODES``), from its arguments."""
+    if weight_grad_into is None:
+        return "kept"
+    return "recompute" if expected_grad is None else "accumulate"
 
 
 def check_labels(labels: Tensor, setup: LossSetup) -> None:

@@ -59,6 +59,9 @@ LOGIT_BYTES_PER_ELEMENT = 2 + 4
 # (FusedRmsNormBackward0, saved-tensor hooks): nothing extra. torch.nn.LayerNorm is one native
 # kernel (input, mean, rstd): no extra.
 TORCH_RMSNORM_EXTRA_BYTES = 8
+# The fused loss's impl in a Megatron run: linear_cross_entropy(impl="auto") on a CUDA device
+# runs the Triton row kernels (relaymoe.loss.inputs.resolve_impl)
+FUSED_LOSS_IMPL = "triton"
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,9 @@ class Shapes:
     e: int  # element bytes
     gated: bool = True  # the expert MLP is gated (model.swiglu): fc1 has 2I rows, else I
     bias: bool = False  # the experts' fc1/fc2 carry biases (not model.disable_bias_linear)
+    # Megatron's gradient-accumulation fusion (training.gradient_accumulation_fusion): the
+    # ring's experts add their weight gradients into DDP's main_grad (moe_peak_ring)
+    wgrad_fusion: bool = False
 
     @property
     def P(self) -> int:
@@ -122,6 +128,7 @@ def shapes(cfg: Config, seq: int | None = None, mbs: int | None = None) -> Shape
         e=t.bytes_per_param,
         gated=m.swiglu,
         bias=not m.disable_bias_linear,
+        wgrad_fusion=t.gradient_accumulation_fusion,
     )
 
 
@@ -370,10 +377,20 @@ def moe_peak_alltoall(sh: Shapes) -> int:
 def moe_peak_ring(sh: Shapes, mode: str, transport: str = "copy_engine") -> int:
     """Peak over the MoE block's inputs, one layer fwd+bwd, relaymoe in ``mode``: the router,
     the resident output and dx accumulators (activations' dtype) and the mode's saved and
-    transient bytes (the copy-engine workspace is ``symmetric_workspace_bytes``)."""
+    transient bytes (the copy-engine workspace is ``symmetric_workspace_bytes``).
+
+    With gradient-accumulation fusion (``sh.wgrad_fusion``) Megatron's dispatcher hands the
+    ring its experts' ``main_grad`` (``relaymoe/megatron/main_grad.py``), which DDP's buffer
+    holds back to back per projection: the weight-gradient kernel adds into it (a world of one,
+    token and alltoall modes) and no ``(El, J, H) + (El, H, I)`` gradient buffer exists; expert
+    mode over a ring still brings its gradient home first (``cost.memory_bytes(main_grads=)``).
+    Autograd then gets one expert's dummy gradient per projection, TransformerEngine's shared
+    buffer (``1/El`` of that buffer, once per GPU and shared with TE's own layers): not
+    counted."""
     router = ROUTER_BYTES_PER_TOKEN_EXPERT * sh.T * sh.E
     resident = 2 * sh.T * sh.h * sh.e
-    return router + resident + cost.memory_bytes(mode, sh.dims(), transport=transport).peak
+    mem = cost.memory_bytes(mode, sh.dims(), transport=transport, main_grads=sh.wgrad_fusion)
+    return router + resident + mem.peak
 
 
 def symmetric_workspace_bytes(sh: Shapes, mode: str, transport: str) -> int:
@@ -407,9 +424,10 @@ def fused_loss_bytes(cfg: Config, sh: Shapes) -> int:
     (one chunk's working set + the hidden gradient it keeps), at the ``T_a`` tokens the output
     layer sees after the sequence-parallel gather. Under Megatron's DDP the loss adds its
     weight gradient straight into the fp32 ``main_grad`` (its accumulate mode,
-    ``relaymoe/megatron/fused_loss.py``), so no ``(V/TP, h)`` buffer of its own is counted."""
+    ``relaymoe/megatron/fused_loss.py``), so no ``(V/TP, h)`` buffer of its own is counted; its
+    chunk is the op's default for that mode and ``FUSED_LOSS_IMPL``."""
     fl = lossmodel.fused_loss_bytes(sh.T_a, sh.h, vocab_local(cfg, sh), act_bytes=sh.e,
-                                    wgrad="accumulate")  # fmt: skip
+                                    wgrad="accumulate", impl=FUSED_LOSS_IMPL)  # fmt: skip
     return fl.peak
 
 

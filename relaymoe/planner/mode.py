@@ -132,7 +132,8 @@ def hop_time_report(sh: Shapes, mode: str, transport: str, gpus_per_node: int | 
     copy engine's shared workspace excluded)."""
     d = sh.dims()
     tr = resolve_transport(transport, sh.R)
-    peak = cost.memory_bytes(mode, d, transport=tr).peak  # the same buffers in any order
+    # the same buffers in any order
+    peak = cost.memory_bytes(mode, d, transport=tr, main_grads=sh.wgrad_fusion).peak
     out = {}
     for sched in options.SCHEDULES:
         t = cost.ring_hop_times(mode, d, schedule=sched, gpus_per_node=gpus_per_node, transport=tr)
@@ -140,7 +141,8 @@ def hop_time_report(sh: Shapes, mode: str, transport: str, gpus_per_node: int | 
                       "layer_peak_bytes": peak}  # fmt: skip
     if mode == "expert":  # asked for by name only: reported, never chosen (not yet measured)
         t = cost.node_batched_hop_times(d, gpus_per_node=gpus_per_node)
-        mem = cost.node_batched_memory_bytes(d, gpus_per_node=gpus_per_node or sh.R)
+        mem = cost.node_batched_memory_bytes(d, gpus_per_node=gpus_per_node or sh.R,
+                                             main_grads=sh.wgrad_fusion)  # fmt: skip
         out[options.NODE_BATCHED] = {
             "mode": mode, **dataclasses.asdict(t), "nodes": t.nodes, "step_s": t.step_s,
             "layer_peak_bytes": mem.peak,  # NCCL: its exchanges are batch_isend_irecv

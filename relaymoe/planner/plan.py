@@ -504,6 +504,8 @@ def config_from_megatron_args(args) -> Config:
         "global_batch_size": g("global_batch_size"),
         "precision": precision,
         "normalization_impl": normalization_impl_of(args),
+        # Megatron's default; --no-gradient-accumulation-fusion sets it False
+        "gradient_accumulation_fusion": bool(g("gradient_accumulation_fusion", True)),
     }
     disp = g("moe_token_dispatcher_type", "alltoall")
     relay = {

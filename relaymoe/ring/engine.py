@@ -44,8 +44,8 @@ or 4 with fp32 accumulators: ``grad_accum``), ``Tm`` the largest T of the group,
   to back in one storage (in expert order or its reverse), else nothing (a zero-copy view).
 * with ``main_grads`` added into in place (``main_grads.py``: token and all-to-all modes, a
   world of one, the accumulators one span each) no weight-gradient accumulator and no cast
-  exist (``W*gb`` less, and ``W*b``); expert mode over a ring keeps its bound (the gradient
-  arrives home complete, then is added);
+  exist (``W*gb`` less, and ``W*b``); expert mode over a ring keeps its bound but the cast (the
+  gradient arrives home complete, then is added in its accumulator dtype);
 * from forward to backward: expert mode keeps the call's routing index, token mode the routing
   index of every visiting partition (``12*T*K`` bytes each: built once per call, no ids travel
   backward), nothing else.

@@ -29,15 +29,28 @@ def test_bench_loss_smoke(tmp_path, capsys):
     assert not dist.is_initialized()  # the harness leaves no process group behind
 
 
-def test_the_proposed_chunk_keeps_the_transient_within_512_mib():
-    from benchmarks import bench_loss
-    from relaymoe.lossmodel import fused_loss_bytes
+def test_relaymoe_providers_run_the_librarys_default_chunk():
+    """Each relaymoe provider runs ``lossmodel.default_chunk_tokens`` for its mode (the impl on
+    this CPU: torch): the accumulate modes within the 512 MiB budget, the default mode its
+    own; no provider of another chunk."""
+    import torch
 
-    c = bench_loss.fit_chunk(151936)
-    assert c == 1664
-    model = fused_loss_bytes(65536, 4096, 151936, chunk_tokens=c, wgrad="accumulate",
-                             impl="triton")  # fmt: skip
-    assert model.transient <= (512 - bench_loss.FIT_MARGIN_MiB) * 2**20
-    wider = fused_loss_bytes(65536, 4096, 151936, chunk_tokens=c + 128, wgrad="accumulate",
-                             impl="triton")  # fmt: skip
-    assert wider.transient > (512 - bench_loss.FIT_MARGIN_MiB) * 2**20
+    from benchmarks import bench_loss
+    from relaymoe.lossmodel import default_chunk_tokens
+
+    tokens, vocab = 65536, 151936
+    labels = torch.zeros(tokens, dtype=torch.long)
+    mask = torch.ones(tokens, dtype=torch.bool)
+    made, _ = bench_loss.make_providers(bench_loss.RELAYMOE, labels, mask, tokens, vocab,
+                                    torch.bfloat16)  # fmt: skip
+    chunks = {k: p.chunk_tokens for k, p in made.items()}
+    assert chunks == {
+        "relaymoe": 2304,
+        "relaymoe_torchimpl": 2304,
+        "relaymoe_accumulate": 512,
+        "relaymoe_accumulate_miss": 512,
+        "relaymoe_accumulate_noguess": 512,
+    }
+    assert bench_loss.TRANSIENT_BUDGET_MiB == 512
+    assert chunks["relaymoe_accumulate"] == default_chunk_tokens(
+        tokens, vocab, wgrad="accumulate", impl="torch")  # fmt: skip

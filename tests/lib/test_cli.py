@@ -97,6 +97,26 @@ def test_rich_capacity_lines(capsys):
     assert rc == 0 and "token over copy_engine" in out
 
 
+def test_gradient_accumulation_fusion_switch(capsys):
+    """``--no-gradient-accumulation-fusion`` (Megatron's flag, rendered in the flags): the ring's
+    experts at EP 1 keep their weight-gradient buffer, so the ring's longest sequence shrinks;
+    the default (fusion on) renders no flag."""
+    base = ("plan", "--config", "qwen3_slice_v152k", "--ep", "1", "--dp", "1", "--mbs", "1",
+            "--json")  # fmt: skip
+    rc, out, _ = run(capsys, *base)
+    on = json.loads(out)
+    rc_off, out, _ = run(capsys, *base, "--no-gradient-accumulation-fusion")
+    off = json.loads(out)
+    assert rc == rc_off == 0
+    assert "--no-gradient-accumulation-fusion" in off["megatron_args"]
+    assert "--no-gradient-accumulation-fusion" not in on["megatron_args"]
+    seq_on, seq_off = on["max_seq_length"], off["max_seq_length"]
+    assert seq_on["ring_fused_loss"] > seq_off["ring_fused_loss"]
+    assert seq_on["alltoall_fused_loss"] == seq_off["alltoall_fused_loss"]
+    rc, out, _ = run(capsys, *base, "--gradient-accumulation-fusion")
+    assert json.loads(out)["max_seq_length"] == seq_on
+
+
 def test_fused_loss_switch(capsys):
     rc, out, _ = run(capsys, "plan", "--fused-loss", "--json")
     assert rc == 0

@@ -510,3 +510,33 @@ def test_captured_hops_model_swaps_the_hop_host_cost_only():
     assert cost.choose_mode(**kw, model=c) in options.RING_MODES
     with pytest.raises(ValueError, match="captured_hop_fixed_s"):
         cost.TimeModel(captured_hop_fixed_s=-1.0)
+
+
+def test_main_grads_drop_the_weight_gradient_buffers_the_kernel_adds_in_place():
+    """``memory_bytes(main_grads=True)`` (``ring_moe(main_grads=)``, Megatron's fusion): where
+    the weight-gradient kernel adds into the caller's accumulators (a world of one, token and
+    alltoall modes) no accumulator and no cast exist; expert mode over a ring still brings its
+    gradient home (``W*gb``) and only the cast goes. Nothing else moves."""
+    W = TINY.W
+    kw = dict(tokens=4096, hidden=2048, ffn=768, num_local_experts=8, topk=8, world=16)
+    wide = cost.dims(**kw)  # fp32 accumulators (gb 4) of bf16 weights: the cast exists
+    one = dataclasses.replace(TINY, R=1, El=4)
+    for d, mode, gone in (
+        (TINY, "token", W * 2),
+        (wide, "token", wide.W * (4 + 2)),
+        (TINY, "alltoall", W * 2),
+        (TINY, "expert", 0),
+        (wide, "expert", wide.W * 2),  # the cast only
+        (one, "expert", one.W * 2),
+        (one, "token", one.W * 2),
+        (dataclasses.replace(one, gb=4), "expert", one.W * (4 + 2)),
+    ):
+        for tr in ("nccl", "copy_engine"):
+            plain = cost.memory_bytes(mode, d, transport=tr)
+            fused = cost.memory_bytes(mode, d, transport=tr, main_grads=True)
+            assert plain.bwd - fused.bwd == gone, (mode, d.R, d.gb, tr)
+            assert (plain.fwd, plain.saved, plain.workspace) == (
+                fused.fwd, fused.saved, fused.workspace)  # fmt: skip
+    # node-batched rounds of one GPU a node are the flat expert ring's, main_grads included
+    assert cost.node_batched_memory_bytes(wide, gpus_per_node=1, main_grads=True) == (
+        cost.memory_bytes("expert", wide, transport="nccl", main_grads=True))  # fmt: skip

@@ -28,6 +28,7 @@ from torch.overrides import TorchFunctionMode
 import relaymoe
 import relaymoe.loss.autograd as loss_mod
 import relaymoe.loss.passes as passes
+from relaymoe import lossmodel
 from relaymoe.loss import linear_cross_entropy
 from relaymoe.lossmodel import default_chunk_tokens
 from tests.fixtures import free_port, rel_err, run_spawned
@@ -243,14 +244,31 @@ def test_bitwise_deterministic(impl):
         assert torch.equal(x, z)
 
 
-def test_default_chunk_is_the_loss_models(monkeypatch):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_default_chunk_is_the_loss_models(monkeypatch, impl):
+    """The op's default chunk is ``lossmodel.default_chunk_tokens`` for the call's mode, impl
+    and dtype: the kept mode's for a plain call, the accumulate budget's with
+    ``weight_grad_into`` (expected gradient or not). The accumulate budget is shrunk so that
+    the modes differ at this size: 128 tokens of fp32 logits (8 bytes a logit on torch, 4 on
+    Triton) against the kept mode's whole T."""
+    T_, H_, V_ = 300, 4, 3000
+    monkeypatch.setattr(lossmodel, "ACCUMULATE_CHUNK_BUDGET_BYTES", 128 * V_ * 8)
     seen = []
-    real = loss_mod._forward
-    monkeypatch.setattr(loss_mod, "_forward", lambda *a: seen.append(a[3].chunk) or real(*a))
-    h, w, y = _problem(9, 300, 4, 3000)
+    real = loss_mod.make_setup
+    monkeypatch.setattr(loss_mod, "make_setup", lambda *a: seen.append(real(*a)) or seen[-1])
+    h, w, y = _problem(9, T_, H_, V_)
+    h, w = h.float(), w.float()
     with torch.no_grad():
-        linear_cross_entropy(h, w, y)
-    assert seen == [default_chunk_tokens(300, 3000)]
+        linear_cross_entropy(h, w, y, impl=impl)
+    acc = torch.zeros(V_, H_)
+    for expected in (0.5, None):
+        hr = h.clone().requires_grad_()
+        linear_cross_entropy(hr, w, y, impl=impl, weight_grad_into=acc,
+                             expected_grad=expected).sum().backward()  # fmt: skip
+    accumulate = {"torch": 128, "triton": 256}[impl]
+    assert [s.chunk for s in seen] == [T_, accumulate, accumulate]
+    assert accumulate == default_chunk_tokens(T_, V_, wgrad="accumulate", impl=impl, act_bytes=4)
+    assert T_ == default_chunk_tokens(T_, V_, impl=impl, act_bytes=4)
 
 
 def test_exported_from_package():

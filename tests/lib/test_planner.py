@@ -38,9 +38,13 @@ def test_terms_hand_computed():
     # 4 (P,H) buffers, 3 (P,I) intermediates, local expert grads 4*3*64*32*2, router
     assert mm.moe_peak_alltoall(sh) == 262144 + 98304 + 49152 + 10240
     # router, index, out + dx (both in the activations' dtype, as the engine allocates them:
-    # 2*256*64*2, no longer an fp32 dx), one hop (all pairs at R=1) * (2I+2I+I+H) * 2, expert
-    # grads
-    assert mm.moe_peak_ring(sh, "expert") == 10240 + 6144 + 65536 + 229376 + 49152
+    # 2*256*64*2, no longer an fp32 dx), one hop (all pairs at R=1) * (2I+2I+I+H) * 2; no
+    # expert weight gradients under gradient-accumulation fusion (Megatron's default: the
+    # weight-gradient kernel adds into main_grad), 4*3*64*32*2 without it
+    assert sh.wgrad_fusion
+    assert mm.moe_peak_ring(sh, "expert") == 10240 + 6144 + 65536 + 229376
+    unfused = mm.shapes(small_config(training={"gradient_accumulation_fusion": False}))
+    assert mm.moe_peak_ring(unfused, "expert") == 10240 + 6144 + 65536 + 229376 + 49152
     # attention: 64*(64 + 2*2*16) + 64*64 + norm 64; MLP: norm 64 + router 4*64; experts 4*3*64*32
     assert mm.total_params(cfg) == 128 * 64 * 2 + 64 + 2 * (12352 + 320 + 24576)
     st = mm.model_state_bytes(cfg, 0)
@@ -366,26 +370,35 @@ def test_fused_loss_term_is_lossmodels():
     cfg = small_config()
     sh = mm.shapes(cfg)
     # T_a = 256 tokens, h = 64, V/tp = 128, bf16: the op's own model, nothing restated here
-    # under Megatron's DDP the loss adds its weight gradient into main_grad (accumulate mode)
-    fl = lossmodel.fused_loss_bytes(256, 64, 128, act_bytes=2, wgrad="accumulate")
+    # under Megatron's DDP the loss adds its weight gradient into main_grad (accumulate mode),
+    # on CUDA through the Triton row kernels (2 bytes a bf16 logit)
+    assert mm.FUSED_LOSS_IMPL == "triton"
+    fl = lossmodel.fused_loss_bytes(256, 64, 128, act_bytes=2, wgrad="accumulate", impl="triton")
+    assert fl.chunk == 256 * 128 * 2
     assert mm.fused_loss_bytes(cfg, sh) == fl.peak
     assert mm.loss_bytes(cfg, sh, True) == fl.peak  # tp=1: nothing gathered
     assert mm.loss_bytes(cfg, sh, False) == mm.logits_bytes(cfg, sh) == 6 * 256 * 128
     # The loss peaks in its forward, on top of what the stage keeps: with both layers kept
-    # the loss phase (final norm 65536 + the fused loss) is above the layers' working set.
-    st = sum(mm.model_state_bytes(cfg, 0).values())
-    for c, kw in ((cfg, {"fused_loss": True}), (small_config(relaymoe={"fused_loss": True}), {})):
+    # the loss phase (final norm 65536 + the fused loss) is above the layers' working set
+    # (a vocabulary of 512 here, so that the loss's chunk of 2-byte logits binds).
+    v512 = {"vocab_size": 512}
+    big = lossmodel.fused_loss_bytes(256, 64, 512, act_bytes=2, wgrad="accumulate", impl="triton")
+    cfg512 = small_config(model=v512)
+    st = sum(mm.model_state_bytes(cfg512, 0).values())
+    fused_on = small_config(model=v512, relaymoe={"fused_loss": True})
+    for c, kw in ((cfg512, {"fused_loss": True}), (fused_on, {})):
         pk = stage_peak(c, 0, "alltoall", frozenset({0, 1}), **kw)
-        assert pk.terms["logits_loss"] == 65536 + fl.peak
+        assert pk.terms["logits_loss"] == 65536 + big.peak
         assert pk.terms["logits_loss"] > pk.terms["layer_working_set"]
-        assert pk.total == st + pk.terms["activations_retained"] + 65536 + fl.peak
+        assert pk.total == st + pk.terms["activations_retained"] + 65536 + big.peak
     # the config's switch is the default; the keyword overrides it
     on = small_config(relaymoe={"fused_loss": True})
     assert stage_peak(on, 0, "ring").total == stage_peak(cfg, 0, "ring", fused_loss=True).total
     assert stage_peak(on, 0, "ring", fused_loss=False).total == stage_peak(cfg, 0, "ring").total
     # fp32 activations: the hidden gradient in fp32
     f32 = small_config(training={"precision": "fp32"})
-    fl32 = lossmodel.fused_loss_bytes(256, 64, 128, act_bytes=4, wgrad="accumulate")
+    fl32 = lossmodel.fused_loss_bytes(256, 64, 128, act_bytes=4, wgrad="accumulate",
+                                      impl="triton")  # fmt: skip
     assert mm.fused_loss_bytes(f32, mm.shapes(f32)) == fl32.peak != fl.peak
 
 
@@ -397,7 +410,7 @@ def test_fused_loss_sees_the_gathered_sequence():
     assert (sh.T_a, sh.T) == (128, 64)
     v = cfg.model.padded_vocab_size(2) // 2
     assert v == 128  # 128 padded to a multiple of 128 * tp = 256, over tp = 2
-    fl = lossmodel.fused_loss_bytes(128, 64, v, act_bytes=2, wgrad="accumulate")
+    fl = lossmodel.fused_loss_bytes(128, 64, v, act_bytes=2, wgrad="accumulate", impl="triton")
     assert mm.fused_loss_bytes(cfg, sh) == fl.peak
     assert mm.output_gather_bytes(sh) == 2 * 128 * 64
     assert mm.loss_bytes(cfg, sh, True) == fl.peak + 2 * 128 * 64
@@ -662,3 +675,45 @@ def test_policy_flags_are_written_once():
     with pytest.raises(ValueError, match="known: full, selective, none"):
         pol.policy_flags("some", "ring")
     assert pol.mcore_memory_flags()[-3:] == list(pol.MCORE_FUSED_CE_FLAGS)
+
+
+# -- gradient-accumulation fusion: the ring's expert weight gradients into main_grad ------------
+
+
+def test_gradient_accumulation_fusion_removes_the_rings_weight_gradient_buffer():
+    """Megatron's gradient-accumulation fusion (its default) hands the ring its experts'
+    ``main_grad``: at world 1 the weight-gradient kernel adds into it, so no bf16 ``(El, J, H) +
+    (El, H, I)`` buffer (4*3*64*32*2 bytes here) is counted; ``--no-gradient-accumulation-
+    fusion`` brings it back. The alltoall baseline does not move. The switch travels from the
+    config to the flags and from Megatron's arguments to the config."""
+    on, off = small_config(), small_config(training={"gradient_accumulation_fusion": False})
+    W = 4 * 3 * 64 * 32 * 2
+    for mode in options.MODES:  # a world of one computes locally whatever the mode
+        gap = mm.moe_peak_ring(mm.shapes(off), mode) - mm.moe_peak_ring(mm.shapes(on), mode)
+        assert gap == W, mode
+    full_on, full_off = stage_peak(on, 0, "ring"), stage_peak(off, 0, "ring")
+    assert full_off.terms["moe_block_peak"] - full_on.terms["moe_block_peak"] == W
+    assert full_off.total - full_on.total == W  # the last layer's backward binds here
+    assert stage_peak(on, 0, "alltoall").total == stage_peak(off, 0, "alltoall").total
+    gpu = usable_bytes(parse_gpu("h100-80gb"))
+    qwen = load_config("qwen3_slice_v152k").replace(  # as benchmarks/max_seq.py plans it
+        parallel={"ep": 1, "dp": 1}, training={"micro_batch_size": 1, "global_batch_size": None}
+    )
+    qwen_off = qwen.replace(training={"gradient_accumulation_fusion": False})
+    from relaymoe.planner.plan import max_seq_length
+
+    assert max_seq_length(qwen, "ring", gpu, fused_loss=True) > max_seq_length(
+        qwen_off, "ring", gpu, fused_loss=True
+    )
+    # the flags, and Megatron's arguments read back
+    assert "--no-gradient-accumulation-fusion" in to_megatron_args(off)
+    assert "--no-gradient-accumulation-fusion" not in to_megatron_args(on)
+    from relaymoe.config import megatron_namespace
+
+    assert megatron_namespace(to_megatron_args(off)).gradient_accumulation_fusion is False
+    args = small_megatron_args()
+    assert config_from_megatron_args(args).training.gradient_accumulation_fusion is True
+    args.gradient_accumulation_fusion = False  # what --no-gradient-accumulation-fusion sets
+    assert config_from_megatron_args(args).training.gradient_accumulation_fusion is False
+    with pytest.raises(ValueError, match="gradient_accumulation_fusion='no' must be true or"):
+        small_config(training={"gradient_accumulation_fusion": "no"})
