@@ -112,6 +112,41 @@ def run_layer(x, w13, w2, idx, probs, dy, **kw) -> dict:
             "dprobs": ins[3].grad}  # fmt: skip
 
 
+def check_delayed_window(x, w13, w2, idx, probs, dy, hist_len: int, **kw):
+    """TE's ``DelayedScaling`` (``max``) on the kernels: a call quantises each tensor with the
+    scale of the largest amax among the ``hist_len`` (L) calls before it, the first call with
+    1. A tensorwise call (its amaxes recorded), then 2L+2 delayed calls of ``run_layer``
+    (``kw``: its options), the first on 3x x and dy: x's and dy's scales come from that
+    step's amax for L calls, then from their own; a, dh and p*a are made from x and dy, so
+    their amaxes are current scaling's from call L+2 on and their scales from call 2L+2 on,
+    which is then the tensorwise call bit for bit (the kernels are deterministic: no atomic
+    but amax's max). Asserts that; returns ``(last call, tensorwise call's amaxes)``."""
+    from relaymoe.fp8_state import Fp8State
+
+    tensorwise = Fp8State(Fp8Recipe("tensorwise"))
+    tensorwise.scales = current = RecordedScaling(tensorwise.scales)
+    want = run_layer(x, w13, w2, idx, probs, dy, fp8=tensorwise, **kw)
+    state = Fp8State(Fp8Recipe("delayed", amax_history_len=hist_len))
+    state.scales = delayed = RecordedScaling(state.scales)
+    calls, used, first = [], [], None
+    for c in range(2 * hist_len + 2):
+        k = 3.0 if c == 0 else 1.0
+        calls.append(run_layer(k * x, w13, w2, idx, probs, k * dy, fp8=state, **kw))
+        used.append(dict(delayed.used))  # the scales call c quantised with
+        first = first or dict(delayed.amax)
+    for role, fmt in (("x", "e4m3"), ("dy", state.recipe.grad_format)):
+        assert torch.equal(used[0][role].cpu(), torch.ones(1)), role
+        for c in range(1, len(calls)):
+            amax = first[role] if c <= hist_len else current.amax[role]
+            want_scale = qt.scale_from_amax(amax.float(), fmt).reshape(1)
+            assert torch.equal(used[c][role], want_scale), (role, c)
+    for name in want:
+        assert torch.equal(calls[-1][name], want[name]), name
+    # call L+1 still scales x from call 1's amax
+    assert (calls[hist_len]["out"] - want["out"]).norm() > 1e-3 * want["out"].norm()
+    return calls[-1], current.amax
+
+
 def fp8_emulation(x, wq: Fp8ExpertWeights, idx, probs, dy, recipe: Fp8Recipe, activation=None,
                   amax=None, own_amax=None):  # fmt: skip
     """``{"out", "dx", "dw13", "dw2", "dprobs"}`` (float64) of the fp8 layer on ``x``'s dtype:

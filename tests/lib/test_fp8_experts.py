@@ -33,6 +33,7 @@ from relaymoe.routing import build_routing_index
 from tests.fixtures import random_routing, rel_err
 from tests.fp8_emulation import (
     RecordedScaling,
+    check_delayed_window,
     dequant_input,
     dequant_weights,
     fp8_emulation,
@@ -231,35 +232,12 @@ def test_moe_experts_fp8_matches_its_float64_emulation(recipe, case, recompute):
 
 
 def test_delayed_scaling_keeps_a_step_in_its_window_for_history_len_calls():
-    """TE's ``DelayedScaling`` (``max``): a call quantises each tensor with the scale of the
-    largest amax among the ``amax_history_len`` (L) calls before it, the first call with 1.
-    A first step on 3x the inputs: x's and dy's scales come from its amax for L calls, then
-    from their own. a, dh and p*a are made from x and dy, so their amaxes are current
-    scaling's from call L+2 on, and their scales from call 2L+2 on: that call is a tensorwise
-    call bit for bit. Also: the weight gradients in bf16 on request."""
+    """TE's ``DelayedScaling``: a step's amax stays in the window for ``amax_history_len`` calls
+    (``check_delayed_window`` says what is asserted). Also: the weight gradients in bf16 on
+    request."""
     x, w13, w2, idx, probs = _problem(12, 40, 24, 3, 2, seed=7)
     dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(2))
-    tensorwise = Fp8State(Fp8Recipe("tensorwise"))
-    tensorwise.scales = current = RecordedScaling(tensorwise.scales)
-    want = run_layer(x, w13, w2, idx, probs, dy, fp8=tensorwise)
-    hist_len = 2
-    state = Fp8State(Fp8Recipe("delayed", amax_history_len=hist_len))
-    state.scales = delayed = RecordedScaling(state.scales)
-    calls, used, first = [], [], None
-    for c in range(2 * hist_len + 2):
-        k = 3.0 if c == 0 else 1.0
-        calls.append(run_layer(k * x, w13, w2, idx, probs, k * dy, fp8=state))
-        used.append(dict(delayed.used))  # the scales call c quantised with
-        first = first or dict(delayed.amax)
-    for role, fmt in (("x", "e4m3"), ("dy", state.recipe.grad_format)):
-        assert torch.equal(used[0][role], torch.ones(1)), role
-        for c in range(1, len(calls)):
-            amax = first[role] if c <= hist_len else current.amax[role]
-            want_scale = qt.scale_from_amax(amax.float(), fmt).reshape(1)
-            assert torch.equal(used[c][role], want_scale), (role, c)
-    for name in want:
-        assert torch.equal(calls[-1][name], want[name]), name
-    assert rel_err(calls[hist_len]["out"], want["out"]) > 1e-3  # x scaled from call 1's amax
+    check_delayed_window(x, w13, w2, idx, probs, dy, hist_len=2)
     bf16_w = Fp8Recipe("tensorwise", fp8_wgrad=False)
     got = run_layer(x, w13, w2, idx, probs, dy, fp8=bf16_w, kernels=GMM)
     want = fp8_emulation(x, quantize_expert_weights(w13, w2, bf16_w), idx, probs, dy, bf16_w)
