@@ -53,6 +53,10 @@ runs the list N times in order, interleaving the providers over the machine's dr
     relaymoe_ring_graphed   the ring under megatron-core's whole-iteration CUDA graph
                             (--cuda-graph-impl full_iteration --no-check-for-nan-in-loss-and-grad
                             --cuda-graph-warmup-steps 2; no per-layer graph modules), dropless
+    relaymoe_ring_fp8_experts
+                            the fp8 shapes' ring with its experts in fp8 too
+                            (--relaymoe-fp8-experts on; the default auto keeps them in bf16
+                            until they are measured faster): rows with fp8_experts true
     mcore_alltoall_te       the anchor: megatron-core's alltoall at its best, its kept graphs
     mcore_alltoall_te_drop  alltoall dropping tokens at capacity factor 1.0, padded to capacity,
                             with megatron-core's attention and MoE graphs (--cuda-graph-impl
@@ -258,7 +262,7 @@ DROP_GRAPH_FLAGS = ("--cuda-graph-impl", "transformer_engine", "--cuda-graph-mod
 class Provider:
     """One kind of run of a shape: its dispatcher, its flags on top of the shape's
     (``Provider.flags``), and the shapes it applies to (``te``: True for the anchor (TE) shapes
-    only, False for the others only, None for both)."""
+    only, False for the others only, None for both; ``fp8_experts``: the fp8 shapes only)."""
 
     name: str
     dispatcher: str
@@ -266,6 +270,7 @@ class Provider:
     graph_flags: tuple[str, ...] | None = None  # replace the shape's CUDA-graph flags; None: keep
     extra: tuple[str, ...] = ()
     about: str = ""
+    fp8_experts: bool = False  # the ring's experts in fp8 (--relaymoe-fp8-experts on)
 
     def flags(self, shape: E2EShape) -> tuple[str, ...]:
         """The run's flags beyond the config's: the shape's for this dispatcher
@@ -274,12 +279,17 @@ class Provider:
         if self.te is not None and self.te != shape.anchor:
             need = "an anchor (TE, '_te') shape" if self.te else "a shape without '_te'"
             raise ValueError(f"provider {self.name!r} runs on {need}, not {shape.name!r}")
+        if self.fp8_experts and shape.fp8 is None:
+            raise ValueError(f"provider {self.name!r} runs on an fp8 shape ('_fp8_'), not "
+                             f"{shape.name!r}")  # fmt: skip
         out = list(shape.run_flags(self.dispatcher))
         if self.graph_flags is not None:
             out = [*without_graphs(out), *self.graph_flags]
         out += self.extra
         if shape.fused_loss and self.dispatcher == "ring":
             out.append("--relaymoe-fused-loss")
+        if self.fp8_experts:
+            out += ["--relaymoe-fp8-experts", "on"]
         return tuple(out)
 
 
@@ -290,6 +300,9 @@ PROVIDERS = {
                  about="the ring, eager (with the kept attention graphs on anchor shapes)"),
         Provider("relaymoe_ring_graphed", "ring", graph_flags=RING_GRAPHED_FLAGS,
                  about="the ring under megatron-core's whole-iteration CUDA graph, dropless"),
+        Provider("relaymoe_ring_fp8_experts", "ring", fp8_experts=True,
+                 about="the ring with its experts' GEMMs in fp8 too (--relaymoe-fp8-experts "
+                       "on; the fp8 shapes: the default auto keeps them in bf16)"),
         Provider("relaymoe_ring_layer_graphs", "ring", te=True,
                  graph_flags=RING_LAYER_GRAPH_FLAGS,
                  about="the ring under megatron-core's per-layer graphs over attention and the "

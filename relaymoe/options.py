@@ -98,9 +98,10 @@ ROWS_GATHER_CHOICES = ("index", "copy")  # gathered-row GEMMs: through the index
 TMA_CHOICES = ("auto", "on", "off")  # tensor descriptors for contiguous operands
 GATHER_WS_CHOICES = ("auto", "off")  # the persistent Gluon kernels on sm90
 AUTOTUNE_CHOICES = ("shipped", "search", "first")  # shipped configs, a full search, the first
-# The routed experts' GEMMs under Megatron's fp8 recipe (--fp8-format): in fp8 ("auto": whenever
-# a recipe is given; relaymoe.fp8_recipe) or in bf16 ("off")
-FP8_EXPERTS_CHOICES = ("auto", "off")
+# The routed experts' GEMMs under Megatron's fp8 recipe (--fp8-format): in fp8 where measured
+# faster than bf16 ("auto": relaymoe.megatron.fp8_experts), always in fp8 ("on"; which GEMMs:
+# relaymoe.fp8_recipe), or in bf16 ("off")
+FP8_EXPERTS_CHOICES = ("auto", "on", "off")
 
 
 # Bounds of the numeric options: an int option is at most INT64_MAX (the agreement's rows and
@@ -226,7 +227,8 @@ class RingConfig:
     mismatch raises on every rank); ``kernels.pair_buffer_mib`` too, since it sizes the hops'
     pair buffers. ``overlap``, ``capture_hops``, ``host_wait`` and ``timeout_s`` are this
     rank's. ``fp8_experts`` is read by Megatron's dispatcher, which hands ``ring_moe`` its
-    ``Fp8State`` (``fp8=``) when it is ``auto`` and the model has an fp8 recipe."""
+    ``Fp8State`` (``fp8=``) when the model has an fp8 recipe and it is ``on``, or ``auto`` and
+    the recipe's fp8 experts are measured faster than bf16 (``relaymoe.megatron.fp8_experts``)."""
 
     mode: str = _opt(
         AUTO, MODE_CHOICES, flag="--relaymoe-mode",
@@ -302,12 +304,15 @@ class RingConfig:
     )
     fp8_experts: str = _opt(
         "auto", FP8_EXPERTS_CHOICES, flag="--relaymoe-fp8-experts",
-        why="the routed experts' GEMMs in fp8 under an fp8 recipe (auto), or in bf16 (off)",
-        help="with --fp8-format and --moe-token-dispatcher-type ring: the ring's routed experts "
-        "compute their GEMMs in fp8 with the same recipe (auto: fprop and dgrad in fp8, wgrad "
-        "as --fp8-wgrad and the recipe say; the experts' fp8 copies travel the ring, half the "
-        "bf16 bytes), or in bf16 while TransformerEngine runs the other layers in fp8 (off); "
-        "no effect without --fp8-format",
+        why="the routed experts' GEMMs under an fp8 recipe: in fp8 where measured faster than "
+        "bf16 (auto: not yet, so bf16), in fp8 (on), or in bf16 (off)",
+        help="with --fp8-format and --moe-token-dispatcher-type ring: on runs the ring's routed "
+        "experts' GEMMs in fp8 with the same recipe (fprop and dgrad in fp8, wgrad as "
+        "--fp8-wgrad and the recipe say; their fp8 copies travel the ring, half the bf16 "
+        "bytes); off keeps them in bf16 while TransformerEngine runs the other layers in fp8; "
+        "auto (the default) is on only for a recipe whose fp8 experts are measured faster than "
+        "the bf16 ones, which none is yet (the start-up notice names the measurement); no "
+        "effect without --fp8-format",
     )  # fmt: skip
     kernels: KernelOptions = field(default_factory=KernelOptions)
 

@@ -23,10 +23,41 @@ from relaymoe.reference import reference_activation
 F64 = torch.float64
 
 
-def _one_scale(t, fmt):
-    """float64 dequantised ``t`` with one scale from its amax (current scaling)."""
-    s = qt.scale_from_amax(t.abs().amax() if t.numel() else t.new_zeros(()), fmt)
+def _one_scale(t, fmt, amax=None):
+    """float64 dequantised ``t`` with one scale from ``amax`` (default: its own amax)."""
+    if amax is None:
+        amax = t.abs().amax() if t.numel() else t.new_zeros(())
+    s = qt.scale_from_amax(amax.reshape(()).to(t.device), fmt)
     return qt.quantize_with(t, s, fmt).to(F64) * (1.0 / s).to(F64)
+
+
+class _Amaxes:
+    """Which amax each one-scale tensor's scale comes from: ``given`` (role -> amax, the
+    kernels' own) where it names the role, else the emulated tensor's; ``own`` is filled with
+    the emulated tensors' amaxes, role by role."""
+
+    def __init__(self, given, own):
+        self.given = {} if given is None else given
+        self.own = {} if own is None else own
+
+    def dequant(self, t, fmt: str, role: str):
+        self.own[role] = t.abs().amax().double() if t.numel() else t.new_zeros((), dtype=F64)
+        return _one_scale(t, fmt, self.given.get(role, self.own[role]))
+
+
+class RecordedScaling:
+    """A tensor-scale source (``relaymoe.kernels.fp8.scaling``) that answers as ``inner`` and
+    keeps, per role, the last amax the kernels measured (``amax``, for :func:`fp8_emulation`'s
+    ``amax``) and the scale it answered (``used``). Installed as ``state.scales`` of an
+    ``Fp8State``."""
+
+    def __init__(self, inner):
+        self.inner, self.amax, self.used = inner, {}, {}
+
+    def scale(self, role, amax, fmt):
+        self.amax[role] = amax.detach().double().reshape(()).clone()
+        self.used[role] = self.inner.scale(role, amax, fmt)
+        return self.used[role]
 
 
 def dequant_input(t, fmt: str, recipe: Fp8Recipe, scale=None):
@@ -38,12 +69,12 @@ def dequant_input(t, fmt: str, recipe: Fp8Recipe, scale=None):
     return _one_scale(t, fmt)
 
 
-def _dequant_act(t, fmt, recipe):
-    """a or dh (rounded to the dtype already) as the next GEMM reads it."""
+def _dequant(t, fmt, recipe, role, amaxes: _Amaxes):
+    """x, dy, a, dh or p*a (rounded to the dtype already) as the next GEMM reads it."""
     if recipe.blockwise:
         q, inv = qt.quantize_rows(t, fmt, pow2=recipe.power_2_scales)
         return qt.dequantize_rows(q, inv).to(F64)
-    return _one_scale(t, fmt)
+    return amaxes.dequant(t, fmt, role)
 
 
 def dequant_weights(wq: Fp8ExpertWeights):
@@ -81,22 +112,66 @@ def run_layer(x, w13, w2, idx, probs, dy, **kw) -> dict:
             "dprobs": ins[3].grad}  # fmt: skip
 
 
-def fp8_emulation(x, wq: Fp8ExpertWeights, idx, probs, dy, recipe: Fp8Recipe, activation=None):
+def check_delayed_window(x, w13, w2, idx, probs, dy, hist_len: int, **kw):
+    """TE's ``DelayedScaling`` (``max``) on the kernels: a call quantises each tensor with the
+    scale of the largest amax among the ``hist_len`` (L) calls before it, the first call with
+    1. A tensorwise call (its amaxes recorded), then 2L+2 delayed calls of ``run_layer``
+    (``kw``: its options), the first on 3x x and dy: x's and dy's scales come from that
+    step's amax for L calls, then from their own; a, dh and p*a are made from x and dy, so
+    their amaxes are current scaling's from call L+2 on and their scales from call 2L+2 on,
+    which is then the tensorwise call bit for bit (the kernels are deterministic: no atomic
+    but amax's max). Asserts that; returns ``(last call, tensorwise call's amaxes)``."""
+    from relaymoe.fp8_state import Fp8State
+
+    tensorwise = Fp8State(Fp8Recipe("tensorwise"))
+    tensorwise.scales = current = RecordedScaling(tensorwise.scales)
+    want = run_layer(x, w13, w2, idx, probs, dy, fp8=tensorwise, **kw)
+    state = Fp8State(Fp8Recipe("delayed", amax_history_len=hist_len))
+    state.scales = delayed = RecordedScaling(state.scales)
+    calls, used, first = [], [], None
+    for c in range(2 * hist_len + 2):
+        k = 3.0 if c == 0 else 1.0
+        calls.append(run_layer(k * x, w13, w2, idx, probs, k * dy, fp8=state, **kw))
+        used.append(dict(delayed.used))  # the scales call c quantised with
+        first = first or dict(delayed.amax)
+    for role, fmt in (("x", "e4m3"), ("dy", state.recipe.grad_format)):
+        assert torch.equal(used[0][role].cpu(), torch.ones(1)), role
+        for c in range(1, len(calls)):
+            amax = first[role] if c <= hist_len else current.amax[role]
+            want_scale = qt.scale_from_amax(amax.float(), fmt).reshape(1)
+            assert torch.equal(used[c][role], want_scale), (role, c)
+    for name in want:
+        assert torch.equal(calls[-1][name], want[name]), name
+    # call L+1 still scales x from call 1's amax
+    assert (calls[hist_len]["out"] - want["out"]).norm() > 1e-3 * want["out"].norm()
+    return calls[-1], current.amax
+
+
+def fp8_emulation(x, wq: Fp8ExpertWeights, idx, probs, dy, recipe: Fp8Recipe, activation=None,
+                  amax=None, own_amax=None):  # fmt: skip
     """``{"out", "dx", "dw13", "dw2", "dprobs"}`` (float64) of the fp8 layer on ``x``'s dtype:
-    the forward and the backward for upstream gradient ``dy``."""
+    the forward and the backward for upstream gradient ``dy``.
+
+    Tensor-scaled recipes: ``amax`` maps a role (``x``, ``a``, ``dy``, ``dh``, ``pa``) to the
+    amax its one scale comes from, the kernels' (:class:`RecordedScaling`); a role not given
+    takes the emulated tensor's own. ``own_amax``, a dict, is filled with the emulated tensors'
+    amaxes. Why a comparison pins the scales: a scale ``fmax / amax`` is not a power of two, so
+    an amax one bf16 ulp off (its element computed with another accumulation) moves the
+    rounding grid of the whole tensor, a few percent of every result it feeds."""
+    amaxes = _Amaxes(amax, own_amax)
     act = as_activation(activation)
     dtype, gf = x.dtype, recipe.grad_format
     rnd = lambda t: t.to(dtype).to(F64)  # noqa: E731  (a value as stored in x's dtype)
     w13d, w2d = dequant_weights(wq)
     tok, slot, bounds = _pairs(idx.to(x.device), wq.w13.shape[0])
     p = probs.to(F64)[tok, slot][:, None]
-    xd = dequant_input(x, "e4m3", recipe)
+    xd = _dequant(x, "e4m3", recipe, "x", amaxes)
     h = torch.cat(_per_expert(bounds, lambda e, r: xd[tok[r]] @ w13d[e].T))
     a = reference_activation(act, h) * p
-    ad = _dequant_act(rnd(a).to(dtype), "e4m3", recipe)
+    ad = _dequant(rnd(a).to(dtype), "e4m3", recipe, "a", amaxes)
     out = torch.zeros(x.shape, dtype=F64, device=x.device)
     out.index_add_(0, tok, torch.cat(_per_expert(bounds, lambda e, r: ad[r] @ w2d[e].T)))
-    dyd = dequant_input(dy, gf, recipe)
+    dyd = _dequant(dy, gf, recipe, "dy", amaxes)
     g = rnd(torch.cat(_per_expert(bounds, lambda e, r: dyd[tok[r]] @ w2d[e])))
     h_r = rnd(h).requires_grad_()
     act_h = reference_activation(act, h_r)
@@ -105,11 +180,12 @@ def fp8_emulation(x, wq: Fp8ExpertWeights, idx, probs, dy, recipe: Fp8Recipe, ac
     dprobs = torch.zeros(probs.shape, dtype=F64, device=x.device)
     dprobs[tok, slot] = (g * act_h).sum(1)
     dh_r, pa_r = rnd(dh), rnd(act_h * p)
-    dhd = _dequant_act(dh_r.to(dtype), gf, recipe)
+    dhd = _dequant(dh_r.to(dtype), gf, recipe, "dh", amaxes)
     if not recipe.fp8_wgrad:  # bf16 weight gradients: the unquantised operands
         dy_w, pa_w, dh_w, x_w = dy.to(F64), pa_r, dh_r, x.to(F64)
     else:
-        dy_w, pa_w, dh_w, x_w = dyd, _dequant_act(pa_r.to(dtype), "e4m3", recipe), dhd, xd
+        pa_w = _dequant(pa_r.to(dtype), "e4m3", recipe, "pa", amaxes)
+        dy_w, dh_w, x_w = dyd, dhd, xd
     dw2 = torch.stack(_per_expert(bounds, lambda e, r: dy_w[tok[r]].T @ pa_w[r]))
     dw13 = torch.stack(_per_expert(bounds, lambda e, r: dh_w[r].T @ x_w[tok[r]]))
     dx = torch.zeros(x.shape, dtype=F64, device=x.device)

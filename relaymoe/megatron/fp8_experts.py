@@ -1,9 +1,13 @@
 """The ring's routed experts under Megatron's fp8 recipe: whether they compute in fp8, with which
 ``relaymoe.Fp8Recipe``, what is refused, and the line a run prints (no Megatron import).
 
-``--fp8-format`` with ``--moe-token-dispatcher-type ring`` runs the experts' GEMMs in fp8 with
-the model's recipe (``--relaymoe-fp8-experts auto``, the default; ``off`` keeps them in bf16,
-TransformerEngine still running attention and the dense layers in fp8). Megatron's flags map
+``--fp8-format`` with ``--moe-token-dispatcher-type ring`` and ``--relaymoe-fp8-experts on`` runs
+the experts' GEMMs in fp8 with the model's recipe; ``off`` keeps them in bf16, TransformerEngine
+still running attention and the dense layers in fp8. ``auto`` (the default) is ``on`` for a
+recipe only where the experts were measured faster in fp8 than in bf16 (``FP8_EXPERT_MS``: a
+user asking for fp8 must not get a slower MoE layer unasked), which today is no recipe (the
+causes, ranked: docs/lab-notes/cpu_2026-12-07_s28_fp8.md), so ``auto`` keeps them in bf16 and
+the start-up notice says why, naming the measurement. Megatron's flags map
 to :class:`relaymoe.Fp8Recipe`'s fields: ``--fp8-format`` to ``fmt``, ``--fp8-recipe`` to
 ``recipe``, ``--fp8-margin`` to ``margin``, ``--fp8-amax-history-len`` and
 ``--fp8-amax-compute-algo`` to delayed scaling's window, ``--no-fp8-wgrad`` to
@@ -16,7 +20,8 @@ a multiple of 128, expert biases (``--add-bias-linear``), and what the fp8 ring 
 (``--relaymoe-mode token``/``alltoall``, ``--relaymoe-schedule node_batched``, CUDA graphs over
 the MoE layer). A GPU before Hopper is refused when the dispatcher is built (the device is
 known there). Each message names the value, the limit and both fixes (change it, or
-``--relaymoe-fp8-experts off``).
+``--relaymoe-fp8-experts off``). Nothing is refused where the experts stay in bf16 (``off``, or
+``auto`` where fp8 is not measured faster).
 
 The layer's experts are quantised once per optimizer step (``Fp8State``'s cache, keyed on the
 weights' storage and version counter). Megatron's optimizers write the updated weights through
@@ -31,6 +36,10 @@ from __future__ import annotations
 from relaymoe.fp8_recipe import BLOCK, FP8_RECIPES, Fp8Recipe
 
 __all__ = [
+    "FP8_EXPERT_MS",
+    "FP8_EXPERT_MS_SOURCE",
+    "auto_bf16_reason",
+    "auto_runs_fp8",
     "fp8_expert_problems",
     "fp8_experts_option",
     "fp8_recipe_of",
@@ -40,6 +49,48 @@ __all__ = [
 ]
 
 OFF_FIX = "or pass --relaymoe-fp8-experts off (experts in bf16, the other layers still in fp8)"
+
+# What ``auto`` decides from: one expert layer's fwd+bwd in milliseconds, bf16 against each fp8
+# recipe's kernels, per shape (``delayed`` runs the ``tensorwise`` kernels, its scales from a
+# history). ``auto`` runs a recipe's experts in fp8 only where fp8 is below bf16 on every shape
+# here: replace the numbers from a new run and the default follows. Regenerate with
+#   python3 benchmarks/bench_experts.py --shapes qwen3_30b_a3b_T32k moeblaze_conf3 \
+#       --providers relaymoe_act relaymoe_fp8_tensorwise relaymoe_fp8_blockwise
+FP8_EXPERT_MS_SOURCE = (
+    "bench_experts fwd+bwd, 1x H100 80GB HBM3, commit ea4fbac, "
+    "benchmarks/results/2026-12-07_h100x1_ea4fbac6f473-3"
+)
+FP8_EXPERT_MS = {
+    "qwen3_30b_a3b_T32k": {"bf16": 17.2, "tensorwise": 36.1, "blockwise": 22.0},
+    "moeblaze_conf3": {"bf16": 36.5, "tensorwise": 95.9, "blockwise": 50.7},
+}
+
+
+def _kernels_of(recipe: str) -> str:
+    """The recipe whose kernels ``recipe`` runs (delayed scaling: the tensorwise ones)."""
+    return "tensorwise" if recipe == "delayed" else recipe
+
+
+def auto_runs_fp8(recipe: str) -> bool:
+    """Whether ``--relaymoe-fp8-experts auto`` runs ``recipe``'s experts in fp8: measured
+    faster than bf16 on every shape of ``FP8_EXPERT_MS`` (False where never measured)."""
+    kernels = _kernels_of(recipe)
+    rows = [ms for ms in FP8_EXPERT_MS.values() if kernels in ms]
+    return bool(rows) and all(ms[kernels] < ms["bf16"] for ms in rows)
+
+
+def auto_bf16_reason(recipe: str) -> str:
+    """Why ``auto`` keeps ``recipe``'s experts in bf16, with the measured rows."""
+    if recipe not in FP8_RECIPES:
+        return f"relaymoe's fp8 experts implement {FP8_RECIPES}, not {recipe!r}"
+    kernels = _kernels_of(recipe)
+    rows = [f"{ms[kernels]} ms against bf16's {ms['bf16']} ms at {shape}"
+            for shape, ms in FP8_EXPERT_MS.items() if kernels in ms]  # fmt: skip
+    if not rows:
+        return f"relaymoe's {kernels} fp8 experts were never measured against bf16"
+    ran = f"{kernels} kernels" if kernels == recipe else f"the tensorwise kernels, as {recipe}"
+    return (f"relaymoe's fp8 experts ({ran}) are not measured faster than bf16 "
+            f"({', '.join(rows)}: {FP8_EXPERT_MS_SOURCE})")  # fmt: skip
 
 
 def _get(c, name, default=None):
@@ -72,12 +123,16 @@ def fp8_experts_option(c) -> str:
 
 
 def fp8_requested(c, option: str | None = None) -> bool:
-    """Whether a ring model of config or arguments ``c`` asks for fp8 experts: an fp8 format,
-    the ring dispatcher and ``--relaymoe-fp8-experts auto`` (``option``: the value, when the
-    caller holds the ``RingConfig``; default read from ``c``)."""
+    """Whether a ring model of config or arguments ``c`` runs its experts in fp8: an fp8
+    format, the ring dispatcher and ``--relaymoe-fp8-experts on``, or ``auto`` for a recipe
+    :func:`auto_runs_fp8` (``option``: the value, when the caller holds the ``RingConfig``;
+    default read from ``c``)."""
     if _get(c, "fp8") in (None, False) or _get(c, "moe_token_dispatcher_type") != "ring":
         return False  # decided without the option (whose lookup may import megatron.training)
-    return (option or fp8_experts_option(c)) != "off"
+    option = option or fp8_experts_option(c)
+    if option == "auto":
+        return auto_runs_fp8(_get(c, "fp8_recipe") or "delayed")  # Megatron's default recipe
+    return option == "on"
 
 
 def fp8_recipe_of(c, option: str | None = None) -> Fp8Recipe | None:

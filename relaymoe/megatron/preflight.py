@@ -30,6 +30,10 @@ any; nothing is launched by this module. What it checks:
 * what the run needs that is not here: TransformerEngine for context parallelism (CP > 1) or
   for MoE with tensor parallelism (sequence parallelism needs TE's or Apex's norms).
   These are printed as ``needs:`` lines; they fail the check unless ``--dry-run``.
+
+A dry run also prints what the run would announce at start about its precision
+(``validate.fp8_expert_notice``: under an fp8 recipe, which expert GEMMs run in fp8, or why
+``--relaymoe-fp8-experts auto`` keeps them in bf16); a real run prints it itself.
 """
 
 from __future__ import annotations
@@ -273,6 +277,16 @@ def problems_of(ns, megatron_argv: list[str]) -> list[str]:
     return problems
 
 
+def dry_run_notices(megatron_argv: list[str]) -> list[str]:
+    """The lines the run would print at start about its precision (``fp8_expert_notice``), for
+    a dry run; none when the command line does not parse (its refusal says why)."""
+    from relaymoe.megatron.validate import fp8_expert_notice
+
+    args, _ = parsed_args(megatron_argv)
+    notice = None if args is None else fp8_expert_notice(args)
+    return [notice] if notice else []
+
+
 def main(argv: list[str] | None = None) -> int:
     from relaymoe.host_warnings import quiet_host_warnings
 
@@ -294,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for line in wanted:
         print(f"[relaymoe] needs: {line}", file=sys.stderr)
+    if ns.dry_run:
+        for line in dry_run_notices(megatron_argv):
+            print(line, file=sys.stderr)
     return 0
 
 

@@ -20,9 +20,10 @@ Why each refusal:
 * flex / DeepEP / HybridEP / NCCL-EP flags: those are other dispatchers.
 * fp4, and fp8 primary weights (``--fp8-param-gather``): the ring's expert kernels quantise
   from the experts' own bf16 parameters. fp8 recipes are accepted: TE runs attention and the
-  dense layers in fp8 and the ring runs the experts' GEMMs in fp8 too (``fp8_experts.py``:
-  the recipe's mapping and its own refusals; ``--relaymoe-fp8-experts off`` keeps them in
-  bf16); ``fp8_expert_notice`` says which GEMMs run in fp8, once at start.
+  dense layers in fp8, and with ``--relaymoe-fp8-experts on`` the ring runs the experts' GEMMs
+  in fp8 too (``fp8_experts.py``: the recipe's mapping and its own refusals); ``auto`` (the
+  default) keeps them in bf16 while fp8 experts are not measured faster, ``off`` always;
+  ``fp8_expert_notice`` says which GEMMs run in fp8, or why auto chose bf16, once at start.
 * CUDA graphs over part of the MoE layer (``--cuda-graph-modules moe_router`` or
   ``moe_preprocess``): megatron-core then replays dispatcher state the ring does not keep. The
   whole MoE layer (``moe``, or an empty scope: the whole layer) and the whole step
@@ -67,7 +68,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from relaymoe.megatron.activation_map import expert_activation_problems
-from relaymoe.megatron.fp8_experts import fp8_expert_problems, fp8_recipe_of, fp8_requested
+from relaymoe.megatron.fp8_experts import (
+    auto_bf16_reason,
+    fp8_expert_problems,
+    fp8_experts_option,
+    fp8_recipe_of,
+    fp8_requested,
+)
 
 __all__ = [
     "check_ring_config",
@@ -319,7 +326,9 @@ def ring_config_problems(c, *, ep_size: int | None = None, args_style: bool = Fa
 
 def fp8_expert_notice(c) -> str | None:
     """The one line a ring run under an fp8 recipe prints at start (None without fp8): which
-    layers compute in fp8 and which of the ring's expert GEMMs do."""
+    layers compute in fp8, which of the ring's expert GEMMs do, and, where
+    ``--relaymoe-fp8-experts auto`` keeps the experts in bf16, why (the measured rows) and what
+    ``on`` would run."""
     fmt = getattr(c, "fp8", None)
     if fmt in (None, False) or getattr(c, "moe_token_dispatcher_type", None) != "ring":
         return None
@@ -327,18 +336,34 @@ def fp8_expert_notice(c) -> str | None:
     recipe = getattr(recipe, "value", recipe)
     head = (f"[relaymoe] fp8 format {fmt}, recipe {recipe}: attention and dense layers compute "
             f"in fp8 through TransformerEngine; ")  # fmt: skip
-    if not fp8_requested(c):
-        return head + ("the ring's routed experts compute in bf16 (--relaymoe-fp8-experts off)")
-    experts = fp8_recipe_of(c)
+    option = fp8_experts_option(c)
+    if fp8_requested(c, option):
+        return head + (
+            f"the ring's routed experts run {_expert_gemms(fp8_recipe_of(c, option))} "
+            f"(--relaymoe-fp8-experts {option}); their fp8 weight copies travel the ring "
+            "(--relaymoe-fp8-experts off: bf16)"
+        )
+    if option == "off":
+        return head + "the ring's routed experts compute in bf16 (--relaymoe-fp8-experts off)"
+    try:
+        would = f"their {_expert_gemms(fp8_recipe_of(c, 'on'))}"
+    except ValueError:  # a recipe the fp8 experts do not implement
+        would = "nothing in fp8 with this recipe: it is refused by name"
+    return head + (
+        f"the ring's routed experts compute in bf16: --relaymoe-fp8-experts auto keeps them "
+        f"there, since {auto_bf16_reason(recipe or 'delayed')}; --relaymoe-fp8-experts on runs "
+        f"{would}"
+    )
+
+
+def _expert_gemms(experts) -> str:
+    """Which GEMMs an ``Fp8Recipe`` runs in fp8 (and which in bf16), with its formats."""
     gemms = experts.gemms_in_fp8()
     in_fp8 = [g for g in ("fprop", "dgrad", "wgrad") if gemms[g]]
     in_bf16 = [g for g in ("fprop", "dgrad", "wgrad") if not gemms[g]]
-    return head + (
-        f"the ring's routed experts run {'/'.join(in_fp8)} in fp8 ({experts.recipe}, "
-        f"{experts.fmt}; gradients {experts.grad_format})"
-        + (f" and {'/'.join(in_bf16)} in bf16" if in_bf16 else "")
-        + "; their fp8 weight copies travel the ring (--relaymoe-fp8-experts off: bf16)"
-    )
+    bf16 = f" and {'/'.join(in_bf16)} in bf16" if in_bf16 else ""
+    return (f"{'/'.join(in_fp8)} in fp8 ({experts.recipe}, {experts.fmt}; gradients "
+            f"{experts.grad_format}){bf16}")  # fmt: skip
 
 
 def _raise(feature: str, problems: list[str], what: str) -> None:

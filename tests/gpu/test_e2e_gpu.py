@@ -184,9 +184,10 @@ def test_checkpoint_of_the_local_impl_is_refused_by_name_under_te():
 @pytest.mark.parametrize("recipe", [(f, r) for f in FP8_FORMATS for r in FP8_RECIPES],
                          ids="-".join)  # fmt: skip
 def test_fp8_recipe_trains_with_the_ring_where_alltoall_does(recipe):
-    """Under an fp8 recipe TE runs attention and the dense layers in fp8 and the ring its
-    experts in bf16 (one line at start says so): wherever megatron-core's alltoall trains with
-    the recipe here, the ring trains too, and both learn."""
+    """Under an fp8 recipe TE runs attention and the dense layers in fp8 and, with
+    ``--relaymoe-fp8-experts on``, the ring its experts' GEMMs in fp8 too (one line at start
+    says which): wherever megatron-core's alltoall trains with the recipe here, the ring trains
+    too, and both learn."""
     from benchmarks.e2e import run_dispatcher
 
     fmt, name = recipe
@@ -197,11 +198,14 @@ def test_fp8_recipe_trains_with_the_ring_where_alltoall_does(recipe):
         pytest.skip(
             f"megatron-core's alltoall does not run {fmt}/{name} here: {a2a.log_tail[-600:]}"
         )
-    ring = run_dispatcher("tiny_qwen3", "ring", gpus=GPUS, steps=30, extra=extra, timeout_s=240,
+    ring = run_dispatcher("tiny_qwen3", "ring", gpus=GPUS, steps=30, timeout_s=240,
+                          extra=[*extra, "--relaymoe-fp8-experts", "on"],
                           transformer_impl="transformer_engine")  # fmt: skip
     assert ring.returncode == 0 and len(ring.steps) == 30, ring.log_tail
     with open(os.path.join(ring.workdir, "stdout.log")) as f:
-        assert f.read().count(f"[relaymoe] fp8 format {fmt}, recipe {name}") == 1
+        log = f.read()
+    assert log.count(f"[relaymoe] fp8 format {fmt}, recipe {name}") == 1
+    assert "the ring's routed experts run fprop/dgrad" in log
     for r in (ring, a2a):
         assert r.losses[-1] < r.losses[0] - 0.5, (r.name, r.losses)
     print(f"fp8 {fmt}/{name}: tokens/s ring {ring.tokens_per_s():.0f}, "

@@ -854,6 +854,22 @@ def test_e2e_rows_carry_fp8_experts_and_the_weight_bytes_sent():
     )
 
 
+def test_fp8_experts_provider_runs_the_fp8_shapes_ring_with_its_experts_on():
+    """``relaymoe_ring_fp8_experts``: the fp8 shape's ring flags and ``--relaymoe-fp8-experts
+    on`` (the default auto keeps the experts in bf16); refused on a shape without fp8."""
+    spec = bench_e2e.SHAPES["qwen3_slice_s4k_te_fp8_hybrid_tensorwise"]
+    plans = bench_e2e.plan_runs(spec, gpus=1, steps=50, seed=1234, noise_run=False,
+                                check_te=False, providers=["relaymoe_ring",
+                                "relaymoe_ring_fp8_experts"])  # fmt: skip
+    plain, fp8 = (list(p.flags) for p in plans)
+    assert fp8[-2:] == ["--relaymoe-fp8-experts", "on"] and "--relaymoe-fp8-experts" not in plain
+    assert fp8[:-2] == plain and "--fp8-recipe" in fp8
+    with pytest.raises(ValueError, match="runs on an fp8 shape"):
+        bench_e2e.plan_runs(bench_e2e.SHAPES["qwen3_slice_s4k_gbs16"], gpus=1, steps=50,
+                            seed=1, noise_run=False, check_te=False,
+                            providers=["relaymoe_ring_fp8_experts"])  # fmt: skip
+
+
 def _trace(tmp_dir, kernels, steps=((0, 1000), (1000, 2000))):
     import gzip
     import json

@@ -360,7 +360,8 @@ def test_headline_pairs_rows_of_one_run_and_of_bf16():
     assert "| 200.0 | 400.0 | 0.50x |" in out and "old/loss.jsonl" in out
     assert "new/loss.jsonl" not in out
     new_mcore = {**base, "provider": "megatron", "ms_fwd_bwd": 300.0}
-    assert "| 100.0 | 300.0 | 0.33x |" in mrr.headline([*items, ("new/loss.jsonl", new_mcore, "new")])
+    both = [*items, ("new/loss.jsonl", new_mcore, "new")]
+    assert "| 100.0 | 300.0 | 0.33x |" in mrr.headline(both)
     ex = {"bench": "experts", "shape": "qwen3_30b_a3b_T32k", "recompute": "act"}
     rows = [{**ex, "provider": "relaymoe", "ms_fwd_bwd": 15.0},
             {**ex, "provider": "te_grouped", "ms_fwd_bwd": 30.0},

@@ -1,9 +1,9 @@
-"""A ring ``MoELayer`` under an fp8 recipe, on gloo worlds of 1 and 2 ranks (the Triton
-interpreter, fp32): its dispatcher owns the layer's ``Fp8State``, computes within fp8's error of
-the same layer with ``--relaymoe-fp8-experts off``, quantises its experts once over two
-micro-batches and again after ``invalidate_fp8_weights`` (what the patched ``train_step`` calls
-around every optimizer step); a delayed layer carries its checkpointed ``relaymoe_fp8``
-module, the others none.
+"""A ring ``MoELayer`` under an fp8 recipe with ``--relaymoe-fp8-experts on``, on gloo worlds of
+1 and 2 ranks (the Triton interpreter, fp32): its dispatcher owns the layer's ``Fp8State``,
+computes within fp8's error of the same layer with ``--relaymoe-fp8-experts off``, quantises its
+experts once over two micro-batches and again after ``invalidate_fp8_weights`` (what the
+patched ``train_step`` calls around every optimizer step); a delayed layer carries its
+checkpointed ``relaymoe_fp8`` module, the others none.
 
 megatron-core refuses fp8 MoE configs without TransformerEngine at ``__post_init__``, so the
 configs are built in bf16 and given their fp8 recipe after (what the dispatcher reads).
@@ -38,6 +38,7 @@ def _layer(world, recipe):
     cfg = make_config("ring", world)
     if recipe is not None:
         cfg.fp8, cfg.fp8_recipe = "hybrid", recipe
+        configure(cfg, ring=RingConfig(fp8_experts="on"))  # auto: bf16 until measured faster
     else:  # the same recipe asked for, the experts kept in bf16
         cfg.fp8, cfg.fp8_recipe = "hybrid", "tensorwise"
         configure(cfg, ring=RingConfig(fp8_experts="off"))

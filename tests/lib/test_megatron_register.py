@@ -250,28 +250,40 @@ def test_refused_at_config_time(mcore, kw, message):
 @pytest.mark.parametrize("fmt", ["hybrid", "e4m3"])
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "blockwise"])
 def test_fp8_recipes_run_the_experts_in_fp8_with_a_notice(mcore, fmt, recipe):
-    """fp8 recipes run: TE computes attention and dense layers in fp8 and the ring's experts
-    compute in fp8 too, saying which GEMMs; ``--relaymoe-fp8-experts off`` keeps them bf16;
-    fp8 primary weights are refused (the ring quantises from the bf16 parameters)."""
-    from relaymoe.megatron.fp8_experts import fp8_recipe_of
+    """fp8 recipes run: TE computes attention and dense layers in fp8; ``--relaymoe-fp8-experts
+    on`` runs the ring's experts in fp8 too, saying which GEMMs; ``auto`` (the default) keeps
+    them in bf16, since no recipe's fp8 experts are measured faster, saying so with the
+    measured rows and what ``on`` would run; ``off`` keeps them bf16; fp8 primary weights are
+    refused (the ring quantises from the bf16 parameters)."""
+    from relaymoe.megatron.fp8_experts import FP8_EXPERT_MS, fp8_recipe_of
     from relaymoe.megatron.settings import configure
     from relaymoe.megatron.validate import fp8_expert_notice, ring_config_problems
     from relaymoe.options import RingConfig
 
     cfg = copy.copy(_config())
     cfg.fp8, cfg.fp8_recipe, cfg.hidden_size, cfg.moe_ffn_hidden_size = fmt, recipe, 256, 128
+    configure(cfg, ring=RingConfig(fp8_experts="on"))
     assert ring_config_problems(cfg) == []
     notice = fp8_expert_notice(cfg)
-    assert fmt in notice and recipe in notice, notice
-    wgrad = "wgrad in bf16" if recipe == "blockwise" else "fprop/dgrad/wgrad in fp8"
-    assert "routed experts run fprop/dgrad" in notice and wgrad.split(" in")[0] in notice, notice
+    assert fmt in notice and recipe in notice and "(--relaymoe-fp8-experts on)" in notice, notice
+    assert "routed experts run fprop/dgrad" in notice, notice
     assert ("and wgrad in bf16" in notice) == (recipe == "blockwise"), notice
     r = fp8_recipe_of(cfg)
     assert (r.recipe, r.fmt, r.fp8_wgrad) == (recipe, fmt, recipe != "blockwise")
     cfg.fp8_wgrad = False  # --no-fp8-wgrad: every recipe's weight gradients in bf16
     assert fp8_recipe_of(cfg).fp8_wgrad is False and "and wgrad in bf16" in fp8_expert_notice(cfg)
+    cfg.fp8_wgrad = True
+    configure(cfg, ring=RingConfig())  # auto: bf16 experts, why, and what on would run
+    assert fp8_recipe_of(cfg) is None and ring_config_problems(cfg) == []
+    notice = fp8_expert_notice(cfg)
+    kernels = "tensorwise" if recipe == "delayed" else recipe
+    ms = FP8_EXPERT_MS["qwen3_30b_a3b_T32k"]
+    assert "routed experts compute in bf16: --relaymoe-fp8-experts auto keeps them" in notice
+    assert f"{ms[kernels]} ms against bf16's {ms['bf16']} ms at qwen3_30b_a3b_T32k" in notice
+    assert "--relaymoe-fp8-experts on runs their fprop/dgrad" in notice, notice
     configure(cfg, ring=RingConfig(fp8_experts="off"))
-    assert fp8_recipe_of(cfg) is None and "experts compute in bf16" in fp8_expert_notice(cfg)
+    assert fp8_recipe_of(cfg) is None
+    assert "experts compute in bf16 (--relaymoe-fp8-experts off)" in fp8_expert_notice(cfg)
     cfg.fp8_param = True
     (problem,) = ring_config_problems(cfg)
     assert "--fp8-param-gather" in problem and "fix: remove" in problem
@@ -282,6 +294,27 @@ def test_fp8_recipes_run_the_experts_in_fp8_with_a_notice(mcore, fmt, recipe):
     assert fp8_expert_notice(cfg) is None
     cfg.fp8, cfg.moe_token_dispatcher_type = fmt, "alltoall"
     assert fp8_expert_notice(cfg) is None  # not the ring's to announce
+
+
+def test_auto_runs_fp8_experts_only_where_measured_faster(mcore, monkeypatch):
+    """``auto`` follows the measurement (``FP8_EXPERT_MS``): fp8 where a recipe's kernels were
+    faster than bf16 on every shape (delayed runs the tensorwise kernels), bf16 otherwise,
+    and nothing is decided from an unmeasured or unimplemented recipe."""
+    from relaymoe.megatron import fp8_experts
+
+    assert not any(fp8_experts.auto_runs_fp8(r) for r in ("tensorwise", "delayed", "blockwise"))
+    faster = {"a": {"bf16": 10.0, "tensorwise": 6.0, "blockwise": 9.0},
+              "b": {"bf16": 20.0, "tensorwise": 12.0, "blockwise": 21.0}}  # fmt: skip
+    monkeypatch.setattr(fp8_experts, "FP8_EXPERT_MS", faster)
+    assert fp8_experts.auto_runs_fp8("tensorwise") and fp8_experts.auto_runs_fp8("delayed")
+    assert not fp8_experts.auto_runs_fp8("blockwise")  # slower on one shape
+    assert not fp8_experts.auto_runs_fp8("mxfp8")
+    args = types.SimpleNamespace(moe_token_dispatcher_type="ring", fp8="hybrid",
+                                 fp8_recipe="delayed", relaymoe_fp8_experts="auto")  # fmt: skip
+    assert fp8_experts.fp8_recipe_of(args).recipe == "delayed"
+    args.fp8_recipe = "blockwise"
+    assert fp8_experts.fp8_recipe_of(args) is None
+    assert "21.0 ms against bf16's 20.0 ms at b" in fp8_experts.auto_bf16_reason("blockwise")
 
 
 FP8_REFUSALS = [
@@ -300,7 +333,8 @@ FP8_REFUSALS = [
 
 @pytest.mark.parametrize("kw,message", FP8_REFUSALS, ids=[m[:24] for _, m in FP8_REFUSALS])
 def test_fp8_experts_refused_at_config_time(mcore, kw, message):
-    """What the fp8 experts cannot run is refused by name, with both fixes; off accepts it."""
+    """What the fp8 experts cannot run is refused by name with ``on``, with both fixes; ``off``
+    and ``auto`` (bf16 experts while fp8 is not measured faster) accept it."""
     from relaymoe.megatron.validate import ring_config_problems
 
     args = types.SimpleNamespace(moe_token_dispatcher_type="ring", fp8="hybrid",
@@ -309,6 +343,8 @@ def test_fp8_experts_refused_at_config_time(mcore, kw, message):
                                      "cuda_graph_impl" in kw) else {})  # fmt: skip
     for k, v in kw.items():
         setattr(args, k, v)
+    assert not [p for p in ring_config_problems(args, args_style=True) if message in p]  # auto
+    args.relaymoe_fp8_experts = "on"
     problems = ring_config_problems(args, args_style=True)
     hits = [p for p in problems if message in p]
     assert hits, problems
@@ -319,35 +355,38 @@ def test_fp8_experts_refused_at_config_time(mcore, kw, message):
 
 def test_fp8_experts_off_reaches_a_config_built_from_megatron_arguments(mcore, monkeypatch):
     """A ``TransformerConfig`` carries no ``--relaymoe-*`` value: the option comes from the
-    model's ring config (Megatron's parsed arguments), so ``off`` lifts the fp8 refusals."""
+    model's ring config (Megatron's parsed arguments), so ``on`` brings the fp8 refusals and
+    ``off`` lifts them."""
     from relaymoe.megatron import settings
     from relaymoe.megatron.validate import ring_config_problems
     from relaymoe.options import RingConfig
 
     cfg = copy.copy(_config())
     cfg.fp8, cfg.fp8_recipe, cfg.add_bias_linear = "hybrid", "tensorwise", True
+    monkeypatch.setattr(settings, "ring_config_of", lambda c: RingConfig(fp8_experts="on"))
     assert any("fp8 experts take no biases" in p for p in ring_config_problems(cfg))
     monkeypatch.setattr(settings, "ring_config_of", lambda c: RingConfig(fp8_experts="off"))
     assert not any("fp8 experts" in p for p in ring_config_problems(cfg))
 
 
 def test_layer_fp8_state_refuses_a_gpu_before_hopper(mcore, monkeypatch):
-    """The dispatcher's state: None without fp8 or with off; a pre-Hopper GPU named."""
+    """The dispatcher's state: None without fp8, with off, or with auto (fp8 not measured
+    faster); with on, a pre-Hopper GPU named."""
     import torch
 
     from relaymoe.megatron.fp8_experts import layer_fp8_state
 
     args = types.SimpleNamespace(moe_token_dispatcher_type="ring", fp8="e4m3",
                                  fp8_recipe="blockwise")  # fmt: skip
-    assert layer_fp8_state(args, "off") is None
+    assert layer_fp8_state(args, "off") is None and layer_fp8_state(args, "auto") is None
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "NVIDIA A100")
     with pytest.raises(ValueError, match="NVIDIA A100 has capability 8.0 .*fp8-experts off"):
-        layer_fp8_state(args, "auto")
+        layer_fp8_state(args, "on")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d: (9, 0))
-    state = layer_fp8_state(args, "auto")
+    state = layer_fp8_state(args, "on")
     assert state.recipe.recipe == "blockwise" and state.recipe.fmt == "e4m3"
 
 
@@ -356,7 +395,8 @@ def test_fp8_notice_printed_on_rank_0_only(mcore, capsys):
     from relaymoe.megatron.patches import announce_fp8_experts
 
     ns = types.SimpleNamespace(moe_token_dispatcher_type="ring", fp8="hybrid",
-                               fp8_recipe="tensorwise", rank=0)  # fmt: skip
+                               fp8_recipe="tensorwise", rank=0,
+                               relaymoe_fp8_experts="on")  # fmt: skip
     assert announce_fp8_experts(ns).startswith("[relaymoe] fp8 format hybrid, recipe tensorwise")
     assert capsys.readouterr().out.count("routed experts run fprop/dgrad/wgrad in fp8") == 1
     ns.rank = 3

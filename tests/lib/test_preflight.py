@@ -252,3 +252,21 @@ def test_preflight_prints_one_line_per_problem_and_exits_2(launch, tmp_path, cap
     assert "MASTER_ADDR is not set" in err[0] and "not a Megatron checkpoint" in err[1]
     assert preflight.main(["--dry-run", "--", *flags]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_dry_run_says_which_expert_gemms_run_in_fp8(launch, capsys):
+    """Under an fp8 recipe a dry run prints the line the run would print at start: auto's bf16
+    experts and why, or ``on``'s fp8 GEMMs; without fp8, nothing."""
+    from relaymoe.megatron import preflight
+
+    flags, _ = launch
+    fp8 = ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
+    assert preflight.main(["--dry-run", "--", *flags, *fp8]) == 0
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("[relaymoe] fp8 format hybrid, recipe tensorwise"), line
+    assert "--relaymoe-fp8-experts auto keeps them there" in line and "ms at" in line, line
+    assert preflight.main(["--dry-run", "--", *flags, *fp8, "--relaymoe-fp8-experts", "on"]) == 0
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "routed experts run fprop/dgrad/wgrad in fp8" in line, line
+    assert preflight.main(["--", *flags, *fp8]) == 0  # a real launch: the run prints it
+    assert capsys.readouterr().err == ""
