@@ -1,7 +1,9 @@
 """``convert``: the Megatron model built on the host, the Hugging Face weights copied in, saved.
 
 The model is built as ``python -m relaymoe.megatron.pretrain`` builds it and saved through
-megatron-core's ``save_checkpoint`` as a ``torch_dist`` release checkpoint, weights only.
+megatron-core's ``save_checkpoint`` as a ``torch_dist`` release checkpoint, weights only; the
+writer process megatron-core starts for it is stopped after it
+(``relaymoe.megatron.checkpoint_writer``).
 """
 
 from __future__ import annotations
@@ -77,6 +79,8 @@ def convert(
         )
     from megatron.training.checkpointing import save_checkpoint
 
+    from relaymoe.megatron.checkpoint_writer import stop_checkpoint_writer
+
     seq = min(4096, int(cfg.get("max_position_embeddings", 4096)))
     argv = [*host_argv(model_flags, world=world, pp=pp, ep=ep, seq=seq, dtype=dtype),
             "--save", str(out), "--save-interval", "1", "--no-save-optim", "--no-save-rng",
@@ -96,6 +100,8 @@ def convert(
 
             shutil.rmtree(out, ignore_errors=True)
         raise
+    finally:  # one save: megatron-core's writer process outlives it otherwise (checkpoint_writer)
+        stop_checkpoint_writer()
     return model_flags
 
 
