@@ -15,14 +15,17 @@ import torch
 # The spawn helpers live in tests/worlds.py (they need only torch: spawned ranks import them);
 # re-exported here, the one module tests take their fixtures from.
 from tests.worlds import (  # noqa: F401
+    WORLD_MARK,
     World,
     Worlds,
+    end_left_running,
     free_port,
     run_python,
     run_scenarios,
     run_spawned,
     scenario_params,
     start_python,
+    world_mark,
 )
 
 
@@ -450,16 +453,20 @@ def host_env(**extra) -> dict:
                 PYTHONPATH=root + (os.pathsep + path if path else ""), **extra)  # fmt: skip
 
 
-def run_world(args, world: int, *, cwd, timeout: float = 300) -> list[tuple[int, str, str]]:
+def run_world(args, world: int, *, cwd, timeout: float = 300,
+              mark: str | None = None) -> list[tuple[int, str, str]]:  # fmt: skip
     """``python ARGS`` in ``world`` processes as ``torchrun --nproc-per-node WORLD`` starts them
     (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); (exit code, stdout, stderr) of each rank. One
-    deadline for all: past it every process is killed and ``subprocess.TimeoutExpired`` raised."""
+    deadline for all: past it every process is killed and ``subprocess.TimeoutExpired`` raised.
+    ``mark`` (``world_mark``): the ranks' ``WORLD_MARK``, for ``end_left_running`` to find what
+    they leave behind."""
     import subprocess
 
     port = free_port()
+    marked = {WORLD_MARK: mark} if mark is not None else {}
     procs = [start_python(list(args), cwd=cwd, env=host_env(
         RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port))) for r in range(world)]  # fmt: skip
+        MASTER_PORT=str(port), **marked)) for r in range(world)]  # fmt: skip
     out = []
     for p in procs:
         try:
@@ -472,10 +479,12 @@ def run_world(args, world: int, *, cwd, timeout: float = 300) -> list[tuple[int,
     return out
 
 
-def run_relaymoe(*args: str, cwd, world: int = 1, timeout: float = 300) -> tuple[int, str, str]:
-    """``python -m relaymoe ARGS`` (one process, or a torchrun-like world of them): rank 0's
-    (exit code, stdout, stderr), after asserting that every other rank exited as rank 0 did."""
-    ranks = run_world(["-m", "relaymoe", *args], world, cwd=cwd, timeout=timeout)
+def run_relaymoe(*args: str, cwd, world: int = 1, timeout: float = 300,
+                 mark: str | None = None) -> tuple[int, str, str]:  # fmt: skip
+    """``python -m relaymoe ARGS`` (one process, or a torchrun-like world of them, marked
+    ``mark`` as ``run_world`` marks them): rank 0's (exit code, stdout, stderr), after asserting
+    that every other rank exited as rank 0 did."""
+    ranks = run_world(["-m", "relaymoe", *args], world, cwd=cwd, timeout=timeout, mark=mark)
     for r, (rc, _, err) in enumerate(ranks[1:], 1):
         assert rc == ranks[0][0] or rc == 0, f"rank {r}: exit {rc}\n{err[-3000:]}"
     return ranks[0]
@@ -483,12 +492,14 @@ def run_relaymoe(*args: str, cwd, world: int = 1, timeout: float = 300) -> tuple
 
 def convert_hf(hf, ckpt, *extra: str, world: int = 1) -> list[str]:
     """``relaymoe convert-hf --hf HF --out CKPT --dtype fp32 EXTRA`` in ``world`` processes (add
-    ``--ep``/``--pp`` to match); the model flags it wrote beside the checkpoint."""
+    ``--ep``/``--pp`` to match), marked ``world_mark(CKPT)``; the model flags it wrote beside
+    the checkpoint."""
     from pathlib import Path
 
     ckpt = Path(ckpt)
     rc, out, err = run_relaymoe("convert-hf", "--hf", str(hf), "--out", str(ckpt), "--dtype",
-                                "fp32", *extra, cwd=ckpt.parent, world=world)  # fmt: skip
+                                "fp32", *extra, cwd=ckpt.parent, world=world,
+                                mark=world_mark(ckpt))  # fmt: skip
     assert rc == 0, out[-2000:] + err[-4000:]
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "release"
     return [f for f in (ckpt / "megatron_model_flags.txt").read_text().split("\n") if f]

@@ -19,6 +19,7 @@ import socket
 import sys
 import time
 import traceback
+import uuid
 from multiprocessing import connection as mp_connection
 
 import torch
@@ -259,6 +260,56 @@ def run_python(args, *, timeout: float, env=None, cwd=None, input: str | None = 
         p.communicate()
         raise
     return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+# ---------------------------------------------------------------------------------------------
+# What a world of processes left running after its ranks exited
+# ---------------------------------------------------------------------------------------------
+# An environment variable relaymoe never reads. Ranks started with it (``run_world(mark=)``)
+# pass it on to every process they spawn (an environment is inherited), so once they have
+# exited, a live process carrying it is one they left behind, wherever it was reparented; the
+# token makes it this test process's and no other session's.
+WORLD_MARK = "RELAYMOE_TEST_WORLD"
+_MARK_TOKEN = uuid.uuid4().hex
+
+
+def world_mark(what) -> str:
+    """The ``WORLD_MARK`` of the world that makes ``what`` (a folder, say) in this test
+    process."""
+    return f"{_MARK_TOKEN}:{what}"
+
+
+def processes_marked(mark: str) -> dict[int, str]:
+    """pid: command line of each live process of this user started with ``WORLD_MARK=mark`` in
+    its environment (Linux's /proc; a process that only set it later does not show it there)."""
+    entry = f"{WORLD_MARK}={mark}".encode()
+    found = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if entry not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                found[int(name)] = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:  # ended meanwhile, or another user's
+            continue
+    return found
+
+
+def end_left_running(mark: str, *, wait_s: float = 5.0) -> dict[int, str]:
+    """What the world of ``mark`` left running (``processes_marked``) once it had ``wait_s`` to
+    end on its own (a resource tracker ends an instant after the last process writing to it);
+    each process left is then killed, by its pid (it carries this test process's mark), so that
+    none outlives the test that finds it."""
+    deadline = time.monotonic() + wait_s
+    while (left := processes_marked(mark)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return left
 
 
 def _init_world(rank: int, world: int, port: int, pg_timeout_s: float, backend: str):

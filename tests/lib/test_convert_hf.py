@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.fixtures import TINY_QWEN3_MOE, needs, run_world
+from tests.fixtures import TINY_QWEN3_MOE, end_left_running, needs, run_world, world_mark
 
 # one worker (xdist_group) for the session-scoped conversions of tests/conftest.py, which
 # tests/lib/test_export_hf.py shares: built once although pytest-xdist runs other files' tests
@@ -110,6 +110,19 @@ def test_megatron_logits_match_transformers(tiny_hf, converted_local, dispatcher
             assert a.shape == b.shape, (a.shape, b.shape)
             err = rel(a, b)
             assert err < 1e-5, f"{dispatcher} EP={ep} prompt {k}: relative logits error {err:.3g}"
+
+
+def test_conversions_leave_no_process_running(converted_local, converted_te_ep2):
+    """Every process a conversion starts has ended once it has: megatron-core's torch_dist
+    writer spawns a Manager process on a rank's first save and keeps it for the next one, and
+    only multiprocessing's exit handler stops it, which a process leaving through ``os._exit``
+    (as the suite's processes do, ``tests/worlds.py``) or a signal never runs. ``convert-hf``
+    stops it after its save (``relaymoe.megatron.checkpoint_writer``). Checked on the session's
+    two conversions (two processes each, PP 2 and EP 2) through the mark their processes were
+    started with (``tests.worlds.end_left_running``), whatever else runs on the machine."""
+    left = {ckpt.name: end_left_running(world_mark(ckpt))
+            for ckpt, _ in (converted_local, converted_te_ep2)}  # fmt: skip
+    assert not any(left.values()), f"left running by the conversions (now killed): {left}"
 
 
 def test_qkv_interleave_round_trips_and_is_per_group():

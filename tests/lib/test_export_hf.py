@@ -34,11 +34,13 @@ import torch
 from tests.fixtures import (
     TINY_QWEN3_MOE,
     convert_hf,
+    end_left_running,
     needs,
     run_relaymoe,
     run_world,
     safetensors_tensors,
     tiny_qwen3_moe,
+    world_mark,
 )
 
 pytestmark = [pytest.mark.slow, needs("transformers", "safetensors", "megatron.training"),
@@ -48,8 +50,8 @@ STEPS, LR = 3, 1e-2
 # A few ring training steps at EP = 2 on the host: the model as pretrain builds it, loaded from
 # the conversion, each rank its own tokens; dense gradients averaged over the data-parallel
 # group and expert gradients over the expert-data-parallel group (what Megatron's DDP does),
-# Adam, then Megatron's save_checkpoint; rank 0 saves the logits of fixed prompts before and
-# after training
+# Adam, then Megatron's save_checkpoint (and its writer process stopped); rank 0 saves the
+# logits of fixed prompts before and after training
 _TRAIN = """
 import json, sys
 import torch, torch.distributed as dist
@@ -63,6 +65,7 @@ def main():
     host.init_distributed()
     from megatron.core import parallel_state as ps
     from megatron.training.checkpointing import load_checkpoint, save_checkpoint
+    from relaymoe.megatron.checkpoint_writer import stop_checkpoint_writer
     world, rank = dist.get_world_size(), dist.get_rank()
     seq = len(prompts[0])
     argv = [*host.host_argv(flags, world=world, ep=world, seq=seq), "--load", load, "--save", save,
@@ -98,6 +101,7 @@ def main():
         losses.append(float(loss))
     after = logits()
     save_checkpoint(steps, [model], None, None, 0)
+    stop_checkpoint_writer()  # this process leaves through os._exit: its exit handler never runs
     if rank == 0:
         torch.save({"before": before, "after": after, "losses": losses}, out)
     print("TRAINED", losses)
@@ -190,8 +194,9 @@ def trained(converted_te_ep2):
     (root / "train.py").write_text(_TRAIN)
     args = [str(root / "train.py"), str(ckpt), json.dumps(flags), str(save),
             json.dumps(prompts()), str(out), str(STEPS), str(LR)]  # fmt: skip
-    for rc, o, e in run_world(args, 2, cwd=root):
+    for rc, o, e in run_world(args, 2, cwd=root, mark=world_mark(save)):
         assert rc == 0 and "TRAINED" in o, o[-2000:] + e[-5000:]
+    assert not (left := end_left_running(world_mark(save))), f"left running (now killed): {left}"
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == str(STEPS)
     return save, torch.load(out)
 
