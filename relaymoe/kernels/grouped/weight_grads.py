@@ -58,11 +58,14 @@ def _wgrad_kernel(
     A_GATHER: tl.constexpr, B_GATHER: tl.constexpr, ACCUMULATE: tl.constexpr,
     IEEE: tl.constexpr, TMA_A: tl.constexpr = False, TMA_B: tl.constexpr = False,
     BLOCK_M: tl.constexpr = 64, BLOCK_N: tl.constexpr = 64, BLOCK_K: tl.constexpr = 32,
+    REVERSE: tl.constexpr = False,
 ):  # fmt: skip
     """c[e] (M, N) (+)= sum_q A[q, :]^T B[q, :]; a gathered operand reads row tok[q], a
     contiguous one row q - offs[0]. An expert without pairs writes exact zeros (adds nothing).
-    Expert e's block starts at element ``c_first + e * stride_ce`` of ``c_ptr``: a negative
-    ``stride_ce`` from the last block (``c_first``) writes the experts in reverse memory order.
+    Expert e's block starts at element ``e * stride_ce`` of ``c_ptr``; with ``REVERSE`` at
+    ``c_first + e * stride_ce``: a negative ``stride_ce`` from the last block (``c_first``)
+    writes the experts in reverse memory order. The forward order keeps the plain address (no
+    runtime offset in the epilogue's address arithmetic).
 
     The expert's full BLOCK_K blocks of pairs run without a row mask, its last partial block
     after them with one. ``TMA_A`` / ``TMA_B``: that operand is contiguous (``n_rows`` rows in
@@ -124,7 +127,10 @@ def _wgrad_kernel(
         acc = _wgrad_tile(acc, q_full, q_ok, a_ptr, b_ptr, idx_ptr, base, rm, rn, m_ok, n_ok,
                           stride_a, stride_b, A_GATHER, B_GATHER, IEEE, True, BLOCK_K)  # fmt: skip
     mask = m_ok[:, None] & n_ok[None, :]
-    c_e = c_ptr + (c_first + e.to(tl.int64) * stride_ce)  # expert e's block
+    if REVERSE:  # expert e's block
+        c_e = c_ptr + (c_first + e.to(tl.int64) * stride_ce)
+    else:
+        c_e = c_ptr + e.to(tl.int64) * stride_ce
     cp = c_e + rm[:, None] * stride_cm + rn[None, :] * stride_cn
     if ACCUMULATE:
         acc += tl.load(cp, mask=mask, other=0.0).to(tl.float32)
@@ -172,5 +178,5 @@ def wgrad(a, b, idx_P, offs, c_EMN, *, a_gather: bool, b_gather: bool, accumulat
         m, n, n_rows,
         a.stride(0), b.stride(0), c_first, stride_ce, c_EMN.stride(1), c_EMN.stride(2),
         A_GATHER=a_gather, B_GATHER=b_gather, ACCUMULATE=accumulate, IEEE=exact_fp32(a),
-        TMA_A=tma_a, TMA_B=tma_b, **meta,
+        TMA_A=tma_a, TMA_B=tma_b, REVERSE=reverse, **meta,
     )  # fmt: skip
