@@ -158,6 +158,16 @@ PHASES = {
     3: "timed, 1 GPU per lane",
     4: "CPU: simulation and plots",
 }
+
+
+def one_gpu_e2e(name: str, *args: str) -> Step:
+    """A ``--full`` step of ``bench_e2e.py`` on GPU 0 alone that fills one device call: ``args``
+    (shapes, providers, steps, ...), 530 s of budget, its rows in ``{out}/<name>.jsonl``."""
+    return Step(name, "benchmarks/bench_e2e.py", "gpu0", 3, 0, 560, full_only=True,
+                args=(*args, "--gpus", "1", "--budget-s", "530", "--out", f"{{out}}/{name}.jsonl"),
+                outputs=(f"{name}.jsonl",))  # fmt: skip
+
+
 STEPS: tuple[Step, ...] = (
     Step("gpu_tests_kernels", "-m pytest", "gpu0", 1, 160, 400,
          args=("-q", "-ra", "-p", "no:cacheprovider", "tests/gpu/test_kernels_gpu.py",
@@ -232,53 +242,33 @@ STEPS: tuple[Step, ...] = (
     # the five providers once, one profiled step a run (gpu_busy_frac); about 400 s on 1x H100
     # by estimate (five Megatron start-ups of ~40 s, 15 steps of 1-3 s): --full, or
     # --only e2e_gbs16 (one call, handed back as one archive with --handoff)
-    Step("e2e_gbs16", "benchmarks/bench_e2e.py", "gpu0", 3, 0, 560, full_only=True,
-         args=("--shapes", "qwen3_slice_s4k_gbs16_te", "--providers", E2E_GBS_PROVIDERS,
-               "--gpus", "1", "--steps", "15", "--profile-busy", "--budget-s", "530",
-               "--out", "{out}/e2e_gbs16.jsonl"),
-         outputs=("e2e_gbs16.jsonl",)),
+    one_gpu_e2e("e2e_gbs16", "--shapes", "qwen3_slice_s4k_gbs16_te", "--providers",
+                E2E_GBS_PROVIDERS, "--steps", "15", "--profile-busy"),
     # the anchor at its best at global batch 16: its run as kept, with Megatron's weight-gradient
     # fusion off (TE's GroupedLinear then runs grouped GEMMs instead of one accumulating GEMM an
     # expert), with attention graphs only, and again (the drift): four runs, --only
     # e2e_sweep_gbs16
-    Step("e2e_sweep_gbs16", "benchmarks/bench_e2e.py", "gpu0", 3, 0, 560, full_only=True,
-         args=("--shapes", "qwen3_slice_s4k_gbs16_te", "--anchor-sweep", "--sweep-candidates",
-               "no_wgrad_fusion", "cuda_graph_attn", "--gpus", "1", "--steps", "12",
-               "--budget-s", "530", "--out", "{out}/e2e_sweep_gbs16.jsonl"),
-         outputs=("e2e_sweep_gbs16.jsonl",)),
+    one_gpu_e2e("e2e_sweep_gbs16", "--shapes", "qwen3_slice_s4k_gbs16_te", "--anchor-sweep",
+                "--sweep-candidates", "no_wgrad_fusion", "cuda_graph_attn", "--steps", "12"),
     # the other gradient-accumulation shapes of issue #49, four providers each, one call each:
     # --only e2e_gbs64, --only e2e_s16k_gbs8
-    Step("e2e_gbs64", "benchmarks/bench_e2e.py", "gpu0", 3, 0, 560, full_only=True,
-         args=("--shapes", "qwen3_slice_s4k_gbs64_te", "--providers", E2E_GBS_CORE,
-               "--gpus", "1", "--steps", "12", "--profile-busy", "--budget-s", "530",
-               "--out", "{out}/e2e_gbs64.jsonl"),
-         outputs=("e2e_gbs64.jsonl",)),
-    Step("e2e_s16k_gbs8", "benchmarks/bench_e2e.py", "gpu0", 3, 0, 560, full_only=True,
-         args=("--shapes", "qwen3_slice_s16k_gbs8_te", "--providers", E2E_GBS_CORE,
-               "--gpus", "1", "--steps", "12", "--profile-busy", "--budget-s", "530",
-               "--out", "{out}/e2e_s16k_gbs8.jsonl"),
-         outputs=("e2e_s16k_gbs8.jsonl",)),
+    one_gpu_e2e("e2e_gbs64", "--shapes", "qwen3_slice_s4k_gbs64_te", "--providers", E2E_GBS_CORE,
+                "--steps", "12", "--profile-busy"),
+    one_gpu_e2e("e2e_s16k_gbs8", "--shapes", "qwen3_slice_s16k_gbs8_te", "--providers",
+                E2E_GBS_CORE, "--steps", "12", "--profile-busy"),
     # issue #49's loss parity: the graphed ring and the anchor over 50 steps at global batch 16,
     # the anchor once more with its first run's flags (its same-seed noise, the parity bound),
     # and the batch-1 rows of the graphed ring beside the anchor: --only e2e_parity_gbs16,
     # --only e2e_graphed_gbs1
-    Step("e2e_parity_gbs16", "benchmarks/bench_e2e.py", "gpu0", 3, 0, 560, full_only=True,
-         args=("--shapes", "qwen3_slice_s4k_gbs16_te", "--providers",
-               "relaymoe_ring_graphed,mcore_alltoall_te", "--noise-run", "--gpus", "1",
-               "--steps", "50", "--budget-s", "530", "--out", "{out}/e2e_parity_gbs16.jsonl"),
-         outputs=("e2e_parity_gbs16.jsonl",)),
-    Step("e2e_graphed_gbs1", "benchmarks/bench_e2e.py", "gpu0", 3, 0, 560, full_only=True,
-         args=("--shapes", "qwen3_slice_s4k_te", "--providers",
-               "relaymoe_ring_graphed,mcore_alltoall_te,relaymoe_ring", "--gpus", "1",
-               "--steps", "30", "--profile-busy", "--budget-s", "530",
-               "--out", "{out}/e2e_graphed_gbs1.jsonl"),
-         outputs=("e2e_graphed_gbs1.jsonl",)),
+    one_gpu_e2e("e2e_parity_gbs16", "--shapes", "qwen3_slice_s4k_gbs16_te", "--providers",
+                "relaymoe_ring_graphed,mcore_alltoall_te", "--noise-run", "--steps", "50"),
+    one_gpu_e2e("e2e_graphed_gbs1", "--shapes", "qwen3_slice_s4k_te", "--providers",
+                "relaymoe_ring_graphed,mcore_alltoall_te,relaymoe_ring", "--steps", "30",
+                "--profile-busy"),
     # the same without TE (megatron-core's local layers; its alltoall without TE's fusions):
     # four runs, about 300 s on 1x H100 by estimate: --full, or --only e2e_gbs16_local
-    Step("e2e_gbs16_local", "benchmarks/bench_e2e.py", "gpu0", 3, 0, 560, full_only=True,
-         args=("--shapes", "qwen3_slice_s4k_gbs16", "--gpus", "1", "--steps", "15",
-               "--profile-busy", "--budget-s", "530", "--out", "{out}/e2e_gbs16_local.jsonl"),
-         outputs=("e2e_gbs16_local.jsonl",)),
+    one_gpu_e2e("e2e_gbs16_local", "--shapes", "qwen3_slice_s4k_gbs16", "--steps", "15",
+                "--profile-busy"),
     # issue #53: the longest sequence at EP 1 under TransformerEngine, the four providers
     # (MAX_SEQ_TE_PROVIDERS) x the recompute policies full, selective, none, each trial capped at
     # an H100 80GB's usable bytes (--memory-cap h100-80gb: the planner's 74.2 GiB, the same rows

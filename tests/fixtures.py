@@ -29,6 +29,21 @@ from tests.worlds import (  # noqa: F401
 )
 
 
+def sm90_gpu_marks() -> list:
+    """A GPU test module's ``pytestmark`` where its kernels need Hopper (fp8 tensor cores): the
+    ``gpu`` mark, skipped without CUDA or on a GPU before sm90."""
+    import pytest
+
+    return [
+        pytest.mark.gpu,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+        pytest.mark.skipif(
+            torch.cuda.is_available() and torch.cuda.get_device_capability() < (9, 0),
+            reason="needs an sm90 GPU",
+        ),
+    ]
+
+
 def needs(*modules: str):
     """A mark that skips a test (or, as ``pytestmark``, a module) where one of ``modules`` is
     not installed. It finds them without importing them: a test session imports every test

@@ -5,11 +5,10 @@
 the experts' GEMMs in fp8 with the model's recipe; ``off`` keeps them in bf16, TransformerEngine
 still running attention and the dense layers in fp8. ``auto`` (the default) is ``on`` for a
 recipe only where the experts were measured faster in fp8 than in bf16 (``FP8_EXPERT_MS``: a
-user asking for fp8 must not get a slower MoE layer unasked), which today is no recipe (the
-causes, ranked: docs/lab-notes/cpu_2026-12-07_s28_fp8.md), so ``auto`` keeps them in bf16 and
-the start-up notice says why, naming the measurement. Megatron's flags map
-to :class:`relaymoe.Fp8Recipe`'s fields: ``--fp8-format`` to ``fmt``, ``--fp8-recipe`` to
-``recipe``, ``--fp8-margin`` to ``margin``, ``--fp8-amax-history-len`` and
+user asking for fp8 must not get a slower MoE layer unasked), which today is no recipe, so
+``auto`` keeps them in bf16 and the start-up notice says why, naming the measurement.
+Megatron's flags map to :class:`relaymoe.Fp8Recipe`'s fields: ``--fp8-format`` to ``fmt``,
+``--fp8-recipe`` to ``recipe``, ``--fp8-margin`` to ``margin``, ``--fp8-amax-history-len`` and
 ``--fp8-amax-compute-algo`` to delayed scaling's window, ``--no-fp8-wgrad`` to
 ``fp8_wgrad=False`` (with ``--fp8-wgrad``, Megatron's default, each recipe's own convention:
 blockwise keeps bf16 weight gradients).
@@ -56,10 +55,7 @@ OFF_FIX = "or pass --relaymoe-fp8-experts off (experts in bf16, the other layers
 # here: replace the numbers from a new run and the default follows. Regenerate with
 #   python3 benchmarks/bench_experts.py --shapes qwen3_30b_a3b_T32k moeblaze_conf3 \
 #       --providers relaymoe_act relaymoe_fp8_tensorwise relaymoe_fp8_blockwise
-FP8_EXPERT_MS_SOURCE = (
-    "bench_experts fwd+bwd, 1x H100 80GB HBM3, commit ea4fbac, "
-    "benchmarks/results/2026-12-07_h100x1_ea4fbac6f473-3"
-)
+FP8_EXPERT_MS_SOURCE = "bench_experts fwd+bwd on 1x H100 80GB HBM3"
 FP8_EXPERT_MS = {
     "qwen3_30b_a3b_T32k": {"bf16": 17.2, "tensorwise": 36.1, "blockwise": 22.0},
     "moeblaze_conf3": {"bf16": 36.5, "tensorwise": 95.9, "blockwise": 50.7},

@@ -49,16 +49,9 @@ from relaymoe.kernels.fp8.wgrad import fp8_wgrad
 from relaymoe.reference import moe_experts_reference, reference_activation
 from relaymoe.routing import build_routing_index
 from tests import fp8_emulation as emulation
-from tests.fixtures import random_routing, rel_err, use_env
+from tests.fixtures import random_routing, rel_err, sm90_gpu_marks, use_env
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    pytest.mark.skipif(
-        torch.cuda.is_available() and torch.cuda.get_device_capability() < (9, 0),
-        reason="needs an sm90 GPU",
-    ),
-]
+pytestmark = sm90_gpu_marks()
 
 PROMOTED, FAST, EMULATED, RECIPE, AMAX = 5e-3, 1e-2, 3e-2, 0.25, 2**-5
 F64 = torch.float64

@@ -16,16 +16,9 @@ from functools import partial
 import pytest
 import torch
 
-from tests.fixtures import rel_err, ring_problem, run_scenarios
+from tests.fixtures import rel_err, ring_problem, run_scenarios, sm90_gpu_marks
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    pytest.mark.skipif(
-        torch.cuda.is_available() and torch.cuda.get_device_capability() < (9, 0),
-        reason="needs an sm90 GPU",
-    ),
-]
+pytestmark = sm90_gpu_marks()
 
 SAME = 5e-3  # the same fp8 GEMMs; bf16 outputs (h recomputed in the ring's backward)
 HOPS = 1e-2  # bf16 partial outputs of two hops added in another order than one call's
