@@ -1,5 +1,11 @@
 """Each weight-gradient variant of one expert layer timed alone, per tile configuration (#15).
 
+``--kernels accumulate`` times the weight gradient as a training step with Megatron's gradient-
+accumulation fusion runs it: added into an fp32 ``main_grad`` (experts in reverse order), at one
+micro-batch's tokens (``--tokens``, default 4,096: the e2e slice at EP 1, 256 pairs an expert),
+per configuration, with c's tile read after the pairs' loop (``preload=0``, the default) or before
+it (``preload=1``); ``gbps`` counts c's read and write (8 bytes an element).
+
 ``--kernels rows`` also times up_swiglu and the gathered-dy ``rows_gemm`` per configuration
 (``ROW_CONFIGS``), ``--kernels combine`` the deterministic combine (``COMBINE_CONFIGS``).
 
@@ -167,6 +173,78 @@ def sweep(
         del out, ref
         if device == "cuda":
             torch.cuda.empty_cache()
+    return rows
+
+
+ACCUMULATE_CONFIGS = CONFIGS + [
+    _cfg(128, 128, 64, 8, 2),
+    _cfg(64, 128, 64, 4, 4),
+    _cfg(128, 64, 64, 4, 4),
+    _cfg(64, 256, 64, 8, 3),
+]
+
+
+def sweep_accumulate(
+    shape: str, tokens: int, configs: list[dict], *, dims=None, device="cuda", dtype=torch.bfloat16
+) -> list[dict]:
+    """The weight gradients added into fp32 ``main_grad`` (reverse expert order), per
+    configuration, TMA on and off, c read after (``preload`` 0) or before (1) the pairs' loop;
+    each result checked once against c's start + the float32 ``gmm`` product (``err``).
+    ``dims`` = (E, K, H, I) overrides the shape's (the CPU check: a tiny fp32 problem)."""
+    from relaymoe.kernels import grouped
+    from relaymoe.kernels.experts import HopGroups, wgrad_gmm
+
+    num_experts, topk, hidden, ffn = dims or SHAPES[shape][1:]
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*size, scale=1.0):
+        return (torch.randn(*size, device=device, generator=gen) * scale).to(dtype)
+
+    logits = torch.randn(tokens, num_experts, device=device, generator=gen)
+    idx = torch.topk(logits, topk, dim=-1).indices.to(torch.int32)
+    index = build_routing_index(idx, num_experts, validate=False)
+    offs = index.offsets_for(0, num_experts)
+    n_pairs = tokens * topk
+    idx_P = index.expert_token_indices
+    groups = HopGroups(idx_P, offs, n_pairs, True)
+    x, dy = randn(tokens, hidden), randn(tokens, hidden)
+    a, dh = randn(n_pairs, ffn, scale=0.1), randn(n_pairs, 2 * ffn, scale=0.1)
+    pf = 2.0 * n_pairs * hidden * ffn
+    rows = []
+    for name, op_a, op_b, a_gather, out_shape, flops in (
+        ("dw2", dy, a, True, (num_experts, hidden, ffn), pf),
+        ("dw13", dh, x, False, (num_experts, 2 * ffn, hidden), 2 * pf),
+    ):
+        ref = torch.empty(out_shape, device=device, dtype=torch.float32)
+        wgrad_gmm(op_a, op_b, ref, groups, a_gather=a_gather, accumulate=False)
+        start = torch.randn(out_shape, device=device, generator=gen)
+        want = start + ref.flip(0)  # the gradient buffer holds the experts in reverse order
+        main_grad = start.clone()
+        nbytes = 8 * main_grad.numel()
+        for tma in ("off", "on"):
+            k = KernelOptions(tma=tma)
+            for preload in (False, True):
+                for cfg in configs:
+
+                    def run(c=cfg, k=k, p=preload, aa=op_a, bb=op_b, ag=a_gather, mg=main_grad):
+                        grouped.wgrad(aa, bb, idx_P, offs, mg, a_gather=ag,
+                                      b_gather=not ag, accumulate=True, config=c, kernels=k,
+                                      reverse=True, preload_c=p)  # fmt: skip
+
+                    row = {"kernel": name, "variant": f"accumulate_tma_{tma}",
+                           "preload": int(preload), "config": cfg, "tokens": tokens}  # fmt: skip
+                    try:
+                        main_grad.copy_(start)
+                        run()
+                        row["err"] = _err(main_grad, want)
+                        ms = bench_ms(run, warmup_ms=25, rep_ms=100)
+                        row.update(ms=round(ms, 4), tflops=round(flops / ms / 1e9, 1),
+                                   gbps=round(nbytes / ms / 1e6, 1))  # fmt: skip
+                    except Exception as exc:  # one failing configuration must not hide others
+                        row["error"] = repr(exc)[:300]
+                    rows.append(row)
+                    print(row, flush=True)
+        del ref, start, want, main_grad
     return rows
 
 
@@ -396,7 +474,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default="qwen3_30b_a3b_T32k", choices=sorted(SHAPES))
     ap.add_argument("--configs", default="all", choices=("all", "short"))
     ap.add_argument("--kernels", default="wgrad,rows",
-                    help="wgrad, rows (up_swiglu, down_bwd: either alone), combine")  # fmt: skip
+                    help="wgrad, rows (up_swiglu, down_bwd), combine, accumulate")  # fmt: skip
     ap.add_argument(
         "--gluon-only",
         action="store_true",
@@ -415,6 +493,8 @@ def main(argv=None) -> int:
         help="rows kernels: the first Triton configuration alone, at GROUP_M 1 (N "
         "tiles fastest), its default and 16",
     )
+    ap.add_argument("--tokens", type=int, default=4096,
+                    help="--kernels accumulate: one micro-batch's tokens")  # fmt: skip
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     writer = gpu_writer("sweep_kernels", "kernel_sweep", args.out)
@@ -435,11 +515,15 @@ def main(argv=None) -> int:
         rows += sweep_rows(args.shape, which, ws_configs=ws)
     if "combine" in args.kernels:
         rows += sweep_combine(args.shape, COMBINE_CONFIGS)
-    if "wgrad" in args.kernels:
+    if "accumulate" in args.kernels:
+        rows += sweep_accumulate(args.shape, args.tokens, ACCUMULATE_CONFIGS)
+    if "wgrad" in args.kernels.split(","):
         rows += sweep(args.shape, CONFIGS if args.configs == "all" else SHORT)
     for r in rows:
         writer.write({"bench": "kernel_sweep", "shape": args.shape, **r})
-    print_table(rows, ["kernel", "variant", "config", "ms", "tflops", "gbps", "err", "error"])
+    print_table(
+        rows, ["kernel", "variant", "preload", "config", "ms", "tflops", "gbps", "err", "error"]
+    )
     return 0
 
 
