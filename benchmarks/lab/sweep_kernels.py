@@ -176,21 +176,30 @@ def sweep(
     return rows
 
 
-ACCUMULATE_CONFIGS = CONFIGS + [
+ACCUMULATE_CONFIGS = [
+    CONFIGS[0],
+    _cfg(128, 128, 64, 8, 3),
     _cfg(128, 128, 64, 8, 2),
     _cfg(64, 128, 64, 4, 4),
     _cfg(128, 64, 64, 4, 4),
-    _cfg(64, 256, 64, 8, 3),
 ]
 
 
 def sweep_accumulate(
-    shape: str, tokens: int, configs: list[dict], *, dims=None, device="cuda", dtype=torch.bfloat16
+    shape: str,
+    tokens: int,
+    configs: list[dict],
+    *,
+    tmas=("auto",),
+    dims=None,
+    device="cuda",
+    dtype=torch.bfloat16,
 ) -> list[dict]:
     """The weight gradients added into fp32 ``main_grad`` (reverse expert order), per
-    configuration, TMA on and off, c read after (``preload`` 0) or before (1) the pairs' loop;
-    each result checked once against c's start + the float32 ``gmm`` product (``err``).
-    ``dims`` = (E, K, H, I) overrides the shape's (the CPU check: a tiny fp32 problem)."""
+    configuration and ``tmas`` (``KernelOptions.tma``), c read after (``preload`` 0) or before
+    (1) the pairs' loop; each result checked once against c's start + the float32 ``gmm``
+    product (``err``). ``dims`` = (E, K, H, I) overrides the shape's (the CPU check: a tiny
+    fp32 problem)."""
     from relaymoe.kernels import grouped
     from relaymoe.kernels.experts import HopGroups, wgrad_gmm
 
@@ -221,7 +230,7 @@ def sweep_accumulate(
         want = start + ref.flip(0)  # the gradient buffer holds the experts in reverse order
         main_grad = start.clone()
         nbytes = 8 * main_grad.numel()
-        for tma in ("off", "on"):
+        for tma in tmas:
             k = KernelOptions(tma=tma)
             for preload in (False, True):
                 for cfg in configs:

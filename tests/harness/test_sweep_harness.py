@@ -57,8 +57,8 @@ def test_accumulate_sweep_adds_into_main_grad_in_every_variant(monkeypatch):
     plus the grouped-GEMM product, experts in reverse order)."""
     monkeypatch.setattr(sweep_kernels, "bench_ms", lambda fn, **_: (fn(), 1.0)[1])
     cfgs = [{"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 2}]
-    rows = sweep_kernels.sweep_accumulate("tiny", 37, cfgs, dims=(5, 2, 40, 24), device="cpu",
-                                          dtype=torch.float32)  # fmt: skip
+    rows = sweep_kernels.sweep_accumulate("tiny", 37, cfgs, tmas=("off", "on"), dims=(5, 2, 40, 24),
+                                          device="cpu", dtype=torch.float32)  # fmt: skip
     assert not [r for r in rows if "error" in r], rows
     assert {(r["kernel"], r["variant"], r["preload"]) for r in rows} == {
         (k, f"accumulate_tma_{t}", p)
