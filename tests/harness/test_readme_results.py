@@ -275,6 +275,26 @@ def test_max_seq_headline_pairs_whole_gpu_rows_of_one_run():
     assert "| 241,664 | 118,784 (out of memory at 122,880) | 2.03x |" in mrr.headline(items)
     # without a fused-loss row in the alltoall row's run: no max_seq line
     assert "Longest sequence" not in mrr.headline(items[:3])
+    assert "without the fused loss" not in out  # no ring-alone row in that run
+
+
+def test_max_seq_headline_says_how_much_of_the_gain_is_the_ring_s():
+    """The same run's ring row without the fused loss goes into the line: equal to alltoall's,
+    the line says the gain is the fused loss's; a ring row of another run is not used."""
+
+    def row(provider, seq):
+        return {"bench": "max_seq", "provider": provider, "config": "c", "max_seq": seq,
+                "commit": "abcdef1", "memory_cap_gpu": None}  # fmt: skip
+
+    items = [("r2/max_seq.jsonl", row(p, n), "run") for p, n in
+             (("mcore_alltoall", 118784), ("relaymoe_ring_fused_loss", 241664),
+              ("relaymoe_ring", 118784))]  # fmt: skip
+    out = mrr.headline(items)
+    assert "the ring without the fused loss: 118,784, the gain is the fused loss's" in out, out
+    items[2] = ("r2/max_seq.jsonl", row("relaymoe_ring", 180000), "run")
+    assert "the ring without the fused loss: 180,000, the ring alone 1.52x" in mrr.headline(items)
+    items[2] = ("r1/max_seq.jsonl", row("relaymoe_ring", 180000), "run")
+    assert "without the fused loss" not in mrr.headline(items)
 
 
 def test_run_names_and_manifests(tmp_path):
