@@ -6,11 +6,11 @@ every call of a ``@triton.jit`` helper inside a kernel, in every program of the 
 modules it sees again (the same patches; never restored). That bookkeeping was a quarter to a
 third of the suite's interpreter time. ``install`` keeps each package's list of builtins after
 the first look, skips a helper's re-patch of modules already patched during its launch, and
-memoizes the numpy dtype of a Triton dtype. And every integer ``+``, ``-`` and ``*`` in a kernel
-recomputes itself in int64 with its range comparisons for the overflow sanitizer, whose only
-consumer, ``device_assert``, emits nothing unless the options ask for debug, which the
-interpreter's never do (about a fifth of a ring scenario's interpreter time): ``install`` skips
-that recomputation when debug is off. The same
+memoizes the numpy dtype of a Triton dtype and which of ``triton.language``'s modules a kernel
+module's globals hold. And every integer ``+``, ``-`` and ``*`` in a kernel recomputes itself in
+int64 with range comparisons for the overflow sanitizer, whose only reader, ``device_assert``,
+emits nothing unless the options ask for debug, which the interpreter's never do (a third of a
+ring scenario's kernel time): ``install`` skips that recomputation when debug is off. The same
 patched functions run on the same numpy arrays: what a kernel computes is unchanged
 (``tests/harness/test_triton_interpreter.py`` checks it bitwise against the interpreter as shipped).
 
@@ -103,9 +103,20 @@ def install() -> bool:
         def restore(self):
             pass
 
+    # a kernel module's globals (by id; a module's live as long as it) -> (their count, the
+    # modules found there): looked at again once names are added (the interpreter adds its own
+    # to a module's globals when it first rewrites a function of it)
+    found_in: dict[int, tuple[int, frozenset]] = {}
+
     def _modules(fn) -> frozenset:  # what the interpreter patches for fn: tl, tl.core
-        return frozenset(id(v) for v in fn.__globals__.values()
-                         if inspect.ismodule(v) and v in (tl, tl.core))  # fmt: skip
+        names = fn.__globals__
+        known = found_in.get(id(names))
+        if known is not None and known[0] == len(names):
+            return known[1]
+        found = frozenset(id(v) for v in names.values()
+                          if inspect.ismodule(v) and v in (tl, tl.core))  # fmt: skip
+        found_in[id(names)] = (len(names), found)
+        return found
 
     def _patch_lang(fn):
         stack = state.__dict__.setdefault("stack", [])
