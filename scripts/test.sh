@@ -8,6 +8,11 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 cd "$ROOT"
 export TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# Python's bytecode cache on (__pycache__/, ignored by git), whatever the environment says: the
+# suite starts hundreds of Python processes, and without it each compiles again the relaymoe,
+# benchmarks and test modules it imports (pytest rewrites and compiles every test module in each
+# of its processes: seconds apiece).
+unset PYTHONDONTWRITEBYTECODE
 # Phase 1: everything but the tests marked `alone`, on the xdist workers. Phase 2: the `alone`
 # tests (they check that a dead peer is named within a wall-clock timeout, so they run with no
 # other test beside them), serially. Exit status 5 (nothing collected) in one phase is fine as
