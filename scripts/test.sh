@@ -8,17 +8,36 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 cd "$ROOT"
 export TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# Python's bytecode cache on (__pycache__/, ignored by git), whatever the environment says: the
+# suite starts hundreds of Python processes, and without it each compiles again the relaymoe,
+# benchmarks and test modules it imports (pytest rewrites and compiles every test module in each
+# of its processes: seconds apiece).
+unset PYTHONDONTWRITEBYTECODE
 # Phase 1: everything but the tests marked `alone`, on the xdist workers. Phase 2: the `alone`
 # tests (they check that a dead peer is named within a wall-clock timeout, so they run with no
 # other test beside them), serially. Exit status 5 (nothing collected) in one phase is fine as
 # long as the other ran tests.
+# Phase 2 collects only the test files that mark tests `alone` (collecting the whole tree to
+# deselect all but those takes seconds), unless an argument names a path: then pytest collects
+# what the arguments say, as in phase 1.
 # The last line sums up both phases (each phase's own summary line, from its log).
+names_a_path() {  # whether an argument is an existing file or folder (FILE::TEST counts)
+  local a
+  for a in "$@"; do
+    [ -e "${a%%::*}" ] && return 0
+  done
+  return 1
+}
+ALONE_FILES=()
+if ! names_a_path "$@"; then
+  mapfile -t ALONE_FILES < <(grep -rl --include='*.py' 'mark\.alone' tests | sort)
+fi
 LOGS="$(mktemp -d)"; trap 'rm -rf "$LOGS"' EXIT
 set +e
 "$PY" -m pytest -q -ra --durations=15 -n "${RELAYMOE_TEST_WORKERS:-2}" --dist loadgroup \
   -m "not alone" "$@" 2>&1 | tee "$LOGS/1"
 rc1=${PIPESTATUS[0]}
-"$PY" -m pytest -q -ra -p no:xdist -m alone "$@" 2>&1 | tee "$LOGS/2"
+"$PY" -m pytest -q -ra -p no:xdist -m alone "$@" "${ALONE_FILES[@]}" 2>&1 | tee "$LOGS/2"
 rc2=${PIPESTATUS[0]}
 set -e
 summary() {  # pytest's last summary line of a phase ("N passed, M skipped ... in S s")

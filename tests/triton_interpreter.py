@@ -6,7 +6,11 @@ every call of a ``@triton.jit`` helper inside a kernel, in every program of the 
 modules it sees again (the same patches; never restored). That bookkeeping was a quarter to a
 third of the suite's interpreter time. ``install`` keeps each package's list of builtins after
 the first look, skips a helper's re-patch of modules already patched during its launch, and
-memoizes the numpy dtype of a Triton dtype. The same
+memoizes the numpy dtype of a Triton dtype and which of ``triton.language``'s modules a kernel
+module's globals hold. And every integer ``+``, ``-`` and ``*`` in a kernel recomputes itself in
+int64 with range comparisons for the overflow sanitizer, whose only reader, ``device_assert``,
+emits nothing unless the options ask for debug, which the interpreter's never do (a third of a
+ring scenario's kernel time): ``install`` skips that recomputation when debug is off. The same
 patched functions run on the same numpy arrays: what a kernel computes is unchanged
 (``tests/harness/test_triton_interpreter.py`` checks it bitwise against the interpreter as shipped).
 
@@ -30,9 +34,13 @@ def supported() -> bool:
         import triton.runtime.interpreter as interp
     except ImportError:
         return False
+    from triton.language.semantic import TritonSemantic
+
     names = ("_patch_lang", "_patch_builtin", "_patch_attr", "_get_np_dtype", "GridExecutor")
-    return ".".join(triton.__version__.split(".")[:2]) in VERSIONS and all(
-        hasattr(interp, n) for n in names
+    return (
+        ".".join(triton.__version__.split(".")[:2]) in VERSIONS
+        and all(hasattr(interp, n) for n in names)
+        and hasattr(TritonSemantic, "binary_op_sanitize_overflow_impl")
     )
 
 
@@ -45,12 +53,16 @@ def install() -> bool:
         return False
     import triton.language as tl
     import triton.runtime.interpreter as interp
+    from triton.language.semantic import TritonSemantic
 
     originals = {
         "_patch_builtin": interp._patch_builtin,
         "_patch_lang": interp._patch_lang,
         "_get_np_dtype": interp._get_np_dtype,
         "GridExecutor.__call__": interp.GridExecutor.__call__,
+        "TritonSemantic.binary_op_sanitize_overflow_impl": (
+            TritonSemantic.binary_op_sanitize_overflow_impl
+        ),
     }
     builtins: dict[int, list] = {}  # id(package) -> [(name, builtin)]
 
@@ -91,9 +103,20 @@ def install() -> bool:
         def restore(self):
             pass
 
+    # a kernel module's globals (by id; a module's live as long as it) -> (their count, the
+    # modules found there): looked at again once names are added (the interpreter adds its own
+    # to a module's globals when it first rewrites a function of it)
+    found_in: dict[int, tuple[int, frozenset]] = {}
+
     def _modules(fn) -> frozenset:  # what the interpreter patches for fn: tl, tl.core
-        return frozenset(id(v) for v in fn.__globals__.values()
-                         if inspect.ismodule(v) and v in (tl, tl.core))  # fmt: skip
+        names = fn.__globals__
+        known = found_in.get(id(names))
+        if known is not None and known[0] == len(names):
+            return known[1]
+        found = frozenset(id(v) for v in names.values()
+                          if inspect.ismodule(v) and v in (tl, tl.core))  # fmt: skip
+        found_in[id(names)] = (len(names), found)
+        return found
 
     def _patch_lang(fn):
         stack = state.__dict__.setdefault("stack", [])
@@ -115,10 +138,20 @@ def install() -> bool:
         finally:
             state.__dict__.pop("launch", None)
 
+    def _sanitize_overflow(self, lhs, rhs, binary_op):
+        # its int64 recomputation and range checks feed device_assert alone, which returns
+        # without emitting anything unless options.debug
+        if self.builder.options.debug:
+            return originals["TritonSemantic.binary_op_sanitize_overflow_impl"](
+                self, lhs, rhs, binary_op
+            )
+        return None
+
     interp._patch_builtin = _patch_builtin
     interp._patch_lang = _patch_lang
     interp._get_np_dtype = _get_np_dtype
     interp.GridExecutor.__call__ = _call
+    TritonSemantic.binary_op_sanitize_overflow_impl = _sanitize_overflow
     _installed.update(originals)
     return True
 
@@ -128,7 +161,11 @@ def uninstall() -> None:
     if not _installed:
         return
     import triton.runtime.interpreter as interp
+    from triton.language.semantic import TritonSemantic
 
+    TritonSemantic.binary_op_sanitize_overflow_impl = _installed[
+        "TritonSemantic.binary_op_sanitize_overflow_impl"
+    ]
     interp._patch_builtin = _installed["_patch_builtin"]
     interp._patch_lang = _installed["_patch_lang"]
     interp._get_np_dtype = _installed["_get_np_dtype"]

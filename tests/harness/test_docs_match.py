@@ -24,19 +24,41 @@ def test_the_suites_last_line_is_the_summary_the_readme_shows(tmp_path):
         "....s...\n12.30s call tests/lib/test_x.py::t\n"
         "1678 passed, 200 skipped, 5 warnings in 250.21s (0:04:10)\n"
     )
-    (tmp_path / "2").write_text("=== 1 passed, 1639 deselected in 36.02s ===\n")
+    (tmp_path / "2").write_text("=== 1 passed in 36.02s ===\n")
     script = f"LOGS={tmp_path}\n{body}\n{echo}\n"
     out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True)
     line = out.stdout.strip()
     assert line == (
         "[relaymoe] CPU suite: 1678 passed, 200 skipped, 5 warnings in 250.21s (0:04:10) (all "
-        "but the 'alone' tests); 1 passed, 1639 deselected in 36.02s (the 'alone' tests, on "
-        "their own)"
+        "but the 'alone' tests); 1 passed in 36.02s (the 'alone' tests, on their own)"
     ), line
     shown = " ".join(README.split())
     assert ("a last line summing up both: `[relaymoe] CPU suite: N passed, M skipped, ... in S s "
-            "(all but the 'alone' tests); 1 passed, K deselected in S s (the 'alone' tests, on "
-            "their own)`") in shown  # fmt: skip
+            "(all but the 'alone' tests); 1 passed in S s (the 'alone' tests, on their "
+            "own)`") in shown  # fmt: skip
+
+
+def test_phase_two_collects_the_alone_files_unless_an_argument_names_a_path():
+    """With no path among test.sh's arguments, phase 2 hands pytest the files that mark tests
+    ``alone`` (every such file, found here by reading them), not the whole tree; with one (a
+    file, a FILE::TEST, a folder), the arguments alone decide, as in phase 1."""
+    func = re.search(r"^names_a_path\(\) \{.*?^\}$", TEST_SH, re.S | re.M).group(0)
+    block = re.search(r"^ALONE_FILES=\(\)$.*?^fi$", TEST_SH, re.S | re.M).group(0)
+    assert re.search(r'-m alone "\$@" "\$\{ALONE_FILES\[@\]\}"', TEST_SH)
+    script = f'set -euo pipefail\n{func}\n{block}\nprintf "%s\\n" "${{ALONE_FILES[@]}}"\n'
+
+    def alone_files(*args: str) -> list[str]:
+        p = subprocess.run(["bash", "-c", script, "test.sh", *args], capture_output=True,
+                           text=True, check=True, cwd=ROOT)  # fmt: skip
+        return [line for line in p.stdout.splitlines() if line]
+
+    marked = sorted(str(f.relative_to(ROOT)) for f in (ROOT / "tests").rglob("*.py")
+                    if re.search(r"\bmark\.alone\b", f.read_text()))  # fmt: skip
+    assert "tests/harness/test_fault_harness.py" in marked, marked
+    assert alone_files() == marked
+    assert alone_files("-k", "routing", "-x") == marked
+    for path in ("tests/lib/test_routing.py", "tests/lib/test_routing.py::test_x", "tests"):
+        assert alone_files("-k", "x", path) == [], path
 
 
 def test_every_gpu_or_te_skip_reason_is_listed_in_the_readme():

@@ -590,27 +590,34 @@ def test_run_shapes_reports_failures_and_respects_the_budget(capsys):
 
 
 def test_run_pretrain_stops_the_job_at_its_timeout(monkeypatch, tmp_path):
-    """A job past its timeout is stopped with its whole process group and reported, no raise."""
+    """A job past its timeout is stopped with its whole process group and reported, no raise.
+    The stand-in job is started and has started its worker before the job's clock runs (the
+    Popen stand-in waits for it), so a short timeout is past either way."""
     import benchmarks.e2e as e2e
 
     started = []
     real_popen = subprocess.Popen
+    ready = tmp_path / "worker_started"
 
     def popen(cmd, **kw):
         # a stand-in job: a parent that starts a child, both sleeping (like torchrun + workers)
         code = (
-            "import subprocess, sys, time\n"
+            "import pathlib, subprocess, sys, time\n"
             "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
             "print('started worker', c.pid, flush=True)\n"
+            f"pathlib.Path({str(ready)!r}).touch()\n"
             "time.sleep(60)\n"
         )
         p = real_popen([sys.executable, "-c", code], **kw)
         started.append(p)
+        deadline = time.monotonic() + 60
+        while not ready.exists() and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
         return p
 
     monkeypatch.setattr(e2e.subprocess, "Popen", popen)
     r = run_pretrain(["--moe-token-dispatcher-type", "alltoall"], gpus=2, label="alltoall_repeat",
-                     timeout_s=10, workdir=str(tmp_path / "w"))  # fmt: skip
+                     timeout_s=0.5, workdir=str(tmp_path / "w"))  # fmt: skip
     assert r.timed_out and r.failure(50).startswith("timed out after")
     assert r.dispatcher == "alltoall" and r.name == "alltoall_repeat" and not r.steps
     assert "--relaymoe-report" in r.command and r.seconds < 30, r.seconds

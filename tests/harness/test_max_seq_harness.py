@@ -294,12 +294,28 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
-@pytest.mark.parametrize("sleep_s, timeout_s", [(3.0, 60.0), (60.0, 4.0)])
+@pytest.mark.parametrize("sleep_s, timeout_s", [(0.5, 60.0), (60.0, 0.5)])
 def test_launch_keeps_the_log_and_kills_leftover_workers(monkeypatch, tmp_path, sleep_s, timeout_s):
+    """The job has started its worker before the launch's clock and its first look at the job's
+    processes (the Popen stand-in waits for the worker's pid file), so the job ending at once
+    or the timeout passing at once finds the worker either way."""
+
     def command(flags, *, gpus, report, capped=False):
         return [sys.executable, "-c", _JOB, str(sleep_s)]
 
+    real_popen = ms.subprocess.Popen
+
+    def popen(cmd, **kw):
+        p = real_popen(cmd, **kw)
+        if kw.get("cwd") is not None:  # the trial (a job run in its folder)
+            pid_file = Path(kw["cwd"]) / "worker.pid"
+            deadline = time.monotonic() + 60
+            while not pid_file.exists() and p.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return p
+
     monkeypatch.setattr(ms, "trial_command", command)
+    monkeypatch.setattr(ms.subprocess, "Popen", popen)
     r = ms.launch([], gpus=2, timeout_s=timeout_s, workdir=tmp_path / "trial")
     assert r["timed_out"] == (timeout_s < sleep_s)
     assert "CUDA out of memory" in r["log"]

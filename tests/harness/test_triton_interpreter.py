@@ -1,6 +1,7 @@
 """tests/triton_interpreter.py, the suite's caches of the Triton interpreter's bookkeeping: with
 them a kernel computes bitwise what the interpreter as shipped computes, with a fraction of the
-patching; on a Triton they were not written for they change nothing."""
+patching and without the overflow sanitizer's recomputation that nothing reads (its comparisons
+are counted); on a Triton they were not written for they change nothing."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ def test_cached_interpreter_computes_what_the_shipped_one_does(monkeypatch):
     import inspect
 
     import triton.runtime.interpreter as interp
+    from triton.language.semantic import TritonSemantic
 
     if not triton_interpreter.supported():  # another Triton: nothing installed, nothing changed
         assert not triton_interpreter.install() and not triton_interpreter._installed
@@ -39,15 +41,22 @@ def test_cached_interpreter_computes_what_the_shipped_one_does(monkeypatch):
     looks = []  # the interpreter's look for builtins to patch (most of its bookkeeping's time)
     real = inspect.getmembers
     monkeypatch.setattr(inspect, "getmembers", lambda *a: (looks.append(1), real(*a))[1])
+    # `<=` of two tensors: the kernels' own, and the sanitizer's range check of every integer op
+    compares = []
+    real_le = TritonSemantic.less_equal
+    monkeypatch.setattr(TritonSemantic, "less_equal",
+                        lambda *a: (compares.append(1), real_le(*a))[1])  # fmt: skip
     assert triton_interpreter.install()  # the conftest's, or now
     cached = _run()
-    n_cached = len(looks)
+    n_cached, le_cached = len(looks), len(compares)
     triton_interpreter.uninstall()
     try:
         assert interp._patch_lang.__module__ == interp.__name__  # as shipped
         looks.clear()
+        compares.clear()
         shipped = _run()
     finally:
         assert triton_interpreter.install()
     assert all(torch.equal(a, b) for a, b in zip(cached, shipped, strict=True))
     assert 10 * n_cached < len(looks), (n_cached, len(looks))
+    assert 2 * le_cached < len(compares), (le_cached, len(compares))

@@ -8,9 +8,10 @@ on the host
 (``tests.host_sync``: no ``.item()``/``.tolist()``/``.cpu()``/``nonzero``/... from relaymoe's
 code), enter no collective but the hops' P2P, and give the eager call's results bitwise, which
 are the float64 oracle's within fp32 rounding, for uniform, skewed (empty experts) and
-all-to-one-expert routing and with a rank of zero tokens. The pair-buffer budget is 0 MiB there,
-so an eager call that is not ``capturable`` would read exact pair counts on the host: the
-captured path must size from the bound instead. The eager and the captured call share one
+all-to-one-expert routing and with a rank of zero tokens (every case at worlds 1-3, the skewed
+one and the one with a rank of zero tokens at world 4 too: ``CASES``). The pair-buffer budget
+is 0 MiB there, so an eager call that is not ``capturable`` would read exact pair counts on the
+host: the captured path must size from the bound instead. The eager and the captured call share one
 ``RingRuntime`` (the captured one reuses the eager one's agreement there, as a dispatcher's
 calls do). What a captured call cannot do is refused by name on every rank: among it, a call
 with no runtime, or with a runtime no eager call agreed in.
@@ -81,13 +82,17 @@ def _step(rank, world, group, pb, tokens, El, *, mode, runtime, config=None, cap
     return tuple(t.detach() for t in (out, x.grad, probs.grad, w13.grad, w2.grad))
 
 
-CASES = [  # (tokens per rank as a function of the world, El, K, route)
-    (lambda w: [5] * w, 2, 2, "uniform"),
-    (lambda w: [6] * w, 4, 2, "skew"),  # experts K+1.. get no token: empty experts, idle ranks
-    (lambda w: [4] * w, 2, 2, "one"),  # every token's first pick is the last expert
+# (tokens per rank as a function of the world, El, K, route, the worlds it runs at). Every case
+# runs at worlds 1-3; at world 4, whose interpreted hops cost the most, the two that change
+# most with the world: empty experts with idle ranks, and a rank of no token.
+CASES = [
+    (lambda w: [5] * w, 2, 2, "uniform", (1, 2, 3)),
+    # experts K+1.. get no token: empty experts, idle ranks
+    (lambda w: [6] * w, 4, 2, "skew", (1, 2, 3, 4)),
+    (lambda w: [4] * w, 2, 2, "one", (1, 2, 3)),  # every token's first pick is the last expert
     # a rank of no token; K=1 gives every rank a signature no case before had (the trusted
     # contract: every rank changes its signature in the same call)
-    (lambda w: [0] + [5] * (w - 1) if w > 1 else [3], 2, 1, "uniform"),
+    (lambda w: [0] + [5] * (w - 1) if w > 1 else [3], 2, 1, "uniform", (1, 2, 3, 4)),
 ]
 
 
@@ -99,7 +104,9 @@ def _captured_equals_eager_without_host_reads(rank, world, group):
         pytest.skip("needs triton")
     config = _config(pair_buffer_mib=0)  # a plain eager call would count pairs on the host
     runtime = RingRuntime(group)  # the eager and the captured calls' (a dispatcher's)
-    for c, (tok, El, K, route) in enumerate(CASES):
+    for c, (tok, El, K, route, worlds) in enumerate(CASES):
+        if world not in worlds:
+            continue
         tokens = tok(world)
         pb = ring_problem(100 + c, tokens, El * world, K, H, I, route=route)
         ref = oracle(pb)
@@ -182,7 +189,19 @@ SCENARIOS = [_captured_equals_eager_without_host_reads, _captured_refusals,
              _capturable_auto_keeps_ring_modes]  # fmt: skip
 
 
-@pytest.mark.parametrize(("world", "scenario"), scenario_params(SCENARIOS, [1, 2, 3, 4]))
+WORLDS = (1, 2, 3, 4)
+
+
+def test_every_case_runs_at_world_three_and_every_world_runs_both_modes():
+    """What the case table promises: each routing case at world 3 and at a world of two or
+    more, and every world of ``WORLDS`` running cases (each in both modes)."""
+    assert all(3 in worlds for *_, worlds in CASES)
+    assert all(any(w >= 2 for w in worlds) for *_, worlds in CASES)
+    assert all(any(w in worlds for *_, worlds in CASES) for w in WORLDS)
+    assert MODES == ("expert", "token")
+
+
+@pytest.mark.parametrize(("world", "scenario"), scenario_params(SCENARIOS, WORLDS))
 def test_ring_capture_gloo(world, scenario, gloo_worlds):
     gloo_worlds.run(scenario, world, timeout=300)
 

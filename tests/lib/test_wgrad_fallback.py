@@ -5,7 +5,6 @@ against float64, its refusal, apex winning when present, and megatron-core's own
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import types
 from pathlib import Path
@@ -14,7 +13,7 @@ import pytest
 import torch
 
 from relaymoe.megatron import wgrad_fallback
-from tests.fixtures import MEGATRON_CPU_PRELUDE
+from tests.fixtures import MEGATRON_CPU_PRELUDE, run_python
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -88,7 +87,9 @@ print("OK")
 
 
 def test_megatron_linear_accumulates_into_main_grad_through_the_fallback():
+    """In a process of its own (the fallback installs itself into ``sys.modules``), started like
+    the worlds' ranks (``run_python``: Megatron imported before the script runs, as the script
+    imports megatron-core's layers before installing the fallback)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, capture_output=True, text=True,
-                       timeout=300, env=env)  # fmt: skip
+    r = run_python(["-c", SCRIPT], cwd=ROOT, timeout=300, env=env)
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
