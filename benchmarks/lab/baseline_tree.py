@@ -26,11 +26,14 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 ANCHOR = '"hops_profiled": len(hop_ranges),'
+MAIN_GUARD = 'if __name__ == "__main__":'
 
 
 def with_kernel_times(source: str) -> str:
-    """``hop_cost.py``'s ``source`` with the per-kernel field added to its pass rows, or
-    ``source`` itself when it has it already; ValueError when its pass row is not recognised."""
+    """``hop_cost.py``'s ``source`` with the per-kernel field added to its pass rows (and the
+    function that makes it, defined before the script's ``if __name__ == "__main__":``, which
+    runs it), or ``source`` itself when it has it already; ValueError when its pass row is not
+    recognised."""
     from benchmarks.lab import hop_cost
 
     if "gpu_us_per_pass_by_kernel" in source:
@@ -38,7 +41,12 @@ def with_kernel_times(source: str) -> str:
     if source.count(ANCHOR) != 1 or "\n    dev = [" not in source:
         raise ValueError("hop_cost.py: no single pass row (`" + ANCHOR + "`) to add the field to")
     field = ANCHOR + '\n        "gpu_us_per_pass_by_kernel": kernel_times(dev, n),'
-    return source.replace(ANCHOR, field) + "\n\n" + inspect.getsource(hop_cost.kernel_times)
+    source = source.replace(ANCHOR, field)
+    function = inspect.getsource(hop_cost.kernel_times) + "\n\n"
+    head, guard, tail = source.partition(MAIN_GUARD)
+    if not guard:
+        return source + "\n\n" + function
+    return head + function + guard + tail
 
 
 def main(argv=None) -> int:

@@ -428,18 +428,18 @@ def test_hop_host_profile_parts_time_named_parts_inside_hops(tmp_path):
 
 def test_baseline_tree_adds_the_kernel_field_to_an_old_hop_cost():
     """benchmarks/lab/baseline_tree.py: an old hop_cost's pass row gains the per-kernel field
-    (and the function, appended); a source that has it stays as it is; an unknown one is
-    refused."""
+    (and the function, defined before the script's main guard runs it); a source that has it
+    stays as it is; an unknown one is refused."""
     from benchmarks.lab import baseline_tree
 
     old = ("def pass_fields(events, n, hop_name, hops):\n    dev = [e for e in events]\n"
            "    hop_ranges = []\n    return {\n        " + baseline_tree.ANCHOR
-           + "\n    }\n")  # fmt: skip
+           + "\n    }\n\n\nif __name__ == \"__main__\":\n"
+           "    ROW = pass_fields([], 1, \"hop\", 2)\n")  # fmt: skip
     new = baseline_tree.with_kernel_times(old)
-    ns: dict = {}
-    exec(compile(new, "old_hop_cost", "exec"), ns)
-    assert ns["pass_fields"]([], 1, "hop", 2) == {"hops_profiled": 0,
-                                                  "gpu_us_per_pass_by_kernel": {}}  # fmt: skip
+    ns: dict = {"__name__": "__main__"}
+    exec(compile(new, "old_hop_cost", "exec"), ns)  # as `python hop_cost.py` runs it
+    assert ns["ROW"] == {"hops_profiled": 0, "gpu_us_per_pass_by_kernel": {}}
     assert baseline_tree.with_kernel_times(new) == new
     with pytest.raises(ValueError, match="no single pass row"):
         baseline_tree.with_kernel_times("def pass_fields(): return {}\n")
