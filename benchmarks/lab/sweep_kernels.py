@@ -3,8 +3,7 @@
 ``--kernels accumulate`` times the weight gradient as a training step with Megatron's gradient-
 accumulation fusion runs it: added into an fp32 ``main_grad`` (experts in reverse order), at one
 micro-batch's tokens (``--tokens``, default 4,096: the e2e slice at EP 1, 256 pairs an expert),
-per configuration, with c's tile read after the pairs' loop (``preload=0``, the default) or before
-it (``preload=1``); ``gbps`` counts c's read and write (8 bytes an element).
+per configuration; ``gbps`` counts c's read and write (8 bytes an element).
 
 ``--kernels rows`` also times up_swiglu and the gathered-dy ``rows_gemm`` per configuration
 (``ROW_CONFIGS``), ``--kernels combine`` the deterministic combine (``COMBINE_CONFIGS``).
@@ -59,6 +58,39 @@ def _err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return round(((got.float() - ref).norm() / ref.norm()).item(), 5)
 
 
+def _wgrad_problem(dims, device, dtype, *, seed: int = 0) -> dict:
+    """One expert layer's weight-gradient operands at ``dims`` = (T, E, K, H, I): top-K routing
+    of random logits, its index and hop groups (built here, outside the timed stages), and the
+    two kernels' operands as ``kernels``: (name, a, b, a_gather, out shape, flops) for ``dw2``
+    (dy gathered, p*a contiguous) and ``dw13`` (dh contiguous, x gathered); ``gen``: the
+    generator, for more inputs from the same seed."""
+    from relaymoe.kernels.experts import HopGroups
+
+    num_tokens, num_experts, topk, hidden, ffn = dims
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*size, scale=1.0):
+        return (torch.randn(*size, device=device, generator=gen) * scale).to(dtype)
+
+    logits = torch.randn(num_tokens, num_experts, device=device, generator=gen)
+    idx = torch.topk(logits, topk, dim=-1).indices.to(torch.int32)
+    index = build_routing_index(idx, num_experts, validate=False)
+    offs = index.offsets_for(0, num_experts)
+    n_pairs = num_tokens * topk
+    idx_P = index.expert_token_indices
+    groups = HopGroups(idx_P, offs, n_pairs, True)
+    _ = groups.tok, groups.ends
+    x, dy = randn(num_tokens, hidden), randn(num_tokens, hidden)
+    a, dh = randn(n_pairs, ffn, scale=0.1), randn(n_pairs, 2 * ffn, scale=0.1)
+    pf = 2.0 * n_pairs * hidden * ffn
+    kernels = [
+        ("dw2", dy, a, True, (num_experts, hidden, ffn), pf),
+        ("dw13", dh, x, False, (num_experts, 2 * ffn, hidden), 2 * pf),
+    ]
+    return {"idx_P": idx_P, "offs": offs, "groups": groups, "n_pairs": n_pairs,
+            "kernels": kernels, "gen": gen}  # fmt: skip
+
+
 def sweep(
     shape: str, configs: list[dict], *, dims=None, device="cuda", dtype=torch.bfloat16,
     kernels=None,
@@ -71,31 +103,11 @@ def sweep(
 
     budget = kernels if kernels is not None else options.from_env().kernels
     from relaymoe.kernels import grouped
-    from relaymoe.kernels.experts import HopGroups, wgrad_gmm
+    from relaymoe.kernels.experts import wgrad_gmm
 
-    num_tokens, num_experts, topk, hidden, ffn = dims or SHAPES[shape]
-    gen = torch.Generator(device=device).manual_seed(0)
-
-    def randn(*size, scale=1.0):
-        return (torch.randn(*size, device=device, generator=gen) * scale).to(dtype)
-
-    logits = torch.randn(num_tokens, num_experts, device=device, generator=gen)
-    idx = torch.topk(logits, topk, dim=-1).indices.to(torch.int32)
-    index = build_routing_index(idx, num_experts, validate=False)
-    offs = index.offsets_for(0, num_experts)
-    n_pairs = num_tokens * topk
-    idx_P = index.expert_token_indices
-    groups = HopGroups(idx_P, offs, n_pairs, True)
-    _ = groups.tok, groups.ends  # built once per hop, outside the timed stages
-    x, dy = randn(num_tokens, hidden), randn(num_tokens, hidden)
-    a, dh = randn(n_pairs, ffn, scale=0.1), randn(n_pairs, 2 * ffn, scale=0.1)
-    w13_shape, w2_shape = (num_experts, 2 * ffn, hidden), (num_experts, hidden, ffn)
-    pf = 2.0 * n_pairs * hidden * ffn
-    # (kernel, a, b, a_gather, out shape, flops)
-    kernels = [
-        ("dw2", dy, a, True, w2_shape, pf),
-        ("dw13", dh, x, False, w13_shape, 2 * pf),
-    ]
+    p = _wgrad_problem(dims or SHAPES[shape], device, dtype)
+    idx_P, offs, groups, n_pairs = p["idx_P"], p["offs"], p["groups"], p["n_pairs"]
+    kernels = p["kernels"]
     rows = []
 
     def add(kernel, variant, config, fn, flops, out, ref):
@@ -196,34 +208,16 @@ def sweep_accumulate(
     dtype=torch.bfloat16,
 ) -> list[dict]:
     """The weight gradients added into fp32 ``main_grad`` (reverse expert order), per
-    configuration and ``tmas`` (``KernelOptions.tma``), c read after (``preload`` 0) or before
-    (1) the pairs' loop; each result checked once against c's start + the float32 ``gmm``
-    product (``err``). ``dims`` = (E, K, H, I) overrides the shape's (the CPU check: a tiny
-    fp32 problem)."""
+    configuration and ``tmas`` (``KernelOptions.tma``); each result checked once against c's
+    start + the float32 ``gmm`` product (``err``). ``dims`` = (E, K, H, I) overrides the
+    shape's (the CPU check: a tiny fp32 problem)."""
     from relaymoe.kernels import grouped
-    from relaymoe.kernels.experts import HopGroups, wgrad_gmm
+    from relaymoe.kernels.experts import wgrad_gmm
 
-    num_experts, topk, hidden, ffn = dims or SHAPES[shape][1:]
-    gen = torch.Generator(device=device).manual_seed(0)
-
-    def randn(*size, scale=1.0):
-        return (torch.randn(*size, device=device, generator=gen) * scale).to(dtype)
-
-    logits = torch.randn(tokens, num_experts, device=device, generator=gen)
-    idx = torch.topk(logits, topk, dim=-1).indices.to(torch.int32)
-    index = build_routing_index(idx, num_experts, validate=False)
-    offs = index.offsets_for(0, num_experts)
-    n_pairs = tokens * topk
-    idx_P = index.expert_token_indices
-    groups = HopGroups(idx_P, offs, n_pairs, True)
-    x, dy = randn(tokens, hidden), randn(tokens, hidden)
-    a, dh = randn(n_pairs, ffn, scale=0.1), randn(n_pairs, 2 * ffn, scale=0.1)
-    pf = 2.0 * n_pairs * hidden * ffn
+    p = _wgrad_problem((tokens, *(dims or SHAPES[shape][1:])), device, dtype)
+    idx_P, offs, groups, gen = p["idx_P"], p["offs"], p["groups"], p["gen"]
     rows = []
-    for name, op_a, op_b, a_gather, out_shape, flops in (
-        ("dw2", dy, a, True, (num_experts, hidden, ffn), pf),
-        ("dw13", dh, x, False, (num_experts, 2 * ffn, hidden), 2 * pf),
-    ):
+    for name, op_a, op_b, a_gather, out_shape, flops in p["kernels"]:
         ref = torch.empty(out_shape, device=device, dtype=torch.float32)
         wgrad_gmm(op_a, op_b, ref, groups, a_gather=a_gather, accumulate=False)
         start = torch.randn(out_shape, device=device, generator=gen)
@@ -232,27 +226,25 @@ def sweep_accumulate(
         nbytes = 8 * main_grad.numel()
         for tma in tmas:
             k = KernelOptions(tma=tma)
-            for preload in (False, True):
-                for cfg in configs:
+            for cfg in configs:
 
-                    def run(c=cfg, k=k, p=preload, aa=op_a, bb=op_b, ag=a_gather, mg=main_grad):
-                        grouped.wgrad(aa, bb, idx_P, offs, mg, a_gather=ag,
-                                      b_gather=not ag, accumulate=True, config=c, kernels=k,
-                                      reverse=True, preload_c=p)  # fmt: skip
+                def run(c=cfg, k=k, aa=op_a, bb=op_b, ag=a_gather, mg=main_grad):
+                    grouped.wgrad(aa, bb, idx_P, offs, mg, a_gather=ag, b_gather=not ag,
+                                  accumulate=True, config=c, kernels=k, reverse=True)  # fmt: skip
 
-                    row = {"kernel": name, "variant": f"accumulate_tma_{tma}",
-                           "preload": int(preload), "config": cfg, "tokens": tokens}  # fmt: skip
-                    try:
-                        main_grad.copy_(start)
-                        run()
-                        row["err"] = _err(main_grad, want)
-                        ms = bench_ms(run, warmup_ms=25, rep_ms=100)
-                        row.update(ms=round(ms, 4), tflops=round(flops / ms / 1e9, 1),
-                                   gbps=round(nbytes / ms / 1e6, 1))  # fmt: skip
-                    except Exception as exc:  # one failing configuration must not hide others
-                        row["error"] = repr(exc)[:300]
-                    rows.append(row)
-                    print(row, flush=True)
+                row = {"kernel": name, "variant": f"accumulate_tma_{tma}", "config": cfg,
+                       "tokens": tokens}  # fmt: skip
+                try:
+                    main_grad.copy_(start)
+                    run()
+                    row["err"] = _err(main_grad, want)
+                    ms = bench_ms(run, warmup_ms=25, rep_ms=100)
+                    row.update(ms=round(ms, 4), tflops=round(flops / ms / 1e9, 1),
+                               gbps=round(nbytes / ms / 1e6, 1))  # fmt: skip
+                except Exception as exc:  # one failing configuration must not hide the others
+                    row["error"] = repr(exc)[:300]
+                rows.append(row)
+                print(row, flush=True)
         del ref, start, want, main_grad
     return rows
 
@@ -530,9 +522,7 @@ def main(argv=None) -> int:
         rows += sweep(args.shape, CONFIGS if args.configs == "all" else SHORT)
     for r in rows:
         writer.write({"bench": "kernel_sweep", "shape": args.shape, **r})
-    print_table(
-        rows, ["kernel", "variant", "preload", "config", "ms", "tflops", "gbps", "err", "error"]
-    )
+    print_table(rows, ["kernel", "variant", "config", "ms", "tflops", "gbps", "err", "error"])
     return 0
 
 

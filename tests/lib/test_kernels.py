@@ -237,13 +237,12 @@ def test_wgrads(cfg, tma, monkeypatch):
     assert torch.equal(dw13[-1], base[-1])  # nothing added for the empty expert
 
 
-@pytest.mark.parametrize("path", ["gmm", "triton", "triton_preload"])
-def test_wgrad_adds_into_a_span_in_reverse_expert_order(path):
+@pytest.mark.parametrize("gmm", [False, True])
+def test_wgrad_adds_into_a_span_in_reverse_expert_order(gmm):
     """``reverse=True`` (Megatron's ``main_grad``: a layer's experts back to back in reverse
     order): expert ``e`` of the range is added into row ``El-1-e`` of the span, through a
-    negative expert stride (the Triton kernel, with c's tile read after or before the pairs'
-    loop) or a flipped chunk (the grouped-GEMM path); an empty expert's row keeps its value and
-    nothing outside the span is written."""
+    negative expert stride (the Triton kernel) or a flipped chunk (the grouped-GEMM path); an
+    empty expert's row keeps its value and nothing outside the span is written."""
     from relaymoe.kernels.experts import HopGroups, wgrad_gmm
 
     s = _setup(31, 20, 24, 6, 2, "empty", 1, 6, seed=4)  # local expert 4 gets no pair
@@ -253,14 +252,13 @@ def test_wgrad_adds_into_a_span_in_reverse_expert_order(path):
     before = buf.clone()
     span = buf[1 : el + 1]
     idx_P = s["index"].expert_token_indices
-    if path == "gmm":
+    if gmm:
         groups = HopGroups(idx_P, s["offs"], s["n"], True)
         wgrad_gmm(dh_ref.float(), s["x"].float(), span, groups, a_gather=False, accumulate=True,
                   reverse=True)  # fmt: skip
     else:
         grouped.wgrad(dh_ref.float(), s["x"].float(), idx_P, s["offs"], span, a_gather=False,
-                      b_gather=True, accumulate=True, config=CFG_A, reverse=True,
-                      preload_c=path == "triton_preload")  # fmt: skip
+                      b_gather=True, accumulate=True, config=CFG_A, reverse=True)  # fmt: skip
     dw = torch.zeros(s["w13"].shape, dtype=torch.float64).index_add_(
         0, s["expert"], torch.einsum("nj,nh->njh", dh_ref, s["x"][s["tok"]])
     )

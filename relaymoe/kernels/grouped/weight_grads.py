@@ -51,16 +51,6 @@ def _wgrad_tile(
 
 
 @triton.jit
-def _c_tile(c_ptr, c_first, e, stride_ce, rm, rn, stride_cm, stride_cn, REVERSE: tl.constexpr):
-    """The addresses of expert e's (rm, rn) tile of c (``REVERSE``: from ``c_first`` down)."""
-    if REVERSE:
-        c_e = c_ptr + (c_first + e.to(tl.int64) * stride_ce)
-    else:
-        c_e = c_ptr + e.to(tl.int64) * stride_ce
-    return c_e + rm[:, None] * stride_cm + rn[None, :] * stride_cn
-
-
-@triton.jit
 def _wgrad_kernel(
     a_ptr, b_ptr, idx_ptr, offs_ptr, c_ptr,
     M, N, n_rows,
@@ -68,7 +58,7 @@ def _wgrad_kernel(
     A_GATHER: tl.constexpr, B_GATHER: tl.constexpr, ACCUMULATE: tl.constexpr,
     IEEE: tl.constexpr, TMA_A: tl.constexpr = False, TMA_B: tl.constexpr = False,
     BLOCK_M: tl.constexpr = 64, BLOCK_N: tl.constexpr = 64, BLOCK_K: tl.constexpr = 32,
-    REVERSE: tl.constexpr = False, PRELOAD_C: tl.constexpr = False,
+    REVERSE: tl.constexpr = False,
 ):  # fmt: skip
     """c[e] (M, N) (+)= sum_q A[q, :]^T B[q, :]; a gathered operand reads row tok[q], a
     contiguous one row q - offs[0]. An expert without pairs writes exact zeros (adds nothing).
@@ -83,11 +73,7 @@ def _wgrad_kernel(
     block stays a masked pointer load, so no row of the next expert is ever read. One program an
     output tile (expert, M tile, N tile), N tiles fastest: a persistent grid, a flattened tile
     loop and Triton's warp specialisation were no faster with a gathered operand (module
-    docstring's history).
-
-    ``PRELOAD_C`` (with ``ACCUMULATE``): the accumulator starts from c's tile, loaded before the
-    pairs' loop, so that the tile's read overlaps the loop instead of following it (the sum is
-    then c + the pairs' products in order, not c + their sum: another rounding order)."""
+    docstring's history)."""
     pid = tl.program_id(0)
     n_tiles_m = tl.cdiv(M, BLOCK_M)
     n_tiles_n = tl.cdiv(N, BLOCK_N)
@@ -112,11 +98,7 @@ def _wgrad_kernel(
     if TMA_B:
         b_desc = tl.make_tensor_descriptor(b_ptr, shape=[n_rows, N], strides=[stride_b, 1],
                                            block_shape=[BLOCK_K, BLOCK_N])  # fmt: skip
-    if ACCUMULATE and PRELOAD_C:
-        acc = tl.load(_c_tile(c_ptr, c_first, e, stride_ce, rm, rn, stride_cm, stride_cn, REVERSE),
-                      mask=m_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if TMA_A or TMA_B:
         qs = tl.arange(0, BLOCK_K)
         for q0 in range(lo, q_full, BLOCK_K):
@@ -150,7 +132,7 @@ def _wgrad_kernel(
     else:
         c_e = c_ptr + e.to(tl.int64) * stride_ce
     cp = c_e + rm[:, None] * stride_cm + rn[None, :] * stride_cn
-    if ACCUMULATE and not PRELOAD_C:
+    if ACCUMULATE:
         acc += tl.load(cp, mask=mask, other=0.0).to(tl.float32)
     tl.store(cp, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
@@ -163,7 +145,7 @@ wgrad_tuned = triton.autotune(
 
 
 def wgrad(a, b, idx_P, offs, c_EMN, *, a_gather: bool, b_gather: bool, accumulate: bool,
-          config=None, kernels=None, reverse: bool = False, preload_c: bool = False):  # fmt: skip
+          config=None, kernels=None, reverse: bool = False):  # fmt: skip
     """c[e] (+)= sum over expert e's pairs of a[row]^T b[row] (gathered operands read tok[q]).
     A contiguous operand (in pair order) comes through a tensor descriptor where
     ``kernels.tma`` asks for it and its strides allow (``select.tma_operand``).
@@ -172,10 +154,7 @@ def wgrad(a, b, idx_P, offs, c_EMN, *, a_gather: bool, b_gather: bool, accumulat
     range at row ``El-1-e``: Megatron's gradient buffer holds a layer's experts in reverse
     registration order), written through a negative expert stride from the last row, without
     a reordered copy. The whole ``c_EMN`` is what the kernel is given (and what an
-    autotuning launch restores), whichever way its rows are walked.
-
-    ``preload_c`` (with ``accumulate``): c's tile is read before the pairs' loop, not after it
-    (the kernel's ``PRELOAD_C``)."""
+    autotuning launch restores), whichever way its rows are walked."""
     n_experts, m, n = c_EMN.shape
     if n_experts == 0 or m == 0 or n == 0:
         return
@@ -199,5 +178,5 @@ def wgrad(a, b, idx_P, offs, c_EMN, *, a_gather: bool, b_gather: bool, accumulat
         m, n, n_rows,
         a.stride(0), b.stride(0), c_first, stride_ce, c_EMN.stride(1), c_EMN.stride(2),
         A_GATHER=a_gather, B_GATHER=b_gather, ACCUMULATE=accumulate, IEEE=exact_fp32(a),
-        TMA_A=tma_a, TMA_B=tma_b, REVERSE=reverse, PRELOAD_C=preload_c and accumulate, **meta,
+        TMA_A=tma_a, TMA_B=tma_b, REVERSE=reverse, **meta,
     )  # fmt: skip
