@@ -110,14 +110,17 @@ def test_grouped_dispatch_and_triton_agree(monkeypatch):
         select.gather_ws_for("up_swiglu", x, w13, k=KernelOptions()) is None
     )  # remembered: Triton from then on
     monkeypatch.setattr(select, "GATHER_WS_UNBUILT", {})
-    outs = {}
+    outs, taken = {}, {}
     for mode in ("auto", "0"):
         kernels = use_env(monkeypatch, RELAYMOE_GATHER_WS=mode).kernels
+        taken[mode] = select.gather_ws_for("up_swiglu", x, w13, k=kernels)
         out = torch.full((t * k, 2 * i), float("nan"), device="cuda", dtype=torch.bfloat16)
         grouped.up_swiglu(x, w13, index.expert_token_indices, offs, None, out, None,
                           kernels=kernels)  # fmt: skip
         outs[mode] = out
-    assert select.gather_ws_for("up_swiglu", x, w13, k=KernelOptions()) is None
+    # the environment reaches the kernels through the options its entry point builds
+    assert taken == {"auto": gather_ws, "0": None}, taken
+    assert not select.GATHER_WS_UNBUILT, select.GATHER_WS_UNBUILT  # the Gluon kernel built
     assert torch.equal(outs["auto"], outs["0"])
 
 

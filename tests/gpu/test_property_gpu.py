@@ -10,8 +10,6 @@ does not depend on it, and tuning every shape would compile for minutes.
 
 from __future__ import annotations
 
-import collections
-
 import pytest
 import torch
 
@@ -38,38 +36,38 @@ def _first_config_kernels():
     return from_env({"RELAYMOE_AUTOTUNE": "0"}).kernels
 
 
-def _tally(results) -> collections.Counter:
-    return collections.Counter(results)
-
-
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_moe_experts_cuda(backend, first_config):
     n = 200
     cases = P.moe_cases(n, seed=21, backends=(backend,))
-    tally = _tally(P.run_moe_case(c, "cuda", kernels=first_config) for c in cases)
+    tally = P.tally_cases(lambda c: P.run_moe_case(c, "cuda", kernels=first_config), cases)
     assert tally["valid"] >= n // 3 and tally["refused"] >= n // 20, tally
 
 
 @pytest.mark.parametrize("impl", ["triton", "torch"])
 def test_linear_cross_entropy_cuda(impl):
     n = 150
-    tally = _tally(P.run_loss_case(c, "cuda") for c in P.loss_cases(n, seed=22, impls=(impl,)))
+    cases = P.loss_cases(n, seed=22, impls=(impl,))
+    tally = P.tally_cases(lambda c: P.run_loss_case(c, "cuda"), cases)
     assert tally["valid"] >= n // 2 and tally["refused"] >= n // 20, tally
 
 
 def test_ring_moe_one_gpu(first_config):
     n = 40
     cases = P.ring_cases(n, seed=23, world=1, backends=("auto", "triton"))
-    tally = _tally(P.run_ring_case(c, 0, 1, None, device="cuda", kernels=first_config)
-                   for c in cases)  # fmt: skip
+    tally = P.tally_cases(
+        lambda c: P.run_ring_case(c, 0, 1, None, device="cuda", kernels=first_config), cases
+    )
     assert tally["valid"] >= n // 3, tally
 
 
 def _ring_nccl(rank, world, group):
     cases = P.ring_cases(24, seed=24, world=world, backends=("auto", "triton"))
     kernels = _first_config_kernels()
-    tally = _tally(P.run_ring_case(c, rank, world, group, device=f"cuda:{rank}", kernels=kernels)
-                   for c in cases)  # fmt: skip
+    tally = P.tally_cases(
+        lambda c: P.run_ring_case(c, rank, world, group, device=f"cuda:{rank}", kernels=kernels),
+        cases,
+    )
     assert tally["valid"] >= len(cases) // 3, tally
 
 

@@ -14,6 +14,7 @@ tensor).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import random
 import traceback
@@ -110,6 +111,26 @@ def attempt(who: str, valid: bool, call):
         raise AssertionError(f"{who}: {type(err).__name__} from inside: {err!r}") from err
     assert valid, f"{who}: an invalid case returned a result"
     return result
+
+
+def tally_cases(run, cases, *, shown: int = 8) -> collections.Counter:
+    """``run(case)``'s results (``"valid"``/``"refused"``) counted over every case. A case that
+    breaks the rule does not stop the others: after the last case one AssertionError names how
+    many broke it and the first ``shown`` of them, so one run tells every failure apart (a GPU
+    call that dies midway, or a first failure hiding a pattern, otherwise tells nothing)."""
+    tally, failures = collections.Counter(), []
+    for case in cases:
+        try:
+            tally[run(case)] += 1
+        except AssertionError as err:
+            failures.append(str(err))
+    if failures:
+        listed = "\n".join(f"- {f[:700]}" for f in failures[:shown])
+        raise AssertionError(
+            f"{len(failures)} of {len(failures) + sum(tally.values())} cases broke the rule "
+            f"(tally of the rest: {dict(tally)}); the first {min(shown, len(failures))}:\n{listed}"
+        )
+    return tally
 
 
 def routing(T: int, E: int, K: int, route: str, gen: torch.Generator) -> torch.Tensor:
