@@ -5,8 +5,15 @@ import torch
 
 # Without a GPU, Triton kernels run in its CPU interpreter; must be set before triton.jit decorates.
 # On a GPU machine (scripts/gpu_suite.sh) they compile for the device.
+# And torch.compile'd functions (megatron-core's jit_fuser fusions: its SwiGLU, GeLU, quick-GeGLU)
+# run eagerly: inductor's CPU backend would compile C++ for each in every process that calls it
+# (seconds apiece, more on a cold cache, as on a fresh CI machine), which no CPU test checks; the
+# GPU suites compile them. torch.compile still returns its wrapper (the activation map reads
+# through it); dynamo only skips its frames. Set here, in the environment, so that the processes
+# the tests start run them eagerly too (before tests.worlds keeps the session's environment).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")  # read when torch._dynamo is imported
 if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter's bookkeeping cached
     from tests import triton_interpreter
 

@@ -59,8 +59,10 @@ def _die_with_parent() -> None:
 
 # How processes start. Without CUDA (the CPU suite) they fork from a forkserver (one per test
 # process, started on first use) that has imported torch and Megatron: each of the dozens of ranks
-# the suite starts saves those imports (seconds of CPU each). Nothing else is imported there:
-# relaymoe, the tests' modules and what the scenarios import come afresh in every process.
+# the suite starts saves those imports (seconds of CPU each); and Hugging Face's transformers,
+# which about twenty of the processes import (the conversions' ranks, their checks, the
+# preflights with a tokenizer: half a second each). Nothing else is imported there: relaymoe,
+# the tests' modules and what the scenarios import come afresh in every process.
 # With CUDA (the GPU suites) processes are spawned.
 _FORKSERVER_PRELOAD = [
     "torch",
@@ -70,6 +72,7 @@ _FORKSERVER_PRELOAD = [
     "megatron.core.models.gpt.gpt_model",
     "megatron.core.models.gpt.gpt_layer_specs",
     "megatron.core.models.gpt.moe_module_specs",
+    "transformers",
 ]
 # The environment the forkserver starts with: the session's, whatever test starts the first
 # process (each process then gets its starter's environment: ``_child``).

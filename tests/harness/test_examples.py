@@ -8,7 +8,10 @@
   extra argument Megatron's parser refuses, several nodes without MASTER_ADDR, a real launch
   on a host without GPUs (the last two: one line, nothing left behind; issue #52). A stand-in
   ``PYTHON`` logs every call, answers the count of visible GPUs and the launch itself, so that
-  "nothing was launched" is observed, not assumed. With
+  "nothing was launched" is observed, not assumed, and runs the other calls (the preflight, which
+  imports Megatron) forked from the forkserver that has imported it (``tests.python_relay``);
+  the refusal on a host without GPUs runs them in a fresh interpreter (its one line: the
+  preflight quiets the warnings of its imports). With
   ``DRY_RUN=1`` it prints the command, whose flags Megatron's parser accepts, and what the run
   needs (TransformerEngine for CP 4) without having it; with real data it passes the dataset,
   the tokenizer and the config's vocabulary; with SAVE_DIR and no TE it adds what resuming
@@ -29,6 +32,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.python_relay import PythonRelay
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "scripts" / "cpu_demo.py"
@@ -115,10 +120,10 @@ def test_train_sh_parses():
     subprocess.run(["bash", "-n", str(TRAIN)], check=True)
 
 
-def _shim(tmp_path: Path, *, te: bool, gpus: int = 0) -> tuple[Path, Path]:
+def _shim(tmp_path: Path, *, te: bool, gpus: int = 0, python: str = sys.executable):
     """A PYTHON that logs its arguments, answers ``import transformer_engine`` and the count of
     visible GPUs as told, reports a launch instead of doing it, and runs everything else with
-    this interpreter."""
+    ``python``; (the stand-in, its log)."""
     log = tmp_path / "calls.log"
     shim = tmp_path / "python"
     shim.write_text(
@@ -128,16 +133,25 @@ def _shim(tmp_path: Path, *, te: bool, gpus: int = 0) -> tuple[Path, Path]:
         f"{0 if te else 1}; fi\n"
         f'if [ "$1" = -c ] && [[ "$2" == *device_count* ]]; then echo {gpus}; exit 0; fi\n'
         f'if [ "$1" = -m ] && [ "$2" = {LAUNCH} ]; then echo LAUNCHED; exit 0; fi\n'
-        f'exec {shlex.quote(sys.executable)} "$@"\n'
+        f'exec {shlex.quote(str(python))} "$@"\n'
     )
     shim.chmod(0o755)
     return shim, log
 
 
-def _train(tmp_path, config, *extra, te=False, gpus=0, **env):
-    shim, log = _shim(tmp_path, te=te, gpus=gpus)
-    p = subprocess.run(["bash", str(TRAIN), config, *extra], capture_output=True, text=True,
-                       timeout=120, env=_env(PYTHON=shim, **env), cwd=tmp_path)  # fmt: skip
+def _train(tmp_path, config, *extra, te=False, gpus=0, fresh=False, **env):
+    """train.sh CONFIG EXTRA with the stand-in PYTHON (``_shim``) and the environment ``env``:
+    (the finished process, the stand-in's calls). The Python calls the stand-in passes on run
+    forked from the forkserver that has imported Megatron (``PythonRelay``), or, ``fresh``, in
+    a fresh interpreter (a test of what the preflight prints as the command line runs it)."""
+    cmd, kw = ["bash", str(TRAIN), config, *extra], dict(timeout=120, cwd=tmp_path)
+    if fresh:
+        shim, log = _shim(tmp_path, te=te, gpus=gpus)
+        p = subprocess.run(cmd, capture_output=True, text=True, env=_env(PYTHON=shim, **env), **kw)
+    else:
+        with PythonRelay() as relay:
+            shim, log = _shim(tmp_path, te=te, gpus=gpus, python=relay.python)
+            p = relay.run(cmd, env=_env(PYTHON=shim, **env), **kw)
     calls = log.read_text().splitlines() if log.exists() else []
     return p, calls
 
@@ -292,7 +306,9 @@ def test_a_multi_node_launch_without_master_addr_is_refused(tmp_path):
 
 def test_a_launch_on_a_host_without_gpus_is_refused_before_torchrun(tmp_path):
     """Item 8: it passed every check, then died in torchrun ("Found no NVIDIA driver")."""
-    p, calls = _train(tmp_path, "tiny_qwen3", gpus=0, NNODES=1, GPUS_PER_NODE=1, TRAIN_ITERS=2)
+    p, calls = _train(
+        tmp_path, "tiny_qwen3", gpus=0, NNODES=1, GPUS_PER_NODE=1, TRAIN_ITERS=2, fresh=True
+    )  # the one line of a fresh interpreter: its import warnings quiet
     _one_refusal(p, calls, tmp_path, "no GPU is visible here", "GPUS_PER_NODE=1", "DRY_RUN=1")
 
 
