@@ -175,18 +175,31 @@ STEPS: tuple[Step, ...] = (
                "tests/gpu/test_main_grads_gpu.py", "--junitxml={out}/gpu_tests_kernels.xml"),
          quick=("--timeout", "60"), full=("--timeout", "300"), quick_env=_NO_TUNE,
          outputs=("gpu_tests_kernels.xml",)),
-    # the bf16 GPU tests of every activation and bias, the property sweep, the Gluon gather
-    # kernels, the recorded hops, megatron-core's own MoE-layer tests with the ring (those
-    # need .megatron_lm/ carried; about 5 min on 1x H200) and max_seq's TE trials (four tiny
-    # Megatron runs, about 3 min by estimate): --full, or --only gpu_tests_more
-    Step("gpu_tests_more", "-m pytest", "gpu0", 1, 0, 580, full_only=True,
+    # The remaining GPU test files, in three --full steps that each fit one device call (cold
+    # Triton cache; 1x H100, 2026-12-07, every file together took over 20 minutes). The bf16
+    # GPU tests of every activation and bias, the Gluon gather kernels, the recorded hops and
+    # the fp8 experts: --only gpu_tests_ops
+    Step("gpu_tests_ops", "-m pytest", "gpu0", 1, 0, 580, full_only=True,
          args=("-q", "-ra", "-p", "no:cacheprovider", "tests/gpu/test_activations_gpu.py",
-               "tests/gpu/test_property_gpu.py", "tests/gpu/test_gather_ws_gpu.py",
-               "tests/gpu/test_hop_graphs_gpu.py", "tests/gpu/test_mcore_moe_layer_gpu.py",
-               "tests/gpu/test_capture_gpu.py", "tests/gpu/test_max_seq_gpu.py",
+               "tests/gpu/test_gather_ws_gpu.py", "tests/gpu/test_hop_graphs_gpu.py",
                "tests/gpu/test_fp8_experts_gpu.py", "tests/gpu/test_ring_fp8_gpu.py",
-               "--junitxml={out}/gpu_tests_more.xml"),
-         full=("--timeout", "300"), outputs=("gpu_tests_more.xml",)),
+               "--junitxml={out}/gpu_tests_ops.xml"),
+         full=("--timeout", "300"), outputs=("gpu_tests_ops.xml",)),
+    # the property sweep: compile-bound on a cold cache (each case's dtypes, layouts and sizes
+    # of 1 are new specializations: 2-50 s a case at first), so alone: --only gpu_tests_property
+    Step("gpu_tests_property", "-m pytest", "gpu0", 1, 0, 580, full_only=True,
+         args=("-q", "-ra", "-p", "no:cacheprovider", "tests/gpu/test_property_gpu.py",
+               "--junitxml={out}/gpu_tests_property.xml"),
+         full=("--timeout", "300"), outputs=("gpu_tests_property.xml",)),
+    # megatron-core's own MoE-layer tests with the ring (.megatron_lm/ carried), the captured
+    # layers and max_seq's TE trials (tiny Megatron runs; with TE, megatron-core's tests, the TE
+    # capture case and max_seq's took under 390 s together on 1x H100, 2026-12-07): --only
+    # gpu_tests_megatron
+    Step("gpu_tests_megatron", "-m pytest", "gpu0", 1, 0, 580, full_only=True,
+         args=("-q", "-ra", "-p", "no:cacheprovider", "tests/gpu/test_mcore_moe_layer_gpu.py",
+               "tests/gpu/test_capture_gpu.py", "tests/gpu/test_max_seq_gpu.py",
+               "--junitxml={out}/gpu_tests_megatron.xml"),
+         full=("--timeout", "300"), outputs=("gpu_tests_megatron.xml",)),
     Step("memory_model", "benchmarks/validate_memory_model.py", "gpu0", 1, 100, 300,
          args=("--out", "{out}/memory_model.jsonl"), quick=("--quick",), quick_env=_NO_TUNE,
          outputs=("memory_model.jsonl",)),

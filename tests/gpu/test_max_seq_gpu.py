@@ -1,5 +1,5 @@
 """GPU: ``benchmarks/max_seq.py``'s trials as they run for issue #53, on the tiny Qwen3 at EP 1
-under TransformerEngine (run by the suite's ``gpu_tests_more`` step).
+under TransformerEngine (run by the suite's ``gpu_tests_megatron`` step).
 
 * Megatron trains each TE provider's exact trial flags under the policy it would be searched
   with: megatron-core's selective set (``moe_act layernorm core_attn moe``) with TE and the

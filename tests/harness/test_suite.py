@@ -61,7 +61,8 @@ def test_plan_on_two_gpus_quick(tmp_path):
     # the issue-#17 GPU steps fill a call each, and the longer GPU tests: --full only
     full_only = {s.name for s in suite.STEPS if s.full_only}
     assert full_only == {"fault_nccl", "host_wait", "determinism", "soak", "e2e_pp",
-                         "gpu_tests_more", "e2e_gbs16", "e2e_gbs16_local",
+                         "gpu_tests_ops", "gpu_tests_property", "gpu_tests_megatron",
+                         "e2e_gbs16", "e2e_gbs16_local",
                          "max_seq_te", "e2e_sweep_gbs16", "e2e_gbs64",
                          "e2e_s16k_gbs8", "e2e_parity_gbs16", "e2e_graphed_gbs1"}  # fmt: skip
     assert not full_only & set(planned)
