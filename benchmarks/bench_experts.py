@@ -47,6 +47,9 @@ Triton cache is an empty folder, with the default ``RELAYMOE_AUTOTUNE=shipped``,
 ``--first-call both`` adds ``first_call_autotune_s``, the same with ``RELAYMOE_AUTOTUNE=1`` (the
 full search: minutes on a cold cache).
 
+Shapes: ``DEFAULT_SHAPES`` without ``--shapes`` (qwen3 T32k alone with ``--quick``);
+``OTHER_MODEL_SHAPES`` (Mixtral-like coarse experts, Qwen3-235B, DeepSeek-V3, OLMoE) by name.
+
     PYTHONPATH=. python3 benchmarks/bench_experts.py [--quick] [--out PATH.jsonl] [--breakdown]
         [--first-call [shipped|both]] [--profile] [--activation NAME[,NAME...]]
 """
@@ -84,13 +87,24 @@ from relaymoe.activation_torch import activation_forward  # noqa: E402
 from relaymoe.experts import moe_experts  # noqa: E402
 from relaymoe.routing import build_routing_index  # noqa: E402
 
-# name: (T, E, K, H, I)
-SHAPES = {
+# name: (T, E, K, H, I); the shapes a run without --shapes times
+DEFAULT_SHAPES = {
     "qwen3_30b_a3b_T32k": (32768, 128, 8, 2048, 768),
     "qwen3_30b_a3b_T64k": (65536, 128, 8, 2048, 768),
     "moeblaze_conf3": (65536, 16, 4, 1024, 4096),
     "moeblaze_conf4": (32768, 16, 4, 2048, 8192),
 }
+# Issue #55's shapes of other models (one GPU's experts), by --shapes only: coarse experts
+# (Mixtral 8x7B: 8 experts of I 14336, top-2; its GELU variant: ``--activation gelu`` at I 8192),
+# Qwen3-235B-A22B, a DeepSeek-V3 layer's 32 local experts (256 at EP 8) and OLMoE-1B-7B
+OTHER_MODEL_SHAPES = {
+    "mixtral_8x7b_T16k": (16384, 8, 2, 4096, 14336),
+    "mixtral_I8k_T16k": (16384, 8, 2, 4096, 8192),
+    "qwen3_235b_a22b_T16k": (16384, 128, 8, 4096, 1536),
+    "deepseek_v3_E32_T16k": (16384, 32, 8, 7168, 2048),
+    "olmoe_1b_7b_T32k": (32768, 64, 8, 2048, 1024),
+}
+SHAPES = {**DEFAULT_SHAPES, **OTHER_MODEL_SHAPES}
 DTYPE = torch.bfloat16
 
 
@@ -580,7 +594,7 @@ def main(argv=None) -> int:
     writer = gpu_writer("bench_experts", "experts", args.out)
     if writer is None:
         return 1
-    shapes = args.shapes or (["qwen3_30b_a3b_T32k"] if args.quick else list(SHAPES))
+    shapes = args.shapes or (["qwen3_30b_a3b_T32k"] if args.quick else list(DEFAULT_SHAPES))
 
     def providers_of(act: ExpertActivation) -> dict:
         """key -> (provider, recompute, fn) computing ``act`` (None: the provider cannot)."""
