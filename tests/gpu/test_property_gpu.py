@@ -36,22 +36,23 @@ def _first_config_kernels():
     return from_env({"RELAYMOE_AUTOTUNE": "0"}).kernels
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-def test_moe_experts_cuda_triton(dtype, first_config):
-    """The compiled Triton kernels, one float dtype a test (and the refusals drawn among them).
-    Compile-bound on a cold cache: each case's layouts, dtypes and sizes of 1 are new
-    specializations (2-50 s a case at first, 1x H100), and 200 cases of every dtype in one test
-    outlasted 500 s. A dtype a test names the dtype that fails; 50 cases each hold 33 valid
-    ones and 17 refusals (99 valid in all, where 200 cases of every dtype held 96)."""
-    n = 50
-    cases = P.moe_cases(n, seed=21, backends=("triton",), dtypes=(dtype,))
-    tally = P.tally_cases(lambda c: P.run_moe_case(c, "cuda", kernels=first_config), cases)
-    assert tally["valid"] >= n // 3 and tally["refused"] >= n // 20, tally
+# (backend, dtypes, cases). The compiled Triton kernels one float dtype a test: on a cold cache
+# each case's layouts, dtypes and sizes of 1 are new specializations (2-50 s a case at first,
+# 1x H100), and 200 Triton cases of every dtype in one test outlasted 500 s. A dtype a test
+# names the dtype that fails; 50 cases each hold 33 valid ones and 17 refusals.
+MOE_DRAWS = [
+    ("triton", (torch.bfloat16,), 50),
+    ("triton", (torch.float16,), 50),
+    ("triton", (torch.float32,), 50),
+    ("torch", P.FLOATS, 200),
+]
 
 
-def test_moe_experts_cuda_torch(first_config):
-    n = 200
-    cases = P.moe_cases(n, seed=21, backends=("torch",))
+@pytest.mark.parametrize(("backend", "dtypes", "n"), MOE_DRAWS,
+                         ids=[f"{b}-{'-'.join(map(str, d)) if len(d) == 1 else 'all'}"
+                              for b, d, _ in MOE_DRAWS])  # fmt: skip
+def test_moe_experts_cuda(backend, dtypes, n, first_config):
+    cases = P.moe_cases(n, seed=21, backends=(backend,), dtypes=dtypes)
     tally = P.tally_cases(lambda c: P.run_moe_case(c, "cuda", kernels=first_config), cases)
     assert tally["valid"] >= n // 3 and tally["refused"] >= n // 20, tally
 
