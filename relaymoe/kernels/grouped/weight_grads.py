@@ -98,7 +98,16 @@ def _wgrad_kernel(
     if TMA_B:
         b_desc = tl.make_tensor_descriptor(b_ptr, shape=[n_rows, N], strides=[stride_b, 1],
                                            block_shape=[BLOCK_K, BLOCK_N])  # fmt: skip
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    mask = m_ok[:, None] & n_ok[None, :]
+    if REVERSE:  # expert e's block
+        c_e = c_ptr + (c_first + e.to(tl.int64) * stride_ce)
+    else:
+        c_e = c_ptr + e.to(tl.int64) * stride_ce
+    cp = c_e + rm[:, None] * stride_cm + rn[None, :] * stride_cn
+    if ACCUMULATE:  # read before the pairs' loop, so the read overlaps the loop's loads
+        acc = tl.load(cp, mask=mask, other=0.0).to(tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if TMA_A or TMA_B:
         qs = tl.arange(0, BLOCK_K)
         for q0 in range(lo, q_full, BLOCK_K):
@@ -126,14 +135,6 @@ def _wgrad_kernel(
         q_ok = q_full + tl.arange(0, BLOCK_K) < hi
         acc = _wgrad_tile(acc, q_full, q_ok, a_ptr, b_ptr, idx_ptr, base, rm, rn, m_ok, n_ok,
                           stride_a, stride_b, A_GATHER, B_GATHER, IEEE, True, BLOCK_K)  # fmt: skip
-    mask = m_ok[:, None] & n_ok[None, :]
-    if REVERSE:  # expert e's block
-        c_e = c_ptr + (c_first + e.to(tl.int64) * stride_ce)
-    else:
-        c_e = c_ptr + e.to(tl.int64) * stride_ce
-    cp = c_e + rm[:, None] * stride_cm + rn[None, :] * stride_cn
-    if ACCUMULATE:
-        acc += tl.load(cp, mask=mask, other=0.0).to(tl.float32)
     tl.store(cp, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
