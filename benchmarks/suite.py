@@ -125,6 +125,23 @@ _E2E_SLOW = (  # --quick leaves these to the e2e step (the same run, measured) a
     # a conversion and three Megatron runs per layer implementation: 160 s under TE
     "tests/gpu/test_e2e_gpu.py::test_converted_hf_checkpoint_trains_with_ring_and_alltoall",
 )
+_E2E = "tests/gpu/test_e2e_gpu.py::"
+_FP8 = _E2E + "test_fp8_recipe_trains_with_the_ring_where_alltoall_does"
+# --full runs every test of test_e2e_gpu.py (TE and local) in these groups at once
+# (benchmarks/pytest_groups.py): one after another they take about 40 minutes under TE; side by
+# side on 1x H100 each group took 170-540 s and all passed in one call (2026-12-07; the
+# checkpoint group, 540 s with the refusal test, now leaves that test to the real-data group)
+E2E_FULL_GROUPS = (
+    f"{_E2E}test_tiny_qwen3_ring_vs_alltoall_200_steps",
+    f"{_E2E}test_checkpoint_round_trip_alltoall_ring_alltoall",
+    *(f"{_FP8}[hybrid-{r}] {_FP8}[e4m3-{r}]" for r in ("tensorwise", "delayed", "blockwise")),
+    f"{_E2E}test_fused_loss_gpt_bf16_parity {_E2E}test_fused_loss_50_steps_matches_megatron "
+    f"{_E2E}test_launch_runs_megatron_lm_pretrain_gpt",
+    f"{_E2E}test_tiny_qwen3_real_data_ring_learns_as_alltoall_does "
+    f"{_E2E}test_checkpoint_of_the_local_impl_is_refused_by_name_under_te "
+    "tests/gpu/test_te_grouped_gpu.py",
+    f"{_E2E}test_converted_hf_checkpoint_trains_with_ring_and_alltoall",
+)
 # Liger autotunes 32 configurations per GEMM kernel and 16 per weight-gradient kernel: on a cold
 # Triton cache its first call alone outlasted the quick experts step (H200, 2026-11-30). Quick
 # keeps relaymoe (shipped configurations) against naive; --full adds Liger and the ablations.
@@ -211,11 +228,13 @@ STEPS: tuple[Step, ...] = (
     # Megatron training on 1 or 2 GPUs (EP = GPUs), with TE (where it imports) and with the local
     # layers, and the te_grouped provider against the oracle. Quick: 280 s, since with TE each
     # Megatron run starts in ~40 s and the quick items make about six runs
-    Step("gpu_tests_e2e", "-m pytest", ALL, 1, 280, 540,
-         args=("-q", "-ra", "-p", "no:cacheprovider", "tests/gpu/test_e2e_gpu.py",
-               "tests/gpu/test_te_grouped_gpu.py", "--junitxml={out}/gpu_tests_e2e.xml"),
-         quick=("--timeout", "150", *(a for t in _E2E_SLOW for a in ("--deselect", t))),
-         full=("--timeout", "380"), quick_env=_NO_TUNE, outputs=("gpu_tests_e2e.xml",)),
+    Step("gpu_tests_e2e", "benchmarks/pytest_groups.py", ALL, 1, 280, 575,
+         args=("--out", "{out}/gpu_tests_e2e_"),
+         quick=("--group", " ".join(("tests/gpu/test_e2e_gpu.py",
+                                     "tests/gpu/test_te_grouped_gpu.py", "--timeout", "150",
+                                     *(a for t in _E2E_SLOW for a in ("--deselect", t))))),
+         full=tuple(a for g in E2E_FULL_GROUPS for a in ("--group", f"{g} --timeout 520")),
+         quick_env=_NO_TUNE, outputs=("gpu_tests_e2e_*",)),
     Step("memory_timeline", "benchmarks/memory_timeline.py", ALL, 1, 60, 120, ranks=2,
          args=("--out", "{out}/memory_timeline.jsonl"), quick=("--quick",), quick_env=_NO_TUNE,
          outputs=("memory_timeline.jsonl", "memory_timeline*.png")),

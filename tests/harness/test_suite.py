@@ -51,7 +51,8 @@ def test_plan_on_two_gpus_quick(tmp_path):
     assert planned["gpu_tests_kernels"].env == {"CUDA_VISIBLE_DEVICES": "0",
                                                 "RELAYMOE_AUTOTUNE": "0"}  # fmt: skip
     assert planned["gpu_tests_dist"].env == {"RELAYMOE_AUTOTUNE": "0"}
-    assert "--deselect" in planned["gpu_tests_e2e"].command  # the long training tests
+    e2e = planned["gpu_tests_e2e"].command
+    assert e2e.count("--group") == 1 and "--deselect" in e2e[e2e.index("--group") + 1]
     assert "tests/gpu/test_e2e_gpu.py" not in planned["gpu_tests_dist"].command
     # the timed benchmarks keep autotuning
     for n in ("ring", "e2e", "ablation", "routing", "experts"):
@@ -425,9 +426,30 @@ def test_tree_state_prefers_the_stated_commit_over_a_stale_git(tmp_path, monkeyp
 
 
 def test_every_gpu_test_file_runs_in_some_step():
-    """No GPU test file is left to ad hoc commands: each is an argument of a suite step."""
-    args = {a for s in suite.STEPS for a in s.args}
+    """No GPU test file is left to ad hoc commands: each is an argument of a suite step (or a
+    word of a group the e2e step runs)."""
+    args = {w for s in suite.STEPS for a in (*s.args, *s.quick, *s.full) for w in a.split()}
     files = sorted(
         p.relative_to(ROOT).as_posix() for p in (ROOT / "tests" / "gpu").glob("test_*.py")
     )
     assert files and [f for f in files if f not in args] == []
+
+
+def test_the_full_e2e_groups_hold_every_end_to_end_test_once():
+    """--full runs test_e2e_gpu.py as concurrent groups of node ids: a test added to the file
+    and to no group would never run, a test in two groups would run twice at once."""
+    import ast
+
+    from benchmarks.bench_e2e import FP8_FORMATS, FP8_RECIPES
+
+    path = ROOT / "tests" / "gpu" / "test_e2e_gpu.py"
+    names = [n.name for n in ast.parse(path.read_text()).body
+             if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")]  # fmt: skip
+    words = [w for g in suite.E2E_FULL_GROUPS for w in g.split()]
+    ids = [w.split("::", 1)[1] for w in words if w.startswith("tests/gpu/test_e2e_gpu.py::")]
+    fp8 = "test_fp8_recipe_trains_with_the_ring_where_alltoall_does"
+    expected = sorted([n for n in names if n != fp8]
+                      + [f"{fp8}[{f}-{r}]" for f in FP8_FORMATS for r in FP8_RECIPES])  # fmt: skip
+    assert sorted(ids) == expected
+    full = suite.plan(suite.STEPS, gpus=1, quick=False, out=ROOT, only=["gpu_tests_e2e"])
+    assert full[0].command.count("--group") == len(suite.E2E_FULL_GROUPS)

@@ -4,7 +4,7 @@ The GPU end-to-end tests are tiny Megatron runs whose time is the host's (launch
 checkpoint I/O), not the GPU's: one H100 runs three of them side by side in about the time of
 one. A device call is limited to ten minutes, so the file's tests run as concurrent groups::
 
-    python3 -m benchmarks.lab.pytest_groups --out DIR/e2e_ \
+    python3 -m benchmarks.pytest_groups --out DIR/e2e_ \
         --group "tests/gpu/test_e2e_gpu.py -k 200_steps" \
         --group "tests/gpu/test_e2e_gpu.py -k checkpoint"
 
