@@ -11,18 +11,44 @@ one. A device call is limited to ten minutes, so the file's tests run as concurr
 Group N is ``python -m pytest -q -ra -p no:cacheprovider <group> --junitxml <out>N.xml``, its
 output in ``<out>N.log`` (``--out`` is a path prefix: a suite step's files start with its
 name). The exit status is the first failing group's (0 when all pass); a line per group is
-printed when all have ended. Timings printed by the tests under this sharing are not
-throughput figures.
+printed as it ends. Timings printed by the tests under this sharing are not throughput figures.
+
+Stopped with SIGTERM (the suite's step limit), the runner interrupts each group as Ctrl-C
+would (SIGINT), so a test's Megatron job stops its own process group (``benchmarks.e2e``'s
+runs do so on any interruption) instead of being left on the GPU for the next call; a group
+still running ``STOP_GRACE_S`` later is killed. Each group runs in a session of its own, so
+that only the runner decides how it is stopped.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+STOP_GRACE_S = 12  # under the suite's 15 s between SIGTERM and SIGKILL
+
+
+def _stop(procs: list[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> None:
+    """SIGINT to every running group, then SIGKILL to each group's session still alive after
+    ``grace_s``."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,26 +59,40 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     jobs = []
-    for i, group in enumerate(args.group):
-        log = Path(f"{args.out}{i}.log")
-        cmd = [sys.executable, "-m", "pytest", "-q", "-ra", "-p", "no:cacheprovider",
-               *shlex.split(group), "--junitxml", f"{args.out}{i}.xml"]  # fmt: skip
-        f = log.open("w")
-        jobs.append((group, cmd, f, time.monotonic(), subprocess.Popen(cmd, stdout=f, stderr=f)))
-    status = 0
-    ended: dict[int, float] = {}
-    while len(ended) < len(jobs):  # poll: each group's own time, whichever ends first
-        for i, (*_, proc) in enumerate(jobs):
-            if i not in ended and proc.poll() is not None:
-                ended[i] = time.monotonic()
-        time.sleep(1.0)
-    for i, (group, _cmd, f, t0, proc) in enumerate(jobs):
-        f.close()
-        tail = Path(f.name).read_text().strip().splitlines()[-1:] or ["(no output)"]
-        print(f"[group] rc={proc.returncode} {ended[i] - t0:.0f}s {group!r}: {tail[0]}",
-              flush=True)  # fmt: skip
-        status = status or proc.returncode
-    return status
+    procs: list[subprocess.Popen] = []
+
+    def on_term(signum, _frame):
+        print(f"[group] signal {signum}: interrupting the running groups", flush=True)
+        _stop(procs)
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        for i, group in enumerate(args.group):
+            log = Path(f"{args.out}{i}.log")
+            cmd = [sys.executable, "-m", "pytest", "-q", "-ra", "-p", "no:cacheprovider",
+                   *shlex.split(group), "--junitxml", f"{args.out}{i}.xml"]  # fmt: skip
+            with log.open("w") as f:
+                procs.append(subprocess.Popen(cmd, stdout=f, stderr=f, start_new_session=True))
+            jobs.append((group, log, time.monotonic(), procs[-1]))
+        status = 0
+        left = dict(enumerate(jobs))
+        while left:  # poll: each group's line as it ends, whichever ends first
+            for i, (group, log, t0, proc) in list(left.items()):
+                if proc.poll() is None:
+                    continue
+                del left[i]
+                tail = log.read_text().strip().splitlines()[-1:] or ["(no output)"]
+                print(f"[group {i}] rc={proc.returncode} {time.monotonic() - t0:.0f}s "
+                      f"{group!r}: {tail[0]}", flush=True)  # fmt: skip
+                status = status or proc.returncode
+            time.sleep(0.5)
+        return status
+    except BaseException:  # Ctrl-C or an error here: no group outlives the runner
+        _stop(procs)
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":
