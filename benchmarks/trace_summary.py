@@ -111,14 +111,27 @@ def idle_host_ops(events: list[dict], gaps: list[tuple[float, float]], *, top: i
     return [{"name": n[:160], "us": v[0], "calls": v[1]} for n, v in ranked]
 
 
+# idle gaps by length (us): the GPU's own kernel-to-kernel step, short host work, the host
+GAP_BUCKETS_US = (
+    ("under_10us", 0.0, 10.0),
+    ("10us_100us", 10.0, 100.0),
+    ("100us_1ms", 100.0, 1000.0),
+    ("1ms_and_over", 1000.0, float("inf")),
+)
+
+
 def summarise(trace: dict, *, top: int = 25) -> dict:
     """The summary of one trace (times in ms per profiled step): ``steps``, ``step_ms``,
     ``gpu_busy_ms``, ``gpu_busy_frac`` (the union of the GPU's kernel, memcpy and memset
     intervals over the steps' wall time) and ``gpu_idle_frac`` (one minus it), ``by_category``
     ``{cat: ms}``, ``top_kernels`` ``[{name, category, ms, calls}]``, ``cuda_graph_launches``
     (per step, over the ``ProfilerStep`` spans holding GPU events), ``gpu_idle_gaps`` and
-    ``gpu_idle_max_gap_ms`` (the steps' intervals no GPU event covers), ``idle_host_ops``
-    ``[{name, ms, calls}]`` (``idle_host_ops``). GPU events outside those spans are left out;
+    ``gpu_idle_max_gap_ms`` (the steps' intervals no GPU event covers), ``gpu_idle_ms_by_gap``
+    (the idle time by gap length: gaps under 10 us are the GPU's own step from one kernel to
+    the next, inside a CUDA graph too; gaps of a millisecond and more are the host's),
+    ``gpu_events_per_step`` and ``calls_by_category`` (kernels, copies and sets a step: the
+    count the short gaps scale with), ``idle_host_ops`` ``[{name, ms, calls}]``
+    (``idle_host_ops``). GPU events outside those spans are left out;
     without ``ProfilerStep`` spans the whole trace is one step."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
     steps = [(e["ts"], e["ts"] + e["dur"]) for e in events
@@ -145,9 +158,11 @@ def summarise(trace: dict, *, top: int = 25) -> dict:
     for e in gpu:
         by_name.setdefault(str(e.get("name", "?")), []).append(float(e["dur"]))
     by_cat: dict[str, float] = {}
+    calls_by_cat: dict[str, int] = {}
     for name, durs in by_name.items():
         cat = category_of(name)
         by_cat[cat] = by_cat.get(cat, 0.0) + sum(durs)
+        calls_by_cat[cat] = calls_by_cat.get(cat, 0) + len(durs)
     step_us = sum(b - a for a, b in steps)
     busy_us = _union_us([(e["ts"], e["ts"] + e["dur"]) for e in gpu])
     ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
@@ -176,6 +191,14 @@ def summarise(trace: dict, *, top: int = 25) -> dict:
         # the GPU's idle time: its gaps, and what the host was inside during them
         "gpu_idle_gaps": len(gaps) / n,
         "gpu_idle_max_gap_ms": max((b - a for a, b in gaps), default=0.0) / 1e3,
+        "gpu_idle_ms_by_gap": {
+            label: sum(b - a for a, b in gaps if lo <= b - a < hi) / n / 1e3
+            for label, lo, hi in GAP_BUCKETS_US
+        },
+        "gpu_events_per_step": len(gpu) / n,
+        "calls_by_category": {
+            k: v / n for k, v in sorted(calls_by_cat.items(), key=lambda kv: -kv[1])
+        },
         "idle_host_ops": [
             {"name": h["name"], "ms": h["us"] / n / 1e3, "calls": h["calls"] / n} for h in host
         ],

@@ -903,6 +903,8 @@ def test_trace_summary_counts_overlap_once_and_categorises(tmp_path):
     assert s["steps"] == 2 and s["step_ms"] == pytest.approx(1.0)
     assert s["gpu_busy_ms"] == pytest.approx((400 + 100 + 100) / 2 / 1e3)
     assert s["gpu_idle_frac"] == pytest.approx(1 - 600 / 2000)
+    idle = s["gpu_idle_ms_by_gap"]  # a step is 1000 us, so its gaps hold 1400 us in 2 steps
+    assert sum(idle.values()) == pytest.approx(1.4 / 2) and idle["1ms_and_over"] == 0.0
     assert s["kernel_ms"] == pytest.approx(700 / 2 / 1e3)
     assert s["by_category"] == pytest.approx({"relaymoe_experts": 0.15, "gemm": 0.1,
                                               "attention": 0.05, "nccl": 0.05})  # fmt: skip
@@ -967,6 +969,11 @@ def test_trace_summary_names_what_the_host_did_while_the_gpu_idled():
     ]
     s = summarise({"traceEvents": ev})
     assert s["gpu_idle_gaps"] == 2 and s["gpu_idle_max_gap_ms"] == pytest.approx(0.3)
+    # both gaps (300 and 200 us) are short host work; none is a kernel-to-kernel step
+    assert s["gpu_idle_ms_by_gap"] == pytest.approx(
+        {"under_10us": 0.0, "10us_100us": 0.0, "100us_1ms": 0.5, "1ms_and_over": 0.0}
+    )
+    assert s["gpu_events_per_step"] == 3 and s["calls_by_category"] == {"elementwise_other": 3}
     host = {h["name"]: h["ms"] for h in s["idle_host_ops"]}
     assert host == pytest.approx({"Optimizer.step": 0.3, "aten::item": 0.05,
                                   "cudaStreamSynchronize": 0.15})  # fmt: skip
