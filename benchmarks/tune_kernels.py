@@ -93,7 +93,7 @@ def run_shape(s: dict, tokens: int, dtype, config) -> None:
 def winners() -> dict:
     """{kernel: {bucket: config}} from the autotuners' caches of this process."""
     from relaymoe.kernels import grouped
-    from relaymoe.kernels.tuned import bucket
+    from relaymoe.kernels.tuned import OPTIONAL_CONFIG_KEYS, bucket
 
     out: dict = {}
     for name, (tuner, names) in grouped.TUNED_KERNELS.items():
@@ -104,6 +104,7 @@ def winners() -> dict:
             out.setdefault(name, {})[b] = {
                 **{k: cfg.kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")},
                 "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+                **{k: cfg.kwargs[k] for k in OPTIONAL_CONFIG_KEYS if k in cfg.kwargs},
             }  # fmt: skip
     return out
 

@@ -188,13 +188,13 @@ def sweep(
     return rows
 
 
+# each also with PRELOAD_C (the output tile read before the pairs' loop, a wgrad candidate)
 ACCUMULATE_CONFIGS = [
-    CONFIGS[0],
-    _cfg(128, 128, 64, 8, 3),
-    _cfg(128, 128, 64, 8, 2),
-    _cfg(64, 128, 64, 4, 4),
-    _cfg(128, 64, 64, 4, 4),
-]
+    {**c, "PRELOAD_C": p}
+    for c in (CONFIGS[0], _cfg(128, 128, 64, 8, 3), _cfg(64, 128, 64, 4, 4),
+              _cfg(128, 64, 64, 4, 4), _cfg(64, 64, 64, 4, 4))
+    for p in (False, True)
+]  # fmt: skip
 
 
 def sweep_accumulate(

@@ -29,11 +29,13 @@ import functools
 import json
 from pathlib import Path
 
-__all__ = ["TABLE", "bucket", "shipped_config", "load_table"]
+__all__ = ["OPTIONAL_CONFIG_KEYS", "TABLE", "bucket", "shipped_config", "load_table"]
 
 TABLE = Path(__file__).with_name("tuned_configs.json")
 VERSION = 1
 _CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+# a kernel's own switches that some of its candidates set (absent: the kernel's default)
+OPTIONAL_CONFIG_KEYS = ("PRELOAD_C",)
 
 
 def _pow2(n: int) -> int:
@@ -62,10 +64,11 @@ def _check_table(table: dict, where: str) -> dict:
     for gpu, kernels in table.get("gpus", {}).items():
         for kernel, buckets in kernels.items():
             for b, cfg in buckets.items():
-                if set(cfg) != set(_CONFIG_KEYS):
+                if not set(_CONFIG_KEYS) <= set(cfg) <= {*_CONFIG_KEYS, *OPTIONAL_CONFIG_KEYS}:
                     raise ValueError(
                         f"{where}: {gpu} / {kernel} / {b} has keys {sorted(cfg)}; a configuration "
-                        f"needs exactly {list(_CONFIG_KEYS)}"
+                        f"needs exactly {list(_CONFIG_KEYS)}, and may add "
+                        f"{list(OPTIONAL_CONFIG_KEYS)}"
                     )
     return table
 

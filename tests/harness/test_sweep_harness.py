@@ -56,14 +56,17 @@ def test_accumulate_sweep_adds_into_main_grad_in_every_variant(monkeypatch):
     into the fp32 buffer (``err`` against c's start plus the grouped-GEMM product, experts in
     reverse order)."""
     monkeypatch.setattr(sweep_kernels, "bench_ms", lambda fn, **_: (fn(), 1.0)[1])
-    cfgs = [{"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 2}]
+    cfg = {"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 2}
+    cfgs = [cfg, {**cfg, "PRELOAD_C": True}]  # the output tile read after the loop, or before
     rows = sweep_kernels.sweep_accumulate("tiny", 37, cfgs, tmas=("off", "on"), dims=(5, 2, 40, 24),
                                           device="cpu", dtype=torch.float32)  # fmt: skip
     assert not [r for r in rows if "error" in r], rows
     assert {(r["kernel"], r["variant"]) for r in rows} == {
         (k, f"accumulate_tma_{t}") for k in ("dw2", "dw13") for t in ("off", "on")
     }
-    assert len(rows) == 4
+    assert len(rows) == 8
+    assert all(any(r["config"].get("PRELOAD_C") for r in rows if r["kernel"] == k)
+               for k in ("dw2", "dw13"))  # fmt: skip
     assert all(r["err"] < 1e-5 for r in rows), rows
 
 

@@ -198,10 +198,12 @@ def test_descriptor_allocator_is_set_in_every_thread():
 
 
 @pytest.mark.parametrize("tma", ["0", "1"])
-@pytest.mark.parametrize("cfg", [CFG_A, CFG_B])
+@pytest.mark.parametrize("cfg", [CFG_A, CFG_B, {**CFG_B, "PRELOAD_C": True}],
+                         ids=["a", "b", "b_preload"])  # fmt: skip
 def test_wgrads(cfg, tma, monkeypatch):
     """Both weight gradients, write and accumulate modes, an empty expert; with ``tma=1`` the
-    contiguous operand's full blocks come through a tensor descriptor."""
+    contiguous operand's full blocks come through a tensor descriptor; ``PRELOAD_C``: the
+    accumulating launch reads its output tile before the pairs' loop."""
     kernels = use_env(monkeypatch, RELAYMOE_TMA=tma).kernels
     s = _setup(31, 20, 24, 6, 2, "empty", 1, 6, seed=1)  # last expert (local 4) gets no pair
     c = s["cast"]
@@ -237,7 +239,7 @@ def test_wgrads(cfg, tma, monkeypatch):
     assert torch.equal(dw13[-1], base[-1])  # nothing added for the empty expert
 
 
-@pytest.mark.parametrize("gmm", [False, True])
+@pytest.mark.parametrize("gmm", [False, "preload", True])
 def test_wgrad_adds_into_a_span_in_reverse_expert_order(gmm):
     """``reverse=True`` (Megatron's ``main_grad``: a layer's experts back to back in reverse
     order): expert ``e`` of the range is added into row ``El-1-e`` of the span, through a
@@ -252,13 +254,14 @@ def test_wgrad_adds_into_a_span_in_reverse_expert_order(gmm):
     before = buf.clone()
     span = buf[1 : el + 1]
     idx_P = s["index"].expert_token_indices
-    if gmm:
+    if gmm is True:
         groups = HopGroups(idx_P, s["offs"], s["n"], True)
         wgrad_gmm(dh_ref.float(), s["x"].float(), span, groups, a_gather=False, accumulate=True,
                   reverse=True)  # fmt: skip
-    else:
+    else:  # the Triton kernel, the output tile read after the pairs' loop or before it
+        cfg = {**CFG_A, "PRELOAD_C": True} if gmm == "preload" else CFG_A
         grouped.wgrad(dh_ref.float(), s["x"].float(), idx_P, s["offs"], span, a_gather=False,
-                      b_gather=True, accumulate=True, config=CFG_A, reverse=True)  # fmt: skip
+                      b_gather=True, accumulate=True, config=cfg, reverse=True)  # fmt: skip
     dw = torch.zeros(s["w13"].shape, dtype=torch.float64).index_add_(
         0, s["expert"], torch.einsum("nj,nh->njh", dh_ref, s["x"][s["tok"]])
     )

@@ -62,6 +62,11 @@ def test_bad_tables_and_modes_are_refused_by_name(table, monkeypatch):
     table({"version": 1, "gpus": {"G": {"wgrad": {"b": {"BLOCK_M": 64}}}}})
     with pytest.raises(ValueError, match=r"G / wgrad / b has keys \['BLOCK_M'\]"):
         tuned.load_table()
+    table({"version": 1, "gpus": {"G": {"wgrad": {"b": {**CFG, "SPLIT_K": 2}}}}})
+    with pytest.raises(ValueError, match=r"may add \['PRELOAD_C'\]"):  # a switch no kernel has
+        tuned.load_table()
+    table({"version": 1, "gpus": {"G": {"wgrad": {"b": {**CFG, "PRELOAD_C": True}}}}})
+    assert tuned.load_table()["gpus"]["G"]["wgrad"]["b"]["PRELOAD_C"] is True
     with pytest.raises(ValueError, match="RELAYMOE_AUTOTUNE='sometimes'"):
         use_env(monkeypatch, RELAYMOE_AUTOTUNE="sometimes")
 
@@ -100,6 +105,15 @@ def test_pick_uses_the_shipped_config_then_the_autotuner(monkeypatch):
     assert kernel is raw and meta == {**CFG, "EVEN_K": True}
     found["rows_gemm"] = {**CFG, "BLOCK_K": 96}  # 2048 % 96 != 0
     assert pick()[1]["EVEN_K"] is False
+    # the weight gradient's candidates may read the output tile first: the switch is passed on
+    wkey = {"M": 768, "N": 2048, "A_GATHER": True, "B_GATHER": False, "ACCUMULATE": True}
+    found["wgrad"] = {**CFG, "PRELOAD_C": True}
+    kernel, meta = grouped.configs.pick_config(
+        grouped.weight_grads.wgrad_tuned, grouped.weight_grads._wgrad_kernel, None, None,
+        "wgrad", wkey, torch.bfloat16, options.from_env().kernels,
+    )  # fmt: skip
+    assert kernel is grouped.weight_grads._wgrad_kernel and meta == {**CFG, "PRELOAD_C": True}
+    assert any(c.kwargs.get("PRELOAD_C") for c in grouped.weight_grads.wgrad_tuned.configs)
     use_env(monkeypatch, RELAYMOE_AUTOTUNE="1")
     assert pick() == (auto, {})
     use_env(monkeypatch, RELAYMOE_AUTOTUNE="0")

@@ -10,12 +10,12 @@ import triton
 
 from relaymoe.kernels import interpret_mode
 from relaymoe.kernels.grouped.tiles import row_group_m
-from relaymoe.kernels.tuned import shipped_config
+from relaymoe.kernels.tuned import OPTIONAL_CONFIG_KEYS, shipped_config
 
 
-def _cfg(bm, bn, bk, warps, stages):
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=warps,
-                         num_stages=stages)  # fmt: skip
+def _cfg(bm, bn, bk, warps, stages, **switches):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, **switches},
+                         num_warps=warps, num_stages=stages)  # fmt: skip
 
 
 # Short lists that fit H100/H200 shared memory (228 KB); autotune time counts on the device.
@@ -48,6 +48,12 @@ WGRAD_CONFIGS = [
     _cfg(128, 128, 64, 8, 3),
     _cfg(128, 256, 64, 8, 3),
     _cfg(64, 128, 64, 4, 4),  # small M (narrow experts)
+    # adding into fp32 main_grad at few pairs an expert (EP 1, one micro-batch), where the
+    # accumulator's read and write bound the kernel: small tiles, the output tile read before
+    # the pairs' loop (1x H200, 256 pairs an expert: dw2 1.17x faster than the same tiles
+    # reading it after; dw13 slower, so both forms are candidates)
+    _cfg(64, 128, 64, 4, 4, PRELOAD_C=True),
+    _cfg(128, 64, 64, 4, 4, PRELOAD_C=True),
 ]
 # Interpreter (CPU tests): small tiles so odd shapes cross tile edges.
 _INTERP_CFG = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}
@@ -84,6 +90,7 @@ def pick_config(tuned, raw, config, kdim, name: str, key: dict, dtype, k, ncols:
                       "num_stages": first.num_stages}  # fmt: skip
     cfg = dict(_INTERP_CFG if config is None else config)
     meta = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
+    meta.update({k: cfg[k] for k in OPTIONAL_CONFIG_KEYS if k in cfg})  # a candidate's switches
     for k in ("num_warps", "num_stages"):
         if k in cfg:
             meta[k] = cfg[k]

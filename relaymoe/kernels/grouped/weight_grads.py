@@ -51,6 +51,15 @@ def _wgrad_tile(
 
 
 @triton.jit
+def _expert_block(c_ptr, c_first, e, stride_ce, REVERSE: tl.constexpr):
+    """Expert e's (M, N) block of the output: at ``e * stride_ce``, or with ``REVERSE`` at
+    ``c_first + e * stride_ce`` (the forward order keeps the plain address)."""
+    if REVERSE:
+        return c_ptr + (c_first + e.to(tl.int64) * stride_ce)
+    return c_ptr + e.to(tl.int64) * stride_ce
+
+
+@triton.jit
 def _wgrad_kernel(
     a_ptr, b_ptr, idx_ptr, offs_ptr, c_ptr,
     M, N, n_rows,
@@ -58,7 +67,7 @@ def _wgrad_kernel(
     A_GATHER: tl.constexpr, B_GATHER: tl.constexpr, ACCUMULATE: tl.constexpr,
     IEEE: tl.constexpr, TMA_A: tl.constexpr = False, TMA_B: tl.constexpr = False,
     BLOCK_M: tl.constexpr = 64, BLOCK_N: tl.constexpr = 64, BLOCK_K: tl.constexpr = 32,
-    REVERSE: tl.constexpr = False,
+    REVERSE: tl.constexpr = False, PRELOAD_C: tl.constexpr = False,
 ):  # fmt: skip
     """c[e] (M, N) (+)= sum_q A[q, :]^T B[q, :]; a gathered operand reads row tok[q], a
     contiguous one row q - offs[0]. An expert without pairs writes exact zeros (adds nothing).
@@ -73,7 +82,12 @@ def _wgrad_kernel(
     block stays a masked pointer load, so no row of the next expert is ever read. One program an
     output tile (expert, M tile, N tile), N tiles fastest: a persistent grid, a flattened tile
     loop and Triton's warp specialisation were no faster with a gathered operand (module
-    docstring's history)."""
+    docstring's history).
+
+    ``PRELOAD_C`` (an accumulating launch): read the output tile before the loop over pairs and
+    accumulate onto it, instead of adding it after the loop. A configuration's choice: at 256
+    pairs an expert (Megatron's fp32 ``main_grad``, EP 1) it made the small-tile dw2 1.17x
+    faster and every 128x128 launch slower (1x H200)."""
     pid = tl.program_id(0)
     n_tiles_m = tl.cdiv(M, BLOCK_M)
     n_tiles_n = tl.cdiv(N, BLOCK_N)
@@ -98,14 +112,10 @@ def _wgrad_kernel(
     if TMA_B:
         b_desc = tl.make_tensor_descriptor(b_ptr, shape=[n_rows, N], strides=[stride_b, 1],
                                            block_shape=[BLOCK_K, BLOCK_N])  # fmt: skip
-    mask = m_ok[:, None] & n_ok[None, :]
-    if REVERSE:  # expert e's block
-        c_e = c_ptr + (c_first + e.to(tl.int64) * stride_ce)
-    else:
-        c_e = c_ptr + e.to(tl.int64) * stride_ce
-    cp = c_e + rm[:, None] * stride_cm + rn[None, :] * stride_cn
-    if ACCUMULATE:  # read before the pairs' loop, so the read overlaps the loop's loads
-        acc = tl.load(cp, mask=mask, other=0.0).to(tl.float32)
+    if ACCUMULATE and PRELOAD_C:
+        c_e = _expert_block(c_ptr, c_first, e, stride_ce, REVERSE)
+        acc = tl.load(c_e + rm[:, None] * stride_cm + rn[None, :] * stride_cn,
+                      mask=m_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if TMA_A or TMA_B:
@@ -135,6 +145,11 @@ def _wgrad_kernel(
         q_ok = q_full + tl.arange(0, BLOCK_K) < hi
         acc = _wgrad_tile(acc, q_full, q_ok, a_ptr, b_ptr, idx_ptr, base, rm, rn, m_ok, n_ok,
                           stride_a, stride_b, A_GATHER, B_GATHER, IEEE, True, BLOCK_K)  # fmt: skip
+    mask = m_ok[:, None] & n_ok[None, :]
+    c_e = _expert_block(c_ptr, c_first, e, stride_ce, REVERSE)
+    cp = c_e + rm[:, None] * stride_cm + rn[None, :] * stride_cn
+    if ACCUMULATE and not PRELOAD_C:
+        acc += tl.load(cp, mask=mask, other=0.0).to(tl.float32)
     tl.store(cp, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
