@@ -35,7 +35,6 @@ import json
 import math
 import os
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
@@ -47,6 +46,8 @@ from pathlib import Path
 _CHECKOUT = str(Path(__file__).resolve().parents[1])
 if __package__ in (None, ""):  # run as a file: make ``relaymoe`` and ``configs`` importable
     sys.path.insert(0, _CHECKOUT)
+
+from benchmarks.processes import stop_group  # noqa: E402
 
 __all__ = [
     "PARITY_TOL",
@@ -430,28 +431,6 @@ def plans_or_no_gpus(plans: dict, *, dry_run: bool, gpus: int, who: str) -> int 
     return None
 
 
-def _stop_group(proc: subprocess.Popen, grace_s: float = 15) -> None:
-    """Stop the job's own process group (torchrun and its workers): SIGTERM, then SIGKILL to
-    whatever is left once the leader has exited or ``grace_s`` have passed; the leader is
-    reaped unless it outlives SIGKILL by 30 s (stuck in the kernel: the caller is not held)."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        pass
-
-
 def _text(x) -> str:
     if x is None:
         return ""
@@ -507,13 +486,13 @@ def run_pretrain(
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         timed_out = True
-        _stop_group(proc)
+        stop_group(proc)
         try:
             out, err = proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:  # a process outside the group holds the pipes
             out, err = "", "(no output collected: the job's pipes stayed open after it was stopped)"
     except BaseException:  # e.g. Ctrl-C: do not leave the workers on the GPUs
-        _stop_group(proc)
+        stop_group(proc)
         raise
     for name, text in (("stdout.log", out), ("stderr.log", err)):
         with open(os.path.join(workdir, name), "w") as f:

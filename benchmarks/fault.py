@@ -492,7 +492,7 @@ def run_torchrun(specs: list[Spec], outdir: str, *, concurrency: int = 1) -> lis
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    from benchmarks.e2e import _stop_group
+    from benchmarks.processes import stop_group
 
     running: set = set()
     lock = threading.Lock()
@@ -501,7 +501,7 @@ def run_torchrun(specs: list[Spec], outdir: str, *, concurrency: int = 1) -> lis
         with lock:
             procs = list(running)
         for p in procs:
-            _stop_group(p, grace_s=5)
+            stop_group(p, grace_s=5)
         raise SystemExit(128 + signum)
 
     if threading.current_thread() is threading.main_thread():
@@ -531,7 +531,7 @@ def run_torchrun(specs: list[Spec], outdir: str, *, concurrency: int = 1) -> lis
                 if proc.wait(timeout=cap):
                     note = f"torchrun exit code {proc.returncode} (see {case_dir}/torchrun.log)"
             except subprocess.TimeoutExpired:
-                _stop_group(proc)
+                stop_group(proc)
                 note = f"still running at the {cap:.0f} s cap (killed)"
             finally:
                 with lock:

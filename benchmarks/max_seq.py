@@ -108,7 +108,6 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -121,8 +120,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import ROOT, JsonlWriter, environment  # noqa: E402
-from benchmarks.e2e import TE_IMPL, RunResult, _have_te, _stop_group, pretrain_args  # noqa: E402
+from benchmarks.e2e import TE_IMPL, RunResult, _have_te, pretrain_args  # noqa: E402
 from benchmarks.lanes import LaneQueue, lane_devices  # noqa: E402
+from benchmarks.processes import descendants, kill_leftovers, stop_group  # noqa: E402
 from relaymoe.config import flag_groups  # noqa: E402
 from relaymoe.planner.policies import (  # noqa: E402
     MCORE_FUSED_CE_FLAGS,
@@ -607,48 +607,6 @@ def trial_from_log(
     )
 
 
-def _proc_start(pid: int) -> int | None:
-    """Start time (clock ticks since boot) of ``pid``, None if it is gone (Linux /proc)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[19])
-
-
-def _descendants(pid: int) -> dict[int, int]:
-    """{pid: start time} of every live descendant of ``pid`` (Linux /proc; {} elsewhere)."""
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").glob("[0-9]*"):
-        try:
-            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(d.name))
-    out, todo = {}, [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            start = _proc_start(c)
-            if start is not None and c not in out:
-                out[c] = start
-                todo.append(c)
-    return out
-
-
-def _kill_leftovers(seen: dict[int, int]) -> list[int]:
-    """SIGKILL the job's processes still alive (same pid and start time: never a reused pid).
-    torchrun starts each worker in its own session, so stopping torchrun's group can miss them."""
-    killed = []
-    for pid, start in seen.items():
-        if _proc_start(pid) == start:
-            try:
-                os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
-            except ProcessLookupError:
-                pass
-    return killed
-
-
 def gpu_memory_used_mib() -> list[float] | None:
     """Memory used on each GPU by any process (nvidia-smi; None when it is not there)."""
     exe = shutil.which("nvidia-smi")
@@ -774,13 +732,13 @@ def launch(
         )  # fmt: skip
         try:
             while True:
-                seen.update(_descendants(proc.pid))
+                seen.update(descendants(proc.pid))
                 left = timeout_s - (time.perf_counter() - t0)
                 if cancel is not None and cancel.is_set():
                     raise KeyboardInterrupt(f"trial in {workdir} cancelled")
                 if left <= 0:
                     timed_out = True
-                    _stop_group(proc)  # torchrun's group; its workers are in their own sessions
+                    stop_group(proc)  # torchrun's group; its workers are in their own sessions
                     break
                 try:
                     proc.wait(timeout=min(1.0, left))
@@ -788,11 +746,11 @@ def launch(
                 except subprocess.TimeoutExpired:
                     pass
         except BaseException:  # e.g. Ctrl-C: do not leave workers on the GPUs
-            _stop_group(proc)
-            _kill_leftovers(seen)
+            stop_group(proc)
+            kill_leftovers(seen)
             raise
     wall = time.perf_counter() - t0
-    killed = _kill_leftovers(seen)
+    killed = kill_leftovers(seen)
     text = log_path.read_text(errors="replace")
     if killed:
         text += f"\n[max_seq] killed leftover processes {killed} after the job\n"

@@ -73,7 +73,7 @@ if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import runs  # noqa: E402
-from benchmarks.e2e import _stop_group  # noqa: E402
+from benchmarks.processes import stop_tree  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ALL = "all"  # a step's ranks: one per GPU of the machine
@@ -471,8 +471,9 @@ class Outcome:
 def run_command(
     cmd: Sequence[str], *, env: dict, limit_s: float, log: Path, cwd: Path
 ) -> tuple[str, int | None, float]:
-    """Run ``cmd`` in its own process group with output to ``log``; kill the whole group when
-    it outlives ``limit_s`` (SIGTERM, SIGKILL after ``KILL_GRACE_S``). (status, rc, seconds)."""
+    """Run ``cmd`` in its own process group with output to ``log``; when it outlives ``limit_s``
+    stop its group and every process it started, in its group or not (a test's Megatron job,
+    torchrun's workers: SIGTERM, SIGKILL after ``KILL_GRACE_S``). (status, rc, seconds)."""
     t0 = time.monotonic()
     with open(log, "wb") as f:
         try:
@@ -484,7 +485,7 @@ def run_command(
         try:
             rc = proc.wait(timeout=max(limit_s, 0.1))
         except subprocess.TimeoutExpired:
-            _stop_group(proc, KILL_GRACE_S)
+            stop_tree(proc, KILL_GRACE_S)
             f.write(f"\n[suite] killed after the step's limit of {limit_s:.0f} s\n".encode())
             return "timeout", proc.returncode, time.monotonic() - t0
     return ("ok" if rc == 0 else "failed"), rc, time.monotonic() - t0

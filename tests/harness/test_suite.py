@@ -150,6 +150,10 @@ FAKES = {
     "fails.py": "import sys\nprint('something broke')\nsys.exit(3)\n",
     "hangs.py": "import subprocess, sys, time, pathlib\n"
     "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+    # a job in a session of its own, as a test's Megatron run (torchrun) is
+    "job = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'],\n"
+    "                       start_new_session=True)\n"
+    "pathlib.Path(sys.argv[1], 'job.pid').write_text(str(job.pid))\n"
     "pathlib.Path(sys.argv[1], 'child.pid').write_text(str(child.pid))\n"
     "time.sleep(120)\n",
     "waits.py": "import sys, time, pathlib\n"  # lane A: needs lane B running at the same time
@@ -221,11 +225,18 @@ def test_fake_steps_ok_failed_timeout_skipped(tmp_path, monkeypatch):
     assert got["absent"].reason == "nope.py not present"
     assert "killed after the step's limit of 2 s" in (out / "hangs.log").read_text()
     child = int((out / "child.pid").read_text())
-    for _ in range(100):  # the killed step's own child goes with its process group
-        if not _alive(child):
-            break
-        time.sleep(0.1)
-    assert not _alive(child), "the timed-out step left its child process running"
+    job = int((out / "job.pid").read_text())
+    try:
+        for _ in range(100):  # its child goes with its group, the job in its own session too
+            if not (_alive(child) or _alive(job)):
+                break
+            time.sleep(0.1)
+        assert not _alive(child), "the timed-out step left its child process running"
+        assert not _alive(job), "the timed-out step left the job it started in its own session"
+    finally:
+        for pid in (child, job):
+            if _alive(pid):
+                os.kill(pid, 9)
     # the manifest: what runs.py accepts, every step with its status, time, files, command
     runs.validate_manifest(m, "manifest")
     steps_m = {s["name"]: s for s in m["steps"]}
