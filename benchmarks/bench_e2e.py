@@ -132,8 +132,7 @@ from benchmarks.e2e import (
     REGIMES,
     TE_IMPL,
     RunResult,
-    _flag_groups,
-    _flag_value,
+    flag_value,
     loss_parity,
     merge_flags,
     pretrain_args,
@@ -143,6 +142,7 @@ from benchmarks.e2e import (
     te_version,
 )
 from benchmarks.flops import model_tflops_per_gpu, shape_flops_per_token
+from relaymoe.config import flag_groups
 from relaymoe.options import env_var
 from relaymoe.ring.faults import HOST_WAITS
 
@@ -199,7 +199,7 @@ def drop_refused_graphs(flags) -> list[str]:
     """``flags`` without the per-layer CUDA-graph options when they recompute fully (Megatron's
     refusal); the whole-iteration graph (``--cuda-graph-impl full_iteration``) stays, being what
     megatron-core allows with full recompute."""
-    groups = _flag_groups(list(flags))
+    groups = flag_groups(list(flags))
     full = any(g[0] == "--recompute-granularity" and g[1:] == ["full"] for g in groups)
     whole = any(g == ["--cuda-graph-impl", FULL_ITERATION] for g in groups)
     return [t for g in groups if not (full and not whole and g[0] in _GRAPH_FLAGS) for t in g]
@@ -208,21 +208,21 @@ def drop_refused_graphs(flags) -> list[str]:
 def without_graphs(flags) -> list[str]:
     """``flags`` without any CUDA-graph option (impl, modules, warm-up steps)."""
     drop = (*_GRAPH_FLAGS, "--cuda-graph-warmup-steps")
-    return [t for g in _flag_groups(list(flags)) if g[0] not in drop for t in g]
+    return [t for g in flag_groups(list(flags)) if g[0] not in drop for t in g]
 
 
 def cuda_graph_impl(flags) -> str:
     """The ``--cuda-graph-impl`` a flag list runs ("none", Megatron's default, when absent)."""
-    groups = {g[0]: g[1:] for g in _flag_groups(list(flags))}
+    groups = {g[0]: g[1:] for g in flag_groups(list(flags))}
     return (groups.get("--cuda-graph-impl") or ["none"])[0]
 
 
 def kept_in(flags, dispatcher: str) -> list[str]:
     """The ANCHOR_KEPT candidates whose flags (for ``dispatcher``'s runs) ``flags`` carry."""
-    have = {g[0]: g[1:] for g in _flag_groups(list(flags))}
+    have = {g[0]: g[1:] for g in flag_groups(list(flags))}
     out = []
     for name in ANCHOR_KEPT:
-        want = _flag_groups(list(ANCHOR_CANDIDATES[name][0 if dispatcher == "alltoall" else 1]))
+        want = flag_groups(list(ANCHOR_CANDIDATES[name][0 if dispatcher == "alltoall" else 1]))
         if all(have.get(g[0]) == g[1:] for g in want):
             out.append(name)
     return out
@@ -331,7 +331,7 @@ def anchor_provider(shape: E2EShape) -> str:
 def tokens_dropped(flags) -> bool | int:
     """True for a run that may drop tokens (an expert capacity factor), else 0 (dropless).
     megatron-core logs no count of the tokens it drops."""
-    return True if _flag_value(list(flags), "--moe-expert-capacity-factor") is not None else 0
+    return True if flag_value(list(flags), "--moe-expert-capacity-factor") is not None else 0
 
 
 FP8_FORMATS = ("hybrid", "e4m3")
@@ -585,7 +585,7 @@ def _flag(flags, name: str) -> str:
 def batch_fields(flags, gpus: int) -> dict:
     """``gbs`` and ``micro_batches`` (gbs / (micro-batch x data-parallel size), the micro-batches
     each rank accumulates a step) of a flag list on ``gpus`` GPUs."""
-    groups = {g[0]: g[1:] for g in _flag_groups(list(flags))}
+    groups = {g[0]: g[1:] for g in flag_groups(list(flags))}
 
     def size(name: str) -> int:
         return int((groups.get(name) or ["1"])[0])
@@ -605,7 +605,7 @@ def shape_flops(shape: E2EShape, flags) -> float:
 
 def _run_extras(flags, fields: dict, *, gpus: int, fpt: float, profile: dict | None) -> dict:
     """Fields of a run's row read from its flags, its tokens/s and its profiled step."""
-    groups = {g[0]: g[1:] for g in _flag_groups(list(flags))}
+    groups = {g[0]: g[1:] for g in flag_groups(list(flags))}
     busy = profile.get("gpu_busy_frac") if profile and profile.get("failure") is None else None
     return {
         "cuda_graph_impl": cuda_graph_impl(flags),

@@ -263,7 +263,7 @@ def te_grouped_provider(inputs, topk: int, fp8: str | None = None):
 # --------------------------------------------------------------------------------------------
 # measurement
 # --------------------------------------------------------------------------------------------
-def _clear_grads(inputs):
+def clear_grads(inputs):
     for t in inputs:
         if isinstance(t, torch.Tensor):
             t.grad = None
@@ -279,7 +279,7 @@ def measure(fn, inputs, flops, quick: bool, accumulate_grads: bool = False) -> d
     x = inputs[0]
     for _ in range(2):  # compile + autotune outside the timed region
         fn(*inputs).backward(torch.randn_like(x))
-        _clear_grads(inputs)
+        clear_grads(inputs)
     dy = torch.randn_like(x)
     gc.collect()
     torch.cuda.synchronize()
@@ -293,18 +293,18 @@ def measure(fn, inputs, flops, quick: bool, accumulate_grads: bool = False) -> d
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     del out
-    _clear_grads(inputs)
+    clear_grads(inputs)
 
     def step():
         if not accumulate_grads:
-            _clear_grads(inputs)
+            clear_grads(inputs)
         fn(*inputs).backward(dy)
 
     rep = 100 if quick else 300
     ms = bench_ms(step, warmup_ms=50, rep_ms=rep)
     with torch.no_grad():
         ms_fwd = bench_ms(lambda: fn(*inputs), warmup_ms=25, rep_ms=rep)
-    _clear_grads(inputs)
+    clear_grads(inputs)
     return {
         "grads": "accumulated" if accumulate_grads else "cleared",
         "ms_fwd_bwd": round(ms, 3),

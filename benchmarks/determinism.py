@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import ROOT, JsonlWriter  # noqa: E402
 from benchmarks.e2e import (  # noqa: E402
     RunResult,
-    _abs_diffs,
+    abs_diffs,
     plans_or_no_gpus,
     pretrain_args,
     run_pretrain,
@@ -56,7 +56,7 @@ def determinism_row(a: RunResult, b: RunResult, digests: tuple[dict, dict], *, s
     if not why and (len(da) != gpus or len(db) != gpus):
         why.append(f"weight digests from {len(da)} and {len(db)} of {gpus} ranks")
     n = min(len(a.steps), len(b.steps))
-    diffs = _abs_diffs(a, b)
+    diffs = abs_diffs(a, b)
     losses_same = n == steps and a.losses[:n] == b.losses[:n]
     weights_same = len(da) == gpus and da == db
     return {

@@ -48,13 +48,17 @@ if __package__ in (None, ""):  # run as a file: make ``relaymoe`` and ``configs`
     sys.path.insert(0, _CHECKOUT)
 
 from benchmarks.processes import stop_group  # noqa: E402
+from relaymoe.config import flag_groups  # noqa: E402
 
 __all__ = [
     "PARITY_TOL",
     "REGIMES",
     "Regime",
     "RunResult",
+    "abs_diffs",
     "compare",
+    "flag_value",
+    "have_te",
     "loss_parity",
     "main",
     "merge_flags",
@@ -123,7 +127,7 @@ class RunResult:
         return max((s["peak_MiB"] for s in self.steps[:warmup]), default=None)
 
 
-def _have_te() -> bool:
+def have_te() -> bool:
     try:
         import transformer_engine  # noqa: F401
 
@@ -138,7 +142,7 @@ IMPLS = (TE_IMPL, LOCAL_IMPL)
 
 def te_version() -> str | None:
     """TransformerEngine's version where it imports here, else None (rows' ``te_version``)."""
-    if not _have_te():
+    if not have_te():
         return None
     import transformer_engine
 
@@ -150,10 +154,10 @@ def resolve_impl(transformer_impl: str | None, *, check: bool = True) -> str:
     imports, else ``local``; ``transformer_engine`` without TE is a ``ValueError`` unless
     ``check`` is False (a dry run printing commands for another machine)."""
     if transformer_impl is None:
-        return TE_IMPL if _have_te() else LOCAL_IMPL
+        return TE_IMPL if have_te() else LOCAL_IMPL
     if transformer_impl not in IMPLS:
         raise ValueError(f"transformer_impl={transformer_impl!r}; one of {IMPLS} or None")
-    if check and transformer_impl == TE_IMPL and not _have_te():
+    if check and transformer_impl == TE_IMPL and not have_te():
         raise ValueError(
             "transformer_impl='transformer_engine' but TransformerEngine does not import here; "
             "fix: install it (pip install -e '.[te]') or ask for 'local'"
@@ -163,7 +167,7 @@ def resolve_impl(transformer_impl: str | None, *, check: bool = True) -> str:
 
 def run_impl(flags) -> str:
     """The ``--transformer-impl`` a flag list runs (Megatron's default when absent)."""
-    return _flag_value(flags, "--transformer-impl") or TE_IMPL
+    return flag_value(flags, "--transformer-impl") or TE_IMPL
 
 
 # Without TE (or asked for): RoPE fusion is a TE kernel, the persistent LayerNorm (Megatron's
@@ -255,26 +259,18 @@ def _regime(regime: str | Regime) -> Regime:
     return REGIMES[regime]
 
 
-def _flag_groups(flags) -> list[list[str]]:
-    """``--flag value...`` groups; a token starting with ``--`` opens a group."""
-    groups: list[list[str]] = []
-    for tok in flags:
-        if tok.startswith("--"):
-            groups.append([tok])
-        elif groups:
-            groups[-1].append(tok)
-        else:
-            raise ValueError(f"flag list starts with the value {tok!r}; expected a --flag first")
-    return groups
-
-
 def merge_flags(base, extra) -> list[str]:
     """``base`` with ``extra`` applied: a flag ``base`` already has takes ``extra``'s values in
     its place (one occurrence; Megatron's argparse would take the last one anyway), a new flag
     is appended, in ``extra``'s order. Negations (``--no-x`` vs ``--x``) are different flags."""
-    out = _flag_groups(base)
+    for flags in (base, extra):
+        if flags and not flags[0].startswith("--"):
+            raise ValueError(
+                f"flag list starts with the value {flags[0]!r}; expected a --flag first"
+            )
+    out = flag_groups(base)
     where = {g[0]: i for i, g in enumerate(out)}
-    for g in _flag_groups(extra):
+    for g in flag_groups(extra):
         if g[0] in where:
             out[where[g[0]]] = g
         else:
@@ -390,8 +386,8 @@ def pretrain_args(
     return merge_flags(out, extra)
 
 
-def _flag_value(flags, name: str) -> str | None:
-    for g in _flag_groups(flags):
+def flag_value(flags, name: str) -> str | None:
+    for g in flag_groups(flags):
         if g[0] == name:
             return g[1] if len(g) > 1 else ""
     return None
@@ -454,7 +450,7 @@ def run_pretrain(
     ``module``: another entry point that runs the same pretrain (e.g. ``benchmarks.soak_pretrain``;
     the checkout is put on ``PYTHONPATH``); ``env``: extra environment variables of the job.
     """
-    dispatcher = _flag_value(flags, "--moe-token-dispatcher-type") or "?"
+    dispatcher = flag_value(flags, "--moe-token-dispatcher-type") or "?"
     name = label or dispatcher
     workdir = workdir or tempfile.mkdtemp(prefix=f"relaymoe_e2e_{name}_")
     os.makedirs(workdir, exist_ok=True)  # a caller's folder may not exist yet (it is the cwd)
@@ -535,7 +531,7 @@ def compare(a: RunResult, b: RunResult) -> dict:
 PARITY_TOL = 0.01  # the issue's absolute slack on top of twice the run-to-run noise
 
 
-def _abs_diffs(a: RunResult, b: RunResult) -> list[float]:
+def abs_diffs(a: RunResult, b: RunResult) -> list[float]:
     n = min(len(a.steps), len(b.steps))
     return [abs(x - y) for x, y in zip(a.losses[:n], b.losses[:n], strict=True)]
 
@@ -572,11 +568,11 @@ def loss_parity(
         "failures": failures,
     }
     if {"ring", "alltoall"} <= good:
-        d = _abs_diffs(ring, alltoall)
+        d = abs_diffs(ring, alltoall)
         out.update(steps_compared=len(d), max_abs_loss_diff=max(d),
                    mean_abs_loss_diff=statistics.fmean(d))  # fmt: skip
     if {"alltoall", "repeat"} <= good:
-        n = _abs_diffs(alltoall, repeat)
+        n = abs_diffs(alltoall, repeat)
         out.update(noise_max_abs_loss_diff=max(n), noise_mean_abs_loss_diff=statistics.fmean(n))
     if not failures and repeat is not None:
         out["parity_bound"] = 2 * out["noise_max_abs_loss_diff"] + tol

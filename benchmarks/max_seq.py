@@ -120,7 +120,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import ROOT, JsonlWriter, environment  # noqa: E402
-from benchmarks.e2e import TE_IMPL, RunResult, _have_te, pretrain_args  # noqa: E402
+from benchmarks.e2e import TE_IMPL, RunResult, have_te, pretrain_args  # noqa: E402
 from benchmarks.lanes import LaneQueue, lane_devices  # noqa: E402
 from benchmarks.processes import descendants, kill_leftovers, stop_group  # noqa: E402
 from relaymoe.config import flag_groups  # noqa: E402
@@ -222,7 +222,7 @@ def jobs_of(providers, policies) -> list[Job]:
 
 def uses_te(transformer_impl: str | None) -> bool:
     """Whether a provider's trials run TransformerEngine (None: where it imports)."""
-    return transformer_impl == TE_IMPL or (transformer_impl is None and _have_te())
+    return transformer_impl == TE_IMPL or (transformer_impl is None and have_te())
 
 
 def attention_flags(transformer_impl: str | None = None) -> list[str]:
@@ -1346,7 +1346,7 @@ def main(argv: list[str] | None = None) -> int:
               f"found {facts['count']}; nothing measured")  # fmt: skip
         return 3
     missing_te = [n for n in providers if PROVIDERS[n].transformer_impl == TE_IMPL]
-    if missing_te and not _have_te():
+    if missing_te and not have_te():
         print(f"max_seq: {missing_te} run TransformerEngine, which does not import here; "
               "nothing measured")  # fmt: skip
         return 2

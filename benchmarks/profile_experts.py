@@ -11,7 +11,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.bench_experts import SHAPES, _clear_grads, make_inputs
+from benchmarks.bench_experts import SHAPES, clear_grads, make_inputs
 from benchmarks.common import host_syncs
 from relaymoe.activation import SWIGLU
 
@@ -29,7 +29,7 @@ def profile_step(shape: str, fn, steps: int = 5, activation=None) -> tuple[list,
 
     def step():
         fn(*inputs).backward(dy)
-        _clear_grads(inputs)
+        clear_grads(inputs)
 
     for _ in range(3):
         step()

@@ -87,7 +87,7 @@ def main(argv=None) -> int:
     a.quick, a.tiny, a.backend, a.modes = False, False, "auto", [a.mode]
     env = environment()
     writer = JsonlWriter(a.out or f"benchmarks/results/chain_gaps_{env['date']}.jsonl", env=env)
-    group = hop_cost._init_group()
+    group = hop_cost.init_group()
     for case in hop_cost.cases(a):
         ring = hop_cost.Ring(case, group=group)  # its own runtime: no case's hops in another's
         run = partial(ring.run, a.direction)

@@ -907,7 +907,7 @@ def print_plan(plan: list[Case], a) -> None:
         )
 
 
-def _init_group():
+def init_group():
     """A gloo group of one: the executor's bounded-wait bookkeeping (PeerWatch) reads it."""
     import torch.distributed as dist
 
@@ -980,7 +980,7 @@ def main(argv=None) -> int:
         return 1
     env = environment()
     writer = JsonlWriter(a.out or f"benchmarks/results/hop_cost_{env['date']}.jsonl", env=env)
-    group = _init_group()
+    group = init_group()
     # Every case's timed passes first, then the profiled ones (measure_pass: a finished
     # profiler session slows the host for the rest of the process)
     timed: dict[tuple, dict] = {}

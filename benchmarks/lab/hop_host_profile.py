@@ -261,7 +261,7 @@ def main(argv=None) -> int:
     env = environment()
     writer = JsonlWriter(a.out or f"benchmarks/results/hop_host_profile_{env['date']}.jsonl",
                          env=env)  # fmt: skip
-    group = hop_cost._init_group()
+    group = hop_cost.init_group()
     for case in plan:
         ring = hop_cost.Ring(case, group=group)  # its own runtime: no case's hops in another's
         for direction, gc_on in itertools.product(hop_cost.DIRECTIONS, GC_MODES[a.gc]):

@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from benchmarks.bench_e2e import FP8_FORMATS, FP8_RECIPES
+from benchmarks.e2e import have_te
 
 pytestmark = [
     pytest.mark.gpu,
@@ -68,16 +69,10 @@ def _assert_same_curves(runs, steps: int, window: int, learner: int) -> None:
     assert sum(last) / len(last) < FINAL_WINDOW_DIFF, last
 
 
-def _have_te() -> bool:
-    from benchmarks.e2e import _have_te
-
-    return _have_te()
-
-
 # Both layer implementations where TE imports (Megatron's default, and --transformer-impl local);
 # the local one alone elsewhere.
 IMPLS = [
-    pytest.param("transformer_engine", marks=pytest.mark.skipif(not _have_te(), reason="needs TE")),
+    pytest.param("transformer_engine", marks=pytest.mark.skipif(not have_te(), reason="needs TE")),
     "local",
 ]
 
@@ -155,7 +150,7 @@ def test_checkpoint_round_trip_alltoall_ring_alltoall(impl):
             print("optimizer state NOT resumed (no Apex or TE): --no-load-optim")
 
 
-@pytest.mark.skipif(not _have_te(), reason="needs TE (the other layer implementation)")
+@pytest.mark.skipif(not have_te(), reason="needs TE (the other layer implementation)")
 def test_checkpoint_of_the_local_impl_is_refused_by_name_under_te():
     """A checkpoint saved with ``--transformer-impl local`` keys each MoE layer's pre-MLP norm
     differently from the TE spec: loading it into a TE model is refused with the reason and the
@@ -180,7 +175,7 @@ def test_checkpoint_of_the_local_impl_is_refused_by_name_under_te():
         assert "fix: resume with --transformer-impl local" in r.log_tail, r.log_tail
 
 
-@pytest.mark.skipif(not _have_te(), reason="fp8 recipes run through TE")
+@pytest.mark.skipif(not have_te(), reason="fp8 recipes run through TE")
 @pytest.mark.parametrize("recipe", [(f, r) for f in FP8_FORMATS for r in FP8_RECIPES],
                          ids="-".join)  # fmt: skip
 def test_fp8_recipe_trains_with_the_ring_where_alltoall_does(recipe):

@@ -21,7 +21,7 @@ from relaymoe.megatron.memory_phases import MARKS
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    pytest.mark.skipif(not ms._have_te(), reason="the TE providers need TransformerEngine"),
+    pytest.mark.skipif(not ms.have_te(), reason="the TE providers need TransformerEngine"),
 ]
 
 CONFIG, SEQ = "tiny_qwen3", 512  # the config's longest position

@@ -36,7 +36,7 @@ def _megatron_tests() -> Path | None:
     return None
 
 
-def _have_te() -> bool:
+def have_te() -> bool:
     try:
         import transformer_engine  # noqa: F401
     except ImportError:
@@ -47,7 +47,7 @@ def _have_te() -> bool:
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    pytest.mark.skipif(not _have_te(), reason="needs TransformerEngine"),
+    pytest.mark.skipif(not have_te(), reason="needs TransformerEngine"),
     pytest.mark.skipif(_megatron_tests() is None,
                        reason="set MEGATRON_LM_DIR (or .megatron_lm/) to Megatron-LM's tests"),
 ]  # fmt: skip

@@ -681,14 +681,14 @@ def test_transformer_impl_of_a_run(monkeypatch):
 
     kw = dict(gpus=1, steps=20, dispatcher="ring", seed=1)
     for have_te, impl in ((False, "local"), (True, "transformer_engine")):
-        monkeypatch.setattr(e2e, "_have_te", lambda have_te=have_te: have_te)
+        monkeypatch.setattr(e2e, "have_te", lambda have_te=have_te: have_te)
         g = _groups(pretrain_args("tiny_qwen3", **kw))
         assert _v(g, "--transformer-impl") == impl and e2e.run_impl(list(g)) in e2e.IMPLS
         assert ("--no-rope-fusion" in g) == (impl == "local")
         assert "--no-gradient-accumulation-fusion" not in g  # the fallback stands in for apex
         g = _groups(pretrain_args("tiny_qwen3", **kw, transformer_impl="local"))
         assert _v(g, "--transformer-impl") == "local" and "--no-masked-softmax-fusion" in g
-    monkeypatch.setattr(e2e, "_have_te", lambda: False)
+    monkeypatch.setattr(e2e, "have_te", lambda: False)
     with pytest.raises(ValueError, match="TransformerEngine does not import here"):
         pretrain_args("tiny_qwen3", **kw, transformer_impl="transformer_engine")
     g = _groups(pretrain_args("tiny_qwen3", **kw, transformer_impl="transformer_engine",
@@ -786,7 +786,7 @@ def test_run_shapes_warms_each_configuration_before_the_measured_runs():
 def test_anchor_sweep_times_each_candidate_alone(capsys, monkeypatch):
     import benchmarks.e2e as e2e
 
-    monkeypatch.setattr(e2e, "_have_te", lambda: True)  # the runs are faked; TE is "here"
+    monkeypatch.setattr(e2e, "have_te", lambda: True)  # the runs are faked; TE is "here"
     monkeypatch.setattr(bench_e2e, "te_version", lambda: "2.20.2")
     spec = bench_e2e.SHAPES["qwen3_slice_s4k_te"]
     plans = bench_e2e.sweep_plans(spec, gpus=1, steps=25, seed=1, check_te=False)
@@ -1171,7 +1171,7 @@ def test_profile_busy_profiles_one_step_of_every_run_and_leaves_it_out_of_tokens
     profiler's warm-up step before it (here made 1 token/s, which would move the median)."""
     import benchmarks.e2e as e2e
 
-    monkeypatch.setattr(e2e, "_have_te", lambda: True)  # the runs are faked; TE is "here"
+    monkeypatch.setattr(e2e, "have_te", lambda: True)  # the runs are faked; TE is "here"
     monkeypatch.setattr(bench_e2e, "te_version", lambda: "2.20.2")
     seen = {}
     busy = {"relaymoe_ring": 0.5, "relaymoe_ring_graphed": 0.9, "mcore_alltoall_te": 0.25}
@@ -1261,7 +1261,7 @@ def test_megatron_core_takes_the_providers_graph_scopes():
         out = [f for f in flags if f not in (*_TE_KERNEL_FLAGS, *drop)] + ["--no-rope-fusion"]
         if dispatcher:
             out = merge_flags(out, ["--moe-token-dispatcher-type", dispatcher])
-            out = [t for g in bench_e2e._flag_groups(out) if g[0] != "--relaymoe-mode" for t in g]
+            out = [t for g in bench_e2e.flag_groups(out) if g[0] != "--relaymoe-mode" for t in g]
         return out
 
     jobs = [

@@ -138,3 +138,19 @@ def test_no_table_script_imports_the_lab():
     bad = [f"{p.relative_to(bench.parent)}:{line}: {name}"
            for p in outside for line, name in imported(p) if name.startswith(lab)]  # fmt: skip
     assert not bad, "outside benchmarks/lab/, nothing imports it:\n" + "\n".join(bad)
+
+
+def test_no_benchmark_script_reaches_into_another_ones_private_names():
+    """The library's rule on private names (``tests/lib/test_private_imports.py``) between the
+    benchmark scripts (``benchmarks/``, the lab included): a name one script takes from
+    another is public there. The probes may still read the library's internals, as tests do."""
+    from tests.lib.test_private_imports import private_imports
+
+    def ours(module: str) -> bool:
+        return module == "benchmarks" or module.startswith("benchmarks.")
+
+    root = TESTS.parent
+    files = [p for p in sorted((root / "benchmarks").rglob("*.py")) if "results" not in p.parts]
+    assert len(files) > 30, files
+    bad = {str(f.relative_to(root)): h for f in files if (h := private_imports(f, ours=ours))}
+    assert not bad, f"private names used across benchmark scripts; make them public: {bad}"

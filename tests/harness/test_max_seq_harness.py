@@ -415,7 +415,7 @@ def test_trial_flags(provider, policy):
         assert _group(f, "--cross-entropy-fusion-impl") == ["native"]  # 0.19 refuses "te"
     if p.transformer_impl == ms.TE_IMPL:
         assert _group(f, "--transformer-impl") == ["transformer_engine"] and "--spec" not in f
-    elif not ms._have_te():
+    elif not ms.have_te():
         assert _group(f, "--spec") == ["benchmarks.sdpa_attention", "sdpa_decoder_spec"]
     # the policy's recompute flags, once each, at the end
     rc = {g[0]: g[1:] for g in ms.flag_groups(f) if g[0] in ms.RECOMPUTE_FLAGS}
@@ -824,8 +824,8 @@ def test_a_te_run_of_every_policy_on_two_lanes(monkeypatch, tmp_path):
 
     from benchmarks import e2e
 
-    monkeypatch.setattr(ms, "_have_te", lambda: True)
-    monkeypatch.setattr(e2e, "_have_te", lambda: True)
+    monkeypatch.setattr(ms, "have_te", lambda: True)
+    monkeypatch.setattr(e2e, "have_te", lambda: True)
     busy, lock, order = {}, threading.Lock(), []
 
     def fake_launch(flags, *, gpus, timeout_s, workdir, alloc_conf, cap_bytes, devices, cancel):
@@ -908,8 +908,8 @@ def test_an_anchor_from_earlier_rows(monkeypatch, tmp_path):
     ``--anchor-rows`` (same policy, config, GPUs and cap); without them, the row says so."""
     from benchmarks import e2e
 
-    monkeypatch.setattr(ms, "_have_te", lambda: True)
-    monkeypatch.setattr(e2e, "_have_te", lambda: True)
+    monkeypatch.setattr(ms, "have_te", lambda: True)
+    monkeypatch.setattr(e2e, "have_te", lambda: True)
     seqs = []
 
     def fake_launch(flags, *, workdir, **kw):

@@ -10,7 +10,8 @@ check is on the source (the AST) of every module under ``relaymoe/``:
 * ``module._name`` where ``module`` was imported from ``relaymoe`` (``import relaymoe.x as m``,
   ``from relaymoe import x``).
 
-Dunder names (``__version__``) are public. Tests may poke internals; this is for the library.
+Dunder names (``__version__``) are public. Tests may poke internals; this is for the library
+(``tests/harness/test_layout.py`` applies it between the benchmark scripts).
 """
 
 from __future__ import annotations
@@ -48,14 +49,15 @@ def _ours(module: str) -> bool:
     return module == "relaymoe" or module.startswith("relaymoe.")
 
 
-def private_imports(path: Path, source: str | None = None) -> list[str]:
-    """``line: what`` for each private name ``path`` takes from another relaymoe module."""
+def private_imports(path: Path, source: str | None = None, *, ours=_ours) -> list[str]:
+    """``line: what`` for each private name ``path`` takes from another module that ``ours``
+    accepts by name (relaymoe's, by default)."""
     tree = ast.parse(path.read_text() if source is None else source)
     found, modules = [], set()  # modules: local names bound to a relaymoe module or its member
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
             src = _source_module(node, path)
-            if not _ours(src):
+            if not ours(src):
                 continue
             for alias in node.names:
                 if _private(alias.name):
@@ -64,7 +66,7 @@ def private_imports(path: Path, source: str | None = None) -> list[str]:
                     modules.add(alias.asname or alias.name)
         elif isinstance(node, ast.Import):
             for alias in node.names:
-                if not _ours(alias.name):
+                if not ours(alias.name):
                     continue
                 if any(_private(part) for part in alias.name.split(".")):
                     found.append(f"{node.lineno}: import {alias.name}")
