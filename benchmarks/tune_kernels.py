@@ -13,8 +13,11 @@ autotuner's cache (its key values and the winning configuration), turns each key
 (``torch.cuda.get_device_name``), with the commit, versions and date as provenance. Other GPUs'
 entries stay. ``--extra`` adds shapes outside the model configs (``H..,I..,E..,K..``, E the
 experts per rank). The table is rewritten after every shape, so a run cut short keeps what it
-tuned; ``--budget-s`` starts no new shape past that many seconds. The pair count is not part
-of any autotune key, so ``--tokens`` only has to be large enough for a representative timing.
+tuned; ``--budget-s`` starts no new shape past that many seconds. The weight gradient's key
+holds the mean pairs an expert (``WGRAD_KEY``'s ``PAIRS``, a power of two), so ``--tokens``
+decides which of its buckets a run fills (tokens x top-k / experts a rank); the other kernels'
+keys hold no pair count, and ``--tokens`` only has to give them a representative timing. One
+run a regime: e.g. ``--tokens 4096`` (one micro-batch at EP 1) and ``--tokens 32768``.
 
 Prints one line per (kernel, bucket) and the seconds the search took; ``--dry-run`` lists the
 shapes without a GPU. Commit the table from a clean tree with the command in the note.

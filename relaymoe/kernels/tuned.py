@@ -29,7 +29,7 @@ import functools
 import json
 from pathlib import Path
 
-__all__ = ["OPTIONAL_CONFIG_KEYS", "TABLE", "bucket", "shipped_config", "load_table"]
+__all__ = ["OPTIONAL_CONFIG_KEYS", "TABLE", "bucket", "load_table", "pow2_bucket", "shipped_config"]
 
 TABLE = Path(__file__).with_name("tuned_configs.json")
 VERSION = 1
@@ -38,7 +38,9 @@ _CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 OPTIONAL_CONFIG_KEYS = ("PRELOAD_C",)
 
 
-def _pow2(n: int) -> int:
+def pow2_bucket(n: int) -> int:
+    """``n`` rounded up to a power of two (1 for n <= 1): the size rounding of every bucket,
+    and of a launcher's key values that must not start a new search for every size."""
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
 
@@ -50,7 +52,7 @@ def bucket(key: dict, dtype) -> str:
         if isinstance(value, bool):
             parts.append(f"{name}={int(value)}")
         else:
-            parts.append(f"{name}={_pow2(int(value))}")
+            parts.append(f"{name}={pow2_bucket(int(value))}")
     parts.append(str(dtype).removeprefix("torch."))
     return ",".join(parts)
 

@@ -106,7 +106,8 @@ def test_pick_uses_the_shipped_config_then_the_autotuner(monkeypatch):
     found["rows_gemm"] = {**CFG, "BLOCK_K": 96}  # 2048 % 96 != 0
     assert pick()[1]["EVEN_K"] is False
     # the weight gradient's candidates may read the output tile first: the switch is passed on
-    wkey = {"M": 768, "N": 2048, "A_GATHER": True, "B_GATHER": False, "ACCUMULATE": True}
+    wkey = {"M": 768, "N": 2048, "A_GATHER": True, "B_GATHER": False, "ACCUMULATE": True,
+            "PAIRS": 256}  # fmt: skip
     found["wgrad"] = {**CFG, "PRELOAD_C": True}
     kernel, meta = grouped.configs.pick_config(
         grouped.weight_grads.wgrad_tuned, grouped.weight_grads._wgrad_kernel, None, None,
@@ -160,3 +161,34 @@ def test_the_ungated_up_projection_takes_its_own_config_or_the_gated_one_twice_a
     assert cfg(kern=search) is None
     monkeypatch.setattr(up, "interpret_mode", lambda: True)
     assert cfg() is None
+
+
+def test_the_weight_gradients_key_carries_the_mean_pairs_an_expert(monkeypatch):
+    """The weight gradient's best tile depends on the pairs an expert (the fp32 accumulator's
+    traffic against the GEMM's): its key holds their mean, rounded up to a power of two, from
+    the operand's static size (no read of the offsets), so sizes within a factor of two share
+    one search and one shipped entry."""
+    seen = []
+    pick = grouped.weight_grads.pick_config
+
+    def spy(tuned_, raw, config, kdim, name, key, dtype, k):
+        seen.append(dict(key))
+        return pick(tuned_, raw, config, kdim, name, key, dtype, k)
+
+    monkeypatch.setattr(grouped.weight_grads, "pick_config", spy)
+    n_experts, m, n = 2, 16, 16
+    for pairs, want in ((300, 256), (257, 256), (1030, 1024), (1, 1)):
+        a = torch.randn(pairs, m)  # contiguous, in pair order
+        b = torch.randn(7, n)  # gathered through the index
+        idx = torch.randint(0, 7, (pairs,), dtype=torch.int32)
+        offs = torch.tensor([0, pairs // 2, pairs], dtype=torch.int32)
+        c = torch.zeros(n_experts, m, n)
+        grouped.wgrad(a, b, idx, offs, c, a_gather=False, b_gather=True, accumulate=False,
+                      config={"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16})  # fmt: skip
+        assert seen[-1]["PAIRS"] == want, (pairs, seen[-1])
+        ref = torch.stack([a[lo:hi].T @ b[idx[lo:hi].long()] for lo, hi in
+                           ((0, pairs // 2), (pairs // 2, pairs))])  # fmt: skip
+        torch.testing.assert_close(c, ref, rtol=1e-4, atol=1e-4)
+    assert list(seen[-1]) == list(grouped.configs.WGRAD_KEY)
+    b = tuned.bucket(seen[0], torch.bfloat16)
+    assert b == "M=16,N=16,A_GATHER=0,B_GATHER=1,ACCUMULATE=0,PAIRS=256,bfloat16"

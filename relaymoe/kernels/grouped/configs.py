@@ -62,7 +62,11 @@ _INTERP_CFG = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}
 # autotune keys: the shipped configurations (tuned.py) are looked up by the same names
 UP_KEY = ("H", "I", "n_experts", "SAVE_H", "SCALE")
 ROWS_KEY = ("N", "K", "n_experts", "A_GATHER")
-WGRAD_KEY = ("M", "N", "A_GATHER", "B_GATHER", "ACCUMULATE")
+# PAIRS: the launch's mean pairs an expert, rounded up to a power of two. The weight gradient's
+# best tile depends on it: with few pairs an expert (one micro-batch at EP 1: 256) the fp32
+# accumulator's traffic binds and small tiles win (64x128: 1.24x over 128x128, 1x H200), with
+# many (2,048 at T32k) 128x128 does
+WGRAD_KEY = ("M", "N", "A_GATHER", "B_GATHER", "ACCUMULATE", "PAIRS")
 
 
 def single_tile_config(gated_config: dict | None) -> dict | None:

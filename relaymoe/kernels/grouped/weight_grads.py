@@ -15,6 +15,7 @@ from relaymoe.kernels.grouped.configs import (
     set_descriptor_allocator,
 )
 from relaymoe.kernels.grouped.tiles import check_expert_span, exact_fp32, mma
+from relaymoe.kernels.tuned import pow2_bucket
 
 
 @triton.jit
@@ -67,7 +68,7 @@ def _wgrad_kernel(
     A_GATHER: tl.constexpr, B_GATHER: tl.constexpr, ACCUMULATE: tl.constexpr,
     IEEE: tl.constexpr, TMA_A: tl.constexpr = False, TMA_B: tl.constexpr = False,
     BLOCK_M: tl.constexpr = 64, BLOCK_N: tl.constexpr = 64, BLOCK_K: tl.constexpr = 32,
-    REVERSE: tl.constexpr = False, PRELOAD_C: tl.constexpr = False,
+    REVERSE: tl.constexpr = False, PRELOAD_C: tl.constexpr = False, PAIRS=0,
 ):  # fmt: skip
     """c[e] (M, N) (+)= sum_q A[q, :]^T B[q, :]; a gathered operand reads row tok[q], a
     contiguous one row q - offs[0]. An expert without pairs writes exact zeros (adds nothing).
@@ -83,6 +84,8 @@ def _wgrad_kernel(
     output tile (expert, M tile, N tile), N tiles fastest: a persistent grid, a flattened tile
     loop and Triton's warp specialisation were no faster with a gathered operand (module
     docstring's history).
+
+    ``PAIRS`` is read by the autotuner only (its key's mean pairs an expert, ``WGRAD_KEY``).
 
     ``PRELOAD_C`` (an accumulating launch): read the output tile before the loop over pairs and
     accumulate onto it, instead of adding it after the loop. A configuration's choice: at 256
@@ -175,14 +178,15 @@ def wgrad(a, b, idx_P, offs, c_EMN, *, a_gather: bool, b_gather: bool, accumulat
     if n_experts == 0 or m == 0 or n == 0:
         return
     check_expert_span(c_EMN, "the weight gradient", "wgrad")
-    key = dict(zip(WGRAD_KEY, (m, n, a_gather, b_gather, accumulate), strict=True))
+    n_rows = b.shape[0] if a_gather else a.shape[0]  # the pairs of the range (a static size)
+    pairs = pow2_bucket(-(-n_rows // n_experts))  # the mean pairs an expert, rounded up
+    key = dict(zip(WGRAD_KEY, (m, n, a_gather, b_gather, accumulate, pairs), strict=True))
     k = select.kernel_options(kernels)
     kernel, meta = pick_config(wgrad_tuned, _wgrad_kernel, config, None, "wgrad", key, a.dtype, k)
     tma_a = not a_gather and select.tma_operand(a, k)
     tma_b = not b_gather and select.tma_operand(b, k)
     if (tma_a or tma_b) and a.is_cuda:
         set_descriptor_allocator()
-    n_rows = b.shape[0] if a_gather else a.shape[0]
 
     def grid(meta_):
         return (n_experts * triton.cdiv(m, meta_["BLOCK_M"]) * triton.cdiv(n, meta_["BLOCK_N"]),)
@@ -194,5 +198,5 @@ def wgrad(a, b, idx_P, offs, c_EMN, *, a_gather: bool, b_gather: bool, accumulat
         m, n, n_rows,
         a.stride(0), b.stride(0), c_first, stride_ce, c_EMN.stride(1), c_EMN.stride(2),
         A_GATHER=a_gather, B_GATHER=b_gather, ACCUMULATE=accumulate, IEEE=exact_fp32(a),
-        TMA_A=tma_a, TMA_B=tma_b, REVERSE=reverse, **meta,
+        TMA_A=tma_a, TMA_B=tma_b, REVERSE=reverse, PAIRS=pairs, **meta,
     )  # fmt: skip
