@@ -16,8 +16,8 @@ printed as it ends. Timings printed by the tests under this sharing are not thro
 Stopped with SIGTERM (the suite's step limit), the runner interrupts each group as Ctrl-C
 would (SIGINT), so a test's Megatron job stops its own process group (``benchmarks.e2e``'s
 runs do so on any interruption) instead of being left on the GPU for the next call; a group
-still running ``STOP_GRACE_S`` later is killed. Each group runs in a session of its own, so
-that only the runner decides how it is stopped.
+still running ``STOP_GRACE_S`` later is killed, with whatever its tests started. Each group
+runs in a session of its own, so that only the runner decides how it is stopped.
 """
 
 from __future__ import annotations
@@ -31,24 +31,33 @@ import sys
 import time
 from pathlib import Path
 
+if __package__ in (None, ""):  # run as a file (the suite's steps): make ``benchmarks`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.processes import descendants, kill_leftovers  # noqa: E402
+
 STOP_GRACE_S = 12  # under the suite's 15 s between SIGTERM and SIGKILL
 
 
 def _stop(procs: list[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> None:
-    """SIGINT to every running group, then SIGKILL to each group's session still alive after
-    ``grace_s``."""
+    """SIGINT to every running group; after ``grace_s`` SIGKILL to each group's session still
+    alive and to any process the groups started that is left (``benchmarks.processes``)."""
+    seen: dict[int, int] = {}
     for proc in procs:
         if proc.poll() is None:
+            seen.update(descendants(proc.pid))
             proc.send_signal(signal.SIGINT)
     deadline = time.monotonic() + grace_s
     for proc in procs:
         try:
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
+            seen.update(descendants(proc.pid))
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+    kill_leftovers(seen)
 
 
 def main(argv: list[str] | None = None) -> int:

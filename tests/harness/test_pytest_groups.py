@@ -107,3 +107,46 @@ def test_a_stopped_runner_interrupts_its_groups_and_their_jobs_stop(tmp_path):
                 os.killpg(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_a_group_that_ignores_the_interrupt_is_killed_with_what_it_started(tmp_path):
+    """Past the grace, the group's session and the processes it started in sessions of their
+    own (a Megatron job a test left running) are killed."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    pid_file = tmp_path / "job.pid"
+    group = subprocess.Popen(
+        [sys.executable, "-c",
+         "import pathlib, signal, subprocess, sys, time\n"
+         "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+         "job = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'],\n"
+         "                       start_new_session=True)\n"
+         f"pathlib.Path({str(pid_file)!r}).write_text(str(job.pid))\n"
+         "time.sleep(600)\n"],
+        start_new_session=True,
+    )  # fmt: skip
+    for _ in range(600):
+        if pid_file.exists() and pid_file.read_text():
+            break
+        time.sleep(0.1)
+    job = int(pid_file.read_text())
+    try:
+        pytest_groups._stop([group], grace_s=1.0)
+        assert group.wait(timeout=30) == -signal.SIGKILL
+        for _ in range(100):
+            try:
+                os.kill(job, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        with pytest.raises(ProcessLookupError):
+            os.kill(job, 0)
+    finally:
+        for pid in (job, group.pid):
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
