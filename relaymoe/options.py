@@ -35,6 +35,7 @@ __all__ = [
     "GATHER_WS_CHOICES",
     "GRAD_ACCUMS",
     "GRAD_ACCUM_CHOICES",
+    "HOP_SLICE_MIB",
     "HOST_WAIT_CHOICES",
     "INT64_MAX",
     "KernelOptions",
@@ -102,6 +103,12 @@ AUTOTUNE_CHOICES = ("shipped", "search", "first")  # shipped configs, a full sea
 # faster than bf16 ("auto": relaymoe.megatron.fp8_experts), always in fp8 ("on"; which GEMMs:
 # relaymoe.fp8_recipe), or in bf16 ("off")
 FP8_EXPERTS_CHOICES = ("auto", "on", "off")
+
+
+# The default budget of a hop's pair intermediates (KernelOptions.hop_slice_mib), MiB: above every
+# shape measured so far (qwen3 T32k: 2.9 GiB), so only the long sequences slice. The cost model
+# and the planner take it from here.
+HOP_SLICE_MIB = 4096
 
 
 # Bounds of the numeric options: an int option is at most INT64_MAX (the agreement's rows and
@@ -189,6 +196,14 @@ class KernelOptions:
     kernels on sm90 (``auto``) or never (``off``). ``autotune``: the shipped configurations
     (``shipped``), a full search (``search``) or each kernel's first configuration (``first``).
     ``pair_buffer_mib``: the budget of any transient (P, chunk) pair buffer, MiB.
+    ``hop_slice_mib``: the budget of one hop's pair intermediates, MiB (the backward's largest
+    set: the pre-activation and its gradient, the activation, the down-projection rows;
+    ``relaymoe.cost.hop_pair_bytes``). A hop over more pairs computes them in slices of
+    consecutive pairs (whole experts but for the two at a slice's ends), one after another, so
+    that its transient memory stays within the budget whatever the sequence length; 0 never
+    slices. Without it a hop's intermediates grow as T*K: at EP 1 they are the MoE layer's
+    largest activation-sized term (``relaymoe plan``'s ``moe_block_peak``). The Triton hops
+    slice; the fp8 experts and the torch backend compute a hop in one pass.
     """
 
     dense_gemm: str = _opt("auto", DENSE_GEMM_CHOICES, env="RELAYMOE_DENSE_GEMM",
@@ -213,6 +228,10 @@ class KernelOptions:
                                 most=INT64_MAX >> 20,  # its bytes an int64
                                 why="MiB budget of any transient (P, chunk) pair buffer; the "
                                 "ring sizes its hop buffers from it")  # fmt: skip
+    hop_slice_mib: int = _opt(HOP_SLICE_MIB, env="RELAYMOE_HOP_SLICE_MIB", least=0,
+                              most=INT64_MAX >> 20,  # its bytes an int64
+                              why="MiB budget of one hop's pair intermediates: a hop over more "
+                              "pairs runs in slices of pairs; 0: never sliced")  # fmt: skip
 
     def __post_init__(self):
         _check_all(self)

@@ -41,7 +41,14 @@ constants). Option names and choices live in ``relaymoe.options``.
 
 from __future__ import annotations
 
-from relaymoe.cost.dims import Dims, dims, grad_accum_bytes
+from relaymoe.cost.dims import (
+    SLICE_QUANTUM,
+    Dims,
+    dims,
+    grad_accum_bytes,
+    hop_pair_bytes,
+    hop_slice_pairs,
+)
 from relaymoe.cost.links import (
     ALIGN,
     INDEX_BYTES,
@@ -89,6 +96,7 @@ __all__ = [
     "NIC_EFFICIENCY",
     "NVLINK_BYTES_PER_S",
     "ROUTING_INDEX_BYTES_PER_PAIR",
+    "SLICE_QUANTUM",
     "SYMM_GRANULE",
     "Dims",
     "HopBytes",
@@ -104,6 +112,8 @@ __all__ = [
     "dims",
     "grad_accum_bytes",
     "hop_bytes",
+    "hop_pair_bytes",
+    "hop_slice_pairs",
     "mcore_alltoall_memory_bytes",
     "mcore_alltoall_send_bytes",
     "memory_bytes",

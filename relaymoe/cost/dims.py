@@ -10,6 +10,7 @@ from relaymoe.options import (
     AUTO,
     FP32_GRAD_ACCUM_MIN_EP,
     GRAD_ACCUM_CHOICES,
+    HOP_SLICE_MIB,
     MODES,
     TRANSPORTS,
 )
@@ -33,13 +34,15 @@ class Dims:
     gated: bool = True
     b13: bool = False
     b2: bool = False
+    # the budget of one hop's pair intermediates, MiB (KernelOptions.hop_slice_mib; 0: unsliced)
+    slice_mib: int = HOP_SLICE_MIB
 
     def __post_init__(self):
         if self.gb == 0:
             object.__setattr__(self, "gb", self.b)
-        for name in ("T", "H", "I", "El", "K", "R", "b", "pb", "gb"):
+        for name in ("T", "H", "I", "El", "K", "R", "b", "pb", "gb", "slice_mib"):
             v = getattr(self, name)
-            lo = 0 if name == "T" else 1
+            lo = 0 if name in ("T", "slice_mib") else 1
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
                 raise ValueError(f"cost model: {name}={v!r} must be an int >= {lo}")
         for name in ("gated", "b13", "b2"):
@@ -89,6 +92,33 @@ class Dims:
         """Token-expert pairs of the partition."""
         return self.T * self.K
 
+    @property
+    def slice_pairs(self) -> int | None:
+        """Pairs of one slice of a hop's compute (``hop_slice_pairs``; None: unsliced)."""
+        return hop_slice_pairs(self.slice_mib * 2**20, self.J, self.I, self.H, self.b)
+
+
+# Slices of a hop hold a multiple of this many pairs (the kernels' row tiles divide it).
+SLICE_QUANTUM = 256
+
+
+def hop_pair_bytes(J: int, I: int, H: int, b: int, backward: bool = True) -> int:
+    """Bytes of one pair's intermediates in a hop's compute, at ``b`` bytes an element: the
+    (J) pre-activation, the (I) activation and the (H) down-projection row; the backward also
+    the (J) pre-activation gradient (the activation is recomputed, never saved)."""
+    return ((2 if backward else 1) * J + I + H) * b
+
+
+def hop_slice_pairs(budget_bytes: int, J: int, I: int, H: int, b: int) -> int | None:
+    """Pairs of one slice of a hop whose backward intermediates (``hop_pair_bytes``) fit
+    ``budget_bytes``: a multiple of ``SLICE_QUANTUM``, at least one quantum; None for a budget
+    of 0 (never sliced). The kernels (``relaymoe.kernels.select.hop_slice_rows``) and the memory
+    model both take it from here."""
+    if budget_bytes <= 0:
+        return None
+    rows = budget_bytes // hop_pair_bytes(J, I, H, b) // SLICE_QUANTUM * SLICE_QUANTUM
+    return max(SLICE_QUANTUM, rows)
+
 
 def _nbytes(dtype) -> int:
     """Bytes of an element: an int, or anything with ``itemsize`` (a torch.dtype)."""
@@ -126,16 +156,17 @@ def dims(
     gated: bool = True,
     b13: bool = False,
     b2: bool = False,
+    slice_mib: int = HOP_SLICE_MIB,
 ) -> Dims:
     """``Dims`` from named sizes; ``tokens`` is one T or every rank's T (the largest counts:
     it bounds every hop). ``act_bytes``/``prob_bytes``: a byte count or a dtype;
     ``grad_accum``: the weight-gradient accumulators (GRAD_ACCUM_CHOICES); ``gated``: the
     activation is gated (``ExpertActivation.gated``); ``b13``/``b2``: the experts carry those
-    biases."""
+    biases; ``slice_mib``: the hop's slice budget (``KernelOptions.hop_slice_mib``)."""
     T = max(tokens) if isinstance(tokens, Sequence) else tokens
     b = _nbytes(act_bytes)
     return Dims(T, hidden, ffn, num_local_experts, topk, world, b, _nbytes(prob_bytes),
-                grad_accum_bytes(grad_accum, world, b), gated, b13, b2)  # fmt: skip
+                grad_accum_bytes(grad_accum, world, b), gated, b13, b2, slice_mib)  # fmt: skip
 
 
 def check_mode(mode: str, allowed: Sequence[str] = MODES) -> None:

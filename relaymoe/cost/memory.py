@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from relaymoe.cost.dims import Dims, check_mode, check_transport, packed_bytes
+from relaymoe.cost.dims import Dims, check_mode, check_transport, hop_pair_bytes, packed_bytes
 from relaymoe.cost.links import (
     INDEX_BYTES,
     ROUTING_INDEX_BYTES_PER_PAIR,
@@ -138,10 +138,12 @@ class MemoryBytes:
 
 
 def _intermediates(pairs: int, d: Dims, backward: bool) -> int:
-    """One compute call's expert intermediates over ``pairs``: the (pairs, J) pre-activation,
-    the (pairs, I) activation and the (pairs, H) down-projection rows; the backward also the
-    (pairs, J) gradient of the pre-activation (recomputed, never saved)."""
-    return pairs * ((2 if backward else 1) * d.J + d.I + d.H) * d.b
+    """One compute call's expert intermediates over ``pairs`` (``hop_pair_bytes`` a pair): the
+    (pairs, J) pre-activation, the (pairs, I) activation and the (pairs, H) down-projection
+    rows; the backward also the (pairs, J) gradient of the pre-activation (recomputed, never
+    saved). A call over more pairs than a slice (``Dims.slice_pairs``) holds one slice's."""
+    rows = pairs if d.slice_pairs is None else min(pairs, d.slice_pairs)
+    return rows * hop_pair_bytes(d.J, d.I, d.H, d.b, backward)
 
 
 def memory_bytes(

@@ -21,6 +21,15 @@ Which GEMM runs where (``torch._grouped_mm`` for contiguous operands on sm90, th
 row copy or gather-on-load, the weight gradients' grouped GEMM or Triton kernel, the Gluon
 kernels) is ``select.py``'s choice from the call's ``KernelOptions``; (P, H) outputs of the down
 projection and of the dgrad are produced in column chunks of at most ``pair_buffer_mib`` MiB.
+
+Slices: a range of more pairs than ``KernelOptions.hop_slice_mib`` allows
+(``select.hop_slice_rows``) runs the passes above once per slice of consecutive pairs
+(:func:`pair_slices`), each slice's intermediates freed before the next: the range's offsets
+clamped to the slice on the device (no host sync, capturable), out and dx added into from the
+second slice on, the weight gradients likewise (an expert cut by a slice's end gets two
+additions; one absent from a slice is not touched: the weight-gradient kernel skips it). The
+transient memory is then one slice's whatever T*K; the result differs from one pass only by
+the order of the roundings of the 16-bit sums (as over a ring's hops).
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ __all__ = [
     "gathered_rows_times_weight",
     "hop_wgrad",
     "pair_count",
+    "pair_slices",
     "triton_hop_backward",
     "triton_hop_forward",
     "wgrad_gmm",
@@ -309,12 +319,12 @@ def triton_hop_forward(
     (None: no bias). ``options`` (:class:`HopOptions`, None: the defaults): the kernels, the
     activation and the pair count (``n_pairs``; else ``max_pairs``, an upper bound: buffers
     sized from it, no host sync; else read from the index, a host sync for a partial range).
+    A range of more pairs than one slice runs slice by slice (module docstring).
     """
     options = HOP_DEFAULTS if options is None else options
     act, k, b13, b2 = _hop_inputs("triton_hop_forward", w13, w2, options, b13, b2)
     num_tokens = x_TH.shape[0]
     n_local, rows_e, _ = w13.shape
-    ffn = w2.shape[2]
     x_TH = unit_cols(x_TH)  # no copy for row-major x (moe_experts and the ring pass such)
     accumulate = out_TH is not None
     if out_TH is None:  # row-major whatever x's strides (the combine writes every row)
@@ -334,6 +344,44 @@ def triton_hop_forward(
         if b13 is not None and n_pairs:  # H = 0: h = b13[e] of each pair's expert
             h.copy_(b13.repeat_interleave(index.tokens_per_expert()[e0:e1], 0))
         return out_TH, h
+    rows = select.hop_slice_rows(k, rows_e, w2.shape[2], x_TH.shape[1], x_TH.element_size())
+    slices = pair_slices(offs, n_pairs, rows)
+    if len(slices) == 1:
+        return out_TH, _forward_slice(x_TH, w13, w2, probs_TK, index, offs, n_pairs, exact,
+                                      out_TH, accumulate, save_act, None, act, k, b13, b2, e0)  # fmt: skip
+    h_PJ = x_TH.new_empty(n_pairs, rows_e) if save_act else None
+    for offs_s, n_s, r0 in slices:
+        h_s = None if h_PJ is None else h_PJ[r0 : r0 + n_s]
+        _forward_slice(x_TH, w13, w2, probs_TK, index, offs_s, n_s, exact, out_TH,
+                       accumulate or r0 > 0, save_act, h_s, act, k, b13, b2, e0)  # fmt: skip
+    return out_TH, h_PJ
+
+
+def pair_slices(offs: Tensor, n_pairs: int, rows: int | None) -> list[tuple[Tensor, int, int]]:
+    """``(offs_s, n_s, r0)`` of each slice of a range of ``n_pairs`` pairs (its exact count, or
+    the bound its buffers are sized from) at ``offs`` (El+1 device offsets), at most ``rows``
+    pairs a slice (None: one slice, the range itself): the range's offsets clamped to pairs
+    ``[offs[0] + r0, offs[0] + r0 + n_s)`` on the device (no host sync), a slice's own pair
+    count (or bound) ``n_s``, and its first row ``r0`` in the range's pair buffers. A slice past
+    the range's real end (a bound above the count) has every offset equal: no pairs."""
+    if rows is None or n_pairs <= rows:
+        return [(offs, n_pairs, 0)]
+    base = offs[:1]
+    out = []
+    for r0 in range(0, n_pairs, rows):
+        n_s = min(rows, n_pairs - r0)
+        out.append((torch.clamp(offs, min=base + r0, max=base + (r0 + n_s)), n_s, r0))
+    return out
+
+
+def _forward_slice(x_TH, w13, w2, probs_TK, index, offs, n_pairs: int, exact: bool, out_TH,
+                   accumulate: bool, save_act: bool, h_into, act, k, b13, b2,
+                   e0: int) -> Tensor | None:  # fmt: skip
+    """One slice of :func:`triton_hop_forward` (the whole range when unsliced): its pairs
+    (``offs``, ``n_pairs``) added into ``out_TH`` (written with ``accumulate=False``). Returns
+    the pre-activation with ``save_act``: written into ``h_into`` (the slice's rows of the
+    range's buffer) when given, else a new (P, J) buffer."""
+    rows_e, ffn = w13.shape[1], w2.shape[2]
     prob_P = pairs.pair_probs(probs_TK, index.token_index_map, offs, n_pairs)
     idx_P = index.expert_token_indices
     groups = HopGroups(idx_P, offs, n_pairs, exact)
@@ -343,16 +391,20 @@ def triton_hop_forward(
         h = gathered_rows_times_weight(x_TH, w13_EHJ, groups)
         grouped.swiglu_forward(h, prob_P, a_PI, activation=act, b13_EJ=b13, offs=offs,
                                store_h=save_act)  # fmt: skip
-        h_PJ = h if save_act else None
+        h_PJ = None
+        if save_act:
+            h_PJ = h if h_into is None else h_into.copy_(h)
         del h
     else:  # one kernel: h stored when saved, a from its epilogue (from h rounded on sm90)
-        h_PJ = x_TH.new_empty(n_pairs, rows_e) if save_act else None
+        h_PJ = None
+        if save_act:
+            h_PJ = x_TH.new_empty(n_pairs, rows_e) if h_into is None else h_into
         grouped.up_swiglu(x_TH, w13, idx_P, offs, prob_P, h_PJ, a_PI, kernels=k,
                           activation=act, b13_EJ=b13)  # fmt: skip
     bias = None if b2 is None else (b2, probs_TK.contiguous(), e0)
     _combine_pair_products(a_PI, w2.transpose(1, 2), index, offs, out_TH, accumulate, groups, k,
                            bias)  # fmt: skip
-    return out_TH, h_PJ
+    return h_PJ
 
 
 def triton_hop_backward(
@@ -401,10 +453,67 @@ def triton_hop_backward(
         if not acc_dx:
             dx_TH.zero_()
         return (dx_TH, dprobs_TK, *zero_weight_grads(w13, w2, grads, options.grad_dtype))
-    prob_P = pairs.pair_probs(probs_TK, index.token_index_map, offs, n_pairs)
-    groups = HopGroups(index.expert_token_indices, offs, n_pairs, exact)
+    _check_saved_h(saved_h, exact, n_pairs, w13.shape[1], (e0, e1))
+    rows = select.hop_slice_rows(k, w13.shape[1], w2.shape[2], x_TH.shape[1],
+                                 x_TH.element_size())  # fmt: skip
+    dw = _SliceGrads.of(grads)
+    for offs_s, n_s, r0 in pair_slices(offs, n_pairs, rows):
+        saved_s = None if saved_h is None else saved_h[r0 : r0 + n_s]
+        groups = HopGroups(index.expert_token_indices, offs_s, n_s, exact)
+        _backward_slice(dy_TH, x_TH, w13, w2, probs_TK, index, e0, saved_s, consume_saved_h,
+                        groups, b13, b2, grads, dw, dx_TH, acc_dx or r0 > 0, dprobs_TK, act, k,
+                        options.grad_dtype)  # fmt: skip
+    return dx_TH, dprobs_TK, dw.dw13, dw.dw2
+
+
+@dataclass
+class _SliceGrads:
+    """The weight gradients across a backward's slices: the caller's buffers (or None), then
+    after the first slice the buffers it wrote, added into by the next slices. A caller's
+    buffer keeps its row order (``reversed13``/``reversed2``: the caller's ``dw_reversed``); a
+    buffer the first slice allocated holds the experts in order."""
+
+    dw13: Tensor | None
+    dw2: Tensor | None
+    accumulate: bool
+    reversed13: bool
+    reversed2: bool
+
+    @classmethod
+    def of(cls, grads: HopGrads) -> _SliceGrads:
+        rev = grads.dw_reversed
+        return cls(grads.dw13, grads.dw2, grads.dw_accumulate, rev and grads.dw13 is not None,
+                   rev and grads.dw2 is not None)  # fmt: skip
+
+    def written(self, dw13: Tensor, dw2: Tensor) -> None:
+        """After a slice: its buffers are the ones the next slice adds into."""
+        self.dw13, self.dw2, self.accumulate = dw13, dw2, True
+
+
+def _check_saved_h(saved_h, exact: bool, n_pairs: int, rows_e: int, experts) -> None:
+    """A saved pre-activation must be the exact range's: (P, J) of the forward of that range."""
+    if saved_h is None:
+        return
+    if not exact:
+        raise ValueError("saved_h needs the exact pair count (n_pairs), not max_pairs")
+    if saved_h.shape != (n_pairs, rows_e):
+        e0, e1 = experts
+        raise ValueError(
+            f"saved_h has shape {tuple(saved_h.shape)}, expected ({n_pairs}, {rows_e}) for "
+            f"experts [{e0}, {e1}); pass the h returned by the forward of the same range"
+        )
+
+
+def _backward_slice(dy_TH, x_TH, w13, w2, probs_TK, index, e0: int, saved_h, consume_saved_h,
+                    groups: HopGroups, b13, b2, grads: HopGrads, dw: _SliceGrads, dx_TH,
+                    acc_dx: bool, dprobs_TK, act, k, grad_dtype) -> None:  # fmt: skip
+    """One slice of :func:`triton_hop_backward` (the whole range when unsliced): its pairs'
+    dx and dprobs added into ``dx_TH`` (written with ``acc_dx=False``) and ``dprobs_TK``, the
+    bias gradients into ``grads``' buffers, the weight gradients into ``dw``'s."""
+    offs = groups.offs
+    prob_P = pairs.pair_probs(probs_TK, index.token_index_map, offs, groups.n_pairs)
     h_PJ, dh_PJ, h_bias = _backward_pre_activation(x_TH, w13, b13, saved_h, consume_saved_h,
-                                                   groups, act, k, (e0, e1))  # fmt: skip
+                                                   groups, act, k)  # fmt: skip
     pa_PI, dprob_P = _activation_backward(x_TH, dy_TH, w2, h_PJ, dh_PJ, h_bias, prob_P, groups,
                                           act, k)  # fmt: skip
     pairs.add_pair_dprobs(dprob_P, index.token_index_map, offs, dprobs_TK)
@@ -412,18 +521,18 @@ def triton_hop_backward(
         _add_bias_dprobs(dy_TH, b2, index, offs, e0, dprobs_TK)
         _segment_sum(dy_TH, offs, grads.db2, idx_P=groups.idx_P, scale_P=prob_P)
     # dw2[e] (H, I) = sum_q dy[tok]^T (p*a)[q]
-    dw2 = hop_wgrad(dy_TH, pa_PI, groups.idx_P, offs, grads.dw2, groups, a_gather=True,
-                 b_gather=False, like=w2, grad_dtype=options.grad_dtype, k=k,
-                 accumulate=grads.dw_accumulate, reverse=grads.dw_reversed)  # fmt: skip
+    dw2 = hop_wgrad(dy_TH, pa_PI, groups.idx_P, offs, dw.dw2, groups, a_gather=True,
+                    b_gather=False, like=w2, grad_dtype=grad_dtype, k=k,
+                    accumulate=dw.accumulate, reverse=dw.reversed2)  # fmt: skip
     del pa_PI
     if b13 is not None:  # db13[e] += sum of e's dh rows
         _segment_sum(dh_PJ, offs, grads.db13)
     # dw13[e] (J, H) = sum_q dh[q]^T x[tok]
-    dw13 = hop_wgrad(dh_PJ, x_TH, groups.idx_P, offs, grads.dw13, groups, a_gather=False,
-                  b_gather=True, like=w13, grad_dtype=options.grad_dtype, k=k,
-                  accumulate=grads.dw_accumulate, reverse=grads.dw_reversed)  # fmt: skip
+    dw13 = hop_wgrad(dh_PJ, x_TH, groups.idx_P, offs, dw.dw13, groups, a_gather=False,
+                     b_gather=True, like=w13, grad_dtype=grad_dtype, k=k,
+                     accumulate=dw.accumulate, reverse=dw.reversed13)  # fmt: skip
+    dw.written(dw13, dw2)
     _combine_pair_products(dh_PJ, w13, index, offs, dx_TH, acc_dx, groups, k)
-    return dx_TH, dprobs_TK, dw13, dw2
 
 
 def _check_bias_grads(b13, b2, grads: HopGrads) -> None:
@@ -449,14 +558,12 @@ def zero_weight_grads(w13, w2, grads: HopGrads, grad_dtype) -> tuple[Tensor, Ten
 
 
 def _backward_pre_activation(x_TH, w13, b13, saved_h, consume_saved_h: bool,
-                             groups: HopGroups, act, k, experts: tuple[int, int]) -> tuple:  # fmt: skip
+                             groups: HopGroups, act, k) -> tuple:  # fmt: skip
     """``(h_PJ, dh_PJ, h_bias)`` of a backward: the pre-activation ``h`` (the forward's saved
     one, or rebuilt from x and w13 with ``recompute="fc1"``), the (P, J) buffer its gradient is
     written into (``h`` itself where it may be consumed), and ``b13`` where the rebuilt ``h``
     lacks it (the grouped GEMM path: the activation backward adds it on load), else None."""
     n_pairs, rows_e = groups.n_pairs, w13.shape[1]
-    if saved_h is not None and not groups.exact:
-        raise ValueError("saved_h needs the exact pair count (n_pairs), not max_pairs")
     if saved_h is None:  # recompute="fc1": rebuild h alone (a comes from it below)
         w13_EHJ = w13.transpose(1, 2)
         if select.gather_then_gmm(x_TH, w13_EHJ, n_pairs, k):
@@ -466,12 +573,6 @@ def _backward_pre_activation(x_TH, w13, b13, saved_h, consume_saved_h: bool,
         grouped.up_swiglu(x_TH, w13, groups.idx_P, groups.offs, None, h_PJ, None, kernels=k,
                           activation=act, b13_EJ=b13)  # fmt: skip
         return h_PJ, h_PJ, None
-    if saved_h.shape != (n_pairs, rows_e):
-        e0, e1 = experts
-        raise ValueError(
-            f"saved_h has shape {tuple(saved_h.shape)}, expected ({n_pairs}, {rows_e}) for "
-            f"experts [{e0}, {e1}); pass the h returned by the forward of the same range"
-        )
     return saved_h, (saved_h if consume_saved_h else torch.empty_like(saved_h)), None
 
 

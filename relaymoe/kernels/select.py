@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from relaymoe.activation import SWIGLU
+from relaymoe.cost import hop_slice_pairs
 from relaymoe.kernels import interpret_mode
 from relaymoe.options import KernelOptions
 
@@ -24,6 +25,7 @@ __all__ = [
     "gather_ws_for",
     "gather_ws_module",
     "gluon_up_computes",
+    "hop_slice_rows",
     "kernel_options",
     "launch_ws",
     "pair_buffer_bytes",
@@ -51,6 +53,14 @@ def kernel_options(k: KernelOptions | None) -> KernelOptions:
 def pair_buffer_bytes(k: KernelOptions) -> int:
     """The budget of any transient (P, chunk) pair buffer (``k.pair_buffer_mib``)."""
     return k.pair_buffer_mib * 2**20
+
+
+def hop_slice_rows(k: KernelOptions, fc1_rows: int, ffn: int, hidden: int,
+                   elt: int) -> int | None:  # fmt: skip
+    """Pairs of one slice of a hop's compute under ``k.hop_slice_mib`` (None: never sliced):
+    ``relaymoe.cost.hop_slice_pairs``, the memory model's own count, for experts of
+    ``fc1_rows`` (J), ``ffn`` (I) and ``hidden`` (H) at ``elt`` bytes an element."""
+    return hop_slice_pairs(k.hop_slice_mib * 2**20, fc1_rows, ffn, hidden, elt)
 
 
 def col_chunks(n_pairs: int, ncols: int, elt: int, k: KernelOptions) -> list[tuple[int, int]]:

@@ -443,6 +443,7 @@ def test_the_rings_selective_policy_is_the_plan_for_the_gpu_at_that_length():
     """Short sequences keep layers, long ones recompute them: the planner's own flags (the
     plan's ``planned_recompute_flags``), and full recompute where even that does not fit."""
     from relaymoe.planner import plan
+    from relaymoe.planner.plan import policy_max_seq, usable_bytes
 
     def flags(seq, provider="relaymoe_ring_te_fused_loss", gpus=1):
         f = ms.trial_flags(ms.DEFAULT_CONFIG, provider, seq, gpus=gpus, policy="selective",
@@ -457,7 +458,8 @@ def test_the_rings_selective_policy_is_the_plan_for_the_gpu_at_that_length():
                                                  "--recompute-method", "block"]  # fmt: skip
     assert 0 < int(want[-1]) < 4  # some layers kept, some recomputed
     assert flags(65536) == []  # everything kept
-    assert flags(139264)[-1] == "4"  # the longest the planner predicts: all recomputed
+    longest = policy_max_seq(cfg, "ring", "full", usable_bytes(H100), fused_loss=True)
+    assert longest > 98304 and flags(longest)[-1] == "4"  # the longest: all recomputed
     assert flags(400_000) == ms.policy_flags("full", "ring")  # beyond: the plan refuses
     with pytest.raises(ValueError, match="give its memory"):
         ms.trial_flags(ms.DEFAULT_CONFIG, "relaymoe_ring_te", 8192, gpus=1, policy="selective",
@@ -593,7 +595,13 @@ def test_a_capped_run_plans_for_the_smaller_gpu_and_needs_the_cap_marker(
     assert row["predicted_max_seq"] == small.max_seq[job]
     if cap_marker:
         assert rc == 0 and row["max_seq"] == truth and row["stop_reason"] == "converged"
-        assert row["n_trials"] == 3  # the prediction, one move up, one bisection
+        # the prediction (it fits), one move up by the growth (it fails), then bisections
+        # down to the prediction, each one failing
+        lo = truth // STEP
+        hi, bisections = max(lo + 1, math.ceil(lo * 1.03)), 0
+        while hi - lo > 1:
+            hi, bisections = (lo + hi) // 2, bisections + 1
+        assert row["n_trials"] == 2 + bisections
     else:  # the cap never took effect: an error, not a measurement
         assert rc == 1 and row["stop_reason"] == "error" and MARKER in row["error"]
 

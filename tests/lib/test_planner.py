@@ -641,9 +641,10 @@ def test_policy_predictions_under_te_on_one_h100():
     for v in ("alltoall_fused_loss", "ring_fused_loss"):
         assert rep[v]["full"]["binding_term"] == "layer_working_set"
         assert rep[v]["none"]["binding_term"] == "activations_retained"
-    # the ring's gain over alltoall at equal (fused) loss grows without recompute
+    # the ring's gain over alltoall at equal (fused) loss, every policy: its hops' intermediates
+    # stop growing at one slice (KernelOptions.hop_slice_mib), alltoall's grow as T*K
     gain = {p: seq["ring_fused_loss"][p] / seq["alltoall_fused_loss"][p] for p in pol.POLICIES}
-    assert 1.3 < gain["full"] < gain["none"], gain
+    assert min(gain.values()) > 2.0, gain
     # one planner: the Plan carries the report, and megatron-core's own flags for alltoall
     p = plan(cfg.replace(relaymoe={"dispatcher": "alltoall"}), "h100-80gb")
     assert p.policies == rep and p.transformer_impl == mm.TE_IMPL

@@ -331,6 +331,47 @@ def _triton_backend(rank, world, group):
 
 
 @contextlib.contextmanager
+def _hop_slices(rows: int):
+    """Every hop computes in slices of ``rows`` pairs (``KernelOptions.hop_slice_mib``'s slices,
+    made a few pairs long: a real budget's slice holds hundreds of thousands)."""
+    from relaymoe.kernels import experts, select
+
+    real_rows, real_slices = select.hop_slice_rows, experts.pair_slices
+    seen: list[int] = []
+
+    def counted(*a):
+        out = real_slices(*a)
+        seen.append(len(out))
+        return out
+
+    select.hop_slice_rows = lambda *a, **kw: rows
+    experts.pair_slices = counted
+    try:
+        yield seen
+    finally:
+        select.hop_slice_rows, experts.pair_slices = real_rows, real_slices
+
+
+def _sliced_hops(rank, world, group):
+    """The Triton hops sliced a few pairs at a time inside the ring, every mode: a world of one
+    slices its one call, a ring each hop's range (untrusted: exact pair counts; trusted: buffers
+    and slices from the bound, the slices past the count empty); uneven tokens, an empty rank,
+    skewed routing."""
+    from relaymoe.kernels import triton_available
+
+    if not triton_available():
+        return
+    tokens = [6, 0, 7, 3][:world] if world > 1 else [9]
+    kw = dict(El=2, K=2, dtype=torch.float32, backend="triton", tol=1e-4, hidden=TRITON_H,
+              ffn=TRITON_I, tokens=tokens, route="skew")  # fmt: skip
+    with _hop_slices(4) as seen:
+        for mode in ("expert", "token", "alltoall"):
+            _run_case(rank, world, group, mode=mode, seed=13, **kw)
+        _run_case(rank, world, group, mode="expert", seed=14, trusted=True, **kw)
+    assert max(seen) >= 2, seen  # the hops did slice
+
+
+@contextlib.contextmanager
 def _ring_env(var: str, value: str):
     """``var=value`` for the ring: set, and read into the ``RingConfig`` the block gets, as an
     entry point reads the environment once (``relaymoe.options.from_env``); then unset."""
@@ -743,7 +784,8 @@ def _settings_must_agree(rank, world, group):
         del os.environ["RELAYMOE_RING_AGREE"], os.environ["RELAYMOE_PAIR_BUFFER_MIB"]
 
 
-SCENARIOS = [_correctness, _activations, _triton_backend, _list_forms, _no_persistent_copy,
+SCENARIOS = [_correctness, _activations, _triton_backend, _sliced_hops, _list_forms,
+             _no_persistent_copy,
              _determinism, _modes_agree_and_auto, _bad_inputs, _backward_disagreement,
              _microbatches_in_flight, _trusted_steady_state, _settings_must_agree]  # fmt: skip
 

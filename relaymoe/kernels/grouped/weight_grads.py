@@ -71,7 +71,9 @@ def _wgrad_kernel(
     REVERSE: tl.constexpr = False, PRELOAD_C: tl.constexpr = False, PAIRS=0,
 ):  # fmt: skip
     """c[e] (M, N) (+)= sum_q A[q, :]^T B[q, :]; a gathered operand reads row tok[q], a
-    contiguous one row q - offs[0]. An expert without pairs writes exact zeros (adds nothing).
+    contiguous one row q - offs[0]. An expert without pairs writes exact zeros, or, with
+    ``ACCUMULATE``, leaves its block untouched (no read, no write: a hop slice or a ring hop
+    without that expert costs it nothing).
     Expert e's block starts at element ``e * stride_ce`` of ``c_ptr``; with ``REVERSE`` at
     ``c_first + e * stride_ce``: a negative ``stride_ce`` from the last block (``c_first``)
     writes the experts in reverse memory order. The forward order keeps the plain address (no
@@ -102,6 +104,9 @@ def _wgrad_kernel(
     base = tl.load(offs_ptr)
     lo = tl.load(offs_ptr + e)
     hi = tl.load(offs_ptr + e + 1)
+    if ACCUMULATE:
+        if hi == lo:  # nothing to add: the tile is not read nor written (a slice without e)
+            return
     q_full = lo + (hi - lo) // BLOCK_K * BLOCK_K
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
