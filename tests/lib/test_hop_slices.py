@@ -80,7 +80,7 @@ def _hop(p, dtype, save: str, *, options=TRI):
     "case",
     [
         # (T, H, I, E, K, routing kind, slice rows, dtype, save)
-        (29, 24, 20, 7, 3, "skewed", 7, torch.float32, "act"),
+        (21, 16, 12, 7, 3, "skewed", 7, torch.float32, "act"),
         (33, 16, 12, 5, 5, "uniform", 16, torch.float32, "none"),  # top-k = E
         (41, 20, 8, 6, 1, "one", 5, torch.float16, "none"),  # top-1, one hot expert
         (23, 16, 16, 6, 2, "empty", 3, torch.float16, "act"),  # an expert without pairs
