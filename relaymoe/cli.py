@@ -114,6 +114,13 @@ def _add_overrides(q: argparse.ArgumentParser, dispatchers: tuple[str, ...]) -> 
         help="override relaymoe.transport (auto: the copy engine, whose workspace is counted)",
     )
     q.add_argument(
+        "--hop-slice-mib",
+        type=int,
+        default=None,
+        help="override relaymoe.hop_slice_mib: the MiB budget of one ring hop's expert "
+        "intermediates (--relaymoe-hop-slice-mib; 0: never sliced)",
+    )
+    q.add_argument(
         "--fused-loss",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -169,6 +176,8 @@ def build_config(ns):
         rel["mode"] = ns.mode
     if ns.transport:
         rel["transport"] = ns.transport
+    if ns.hop_slice_mib is not None:
+        rel["hop_slice_mib"] = ns.hop_slice_mib
     if ns.fused_loss is not None:
         rel["fused_loss"] = ns.fused_loss
     cfg = cfg.replace(parallel=par, training=tr, relaymoe=rel)

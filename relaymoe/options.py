@@ -58,6 +58,7 @@ __all__ = [
     "from_env",
     "megatron_flags",
     "planner_gpu_bytes",
+    "with_flags",
 ]
 
 AUTO = "auto"  # a request resolved by the runtime: choose_mode / the copy engine when it works
@@ -228,10 +229,17 @@ class KernelOptions:
                                 most=INT64_MAX >> 20,  # its bytes an int64
                                 why="MiB budget of any transient (P, chunk) pair buffer; the "
                                 "ring sizes its hop buffers from it")  # fmt: skip
-    hop_slice_mib: int = _opt(HOP_SLICE_MIB, env="RELAYMOE_HOP_SLICE_MIB", least=0,
-                              most=INT64_MAX >> 20,  # its bytes an int64
-                              why="MiB budget of one hop's pair intermediates: a hop over more "
-                              "pairs runs in slices of pairs; 0: never sliced")  # fmt: skip
+    hop_slice_mib: int = _opt(
+        HOP_SLICE_MIB, env="RELAYMOE_HOP_SLICE_MIB", flag="--relaymoe-hop-slice-mib", least=0,
+        most=INT64_MAX >> 20,  # its bytes an int64
+        why="MiB budget of one hop's pair intermediates: a hop over more pairs runs in slices "
+        "of pairs; 0: never sliced",
+        help="MiB budget of one ring hop's expert intermediates (pre-activation, activation, "
+        "down-projection rows and the backward's pre-activation gradient): a hop over more "
+        "token-expert pairs computes them slice by slice, so the MoE layer's transient memory "
+        "stops growing with the sequence at this size (relaymoe plan models it); 0 never "
+        "slices; default: RELAYMOE_HOP_SLICE_MIB, else 4096",
+    )  # fmt: skip
 
     def __post_init__(self):
         _check_all(self)
@@ -415,9 +423,19 @@ def planner_gpu_bytes(environ: Mapping[str, str] | None = None) -> str | None:
 
 
 def megatron_flags() -> list[tuple[str, dataclasses.Field]]:
-    """``(flag, field)`` of every ``RingConfig`` field that Megatron's parser takes."""
-    return [(f.metadata["flag"], f) for f in dataclasses.fields(RingConfig)
-            if f.metadata.get("flag")]  # fmt: skip
+    """``(flag, field)`` of every field that Megatron's parser takes: ``RingConfig``'s, then its
+    ``KernelOptions``' (no name is both's: :func:`with_flags` routes each by its name)."""
+    fields = [*dataclasses.fields(RingConfig), *dataclasses.fields(KernelOptions)]
+    return [(f.metadata["flag"], f) for f in fields if f.metadata.get("flag")]
+
+
+def with_flags(base: RingConfig, given: Mapping[str, object]) -> RingConfig:
+    """``base`` with the flagged fields in ``given`` (field name -> value) applied, each to the
+    object it belongs to (``RingConfig`` or its ``kernels``), validated as the fields are."""
+    kernel_names = {f.name for f in dataclasses.fields(KernelOptions)}
+    kernels = {k: v for k, v in given.items() if k in kernel_names}
+    ring = {k: v for k, v in given.items() if k not in kernel_names}
+    return base.replace(**ring, **({"kernels": kernels} if kernels else {}))
 
 
 def env_var(name: str) -> str:

@@ -10,6 +10,7 @@ from dataclasses import fields
 from types import SimpleNamespace
 
 from relaymoe.config.schema import DISPATCHERS, Config, ModelConfig
+from relaymoe.options import HOP_SLICE_MIB
 
 # ModelConfig fields not rendered 1:1 (handled explicitly below).
 _MODEL_SPECIAL = {"num_query_groups", "max_position_embeddings", "moe_shared_expert_gate"}
@@ -96,6 +97,8 @@ def to_megatron_args(cfg: Config, *, dispatcher: str | None = None) -> list[str]
         args += ["--relaymoe-mode", cfg.relaymoe.mode]
         if cfg.relaymoe.transport != "auto":
             args += ["--relaymoe-transport", cfg.relaymoe.transport]
+        if cfg.relaymoe.hop_slice_mib != HOP_SLICE_MIB:
+            args += ["--relaymoe-hop-slice-mib", str(cfg.relaymoe.hop_slice_mib)]
         if p.gpus_per_node is not None:
             args += ["--relaymoe-gpus-per-node", str(p.gpus_per_node)]
     if cfg.relaymoe.recompute_planner:

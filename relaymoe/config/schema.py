@@ -13,7 +13,7 @@ from typing import Any
 
 from relaymoe.config.checks import check_keys, check_pos_int, coerce
 from relaymoe.config.layout import validate_layout
-from relaymoe.options import RingConfig, check_field
+from relaymoe.options import KernelOptions, RingConfig, check_field
 
 
 @dataclass(frozen=True)
@@ -338,13 +338,19 @@ _SWITCHES = {
     "recompute_planner": bool,
     "fused_loss": bool,
 }
-_RING_FIELDS = {f.name: f for f in dataclasses.fields(RingConfig)}
-_RING_OPTIONS = ("mode", "transport")
+# the ring's options this section holds, each defined once in relaymoe.options: RingConfig's
+# fields, and its kernels' (KernelOptions) that the memory plan depends on
+_RING_FIELDS = {
+    **{f.name: f for f in dataclasses.fields(RingConfig)},
+    **{f.name: f for f in dataclasses.fields(KernelOptions)},
+}
+_RING_OPTIONS = ("mode", "transport", "hop_slice_mib")
 
 
 def _ring_option(name: str):
-    """The field of ``RingConfig`` of that name, as this section's (same default, choices and
-    help): the option is defined once, in ``relaymoe.options``."""
+    """The field of ``RingConfig`` (or of its ``KernelOptions``) of that name, as this
+    section's (same default, choices and help): the option is defined once, in
+    ``relaymoe.options``."""
     f = _RING_FIELDS[name]
     return dataclasses.field(default=f.default, metadata=f.metadata)
 
@@ -359,13 +365,15 @@ def _check_switch(name: str, value, known) -> None:
 class RelayMoEConfig:
     """relaymoe's switches: the dispatcher (``--moe-token-dispatcher-type``), the ring's mode
     (``mode``, ``--relaymoe-mode``) and transport (``--relaymoe-transport``), both
-    ``relaymoe.options.RingConfig``'s fields, recompute planner
+    ``relaymoe.options.RingConfig``'s fields, its hops' slice budget (``hop_slice_mib``,
+    ``--relaymoe-hop-slice-mib``, ``KernelOptions``'), recompute planner
     (``--relaymoe-recompute-planner``), and the chunked output layer + cross-entropy
     (``--relaymoe-fused-loss``, ``relaymoe.linear_cross_entropy``; any dispatcher)."""
 
     dispatcher: str = "ring"  # ring | alltoall | allgather | flex
     mode: str = _ring_option("mode")
     transport: str = _ring_option("transport")
+    hop_slice_mib: int = _ring_option("hop_slice_mib")
     recompute_planner: bool = False
     fused_loss: bool = False  # never holds the (tokens, vocab/TP) logits
 

@@ -74,7 +74,8 @@ def add_relaymoe_args(parser):
             group.add_argument(flag, action="store_true", default=None, help=f.metadata["help"])
             continue
         choices = f.metadata.get("choices")
-        kind = {"type": _positive_int} if choices is None else {"choices": choices}
+        ints = _non_negative_int if f.metadata.get("least") == 0 else _positive_int
+        kind = {"type": ints} if choices is None else {"choices": choices}
         default = None if f.metadata.get("env") else f.default
         group.add_argument(flag, default=default, help=f.metadata["help"], **kind)
     group.add_argument(
@@ -107,6 +108,18 @@ def _positive_int(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a non-negative integer")
     return value
 
 
@@ -229,9 +242,11 @@ def apply_recompute_plan(args) -> dict:
             "--relaymoe-recompute-planner needs relaymoe.planner.plan_from_megatron_args, "
             "which this installation lacks"
         ) from e
+    from relaymoe.megatron.settings import ARGS_ATTR
     from relaymoe.options import planner_gpu_bytes
 
-    plan = plan_from_megatron_args(args, gpu_bytes=planner_gpu_bytes())
+    ring = getattr(args, ARGS_ATTR, None) or build_ring_config(args)  # the run's own options
+    plan = plan_from_megatron_args(args, gpu_bytes=planner_gpu_bytes(), kernels=ring.kernels)
     overrides = plan if isinstance(plan, dict) else getattr(plan, "megatron_args", None)
     if not isinstance(overrides, dict):
         raise TypeError(

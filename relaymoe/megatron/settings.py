@@ -19,7 +19,6 @@ with its own ``RingRuntime``), the loss's by each ``GPTModel``. Nothing here is 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from relaymoe import options
@@ -72,7 +71,7 @@ def ring_config_from_args(args, base: RingConfig | None = None) -> RingConfig:
         value = getattr(args, flag[2:].replace("-", "_"), None)
         if value is not None:
             given[f.name] = value
-    return dataclasses.replace(base or RingConfig(), **given)
+    return options.with_flags(base or RingConfig(), given)
 
 
 def fused_loss_from_args(args) -> FusedLoss:

@@ -86,6 +86,8 @@ class Shapes:
     # Megatron's gradient-accumulation fusion (training.gradient_accumulation_fusion): the
     # ring's experts add their weight gradients into DDP's main_grad (moe_peak_ring)
     wgrad_fusion: bool = False
+    # the ring hops' slice budget, MiB (relaymoe.hop_slice_mib: KernelOptions.hop_slice_mib)
+    slice_mib: int = options.HOP_SLICE_MIB
 
     @property
     def P(self) -> int:
@@ -102,7 +104,7 @@ class Shapes:
         gb = cost.grad_accum_bytes(options.AUTO, self.R, self.e)
         return cost.Dims(
             T=self.T, H=self.h, I=self.I, El=self.El, K=self.K, R=self.R, b=self.e, pb=PROB_BYTES,
-            gb=gb, gated=self.gated, b13=self.bias, b2=self.bias,
+            gb=gb, gated=self.gated, b13=self.bias, b2=self.bias, slice_mib=self.slice_mib,
         )  # fmt: skip
 
 
@@ -129,6 +131,7 @@ def shapes(cfg: Config, seq: int | None = None, mbs: int | None = None) -> Shape
         gated=m.swiglu,
         bias=not m.disable_bias_linear,
         wgrad_fusion=t.gradient_accumulation_fusion,
+        slice_mib=cfg.relaymoe.hop_slice_mib,
     )
 
 

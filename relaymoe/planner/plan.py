@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from relaymoe.config import Config, config_from_dict, recompute_args, to_megatron_args
-from relaymoe.options import MODES, RING_MODES
+from relaymoe.options import MODES, RING_MODES, KernelOptions
 from relaymoe.planner import memory as mm
 from relaymoe.planner import mode as pm
 from relaymoe.planner import policies as pol
@@ -426,9 +426,10 @@ def _recompute_note(cfg: Config, variant: str, planned: list[str]) -> str | None
 # -- Megatron integration ----------------------------------------------------------------------
 
 
-def config_from_megatron_args(args) -> Config:
+def config_from_megatron_args(args, kernels: KernelOptions | None = None) -> Config:
     """A Config from an argparse Namespace of Megatron arguments (attribute names as Megatron's,
-    after ``validate_args``)."""
+    after ``validate_args``); ``kernels``: the run's kernel options where no flag sets them
+    (the entry point's ``relaymoe.options.from_env().kernels``; None: the defaults)."""
 
     def g(name, default=None):
         v = getattr(args, name, default)
@@ -512,6 +513,9 @@ def config_from_megatron_args(args) -> Config:
         "dispatcher": "ring" if disp == "ring" else "alltoall",
         "mode": g("relaymoe_mode", None) or "auto",
         "transport": g("relaymoe_transport", "auto"),
+        # the flag, else the run's own value (its RELAYMOE_HOP_SLICE_MIB, read by the entry
+        # point into ``kernels``), else the default
+        "hop_slice_mib": g("relaymoe_hop_slice_mib", (kernels or KernelOptions()).hop_slice_mib),
         "fused_loss": bool(g("relaymoe_fused_loss", False)),
     }
     return config_from_dict(
@@ -535,10 +539,12 @@ def normalization_impl_of(args) -> str:
     return "fused"
 
 
-def plan_from_megatron_args(args, gpu_bytes: int | str | None = None) -> Plan:
+def plan_from_megatron_args(args, gpu_bytes: int | str | None = None,
+                            kernels: KernelOptions | None = None) -> Plan:  # fmt: skip
     """The plan for a Megatron run (called once at training start). GPU memory: ``gpu_bytes``
     (the Megatron patch passes ``$RELAYMOE_GPU_BYTES``), else the current CUDA device's total
-    memory. Deterministic: every rank computes the same plan from the same arguments."""
+    memory; ``kernels``: as :func:`config_from_megatron_args`'. Deterministic: every rank
+    computes the same plan from the same arguments."""
     if gpu_bytes is None:
         import torch  # only here: the planner itself is pure Python
 
@@ -550,7 +556,7 @@ def plan_from_megatron_args(args, gpu_bytes: int | str | None = None) -> Plan:
         gpu_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     impl = getattr(args, "transformer_impl", None) or mm.TE_IMPL
     return plan(
-        config_from_megatron_args(args),
+        config_from_megatron_args(args, kernels),
         int(gpu_bytes) if str(gpu_bytes).isdigit() else gpu_bytes,
         transformer_impl=impl if impl in mm.TRANSFORMER_IMPLS else mm.TE_IMPL,
     )

@@ -81,10 +81,15 @@ def test_parser_accepts_ring_and_relaymoe_flags(mcore):
     assert defaults.relaymoe_grad_accum == "auto"
     assert parser.parse_args(["--relaymoe-grad-accum", "fp32"]).relaymoe_grad_accum == "fp32"
     assert defaults.relaymoe_host_wait is None  # the environment's, else lag
+    assert defaults.relaymoe_hop_slice_mib is None  # the environment's, else 4096
+    for mib in (0, 1024):  # 0: never sliced
+        ns = parser.parse_args(["--relaymoe-hop-slice-mib", str(mib)])
+        assert ns.relaymoe_hop_slice_mib == mib
     wait = parser.parse_args(["--relaymoe-host-wait", "pass"]).relaymoe_host_wait
     assert wait == "pass"
     for bad in (["--relaymoe-schedule", "tree"], ["--relaymoe-gpus-per-node", "0"],
-                ["--relaymoe-grad-accum", "fp16"],
+                ["--relaymoe-grad-accum", "fp16"], ["--relaymoe-hop-slice-mib", "-1"],
+                ["--relaymoe-hop-slice-mib", "lots"],
                 ["--relaymoe-host-wait", "hop"]):  # fmt: skip
         with pytest.raises(SystemExit):
             parser.parse_args(bad)
@@ -99,11 +104,17 @@ def test_ring_flags_of_a_config_parse(mcore):
     from megatron.training import arguments
 
     from relaymoe.config import load_config, to_megatron_args
+    from relaymoe.megatron import settings
 
     parser = arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
     cfg = load_config("qwen3_30b_a3b").replace(parallel={"gpus_per_node": 4})
     ns = parser.parse_args(to_megatron_args(cfg, dispatcher="ring"))
     assert (ns.moe_token_dispatcher_type, ns.relaymoe_gpus_per_node) == ("ring", 4)
+    assert ns.relaymoe_hop_slice_mib is None  # the default budget renders no flag
+    # a config's hop slice budget reaches the ring's kernel options through its flag
+    sliced = cfg.replace(relaymoe={"hop_slice_mib": 1024})
+    ns = parser.parse_args(to_megatron_args(sliced, dispatcher="ring"))
+    assert settings.ring_config_from_args(ns).kernels.hop_slice_mib == 1024
 
 
 def test_ep_ranks_per_node_from_global_ranks():
@@ -583,11 +594,19 @@ def test_recompute_plan_applied_once(mcore, monkeypatch, capsys):
         def summary(self):
             return "fake plan"
 
-    monkeypatch.setattr(planner, "plan_from_megatron_args", lambda args, gpu_bytes=None: FakePlan())
+    seen = {}
+
+    def fake_plan(args, gpu_bytes=None, kernels=None):
+        seen["kernels"] = kernels
+        return FakePlan()
+
+    monkeypatch.setattr(planner, "plan_from_megatron_args", fake_plan)
     ns = types.SimpleNamespace(
         rank=0, recompute_granularity=None, recompute_modules=None, recompute_method="block", lr=3.0
     )
     applied = patches.apply_recompute_plan(ns)
+    # the plan is for the run's own kernel options (its hop slices), built once onto the args
+    assert seen["kernels"] is ns.relaymoe_ring.kernels
     patches.apply_recompute_plan(ns)
     assert applied == {
         "recompute_granularity": "selective",

@@ -6,6 +6,7 @@ import pytest
 
 from relaymoe import cost, lossmodel, options
 from relaymoe.config import load_config, to_megatron_args
+from relaymoe.options import KernelOptions
 from relaymoe.planner import (
     VARIANTS,
     config_from_megatron_args,
@@ -320,6 +321,15 @@ def test_plan_from_megatron_args_matches_config():
     a = plan_from_megatron_args(args, gpu_bytes=80 * 10**9)
     b = plan(cfg, 80 * 10**9)
     assert a.megatron_args == b.megatron_args and a.routing_mode == b.routing_mode
+    # the hop slice budget: the flag, else the run's kernel options, else the default
+    assert c2.relaymoe.hop_slice_mib == KernelOptions().hop_slice_mib
+    run = KernelOptions(hop_slice_mib=1024)
+    assert config_from_megatron_args(args, run).relaymoe.hop_slice_mib == 1024
+    flagged = argparse.Namespace(**{**vars(args), "relaymoe_hop_slice_mib": 0})
+    assert config_from_megatron_args(flagged, run).relaymoe.hop_slice_mib == 0
+    small = plan_from_megatron_args(args, gpu_bytes=80 * 10**9, kernels=run)
+    want = plan(cfg.replace(relaymoe={"hop_slice_mib": 1024}), 80 * 10**9)
+    assert small.max_seq_length == want.max_seq_length != b.max_seq_length
     assert set(a.megatron_args) == {
         "recompute_granularity",
         "recompute_method",
