@@ -55,7 +55,14 @@ GAINS = (  # (column, numerator, denominator) over the max_seq_* columns
 )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    """Write the two files; with ``--check``, write nothing and return 1 when either differs
+    from what the planner gives now (a test runs it: the document follows the model)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="compare, do not write")
+    check = ap.parse_args(argv).check
     usable = usable_bytes(GPUS["h100-64gb"])
     rows = []
     for label, name in LABELS:
@@ -82,20 +89,9 @@ def main() -> None:
             a, b = r["max_seq_" + num], r["max_seq_" + den]
             r[name] = round(a / b, 2) if b else None
         rows.append(r)
-    OUT.mkdir(exist_ok=True)
-    (OUT / "plan_table3.json").write_text(
-        json.dumps(
-            {
-                "gpu": "h100-64gb",
-                "usable_bytes": usable,
-                "ep": 8,
-                "micro_batch_size": 12,
-                "recompute": "full",
-                "rows": rows,
-            },
-            indent=1,
-        )
-    )
+    doc = {"gpu": "h100-64gb", "usable_bytes": usable, "ep": 8, "micro_batch_size": 12,
+           "recompute": "full", "rows": rows}  # fmt: skip
+    texts = {"plan_table3.json": json.dumps(doc, indent=1)}
     lines = [
         "# Table 3 configs on paper: routing mode and longest sequence (b=12, full recompute)",
         "",
@@ -137,9 +133,20 @@ def main() -> None:
             "loss's forward, so the fused-loss capacities equal the no-loss ones: the fused loss "
             "removes the loss from what binds.",
         ]
-    (OUT / "plan_table3.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    texts["plan_table3.md"] = "\n".join(lines) + "\n"
+    if check:
+        stale = [
+            n for n, t in texts.items() if not (OUT / n).is_file() or (OUT / n).read_text() != t
+        ]
+        for n in stale:
+            print(f"docs/{n} is stale: run python benchmarks/paper_table3_plan.py")
+        return 1 if stale else 0
+    OUT.mkdir(exist_ok=True)
+    for n, t in texts.items():
+        (OUT / n).write_text(t)
+    print(texts["plan_table3.md"], end="")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
