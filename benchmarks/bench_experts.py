@@ -6,7 +6,8 @@ grad, as in ``../shared/anchors``):
   ``moe_experts`` with the Triton backend and the default dispatch; the routing-index build is
   inside the timed step. Variants: ``relaymoe_rowscopy`` (``KernelOptions(rows_gather="copy")``: one
   gathered (P, H) copy and ``torch._grouped_mm`` for the up-projection and the down backward),
-  ``relaymoe_wgradtriton`` (``wgrad="triton"``: weight gradients always by the
+  ``relaymoe_slice1g`` / ``relaymoe_slice256m`` / ``relaymoe_unsliced`` (``hop_slice_mib`` 1024 /
+  256 / 0: the hop in slices of pairs, or in one pass), ``relaymoe_wgradtriton`` (``wgrad="triton"``: weight gradients always by the
   gathered-operand Triton kernel, not ``torch._grouped_mm`` over gathered column chunks for long
   expert groups) and ``relaymoe_tritongemm`` (``dense_gemm="triton"``: no
   ``torch._grouped_mm``).
@@ -549,7 +550,8 @@ def main(argv=None) -> int:
         "relaymoe_fp8_blockwise relaymoe_fp8_delayed relaymoe_fp8_tensorwise_bf16wgrad "
         "te_grouped_fp8_tensorwise te_grouped_fp8_blockwise (relaymoe_act: the default tma, "
         "tensor descriptors on sm90; _tma forces them, _ptr the pointer loads; _rowscopy: "
-        "rows_gather='copy'; _tritonup: gather_ws='off', the Triton up-projection)",
+        "rows_gather='copy'; _tritonup: gather_ws='off', the Triton up-projection; "
+        "relaymoe_act_slice1g / _slice256m / _unsliced: hop_slice_mib 1024 / 256 / 0)",
     )
     ap.add_argument("--breakdown", action="store_true", help="time each kernel of the first shape")
     ap.add_argument(
@@ -620,6 +622,12 @@ def main(argv=None) -> int:
             "relaymoe_act_rowscopy": (
                 "relaymoe_rowscopy", "act", rm("act", {"rows_gather": "copy"})),
             "relaymoe_act_tritonup": ("relaymoe_tritonup", "act", rm("act", {"gather_ws": "off"})),
+            # the hop in slices of pairs (KernelOptions.hop_slice_mib): what slicing costs
+            "relaymoe_act_slice1g": (
+                "relaymoe_slice1g", "act", rm("act", {"hop_slice_mib": 1024})),
+            "relaymoe_act_slice256m": (
+                "relaymoe_slice256m", "act", rm("act", {"hop_slice_mib": 256})),
+            "relaymoe_act_unsliced": ("relaymoe_unsliced", "act", rm("act", {"hop_slice_mib": 0})),
             "relaymoe_fc1_tritonup": ("relaymoe_tritonup", "fc1", rm("fc1", {"gather_ws": "off"})),
             **{key: ("relaymoe", "act", rm_fp8(name, fields))
                for key, (name, fields) in FP8_PROVIDERS.items() if key.startswith("relaymoe")},
