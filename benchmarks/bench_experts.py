@@ -7,9 +7,10 @@ grad, as in ``../shared/anchors``):
   inside the timed step. Variants: ``relaymoe_rowscopy`` (``KernelOptions(rows_gather="copy")``: one
   gathered (P, H) copy and ``torch._grouped_mm`` for the up-projection and the down backward),
   ``relaymoe_slice1g`` / ``relaymoe_slice256m`` / ``relaymoe_unsliced`` (``hop_slice_mib`` 1024 /
-  256 / 0: the hop in slices of pairs, or in one pass), ``relaymoe_wgradtriton`` (``wgrad="triton"``: weight gradients always by the
-  gathered-operand Triton kernel, not ``torch._grouped_mm`` over gathered column chunks for long
-  expert groups) and ``relaymoe_tritongemm`` (``dense_gemm="triton"``: no
+  256 / 0: the hop in slices of pairs, or in one pass), ``relaymoe_wgradtriton``
+  (``wgrad="triton"``: weight gradients always by the gathered-operand Triton kernel, not
+  ``torch._grouped_mm`` over gathered column chunks for long expert groups) and
+  ``relaymoe_tritongemm`` (``dense_gemm="triton"``: no
   ``torch._grouped_mm``).
 - ``naive``: gather x into a (T*K, H) buffer, ``torch._grouped_mm`` up, SiLU*up,
   ``torch._grouped_mm`` down, probability weight, ``index_add_`` (sort inside the timed step).
