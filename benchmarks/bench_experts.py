@@ -19,8 +19,10 @@ grad, as in ``../shared/anchors``):
   (``benchmarks/te_grouped.py``): TE's fused permute, ``TEGroupedMLP`` (grouped GEMMs, fused
   weighted SwiGLU) and TE's fused unpermute, weights copied from the same inputs.
 - fp8 (issue #55; rows carry ``fp8``, the recipe name, absent for bf16):
-  ``relaymoe_fp8_tensorwise``, ``relaymoe_fp8_blockwise``, ``relaymoe_fp8_delayed`` and
-  ``relaymoe_fp8_tensorwise_bf16wgrad``
+  ``relaymoe_fp8_tensorwise``, ``relaymoe_fp8_blockwise``, ``relaymoe_fp8_delayed``,
+  ``relaymoe_fp8_tensorwise_bf16wgrad`` and ``relaymoe_fp8_tensorwise_rowswgrad`` (the fp8
+  weight gradients over the pair rows, ``KernelOptions(fp8_wgrad_layout="rows")``, against the
+  default K-major ``columnwise``; rows carry ``fp8_wgrad_layout``)
   (``moe_experts(fp8=...)`` with an ``Fp8State`` kept across steps: the fp8 weights are cached,
   as in the micro-batches of one optimizer step; the rows' ``ms_weight_quant`` times the
   once-per-step weight quantisation alone), and ``te_grouped_fp8_tensorwise`` /
@@ -151,8 +153,12 @@ FP8_PROVIDERS = {  # key -> (recipe name, Fp8Recipe fields beyond the name)
     "relaymoe_fp8_blockwise": ("blockwise", {}),
     "relaymoe_fp8_delayed": ("delayed", {}),
     "relaymoe_fp8_tensorwise_bf16wgrad": ("tensorwise", {"fp8_wgrad": False}),
+    "relaymoe_fp8_tensorwise_rowswgrad": ("tensorwise", {}),
     "te_grouped_fp8_tensorwise": ("tensorwise", {}),
     "te_grouped_fp8_blockwise": ("blockwise", {}),
+}
+FP8_KERNELS = {  # key -> KernelOptions fields of an fp8 provider beyond the environment's
+    "relaymoe_fp8_tensorwise_rowswgrad": {"fp8_wgrad_layout": "rows"},
 }
 
 
@@ -516,6 +522,11 @@ def _fp8_row_fields(key: str, inputs) -> dict:
 
         recipe = Fp8Recipe(name, **fields)
         row["fp8_wgrad"] = recipe.fp8_wgrad
+        if recipe.fp8_wgrad:
+            from benchmarks import ENV_CONFIG
+
+            layout = ENV_CONFIG.kernels.fp8_wgrad_layout
+            row["fp8_wgrad_layout"] = FP8_KERNELS.get(key, {}).get("fp8_wgrad_layout", layout)
         ms = weight_quant_ms(inputs[1].detach(), inputs[2].detach(), recipe)
         row["ms_weight_quant"] = round(ms, 3)
     return row
@@ -606,10 +617,11 @@ def main(argv=None) -> int:
         def rm(recompute, kernels=None):
             return relaymoe_fn(recompute, kernels, activation=act)
 
-        def rm_fp8(name, fields):
+        def rm_fp8(key, name, fields):
             from relaymoe.fp8_recipe import Fp8Recipe
 
-            return relaymoe_fn("act", None, activation=act, fp8=Fp8Recipe(name, **fields))
+            return relaymoe_fn("act", FP8_KERNELS.get(key), activation=act,
+                               fp8=Fp8Recipe(name, **fields))  # fmt: skip
 
         return {
             "relaymoe_act": ("relaymoe", "act", rm("act")),
@@ -630,7 +642,7 @@ def main(argv=None) -> int:
                 "relaymoe_slice256m", "act", rm("act", {"hop_slice_mib": 256})),
             "relaymoe_act_unsliced": ("relaymoe_unsliced", "act", rm("act", {"hop_slice_mib": 0})),
             "relaymoe_fc1_tritonup": ("relaymoe_tritonup", "fc1", rm("fc1", {"gather_ws": "off"})),
-            **{key: ("relaymoe", "act", rm_fp8(name, fields))
+            **{key: ("relaymoe", "act", rm_fp8(key, name, fields))
                for key, (name, fields) in FP8_PROVIDERS.items() if key.startswith("relaymoe")},
             **{key: ("te_grouped", None, None)  # built per shape, from its weights
                for key in FP8_PROVIDERS if key.startswith("te_grouped")},

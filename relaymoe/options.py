@@ -31,6 +31,7 @@ __all__ = [
     "AUTOTUNE_CHOICES",
     "DENSE_GEMM_CHOICES",
     "FP8_EXPERTS_CHOICES",
+    "FP8_WGRAD_LAYOUT_CHOICES",
     "FP32_GRAD_ACCUM_MIN_EP",
     "GATHER_WS_CHOICES",
     "GRAD_ACCUMS",
@@ -104,6 +105,11 @@ AUTOTUNE_CHOICES = ("shipped", "search", "first")  # shipped configs, a full sea
 # faster than bf16 ("auto": relaymoe.megatron.fp8_experts), always in fp8 ("on"; which GEMMs:
 # relaymoe.fp8_recipe), or in bf16 ("off")
 FP8_EXPERTS_CHOICES = ("auto", "on", "off")
+# The operand layout of the tensor-scaled fp8 weight gradients (relaymoe/kernels/fp8/wgrad.py):
+# transposed, pairs contiguous, each expert's columns padded to 16 ("columnwise": K-major loads,
+# pipelined on sm90), or the pair rows the rest of the backward stores ("rows": no copies, the
+# tiles transposed through registers, not pipelined)
+FP8_WGRAD_LAYOUT_CHOICES = ("columnwise", "rows")
 
 
 # The default budget of a hop's pair intermediates (KernelOptions.hop_slice_mib), MiB: above every
@@ -196,6 +202,10 @@ class KernelOptions:
     for contiguous operands (``auto``: on sm90). ``gather_ws``: the warp-specialised Gluon
     kernels on sm90 (``auto``) or never (``off``). ``autotune``: the shipped configurations
     (``shipped``), a full search (``search``) or each kernel's first configuration (``first``).
+    ``fp8_wgrad_layout``: the operands of the tensor-scaled fp8 weight gradients transposed,
+    pairs contiguous and padded per expert (``columnwise``: K-major tiles, pipelined loads; x,
+    dy, dh and p*a each also stored once transposed in fp8), or read across the pair rows the
+    backward already stores (``rows``: no copies, not pipelined on sm90).
     ``pair_buffer_mib``: the budget of any transient (P, chunk) pair buffer, MiB.
     ``hop_slice_mib``: the budget of one hop's pair intermediates, MiB (the backward's largest
     set: the pre-activation and its gradient, the activation, the down-projection rows;
@@ -225,6 +235,11 @@ class KernelOptions:
                          env_values={"1": "search", "0": "first"},
                          why="the shipped tile configurations, a full search, or each "
                          "kernel's first")  # fmt: skip
+    fp8_wgrad_layout: str = _opt("columnwise", FP8_WGRAD_LAYOUT_CHOICES,
+                                 env="RELAYMOE_FP8_WGRAD_LAYOUT",
+                                 why="operands of the tensor-scaled fp8 weight gradients: "
+                                 "transposed with pairs contiguous (K-major, pipelined), or the "
+                                 "pair rows as stored")  # fmt: skip
     pair_buffer_mib: int = _opt(512, env="RELAYMOE_PAIR_BUFFER_MIB", least=0,
                                 most=INT64_MAX >> 20,  # its bytes an int64
                                 why="MiB budget of any transient (P, chunk) pair buffer; the "

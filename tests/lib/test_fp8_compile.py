@@ -5,10 +5,11 @@ ahead of time for an sm90 target (front end, layouts, the software pipeline, ptx
 shapes of a real launch (every size a multiple of 16, as Triton specialises them), and checks
 that each contraction became ``wgmma`` with the fp8 types it reads (e4m3, or e5m2 gradients:
 no fallback to 16-bit), that the contiguous-operand loops are pipelined (shared memory for more
-than one stage), and that every kernel fits an H100/H200 SM's shared memory. The weight
+than one stage), and that every kernel fits an H100/H200 SM's shared memory. The "rows" weight
 gradient reads both operands across their rows (its contraction runs over pairs), which Triton
 stages through registers: not pipelined, and checked as such, so that a Triton that pipelines
-it is noticed.
+it is noticed; the "columnwise" one reads them K-major (transposed copies, pairs contiguous and
+16-aligned) and is pipelined.
 
 The compile runs in a child process: the suite runs under ``TRITON_INTERPRET=1``."""
 
@@ -90,8 +91,20 @@ def _wgrad():
     return _compile(wgrad._fp8_wgrad_kernel, types, consts, 8, 3)
 
 
+def _wgrad_columnwise():
+    from relaymoe.kernels.fp8 import wgrad
+
+    types = {"a_ptr": "*fp8e5", "b_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "sb_ptr": "*fp32",
+             "poffs_ptr": "*i64", "c_ptr": "*bf16",
+             **_ints("M", "N", "stride_a", "stride_b", "stride_ce", "stride_cm",
+                     "stride_cn")}  # fmt: skip
+    consts = {"ACCUMULATE": True, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128}
+    return _compile(wgrad._fp8_wgrad_cols_kernel, types, consts, 8, 4)
+
+
 def _child() -> None:
-    print(json.dumps({"rows": _rows(), "up": _up(), "wgrad": _wgrad()}))
+    print(json.dumps({"rows": _rows(), "up": _up(), "wgrad": _wgrad(),
+                      "wgrad_columnwise": _wgrad_columnwise()}))  # fmt: skip
 
 
 def test_fp8_kernels_compile_to_fp8_wgmma_for_sm90():
@@ -107,6 +120,9 @@ def test_fp8_kernels_compile_to_fp8_wgmma_for_sm90():
     assert got["wgrad"]["wgmma"] == ["e5m2.e4m3"], got
     assert got["rows"]["shared"] >= 2 * STAGE_BYTES and got["up"]["shared"] >= 3 * STAGE_BYTES
     assert got["wgrad"]["shared"] <= STAGE_BYTES  # staged through registers, one stage
+    # K-major operands (pairs contiguous, 16-aligned): loaded by cp.async in 4 stages
+    assert got["wgrad_columnwise"]["wgmma"] == ["e5m2.e4m3"], got
+    assert got["wgrad_columnwise"]["shared"] >= 3 * STAGE_BYTES, got
     assert all(k["shared"] <= 227 * 1024 for k in got.values()), got  # fits one SM
 
 

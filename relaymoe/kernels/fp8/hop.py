@@ -12,8 +12,8 @@ Forward:  x quantised once over (T, H) (e4m3: one scale, or 1x128 blocks) -> fp8
 Backward: dy quantised once over (T, H) (the recipe's gradient format) -> fp8 rows GEMM
           ``g = dy[tok] @ w2[e]`` (dy gathered in fp8) -> swiglu_backward (dh, p*a, dprob; their
           amax, or dh's 1x128 quantisation) -> weight gradients (fp8 with one scale per operand,
-          or bf16: blockwise, ``fp8_wgrad=False``) -> fp8 rows GEMM ``dh @ w13[e]`` per column
-          chunk -> combine.
+          in the layout ``KernelOptions.fp8_wgrad_layout`` names, or bf16: blockwise,
+          ``fp8_wgrad=False``) -> fp8 rows GEMM ``dh @ w13[e]`` per column chunk -> combine.
 Which scales: ``recipe`` (``relaymoe.fp8_recipe``) and, for one-scale tensors, ``scales``
 (``scaling.CurrentScaling`` or ``DelayedScaling``). Weights arrive quantised
 (``weights.Fp8ExpertWeights``). No biases (refused by the callers).
@@ -41,12 +41,13 @@ from relaymoe.kernels.experts import (
     pair_count,
     zero_weight_grads,
 )
+from relaymoe.kernels.fp8.columns import ColumnLayout, column_layout, write_columns
 from relaymoe.kernels.fp8.quant_torch import fp8_dtype
 from relaymoe.kernels.fp8.quantize import quantize_rows, quantize_rows_into
 from relaymoe.kernels.fp8.rows import fp8_rows_gemm
 from relaymoe.kernels.fp8.up import fp8_up
 from relaymoe.kernels.fp8.weights import Fp8ExpertWeights
-from relaymoe.kernels.fp8.wgrad import fp8_wgrad
+from relaymoe.kernels.fp8.wgrad import fp8_wgrad, fp8_wgrad_columnwise
 from relaymoe.kernels.grouped.swiglu import SwigluFp8, swiglu_backward
 
 __all__ = ["Fp8Saved", "fp8_hop_backward", "fp8_hop_forward", "quantize_input"]
@@ -180,8 +181,9 @@ def _backward_h(saved: Fp8Saved, wq, groups, act, consume: bool) -> tuple[Tensor
 @dataclass(eq=False)
 class _Grads:
     """The backward's fp8 operands after the activation pass: dh and p*a in fp8 (each with its
-    inverse scale; p*a None where the weight gradients run in bf16) and in their own dtype
-    (``dh``, ``pa``)."""
+    inverse scale; p*a None where the weight gradients run in bf16), by pair rows (``dhq``,
+    ``paq``: p*a None in the columnwise layout) and transposed in ``layout`` (``dh_cols``,
+    ``pa_cols``: the columnwise layout's), and in their own dtype (``dh``, ``pa``)."""
 
     dhq: Tensor
     dh_inv: Tensor
@@ -189,12 +191,16 @@ class _Grads:
     pa_inv: Tensor | None
     dh: Tensor
     pa: Tensor
+    layout: ColumnLayout | None = None
+    dh_cols: Tensor | None = None
+    pa_cols: Tensor | None = None
 
 
-def _activation_grads(dyq, dy_inv, wq, h, dh, prob_P, groups, act, recipe, scales,
-                      dtype) -> tuple[_Grads, Tensor]:  # fmt: skip
+def _activation_grads(dyq, dy_inv, wq, h, dh, prob_P, groups, act, recipe, scales, dtype,
+                      layout: ColumnLayout | None) -> tuple[_Grads, Tensor]:  # fmt: skip
     """``g = dy[tok] @ w2[e]`` (fp8, dy gathered), then the activation backward; returns the
-    fp8 operands of the weight gradients and dgrad, and each pair's dprob (fp32)."""
+    fp8 operands of the weight gradients and dgrad (the weight gradients' transposed in
+    ``layout`` when given), and each pair's dprob (fp32)."""
     n_pairs, ffn, gf = groups.n_pairs, wq.w2.shape[2], recipe.grad_format
     g = torch.empty(n_pairs, ffn, dtype=dtype, device=dyq.device)
     b, b_inv, strides = _b_operand(wq.w2_t, wq.inv2, 0, ffn, wq.blockwise, n_first=False)
@@ -209,9 +215,24 @@ def _activation_grads(dyq, dy_inv, wq, h, dh, prob_P, groups, act, recipe, scale
         return _Grads(dhq, inv, None, None, dh, g), dprob_P
     amax = torch.zeros(2, dtype=torch.float32, device=dyq.device)
     swiglu_backward(h, g, prob_P, dh, dprob_P, activation=act, fp8=SwigluFp8(amax=amax))
+    if layout is not None:  # fp8 weight gradients over K-major operands
+        return _columnwise_grads(dh, g, amax, layout, gf, scales), dprob_P
     dhq, dh_inv = _cast(dh, amax[0:1], "dh", gf, scales)
     paq, pa_inv = _cast(g, amax[1:2], "pa", "e4m3", scales) if recipe.fp8_wgrad else (None, None)
     return _Grads(dhq, dh_inv, paq, pa_inv, dh, g), dprob_P
+
+
+def _columnwise_grads(dh, pa, amax, layout: ColumnLayout, gf: str, scales) -> _Grads:
+    """dh and p*a cast with their amaxes' scales as :func:`_cast` does: dh by rows (the dgrad's
+    operand) and transposed from one read, p*a transposed only."""
+    s_dh, s_pa = scales.scale("dh", amax[0:1], gf), scales.scale("pa", amax[1:2], "e4m3")
+    dev = dh.device
+    dhq = torch.empty(dh.shape, dtype=fp8_dtype(gf), device=dev)
+    dh_cols = torch.empty(dh.shape[1], layout.width, dtype=fp8_dtype(gf), device=dev)
+    write_columns(dh, layout, dh_cols, scale=s_dh, fmt=gf, rows_out=dhq)
+    pa_cols = torch.empty(pa.shape[1], layout.width, dtype=fp8_dtype("e4m3"), device=dev)
+    write_columns(pa, layout, pa_cols, scale=s_pa, fmt="e4m3")
+    return _Grads(dhq, 1.0 / s_dh, None, 1.0 / s_pa, dh, pa, layout, dh_cols, pa_cols)
 
 
 def _weight_grad(a, a_inv, b, b_inv, c_given, like_shape, dtype, groups, *, a_gather: bool,
@@ -224,12 +245,41 @@ def _weight_grad(a, a_inv, b, b_inv, c_given, like_shape, dtype, groups, *, a_ga
     return c
 
 
+def _gathered_cols(tq: Tensor, groups, layout: ColumnLayout) -> Tensor:
+    """x or dy (fp8, quantised once over (T, H)) gathered through the routing index and
+    transposed in ``layout``: the same bytes."""
+    out = torch.empty(tq.shape[1], layout.width, dtype=tq.dtype, device=tq.device)
+    write_columns(tq, layout, out, idx_P=groups.idx_P, offs=groups.offs)
+    return out
+
+
+def _weight_grad_columnwise(a_cols, a_inv, b_cols, b_inv, c_given, like_shape, dtype,
+                            layout: ColumnLayout, *, accumulate: bool) -> Tensor:  # fmt: skip
+    """:func:`_weight_grad` over K-major operands (``wgrad.fp8_wgrad_columnwise``)."""
+    c = c_given if c_given is not None else torch.empty(like_shape, dtype=dtype,
+                                                        device=a_cols.device)  # fmt: skip
+    fp8_wgrad_columnwise(a_cols, a_inv, b_cols, b_inv, layout.poffs, c,
+                         accumulate=accumulate and c_given is not None)  # fmt: skip
+    return c
+
+
 def _weight_grads(dy_TH, dyq, dy_inv, saved: Fp8Saved, gr: _Grads, wq, groups, grads: HopGrads,
                   grad_dtype, k, fp8_wgrad: bool) -> tuple[Tensor, Tensor]:  # fmt: skip
     """``(dw13, dw2)``: fp8 GEMMs with one scale per operand (``fp8_wgrad``: the tensor-scaled
-    recipes' default), else the bf16 Triton/torch path on the unquantised operands."""
+    recipes' default; over K-major copies where ``gr`` has them, ``k.fp8_wgrad_layout`` =
+    ``columnwise``), else the bf16 Triton/torch path on the unquantised operands."""
     dtype = grad_dtype or wq.dtype
     acc = grads.dw_accumulate
+    if fp8_wgrad and gr.layout is not None:
+        dw2 = _weight_grad_columnwise(_gathered_cols(dyq, groups, gr.layout), dy_inv, gr.pa_cols,
+                                      gr.pa_inv, grads.dw2, wq.w2.shape, dtype, gr.layout,
+                                      accumulate=acc)  # fmt: skip
+        gr.pa_cols = None  # freed before x's copy is made
+        dw13 = _weight_grad_columnwise(gr.dh_cols, gr.dh_inv, _gathered_cols(saved.xq, groups,
+                                       gr.layout), saved.x_inv, grads.dw13, wq.w13.shape, dtype,
+                                       gr.layout, accumulate=acc)  # fmt: skip
+        gr.dh_cols = None  # the dgrad reads dh's rows only
+        return dw13, dw2
     if not fp8_wgrad:
         like13 = torch.empty(wq.w13.shape, dtype=wq.dtype, device="meta")
         like2 = torch.empty(wq.w2.shape, dtype=wq.dtype, device="meta")
@@ -285,8 +335,11 @@ def fp8_hop_backward(dy_TH: Tensor, saved: Fp8Saved, wq: Fp8ExpertWeights, probs
     prob_P = pairs.pair_probs(probs_TK, index.token_index_map, offs, n_pairs)
     groups = HopGroups(index.expert_token_indices, offs, n_pairs, exact)
     h, dh = _backward_h(saved, wq, groups, act, consume_saved_h)
+    layout = None
+    if recipe.fp8_wgrad and k.fp8_wgrad_layout == "columnwise":
+        layout = column_layout(offs, n_pairs)
     gr, dprob_P = _activation_grads(dyq, dy_inv, wq, h, dh, prob_P, groups, act, recipe, scales,
-                                    dy_TH.dtype)  # fmt: skip
+                                    dy_TH.dtype, layout)  # fmt: skip
     pairs.add_pair_dprobs(dprob_P, index.token_index_map, offs, dprobs_TK)
     dw13, dw2 = _weight_grads(dy_TH, dyq, dy_inv, saved, gr, wq, groups, grads,
                               options.grad_dtype, k, recipe.fp8_wgrad)  # fmt: skip
