@@ -189,7 +189,8 @@ STEPS: tuple[Step, ...] = (
     Step("gpu_tests_kernels", "-m pytest", "gpu0", 1, 160, 400,
          args=("-q", "-ra", "-p", "no:cacheprovider", "tests/gpu/test_kernels_gpu.py",
                "tests/gpu/test_loss_gpu.py", "tests/gpu/test_large_offsets_gpu.py",
-               "tests/gpu/test_main_grads_gpu.py", "--junitxml={out}/gpu_tests_kernels.xml"),
+               "tests/gpu/test_main_grads_gpu.py", "tests/gpu/test_hop_slices_gpu.py",
+               "--junitxml={out}/gpu_tests_kernels.xml"),
          quick=("--timeout", "60"), full=("--timeout", "300"), quick_env=_NO_TUNE,
          outputs=("gpu_tests_kernels.xml",)),
     # The remaining GPU test files, in three --full steps that each fit one device call (cold
