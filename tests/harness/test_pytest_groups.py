@@ -59,8 +59,8 @@ def test_job():
     here = pathlib.Path(__file__).parent
     job = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
                            start_new_session=True)
-    (here / "job.pid").write_text(str(job.pid))
-    try:
+    try:  # the pid is announced inside: an interruption as soon as it is seen still stops it
+        (here / "job.pid").write_text(str(job.pid))
         job.wait()
     except BaseException:
         os.killpg(job.pid, signal.SIGTERM)
