@@ -113,9 +113,12 @@ FP8_WGRAD_LAYOUT_CHOICES = ("columnwise", "rows")
 
 
 # The default budget of a hop's pair intermediates (KernelOptions.hop_slice_mib), MiB: above every
-# shape measured so far (qwen3 T32k: 2.9 GiB), so only the long sequences slice. The cost model
-# and the planner take it from here.
-HOP_SLICE_MIB = 4096
+# shape the kernels are measured at (qwen3 T32k: 2.9 GiB; Mixtral 8x7B-like T16k: 4.6 GiB), so
+# only the long sequences slice. A slice costs time (1x H100, docs/lab-notes/cpu_2026-12-07_s33.md:
+# qwen3 T32k fwd+bwd +7.5% in 3 slices, +34% in 12; Mixtral T16k +4.5% in 2), so the budget is
+# the largest that still bounds what grows as T*K. The cost model and the planner take it from
+# here.
+HOP_SLICE_MIB = 8192
 
 
 # Bounds of the numeric options: an int option is at most INT64_MAX (the agreement's rows and
@@ -252,8 +255,9 @@ class KernelOptions:
         help="MiB budget of one ring hop's expert intermediates (pre-activation, activation, "
         "down-projection rows and the backward's pre-activation gradient): a hop over more "
         "token-expert pairs computes them slice by slice, so the MoE layer's transient memory "
-        "stops growing with the sequence at this size (relaymoe plan models it); 0 never "
-        "slices; default: RELAYMOE_HOP_SLICE_MIB, else 4096",
+        "stops growing with the sequence at this size (relaymoe plan models it; each slice "
+        "costs some time); 0 never "
+        "slices; default: RELAYMOE_HOP_SLICE_MIB, else 8192",
     )  # fmt: skip
 
     def __post_init__(self):

@@ -40,9 +40,11 @@ TABLES = [
     (
         "experts",
         "Fused expert kernels vs naive vs liger (1 GPU, fwd+bwd of one MoE layer)",
-        ("shape", "provider", "recompute", "dtype", "fp8"),
-        ["shape", "provider", "fp8", "recompute", "grads", "ms_fwd_bwd", "ms_fwd", "tflops_fwd_bwd",
-         "saved_for_bwd_MiB", "peak_over_inputs_MiB", "speedup_vs_naive", "speedup_vs_best"],
+        # an fp8 row's weight gradients: in fp8 (over K-major columns or pair rows) or in bf16
+        ("shape", "provider", "recompute", "dtype", "fp8", "fp8_wgrad", "fp8_wgrad_layout"),
+        ["shape", "provider", "fp8", "fp8_wgrad", "fp8_wgrad_layout", "recompute", "grads",
+         "ms_fwd_bwd", "ms_fwd", "tflops_fwd_bwd", "saved_for_bwd_MiB", "peak_over_inputs_MiB",
+         "speedup_vs_naive", "speedup_vs_best"],
     ),
     (
         "ring",

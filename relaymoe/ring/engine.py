@@ -49,7 +49,7 @@ or 4 with fp32 accumulators: ``grad_accum``), ``Tm`` the largest T of the group,
 * from forward to backward: expert mode keeps the call's routing index, token mode the routing
   index of every visiting partition (``12*T*K`` bytes each: built once per call, no ids travel
   backward), nothing else.
-* "one hop's intermediates" are at most one slice's (``KernelOptions.hop_slice_mib``, 4 GiB by
+* "one hop's intermediates" are at most one slice's (``KernelOptions.hop_slice_mib``, 8 GiB by
   default; the Triton hops): a hop over more pairs computes them slice by slice
   (``relaymoe.kernels.experts``), so no term above grows as T*K beyond that budget.
 

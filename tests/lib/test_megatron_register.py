@@ -81,7 +81,7 @@ def test_parser_accepts_ring_and_relaymoe_flags(mcore):
     assert defaults.relaymoe_grad_accum == "auto"
     assert parser.parse_args(["--relaymoe-grad-accum", "fp32"]).relaymoe_grad_accum == "fp32"
     assert defaults.relaymoe_host_wait is None  # the environment's, else lag
-    assert defaults.relaymoe_hop_slice_mib is None  # the environment's, else 4096
+    assert defaults.relaymoe_hop_slice_mib is None  # the environment's, else the default
     for mib in (0, 1024):  # 0: never sliced
         ns = parser.parse_args(["--relaymoe-hop-slice-mib", str(mib)])
         assert ns.relaymoe_hop_slice_mib == mib
