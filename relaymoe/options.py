@@ -112,12 +112,11 @@ FP8_EXPERTS_CHOICES = ("auto", "on", "off")
 FP8_WGRAD_LAYOUT_CHOICES = ("columnwise", "rows")
 
 
-# The default budget of a hop's pair intermediates (KernelOptions.hop_slice_mib), MiB: above every
-# shape the kernels are measured at (qwen3 T32k: 2.9 GiB; Mixtral 8x7B-like T16k: 4.6 GiB), so
-# only the long sequences slice. A slice costs time (1x H100, docs/lab-notes/cpu_2026-12-07_s33.md:
-# qwen3 T32k fwd+bwd +7.5% in 3 slices, +34% in 12; Mixtral T16k +4.5% in 2), so the budget is
-# the largest that still bounds what grows as T*K. The cost model and the planner take it from
-# here.
+# The default budget of a hop's pair intermediates (KernelOptions.hop_slice_mib), MiB: above the
+# kernels' benchmark shapes (qwen3 T32k: 2.9 GiB; Mixtral 8x7B-like T16k: 4.6 GiB), so only long
+# sequences slice. Each slice costs time (every kernel of a slice launches over all the range's
+# experts), so the budget is the largest that still bounds what grows as T*K. The cost model and
+# the planner take it from here.
 HOP_SLICE_MIB = 8192
 
 

@@ -30,6 +30,32 @@ __all__ = ["fp8_wgrad", "fp8_wgrad_columnwise"]
 
 
 @triton.jit
+def _expert_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``(e, rm, rn)`` of this program: one (expert, M tile, N tile) a program, N tiles
+    fastest."""
+    pid = tl.program_id(0)
+    n_tiles_n = tl.cdiv(N, BLOCK_N)
+    per_e = tl.cdiv(M, BLOCK_M) * n_tiles_n
+    e = pid // per_e
+    pid_m = (pid % per_e) // n_tiles_n
+    pid_n = pid % n_tiles_n
+    return e, pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+
+
+@triton.jit
+def _store_tile(acc, sa_ptr, sb_ptr, c_ptr, e, rm, rn, m_ok, n_ok, stride_ce, stride_cm,
+                stride_cn, ACCUMULATE: tl.constexpr):  # fmt: skip
+    """The fp32 tile times both operands' inverse scales, added to (``ACCUMULATE``) or written
+    over expert e's tile of c."""
+    acc = acc * (tl.load(sa_ptr) * tl.load(sb_ptr))
+    mask = m_ok[:, None] & n_ok[None, :]
+    cp = c_ptr + e.to(tl.int64) * stride_ce + rm[:, None] * stride_cm + rn[None, :] * stride_cn
+    if ACCUMULATE:
+        acc += tl.load(cp, mask=mask, other=0.0).to(tl.float32)
+    tl.store(cp, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _fp8_wgrad_kernel(
     a_ptr, b_ptr, sa_ptr, sb_ptr, idx_ptr, offs_ptr, c_ptr,
     M, N,
@@ -39,20 +65,13 @@ def _fp8_wgrad_kernel(
 ):  # fmt: skip
     """One (expert, M tile, N tile) program, N tiles fastest. Accumulating, an expert without
     pairs leaves its tile untouched; else it writes zeros."""
-    pid = tl.program_id(0)
-    n_tiles_n = tl.cdiv(N, BLOCK_N)
-    per_e = tl.cdiv(M, BLOCK_M) * n_tiles_n
-    e = pid // per_e
-    pid_m = (pid % per_e) // n_tiles_n
-    pid_n = pid % n_tiles_n
+    e, rm, rn = _expert_tile(M, N, BLOCK_M, BLOCK_N)
     base = tl.load(offs_ptr)
     lo = tl.load(offs_ptr + e)
     hi = tl.load(offs_ptr + e + 1)
     if ACCUMULATE:
         if hi == lo:  # nothing to add: the tile is neither read nor written
             return
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = rm < M
     n_ok = rn < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -68,12 +87,8 @@ def _fp8_wgrad_kernel(
         bt = tl.load(b_ptr + b_rows[:, None] * stride_b + rn[None, :],
                      mask=q_ok[:, None] & n_ok[None, :], other=0.0)  # fmt: skip
         acc = tl.dot(tl.trans(at), bt, acc, max_num_imprecise_acc=BLOCK_K)
-    acc = acc * (tl.load(sa_ptr) * tl.load(sb_ptr))
-    mask = m_ok[:, None] & n_ok[None, :]
-    cp = c_ptr + e.to(tl.int64) * stride_ce + rm[:, None] * stride_cm + rn[None, :] * stride_cn
-    if ACCUMULATE:
-        acc += tl.load(cp, mask=mask, other=0.0).to(tl.float32)
-    tl.store(cp, acc.to(c_ptr.dtype.element_ty), mask=mask)
+    _store_tile(acc, sa_ptr, sb_ptr, c_ptr, e, rm, rn, m_ok, n_ok, stride_ce, stride_cm,
+                stride_cn, ACCUMULATE)  # fmt: skip
 
 
 def fp8_wgrad(a, a_inv, b, b_inv, idx_P, offs, c_EMN, *, a_gather: bool, accumulate: bool):
@@ -112,19 +127,12 @@ def _fp8_wgrad_cols_kernel(
     and ``b (N, W)`` with expert e's pairs in columns ``[poffs[e], poffs[e+1])`` (multiples of
     16, zero past the pairs). Accumulating, an expert without pairs leaves its tile untouched;
     else it writes zeros."""
-    pid = tl.program_id(0)
-    n_tiles_n = tl.cdiv(N, BLOCK_N)
-    per_e = tl.cdiv(M, BLOCK_M) * n_tiles_n
-    e = pid // per_e
-    pid_m = (pid % per_e) // n_tiles_n
-    pid_n = pid % n_tiles_n
+    e, rm, rn = _expert_tile(M, N, BLOCK_M, BLOCK_N)
     lo = tl.multiple_of(tl.load(poffs_ptr + e).to(tl.int32), 16)
     hi = tl.multiple_of(tl.load(poffs_ptr + e + 1).to(tl.int32), 16)
     if ACCUMULATE:
         if hi == lo:  # nothing to add: the tile is neither read nor written
             return
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = rm < M  # masks, not clamps: the loads stay contiguous along the pairs
     n_ok = rn < N
     rk = tl.arange(0, BLOCK_K)
@@ -137,12 +145,8 @@ def _fp8_wgrad_cols_kernel(
         at = tl.load(a_rows + k[None, :], mask=m_ok[:, None] & k_ok, other=0.0)
         bt = tl.load(b_rows + k[None, :], mask=n_ok[:, None] & k_ok, other=0.0)
         acc = tl.dot(at, tl.trans(bt), acc, max_num_imprecise_acc=BLOCK_K)
-    acc = acc * (tl.load(sa_ptr) * tl.load(sb_ptr))
-    mask = m_ok[:, None] & n_ok[None, :]
-    cp = c_ptr + e.to(tl.int64) * stride_ce + rm[:, None] * stride_cm + rn[None, :] * stride_cn
-    if ACCUMULATE:
-        acc += tl.load(cp, mask=mask, other=0.0).to(tl.float32)
-    tl.store(cp, acc.to(c_ptr.dtype.element_ty), mask=mask)
+    _store_tile(acc, sa_ptr, sb_ptr, c_ptr, e, rm, rn, m_ok, n_ok, stride_ce, stride_cm,
+                stride_cn, ACCUMULATE)  # fmt: skip
 
 
 def fp8_wgrad_columnwise(a_MW, a_inv, b_NW, b_inv, poffs, c_EMN, *, accumulate: bool):
